@@ -1,0 +1,72 @@
+"""Device selection and process-group setup for one SPMD program.
+
+`python train.py` without torchrun is a world of one: it still gets a real
+(in-process, port-free) process group so that meshes, FSDP2 and DCP behave the
+same on one rank as on many.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Process-group backend per accelerator type (torch.accelerator names).
+BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "cpu": "gloo"}
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(local_rank: int = 0, force_cpu: bool = False) -> torch.device:
+    """The accelerator torch.accelerator reports (one per local rank), else CPU."""
+    if not force_cpu and torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        assert acc is not None
+        index = local_rank % max(torch.accelerator.device_count(), 1)
+        torch.accelerator.set_device_index(index)
+        return torch.device(acc.type, index)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return BACKENDS.get(device.type, "gloo")
+
+
+def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistInfo:
+    """Join the torchrun job (env:// rendezvous) or make a world of one.
+
+    Safe to call twice: a second call returns the existing world.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(local_rank, force_cpu=force_cpu or os.environ.get("TANDEM_FORCE_CPU") == "1")
+    backend = backend_for(device)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            # In-process store: no port is opened for a world of one.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            kwargs = {"device_id": device} if device.type != "cpu" else {}
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

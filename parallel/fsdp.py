@@ -1,0 +1,45 @@
+"""FSDP2 over the data-parallel mesh, applied from outside the model.
+
+Gradient reduction: FSDP2 averages gradients over the data-parallel ranks on
+every backend (gloo ignores a divide factor of 1, see docs/notes.md), so
+trainers normalise each rank's loss by the *global* token count and multiply
+by the data-parallel size; the averaged gradient is then the gradient of the
+global token-mean loss, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard each transformer block, then the root (embeddings, norm, head).
+
+    ``model.layers`` must be a ModuleDict/ModuleList of blocks. Mixed precision
+    casts parameters to ``param_dtype`` for compute and reduces gradients in
+    ``reduce_dtype``; the sharded master copy stays in the model's dtype.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    kwargs: dict = {"mesh": mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward.
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model

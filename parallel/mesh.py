@@ -1,0 +1,50 @@
+"""The device mesh: one named axis per kind of parallelism.
+
+Axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP
+replicas), ``dp_shard`` (FSDP2 shards), ``tp`` (tensor parallel, innermost so a
+TP group sits on one node). Every axis exists even at size 1, so callers never
+branch on whether an axis is present.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel ranks (each sees different data)."""
+        return self.dp_replicate * self.dp_shard
+
+
+def build_mesh(degrees: Degrees, device: torch.device) -> DeviceMesh:
+    shape = tuple(getattr(degrees, a) for a in AXES)
+    return init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def dp_rank(mesh: DeviceMesh) -> int:
+    """This rank's index among the data-parallel ranks (replicate-major)."""
+    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()

@@ -1,0 +1,68 @@
+"""Step metrics to the console, metrics.jsonl and tensorboard (rank 0 writes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, int) or (abs(v) >= 100 and float(v).is_integer()):
+        return str(int(v))
+    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+        return f"{v:.3e}"
+    return f"{v:.4f}"
+
+
+class MetricsLogger:
+    """One JSON object per step in ``metrics.jsonl``, tensorboard scalars in ``tb/``."""
+
+    def __init__(self, dump_folder: str, *, enabled: bool, jsonl: bool = True, tensorboard: bool = True,
+                 console_keys: tuple[str, ...] = ()) -> None:
+        self.enabled = enabled
+        self.console_keys = console_keys
+        self._jsonl = None
+        self._tb = None
+        self._t0 = time.monotonic()
+        if not enabled:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        if jsonl:
+            self._jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+
+            self._tb = SummaryWriter(os.path.join(dump_folder, "tb"))
+
+    def log(self, step: int, metrics: dict[str, Any], *, total_steps: int | None = None) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if not isinstance(v, (int, str)) else v) for k, v in metrics.items()}
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        keys = self.console_keys or tuple(clean)
+        parts = [f"{k}={_fmt(clean[k])}" for k in keys if k in clean and not isinstance(clean[k], str)]
+        eta = ""
+        if total_steps:
+            elapsed = time.monotonic() - self._t0
+            done = max(step, 1)
+            eta = f" eta={max(total_steps - step, 0) * elapsed / done:.0f}s"
+        print(f"step {step}" + (f"/{total_steps}" if total_steps else "") + " " + " ".join(parts) + eta, flush=True)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.enabled and self._tb:
+            self._tb.add_text(tag, text, step)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()

@@ -1,0 +1,76 @@
+"""Build the policy (or any HF-format model) for training: tokenizer, weights, sharding.
+
+Weights are materialised once, in full, on rank 0 (an HF folder or a seeded
+from-scratch init) and broadcast into the sharded model, so the same config
+gives the same starting weights on every layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from models.args import ModelArgs
+from models.flavors import get_flavor
+from models.hf import load_args, read_hf_state_dict, hf_to_tandem, save_hf
+from models.tokenizer import Tokenizer, build_char_tokenizer
+from models.transformer import Transformer
+
+
+class ModelSetupError(Exception):
+    """The model/tokenizer settings do not fit together; str() is one line."""
+
+
+def build_tokenizer(tokenizer: str | None, model_path: str | None, cache_dir: str) -> Tokenizer:
+    """``builtin:char`` builds the self-contained character tokenizer into cache_dir."""
+    src = tokenizer or model_path
+    if src is None:
+        raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or 'builtin:char')")
+    if src == "builtin:char":
+        import os
+
+        os.makedirs(cache_dir, exist_ok=True)
+        build_char_tokenizer(cache_dir)
+        return Tokenizer.from_dir(cache_dir)
+    return Tokenizer.from_dir(src)
+
+
+def model_args(flavor: str | None, path: str | None, tokenizer: Tokenizer) -> ModelArgs:
+    args = load_args(path) if path else get_flavor(flavor)  # type: ignore[arg-type]
+    if tokenizer.vocab_size > args.vocab_size:
+        key = "model.path" if path else "model.flavor"
+        raise ModelSetupError(f"{key}: vocab_size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+    return args
+
+
+def full_initial_state(args: ModelArgs, path: str | None, seed: int) -> dict[str, torch.Tensor]:
+    """The starting weights in full (CPU, fp32 for from-scratch)."""
+    if path:
+        return hf_to_tandem(read_hf_state_dict(path), args)
+    torch_state = torch.get_rng_state()
+    model = Transformer(args)
+    model.init_weights(seed)
+    torch.set_rng_state(torch_state)
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def load_full_state(model: nn.Module, full: dict[str, torch.Tensor] | None) -> None:
+    """Load rank 0's full state dict into a (possibly sharded) model."""
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized() and dist.get_world_size() > 1,
+                            strict=True)
+    set_model_state_dict(model, full or {}, options=opts)
+
+
+def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank calls; rank 0 gets the full CPU state dict."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+def export_hf(model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, out_dir: str, rank: int) -> None:
+    """Collective: write the model as an HF folder (rank 0 writes)."""
+    state = gather_full_state(model)
+    if rank == 0:
+        save_hf(state, args, out_dir, tokenizer=tokenizer)

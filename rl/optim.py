@@ -1,0 +1,38 @@
+"""AdamW and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def build_optimizer(model: nn.Module, *, lr: float, betas: list[float], eps: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms and biases (1-D parameters)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach works on DTensor shards on every backend; fused is CUDA-only.
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, foreach=True)
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay == "constant":
+        return 1.0
+    span = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / span, 1.0)
+    if decay == "linear":
+        shape = 1.0 - progress
+    else:  # cosine
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def build_scheduler(opt: torch.optim.Optimizer, **kw: object) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, **kw))  # type: ignore[arg-type]

@@ -1,0 +1,124 @@
+"""Supervised fine-tuning trainer: packed chat data, FSDP2, exact resume.
+
+The loss is the token-mean cross-entropy over the assistant tokens of the
+whole optimizer step (all micro-batches, all data-parallel ranks), so the
+update does not depend on how the batch is split across ranks or micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.attention import DocumentAttention
+from models.transformer import Transformer
+from parallel.distributed import DistInfo
+from parallel.fsdp import apply_fsdp
+from parallel.grad import clip_grad_norm
+from parallel.mesh import Degrees, build_mesh, dp_mesh, dp_rank
+from rl.checkpoint import Checkpointer
+from rl.data.loading import load_rows
+from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate
+from rl.metrics import MetricsLogger
+from rl.modeling import build_tokenizer, export_hf, full_initial_state, load_full_state, model_args
+from rl.optim import build_optimizer, build_scheduler
+from rl.system import peak_memory_gb
+
+
+def run_sft(cfg, info: DistInfo) -> int:
+    degrees = Degrees(**cfg.parallel.resolve(info.world_size))
+    mesh = build_mesh(degrees, info.device)
+    dump = cfg.job.dump_folder
+    torch.manual_seed(cfg.job.seed + info.rank)
+
+    tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
+    args = model_args(cfg.model.flavor, cfg.model.path, tokenizer)
+    if cfg.data.path is None:
+        raise ValueError("data.path: required for SFT")
+    data = build_sft_data(
+        load_rows(cfg.data.path, cfg.data.format), tokenizer, source=cfg.data.path,
+        max_length=cfg.data.max_length, pack=cfg.data.pack, on_bad_row=cfg.data.on_bad_row,
+        messages_field=cfg.data.messages_field, prompt_field=cfg.data.prompt_field,
+        completion_field=cfg.data.completion_field,
+    )
+    if info.is_main:
+        skipped = sum(data.skipped.values())
+        print(f"data: {data.num_examples} examples -> {len(data.rows)} rows; skipped {skipped} {dict(data.skipped)}", flush=True)
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    on_gpu = info.device.type != "cpu"
+    apply_fsdp(model, dp_mesh(mesh),
+               param_dtype=cfg.training.mixed_precision_param if on_gpu else "float32",
+               reduce_dtype=cfg.training.mixed_precision_reduce if on_gpu else "float32",
+               cpu_offload=cfg.parallel.cpu_offload)
+    model.to_empty(device=info.device)
+    model.reset_rope()
+    load_full_state(model, full_initial_state(args, cfg.model.path, cfg.job.seed) if info.is_main else None)
+
+    opt = build_optimizer(model, lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
+                          weight_decay=cfg.optimizer.weight_decay)
+    sched = build_scheduler(opt, total_steps=cfg.training.steps, warmup_steps=cfg.lr_schedule.warmup_steps,
+                            decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
+    ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last)
+    start = 0
+    if cfg.checkpoint.enable and cfg.checkpoint.resume and (last := ckpt.latest_step()) is not None:
+        state = ckpt.load(last, model, opt)
+        sched.load_state_dict(state["scheduler"])
+        start = state["step"]
+        if info.is_main:
+            note = f" (saved on {state['_saved_world']} ranks, now {info.world_size})" if state["_saved_world"] != info.world_size else ""
+            print(f"resumed from {ckpt.path(last)} at step {start}{note}", flush=True)
+
+    dp, rank_dp = degrees.dp, dp_rank(mesh)
+    if cfg.training.batch_size % dp:
+        raise ValueError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the {dp} data-parallel ranks")
+    sampler = StepSampler(len(data.rows), cfg.training.batch_size, cfg.job.seed, cfg.data.shuffle)
+    logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
+                           console_keys=("loss", "grad_norm", "lr", "tokens_per_s", "epoch"))
+    micro = cfg.training.micro_batch_size
+    for step in range(start, cfg.training.steps):
+        t0 = time.monotonic()
+        rows = [data.rows[i] for i in sampler.local_batch(step, rank_dp, dp)]
+        counts = torch.tensor([sum(r.num_targets for r in rows), sum(len(r.tokens) for r in rows)], dtype=torch.float64)
+        dist.all_reduce(counts)  # global trained tokens and tokens this step
+        global_targets = max(counts[0].item(), 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+        model.train()
+        for m0 in range(0, len(rows), micro):
+            batch = {k: v.to(info.device) for k, v in collate(rows[m0:m0 + micro], tokenizer.pad_token_id or 0).items()}
+            logits = model(batch["tokens"], positions=batch["positions"], attn=DocumentAttention(batch["doc_ids"]))
+            tok_loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(),
+                                       ignore_index=IGNORE, reduction="sum")
+            # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
+            (tok_loss * (dp / global_targets)).backward()
+            loss_sum += tok_loss.detach().double()
+        grad_norm = clip_grad_norm(model.parameters(), cfg.optimizer.max_grad_norm)
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        done = step + 1
+        if done % cfg.metrics.log_interval == 0 or done == cfg.training.steps:
+            dt = time.monotonic() - t0
+            logger.log(done, {"loss": loss_sum.item() / global_targets, "grad_norm": grad_norm, "lr": lr,
+                              "tokens_per_s": counts[1].item() / dt, "trained_tokens": counts[0].item(),
+                              "epoch": sampler.epoch_of(step), "step_time_s": dt,
+                              "peak_memory_gb": peak_memory_gb(info.device),
+                              "skipped_rows": sum(data.skipped.values())}, total_steps=cfg.training.steps)
+        if cfg.checkpoint.enable and (done % cfg.checkpoint.interval == 0 or done == cfg.training.steps):
+            secs = ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
+            if info.is_main:
+                print(f"checkpoint step-{done} saved in {secs:.2f}s", flush=True)
+    if cfg.checkpoint.export_hf_at_end:
+        out = os.path.join(dump, "hf")
+        export_hf(model, args, tokenizer, out, info.rank)
+        if info.is_main:
+            print(f"exported HF model to {out}", flush=True)
+    logger.close()
+    return 0
