@@ -1,0 +1,29 @@
+"""Tandem models: decoder-only transformers, attention backends, HF I/O, tokenizer.
+
+Nothing here knows about parallelism or RL.
+"""
+
+from models.args import ModelArgs
+from models.attention import CausalAttention, DocumentAttention, positions_from_doc_ids
+from models.flavors import FLAVORS, get_flavor
+from models.hf import hf_to_tandem, load_args, load_model, read_hf_state_dict, save_hf, tandem_to_hf
+from models.tokenizer import Tokenizer, build_char_tokenizer
+from models.transformer import Transformer
+
+__all__ = [
+    "FLAVORS",
+    "CausalAttention",
+    "DocumentAttention",
+    "ModelArgs",
+    "Tokenizer",
+    "Transformer",
+    "build_char_tokenizer",
+    "get_flavor",
+    "hf_to_tandem",
+    "load_args",
+    "load_model",
+    "positions_from_doc_ids",
+    "read_hf_state_dict",
+    "save_hf",
+    "tandem_to_hf",
+]

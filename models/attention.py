@@ -1,0 +1,100 @@
+"""The attention-backend seam between the model and whoever schedules tokens.
+
+The model computes q/k/v (after q/k-norm and RoPE) and hands them to a backend
+``backend(layer_id, q [B,S,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,D]) -> [B,S,Hq,D]``.
+Training uses `CausalAttention` (one sequence per row) or `DocumentAttention`
+(several documents packed into a row); the generator plugs in a paged-KV
+backend (rl/generator) that uses ``layer_id`` to find its cache. Scale is
+``1/sqrt(head_dim)`` everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(Protocol):
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """SDPA on ``[B, S, H, D]`` layouts with grouped-query heads.
+
+    With an explicit mask, k/v heads are repeated instead of using ``enable_gqa``:
+    the fused kernels that accept masks on CUDA do not all support ``enable_gqa``,
+    and falling back to the math kernel would materialise the full score matrix.
+    """
+    group = q.shape[2] // k.shape[2]
+    if mask is not None and group > 1:
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)  # [B, S, Hq, D]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
+    out = F.scaled_dot_product_attention(
+        qt,
+        kt,
+        vt,
+        attn_mask=mask,
+        is_causal=causal,
+        scale=q.shape[-1] ** -0.5,
+        enable_gqa=qt.shape[1] != kt.shape[1],
+    )  # [B, Hq, S, D]
+    return out.transpose(1, 2)  # [B, S, Hq, D]
+
+
+class CausalAttention:
+    """Plain causal self-attention: every row of the batch is one sequence."""
+
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return _sdpa(q, k, v, mask=None, causal=True)
+
+
+class DocumentAttention:
+    """Block-diagonal causal attention for packed rows.
+
+    ``doc_ids [B, S]`` labels each token with its document; token i attends to
+    token j iff ``j <= i`` and both carry the same id. Documents must be
+    contiguous within a row. Padding may use id -1: a pad attends to earlier pads
+    (never to real tokens), and every row keeps its diagonal, so nothing is NaN.
+    The mask is built once per instance and shared by all layers.
+    """
+
+    def __init__(self, doc_ids: torch.Tensor) -> None:
+        if doc_ids.dim() != 2:
+            raise ValueError(f"doc_ids must be [B, S], got shape {tuple(doc_ids.shape)}")
+        self.doc_ids = doc_ids
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """Boolean ``[B, 1, S, S]``; True where attention is allowed."""
+        if self._mask is None:
+            d = self.doc_ids
+            s = d.shape[1]
+            same = d[:, :, None] == d[:, None, :]  # [B, S, S]
+            causal = torch.ones(s, s, dtype=torch.bool, device=d.device).tril()  # [S, S]
+            self._mask = (same & causal).unsqueeze(1)  # [B, 1, S, S]
+        return self._mask
+
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return _sdpa(q, k, v, mask=self.mask, causal=False)
+
+
+def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Per-document positions for a packed row: ``[B, S]`` doc ids -> ``[B, S]`` positions
+    restarting at 0 at each document boundary (documents must be contiguous)."""
+    b, s = doc_ids.shape
+    idx = torch.arange(s, device=doc_ids.device).expand(b, s)  # [B, S]
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # [B, S]
+    return idx - start_idx

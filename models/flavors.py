@@ -1,0 +1,75 @@
+"""Named tiny model sizes for from-scratch CPU runs and tests.
+
+Vocab sizes are 512 so `models.tokenizer.build_char_tokenizer` (a few hundred
+ids) fits every flavor.
+"""
+
+from __future__ import annotations
+
+from models.args import ModelArgs
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+FLAVORS: dict[str, ModelArgs] = {
+    "debug-qwen3": ModelArgs(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    ),
+    "tiny-qwen3": ModelArgs(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+    "tiny-qwen2": ModelArgs(
+        model_type="qwen2",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+    ),
+    "tiny-llama3": ModelArgs(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def get_flavor(name: str) -> ModelArgs:
+    """A fresh copy of the named flavor (callers may mutate it)."""
+    if name not in FLAVORS:
+        raise KeyError(f"unknown model flavor {name!r}; available: {sorted(FLAVORS)}")
+    args = FLAVORS[name]
+    return args.replace(rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None)

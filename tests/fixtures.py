@@ -1,0 +1,131 @@
+"""Shared test helpers (not tests): tiny transformers configs and HF folders on disk.
+
+`write_hf_model` saves a random tiny transformers model with ``save_pretrained``
+plus a character tokenizer, so tests get a real HF folder without downloads.
+Every parameter is randomised — norms and biases included — so a wrongly mapped
+or ignored norm/bias changes logits and fails the comparison.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.tokenizer import QWEN_CHAT_TEMPLATE, build_char_tokenizer
+
+__all__ = [
+    "FAMILIES",
+    "LLAMA3_STYLE_TEMPLATE",
+    "QWEN_CHAT_TEMPLATE",
+    "tiny_hf_config",
+    "write_hf_model",
+]
+
+FAMILIES = ("llama3", "qwen2", "qwen3", "qwen3-tied")
+TINY_VOCAB = 384  # > build_char_tokenizer's ~360 ids
+
+# A second, structurally different template (bos_token, namespace, raise_exception,
+# loop controls, tojson with indent) to exercise more of the jinja environment.
+LLAMA3_STYLE_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- set ns = namespace(system='') %}\n"
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set ns.system = messages[0]['content'] | trim %}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_start|>system\\n' + ns.system }}\n"
+    "{%- if tools is not none %}\n"
+    "    {{- '\\nTools:\\n' }}\n"
+    "    {%- for t in tools %}{{- t | tojson(indent=4) }}\n\n{% endfor %}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_end|>\\n' }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] == 'system' %}{% continue %}{% endif %}\n"
+    "    {%- if message['role'] not in ['user', 'assistant', 'tool'] %}\n"
+    "        {{- raise_exception('unknown role ' + message['role']) }}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + eos_token + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}\n"
+)
+
+
+def tiny_hf_config(family: str, **overrides: Any):
+    """A tiny transformers config: "llama3" (llama3 rope scaling), "qwen2" (qkv bias),
+    "qwen3" (qk-norm, head_dim != hidden/heads) or "qwen3-tied" (tied embeddings)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=[355, 353],
+        tie_word_embeddings=False,
+    )
+    if family == "llama3":
+        # original context 64 puts the 8 frequencies of head_dim 16 in all three llama3 regimes.
+        kwargs = dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        cls = LlamaConfig
+    elif family == "qwen2":
+        kwargs, cls = dict(rope_theta=1e6), Qwen2Config
+    elif family in ("qwen3", "qwen3-tied"):
+        kwargs = dict(rope_theta=1e6, head_dim=32, tie_word_embeddings=family == "qwen3-tied")
+        cls = Qwen3Config
+    else:
+        raise KeyError(f"unknown family {family!r}; have {FAMILIES}")
+    return cls(**{**common, **kwargs, **overrides})
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter: weights N(0, 0.05), biases N(0, 0.1), norm weights 1 + N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if "norm" in name:
+            p.copy_(1.0 + 0.1 * noise)
+        elif name.endswith("bias"):
+            p.copy_(0.1 * noise)
+        else:
+            p.copy_(0.05 * noise)
+
+
+def write_hf_model(path: str | Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random tiny transformers model (safetensors) + char tokenizer into ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    tok = build_char_tokenizer(path)
+    assert tok.vocab_size <= config.vocab_size
+    return path
+
+
+def hf_reference(path: str | Path):
+    """The transformers model stored in ``path`` (fp32, eager attention) in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
