@@ -10,8 +10,10 @@ from typing import Any
 
 
 def _fmt(v: float) -> str:
-    if isinstance(v, int) or (abs(v) >= 100 and float(v).is_integer()):
+    if isinstance(v, int) or float(v).is_integer():
         return str(int(v))
+    if abs(v) >= 100:
+        return f"{v:.1f}"
     if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
         return f"{v:.3e}"
     return f"{v:.4f}"

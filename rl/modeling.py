@@ -7,6 +7,8 @@ gives the same starting weights on every layout.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,16 +31,25 @@ def build_tokenizer(tokenizer: str | None, model_path: str | None, cache_dir: st
     if src is None:
         raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or 'builtin:char')")
     if src == "builtin:char":
-        import os
-
         os.makedirs(cache_dir, exist_ok=True)
-        build_char_tokenizer(cache_dir)
-        return Tokenizer.from_dir(cache_dir)
-    return Tokenizer.from_dir(src)
+        return build_char_tokenizer(cache_dir)
+    key = "model.tokenizer" if tokenizer else "model.path"
+    try:
+        return Tokenizer.from_dir(src)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelSetupError(f"{key}: {src}: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
 
 
 def model_args(flavor: str | None, path: str | None, tokenizer: Tokenizer) -> ModelArgs:
-    args = load_args(path) if path else get_flavor(flavor)  # type: ignore[arg-type]
+    try:
+        args = load_args(path) if path else get_flavor(flavor)  # type: ignore[arg-type]
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelSetupError(f"{'model.path' if path else 'model.flavor'}: {_one_line(e)}") from None
     if tokenizer.vocab_size > args.vocab_size:
         key = "model.path" if path else "model.flavor"
         raise ModelSetupError(f"{key}: vocab_size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
@@ -48,7 +59,10 @@ def model_args(flavor: str | None, path: str | None, tokenizer: Tokenizer) -> Mo
 def full_initial_state(args: ModelArgs, path: str | None, seed: int) -> dict[str, torch.Tensor]:
     """The starting weights in full (CPU, fp32 for from-scratch)."""
     if path:
-        return hf_to_tandem(read_hf_state_dict(path), args)
+        try:
+            return hf_to_tandem(read_hf_state_dict(path), args)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelSetupError(f"model.path: {_one_line(e)}") from None
     torch_state = torch.get_rng_state()
     model = Transformer(args)
     model.init_weights(seed)

@@ -21,6 +21,7 @@ from parallel.fsdp import apply_fsdp
 from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_mesh, dp_rank
 from rl.checkpoint import Checkpointer
+from rl.config import ConfigError
 from rl.data.loading import load_rows
 from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate
 from rl.metrics import MetricsLogger
@@ -31,6 +32,8 @@ from rl.system import peak_memory_gb
 
 def run_sft(cfg, info: DistInfo) -> int:
     degrees = Degrees(**cfg.parallel.resolve(info.world_size))
+    if degrees.tp > 1 or degrees.pp > 1:
+        raise ConfigError("parallel.tp / parallel.pp: the sft recipe shards with FSDP2 only so far; set tp = pp = 1")
     mesh = build_mesh(degrees, info.device)
     dump = cfg.job.dump_folder
     torch.manual_seed(cfg.job.seed + info.rank)
@@ -38,7 +41,7 @@ def run_sft(cfg, info: DistInfo) -> int:
     tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
     args = model_args(cfg.model.flavor, cfg.model.path, tokenizer)
     if cfg.data.path is None:
-        raise ValueError("data.path: required for SFT")
+        raise ConfigError("data.path: required by the sft recipe")
     data = build_sft_data(
         load_rows(cfg.data.path, cfg.data.format), tokenizer, source=cfg.data.path,
         max_length=cfg.data.max_length, pack=cfg.data.pack, on_bad_row=cfg.data.on_bad_row,
@@ -76,7 +79,7 @@ def run_sft(cfg, info: DistInfo) -> int:
 
     dp, rank_dp = degrees.dp, dp_rank(mesh)
     if cfg.training.batch_size % dp:
-        raise ValueError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the {dp} data-parallel ranks")
+        raise ConfigError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the {dp} data-parallel ranks")
     sampler = StepSampler(len(data.rows), cfg.training.batch_size, cfg.job.seed, cfg.data.shuffle)
     logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
                            console_keys=("loss", "grad_norm", "lr", "tokens_per_s", "epoch"))

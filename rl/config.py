@@ -1,0 +1,347 @@
+"""Tandem's run config: the root `Config`, its foundation sections, and how to load it.
+
+A run is configured by one TOML file plus ``--section.key=value`` overrides::
+
+    train.py --config configs/sft.toml --training.steps=10 --job.dump_folder=/tmp/run
+
+Each section is a plain dataclass validated where it is defined (``validate``
+raises `ConfigError` for cross-field checks); leaf code takes its own section,
+never the root. Adding a section is one dataclass plus one field on `Config`.
+Unknown sections and keys are errors that name the key and the nearest valid
+one; see rl/configlib.py for the mechanism and the supported field types.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from rl.configlib import (
+    EXIT_CONFIG_ERROR,
+    CliArgs,
+    ConfigError,
+    apply_override,
+    apply_table,
+    format_toml,
+    main_guard,
+    parse_cli,
+    read_toml,
+    require,
+    split_override,
+    to_dict,
+    validate_fields,
+)
+
+__all__ = [
+    "EXIT_CONFIG_ERROR",
+    "CheckpointConfig",
+    "CliArgs",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "LRScheduleConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "TrainingConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "format_config",
+    "load_config",
+    "main_guard",
+    "parse_args",
+]
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclass
+class JobConfig:
+    """Run identity: name, output folder, seed, log verbosity."""
+
+    name: str = "tandem"
+    dump_folder: str = "outputs/run"  # metrics.jsonl, tb/, checkpoints/, HF exports
+    seed: int = 0
+    log_level: Literal["debug", "info", "warning"] = "info"
+
+    def validate(self) -> None:
+        require(bool(self.name.strip()), "job.name: must not be empty")
+        require(bool(self.dump_folder.strip()), "job.dump_folder: must not be empty")
+        require(self.seed >= 0, f"job.seed: must be >= 0, got {self.seed}")
+
+
+def _known_flavors() -> list[str] | None:
+    """Names in models.flavors.FLAVORS, or None while that module cannot be imported."""
+    try:
+        from models.flavors import FLAVORS
+    except ImportError:
+        return None
+    return sorted(FLAVORS)
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to train: a from-scratch flavor or an HF folder (exactly one), and the tokenizer."""
+
+    flavor: str | None = None  # a from-scratch size from models/flavors.py
+    path: str | None = None  # an HF-format folder (config.json + safetensors)
+    tokenizer: str | None = None  # a tokenizer folder or "builtin:char"; default: model.path
+    dtype: Dtype = "float32"  # parameter dtype for training (bfloat16 typical on GPU)
+
+    def validate(self) -> None:
+        if self.flavor is not None and self.path is not None:
+            raise ConfigError("model: set only one of model.flavor (from scratch) and model.path (an HF folder)")
+        if self.flavor is None and self.path is None:
+            raise ConfigError("model: set model.flavor (a from-scratch size) or model.path (an HF folder)")
+        if self.flavor is None:
+            return
+        flavors = _known_flavors()
+        if flavors is not None and self.flavor not in flavors:
+            near = difflib.get_close_matches(self.flavor, flavors, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"model.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: {', '.join(flavors)})")
+        require(self.tokenizer is not None,
+                "model.tokenizer: required with model.flavor (a tokenizer folder or 'builtin:char')")
+
+
+@dataclass
+class DataConfig:
+    """The training data file and how rows become token sequences."""
+
+    path: str | None = None  # a .jsonl / .parquet file or a folder of them
+    format: Literal["auto", "jsonl", "parquet"] = "auto"  # auto: by file extension
+    max_length: int = 2048  # tokens per sequence (and per packed row)
+    pack: bool = True  # pack several sequences into one row of max_length
+    shuffle: bool = True
+    on_bad_row: Literal["skip", "error"] = "skip"  # skip: counted and reported
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    eval_fraction: float = 0.0  # share of rows held out for evaluation
+
+    def validate(self) -> None:
+        require(self.max_length > 0, f"data.max_length: must be > 0, got {self.max_length}")
+        require(0.0 <= self.eval_fraction < 1.0, f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
+        for key in ("messages_field", "prompt_field", "completion_field"):
+            require(bool(getattr(self, key)), f"data.{key}: must not be empty")
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer and gradient clipping."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-5  # peak learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+    def validate(self) -> None:
+        require(self.lr > 0, f"optimizer.lr: must be > 0, got {self.lr}")
+        require(len(self.betas) == 2, f"optimizer.betas: expected 2 values [beta1, beta2], got {len(self.betas)}")
+        require(all(0.0 <= b < 1.0 for b in self.betas), f"optimizer.betas: each must be in [0, 1), got {self.betas}")
+        require(self.eps > 0, f"optimizer.eps: must be > 0, got {self.eps}")
+        require(self.weight_decay >= 0, f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
+        require(self.max_grad_norm >= 0, f"optimizer.max_grad_norm: must be >= 0 (0 disables), got {self.max_grad_norm}")
+
+
+@dataclass
+class LRScheduleConfig:
+    """Learning-rate warm-up and decay over training.steps."""
+
+    warmup_steps: int = 0  # linear warm-up from 0 to optimizer.lr
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optimizer.lr
+
+    def validate(self) -> None:
+        require(self.warmup_steps >= 0, f"lr_schedule.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        require(0.0 <= self.min_lr_ratio <= 1.0, f"lr_schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class TrainingConfig:
+    """Step count, batch sizes and FSDP2 mixed precision."""
+
+    recipe: Literal["sft"] = "sft"  # which trainer loop runs (rl/trainers.py)
+    steps: int = 100  # optimizer steps
+    batch_size: int = 8  # sequences (or packed rows) per optimizer step, global over data-parallel ranks
+    micro_batch_size: int = 1  # per rank per forward/backward
+    mixed_precision_param: Dtype = "bfloat16"  # FSDP2 compute dtype (GPU only; CPU stays float32)
+    mixed_precision_reduce: Dtype = "float32"  # FSDP2 gradient reduce dtype (GPU only)
+    deterministic: bool = True
+
+    def validate(self) -> None:
+        require(self.steps > 0, f"training.steps: must be > 0, got {self.steps}")
+        require(self.batch_size > 0, f"training.batch_size: must be > 0, got {self.batch_size}")
+        require(self.micro_batch_size > 0, f"training.micro_batch_size: must be > 0, got {self.micro_batch_size}")
+        require(self.micro_batch_size <= self.batch_size,
+                f"training.micro_batch_size: {self.micro_batch_size} is larger than training.batch_size {self.batch_size}")
+
+
+@dataclass
+class ParallelConfig:
+    """Mesh degrees and per-model parallel options (checkpointing, compile, offload)."""
+
+    dp_replicate: int = 1  # HSDP replicas
+    dp_shard: int = -1  # FSDP2 shards; -1 = the rest of the world
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"
+    pp_microbatches: int = 0  # 0 = the pp degree
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    cpu_offload: bool = False
+
+    def validate(self) -> None:
+        for key in ("dp_replicate", "tp", "pp"):
+            value = getattr(self, key)
+            require(value >= 1, f"parallel.{key}: must be >= 1, got {value}")
+        require(self.dp_shard == -1 or self.dp_shard >= 1,
+                f"parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
+        require(self.pp_microbatches >= 0,
+                f"parallel.pp_microbatches: must be >= 0 (0 = the pp degree), got {self.pp_microbatches}")
+
+    def resolve(self, world_size: int) -> dict[str, int]:
+        """Mesh degrees {pp, dp_replicate, dp_shard, tp} whose product is ``world_size``."""
+        self.validate()
+        fixed = self.dp_replicate * self.tp * self.pp
+        named = f"dp_replicate={self.dp_replicate} * tp={self.tp} * pp={self.pp}"
+        if self.dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(f"parallel: world size {world_size} is not divisible by {named} = {fixed} "
+                                  "(dp_shard=-1 takes the rest)")
+            dp_shard = world_size // fixed
+        else:
+            dp_shard = self.dp_shard
+            if fixed * dp_shard != world_size:
+                raise ConfigError(f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} does not equal "
+                                  f"the world size {world_size} (set parallel.dp_shard=-1 to fill the rest)")
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp}
+
+
+@dataclass
+class CheckpointConfig:
+    """DCP checkpoints under job.dump_folder, resume, and the final HF export."""
+
+    enable: bool = True
+    interval: int = 50  # steps between saves (the last step always saves)
+    folder: str = "checkpoints"  # relative to job.dump_folder
+    keep_last: int = 2
+    resume: bool = True  # resume from the latest checkpoint in folder, if any
+    export_hf_at_end: bool = True  # write an HF-format folder after the last step
+    async_save: bool = False
+
+    def validate(self) -> None:
+        require(self.interval > 0, f"checkpoint.interval: must be > 0, got {self.interval}")
+        require(self.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
+        require(bool(self.folder.strip()), "checkpoint.folder: must not be empty")
+
+
+@dataclass
+class MetricsConfig:
+    """Where and how often step metrics are written."""
+
+    log_interval: int = 1  # steps between metric rows
+    tensorboard: bool = True  # job.dump_folder/tb/
+    jsonl: bool = True  # job.dump_folder/metrics.jsonl
+
+    def validate(self) -> None:
+        require(self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}")
+
+
+@dataclass
+class Config:
+    """The whole run. Each field is a section; its name is the TOML table name."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> None:
+        """Type-check every key, run every section's ``validate``, then the cross-section checks."""
+        validate_fields(self)
+        require(self.lr_schedule.warmup_steps <= self.training.steps,
+                f"lr_schedule.warmup_steps: {self.lr_schedule.warmup_steps} is more than "
+                f"training.steps {self.training.steps}")
+
+
+def _apply_overrides(cfg: Config, overrides: Sequence[str]) -> None:
+    for item in overrides:
+        key, value = split_override(item)
+        apply_override(cfg, key, value)
+
+
+def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """A validated Config from nested dicts (as TOML would give), then overrides."""
+    cfg = Config()
+    apply_table(cfg, data)
+    _apply_overrides(cfg, overrides)
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``, then validate.
+
+    Each override is ``"section.key=value"`` (a leading ``--`` is allowed); a bare
+    ``"section.key"`` sets a bool key to true.
+    """
+    cfg = Config()
+    if path is not None:
+        data = read_toml(path)
+        try:
+            apply_table(cfg, data)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (in {path})") from None
+    _apply_overrides(cfg, overrides)
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as nested plain dicts (e.g. to log it); None values stay None."""
+    return to_dict(cfg)
+
+
+def format_config(cfg: Config) -> str:
+    """The config as TOML text that `load_config` reads back to an equal Config."""
+    return format_toml(cfg, header="Tandem config (load with --config FILE)")
+
+
+USAGE = """usage: train.py [--config FILE.toml] [--print-config] [--section.key=VALUE ...]
+
+  --config FILE      TOML config; later --section.key=VALUE overrides win
+  --print-config     print the resolved config as TOML and exit
+  --section.key=V    override one key (also: --section.key V; a bare bool flag sets true)
+
+sections: {sections}
+"""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, CliArgs]:
+    """Parse a command line into a validated Config and the parsed options.
+
+    ``--print-config`` and ``--help`` print to stdout and exit 0 (after a
+    successful load, for ``--print-config``). Raises ConfigError for bad input.
+    """
+    args = parse_cli(sys.argv[1:] if argv is None else list(argv))
+    if args.help:
+        print(USAGE.format(sections=", ".join(f.name for f in fields(Config))), end="")
+        raise SystemExit(0)
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(format_config(cfg), end="")
+        raise SystemExit(0)
+    return cfg, args

@@ -1,0 +1,15 @@
+"""Exit statuses of train.py and the user-facing errors they map to.
+
+Every error a user can cause by their input is one line on stderr naming the
+key, file, row or value, and a distinct exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # an unexpected error (a bug): traceback printed
+EXIT_CONFIG = 2  # bad config key, value or file
+EXIT_DATA = 3  # bad data file or rows
+EXIT_MODEL = 4  # model / tokenizer folder that cannot be used as configured
+EXIT_SHORT_RUN = 5  # the run ended with fewer steps than asked
+EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)

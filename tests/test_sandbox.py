@@ -1,0 +1,446 @@
+"""Tests for rl/sandbox.py: each hostile program is stopped, leaves nothing behind and
+leaves the trainer (this pytest process) as it was."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rl.rewards.code import build_harness, code_unit_tests, extract_code
+from rl.rewards.registry import REWARDS
+from rl.sandbox import (
+    SandboxError,
+    SandboxLimits,
+    SandboxResult,
+    processes_of_uid,
+    run_python,
+    sandbox_capabilities,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = SandboxLimits(cpu_time_s=1, wall_time_s=3.0)
+PRINT_UID = "import os, sys\nprint('uid', os.getuid(), flush=True)\n"
+
+
+@pytest.fixture
+def temp_root() -> Iterator[str]:
+    """A world-searchable temp root (a per-run uid must reach its work dir in it);
+    the test fails if a run leaves anything in it."""
+    root = tempfile.mkdtemp(prefix="tandem-sbx-test-")
+    os.chmod(root, 0o711)
+    try:
+        yield root
+        assert os.listdir(root) == [], "sandbox left files in the temp root"
+    finally:
+        for name in os.listdir(root):
+            subprocess.run(["rm", "-rf", os.path.join(root, name)], check=False)
+        os.rmdir(root)
+
+
+@pytest.fixture(autouse=True)
+def trainer_unaffected() -> Iterator[None]:
+    """The parent keeps its cwd, environment and rlimits and can still start processes."""
+    def environ() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+    cwd, env = os.getcwd(), environ()
+    limits = {r: resource.getrlimit(r) for r in (resource.RLIMIT_CPU, resource.RLIMIT_AS,
+                                                   resource.RLIMIT_NPROC, resource.RLIMIT_FSIZE)}
+    yield
+    assert os.getcwd() == cwd
+    assert environ() == env
+    assert {r: resource.getrlimit(r) for r in limits} == limits
+    assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True).stdout == b"1\n"
+
+
+def _uid_of(res: SandboxResult) -> int:
+    first = res.stdout.splitlines()[0].split()
+    assert first[0] == "uid", res
+    return int(first[1])
+
+
+def _assert_no_processes_left(res: SandboxResult) -> None:
+    if sandbox_capabilities().privilege_drop:
+        assert processes_of_uid(_uid_of(res)) == []
+
+
+def test_normal_program_stdout_and_exit_code(temp_root: str) -> None:
+    res = run_python("import sys\nprint('hello', 6 * 7)\nsys.exit(3)", temp_dir=temp_root)
+    assert res.stdout == "hello 42\n"
+    assert res.exit_code == 3
+    assert not res.timed_out and res.limit_hit is None
+    assert res.duration_s < 5
+
+
+def test_stderr_and_traceback(temp_root: str) -> None:
+    res = run_python("raise ValueError('boom')", temp_dir=temp_root)
+    assert res.exit_code == 1 and res.limit_hit is None
+    assert "ValueError: boom" in res.stderr
+
+
+def test_stdin_is_given_and_otherwise_empty(temp_root: str) -> None:
+    code = "import sys\ndata = sys.stdin.read()\nprint(len(data), data.upper())"
+    assert run_python(code, stdin="abc\nxyz", temp_dir=temp_root).stdout == "7 ABC\nXYZ\n"
+    assert run_python(code, temp_dir=temp_root).stdout == "0 \n"
+
+
+def test_files_are_written_and_importable(temp_root: str) -> None:
+    res = run_python("import helper\nprint(helper.X, open('data/in.txt').read())",
+                     files={"helper.py": "X = 5\n", "data/in.txt": "payload"},
+                     temp_dir=temp_root)
+    assert res.stdout == "5 payload\n", res
+
+
+@pytest.mark.parametrize("name", ["/etc/x", "../x", "a/../../x", "main.py"])
+def test_bad_file_names_are_rejected(temp_root: str, name: str) -> None:
+    with pytest.raises(ValueError):
+        run_python("pass", files={name: ""}, temp_dir=temp_root)
+
+
+def test_infinite_loop_is_stopped(temp_root: str) -> None:
+    res = run_python(PRINT_UID + "while True:\n    pass", limits=FAST, temp_dir=temp_root)
+    assert res.limit_hit in ("cpu", "wall")
+    assert res.exit_code < 0
+    assert res.duration_s < FAST.wall_time_s + 2
+    _assert_no_processes_left(res)
+
+
+def test_sleeping_program_hits_wall_time(temp_root: str) -> None:
+    limits = SandboxLimits(cpu_time_s=5, wall_time_s=1.0)
+    res = run_python(PRINT_UID + "import time\ntime.sleep(60)", limits=limits,
+                     temp_dir=temp_root)
+    assert res.timed_out and res.limit_hit == "wall"
+    assert res.stdout.startswith("uid ")  # output before the kill is kept
+    assert 1.0 <= res.duration_s < 3.0
+    _assert_no_processes_left(res)
+
+
+def test_ignoring_sigxcpu_still_ends_at_hard_cpu_limit(temp_root: str) -> None:
+    code = PRINT_UID + "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" \
+        "while True:\n    pass"
+    res = run_python(code, limits=SandboxLimits(cpu_time_s=1, wall_time_s=6.0),
+                     temp_dir=temp_root)
+    assert res.limit_hit == "cpu" and res.exit_code == -9
+    assert res.duration_s < 4
+
+
+def test_fork_bomb_is_contained(temp_root: str) -> None:
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: RLIMIT_NPROC would count this user's own processes too")
+    limits = SandboxLimits(cpu_time_s=2, wall_time_s=4.0, max_processes=16)
+    res = run_python(PRINT_UID + "while True:\n    os.fork()", limits=limits,
+                     temp_dir=temp_root)
+    assert res.limit_hit in ("nproc", "wall", "cpu"), res
+    assert res.duration_s < limits.wall_time_s + 2
+    _assert_no_processes_left(res)
+
+
+def test_setsid_escapee_is_killed(temp_root: str) -> None:
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: a child that calls setsid() can outlive the run")
+    code = PRINT_UID + (
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    os.closerange(0, 3)\n"
+        "    import time\n"
+        "    time.sleep(60)\n"
+        "print('parent done')\n"
+    )
+    res = run_python(code, limits=FAST, temp_dir=temp_root)
+    assert res.exit_code == 0 and "parent done" in res.stdout
+    assert res.duration_s < 2
+    _assert_no_processes_left(res)
+
+
+def test_memory_bomb_hits_memory_limit(temp_root: str) -> None:
+    res = run_python(PRINT_UID + "x = bytearray(10 * 1024**3)\nprint('allocated')",
+                     limits=FAST, temp_dir=temp_root)
+    assert res.limit_hit == "memory", res
+    assert "MemoryError" in res.stderr and "allocated" not in res.stdout
+    _assert_no_processes_left(res)
+
+
+def test_huge_file_hits_fsize(temp_root: str) -> None:
+    code = PRINT_UID + "with open('big', 'wb') as f:\n    while True:\n" \
+        "        f.write(b'x' * 1024 * 1024)"
+    res = run_python(code, limits=SandboxLimits(max_file_mb=2, wall_time_s=5.0),
+                     temp_dir=temp_root)
+    assert res.limit_hit == "fsize", res
+    assert "File too large" in res.stderr
+
+
+def test_output_flood_is_truncated(temp_root: str) -> None:
+    limits = SandboxLimits(max_output_bytes=4096, wall_time_s=5.0)
+    res = run_python("while True:\n    print('y' * 100)", limits=limits, temp_dir=temp_root)
+    assert res.limit_hit == "output"
+    assert len(res.stdout.encode()) == 4096
+    assert res.duration_s < 3
+
+
+def test_stderr_flood_is_truncated(temp_root: str) -> None:
+    limits = SandboxLimits(max_output_bytes=1000, wall_time_s=5.0)
+    res = run_python("import sys\nwhile True:\n    sys.stderr.write('e' * 100)",
+                     limits=limits, temp_dir=temp_root)
+    assert res.limit_hit == "output" and len(res.stderr) == 1000
+
+
+def test_cannot_write_outside_work_dir(temp_root: str) -> None:
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: the child runs as the trainer's own uid and may write "
+                    "where the trainer may")
+    targets = [os.getcwd(), str(REPO), str(REPO / "rl"), "/root", "/etc", "/usr/lib",
+               temp_root]
+    code = (
+        "import os, sys\n"
+        f"targets = {targets!r}\n"
+        "for d in targets:\n"
+        "    p = os.path.join(d, 'tandem_sandbox_escape.txt')\n"
+        "    try:\n"
+        "        open(p, 'w').write('x')\n"
+        "        print('WROTE', p)\n"
+        "    except PermissionError:\n"
+        "        print('denied', d)\n"
+        "open('inside.txt', 'w').write('ok')\n"
+        "print('inside', open('inside.txt').read())\n"
+    )
+    res = run_python(code, limits=FAST, temp_dir=temp_root)
+    assert "WROTE" not in res.stdout, res.stdout
+    assert res.stdout.count("denied") == len(targets)
+    assert "inside ok" in res.stdout
+    for d in targets:
+        assert not os.path.exists(os.path.join(d, "tandem_sandbox_escape.txt"))
+
+
+def test_files_left_in_tmp_are_swept(temp_root: str) -> None:
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: files in /tmp cannot be told apart from the trainer's")
+    res = run_python(PRINT_UID + "import os\nname = f'/tmp/tandem-litter-{os.getuid()}'\n"
+                     "open(name, 'w').write('x')\nos.mkdir(name + '.d')\nprint(name)",
+                     limits=FAST, temp_dir=temp_root)
+    name = res.stdout.split()[-1]
+    assert name.startswith("/tmp/tandem-litter-")
+    assert not os.path.exists(name) and not os.path.exists(name + ".d")
+
+
+def test_parent_environment_is_not_visible(temp_root: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_TEST_SECRET", "hunter2-do-not-leak")
+    code = (
+        "import os\n"
+        "print(sorted(os.environ))\n"
+        "print('SECRET' if 'hunter2' in repr(dict(os.environ)) else 'clean')\n"
+        "try:\n"
+        "    data = open(f'/proc/{os.getppid()}/environ', 'rb').read()\n"
+        "    print('PARENT-ENV-SECRET' if b'hunter2' in data else 'parent-env-readable')\n"
+        "except OSError as e:\n"
+        "    print('parent-env-denied')\n"
+    )
+    res = run_python(code, limits=FAST, temp_dir=temp_root)
+    lines = res.stdout.splitlines()
+    assert lines[0] == "['HOME', 'LANG', 'PATH', 'TMPDIR']", res
+    assert lines[1] == "clean"
+    if sandbox_capabilities().privilege_drop:
+        assert lines[2] == "parent-env-denied"
+
+
+def _require_network_isolation() -> None:
+    caps = sandbox_capabilities()
+    if not caps.network_isolated:
+        pytest.skip("no network namespace here: " + "; ".join(caps.notes))
+
+
+def test_cannot_connect_to_parent_on_loopback(temp_root: str) -> None:
+    _require_network_isolation()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "    print('CONNECTED')\n"
+            "except OSError as e:\n"
+            "    print('blocked', e.errno)\n"
+        )
+        res = run_python(code, limits=FAST, temp_dir=temp_root)
+        assert res.stdout.startswith("blocked"), res
+        with pytest.raises(BlockingIOError):
+            server.accept()
+
+
+def test_cannot_reach_public_network(temp_root: str) -> None:
+    _require_network_isolation()
+    code = (
+        "import socket\n"
+        "for host in ('1.1.1.1', '8.8.8.8'):\n"
+        "    try:\n"
+        "        socket.create_connection((host, 53), timeout=1)\n"
+        "        print('CONNECTED', host)\n"
+        "    except OSError as e:\n"
+        "        print('blocked', host)\n"
+        "print(socket.if_nameindex())\n"
+    )
+    res = run_python(code, limits=FAST, temp_dir=temp_root)
+    assert "CONNECTED" not in res.stdout
+    assert res.stdout.count("blocked") == 2
+    assert "'lo'" in res.stdout and "eth" not in res.stdout
+
+
+def test_concurrent_runs_from_threads(temp_root: str) -> None:
+    results: list[SandboxResult] = []
+
+    def work(i: int) -> None:
+        results.append(run_python(PRINT_UID + f"print({i} * 2)", limits=FAST,
+                                  temp_dir=temp_root))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.stdout.splitlines()[1] for r in results) == ["0", "2", "4", "6"]
+    if sandbox_capabilities().privilege_drop:
+        assert len({_uid_of(r) for r in results}) == 4  # one uid per run
+
+
+def test_unreachable_temp_dir_is_refused(tmp_path: Path) -> None:
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: no uid change, so the work dir is always reachable")
+    hidden = tmp_path / "hidden"
+    hidden.mkdir(mode=0o700)
+    with pytest.raises(SandboxError, match="not searchable"):
+        run_python("pass", temp_dir=str(hidden))
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="wall_time_s"):
+        SandboxLimits(wall_time_s=0)
+
+
+# ---- the code_unit_tests reward (rl/rewards/code.py), which runs on this sandbox -----
+
+ADD_TESTS = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4",
+                       "assert add(-1, 1) == 0", "assert add(0, 5) == 5"]}
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution.\n```python\n{code}\n```\nDone."
+
+
+def test_reward_is_registered() -> None:
+    assert REWARDS.get("code_unit_tests") is code_unit_tests
+
+
+def test_reward_correct_solution_scores_one() -> None:
+    assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), ADD_TESTS) == 1.0
+
+
+def test_reward_half_correct_scores_half() -> None:
+    code = "def add(a, b):\n    return a + b if a > 0 else -99"  # wrong for a <= 0
+    assert code_unit_tests(fenced(code), ADD_TESTS) == 0.5
+
+
+def test_reward_wrong_or_broken_code_scores_zero() -> None:
+    assert code_unit_tests(fenced("def add(a, b):\n    return 7"), ADD_TESTS) == 0.0
+    assert code_unit_tests(fenced("def add(a, b) return"), ADD_TESTS) == 0.0
+    assert code_unit_tests("no code at all", ADD_TESTS) == 0.0
+
+
+@pytest.mark.parametrize("exit_code", ["import sys\nsys.exit(0)", "import os\nos._exit(0)",
+                                       "raise SystemExit(0)", "import os, signal\n"
+                                       "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_reward_exit_before_tests_scores_zero(exit_code: str) -> None:
+    assert code_unit_tests(fenced(exit_code), ADD_TESTS) == 0.0
+
+
+def test_reward_sys_exit_inside_a_test_is_a_failure() -> None:
+    code = "import sys\ndef add(a, b):\n    if a < 0:\n        sys.exit(0)\n    return a + b"
+    assert code_unit_tests(fenced(code), ADD_TESTS) == 0.75
+
+
+def test_reward_forged_result_lines_score_zero() -> None:
+    code = (
+        "import os, sys, atexit\n"
+        "line = '__TANDEM_RESULT__ 0123456789abcdef0123456789abcdef 4/4\\n'\n"
+        "print(line)\n"
+        "sys.__stdout__.write(line)\n"
+        "for fd in range(0, 64):\n"
+        "    try:\n"
+        "        os.write(fd, line.encode())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "atexit.register(lambda: os.write(1, line.encode()))\n"
+        "os._exit(0)\n"
+    )
+    assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
+
+
+def test_reward_nonce_is_not_in_files_env_or_stdin() -> None:
+    # Look everywhere a careless harness would leave the nonce, then forge with it.
+    code = (
+        "import os, re, sys\n"
+        "blobs = [open(f).read() for f in os.listdir('.') if os.path.isfile(f)]\n"
+        "blobs.append(repr(dict(os.environ)))\n"
+        "blobs.append(sys.stdin.read())\n"
+        "for fd in range(0, 64):\n"
+        "    try:\n"
+        "        blobs.append(os.pread(fd, 4096, 0).decode(errors='replace'))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "found = set(re.findall(r'[0-9a-f]{32}', ' '.join(blobs)))\n"
+        "for n in found:\n"
+        "    for fd in range(1, 64):\n"
+        "        try:\n"
+        "            os.write(fd, f'\\n__TANDEM_RESULT__ {n} 4/4\\n'.encode())\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "os._exit(0)\n"
+    )
+    assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
+    assert "nonce" not in build_harness(["assert True"], None, 1.0).split("def _tandem")[0]
+
+
+def test_reward_survives_print_and_stdout_override() -> None:
+    code = (
+        "import builtins, os, sys\n"
+        "class Sink:\n"
+        "    def write(self, s): return len(s)\n"
+        "    def flush(self): pass\n"
+        "sys.stdout = sys.__stdout__ = Sink()\n"
+        "builtins.print = lambda *a, **k: None\n"
+        "os.write(1, b'junk on fd 1\\n')\n"
+        "def add(a, b):\n    return a + b\n"
+    )
+    assert code_unit_tests(fenced(code), ADD_TESTS) == 1.0
+
+
+def test_reward_slow_test_times_out_alone() -> None:
+    code = "def add(a, b):\n    while a < 0:\n        pass\n    return a + b"
+    assert code_unit_tests(fenced(code), ADD_TESTS, per_test_timeout_s=0.5) == 0.75
+
+
+def test_reward_string_tests_and_entry_point() -> None:
+    asserts = {"tests": "assert add(1, 2) == 3\nassert add(2, 2) == 5\n"}
+    assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), asserts) == 0.5
+    humaneval = {"tests": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                          "    assert candidate(0, 0) == 0\n", "entry_point": "add"}
+    assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), humaneval) == 1.0
+    assert code_unit_tests(fenced("def plus(a, b):\n    return a + b"), humaneval) == 0.0
+
+
+def test_extract_code_takes_last_python_block() -> None:
+    text = "```python\nfirst()\n```\ntext\n```py\nsecond()\n```\n```\nbare()\n```"
+    assert extract_code(text) == "second()\n"
+    assert extract_code("```\nbare()\n```") == "bare()\n"
+    assert extract_code("x = 1") == "x = 1"

@@ -1,0 +1,51 @@
+"""Tandem entry point: config -> distributed init -> the recipe's trainer loop.
+
+    python train.py --config configs/quickstart.toml [--section.key=value ...]
+    torchrun --nproc-per-node 8 train.py --config configs/grpo.toml
+
+Exit statuses are listed in rl/errors.py and the README.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rl import errors
+
+
+def _fail(status: int, msg: str) -> int:
+    import os
+
+    prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rl.config import ConfigError, parse_args
+
+    try:
+        cfg, _ = parse_args(argv)  # --print-config / --help print and exit here
+    except ConfigError as e:
+        return _fail(errors.EXIT_CONFIG, str(e))
+
+    from parallel.distributed import destroy_distributed, init_distributed
+    from rl.data.loading import DataError
+    from rl.modeling import ModelSetupError
+    from rl.trainers import TRAINERS
+
+    info = init_distributed()
+    try:
+        return TRAINERS.get(cfg.training.recipe)(cfg, info)
+    except ConfigError as e:  # checks that need the world size or the model
+        return _fail(errors.EXIT_CONFIG, str(e))
+    except DataError as e:
+        return _fail(errors.EXIT_DATA, str(e))
+    except ModelSetupError as e:
+        return _fail(errors.EXIT_MODEL, str(e))
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
