@@ -1,0 +1,83 @@
+"""Choose between a Triton kernel and its PyTorch reference.
+
+Every kernel in ``kernels/`` has two implementations: a Triton kernel for CUDA
+and a plain-PyTorch reference that runs anywhere. Callers never choose; the
+public function of each kernel asks `use_triton` with its main input tensor and
+the caller's optional ``impl`` override.
+
+Precedence, most specific first:
+
+1. ``impl="triton" | "torch"`` passed to the kernel call;
+2. the environment variable ``TANDEM_KERNELS=triton | torch`` (read at call
+   time, so tests can set it with ``monkeypatch``);
+3. Triton when the tensor is on CUDA and Triton is installed, else the reference.
+
+Forcing Triton on a CPU tensor only works under the Triton interpreter
+(``TRITON_INTERPRET=1``, which must be set before ``triton`` is first imported,
+e.g. in a test ``conftest.py``); otherwise `use_triton` raises instead of failing deep inside
+Triton's launcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import torch
+
+IMPLS = ("triton", "torch")
+ENV_VAR = "TANDEM_KERNELS"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (checked once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels will run under the CPU interpreter.
+
+    ``TRITON_INTERPRET`` must be set, and must have been set before ``triton.language``
+    was imported: Triton decorates its own standard library (``tl.zeros``, ``tl.sum``,
+    ...) at import, and compiled-mode versions of those fail inside interpreted kernels.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        return False
+    tl = sys.modules.get("triton.language")
+    return tl is None or type(getattr(tl, "zeros", None)).__name__ == "InterpretedFunction"
+
+
+def _requested_impl(impl: str | None) -> str | None:
+    """The forced implementation, from the argument or else the environment, or None."""
+    if impl is None:
+        impl = os.environ.get(ENV_VAR) or None
+        source = f"{ENV_VAR}={impl!r}"
+    else:
+        source = f"impl={impl!r}"
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"{source}: expected one of {IMPLS}")
+    return impl
+
+
+def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
+    """True when the Triton kernel should handle ``t``, False for the PyTorch reference.
+
+    See the module docstring for the precedence of ``impl``, ``TANDEM_KERNELS`` and
+    the device. Raises if Triton is forced but cannot run here.
+    """
+    forced = _requested_impl(impl)
+    if forced == "torch":
+        return False
+    if forced is None:
+        return t.is_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError("Triton kernels were requested but triton is not installed")
+    if not t.is_cuda and not triton_interpreting():
+        raise RuntimeError(
+            "Triton kernels were requested for a CPU tensor; set TRITON_INTERPRET=1 "
+            "before triton is first imported to run them under the interpreter"
+        )
+    return True

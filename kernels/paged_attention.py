@@ -1,0 +1,256 @@
+"""Paged-KV attention for the generator: public API, dispatcher and PyTorch reference.
+
+The generator keeps, per layer, a K and a V cache of fixed-size blocks,
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's *slot* is
+``block_id * block_size + offset``; a sequence's block table lists the block ids
+that hold its positions ``0, block_size, 2*block_size, ...`` in order (the ids
+need not be contiguous or sorted).
+
+Each step the runner first writes the new tokens' K/V with `store_kv`, then calls
+`paged_attention` for a batch that may mix prefill (no cached prefix), extend
+(cached prefix plus several new tokens) and decode (one new token) sequences.
+Query ``i`` of sequence ``n`` sits at position ``context_lens[n] - q_len[n] + i``
+and attends to every cache position up to and including its own.
+`paged_decode_attention` is the all-decode case with its own kernel.
+
+The Triton kernels live in `kernels.triton_paged_attention` and are imported on
+first use, so this module imports without Triton; `kernels.dispatch.use_triton`
+picks the implementation. The references below loop over sequences on the host
+(they sync); they are the numerics oracle for the kernels and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import use_triton
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _triton_impl():  # noqa: ANN202 - module object
+    """Import the Triton kernels on first use (keeps Triton out of module import)."""
+    from kernels import triton_paged_attention
+
+    return triton_paged_attention
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (shape / dtype only: no host syncs)
+# ---------------------------------------------------------------------------
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError("k_cache and v_cache must share dtype and device")
+
+
+def _check_index(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.dim() != dim or t.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"{name} must be a {dim}-d int32/int64 tensor; got {t.dtype} {tuple(t.shape)}"
+        )
+
+
+def _check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    _, _, hkv, d = k_cache.shape
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hkv != 0:
+        raise ValueError(
+            f"q must be [T, Hq, {d}] with Hq a multiple of num_kv_heads={hkv}; got {tuple(q.shape)}"
+        )
+    if q.device != k_cache.device:
+        raise ValueError("q and the KV cache must be on the same device")
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 = skip
+    *,
+    impl: str | None = None,
+) -> None:
+    """Write token ``t``'s K/V into cache slot ``slot_mapping[t]`` in place; -1 skips the token.
+
+    Padding tokens (e.g. unused rows of a CUDA-graph batch) carry slot -1. ``k``/``v``
+    are cast to the cache dtype.
+    """
+    _check_cache(k_cache, v_cache)
+    _check_index("slot_mapping", slot_mapping, 1)
+    expected = (slot_mapping.shape[0], *k_cache.shape[2:])
+    if tuple(k.shape) != expected or tuple(v.shape) != expected:
+        raise ValueError(f"k and v must be {expected}; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if use_triton(k, impl):
+        _triton_impl().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB] int32
+    cu_seqlens_q: torch.Tensor,  # [N + 1] int32
+    context_lens: torch.Tensor,  # [N] int32
+    scale: float,
+    *,
+    impl: str | None = None,
+    max_q_len: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of a mixed prefill / extend / decode batch over the paged cache.
+
+    ``q[cu_seqlens_q[n]:cu_seqlens_q[n+1]]`` are sequence ``n``'s new queries, whose
+    K/V are already in the cache; ``context_lens[n]`` counts all its cached tokens,
+    new ones included. Sequences with no queries are allowed. Output rows past
+    ``cu_seqlens_q[-1]`` are unspecified.
+
+    ``max_q_len`` (the largest ``q_len``) sizes the Triton grid; pass it when the
+    host knows it, otherwise it is read from ``cu_seqlens_q`` with one device sync.
+    ``max_q_len == 1`` with one query per sequence routes to the decode kernel.
+    """
+    _check_cache(k_cache, v_cache)
+    _check_query(q, k_cache)
+    _check_index("block_tables", block_tables, 2)
+    _check_index("cu_seqlens_q", cu_seqlens_q, 1)
+    _check_index("context_lens", context_lens, 1)
+    n = context_lens.shape[0]
+    if cu_seqlens_q.shape[0] != n + 1 or block_tables.shape[0] != n:
+        raise ValueError(
+            f"expected cu_seqlens_q [{n + 1}] and block_tables [{n}, MB] for {n} sequences; "
+            f"got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
+        )
+    if not use_triton(q, impl):
+        return paged_attention_ref(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+        )
+    tk = _triton_impl()
+    if max_q_len == 1 and q.shape[0] == n:
+        return tk.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if max_q_len is None:
+        # Deliberate host sync: the grid needs the longest query run.
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n > 0 else 0
+    return tk.paged_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB] int32
+    context_lens: torch.Tensor,  # [N] int32
+    scale: float,
+    *,
+    impl: str | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [N, Hq, D]
+    """One new query per sequence (at position ``context_lens[n] - 1``); no host syncs.
+
+    A sequence with ``context_lens[n] == 0`` (a padded decode row) gets a zero output.
+    ``num_splits`` splits each sequence's KV range across programs (split-K) on the
+    Triton path; None picks it from the batch size and ``block_tables`` width.
+    """
+    _check_cache(k_cache, v_cache)
+    _check_query(q, k_cache)
+    _check_index("block_tables", block_tables, 2)
+    _check_index("context_lens", context_lens, 1)
+    n = q.shape[0]
+    if context_lens.shape[0] != n or block_tables.shape[0] != n:
+        raise ValueError(
+            f"expected context_lens [{n}] and block_tables [{n}, MB]; "
+            f"got {tuple(context_lens.shape)} and {tuple(block_tables.shape)}"
+        )
+    if use_triton(q, impl):
+        return _triton_impl().paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits
+        )
+    cu = torch.arange(n + 1, dtype=torch.int32, device=q.device)  # [N + 1]
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
+
+
+# ---------------------------------------------------------------------------
+# PyTorch references
+# ---------------------------------------------------------------------------
+
+
+def store_kv_ref(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    """Reference `store_kv`: boolean-mask the valid slots, then index-put (syncs)."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0  # [T]
+    slots = slot_mapping[keep].long()  # [T']
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)  # [T', Hkv, D]
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_table: torch.Tensor,  # [MB]
+    length: int,
+) -> torch.Tensor:  # [length, Hkv, D]
+    """The first ``length`` positions of one sequence, copied out of the paged cache."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    ids = block_table[:num_blocks].long()  # [nb]
+    return cache[ids].flatten(0, 1)[:length]  # [nb * BS, Hkv, D] -> [length, Hkv, D]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB]
+    cu_seqlens_q: torch.Tensor,  # [N + 1]
+    context_lens: torch.Tensor,  # [N]
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Reference `paged_attention`: per sequence, gather K/V, then masked fp32 softmax.
+
+    Rows of a query with nothing to attend to (only possible for a padded decode
+    row with ``context_lens == 0``) are zero.
+    """
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    out = torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+    cu = cu_seqlens_q.tolist()
+    ctx_lens = context_lens.tolist()
+    for n, ctx in enumerate(ctx_lens):
+        q_lo, q_hi = cu[n], cu[n + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0 or ctx == 0:
+            continue
+        if q_len > ctx:
+            raise ValueError(f"sequence {n}: q_len {q_len} exceeds context_len {ctx}")
+        k = gather_kv(k_cache, block_tables[n], ctx).float()  # [C, Hkv, D]
+        v = gather_kv(v_cache, block_tables[n], ctx).float()  # [C, Hkv, D]
+        k = k.repeat_interleave(group, dim=1)  # [C, Hq, D]
+        v = v.repeat_interleave(group, dim=1)  # [C, Hq, D]
+        qn = q[q_lo:q_hi].float()  # [L, Hq, D]
+        scores = torch.einsum("lhd,chd->hlc", qn, k) * scale  # [Hq, L, C]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)  # [L]
+        k_pos = torch.arange(ctx, device=q.device)  # [C]
+        causal = k_pos[None, :] <= q_pos[:, None]  # [L, C]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = scores.softmax(dim=-1)  # [Hq, L, C]
+        out[q_lo:q_hi] = torch.einsum("hlc,chd->lhd", probs, v).to(q.dtype)  # [L, Hq, D]
+    return out

@@ -1,0 +1,69 @@
+"""Turn one scheduled step into tensors, run the model's paged path, sample.
+
+The runner owns no scheduling policy: it receives a `SchedulerOutput`, builds
+the flattened step (tokens, positions, slot mapping, block tables, context
+lengths), runs the policy's own `Transformer` with a `PagedAttention` backend,
+samples the chunks that end at a sampling point, and returns what was sampled.
+Attention metadata is passed explicitly to the backend; nothing is global.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.transformer import Transformer
+from rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
+from rl.generator.sampler import Sampler
+from rl.generator.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: KVCache, *, default_seed: int = 0, impl: str | None = None) -> None:
+        self.model, self.cache, self.impl = model, cache, impl
+        self.default_seed = default_seed
+        self.sampler = Sampler()
+        self.device = cache.data.device
+        self.scale = model.args.head_dim ** -0.5
+
+    def build_meta(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, PagedMeta]:
+        """Flatten the step: tokens [T], positions [T] and the paged metadata."""
+        bs = self.cache.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        ctx: list[int] = []
+        for c in out.chunks:
+            tokens += c.token_ids
+            positions += c.positions
+            slots += c.slot_mapping(bs)
+            cu.append(len(tokens))
+            ctx.append(c.end)
+        width = max(len(c.seq.block_table) for c in out.chunks)
+        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in out.chunks]
+
+        def t(x: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        meta = PagedMeta(slot_mapping=t(slots, torch.int64), block_tables=t(tables), cu_seqlens_q=t(cu),
+                         context_lens=t(ctx), max_q_len=max(c.num_tokens for c in out.chunks))
+        return t(tokens, torch.long), t(positions, torch.long), meta
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[int, tuple[int, float, float]]:
+        """Execute one step; returns seq_id -> (token, logprob, raw_logprob) for sampled chunks."""
+        self.cache.copy_blocks(out.block_copies)
+        tokens, positions, meta = self.build_meta(out)
+        attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
+        hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]  # [T, D]
+        chunks = out.sample_chunks
+        if not chunks:
+            return {}
+        ends = [i for i, c in enumerate(out.chunks) if c.sample]
+        last = meta.cu_seqlens_q[1:][torch.tensor(ends, device=self.device)].long() - 1  # [M]
+        logits = self.model.output(hidden[last]).float()  # [M, V]
+        keys = [c.step_key(self.default_seed) for c in chunks]
+        toks, lps, raws = self.sampler.sample(logits, [c.seq.params for c in chunks], keys)
+        # One host sync per step, on purpose: the scheduler needs the tokens.
+        rows = zip(toks.tolist(), lps.tolist(), raws.tolist())
+        return {c.seq.seq_id: row for c, row in zip(chunks, rows)}

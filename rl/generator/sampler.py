@@ -1,0 +1,163 @@
+"""Batched token sampling with per-request seeds and exact log-probs.
+
+One call samples a token for every row of ``logits [N, V]``. Per row:
+temperature, then top-k, then top-p (over the top-k renormalised
+distribution), then min-p (relative to the top probability, so it does not
+care about renormalisation); the surviving logits are renormalised and sampled
+by an exponential race, ``argmax(log p - log E)`` with ``E ~ Exp(1)`` i.i.d.,
+which is an exact sample of ``p`` (the Gumbel-max trick).
+
+Randomness: the noise of row i is a counter-based hash of ``step_keys[i] =
+(seed, index of the token being sampled)`` and the vocabulary id, computed with
+int64 tensor ops. It depends on nothing else, so a row samples the same token
+alone or in any batch, after preemption and recompute, and on CPU or GPU given
+the same logits. (A per-row ``torch.Generator`` would give the same guarantee
+at the cost of one kernel launch per row.) The uniforms have 23 bits.
+
+Returned log-probs: ``logprobs`` under the distribution actually sampled from
+(0 for greedy rows: a point mass), ``raw_logprobs`` from ``log_softmax`` of the
+raw logits (temperature 1, no truncation), for importance ratios and KL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+
+from rl.generator.sequence import SamplingParams
+
+_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_NOISE_CHUNK_ELEMS = 1 << 24  # bounds the int64 temporaries of the noise hash
+
+
+def truncation_mask(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
+    """Which tokens each row keeps after top-k, then top-p, then min-p. Returns bool [N, V].
+
+    logits [N, V] are already temperature-scaled. top-k keeps exactly k tokens
+    (ties broken by vocabulary order); top-p keeps the smallest prefix, by
+    descending probability, whose mass reaches p; min-p keeps tokens with
+    prob >= min_p * max prob. 0, 1 and 0 switch them off; the paths taken
+    depend only on these Python values, so there is no host sync.
+    """
+    n, v = logits.shape
+    device = logits.device
+    keep = torch.ones(n, v, dtype=torch.bool, device=device)
+    use_k = any(0 < k < v for k in top_k)
+    use_p = any(p < 1 for p in top_p)
+    if use_k or use_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N, V]
+        ranks = torch.arange(v, device=device)
+        k = torch.tensor([k if 0 < k < v else v for k in top_k], device=device)
+        keep_sorted = ranks[None, :] < k[:, None]  # [N, V]
+        if use_p:
+            probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+            mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix mass [N, V]
+            mass_before[:, 0] = 0.0  # the top token always survives
+            p = torch.tensor(top_p, dtype=probs.dtype, device=device)[:, None]
+            keep_sorted &= (mass_before < p) | (p >= 1)
+        keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+    if any(m > 0 for m in min_p):
+        probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)  # [N, V]
+        m = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
+        keep &= probs >= m * probs.amax(dim=-1, keepdim=True)
+    return keep
+
+
+def _row_keys(step_keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Two 32-bit words per (seed, index), from a cryptographic hash (stable across runs)."""
+    words = []
+    for seed, index in step_keys:
+        digest = hashlib.blake2b(
+            struct.pack("<QQ", seed & _M64, index & _M64), digest_size=8
+        ).digest()
+        key = int.from_bytes(digest, "little")
+        words.append((key & _M32, key >> 32))
+    return words
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), split in 16-bit halves to avoid overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer bijection with good avalanche (xorshift-multiply, 'lowbias32')."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def exponential_noise(
+    step_keys: list[tuple[int, int]], vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """E ~ Exp(1) i.i.d. per (row, token), a pure function of (seed, index, token). [N, V] fp32."""
+    keys = torch.tensor(_row_keys(step_keys), dtype=torch.int64, device=device).reshape(
+        -1, 2
+    )  # [N, 2]
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]  # [1, V]
+    out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32, device=device)
+    rows = max(1, _NOISE_CHUNK_ELEMS // max(vocab_size, 1))
+    for r in range(0, keys.shape[0], rows):
+        k0, k1 = keys[r : r + rows, 0:1], keys[r : r + rows, 1:2]  # [n, 1] each
+        h = _mix32(_mix32((vocab + k0) & _M32) ^ k1)  # [n, V] in [0, 2**32)
+        u = ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)  # exact in fp32, inside (0, 1)
+        out[r : r + rows] = -torch.log(u)
+    return out
+
+
+class Sampler:
+    """Stateless; one instance serves every step."""
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], step_keys: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample one token per row.
+
+        logits [N, V] (cast to fp32), params and step_keys one per row; step_keys[i]
+        = (seed, index the sampled token will have in its sequence). Returns
+        tokens [N] long, logprobs [N] fp32 under the sampled distribution (0 for
+        greedy rows) and raw_logprobs [N] fp32 (log_softmax of the raw logits).
+        """
+        n, v = logits.shape
+        if len(params) != n or len(step_keys) != n:
+            raise ValueError(
+                f"Sampler.sample: {n} logit rows but {len(params)} params and "
+                f"{len(step_keys)} step keys"
+            )
+        device = logits.device
+        logits = logits.float()
+        raw_logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, V]
+        greedy_rows = [p.temperature == 0 for p in params]
+        greedy = torch.tensor(greedy_rows, device=device)
+        greedy_tokens = logits.argmax(dim=-1)  # [N]
+        if all(greedy_rows):
+            tokens = greedy_tokens
+            logprobs = torch.zeros(n, dtype=torch.float32, device=device)
+        else:
+            temps = torch.tensor(
+                [p.temperature if p.temperature > 0 else 1.0 for p in params],
+                dtype=torch.float32,
+                device=device,
+            )
+            scaled = logits / temps[:, None]  # [N, V]
+            keep = truncation_mask(
+                scaled,
+                [p.top_k for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            )
+            masked = scaled.masked_fill(~keep, float("-inf"))
+            dist_logprobs = masked - torch.logsumexp(masked, dim=-1, keepdim=True)  # [N, V]
+            race = dist_logprobs - exponential_noise(step_keys, v, device).log()  # [N, V]
+            tokens = torch.where(greedy, greedy_tokens, race.argmax(dim=-1))
+            chosen = dist_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            logprobs = torch.where(greedy, torch.zeros_like(chosen), chosen)
+        raw = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logprobs, raw
