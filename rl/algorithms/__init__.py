@@ -1,0 +1,77 @@
+"""RL algorithm pieces: registries of pure tensor functions with one signature per family.
+
+Callers look a piece up by the name a config gives and call it, never branching
+on the name:
+
+    ADVANTAGES.get(name)(AdvantageInput, AdvantageConfig) -> AdvantageOutput
+    POLICY_LOSSES.get(name)(PolicyLossInput, PolicyLossConfig) -> PolicyLossOutput
+    KL_ESTIMATORS.get(name)(logp, ref_logp) -> [N, T]
+    AGGREGATIONS.get(name)(loss, mask, AggregationNorm) -> scalar
+    PREFERENCE_LOSSES.get(name)(PreferenceInput, PreferenceConfig) -> PreferenceOutput
+
+Importing this package registers every built-in entry.
+"""
+
+from rl.algorithms.advantages import (
+    ADVANTAGES,
+    AdvantageConfig,
+    AdvantageInput,
+    AdvantageOutput,
+    dense_group_index,
+)
+from rl.algorithms.aggregation import (
+    AGGREGATIONS,
+    AggregationNorm,
+    aggregate,
+    entropy_loss,
+    make_norm,
+)
+from rl.algorithms.distill import opd_advantages, reverse_kl_full, reverse_kl_sampled
+from rl.algorithms.filters import filter_groups, overlong_filter_mask, overlong_penalty
+from rl.algorithms.kl import KL_ESTIMATORS, kl_loss_term, kl_penalty_rewards
+from rl.algorithms.policy_loss import (
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    PolicyLossInput,
+    PolicyLossOutput,
+)
+from rl.algorithms.preference import (
+    PREFERENCE_LOSSES,
+    PreferenceConfig,
+    PreferenceInput,
+    PreferenceOutput,
+    bradley_terry_loss,
+)
+from rl.algorithms.value import value_loss
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
+    "AdvantageConfig",
+    "AdvantageInput",
+    "AdvantageOutput",
+    "AggregationNorm",
+    "PolicyLossConfig",
+    "PolicyLossInput",
+    "PolicyLossOutput",
+    "PreferenceConfig",
+    "PreferenceInput",
+    "PreferenceOutput",
+    "aggregate",
+    "bradley_terry_loss",
+    "dense_group_index",
+    "entropy_loss",
+    "filter_groups",
+    "kl_loss_term",
+    "kl_penalty_rewards",
+    "make_norm",
+    "opd_advantages",
+    "overlong_filter_mask",
+    "overlong_penalty",
+    "reverse_kl_full",
+    "reverse_kl_sampled",
+    "value_loss",
+]
