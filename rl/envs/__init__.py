@@ -1,0 +1,33 @@
+"""Environments for multi-turn (agentic) rollouts, selected by name from a config.
+
+Importing this package registers the built-ins in ``ENVIRONMENTS``: "tool"
+(tool calls, then a scored answer; rl/envs/tool_env.py) and "code" (write a
+function, optionally test it with python, scored by hidden unit tests;
+rl/envs/code_env.py). The contract is in rl/envs/base.py, the worker pool that
+runs steps next to generation in rl/envs/pool.py, the driver in rl/agentic.py.
+Nothing here imports torch, so pool workers start quickly.
+"""
+
+from rl.envs import code_env, tool_env  # noqa: F401  (registers the built-ins)
+from rl.envs.base import (
+    ENVIRONMENTS,
+    Environment,
+    Episode,
+    StepResult,
+    make_env,
+    row_messages,
+    step_episode,
+)
+from rl.envs.pool import EnvOutcome, EnvPool
+
+__all__ = [
+    "ENVIRONMENTS",
+    "EnvOutcome",
+    "EnvPool",
+    "Environment",
+    "Episode",
+    "StepResult",
+    "make_env",
+    "row_messages",
+    "step_episode",
+]
