@@ -48,6 +48,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "PreferenceTrainConfig",
     "TrainingConfig",
     "config_from_dict",
     "config_to_dict",
@@ -56,6 +57,8 @@ __all__ = [
     "main_guard",
     "parse_args",
 ]
+
+from rl.rl_config import RewardConfig, RLConfig, RolloutConfig  # noqa: E402  (sections of rl recipes)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -122,7 +125,10 @@ class DataConfig:
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    answer_field: str = "answer"  # ground truth for rule-based rewards (rl recipe)
     eval_fraction: float = 0.0  # share of rows held out for evaluation
+    eval_path: str | None = None  # held-out prompts (rl recipe); synthetic:<task> uses its test split
+    synthetic_rows: int = 2000  # rows generated for a synthetic:<task> path
 
     def validate(self) -> None:
         require(self.max_length > 0, f"data.max_length: must be > 0, got {self.max_length}")
@@ -168,13 +174,12 @@ class LRScheduleConfig:
 class TrainingConfig:
     """Step count, batch sizes and FSDP2 mixed precision."""
 
-    recipe: Literal["sft"] = "sft"  # which trainer loop runs (rl/trainers.py)
+    recipe: Literal["sft", "rl", "dpo", "reward_model"] = "sft"  # which trainer loop runs (rl/trainers.py)
     steps: int = 100  # optimizer steps
     batch_size: int = 8  # sequences (or packed rows) per optimizer step, global over data-parallel ranks
     micro_batch_size: int = 1  # per rank per forward/backward
     mixed_precision_param: Dtype = "bfloat16"  # FSDP2 compute dtype (GPU only; CPU stays float32)
     mixed_precision_reduce: Dtype = "float32"  # FSDP2 gradient reduce dtype (GPU only)
-    deterministic: bool = True
 
     def validate(self) -> None:
         require(self.steps > 0, f"training.steps: must be > 0, got {self.steps}")
@@ -235,7 +240,6 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: bool = True  # resume from the latest checkpoint in folder, if any
     export_hf_at_end: bool = True  # write an HF-format folder after the last step
-    async_save: bool = False
 
     def validate(self) -> None:
         require(self.interval > 0, f"checkpoint.interval: must be > 0, got {self.interval}")
@@ -256,6 +260,43 @@ class MetricsConfig:
 
 
 @dataclass
+class PreferenceTrainConfig:
+    """The [preference] section: pairwise recipes (dpo: DPO/IPO/SimPO; reward_model: Bradley-Terry).
+
+    ``loss``/``beta``/``label_smoothing``/``gamma`` become the algorithm's
+    ``rl.algorithms.preference.PreferenceConfig`` (`loss_config`). ``reference``:
+    "precompute" scores every pair once with the initial policy before training
+    (no second model in memory), "online" keeps a frozen sharded copy and scores
+    each micro-batch, "none" is for reference-free losses (simpo).
+    """
+
+    loss: str = "dpo"  # a name in rl.algorithms.preference.PREFERENCE_LOSSES (dpo recipe)
+    beta: float = 0.1  # DPO ~0.1; IPO's tau; SimPO ~2.0
+    label_smoothing: float = 0.0  # cDPO: assumed label-flip probability
+    gamma: float = 0.5  # SimPO target reward margin
+    reference: Literal["precompute", "online", "none"] = "precompute"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    eval_interval: int = 0  # steps between held-out evaluations; 0 = only after the last step
+
+    def validate(self) -> None:
+        from rl.algorithms.preference import PREFERENCE_LOSSES
+
+        require(self.loss in PREFERENCE_LOSSES, f"preference.loss: {PREFERENCE_LOSSES.unknown_message(self.loss)}")
+        require(self.beta > 0, f"preference.beta: must be > 0, got {self.beta}")
+        require(0.0 <= self.label_smoothing < 0.5,
+                f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+        require(self.eval_interval >= 0, f"preference.eval_interval: must be >= 0 (0 = at the end), got {self.eval_interval}")
+        for key in ("chosen_field", "rejected_field"):
+            require(bool(getattr(self, key)), f"preference.{key}: must not be empty")
+
+    def loss_config(self):  # -> rl.algorithms.preference.PreferenceConfig (imported lazily)
+        from rl.algorithms.preference import PreferenceConfig
+
+        return PreferenceConfig(beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
+
+
+@dataclass
 class Config:
     """The whole run. Each field is a section; its name is the TOML table name."""
 
@@ -268,6 +309,10 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
 
     def validate(self) -> None:
         """Type-check every key, run every section's ``validate``, then the cross-section checks."""

@@ -12,11 +12,15 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from models.args import ModelArgs
 from models.flavors import get_flavor
-from models.hf import load_args, read_hf_state_dict, hf_to_tandem, save_hf
+from models.hf import hf_to_tandem, load_args, read_hf_state_dict, save_hf
 from models.tokenizer import Tokenizer, build_char_tokenizer
 from models.transformer import Transformer
 
@@ -88,3 +92,31 @@ def export_hf(model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, ou
     state = gather_full_state(model)
     if rank == 0:
         save_hf(state, args, out_dir, tokenizer=tokenizer)
+
+
+def build_sharded_model(args: ModelArgs, mesh, device: torch.device, *, path: str | None, seed: int,
+                        param_dtype: str, reduce_dtype: str, cpu_offload: bool, is_main: bool,
+                        trainable: bool = True, activation_checkpoint: str = "none",
+                        compile: bool = False) -> nn.Module:
+    """Meta-init, activation checkpointing, compile, FSDP2 over the data-parallel mesh,
+    then rank 0's full weights broadcast in."""
+    from parallel.ac import apply_ac
+    from parallel.compile import apply_compile
+    from parallel.fsdp import apply_fsdp
+    from parallel.mesh import dp_mesh
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    if trainable:
+        apply_ac(model, activation_checkpoint)
+    if compile:
+        apply_compile(model)
+    on_gpu = device.type != "cpu"
+    apply_fsdp(model, dp_mesh(mesh), param_dtype=param_dtype if on_gpu else "float32",
+               reduce_dtype=reduce_dtype if on_gpu else "float32", cpu_offload=cpu_offload)
+    model.to_empty(device=device)
+    model.reset_rope()
+    load_full_state(model, full_initial_state(args, path, seed) if is_main else None)
+    if not trainable:
+        model.requires_grad_(False).eval()
+    return model

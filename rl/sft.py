@@ -15,17 +15,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.attention import DocumentAttention
-from models.transformer import Transformer
 from parallel.distributed import DistInfo
-from parallel.fsdp import apply_fsdp
 from parallel.grad import clip_grad_norm
-from parallel.mesh import Degrees, build_mesh, dp_mesh, dp_rank
+from parallel.mesh import Degrees, build_mesh, dp_rank
 from rl.checkpoint import Checkpointer
 from rl.config import ConfigError
-from rl.data.loading import load_rows
-from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate
+from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, load_sft_records
 from rl.metrics import MetricsLogger
-from rl.modeling import build_tokenizer, export_hf, full_initial_state, load_full_state, model_args
+from rl.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
 from rl.optim import build_optimizer, build_scheduler
 from rl.system import peak_memory_gb
 
@@ -43,7 +40,8 @@ def run_sft(cfg, info: DistInfo) -> int:
     if cfg.data.path is None:
         raise ConfigError("data.path: required by the sft recipe")
     data = build_sft_data(
-        load_rows(cfg.data.path, cfg.data.format), tokenizer, source=cfg.data.path,
+        load_sft_records(cfg.data.path, cfg.data.format, seed=cfg.job.seed, n_synthetic=cfg.data.synthetic_rows),
+        tokenizer, source=cfg.data.path,
         max_length=cfg.data.max_length, pack=cfg.data.pack, on_bad_row=cfg.data.on_bad_row,
         messages_field=cfg.data.messages_field, prompt_field=cfg.data.prompt_field,
         completion_field=cfg.data.completion_field,
@@ -52,16 +50,12 @@ def run_sft(cfg, info: DistInfo) -> int:
         skipped = sum(data.skipped.values())
         print(f"data: {data.num_examples} examples -> {len(data.rows)} rows; skipped {skipped} {dict(data.skipped)}", flush=True)
 
-    with torch.device("meta"):
-        model = Transformer(args)
-    on_gpu = info.device.type != "cpu"
-    apply_fsdp(model, dp_mesh(mesh),
-               param_dtype=cfg.training.mixed_precision_param if on_gpu else "float32",
-               reduce_dtype=cfg.training.mixed_precision_reduce if on_gpu else "float32",
-               cpu_offload=cfg.parallel.cpu_offload)
-    model.to_empty(device=info.device)
-    model.reset_rope()
-    load_full_state(model, full_initial_state(args, cfg.model.path, cfg.job.seed) if info.is_main else None)
+    model = build_sharded_model(args, mesh, info.device, path=cfg.model.path, seed=cfg.job.seed,
+                                param_dtype=cfg.training.mixed_precision_param,
+                                reduce_dtype=cfg.training.mixed_precision_reduce,
+                                cpu_offload=cfg.parallel.cpu_offload, is_main=info.is_main,
+                                activation_checkpoint=cfg.parallel.activation_checkpoint,
+                                compile=cfg.parallel.compile)
 
     opt = build_optimizer(model, lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
                           weight_decay=cfg.optimizer.weight_decay)

@@ -17,3 +17,24 @@ def _sft(cfg, info) -> int:
     from rl.sft import run_sft
 
     return run_sft(cfg, info)
+
+
+@TRAINERS.register("rl")
+def _rl(cfg, info) -> int:
+    from rl.rl_trainer import run_rl
+
+    return run_rl(cfg, info)
+
+
+@TRAINERS.register("dpo")
+def _dpo(cfg, info) -> int:
+    from rl.preference import run_preference
+
+    return run_preference(cfg, info)
+
+
+@TRAINERS.register("reward_model")
+def _reward_model(cfg, info) -> int:
+    from rl.reward_model import run_reward_model
+
+    return run_reward_model(cfg, info)

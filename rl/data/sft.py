@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rl.data.loading import DataError
+from rl.data.loading import DataError, load_rows
 
 IGNORE = -100  # target id that takes no loss
 
@@ -203,3 +203,16 @@ class StepSampler:
 
     def local_batch(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
         return self.global_batch(step)[dp_rank::dp_size]
+
+
+def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
+    """Rows of a jsonl/parquet file, or ``synthetic:<task>`` train rows as chats answered correctly."""
+    if not path.startswith("synthetic:"):
+        return load_rows(path, fmt)
+    from rl.data.tasks import TASKS, make_task_rows
+
+    name = path[len("synthetic:"):]
+    if name not in TASKS:
+        raise DataError(f"data.path: {TASKS.unknown_message(name)}")
+    rows = make_task_rows(name, n_synthetic, seed, "train")
+    return [{"messages": r["messages"] + [{"role": "assistant", "content": r["answer"]}]} for r in rows]

@@ -1,0 +1,107 @@
+"""Prompt datasets for RL: local jsonl/parquet or synthetic tasks, chat-templated.
+
+A row is a question (``prompt`` field) or a conversation (``messages``) plus a
+ground truth (``answer``); everything else in the row travels with it to the
+reward functions. ``synthetic:<task>`` generates rows in code (rl/data/tasks.py),
+with the task's held-out split for evaluation.
+
+`PromptStream` hands each data-parallel rank its own endless sequence of rows
+(per-epoch shuffles of one global order); its position is a single integer per
+rank, saved in checkpoints, so resume continues with the next unseen prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl.data.loading import DataError, load_rows
+
+SYNTHETIC = "synthetic:"
+
+
+def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
+    if path.startswith(SYNTHETIC):
+        from rl.data.tasks import TASKS, make_task_rows
+
+        name = path[len(SYNTHETIC):]
+        if name not in TASKS:
+            raise DataError(f"data.path: {TASKS.unknown_message(name)}")
+        return make_task_rows(name, n_synthetic, seed, split)  # type: ignore[arg-type]
+    return load_rows(path, fmt)
+
+
+@dataclass
+class Prompt:
+    index: int  # row index in its dataset
+    token_ids: list[int]
+    row: dict[str, Any]
+
+
+def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
+                   messages_field: str, answer_field: str, max_prompt_tokens: int,
+                   on_bad_row: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
+    """Chat-template and tokenize; bad rows are counted (or raise DataError naming the row)."""
+    out: list[Prompt] = []
+    skipped: dict[str, int] = {}
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    for i, row in enumerate(rows):
+        try:
+            if answer_field not in row or row[answer_field] is None:
+                raise ValueError(f"missing field {answer_field!r}")
+            msgs = row.get(messages_field)
+            if msgs is None:
+                q = row.get(prompt_field)
+                if not isinstance(q, str) or not q:
+                    raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r}")
+                msgs = [{"role": "user", "content": q}]
+            if not isinstance(msgs, list) or not msgs:
+                raise ValueError("empty conversation")
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
+            ids = tokenizer.encode(text)
+            if len(ids) > max_prompt_tokens:
+                raise ValueError(f"prompt longer than {max_prompt_tokens} tokens")
+        except ValueError as e:
+            if on_bad_row == "error":
+                raise DataError(f"{source}: row {i}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+            reason = str(e)
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        out.append(Prompt(i, ids, {**row, "answer": row[answer_field]}))
+    if not out:
+        raise DataError(f"{source}: no usable prompt rows ({skipped} skipped)")
+    return out, skipped
+
+
+class PromptStream:
+    """Rank r reads positions r, r+dp, r+2dp, ... of the global epoch-shuffled chain."""
+
+    def __init__(self, num_rows: int, seed: int, dp_rank: int, dp_size: int, shuffle: bool = True,
+                 cursor: int = 0) -> None:
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cursor = cursor  # how many rows this rank has taken
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
+                self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()
+            else:
+                self._perms[epoch] = list(range(self.num_rows))
+        return self._perms[epoch]
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            g = self.cursor * self.dp_size + self.dp_rank
+            out.append(self._perm(g // self.num_rows)[g % self.num_rows])
+            self.cursor += 1
+        return out
+
+    @property
+    def epoch(self) -> int:
+        return (self.cursor * self.dp_size + self.dp_rank) // self.num_rows

@@ -1,0 +1,120 @@
+"""Config sections of the rollout-then-update recipes: [rl], [rollout], [reward].
+
+Algorithm pieces are registry names (rl/algorithms); validation checks them
+against the registries, so a typo names the nearest registered piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rl.configlib import ConfigError, require
+
+
+def _check_name(key: str, registry_path: str, name: str) -> None:
+    import importlib
+
+    module, attr = registry_path.rsplit(".", 1)
+    registry = getattr(importlib.import_module(module), attr)
+    if name not in registry:
+        raise ConfigError(f"{key}: {registry.unknown_message(name)}")
+
+
+@dataclass
+class RLConfig:
+    """What one RL step does: group size, advantage, loss, KL, filters, update schedule."""
+
+    num_samples: int = 8  # completions per prompt (the GRPO group)
+    prompts_per_step: int = 16  # prompts per step, global over data-parallel ranks
+    advantage: str = "grpo"  # rl/algorithms/advantages.py: grpo, dr_grpo, rloo, reinforce_pp, gae
+    norm_by_std: bool = True  # grpo: divide by the group std
+    gamma: float = 1.0
+    lam: float = 1.0
+    policy_loss: str = "ppo_clip"  # rl/algorithms/policy_loss.py: ppo_clip, gspo, reinforce
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO clip-higher: 0.28
+    dual_clip: float | None = None  # e.g. 3.0
+    aggregation: str = "token_mean"  # rl/algorithms/aggregation.py
+    loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default rollout.max_tokens
+    kl_coef: float = 0.0  # 0 = no reference model
+    kl_estimator: str = "k3"  # k1, k2, k3
+    kl_mode: Literal["loss", "reward"] = "loss"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = 2.0  # truncated importance sampling of the train/generation gap; none = off
+    epochs: int = 1  # passes over each rollout batch
+    minibatches: int = 1  # optimizer steps per epoch
+    micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
+    max_refill_rounds: int = 3
+    overlong_filter: bool = False  # mask out truncated completions
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
+    overlong_penalty: float = 1.0
+    offload_optimizer: bool = False  # move optimizer state to CPU during rollout
+    eval_interval: int = 0  # steps between held-out evaluations; 0 = start and end only
+    eval_prompts: int = 64  # held-out prompts per evaluation (greedy)
+    sample_log_interval: int = 10  # steps between sample completions in tensorboard
+
+    def validate(self) -> None:
+        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens",
+                    "eval_prompts", "sample_log_interval"):
+            require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
+        require(self.eval_interval >= 0, f"rl.eval_interval: must be >= 0, got {self.eval_interval}")
+        require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / rl.clip_high: need 0 <= clip_low < 1, clip_high >= 0")
+        require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
+        require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
+        require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
+        _check_name("rl.advantage", "rl.algorithms.ADVANTAGES", self.advantage)
+        _check_name("rl.policy_loss", "rl.algorithms.POLICY_LOSSES", self.policy_loss)
+        _check_name("rl.aggregation", "rl.algorithms.AGGREGATIONS", self.aggregation)
+        _check_name("rl.kl_estimator", "rl.algorithms.KL_ESTIMATORS", self.kl_estimator)
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling settings and the in-house generator's sizes."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 256  # new tokens per completion
+    stop: list[str] = field(default_factory=list)  # stop strings (EOS ids always stop)
+    block_size: int = 16  # KV block size (tokens)
+    kv_cache_gb: float = 1.0  # KV pool carved at rollout start (ignored when num_blocks > 0)
+    num_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
+    prefix_sharing: bool = True  # the n samples of a prompt share its KV blocks
+    kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
+    cuda_graphs: bool = False
+
+    def validate(self) -> None:
+        require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        require(self.top_k >= 0, f"rollout.top_k: must be >= 0, got {self.top_k}")
+        require(0 <= self.min_p < 1, f"rollout.min_p: must be in [0, 1), got {self.min_p}")
+        require(self.max_tokens >= 1, f"rollout.max_tokens: must be >= 1, got {self.max_tokens}")
+        require(self.block_size >= 1, f"rollout.block_size: must be >= 1, got {self.block_size}")
+        require(self.num_blocks > 0 or self.kv_cache_gb > 0, "rollout.kv_cache_gb: must be > 0 when num_blocks = 0")
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions (rl/rewards registry), their weights, and the CPU worker pool."""
+
+    functions: list[str] = field(default_factory=lambda: ["math"])
+    weights: list[float] = field(default_factory=list)  # default: 1.0 each
+    num_workers: int = 2  # 0 = score in the trainer process
+    timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
+
+    def validate(self) -> None:
+        require(bool(self.functions), "reward.functions: list at least one reward function")
+        require(not self.weights or len(self.weights) == len(self.functions),
+                f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
+        require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
+        require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
+        import rl.rewards  # noqa: F401  (registers the built-in reward functions)
+
+        for name in self.functions:
+            _check_name("reward.functions", "rl.rewards.registry.REWARDS", name)

@@ -1,0 +1,347 @@
+"""The colocated RL loop: each step a rollout phase, then an update phase, on the same ranks.
+
+rollout: gather the sharded policy into a generation copy, sample n completions
+per prompt with the in-house generator, score them in CPU reward workers,
+optionally drop uninformative groups (DAPO) and refill; the generation copy
+and KV pool are released. update: recompute old (and reference) log-probs in
+the update layout, compute advantages and the registered policy loss, and take
+``rl.minibatches * rl.epochs`` optimizer steps. Algorithm pieces are registry
+names from the config; this loop never branches on them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.distributed import DistInfo
+from parallel.grad import clip_grad_norm
+from parallel.mesh import Degrees, build_mesh, dp_rank
+from parallel.offload import move_optimizer_state
+from rl.algorithms import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageConfig,
+    AdvantageInput,
+    PolicyLossConfig,
+    PolicyLossInput,
+    dense_group_index,
+    filter_groups,
+    kl_penalty_rewards,
+    make_norm,
+    overlong_penalty,
+)
+from rl.checkpoint import Checkpointer
+from rl.config import ConfigError
+from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
+from rl.metrics import MetricsLogger
+from rl.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
+from rl.optim import build_optimizer, build_scheduler
+from rl.rewards.pool import RewardPool
+from rl.rollout import build_generation_model, generate_samples
+from rl.rollout_types import RolloutSample
+from rl.system import peak_memory_gb, reset_peak_memory
+from rl.update import (
+    completion_tensors,
+    pack_micro_batches,
+    recompute_logprobs,
+    scatter_rows,
+    sync_micro_batch_count,
+    token_logprobs,
+)
+
+
+class RLTrainer:
+    def __init__(self, cfg: Any, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+        degrees = Degrees(**cfg.parallel.resolve(info.world_size))
+        if degrees.tp > 1 or degrees.pp > 1:
+            raise ConfigError("parallel.tp / parallel.pp: the rl recipe shards with FSDP2 (+HSDP) so far; set tp = pp = 1")
+        self.mesh = build_mesh(degrees, info.device)
+        self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
+        r = cfg.rl
+        if r.prompts_per_step % self.dp:
+            raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
+        dump = cfg.job.dump_folder
+        self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
+        self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
+        self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
+        if self.max_prompt < 1:
+            raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
+        self.train_prompts, self.eval_prompts = self._load_data()
+        kw = dict(path=cfg.model.path, seed=cfg.job.seed, param_dtype=cfg.training.mixed_precision_param,
+                  reduce_dtype=cfg.training.mixed_precision_reduce, cpu_offload=cfg.parallel.cpu_offload,
+                  is_main=info.is_main)
+        self.model = build_sharded_model(self.args, self.mesh, info.device, **kw,
+                                         activation_checkpoint=cfg.parallel.activation_checkpoint,
+                                         compile=cfg.parallel.compile)
+        self.ref = build_sharded_model(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+        o = cfg.optimizer
+        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.total_updates = cfg.training.steps * r.epochs * r.minibatches
+        self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
+                                     warmup_steps=cfg.lr_schedule.warmup_steps * r.epochs * r.minibatches,
+                                     decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
+        weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
+        self.reward_fns = list(zip(cfg.reward.functions, weights))
+        self.rewards = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
+        self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
+        self.ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last)
+        self.logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
+                                    console_keys=("reward/total", "accuracy", "response/length_mean", "kl", "entropy",
+                                                  "clip_frac", "grad_norm", "gap/abs_mean", "time/rollout_s", "time/update_s"))
+        self.step = 0
+
+    # ---- data ------------------------------------------------------------------------
+
+    def _load_data(self):
+        d = self.cfg.data
+        if d.path is None:
+            raise ConfigError("data.path: required by the rl recipe (a jsonl/parquet file or synthetic:<task>)")
+        kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field,
+                  max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
+        rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows)
+        train, skipped = encode_prompts(rows, self.tok, source=d.path, **kw)
+        eval_path = d.eval_path or (d.path if d.path.startswith("synthetic:") else None)
+        evals = []
+        if eval_path:
+            erows = load_prompt_rows(eval_path, d.format, split="test", seed=self.cfg.job.seed + 1,
+                                     n_synthetic=self.cfg.rl.eval_prompts)
+            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path, **kw)
+        if self.info.is_main:
+            print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped {sum(skipped.values())} {skipped}", flush=True)
+        return train, evals
+
+    # ---- rollout ---------------------------------------------------------------------
+
+    def _score(self, samples: list[RolloutSample]) -> tuple[torch.Tensor, dict[str, float]]:
+        res = self.rewards.score(self.reward_fns, [s.text for s in samples], [s.row for s in samples])
+        scores = torch.tensor(res.total, dtype=torch.float32)
+        first = torch.tensor(res.scores[self.reward_fns[0][0]], dtype=torch.float32)
+        for s, acc in zip(samples, first.tolist()):
+            s.info["accuracy"] = acc
+        return scores, res.metrics()
+
+    def rollout(self) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
+        cfg, r = self.cfg, self.cfg.rl
+        t0 = time.monotonic()
+        reset_peak_memory(self.info.device)
+        if r.offload_optimizer:
+            move_optimizer_state(self.opt, "cpu")
+        gen_model, metrics = build_generation_model(self.model, self.args, self.info.device)
+        per_rank = r.prompts_per_step // self.dp
+        samples: list[RolloutSample] = []
+        scores: list[torch.Tensor] = []
+        seed = (cfg.job.seed * 1_000_003 + self.step * 1_009 + self.info.rank) % (1 << 62)
+        kept_groups, rounds, dropped = 0, 0, 0
+        while kept_groups < per_rank:
+            idx = self.stream.take(per_rank if rounds == 0 else per_rank - kept_groups)
+            new, gm = generate_samples(gen_model, self.tok, [self.train_prompts[i] for i in idx], r.num_samples,
+                                       cfg.rollout, seed=seed + rounds, max_prompt_tokens=self.max_prompt)
+            sc, rm = self._score(new)
+            groups = torch.tensor([s.group for s in new])
+            keep = filter_groups(sc, groups) if r.dynamic_sampling else torch.ones(len(new), dtype=torch.bool)
+            rounds += 1
+            last_round = rounds > r.max_refill_rounds
+            if last_round:  # keep what we have rather than stall
+                keep[:] = True
+            for s, k, v in zip(new, keep.tolist(), sc):
+                if k:
+                    s.group += kept_groups * 10_000  # unique across rounds
+                    samples.append(s)
+                    scores.append(v)
+            n_keep = int(keep.sum()) // r.num_samples
+            dropped += len(idx) - n_keep
+            kept_groups += n_keep
+            for k, v in {**gm, **rm}.items():
+                metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", "errors", "timeouts", "crashes")) else v
+            if last_round or not r.dynamic_sampling:
+                break
+        del gen_model
+        if r.offload_optimizer:
+            move_optimizer_state(self.opt, self.info.device)
+        metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
+                        "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
+        return samples, torch.stack(scores), metrics
+
+    # ---- update ----------------------------------------------------------------------
+
+    def _advantages(self, samples, scores, mask, old_logp, ref_logp) -> torch.Tensor:
+        r, dev = self.cfg.rl, self.info.device
+        scores = scores.to(dev)
+        if r.overlong_buffer > 0:
+            lengths = torch.tensor([len(s.completion_ids) for s in samples], device=dev, dtype=torch.float32)
+            scores = scores + overlong_penalty(lengths, self.cfg.rollout.max_tokens, r.overlong_buffer, r.overlong_penalty)
+        token_rewards = None
+        if ref_logp is not None and r.kl_mode == "reward":
+            token_rewards = kl_penalty_rewards(old_logp, ref_logp, mask, r.kl_coef, r.kl_estimator)
+        groups = dense_group_index(torch.tensor([s.group for s in samples], device=dev))
+        inp = AdvantageInput(scores=scores, mask=mask, group_index=groups, token_rewards=token_rewards)
+        acfg = AdvantageConfig(norm_by_std=r.norm_by_std, gamma=r.gamma, lam=r.lam)
+        return ADVANTAGES.get(r.advantage)(inp, acfg).advantages
+
+    def update(self, samples: list[RolloutSample], scores: torch.Tensor) -> dict[str, float]:
+        cfg, r, dev = self.cfg, self.cfg.rl, self.info.device
+        t0 = time.monotonic()
+        reset_peak_memory(dev)
+        mask, gen_logp, width = completion_tensors(samples, dev)
+        if r.overlong_filter:
+            trunc = torch.tensor([s.finish_reason == "length" for s in samples], device=dev)
+            mask = mask * (~trunc).float()[:, None]
+        all_mbs = sync_micro_batch_count(pack_micro_batches(samples, list(range(len(samples))), r.micro_batch_tokens, dev), dev)
+        self.model.eval()
+        old_logp = recompute_logprobs(self.model, samples, all_mbs, width, dev)
+        ref_logp = recompute_logprobs(self.ref, samples, all_mbs, width, dev) if self.ref is not None else None
+        adv = self._advantages(samples, scores, mask, old_logp, ref_logp)
+        gap = (old_logp - gen_logp).abs() * mask
+        pl_cfg = PolicyLossConfig(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip, tis_cap=r.tis_cap)
+        loss_fn, agg = POLICY_LOSSES.get(r.policy_loss), AGGREGATIONS.get(r.aggregation)
+        const = r.loss_constant or float(cfg.rollout.max_tokens)
+        sums = torch.zeros(6, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, grad steps
+        grad_norms = []
+        self.model.train()
+        order = list(range(len(samples)))
+        for _ in range(r.epochs):
+            for mb_rows in _split(order, r.minibatches):
+                mbs = sync_micro_batch_count(pack_micro_batches(samples, mb_rows, r.micro_batch_tokens, dev), dev)
+                norm = make_norm(mask[mb_rows] if mb_rows else mask[:0], constant=const, group=dist.group.WORLD)
+                for mb in mbs:
+                    logp_l, ent_l = token_logprobs(self.model, mb, with_entropy=True)
+                    rows = mb.rows
+                    if not rows:  # padding micro-batch: keep collectives in step, no gradient signal
+                        (logp_l.sum() * 0.0).backward()
+                        continue
+                    logp, ent = scatter_rows(logp_l, mb, width), scatter_rows(ent_l, mb, width)
+                    m = mask[rows]
+                    out = loss_fn(PolicyLossInput(logp=logp, old_logp=old_logp[rows], advantages=adv[rows], mask=m,
+                                                  gen_logp=gen_logp[rows]), pl_cfg)
+                    tok_loss = out.loss
+                    if ref_logp is not None and r.kl_mode == "loss":
+                        tok_loss = tok_loss + r.kl_coef * KL_ESTIMATORS.get(r.kl_estimator)(logp, ref_logp[rows])
+                    if r.entropy_coef:
+                        tok_loss = tok_loss - r.entropy_coef * ent
+                    loss = agg(tok_loss, m, norm)
+                    (loss * self.dp).backward()  # FSDP2 averages over dp ranks
+                    with torch.no_grad():
+                        kl = KL_ESTIMATORS.get("k3")(logp, ref_logp[rows]) if ref_logp is not None else torch.zeros_like(logp)
+                        sums[:5] += torch.stack([loss.double(), (out.metrics["clipped"].float() * m).sum().double(),
+                                                 (ent * m).sum().double(), (kl * m).sum().double(), m.sum().double()])
+                grad_norms.append(clip_grad_norm(self.model.parameters(), cfg.optimizer.max_grad_norm))
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                sums[5] += 1
+        dist.all_reduce(sums)
+        tokens = max(sums[4].item(), 1.0)
+        gap_stats = torch.stack([gap.sum(), mask.sum(), gap.max() if gap.numel() else gap.new_zeros(())]).double()
+        gmax = gap_stats[2:].clone()
+        dist.all_reduce(gap_stats[:2])
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+        return {"loss": sums[0].item() / max(sums[5].item() / self.info.world_size, 1.0),
+                "clip_frac": sums[1].item() / tokens, "entropy": sums[2].item() / tokens, "kl": sums[3].item() / tokens,
+                "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "lr": self.sched.get_last_lr()[0],
+                "gap/abs_mean": gap_stats[0].item() / max(gap_stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
+                "update/tokens": tokens, "update/tokens_per_s": tokens / (time.monotonic() - t0),
+                "time/update_s": time.monotonic() - t0, "memory/update_peak_gb": peak_memory_gb(dev)}
+
+    # ---- evaluation ------------------------------------------------------------------
+
+    def evaluate(self) -> float | None:
+        """Greedy accuracy on the held-out prompts (the first reward function's mean)."""
+        if not self.eval_prompts:
+            return None
+        gen_model, _ = build_generation_model(self.model, self.args, self.info.device)
+        mine = self.eval_prompts[self.dp_rank::self.dp]
+        samples, _ = generate_samples(gen_model, self.tok, mine, 1, self.cfg.rollout, seed=0,
+                                      max_prompt_tokens=self.max_prompt, greedy=True)
+        del gen_model
+        self._score(samples)
+        acc = torch.tensor([sum(s.info["accuracy"] for s in samples), len(samples)], dtype=torch.float64)
+        dist.all_reduce(acc)
+        return acc[0].item() / max(acc[1].item(), 1.0)
+
+    # ---- loop ------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        cursors = [None] * self.info.world_size
+        dist.all_gather_object(cursors, self.stream.cursor)
+        return {"step": self.step, "scheduler": self.sched.state_dict(), "cursors": cursors, "dp": self.dp}
+
+    def resume(self) -> None:
+        c = self.cfg.checkpoint
+        if not (c.enable and c.resume) or (last := self.ckpt.latest_step()) is None:
+            return
+        state = self.ckpt.load(last, self.model, self.opt)
+        self.sched.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        if state["dp"] == self.dp and len(state["cursors"]) == self.info.world_size:
+            self.stream.cursor = state["cursors"][self.info.rank]
+        else:  # another layout: continue after every prompt any rank had taken
+            self.stream.cursor = max(state["cursors"]) * state["dp"] // self.dp
+        if self.info.is_main:
+            note = "" if state["_saved_world"] == self.info.world_size else f" (saved on {state['_saved_world']} ranks, now {self.info.world_size}: resharded)"
+            print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}", flush=True)
+
+    def run(self) -> int:
+        cfg, r = self.cfg, self.cfg.rl
+        self.resume()
+        start_acc = self.evaluate() if self.step == 0 else None
+        if start_acc is not None and self.info.is_main:
+            print(f"eval accuracy at start: {start_acc:.3f}", flush=True)
+        acc = start_acc
+        while self.step < cfg.training.steps:
+            t0 = time.monotonic()
+            samples, scores, metrics = self.rollout()
+            metrics.update(self.update(samples, scores))
+            self.step += 1
+            metrics.update(self._rollout_metrics(samples))
+            metrics["time/step_s"] = time.monotonic() - t0
+            if r.eval_interval and self.step % r.eval_interval == 0 and self.step < cfg.training.steps:
+                acc = self.evaluate()
+                metrics["eval/accuracy"] = acc
+            if self.step == cfg.training.steps:
+                acc = self.evaluate()
+                if acc is not None:
+                    metrics["eval/accuracy"] = acc
+            if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.training.steps:
+                self.logger.log(self.step, metrics, total_steps=cfg.training.steps)
+            if self.info.is_main and self.step % r.sample_log_interval == 0:
+                self.logger.text("samples", "\n\n".join(f"[{s.finish_reason}] {s.text!r}" for s in samples[:4]), self.step)
+            if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or self.step == cfg.training.steps):
+                secs = self.ckpt.save(self.step, self.model, self.opt, self._state())
+                if self.info.is_main:
+                    print(f"checkpoint step-{self.step} saved in {secs:.2f}s", flush=True)
+        if self.info.is_main and acc is not None:
+            start = f"{start_acc:.3f}" if start_acc is not None else "n/a (resumed)"
+            print(f"eval accuracy: start {start} -> end {acc:.3f}", flush=True)
+        if cfg.checkpoint.export_hf_at_end:
+            export_hf(self.model, self.args, self.tok, os.path.join(cfg.job.dump_folder, "hf"), self.info.rank)
+        self.rewards.close()
+        self.logger.close()
+        return 0
+
+    def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
+        t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],
+                         dtype=torch.float64)
+        stats = torch.stack([t[:, 0].sum(), t[:, 1].sum(), t[:, 2].sum(), torch.tensor(float(len(samples)), dtype=torch.float64)])
+        mx = t[:, 0].max().reshape(1)
+        dist.all_reduce(stats)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        n = max(stats[3].item(), 1.0)
+        return {"response/length_mean": stats[0].item() / n, "response/length_max": mx.item(),
+                "response/clipped_frac": stats[1].item() / n, "accuracy": stats[2].item() / n}
+
+
+def _split(order: list[int], k: int) -> list[list[int]]:
+    size = -(-len(order) // k) if order else 0
+    return [order[i * size:(i + 1) * size] for i in range(k)]
+
+
+def run_rl(cfg: Any, info: DistInfo) -> int:
+    return RLTrainer(cfg, info).run()

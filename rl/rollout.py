@@ -1,0 +1,80 @@
+"""The rollout phase: gather the policy into a generation copy, sample, score.
+
+The generation copy is a plain (unsharded) `Transformer` built from the
+FSDP2-sharded policy's all-gathered parameters; it lives only for the rollout
+and is dropped before the update phase, as is the KV pool the generator
+carves from its budget. Both sizes and the gather time are reported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from models.args import ModelArgs
+from models.transformer import Transformer
+from rl.data.prompts import Prompt
+from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
+from rl.generator.sequence import SamplingParams
+from rl.rollout_types import RolloutSample
+
+
+def build_generation_model(model: nn.Module, args: ModelArgs, device: torch.device) -> tuple[Transformer, dict[str, float]]:
+    """Collective: every rank gets a full, unsharded copy of the policy for generation."""
+    t0 = time.monotonic()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    nbytes = sum(t.numel() * t.element_size() for k, t in full.items() if k != "output.weight" or not args.tie_word_embeddings)
+    with torch.device("meta"):
+        gen = Transformer(args)
+    gen.load_state_dict(full, assign=True, strict=True)
+    gen.tie_weights()
+    gen.rope.to_empty(device=device)  # materialise and recompute the RoPE table
+    gen.requires_grad_(False).eval()
+    return gen, {"reshard/seconds": time.monotonic() - t0, "reshard/gb": nbytes / 1e9}
+
+
+def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
+    return GenerationSettings(
+        block_size=rcfg.block_size, num_blocks=rcfg.num_blocks, kv_cache_gb=rcfg.kv_cache_gb,
+        max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
+        prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
+        kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed,
+    )
+
+
+def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=rcfg.max_tokens)
+    return SamplingParams(temperature=rcfg.temperature, top_k=rcfg.top_k, top_p=rcfg.top_p, min_p=rcfg.min_p,
+                          max_tokens=rcfg.max_tokens)
+
+
+def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
+                     seed: int, max_prompt_tokens: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n completions per prompt with the in-house generator; the KV pool is freed on return."""
+    t0 = time.monotonic()
+    gen = Generator(gen_model, generation_settings(rcfg, max_prompt_tokens, seed), eos_token_ids=tokenizer.eos_token_ids)
+    check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
+    out = gen.generate([p.token_ids for p in prompts], sampling_params(rcfg, greedy=greedy), n=n, stop_check=check)
+    if not gen.pool_is_free():
+        raise RuntimeError("generator leaked KV blocks")
+    stats = gen.stats
+    kv_bytes = gen.cache.nbytes
+    gen.close()
+    samples = []
+    for group, (p, comps) in enumerate(zip(prompts, out)):
+        for c in comps:
+            lp = iter(c.raw_logprobs)
+            gen_lp = [next(lp) if m else 0.0 for m in c.sampled_mask]
+            samples.append(RolloutSample(group=group, prompt_ids=p.token_ids, completion_ids=c.token_ids,
+                                         loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
+                                         finish_reason=c.finish_reason,
+                                         text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row))
+    dt = time.monotonic() - t0
+    return samples, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
+                     "rollout/generated_tokens": float(stats.generated_tokens),
+                     "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}

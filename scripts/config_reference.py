@@ -1,0 +1,76 @@
+"""Print (or refresh in README.md) the config reference, generated from the config dataclasses.
+
+    python scripts/config_reference.py            # print the markdown
+    python scripts/config_reference.py --write    # replace the block in README.md
+
+The README's block is checked against this output by tests/test_readme.py, so
+the documented keys, types and defaults always match the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def _comments(cls: type) -> dict[str, str]:
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def _type(tp: object) -> str:
+    s = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
+    return s.replace("typing.", "").replace("Literal", "one of ").replace("|", "or")
+
+
+def reference() -> str:
+    from rl.config import Config
+    from rl.configlib import to_dict
+
+    lines = []
+    defaults = to_dict(Config())
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory  # type: ignore[misc]
+        doc = (inspect.getdoc(cls) or "").splitlines()[0]
+        lines += [f"**[{section.name}]** {doc}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        notes = _comments(cls)
+        for f in dataclasses.fields(cls):
+            default = defaults[section.name][f.name]
+            shown = "none" if default is None else repr(default).replace("'", '"').replace("|", "\\|")
+            tp = str(f.type).replace("|", "or")
+            lines.append(f"| `{f.name}` | {tp} | `{shown}` | {notes.get(f.name, '').replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def readme_block(text: str) -> str:
+    return text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+
+
+def main() -> None:
+    ref = reference()
+    if "--write" not in sys.argv:
+        print(ref, end="")
+        return
+    path = os.path.join(ROOT, "README.md")
+    text = open(path, encoding="utf-8").read()
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{head}{START}\n{ref}{END}{tail}")
+
+
+if __name__ == "__main__":
+    main()
