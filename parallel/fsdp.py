@@ -37,9 +37,10 @@ def apply_fsdp(
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
-    for i, block in enumerate(blocks):
-        # The last block's parameters are needed again right away by backward.
-        last = i == len(blocks) - 1
-        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **kwargs)
+    for block in blocks:
+        # Every block reshards after forward, the last one too: keeping it unsharded
+        # would save one all-gather per step, but a forward with no backward (old or
+        # reference log-probs, scoring) would then leave stale unsharded copies behind.
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
