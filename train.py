@@ -31,9 +31,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from parallel.distributed import destroy_distributed, init_distributed
     from rl.data.loading import DataError
+    from rl.fault import NonFiniteError, enable_flight_recorder
     from rl.modeling import ModelSetupError
     from rl.trainers import TRAINERS
 
+    if cfg.fault.flight_recorder:
+        enable_flight_recorder(cfg.job.dump_folder)
     info = init_distributed()
     try:
         return TRAINERS.get(cfg.training.recipe)(cfg, info)
@@ -43,9 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(errors.EXIT_DATA, str(e))
     except ModelSetupError as e:
         return _fail(errors.EXIT_MODEL, str(e))
+    except NonFiniteError as e:
+        return _fail(errors.EXIT_NONFINITE, str(e))
     finally:
         destroy_distributed()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torch.distributed.elastic.multiprocessing.errors import (
+        record,  # torchrun error files for rl.diagnose
+    )
+
+    sys.exit(record(main)())

@@ -248,6 +248,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Hang watchdog, NaN/Inf policy and preemption (see docs/fault-tolerance.md)."""
+
+    hang_timeout_s: float = 900.0  # no step progress for this long: dump every rank's stacks, exit 6; 0 = off
+    on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/Inf loss or grad: skip the step (counted) or stop (exit 7)
+    flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA only)
+
+    def validate(self) -> None:
+        require(self.hang_timeout_s >= 0, f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}")
+
+
+@dataclass
 class MetricsConfig:
     """Where and how often step metrics are written."""
 
@@ -309,6 +321,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

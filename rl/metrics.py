@@ -68,3 +68,15 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Keep the rows of a per-step jsonl file with ``step <= last_step`` (resume after a crash)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)

@@ -52,7 +52,8 @@ class RLConfig:
     overlong_penalty: float = 1.0
     offload_optimizer: bool = False  # move optimizer state to CPU during rollout
     eval_interval: int = 0  # steps between held-out evaluations; 0 = start and end only
-    eval_prompts: int = 64  # held-out prompts per evaluation (greedy)
+    eval_prompts: int = 64  # held-out prompts per evaluation
+    eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one greedy completion
     sample_log_interval: int = 10  # steps between sample completions in tensorboard
 
     def validate(self) -> None:
@@ -104,6 +105,7 @@ class RewardConfig:
     """Reward functions (rl/rewards registry), their weights, and the CPU worker pool."""
 
     functions: list[str] = field(default_factory=lambda: ["math"])
+    modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
@@ -114,7 +116,15 @@ class RewardConfig:
                 f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
         require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
+        import importlib
+
         import rl.rewards  # noqa: F401  (registers the built-in reward functions)
+
+        for mod in self.modules:
+            try:
+                importlib.import_module(mod)
+            except ImportError as e:
+                raise ConfigError(f"reward.modules: cannot import {mod!r}: {e}") from None
 
         for name in self.functions:
             _check_name("reward.functions", "rl.rewards.registry.REWARDS", name)

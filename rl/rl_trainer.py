@@ -11,6 +11,7 @@ names from the config; this loop never branches on them.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from parallel.distributed import DistInfo
 from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_rank
 from parallel.offload import move_optimizer_state
+from rl import errors
 from rl.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -30,7 +32,6 @@ from rl.algorithms import (
     AdvantageConfig,
     AdvantageInput,
     PolicyLossConfig,
-    PolicyLossInput,
     dense_group_index,
     filter_groups,
     kl_penalty_rewards,
@@ -40,7 +41,8 @@ from rl.algorithms import (
 from rl.checkpoint import Checkpointer
 from rl.config import ConfigError
 from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
-from rl.metrics import MetricsLogger
+from rl.fault import PreemptionHandler, Watchdog, check_finite
+from rl.metrics import MetricsLogger, truncate_jsonl
 from rl.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
 from rl.optim import build_optimizer, build_scheduler
 from rl.rewards.pool import RewardPool
@@ -48,12 +50,13 @@ from rl.rollout import build_generation_model, generate_samples
 from rl.rollout_types import RolloutSample
 from rl.system import peak_memory_gb, reset_peak_memory
 from rl.update import (
+    LossInputs,
+    LossSpec,
     completion_tensors,
+    micro_batch_loss,
     pack_micro_batches,
     recompute_logprobs,
-    scatter_rows,
     sync_micro_batch_count,
-    token_logprobs,
 )
 
 
@@ -90,13 +93,18 @@ class RLTrainer:
                                      decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
         weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
         self.reward_fns = list(zip(cfg.reward.functions, weights))
-        self.rewards = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
+        self.rewards = RewardPool(  # reward.modules were imported by config validation
+cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
         self.ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last)
         self.logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
                                     console_keys=("reward/total", "accuracy", "response/length_mean", "kl", "entropy",
                                                   "clip_frac", "grad_norm", "gap/abs_mean", "time/rollout_s", "time/update_s"))
         self.step = 0
+        self.skipped_updates = 0
+        self.watchdog = Watchdog(dump, cfg.fault.hang_timeout_s, info.rank,
+                                 phase_timeouts={"checkpoint": max(cfg.fault.hang_timeout_s, 1800.0)})
+        self.preempt = PreemptionHandler(dump, info.rank)
 
     # ---- data ------------------------------------------------------------------------
 
@@ -200,38 +208,31 @@ class RLTrainer:
         ref_logp = recompute_logprobs(self.ref, samples, all_mbs, width, dev) if self.ref is not None else None
         adv = self._advantages(samples, scores, mask, old_logp, ref_logp)
         gap = (old_logp - gen_logp).abs() * mask
-        pl_cfg = PolicyLossConfig(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip, tis_cap=r.tis_cap)
-        loss_fn, agg = POLICY_LOSSES.get(r.policy_loss), AGGREGATIONS.get(r.aggregation)
+        spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss),
+                        policy_cfg=PolicyLossConfig(clip_low=r.clip_low, clip_high=r.clip_high,
+                                                    dual_clip=r.dual_clip, tis_cap=r.tis_cap),
+                        aggregation=AGGREGATIONS.get(r.aggregation),
+                        kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if ref_logp is not None and r.kl_mode == "loss" else None,
+                        kl_coef=r.kl_coef, entropy_coef=r.entropy_coef)
+        inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp, ref_logp=ref_logp)
         const = r.loss_constant or float(cfg.rollout.max_tokens)
-        sums = torch.zeros(6, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, grad steps
+        sums = torch.zeros(6, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, optimizer steps
         grad_norms = []
         self.model.train()
-        order = list(range(len(samples)))
         for _ in range(r.epochs):
-            for mb_rows in _split(order, r.minibatches):
+            for mb_rows in _split(list(range(len(samples))), r.minibatches):
                 mbs = sync_micro_batch_count(pack_micro_batches(samples, mb_rows, r.micro_batch_tokens, dev), dev)
-                norm = make_norm(mask[mb_rows] if mb_rows else mask[:0], constant=const, group=dist.group.WORLD)
+                norm = make_norm(mask[mb_rows], constant=const, group=dist.group.WORLD)
                 for mb in mbs:
-                    logp_l, ent_l = token_logprobs(self.model, mb, with_entropy=True)
-                    rows = mb.rows
-                    if not rows:  # padding micro-batch: keep collectives in step, no gradient signal
-                        (logp_l.sum() * 0.0).backward()
-                        continue
-                    logp, ent = scatter_rows(logp_l, mb, width), scatter_rows(ent_l, mb, width)
-                    m = mask[rows]
-                    out = loss_fn(PolicyLossInput(logp=logp, old_logp=old_logp[rows], advantages=adv[rows], mask=m,
-                                                  gen_logp=gen_logp[rows]), pl_cfg)
-                    tok_loss = out.loss
-                    if ref_logp is not None and r.kl_mode == "loss":
-                        tok_loss = tok_loss + r.kl_coef * KL_ESTIMATORS.get(r.kl_estimator)(logp, ref_logp[rows])
-                    if r.entropy_coef:
-                        tok_loss = tok_loss - r.entropy_coef * ent
-                    loss = agg(tok_loss, m, norm)
+                    loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
                     (loss * self.dp).backward()  # FSDP2 averages over dp ranks
-                    with torch.no_grad():
-                        kl = KL_ESTIMATORS.get("k3")(logp, ref_logp[rows]) if ref_logp is not None else torch.zeros_like(logp)
-                        sums[:5] += torch.stack([loss.double(), (out.metrics["clipped"].float() * m).sum().double(),
-                                                 (ent * m).sum().double(), (kl * m).sum().double(), m.sum().double()])
+                    if st:
+                        sums[:5] += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
+                if not check_finite(sums[0], self.model, self.step + 1, self.info.rank, cfg.fault.on_nonfinite,
+                                    dump_folder=cfg.job.dump_folder):
+                    self.opt.zero_grad(set_to_none=True)  # fault.on_nonfinite = "skip": counted, no update
+                    self.skipped_updates += 1
+                    continue
                 grad_norms.append(clip_grad_norm(self.model.parameters(), cfg.optimizer.max_grad_norm))
                 self.opt.step()
                 self.sched.step()
@@ -253,13 +254,16 @@ class RLTrainer:
     # ---- evaluation ------------------------------------------------------------------
 
     def evaluate(self) -> float | None:
-        """Greedy accuracy on the held-out prompts (the first reward function's mean)."""
+        """Held-out accuracy: the first reward function's mean over ``rl.eval_samples`` completions
+        per prompt sampled like the rollout (a fixed seed, so every evaluation sees the same noise),
+        or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return None
         gen_model, _ = build_generation_model(self.model, self.args, self.info.device)
         mine = self.eval_prompts[self.dp_rank::self.dp]
-        samples, _ = generate_samples(gen_model, self.tok, mine, 1, self.cfg.rollout, seed=0,
-                                      max_prompt_tokens=self.max_prompt, greedy=True)
+        n = self.cfg.rl.eval_samples
+        samples, _ = generate_samples(gen_model, self.tok, mine, max(n, 1), self.cfg.rollout, seed=12345 + self.info.rank,
+                                      max_prompt_tokens=self.max_prompt, greedy=n == 0)
         del gen_model
         self._score(samples)
         acc = torch.tensor([sum(s.info["accuracy"] for s in samples), len(samples)], dtype=torch.float64)
@@ -273,6 +277,15 @@ class RLTrainer:
         dist.all_gather_object(cursors, self.stream.cursor)
         return {"step": self.step, "scheduler": self.sched.state_dict(), "cursors": cursors, "dp": self.dp}
 
+    def _write_ledger(self, samples: list[RolloutSample]) -> None:
+        """Append the prompt ids this step trains on (all ranks) to dump_folder/ledger.jsonl."""
+        mine = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples})
+        every: list[list[str] | None] = [None] * self.info.world_size
+        dist.all_gather_object(every, mine)
+        if self.info.is_main:
+            with open(os.path.join(self.cfg.job.dump_folder, "ledger.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step + 1, "ids": sorted(i for ids in every for i in ids)}) + "\n")
+
     def resume(self) -> None:
         c = self.cfg.checkpoint
         if not (c.enable and c.resume) or (last := self.ckpt.latest_step()) is None:
@@ -280,6 +293,9 @@ class RLTrainer:
         state = self.ckpt.load(last, self.model, self.opt)
         self.sched.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        if self.info.is_main:  # drop what a crashed run logged after its last checkpoint
+            for name in ("ledger.jsonl", "metrics.jsonl"):
+                truncate_jsonl(os.path.join(self.cfg.job.dump_folder, name), self.step)
         if state["dp"] == self.dp and len(state["cursors"]) == self.info.world_size:
             self.stream.cursor = state["cursors"][self.info.rank]
         else:  # another layout: continue after every prompt any rank had taken
@@ -289,41 +305,68 @@ class RLTrainer:
             print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}", flush=True)
 
     def run(self) -> int:
-        cfg, r = self.cfg, self.cfg.rl
-        self.resume()
-        start_acc = self.evaluate() if self.step == 0 else None
+        self.watchdog.start()
+        self.preempt.install()
+        try:
+            return self._loop()
+        finally:
+            self.watchdog.stop()
+            self.preempt.uninstall()
+            self.rewards.close()
+            self.logger.close()
+
+    def _save(self) -> None:
+        with self.watchdog.phase("checkpoint"):
+            secs = self.ckpt.save(self.step, self.model, self.opt, self._state())
+        if self.info.is_main:
+            print(f"checkpoint step-{self.step} saved in {secs:.2f}s", flush=True)
+
+    def _loop(self) -> int:
+        cfg, r, wd = self.cfg, self.cfg.rl, self.watchdog
+        with wd.phase("resume"):
+            self.resume()
+        with wd.phase("eval"):
+            start_acc = self.evaluate() if self.step == 0 else None
         if start_acc is not None and self.info.is_main:
             print(f"eval accuracy at start: {start_acc:.3f}", flush=True)
         acc = start_acc
         while self.step < cfg.training.steps:
             t0 = time.monotonic()
-            samples, scores, metrics = self.rollout()
-            metrics.update(self.update(samples, scores))
+            with wd.phase("rollout"):
+                samples, scores, metrics = self.rollout()
+                self._write_ledger(samples)
+            with wd.phase("update"):
+                metrics.update(self.update(samples, scores))
             self.step += 1
+            wd.beat(self.step)
             metrics.update(self._rollout_metrics(samples))
             metrics["time/step_s"] = time.monotonic() - t0
-            if r.eval_interval and self.step % r.eval_interval == 0 and self.step < cfg.training.steps:
-                acc = self.evaluate()
-                metrics["eval/accuracy"] = acc
-            if self.step == cfg.training.steps:
-                acc = self.evaluate()
+            metrics["fault/skipped_updates"] = float(self.skipped_updates)
+            last = self.step == cfg.training.steps
+            if last or (r.eval_interval and self.step % r.eval_interval == 0):
+                with wd.phase("eval"):
+                    acc = self.evaluate()
                 if acc is not None:
                     metrics["eval/accuracy"] = acc
-            if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.training.steps:
+            if self.step % cfg.metrics.log_interval == 0 or last:
                 self.logger.log(self.step, metrics, total_steps=cfg.training.steps)
             if self.info.is_main and self.step % r.sample_log_interval == 0:
                 self.logger.text("samples", "\n\n".join(f"[{s.finish_reason}] {s.text!r}" for s in samples[:4]), self.step)
-            if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or self.step == cfg.training.steps):
-                secs = self.ckpt.save(self.step, self.model, self.opt, self._state())
+            if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or last):
+                self._save()
+            elif self.preempt.should_stop_all(step=self.step):
+                self._save()
                 if self.info.is_main:
-                    print(f"checkpoint step-{self.step} saved in {secs:.2f}s", flush=True)
+                    print(f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED} to requeue", flush=True)
+                return errors.EXIT_PREEMPTED
+            if not last and self.preempt.should_stop_all(step=self.step):  # signal arrived during the save
+                return errors.EXIT_PREEMPTED
         if self.info.is_main and acc is not None:
             start = f"{start_acc:.3f}" if start_acc is not None else "n/a (resumed)"
             print(f"eval accuracy: start {start} -> end {acc:.3f}", flush=True)
         if cfg.checkpoint.export_hf_at_end:
-            export_hf(self.model, self.args, self.tok, os.path.join(cfg.job.dump_folder, "hf"), self.info.rank)
-        self.rewards.close()
-        self.logger.close()
+            with wd.phase("export"):
+                export_hf(self.model, self.args, self.tok, os.path.join(cfg.job.dump_folder, "hf"), self.info.rank)
         return 0
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:

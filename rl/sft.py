@@ -21,7 +21,9 @@ from parallel.mesh import Degrees, build_mesh, dp_rank
 from rl.checkpoint import Checkpointer
 from rl.config import ConfigError
 from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, load_sft_records
-from rl.metrics import MetricsLogger
+from rl.errors import EXIT_PREEMPTED
+from rl.fault import PreemptionHandler, Watchdog, check_finite
+from rl.metrics import MetricsLogger, truncate_jsonl
 from rl.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
 from rl.optim import build_optimizer, build_scheduler
 from rl.system import peak_memory_gb
@@ -68,6 +70,8 @@ def run_sft(cfg, info: DistInfo) -> int:
         sched.load_state_dict(state["scheduler"])
         start = state["step"]
         if info.is_main:
+            truncate_jsonl(os.path.join(dump, "metrics.jsonl"), start)
+        if info.is_main:
             note = f" (saved on {state['_saved_world']} ranks, now {info.world_size})" if state["_saved_world"] != info.world_size else ""
             print(f"resumed from {ckpt.path(last)} at step {start}{note}", flush=True)
 
@@ -78,40 +82,61 @@ def run_sft(cfg, info: DistInfo) -> int:
     logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
                            console_keys=("loss", "grad_norm", "lr", "tokens_per_s", "epoch"))
     micro = cfg.training.micro_batch_size
-    for step in range(start, cfg.training.steps):
-        t0 = time.monotonic()
-        rows = [data.rows[i] for i in sampler.local_batch(step, rank_dp, dp)]
-        counts = torch.tensor([sum(r.num_targets for r in rows), sum(len(r.tokens) for r in rows)], dtype=torch.float64)
-        dist.all_reduce(counts)  # global trained tokens and tokens this step
-        global_targets = max(counts[0].item(), 1.0)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-        model.train()
-        for m0 in range(0, len(rows), micro):
-            batch = {k: v.to(info.device) for k, v in collate(rows[m0:m0 + micro], tokenizer.pad_token_id or 0).items()}
-            logits = model(batch["tokens"], positions=batch["positions"], attn=DocumentAttention(batch["doc_ids"]))
-            tok_loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(),
-                                       ignore_index=IGNORE, reduction="sum")
-            # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
-            (tok_loss * (dp / global_targets)).backward()
-            loss_sum += tok_loss.detach().double()
-        grad_norm = clip_grad_norm(model.parameters(), cfg.optimizer.max_grad_norm)
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)
-        done = step + 1
-        if done % cfg.metrics.log_interval == 0 or done == cfg.training.steps:
-            dt = time.monotonic() - t0
-            logger.log(done, {"loss": loss_sum.item() / global_targets, "grad_norm": grad_norm, "lr": lr,
-                              "tokens_per_s": counts[1].item() / dt, "trained_tokens": counts[0].item(),
-                              "epoch": sampler.epoch_of(step), "step_time_s": dt,
-                              "peak_memory_gb": peak_memory_gb(info.device),
-                              "skipped_rows": sum(data.skipped.values())}, total_steps=cfg.training.steps)
-        if cfg.checkpoint.enable and (done % cfg.checkpoint.interval == 0 or done == cfg.training.steps):
-            secs = ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
-            if info.is_main:
-                print(f"checkpoint step-{done} saved in {secs:.2f}s", flush=True)
+    skipped_steps = 0
+    watchdog = Watchdog(dump, cfg.fault.hang_timeout_s, info.rank).start()
+    preempt = PreemptionHandler(dump, info.rank).install()
+    try:
+        for step in range(start, cfg.training.steps):
+            t0 = time.monotonic()
+            rows = [data.rows[i] for i in sampler.local_batch(step, rank_dp, dp)]
+            counts = torch.tensor([sum(r.num_targets for r in rows), sum(len(r.tokens) for r in rows)], dtype=torch.float64)
+            dist.all_reduce(counts)  # global trained tokens and tokens this step
+            global_targets = max(counts[0].item(), 1.0)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+            model.train()
+            for m0 in range(0, len(rows), micro):
+                batch = {k: v.to(info.device) for k, v in collate(rows[m0:m0 + micro], tokenizer.pad_token_id or 0).items()}
+                logits = model(batch["tokens"], positions=batch["positions"], attn=DocumentAttention(batch["doc_ids"]))
+                tok_loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(),
+                                           ignore_index=IGNORE, reduction="sum")
+                # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
+                (tok_loss * (dp / global_targets)).backward()
+                loss_sum += tok_loss.detach().double()
+            grad_norm = 0.0
+            lr = sched.get_last_lr()[0]
+            if check_finite(loss_sum, model, step + 1, info.rank, cfg.fault.on_nonfinite, dump_folder=dump):
+                grad_norm = clip_grad_norm(model.parameters(), cfg.optimizer.max_grad_norm)
+                opt.step()
+            else:  # fault.on_nonfinite = "skip": the step is counted and its update dropped
+                skipped_steps += 1
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(loss_sum)
+            done = step + 1
+            watchdog.beat(done)
+            if done % cfg.metrics.log_interval == 0 or done == cfg.training.steps:
+                dt = time.monotonic() - t0
+                logger.log(done, {"loss": loss_sum.item() / global_targets, "grad_norm": grad_norm, "lr": lr,
+                                  "tokens_per_s": counts[1].item() / dt, "trained_tokens": counts[0].item(),
+                                  "epoch": sampler.epoch_of(step), "step_time_s": dt,
+                                  "peak_memory_gb": peak_memory_gb(info.device),
+                                  "skipped_rows": sum(data.skipped.values()), "fault/skipped_steps": skipped_steps},
+                           total_steps=cfg.training.steps)
+            if cfg.checkpoint.enable and (done % cfg.checkpoint.interval == 0 or done == cfg.training.steps):
+                with watchdog.phase("checkpoint"):
+                    secs = ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
+                if info.is_main:
+                    print(f"checkpoint step-{done} saved in {secs:.2f}s", flush=True)
+            if done < cfg.training.steps and preempt.should_stop_all(step=done):
+                if not (cfg.checkpoint.enable and done % cfg.checkpoint.interval == 0):
+                    with watchdog.phase("checkpoint"):
+                        ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
+                if info.is_main:
+                    print(f"preempted: checkpointed step {done}; exiting with {EXIT_PREEMPTED} to requeue", flush=True)
+                return EXIT_PREEMPTED
+    finally:
+        watchdog.stop()
+        preempt.uninstall()
     if cfg.checkpoint.export_hf_at_end:
         out = os.path.join(dump, "hf")
         export_hf(model, args, tokenizer, out, info.rank)

@@ -10,7 +10,9 @@ the optimizer step, so the update is the same however the batch is split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import DocumentAttention
+from rl.algorithms import KL_ESTIMATORS, PolicyLossInput
 from rl.rollout_types import RolloutSample
 
 
@@ -124,3 +127,52 @@ def completion_tensors(samples: list[RolloutSample], device: torch.device) -> tu
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         gen[i, :n] = torch.tensor(s.gen_logprobs, dtype=torch.float32)
     return mask, gen, width
+
+
+@dataclass
+class LossInputs:
+    """The rank's rollout batch as completion-aligned [N, T] tensors for the loss."""
+
+    mask: torch.Tensor  # [N, T] 1 where the policy sampled the token
+    old_logp: torch.Tensor  # [N, T] policy before this update (update layout)
+    advantages: torch.Tensor  # [N, T]
+    gen_logp: torch.Tensor  # [N, T] generator log-probs (truncated IS)
+    ref_logp: torch.Tensor | None  # [N, T] reference policy (KL)
+
+
+@dataclass
+class LossSpec:
+    """Registered pieces (already looked up) and coefficients of the policy loss."""
+
+    policy_loss: Callable
+    policy_cfg: Any
+    aggregation: Callable
+    kl_estimator: Callable | None  # loss-term KL (None: off)
+    kl_coef: float
+    entropy_coef: float
+
+
+def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: LossSpec, norm: Any,
+                     width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Aggregated loss of one micro-batch (its share of the step's global loss) and token sums."""
+    logp_l, ent_l = token_logprobs(model, mb, with_entropy=True)
+    if not mb.rows:  # padding micro-batch: keeps collectives in step, no gradient signal
+        return logp_l.sum() * 0.0, {}
+    rows = mb.rows
+    logp, ent = scatter_rows(logp_l, mb, width), scatter_rows(ent_l, mb, width)  # [n, T]
+    m = inp.mask[rows]
+    out = spec.policy_loss(PolicyLossInput(logp=logp, old_logp=inp.old_logp[rows], advantages=inp.advantages[rows],
+                                           mask=m, gen_logp=inp.gen_logp[rows]), spec.policy_cfg)
+    tok_loss = out.loss
+    kl = None
+    if inp.ref_logp is not None:
+        kl = KL_ESTIMATORS.get("k3")(logp.detach(), inp.ref_logp[rows])  # reported KL
+        if spec.kl_estimator is not None:
+            tok_loss = tok_loss + spec.kl_coef * spec.kl_estimator(logp, inp.ref_logp[rows])
+    if spec.entropy_coef:
+        tok_loss = tok_loss - spec.entropy_coef * ent
+    loss = spec.aggregation(tok_loss, m, norm)
+    with torch.no_grad():
+        sums = {"clipped": (out.metrics["clipped"].float() * m).sum(), "entropy": (ent * m).sum(),
+                "kl": (kl * m).sum() if kl is not None else m.new_zeros(()), "tokens": m.sum()}
+    return loss, sums

@@ -24,12 +24,15 @@ SYNTHETIC = "synthetic:"
 
 def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
     if path.startswith(SYNTHETIC):
-        from rl.data.tasks import TASKS, make_task_rows
+        from rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
-        name = path[len(SYNTHETIC):]
+        name, knobs = parse_synthetic(path[len(SYNTHETIC):])
         if name not in TASKS:
             raise DataError(f"data.path: {TASKS.unknown_message(name)}")
-        return make_task_rows(name, n_synthetic, seed, split)  # type: ignore[arg-type]
+        try:
+            return make_task_rows(name, n_synthetic, seed, split, **knobs)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise DataError(f"data.path: {path}: {e}") from None
     return load_rows(path, fmt)
 
 

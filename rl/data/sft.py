@@ -209,10 +209,13 @@ def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> lis
     """Rows of a jsonl/parquet file, or ``synthetic:<task>`` train rows as chats answered correctly."""
     if not path.startswith("synthetic:"):
         return load_rows(path, fmt)
-    from rl.data.tasks import TASKS, make_task_rows
+    from rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
-    name = path[len("synthetic:"):]
+    name, knobs = parse_synthetic(path[len("synthetic:"):])
     if name not in TASKS:
         raise DataError(f"data.path: {TASKS.unknown_message(name)}")
-    rows = make_task_rows(name, n_synthetic, seed, "train")
+    try:
+        rows = make_task_rows(name, n_synthetic, seed, "train", **knobs)
+    except ValueError as e:
+        raise DataError(f"data.path: {path}: {e}") from None
     return [{"messages": r["messages"] + [{"role": "assistant", "content": r["answer"]}]} for r in rows]

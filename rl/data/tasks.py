@@ -246,3 +246,20 @@ def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str])
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def parse_synthetic(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"addition_small?max_value=19"`` -> ("addition_small", {"max_value": 19}); values as ints/floats/strs."""
+    name, _, query = spec.partition("?")
+    knobs: dict[str, Any] = {}
+    for part in filter(None, query.split("&")):
+        key, _, value = part.partition("=")
+        for cast in (int, float):
+            try:
+                knobs[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            knobs[key] = value
+    return name, knobs
