@@ -27,13 +27,14 @@ class MetricsLogger:
         self.enabled = enabled
         self.console_keys = console_keys
         self._jsonl = None
+        self._jsonl_path: str | None = None
         self._tb = None
         self._t0 = time.monotonic()
         if not enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        if jsonl:
-            self._jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", encoding="utf-8")
+        # Opened on the first row, so a resume may first truncate rows past its checkpoint.
+        self._jsonl_path = os.path.join(dump_folder, "metrics.jsonl") if jsonl else None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
 
@@ -43,6 +44,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         clean = {k: (float(v) if not isinstance(v, (int, str)) else v) for k, v in metrics.items()}
+        if self._jsonl is None and self._jsonl_path:
+            self._jsonl = open(self._jsonl_path, "a", encoding="utf-8")
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
             self._jsonl.flush()

@@ -69,7 +69,7 @@ def nan_reward(completion: str, sample: Mapping[str, Any]) -> float:
     return float("nan")
 
 
-@register_reward("test_starts_with_7")
-def starts_with_7(completion: str, sample: Mapping[str, Any]) -> float:
-    """1.0 when the answer starts with the digit 7: a preference RL learns in a few steps."""
-    return float(completion.strip().startswith("7"))
+@register_reward("test_starts_with_2")
+def starts_with_2(completion: str, sample: Mapping[str, Any]) -> float:
+    """1.0 when the answer starts with the digit 2: a preference RL learns in a few steps."""
+    return float(completion.strip().startswith("2"))
