@@ -35,8 +35,10 @@ def build_tokenizer(tokenizer: str | None, model_path: str | None, cache_dir: st
     if src is None:
         raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or 'builtin:char')")
     if src == "builtin:char":
-        os.makedirs(cache_dir, exist_ok=True)
-        return build_char_tokenizer(cache_dir)
+        # One folder per rank: ranks build it at the same time and must not read a half-written file.
+        rank_dir = os.path.join(cache_dir, f"rank-{os.environ.get('RANK', '0')}")
+        os.makedirs(rank_dir, exist_ok=True)
+        return build_char_tokenizer(rank_dir)
     key = "model.tokenizer" if tokenizer else "model.path"
     try:
         return Tokenizer.from_dir(src)

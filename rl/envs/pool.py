@@ -343,6 +343,7 @@ class EnvPool:
             if task.attempts < self.max_attempts:
                 self._queue.appendleft(task)
             else:
+                w.proc.join(timeout=1.0)  # the pipe can close before the exit status is reaped
                 code = w.proc.exitcode
                 self._done.append(
                     EnvOutcome(
