@@ -11,7 +11,8 @@ Multi-turn callers drive it step by step (`add`, `step`, `pause`, `append`,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
