@@ -16,7 +16,10 @@ and attends to every cache position up to and including its own.
 The Triton kernels live in `kernels.triton_paged_attention` and are imported on
 first use, so this module imports without Triton; `kernels.dispatch.use_triton`
 picks the implementation. The references below loop over sequences on the host
-(they sync); they are the numerics oracle for the kernels and the CPU path.
+(they sync); they are the numerics oracle for the kernels. The CPU path is
+`paged_attention_torch`: the same math batched over sequences (every
+sequence's pages gathered into one padded tensor, one masked softmax), tested
+against the loop reference.
 """
 
 from __future__ import annotations
@@ -132,8 +135,8 @@ def paged_attention(
             f"got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
         )
     if not use_triton(q, impl):
-        return paged_attention_ref(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+        return paged_attention_torch(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len
         )
     tk = _triton_impl()
     if max_q_len == 1 and q.shape[0] == n:
@@ -178,7 +181,7 @@ def paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits
         )
     cu = torch.arange(n + 1, dtype=torch.int32, device=q.device)  # [N + 1]
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
+    return paged_attention_torch(q, k_cache, v_cache, block_tables, cu, context_lens, scale, 1)
 
 
 # ---------------------------------------------------------------------------
@@ -254,3 +257,63 @@ def paged_attention_ref(
         probs = scores.softmax(dim=-1)  # [Hq, L, C]
         out[q_lo:q_hi] = torch.einsum("hlc,chd->lhd", probs, v).to(q.dtype)  # [L, Hq, D]
     return out
+
+
+# Above this many fp32 score elements the batched path falls back to the per-sequence loop.
+_BATCHED_SCORE_LIMIT = 1 << 26
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB]
+    cu_seqlens_q: torch.Tensor,  # [N + 1]
+    context_lens: torch.Tensor,  # [N]
+    scale: float,
+    max_q_len: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """`paged_attention_ref` batched over sequences: the PyTorch path off CUDA.
+
+    Every sequence's pages are gathered into ``[N, MB * BS, Hkv, D]``, its queries
+    into ``[N, max_q_len, Hq, D]`` (zero-padded), and one masked fp32 softmax
+    covers the batch, so the host does not loop over sequences (decode steps
+    mostly). Padding keys are masked by position; padding query rows are
+    dropped on the way out. A batch whose scores would exceed
+    ``_BATCHED_SCORE_LIMIT`` elements (a long prefill beside many short rows)
+    takes the loop reference instead.
+    """
+    t, hq, d = q.shape
+    n, mb = block_tables.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if n == 0 or t == 0:
+        return torch.zeros_like(q)
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    width = mb * bs
+    if n * hq * max_q_len * width > _BATCHED_SCORE_LIMIT:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    dev = q.device
+    ids = block_tables.long()  # [N, MB]
+    k = k_cache[ids].reshape(n, width, hkv, d).float()  # [N, W, Hkv, D]
+    v = v_cache[ids].reshape(n, width, hkv, d).float()  # [N, W, Hkv, D]
+    starts = cu_seqlens_q[:-1].long()  # [N]
+    q_lens = cu_seqlens_q[1:].long() - starts  # [N]
+    ctx = context_lens.long()  # [N]
+    offs = torch.arange(max_q_len, device=dev)  # [Lq]
+    valid_q = offs[None, :] < q_lens[:, None]  # [N, Lq]
+    rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)  # [N, Lq] token index into q
+    qp = q.float()[rows].reshape(n, max_q_len, hkv, group, d)  # [N, Lq, Hkv, G, D]
+    scores = torch.einsum("nlhgd,nwhd->nhglw", qp, k) * scale  # [N, Hkv, G, Lq, W]
+    q_pos = ctx[:, None] - q_lens[:, None] + offs[None, :]  # [N, Lq]
+    k_pos = torch.arange(width, device=dev)  # [W]
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, Lq, W] (also < ctx)
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key (ctx 0) -> 0
+    out = torch.einsum("nhglw,nwhd->nlhgd", probs, v).reshape(n, max_q_len, hq, d)  # [N, Lq, Hq, D]
+    if max_q_len == 1 and t == n:  # pure decode: row n is token n, nothing to scatter
+        return out[:, 0].to(q.dtype)
+    result = torch.zeros(t, hq, d, dtype=q.dtype, device=dev)
+    result[rows[valid_q]] = out[valid_q].to(q.dtype)
+    return result

@@ -88,7 +88,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
     prefix_sharing: bool = True  # the n samples of a prompt share its KV blocks
     kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
-    cuda_graphs: bool = False
+    cuda_graphs: bool = False  # replay captured CUDA graphs for decode steps (CUDA only; eager elsewhere)
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")

@@ -42,7 +42,7 @@ def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> Generat
         block_size=rcfg.block_size, num_blocks=rcfg.num_blocks, kv_cache_gb=rcfg.kv_cache_gb,
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
-        kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed,
+        kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
     )
 
 

@@ -205,6 +205,19 @@ def test_reference_matches_naive(block_size: int, hq: int, hkv: int, d: int) -> 
     torch.testing.assert_close(out.double().cpu(), naive_attention(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size,hq,hkv,d", HEADS_AND_DIMS[:3])
+def test_loop_reference_and_batched_fallback_match_naive(
+    block_size: int, hq: int, hkv: int, d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-sequence loop (the oracle) and the batched path's fallback to it."""
+    b = make_batch(MIXED, block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.context_lens, b.scale)
+    naive = naive_attention(b)
+    torch.testing.assert_close(pa.paged_attention_ref(*args).double(), naive, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(pa, "_BATCHED_SCORE_LIMIT", 0)
+    torch.testing.assert_close(pa.paged_attention_torch(*args).double(), naive, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_store_kv_writes_only_valid_slots() -> None:
     k_cache = torch.zeros(3, 4, 2, 8)
     v_cache = torch.zeros(3, 4, 2, 8)

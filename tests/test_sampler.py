@@ -172,6 +172,22 @@ def test_seeded_row_same_alone_and_in_any_batch() -> None:
     assert not torch.equal(noise[0], noise[3])
 
 
+def test_hash_matches_exact_integer_arithmetic() -> None:
+    """The tensor hash (int64 products that wrap) equals Python's exact big-int version."""
+    from rl.generator.sampler import _mix32
+
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    xs = [0, 1, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF] + list(torch.randint(0, 2**32, (2000,)).tolist())
+    got = _mix32(torch.tensor(xs, dtype=torch.int64)).tolist()
+    assert got == [mix(x) for x in xs]
+
+
 def test_noise_is_standard_exponential() -> None:
     noise = exponential_noise([(s, i) for s in range(40) for i in range(50)], 256)  # 512k draws
     assert noise.min().item() > 0 and torch.isfinite(noise).all()

@@ -38,6 +38,8 @@ class GenerationSettings:
     max_model_len: int | None = None
     kernels: str | None = None  # None: Triton on CUDA, PyTorch elsewhere; "torch" | "triton" force
     seed: int = 0
+    cuda_graphs: bool = False  # decode steps replay captured graphs (CUDA only; eager elsewhere)
+    graphs_capture: bool | None = None  # None: capture on CUDA; False: padded path without capture (tests)
 
 
 @dataclass
@@ -86,7 +88,9 @@ class Generator:
         self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size), settings.max_num_seqs,
                                    settings.max_num_batched_tokens, settings.prefix_sharing,
                                    max_model_len=max_len, eos_token_ids=eos_token_ids)
-        self.runner = ModelRunner(model, cache, default_seed=settings.seed, impl=settings.kernels)
+        self.runner = ModelRunner(model, cache, default_seed=settings.seed, impl=settings.kernels,
+                                  cuda_graphs=settings.cuda_graphs, max_model_len=max_len,
+                                  graphs_capture=settings.graphs_capture)
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
         self._next_id = 0
         self._stop_check: dict[int, Callable[[Sequence], bool]] = {}
@@ -162,6 +166,9 @@ class Generator:
 
     def close(self) -> None:
         """Release the KV pool (the rollout's memory goes back to training)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.close()
+            self.runner.graphs = None
         self.cache = None  # type: ignore[assignment]
         self.runner.cache = None  # type: ignore[assignment]
 

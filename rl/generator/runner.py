@@ -5,6 +5,10 @@ the flattened step (tokens, positions, slot mapping, block tables, context
 lengths), runs the policy's own `Transformer` with a `PagedAttention` backend,
 samples the chunks that end at a sampling point, and returns what was sampled.
 Attention metadata is passed explicitly to the backend; nothing is global.
+With ``cuda_graphs`` on, pure decode steps go through `DecodeGraphs`
+(bucketed, padded static buffers, captured on CUDA); everything else, and
+every step off CUDA unless ``graphs_capture=False`` forces the padded path
+for testing, runs eagerly.
 """
 
 from __future__ import annotations
@@ -12,18 +16,41 @@ from __future__ import annotations
 import torch
 
 from models.transformer import Transformer
+from rl.generator.cuda_graphs import DecodeGraphs
 from rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
 from rl.generator.sampler import Sampler
 from rl.generator.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: KVCache, *, default_seed: int = 0, impl: str | None = None) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, *, default_seed: int = 0, impl: str | None = None,
+                 cuda_graphs: bool = False, max_model_len: int | None = None,
+                 graphs_capture: bool | None = None) -> None:
         self.model, self.cache, self.impl = model, cache, impl
         self.default_seed = default_seed
         self.sampler = Sampler()
         self.device = cache.data.device
         self.scale = model.args.head_dim ** -0.5
+        capture = self.device.type == "cuda" if graphs_capture is None else graphs_capture
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and (capture or graphs_capture is False):
+            self.graphs = DecodeGraphs(self._logits, cache, self.scale,
+                                       max_model_len or model.args.max_position_embeddings, impl=impl,
+                                       capture=capture)
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
+        """Logits [T, V] (fp32) of a flat step whose every token is sampled (decode)."""
+        hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]
+        return self.model.output(hidden).float()
+
+    def _decode_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        if self.graphs is None or not all(c.sample and c.num_tokens == 1 for c in out.chunks):
+            return None
+        bs = self.cache.block_size
+        chunks = out.chunks
+        return self.graphs.run([c.token_ids[0] for c in chunks], [c.positions[0] for c in chunks],
+                               [c.slot_mapping(bs)[0] for c in chunks], [c.seq.block_table for c in chunks],
+                               [c.end for c in chunks])
 
     def build_meta(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, PagedMeta]:
         """Flatten the step: tokens [T], positions [T] and the paged metadata."""
@@ -53,15 +80,17 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> dict[int, tuple[int, float, float]]:
         """Execute one step; returns seq_id -> (token, logprob, raw_logprob) for sampled chunks."""
         self.cache.copy_blocks(out.block_copies)
-        tokens, positions, meta = self.build_meta(out)
-        attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
-        hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]  # [T, D]
         chunks = out.sample_chunks
-        if not chunks:
-            return {}
-        ends = [i for i, c in enumerate(out.chunks) if c.sample]
-        last = meta.cu_seqlens_q[1:][torch.tensor(ends, device=self.device)].long() - 1  # [M]
-        logits = self.model.output(hidden[last]).float()  # [M, V]
+        logits = self._decode_logits(out)
+        if logits is None:
+            tokens, positions, meta = self.build_meta(out)
+            attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
+            hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]  # [T, D]
+            if not chunks:
+                return {}
+            ends = [i for i, c in enumerate(out.chunks) if c.sample]
+            last = meta.cu_seqlens_q[1:][torch.tensor(ends, device=self.device)].long() - 1  # [M]
+            logits = self.model.output(hidden[last]).float()  # [M, V]
         keys = [c.step_key(self.default_seed) for c in chunks]
         toks, lps, raws = self.sampler.sample(logits, [c.seq.params for c in chunks], keys)
         # One host sync per step, on purpose: the scheduler needs the tokens.

@@ -80,18 +80,22 @@ def _row_keys(step_keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return words
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), split in 16-bit halves to avoid overflow."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """In place: a 32-bit integer bijection with good avalanche (xorshift-multiply, 'lowbias32').
+
+    x is int64 in [0, 2**32); each product wraps modulo 2**64 (two's complement),
+    which leaves its low 32 bits exact. In place because the [N, V] temporaries
+    of the out-of-place form cost more than the arithmetic.
+    """
+    x.bitwise_xor_(x >> 16)
+    x.mul_(0x7FEB352D).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x846CA68B).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer bijection with good avalanche (xorshift-multiply, 'lowbias32')."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    return _mix32_(x.clone())
 
 
 def exponential_noise(
@@ -106,9 +110,10 @@ def exponential_noise(
     rows = max(1, _NOISE_CHUNK_ELEMS // max(vocab_size, 1))
     for r in range(0, keys.shape[0], rows):
         k0, k1 = keys[r : r + rows, 0:1], keys[r : r + rows, 1:2]  # [n, 1] each
-        h = _mix32(_mix32((vocab + k0) & _M32) ^ k1)  # [n, V] in [0, 2**32)
-        u = ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)  # exact in fp32, inside (0, 1)
-        out[r : r + rows] = -torch.log(u)
+        h = (vocab + k0).bitwise_and_(_M32)  # [n, V]
+        _mix32_(_mix32_(h).bitwise_xor_(k1))  # [n, V] in [0, 2**32)
+        u = (h >> 9).to(torch.float32).add_(0.5).mul_(2.0**-23)  # exact in fp32, inside (0, 1)
+        out[r : r + rows] = u.log_().neg_()
     return out
 
 
@@ -155,7 +160,7 @@ class Sampler:
             )
             masked = scaled.masked_fill(~keep, float("-inf"))
             dist_logprobs = masked - torch.logsumexp(masked, dim=-1, keepdim=True)  # [N, V]
-            race = dist_logprobs - exponential_noise(step_keys, v, device).log()  # [N, V]
+            race = dist_logprobs - exponential_noise(step_keys, v, device).log_()  # [N, V]
             tokens = torch.where(greedy, greedy_tokens, race.argmax(dim=-1))
             chosen = dist_logprobs.gather(1, tokens[:, None]).squeeze(1)
             logprobs = torch.where(greedy, torch.zeros_like(chosen), chosen)
