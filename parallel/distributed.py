@@ -51,7 +51,6 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
 
     Safe to call twice: a second call returns the existing world.
     """
-    rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank, force_cpu=force_cpu or os.environ.get("TANDEM_FORCE_CPU") == "1")

@@ -40,6 +40,9 @@ MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
+Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]  # name -> (model, optimizer)
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -83,17 +86,16 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             trainer_state: dict[str, Any]) -> float:
-        """Write and commit ``step-N``; returns seconds taken."""
+             trainer_state: dict[str, Any], extras: Extras | None = None) -> float:
+        """Write and commit ``step-N``; returns seconds taken. ``extras`` are more
+        (model, optimizer) pairs saved under their names (e.g. a PPO critic)."""
         t0 = time.monotonic()
         final, staging = self.path(step), self.path(step) + ".partial"
         if self.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging, exist_ok=True)
         _barrier()
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state = _state(model, optimizer, extras)
         dcp.save(state, checkpoint_id=staging)
         os.makedirs(os.path.join(staging, "rng"), exist_ok=True)
         torch.save(rng_state(), os.path.join(staging, "rng", f"rank-{self.rank}.pt"))
@@ -120,16 +122,18 @@ class Checkpointer:
             if name.endswith(".partial"):
                 shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
 
-    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """Load ``step-N`` into model/optimizer (resharding as needed); return trainer state."""
+    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             extras: Extras | None = None) -> dict[str, Any]:
+        """Load ``step-N`` into model/optimizer (and ``extras``), resharding as needed;
+        return trainer state."""
         path = self.path(step)
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state = _state(model, optimizer, extras)
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optim"])
+        for key, (m, o) in {"": (model, optimizer), **(extras or {})}.items():
+            part = state[key] if key else state
+            set_model_state_dict(m, part["model"])
+            if o is not None:
+                set_optimizer_state_dict(m, o, part["optim"])
         rng_file = os.path.join(path, "rng", f"rank-{self.rank}.pt")
         if os.path.exists(rng_file):
             set_rng_state(torch.load(rng_file, weights_only=False))
@@ -138,6 +142,15 @@ class Checkpointer:
         with open(os.path.join(path, MARKER)) as f:
             trainer["_saved_world"] = int(f.read().split("world=")[1].split()[0])
         return trainer
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extras: Extras | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    for name, (m, o) in (extras or {}).items():
+        state[name] = _state(m, o, None)
+    return state
 
 
 def _barrier() -> None:

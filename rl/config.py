@@ -58,7 +58,7 @@ __all__ = [
     "parse_args",
 ]
 
-from rl.rl_config import RewardConfig, RLConfig, RolloutConfig  # noqa: E402  (sections of rl recipes)
+from rl.rl_config import CriticConfig, DistillConfig, RewardConfig, RLConfig, RolloutConfig  # noqa: E402  (sections of rl recipes)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -325,6 +325,8 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
 
     def validate(self) -> None:

@@ -109,9 +109,12 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
+    reward_model: str | None = None  # a reward_model recipe's output folder, scored on the rollout ranks
+    reward_model_weight: float = 1.0  # its weight in the total, beside the functions
 
     def validate(self) -> None:
-        require(bool(self.functions), "reward.functions: list at least one reward function")
+        require(bool(self.functions) or self.reward_model is not None,
+                "reward.functions: list at least one reward function (or set reward.reward_model)")
         require(not self.weights or len(self.weights) == len(self.functions),
                 f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
@@ -128,3 +131,49 @@ class RewardConfig:
 
         for name in self.functions:
             _check_name("reward.functions", "rl.rewards.registry.REWARDS", name)
+
+
+@dataclass
+class CriticConfig:
+    """PPO's value model (used when rl.advantage = "gae"): same architecture and mesh as the policy."""
+
+    path: str | None = None  # HF folder (policy or reward model); default: the policy's starting weights
+    lr: float = 1e-5
+    value_clip: float | None = 0.2  # clip the new value within this of the old; none = unclipped loss
+    coef: float = 1.0  # scale of the value loss (the critic has its own optimizer)
+    warmup_steps: int = 0  # RL steps at the start where only the critic learns
+
+    def validate(self) -> None:
+        require(self.lr > 0, f"critic.lr: must be > 0, got {self.lr}")
+        require(self.value_clip is None or self.value_clip > 0, f"critic.value_clip: must be > 0, got {self.value_clip}")
+        require(self.coef > 0, f"critic.coef: must be > 0, got {self.coef}")
+        require(self.warmup_steps >= 0, f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation: teachers score the student's samples; the per-token reverse KL is the signal.
+
+    One teacher is OPD; several are multi-teacher OPD, each prompt routed to the
+    teacher named by its ``route_field`` value (``names[i]`` names ``teachers[i]``).
+    """
+
+    teachers: list[str] = field(default_factory=list)  # HF folders; empty = off
+    names: list[str] = field(default_factory=list)  # route values, one per teacher; default: folder names
+    route_field: str | None = None  # data field naming each prompt's teacher (needed with several)
+    coef: float = 1.0  # weight of the distillation advantage
+    reward_weight: float = 0.0  # weight of the reward advantage (rl.advantage) added to it; 0 = pure OPD
+
+    def validate(self) -> None:
+        if not self.teachers:
+            return
+        require(not self.names or len(self.names) == len(self.teachers),
+                f"distill.names: {len(self.names)} names for {len(self.teachers)} teachers")
+        require(len(self.teachers) == 1 or self.route_field is not None,
+                f"distill.route_field: {len(self.teachers)} teachers need a data field that routes each prompt")
+        require(len(set(self.teacher_names())) == len(self.teachers), "distill.names: teacher names must be distinct")
+
+    def teacher_names(self) -> list[str]:
+        import os
+
+        return list(self.names) or [os.path.basename(os.path.normpath(t)) for t in self.teachers]

@@ -36,14 +36,16 @@ from rl.algorithms import (
     filter_groups,
     kl_penalty_rewards,
     make_norm,
+    opd_advantages,
     overlong_penalty,
 )
 from rl.checkpoint import Checkpointer
 from rl.config import ConfigError
+from rl.critic import Critic
 from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
 from rl.fault import PreemptionHandler, Watchdog, check_finite
 from rl.metrics import MetricsLogger, truncate_jsonl
-from rl.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
+from rl.modeling import ModelSetupError, build_sharded_model, build_tokenizer, export_hf, model_args
 from rl.optim import build_optimizer, build_scheduler
 from rl.rewards.pool import RewardPool
 from rl.rollout import build_generation_model, generate_samples
@@ -87,14 +89,25 @@ class RLTrainer:
         self.ref = build_sharded_model(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.total_updates = cfg.training.steps * r.epochs * r.minibatches
+        self.critic = Critic(cfg, self.args, self.mesh, info.device, policy_path=cfg.model.path,
+                             is_main=info.is_main) if r.advantage == "gae" else None
+        self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
+        self.teachers = None
+        if cfg.distill.teachers:
+            from rl.distill import Teachers
+
+            self.teachers = Teachers(cfg, self.tok, self.mesh, info.device, is_main=info.is_main)
+            self.teachers.route_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
+        self.rm = self._reward_model() if cfg.reward.reward_model else None
+        # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
+        self.total_updates = max(cfg.training.steps - self.critic_warmup, 1) * r.epochs * r.minibatches
         self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
                                      warmup_steps=cfg.lr_schedule.warmup_steps * r.epochs * r.minibatches,
                                      decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
         weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
         self.reward_fns = list(zip(cfg.reward.functions, weights))
         self.rewards = RewardPool(  # reward.modules were imported by config validation
-cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
+            cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
         self.ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last)
         self.logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
@@ -128,13 +141,36 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
 
     # ---- rollout ---------------------------------------------------------------------
 
+    def _reward_model(self):
+        from rl.reward_model import RewardModelScorer
+
+        path = self.cfg.reward.reward_model
+        try:
+            return RewardModelScorer(path, self.info.device)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelSetupError(f"reward.reward_model ({path}): {str(e).strip().splitlines()[0]}") from None
+
+    def _context(self, row: dict[str, Any]) -> Any:
+        """The prompt of a data row as the reward model was trained on it (messages or text)."""
+        d = self.cfg.data
+        return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
+
     def _score(self, samples: list[RolloutSample]) -> tuple[torch.Tensor, dict[str, float]]:
-        res = self.rewards.score(self.reward_fns, [s.text for s in samples], [s.row for s in samples])
-        scores = torch.tensor(res.total, dtype=torch.float32)
-        first = torch.tensor(res.scores[self.reward_fns[0][0]], dtype=torch.float32)
-        for s, acc in zip(samples, first.tolist()):
-            s.info["accuracy"] = acc
-        return scores, res.metrics()
+        scores = torch.zeros(len(samples))
+        metrics: dict[str, float] = {}
+        if self.reward_fns:
+            res = self.rewards.score(self.reward_fns, [s.text for s in samples], [s.row for s in samples])
+            scores += torch.tensor(res.total, dtype=torch.float32)
+            first = torch.tensor(res.scores[self.reward_fns[0][0]], dtype=torch.float32)
+            for s, acc in zip(samples, first.tolist()):
+                s.info["accuracy"] = acc
+            metrics = res.metrics()
+        if self.rm is not None:  # scored here, on the rollout rank's device
+            rm = torch.tensor(self.rm.score([self._context(s.row) for s in samples], [s.text for s in samples]))
+            scores += self.cfg.reward.reward_model_weight * rm
+            metrics["reward/reward_model/mean"] = rm.mean().item()
+        metrics["reward/total"] = scores.mean().item()
+        return scores, metrics
 
     def rollout(self) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
         cfg, r = self.cfg, self.cfg.rl
@@ -172,15 +208,24 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
             if last_round or not r.dynamic_sampling:
                 break
         del gen_model
+        self._reduce_reward_metrics(metrics)
         if r.offload_optimizer:
             move_optimizer_state(self.opt, self.info.device)
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
         return samples, torch.stack(scores), metrics
 
+    def _reduce_reward_metrics(self, metrics: dict[str, float]) -> None:
+        """Reward means over all ranks (failure counts summed), so the log is not rank 0's alone."""
+        keys = sorted(k for k in metrics if k.startswith("reward/"))
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(t)
+        for k, v in zip(keys, t.tolist()):
+            metrics[k] = v if k.endswith(("errors", "timeouts", "crashes")) else v / self.info.world_size
+
     # ---- update ----------------------------------------------------------------------
 
-    def _advantages(self, samples, scores, mask, old_logp, ref_logp) -> torch.Tensor:
+    def _advantages(self, samples, scores, mask, old_logp, ref_logp, values) -> tuple[torch.Tensor, torch.Tensor | None]:
         r, dev = self.cfg.rl, self.info.device
         scores = scores.to(dev)
         if r.overlong_buffer > 0:
@@ -190,9 +235,20 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         if ref_logp is not None and r.kl_mode == "reward":
             token_rewards = kl_penalty_rewards(old_logp, ref_logp, mask, r.kl_coef, r.kl_estimator)
         groups = dense_group_index(torch.tensor([s.group for s in samples], device=dev))
-        inp = AdvantageInput(scores=scores, mask=mask, group_index=groups, token_rewards=token_rewards)
+        inp = AdvantageInput(scores=scores, mask=mask, group_index=groups, token_rewards=token_rewards, values=values)
         acfg = AdvantageConfig(norm_by_std=r.norm_by_std, gamma=r.gamma, lam=r.lam)
-        return ADVANTAGES.get(r.advantage)(inp, acfg).advantages
+        out = ADVANTAGES.get(r.advantage)(inp, acfg)
+        return out.advantages, out.returns
+
+    def _distill(self, samples, mask, old_logp, adv, width) -> tuple[torch.Tensor, dict[str, float]]:
+        """OPD: advantages from the sampled reverse KL to each sample's teacher (+ the reward's)."""
+        d, dev = self.cfg.distill, self.info.device
+        route = self.teachers.route(samples)
+        t_logp = self.teachers.logprobs(samples, route, width, self.cfg.rl.micro_batch_tokens, dev)
+        out = d.coef * opd_advantages(old_logp, t_logp, mask)
+        if d.reward_weight:
+            out = out + d.reward_weight * adv
+        return out, self.teachers.metrics((old_logp - t_logp) * mask, mask, route)
 
     def update(self, samples: list[RolloutSample], scores: torch.Tensor) -> dict[str, float]:
         cfg, r, dev = self.cfg, self.cfg.rl, self.info.device
@@ -206,7 +262,12 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         self.model.eval()
         old_logp = recompute_logprobs(self.model, samples, all_mbs, width, dev)
         ref_logp = recompute_logprobs(self.ref, samples, all_mbs, width, dev) if self.ref is not None else None
-        adv = self._advantages(samples, scores, mask, old_logp, ref_logp)
+        values = self.critic.values(all_mbs, len(samples), width, dev) if self.critic is not None else None
+        adv, returns = self._advantages(samples, scores, mask, old_logp, ref_logp, values)
+        extra: dict[str, float] = {}
+        if self.teachers is not None:
+            adv, extra = self._distill(samples, mask, old_logp, adv, width)
+        train_policy = self.step >= self.critic_warmup
         gap = (old_logp - gen_logp).abs() * mask
         spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss),
                         policy_cfg=PolicyLossConfig(clip_low=r.clip_low, clip_high=r.clip_high,
@@ -216,22 +277,34 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
                         kl_coef=r.kl_coef, entropy_coef=r.entropy_coef)
         inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp, ref_logp=ref_logp)
         const = r.loss_constant or float(cfg.rollout.max_tokens)
-        sums = torch.zeros(6, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, optimizer steps
-        grad_norms = []
+        sums = torch.zeros(8, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, steps, value sq err, value tokens
+        grad_norms, critic_norms = [], []
         self.model.train()
         for _ in range(r.epochs):
             for mb_rows in _split(list(range(len(samples))), r.minibatches):
                 mbs = sync_micro_batch_count(pack_micro_batches(samples, mb_rows, r.micro_batch_tokens, dev), dev)
                 norm = make_norm(mask[mb_rows], constant=const, group=dist.group.WORLD)
                 for mb in mbs:
-                    loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
-                    (loss * self.dp).backward()  # FSDP2 averages over dp ranks
-                    if st:
-                        sums[:5] += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
-                if not check_finite(sums[0], self.model, self.step + 1, self.info.rank, cfg.fault.on_nonfinite,
+                    if train_policy:
+                        loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
+                        (loss * self.dp).backward()  # FSDP2 averages over dp ranks
+                        if st:
+                            sums[:5] += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
+                    if self.critic is not None:
+                        vloss, sq = self.critic.micro_batch_loss(mb, values, returns, mask, norm, width)
+                        (vloss * self.dp).backward()
+                        sums[6] += sq.double()
+                        sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
+                if not check_finite(sums[0] + sums[6], self.model, self.step + 1, self.info.rank, cfg.fault.on_nonfinite,
                                     dump_folder=cfg.job.dump_folder):
                     self.opt.zero_grad(set_to_none=True)  # fault.on_nonfinite = "skip": counted, no update
+                    if self.critic is not None:
+                        self.critic.zero_grad()
                     self.skipped_updates += 1
+                    continue
+                if self.critic is not None:
+                    critic_norms.append(self.critic.step())
+                if not train_policy:
                     continue
                 grad_norms.append(clip_grad_norm(self.model.parameters(), cfg.optimizer.max_grad_norm))
                 self.opt.step()
@@ -244,7 +317,11 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         gmax = gap_stats[2:].clone()
         dist.all_reduce(gap_stats[:2])
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
-        return {"loss": sums[0].item() / max(sums[5].item() / self.info.world_size, 1.0),
+        if self.critic is not None:
+            extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
+                          "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
+                          "critic/training_policy": float(train_policy)})
+        return {**extra, "loss": sums[0].item() / max(sums[5].item() / self.info.world_size, 1.0),
                 "clip_frac": sums[1].item() / tokens, "entropy": sums[2].item() / tokens, "kl": sums[3].item() / tokens,
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "lr": self.sched.get_last_lr()[0],
                 "gap/abs_mean": gap_stats[0].item() / max(gap_stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
@@ -266,7 +343,7 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
                                       max_prompt_tokens=self.max_prompt, greedy=n == 0)
         del gen_model
         self._score(samples)
-        acc = torch.tensor([sum(s.info["accuracy"] for s in samples), len(samples)], dtype=torch.float64)
+        acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64)
         dist.all_reduce(acc)
         return acc[0].item() / max(acc[1].item(), 1.0)
 
@@ -290,7 +367,7 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         c = self.cfg.checkpoint
         if not (c.enable and c.resume) or (last := self.ckpt.latest_step()) is None:
             return
-        state = self.ckpt.load(last, self.model, self.opt)
+        state = self.ckpt.load(last, self.model, self.opt, self._ckpt_extras())
         self.sched.load_state_dict(state["scheduler"])
         self.step = state["step"]
         if self.info.is_main:  # drop what a crashed run logged after its last checkpoint
@@ -315,9 +392,12 @@ cfg.reward.num_workers, cfg.reward.timeout_s, rewards=cfg.reward.functions)
             self.rewards.close()
             self.logger.close()
 
+    def _ckpt_extras(self) -> dict:
+        return self.critic.checkpoint_extras() if self.critic is not None else {}
+
     def _save(self) -> None:
         with self.watchdog.phase("checkpoint"):
-            secs = self.ckpt.save(self.step, self.model, self.opt, self._state())
+            secs = self.ckpt.save(self.step, self.model, self.opt, self._state(), self._ckpt_extras())
         if self.info.is_main:
             print(f"checkpoint step-{self.step} saved in {secs:.2f}s", flush=True)
 

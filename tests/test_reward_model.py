@@ -114,3 +114,42 @@ def test_reward_model_toml_runs_through_train_py(tmp_path):
     assert [row["step"] for row in rows] == [1, 2] and "eval_accuracy" in rows[-1]
     assert os.path.exists(os.path.join(dump, EXPORT_DIR, "model.safetensors"))
     assert os.path.exists(os.path.join(dump, EXPORT_DIR, "tokenizer.json"))
+
+
+def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
+    """A reward-model folder scores rollouts in the RL loop, mixed with a rule-based reward."""
+    from rl.rewards.registry import REWARDS
+    from rl.rl_trainer import RLTrainer
+
+    rm_dump = str(tmp_path / "rm")
+    cfg = load_config(RM_TOML, ["--data.synthetic_rows=64", "--training.steps=2", "--metrics.tensorboard=false",
+                                "--checkpoint.enable=false", f"--job.dump_folder={rm_dump}"])
+    assert TRAINERS.get("reward_model")(cfg, init_distributed(force_cpu=True)) == 0
+    folder = os.path.join(rm_dump, EXPORT_DIR)
+    policy = os.path.join(ROOT, "assets", "quickstart-policy")
+    rl_dump = str(tmp_path / "rl")
+    cfg = load_config(os.path.join(ROOT, "configs", "quickstart.toml"), [
+        f"--model.path={policy}", f"--job.dump_folder={rl_dump}", "--training.steps=1", "--rl.prompts_per_step=4",
+        "--rl.num_samples=2", "--rl.eval_prompts=4", "--reward.functions=exact_match", "--reward.num_workers=0",
+        f"--reward.reward_model={folder}", "--reward.reward_model_weight=0.5", "--checkpoint.enable=false",
+        "--metrics.tensorboard=false"])
+    trainer = RLTrainer(cfg, init_distributed(force_cpu=True))
+    samples, scores, metrics = trainer.rollout()
+    scorer = RewardModelScorer(folder, "cpu")
+    rm = scorer.score([s.row["messages"] for s in samples], [s.text for s in samples])
+    rule = [REWARDS.get("exact_match")(s.text, s.row) for s in samples]
+    want = torch.tensor([r + 0.5 * m for r, m in zip(rule, rm)])
+    torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5)
+    assert metrics["reward/reward_model/mean"] == pytest.approx(statistics.fmean(rm), abs=1e-5)
+    assert trainer.run() == 0
+    row = json.loads(open(os.path.join(rl_dump, "metrics.jsonl")).readline())
+    assert "reward/reward_model/mean" in row and "reward/exact_match/mean" in row
+
+
+def test_bad_reward_model_folder_is_a_setup_error(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                        os.path.join(ROOT, "configs", "quickstart.toml"), "--training.steps=1",
+                        f"--job.dump_folder={tmp_path}", f"--reward.reward_model={tmp_path / 'missing'}"],
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 4 and "reward.reward_model" in r.stderr, r.stderr[-2000:]
