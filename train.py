@@ -29,17 +29,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(errors.EXIT_CONFIG, str(e))
 
+    import torch
+
     from parallel.distributed import destroy_distributed, init_distributed
     from rl.data.loading import DataError
     from rl.fault import NonFiniteError, enable_flight_recorder
     from rl.modeling import ModelSetupError
     from rl.trainers import TRAINERS
 
-    if cfg.fault.flight_recorder:
+    if cfg.fault.flight_recorder and torch.cuda.is_available():
+        # NCCL only: on gloo the recorder's entries can outlive the interpreter
+        # and abort the process at exit (seen once in CI on a 2-rank CPU run).
         enable_flight_recorder(cfg.job.dump_folder)
     info = init_distributed()
+    status = None
     try:
-        return TRAINERS.get(cfg.training.recipe)(cfg, info)
+        status = TRAINERS.get(cfg.training.recipe)(cfg, info)
+        return status
     except ConfigError as e:  # checks that need the world size or the model
         return _fail(errors.EXIT_CONFIG, str(e))
     except DataError as e:
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:
         return _fail(errors.EXIT_NONFINITE, str(e))
     finally:
-        destroy_distributed()
+        destroy_distributed(barrier=status == 0)
 
 
 if __name__ == "__main__":

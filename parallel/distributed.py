@@ -66,6 +66,24 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(barrier: bool = False) -> None:
+    """Tear the process groups down while the interpreter is fully alive.
+
+    ``barrier=True`` (a run that finished normally on every rank) waits for
+    all ranks first, so no rank closes its connections while another still
+    has work in flight; a failing run skips it, since its peers may be stuck
+    in another collective. A garbage collection then frees any tensor held by
+    a finished collective before interpreter finalisation.
+    """
+    if not dist.is_initialized():
+        return
+    if barrier and dist.get_world_size() > 1:
+        try:
+            dist.barrier()
+        except Exception:  # a peer already gone: nothing left to wait for
+            pass
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()

@@ -1,0 +1,218 @@
+"""Offline generation with the in-house generator: jsonl prompts in, jsonl completions out.
+
+    python -m rl.generate --model DIR --input prompts.jsonl --output out.jsonl --n 4
+    torchrun --nproc-per-node 8 -m rl.generate --model DIR --input ... --output ... --num-samples 4
+
+(Under torchrun write ``--num-samples``: torchrun reads ``--n`` as an
+ambiguous abbreviation of its own flags.)
+
+Input rows are ``{"prompt": "text"}`` (encoded as is, unless --chat-template
+wraps it as one user turn) or ``{"messages": [{"role": ..., "content": ...}]}``
+(the folder's chat template applied with the generation prompt); an ``id``
+field is carried over. Each output row is one sample: ``index`` (input line,
+0-based), ``id``, ``sample``, ``prompt_tokens``, ``text``, ``token_ids``,
+``logprobs`` (the raw model's, temperature 1, no truncation: what RL uses),
+``sampling_logprobs`` (under the distribution sampled from) and
+``finish_reason``.
+
+Every prompt's randomness comes from ``--seed + its line index`` (and the
+sample index), so the output is the same however many ranks share the work:
+under torchrun each rank takes every world-size-th prompt and rank 0 writes
+the file, in input order. The output is written to a temporary file and
+renamed at the end, so a failed run leaves no partial file. Bad input lines
+exit 3 naming the line; an unusable model folder exits 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl import errors
+from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
+from rl.generator.sequence import SamplingParams
+
+
+class InputError(Exception):
+    """A bad input file or row (exit 3)."""
+
+
+class ModelFolderError(Exception):
+    """A model or tokenizer folder that cannot be loaded (exit 4)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m rl.generate", description="Generate completions with Tandem's paged-KV generator.")
+    ap.add_argument("--model", required=True, help="HF folder (config.json + safetensors)")
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
+    ap.add_argument("--input", required=True, help="jsonl of prompt rows")
+    ap.add_argument("--output", required=True, help="jsonl to write, one row per sample")
+    ap.add_argument("--n", "--num-samples", dest="n", type=int, default=1,
+                    help="samples per prompt (spell it --num-samples under torchrun, whose own flags --n abbreviates)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--chat-template", action="store_true", help="wrap text prompts as one user turn")
+    ap.add_argument("--text-field", default="prompt")
+    ap.add_argument("--messages-field", default="messages")
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto")
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps (CUDA only)")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                    help="auto: bfloat16 on CUDA, float32 elsewhere")
+    args = ap.parse_args(argv)
+    if args.n < 1 or args.max_tokens < 1:
+        ap.error("--n and --max-tokens must be >= 1")
+    return args
+
+
+def read_prompts(path: str, text_field: str, messages_field: str) -> list[dict[str, Any]]:
+    """Validated rows: {"id", "text"} or {"id", "messages"}; InputError names the line."""
+    rows = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"--input {path}: {e.strerror}") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            if messages_field in row:
+                msgs = row[messages_field]
+                if not isinstance(msgs, list) or not msgs or not all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in msgs):
+                    raise InputError(f"{where}: {messages_field!r} must be a non-empty list of "
+                                     '{"role": str, "content": str} objects')
+                rows.append({"id": row.get("id"), "messages": msgs})
+            elif text_field in row:
+                if not isinstance(row[text_field], str) or not row[text_field]:
+                    raise InputError(f"{where}: {text_field!r} must be a non-empty string")
+                rows.append({"id": row.get("id"), "text": row[text_field]})
+            else:
+                raise InputError(f"{where}: has neither {text_field!r} nor {messages_field!r}")
+    if not rows:
+        raise InputError(f"{path}: no prompt rows")
+    return rows
+
+
+def encode(row: dict[str, Any], tok: Any, chat: bool) -> list[int]:
+    if "messages" in row or chat:
+        if tok.chat_template is None:
+            raise InputError("the tokenizer has no chat template; give text prompts without --chat-template")
+        msgs = row.get("messages") or [{"role": "user", "content": row["text"]}]
+        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    return tok.encode(row["text"])
+
+
+def load(args: argparse.Namespace, device: torch.device):
+    from models.hf import load_model
+    from models.tokenizer import Tokenizer
+
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    try:
+        tok = Tokenizer.from_dir(args.tokenizer or args.model)
+        model = load_model(args.model, device=device, dtype=dtype).eval()
+    except (OSError, ValueError, KeyError) as e:
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        raise ModelFolderError(f"--model {args.model}: {text.strip().splitlines()[0] if text.strip() else type(e).__name__}") from None
+    return tok, model
+
+
+def generate_rows(args: argparse.Namespace, model: Any, tok: Any, prompts: list[tuple[int, dict[str, Any]]]
+                  ) -> tuple[list[dict[str, Any]], int]:
+    ids = [encode(row, tok, args.chat_template) for _, row in prompts]
+    settings = GenerationSettings(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=max(map(len, ids), default=0) + args.max_tokens + 1,
+                                  kernels=None if args.kernels == "auto" else args.kernels, seed=args.seed,
+                                  cuda_graphs=args.cuda_graphs)
+    gen = Generator(model, settings, eos_token_ids=tok.eos_token_ids)
+    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                             seed=(args.seed + index) * 1_000_003) for index, _ in prompts]
+    check = stop_strings_check(tok.decode, args.stop) if args.stop else None
+    out = gen.generate(ids, params, n=args.n, stop_check=check) if prompts else []
+    gen.close()
+    rows, generated = [], 0
+    for (index, row), prompt_ids, comps in zip(prompts, ids, out):
+        for c in comps:
+            generated += len(c.token_ids)
+            rows.append({"index": index, "id": row["id"], "sample": c.sample_index, "prompt_tokens": len(prompt_ids),
+                         "text": tok.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
+                         "logprobs": c.raw_logprobs, "sampling_logprobs": c.logprobs,
+                         "finish_reason": c.finish_reason})
+    return rows, generated
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from parallel.distributed import destroy_distributed, init_distributed
+
+    info = init_distributed()
+    status = None
+    try:
+        status = _run(args, info)
+        return status
+    finally:
+        destroy_distributed(barrier=status == errors.EXIT_OK)
+
+
+def _run(args: argparse.Namespace, info: Any) -> int:
+    t0 = time.monotonic()
+    try:
+        prompts = read_prompts(args.input, args.text_field, args.messages_field)
+        tok, model = load(args, info.device)
+        mine = [(i, prompts[i]) for i in range(info.rank, len(prompts), info.world_size)]
+        rows, generated = generate_rows(args, model, tok, mine)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return errors.EXIT_DATA
+    except ModelFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return errors.EXIT_MODEL
+    counts = torch.tensor([generated], dtype=torch.float64)
+    if info.world_size > 1:
+        gathered: list[Any] = [None] * info.world_size
+        dist.all_gather_object(gathered, rows)
+        rows = [r for part in gathered for r in part]
+        dist.all_reduce(counts)
+    if info.is_main:
+        rows.sort(key=lambda r: (r["index"], r["sample"]))
+        tmp = f"{args.output}.partial-{os.getpid()}"
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, args.output)
+        dt = time.monotonic() - t0
+        print(f"generated {len(prompts)} prompts x {args.n} samples = {len(rows)} rows, {int(counts.item())} tokens "
+              f"in {dt:.1f}s ({counts.item() / max(dt, 1e-9):.1f} tokens/s) -> {args.output}", file=sys.stderr)
+    return errors.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
