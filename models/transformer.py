@@ -13,6 +13,7 @@ share this one model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -176,11 +177,17 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         attn: AttentionBackend | None = None,
         return_hidden: bool = False,
-    ) -> torch.Tensor:
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> Any:
         """x: token ids ``[B, S]`` or hidden ``[B, S, D]`` (when tok_embeddings is None).
 
         Returns logits ``[B, S, V]``, or hidden ``[B, S, D]`` (after the final norm,
         if this stage has one) when ``return_hidden`` or ``output is None``.
+        ``head(hidden, output_weight)``, when given, replaces the output
+        projection and its result is returned: a loss can then read the vocab
+        projection without full logits ever existing, while the weight is
+        still live inside this forward (wrappers that gather parameters for
+        the forward only keep it that long).
         """
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [B, S, D]
         b, s = h.shape[:2]
@@ -195,4 +202,6 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if return_hidden or self.output is None:
             return h
+        if head is not None:
+            return head(h, self.output.weight)
         return self.output(h)  # [B, S, V]

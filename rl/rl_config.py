@@ -45,6 +45,7 @@ class RLConfig:
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
+    logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk off CUDA (peak ~ 2 x chunk x vocab x 4 B)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refill_rounds: int = 3
     overlong_filter: bool = False  # mask out truncated completions
@@ -57,7 +58,7 @@ class RLConfig:
     sample_log_interval: int = 10  # steps between sample completions in tensorboard
 
     def validate(self) -> None:
-        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens",
+        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens", "logprob_chunk_tokens",
                     "eval_prompts", "sample_log_interval"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
         require(self.eval_interval >= 0, f"rl.eval_interval: must be >= 0, got {self.eval_interval}")

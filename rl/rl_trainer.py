@@ -260,8 +260,9 @@ class RLTrainer:
             mask = mask * (~trunc).float()[:, None]
         all_mbs = sync_micro_batch_count(pack_micro_batches(samples, list(range(len(samples))), r.micro_batch_tokens, dev), dev)
         self.model.eval()
-        old_logp = recompute_logprobs(self.model, samples, all_mbs, width, dev)
-        ref_logp = recompute_logprobs(self.ref, samples, all_mbs, width, dev) if self.ref is not None else None
+        chunk = r.logprob_chunk_tokens
+        old_logp = recompute_logprobs(self.model, samples, all_mbs, width, dev, chunk)
+        ref_logp = recompute_logprobs(self.ref, samples, all_mbs, width, dev, chunk) if self.ref is not None else None
         values = self.critic.values(all_mbs, len(samples), width, dev) if self.critic is not None else None
         adv, returns = self._advantages(samples, scores, mask, old_logp, ref_logp, values)
         extra: dict[str, float] = {}
@@ -274,7 +275,7 @@ class RLTrainer:
                                                     dual_clip=r.dual_clip, tis_cap=r.tis_cap),
                         aggregation=AGGREGATIONS.get(r.aggregation),
                         kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if ref_logp is not None and r.kl_mode == "loss" else None,
-                        kl_coef=r.kl_coef, entropy_coef=r.entropy_coef)
+                        kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens)
         inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp, ref_logp=ref_logp)
         const = r.loss_constant or float(cfg.rollout.max_tokens)
         sums = torch.zeros(8, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, steps, value sq err, value tokens

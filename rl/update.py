@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
+from kernels.logprobs import token_logprobs_entropy
 from models.attention import DocumentAttention
 from rl.algorithms import KL_ESTIMATORS, PolicyLossInput
 from rl.rollout_types import RolloutSample
@@ -32,6 +32,11 @@ class MicroBatch:
     doc_ids: torch.Tensor  # [1, L]
     targets: torch.Tensor  # [1, L] next-token ids (0 where unused)
     offsets: list[tuple[int, int]]  # per row: (first logit position of the completion, completion length)
+    # The completion tokens only, K of them in row order: where they sit in the
+    # packed row and where they go in the [len(rows), width] completion layout.
+    comp_index: torch.Tensor | None = None  # [K] positions in L
+    comp_row: torch.Tensor | None = None  # [K] local row
+    comp_col: torch.Tensor | None = None  # [K] column
 
 
 def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget: int,
@@ -71,13 +76,16 @@ def _build(samples: list[RolloutSample], rows: list[int], device: torch.device) 
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor([x], dtype=torch.long, device=device)
 
-    return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets)
+    index = [start + j for start, n in offsets for j in range(n)]
+    row = [r for r, (_, n) in enumerate(offsets) for _ in range(n)]
+    col = [j for _, n in offsets for j in range(n)]
+    return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index)[0], t(row)[0], t(col)[0])
 
 
 def empty_micro_batch(device: torch.device) -> MicroBatch:
     """A one-token stand-in so every rank runs the same number of forwards."""
     z = torch.zeros(1, 1, dtype=torch.long, device=device)
-    return MicroBatch([], z, z, z, z, [])
+    return MicroBatch([], z, z, z, z, [], z[0], z[0][:0], z[0][:0])
 
 
 def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device) -> list[MicroBatch]:
@@ -86,15 +94,30 @@ def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device) -> list[
     return mbs + [empty_micro_batch(device) for _ in range(int(n.item()) - len(mbs))]
 
 
-def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-position log p(target) [L] and entropy [L] (fp32) from one forward."""
-    logits = model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids))[0].float()  # [L, V]
-    logp = -F.cross_entropy(logits, mb.targets[0], reduction="none")  # [L]
-    ent = None
-    if with_entropy:
-        lse = torch.logsumexp(logits, dim=-1)
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
+def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
+                   chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log p(target) [K] and entropy [K] (fp32) of the micro-batch's K completion tokens.
+
+    The vocab projection runs inside the model's forward through its ``head``
+    hook, on the completion positions only, with `kernels.logprobs` (Triton on
+    CUDA, token chunks elsewhere): no [L, V] logits tensor is ever built, and
+    backward recomputes each chunk's logits. Values are in ``mb.comp_*`` order
+    (see `scatter_completions`).
+    """
+    index, targets = mb.comp_index, mb.targets[0, mb.comp_index]
+
+    def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs_entropy(h[0].index_select(0, index), weight, targets, with_entropy=with_entropy,
+                                      chunk_tokens=chunk_tokens)
+
+    return model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids), head=head)
+
+
+def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
+    """[K] completion values (from `token_logprobs`) -> [len(rows), width], zeros past each end."""
+    out = values.new_zeros(len(mb.rows), width)
+    out[mb.comp_row, mb.comp_col] = values[: mb.comp_row.numel()]
+    return out
 
 
 def scatter_rows(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
@@ -107,13 +130,13 @@ def scatter_rows(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tens
 
 @torch.no_grad()
 def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch], width: int,
-                       device: torch.device) -> torch.Tensor:
+                       device: torch.device, chunk_tokens: int = 1024) -> torch.Tensor:
     """Log-probs of every completion token under ``model`` [N, width] (old / reference)."""
     out = torch.zeros(len(samples), width, device=device)
     for mb in mbs:
-        logp, _ = token_logprobs(model, mb, with_entropy=False)
+        logp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=chunk_tokens)
         if mb.rows:
-            out[mb.rows] = scatter_rows(logp, mb, width)
+            out[mb.rows] = scatter_completions(logp, mb, width)
     return out
 
 
@@ -150,16 +173,17 @@ class LossSpec:
     kl_estimator: Callable | None  # loss-term KL (None: off)
     kl_coef: float
     entropy_coef: float
+    chunk_tokens: int = 1024  # tokens per chunk of the memory-lean log-prob path
 
 
 def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: LossSpec, norm: Any,
                      width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregated loss of one micro-batch (its share of the step's global loss) and token sums."""
-    logp_l, ent_l = token_logprobs(model, mb, with_entropy=True)
+    logp_l, ent_l = token_logprobs(model, mb, with_entropy=True, chunk_tokens=spec.chunk_tokens)
     if not mb.rows:  # padding micro-batch: keeps collectives in step, no gradient signal
         return logp_l.sum() * 0.0, {}
     rows = mb.rows
-    logp, ent = scatter_rows(logp_l, mb, width), scatter_rows(ent_l, mb, width)  # [n, T]
+    logp, ent = scatter_completions(logp_l, mb, width), scatter_completions(ent_l, mb, width)  # [n, T]
     m = inp.mask[rows]
     out = spec.policy_loss(PolicyLossInput(logp=logp, old_logp=inp.old_logp[rows], advantages=inp.advantages[rows],
                                            mask=m, gen_logp=inp.gen_logp[rows]), spec.policy_cfg)

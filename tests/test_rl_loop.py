@@ -15,10 +15,19 @@ import sys
 import pytest
 import torch
 
+from models.attention import DocumentAttention
 from models.hf import load_model
 from rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
 from rl.rollout_types import RolloutSample
-from rl.update import LossInputs, LossSpec, completion_tensors, micro_batch_loss, pack_micro_batches
+from rl.update import (
+    LossInputs,
+    LossSpec,
+    completion_tensors,
+    micro_batch_loss,
+    pack_micro_batches,
+    scatter_completions,
+    token_logprobs,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
@@ -62,6 +71,37 @@ def test_micro_batch_split_gives_same_gradients(aggregation):
     for loss, grad, _ in rest:
         assert abs(loss - l0) < 1e-6
         assert torch.allclose(grad, g0, atol=1e-6, rtol=1e-5)
+
+
+def test_token_logprobs_match_full_logits_with_gradients():
+    """The memory-lean path (completion positions only, chunked vocab) vs log_softmax of the full logits."""
+    model = load_model(POLICY)
+    samples = _samples()
+    mbs = pack_micro_batches(samples, list(range(len(samples))), 30, torch.device("cpu"))
+    assert len(mbs) > 1
+    g = torch.Generator().manual_seed(2)
+    for mb in mbs:
+        width = max(len(samples[i].completion_ids) for i in mb.rows)
+        a, b = torch.randn(len(mb.rows), width, generator=g), torch.randn(len(mb.rows), width, generator=g)
+        model.zero_grad()
+        logp, ent = token_logprobs(model, mb, with_entropy=True, chunk_tokens=3)
+        logp, ent = scatter_completions(logp, mb, width), scatter_completions(ent, mb, width)
+        ((a * logp).sum() + (b * ent).sum()).backward()
+        got = [p.grad.clone() for p in model.parameters()]
+
+        model.zero_grad()
+        logits = model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids))[0].float()  # [L, V]
+        full = torch.log_softmax(logits, dim=-1)
+        want_lp, want_ent = torch.zeros(len(mb.rows), width), torch.zeros(len(mb.rows), width)
+        for r, (start, n) in enumerate(mb.offsets):
+            i = samples[mb.rows[r]]
+            want_lp[r, :n] = full[start:start + n].gather(-1, torch.tensor(i.completion_ids)[:, None])[:, 0]
+            want_ent[r, :n] = -(full[start:start + n].exp() * full[start:start + n]).sum(-1)
+        ((a * want_lp).sum() + (b * want_ent).sum()).backward()
+        torch.testing.assert_close(logp, want_lp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
+        for (name, p), gp in zip(model.named_parameters(), got):  # fp32 sums in another order: 1e-4 of the norm
+            assert (gp - p.grad).norm() <= 1e-4 * p.grad.norm(), (name, (gp - p.grad).norm() / p.grad.norm())
 
 
 def _run(dump, steps, extra=()):
