@@ -49,7 +49,7 @@ class Critic:
         self.aggregation = AGGREGATIONS.get("token_mean")
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
-        return self.model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids))[0]  # [L]
+        return self.model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids)).reshape(-1)  # [B*S]
 
     @torch.no_grad()
     def values(self, mbs: list[MicroBatch], n: int, width: int, device: torch.device) -> torch.Tensor:

@@ -261,22 +261,27 @@ class RLTrainer:
         all_mbs = sync_micro_batch_count(pack_micro_batches(samples, list(range(len(samples))), r.micro_batch_tokens, dev), dev)
         self.model.eval()
         chunk = r.logprob_chunk_tokens
-        old_logp = recompute_logprobs(self.model, samples, all_mbs, width, dev, chunk)
+        # One optimizer step per rollout and nothing that reads the old policy
+        # before the loss: skip the extra forward (see LossInputs.old_logp).
+        one_step = (r.epochs == 1 and r.minibatches == 1 and self.teachers is None and self.critic is None
+                    and not (self.ref is not None and r.kl_mode == "reward"))
+        old_logp = None if one_step else recompute_logprobs(self.model, samples, all_mbs, width, dev, chunk)
         ref_logp = recompute_logprobs(self.ref, samples, all_mbs, width, dev, chunk) if self.ref is not None else None
         values = self.critic.values(all_mbs, len(samples), width, dev) if self.critic is not None else None
+        t_logprobs = time.monotonic() - t0  # old (and reference, value) log-probs in the update layout
         adv, returns = self._advantages(samples, scores, mask, old_logp, ref_logp, values)
         extra: dict[str, float] = {}
         if self.teachers is not None:
             adv, extra = self._distill(samples, mask, old_logp, adv, width)
         train_policy = self.step >= self.critic_warmup
-        gap = (old_logp - gen_logp).abs() * mask
         spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss),
                         policy_cfg=PolicyLossConfig(clip_low=r.clip_low, clip_high=r.clip_high,
                                                     dual_clip=r.dual_clip, tis_cap=r.tis_cap),
                         aggregation=AGGREGATIONS.get(r.aggregation),
                         kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if ref_logp is not None and r.kl_mode == "loss" else None,
                         kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens)
-        inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp, ref_logp=ref_logp)
+        inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp, ref_logp=ref_logp,
+                         seen_logp=torch.zeros_like(mask) if old_logp is None else None)
         const = r.loss_constant or float(cfg.rollout.max_tokens)
         sums = torch.zeros(8, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, steps, value sq err, value tokens
         grad_norms, critic_norms = [], []
@@ -314,6 +319,7 @@ class RLTrainer:
                 sums[5] += 1
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
+        gap = ((old_logp if old_logp is not None else inp.seen_logp) - gen_logp).abs() * mask
         gap_stats = torch.stack([gap.sum(), mask.sum(), gap.max() if gap.numel() else gap.new_zeros(())]).double()
         gmax = gap_stats[2:].clone()
         dist.all_reduce(gap_stats[:2])
@@ -327,7 +333,8 @@ class RLTrainer:
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "lr": self.sched.get_last_lr()[0],
                 "gap/abs_mean": gap_stats[0].item() / max(gap_stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
                 "update/tokens": tokens, "update/tokens_per_s": tokens / (time.monotonic() - t0),
-                "time/update_s": time.monotonic() - t0, "memory/update_peak_gb": peak_memory_gb(dev)}
+                "time/update_s": time.monotonic() - t0, "time/logprobs_s": t_logprobs,
+                "memory/update_peak_gb": peak_memory_gb(dev)}
 
     # ---- evaluation ------------------------------------------------------------------
 

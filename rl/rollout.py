@@ -57,7 +57,9 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
                      seed: int, max_prompt_tokens: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return."""
     t0 = time.monotonic()
-    gen = Generator(gen_model, generation_settings(rcfg, max_prompt_tokens, seed), eos_token_ids=tokenizer.eos_token_ids)
+    settings = generation_settings(rcfg, max_prompt_tokens, seed)
+    settings.max_num_seqs = min(settings.max_num_seqs, max(1, len(prompts) * n))  # sizes the KV pool too
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids)
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
     out = gen.generate([p.token_ids for p in prompts], sampling_params(rcfg, greedy=greedy), n=n, stop_check=check)
     if not gen.pool_is_free():

@@ -1,8 +1,9 @@
 """The update phase: rollouts -> packed micro-batches -> token log-probs -> loss.
 
-Every micro-batch packs whole sequences (prompt + completion) into one row of
-at most ``micro_batch_tokens`` tokens, with per-document positions and a
-block-diagonal mask, so no compute is spent on padding. Each rank runs the
+Every micro-batch holds whole sequences (prompt + completion), about
+``micro_batch_tokens`` tokens of them, packed first-fit into rows as long as
+its longest sequence, with per-document positions and a block-diagonal mask:
+little compute goes to padding, and none to attention between sequences. Each rank runs the
 same number of micro-batches (empty ones are padded in), because FSDP2's
 collectives must match across ranks. Losses use the global denominators of
 the optimizer step, so the update is the same however the batch is split.
@@ -26,22 +27,24 @@ from rl.rollout_types import RolloutSample
 
 @dataclass
 class MicroBatch:
+    """Whole sequences packed into ``B`` rows of ``S`` tokens (S = the longest sequence)."""
+
     rows: list[int]  # sample indices (into the rank's sample list) in this micro-batch
-    tokens: torch.Tensor  # [1, L]
-    positions: torch.Tensor  # [1, L]
-    doc_ids: torch.Tensor  # [1, L]
-    targets: torch.Tensor  # [1, L] next-token ids (0 where unused)
-    offsets: list[tuple[int, int]]  # per row: (first logit position of the completion, completion length)
-    # The completion tokens only, K of them in row order: where they sit in the
-    # packed row and where they go in the [len(rows), width] completion layout.
-    comp_index: torch.Tensor | None = None  # [K] positions in L
-    comp_row: torch.Tensor | None = None  # [K] local row
+    tokens: torch.Tensor  # [B, S]
+    positions: torch.Tensor  # [B, S] per-document positions
+    doc_ids: torch.Tensor  # [B, S] document per token, -1 on padding
+    targets: torch.Tensor  # [B, S] next-token ids (0 where unused)
+    offsets: list[tuple[int, int]]  # per sample: (first logit position of its completion in the flat [B*S], length)
+    # The completion tokens only, K of them in sample order: where they sit in
+    # the flat [B*S] layout and where they go in the [len(rows), width] layout.
+    comp_index: torch.Tensor | None = None  # [K] flat positions
+    comp_row: torch.Tensor | None = None  # [K] local sample
     comp_col: torch.Tensor | None = None  # [K] column
 
 
 def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget: int,
                        device: torch.device) -> list[MicroBatch]:
-    """Greedy packing in order; a sequence longer than the budget gets a micro-batch of its own."""
+    """Greedy grouping in order by a token budget; a sequence longer than the budget gets a micro-batch of its own."""
     groups: list[list[int]] = []
     cur: list[int] = []
     used = 0
@@ -58,28 +61,45 @@ def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget:
 
 
 def _build(samples: list[RolloutSample], rows: list[int], device: torch.device) -> MicroBatch:
-    toks: list[int] = []
-    pos: list[int] = []
-    docs: list[int] = []
-    tgts: list[int] = []
+    """Pack the sequences first-fit into rows as long as the longest one.
+
+    Attention is block-diagonal within a row, and its cost grows with the
+    square of the row length: one long row of every sequence would spend most
+    of it on masked-out pairs, while rows of the longest sequence's length cost
+    at most what a padded batch would, and short sequences still share a row.
+    """
+    lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) - 1 for i in rows]
+    width = max(lengths, default=1)
+    fill: list[int] = []  # tokens used per packed row
+    place: list[tuple[int, int]] = []  # per sample: (packed row, start)
+    for n in lengths:
+        r = next((r for r, used in enumerate(fill) if used + n <= width), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        place.append((r, fill[r]))
+        fill[r] += n
+    b = max(len(fill), 1)
+    toks = [[0] * width for _ in range(b)]
+    tgts = [[0] * width for _ in range(b)]
+    pos = [[0] * width for _ in range(b)]
+    docs = [[-1] * width for _ in range(b)]
     offsets = []
-    for d, i in enumerate(rows):
+    for d, (i, n, (r, at)) in enumerate(zip(rows, lengths, place)):
         s = samples[i]
         seq = s.prompt_ids + s.completion_ids
-        n = len(seq) - 1
-        offsets.append((len(toks) + len(s.prompt_ids) - 1, len(s.completion_ids)))
-        toks += seq[:-1]
-        tgts += seq[1:]
-        pos += range(n)
-        docs += [d] * n
+        toks[r][at:at + n] = seq[:-1]
+        tgts[r][at:at + n] = seq[1:]
+        pos[r][at:at + n] = range(n)
+        docs[r][at:at + n] = [d] * n
+        offsets.append((r * width + at + len(s.prompt_ids) - 1, len(s.completion_ids)))
 
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor([x], dtype=torch.long, device=device)
+    def t(x: list) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
 
     index = [start + j for start, n in offsets for j in range(n)]
-    row = [r for r, (_, n) in enumerate(offsets) for _ in range(n)]
+    row = [k for k, (_, n) in enumerate(offsets) for _ in range(n)]
     col = [j for _, n in offsets for j in range(n)]
-    return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index)[0], t(row)[0], t(col)[0])
+    return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col))
 
 
 def empty_micro_batch(device: torch.device) -> MicroBatch:
@@ -104,11 +124,11 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
     backward recomputes each chunk's logits. Values are in ``mb.comp_*`` order
     (see `scatter_completions`).
     """
-    index, targets = mb.comp_index, mb.targets[0, mb.comp_index]
+    index, targets = mb.comp_index, mb.targets.reshape(-1)[mb.comp_index]
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_logprobs_entropy(h[0].index_select(0, index), weight, targets, with_entropy=with_entropy,
-                                      chunk_tokens=chunk_tokens)
+        flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
+        return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
     return model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids), head=head)
 
@@ -121,10 +141,9 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
 
 
 def scatter_rows(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
-    """[L] per-position values -> [len(rows), width] completion-aligned (zeros past the end)."""
+    """[B*S] per-position values -> [len(rows), width] completion-aligned (zeros past the end)."""
     out = values.new_zeros(len(mb.rows), width)
-    for r, (start, n) in enumerate(mb.offsets):
-        out[r, :n] = values[start:start + n]
+    out[mb.comp_row, mb.comp_col] = values[mb.comp_index[: mb.comp_row.numel()]]
     return out
 
 
@@ -157,10 +176,15 @@ class LossInputs:
     """The rank's rollout batch as completion-aligned [N, T] tensors for the loss."""
 
     mask: torch.Tensor  # [N, T] 1 where the policy sampled the token
-    old_logp: torch.Tensor  # [N, T] policy before this update (update layout)
+    # [N, T] policy before this update (update layout). None when the batch is
+    # used for exactly one optimizer step: the policy is then unchanged until
+    # that step, so the training forward's own (detached) log-probs are the old
+    # ones, recorded into ``seen_logp`` for the train/generation gap.
+    old_logp: torch.Tensor | None
     advantages: torch.Tensor  # [N, T]
     gen_logp: torch.Tensor  # [N, T] generator log-probs (truncated IS)
     ref_logp: torch.Tensor | None  # [N, T] reference policy (KL)
+    seen_logp: torch.Tensor | None = None  # [N, T] filled with the training forward's log-probs when old_logp is None
 
 
 @dataclass
@@ -185,7 +209,13 @@ def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: Lo
     rows = mb.rows
     logp, ent = scatter_completions(logp_l, mb, width), scatter_completions(ent_l, mb, width)  # [n, T]
     m = inp.mask[rows]
-    out = spec.policy_loss(PolicyLossInput(logp=logp, old_logp=inp.old_logp[rows], advantages=inp.advantages[rows],
+    if inp.old_logp is None:
+        old = logp.detach()
+        if inp.seen_logp is not None:
+            inp.seen_logp[rows] = old
+    else:
+        old = inp.old_logp[rows]
+    out = spec.policy_loss(PolicyLossInput(logp=logp, old_logp=old, advantages=inp.advantages[rows],
                                            mask=m, gen_logp=inp.gen_logp[rows]), spec.policy_cfg)
     tok_loss = out.loss
     kl = None

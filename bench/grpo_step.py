@@ -1,0 +1,218 @@
+"""Seconds per GRPO step: Tandem's colocated loop vs TRL's GRPOTrainer, same workload.
+
+One workload, two trainers, one command: a random Qwen3-style model written as
+an HF folder (transformers) with the quickstart tokenizer, P prompts x n
+samples, up to ``--max-tokens`` new tokens at temperature 1, group advantages
+with std scaling, PPO-clip (0.2), no KL (no reference model), token-mean loss,
+one AdamW step per rollout (lr, betas 0.9/0.95, grad clip 1.0, constant LR),
+fp32 on the CPU, one process each. TRL runs without vLLM (transformers
+``generate``); Tandem runs ``train.py`` with its own paged generator.
+
+    python -m bench.grpo_step                            # TRL from this interpreter
+    python -m bench.grpo_step --trl-python /tmp/trlenv/bin/python
+
+TRL is not a Tandem dependency: install it for the benchmark only, e.g.
+``python -m venv --system-site-packages /tmp/trlenv && /tmp/trlenv/bin/pip
+install trl`` (the venv reuses this machine's torch). Without it only Tandem's
+row prints.
+
+Each engine runs ``--steps`` steps; the first is a warm-up and is left out of
+the means. Phases: ``generate`` (rollout: sampling, and for Tandem the reward
+calls), ``logprobs`` (no-grad forwards before the update: Tandem recomputes the
+old log-probs in the update layout every step; TRL skips them when the
+generation and optimizer steps are aligned, as here, and reuses the training
+forward's detached values), ``update`` (the rest of the step: training
+forward/backward, optimizer, bookkeeping). Random weights rarely emit EOS, so
+completions mostly run to the limit; the mean completion length of each engine
+is printed so the work per step can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(ROOT, "assets", "quickstart-policy")
+
+
+def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
+    """(model folder, prompts jsonl) for the run."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    model_dir = os.path.join(folder, "model")
+    vocab = json.load(open(os.path.join(TOKENIZER, "config.json")))["vocab_size"]
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                      num_key_value_heads=max(1, args.hidden // 128), head_dim=64, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(model_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TOKENIZER, name), model_dir)
+    data = os.path.join(folder, "prompts.jsonl")
+    rng = random.Random(0)
+    with open(data, "w") as f:
+        for i in range(args.prompts * (args.steps + 1)):
+            a, b = rng.randrange(100), rng.randrange(100)
+            f.write(json.dumps({"id": f"p{i}", "prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return model_dir, data
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / max(len(xs), 1)
+
+
+# ---- Tandem -------------------------------------------------------------------------
+
+
+def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace) -> dict[str, float]:
+    dump = os.path.join(folder, "tandem")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
+           f"--model.path={model_dir}", f"--data.path={data}", "--data.eval_path=", "--data.shuffle=false",
+           f"--job.dump_folder={dump}", f"--training.steps={args.steps}", f"--rl.num_samples={args.samples}",
+           f"--rl.prompts_per_step={args.prompts}", "--rl.kl_coef=0", "--rl.aggregation=token_mean",
+           "--rl.micro_batch_tokens=16384", f"--rollout.max_tokens={args.max_tokens}", "--rollout.kv_cache_gb=0.5",
+           f"--optimizer.lr={args.lr}", "--lr_schedule.warmup_steps=0", "--checkpoint.enable=false",
+           "--metrics.tensorboard=false", "--reward.num_workers=0", "--reward.functions=exact_match"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"tandem run failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][1:]  # drop the warm-up step
+    step = [x["time/step_s"] for x in rows]
+    gen = [x["time/rollout_s"] for x in rows]
+    logp = [x["time/logprobs_s"] for x in rows]
+    return {"step_s": _mean(step), "generate_s": _mean(gen), "logprobs_s": _mean(logp),
+            "update_s": _mean(step) - _mean(gen) - _mean(logp),
+            "completion_len": _mean([x["response/length_mean"] for x in rows])}
+
+
+# ---- TRL (worker mode, in the interpreter that has trl) ------------------------------
+
+
+def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace) -> dict[str, float]:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+
+    def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    config = GRPOConfig(
+        output_dir=os.path.join(folder, "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        max_steps=args.steps, logging_steps=1, seed=0, per_device_train_batch_size=args.prompts * args.samples,
+        gradient_accumulation_steps=1, num_generations=args.samples, max_completion_length=args.max_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group",
+        loss_type="dapo", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0,
+        max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, use_vllm=False, shuffle_dataset=False,
+        dataloader_num_workers=0, log_completions=False, disable_dropout=True)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[exact_match], args=config,
+                          train_dataset=load_dataset("json", data_files=data, split="train"),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    timers = {"generate": 0.0, "logprobs": 0.0}
+
+    def timed(name: str, fn, only_no_grad: bool = False):  # noqa: ANN001, ANN202
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            if only_no_grad and torch.is_grad_enabled():
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            timers[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
+    trainer._get_per_token_logps_and_entropies = timed("logprobs", trainer._get_per_token_logps_and_entropies, True)
+    steps: list[dict[str, float]] = []
+    lengths: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_: object, **__: object) -> None:
+            timers.update(generate=0.0, logprobs=0.0, t0=time.perf_counter())
+
+        def on_step_end(self, *_: object, **__: object) -> None:
+            steps.append({"step_s": time.perf_counter() - timers["t0"], "generate_s": timers["generate"],
+                          "logprobs_s": timers["logprobs"]})
+
+        def on_log(self, _args: object, _state: object, _control: object, logs: dict | None = None, **__: object) -> None:
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    rows = steps[1:]  # drop the warm-up step
+    step = _mean([x["step_s"] for x in rows])
+    gen, logp = _mean([x["generate_s"] for x in rows]), _mean([x["logprobs_s"] for x in rows])
+    return {"step_s": step, "generate_s": gen, "logprobs_s": logp, "update_s": step - gen - logp,
+            "completion_len": _mean(lengths[1:])}
+
+
+def run_trl(model_dir: str, data: str, folder: str, args: argparse.Namespace) -> dict[str, float] | str:
+    python = args.trl_python or sys.executable
+    probe = subprocess.run([python, "-c", "import trl"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"trl is not importable by {python} (see this file's docstring)"
+    cmd = [python, "-m", "bench.grpo_step", "--worker", model_dir, data, folder, *sys.argv[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"trl run failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--samples", type=int, default=8, help="completions per prompt (the group)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=4, help="steps per engine; the first is a warm-up")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
+    ap.add_argument("--engines", default="tandem,trl")
+    ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(trl_worker(*args.worker, args)))
+        return
+    folder = tempfile.mkdtemp(prefix="tandem-grpo-bench-")
+    try:
+        model_dir, data = write_workload(folder, args)
+        print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new tokens, Qwen3 hidden "
+              f"{args.hidden} x {args.layers} layers, {args.threads} threads, mean of steps 2..{args.steps}")
+        results: dict[str, dict[str, float]] = {}
+        print(f"{'engine':<8}{'step s':>9}{'generate':>10}{'logprobs':>10}{'update':>9}{'compl len':>11}")
+        for engine in args.engines.split(","):
+            r = run_tandem(model_dir, data, folder, args) if engine == "tandem" else run_trl(model_dir, data, folder, args)
+            if isinstance(r, str):
+                print(f"{engine:<8} {r}")
+                continue
+            results[engine] = r
+            print(f"{engine:<8}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}{r['logprobs_s']:>10.2f}{r['update_s']:>9.2f}"
+                  f"{r['completion_len']:>11.1f}")
+        if len(results) == 2:
+            print(f"trl / tandem seconds per step: {results['trl']['step_s'] / results['tandem']['step_s']:.2f}x")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
