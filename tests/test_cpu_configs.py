@@ -1,0 +1,47 @@
+"""Every CPU config in configs/ starts, trains and checkpoints the README's way.
+
+Two steps each, one process (the exit status is then train.py's own). The
+learning itself is tested elsewhere (test_rl_loop, test_ppo_distill,
+test_reward_model, test_preference_train); this keeps the shipped files true.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(config, dump, *extra):
+    cmd = [sys.executable, "train.py", "--config", f"configs/{config}", f"--job.dump_folder={dump}",
+           "--metrics.tensorboard=false", *extra]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
+
+
+@pytest.mark.slow
+def test_quickstart_ppo_config(tmp_path):
+    rows = _train("quickstart_ppo.toml", tmp_path / "ppo", "--training.steps=2", "--rl.eval_prompts=8")
+    assert len(rows) == 2 and all("critic/value_mse" in r for r in rows)
+    assert (tmp_path / "ppo" / "checkpoints" / "step-2").is_dir()
+
+
+@pytest.mark.slow
+def test_quickstart_opd_config(tmp_path):
+    rows = _train("quickstart_opd.toml", tmp_path / "opd", "--training.steps=2", "--rl.eval_prompts=8")
+    assert len(rows) == 2 and all(r["distill/reverse_kl"] > 0.1 for r in rows)  # a from-scratch student
+
+
+@pytest.mark.slow
+def test_reward_model_then_rlhf_configs(tmp_path):
+    _train("reward_model.toml", tmp_path / "rm", "--training.steps=4")
+    folder = tmp_path / "rm" / "reward_model"
+    assert (folder / "config.json").is_file()
+    rows = _train("quickstart_rlhf.toml", tmp_path / "rlhf", "--training.steps=2", "--rl.eval_prompts=8",
+                  f"--reward.reward_model={folder}")
+    assert len(rows) == 2 and all("reward/reward_model/mean" in r for r in rows), rows[0].keys()
