@@ -58,7 +58,14 @@ __all__ = [
     "parse_args",
 ]
 
-from rl.rl_config import CriticConfig, DistillConfig, RewardConfig, RLConfig, RolloutConfig  # noqa: E402  (sections of rl recipes)
+from rl.rl_config import (  # noqa: E402  (sections of rl recipes)
+    CriticConfig,
+    DistillConfig,
+    EnvConfig,
+    RewardConfig,
+    RLConfig,
+    RolloutConfig,
+)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -327,6 +334,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
 
     def validate(self) -> None:
@@ -336,6 +344,9 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
+        r = self.reward
+        require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
+                "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")
 
 
 def _apply_overrides(cfg: Config, overrides: Sequence[str]) -> None:

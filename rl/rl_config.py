@@ -7,7 +7,7 @@ against the registries, so a typo names the nearest registered piece.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from rl.configlib import ConfigError, require
 
@@ -114,8 +114,6 @@ class RewardConfig:
     reward_model_weight: float = 1.0  # its weight in the total, beside the functions
 
     def validate(self) -> None:
-        require(bool(self.functions) or self.reward_model is not None,
-                "reward.functions: list at least one reward function (or set reward.reward_model)")
         require(not self.weights or len(self.weights) == len(self.functions),
                 f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
@@ -178,3 +176,37 @@ class DistillConfig:
         import os
 
         return list(self.names) or [os.path.basename(os.path.normpath(t)) for t in self.teachers]
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn (agentic) rollouts: each sample is an episode against a registered environment.
+
+    The policy's turns are sampled; the environment's replies (tool results,
+    test output) join the context with no loss; the episode's final reward is
+    added to the score (next to any ``reward.functions``). See rl/agentic.py.
+    """
+
+    name: str | None = None  # rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table), e.g. tools, reward
+    max_turns: int = 4  # assistant turns per episode
+    max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
+    max_turn_tokens: int | None = None  # sampled tokens per turn; none = up to rollout.max_tokens in all
+    num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes
+    step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
+
+    def validate(self) -> None:
+        if self.name is None:
+            return
+        _check_name("env.name", "rl.envs.ENVIRONMENTS", self.name)
+        from rl.envs import make_env
+
+        try:  # bad settings fail now, not at the first rollout
+            make_env(self.name, self.kwargs)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"env.kwargs: {e}") from None
+        for key in ("max_turns", "max_total_tokens"):
+            require(getattr(self, key) >= 1, f"env.{key}: must be >= 1, got {getattr(self, key)}")
+        require(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "env.max_turn_tokens: must be >= 1")
+        require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
+        require(self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")

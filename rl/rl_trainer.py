@@ -48,7 +48,7 @@ from rl.metrics import MetricsLogger, truncate_jsonl
 from rl.modeling import ModelSetupError, build_sharded_model, build_tokenizer, export_hf, model_args
 from rl.optim import build_optimizer, build_scheduler
 from rl.rewards.pool import RewardPool
-from rl.rollout import build_generation_model, generate_samples
+from rl.rollout import build_generation_model, generate_episodes, generate_samples
 from rl.rollout_types import RolloutSample
 from rl.system import peak_memory_gb, reset_peak_memory
 from rl.update import (
@@ -99,6 +99,11 @@ class RLTrainer:
             self.teachers = Teachers(cfg, self.tok, self.mesh, info.device, is_main=info.is_main)
             self.teachers.route_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
         self.rm = self._reward_model() if cfg.reward.reward_model else None
+        self.env_pool = None
+        if cfg.env.name:
+            from rl.envs import EnvPool
+
+            self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
         # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
         self.total_updates = max(cfg.training.steps - self.critic_warmup, 1) * r.epochs * r.minibatches
         self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
@@ -169,8 +174,24 @@ class RLTrainer:
             rm = torch.tensor(self.rm.score([self._context(s.row) for s in samples], [s.text for s in samples]))
             scores += self.cfg.reward.reward_model_weight * rm
             metrics["reward/reward_model/mean"] = rm.mean().item()
+        env = [s.env_reward for s in samples]
+        if any(v is not None for v in env):  # episodes' final rewards (an episode without one scores 0)
+            env_t = torch.tensor([v or 0.0 for v in env], dtype=torch.float32)
+            scores += env_t
+            metrics["reward/env/mean"] = env_t.mean().item()
+            if not self.reward_fns:
+                for s, v in zip(samples, env_t.tolist()):
+                    s.info["accuracy"] = float(v > 0)
         metrics["reward/total"] = scores.mean().item()
         return scores, metrics
+
+    def _generate(self, gen_model, prompts, n: int, seed: int, greedy: bool = False):
+        """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set."""
+        if self.env_pool is not None:
+            return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
+                                     seed=seed, greedy=greedy)
+        return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=seed,
+                                max_prompt_tokens=self.max_prompt, greedy=greedy)
 
     def rollout(self) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
         cfg, r = self.cfg, self.cfg.rl
@@ -186,8 +207,7 @@ class RLTrainer:
         kept_groups, rounds, dropped = 0, 0, 0
         while kept_groups < per_rank:
             idx = self.stream.take(per_rank if rounds == 0 else per_rank - kept_groups)
-            new, gm = generate_samples(gen_model, self.tok, [self.train_prompts[i] for i in idx], r.num_samples,
-                                       cfg.rollout, seed=seed + rounds, max_prompt_tokens=self.max_prompt)
+            new, gm = self._generate(gen_model, [self.train_prompts[i] for i in idx], r.num_samples, seed + rounds)
             sc, rm = self._score(new)
             groups = torch.tensor([s.group for s in new])
             keep = filter_groups(sc, groups) if r.dynamic_sampling else torch.ones(len(new), dtype=torch.bool)
@@ -347,8 +367,7 @@ class RLTrainer:
         gen_model, _ = build_generation_model(self.model, self.args, self.info.device)
         mine = self.eval_prompts[self.dp_rank::self.dp]
         n = self.cfg.rl.eval_samples
-        samples, _ = generate_samples(gen_model, self.tok, mine, max(n, 1), self.cfg.rollout, seed=12345 + self.info.rank,
-                                      max_prompt_tokens=self.max_prompt, greedy=n == 0)
+        samples, _ = self._generate(gen_model, mine, max(n, 1), 12345 + self.info.rank, greedy=n == 0)
         del gen_model
         self._score(samples)
         acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64)
@@ -398,6 +417,8 @@ class RLTrainer:
             self.watchdog.stop()
             self.preempt.uninstall()
             self.rewards.close()
+            if self.env_pool is not None:
+                self.env_pool.close()
             self.logger.close()
 
     def _ckpt_extras(self) -> dict:

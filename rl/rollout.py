@@ -80,3 +80,27 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     return samples, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                      "rollout/generated_tokens": float(stats.generated_tokens),
                      "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+
+
+def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
+                      pool: Any, *, seed: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n multi-turn episodes per prompt against ``ecfg.name`` (rl/agentic.py); the KV pool is freed on return."""
+    from rl.agentic import run_agentic_rollout
+
+    t0 = time.monotonic()
+    settings = generation_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)
+    settings.max_model_len = ecfg.max_total_tokens + 1
+    settings.max_num_seqs = min(settings.max_num_seqs, max(1, len(prompts) * n))
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids)
+    samples, metrics = run_agentic_rollout(
+        gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p in prompts], n, sampling_params(rcfg, greedy=greedy),
+        max_turns=ecfg.max_turns, max_total_tokens=ecfg.max_total_tokens, pool=pool,
+        max_turn_tokens=ecfg.max_turn_tokens)
+    if not gen.pool_is_free():
+        raise RuntimeError("generator leaked KV blocks")
+    kv_bytes = gen.cache.nbytes
+    gen.close()
+    generated = float(sum(s.num_sampled for s in samples))
+    dt = time.monotonic() - t0
+    return samples, {**metrics, "rollout/seconds": dt, "rollout/generated_tokens": generated,
+                     "rollout/tokens_per_s": generated / max(dt, 1e-9), "rollout/kv_cache_gb": kv_bytes / 1e9}

@@ -70,8 +70,40 @@ class SleepyEpisode(Episode):
         return StepResult([{"role": "user", "content": f"ok {self.turn}"}], done=False)
 
 
+class AgainEnv(Environment):
+    """Asks the row's question a second time; the second answer scores 1 if it starts with "2".
+
+    A two-turn episode the quickstart policy can play from the start (the
+    observation is a question like the ones it was trained on), with a reward
+    it can learn in a few RL steps, as in tests/test_rl_loop.py.
+    """
+
+    name = "again"
+
+    def new_episode(self) -> AgainEpisode:
+        return AgainEpisode()
+
+
+class AgainEpisode(Episode):
+    def __init__(self) -> None:
+        self.turn = 0
+        self.question = ""
+
+    def reset(self, row: Mapping[str, Any]) -> list[Message]:
+        self.question = str(row["prompt"])
+        return row_messages(row)
+
+    def step(self, assistant_text: str) -> StepResult:
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult([{"role": "user", "content": self.question}], done=False)
+        return StepResult([], done=True, reward=float(assistant_text.strip().startswith("2")))
+
+
 if "sleepy" not in ENVIRONMENTS:
     ENVIRONMENTS.register("sleepy")(SleepyEnv)
+if "again" not in ENVIRONMENTS:
+    ENVIRONMENTS.register("again")(AgainEnv)
 
 if TYPE_CHECKING:
     import torch

@@ -27,6 +27,14 @@ def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int, n_synthetic:
         from rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
         name, knobs = parse_synthetic(path[len(SYNTHETIC):])
+        from rl.data.agentic_tasks import AGENTIC_TASKS, make_agentic_rows
+
+        if name in AGENTIC_TASKS:  # multi-turn tasks (env.name): code rows carry hidden tests, not an answer
+            try:
+                rows = make_agentic_rows(name, n_synthetic, seed, split, **knobs)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise DataError(f"data.path: {path}: {e}") from None
+            return [{**r, "answer": r.get("answer", "")} for r in rows]
         if name not in TASKS:
             raise DataError(f"data.path: {TASKS.unknown_message(name)}")
         try:
