@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from rl.fault.inject import maybe_kill
+
 MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -97,6 +99,7 @@ class Checkpointer:
         _barrier()
         state = _state(model, optimizer, extras)
         dcp.save(state, checkpoint_id=staging)
+        maybe_kill(step, self.rank, os.path.dirname(os.path.abspath(self.folder)), in_save=True)  # drills only
         os.makedirs(os.path.join(staging, "rng"), exist_ok=True)
         torch.save(rng_state(), os.path.join(staging, "rng", f"rank-{self.rank}.pt"))
         _barrier()

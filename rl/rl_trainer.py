@@ -44,6 +44,7 @@ from rl.config import ConfigError
 from rl.critic import Critic
 from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
 from rl.fault import PreemptionHandler, Watchdog, check_finite
+from rl.fault.inject import maybe_kill
 from rl.metrics import MetricsLogger, truncate_jsonl
 from rl.modeling import ModelSetupError, build_sharded_model, build_tokenizer, export_hf, model_args
 from rl.optim import build_optimizer, build_scheduler
@@ -447,6 +448,7 @@ class RLTrainer:
             with wd.phase("update"):
                 metrics.update(self.update(samples, scores))
             self.step += 1
+            maybe_kill(self.step, self.info.rank, cfg.job.dump_folder)  # fault drills only (TANDEM_INJECT_KILL)
             wd.beat(self.step)
             metrics.update(self._rollout_metrics(samples))
             metrics["time/step_s"] = time.monotonic() - t0

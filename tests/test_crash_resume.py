@@ -1,0 +1,150 @@
+"""Kill -9 one rank mid-run under torchrun --max-restarts: the job finishes by itself, exactly.
+
+Two runs of the quickstart (2 ranks, 6 steps, checkpoints every 2): one never
+interrupted, one whose rank 1 is SIGKILLed right after step 3's update
+(TANDEM_INJECT_KILL, rl/fault/inject.py), i.e. after the step-2 checkpoint and
+before step 4's. torchrun restarts both workers, they resume from step 2 and
+finish. The final checkpoints (weights, optimizer, scheduler, data cursors)
+must be equal bit for bit, and the ledger of prompt ids per step identical:
+every prompt trained exactly once, none lost or repeated across the crash.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(dump, extra_env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
+           f"--job.dump_folder={dump}", "--training.steps=6", "--checkpoint.interval=2", "--rl.prompts_per_step=16",
+           "--rl.eval_prompts=8", "--rl.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _flat(path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, path + ".pt")
+    return torch.load(path + ".pt", weights_only=False)
+
+
+def _same(a, b, key=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), key
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), key
+        for k in a:
+            _same(a[k], b[k], f"{key}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), key
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{key}[{i}]")
+    else:
+        assert a == b, (key, a, b)
+
+
+@pytest.mark.slow
+def test_kill_minus_9_under_torchrun_restarts_and_matches_an_uninterrupted_run(tmp_path):
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    _run(clean)
+    r = _run(crashed, {"TANDEM_INJECT_KILL": "3:1"})
+    assert (crashed / "fault" / "killed-step-3-rank-1").is_file()  # it really died once
+    assert "at step 2" in r.stdout, r.stdout[-2000:]  # and resumed from the step-2 checkpoint
+    a, b = _flat(str(clean / "checkpoints" / "step-6")), _flat(str(crashed / "checkpoints" / "step-6"))
+    _same(a, b)
+    ledger = [json.loads(line) for line in open(clean / "ledger.jsonl")]
+    assert [row["step"] for row in ledger] == [1, 2, 3, 4, 5, 6]
+    assert ledger == [json.loads(line) for line in open(crashed / "ledger.jsonl")]
+    ids = [i for row in ledger for i in row["ids"]]
+    assert len(ids) == len(set(ids)) == 6 * 16  # every prompt exactly once (first epoch)
+    metrics = [json.loads(line) for line in open(crashed / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # the lost step 3 was redone, logged once
+
+
+def _single(dump, *extra, **popen):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
+           f"--job.dump_folder={dump}", "--checkpoint.interval=2", "--rl.prompts_per_step=16", "--rl.eval_prompts=8",
+           "--rl.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_one_rank_without_repeating_prompts(tmp_path):
+    import shutil
+
+    two = tmp_path / "two"
+    _run(two)
+    one = tmp_path / "one"
+    shutil.copytree(two, one)
+    saved = _flat(str(two / "checkpoints" / "step-4"))
+    shutil.rmtree(one / "checkpoints" / "step-6")  # resume at step 4 on one rank
+    p = _single(one, "--training.steps=4")  # nothing left to train: load, then export the loaded weights
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0 and "resharded" in out, out[-3000:]
+    from models.hf import load_model
+
+    loaded = load_model(str(one / "hf")).state_dict()
+    assert loaded.keys() == saved["model"].keys()
+    for k, v in saved["model"].items():
+        assert torch.equal(loaded[k], v), k
+    p = _single(one, "--training.steps=6")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    assert "at step 4 (saved on 2 ranks, now 1: resharded)" in out, out[-2000:]
+    ledger = [json.loads(line) for line in open(one / "ledger.jsonl")]
+    assert [row["step"] for row in ledger] == [1, 2, 3, 4, 5, 6]
+    ids = [i for row in ledger for i in row["ids"]]
+    assert len(ids) == len(set(ids)) == 6 * 16  # no prompt repeated across the change of layout
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path):
+    import signal
+
+    dump = tmp_path / "pre"
+    p = _single(dump, "--training.steps=8", "--checkpoint.interval=100")
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("step 2/8"):
+            p.send_signal(signal.SIGTERM)
+    p.wait(timeout=600)
+    out = "".join(lines)
+    assert p.returncode == 75, out[-2000:]  # rl/errors.py EXIT_PREEMPTED: the batch script requeues on it
+    saved = sorted(os.listdir(dump / "checkpoints"))
+    assert len(saved) == 1 and saved[0].startswith("step-"), saved
+    step = int(saved[0].split("-")[1])
+    assert 2 <= step < 8
+    p = _single(dump, "--training.steps=8", "--checkpoint.interval=100")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0 and f"at step {step}" in out, out[-2000:]
+    assert [json.loads(line)["step"] for line in open(dump / "ledger.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_kill_during_save_keeps_the_previous_checkpoint_and_ignores_the_partial(tmp_path):
+    dump = tmp_path / "save"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
+           f"--job.dump_folder={dump}", "--training.steps=6", "--checkpoint.interval=2", "--rl.prompts_per_step=16",
+           "--rl.eval_prompts=8", "--rl.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TANDEM_INJECT_KILL_SAVE": "4:1"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0  # no restarts allowed: the job died in the middle of writing step-4
+    names = sorted(os.listdir(dump / "checkpoints"))
+    assert names == ["step-2", "step-4.partial"], names
+    r = _run(dump)  # the next launch: the partial is ignored, step-2 is loaded
+    assert "at step 2" in r.stdout, r.stdout[-2000:]
+    assert sorted(os.listdir(dump / "checkpoints")) == ["step-4", "step-6"]
+    assert [json.loads(line)["step"] for line in open(dump / "ledger.jsonl")] == [1, 2, 3, 4, 5, 6]
