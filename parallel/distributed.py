@@ -62,8 +62,26 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             kwargs = {"device_id": device} if device.type != "cpu" else {}
+            if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+                kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]), world_size=world)
             dist.init_process_group(backend, timeout=timeout, **kwargs)
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with keys scoped to this restart attempt.
+
+    After ``--max-restarts`` relaunches the workers, the agent's store can
+    still hold the previous attempt's keys; gloo then reads a dead peer's
+    address and its full-mesh connect hangs or is refused (seen in a
+    kill -9 drill). A prefix per attempt keeps every attempt's rendezvous its own.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          **({} if agent_store else {"multi_tenant": True}))
+    return dist.PrefixStore(f"tandem/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def destroy_distributed(barrier: bool = False) -> None:
