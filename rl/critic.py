@@ -28,7 +28,7 @@ from parallel.grad import clip_grad_norm
 from rl.algorithms import AGGREGATIONS
 from rl.algorithms.value import value_loss
 from rl.optim import build_optimizer
-from rl.update import MicroBatch, scatter_rows
+from rl.update import MicroBatch, scatter_completions
 
 
 class Critic:
@@ -49,7 +49,9 @@ class Critic:
         self.aggregation = AGGREGATIONS.get("token_mean")
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
-        return self.model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids)).reshape(-1)  # [B*S]
+        """V(s_t) at the completion tokens, in ``mb.comp_*`` order [K]."""
+        v = self.model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids)).reshape(-1)  # [B*S]
+        return v.index_select(0, mb.comp_index)
 
     @torch.no_grad()
     def values(self, mbs: list[MicroBatch], n: int, width: int, device: torch.device) -> torch.Tensor:
@@ -59,7 +61,7 @@ class Critic:
         for mb in mbs:
             v = self._values(mb)
             if mb.rows:
-                out[mb.rows] = scatter_rows(v, mb, width)
+                out[mb.rows] = scatter_completions(v, mb, width)
         self.model.train()
         return out
 
@@ -70,7 +72,7 @@ class Critic:
         if not mb.rows:
             return v_l.sum() * 0.0, v_l.new_zeros(())
         rows = mb.rows
-        v = scatter_rows(v_l, mb, width)
+        v = scatter_completions(v_l, mb, width)
         m = mask[rows]
         tok = value_loss(v, old_values[rows], returns[rows], m, self.cfg.value_clip)
         loss = self.cfg.coef * self.aggregation(tok, m, norm)

@@ -36,16 +36,10 @@ import torch
 import torch.distributed as dist
 
 from rl import errors
+from rl.data.loading import DataError, iter_jsonl_objects
 from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from rl.generator.sequence import SamplingParams
-
-
-class InputError(Exception):
-    """A bad input file or row (exit 3)."""
-
-
-class ModelFolderError(Exception):
-    """A model or tokenizer folder that cannot be loaded (exit 4)."""
+from rl.modeling import ModelSetupError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,46 +76,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def read_prompts(path: str, text_field: str, messages_field: str) -> list[dict[str, Any]]:
-    """Validated rows: {"id", "text"} or {"id", "messages"}; InputError names the line."""
+    """Validated rows: {"id", "text"} or {"id", "messages"}; DataError names the line."""
     rows = []
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"--input {path}: {e.strerror}") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if messages_field in row:
-                msgs = row[messages_field]
-                if not isinstance(msgs, list) or not msgs or not all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                        for m in msgs):
-                    raise InputError(f"{where}: {messages_field!r} must be a non-empty list of "
-                                     '{"role": str, "content": str} objects')
-                rows.append({"id": row.get("id"), "messages": msgs})
-            elif text_field in row:
-                if not isinstance(row[text_field], str) or not row[text_field]:
-                    raise InputError(f"{where}: {text_field!r} must be a non-empty string")
-                rows.append({"id": row.get("id"), "text": row[text_field]})
-            else:
-                raise InputError(f"{where}: has neither {text_field!r} nor {messages_field!r}")
+    for where, row in iter_jsonl_objects(path):
+        if messages_field in row:
+            msgs = row[messages_field]
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs):
+                raise DataError(f"{where}: {messages_field!r} must be a non-empty list of "
+                                '{"role": str, "content": str} objects')
+            rows.append({"id": row.get("id"), "messages": msgs})
+        elif text_field in row:
+            if not isinstance(row[text_field], str) or not row[text_field]:
+                raise DataError(f"{where}: {text_field!r} must be a non-empty string")
+            rows.append({"id": row.get("id"), "text": row[text_field]})
+        else:
+            raise DataError(f"{where}: has neither {text_field!r} nor {messages_field!r}")
     if not rows:
-        raise InputError(f"{path}: no prompt rows")
+        raise DataError(f"{path}: no prompt rows")
     return rows
 
 
 def encode(row: dict[str, Any], tok: Any, chat: bool) -> list[int]:
     if "messages" in row or chat:
         if tok.chat_template is None:
-            raise InputError("the tokenizer has no chat template; give text prompts without --chat-template")
+            raise DataError("the tokenizer has no chat template; give text prompts without --chat-template")
         msgs = row.get("messages") or [{"role": "user", "content": row["text"]}]
         return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
     return tok.encode(row["text"])
@@ -138,7 +118,7 @@ def load(args: argparse.Namespace, device: torch.device):
         model = load_model(args.model, device=device, dtype=dtype).eval()
     except (OSError, ValueError, KeyError) as e:
         text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        raise ModelFolderError(f"--model {args.model}: {text.strip().splitlines()[0] if text.strip() else type(e).__name__}") from None
+        raise ModelSetupError(f"--model {args.model}: {text.strip().splitlines()[0] if text.strip() else type(e).__name__}") from None
     return tok, model
 
 
@@ -188,10 +168,10 @@ def _run(args: argparse.Namespace, info: Any) -> int:
         tok, model = load(args, info.device)
         mine = [(i, prompts[i]) for i in range(info.rank, len(prompts), info.world_size)]
         rows, generated = generate_rows(args, model, tok, mine)
-    except InputError as e:
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return errors.EXIT_DATA
-    except ModelFolderError as e:
+    except ModelSetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return errors.EXIT_MODEL
     counts = torch.tensor([generated], dtype=torch.float64)

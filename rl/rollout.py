@@ -9,6 +9,7 @@ carves from its budget. Both sizes and the gather time are reported.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,20 +54,32 @@ def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
                           max_tokens=rcfg.max_tokens)
 
 
+def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
+                    run: Callable[[Generator], Any]) -> tuple[Any, dict[str, float]]:
+    """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
+    freed on return (a leak raises); the rollout/* metrics of that generation."""
+    t0 = time.monotonic()
+    settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids)
+    out = run(gen)
+    if not gen.pool_is_free():
+        raise RuntimeError("generator leaked KV blocks")
+    stats, kv_bytes = gen.stats, gen.cache.nbytes
+    gen.close()
+    dt = time.monotonic() - t0
+    return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
+                 "rollout/generated_tokens": float(stats.generated_tokens),
+                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+
+
 def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
                      seed: int, max_prompt_tokens: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return."""
-    t0 = time.monotonic()
-    settings = generation_settings(rcfg, max_prompt_tokens, seed)
-    settings.max_num_seqs = min(settings.max_num_seqs, max(1, len(prompts) * n))  # sizes the KV pool too
-    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids)
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
-    out = gen.generate([p.token_ids for p in prompts], sampling_params(rcfg, greedy=greedy), n=n, stop_check=check)
-    if not gen.pool_is_free():
-        raise RuntimeError("generator leaked KV blocks")
-    stats = gen.stats
-    kv_bytes = gen.cache.nbytes
-    gen.close()
+    out, metrics = _with_generator(
+        gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(prompts) * n,
+        lambda gen: gen.generate([p.token_ids for p in prompts], sampling_params(rcfg, greedy=greedy), n=n,
+                                 stop_check=check))
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out)):
         for c in comps:
@@ -76,10 +89,7 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
                                          loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
                                          finish_reason=c.finish_reason,
                                          text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row))
-    dt = time.monotonic() - t0
-    return samples, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
-                     "rollout/generated_tokens": float(stats.generated_tokens),
-                     "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+    return samples, metrics
 
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
@@ -87,20 +97,11 @@ def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prom
     """n multi-turn episodes per prompt against ``ecfg.name`` (rl/agentic.py); the KV pool is freed on return."""
     from rl.agentic import run_agentic_rollout
 
-    t0 = time.monotonic()
-    settings = generation_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)
-    settings.max_model_len = ecfg.max_total_tokens + 1
-    settings.max_num_seqs = min(settings.max_num_seqs, max(1, len(prompts) * n))
-    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids)
-    samples, metrics = run_agentic_rollout(
-        gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p in prompts], n, sampling_params(rcfg, greedy=greedy),
-        max_turns=ecfg.max_turns, max_total_tokens=ecfg.max_total_tokens, pool=pool,
-        max_turn_tokens=ecfg.max_turn_tokens)
-    if not gen.pool_is_free():
-        raise RuntimeError("generator leaked KV blocks")
-    kv_bytes = gen.cache.nbytes
-    gen.close()
-    generated = float(sum(s.num_sampled for s in samples))
-    dt = time.monotonic() - t0
-    return samples, {**metrics, "rollout/seconds": dt, "rollout/generated_tokens": generated,
-                     "rollout/tokens_per_s": generated / max(dt, 1e-9), "rollout/kv_cache_gb": kv_bytes / 1e9}
+    settings = generation_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)  # max_model_len: the episode cap
+    (samples, env_metrics), metrics = _with_generator(
+        gen_model, tokenizer, settings, len(prompts) * n,
+        lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p in prompts], n,
+                                        sampling_params(rcfg, greedy=greedy), max_turns=ecfg.max_turns,
+                                        max_total_tokens=ecfg.max_total_tokens, pool=pool,
+                                        max_turn_tokens=ecfg.max_turn_tokens))
+    return samples, {**env_metrics, **metrics}

@@ -140,13 +140,6 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
     return out
 
 
-def scatter_rows(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
-    """[B*S] per-position values -> [len(rows), width] completion-aligned (zeros past the end)."""
-    out = values.new_zeros(len(mb.rows), width)
-    out[mb.comp_row, mb.comp_col] = values[mb.comp_index[: mb.comp_row.numel()]]
-    return out
-
-
 @torch.no_grad()
 def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch], width: int,
                        device: torch.device, chunk_tokens: int = 1024) -> torch.Tensor:

@@ -102,11 +102,11 @@ def test_sampling_is_seeded_and_independent_of_ranks(folder, prompts, tmp_path):
 
 
 @pytest.mark.parametrize("line,message", [
-    ("{not json", "line 2: not valid JSON"),
-    ("[1, 2]", "line 2: expected a JSON object"),
-    ('{"question": "hi"}', "line 2: has neither 'prompt' nor 'messages'"),
-    ('{"prompt": 3}', "line 2: 'prompt' must be a non-empty string"),
-    ('{"messages": [{"role": "user"}]}', "line 2: 'messages' must be a non-empty list"),
+    ("{not json", ":2: invalid JSON"),
+    ("[1, 2]", ":2: expected a JSON object"),
+    ('{"question": "hi"}', ":2: has neither 'prompt' nor 'messages'"),
+    ('{"prompt": 3}', ":2: 'prompt' must be a non-empty string"),
+    ('{"messages": [{"role": "user"}]}', ":2: 'messages' must be a non-empty list"),
 ])
 def test_malformed_line_exits_3_naming_it(folder, tmp_path, capsys, line, message):
     bad = tmp_path / "bad.jsonl"
@@ -114,7 +114,7 @@ def test_malformed_line_exits_3_naming_it(folder, tmp_path, capsys, line, messag
     out = tmp_path / "out.jsonl"
     assert _run(folder, bad, out) == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"{bad} {message}" in err[0], err
+    assert len(err) == 1 and f"{bad}{message}" in err[0], err
     assert not out.exists() and not list(tmp_path.glob("out.jsonl*"))
 
 

@@ -25,14 +25,13 @@ so the single-turn task list stays as it is.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rl.data.loading import DataError
+from rl.data.loading import DataError, iter_jsonl_objects
 from rl.data.tasks import Split, split_of
 from rl.registry import Registry
 
@@ -251,10 +250,8 @@ def make_agentic_rows(
     return rows
 
 
-def _check_row(row: Any, where: str) -> dict[str, Any]:
+def _check_row(row: dict[str, Any], where: str) -> dict[str, Any]:
     """Validate one loaded row and fill the defaults (env, messages); DataError naming ``where``."""
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "messages" in row:
         msgs = row["messages"]
         if (
@@ -307,18 +304,10 @@ def load_agentic_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise DataError(f"{path}: file not found")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            row = _check_row(obj, where)
-            row.setdefault("id", f"{os.path.basename(path)}:{lineno}")
-            rows.append(row)
+    for where, obj in iter_jsonl_objects(path):
+        row = _check_row(obj, where)
+        row.setdefault("id", f"{os.path.basename(path)}:{where.rsplit(':', 1)[1]}")
+        rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -25,17 +26,36 @@ def _infer_format(path: str, fmt: str) -> str:
     raise DataError(f"{path}: cannot tell the format from the extension; set data.format to jsonl or parquet")
 
 
-def _first_bad_json_line(path: str) -> str | None:
-    with open(path, encoding="utf-8") as f:
+def iter_jsonl_objects(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, object)`` for each non-blank line of a JSON-lines file, streamed.
+
+    ``where`` is ``"path:line"``; an unreadable file, a line that is not JSON or
+    not a JSON object raises DataError naming it.
+    """
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: {e.strerror}") from None
+    with f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                return f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})"
+                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(obj, dict):
-                return f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield where, obj
+
+
+def _first_bad_json_line(path: str) -> str | None:
+    try:
+        for _ in iter_jsonl_objects(path):
+            pass
+    except DataError as e:
+        return str(e)
     return None
 
 

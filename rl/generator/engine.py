@@ -86,10 +86,9 @@ class Generator:
             # The budget is an upper bound: never more blocks than max_num_seqs
             # sequences of max_len tokens could hold at once (a small rollout
             # then zeroes megabytes, not the whole budget).
-            budget = int(settings.kv_cache_gb * 1e9)
             most = settings.max_num_seqs * -(-max_len // settings.block_size)
-            per_block = KVCache.bytes_per_block(model.args, settings.block_size, dtype)
-            cache = KVCache(model.args, min(budget // per_block, most), settings.block_size, dtype, device)
+            cache = KVCache.from_budget(model.args, int(settings.kv_cache_gb * 1e9), settings.block_size, dtype,
+                                        device, max_blocks=most)
         self.cache = cache
         self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size), settings.max_num_seqs,
                                    settings.max_num_batched_tokens, settings.prefix_sharing,

@@ -32,8 +32,10 @@ class KVCache:
 
     @classmethod
     def from_budget(cls, args: ModelArgs, budget_bytes: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> KVCache:
-        return cls(args, budget_bytes // cls.bytes_per_block(args, block_size, dtype), block_size, dtype, device)
+                    device: torch.device, max_blocks: int | None = None) -> KVCache:
+        """As many blocks as ``budget_bytes`` holds, and at most ``max_blocks``."""
+        n = budget_bytes // cls.bytes_per_block(args, block_size, dtype)
+        return cls(args, n if max_blocks is None else min(n, max_blocks), block_size, dtype, device)
 
     @property
     def nbytes(self) -> int:
