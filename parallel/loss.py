@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["vocab_parallel_entropy", "vocab_parallel_token_logprobs"]
+__all__ = ["token_logprobs_at", "vocab_parallel_entropy", "vocab_parallel_token_logprobs"]
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -113,3 +113,34 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     s = torch.exp(lse - m)  # [B, S] global sum of exp(z - m)
     ez = _AllReduceSum.apply((e * local.float()).sum(-1), group)  # [B, S]
     return lse - ez / s
+
+
+def token_logprobs_at(
+    logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``K`` positions of ``[B, S, V]`` logits, DTensor or plain.
+
+    ``index``: ``[K]`` flat positions into ``B * S``; ``targets``: ``[K]`` ids. The
+    positions are picked from the local (vocab-sharded) logits before any
+    softmax work, so the normaliser runs over ``K`` rows, not ``B * S``.
+    Returns ``[K]`` fp32 tensors, differentiable w.r.t. the logits.
+    """
+    local, group, offset, vocab = _vocab_shard(logits)
+    picked = local.reshape(-1, local.shape[-1]).index_select(0, index)[None]  # [1, K, Vl]
+    if group is None:
+        logp_all = torch.log_softmax(picked.float(), dim=-1)
+        logp = logp_all.gather(-1, targets[None, :, None])[0, :, 0]
+        ent = -(logp_all.exp() * logp_all).sum(-1)[0] if with_entropy else None
+        return logp, ent
+    m, e, lse = _log_normaliser(picked, group)
+    width = picked.shape[-1]
+    idx = targets[None] - offset
+    here = (idx >= 0) & (idx < width)
+    z = picked.float().gather(-1, idx.clamp(0, max(width - 1, 0)).unsqueeze(-1)).squeeze(-1)
+    logp = (_AllReduceSum.apply(torch.where(here, z, torch.zeros_like(z)), group) - lse)[0]
+    ent = None
+    if with_entropy:
+        s = torch.exp(lse - m)
+        ez = _AllReduceSum.apply((e * picked.float()).sum(-1), group)
+        ent = (lse - ez / s)[0]
+    return logp, ent

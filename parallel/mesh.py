@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -48,3 +49,28 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def dp_rank(mesh: DeviceMesh) -> int:
     """This rank's index among the data-parallel ranks (replicate-major)."""
     return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+
+
+def subgroup(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup | None:
+    """This rank's process group over the mesh ``axes`` (the ranks that differ only along them).
+
+    Collective: every rank calls it, in the same order, once (at setup; it
+    creates one group per coordinate of the other axes). None when the group
+    would be this rank alone.
+    """
+    sizes = [mesh[a].size() for a in axes]
+    n = 1
+    for s in sizes:
+        n *= s
+    if n == 1:
+        return None
+    others = [a for a in AXES if a not in axes]
+    order = [AXES.index(a) for a in others + list(axes)]
+    rows = mesh.mesh.permute(*order).reshape(-1, n).tolist()
+    me = dist.get_rank()
+    mine = None
+    for ranks in rows:
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = group
+    return mine

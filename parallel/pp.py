@@ -25,7 +25,15 @@ must return each microbatch's share of the global loss (e.g. divide a token sum
 by the global token count), so the accumulated gradient is that of the whole
 batch whatever ``n_microbatches`` is.
 
-Tied input/output embeddings cannot be split across stages and are rejected.
+Tied input/output embeddings (Qwen3-0.6B/1.7B) split across stages: the
+first stage keeps the embedding, the last a separate output weight with the
+same values; `Pipeline.sync_tied_grads` sums their gradients over the two end
+ranks of each pipeline after backward, so both copies take the same optimizer
+step and stay equal (what Megatron calls the embedding group).
+
+`Pipeline.forward_only` runs microbatches through the stages with no autograd
+and no schedule (old / reference log-probs): plain point-to-point sends in
+stage order, one microbatch after another.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -55,6 +64,7 @@ SCHEDULES: dict[str, tuple[type, int]] = {
 }
 
 LossFn = Callable[..., torch.Tensor]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # activations sent between stages
 
 
 def _stages_per_rank(schedule_name: str) -> int:
@@ -71,7 +81,7 @@ def pipeline_split(
     """Layer ids of each of the ``pp * stages_per_rank`` stages, contiguous and in order.
 
     ``num_layers`` defaults to ``model_args.num_layers``. Raises ValueError (one
-    line) when a stage would get no layer or the embeddings are tied.
+    line) when a stage would get no layer.
     """
     n_layers = model_args.num_layers if num_layers is None else num_layers
     n_stages = pp * stages_per_rank
@@ -81,11 +91,6 @@ def pipeline_split(
         what = f"pp={pp}" if stages_per_rank == 1 else f"pp={pp} x {stages_per_rank} virtual stages"
         raise ValueError(
             f"pipeline parallel {what} needs at least {n_stages} layers, model has num_layers={n_layers}"
-        )
-    if pp > 1 and getattr(model_args, "tie_word_embeddings", False):
-        raise ValueError(
-            "pipeline parallelism does not support tied input/output embeddings "
-            "(tie_word_embeddings=True); use pp=1 or an untied model"
         )
     base, rem = divmod(n_layers, n_stages)
     out, start = [], 0
@@ -133,7 +138,75 @@ class Pipeline:
     modules: list[nn.Module]
     has_first_stage: bool
     has_last_stage: bool
+    n_stages: int = 1
+    group: Any = None  # the pp process group
+    tied_group: Any = None  # first + last stage ranks of this pipeline, when embeddings are tied
     _target_spec: list[tuple[str, torch.dtype]] = field(default_factory=list)
+
+    def tied_params(self) -> list[nn.Parameter]:
+        """This rank's copies of a tied embedding/output weight (first: embedding, last: output)."""
+        if self.tied_group is None:
+            return []
+        out = []
+        for m in self.modules:
+            if m.tok_embeddings is not None:
+                out.append(m.tok_embeddings.weight)
+            if m.output is not None:
+                out.append(m.output.weight)
+        return out
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tied weight's gradient over its two stages (after backward, before clipping)."""
+        for p in self.tied_params():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(g, group=self.tied_group)
+
+    def duplicate_params(self) -> list[nn.Parameter]:
+        """Parameters that repeat another stage's (the last stage's tied output): scaled by
+        clipping, not counted in the norm."""
+        if self.tied_group is None or not self.has_last_stage:
+            return []
+        return [m.output.weight for m in self.modules if m.output is not None]
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        microbatches: list[torch.Tensor],
+        on_output: Callable[[int, torch.Tensor], None],
+        *,
+        device: torch.device,
+    ) -> None:
+        """Run each microbatch through all stages in order; ``on_output(i, out)`` on the last stage.
+
+        Every rank of the pipeline calls this with the same number of
+        microbatches (inputs are read on the first stage only). Activations
+        move with blocking point-to-point sends, shape first.
+        """
+        pp = dist.get_world_size(self.group)
+        me = dist.get_rank(self.group)
+        by_id = {st.stage_index: m for st, m in zip(self.stages, self.modules)}
+        for i, x in enumerate(microbatches):
+            h = x
+            for sid in range(self.n_stages):
+                if sid % pp != me:
+                    continue
+                prev, nxt = (sid - 1) % pp, (sid + 1) % pp
+                if sid > 0 and prev != me:  # else h is this rank's previous stage's output
+                    head = torch.zeros(4, dtype=torch.long, device=device)  # 3 dims + dtype
+                    dist.recv(head, group_src=prev, group=self.group)
+                    *shape, code = head.tolist()
+                    h = torch.empty(tuple(shape), dtype=_DTYPES[code], device=device)
+                    dist.recv(h, group_src=prev, group=self.group)
+                h = by_id[sid](h)
+                if sid == self.n_stages - 1:
+                    on_output(i, h)
+                elif nxt != me:
+                    h = h.contiguous()
+                    head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long, device=device)
+                    dist.send(head, group_dst=nxt, group=self.group)
+                    dist.send(h, group_dst=nxt, group=self.group)
 
     def step(
         self,
@@ -229,6 +302,9 @@ def build_pipeline(
         modules=modules,
         has_first_stage=0 in ids,
         has_last_stage=(n_stages - 1) in ids,
+        n_stages=n_stages,
+        group=group,
+        tied_group=_ends_group(pp_mesh) if pp > 1 and getattr(args, "tie_word_embeddings", False) else None,
     )
 
     def packed_loss(output: torch.Tensor, packed: torch.Tensor, **kw: Any) -> torch.Tensor:
@@ -240,3 +316,21 @@ def build_pipeline(
         stage_arg, n_microbatches=n_microbatches, loss_fn=packed_loss, scale_grads=False
     )
     return pipe
+
+
+def _ends_group(pp_mesh: DeviceMesh) -> Any:
+    """Process group of the first and the last pp rank of this rank's pipeline.
+
+    Collective over the world (``new_group`` for every pipeline, in order).
+    Ranks holding neither end get their pipeline's group too but never use it.
+    """
+    root = pp_mesh._get_root_mesh() if hasattr(pp_mesh, "_get_root_mesh") else pp_mesh
+    names = root.mesh_dim_names or ()
+    dim = names.index("pp") if "pp" in names else 0
+    lines = root.mesh.movedim(dim, -1).reshape(-1, root.mesh.shape[dim]).tolist()
+    me, mine = dist.get_rank(), None
+    for line in lines:
+        group = dist.new_group([line[0], line[-1]])
+        if me in line:
+            mine = group
+    return mine

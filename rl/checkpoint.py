@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -39,6 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
 from rl.fault.inject import maybe_kill
 
 MARKER = "COMMITTED"
+# Optimizer state keyed by parameter name ("state.layers.0.x.exp_avg", "param_groups.layers.0.x.lr"):
+# every rank's own entries, so pipeline stages (different parameters per rank) save and
+# load their hyperparameters too, and a checkpoint moves between layouts.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -136,7 +141,7 @@ class Checkpointer:
             part = state[key] if key else state
             set_model_state_dict(m, part["model"])
             if o is not None:
-                set_optimizer_state_dict(m, o, part["optim"])
+                set_optimizer_state_dict(m, o, part["optim"], options=_OPTIM)
         rng_file = os.path.join(path, "rng", f"rank-{self.rank}.pt")
         if os.path.exists(rng_file):
             set_rng_state(torch.load(rng_file, weights_only=False))
@@ -150,7 +155,7 @@ class Checkpointer:
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extras: Extras | None) -> dict[str, Any]:
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
     for name, (m, o) in (extras or {}).items():
         state[name] = _state(m, o, None)
     return state

@@ -100,22 +100,30 @@ def build_sharded_model(args: ModelArgs, mesh, device: torch.device, *, path: st
                         param_dtype: str, reduce_dtype: str, cpu_offload: bool, is_main: bool,
                         trainable: bool = True, activation_checkpoint: str = "none",
                         compile: bool = False) -> nn.Module:
-    """Meta-init, activation checkpointing, compile, FSDP2 over the data-parallel mesh,
-    then rank 0's full weights broadcast in."""
+    """Meta-init, TP over ``mesh["tp"]``, activation checkpointing, compile, FSDP2 over the
+    data-parallel mesh, then rank 0's full weights broadcast in.
+
+    FSDP2 wraps even a single data-parallel rank (its mixed-precision casts),
+    except under TP, where a one-rank FSDP mesh adds nothing to shard."""
     from parallel.ac import apply_ac
     from parallel.compile import apply_compile
     from parallel.fsdp import apply_fsdp
     from parallel.mesh import dp_mesh
+    from parallel.tp import apply_tp
 
     with torch.device("meta"):
         model = Transformer(args)
+    tp = mesh["tp"].size()
+    if tp > 1:
+        apply_tp(model, mesh["tp"])
     if trainable:
         apply_ac(model, activation_checkpoint)
     if compile:
         apply_compile(model)
     on_gpu = device.type != "cpu"
-    apply_fsdp(model, dp_mesh(mesh), param_dtype=param_dtype if on_gpu else "float32",
-               reduce_dtype=reduce_dtype if on_gpu else "float32", cpu_offload=cpu_offload)
+    if tp == 1 or mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
+        apply_fsdp(model, dp_mesh(mesh), param_dtype=param_dtype if on_gpu else "float32",
+                   reduce_dtype=reduce_dtype if on_gpu else "float32", cpu_offload=cpu_offload)
     model.to_empty(device=device)
     model.reset_rope()
     load_full_state(model, full_initial_state(args, path, seed) if is_main else None)

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.distributed import DistInfo
-from parallel.grad import clip_grad_norm
-from parallel.mesh import Degrees, build_mesh, dp_rank
+from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
 from rl import errors
 from rl.algorithms import (
@@ -46,8 +45,9 @@ from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
 from rl.fault import PreemptionHandler, Watchdog, check_finite
 from rl.fault.inject import maybe_kill
 from rl.metrics import MetricsLogger, truncate_jsonl
-from rl.modeling import ModelSetupError, build_sharded_model, build_tokenizer, export_hf, model_args
+from rl.modeling import ModelSetupError, build_tokenizer, model_args
 from rl.optim import build_optimizer, build_scheduler
+from rl.policy import build_policy, check_layout
 from rl.rewards.pool import RewardPool
 from rl.rollout import build_generation_model, generate_episodes, generate_samples
 from rl.rollout_types import RolloutSample
@@ -56,10 +56,6 @@ from rl.update import (
     LossInputs,
     LossSpec,
     completion_tensors,
-    micro_batch_loss,
-    pack_micro_batches,
-    recompute_logprobs,
-    sync_micro_batch_count,
 )
 
 
@@ -67,27 +63,36 @@ class RLTrainer:
     def __init__(self, cfg: Any, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
         degrees = Degrees(**cfg.parallel.resolve(info.world_size))
-        if degrees.tp > 1 or degrees.pp > 1:
-            raise ConfigError("parallel.tp / parallel.pp: the rl recipe shards with FSDP2 (+HSDP) so far; set tp = pp = 1")
+        r = cfg.rl
+        self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
+        if self.mp > 1 and (r.advantage == "gae" or cfg.distill.teachers):
+            what = "rl.advantage = 'gae' (the critic)" if r.advantage == "gae" else "distill.teachers"
+            raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
-        r = cfg.rl
+        self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
+        self.mp_group = subgroup(self.mesh, ("pp", "tp"))
+        self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
         if r.prompts_per_step % self.dp:
             raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = cfg.job.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         self.train_prompts, self.eval_prompts = self._load_data()
+        seq_len = cfg.data.max_length if not cfg.env.name else self.max_prompt + cfg.env.max_total_tokens
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, param_dtype=cfg.training.mixed_precision_param,
                   reduce_dtype=cfg.training.mixed_precision_reduce, cpu_offload=cfg.parallel.cpu_offload,
-                  is_main=info.is_main)
-        self.model = build_sharded_model(self.args, self.mesh, info.device, **kw,
-                                         activation_checkpoint=cfg.parallel.activation_checkpoint,
-                                         compile=cfg.parallel.compile)
-        self.ref = build_sharded_model(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+                  is_main=info.is_main, pp_schedule=cfg.parallel.pp_schedule,
+                  pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
+                  micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens)
+        self.policy = build_policy(self.args, self.mesh, info.device, **kw,
+                                   activation_checkpoint=cfg.parallel.activation_checkpoint, compile=cfg.parallel.compile)
+        self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
+        self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg, self.args, self.mesh, info.device, policy_path=cfg.model.path,
@@ -194,13 +199,38 @@ class RLTrainer:
         return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=seed,
                                 max_prompt_tokens=self.max_prompt, greedy=greedy)
 
+    def _generate_shared(self, gen_model, prompts, n: int, seed: int):
+        """Generate and score, the prompts split over the model-parallel group (its TP and PP
+        ranks share one data-parallel replica's batch), then gathered so that every rank of
+        the group holds the same samples, scores and reward metrics."""
+        mine = prompts[self.mp_rank::self.mp]
+        new, gm = self._generate(gen_model, mine, n, seed) if mine else ([], {})
+        sc, rm = self._score(new) if new else (torch.zeros(0), {})
+        if self.mp == 1:
+            return new, sc, gm, rm
+        parts: list[Any] = [None] * self.mp
+        dist.all_gather_object(parts, (new, sc.tolist(), rm), group=self.mp_group)
+        samples, scores, counts, merged = [], [], [], {}
+        for j, (part, part_sc, part_rm) in enumerate(parts):
+            for s in part:
+                s.group = s.group * self.mp + j  # unique within the gathered batch
+            samples += part
+            scores += part_sc
+            counts.append((len(part), part_rm))
+        total = max(sum(c for c, _ in counts), 1)
+        for c, part_rm in counts:
+            for k, v in part_rm.items():
+                add = v if k.endswith(("errors", "timeouts", "crashes")) else v * c / total
+                merged[k] = merged.get(k, 0.0) + add
+        return samples, torch.tensor(scores, dtype=torch.float32), gm, merged
+
     def rollout(self) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
         cfg, r = self.cfg, self.cfg.rl
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
-        gen_model, metrics = build_generation_model(self.model, self.args, self.info.device)
+        gen_model, metrics = build_generation_model(self.policy, self.args, self.info.device)
         per_rank = r.prompts_per_step // self.dp
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
@@ -208,8 +238,8 @@ class RLTrainer:
         kept_groups, rounds, dropped = 0, 0, 0
         while kept_groups < per_rank:
             idx = self.stream.take(per_rank if rounds == 0 else per_rank - kept_groups)
-            new, gm = self._generate(gen_model, [self.train_prompts[i] for i in idx], r.num_samples, seed + rounds)
-            sc, rm = self._score(new)
+            new, sc, gm, rm = self._generate_shared(gen_model, [self.train_prompts[i] for i in idx], r.num_samples,
+                                                    seed + rounds)
             groups = torch.tensor([s.group for s in new])
             keep = filter_groups(sc, groups) if r.dynamic_sampling else torch.ones(len(new), dtype=torch.bool)
             rounds += 1
@@ -218,7 +248,7 @@ class RLTrainer:
                 keep[:] = True
             for s, k, v in zip(new, keep.tolist(), sc):
                 if k:
-                    s.group += kept_groups * 10_000  # unique across rounds
+                    s.group += kept_groups * 10_000_000  # unique across rounds
                     samples.append(s)
                     scores.append(v)
             n_keep = int(keep.sum()) // r.num_samples
@@ -241,8 +271,8 @@ class RLTrainer:
         keys = sorted(k for k in metrics if k.startswith("reward/"))
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.info.device)
         dist.all_reduce(t)
-        for k, v in zip(keys, t.tolist()):
-            metrics[k] = v if k.endswith(("errors", "timeouts", "crashes")) else v / self.info.world_size
+        for k, v in zip(keys, t.tolist()):  # a model-parallel group holds identical (merged) values
+            metrics[k] = v / self.mp if k.endswith(("errors", "timeouts", "crashes")) else v / self.info.world_size
 
     # ---- update ----------------------------------------------------------------------
 
@@ -279,16 +309,17 @@ class RLTrainer:
         if r.overlong_filter:
             trunc = torch.tensor([s.finish_reason == "length" for s in samples], device=dev)
             mask = mask * (~trunc).float()[:, None]
-        all_mbs = sync_micro_batch_count(pack_micro_batches(samples, list(range(len(samples))), r.micro_batch_tokens, dev), dev)
-        self.model.eval()
-        chunk = r.logprob_chunk_tokens
+        self.policy.eval()
         # One optimizer step per rollout and nothing that reads the old policy
         # before the loss: skip the extra forward (see LossInputs.old_logp).
         one_step = (r.epochs == 1 and r.minibatches == 1 and self.teachers is None and self.critic is None
                     and not (self.ref is not None and r.kl_mode == "reward"))
-        old_logp = None if one_step else recompute_logprobs(self.model, samples, all_mbs, width, dev, chunk)
-        ref_logp = recompute_logprobs(self.ref, samples, all_mbs, width, dev, chunk) if self.ref is not None else None
-        values = self.critic.values(all_mbs, len(samples), width, dev) if self.critic is not None else None
+        old_logp = None if one_step else self.policy.logprobs(samples, width)
+        ref_logp = self.ref.logprobs(samples, width) if self.ref is not None else None
+        values = None
+        if self.critic is not None:  # tp = pp = 1 (checked at start): the policy's micro-batches
+            values = self.critic.values(self.policy.micro_batches(samples, list(range(len(samples)))), len(samples),
+                                        width, dev)
         t_logprobs = time.monotonic() - t0  # old (and reference, value) log-probs in the update layout
         adv, returns = self._advantages(samples, scores, mask, old_logp, ref_logp, values)
         extra: dict[str, float] = {}
@@ -300,30 +331,28 @@ class RLTrainer:
                                                     dual_clip=r.dual_clip, tis_cap=r.tis_cap),
                         aggregation=AGGREGATIONS.get(r.aggregation),
                         kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if ref_logp is not None and r.kl_mode == "loss" else None,
-                        kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens)
+                        kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens,
+                        vocab_parallel=self.policy.vocab_parallel)
         inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp, ref_logp=ref_logp,
                          seen_logp=torch.zeros_like(mask) if old_logp is None else None)
         const = r.loss_constant or float(cfg.rollout.max_tokens)
         sums = torch.zeros(8, dtype=torch.float64, device=dev)  # loss, clipped, entropy, kl, tokens, steps, value sq err, value tokens
         grad_norms, critic_norms = [], []
-        self.model.train()
+        self.policy.train()
         for _ in range(r.epochs):
             for mb_rows in _split(list(range(len(samples))), r.minibatches):
-                mbs = sync_micro_batch_count(pack_micro_batches(samples, mb_rows, r.micro_batch_tokens, dev), dev)
-                norm = make_norm(mask[mb_rows], constant=const, group=dist.group.WORLD)
-                for mb in mbs:
-                    if train_policy:
-                        loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
-                        (loss * self.dp).backward()  # FSDP2 averages over dp ranks
-                        if st:
-                            sums[:5] += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
-                    if self.critic is not None:
+                norm = make_norm(mask[mb_rows], constant=const, group=self.dp_group)
+                also = None
+                if self.critic is not None:
+                    def also(mb, norm=norm):
                         vloss, sq = self.critic.micro_batch_loss(mb, values, returns, mask, norm, width)
                         (vloss * self.dp).backward()
                         sums[6] += sq.double()
                         sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
-                if not check_finite(sums[0] + sums[6], self.model, self.step + 1, self.info.rank, cfg.fault.on_nonfinite,
-                                    dump_folder=cfg.job.dump_folder):
+                sums[:5] += self.policy.accumulate(samples, mb_rows, inp, spec, norm, width, policy=train_policy,
+                                                   also=also)
+                if not check_finite(sums[0] + sums[6], self.policy.modules, self.step + 1, self.info.rank,
+                                    cfg.fault.on_nonfinite, dump_folder=cfg.job.dump_folder):
                     self.opt.zero_grad(set_to_none=True)  # fault.on_nonfinite = "skip": counted, no update
                     if self.critic is not None:
                         self.critic.zero_grad()
@@ -333,14 +362,16 @@ class RLTrainer:
                     critic_norms.append(self.critic.step())
                 if not train_policy:
                     continue
-                grad_norms.append(clip_grad_norm(self.model.parameters(), cfg.optimizer.max_grad_norm))
+                grad_norms.append(self.policy.clip(cfg.optimizer.max_grad_norm))
                 self.opt.step()
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
                 sums[5] += 1
+        if not self.policy.counts_stats:  # one rank per data-parallel replica reports (the last stage's tp rank 0)
+            sums.zero_()
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
-        gap = ((old_logp if old_logp is not None else inp.seen_logp) - gen_logp).abs() * mask
+        gap = ((old_logp if old_logp is not None else inp.seen_logp) - gen_logp).abs() * mask * float(self.policy.counts_stats)
         gap_stats = torch.stack([gap.sum(), mask.sum(), gap.max() if gap.numel() else gap.new_zeros(())]).double()
         gmax = gap_stats[2:].clone()
         dist.all_reduce(gap_stats[:2])
@@ -349,7 +380,7 @@ class RLTrainer:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
                           "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
                           "critic/training_policy": float(train_policy)})
-        return {**extra, "loss": sums[0].item() / max(sums[5].item() / self.info.world_size, 1.0),
+        return {**extra, "loss": sums[0].item() / max(sums[5].item() / self.dp, 1.0),
                 "clip_frac": sums[1].item() / tokens, "entropy": sums[2].item() / tokens, "kl": sums[3].item() / tokens,
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "lr": self.sched.get_last_lr()[0],
                 "gap/abs_mean": gap_stats[0].item() / max(gap_stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
@@ -365,8 +396,8 @@ class RLTrainer:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return None
-        gen_model, _ = build_generation_model(self.model, self.args, self.info.device)
-        mine = self.eval_prompts[self.dp_rank::self.dp]
+        gen_model, _ = build_generation_model(self.policy, self.args, self.info.device)
+        mine = self.eval_prompts[self.info.rank::self.info.world_size]
         n = self.cfg.rl.eval_samples
         samples, _ = self._generate(gen_model, mine, max(n, 1), 12345 + self.info.rank, greedy=n == 0)
         del gen_model
@@ -384,7 +415,7 @@ class RLTrainer:
 
     def _write_ledger(self, samples: list[RolloutSample]) -> None:
         """Append the prompt ids this step trains on (all ranks) to dump_folder/ledger.jsonl."""
-        mine = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples})
+        mine = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples}) if self.mp_rank == 0 else []
         every: list[list[str] | None] = [None] * self.info.world_size
         dist.all_gather_object(every, mine)
         if self.info.is_main:
@@ -477,7 +508,7 @@ class RLTrainer:
             print(f"eval accuracy: start {start} -> end {acc:.3f}", flush=True)
         if cfg.checkpoint.export_hf_at_end:
             with wd.phase("export"):
-                export_hf(self.model, self.args, self.tok, os.path.join(cfg.job.dump_folder, "hf"), self.info.rank)
+                self.policy.export_hf(self.args, self.tok, os.path.join(cfg.job.dump_folder, "hf"), self.info.rank)
         return 0
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:

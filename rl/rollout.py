@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from models.args import ModelArgs
@@ -24,10 +23,17 @@ from rl.generator.sequence import SamplingParams
 from rl.rollout_types import RolloutSample
 
 
-def build_generation_model(model: nn.Module, args: ModelArgs, device: torch.device) -> tuple[Transformer, dict[str, float]]:
-    """Collective: every rank gets a full, unsharded copy of the policy for generation."""
+def build_generation_model(model: Any, args: ModelArgs, device: torch.device) -> tuple[Transformer, dict[str, float]]:
+    """Collective: every rank gets a full, unsharded copy of the policy for generation.
+
+    ``model``: a (sharded) module, or anything with ``full_state()`` returning the
+    whole state dict on every rank (rl/policy.py: pipeline stages are gathered too).
+    """
     t0 = time.monotonic()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if hasattr(model, "full_state"):
+        full = model.full_state()
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     nbytes = sum(t.numel() * t.element_size() for k, t in full.items() if k != "output.weight" or not args.tie_word_embeddings)
     with torch.device("meta"):
         gen = Transformer(args)

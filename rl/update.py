@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from kernels.logprobs import token_logprobs_entropy
 from models.attention import DocumentAttention
+from parallel.loss import token_logprobs_at
 from rl.algorithms import KL_ESTIMATORS, PolicyLossInput
 from rl.rollout_types import RolloutSample
 
@@ -43,8 +44,10 @@ class MicroBatch:
 
 
 def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget: int,
-                       device: torch.device) -> list[MicroBatch]:
-    """Greedy grouping in order by a token budget; a sequence longer than the budget gets a micro-batch of its own."""
+                       device: torch.device, multiple: int = 1) -> list[MicroBatch]:
+    """Greedy grouping in order by a token budget; a sequence longer than the budget gets a micro-batch of its own.
+
+    ``multiple``: row length rounded up to it (sequence-parallel TP splits rows into ``tp`` pieces)."""
     groups: list[list[int]] = []
     cur: list[int] = []
     used = 0
@@ -57,10 +60,10 @@ def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget:
         used += n
     if cur:
         groups.append(cur)
-    return [_build(samples, g, device) for g in groups]
+    return [_build(samples, g, device, multiple) for g in groups]
 
 
-def _build(samples: list[RolloutSample], rows: list[int], device: torch.device) -> MicroBatch:
+def _build(samples: list[RolloutSample], rows: list[int], device: torch.device, multiple: int = 1) -> MicroBatch:
     """Pack the sequences first-fit into rows as long as the longest one.
 
     Attention is block-diagonal within a row, and its cost grows with the
@@ -69,7 +72,7 @@ def _build(samples: list[RolloutSample], rows: list[int], device: torch.device) 
     at most what a padded batch would, and short sequences still share a row.
     """
     lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) - 1 for i in rows]
-    width = max(lengths, default=1)
+    width = -(-max(lengths, default=1) // multiple) * multiple
     fill: list[int] = []  # tokens used per packed row
     place: list[tuple[int, int]] = []  # per sample: (packed row, start)
     for n in lengths:
@@ -102,20 +105,20 @@ def _build(samples: list[RolloutSample], rows: list[int], device: torch.device) 
     return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col))
 
 
-def empty_micro_batch(device: torch.device) -> MicroBatch:
-    """A one-token stand-in so every rank runs the same number of forwards."""
-    z = torch.zeros(1, 1, dtype=torch.long, device=device)
+def empty_micro_batch(device: torch.device, width: int = 1) -> MicroBatch:
+    """A stand-in of one short row so every rank runs the same number of forwards."""
+    z = torch.zeros(1, width, dtype=torch.long, device=device)
     return MicroBatch([], z, z, z, z, [], z[0], z[0][:0], z[0][:0])
 
 
-def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device) -> list[MicroBatch]:
+def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device, width: int = 1) -> list[MicroBatch]:
     n = torch.tensor([len(mbs)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return mbs + [empty_micro_batch(device) for _ in range(int(n.item()) - len(mbs))]
+    return mbs + [empty_micro_batch(device, width) for _ in range(int(n.item()) - len(mbs))]
 
 
 def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
-                   chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk_tokens: int = 1024, vocab_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log p(target) [K] and entropy [K] (fp32) of the micro-batch's K completion tokens.
 
     The vocab projection runs inside the model's forward through its ``head``
@@ -123,8 +126,16 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
     CUDA, token chunks elsewhere): no [L, V] logits tensor is ever built, and
     backward recomputes each chunk's logits. Values are in ``mb.comp_*`` order
     (see `scatter_completions`).
+
+    ``vocab_parallel`` (a TP model, whose head is vocab-sharded): the model's
+    own head runs, giving ``[B, S, V/tp]`` logits per rank, and
+    `parallel.loss.token_logprobs_at` reads the completion positions without
+    gathering the vocabulary.
     """
     index, targets = mb.comp_index, mb.targets.reshape(-1)[mb.comp_index]
+    if vocab_parallel:
+        logits = model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids))
+        return token_logprobs_at(logits, index, targets, with_entropy=with_entropy)
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
@@ -142,11 +153,12 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
 
 @torch.no_grad()
 def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch], width: int,
-                       device: torch.device, chunk_tokens: int = 1024) -> torch.Tensor:
+                       device: torch.device, chunk_tokens: int = 1024, vocab_parallel: bool = False) -> torch.Tensor:
     """Log-probs of every completion token under ``model`` [N, width] (old / reference)."""
     out = torch.zeros(len(samples), width, device=device)
     for mb in mbs:
-        logp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=chunk_tokens)
+        logp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=chunk_tokens,
+                                 vocab_parallel=vocab_parallel)
         if mb.rows:
             out[mb.rows] = scatter_completions(logp, mb, width)
     return out
@@ -191,12 +203,20 @@ class LossSpec:
     kl_coef: float
     entropy_coef: float
     chunk_tokens: int = 1024  # tokens per chunk of the memory-lean log-prob path
+    vocab_parallel: bool = False  # TP: log-probs from the vocab-sharded head (token_logprobs)
 
 
 def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: LossSpec, norm: Any,
                      width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregated loss of one micro-batch (its share of the step's global loss) and token sums."""
-    logp_l, ent_l = token_logprobs(model, mb, with_entropy=True, chunk_tokens=spec.chunk_tokens)
+    logp_l, ent_l = token_logprobs(model, mb, with_entropy=True, chunk_tokens=spec.chunk_tokens,
+                                   vocab_parallel=spec.vocab_parallel)
+    return completion_loss(logp_l, ent_l, mb, inp, spec, norm, width)
+
+
+def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, inp: LossInputs, spec: LossSpec,
+                    norm: Any, width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of a micro-batch from its ``[K]`` completion log-probs / entropies (``mb.comp_*`` order)."""
     if not mb.rows:  # padding micro-batch: keeps collectives in step, no gradient signal
         return logp_l.sum() * 0.0, {}
     rows = mb.rows

@@ -121,6 +121,7 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_1f1b": Layout(Degrees(pp=2), schedule="1F1B"),
     "pp2_gpipe": Layout(Degrees(pp=2), schedule="GPipe", n_microbatches=4),
     "pp2_interleaved": Layout(Degrees(pp=2), schedule="Interleaved1F1B"),
+    "pp2_qwen3_tied": Layout(Degrees(pp=2), family="qwen3-tied", schedule="1F1B"),
     # 4 ranks
     "fsdp2_tp2": Layout(Degrees(dp_shard=2, tp=2), entropy_coef=0.05),
     "pp2_fsdp2": Layout(Degrees(pp=2, dp_shard=2), schedule="1F1B"),
@@ -225,8 +226,11 @@ def full_params(modules: list[torch.nn.Module], grads: bool) -> dict[str, torch.
             t = p.grad if grads else p.detach()
             if t is None:
                 continue
+            fqn = clean_fqn(name)
+            if fqn == "output.weight" and module.args.tie_word_embeddings:
+                fqn = "tok_embeddings.weight"  # the last stage's copy of a tied weight (pipeline)
             # full_tensor() of a Replicate DTensor aliases the local tensor: clone.
-            out[clean_fqn(name)] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+            out[fqn] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
     return out
 
 
@@ -279,6 +283,7 @@ def run_layout(layout: Layout, device: torch.device, steps: int = STEPS) -> dict
         t0 = time.perf_counter()
         if pipe is not None:
             losses = pipe.step(local["inputs"], targets=targets, loss_kwargs=kw)
+            pipe.sync_tied_grads()
             share = float(sum(x.detach() for x in losses)) / dp if pipe.has_last_stage else None
         else:
             loss = token_loss(modules[0](local["inputs"]), targets, **kw)

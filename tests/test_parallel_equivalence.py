@@ -41,6 +41,7 @@ LAYOUTS_2 = [
     "pp2_1f1b",
     "pp2_gpipe",
     "pp2_interleaved",
+    "pp2_qwen3_tied",
 ]
 LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2"]
 
@@ -143,8 +144,7 @@ def test_pipeline_split_even_and_errors() -> None:
         pipeline_split(_args(), 3)
     with pytest.raises(ValueError, match="virtual stages"):
         pipeline_split(_args(num_layers=3), 2, stages_per_rank=2)
-    with pytest.raises(ValueError, match="tied input/output embeddings"):
-        pipeline_split(_args(tie_word_embeddings=True), 2)
+    assert pipeline_split(_args(tie_word_embeddings=True), 2) == [[0], [1]]  # tied: synced copies
 
 
 def test_build_pipeline_rejects_unknown_schedule() -> None:
