@@ -202,13 +202,13 @@ class ParallelConfig:
 
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards; -1 = the rest of the world
-    tp: int = 1
-    pp: int = 1
-    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"
+    tp: int = 1  # tensor parallel (sequence parallel norms, vocab-parallel head); must divide the heads
+    pp: int = 1  # pipeline stages (layers split evenly; rl recipe only)
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"  # Interleaved1F1B: 2 stages per rank
     pp_microbatches: int = 0  # 0 = the pp degree
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    compile: bool = False
-    cpu_offload: bool = False
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # per block; selective: matmul/attention outputs kept, elementwise recomputed
+    compile: bool = False  # torch.compile per block
+    cpu_offload: bool = False  # FSDP2 CPU offload of parameters and gradients
 
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp"):
