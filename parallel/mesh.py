@@ -51,6 +51,28 @@ def dp_rank(mesh: DeviceMesh) -> int:
     return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
 
 
+def mesh_lines(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[list[int]]:
+    """Global ranks of every group of ``mesh`` spanned by ``axes`` (one list per coordinate of
+    the other axes; within a list, ranks in ``axes`` order). ``mesh`` is a root mesh."""
+    names = list(mesh.mesh_dim_names or ())
+    n = 1
+    for a in axes:
+        n *= mesh.mesh.shape[names.index(a)]
+    order = [names.index(a) for a in names if a not in axes] + [names.index(a) for a in axes]
+    return mesh.mesh.permute(*order).reshape(-1, n).tolist()
+
+
+def new_groups(lines: list[list[int]]) -> dist.ProcessGroup | None:
+    """Collective: ``new_group`` for every list, in order (every rank calls); this rank's group,
+    or None when this rank is in none of them or its group is itself alone."""
+    me, mine = dist.get_rank(), None
+    for ranks in lines:
+        group = dist.new_group(ranks)
+        if me in ranks and len(ranks) > 1:
+            mine = group
+    return mine
+
+
 def subgroup(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup | None:
     """This rank's process group over the mesh ``axes`` (the ranks that differ only along them).
 
@@ -58,19 +80,5 @@ def subgroup(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup | Non
     creates one group per coordinate of the other axes). None when the group
     would be this rank alone.
     """
-    sizes = [mesh[a].size() for a in axes]
-    n = 1
-    for s in sizes:
-        n *= s
-    if n == 1:
-        return None
-    others = [a for a in AXES if a not in axes]
-    order = [AXES.index(a) for a in others + list(axes)]
-    rows = mesh.mesh.permute(*order).reshape(-1, n).tolist()
-    me = dist.get_rank()
-    mine = None
-    for ranks in rows:
-        group = dist.new_group(ranks)
-        if me in ranks:
-            mine = group
-    return mine
+    lines = mesh_lines(mesh, axes)
+    return new_groups(lines) if len(lines[0]) > 1 else None

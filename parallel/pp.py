@@ -54,6 +54,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from parallel.mesh import mesh_lines, new_groups
+
 __all__ = ["SCHEDULES", "Pipeline", "build_pipeline", "pipeline_split", "stage_ids_for_rank"]
 
 # schedule name -> (torch class, stages per rank)
@@ -322,15 +324,7 @@ def _ends_group(pp_mesh: DeviceMesh) -> Any:
     """Process group of the first and the last pp rank of this rank's pipeline.
 
     Collective over the world (``new_group`` for every pipeline, in order).
-    Ranks holding neither end get their pipeline's group too but never use it.
+    Ranks holding neither end get None.
     """
-    root = pp_mesh._get_root_mesh() if hasattr(pp_mesh, "_get_root_mesh") else pp_mesh
-    names = root.mesh_dim_names or ()
-    dim = names.index("pp") if "pp" in names else 0
-    lines = root.mesh.movedim(dim, -1).reshape(-1, root.mesh.shape[dim]).tolist()
-    me, mine = dist.get_rank(), None
-    for line in lines:
-        group = dist.new_group([line[0], line[-1]])
-        if me in line:
-            mine = group
-    return mine
+    lines = mesh_lines(pp_mesh._get_root_mesh(), ("pp",))
+    return new_groups([[line[0], line[-1]] for line in lines])

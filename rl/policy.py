@@ -337,10 +337,12 @@ def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str) -> None:
     """One clear line (ConfigError) when the model cannot be split as ``[parallel]`` asks."""
     try:
         validate_tp(args, degrees.tp)
+    except ValueError as e:
+        raise ConfigError(f"parallel.tp: {e}") from None
+    try:
         pipeline_split(args, degrees.pp, stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1)
     except ValueError as e:
-        key = "parallel.tp" if "tensor parallel" in str(e) else "parallel.pp"
-        raise ConfigError(f"{key}: {e}") from None
+        raise ConfigError(f"parallel.pp: {e}") from None
 
 
 def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str, pp_microbatches: int,

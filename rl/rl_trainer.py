@@ -58,6 +58,8 @@ from rl.update import (
     completion_tensors,
 )
 
+_COUNTS = ("errors", "timeouts", "crashes")  # reward metrics that are counts (summed, not averaged)
+
 
 class RLTrainer:
     def __init__(self, cfg: Any, info: DistInfo) -> None:
@@ -220,7 +222,7 @@ class RLTrainer:
         total = max(sum(c for c, _ in counts), 1)
         for c, part_rm in counts:
             for k, v in part_rm.items():
-                add = v if k.endswith(("errors", "timeouts", "crashes")) else v * c / total
+                add = v if k.endswith(_COUNTS) else v * c / total
                 merged[k] = merged.get(k, 0.0) + add
         return samples, torch.tensor(scores, dtype=torch.float32), gm, merged
 
@@ -255,7 +257,7 @@ class RLTrainer:
             dropped += len(idx) - n_keep
             kept_groups += n_keep
             for k, v in {**gm, **rm}.items():
-                metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", "errors", "timeouts", "crashes")) else v
+                metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", *_COUNTS)) else v
             if last_round or not r.dynamic_sampling:
                 break
         del gen_model
@@ -272,7 +274,7 @@ class RLTrainer:
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.info.device)
         dist.all_reduce(t)
         for k, v in zip(keys, t.tolist()):  # a model-parallel group holds identical (merged) values
-            metrics[k] = v / self.mp if k.endswith(("errors", "timeouts", "crashes")) else v / self.info.world_size
+            metrics[k] = v / self.mp if k.endswith(_COUNTS) else v / self.info.world_size
 
     # ---- update ----------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The rollout phase: gather the policy into a generation copy, sample, score.
 
 The generation copy is a plain (unsharded) `Transformer` built from the
-FSDP2-sharded policy's all-gathered parameters; it lives only for the rollout
+policy gathered over FSDP2, TP and pipeline stages; it lives only for the rollout
 and is dropped before the update phase, as is the KV pool the generator
 carves from its budget. Both sizes and the gather time are reported.
 """
@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from models.args import ModelArgs
 from models.transformer import Transformer
@@ -23,17 +22,14 @@ from rl.generator.sequence import SamplingParams
 from rl.rollout_types import RolloutSample
 
 
-def build_generation_model(model: Any, args: ModelArgs, device: torch.device) -> tuple[Transformer, dict[str, float]]:
+def build_generation_model(policy: Any, args: ModelArgs, device: torch.device) -> tuple[Transformer, dict[str, float]]:
     """Collective: every rank gets a full, unsharded copy of the policy for generation.
 
-    ``model``: a (sharded) module, or anything with ``full_state()`` returning the
-    whole state dict on every rank (rl/policy.py: pipeline stages are gathered too).
+    ``policy``: an rl/policy.py policy, whose ``full_state()`` gathers the whole
+    state dict onto every rank (over FSDP2, TP and the pipeline stages).
     """
     t0 = time.monotonic()
-    if hasattr(model, "full_state"):
-        full = model.full_state()
-    else:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    full = policy.full_state()
     nbytes = sum(t.numel() * t.element_size() for k, t in full.items() if k != "output.weight" or not args.tie_word_embeddings)
     with torch.device("meta"):
         gen = Transformer(args)
