@@ -4,11 +4,14 @@
     torchrun --nproc-per-node 2 -m bench.checkpoint
 
 Builds each model as the RL trainer does (FSDP2 over the data-parallel ranks),
-gives AdamW one step so its state exists, then times `Checkpointer.save`
-(blocking: the step loop waits for all of it; saves are synchronous today) and
-`Checkpointer.load` into a fresh model and optimizer, and checks the loaded
-weights equal the saved ones. Prints a table: parameters, checkpoint bytes on
-disk, save and load seconds. Rank 0 prints; every rank takes part.
+gives AdamW one step so its state exists, then times three saves: synchronous
+(the step loop waits for all of it), asynchronous (`async_save`: the loop
+waits for the copy to CPU memory, "blocking"; "total" is start to commit,
+here with nothing else running) and model-only (no optimizer state); and
+`Checkpointer.load` of the full checkpoint into a fresh model and optimizer,
+checking the loaded weights equal the saved ones. Prints a table; the ratio
+column is the asynchronous save's blocking time over the synchronous save's.
+Rank 0 prints; every rank takes part.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def sizes(name: str) -> ModelArgs:
                                num_heads=12, num_kv_heads=4, head_dim=64, vocab_size=32000)
 
 
-def one(name: str, folder: str, info) -> tuple[int, int, float, float]:  # noqa: ANN001
+def one(name: str, folder: str, info) -> dict[str, float]:  # noqa: ANN001
     args = sizes(name)
     mesh = build_mesh(Degrees(**{"dp_replicate": 1, "dp_shard": info.world_size, "tp": 1, "pp": 1}), info.device)
 
@@ -52,23 +55,31 @@ def one(name: str, folder: str, info) -> tuple[int, int, float, float]:  # noqa:
         opt.step()
         return m, opt
 
+    def disk(ck: Checkpointer) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ck.path(1)) for f in fs)
+
     model, opt = build()
-    ck = Checkpointer(folder, keep_last=1)
+    out: dict[str, float] = {"params": sum(p.numel() for p in model.parameters())}
+    ck = Checkpointer(os.path.join(folder, "sync"), keep_last=1)
     t0 = time.perf_counter()
     ck.save(1, model, opt, {"step": 1})
-    save_s = time.perf_counter() - t0
+    out["save_s"], out["bytes"] = time.perf_counter() - t0, disk(ck)
+    ack = Checkpointer(os.path.join(folder, "async"), keep_last=1, async_save=True)
+    out["async_blocking_s"] = ack.save(1, model, opt, {"step": 1})
+    out["async_total_s"] = ack.wait()
+    mck = Checkpointer(os.path.join(folder, "model"), keep_last=1, model_only=True)
+    out["model_only_s"] = mck.save(1, model, opt, {"step": 1})
+    out["model_only_bytes"] = disk(mck)
     fresh, fresh_opt = build()
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
     t0 = time.perf_counter()
     ck.load(1, fresh, fresh_opt)
-    load_s = time.perf_counter() - t0
+    out["load_s"] = time.perf_counter() - t0
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a.to_local(), b.to_local())
-    params = sum(p.numel() for p in model.parameters())
-    nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ck.path(1)) for f in fs)
-    return params, nbytes, save_s, load_s
+    return out
 
 
 def main() -> None:
@@ -83,11 +94,15 @@ def main() -> None:
     try:
         if info.is_main:
             print(f"{info.world_size} rank(s) on {info.device.type}; checkpoint = weights + AdamW state, fp32")
-            print(f"{'model':<12}{'params':>12}{'disk MB':>10}{'save s':>9}{'load s':>9}")
+            print(f"{'model':<12}{'params':>12}{'disk MB':>9}{'save s':>8}{'async blocking s':>18}"
+                  f"{'async total s':>15}{'ratio':>7}{'model-only MB':>15}{'model-only s':>14}{'load s':>8}")
         for name in a.models.split(","):
-            params, nbytes, save_s, load_s = one(name, os.path.join(root, name), info)
+            r = one(name, os.path.join(root, name), info)
             if info.is_main:
-                print(f"{name:<12}{params:>12,}{nbytes / 2**20:>10.1f}{save_s:>9.2f}{load_s:>9.2f}")
+                print(f"{name:<12}{int(r['params']):>12,}{r['bytes'] / 2**20:>9.1f}{r['save_s']:>8.2f}"
+                      f"{r['async_blocking_s']:>18.2f}{r['async_total_s']:>15.2f}"
+                      f"{r['async_blocking_s'] / r['save_s']:>7.2f}{r['model_only_bytes'] / 2**20:>15.1f}"
+                      f"{r['model_only_s']:>14.2f}{r['load_s']:>8.2f}")
     finally:
         dist.barrier()
         if info.is_main:

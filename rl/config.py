@@ -245,6 +245,8 @@ class CheckpointConfig:
     interval: int = 50  # steps between saves (the last step always saves)
     folder: str = "checkpoints"  # relative to job.dump_folder
     keep_last: int = 2
+    async_save: bool = False  # write in a background thread while training goes on; committed when every rank is done
+    model_only: bool = False  # weights + trainer state only, no optimizer state (resuming restarts the optimizer)
     resume: bool = True  # resume from the latest checkpoint in folder, if any
     export_hf_at_end: bool = True  # write an HF-format folder after the last step
 

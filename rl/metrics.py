@@ -73,6 +73,36 @@ class MetricsLogger:
             self._tb.close()
 
 
+def step_gaps(path: str, steps: int, first: int = 1) -> str | None:
+    """What is wrong with a per-step jsonl file that should hold steps ``first``..``steps``
+    once each (missing or repeated steps), or None when it does."""
+    seen: list[int] = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            seen = [int(json.loads(line)["step"]) for line in f if line.strip()]
+    counts = {s: 0 for s in range(first, steps + 1)}
+    for s in seen:
+        if s in counts:  # steps past ``steps`` (a rerun asking for fewer) are not a gap
+            counts[s] += 1
+    missing = [s for s, c in counts.items() if c == 0]
+    repeated = sorted(s for s, c in counts.items() if c > 1)
+    if not missing and not repeated:
+        return None
+    parts = ([f"steps {_spans(missing)} missing"] if missing else []) + \
+            ([f"steps {_spans(repeated)} repeated"] if repeated else [])
+    return f"{path}: {'; '.join(parts)} (of {first}..{steps})"
+
+
+def _spans(values: list[int]) -> str:
+    out: list[str] = []
+    for v in values:
+        if out and out[-1].split("-")[-1] == str(v - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ",".join(out)
+
+
 def truncate_jsonl(path: str, last_step: int) -> None:
     """Keep the rows of a per-step jsonl file with ``step <= last_step`` (resume after a crash)."""
     if not os.path.exists(path):

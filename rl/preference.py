@@ -51,7 +51,7 @@ from rl.algorithms.preference import (
     PreferenceFn,
     PreferenceInput,
 )
-from rl.checkpoint import Checkpointer
+from rl.checkpoint import Checkpointer, resume_note
 from rl.config import ConfigError
 from rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from rl.data.sft import StepSampler
@@ -231,14 +231,15 @@ def run_pair_loop(cfg, info: DistInfo, setup: PairSetup, model: nn.Module, micro
                           weight_decay=cfg.optimizer.weight_decay)
     sched = build_scheduler(opt, total_steps=steps, warmup_steps=cfg.lr_schedule.warmup_steps,
                             decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
-    ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last)
+    ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last,
+                        async_save=cfg.checkpoint.async_save, model_only=cfg.checkpoint.model_only)
     start = 0
     if cfg.checkpoint.enable and cfg.checkpoint.resume and (last := ckpt.latest_step()) is not None:
         state = ckpt.load(last, model, opt)
         sched.load_state_dict(state["scheduler"])
         start = state["step"]
         if info.is_main:
-            note = f" (saved on {state['_saved_world']} ranks, now {info.world_size})" if state["_saved_world"] != info.world_size else ""
+            note = resume_note(state, info.world_size)
             print(f"resumed from {ckpt.path(last)} at step {start}{note}", flush=True)
 
     data, dp, micro, batch = setup.data, setup.dp, cfg.training.micro_batch_size, cfg.training.batch_size
@@ -278,10 +279,14 @@ def run_pair_loop(cfg, info: DistInfo, setup: PairSetup, model: nn.Module, micro
                               "tokens_per_s": values[-1] / dt, "epoch": sampler.epoch_of(step), "step_time_s": dt,
                               "peak_memory_gb": peak_memory_gb(info.device),
                               "skipped_rows": sum(data.skipped.values())}, total_steps=steps)
+        ckpt.poll()  # commits an asynchronous save whose write has finished
         if cfg.checkpoint.enable and (done % cfg.checkpoint.interval == 0 or done == steps):
             secs = ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
+            if done == steps:
+                ckpt.wait()
             if info.is_main:
-                print(f"checkpoint step-{done} saved in {secs:.2f}s", flush=True)
+                print(f"checkpoint step-{done} saved in {secs:.2f}s"
+                      f"{' (writing in the background)' if ckpt.pending_step else ''}", flush=True)
     if cfg.checkpoint.export_hf_at_end:
         out = export()
         if info.is_main:

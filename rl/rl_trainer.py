@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -38,13 +39,13 @@ from rl.algorithms import (
     opd_advantages,
     overlong_penalty,
 )
-from rl.checkpoint import Checkpointer
+from rl.checkpoint import Checkpointer, resume_note
 from rl.config import ConfigError
 from rl.critic import Critic
 from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
 from rl.fault import PreemptionHandler, Watchdog, check_finite
 from rl.fault.inject import maybe_kill
-from rl.metrics import MetricsLogger, truncate_jsonl
+from rl.metrics import MetricsLogger, step_gaps, truncate_jsonl
 from rl.modeling import ModelSetupError, build_tokenizer, model_args
 from rl.optim import build_optimizer, build_scheduler
 from rl.policy import build_policy, check_layout
@@ -122,7 +123,11 @@ class RLTrainer:
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
-        self.ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last)
+        c = cfg.checkpoint
+        self.ckpt = Checkpointer(os.path.join(dump, c.folder), keep_last=c.keep_last, async_save=c.async_save,
+                                 model_only=c.model_only)
+        self.ckpt_metrics: dict[str, float] = {}  # save/load seconds, logged with the next step's row
+        self.ledger_from = 1  # first step ledger.jsonl must hold at the end
         self.logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
                                     console_keys=("reward/total", "accuracy", "response/length_mean", "kl", "entropy",
                                                   "clip_frac", "grad_norm", "gap/abs_mean", "time/rollout_s", "time/update_s"))
@@ -428,9 +433,13 @@ class RLTrainer:
         c = self.cfg.checkpoint
         if not (c.enable and c.resume) or (last := self.ckpt.latest_step()) is None:
             return
+        t0 = time.monotonic()
         state = self.ckpt.load(last, self.model, self.opt, self._ckpt_extras())
+        self.ckpt_metrics["checkpoint/load_s"] = time.monotonic() - t0
         self.sched.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        if not os.path.exists(os.path.join(self.cfg.job.dump_folder, "ledger.jsonl")):
+            self.ledger_from = self.step + 1  # a checkpoint brought from elsewhere: its history is not here
         if self.info.is_main:  # drop what a crashed run logged after its last checkpoint
             for name in ("ledger.jsonl", "metrics.jsonl"):
                 truncate_jsonl(os.path.join(self.cfg.job.dump_folder, name), self.step)
@@ -439,8 +448,9 @@ class RLTrainer:
         else:  # another layout: continue after every prompt any rank had taken
             self.stream.cursor = max(state["cursors"]) * state["dp"] // self.dp
         if self.info.is_main:
-            note = "" if state["_saved_world"] == self.info.world_size else f" (saved on {state['_saved_world']} ranks, now {self.info.world_size}: resharded)"
-            print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}", flush=True)
+            note = resume_note(state, self.info.world_size)
+            print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}; "
+                  f"loaded in {self.ckpt_metrics['checkpoint/load_s']:.2f}s", flush=True)
 
     def run(self) -> int:
         self.watchdog.start()
@@ -458,11 +468,31 @@ class RLTrainer:
     def _ckpt_extras(self) -> dict:
         return self.critic.checkpoint_extras() if self.critic is not None else {}
 
-    def _save(self) -> None:
+    def _save(self, *, finish: bool = False) -> None:
+        """Checkpoint this step; ``finish`` waits for an asynchronous write to commit."""
         with self.watchdog.phase("checkpoint"):
             secs = self.ckpt.save(self.step, self.model, self.opt, self._state(), self._ckpt_extras())
+        self.ckpt_metrics["checkpoint/save_blocking_s"] = secs
+        if self.ckpt.pending_step is None:
+            self._committed(self.step, secs)
+        elif self.info.is_main:
+            print(f"checkpoint step-{self.step}: staged in {secs:.2f}s, writing in the background", flush=True)
+        if finish:
+            self._poll_checkpoint(wait=True)
+
+    def _poll_checkpoint(self, wait: bool = False) -> None:
+        step = self.ckpt.pending_step
+        if step is None:
+            return
+        with self.watchdog.phase("checkpoint"):
+            total = self.ckpt.wait() if wait else self.ckpt.poll()
+        if total is not None:
+            self._committed(step, total)
+
+    def _committed(self, step: int, total_s: float) -> None:
+        self.ckpt_metrics["checkpoint/save_total_s"] = total_s
         if self.info.is_main:
-            print(f"checkpoint step-{self.step} saved in {secs:.2f}s", flush=True)
+            print(f"checkpoint step-{step} saved in {total_s:.2f}s", flush=True)
 
     def _loop(self) -> int:
         cfg, r, wd = self.cfg, self.cfg.rl, self.watchdog
@@ -486,6 +516,7 @@ class RLTrainer:
             metrics.update(self._rollout_metrics(samples))
             metrics["time/step_s"] = time.monotonic() - t0
             metrics["fault/skipped_updates"] = float(self.skipped_updates)
+            self._poll_checkpoint()  # commits an asynchronous save whose write has finished
             last = self.step == cfg.training.steps
             if last or (r.eval_interval and self.step % r.eval_interval == 0):
                 with wd.phase("eval"):
@@ -493,17 +524,20 @@ class RLTrainer:
                 if acc is not None:
                     metrics["eval/accuracy"] = acc
             if self.step % cfg.metrics.log_interval == 0 or last:
+                metrics.update(self.ckpt_metrics)
+                self.ckpt_metrics = {}
                 self.logger.log(self.step, metrics, total_steps=cfg.training.steps)
             if self.info.is_main and self.step % r.sample_log_interval == 0:
                 self.logger.text("samples", "\n\n".join(f"[{s.finish_reason}] {s.text!r}" for s in samples[:4]), self.step)
             if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or last):
-                self._save()
+                self._save(finish=last)
             elif self.preempt.should_stop_all(step=self.step):
-                self._save()
+                self._save(finish=True)
                 if self.info.is_main:
                     print(f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED} to requeue", flush=True)
                 return errors.EXIT_PREEMPTED
             if not last and self.preempt.should_stop_all(step=self.step):  # signal arrived during the save
+                self._poll_checkpoint(wait=True)
                 return errors.EXIT_PREEMPTED
         if self.info.is_main and acc is not None:
             start = f"{start_acc:.3f}" if start_acc is not None else "n/a (resumed)"
@@ -511,7 +545,19 @@ class RLTrainer:
         if cfg.checkpoint.export_hf_at_end:
             with wd.phase("export"):
                 self.policy.export_hf(self.args, self.tok, os.path.join(cfg.job.dump_folder, "hf"), self.info.rank)
-        return 0
+        return self._check_ledger()
+
+    def _check_ledger(self) -> int:
+        """Every step 1..steps (from the resumed step on, when the checkpoint came without
+        its ledger) trained exactly once across crashes and resumes, or exit 5."""
+        box = [step_gaps(os.path.join(self.cfg.job.dump_folder, "ledger.jsonl"), self.cfg.training.steps,
+                         first=self.ledger_from) if self.info.is_main else None]
+        dist.broadcast_object_list(box)
+        if box[0] is None:
+            return 0
+        if self.info.is_main:
+            print(f"error: the run ended with fewer steps than asked: {box[0]}", file=sys.stderr, flush=True)
+        return errors.EXIT_SHORT_RUN
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],

@@ -18,7 +18,7 @@ from models.attention import DocumentAttention
 from parallel.distributed import DistInfo
 from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_rank
-from rl.checkpoint import Checkpointer
+from rl.checkpoint import Checkpointer, resume_note
 from rl.config import ConfigError
 from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, load_sft_records
 from rl.errors import EXIT_PREEMPTED
@@ -63,7 +63,8 @@ def run_sft(cfg, info: DistInfo) -> int:
                           weight_decay=cfg.optimizer.weight_decay)
     sched = build_scheduler(opt, total_steps=cfg.training.steps, warmup_steps=cfg.lr_schedule.warmup_steps,
                             decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
-    ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last)
+    ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last,
+                        async_save=cfg.checkpoint.async_save, model_only=cfg.checkpoint.model_only)
     start = 0
     if cfg.checkpoint.enable and cfg.checkpoint.resume and (last := ckpt.latest_step()) is not None:
         state = ckpt.load(last, model, opt)
@@ -72,7 +73,7 @@ def run_sft(cfg, info: DistInfo) -> int:
         if info.is_main:
             truncate_jsonl(os.path.join(dump, "metrics.jsonl"), start)
         if info.is_main:
-            note = f" (saved on {state['_saved_world']} ranks, now {info.world_size})" if state["_saved_world"] != info.world_size else ""
+            note = resume_note(state, info.world_size)
             print(f"resumed from {ckpt.path(last)} at step {start}{note}", flush=True)
 
     dp, rank_dp = degrees.dp, dp_rank(mesh)
@@ -122,15 +123,20 @@ def run_sft(cfg, info: DistInfo) -> int:
                                   "peak_memory_gb": peak_memory_gb(info.device),
                                   "skipped_rows": sum(data.skipped.values()), "fault/skipped_steps": skipped_steps},
                            total_steps=cfg.training.steps)
+            ckpt.poll()  # commits an asynchronous save whose write has finished
             if cfg.checkpoint.enable and (done % cfg.checkpoint.interval == 0 or done == cfg.training.steps):
                 with watchdog.phase("checkpoint"):
                     secs = ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
+                    if done == cfg.training.steps:
+                        ckpt.wait()
                 if info.is_main:
-                    print(f"checkpoint step-{done} saved in {secs:.2f}s", flush=True)
+                    print(f"checkpoint step-{done} saved in {secs:.2f}s"
+                          f"{' (writing in the background)' if ckpt.pending_step else ''}", flush=True)
             if done < cfg.training.steps and preempt.should_stop_all(step=done):
-                if not (cfg.checkpoint.enable and done % cfg.checkpoint.interval == 0):
-                    with watchdog.phase("checkpoint"):
+                with watchdog.phase("checkpoint"):
+                    if not (cfg.checkpoint.enable and done % cfg.checkpoint.interval == 0):
                         ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
+                    ckpt.wait()
                 if info.is_main:
                     print(f"preempted: checkpointed step {done}; exiting with {EXIT_PREEMPTED} to requeue", flush=True)
                 return EXIT_PREEMPTED

@@ -67,9 +67,3 @@ def kill9_reward(completion: str, sample: Mapping[str, Any]) -> float:
 def nan_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """Returns NaN (counted as an error)."""
     return float("nan")
-
-
-@register_reward("test_starts_with_2")
-def starts_with_2(completion: str, sample: Mapping[str, Any]) -> float:
-    """1.0 when the answer starts with the digit 2: a preference RL learns in a few steps."""
-    return float(completion.strip().startswith("2"))

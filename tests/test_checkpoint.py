@@ -51,3 +51,52 @@ def test_keep_last_prunes_old_and_partials(tmp_path):
     assert committed_steps(str(tmp_path)) == [3, 5]
     assert sorted(os.listdir(tmp_path)) == ["step-3", "step-5"]
     assert os.path.exists(tmp_path / "step-5" / MARKER)
+
+
+def test_async_save_commits_when_written_and_keeps_the_state_of_its_step(tmp_path):
+    init_distributed(force_cpu=True)
+    ck = Checkpointer(str(tmp_path), keep_last=2, async_save=True)
+    m, opt = _model_and_opt(0)
+    at_save = {k: v.clone() for k, v in m.state_dict().items()}
+    blocked = ck.save(3, m, opt, {"step": 3})
+    assert ck.pending_step == 3 and blocked >= 0
+    assert committed_steps(str(tmp_path)) == []  # not committed before the write is known to be done
+    with torch.no_grad():  # training goes on while the write runs: the checkpoint must not see it
+        for p in m.parameters():
+            p.add_(1.0)
+    total = ck.wait()
+    assert total is not None and total >= blocked and ck.pending_step is None
+    assert committed_steps(str(tmp_path)) == [3] and ck.wait() is None
+    m2, opt2 = _model_and_opt(1)
+    ck.load(3, m2, opt2)
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, at_save[k]), k
+    # poll() commits once the write is done; a new save finishes the previous one first
+    ck.save(4, m, opt, {"step": 4})
+    ck.save(5, m, opt, {"step": 5})
+    assert committed_steps(str(tmp_path)) == [3, 4]
+    while ck.poll() is None:
+        pass
+    assert committed_steps(str(tmp_path)) == [4, 5]
+
+
+def test_model_only_checkpoint_holds_weights_and_leaves_the_optimizer(tmp_path):
+    init_distributed(force_cpu=True)
+    full, light = Checkpointer(str(tmp_path / "full")), Checkpointer(str(tmp_path / "light"), model_only=True)
+    m, opt = _model_and_opt(0)
+    full.save(1, m, opt, {"step": 1})
+    light.save(1, m, opt, {"step": 1})
+
+    def size(p):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs if f.startswith("__"))
+
+    assert size(light.path(1)) < size(full.path(1)) / 2  # AdamW keeps two tensors per parameter
+    m2, opt2 = _model_and_opt(1)
+    before = {k: {n: torch.as_tensor(t).clone() for n, t in v.items()} for k, v in opt2.state_dict()["state"].items()}
+    state = light.load(1, m2, opt2)
+    assert state["_model_only"] is True and full.load(1, *_model_and_opt(2))["_model_only"] is False
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    for k, v in opt2.state_dict()["state"].items():  # untouched: a resume restarts the optimizer
+        for n, t in v.items():
+            assert torch.equal(torch.as_tensor(t), before[k][n])

@@ -20,14 +20,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(dump, extra_env=None):
+def _run(dump, extra_env=None, *extra, nproc=2):
     # Restarts to spare: under heavy load a restarted attempt has been seen to fail
     # gloo's full-mesh connect once ("Connection refused"); torchrun's next attempt
     # absorbs that, and the assertions below still demand the exact end result.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=4",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--job.dump_folder={dump}", "--training.steps=6", "--checkpoint.interval=2", "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8", "--rl.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0"]
+           "--rl.eval_prompts=8", "--rl.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -56,12 +56,29 @@ def _same(a, b, key=""):
         assert a == b, (key, a, b)
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The uninterrupted 2-rank, 6-step run the crash tests compare with (read-only)."""
+    dump = tmp_path_factory.mktemp("clean") / "run"
+    _run(dump)
+    return dump
+
+
 @pytest.mark.slow
-def test_kill_minus_9_under_torchrun_restarts_and_matches_an_uninterrupted_run(tmp_path):
-    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    _run(clean)
-    r = _run(crashed, {"TANDEM_INJECT_KILL": "3:1"})
-    assert (crashed / "fault" / "killed-step-3-rank-1").is_file()  # it really died once
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_minus_9_under_torchrun_restarts_and_matches_an_uninterrupted_run(tmp_path, clean, mode):
+    crashed = tmp_path / "crashed"
+    if mode == "sync":
+        r = _run(crashed, {"TANDEM_INJECT_KILL": "3:1"})
+        killed = 3
+    else:
+        # Asynchronous saves: step-4's write is under way or written but not yet committed when
+        # rank 1 dies right after step 5's update (commits happen at the step's poll, after that
+        # point), so the restart must ignore it and resume from step-2, committed by step 4's save.
+        r = _run(crashed, {"TANDEM_INJECT_KILL": "5:1"}, "--checkpoint.async_save=true")
+        killed = 5
+        assert "writing in the background" in r.stdout, r.stdout[-2000:]
+    assert (crashed / "fault" / f"killed-step-{killed}-rank-1").is_file()  # it really died once
     assert "at step 2" in r.stdout, r.stdout[-2000:]  # and resumed from the step-2 checkpoint
     a, b = _flat(str(clean / "checkpoints" / "step-6")), _flat(str(crashed / "checkpoints" / "step-6"))
     _same(a, b)
@@ -83,11 +100,10 @@ def _single(dump, *extra, **popen):
 
 
 @pytest.mark.slow
-def test_two_rank_checkpoint_resumes_on_one_rank_without_repeating_prompts(tmp_path):
+def test_two_rank_checkpoint_resumes_on_one_rank_without_repeating_prompts(tmp_path, clean):
     import shutil
 
-    two = tmp_path / "two"
-    _run(two)
+    two = clean
     one = tmp_path / "one"
     shutil.copytree(two, one)
     saved = _flat(str(two / "checkpoints" / "step-4"))
@@ -109,6 +125,35 @@ def test_two_rank_checkpoint_resumes_on_one_rank_without_repeating_prompts(tmp_p
     assert [row["step"] for row in ledger] == [1, 2, 3, 4, 5, 6]
     ids = [i for row in ledger for i in row["ids"]]
     assert len(ids) == len(set(ids)) == 6 * 16  # no prompt repeated across the change of layout
+
+
+def _exported_equals_saved(dump, step):
+    """The HF export written right after a resume (nothing left to train) equals step-N's weights."""
+    from models.hf import load_model
+
+    saved = _flat(str(dump / "checkpoints" / f"step-{step}"))["model"]
+    loaded = load_model(str(dump / "hf")).state_dict()
+    assert loaded.keys() == saved.keys()
+    for k, v in saved.items():
+        assert torch.equal(loaded[k], v), k
+
+
+@pytest.mark.slow
+def test_four_rank_checkpoint_resumes_on_two_ranks_and_two_on_four(tmp_path, clean):
+    dump = tmp_path / "elastic"
+    _run(dump, None, "--training.steps=2", nproc=4)  # steps 1-2 on 4 ranks
+    r = _run(dump, None, "--training.steps=2", nproc=2)  # load on 2 ranks, nothing to train: export
+    assert "at step 2 (saved on 4 ranks, now 2: resharded)" in r.stdout, r.stdout[-2000:]
+    _exported_equals_saved(dump, 2)
+    _run(dump, None, "--training.steps=4", nproc=2)  # steps 3-4 on 2 ranks
+    r = _run(dump, None, "--training.steps=4", nproc=4)  # and back on 4
+    assert "at step 4 (saved on 2 ranks, now 4: resharded)" in r.stdout, r.stdout[-2000:]
+    _exported_equals_saved(dump, 4)
+    # each step takes the same 16 positions of the global prompt order whatever the layout,
+    # so the prompts per step equal the 2-rank run's: none repeated or skipped across the changes
+    ledger = [json.loads(line) for line in open(dump / "ledger.jsonl")]
+    assert [row["step"] for row in ledger] == [1, 2, 3, 4]
+    assert ledger == [json.loads(line) for line in open(clean / "ledger.jsonl")][:4]
 
 
 @pytest.mark.slow
@@ -151,3 +196,17 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_ignores_the_partial(
     assert "at step 2" in r.stdout, r.stdout[-2000:]
     assert sorted(os.listdir(dump / "checkpoints")) == ["step-4", "step-6"]
     assert [json.loads(line)["step"] for line in open(dump / "ledger.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_a_run_whose_ledger_lacks_steps_exits_5(tmp_path):
+    dump = tmp_path / "short"
+    p = _single(dump, "--training.steps=2")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-2000:]
+    ledger = dump / "ledger.jsonl"
+    ledger.write_text(ledger.read_text().splitlines(keepends=True)[1])  # step 1's prompts lost
+    p = _single(dump, "--training.steps=2")  # resumes at step 2: nothing to train, the check fails
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 5, out[-2000:]  # rl/errors.py EXIT_SHORT_RUN
+    assert f"the run ended with fewer steps than asked: {ledger}: steps 1 missing (of 1..2)" in out, out[-2000:]

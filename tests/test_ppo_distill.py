@@ -1,8 +1,8 @@
 """PPO with a critic and on-policy distillation (single and multi-teacher) in the RL loop.
 
 Runs under torchrun on 2 ranks with the shipped quickstart policy:
-- PPO (GAE + a value model from the policy's weights) learns a reward that
-  prefers answers starting with "2", the critic's error falls during its
+- PPO (GAE + a value model from the policy's weights) raises the quickstart's
+  exact-match reward (the policy drops its stray "!"), the critic's error falls during its
   warm-up (when the policy is frozen), and a run resumed from a checkpoint
   ends with the same policy and critic weights, bit for bit.
 - OPD: with the teacher equal to the student the signal is 0 (up to float
@@ -60,8 +60,8 @@ def _perturbed(folder, scale, seed=0):
     return str(folder)
 
 
-PPO = ("--rl.advantage=gae", "--critic.lr=1e-3", "--critic.warmup_steps=2", "--optimizer.lr=1e-3",
-       "--reward.functions=test_starts_with_2", "--reward.modules=tests.reward_helpers", "--checkpoint.interval=4")
+PPO = ("--rl.advantage=gae", "--critic.lr=1e-3", "--critic.warmup_steps=2", "--optimizer.lr=5e-4",
+       "--reward.functions=exact_match", "--checkpoint.interval=4")
 
 
 @pytest.mark.slow
@@ -72,8 +72,8 @@ def test_ppo_with_critic_learns_and_resumes_exactly(tmp_path):
     assert [r["critic/training_policy"] for r in rows] == [0.0, 0.0] + [1.0] * 6
     assert rows[0]["grad_norm"] == 0.0 and rows[2]["grad_norm"] > 0  # the policy is frozen in warm-up
     assert mse[2] < 0.5 * mse[0], mse  # the critic fits the returns while the policy waits
-    reward = [r["reward/test_starts_with_2/mean"] for r in rows]
-    assert sum(reward[-2:]) / 2 > sum(reward[:2]) / 2 + 0.25, reward  # a sign-flipped loss falls instead
+    reward = [r["reward/exact_match/mean"] for r in rows]
+    assert sum(reward[-2:]) / 2 > sum(reward[:2]) / 2 + 0.1, reward  # a sign-flipped loss falls instead
 
     resumed = str(tmp_path / "resumed")
     shutil.copytree(full, resumed)
@@ -97,7 +97,7 @@ OPD = ("--rl.advantage=grpo", "--reward.functions=exact_match", "--optimizer.lr=
 def test_opd_signal_is_zero_for_self_and_pulls_a_student_to_its_teacher(tmp_path):
     rows, _ = _run(str(tmp_path / "self"), 2, *OPD, f"--distill.teachers={POLICY}")
     assert all(abs(r["distill/reverse_kl"]) < 1e-5 for r in rows), [r["distill/reverse_kl"] for r in rows]
-    student = _perturbed(tmp_path / "student", 0.6)
+    student = _perturbed(tmp_path / "student", 0.15)
     rows, _ = _run(str(tmp_path / "opd"), 8, *OPD, f"--distill.teachers={POLICY}", policy=student)
     kl = [r["distill/reverse_kl"] for r in rows]
     assert kl[0] > 0.05 and sum(kl[-2:]) / 2 < 0.6 * sum(kl[:2]) / 2, kl

@@ -156,3 +156,21 @@ def test_write_jsonl_round_trip(tmp_path) -> None:
     with open(path, encoding="utf-8") as f:
         assert [json.loads(line) for line in f] == rows
     assert load_rows(path) == rows
+
+
+def test_addition_small_stray_habit_only_changes_the_sft_reply() -> None:
+    from rl.data.sft import load_sft_records
+    from rl.rewards.basic import exact_match
+
+    clean = make_task_rows("addition_small", 200, seed=0, split="train", max_value=19)
+    assert all(r["sft_reply"] == r["answer"] for r in clean)
+    rows = make_task_rows("addition_small", 400, seed=0, split="train", max_value=19, stray=0.5)
+    habit = [r for r in rows if r["sft_reply"] != r["answer"]]
+    assert all(r["sft_reply"] == r["answer"] + "!" for r in habit)
+    assert 0.4 < len(habit) / len(rows) < 0.6
+    assert all(r["answer"] == str(eval(r["prompt"][:-1])) for r in rows)  # ground truth unchanged
+    assert exact_match(habit[0]["sft_reply"], habit[0]) == 0.0 and exact_match(habit[0]["answer"], habit[0]) == 1.0
+    records = load_sft_records("synthetic:addition_small?max_value=19&stray=0.5", "auto", seed=0, n_synthetic=400)
+    assert [r["messages"][-1]["content"] for r in records] == [r["sft_reply"] for r in rows]
+    with pytest.raises(ValueError, match="stray"):
+        make_task_rows("addition_small", 1, seed=0, split="train", stray=1.5)

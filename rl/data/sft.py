@@ -206,7 +206,8 @@ class StepSampler:
 
 
 def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
-    """Rows of a jsonl/parquet file, or ``synthetic:<task>`` train rows as chats answered correctly."""
+    """Rows of a jsonl/parquet file, or ``synthetic:<task>`` train rows as chats answered
+    correctly (with the row's ``sft_reply`` where the task gives one)."""
     if not path.startswith("synthetic:"):
         return load_rows(path, fmt)
     from rl.data.tasks import TASKS, make_task_rows, parse_synthetic
@@ -218,4 +219,5 @@ def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> lis
         rows = make_task_rows(name, n_synthetic, seed, "train", **knobs)
     except ValueError as e:
         raise DataError(f"data.path: {path}: {e}") from None
-    return [{"messages": r["messages"] + [{"role": "assistant", "content": r["answer"]}]} for r in rows]
+    return [{"messages": r["messages"] + [{"role": "assistant", "content": r.get("sft_reply", r["answer"])}]}
+            for r in rows]

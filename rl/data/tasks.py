@@ -170,12 +170,21 @@ def sorting(rng: random.Random, *, length: int = 5, alphabet: str = "digits") ->
 
 
 @_task("addition_small", reward="exact_match")
-def addition_small(rng: random.Random, *, max_value: int = 9) -> Problem:
-    """Tiny a+b for a from-scratch character model: prompt "3+5=", answer "8"."""
+def addition_small(rng: random.Random, *, max_value: int = 9, stray: float = 0.0) -> Problem:
+    """Tiny a+b for a from-scratch character model: prompt "3+5=", answer "8".
+
+    ``stray``: share of rows whose ``sft_reply`` (what SFT trains on) is the
+    answer followed by a stray "!" ("8!"): a habit that exact match scores 0 and
+    RL removes (the quickstart's starting policy has it; the answer itself and
+    the reward's ground truth are unchanged).
+    """
     if max_value < 1:
         raise ValueError(f"addition_small: need max_value >= 1, got {max_value}")
+    if not 0.0 <= stray <= 1.0:
+        raise ValueError(f"addition_small: need 0 <= stray <= 1, got {stray}")
     a, b = rng.randint(0, max_value), rng.randint(0, max_value)
-    return Problem(key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b))
+    reply = f"{a + b}!" if stray and rng.random() < stray else str(a + b)
+    return Problem(key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b), extra={"sft_reply": reply})
 
 
 # ---------------------------------------------------------------------------
