@@ -11,7 +11,8 @@ checkpoint and trains step 2 (the "restart" run). Times are wall clock from
 and torch imports, process-group setup, model build, checkpoint load and one
 step (rollout + update). The ~100M model is a randomly initialised Qwen3-shaped
 HF folder written here with the quickstart's character tokenizer; both runs
-use a small rollout (4 prompts x 2 samples, 6 tokens) so the step itself is short.
+use a small rollout (4 prompts x 2 samples, 6 tokens) and a one-prompt greedy
+evaluation so the step itself is short.
 Prints a table; the ratio column is restart over fresh.
 """
 
@@ -53,7 +54,7 @@ def launch(path: str, dump: str, steps: int, nproc: int) -> dict[str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={path}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
-           "--checkpoint.interval=1", "--rl.prompts_per_step=4", "--rl.num_samples=2", "--rl.eval_prompts=0",
+           "--checkpoint.interval=1", "--rl.prompts_per_step=4", "--rl.num_samples=2", "--rl.eval_prompts=1", "--rl.eval_samples=0",
            "--rl.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0",
            "--checkpoint.export_hf_at_end=false"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)), "PYTHONPATH": ROOT}

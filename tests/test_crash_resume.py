@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -210,3 +211,22 @@ def test_a_run_whose_ledger_lacks_steps_exits_5(tmp_path):
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 5, out[-2000:]  # rl/errors.py EXIT_SHORT_RUN
     assert f"the run ended with fewer steps than asked: {ledger}: steps 1 missing (of 1..2)" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_kill_on_an_epoch_boundary_trains_every_prompt_once_per_epoch(tmp_path):
+    # 40 prompts, 16 per step: step 3 takes the last 8 of epoch 0 and the first 8 of epoch 1
+    # (a fresh shuffle). Rank 1 dies right after step 3; the restart resumes from step-2.
+    small = ("--data.synthetic_rows=40",)
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    _run(clean, None, *small)
+    r = _run(crashed, {"TANDEM_INJECT_KILL": "3:1"}, *small)
+    assert (crashed / "fault" / "killed-step-3-rank-1").is_file() and "at step 2" in r.stdout, r.stdout[-2000:]
+    _same(_flat(str(clean / "checkpoints" / "step-6")), _flat(str(crashed / "checkpoints" / "step-6")))
+    ledger = [json.loads(line) for line in open(clean / "ledger.jsonl")]
+    assert ledger == [json.loads(line) for line in open(crashed / "ledger.jsonl")]
+    counts = Counter(i for row in ledger for i in row["ids"])
+    # 96 prompts = two whole epochs of 40 + 16 of the third: each id twice, 16 of them three times
+    assert len(counts) == 40 and sorted(Counter(counts.values()).items()) == [(2, 24), (3, 16)], counts
+    first_epoch = [i for row in ledger[:2] for i in row["ids"]]
+    assert len(set(first_epoch)) == 32  # no repeats inside an epoch
