@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(errors.EXIT_CONFIG, str(e))
 
+    from rl.system import tune_host_allocator
+
+    tune_host_allocator()  # before torch allocates: MB-sized CPU temporaries stay on the heap
     import torch
 
     from parallel.distributed import destroy_distributed, init_distributed

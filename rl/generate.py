@@ -151,6 +151,9 @@ def generate_rows(args: argparse.Namespace, model: Any, tok: Any, prompts: list[
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from parallel.distributed import destroy_distributed, init_distributed
+    from rl.system import tune_host_allocator
+
+    tune_host_allocator()
 
     info = init_distributed()
     status = None

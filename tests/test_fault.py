@@ -348,3 +348,4 @@ def test_pytorchjob_manifest_fields() -> None:
                    "maxRestarts: 3", "terminationGracePeriodSeconds", "--job.dump_folder="):
         assert needle in text, needle
     assert "\t" not in text  # YAML forbids tabs for indentation
+
