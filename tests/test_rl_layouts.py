@@ -69,6 +69,11 @@ def test_layouts_agree_and_checkpoints_move_between_them(tmp_path):
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (name, a["grad_norm"], b["grad_norm"])
             assert abs(a["kl"] - b["kl"]) <= 1e-3 * b["kl"] + 1e-9, (name, a["kl"], b["kl"])
             assert a["gap/abs_max"] < 5e-5, name  # generation copy == update layout (fp32)
+            assert a["response/length_mean"] == b["response/length_mean"], name
+        # the last step's held-out eval is greedy (eval_samples=0) from the generation copy gathered
+        # out of each layout's updated shards: the same answers on every layout
+        assert rows[-1]["eval/accuracy"] == ref[-1]["eval/accuracy"], name
+        assert rows[-1]["reshard/gb"] > 0, name  # the gather into the generation copy is measured
         assert _worst_rel(_weights(str(tmp_path / name)), _weights(str(tmp_path / "fsdp2"))) < 1e-4, name
 
     # fsdp2's step-2 checkpoint loaded on tp2 / pp2 (nothing left to train): the same weights, bit for bit
