@@ -129,7 +129,7 @@ class DataConfig:
     pack: bool = True  # pack several sequences into one row of max_length
     shuffle: bool = True
     on_bad_row: Literal["skip", "error"] = "skip"  # skip: counted and reported
-    messages_field: str = "messages"
+    messages_field: str = "messages"  # chat rows (sft: assistant turns trained; a "tools" list of schemas is rendered by the template)
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     answer_field: str = "answer"  # ground truth for rule-based rewards (rl recipe)

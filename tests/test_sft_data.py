@@ -6,7 +6,7 @@ import pytest
 
 from models.tokenizer import build_char_tokenizer
 from rl.data.loading import DataError, load_rows
-from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, tokenize_chat
+from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, example_to_row, tokenize_chat
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,21 @@ def test_step_sampler_epochs_and_ranks():
     g = s.global_batch(1)
     assert s.local_batch(1, 0, 2) + s.local_batch(1, 1, 2) == g[0::2] + g[1::2]
     assert StepSampler(5, 4, 3).global_batch(2) == s.global_batch(2)  # stateless: resume exact
+
+
+def test_tool_calling_transcript_renders_its_tools_and_trains_only_the_assistant(tok):
+    from rl.tools import TOOLS
+
+    tools = [TOOLS.get("calculator").schema()]
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": "408"}, {"role": "assistant", "content": "\\boxed{408}"}]
+    ex = tokenize_chat(msgs, tok, tools)
+    text = tok.decode(ex.input_ids)
+    assert text == tok.apply_chat_template(msgs, tools=tools) and '"name": "calculator"' in text.split(call)[0]
+    trained = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+    assert trained == call + "<|im_end|>\n" + "\\boxed{408}<|im_end|>\n"  # the tool's result is context only
+    rows = [{"messages": msgs, "tools": tools}, {"messages": msgs, "tools": "calculator"}]
+    data = build_sft_data(rows, tok, source="t.jsonl", max_length=4096, pack=False)
+    assert data.num_examples == 1 and data.skipped["tools must be a list of JSON objects"] == 1
+    assert data.rows[0] == example_to_row(ex)

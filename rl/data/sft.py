@@ -34,23 +34,31 @@ class BadRow(ValueError):
     """A row that cannot become a training example; str() says why."""
 
 
-def tokenize_chat(messages: Any, tokenizer: Any) -> Example:
+def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None) -> Example:
+    """Token ids and loss mask of a chat: assistant turns trained, the rest context.
+
+    ``tools`` (a list of JSON tool schemas, the row's ``tools`` field) is rendered
+    by the chat template as it is at generation time, so tool-calling
+    transcripts (assistant ``<tool_call>`` turns, ``tool`` results) train the
+    format the policy will see in an agentic rollout."""
     if not isinstance(messages, list) or not messages:
         raise BadRow("empty conversation")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRow("tools must be a list of JSON objects (tool schemas)")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise BadRow("each message needs 'role' and 'content'")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant message to train on")
-    full = tokenizer.apply_chat_template(messages)
+    full = tokenizer.apply_chat_template(messages, tools=tools)
     ids: list[int] = []
     mask: list[int] = []
     done = ""  # text already tokenized
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True)
-        after = tokenizer.apply_chat_template(messages[: i + 1])
+        before = tokenizer.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True)
+        after = tokenizer.apply_chat_template(messages[: i + 1], tools=tools)
         if not before.startswith(done) or not after.startswith(before):
             raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
         for text, trained in ((before[len(done):], 0), (after[len(before):], 1)):
@@ -136,7 +144,7 @@ def build_sft_data(
     for i, rec in enumerate(records):
         try:
             if rec.get(messages_field) is not None:
-                ex = tokenize_chat(rec[messages_field], tokenizer)
+                ex = tokenize_chat(rec[messages_field], tokenizer, rec.get("tools"))
             elif rec.get(prompt_field) is not None or rec.get(completion_field) is not None:
                 ex = tokenize_prompt_completion(rec.get(prompt_field), rec.get(completion_field), tokenizer)
             else:
