@@ -470,6 +470,7 @@ class RLTrainer:
 
     def _save(self, *, finish: bool = False) -> None:
         """Checkpoint this step; ``finish`` waits for an asynchronous write to commit."""
+        self._poll_checkpoint(wait=True)  # a previous write still pending: commit (and log) it first
         with self.watchdog.phase("checkpoint"):
             secs = self.ckpt.save(self.step, self.model, self.opt, self._state(), self._ckpt_extras())
         self.ckpt_metrics["checkpoint/save_blocking_s"] = secs
