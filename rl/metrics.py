@@ -94,13 +94,14 @@ def step_gaps(path: str, steps: int, first: int = 1) -> str | None:
 
 
 def _spans(values: list[int]) -> str:
-    out: list[str] = []
+    """Sorted ints as runs: [1, 2, 3, 5] -> "1-3,5"."""
+    runs: list[list[int]] = []
     for v in values:
-        if out and out[-1].split("-")[-1] == str(v - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
         else:
-            out.append(str(v))
-    return ",".join(out)
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def truncate_jsonl(path: str, last_step: int) -> None:
