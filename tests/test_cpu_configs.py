@@ -2,7 +2,8 @@
 
 Two steps each, one process (the exit status is then train.py's own). The
 learning itself is tested elsewhere (test_rl_loop, test_ppo_distill,
-test_reward_model, test_preference_train); this keeps the shipped files true.
+test_reward_model, test_preference_train; test_agentic_rl runs
+configs/quickstart_agentic.toml itself); this keeps the shipped files true.
 """
 
 import json
@@ -47,17 +48,10 @@ def test_reward_model_then_rlhf_configs(tmp_path):
     assert len(rows) == 2 and all("reward/reward_model/mean" in r for r in rows), rows[0].keys()
 
 
-@pytest.mark.slow
-def test_quickstart_agentic_config(tmp_path):
-    rows = _train("quickstart_agentic.toml", tmp_path / "ag", "--training.steps=1", "--rl.eval_prompts=4")
-    assert rows[0]["env/episodes"] == 8 * 4 and "reward/env/mean" in rows[0]  # 8 prompts x 4 samples, one rank
-    assert rows[0]["env/env_errors"] == 0
-
-
 def test_bad_env_settings_fail_at_start(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(open(os.path.join(ROOT, "configs", "quickstart_agentic.toml")).read()
-                   .replace('kwargs = { tools = ["python", "calculator"], reward = "math" }', 'kwargs = { toolz = ["python"] }'))
+                   .replace('kwargs = { tools = ["python"],', 'kwargs = { toolz = ["python"],'))
     r = subprocess.run([sys.executable, "train.py", "--config", str(bad), f"--job.dump_folder={tmp_path / 'out'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "env.kwargs" in r.stderr and "toolz" in r.stderr, r.stderr

@@ -9,7 +9,12 @@ import time
 import pytest
 
 import tests.env_helpers  # noqa: F401  (registers "sleepy")
-from rl.data.agentic_tasks import AGENTIC_TASKS, load_agentic_jsonl, make_agentic_rows
+from rl.data.agentic_tasks import (
+    AGENTIC_TASKS,
+    load_agentic_jsonl,
+    make_agentic_rows,
+    make_agentic_sft_rows,
+)
 from rl.data.loading import DataError
 from rl.envs import ENVIRONMENTS, EnvPool, StepResult, make_env, step_episode
 from rl.registry import RegistryError
@@ -213,6 +218,40 @@ def test_agentic_task_answers_verify() -> None:
     assert {len(r["tests"]) for r in rows} == {4}
     assert [code(f"```python\n{r['reference']}```", r) for r in rows] == [1.0] * 5
     assert code("```python\ndef nothing(): pass\n```", rows[0]) == 0.0
+
+
+@pytest.mark.parametrize("tool", ["calculator", "python"])
+def test_sft_transcripts_replay_through_the_tool_env(tool: str) -> None:
+    """Worked episodes for SFT are what the "tool" env does: each assistant turn, played
+    into a real episode, yields exactly the transcript's tool turn, and the last scores 1."""
+    knobs = dict(digits=3, num_ops=1, ops="*", tool=tool)
+    rows = make_agentic_rows("calc_arithmetic", 12, 0, **knobs)
+    recs = make_agentic_sft_rows("calc_arithmetic", 12, 0, tool_rate=0.5, **knobs)
+    env = make_env("tool", {"tools": [tool]})
+    kinds = set()
+    for row, rec in zip(rows, recs, strict=True):
+        assert rec["tools"] == env.tool_schemas()  # schemas=1 (default): rendered like the env
+        msgs = rec["messages"]
+        ep = env.new_episode()
+        assert ep.reset(row) == msgs[:1]
+        i = 1
+        while True:
+            assert msgs[i]["role"] == "assistant"
+            res = ep.step(msgs[i]["content"])
+            if res.done:
+                break
+            assert res.observation_messages == msgs[i + 1 : i + 2] and res.info["tool_errors"] == 0
+            i += 2
+        assert res.reward == 1.0 and i == len(msgs) - 1
+        kinds.add(len(msgs))
+    assert kinds == {2, 4}  # both direct answers and tool episodes at tool_rate 0.5
+    direct = make_agentic_sft_rows("calc_arithmetic", 5, 0, tool_rate=0.0, schemas=0, **knobs)
+    assert all(len(r["messages"]) == 2 and "tools" not in r for r in direct)
+    assert make_env("tool", {"tools": [tool], "schemas_in_prompt": False}).tool_schemas() is None
+    with pytest.raises(ValueError, match="no worked transcripts"):
+        make_agentic_sft_rows("code_function", 2, 0)
+    with pytest.raises(ValueError, match="tool_rate"):
+        make_agentic_sft_rows("calc_arithmetic", 2, 0, tool_rate=1.5)
 
 
 def test_load_agentic_jsonl(tmp_path) -> None:

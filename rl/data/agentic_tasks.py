@@ -25,6 +25,7 @@ so the single-turn task list stays as it is.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 from collections.abc import Callable
@@ -35,7 +36,13 @@ from rl.data.loading import DataError, iter_jsonl_objects
 from rl.data.tasks import Split, split_of
 from rl.registry import Registry
 
-__all__ = ["AGENTIC_TASKS", "AgenticProblem", "load_agentic_jsonl", "make_agentic_rows"]
+__all__ = [
+    "AGENTIC_TASKS",
+    "AgenticProblem",
+    "load_agentic_jsonl",
+    "make_agentic_rows",
+    "make_agentic_sft_rows",
+]
 
 MAX_DRAWS = 100_000
 
@@ -47,22 +54,28 @@ class AgenticProblem:
     fields: dict[str, Any]  # answer / tests / entry_point / reference ...
 
 
+Transcript = Callable[[dict[str, Any], bool], list[dict[str, str]]]
+
+
 @dataclass(frozen=True)
 class AgenticTask:
     name: str
     env: str  # registered environment that plays it
     reward: str  # registered reward that scores the final answer
     generate: Callable[..., AgenticProblem]  # generate(rng, **knobs)
+    transcript: Transcript | None = None  # worked episodes for SFT (make_agentic_sft_rows)
 
 
 AGENTIC_TASKS: Registry[AgenticTask] = Registry("agentic task")
 
 
 def _task(
-    name: str, env: str, reward: str
+    name: str, env: str, reward: str, transcript: Transcript | None = None
 ) -> Callable[[Callable[..., AgenticProblem]], Callable[..., AgenticProblem]]:
+    """Register a generator; ``transcript(row, use_tool)`` writes a worked episode for SFT."""
+
     def deco(fn: Callable[..., AgenticProblem]) -> Callable[..., AgenticProblem]:
-        AGENTIC_TASKS.register(name)(AgenticTask(name, env, reward, fn))
+        AGENTIC_TASKS.register(name)(AgenticTask(name, env, reward, fn, transcript))
         return fn
 
     return deco
@@ -71,15 +84,46 @@ def _task(
 # ---- calc_arithmetic ------------------------------------------------------------------------
 
 
-@_task("calc_arithmetic", env="tool", reward="math")
+CALC_TOOLS = ("calculator", "python")
+
+
+def calc_transcript(row: dict[str, Any], use_tool: bool) -> list[dict[str, str]]:
+    """A worked calc_arithmetic episode for SFT, in the text a rollout would hold.
+
+    With ``use_tool``: one Hermes ``<tool_call>`` (calculator expression, or a python
+    program printing it), the tool's result as the tool turn (what the registered
+    tool returns for it: the value, and for python its stdout line), then the boxed
+    answer. Without: the boxed answer at once.
+    """
+    answer = {"role": "assistant", "content": f"\\boxed{{{row['answer']}}}"}
+    if not use_tool:
+        return [*row["messages"], answer]
+    tool, expr = row["tool"], row["expression"]
+    args = {"expression": expr} if tool == "calculator" else {"code": f"print({expr})"}
+    call = json.dumps({"name": tool, "arguments": args})
+    result = row["answer"] if tool == "calculator" else row["answer"] + "\n"
+    return [
+        *row["messages"],
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        {"role": "tool", "content": result},
+        answer,
+    ]
+
+
+@_task("calc_arithmetic", env="tool", reward="math", transcript=calc_transcript)
 def calc_arithmetic(
-    rng: random.Random, *, digits: int = 4, num_ops: int = 2, ops: str = "+-*"
+    rng: random.Random,
+    *,
+    digits: int = 4,
+    num_ops: int = 2,
+    ops: str = "+-*",
+    tool: str = "calculator",
 ) -> AgenticProblem:
-    """Multi-digit integer arithmetic; the calculator makes it exact."""
-    if digits < 1 or num_ops < 1 or not ops or set(ops) - set("+-*"):
+    """Multi-digit integer arithmetic; one ``tool`` call (calculator or python) makes it exact."""
+    if digits < 1 or num_ops < 1 or not ops or set(ops) - set("+-*") or tool not in CALC_TOOLS:
         raise ValueError(
-            f"calc_arithmetic: need digits >= 1, num_ops >= 1, ops from '+-*'; "
-            f"got {digits}, {num_ops}, {ops!r}"
+            f"calc_arithmetic: need digits >= 1, num_ops >= 1, ops from '+-*', tool in "
+            f"{CALC_TOOLS}; got {digits}, {num_ops}, {ops!r}, {tool!r}"
         )
     lo = 0 if digits == 1 else 10 ** (digits - 1)
     expr = str(rng.randint(lo, 10**digits - 1))
@@ -87,9 +131,9 @@ def calc_arithmetic(
         expr += rng.choice(ops) + str(rng.randint(lo, 10**digits - 1))
     value = _eval_int(expr)
     prompt = (
-        f"What is {expr}? You can use the calculator tool. Give the final answer as \\boxed{{...}}."
+        f"What is {expr}? You can use the {tool} tool. Give the final answer as \\boxed{{...}}."
     )
-    return AgenticProblem(expr, prompt, {"answer": str(value)})
+    return AgenticProblem(expr, prompt, {"answer": str(value), "expression": expr, "tool": tool})
 
 
 def _eval_int(expr: str) -> int:
@@ -248,6 +292,35 @@ def make_agentic_rows(
             }
         )
     return rows
+
+
+def make_agentic_sft_rows(
+    name: str, n: int, seed: int, *, tool_rate: float = 1.0, schemas: int = 1, **knobs: Any
+) -> list[dict[str, Any]]:
+    """``n`` SFT chats of worked train episodes of ``name`` (the task's ``transcript``).
+
+    A fraction ``tool_rate`` of them (seeded draw per row) call the tool; the rest
+    answer at once. With ``schemas`` the rows carry the tool's JSON schema as
+    ``tools``, which the chat template renders into the system turn as the "tool"
+    environment does by default; ``schemas=0`` matches ``schemas_in_prompt = false``.
+    """
+    task = AGENTIC_TASKS.get(name)
+    if task.transcript is None:
+        raise ValueError(f"agentic task {name!r} has no worked transcripts for SFT")
+    if not 0.0 <= tool_rate <= 1.0 or schemas not in (0, 1):
+        raise ValueError(
+            f"need 0 <= tool_rate <= 1 and schemas in (0, 1); got {tool_rate}, {schemas}"
+        )
+    from rl.tools import tool_schemas
+
+    rng = random.Random(f"sft|{name}|{seed}|{tool_rate}")
+    out = []
+    for row in make_agentic_rows(name, n, seed, "train", **knobs):
+        rec: dict[str, Any] = {"messages": task.transcript(row, rng.random() < tool_rate)}
+        if schemas:
+            rec["tools"] = tool_schemas([row["tool"]])
+        out.append(rec)
+    return out
 
 
 def _check_row(row: dict[str, Any], where: str) -> dict[str, Any]:

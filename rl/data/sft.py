@@ -215,12 +215,20 @@ class StepSampler:
 
 def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
     """Rows of a jsonl/parquet file, or ``synthetic:<task>`` train rows as chats answered
-    correctly (with the row's ``sft_reply`` where the task gives one)."""
+    correctly (with the row's ``sft_reply`` where the task gives one); for an agentic
+    task, worked episodes (``make_agentic_sft_rows``: knobs ``tool_rate``, ``schemas``)."""
     if not path.startswith("synthetic:"):
         return load_rows(path, fmt)
     from rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
     name, knobs = parse_synthetic(path[len("synthetic:"):])
+    from rl.data.agentic_tasks import AGENTIC_TASKS, make_agentic_sft_rows
+
+    if name in AGENTIC_TASKS:  # worked multi-turn episodes (tool calls and their results)
+        try:
+            return make_agentic_sft_rows(name, n_synthetic, seed, **knobs)
+        except (ValueError, TypeError) as e:
+            raise DataError(f"data.path: {path}: {e}") from None
     if name not in TASKS:
         raise DataError(f"data.path: {TASKS.unknown_message(name)}")
     try:

@@ -49,6 +49,9 @@ class ToolEnvConfig:
 
     ``python_limits`` are `SandboxLimits` fields for the python tool (e.g.
     ``{"wall_time_s": 5}``); ``reward_kwargs`` bind the reward's keyword options.
+    ``schemas_in_prompt = false`` keeps the tools' JSON schemas out of the chat
+    template's system turn (a few hundred tokens each), leaving the tools to be
+    named by ``system_prompt`` or the task's prompt; for small-context models.
     """
 
     tools: tuple[str, ...] = ("python", "calculator")
@@ -58,6 +61,7 @@ class ToolEnvConfig:
     max_tool_calls_per_turn: int = 4
     max_tool_output_chars: int = 2000
     python_limits: Mapping[str, Any] = field(default_factory=dict)
+    schemas_in_prompt: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -112,6 +116,8 @@ class ToolEnv(LazyState, Environment):
 
     # ---- Environment ------------------------------------------------------------------------
     def tool_schemas(self) -> list[dict[str, Any]] | None:
+        if not self.config.schemas_in_prompt:
+            return None
         return [t.schema() for t in self.tools.values()] or None
 
     def new_episode(self) -> ToolEpisode:
