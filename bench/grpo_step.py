@@ -63,7 +63,9 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
     with open(data, "w") as f:
         for i in range(args.prompts * (args.steps + 1)):
             a, b = rng.randrange(100), rng.randrange(100)
-            f.write(json.dumps({"id": f"p{i}", "prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+            # conversational: both trainers apply the chat template, so both see the same tokens
+            prompt = [{"role": "user", "content": f"{a}+{b}="}]
+            f.write(json.dumps({"id": f"p{i}", "prompt": prompt, "answer": str(a + b)}) + "\n")
     return model_dir, data
 
 
@@ -74,15 +76,16 @@ def _mean(xs: list[float]) -> float:
 # ---- Tandem -------------------------------------------------------------------------
 
 
-def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace) -> dict[str, float]:
-    dump = os.path.join(folder, "tandem")
+def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
+               extra: tuple[str, ...] = ()) -> dict[str, float]:
+    dump = os.path.join(folder, "tandem" + "-".join(extra).replace("=", "_").replace("--", "-"))
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--model.path={model_dir}", f"--data.path={data}", "--data.eval_path=", "--data.shuffle=false",
+           f"--model.path={model_dir}", f"--data.path={data}", "--data.messages_field=prompt", "--data.eval_path=", "--data.shuffle=false",
            f"--job.dump_folder={dump}", f"--training.steps={args.steps}", f"--rl.num_samples={args.samples}",
            f"--rl.prompts_per_step={args.prompts}", "--rl.kl_coef=0", "--rl.aggregation=token_mean",
            "--rl.micro_batch_tokens=16384", f"--rollout.max_tokens={args.max_tokens}", "--rollout.kv_cache_gb=0.5",
            f"--optimizer.lr={args.lr}", "--lr_schedule.warmup_steps=0", "--checkpoint.enable=false",
-           "--metrics.tensorboard=false", "--reward.num_workers=0", "--reward.functions=exact_match"]
+           "--metrics.tensorboard=false", "--reward.num_workers=0", "--reward.functions=exact_match", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -108,7 +111,8 @@ def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace)
     torch.set_num_threads(args.threads)
 
     def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
-        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]  # conversational
+        return [float(t.strip() == a) for t, a in zip(texts, answer)]
 
     config = GRPOConfig(
         output_dir=os.path.join(folder, "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
@@ -183,7 +187,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
-    ap.add_argument("--engines", default="tandem,trl")
+    ap.add_argument("--engines", default="tandem,tandem-shared,trl",
+                    help="tandem-shared: rl.share_prompts = true (each prompt once per micro-batch)")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
     return ap.parse_args(argv)
 
@@ -199,17 +204,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new tokens, Qwen3 hidden "
               f"{args.hidden} x {args.layers} layers, {args.threads} threads, mean of steps 2..{args.steps}")
         results: dict[str, dict[str, float]] = {}
-        print(f"{'engine':<8}{'step s':>9}{'generate':>10}{'logprobs':>10}{'update':>9}{'compl len':>11}")
+        print(f"{'engine':<15}{'step s':>9}{'generate':>10}{'logprobs':>10}{'update':>9}{'compl len':>11}")
         for engine in args.engines.split(","):
-            r = run_tandem(model_dir, data, folder, args) if engine == "tandem" else run_trl(model_dir, data, folder, args)
+            if engine == "trl":
+                r = run_trl(model_dir, data, folder, args)
+            else:
+                r = run_tandem(model_dir, data, folder, args,
+                               ("--rl.share_prompts=true",) if engine == "tandem-shared" else ())
             if isinstance(r, str):
-                print(f"{engine:<8} {r}")
+                print(f"{engine:<15} {r}")
                 continue
             results[engine] = r
-            print(f"{engine:<8}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}{r['logprobs_s']:>10.2f}{r['update_s']:>9.2f}"
+            print(f"{engine:<15}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}{r['logprobs_s']:>10.2f}{r['update_s']:>9.2f}"
                   f"{r['completion_len']:>11.1f}")
-        if len(results) == 2:
-            print(f"trl / tandem seconds per step: {results['trl']['step_s'] / results['tandem']['step_s']:.2f}x")
+        for engine in results.keys() - {"trl"}:
+            if "trl" in results:
+                print(f"trl / {engine} seconds per step: {results['trl']['step_s'] / results[engine]['step_s']:.2f}x")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -64,12 +64,21 @@ class DocumentAttention:
     contiguous within a row. Padding may use id -1: a pad attends to earlier pads
     (never to real tokens), and every row keeps its diagonal, so nothing is NaN.
     The mask is built once per instance and shared by all layers.
+
+    Shared prefixes: with ``branch_ids [B, S]``, a document is a prefix (branch
+    0) followed by branches 1, 2, ...; a branch token attends to the prefix and
+    to earlier tokens of its own branch only, so each branch computes exactly
+    what it would as ``prefix + branch`` alone (positions are the caller's).
     """
 
-    def __init__(self, doc_ids: torch.Tensor) -> None:
+    def __init__(self, doc_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> None:
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be [B, S], got shape {tuple(doc_ids.shape)}")
-        self.doc_ids = doc_ids
+        if branch_ids is not None and branch_ids.shape != doc_ids.shape:
+            raise ValueError(
+                f"branch_ids {tuple(branch_ids.shape)} must match doc_ids {tuple(doc_ids.shape)}"
+            )
+        self.doc_ids, self.branch_ids = doc_ids, branch_ids
         self._mask: torch.Tensor | None = None
 
     @property
@@ -79,6 +88,9 @@ class DocumentAttention:
             d = self.doc_ids
             s = d.shape[1]
             same = d[:, :, None] == d[:, None, :]  # [B, S, S]
+            if self.branch_ids is not None:
+                br = self.branch_ids
+                same &= (br[:, None, :] == 0) | (br[:, :, None] == br[:, None, :])
             causal = torch.ones(s, s, dtype=torch.bool, device=d.device).tril()  # [S, S]
             self._mask = (same & causal).unsqueeze(1)  # [B, 1, S, S]
         return self._mask

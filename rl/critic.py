@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 
 from models.args import ModelArgs
-from models.attention import DocumentAttention
 from parallel.grad import clip_grad_norm
 from rl.algorithms import AGGREGATIONS
 from rl.algorithms.value import value_loss
@@ -50,7 +49,7 @@ class Critic:
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         """V(s_t) at the completion tokens, in ``mb.comp_*`` order [K]."""
-        v = self.model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids)).reshape(-1)  # [B*S]
+        v = self.model(mb.tokens, positions=mb.positions, attn=mb.attention()).reshape(-1)  # [B*S]
         return v.index_select(0, mb.comp_index)
 
     @torch.no_grad()

@@ -65,8 +65,9 @@ class FlatPolicy:
     """One model: FSDP2 over the data-parallel ranks, TP over ``mesh["tp"]``."""
 
     def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, micro_batch_tokens: int,
-                 chunk_tokens: int, **build: Any) -> None:
+                 chunk_tokens: int, share_prompts: bool = False, **build: Any) -> None:
         self.device, self.budget, self.chunk = device, micro_batch_tokens, chunk_tokens
+        self.share_prompts = share_prompts
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
         self.model = build_sharded_model(args, mesh, device, **build)
@@ -89,7 +90,8 @@ class FlatPolicy:
 
     def micro_batches(self, samples: list[RolloutSample], rows: list[int]) -> list[MicroBatch]:
         """Packed micro-batches of ``rows``, as many on every rank (FSDP2's collectives must match)."""
-        mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=self.tp)
+        mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=self.tp,
+                                 share_prompts=self.share_prompts)
         return sync_micro_batch_count(mbs, self.device, width=self.tp)
 
     def logprobs(self, samples: list[RolloutSample], width: int) -> torch.Tensor:
@@ -346,10 +348,15 @@ def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str) -> None:
 
 
 def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str, pp_microbatches: int,
-                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int, **build: Any) -> FlatPolicy | PipelinePolicy:
+                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int, share_prompts: bool = False,
+                 **build: Any) -> FlatPolicy | PipelinePolicy:
     """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`."""
     if mesh["pp"].size() > 1:
+        if share_prompts:
+            raise ConfigError("rl.share_prompts: not supported with parallel.pp > 1 "
+                              "(pipeline micro-batches are fixed-length rows of one sequence)")
         return PipelinePolicy(args, mesh, device, schedule=pp_schedule, microbatches=pp_microbatches,
                               seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
                               **build)
-    return FlatPolicy(args, mesh, device, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens, **build)
+    return FlatPolicy(args, mesh, device, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
+                      share_prompts=share_prompts, **build)

@@ -45,6 +45,7 @@ class RLConfig:
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
+    share_prompts: bool = False  # each prompt once per micro-batch, its completions as branches: same gradients, fewer tokens (rows grow to a group; not with pp > 1)
     logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk off CUDA (peak ~ 2 x chunk x vocab x 4 B)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refill_rounds: int = 3

@@ -92,10 +92,11 @@ class RLTrainer:
                   is_main=info.is_main, pp_schedule=cfg.parallel.pp_schedule,
                   pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw,
+        self.policy = build_policy(self.args, self.mesh, info.device, **kw, share_prompts=r.share_prompts,
                                    activation_checkpoint=cfg.parallel.activation_checkpoint, compile=cfg.parallel.compile)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
-        self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+        self.ref = (build_policy(self.args, self.mesh, info.device, trainable=False, **kw, share_prompts=r.share_prompts)
+                    if r.kl_coef > 0 else None)
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg, self.args, self.mesh, info.device, policy_path=cfg.model.path,

@@ -28,53 +28,93 @@ from rl.rollout_types import RolloutSample
 
 @dataclass
 class MicroBatch:
-    """Whole sequences packed into ``B`` rows of ``S`` tokens (S = the longest sequence)."""
+    """Whole sequences packed into ``B`` rows of ``S`` tokens (S = the longest packed unit)."""
 
     rows: list[int]  # sample indices (into the rank's sample list) in this micro-batch
     tokens: torch.Tensor  # [B, S]
     positions: torch.Tensor  # [B, S] per-document positions
     doc_ids: torch.Tensor  # [B, S] document per token, -1 on padding
-    targets: torch.Tensor  # [B, S] next-token ids (0 where unused)
+    targets: torch.Tensor  # [B, S] next-token ids (0 where unused; see comp_targets)
     offsets: list[tuple[int, int]]  # per sample: (first logit position of its completion in the flat [B*S], length)
     # The completion tokens only, K of them in sample order: where they sit in
     # the flat [B*S] layout and where they go in the [len(rows), width] layout.
     comp_index: torch.Tensor | None = None  # [K] flat positions
     comp_row: torch.Tensor | None = None  # [K] local sample
     comp_col: torch.Tensor | None = None  # [K] column
+    # Shared prompts (pack_micro_batches(share_prompts=True)): samples of one prompt
+    # are one document, the prompt once (branch 0) and each completion a branch; the
+    # last prompt position then predicts every branch's first token, so targets are
+    # per completion token (comp_targets [K]) rather than per position.
+    branch_ids: torch.Tensor | None = None  # [B, S]
+    comp_targets: torch.Tensor | None = None  # [K]
+
+    def attention(self) -> DocumentAttention:
+        return DocumentAttention(self.doc_ids, self.branch_ids)
+
+    def completion_targets(self) -> torch.Tensor:
+        """[K] next-token ids of the completion tokens, in ``comp_index`` order."""
+        if self.comp_targets is not None:
+            return self.comp_targets
+        return self.targets.reshape(-1)[self.comp_index]
+
+
+def _units(samples: list[RolloutSample], indices: list[int], share: bool, budget: int) -> list[list[int]]:
+    """Samples grouped into packing units: one sample each, or (``share``) the samples
+    of one prompt (equal ``prompt_ids``), split where a unit would pass ``budget``."""
+    if not share:
+        return [[i] for i in indices]
+    by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
+    for i in indices:
+        s = samples[i]
+        units = by_prompt.setdefault(tuple(s.prompt_ids), [[]])
+        if units[-1] and _unit_len(samples, units[-1] + [i]) > budget:
+            units.append([])
+        units[-1].append(i)
+    return [u for units in by_prompt.values() for u in units]
+
+
+def _unit_len(samples: list[RolloutSample], unit: list[int]) -> int:
+    """Input tokens of a unit: the prompt once, then each completion but its last token."""
+    return len(samples[unit[0]].prompt_ids) + sum(max(len(samples[i].completion_ids) - 1, 0) for i in unit)
 
 
 def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget: int,
-                       device: torch.device, multiple: int = 1) -> list[MicroBatch]:
+                       device: torch.device, multiple: int = 1,
+                       share_prompts: bool = False) -> list[MicroBatch]:
     """Greedy grouping in order by a token budget; a sequence longer than the budget gets a micro-batch of its own.
 
-    ``multiple``: row length rounded up to it (sequence-parallel TP splits rows into ``tp`` pieces)."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
+    ``multiple``: row length rounded up to it (sequence-parallel TP splits rows into ``tp`` pieces).
+    ``share_prompts``: the samples of one prompt share one copy of it (see `MicroBatch`):
+    fewer tokens when prompts are long and groups large, the same log-probs and
+    gradients; the mask is dense per row, so rows grow to a whole group's length."""
+    groups: list[list[list[int]]] = []
+    cur: list[list[int]] = []
     used = 0
-    for i in indices:
-        n = len(samples[i].prompt_ids) + len(samples[i].completion_ids) - 1
+    for unit in _units(samples, indices, share_prompts, budget):
+        n = _unit_len(samples, unit)
         if cur and used + n > budget:
             groups.append(cur)
             cur, used = [], 0
-        cur.append(i)
+        cur.append(unit)
         used += n
     if cur:
         groups.append(cur)
-    return [_build(samples, g, device, multiple) for g in groups]
+    return [_build(samples, g, device, multiple, share_prompts) for g in groups]
 
 
-def _build(samples: list[RolloutSample], rows: list[int], device: torch.device, multiple: int = 1) -> MicroBatch:
-    """Pack the sequences first-fit into rows as long as the longest one.
+def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.device,
+           multiple: int = 1, shared: bool = False) -> MicroBatch:
+    """Pack the units first-fit into rows as long as the longest one.
 
     Attention is block-diagonal within a row, and its cost grows with the
     square of the row length: one long row of every sequence would spend most
-    of it on masked-out pairs, while rows of the longest sequence's length cost
-    at most what a padded batch would, and short sequences still share a row.
+    of it on masked-out pairs, while rows of the longest unit's length cost
+    at most what a padded batch would, and short units still share a row.
     """
-    lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) - 1 for i in rows]
+    lengths = [_unit_len(samples, u) for u in units]
     width = -(-max(lengths, default=1) // multiple) * multiple
     fill: list[int] = []  # tokens used per packed row
-    place: list[tuple[int, int]] = []  # per sample: (packed row, start)
+    place: list[tuple[int, int]] = []  # per unit: (packed row, start)
     for n in lengths:
         r = next((r for r, used in enumerate(fill) if used + n <= width), len(fill))
         if r == len(fill):
@@ -86,23 +126,41 @@ def _build(samples: list[RolloutSample], rows: list[int], device: torch.device, 
     tgts = [[0] * width for _ in range(b)]
     pos = [[0] * width for _ in range(b)]
     docs = [[-1] * width for _ in range(b)]
-    offsets = []
-    for d, (i, n, (r, at)) in enumerate(zip(rows, lengths, place)):
-        s = samples[i]
-        seq = s.prompt_ids + s.completion_ids
-        toks[r][at:at + n] = seq[:-1]
-        tgts[r][at:at + n] = seq[1:]
-        pos[r][at:at + n] = range(n)
-        docs[r][at:at + n] = [d] * n
-        offsets.append((r * width + at + len(s.prompt_ids) - 1, len(s.completion_ids)))
+    branch = [[0] * width for _ in range(b)]
+    rows, offsets, index, comp_targets = [], [], [], []
+    for d, (unit, (r, at)) in enumerate(zip(units, place)):
+        prompt = samples[unit[0]].prompt_ids
+        p = len(prompt)
+        toks[r][at:at + p] = prompt
+        tgts[r][at:at + p - 1] = prompt[1:]
+        pos[r][at:at + p] = range(p)
+        docs[r][at:at + p] = [d] * p
+        last_prompt = r * width + at + p - 1  # predicts each completion's first token
+        at += p
+        for k, i in enumerate(unit):
+            comp = samples[i].completion_ids
+            rows.append(i)
+            offsets.append((last_prompt, len(comp)))
+            if not comp:  # nothing sampled (e.g. an over-long agentic prompt): no targets
+                continue
+            c = len(comp) - 1  # input tokens of this branch
+            tgts[r][last_prompt % width] = comp[0]  # exact when unshared; comp_targets otherwise
+            toks[r][at:at + c] = comp[:-1]
+            tgts[r][at:at + c] = comp[1:]
+            pos[r][at:at + c] = range(p, p + c)
+            docs[r][at:at + c] = [d] * c
+            branch[r][at:at + c] = [k + 1] * c
+            index += [last_prompt] + list(range(r * width + at, r * width + at + c))
+            comp_targets += comp
+            at += c
 
     def t(x: list) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    index = [start + j for start, n in offsets for j in range(n)]
     row = [k for k, (_, n) in enumerate(offsets) for _ in range(n)]
     col = [j for _, n in offsets for j in range(n)]
-    return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col))
+    return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col),
+                      branch_ids=t(branch) if shared else None, comp_targets=t(comp_targets) if shared else None)
 
 
 def empty_micro_batch(device: torch.device, width: int = 1) -> MicroBatch:
@@ -132,16 +190,16 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
     `parallel.loss.token_logprobs_at` reads the completion positions without
     gathering the vocabulary.
     """
-    index, targets = mb.comp_index, mb.targets.reshape(-1)[mb.comp_index]
+    index, targets = mb.comp_index, mb.completion_targets()
     if vocab_parallel:
-        logits = model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids))
+        logits = model(mb.tokens, positions=mb.positions, attn=mb.attention())
         return token_logprobs_at(logits, index, targets, with_entropy=with_entropy)
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
         return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
-    return model(mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids), head=head)
+    return model(mb.tokens, positions=mb.positions, attn=mb.attention(), head=head)
 
 
 def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:

@@ -48,6 +48,18 @@ def test_reward_model_then_rlhf_configs(tmp_path):
     assert len(rows) == 2 and all("reward/reward_model/mean" in r for r in rows), rows[0].keys()
 
 
+def test_share_prompts_gives_the_same_run(tmp_path):
+    """rl.share_prompts packs each prompt once per micro-batch: the same run (the token
+    saving and exact gradients are checked in test_rl_loop)."""
+    args = ("--training.steps=2", "--rl.eval_prompts=4", "--rl.prompts_per_step=8", "--checkpoint.enable=false")
+    plain = _train("quickstart.toml", tmp_path / "plain", *args)
+    shared = _train("quickstart.toml", tmp_path / "shared", *args, "--rl.share_prompts=true")
+    for a, b in zip(plain, shared, strict=True):
+        assert b["update/tokens"] == a["update/tokens"]  # the same completion tokens trained
+        for key in ("grad_norm", "entropy", "reward/total", "gap/abs_mean"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+
+
 def test_bad_env_settings_fail_at_start(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(open(os.path.join(ROOT, "configs", "quickstart_agentic.toml")).read()

@@ -73,6 +73,59 @@ def test_micro_batch_split_gives_same_gradients(aggregation):
         assert torch.allclose(grad, g0, atol=1e-6, rtol=1e-5)
 
 
+def _group_samples(prompts=3, n=4, seed=3):
+    """``prompts`` groups of ``n`` samples with one prompt each (completion lengths 1..9)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(prompts):
+        p = torch.randint(0, 300, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+        for j in range(n):
+            c = torch.randint(0, 300, (1 if j == 0 else int(torch.randint(2, 10, (1,), generator=g)),),
+                              generator=g).tolist()
+            mask = [bool(x) for x in torch.rand(len(c), generator=g).lt(0.8).tolist()]
+            out.append(RolloutSample(group=k, prompt_ids=p, completion_ids=c, loss_mask=mask,
+                                     gen_logprobs=[-1.0] * len(c), finish_reason="stop", text="", row={}))
+    return out
+
+
+def test_shared_prompt_packing_gives_same_logprobs_and_gradients():
+    """Each prompt once, its completions as branches: the same values and gradients as one
+    sequence per sample, with fewer tokens; a small budget splits a group into pieces."""
+    model = load_model(POLICY)
+    samples = _group_samples()
+    order = [5, 0, 9, 3, 11, 1, 6, 2, 10, 4, 8, 7]  # groups interleaved: the packer regroups them
+    mask, gen, width = completion_tensors(samples, torch.device("cpu"))
+    g = torch.Generator().manual_seed(4)
+    inp = LossInputs(mask=mask, old_logp=-torch.rand(mask.shape, generator=g), advantages=torch.randn(mask.shape, generator=g),
+                     gen_logp=gen, ref_logp=None)
+    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"), policy_cfg=PolicyLossConfig(),
+                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0, entropy_coef=0.01)
+    norm = make_norm(mask, constant=8.0)
+    results = []
+    for share, budget in ((False, 10_000), (True, 10_000), (True, 40)):
+        model.zero_grad()
+        mbs = pack_micro_batches(samples, order, budget, torch.device("cpu"), share_prompts=share)
+        logp = torch.zeros(len(samples), width)
+        total = 0.0
+        for mb in mbs:
+            loss, _ = micro_batch_loss(model, mb, inp, spec, norm, width)
+            loss.backward()
+            total += loss.item()
+            with torch.no_grad():
+                lp, _ = token_logprobs(model, mb, with_entropy=False)
+                logp[mb.rows] = scatter_completions(lp, mb, width)
+        tokens = sum(int((mb.doc_ids >= 0).sum()) for mb in mbs)
+        results.append((total, logp, torch.cat([p.grad.flatten() for p in model.parameters()]), tokens, len(mbs)))
+    (l0, lp0, g0, t0, _), (l1, lp1, g1, t1, n1), (l2, lp2, g2, t2, n2) = results
+    prompt_tokens = sum(len(s.prompt_ids) for s in samples[::4])
+    assert t1 == t0 - 3 * prompt_tokens  # each group of 4 holds its prompt once instead of 4 times
+    assert n1 == 1 and n2 > 1 and t2 > t1
+    for loss, lp, grad in ((l1, lp1, g1), (l2, lp2, g2)):
+        assert abs(loss - l0) < 1e-6
+        torch.testing.assert_close(lp, lp0, atol=1e-5, rtol=1e-5)
+        assert (grad - g0).norm() <= 1e-5 * g0.norm()
+
+
 def test_token_logprobs_match_full_logits_with_gradients():
     """The memory-lean path (completion positions only, chunked vocab) vs log_softmax of the full logits."""
     model = load_model(POLICY)
