@@ -24,6 +24,8 @@ against the loop reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.dispatch import use_triton
@@ -111,6 +113,7 @@ def paged_attention(
     *,
     impl: str | None = None,
     max_q_len: int | None = None,
+    plan: TorchPlan | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of a mixed prefill / extend / decode batch over the paged cache.
 
@@ -122,6 +125,7 @@ def paged_attention(
     ``max_q_len`` (the largest ``q_len``) sizes the Triton grid; pass it when the
     host knows it, otherwise it is read from ``cu_seqlens_q`` with one device sync.
     ``max_q_len == 1`` with one query per sequence routes to the decode kernel.
+    ``plan``: the step's `plan_torch` metadata for the PyTorch path (ignored by Triton).
     """
     _check_cache(k_cache, v_cache)
     _check_query(q, k_cache)
@@ -136,7 +140,7 @@ def paged_attention(
         )
     if not use_triton(q, impl):
         return paged_attention_torch(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len, plan
         )
     tk = _triton_impl()
     if max_q_len == 1 and q.shape[0] == n:
@@ -263,6 +267,60 @@ def paged_attention_ref(
 _BATCHED_SCORE_LIMIT = 1 << 26
 
 
+@dataclass(frozen=True)
+class TorchPlan:
+    """Metadata of one step for the PyTorch path, built once and shared by every layer.
+
+    ``ids`` are the pages to gather ([N * MB], padding entries read block 0 and are
+    masked), ``bias`` the additive causal mask ([N, 1, 1, Lq, W]: 0 or -inf), and
+    ``rows`` / ``valid_q`` place the queries ([N, Lq]; None for a pure decode step,
+    where row n is token n). ``has_empty``: some sequence has no key (ctx 0), whose
+    NaN softmax rows become 0.
+    """
+
+    ids: torch.Tensor
+    n: int
+    mb: int
+    max_q_len: int
+    t: int
+    bias: torch.Tensor
+    rows: torch.Tensor | None
+    valid_q: torch.Tensor | None
+    has_empty: bool
+
+
+def plan_torch(
+    block_tables: torch.Tensor,  # [N, MB]
+    cu_seqlens_q: torch.Tensor,  # [N + 1]
+    context_lens: torch.Tensor,  # [N]
+    block_size: int,
+    num_tokens: int,
+    max_q_len: int | None = None,
+) -> TorchPlan:
+    """The `TorchPlan` of a step (one host sync for ``has_empty``, one more without ``max_q_len``)."""
+    n, mb = block_tables.shape
+    dev = block_tables.device
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n > 0 else 0
+    width = mb * block_size
+    ids = block_tables.long().reshape(-1).clamp(min=0)
+    starts = cu_seqlens_q[:-1].long()  # [N]
+    q_lens = cu_seqlens_q[1:].long() - starts  # [N]
+    ctx = context_lens.long()  # [N]
+    offs = torch.arange(max_q_len, device=dev)  # [Lq]
+    q_pos = ctx[:, None] - q_lens[:, None] + offs[None, :]  # [N, Lq]
+    k_pos = torch.arange(width, device=dev)  # [W]
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, Lq, W] (also < ctx)
+    bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))[:, None, None]
+    decode = max_q_len == 1 and num_tokens == n
+    rows = valid_q = None
+    if not decode:
+        valid_q = offs[None, :] < q_lens[:, None]  # [N, Lq]
+        rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)  # [N, Lq] token index into q
+    has_empty = bool((ctx == 0).any()) if n > 0 else False
+    return TorchPlan(ids, n, mb, max_q_len, num_tokens, bias, rows, valid_q, has_empty)
+
+
 def paged_attention_torch(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
@@ -272,6 +330,7 @@ def paged_attention_torch(
     context_lens: torch.Tensor,  # [N]
     scale: float,
     max_q_len: int | None = None,
+    plan: TorchPlan | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """`paged_attention_ref` batched over sequences: the PyTorch path off CUDA.
 
@@ -281,7 +340,8 @@ def paged_attention_torch(
     mostly). Padding keys are masked by position; padding query rows are
     dropped on the way out. A batch whose scores would exceed
     ``_BATCHED_SCORE_LIMIT`` elements (a long prefill beside many short rows)
-    takes the loop reference instead.
+    takes the loop reference instead. ``plan`` (`plan_torch`) carries the
+    step's metadata, so the layers of one step build it once.
     """
     t, hq, d = q.shape
     n, mb = block_tables.shape
@@ -289,37 +349,34 @@ def paged_attention_torch(
     group = hq // hkv
     if n == 0 or t == 0:
         return torch.zeros_like(q)
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    width = mb * bs
-    if n * hq * max_q_len * width > _BATCHED_SCORE_LIMIT:
+    if plan is None:
+        if max_q_len is None:
+            max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+        if n * hq * max_q_len * mb * bs > _BATCHED_SCORE_LIMIT:
+            return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        plan = plan_torch(block_tables, cu_seqlens_q, context_lens, bs, t, max_q_len)
+    lq, width = plan.max_q_len, mb * bs
+    if n * hq * lq * width > _BATCHED_SCORE_LIMIT:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
-    dev = q.device
-    ids = block_tables.long().reshape(-1).clamp(min=0)  # [N * MB]; padding entries (e.g. -1) read block 0, masked
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [N * Hkv, W, D], one contiguous copy
-        pages = cache.index_select(0, ids).view(n, mb, bs, hkv, d)  # index_select: ~6x cheaper than cache[ids]
+        pages = cache.index_select(0, plan.ids).view(n, mb, bs, hkv, d)  # index_select: ~6x cheaper than cache[ids]
         return pages.permute(0, 3, 1, 2, 4).reshape(n * hkv, width, d).float()
 
     k, v = gather(k_cache), gather(v_cache)
-    starts = cu_seqlens_q[:-1].long()  # [N]
-    q_lens = cu_seqlens_q[1:].long() - starts  # [N]
-    ctx = context_lens.long()  # [N]
-    offs = torch.arange(max_q_len, device=dev)  # [Lq]
-    valid_q = offs[None, :] < q_lens[:, None]  # [N, Lq]
-    rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)  # [N, Lq] token index into q
     # query head h reads KV head h // group: [N, Lq, Hkv, G, D] -> [N * Hkv, G * Lq, D]
-    qp = q.float()[rows].view(n, max_q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n * hkv, group * max_q_len, d)
-    scores = torch.bmm(qp, k.transpose(1, 2)).view(n, hkv, group, max_q_len, width) * scale  # [N, Hkv, G, Lq, W]
-    q_pos = ctx[:, None] - q_lens[:, None] + offs[None, :]  # [N, Lq]
-    k_pos = torch.arange(width, device=dev)  # [W]
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, Lq, W] (also < ctx)
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key (ctx 0) -> 0
-    out = torch.bmm(probs.view(n * hkv, group * max_q_len, width), v)  # [N * Hkv, G * Lq, D]
-    out = out.view(n, hkv, group, max_q_len, d).permute(0, 3, 1, 2, 4).reshape(n, max_q_len, hq, d)  # [N, Lq, Hq, D]
-    if max_q_len == 1 and t == n:  # pure decode: row n is token n, nothing to scatter
-        return out[:, 0].to(q.dtype)
-    result = torch.zeros(t, hq, d, dtype=q.dtype, device=dev)
-    result[rows[valid_q]] = out[valid_q].to(q.dtype)
+    if plan.rows is None:  # pure decode: token n is sequence n's only query
+        qp = q.float().reshape(n * hkv, group, d)
+    else:
+        qp = q.float()[plan.rows].view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n * hkv, group * lq, d)
+    scores = torch.bmm(qp, k.transpose(1, 2)).view(n, hkv, group, lq, width) * scale  # [N, Hkv, G, Lq, W]
+    probs = torch.softmax(scores + plan.bias, dim=-1)
+    if plan.has_empty:
+        probs = probs.nan_to_num(0.0)  # rows with no key (ctx 0) -> 0
+    out = torch.bmm(probs.view(n * hkv, group * lq, width), v)  # [N * Hkv, G * Lq, D]
+    if plan.rows is None:
+        return out.view(n, hq, d).to(q.dtype)
+    out = out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)  # [N, Lq, Hq, D]
+    result = torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
+    result[plan.rows[plan.valid_q]] = out[plan.valid_q].to(q.dtype)
     return result
