@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
 
@@ -275,7 +276,8 @@ class TorchPlan:
     masked), ``bias`` the additive causal mask ([N, 1, 1, Lq, W]: 0 or -inf), and
     ``rows`` / ``valid_q`` place the queries ([N, Lq]; None for a pure decode step,
     where row n is token n). ``has_empty``: some sequence has no key (ctx 0), whose
-    NaN softmax rows become 0.
+    NaN softmax rows become 0. ``allowed``: the boolean form of ``bias`` for a pure
+    decode step ([N, 1, 1, W]), for SDPA.
     """
 
     ids: torch.Tensor
@@ -287,6 +289,7 @@ class TorchPlan:
     rows: torch.Tensor | None
     valid_q: torch.Tensor | None
     has_empty: bool
+    allowed: torch.Tensor | None = None
 
 
 def plan_torch(
@@ -318,7 +321,8 @@ def plan_torch(
         valid_q = offs[None, :] < q_lens[:, None]  # [N, Lq]
         rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)  # [N, Lq] token index into q
     has_empty = bool((ctx == 0).any()) if n > 0 else False
-    return TorchPlan(ids, n, mb, max_q_len, num_tokens, bias, rows, valid_q, has_empty)
+    return TorchPlan(ids, n, mb, max_q_len, num_tokens, bias, rows, valid_q, has_empty,
+                     allowed[:, None] if decode else None)
 
 
 def paged_attention_torch(
@@ -358,6 +362,15 @@ def paged_attention_torch(
     lq, width = plan.max_q_len, mb * bs
     if n * hq * lq * width > _BATCHED_SCORE_LIMIT:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+    if plan.rows is None and not plan.has_empty and q.dtype == k_cache.dtype == torch.float32:
+        # pure fp32 decode: one fused SDPA over the gathered pages (GQA in the kernel),
+        # 0.50 ms vs 0.75 ms per layer for 32 sequences of ~100 tokens on 2 CPU cores
+        k = k_cache.index_select(0, plan.ids).view(n, width, hkv, d).transpose(1, 2)  # [N, Hkv, W, D]
+        v = v_cache.index_select(0, plan.ids).view(n, width, hkv, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=plan.allowed, scale=scale,
+                                             enable_gqa=group > 1)  # [N, Hq, 1, D]
+        return out[:, :, 0]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [N * Hkv, W, D], one contiguous copy
         pages = cache.index_select(0, plan.ids).view(n, mb, bs, hkv, d)  # index_select: ~6x cheaper than cache[ids]

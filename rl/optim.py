@@ -15,8 +15,10 @@ def build_optimizer(model: nn.Module, *, lr: float, betas: list[float], eps: flo
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach works on DTensor shards on every backend; fused is CUDA-only.
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, foreach=True)
+    # fused (one kernel over all tensors) runs on DTensor shards on CPU and CUDA in
+    # torch 2.13; on bench/grpo_step.py's model (3.3M parameters, FSDP2 on one CPU
+    # rank) a step takes 15 ms in the trainer, 65 ms with foreach
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:

@@ -218,6 +218,22 @@ def test_loop_reference_and_batched_fallback_match_naive(
     torch.testing.assert_close(pa.paged_attention_torch(*args).double(), naive, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size,hq,hkv,d", HEADS_AND_DIMS[:3])
+def test_torch_pure_decode_matches_naive(block_size: int, hq: int, hkv: int, d: int) -> None:
+    """One query per sequence takes the fused-SDPA branch of the PyTorch path (fp32); a
+    padded row (context 0) takes the masked-softmax branch and gives zeros."""
+    b = make_batch([(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
+    out = pa.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, b.scale,
+                                    impl="torch")
+    torch.testing.assert_close(out.double(), naive_attention(b), atol=1e-5, rtol=1e-5)
+    ctx = torch.cat([b.context_lens, b.context_lens.new_zeros(1)])
+    tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables[:1])])
+    q = torch.cat([b.q, torch.randn_like(b.q[:1])])
+    padded = pa.paged_decode_attention(q, b.k_cache, b.v_cache, tables, ctx, b.scale, impl="torch")
+    assert (padded[-1] == 0).all()
+    torch.testing.assert_close(padded[:-1], out, atol=1e-6, rtol=1e-6)
+
+
 def test_reference_store_kv_writes_only_valid_slots() -> None:
     k_cache = torch.zeros(3, 4, 2, 8)
     v_cache = torch.zeros(3, 4, 2, 8)
