@@ -190,9 +190,11 @@ def test_rl_run_learns_survives_reward_errors_and_resumes_exactly(tmp_path):
     # the raising reward scores 0, is counted, and never stopped the run
     assert all(r["reward/test_raise/errors"] > 0 for r in rows)
     # the generator's log-probs equal the update layout's recomputation (fp32 CPU): the mean
-    # gap is float noise; the max (over ~1e3 tokens, log-probs down to about -15) stays ~1e-5
+    # gap is float noise; the max (over ~1e3 tokens, log-probs down to about -15) was 5.5e-5
+    # once decode attention became one fused SDPA (a different summation order than the
+    # training forward's), ~1e-5 before
     assert max(r["gap/abs_mean"] for r in rows) < 1e-6
-    assert max(r["gap/abs_max"] for r in rows) < 5e-5
+    assert max(r["gap/abs_max"] for r in rows) < 1e-4
 
     resumed = str(tmp_path / "resumed")
     shutil.copytree(full, resumed)
