@@ -1,12 +1,14 @@
 """Seconds per GRPO step: Tandem's colocated loop vs TRL's GRPOTrainer, same workload.
 
 One workload, two trainers, one command: a random Qwen3-style model written as
-an HF folder (transformers) with the quickstart tokenizer, P prompts x n
-samples, up to ``--max-tokens`` new tokens at temperature 1, group advantages
-with std scaling, PPO-clip (0.2), no KL (no reference model), token-mean loss,
-one AdamW step per rollout (lr, betas 0.9/0.95, grad clip 1.0, constant LR),
-fp32 on the CPU, one process each. TRL runs without vLLM (transformers
-``generate``); Tandem runs ``train.py`` with its own paged generator.
+an HF folder (transformers) with the quickstart tokenizer, P prompts (chat
+messages, so both trainers apply the same chat template) x n samples, up to
+``--max-tokens`` new tokens at temperature 1, group advantages with std
+scaling, PPO-clip (0.2), no KL (no reference model), token-mean loss, one
+AdamW step per rollout (lr, betas 0.9/0.95, grad clip 1.0, constant LR), fp32
+on the CPU, one process each. TRL runs without vLLM (transformers
+``generate``); Tandem runs ``train.py`` with its own paged generator, as is
+(row "tandem") and with ``rl.share_prompts`` (row "tandem-shared").
 
     python -m bench.grpo_step                            # TRL from this interpreter
     python -m bench.grpo_step --trl-python /tmp/trlenv/bin/python
@@ -76,9 +78,9 @@ def _mean(xs: list[float]) -> float:
 # ---- Tandem -------------------------------------------------------------------------
 
 
-def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
+def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace, name: str,
                extra: tuple[str, ...] = ()) -> dict[str, float]:
-    dump = os.path.join(folder, "tandem" + "-".join(extra).replace("=", "_").replace("--", "-"))
+    dump = os.path.join(folder, name)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={model_dir}", f"--data.path={data}", "--data.messages_field=prompt", "--data.eval_path=", "--data.shuffle=false",
            f"--job.dump_folder={dump}", f"--training.steps={args.steps}", f"--rl.num_samples={args.samples}",
@@ -110,9 +112,9 @@ def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace)
 
     torch.set_num_threads(args.threads)
 
-    def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]  # conversational
-        return [float(t.strip() == a) for t, a in zip(texts, answer)]
+    def exact_match(completions: list[list[dict]], answer: list[str], **_: object) -> list[float]:
+        # conversational prompts: each completion is [{"role": "assistant", "content": ...}]
+        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
 
     config = GRPOConfig(
         output_dir=os.path.join(folder, "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             if engine == "trl":
                 r = run_trl(model_dir, data, folder, args)
             else:
-                r = run_tandem(model_dir, data, folder, args,
+                r = run_tandem(model_dir, data, folder, args, engine,
                                ("--rl.share_prompts=true",) if engine == "tandem-shared" else ())
             if isinstance(r, str):
                 print(f"{engine:<15} {r}")

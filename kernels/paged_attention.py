@@ -281,10 +281,7 @@ class TorchPlan:
     """
 
     ids: torch.Tensor
-    n: int
-    mb: int
     max_q_len: int
-    t: int
     bias: torch.Tensor
     rows: torch.Tensor | None
     valid_q: torch.Tensor | None
@@ -321,8 +318,7 @@ def plan_torch(
         valid_q = offs[None, :] < q_lens[:, None]  # [N, Lq]
         rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)  # [N, Lq] token index into q
     has_empty = bool((ctx == 0).any()) if n > 0 else False
-    return TorchPlan(ids, n, mb, max_q_len, num_tokens, bias, rows, valid_q, has_empty,
-                     allowed[:, None] if decode else None)
+    return TorchPlan(ids, max_q_len, bias, rows, valid_q, has_empty, allowed[:, None] if decode else None)
 
 
 def paged_attention_torch(
@@ -354,10 +350,6 @@ def paged_attention_torch(
     if n == 0 or t == 0:
         return torch.zeros_like(q)
     if plan is None:
-        if max_q_len is None:
-            max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-        if n * hq * max_q_len * mb * bs > _BATCHED_SCORE_LIMIT:
-            return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
         plan = plan_torch(block_tables, cu_seqlens_q, context_lens, bs, t, max_q_len)
     lq, width = plan.max_q_len, mb * bs
     if n * hq * lq * width > _BATCHED_SCORE_LIMIT:

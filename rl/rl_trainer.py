@@ -91,12 +91,12 @@ class RLTrainer:
                   reduce_dtype=cfg.training.mixed_precision_reduce, cpu_offload=cfg.parallel.cpu_offload,
                   is_main=info.is_main, pp_schedule=cfg.parallel.pp_schedule,
                   pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
-                  micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw, share_prompts=r.share_prompts,
+                  micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
+                  share_prompts=r.share_prompts)
+        self.policy = build_policy(self.args, self.mesh, info.device, **kw,
                                    activation_checkpoint=cfg.parallel.activation_checkpoint, compile=cfg.parallel.compile)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
-        self.ref = (build_policy(self.args, self.mesh, info.device, trainable=False, **kw, share_prompts=r.share_prompts)
-                    if r.kl_coef > 0 else None)
+        self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg, self.args, self.mesh, info.device, policy_path=cfg.model.path,

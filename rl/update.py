@@ -135,7 +135,8 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
         tgts[r][at:at + p - 1] = prompt[1:]
         pos[r][at:at + p] = range(p)
         docs[r][at:at + p] = [d] * p
-        last_prompt = r * width + at + p - 1  # predicts each completion's first token
+        last_col = at + p - 1  # the last prompt token predicts each completion's first token
+        last_prompt = r * width + last_col
         at += p
         for k, i in enumerate(unit):
             comp = samples[i].completion_ids
@@ -144,7 +145,7 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
             if not comp:  # nothing sampled (e.g. an over-long agentic prompt): no targets
                 continue
             c = len(comp) - 1  # input tokens of this branch
-            tgts[r][last_prompt % width] = comp[0]  # exact when unshared; comp_targets otherwise
+            tgts[r][last_col] = comp[0]  # exact when unshared; comp_targets otherwise
             toks[r][at:at + c] = comp[:-1]
             tgts[r][at:at + c] = comp[1:]
             pos[r][at:at + c] = range(p, p + c)
