@@ -210,6 +210,30 @@ def store_kv_ref(
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
 
+def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the valid slots as int64, the mask of valid tokens or None when all are): once per step."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return slot_mapping.long(), None
+    return slot_mapping[keep].long(), keep
+
+
+def store_kv_slots(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slots: torch.Tensor,  # [T'] int64, from `valid_slots`
+    keep: torch.Tensor | None = None,  # [T] bool, from `valid_slots`
+) -> None:
+    """`store_kv`'s PyTorch path with the step's slots resolved once (`valid_slots`): one
+    ``index_copy_`` per cache into its flat ``[NB * BS, Hkv, D]`` view, for every layer."""
+    if keep is not None:
+        k, v = k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
 def gather_kv(
     cache: torch.Tensor,  # [NB, BS, Hkv, D]
     block_table: torch.Tensor,  # [MB]

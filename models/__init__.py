@@ -4,7 +4,12 @@ Nothing here knows about parallelism or RL.
 """
 
 from models.args import ModelArgs
-from models.attention import CausalAttention, DocumentAttention, positions_from_doc_ids
+from models.attention import (
+    CausalAttention,
+    DocumentAttention,
+    SegmentAttention,
+    positions_from_doc_ids,
+)
 from models.flavors import FLAVORS, get_flavor
 from models.hf import hf_to_tandem, load_args, load_model, read_hf_state_dict, save_hf, tandem_to_hf
 from models.tokenizer import Tokenizer, build_char_tokenizer
@@ -14,6 +19,7 @@ __all__ = [
     "FLAVORS",
     "CausalAttention",
     "DocumentAttention",
+    "SegmentAttention",
     "ModelArgs",
     "Tokenizer",
     "Transformer",

@@ -2,8 +2,9 @@
 
 The model computes q/k/v (after q/k-norm and RoPE) and hands them to a backend
 ``backend(layer_id, q [B,S,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,D]) -> [B,S,Hq,D]``.
-Training uses `CausalAttention` (one sequence per row) or `DocumentAttention`
-(several documents packed into a row); the generator plugs in a paged-KV
+Training uses `CausalAttention` (one sequence per row), `DocumentAttention`
+(several documents packed into a row, one mask) or `SegmentAttention` (the same
+packing, attended segment by segment without a mask); the generator plugs in a paged-KV
 backend (rl/generator) that uses ``layer_id`` to find its cache. Scale is
 ``1/sqrt(head_dim)`` everywhere.
 """
@@ -99,6 +100,46 @@ class DocumentAttention:
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         return _sdpa(q, k, v, mask=self.mask, causal=False)
+
+
+class SegmentAttention:
+    """Causal attention over segments gathered out of a packed layout.
+
+    ``gather [V, W]`` lists, per segment, the flat positions (into ``[B*S]``)
+    of its tokens in order, padded at the end with any valid position;
+    ``scatter [B*S]`` gives, per packed position, the flat position (into
+    ``[V*W]``) whose output it takes. Each segment runs plain causal SDPA
+    (the fused kernel, no mask tensor), so a token attends to the earlier
+    tokens of its segment only, and padding, placed last, is never attended
+    to by real tokens. The caller decides what a segment is: a packed
+    document, or a shared prompt followed by one of its branches (the prompt
+    then sits in several segments, its keys and values are read by each, and
+    its own outputs are taken from one). This computes what
+    `DocumentAttention` does at the cost of causal attention over the
+    segments, which skips masked-out pairs instead of scoring them: a row
+    holding a prompt and eight branches scores each branch against the prompt
+    and itself only.
+    """
+
+    def __init__(self, gather: torch.Tensor, scatter: torch.Tensor) -> None:
+        if gather.dim() != 2 or scatter.dim() != 1:
+            raise ValueError(
+                f"gather must be [V, W] and scatter [B*S], got {tuple(gather.shape)} and {tuple(scatter.shape)}"
+            )
+        self.gather, self.scatter = gather, scatter
+
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        b, s, hq, d = q.shape
+        n, w = self.gather.shape
+        idx = self.gather.reshape(-1)
+
+        def segments(x: torch.Tensor) -> torch.Tensor:  # [B, S, H, D] -> [V, W, H, D]
+            return x.reshape(b * s, x.shape[2], d).index_select(0, idx).view(n, w, x.shape[2], d)
+
+        out = _sdpa(segments(q), segments(k), segments(v), mask=None, causal=True)  # [V, W, Hq, D]
+        return out.reshape(n * w, hq, d).index_select(0, self.scatter).view(b, s, hq, d)
 
 
 def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kernels.logprobs import token_logprobs_entropy
-from models.attention import DocumentAttention
+from models.attention import AttentionBackend, CausalAttention, DocumentAttention, SegmentAttention
 from parallel.loss import token_logprobs_at
 from rl.algorithms import KL_ESTIMATORS, PolicyLossInput
 from rl.rollout_types import RolloutSample
@@ -47,8 +47,18 @@ class MicroBatch:
     # per completion token (comp_targets [K]) rather than per position.
     branch_ids: torch.Tensor | None = None  # [B, S]
     comp_targets: torch.Tensor | None = None  # [K]
+    # Attention by segments (models.attention.SegmentAttention): one per sample,
+    # its prompt then its completion; None where every row is one sample from
+    # column 0 (plain causal attention is then exact) or when not built.
+    seg_gather: torch.Tensor | None = None  # [V, W] flat positions
+    seg_scatter: torch.Tensor | None = None  # [B*S] flat segment positions
+    one_per_row: bool = False
 
-    def attention(self) -> DocumentAttention:
+    def attention(self) -> AttentionBackend:
+        if self.one_per_row:
+            return CausalAttention()
+        if self.seg_gather is not None:
+            return SegmentAttention(self.seg_gather, self.seg_scatter)
         return DocumentAttention(self.doc_ids, self.branch_ids)
 
     def completion_targets(self) -> torch.Tensor:
@@ -128,9 +138,17 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
     docs = [[-1] * width for _ in range(b)]
     branch = [[0] * width for _ in range(b)]
     rows, offsets, index, comp_targets = [], [], [], []
+    # Segments (SegmentAttention): per sample, the flat positions of its prompt, then
+    # of its completion, w long at most; scatter: per packed position, the flat
+    # segment position whose output it takes (a prompt's from its first segment).
+    segments: list[list[int]] = []
+    w = max(len(samples[u[0]].prompt_ids) + max(max(len(samples[i].completion_ids) - 1, 0) for i in u) for u in units)
+    scatter = [0] * (b * width)  # padding takes any output: nothing reads it
     for d, (unit, (r, at)) in enumerate(zip(units, place)):
         prompt = samples[unit[0]].prompt_ids
         p = len(prompt)
+        flat_prompt = list(range(r * width + at, r * width + at + p))
+        scatter[flat_prompt[0]:flat_prompt[-1] + 1] = range(len(segments) * w, len(segments) * w + p)
         toks[r][at:at + p] = prompt
         tgts[r][at:at + p - 1] = prompt[1:]
         pos[r][at:at + p] = range(p)
@@ -143,8 +161,11 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
             rows.append(i)
             offsets.append((last_prompt, len(comp)))
             if not comp:  # nothing sampled (e.g. an over-long agentic prompt): no targets
+                segments.append(flat_prompt)
                 continue
             c = len(comp) - 1  # input tokens of this branch
+            scatter[r * width + at:r * width + at + c] = range(len(segments) * w + p, len(segments) * w + p + c)
+            segments.append(flat_prompt + list(range(r * width + at, r * width + at + c)))
             tgts[r][last_col] = comp[0]  # exact when unshared; comp_targets otherwise
             toks[r][at:at + c] = comp[:-1]
             tgts[r][at:at + c] = comp[1:]
@@ -160,8 +181,14 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
 
     row = [k for k, (_, n) in enumerate(offsets) for _ in range(n)]
     col = [j for _, n in offsets for j in range(n)]
-    return MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col),
-                      branch_ids=t(branch) if shared else None, comp_targets=t(comp_targets) if shared else None)
+    mb = MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col),
+                    branch_ids=t(branch) if shared else None, comp_targets=t(comp_targets) if shared else None)
+    if not shared and len(units) == b and all(at == 0 for _, at in place):
+        mb.one_per_row = True  # right-padded rows of one sample each: plain causal attention
+    elif segments:
+        mb.seg_gather = t([seg + [seg[-1]] * (w - len(seg)) for seg in segments])  # padded last: never attended
+        mb.seg_scatter = t(scatter)
+    return mb
 
 
 def empty_micro_batch(device: torch.device, width: int = 1) -> MicroBatch:

@@ -245,6 +245,21 @@ def test_reference_store_kv_writes_only_valid_slots() -> None:
     assert k_cache.abs().sum() == (1 + 3) * 16  # slot -1 (value 2) was skipped
 
 
+@pytest.mark.parametrize("slots", [[9, -1, 2, 5], [3, 0, 11, 6]])
+def test_store_kv_slots_matches_reference(slots: list[int]) -> None:
+    """The generator's PyTorch store (slots resolved once per step) writes what the reference does."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+    mapping = torch.tensor(slots, dtype=torch.int32)
+    want = [torch.randn(3, 4, 2, 8, generator=g) for _ in range(2)]
+    got = [c.clone() for c in want]
+    pa.store_kv_ref(k, v, *want, mapping)
+    resolved = pa.valid_slots(mapping)
+    assert (resolved[1] is None) == (min(slots) >= 0)
+    pa.store_kv_slots(k, v, *got, *resolved)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---------------------------------------------------------------------------
 # Triton against the reference
 # ---------------------------------------------------------------------------

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dispatch import use_triton
-from kernels.paged_attention import TorchPlan, paged_attention, plan_torch, store_kv
+from kernels.paged_attention import (
+    TorchPlan,
+    paged_attention,
+    plan_torch,
+    store_kv,
+    store_kv_slots,
+    valid_slots,
+)
 from models.args import ModelArgs
 
 
@@ -68,15 +75,21 @@ class PagedAttention:
     def __init__(self, cache: KVCache, meta: PagedMeta, scale: float, impl: str | None = None) -> None:
         self.cache, self.meta, self.scale, self.impl = cache, meta, scale, impl
         self._plan: TorchPlan | None = None  # the PyTorch path's step metadata, built at layer 0
+        self._slots: tuple[torch.Tensor, torch.Tensor | None] | None = None  # likewise, for the K/V stores
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [1, T, Hq, D], k/v [1, T, Hkv, D]: the step's tokens of all sequences, flattened.
         kc, vc = self.cache.data[layer_id, 0], self.cache.data[layer_id, 1]
         m = self.meta
-        store_kv(k[0], v[0], kc, vc, m.slot_mapping, impl=self.impl)
-        if self._plan is None and not use_triton(q, self.impl) and m.context_lens.numel():
-            self._plan = plan_torch(m.block_tables, m.cu_seqlens_q, m.context_lens, kc.shape[1],
-                                    q.shape[1], m.max_q_len)
+        if use_triton(q, self.impl):
+            store_kv(k[0], v[0], kc, vc, m.slot_mapping, impl=self.impl)
+        else:
+            if self._slots is None:
+                self._slots = valid_slots(m.slot_mapping)
+            store_kv_slots(k[0], v[0], kc, vc, *self._slots)
+            if self._plan is None and m.context_lens.numel():
+                self._plan = plan_torch(m.block_tables, m.cu_seqlens_q, m.context_lens, kc.shape[1],
+                                        q.shape[1], m.max_q_len)
         out = paged_attention(q[0], kc, vc, m.block_tables, m.cu_seqlens_q, m.context_lens, self.scale,
                               impl=self.impl, max_q_len=m.max_q_len, plan=self._plan)
         return out.unsqueeze(0)  # [1, T, Hq, D]
