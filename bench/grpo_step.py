@@ -51,13 +51,20 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     model_dir = os.path.join(folder, "model")
-    vocab = json.load(open(os.path.join(TOKENIZER, "config.json")))["vocab_size"]
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                      num_key_value_heads=max(1, args.hidden // 128), head_dim=64, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    vocab = args.vocab or json.load(open(os.path.join(TOKENIZER, "config.json")))["vocab_size"]
+    if args.shape == "qwen3-1.7b":  # Qwen3-1.7B's shapes (random weights; the char tokenizer's ids are a subset)
+        shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=128)
+    else:
+        shape = dict(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+                     num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128), head_dim=64)
+    cfg = Qwen3Config(vocab_size=vocab, **shape, max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(model_dir, safe_serialization=True)
+    with torch.device(args.device):  # random init of a 1.7B model is minutes on a CPU, seconds on a GPU
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    del model
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(TOKENIZER, name), model_dir)
     data = os.path.join(folder, "prompts.jsonl")
@@ -69,6 +76,10 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
             prompt = [{"role": "user", "content": f"{a}+{b}="}]
             f.write(json.dumps({"id": f"p{i}", "prompt": prompt, "answer": str(a + b)}) + "\n")
     return model_dir, data
+
+
+TANDEM_ROWS = {"tandem": (), "tandem-shared": ("--rl.share_prompts=true",),
+               "tandem-eager": ("--rollout.cuda_graphs=false",)}
 
 
 def _mean(xs: list[float]) -> float:
@@ -85,10 +96,12 @@ def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
            f"--model.path={model_dir}", f"--data.path={data}", "--data.messages_field=prompt", "--data.eval_path=", "--data.shuffle=false",
            f"--job.dump_folder={dump}", f"--training.steps={args.steps}", f"--rl.num_samples={args.samples}",
            f"--rl.prompts_per_step={args.prompts}", "--rl.kl_coef=0", "--rl.aggregation=token_mean",
-           "--rl.micro_batch_tokens=16384", f"--rollout.max_tokens={args.max_tokens}", "--rollout.kv_cache_gb=0.5",
+           "--rl.micro_batch_tokens=16384", f"--rollout.max_tokens={args.max_tokens}",
+           f"--rollout.kv_cache_gb={args.kv_cache_gb}", f"--data.max_length={args.max_tokens + 128}",
            f"--optimizer.lr={args.lr}", "--lr_schedule.warmup_steps=0", "--checkpoint.enable=false",
            "--metrics.tensorboard=false", "--reward.num_workers=0", "--reward.functions=exact_match", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"tandem run failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -116,8 +129,10 @@ def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace)
         # conversational prompts: each completion is [{"role": "assistant", "content": ...}]
         return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
 
+    cuda = args.device == "cuda"  # CUDA: fp32 weights, bf16 autocast (as Tandem's FSDP2 mixed precision)
     config = GRPOConfig(
-        output_dir=os.path.join(folder, "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        output_dir=os.path.join(folder, "trl"), use_cpu=not cuda, bf16=cuda, report_to="none", save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
         max_steps=args.steps, logging_steps=1, seed=0, per_device_train_batch_size=args.prompts * args.samples,
         gradient_accumulation_steps=1, num_generations=args.samples, max_completion_length=args.max_tokens,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group",
@@ -171,7 +186,8 @@ def run_trl(model_dir: str, data: str, folder: str, args: argparse.Namespace) ->
     if probe.returncode != 0:
         return f"trl is not importable by {python} (see this file's docstring)"
     cmd = [python, "-m", "bench.grpo_step", "--worker", model_dir, data, folder, *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         return f"trl run failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}"
@@ -187,32 +203,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    ap.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                    help="default: cuda when available (Tandem picks the device itself; TRL follows this)")
+    ap.add_argument("--shape", default="small", choices=("small", "qwen3-1.7b"),
+                    help="small: --hidden x --layers; qwen3-1.7b: Qwen3-1.7B's shapes")
+    ap.add_argument("--vocab", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
+    ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="Tandem's KV pool budget")
     ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
     ap.add_argument("--engines", default="tandem,tandem-shared,trl",
-                    help="tandem-shared: rl.share_prompts = true (each prompt once per micro-batch)")
+                    help="tandem-shared: rl.share_prompts = true (each prompt once per micro-batch); "
+                         "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere)")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = [e for e in args.engines.split(",") if e != "trl" and e not in TANDEM_ROWS]
+    if unknown:
+        ap.error(f"--engines: unknown {unknown}; choose from {['trl', *TANDEM_ROWS]}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker:
         print(json.dumps(trl_worker(*args.worker, args)))
         return
     folder = tempfile.mkdtemp(prefix="tandem-grpo-bench-")
     try:
         model_dir, data = write_workload(folder, args)
-        print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new tokens, Qwen3 hidden "
-              f"{args.hidden} x {args.layers} layers, {args.threads} threads, mean of steps 2..{args.steps}")
+        what = "Qwen3-1.7B shapes" if args.shape == "qwen3-1.7b" else f"Qwen3 hidden {args.hidden} x {args.layers} layers"
+        where = "CUDA" if args.device == "cuda" else f"CPU, {args.threads} threads"
+        print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new tokens, {what}, "
+              f"{where}, mean of steps 2..{args.steps}")
         results: dict[str, dict[str, float]] = {}
         print(f"{'engine':<15}{'step s':>9}{'generate':>10}{'logprobs':>10}{'update':>9}{'compl len':>11}")
         for engine in args.engines.split(","):
             if engine == "trl":
                 r = run_trl(model_dir, data, folder, args)
             else:
-                r = run_tandem(model_dir, data, folder, args, engine,
-                               ("--rl.share_prompts=true",) if engine == "tandem-shared" else ())
+                r = run_tandem(model_dir, data, folder, args, engine, TANDEM_ROWS[engine])
             if isinstance(r, str):
                 print(f"{engine:<15} {r}")
                 continue

@@ -95,14 +95,18 @@ def token_logprobs_entropy(
         targets: ``[T]`` int64 token ids in ``[0, V)`` (not checked: a host sync).
         with_entropy: also return the entropy (else ``None``; slightly cheaper).
         chunk_tokens: tokens per chunk on the torch path (peak ~ 2 * chunk * V * 4 B).
-        impl: ``"torch"`` or ``"triton"`` to force an implementation; ``None``
-            picks Triton for CUDA tensors (see `kernels.dispatch`).
+        impl: ``"torch"`` or ``"triton"`` to force an implementation (or
+            ``TANDEM_KERNELS``, see `kernels.dispatch`); ``None`` takes the chunked
+            torch path on every device: on an H200 (T=4096, V=151936, D=2048, bf16,
+            forward + backward) it ran in 0.05 s against the Triton kernel's 0.20 s,
+            at 2.7 GB against 1.8 GB peak (naive: 11.9 GB). Force Triton where the
+            last gigabyte matters more than the time.
 
     Returns:
         ``(logp [T] fp32, entropy [T] fp32 or None)``, both differentiable with
         respect to ``hidden`` and ``weight``.
     """
-    triton_path = use_triton(hidden, impl)  # validates impl first
+    triton_path = use_triton(hidden, impl, cuda_default=False)  # validates impl first
     _check_args(hidden, weight, targets, chunk_tokens)
     if triton_path:
         if hidden.dtype not in _TRITON_DTYPES:

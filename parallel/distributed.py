@@ -14,8 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Process-group backend per accelerator type (torch.accelerator names).
-BACKENDS = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "cpu": "gloo"}
+# Process-group backend per accelerator type (torch.accelerator names). Accelerator
+# worlds also get gloo for CPU tensors: metrics, ledgers and counters are reduced
+# on the host (an NCCL-only group refuses them: "No backend type associated with
+# device type cpu", seen on an H200).
+BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "xpu": "cpu:gloo,xpu:xccl", "npu": "cpu:gloo,npu:hccl",
+            "hpu": "cpu:gloo,hpu:hccl", "cpu": "gloo"}
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto")
-    ap.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps (CUDA only)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay CUDA graphs for decode steps (CUDA only; eager elsewhere)")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                     help="auto: bfloat16 on CUDA, float32 elsewhere")
     args = ap.parse_args(argv)

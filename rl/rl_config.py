@@ -46,7 +46,7 @@ class RLConfig:
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
     share_prompts: bool = False  # each prompt once per micro-batch, its completions as branches: same gradients, fewer tokens (rows grow to a group; not with pp > 1)
-    logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk off CUDA (peak ~ 2 x chunk x vocab x 4 B)
+    logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk (peak ~ 2 x chunk x vocab x 4 B; TANDEM_KERNELS=triton bypasses chunks)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refill_rounds: int = 3
     overlong_filter: bool = False  # mask out truncated completions
@@ -90,7 +90,8 @@ class RolloutConfig:
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
     prefix_sharing: bool = True  # the n samples of a prompt share its KV blocks
     kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
-    cuda_graphs: bool = False  # replay captured CUDA graphs for decode steps (CUDA only; eager elsewhere)
+    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA only; eager elsewhere)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")

@@ -50,7 +50,7 @@ from rl.modeling import ModelSetupError, build_tokenizer, model_args
 from rl.optim import build_optimizer, build_scheduler
 from rl.policy import build_policy, check_layout
 from rl.rewards.pool import RewardPool
-from rl.rollout import build_generation_model, generate_episodes, generate_samples
+from rl.rollout import build_generation_model, generate_episodes, generate_samples, generation_dtype
 from rl.rollout_types import RolloutSample
 from rl.system import peak_memory_gb, reset_peak_memory
 from rl.update import (
@@ -96,6 +96,7 @@ class RLTrainer:
         self.policy = build_policy(self.args, self.mesh, info.device, **kw,
                                    activation_checkpoint=cfg.parallel.activation_checkpoint, compile=cfg.parallel.compile)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
+        self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -238,7 +239,7 @@ class RLTrainer:
         reset_peak_memory(self.info.device)
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
-        gen_model, metrics = build_generation_model(self.policy, self.args, self.info.device)
+        gen_model, metrics = build_generation_model(self.policy, self.args, self.info.device, self.gen_dtype)
         per_rank = r.prompts_per_step // self.dp
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
@@ -404,7 +405,7 @@ class RLTrainer:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return None
-        gen_model, _ = build_generation_model(self.policy, self.args, self.info.device)
+        gen_model, _ = build_generation_model(self.policy, self.args, self.info.device, self.gen_dtype)
         mine = self.eval_prompts[self.info.rank::self.info.world_size]
         n = self.cfg.rl.eval_samples
         samples, _ = self._generate(gen_model, mine, max(n, 1), 12345 + self.info.rank, greedy=n == 0)

@@ -22,14 +22,18 @@ from rl.generator.sequence import SamplingParams
 from rl.rollout_types import RolloutSample
 
 
-def build_generation_model(policy: Any, args: ModelArgs, device: torch.device) -> tuple[Transformer, dict[str, float]]:
+def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
+                           dtype: torch.dtype | None = None) -> tuple[Transformer, dict[str, float]]:
     """Collective: every rank gets a full, unsharded copy of the policy for generation.
 
     ``policy``: an rl/policy.py policy, whose ``full_state()`` gathers the whole
     state dict onto every rank (over FSDP2, TP and the pipeline stages).
+    ``dtype``: cast the copy's floating-point tensors to it (None keeps the parameters' dtype).
     """
     t0 = time.monotonic()
     full = policy.full_state()
+    if dtype is not None:
+        full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
     nbytes = sum(t.numel() * t.element_size() for k, t in full.items() if k != "output.weight" or not args.tie_word_embeddings)
     with torch.device("meta"):
         gen = Transformer(args)
@@ -38,6 +42,17 @@ def build_generation_model(policy: Any, args: ModelArgs, device: torch.device) -
     gen.rope.to_empty(device=device)  # materialise and recompute the RoPE table
     gen.requires_grad_(False).eval()
     return gen, {"reshard/seconds": time.monotonic() - t0, "reshard/gb": nbytes / 1e9}
+
+
+def generation_dtype(setting: str, device: torch.device, mixed_precision_param: str) -> torch.dtype | None:
+    """The generation copy's dtype for ``rollout.dtype`` (None: keep the parameters' dtype).
+
+    ``auto`` generates in the update's compute dtype where the update uses one (FSDP2 mixed
+    precision applies on CUDA only), so rollout and update see the same rounding.
+    """
+    if setting == "auto":
+        return getattr(torch, mixed_precision_param) if device.type == "cuda" else None
+    return getattr(torch, setting)
 
 
 def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:

@@ -213,9 +213,9 @@ def test_loop_reference_and_batched_fallback_match_naive(
     b = make_batch(MIXED, block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.context_lens, b.scale)
     naive = naive_attention(b)
-    torch.testing.assert_close(pa.paged_attention_ref(*args).double(), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(pa, "_BATCHED_SCORE_LIMIT", 0)
-    torch.testing.assert_close(pa.paged_attention_torch(*args).double(), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size,hq,hkv,d", HEADS_AND_DIMS[:3])
@@ -225,7 +225,7 @@ def test_torch_pure_decode_matches_naive(block_size: int, hq: int, hkv: int, d: 
     b = make_batch([(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
     out = pa.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, b.scale,
                                     impl="torch")
-    torch.testing.assert_close(out.double(), naive_attention(b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), naive_attention(b), atol=1e-5, rtol=1e-5)
     ctx = torch.cat([b.context_lens, b.context_lens.new_zeros(1)])
     tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables[:1])])
     q = torch.cat([b.q, torch.randn_like(b.q[:1])])
@@ -417,9 +417,15 @@ def test_use_triton_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     assert use_triton(cpu) is False  # CPU tensor: reference by default
     assert use_triton(cpu, "torch") is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert use_triton(cpu, "triton") is True
-    monkeypatch.setenv(ENV_VAR, "triton")
-    assert use_triton(cpu) is True
+    if triton_interpreting():  # CPU runs: conftest set it before triton was first imported
+        assert use_triton(cpu, "triton") is True
+        monkeypatch.setenv(ENV_VAR, "triton")
+        assert use_triton(cpu) is True
+    else:  # a CUDA machine: triton loaded compiled, so a CPU tensor cannot take the kernel
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            use_triton(cpu, "triton")
+        monkeypatch.setenv(ENV_VAR, "triton")
+        assert use_triton(torch.zeros(1, device="cuda")) is True
     assert use_triton(cpu, "torch") is False  # the argument beats the environment
     monkeypatch.setenv(ENV_VAR, "torch")
     assert use_triton(cpu) is False

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One GPU session's checks and timings, each part under its own time limit, in order of value:
+#   1. the CUDA and Triton tests (kernels, generator, log-probs) on the real device;
+#   2. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention, Triton log-probs);
+#   3. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL (bench/grpo_step.py);
+#   4. kernel and generator benchmarks (bench/paged_attention.py, logprobs_memory.py, generate.py).
+# A part that fails or runs out of time is reported and the next one runs.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]        # logs land in OUT_DIR (default: $OUT or outputs/gpu_check)
+#   PARTS="tests quickstart" bash scripts/gpu_check.sh
+#
+# Python packages that the machine lacks (trl, datasets) may be wheels in .whl/; they are
+# installed into /tmp/site first. Record what it prints in docs/performance.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-outputs/gpu_check}}"
+mkdir -p "$out"
+PY="${PYTHON:-python3}"
+PARTS="${PARTS:-tests quickstart grpo kernels generate}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tail -n +1
+  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+  "$PY" -c "import transformers, trl, datasets; print('transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)" 2>&1 | tail -1
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+part() {  # part NAME SECONDS LOG CMD...
+  local name=$1 limit=$2 log=$3; shift 3
+  [[ " $PARTS " == *" $name "* ]] || return 0
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$out/$log"
+  timeout --kill-after=5 "$limit" "$@" >> "$out/$log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$out/$log"
+  tail -n 25 "$out/$log"
+}
+
+part tests 150 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${TESTS:-tests/test_paged_attention.py \
+  tests/test_logprobs_kernel.py tests/test_generator.py}
+echo "tests: $(grep -c PASSED "$out/tests.log") passed, $(grep -c FAILED "$out/tests.log") failed, $(grep -c SKIPPED "$out/tests.log") skipped"
+
+part quickstart 100 quickstart.log "$PY" train.py --config configs/quickstart.toml \
+  --job.dump_folder=outputs/gpu_quickstart --checkpoint.enable=false
+[[ -f outputs/gpu_quickstart/metrics.jsonl ]] && cp outputs/gpu_quickstart/metrics.jsonl "$out/quickstart_metrics.jsonl"
+
+part grpo 230 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 151936 --prompts 8 --samples 8 \
+  --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines "${GRPO_ENGINES:-tandem,tandem-eager,trl}"
+
+part kernels 60 kernels.log bash -c "$PY -m bench.paged_attention && $PY -m bench.logprobs_memory --device cuda --dim 2048 --dtype bf16"
+
+part generate 60 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \
+  --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants grpo
