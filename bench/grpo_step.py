@@ -8,7 +8,8 @@ scaling, PPO-clip (0.2), no KL (no reference model), token-mean loss, one
 AdamW step per rollout (lr, betas 0.9/0.95, grad clip 1.0, constant LR), fp32
 on the CPU, one process each. TRL runs without vLLM (transformers
 ``generate``); Tandem runs ``train.py`` with its own paged generator, as is
-(row "tandem") and with ``rl.share_prompts`` (row "tandem-shared").
+(row "tandem": each prompt packed once per micro-batch, ``rl.share_prompts``'s
+default) and with a prompt copy per sample (row "tandem-unshared").
 
     python -m bench.grpo_step                            # TRL from this interpreter
     python -m bench.grpo_step --trl-python /tmp/trlenv/bin/python
@@ -19,7 +20,10 @@ install trl`` (the venv reuses this machine's torch). Without it only Tandem's
 row prints.
 
 Each engine runs ``--steps`` steps; the first is a warm-up and is left out of
-the means. Phases: ``generate`` (rollout: sampling, and for Tandem the reward
+the means. ``--repeats R`` runs all engines R times in turn and reports the
+median of the rounds' TRL / engine ratios: a CPU machine's speed drifts by
+20-30 % over minutes here, which a single back-to-back pair cannot tell apart
+from a real difference. Phases: ``generate`` (rollout: sampling, and for Tandem the reward
 calls), ``logprobs`` (no-grad forwards before the update: Tandem recomputes the
 old log-probs in the update layout every step; TRL skips them when the
 generation and optimizer steps are aligned, as here, and reuses the training
@@ -36,6 +40,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,7 +83,7 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
     return model_dir, data
 
 
-TANDEM_ROWS = {"tandem": (), "tandem-shared": ("--rl.share_prompts=true",),
+TANDEM_ROWS = {"tandem": (), "tandem-unshared": ("--rl.share_prompts=false",),
                "tandem-eager": ("--rollout.cuda_graphs=false",)}
 
 
@@ -203,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of all engines, alternating; the ratio is "
+                                                           "the median of the rounds' TRL / engine ratios")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
     ap.add_argument("--device", default=None, choices=("cpu", "cuda"),
                     help="default: cuda when available (Tandem picks the device itself; TRL follows this)")
@@ -211,8 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="Tandem's KV pool budget")
     ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
-    ap.add_argument("--engines", default="tandem,tandem-shared,trl",
-                    help="tandem-shared: rl.share_prompts = true (each prompt once per micro-batch); "
+    ap.add_argument("--engines", default="tandem,tandem-unshared,trl",
+                    help="tandem-unshared: rl.share_prompts = false (each sample packs its own prompt copy); "
                          "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere)")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
     args = ap.parse_args(argv)
@@ -238,22 +245,27 @@ def main(argv: list[str] | None = None) -> None:
         where = "CUDA" if args.device == "cuda" else f"CPU, {args.threads} threads"
         print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new tokens, {what}, "
               f"{where}, mean of steps 2..{args.steps}")
-        results: dict[str, dict[str, float]] = {}
-        print(f"{'engine':<15}{'step s':>9}{'generate':>10}{'logprobs':>10}{'update':>9}{'compl len':>11}")
-        for engine in args.engines.split(","):
-            if engine == "trl":
-                r = run_trl(model_dir, data, folder, args)
-            else:
-                r = run_tandem(model_dir, data, folder, args, engine, TANDEM_ROWS[engine])
-            if isinstance(r, str):
-                print(f"{engine:<15} {r}")
-                continue
-            results[engine] = r
-            print(f"{engine:<15}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}{r['logprobs_s']:>10.2f}{r['update_s']:>9.2f}"
-                  f"{r['completion_len']:>11.1f}")
-        for engine in results.keys() - {"trl"}:
-            if "trl" in results:
-                print(f"trl / {engine} seconds per step: {results['trl']['step_s'] / results[engine]['step_s']:.2f}x")
+        print(f"{'engine':<15}{'round':>6}{'step s':>9}{'generate':>10}{'logprobs':>10}{'update':>9}{'compl len':>11}")
+        rounds: list[dict[str, dict[str, float]]] = []
+        for rnd in range(1, args.repeats + 1):  # engines alternate, so a slow spell of the machine hits all of them
+            results: dict[str, dict[str, float]] = {}
+            for engine in args.engines.split(","):
+                if engine == "trl":
+                    r = run_trl(model_dir, data, folder, args)
+                else:
+                    r = run_tandem(model_dir, data, folder, args, f"{engine}-{rnd}", TANDEM_ROWS[engine])
+                if isinstance(r, str):
+                    print(f"{engine:<15} {r}")
+                    continue
+                results[engine] = r
+                print(f"{engine:<15}{rnd:>6}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}{r['logprobs_s']:>10.2f}"
+                      f"{r['update_s']:>9.2f}{r['completion_len']:>11.1f}", flush=True)
+            rounds.append(results)
+        for engine in [e for e in args.engines.split(",") if e != "trl"]:
+            ratios = [rr["trl"]["step_s"] / rr[engine]["step_s"] for rr in rounds if "trl" in rr and engine in rr]
+            if ratios:
+                each = ", ".join(f"{x:.2f}" for x in ratios)
+                print(f"trl / {engine} seconds per step: median {statistics.median(ratios):.2f}x (rounds: {each})")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -92,7 +92,7 @@ class RLTrainer:
                   is_main=info.is_main, pp_schedule=cfg.parallel.pp_schedule,
                   pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
-                  share_prompts=r.share_prompts)
+                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
         self.policy = build_policy(self.args, self.mesh, info.device, **kw,
                                    activation_checkpoint=cfg.parallel.activation_checkpoint, compile=cfg.parallel.compile)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
