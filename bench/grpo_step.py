@@ -87,6 +87,13 @@ TANDEM_ROWS = {"tandem": (), "tandem-unshared": ("--rl.share_prompts=false",),
                "tandem-eager": ("--rollout.cuda_graphs=false",)}
 
 
+def _child_env(args: argparse.Namespace) -> dict[str, str]:
+    """A trainer subprocess's environment: the thread count, and this repository ahead of
+    any PYTHONPATH already set (where extra packages may live)."""
+    path = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": path}
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / max(len(xs), 1)
 
@@ -105,8 +112,7 @@ def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
            f"--rollout.kv_cache_gb={args.kv_cache_gb}", f"--data.max_length={args.max_tokens + 128}",
            f"--optimizer.lr={args.lr}", "--lr_schedule.warmup_steps=0", "--checkpoint.enable=false",
            "--metrics.tensorboard=false", "--reward.num_workers=0", "--reward.functions=exact_match", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
+    env = _child_env(args)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"tandem run failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -191,8 +197,7 @@ def run_trl(model_dir: str, data: str, folder: str, args: argparse.Namespace) ->
     if probe.returncode != 0:
         return f"trl is not importable by {python} (see this file's docstring)"
     cmd = [python, "-m", "bench.grpo_step", "--worker", model_dir, data, folder, *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
+    env = _child_env(args)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         return f"trl run failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}"

@@ -32,8 +32,10 @@ def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
     """
     t0 = time.monotonic()
     full = policy.full_state()
-    if dtype is not None:
-        full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+    if dtype is not None:  # one tensor at a time, so the full-precision copy is freed as it goes
+        for k, v in full.items():
+            if v.is_floating_point():
+                full[k] = v.to(dtype)
     nbytes = sum(t.numel() * t.element_size() for k, t in full.items() if k != "output.weight" or not args.tie_word_embeddings)
     with torch.device("meta"):
         gen = Transformer(args)
