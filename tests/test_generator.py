@@ -219,3 +219,28 @@ def test_generation_copy_takes_the_rollout_dtype(model):
         out = torch.log_softmax(gen_model(ids)[0].float(), -1)
     assert (out - ref).abs().max() < 0.02  # bf16 rounding (0.005 measured) of weights and activations
     assert (out - ref).abs().max() > 0  # the cast happened
+
+
+@pytest.mark.parametrize("num_blocks", [256, 24])
+def test_decode_mirror_equals_page_gather(model, num_blocks):
+    """Decode steps on the contiguous mirror rows give the tokens and log-probs of the page gather.
+
+    Prompts stop at different lengths, so rows move when a sequence finishes; prefill
+    steps between decodes make rows refill from the pool; 24 blocks force preemption
+    (recomputed sequences are refilled) and leave the mirror too big for some steps
+    (those run on the page gather).
+    """
+    params = [SamplingParams(temperature=1.0, max_tokens=4 + 3 * i, seed=7 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    ref = Generator(model, _graph_settings(num_blocks=num_blocks, decode_mirror=False)).generate(PROMPTS, params, n=3)
+    gen = Generator(model, _graph_settings(num_blocks=num_blocks))
+    out = gen.generate(PROMPTS, params, n=3)
+    mirror = gen.runner.mirror
+    assert mirror is not None and mirror.steps >= 8 and mirror.moved > 0 and mirror.refilled > 0
+    if num_blocks == 24:
+        assert gen.stats.preemptions > 0 and mirror.too_big > 0
+    for g_ref, g_out in zip(ref, out):
+        for a, b in zip(g_ref, g_out):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs), atol=1e-5, rtol=0)
+    assert gen.pool_is_free()

@@ -40,6 +40,7 @@ class GenerationSettings:
     seed: int = 0
     cuda_graphs: bool = False  # decode steps replay captured graphs (CUDA only; eager elsewhere)
     graphs_capture: bool | None = None  # None: capture on CUDA; False: padded path without capture (tests)
+    decode_mirror: bool = True  # PyTorch attention path: decode steps read contiguous rows, not gathered pages
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Generator:
                                    max_model_len=max_len, eos_token_ids=eos_token_ids)
         self.runner = ModelRunner(model, cache, default_seed=settings.seed, impl=settings.kernels,
                                   cuda_graphs=settings.cuda_graphs, max_model_len=max_len,
-                                  graphs_capture=settings.graphs_capture)
+                                  graphs_capture=settings.graphs_capture, decode_mirror=settings.decode_mirror)
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
         self._next_id = 0
         self._stop_check: dict[int, Callable[[Sequence], bool]] = {}
@@ -176,6 +177,7 @@ class Generator:
             self.runner.graphs = None
         self.cache = None  # type: ignore[assignment]
         self.runner.cache = None  # type: ignore[assignment]
+        self.runner.mirror = None
 
 
 def stop_strings_check(decode: Callable[[list[int]], str], stops: Seq[str]) -> Callable[[Sequence], bool]:

@@ -8,15 +8,20 @@ Attention metadata is passed explicitly to the backend; nothing is global.
 With ``cuda_graphs`` on, pure decode steps go through `DecodeGraphs`
 (bucketed, padded static buffers, captured on CUDA); everything else, and
 every step off CUDA unless ``graphs_capture=False`` forces the padded path
-for testing, runs eagerly.
+for testing, runs eagerly. On the PyTorch attention path (off CUDA, fp32
+caches) pure decode steps read contiguous per-sequence rows kept by a
+`DecodeMirror` instead of gathering the pages at every layer
+(``decode_mirror=False``: always gather).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
 from models.transformer import Transformer
 from rl.generator.cuda_graphs import DecodeGraphs
+from rl.generator.decode_mirror import DecodeMirror, MirrorAttention
 from rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
 from rl.generator.sampler import Sampler
 from rl.generator.scheduler import SchedulerOutput
@@ -25,7 +30,7 @@ from rl.generator.scheduler import SchedulerOutput
 class ModelRunner:
     def __init__(self, model: Transformer, cache: KVCache, *, default_seed: int = 0, impl: str | None = None,
                  cuda_graphs: bool = False, max_model_len: int | None = None,
-                 graphs_capture: bool | None = None) -> None:
+                 graphs_capture: bool | None = None, decode_mirror: bool = True) -> None:
         self.model, self.cache, self.impl = model, cache, impl
         self.default_seed = default_seed
         self.sampler = Sampler()
@@ -37,6 +42,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self._logits, cache, self.scale,
                                        max_model_len or model.args.max_position_embeddings, impl=impl,
                                        capture=capture)
+        self.mirror: DecodeMirror | None = None
+        if (decode_mirror and self.graphs is None and cache.data.dtype == torch.float32
+                and not use_triton(cache.data, impl)):
+            self.mirror = DecodeMirror(cache, max_model_len or model.args.max_position_embeddings)
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """Logits [T, V] (fp32) of a flat step whose every token is sampled (decode)."""
@@ -76,12 +85,31 @@ class ModelRunner:
                          context_lens=t(ctx), max_q_len=max(c.num_tokens for c in out.chunks))
         return t(tokens, torch.long), t(positions, torch.long), meta
 
+    def _mirror_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Logits [N, V] of a pure decode step run on the `DecodeMirror`, or None (not such a step,
+        no mirror, or the step outgrew it: its sequences are then forgotten by the mirror)."""
+        if self.mirror is None:
+            return None
+        if out.preempted:
+            self.mirror.forget(s.seq_id for s in out.preempted)
+        step = None
+        if all(c.sample and c.num_tokens == 1 for c in out.chunks):
+            step = self.mirror.plan(out.chunks)
+        if step is None:
+            self.mirror.forget(c.seq.seq_id for c in out.chunks)  # they get tokens through the pages
+            return None
+        attn = MirrorAttention(self.mirror, step, self.scale)
+        hidden = self.model(step.tokens[None], positions=step.positions[None], attn=attn, return_hidden=True)[0]
+        return self.model.output(hidden).float()
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, tuple[int, float, float]]:
         """Execute one step; returns seq_id -> (token, logprob, raw_logprob) for sampled chunks."""
         self.cache.copy_blocks(out.block_copies)
         chunks = out.sample_chunks
         logits = self._decode_logits(out)
+        if logits is None:
+            logits = self._mirror_logits(out)
         if logits is None:
             tokens, positions, meta = self.build_meta(out)
             attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)

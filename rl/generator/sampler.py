@@ -140,29 +140,35 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, V]
         greedy_rows = [p.temperature == 0 for p in params]
-        greedy = torch.tensor(greedy_rows, device=device)
-        greedy_tokens = logits.argmax(dim=-1)  # [N]
         if all(greedy_rows):
-            tokens = greedy_tokens
+            tokens = logits.argmax(dim=-1)  # [N]
             logprobs = torch.zeros(n, dtype=torch.float32, device=device)
         else:
-            temps = torch.tensor(
-                [p.temperature if p.temperature > 0 else 1.0 for p in params],
-                dtype=torch.float32,
-                device=device,
-            )
-            scaled = logits / temps[:, None]  # [N, V]
-            keep = truncation_mask(
-                scaled,
-                [p.top_k for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            )
-            masked = scaled.masked_fill(~keep, float("-inf"))
-            dist_logprobs = masked - torch.logsumexp(masked, dim=-1, keepdim=True)  # [N, V]
+            # Rows at temperature 1 with no truncation sample from the raw distribution
+            # itself, so a batch of only those skips the rescale and the mask (same values).
+            plain = all(p.temperature in (0, 1) and not _truncates(p, v) for p in params)
+            if plain:
+                dist_logprobs = raw_logprobs
+            else:
+                temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                     dtype=torch.float32, device=device)
+                scaled = logits / temps[:, None]  # [N, V]
+                keep = truncation_mask(scaled, [p.top_k for p in params], [p.top_p for p in params],
+                                       [p.min_p for p in params])
+                masked = scaled.masked_fill(~keep, float("-inf"))
+                dist_logprobs = masked - torch.logsumexp(masked, dim=-1, keepdim=True)  # [N, V]
             race = dist_logprobs - exponential_noise(step_keys, v, device).log_()  # [N, V]
-            tokens = torch.where(greedy, greedy_tokens, race.argmax(dim=-1))
-            chosen = dist_logprobs.gather(1, tokens[:, None]).squeeze(1)
-            logprobs = torch.where(greedy, torch.zeros_like(chosen), chosen)
+            tokens = race.argmax(dim=-1)  # [N]
+            greedy = torch.tensor(greedy_rows, device=device) if any(greedy_rows) else None
+            if greedy is not None:
+                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+            logprobs = dist_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if greedy is not None:
+                logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
         raw = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         return tokens, logprobs, raw
+
+
+def _truncates(p: SamplingParams, vocab_size: int) -> bool:
+    """Whether top-k, top-p or min-p removes any token for these params (see `truncation_mask`)."""
+    return 0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0
