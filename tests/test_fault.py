@@ -192,6 +192,21 @@ def test_check_finite_skip_and_stop(tmp_path: Path) -> None:
         check_finite(loss, model, 8, 0, "ignore")  # type: ignore[arg-type]
 
 
+def test_check_finite_accepts_finite_gradients_whose_norm_overflows() -> None:
+    """The healthy path checks norms; a finite gradient too large for an fp32 norm is still finite."""
+    model, loss = _tiny()
+    model[0].weight.grad.fill_(3e38)  # every element finite, the sum of squares is not
+    assert not torch.isfinite(model[0].weight.grad.norm())
+    assert check_finite(loss, model, 0, 0, "skip") is True
+    model[0].weight.grad[0, 0] = float("inf")
+    assert check_finite(loss, model, 1, 0, "skip") is False
+    model[0].weight.grad.fill_(0.0)
+    loss64 = loss.detach().double()  # tensors of several dtypes
+    assert check_finite(loss64, model, 2, 0, "skip") is True
+    model[2].weight.grad[0, 0] = float("nan")
+    assert check_finite(loss64, model, 3, 0, "skip") is False
+
+
 def test_check_finite_reads_dtensor_local_shards() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -12,8 +12,8 @@ gather of each rank's finding, so every rank's message names it):
     policy "stop": writes <dump>/nan/rank-<r>.json and raises NonFiniteError
                    (one line: step, rank, tensor) -> exit status EXIT_NONFINITE.
 
-Cost on the healthy path: one fused ``isfinite().all()`` per gradient, a
-stack, one all-reduce of one int and one host sync per step.
+Cost on the healthy path: one multi-tensor norm of the gradients (per device
+and dtype), one all-reduce of one int and one host sync per step.
 """
 
 from __future__ import annotations
@@ -66,6 +66,40 @@ def _kind(t: torch.Tensor) -> str:
     return "nan" if bool(torch.isnan(t).any()) else "inf"
 
 
+def _finite_flags(tensors: list[torch.Tensor], exact: bool) -> torch.Tensor:
+    """bool [len(tensors)]: is every element finite.
+
+    ``exact=False`` (the healthy path): one multi-tensor norm per device and dtype,
+    non-finite when an element is NaN or Inf (or when finite values overflow the
+    norm: the exact check then decides), instead of an ``isfinite().all()`` per tensor.
+    """
+    if not tensors:
+        return torch.ones(0, dtype=torch.bool)
+    device = tensors[0].device
+    if exact:
+        return torch.stack([torch.isfinite(t).all().to(device) for t in tensors])
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    norms: list[torch.Tensor] = [torch.zeros(())] * len(tensors)
+    for idx in groups.values():
+        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx])):
+            norms[i] = n.to(device)
+    return torch.stack(norms).isfinite()
+
+
+def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool) -> bool:
+    """Whether any rank of ``group`` has a False flag (one all-reduce, one host sync)."""
+    any_bad = (~flags).any().to(torch.int32).reshape(1) if flags.numel() else torch.zeros(1, dtype=torch.int32)
+    if distributed:
+        if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+            any_bad = any_bad.to(torch.device("cuda", torch.cuda.current_device()))
+        else:
+            any_bad = any_bad.cpu()
+        dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
+    return bool(any_bad.item())  # deliberate host sync: every rank branches on it
+
+
 def _local_finding(loss: torch.Tensor | None, grads: list[tuple[str, torch.Tensor]],
                    flags: torch.Tensor, rank: int) -> dict[str, Any] | None:
     """The first non-finite tensor on this rank (loss first, then gradients in parameter order)."""
@@ -96,19 +130,13 @@ def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Modul
     if policy not in ("skip", "stop"):
         raise ValueError(f"check_finite: policy must be 'skip' or 'stop', got {policy!r}")
     grads = _named_grads(model)
-    checks = [torch.isfinite(_local(loss).detach()).all()] if loss is not None else []
-    checks += [torch.isfinite(g).all() for _, g in grads]
-    device = checks[0].device if checks else torch.device("cpu")
-    flags = torch.stack([c.to(device) for c in checks]) if checks else torch.ones(0, dtype=torch.bool)
-    any_bad = (~flags).any().to(torch.int32).reshape(1) if checks else torch.zeros(1, dtype=torch.int32)
+    tensors = ([_local(loss).detach().reshape(1)] if loss is not None else []) + [g for _, g in grads]
+    checks = bool(tensors)
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
-    if distributed:
-        if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-            any_bad = any_bad.to(torch.device("cuda", torch.cuda.current_device()))
-        else:
-            any_bad = any_bad.cpu()
-        dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
-    if not bool(any_bad.item()):  # deliberate host sync: every rank branches on it
+    if not _any_bad(_finite_flags(tensors, exact=False), group, distributed):
+        return True
+    flags = _finite_flags(tensors, exact=True)  # failure path: element by element, agreed again
+    if not _any_bad(flags, group, distributed):  # a norm overflowed, every element is finite
         return True
 
     mine = _local_finding(loss, grads, flags, rank) if checks else None
