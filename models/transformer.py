@@ -35,10 +35,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # ``weight * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)`` with h = x in fp32, through
+        # F.rms_norm (fewer dispatches; the same values and gradients as the steps written out).
+        # F.rms_norm applies the weight before rounding, so lower precisions round first here.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

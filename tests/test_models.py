@@ -72,6 +72,29 @@ def test_llama3_rope_scaling_matters(tmp_path):
     assert (ours(x) - unscaled(x)).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
+def test_rms_norm_equals_the_written_out_formula(dtype, weight_dtype):
+    """HF's order of operations (fp32 statistics, round, then the weight), values and
+    gradients bit for bit, also with an fp32 weight on low-precision activations."""
+    from models.transformer import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6).to(dtype if weight_dtype == "same" else weight_dtype)
+    norm.weight.data.normal_()
+    x = (torch.randn(3, 7, 64) * 3).to(dtype)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = norm(a)
+    h = b.float()
+    ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)).to(dtype)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    w_grad, norm.weight.grad = norm.weight.grad.clone(), None
+    ref.backward(g)
+    assert torch.equal(a.grad, b.grad) and torch.equal(w_grad, norm.weight.grad)
+
+
 @torch.no_grad()
 def test_document_attention_equals_separate_docs():
     model = Transformer(get_flavor("debug-qwen3"))
