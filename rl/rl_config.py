@@ -84,7 +84,7 @@ class RolloutConfig:
     max_tokens: int = 256  # new tokens per completion
     stop: list[str] = field(default_factory=list)  # stop strings (EOS ids always stop)
     block_size: int = 16  # KV block size (tokens)
-    kv_cache_gb: float = 1.0  # KV pool budget, carved at rollout start (at most what max_num_seqs full-length sequences need; ignored when num_blocks > 0)
+    kv_cache_gb: float = 1.0  # KV pool budget, carved at rollout start (at most what max_num_seqs full-length sequences need; ignored when num_blocks > 0); off CUDA in fp32, decode steps also keep contiguous K/V rows of at most the pool's size
     num_blocks: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
