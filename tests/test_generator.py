@@ -5,6 +5,8 @@ sampled token equals the one the training forward computes for the same
 sequence (fp32 CPU, <= 1e-5).
 """
 
+import random
+
 import pytest
 import torch
 
@@ -244,3 +246,46 @@ def test_decode_mirror_equals_page_gather(model, num_blocks):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs), atol=1e-5, rtol=0)
     assert gen.pool_is_free()
+
+
+def test_decode_mirror_random_workloads(model):
+    """24 random workloads (block sizes 1-16, pools small enough to preempt, token budgets that
+    split steps, prefix sharing on and off, greedy / sampled / top-k rows, and one multi-turn
+    episode per workload): the mirror gives the page gather's tokens and log-probs."""
+    rng = random.Random(0)
+    used = 0
+    for _ in range(24):
+        bs = rng.choice([1, 2, 4, 8, 16])
+        prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 6))]
+        need = -(-(max(map(len, prompts)) + 40) // bs)
+        kw = dict(block_size=bs, num_blocks=rng.choice([need + rng.randint(0, 3), 4 * need, 512]),
+                  max_num_batched_tokens=rng.choice([8, 16, 64, 2048]), prefix_sharing=rng.random() < 0.7,
+                  max_model_len=96)
+        params = [SamplingParams(temperature=rng.choice([0.0, 1.0, 0.7]), top_k=rng.choice([0, 20]),
+                                 max_tokens=rng.randint(1, 30), seed=rng.randrange(1000), ignore_eos=True)
+                  for _ in prompts]
+        n, env = rng.randint(1, 4), [rng.randrange(1, 300) for _ in range(rng.randint(1, 5))]
+        runs = []
+        for mirror in (False, True):
+            gen = Generator(model, GenerationSettings(**kw, decode_mirror=mirror))
+            out = gen.generate(prompts, params, n=n)
+            # multi-turn: pause after 3 tokens, append an environment reply, finish
+            seq = gen.add(prompts[0], SamplingParams(temperature=1.0, max_tokens=8, seed=5, ignore_eos=True))[0]
+            other = gen.add(prompts[-1], SamplingParams(temperature=1.0, max_tokens=12, seed=6, ignore_eos=True))[0]
+            while seq.num_generated < 3:
+                gen.step()
+            gen.pause(seq)
+            gen.step()
+            gen.append(seq, env)
+            gen.resume(seq)
+            while gen.scheduler.has_unfinished():
+                gen.step()
+            assert gen.pool_is_free()
+            runs.append((out, seq, other, gen.runner.mirror))
+        (ref, ref_seq, ref_other, _), (got, seq, other, mirror) = runs
+        used += mirror.steps
+        for a, b in [(x, y) for gx, gy in zip(ref, got) for x, y in zip(gx, gy)] + [(ref_seq, seq), (ref_other, other)]:
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(list(b.raw_logprobs)), torch.tensor(list(a.raw_logprobs)),
+                                       atol=1e-5, rtol=0)
+    assert used > 400  # the mirror served most decode steps (565 with this seed)
