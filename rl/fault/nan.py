@@ -12,8 +12,8 @@ gather of each rank's finding, so every rank's message names it):
     policy "stop": writes <dump>/nan/rank-<r>.json and raises NonFiniteError
                    (one line: step, rank, tensor) -> exit status EXIT_NONFINITE.
 
-Cost on the healthy path: one multi-tensor norm of the gradients (per device
-and dtype), one all-reduce of one int and one host sync per step.
+Cost on the healthy path: one multi-tensor norm of the gradients, one
+all-reduce of one int and one host sync per step.
 """
 
 from __future__ import annotations
@@ -69,23 +69,16 @@ def _kind(t: torch.Tensor) -> str:
 def _finite_flags(tensors: list[torch.Tensor], exact: bool) -> torch.Tensor:
     """bool [len(tensors)]: is every element finite.
 
-    ``exact=False`` (the healthy path): one multi-tensor norm per device and dtype,
-    non-finite when an element is NaN or Inf (or when finite values overflow the
-    norm: the exact check then decides), instead of an ``isfinite().all()`` per tensor.
+    ``exact=False`` (the healthy path): one multi-tensor norm call (a NaN or Inf element
+    makes its tensor's norm non-finite; so can finite values that overflow the norm, which
+    the exact check then clears) instead of an ``isfinite().all()`` per tensor.
     """
     if not tensors:
         return torch.ones(0, dtype=torch.bool)
     device = tensors[0].device
     if exact:
         return torch.stack([torch.isfinite(t).all().to(device) for t in tensors])
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    norms: list[torch.Tensor] = [torch.zeros(())] * len(tensors)
-    for idx in groups.values():
-        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx])):
-            norms[i] = n.to(device)
-    return torch.stack(norms).isfinite()
+    return torch.stack([n.to(device) for n in torch._foreach_norm(tensors)]).isfinite()
 
 
 def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool) -> bool:
@@ -131,7 +124,6 @@ def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Modul
         raise ValueError(f"check_finite: policy must be 'skip' or 'stop', got {policy!r}")
     grads = _named_grads(model)
     tensors = ([_local(loss).detach().reshape(1)] if loss is not None else []) + [g for _, g in grads]
-    checks = bool(tensors)
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if not _any_bad(_finite_flags(tensors, exact=False), group, distributed):
         return True
@@ -139,7 +131,7 @@ def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Modul
     if not _any_bad(flags, group, distributed):  # a norm overflowed, every element is finite
         return True
 
-    mine = _local_finding(loss, grads, flags, rank) if checks else None
+    mine = _local_finding(loss, grads, flags, rank)  # reached only with a non-finite tensor
     findings: list[dict[str, Any] | None] = [mine]
     if distributed:
         findings = [None] * dist.get_world_size(group)
