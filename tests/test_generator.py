@@ -46,6 +46,18 @@ def train_logprobs(model, prompt, completion):
     return logp[pos, torch.tensor(completion)]
 
 
+def assert_same_samples(ref, out, atol=1e-5):
+    """Pairs of completions (or sequences): equal tokens, raw log-probs within ``atol``."""
+    for a, b in zip(ref, out, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(list(b.raw_logprobs)), torch.tensor(list(a.raw_logprobs)),
+                                   atol=atol, rtol=0)
+
+
+def flat(groups):
+    return [c for g in groups for c in g]
+
+
 PROMPTS = [[5, 9, 2], [7], list(range(10, 47)), [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [100, 200]]
 
 
@@ -164,10 +176,7 @@ def test_decode_graph_path_equals_eager(model, num_blocks):
     out = padded.generate(PROMPTS, params, n=3)
     graphs = padded.runner.graphs
     assert graphs is not None and len(graphs._buckets) >= 3  # several bucket sizes were used
-    for g_ref, g_out in zip(ref, out):
-        for a, b in zip(g_ref, g_out):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs), atol=1e-5, rtol=0)
+    assert_same_samples(flat(ref), flat(out))
     assert padded.pool_is_free()
     padded.close()
     assert padded.runner.graphs is None
@@ -190,10 +199,7 @@ def test_cuda_graph_decode_matches_eager_on_gpu(model):
     gen = Generator(m, _graph_settings(cuda_graphs=True))
     out = gen.generate(PROMPTS, params, n=2)
     assert gen.runner.graphs.replays > 0
-    for g_ref, g_out in zip(ref, out):
-        for a, b in zip(g_ref, g_out):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs), atol=1e-4, rtol=0)
+    assert_same_samples(flat(ref), flat(out), atol=1e-4)
     assert gen.pool_is_free()
 
 
@@ -241,10 +247,7 @@ def test_decode_mirror_equals_page_gather(model, num_blocks):
     assert mirror is not None and mirror.steps >= 8 and mirror.moved > 0 and mirror.refilled > 0
     if num_blocks == 24:
         assert gen.stats.preemptions > 0 and mirror.too_big > 0
-    for g_ref, g_out in zip(ref, out):
-        for a, b in zip(g_ref, g_out):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs), atol=1e-5, rtol=0)
+    assert_same_samples(flat(ref), flat(out))
     assert gen.pool_is_free()
 
 
@@ -284,8 +287,5 @@ def test_decode_mirror_random_workloads(model):
             runs.append((out, seq, other, gen.runner.mirror))
         (ref, ref_seq, ref_other, _), (got, seq, other, mirror) = runs
         used += mirror.steps
-        for a, b in [(x, y) for gx, gy in zip(ref, got) for x, y in zip(gx, gy)] + [(ref_seq, seq), (ref_other, other)]:
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(list(b.raw_logprobs)), torch.tensor(list(a.raw_logprobs)),
-                                       atol=1e-5, rtol=0)
+        assert_same_samples(flat(ref) + [ref_seq, ref_other], flat(got) + [seq, other])
     assert used > 400  # the mirror served most decode steps (565 with this seed)

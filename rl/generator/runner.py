@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import use_triton
+from models.attention import AttentionBackend
 from models.transformer import Transformer
 from rl.generator.cuda_graphs import DecodeGraphs
 from rl.generator.decode_mirror import DecodeMirror, MirrorAttention
@@ -47,13 +48,13 @@ class ModelRunner:
                 and not use_triton(cache.data, impl)):
             self.mirror = DecodeMirror(cache, max_model_len or model.args.max_position_embeddings)
 
-    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Logits [T, V] (fp32) of a flat step whose every token is sampled (decode)."""
         hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]
         return self.model.output(hidden).float()
 
     def _decode_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        if self.graphs is None or not all(c.sample and c.num_tokens == 1 for c in out.chunks):
+        if self.graphs is None or not out.is_pure_decode:
             return None
         bs = self.cache.block_size
         chunks = out.chunks
@@ -92,15 +93,11 @@ class ModelRunner:
             return None
         if out.preempted:
             self.mirror.forget(s.seq_id for s in out.preempted)
-        step = None
-        if all(c.sample and c.num_tokens == 1 for c in out.chunks):
-            step = self.mirror.plan(out.chunks)
+        step = self.mirror.plan(out.chunks) if out.is_pure_decode else None
         if step is None:
             self.mirror.forget(c.seq.seq_id for c in out.chunks)  # they get tokens through the pages
             return None
-        attn = MirrorAttention(self.mirror, step, self.scale)
-        hidden = self.model(step.tokens[None], positions=step.positions[None], attn=attn, return_hidden=True)[0]
-        return self.model.output(hidden).float()
+        return self._logits(step.tokens, step.positions, MirrorAttention(self.mirror, step, self.scale))
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, tuple[int, float, float]]:

@@ -106,6 +106,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every chunk is one new token that is sampled (what decode graphs and the mirror run)."""
+        return all(c.sample and c.num_tokens == 1 for c in self.chunks)
+
 
 class _Step:
     """The step being built: chunks keyed by seq_id (insertion order = row order)."""
