@@ -54,9 +54,20 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w13: nn.Linear | None = None  # gate and up in one (`fuse`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference layout: w1 and w3 become one projection ``w13`` (gate rows, then up rows)."""
+        w = torch.cat([self.w1.weight, self.w3.weight])
+        del self.w1, self.w3
+        self.w13 = _linear(w, None)
 
 
 class Attention(nn.Module):
@@ -80,19 +91,44 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.num_heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.wqkv: nn.Linear | None = None  # q, k and v in one (`fuse`)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         b, s, _ = x.shape  # [B, S, D]
-        q = self.wq(x).view(b, s, self.num_heads, self.head_dim)  # [B, S, Hq, Dh]
-        k = self.wk(x).view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
-        v = self.wv(x).view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
+        if self.wqkv is not None:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = self.wqkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(b, s, self.num_heads, self.head_dim)  # [B, S, Hq, Dh]
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn(self.layer_id, q, k, v)  # [B, S, Hq, Dh]
         return self.wo(out.reshape(b, s, self.num_heads * self.head_dim))  # [B, S, D]
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference layout: wq, wk and wv become one projection ``wqkv`` (q, k, v rows)."""
+        parts = (self.wq, self.wk, self.wv)
+        w = torch.cat([p.weight for p in parts])
+        bias = torch.cat([p.bias for p in parts]) if self.wq.bias is not None else None
+        del self.wq, self.wk, self.wv
+        self.wqkv = _linear(w, bias)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding these tensors (no fresh initialisation)."""
+    with torch.device("meta"):
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
 
 
 class TransformerBlock(nn.Module):
@@ -141,6 +177,16 @@ class Transformer(nn.Module):
         # shared weights; re-tie so tied models stay tied after materialisation.
         super()._apply(fn, recurse)
         self.tie_weights()
+        return self
+
+    def fuse_projections(self) -> Transformer:
+        """Inference layout, in place: each block's q/k/v projections become one matmul, and
+        its gate/up projections another (the same values up to summation order). The
+        state dict then has ``wqkv``/``w13`` keys instead of HF's, and parallel/'s plans
+        no longer apply: this is for a generation copy, never for training or checkpoints."""
+        for block in self.layers.values():
+            block.attention.fuse()
+            block.feed_forward.fuse()
         return self
 
     def reset_rope(self) -> None:

@@ -229,6 +229,37 @@ def test_generation_copy_takes_the_rollout_dtype(model):
     assert (out - ref).abs().max() > 0  # the cast happened
 
 
+def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
+    """The rollout copy's CPU layout (fused projections on oneDNN, rl/rollout.py): greedy
+    tokens of the naive loop on the training model, sampled log-probs within 1e-5 of its
+    training forward, and sampled tokens equal to the plain copy's."""
+    from kernels.cpu_linear import OneDNNLinear, onednn_linear_available
+    from rl.rollout import build_generation_model
+
+    class Policy:
+        def full_state(self):
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+    cpu = torch.device("cpu")
+    fused, _ = build_generation_model(Policy(), model.args, cpu)
+    plain, _ = build_generation_model(Policy(), model.args, cpu, cpu_layout=False)
+    assert plain.layers["0"].attention.wqkv is None
+    if not onednn_linear_available():
+        pytest.skip("this PyTorch build has no oneDNN linear: the layout does not apply")
+    assert fused.layers["0"].attention.wqkv is not None and isinstance(fused.layers["0"].feed_forward.w2, OneDNNLinear)
+    settings = GenerationSettings(block_size=4, num_blocks=256, max_model_len=96)
+    out = Generator(fused, settings).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for p, (c,) in zip(PROMPTS, out, strict=True):
+        assert c.token_ids == naive_greedy(model, p, 12)
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
+    out = Generator(fused, settings).generate(PROMPTS, params, n=2)
+    assert_same_samples(flat(Generator(plain, settings).generate(PROMPTS, params, n=2)), flat(out))
+    for p, group in zip(PROMPTS, out, strict=True):
+        for c in group:
+            torch.testing.assert_close(torch.tensor(list(c.raw_logprobs)), train_logprobs(model, p, c.token_ids),
+                                       atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("num_blocks", [256, 24])
 def test_decode_mirror_equals_page_gather(model, num_blocks):
     """Decode steps on the contiguous mirror rows give the tokens and log-probs of the page gather.

@@ -49,6 +49,26 @@ def test_logits_match_transformers(hf_folder):
 
 
 @torch.no_grad()
+def test_fused_projections_match_transformers(hf_folder):
+    """The inference layout (q/k/v and gate/up fused, linears on oneDNN where PyTorch has it)
+    gives transformers' logits, biases (qwen2) and tied heads included."""
+    from kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
+
+    family, path = hf_folder
+    ref, ours = hf_reference(path), load_model(path).fuse_projections()
+    converted = use_onednn_linears(ours)
+    keys = set(ours.state_dict())
+    assert "layers.0.attention.wqkv.weight" in keys and "layers.0.feed_forward.w13.weight" in keys
+    assert not any(k.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) for k in keys)
+    assert ("layers.0.attention.wqkv.bias" in keys) == (family == "qwen2")
+    if onednn_linear_available():
+        assert converted == 4 * ours.args.num_layers + 1 and isinstance(ours.output, OneDNNLinear)
+    x = _tokens(2, 48)
+    pos = torch.arange(48).expand(2, 48) + torch.tensor([[5], [17]])
+    assert (ours(x, positions=pos) - ref(x, position_ids=pos).logits).abs().max().item() <= TOL
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_tables_equal_transformers(hf_folder, dtype):
     _, path = hf_folder
