@@ -1,9 +1,10 @@
 """The update phase: rollouts -> packed micro-batches -> token log-probs -> loss.
 
 Every micro-batch holds whole sequences (prompt + completion), about
-``micro_batch_tokens`` tokens of them, packed first-fit into rows as long as
-its longest sequence, with per-document positions and a block-diagonal mask:
-little compute goes to padding, and none to attention between sequences. Each rank runs the
+``micro_batch_tokens`` tokens of them, laid end to end with per-document
+positions and attended sequence by sequence (or, where every sequence gets
+a row of its own, as padded rows under plain causal attention): little
+compute goes to padding, and none to attention between sequences. Each rank runs the
 same number of micro-batches (empty ones are padded in), because FSDP2's
 collectives must match across ranks. Losses use the global denominators of
 the optimizer step, so the update is the same however the batch is split.
@@ -11,6 +12,7 @@ the optimizer step, so the update is the same however the batch is split.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ from rl.rollout_types import RolloutSample
 
 @dataclass
 class MicroBatch:
-    """Whole sequences packed into ``B`` rows of ``S`` tokens (S = the longest packed unit)."""
+    """Whole sequences laid out as ``B`` rows of ``S`` tokens (see `_build`)."""
 
     rows: list[int]  # sample indices (into the rank's sample list) in this micro-batch
     tokens: torch.Tensor  # [B, S]
@@ -96,7 +98,7 @@ def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget:
     ``multiple``: row length rounded up to it (sequence-parallel TP splits rows into ``tp`` pieces).
     ``share_prompts``: the samples of one prompt share one copy of it (see `MicroBatch`):
     fewer tokens when prompts are long and groups large, the same log-probs and
-    gradients; the mask is dense per row, so rows grow to a whole group's length."""
+    gradients."""
     groups: list[list[list[int]]] = []
     cur: list[list[int]] = []
     used = 0
@@ -114,12 +116,14 @@ def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget:
 
 def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.device,
            multiple: int = 1, shared: bool = False) -> MicroBatch:
-    """Pack the units first-fit into rows as long as the longest one.
+    """Lay the units out as ``[B, S]`` tokens, with the attention that layout needs.
 
-    Attention is block-diagonal within a row, and its cost grows with the
-    square of the row length: one long row of every sequence would spend most
-    of it on masked-out pairs, while rows of the longest unit's length cost
-    at most what a padded batch would, and short units still share a row.
+    Unshared units that first-fit packing leaves one to a row (each longer than half
+    the longest) stay right-padded rows of one sample each, for plain causal
+    attention. Anything else is attended segment by segment (`SegmentAttention`),
+    whose cost does not depend on the row layout, so the units go end to end in one
+    row (S = their total, rounded up to ``multiple``): no padding tokens through the
+    projections and MLPs.
     """
     lengths = [_unit_len(samples, u) for u in units]
     width = -(-max(lengths, default=1) // multiple) * multiple
@@ -131,6 +135,11 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
             fill.append(0)
         place.append((r, fill[r]))
         fill[r] += n
+    one_per_row = not shared and len(units) == len(fill) and all(at == 0 for _, at in place)
+    if not one_per_row and len(fill) > 1:  # segments: one row, end to end
+        width = -(-sum(lengths) // multiple) * multiple
+        starts = [0] + list(itertools.accumulate(lengths))[:-1]
+        place, fill = [(0, at) for at in starts], [sum(lengths)]
     b = max(len(fill), 1)
     toks = [[0] * width for _ in range(b)]
     tgts = [[0] * width for _ in range(b)]
@@ -183,7 +192,7 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
     col = [j for _, n in offsets for j in range(n)]
     mb = MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col),
                     branch_ids=t(branch) if shared else None, comp_targets=t(comp_targets) if shared else None)
-    if not shared and len(units) == b and all(at == 0 for _, at in place):
+    if one_per_row:
         mb.one_per_row = True  # right-padded rows of one sample each: plain causal attention
     elif segments:
         mb.seg_gather = t([seg + [seg[-1]] * (w - len(seg)) for seg in segments])  # padded last: never attended

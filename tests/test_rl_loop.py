@@ -126,13 +126,32 @@ def test_shared_prompt_packing_gives_same_logprobs_and_gradients():
         assert (grad - g0).norm() <= 1e-5 * g0.norm()
 
 
+def test_packing_layouts_have_no_padding_where_segments_attend():
+    """Units that share rows are laid end to end in one row (its length their total, rounded up
+    to ``multiple``); unshared units that each need a row of their own stay padded causal rows."""
+    samples = _group_samples()
+    units = [len(samples[4 * k].prompt_ids) + sum(len(s.completion_ids) - 1 for s in samples[4 * k:4 * k + 4])
+             for k in range(3)]
+    assert sum(sorted(units)[:2]) > max(units)  # rows as long as the longest unit would need two or three
+    total = sum(units)
+    for multiple in (1, 4):
+        (mb,) = pack_micro_batches(samples, list(range(12)), 10_000, torch.device("cpu"), multiple=multiple,
+                                   share_prompts=True)
+        assert mb.tokens.shape == (1, -(-total // multiple) * multiple) and mb.seg_gather is not None
+        assert int((mb.doc_ids >= 0).sum()) == total and bool((mb.doc_ids[0, :total] >= 0).all())
+    long = [RolloutSample(group=i, prompt_ids=[7] * (5 + i), completion_ids=[3] * 6, loss_mask=[True] * 6,
+                          gen_logprobs=[-1.0] * 6, finish_reason="stop", text="", row={}) for i in range(3)]
+    (mb,) = pack_micro_batches(long, [0, 1, 2], 10_000, torch.device("cpu"))  # no two fit in a 12-token row
+    assert mb.one_per_row and mb.tokens.shape == (3, 12) and mb.seg_gather is None
+
+
 def test_token_logprobs_match_full_logits_with_gradients():
     """The memory-lean path (completion positions only, chunked vocab) vs log_softmax of the full logits."""
     model = load_model(POLICY)
     samples = _samples()
     mbs = pack_micro_batches(samples, list(range(len(samples))), 60, torch.device("cpu"))
-    assert len(mbs) > 1 and mbs[0].tokens.shape[0] > 1  # several rows, padding, and two sequences in one row
-    assert any(len(set(row.tolist()) - {-1}) > 1 for row in mbs[0].doc_ids)
+    assert len(mbs) > 1 and mbs[0].tokens.shape[0] == 1  # several sequences end to end in one row
+    assert len(set(mbs[0].doc_ids[0].tolist())) > 1 and bool((mbs[0].doc_ids >= 0).all())  # and no padding
     assert mbs[0].seg_gather is not None  # attention by segments, against the mask below
     g = torch.Generator().manual_seed(2)
     for mb in mbs:
