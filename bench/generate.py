@@ -41,6 +41,7 @@ import torch
 from models.hf import load_model
 from rl.generator.engine import GenerationSettings, Generator
 from rl.generator.sequence import SamplingParams
+from rl.rollout import cpu_inference_layout
 
 
 def write_model(path: str, args: argparse.Namespace) -> None:
@@ -68,7 +69,8 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, variant: str,
                lengths: list[int]) -> tuple[float, list[list[int]]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model = load_model(path, device=device, dtype=dtype).eval()
+    model = load_model(path, device=device, dtype=dtype).eval().requires_grad_(False)
+    cpu_inference_layout(model)  # what the trainer's rollout copy gets (fp32 on the CPU; else nothing)
     settings = GenerationSettings(block_size=16, kv_cache_gb=args.kv_cache_gb, max_num_seqs=256,
                                   max_num_batched_tokens=args.batched_tokens, seed=0, cuda_graphs=args.cuda_graphs)
     greedy = variant == "greedy"

@@ -39,13 +39,15 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b).abs().max().item() if a.numel() else 0.0
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_equals_f_linear(calls, bias):
+def test_onednn_linear_equals_f_linear(calls, bias, pack):
     torch.manual_seed(1)
     lin = nn.Linear(256, 96, bias=bias)
     ref = nn.Linear(256, 96, bias=bias)
     ref.load_state_dict(lin.state_dict())
-    assert cl.use_onednn_linears(lin) == 1 and type(lin) is cl.OneDNNLinear
+    assert cl.use_onednn_linears(lin, pack=pack) == 1 and type(lin) is cl.OneDNNLinear
+    assert (lin.packed is not None) == pack
     with torch.no_grad():
         for x in _inputs():
             got, expected = lin(x), ref(x)
@@ -74,6 +76,20 @@ def test_onednn_linear_leaves_autograd_and_other_dtypes_to_f_linear(calls):
     assert y.requires_grad and calls == []
     lin(x.detach())  # nothing needs one: oneDNN
     assert calls == [(5, 64)]
+
+
+def test_packed_weight_follows_in_place_changes(calls):
+    """A weight changed in place after packing is used as it now is, not as packed."""
+    torch.manual_seed(3)
+    lin = nn.Linear(32, 16, bias=False).requires_grad_(False)
+    cl.use_onednn_linears(lin)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-5, rtol=0)
+    lin.weight.mul_(-2.0)  # e.g. a weight refresh into the same tensor
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-5, rtol=0)
+    lin.pack()
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-5, rtol=0)
+    assert len(calls) == 3
 
 
 def test_use_onednn_linears_converts_plain_linears_only():
