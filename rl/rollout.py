@@ -53,9 +53,10 @@ def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
 
 def cpu_inference_layout(model: Transformer) -> bool:
     """On the CPU in fp32, where PyTorch has oneDNN: fuse the q/k/v and gate/up projections
-    and run every linear through oneDNN (`kernels.cpu_linear`), in place. A rollout of the
-    GRPO bench's shape decodes about 20 % faster (docs/performance.md). Returns whether it applied."""
-    weight = model.layers["0"].attention.wo.weight if len(model.layers) else None
+    and run every linear through oneDNN on a prepacked weight (`kernels.cpu_linear`), in
+    place. A rollout of the GRPO bench's shape took 550 -> 453 ms with the fusion on oneDNN,
+    then 471 -> 403 ms with prepacking (docs/performance.md). Returns whether it applied."""
+    weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
         return False
     model.fuse_projections()

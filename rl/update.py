@@ -136,7 +136,7 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
         place.append((r, fill[r]))
         fill[r] += n
     one_per_row = not shared and len(units) == len(fill) and all(at == 0 for _, at in place)
-    if not one_per_row and len(fill) > 1:  # segments: one row, end to end
+    if not one_per_row:  # attended by segments: one row, end to end
         width = -(-sum(lengths) // multiple) * multiple
         starts = [0] + list(itertools.accumulate(lengths))[:-1]
         place, fill = [(0, at) for at in starts], [sum(lengths)]
