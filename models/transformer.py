@@ -65,6 +65,8 @@ class FeedForward(nn.Module):
     @torch.no_grad()
     def fuse(self) -> None:
         """Inference layout: w1 and w3 become one projection ``w13`` (gate rows, then up rows)."""
+        if self.w13 is not None:
+            return
         w = torch.cat([self.w1.weight, self.w3.weight])
         del self.w1, self.w3
         self.w13 = _linear(w, None)
@@ -114,6 +116,8 @@ class Attention(nn.Module):
     @torch.no_grad()
     def fuse(self) -> None:
         """Inference layout: wq, wk and wv become one projection ``wqkv`` (q, k, v rows)."""
+        if self.wqkv is not None:
+            return
         parts = (self.wq, self.wk, self.wv)
         w = torch.cat([p.weight for p in parts])
         bias = torch.cat([p.bias for p in parts]) if self.wq.bias is not None else None
@@ -183,7 +187,8 @@ class Transformer(nn.Module):
         """Inference layout, in place: each block's q/k/v projections become one matmul, and
         its gate/up projections another (the same values up to summation order). The
         state dict then has ``wqkv``/``w13`` keys instead of HF's, and parallel/'s plans
-        no longer apply: this is for a generation copy, never for training or checkpoints."""
+        no longer apply: this is for a generation copy, never for training or checkpoints.
+        A second call changes nothing."""
         for block in self.layers.values():
             block.attention.fuse()
             block.feed_forward.fuse()

@@ -55,7 +55,7 @@ def test_fused_projections_match_transformers(hf_folder):
     from kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 
     family, path = hf_folder
-    ref, ours = hf_reference(path), load_model(path).fuse_projections()
+    ref, ours = hf_reference(path), load_model(path).fuse_projections().fuse_projections()  # the second: no-op
     converted = use_onednn_linears(ours)
     keys = set(ours.state_dict())
     assert "layers.0.attention.wqkv.weight" in keys and "layers.0.feed_forward.w13.weight" in keys
