@@ -172,6 +172,37 @@ def test_seeded_row_same_alone_and_in_any_batch() -> None:
     assert not torch.equal(noise[0], noise[3])
 
 
+def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
+    """Steps whose keys move on by one, a row that joins, a finished row, a recomputed
+    (repeated) key and a duplicate key: the same tokens and log-probs with the noise
+    computed 8 steps ahead as with each step's own, from far fewer noise calls."""
+    import rl.generator.sampler as sampler_module
+
+    calls = []
+    real = sampler_module.exponential_noise
+    monkeypatch.setattr(sampler_module, "exponential_noise", lambda keys, *a: calls.append(len(keys)) or real(keys, *a))
+    torch.manual_seed(3)
+    steps = [[(s, i) for s in (5, 6, 7)] for i in range(10, 20)]
+    steps[4] = steps[4] + [(9, 0)]  # joins
+    steps[5] = steps[5] + [(9, 1)]
+    steps[6] = [(5, 16), (6, 16)]  # 7 finished, 9 gone
+    steps[7] = [(5, 16), (6, 17), (6, 17)]  # 5 recomputed after preemption; a duplicate key
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20)]
+    ahead, single = Sampler(ahead=8), Sampler(ahead=1)
+    for keys in steps:
+        logits = torch.randn(len(keys), 64)
+        rows = [params[i % 2] for i in range(len(keys))]
+        got, want = ahead.sample(logits, rows, keys), single.sample(logits, rows, keys)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    ahead_calls = sum(1 for n in calls if n > len(steps[0]) + 1)  # the blocks computed ahead
+    assert len(calls) - ahead_calls == len(steps)  # the single-step sampler: one call per step
+    assert 0 < ahead_calls < len(steps) // 2
+    before = len(calls)  # a budget below two rows of lookahead: each step computes its own noise
+    Sampler(budget=64 * 4).sample(torch.randn(4, 64), params[:1] * 4, steps[0] + [(1, 1)])
+    assert calls[before:] == [4]
+
+
 def test_hash_matches_exact_integer_arithmetic() -> None:
     """The tensor hash (int64 products that wrap) equals Python's exact big-int version."""
     from rl.generator.sampler import _mix32
