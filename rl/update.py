@@ -118,29 +118,22 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
            multiple: int = 1, shared: bool = False) -> MicroBatch:
     """Lay the units out as ``[B, S]`` tokens, with the attention that layout needs.
 
-    Unshared units that first-fit packing leaves one to a row (each longer than half
-    the longest) stay right-padded rows of one sample each, for plain causal
-    attention. Anything else is attended segment by segment (`SegmentAttention`),
-    whose cost does not depend on the row layout, so the units go end to end in one
-    row (S = their total, rounded up to ``multiple``): no padding tokens through the
-    projections and MLPs.
+    Unshared units no two of which fit in a row as long as the longest one (each
+    longer than half of it) become right-padded rows of one sample each, for plain
+    causal attention. Anything else is attended segment by segment
+    (`SegmentAttention`), whose cost does not depend on the row layout, so the units
+    go end to end in one row (S = their total, rounded up to ``multiple``): no
+    padding tokens through the projections and MLPs.
     """
     lengths = [_unit_len(samples, u) for u in units]
     width = -(-max(lengths, default=1) // multiple) * multiple
-    fill: list[int] = []  # tokens used per packed row
-    place: list[tuple[int, int]] = []  # per unit: (packed row, start)
-    for n in lengths:
-        r = next((r for r, used in enumerate(fill) if used + n <= width), len(fill))
-        if r == len(fill):
-            fill.append(0)
-        place.append((r, fill[r]))
-        fill[r] += n
-    one_per_row = not shared and len(units) == len(fill) and all(at == 0 for _, at in place)
-    if not one_per_row:  # attended by segments: one row, end to end
+    one_per_row = not shared and (len(lengths) < 2 or sum(sorted(lengths)[:2]) > width)
+    if one_per_row:
+        place = [(r, 0) for r in range(len(units))]  # per unit: (packed row, start)
+    else:
         width = -(-sum(lengths) // multiple) * multiple
-        starts = [0] + list(itertools.accumulate(lengths))[:-1]
-        place, fill = [(0, at) for at in starts], [sum(lengths)]
-    b = max(len(fill), 1)
+        place = [(0, at) for at in itertools.accumulate(lengths, initial=0)][:len(units)]
+    b = max(len(units), 1) if one_per_row else 1
     toks = [[0] * width for _ in range(b)]
     tgts = [[0] * width for _ in range(b)]
     pos = [[0] * width for _ in range(b)]

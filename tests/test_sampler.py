@@ -195,6 +195,10 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
         got, want = ahead.sample(logits, rows, keys), single.sample(logits, rows, keys)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+    logits = torch.randn(3, 32)  # the same keys again, another vocabulary: a new block
+    for g, w in zip(ahead.sample(logits, params[:1] * 3, steps[-1]), single.sample(logits, params[:1] * 3, steps[-1])):
+        assert torch.equal(g, w)
+    steps.append(steps[-1])
     ahead_calls = sum(1 for n in calls if n > len(steps[0]) + 1)  # the blocks computed ahead
     assert len(calls) - ahead_calls == len(steps)  # the single-step sampler: one call per step
     assert 0 < ahead_calls < len(steps) // 2

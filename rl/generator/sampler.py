@@ -132,18 +132,18 @@ class Sampler:
     def __init__(self, ahead: int = 8, budget: int = 1 << 21) -> None:
         self.ahead, self.budget = ahead, budget
         self._rows: dict[tuple[int, int], torch.Tensor] = {}  # key -> [V] noise row of the current block
+        self._block_of: tuple[int, torch.device] | None = None  # (V, device) of that block
 
     def _noise(self, step_keys: list[tuple[int, int]], v: int, device: torch.device) -> torch.Tensor:
         """Exp(1) noise [N, V] for these keys (see `exponential_noise`)."""
         ahead = min(self.ahead, self.budget // max(len(step_keys) * v, 1))
         if ahead < 2:
             return exponential_noise(step_keys, v, device)
-        rows = self._rows
-        first = rows.get(step_keys[0])
-        if first is None or first.shape[0] != v or first.device != device or any(k not in rows for k in step_keys):
+        if self._block_of != (v, device) or any(k not in self._rows for k in step_keys):
             keys = [(seed, index + j) for seed, index in dict.fromkeys(step_keys) for j in range(ahead)]
-            rows = self._rows = dict(zip(keys, exponential_noise(keys, v, device).unbind(0)))
-        return torch.stack([rows[k] for k in step_keys])
+            self._rows = dict(zip(keys, exponential_noise(keys, v, device).unbind(0)))
+            self._block_of = (v, device)
+        return torch.stack([self._rows[k] for k in step_keys])
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], step_keys: list[tuple[int, int]]
