@@ -10,9 +10,7 @@ Precedence, most specific first:
 1. ``impl="triton" | "torch"`` passed to the kernel call;
 2. the environment variable ``TANDEM_KERNELS=triton | torch`` (read at call
    time, so tests can set it with ``monkeypatch``);
-3. Triton when the tensor is on CUDA and Triton is installed, else the reference
-   (a kernel whose Triton version is slower on the GPU than its reference passes
-   ``cuda_default=False`` and takes the reference there unless forced).
+3. Triton when the tensor is on CUDA and Triton is installed, else the reference.
 
 Forcing Triton on a CPU tensor only works under the Triton interpreter
 (``TRITON_INTERPRET=1``, which must be set before ``triton`` is first imported,
@@ -64,18 +62,17 @@ def _requested_impl(impl: str | None) -> str | None:
     return impl
 
 
-def use_triton(t: torch.Tensor, impl: str | None = None, *, cuda_default: bool = True) -> bool:
+def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
     """True when the Triton kernel should handle ``t``, False for the PyTorch reference.
 
     See the module docstring for the precedence of ``impl``, ``TANDEM_KERNELS`` and
-    the device; ``cuda_default``: what an unforced CUDA tensor gets. Raises if Triton
-    is forced but cannot run here.
+    the device. Raises if Triton is forced but cannot run here.
     """
     forced = _requested_impl(impl)
     if forced == "torch":
         return False
     if forced is None:
-        return cuda_default and t.is_cuda and triton_available()
+        return t.is_cuda and triton_available()
     if not triton_available():
         raise RuntimeError("Triton kernels were requested but triton is not installed")
     if not t.is_cuda and not triton_interpreting():

@@ -17,9 +17,11 @@ anyway; backward recomputes the logits. Peak extra memory:
   ``k * T * V * 4`` for ``k`` live full-size tensors. Backward also holds an fp32
   ``[V, D]`` accumulator for ``grad_weight`` (``V * D * 4``) when ``weight`` is
   bf16/fp16.
-* ``impl="triton"``: no ``[*, V]`` tensor exists at all; tiles live in registers.
-  Backward needs fp32 ``grad_hidden`` / ``grad_weight`` buffers (atomically
-  accumulated) that are cast to the input dtypes at the end.
+* ``impl="triton"``: the forward keeps logits in registers (no ``[*, V]`` tensor
+  at all). Backward writes one chunk's logit gradients ``[chunk_tokens, V]`` in
+  the input dtype (``chunk * V * 2`` bytes for bf16, a quarter of the torch
+  path's two fp32 buffers) and, when there is more than one chunk, an fp32
+  ``[V, D]`` accumulator for ``grad_weight`` as above.
 
 Gradients, for ``z`` the logits and ``p = softmax(z)``::
 
@@ -36,21 +38,22 @@ accumulator of ``tl.dot`` (no bf16 rounding of logits), so the two differ by bf1
 rounding for bf16 inputs and agree to fp32 rounding for fp32 inputs (fp32 dots
 use IEEE precision, not TF32).
 
-Triton design (forward and backward are both Triton):
+Triton design:
 
-* Forward: one program per block of ``BLOCK_T`` tokens loops over vocab tiles of
-  ``BLOCK_V``; each tile's logits come from ``tl.dot`` over ``BLOCK_D`` slices of
-  ``D``. It keeps an online max ``m``, ``s = sum exp(z - m)``, the target logit and
-  ``a = sum exp(z - m) * (z - m)``, rescaling ``s`` and ``a`` when ``m`` grows.
-  Then ``lse = m + log s`` and ``H = log s - a / s``; the shifted form avoids the
-  cancellation of ``lse - E[z]`` when logits are large.
-* Backward (cut-cross-entropy style): one program per ``(token block, vocab
-  tile)`` recomputes its logit tile, forms ``dz`` and atomically adds
-  ``dz @ W_tile`` into ``grad_hidden`` and ``dz^T @ h_tile`` into
-  ``grad_weight``, slice by slice of ``D``. fp32 atomics make the summation
-  order, hence the last bits, run-dependent on GPU.
-* The forward grid has only ``cdiv(T, BLOCK_T)`` programs; for small ``T`` on a
-  large GPU a split over vocab (merged like split-K decode) would fill it better.
+* Forward: one program per (block of ``BLOCK_T`` tokens, vocabulary split) loops
+  over the split's vocab tiles of ``BLOCK_V``; each tile's logits come from
+  ``tl.dot`` over ``BLOCK_D`` slices of ``D``. It keeps an online max ``m``,
+  ``s = sum exp(z - m)``, the target logit and ``a = sum exp(z - m) * (z - m)``,
+  rescaling ``s`` and ``a`` when ``m`` grows, and writes them per split; the
+  splits (enough for about four programs per multiprocessor) are merged like
+  split-K decode attention. Then ``lse = m + log s`` and ``H = log s - a / s``;
+  the shifted form avoids the cancellation of ``lse - E[z]`` when logits are large.
+* Backward: one program per (token block, vocab tile) of a chunk recomputes its
+  logit tile, forms ``dz`` (the elementwise work fused into the product) and
+  stores it in the input dtype; ``grad_hidden = dz @ W`` and
+  ``grad_weight += dz^T @ h`` are then the library's matmuls (cuBLAS on CUDA).
+  An earlier version added every tile's products into fp32 buffers with atomics;
+  it ran 4x slower than the torch path on an H200.
 
 The Triton kernels sit in this file rather than being imported lazily:
 ``triton.jit`` needs module-level functions (the interpreter re-executes a
@@ -96,22 +99,21 @@ def token_logprobs_entropy(
         with_entropy: also return the entropy (else ``None``; slightly cheaper).
         chunk_tokens: tokens per chunk on the torch path (peak ~ 2 * chunk * V * 4 B).
         impl: ``"torch"`` or ``"triton"`` to force an implementation (or
-            ``TANDEM_KERNELS``, see `kernels.dispatch`); ``None`` takes the chunked
-            torch path on every device: on an H200 (T=4096, V=151936, D=2048, bf16,
-            forward + backward) it ran in 0.05 s against the Triton kernel's 0.20 s,
-            at 2.7 GB against 1.8 GB peak (naive: 11.9 GB). Force Triton where the
-            last gigabyte matters more than the time.
+            ``TANDEM_KERNELS``, see `kernels.dispatch`); ``None`` takes Triton on CUDA
+            and the chunked torch path elsewhere. On an H200 (T=4096, V=151936,
+            D=2048, bf16, forward + backward) Triton took 23 ms at 2.1 GB peak, the
+            chunked path 45 ms at 2.7 GB, naive full logits 31 ms at 11.9 GB.
 
     Returns:
         ``(logp [T] fp32, entropy [T] fp32 or None)``, both differentiable with
         respect to ``hidden`` and ``weight``.
     """
-    triton_path = use_triton(hidden, impl, cuda_default=False)  # validates impl first
+    triton_path = use_triton(hidden, impl)  # validates impl first
     _check_args(hidden, weight, targets, chunk_tokens)
     if triton_path:
         if hidden.dtype not in _TRITON_DTYPES:
             raise ValueError(f"the Triton path takes {_TRITON_DTYPES}, not {hidden.dtype}")
-        out = _TritonLogprobs.apply(hidden, weight, targets, with_entropy)
+        out = _TritonLogprobs.apply(hidden, weight, targets, with_entropy, chunk_tokens)
     else:
         out = _ChunkedLogprobs.apply(hidden, weight, targets, with_entropy, chunk_tokens)
     return (out[0], out[1]) if with_entropy else (out, None)
@@ -251,27 +253,35 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        h_ptr, w_ptr, tgt_ptr, logp_ptr, lse_ptr, ent_ptr,
-        stride_h, stride_w, T, V,
+        h_ptr, w_ptr, tgt_ptr, part_ptr,
+        stride_h, stride_w, T, V, NSPLIT, PLANE,
         D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
         WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """One program per BLOCK_T tokens: online logsumexp, target logit, entropy sums."""
+        """Program (token block, vocab split): online sums over the split's vocab tiles.
+
+        Writes the split's partial ``(m, s, a, z_target)`` to ``part[k, split, row]``
+        (``PLANE = NSPLIT * T`` elements per ``k``); `_merge_splits` combines the splits.
+        """
         rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+        split = tl.program_id(1).to(tl.int64)
         row_ok = rows < T
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0)  # [BT]
+        per_split = tl.cdiv(tl.cdiv(V, NSPLIT), BLOCK_V) * BLOCK_V  # whole tiles per split
+        v_lo = split * per_split
+        v_hi = tl.minimum(v_lo + per_split, V)
         # Finite start for m: (m_old - m_new) * s stays 0 * finite on the first tile.
         m = tl.full((BLOCK_T,), -1e30, dtype=tl.float32)
         s = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - m)
         a = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - m) * (z - m)
-        zt = tl.zeros((BLOCK_T,), dtype=tl.float32)  # target logit
-        for v0 in range(0, V, BLOCK_V):
+        zt = tl.zeros((BLOCK_T,), dtype=tl.float32)  # target logit (0 unless in this split)
+        for v0 in range(v_lo, v_hi, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)  # [BV]
             z = _logit_tile(h_ptr, w_ptr, rows, cols, stride_h, stride_w, T, V,
                             D, BLOCK_T, BLOCK_V, BLOCK_D, PRECISION)
-            col_ok = cols[None, :] < V
+            col_ok = cols[None, :] < v_hi
             z = tl.where(col_ok, z, float("-inf"))
-            zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+            zt += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok, z, 0.0), axis=1)
             m_new = tl.maximum(m, tl.max(z, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(z - m_new[:, None])  # 0 at masked columns
@@ -280,22 +290,21 @@ if triton is not None:
                 a = alpha * (a + s * (m - m_new)) + tl.sum(pz, axis=1)
             s = s * alpha + tl.sum(p, axis=1)
             m = m_new
-        log_s = tl.log(s)
-        tl.store(lse_ptr + rows, m + log_s, mask=row_ok)
-        tl.store(logp_ptr + rows, zt - m - log_s, mask=row_ok)
-        if WITH_ENTROPY:
-            tl.store(ent_ptr + rows, log_s - a / s, mask=row_ok)
+        out = part_ptr + split * T + rows
+        tl.store(out, m, mask=row_ok)
+        tl.store(out + PLANE, s, mask=row_ok)
+        tl.store(out + 2 * PLANE, a, mask=row_ok)
+        tl.store(out + 3 * PLANE, zt, mask=row_ok)
 
     @triton.jit
-    def _bwd_kernel(
-        h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, gh_ptr, gw_ptr,
+    def _dz_kernel(
+        h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dz_ptr,
         stride_h, stride_w, T, V,
         D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-        WITH_ENTROPY: tl.constexpr, NEED_H: tl.constexpr, NEED_W: tl.constexpr,
-        PRECISION: tl.constexpr,
+        WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """One program per (token block, vocab tile): recompute z, form dz, atomically
-        accumulate dz @ W_tile into grad_h and dz^T @ h_tile into grad_w (both fp32)."""
+        """Program (token block, vocab tile): recompute its logits and write
+        ``dz = g_logp * onehot - p * (g_logp + g_H * (log p + H))`` in the input dtype."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
         cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BV]
         row_ok = rows < T
@@ -313,59 +322,77 @@ if triton is not None:
             ge = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
             coef += ge[:, None] * (logp + ent[:, None])
         dz = tl.where(cols[None, :] == tgt[:, None], gl[:, None], 0.0) - p * coef
-        dz = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
-        dz = dz.to(h_ptr.dtype.element_ty)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = d[None, :] < D
-            if NEED_H:
-                w = tl.load(w_ptr + cols[:, None] * stride_w + d[None, :],
-                            mask=col_ok[:, None] & d_ok, other=0.0)  # [BV, BD]
-                gh = tl.dot(dz, w, input_precision=PRECISION)  # [BT, BD]
-                tl.atomic_add(gh_ptr + rows[:, None] * D + d[None, :], gh,
-                              mask=row_ok[:, None] & d_ok)
-            if NEED_W:
-                h = tl.load(h_ptr + rows[:, None] * stride_h + d[None, :],
-                            mask=row_ok[:, None] & d_ok, other=0.0)  # [BT, BD]
-                gw = tl.dot(tl.trans(dz), h, input_precision=PRECISION)  # [BV, BD]
-                tl.atomic_add(gw_ptr + cols[:, None] * D + d[None, :], gw,
-                              mask=col_ok[:, None] & d_ok)
+        tl.store(dz_ptr + rows[:, None] * V + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
 
     # fmt: on
 
 
 def _tiles(hidden: Tensor) -> dict[str, object]:
-    """Tile sizes and dot precision: tiny tiles under the interpreter, GPU-sized on CUDA.
-
-    The CUDA sizes are untuned starting points.
-    """
+    """Tile sizes, warps and dot precision: tiny tiles under the interpreter, GPU-sized on CUDA."""
     if not hidden.is_cuda and triton_interpreting():
         tiles = {"BLOCK_T": 16, "BLOCK_V": 16, "BLOCK_D": 16}
+    elif hidden.dtype == torch.float32:  # untimed: fp32 logits are rare on GPUs
+        tiles = {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}
     else:
-        tiles = {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_D": 64}
+        # bf16 on an H200 at T=4096, V=151936, D=2048, forward + backward: 22.9 ms against
+        # 25.5 ms for 128 x 128 tiles and 25.7-26.6 ms for three others (bench/logprobs_memory.py).
+        tiles = {"BLOCK_T": 128, "BLOCK_V": 256, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
     tiles["PRECISION"] = "ieee" if hidden.dtype == torch.float32 else "tf32"
     return tiles
 
 
+def _num_splits(hidden: Tensor, T: int, V: int, block_t: int, block_v: int) -> int:
+    """Vocab splits for the forward: enough programs for about four per multiprocessor."""
+    if not hidden.is_cuda:
+        return min(2, triton.cdiv(V, block_v))  # the interpreter: exercise the merge cheaply
+    sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+    want = triton.cdiv(4 * sms, triton.cdiv(T, block_t))
+    return max(1, min(want, triton.cdiv(V, block_v)))
+
+
+def _merge_splits(part: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(logp, lse, entropy)`` from per-split ``(m, s, a, z_target)``, each ``[NSPLIT, T]``.
+
+    Rescaling split ``i`` to the common max ``M``: ``s = sum_i s_i e^(m_i - M)`` and
+    ``a = sum_i e^(m_i - M) (a_i + s_i (m_i - M))``, where ``a`` is the sum of
+    ``e^(z - M) (z - M)``.
+    """
+    m, s, a, zt = part.unbind(0)
+    big = m.amax(0)  # [T]
+    shift = m - big  # <= 0
+    scale = shift.exp()
+    s_tot = (s * scale).sum(0)
+    log_s = s_tot.log()
+    lse = big + log_s
+    logp = zt.sum(0) - lse
+    entropy = None
+    if with_entropy:
+        a_tot = (scale * (a + s * shift)).sum(0)
+        entropy = log_s - a_tot / s_tot
+    return logp, lse, entropy
+
+
 class _TritonLogprobs(torch.autograd.Function):
-    """Triton forward and backward; saves only ``[T]`` statistics besides the inputs."""
+    """Triton forward (logits never leave registers) and a backward that writes one chunk's
+    logit gradients in the input dtype straight from recomputed logits, then takes the two
+    products with the library's matmul; saves only ``[T]`` statistics besides the inputs."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, with_entropy):
+    def forward(ctx, hidden, weight, targets, with_entropy, chunk_tokens):
         hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
         (T, D), V = hidden.shape, weight.shape[0]
-        logp = hidden.new_empty(T, dtype=torch.float32)
-        lse = hidden.new_empty(T, dtype=torch.float32)
-        entropy = hidden.new_empty(T, dtype=torch.float32) if with_entropy else lse
         tiles = _tiles(hidden)
-        grid = (triton.cdiv(T, tiles["BLOCK_T"]),)
+        nsplit = _num_splits(hidden, T, V, tiles["BLOCK_T"], tiles["BLOCK_V"])
+        part = hidden.new_empty(4, nsplit, T, dtype=torch.float32)
+        grid = (triton.cdiv(T, tiles["BLOCK_T"]), nsplit)
         _fwd_kernel[grid](
-            hidden, weight, targets, logp, lse, entropy,
-            hidden.stride(0), weight.stride(0), T, V,
+            hidden, weight, targets, part, hidden.stride(0), weight.stride(0), T, V, nsplit, nsplit * T,
             D=D, WITH_ENTROPY=with_entropy, **tiles,
         )  # fmt: skip
-        ctx.with_entropy = with_entropy
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy else None)
+        logp, lse, entropy = _merge_splits(part, with_entropy)
+        ctx.with_entropy, ctx.chunk_tokens = with_entropy, chunk_tokens
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         return (logp, entropy) if with_entropy else logp
 
     @staticmethod
@@ -373,24 +400,42 @@ class _TritonLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
-            return None, None, None, None
+            return None, None, None, None, None
         (T, D), V = hidden.shape, weight.shape[0]
         use_ent = ctx.with_entropy and g_entropy is not None
         g_logp = g_logp.float().contiguous()
         g_ent = g_entropy.float().contiguous() if use_ent else g_logp
-        f32 = {"dtype": torch.float32, "device": hidden.device}
-        grad_h = torch.zeros(T, D, **f32) if need_h else g_logp  # dummy pointer if unused
-        grad_w = torch.zeros(V, D, **f32) if need_w else g_logp
+        ent = entropy if use_ent else lse  # a dummy pointer when unused
         tiles = _tiles(hidden)
-        grid = (triton.cdiv(T, tiles["BLOCK_T"]), triton.cdiv(V, tiles["BLOCK_V"]))
-        _bwd_kernel[grid](
-            hidden, weight, targets, lse, entropy if use_ent else lse, g_logp, g_ent,
-            grad_h, grad_w, hidden.stride(0), weight.stride(0), T, V,
-            D=D, WITH_ENTROPY=use_ent, NEED_H=need_h, NEED_W=need_w, **tiles,
-        )  # fmt: skip
+        chunk = min(ctx.chunk_tokens, T)
+        dz = hidden.new_empty(chunk, V)  # the input dtype
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None
+        if need_w and chunk < T:  # several chunks: accumulate in fp32 (fp64 never gets here)
+            grad_w = torch.zeros(V, D, dtype=torch.float32, device=weight.device)
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
+            dz_c = dz[: e - s]
+            grid = (triton.cdiv(e - s, tiles["BLOCK_T"]), triton.cdiv(V, tiles["BLOCK_V"]))
+            _dz_kernel[grid](
+                hidden[s:e], weight, targets[s:e], lse[s:e], ent[s:e], g_logp[s:e], g_ent[s:e],
+                dz_c, hidden.stride(0), weight.stride(0), e - s, V,
+                D=D, WITH_ENTROPY=use_ent, **tiles,
+            )  # fmt: skip
+            if need_h:
+                torch.mm(dz_c, weight, out=grad_h[s:e])
+            if need_w:
+                if grad_w is None:
+                    grad_w = dz_c.T @ hidden[s:e]  # one chunk: straight into the input dtype
+                elif grad_w.dtype == hidden.dtype:
+                    grad_w.addmm_(dz_c.T, hidden[s:e])
+                else:
+                    grad_w += dz_c.T @ hidden[s:e]
+        del dz
         return (
-            grad_h.to(hidden.dtype) if need_h else None,
+            grad_h,
             grad_w.to(weight.dtype) if need_w else None,
+            None,
             None,
             None,
         )

@@ -46,7 +46,7 @@ class RLConfig:
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
     share_prompts: bool | None = None  # each prompt once per micro-batch, its completions as branches: same gradients, fewer tokens; none: on unless parallel.pp > 1 (true there is an error)
-    logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk (peak ~ 2 x chunk x vocab x 4 B; TANDEM_KERNELS=triton bypasses chunks)
+    logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk of the log-probs (peak ~ 2 x chunk x vocab x 4 B on the CPU; on CUDA the Triton backward's chunk x vocab in the compute dtype)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refill_rounds: int = 3
     overlong_filter: bool = False  # mask out truncated completions

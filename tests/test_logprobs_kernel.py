@@ -110,6 +110,35 @@ def test_half_precision(impl: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(x.float(), y.float(), atol=3e-2, rtol=3e-2, msg=name)
 
 
+@pytest.mark.skipif(not TRITON_OK, reason="Triton cannot run here")
+@pytest.mark.parametrize("nsplit", [1, 3, 9])
+def test_triton_vocab_splits_merge_exactly(monkeypatch: pytest.MonkeyPatch, nsplit: int) -> None:
+    """The forward's per-split sums merge to the reference for any split count, including
+    splits left empty (9 splits of whole 16-wide tiles over V=101 leave the last two empty)."""
+    import kernels.logprobs as lp
+
+    monkeypatch.setattr(lp, "_num_splits", lambda *args: nsplit)
+    h, w, tgt = _inputs(37, 101, 16)
+    a, b = _coefs(37)
+    out = _run(token_logprobs_entropy, h, w, tgt, a, b, impl="triton", chunk_tokens=16)
+    ref = _run(token_logprobs_entropy_reference, h, w, tgt, a, b)
+    for name, x, y in zip(("logp", "entropy", "grad_hidden", "grad_weight"), out, ref):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_half_precision_one_chunk(impl: str) -> None:
+    """All tokens in one chunk: the Triton backward writes grad_weight in the input dtype
+    directly, with no fp32 accumulator."""
+    h, w, tgt = _inputs(37, 101, 32, torch.float16)
+    a, b = _coefs(37)
+    out = _run(token_logprobs_entropy, h, w, tgt, a, b, impl=impl, chunk_tokens=64)
+    ref = _run(token_logprobs_entropy_reference, h, w, tgt, a, b)
+    assert out[3].dtype == torch.float16
+    for name, x, y in zip(("logp", "entropy", "grad_hidden", "grad_weight"), out, ref):
+        torch.testing.assert_close(x.float(), y.float(), atol=3e-2, rtol=3e-2, msg=name)
+
+
 def test_bf16_torch_path() -> None:
     h, w, tgt = _inputs(37, 101, 32, torch.bfloat16)
     a, b = _coefs(37)
@@ -173,9 +202,11 @@ def test_saves_no_logits() -> None:
     assert naive >= full, (naive, full)
 
 
-def test_unforced_calls_take_the_chunked_path_on_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunked path is the default on CUDA too (it measured 4x faster than the Triton
-    kernel on an H200); TANDEM_KERNELS=triton still selects the kernel where it can run."""
+def test_unforced_calls_take_triton_on_cuda_and_the_chunked_path_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unforced calls take the Triton kernel on CUDA (it measured 2x faster than the chunked
+    path on an H200) and the chunked path on the CPU; TANDEM_KERNELS overrides either way."""
     import kernels.logprobs as lp
 
     calls: list[str] = []
@@ -196,9 +227,14 @@ def test_unforced_calls_take_the_chunked_path_on_every_device(monkeypatch: pytes
     ref, _ = token_logprobs_entropy_reference(h, w, tgt)
     logp, _ = token_logprobs_entropy(h, w, tgt, chunk_tokens=4)
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
-    assert calls == ["_ChunkedLogprobs"]
+    default = "_TritonLogprobs" if torch.cuda.is_available() and triton_available() else "_ChunkedLogprobs"
+    assert calls == [default]
+    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+    logp, _ = token_logprobs_entropy(h, w, tgt, chunk_tokens=4)
+    torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
+    assert calls == [default, "_ChunkedLogprobs"]
     if TRITON_OK:
         monkeypatch.setenv("TANDEM_KERNELS", "triton")
         logp, _ = token_logprobs_entropy(h, w, tgt)
         torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
-        assert calls == ["_ChunkedLogprobs", "_TritonLogprobs"]
+        assert calls == [default, "_ChunkedLogprobs", "_TritonLogprobs"]
