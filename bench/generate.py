@@ -26,7 +26,11 @@ Run from the repository root::
 Prints one row per (engine, variant) with seconds and generated tokens/s, the
 Tandem/transformers ratio, and for greedy how many sequences are identical
 token for token (transformers runs the greedy variant one prompt at a time, so
-its left padding cannot perturb the comparison).
+its left padding cannot perturb the comparison). Each engine first runs once,
+untimed, on 2 prompts x 16 tokens (``--warmup``), so Triton's compilation and
+the libraries' first-call setup stay out of the timings. ``--fused-row`` adds a
+table timing Tandem with its q/k/v and gate/up products fused (what the CPU
+rollout copy does) against plain runs before and after it.
 """
 
 from __future__ import annotations
@@ -67,10 +71,12 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 
 def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, variant: str,
-               lengths: list[int]) -> tuple[float, list[list[int]]]:
+               lengths: list[int], fused: bool = False) -> tuple[float, list[list[int]]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = load_model(path, device=device, dtype=dtype).eval().requires_grad_(False)
     cpu_inference_layout(model)  # what the trainer's rollout copy gets (fp32 on the CPU; else nothing)
+    if fused:  # q/k/v and gate/up as one product each on any device (a no-op where applied above)
+        model.fuse_projections()
     settings = GenerationSettings(block_size=16, kv_cache_gb=args.kv_cache_gb, max_num_seqs=256,
                                   max_num_batched_tokens=args.batched_tokens, seed=0, cuda_graphs=args.cuda_graphs)
     greedy = variant == "greedy"
@@ -142,17 +148,32 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps (CUDA only)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: leave as is)")
     ap.add_argument("--variants", default="grpo,fixed,greedy", help="comma-separated: grpo, fixed, greedy")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of each engine on 2 prompts x 16 tokens first (Triton compiles, "
+                         "library handles); 0 times the cold first run")
+    ap.add_argument("--fused-row", action="store_true",
+                    help="also time Tandem with fused q/k/v and gate/up products (for devices where the "
+                         "trainer does not fuse them)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = workload(args)
     rng = random.Random(1)
     lengths = [rng.randint(max(1, args.max_tokens // 4), args.max_tokens) for _ in range(len(prompts) * args.n)]
-    rows = []
+    rows, fused_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         write_model(tmp, args)
+        small = argparse.Namespace(**{**vars(args), "max_tokens": 16, "n": 2})
+        for _ in range(args.warmup):
+            run_tandem(tmp, prompts[:2], small, "fixed", lengths)
+            run_hf(tmp, prompts[:2], small, "fixed", lengths)
         for variant in args.variants.split(","):
             t_tandem, out_t = run_tandem(tmp, prompts, args, variant, lengths)
+            if args.fused_row:
+                t_fused, out_f = run_tandem(tmp, prompts, args, variant, lengths, fused=True)
+                t_plain, _ = run_tandem(tmp, prompts, args, variant, lengths)  # again, after the fused run
+                same_f = sum(a == b for a, b in zip(out_t, out_f))
+                fused_rows.append((variant, t_tandem, t_plain, t_fused, same_f, len(out_t)))
             t_hf, out_h = run_hf(tmp, prompts, args, variant, lengths)
             n_tok = sum(map(len, out_t))
             assert n_tok == sum(map(len, out_h)), "both engines must generate the same number of tokens"
@@ -167,6 +188,12 @@ def main() -> None:
         ident = f"{same}/{total}" if same is not None else "-"
         print(f"{name:<8} {n_tok:>7} {tt:>9.2f} {n_tok / tt:>13.1f} {th:>8.2f} {n_tok / th:>9.1f} "
               f"{th / tt:>5.2f}x {ident:>10}")
+    if fused_rows:
+        print(f"{'variant':<8} {'plain s':>14} {'fused s':>8} {'plain/fused':>12} {'same tokens':>12}")
+        for name, t1, t2, tf, same, total in fused_rows:  # plain runs before and after the fused one
+            print(f"{name:<8} {t1:>6.2f}, {t2:>6.2f} {tf:>8.2f} {(t1 + t2) / 2 / tf:>11.2f}x "
+                  f"{f'{same}/{total}':>12}")
+
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session's checks and timings, each part under its own time limit, in order of value:
 #   1. the CUDA and Triton tests (kernels, generator, log-probs) on the real device;
-#   2. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention, Triton log-probs);
-#   3. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL (bench/grpo_step.py);
-#   4. kernel and generator benchmarks (bench/paged_attention.py, logprobs_memory.py, generate.py).
+#   2. the log-prob kernels' benchmark with a sweep of Triton tiles (bench/logprobs_memory.py); the
+#      paged-attention kernels' (bench/paged_attention.py) is the part "attention", not in the default PARTS;
+#   3. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
+#   4. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL (bench/grpo_step.py);
+#   5. the generator against transformers `generate`, with a row for fused q/k/v and gate/up products.
 # A part that fails or runs out of time is reported and the next one runs.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # logs land in OUT_DIR (default: $OUT or outputs/gpu_check)
@@ -16,7 +18,7 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-outputs/gpu_check}}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
-PARTS="${PARTS:-tests quickstart grpo kernels generate}"
+PARTS="${PARTS:-tests kernels quickstart grpo generate}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -42,19 +44,23 @@ part() {  # part NAME SECONDS LOG CMD...
   tail -n 25 "$out/$log"
 }
 
-part tests 150 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${TESTS:-tests/test_paged_attention.py \
+part tests 130 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${TESTS:-tests/test_paged_attention.py \
   tests/test_logprobs_kernel.py tests/test_generator.py}
 [[ -f "$out/tests.log" ]] && echo "tests: $(grep -c PASSED "$out/tests.log") passed," \
   "$(grep -c FAILED "$out/tests.log") failed, $(grep -c SKIPPED "$out/tests.log") skipped"
 
-part quickstart 100 quickstart.log "$PY" train.py --config configs/quickstart.toml \
+part attention 60 attention.log "$PY" -m bench.paged_attention
+
+part kernels 90 kernels.log "$PY" -m bench.logprobs_memory --device cuda --dim 2048 --dtype bf16 \
+  --triton-tiles 128,256,64,8,3 64,128,64,4,4 64,256,64,8,3 128,64,64,4,4
+
+part quickstart 70 quickstart.log "$PY" train.py --config configs/quickstart.toml \
   --job.dump_folder=outputs/gpu_quickstart --checkpoint.enable=false
 [[ -f outputs/gpu_quickstart/metrics.jsonl ]] && cp outputs/gpu_quickstart/metrics.jsonl "$out/quickstart_metrics.jsonl"
 
-part grpo 230 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 151936 --prompts 8 --samples 8 \
-  --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines "${GRPO_ENGINES:-tandem,tandem-eager,trl}"
+part grpo 200 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 151936 --prompts 8 --samples 8 \
+  --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines "${GRPO_ENGINES:-tandem,trl}"
 
-part kernels 60 kernels.log bash -c "$PY -m bench.paged_attention && $PY -m bench.logprobs_memory --device cuda --dim 2048 --dtype bf16"
 
-part generate 60 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \
-  --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants grpo
+part generate 80 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \
+  --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants grpo --fused-row
