@@ -187,6 +187,35 @@ def test_cuda_graphs_setting_is_eager_off_cuda(model):
     assert gen.runner.graphs is None  # CPU: the setting falls back to eager
 
 
+def test_graph_capture_needs_the_triton_attention_path(model):
+    """A captured decode graph cannot hold the PyTorch attention path's host reads, so with
+    that path (kernels="torch", or TANDEM_KERNELS=torch) the runner does not capture; asking
+    for capture on the CPU here would otherwise try CUDA streams."""
+    gen = Generator(model, _graph_settings(cuda_graphs=True, graphs_capture=True, kernels="torch"))
+    assert gen.runner.graphs is None
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = Generator(model, _graph_settings()).generate(PROMPTS, params)
+    assert_same_samples(flat(ref), flat(gen.generate(PROMPTS, params)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_with_pytorch_attention_run_eagerly_on_gpu(model, monkeypatch):
+    """TANDEM_KERNELS=torch with cuda_graphs on: decode runs eagerly (it used to fail in capture)."""
+    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+    m = Transformer(model.args).cuda()
+    m.load_state_dict(model.state_dict())
+    m.reset_rope()
+    m.eval()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    gen = Generator(m, _graph_settings(cuda_graphs=True))
+    assert gen.runner.graphs is None
+    out = gen.generate(PROMPTS, params, n=2)
+    monkeypatch.delenv("TANDEM_KERNELS")
+    ref = Generator(m, _graph_settings()).generate(PROMPTS, params, n=2)
+    assert_same_samples(flat(ref), flat(out), atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decode_matches_eager_on_gpu(model):

@@ -6,9 +6,10 @@ lengths), runs the policy's own `Transformer` with a `PagedAttention` backend,
 samples the chunks that end at a sampling point, and returns what was sampled.
 Attention metadata is passed explicitly to the backend; nothing is global.
 With ``cuda_graphs`` on, pure decode steps go through `DecodeGraphs`
-(bucketed, padded static buffers, captured on CUDA); everything else, and
-every step off CUDA unless ``graphs_capture=False`` forces the padded path
-for testing, runs eagerly. On the PyTorch attention path (off CUDA, fp32
+(bucketed, padded static buffers, captured on CUDA with the Triton attention
+kernels); everything else, every step off CUDA unless ``graphs_capture=False``
+forces the padded path for testing, and every step on the PyTorch attention
+path (``TANDEM_KERNELS=torch``), runs eagerly. On the PyTorch attention path (off CUDA, fp32
 caches) pure decode steps read contiguous per-sequence rows kept by a
 `DecodeMirror` instead of gathering the pages at every layer
 (``decode_mirror=False``: always gather).
@@ -38,6 +39,10 @@ class ModelRunner:
         self.device = cache.data.device
         self.scale = model.args.head_dim ** -0.5
         capture = self.device.type == "cuda" if graphs_capture is None else graphs_capture
+        if capture and not use_triton(cache.data, impl):
+            # The PyTorch attention path reads lengths on the host (`.tolist()`), which a
+            # captured graph cannot hold: with TANDEM_KERNELS=torch on CUDA, decode runs eagerly.
+            capture = False
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and (capture or graphs_capture is False):
             self.graphs = DecodeGraphs(self._logits, cache, self.scale,
