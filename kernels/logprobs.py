@@ -347,7 +347,7 @@ def _num_splits(hidden: Tensor, T: int, V: int, block_t: int, block_v: int) -> i
     if not hidden.is_cuda:
         return min(2, triton.cdiv(V, block_v))  # the interpreter: exercise the merge cheaply
     sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    want = triton.cdiv(4 * sms, triton.cdiv(T, block_t))
+    want = triton.cdiv(4 * sms, max(1, triton.cdiv(T, block_t)))
     return max(1, min(want, triton.cdiv(V, block_v)))
 
 
@@ -386,10 +386,11 @@ class _TritonLogprobs(torch.autograd.Function):
         nsplit = _num_splits(hidden, T, V, tiles["BLOCK_T"], tiles["BLOCK_V"])
         part = hidden.new_empty(4, nsplit, T, dtype=torch.float32)
         grid = (triton.cdiv(T, tiles["BLOCK_T"]), nsplit)
-        _fwd_kernel[grid](
-            hidden, weight, targets, part, hidden.stride(0), weight.stride(0), T, V, nsplit, nsplit * T,
-            D=D, WITH_ENTROPY=with_entropy, **tiles,
-        )  # fmt: skip
+        if T:  # an empty micro-batch (kept so that ranks stay in step) launches nothing
+            _fwd_kernel[grid](
+                hidden, weight, targets, part, hidden.stride(0), weight.stride(0), T, V, nsplit, nsplit * T,
+                D=D, WITH_ENTROPY=with_entropy, **tiles,
+            )  # fmt: skip
         logp, lse, entropy = _merge_splits(part, with_entropy)
         ctx.with_entropy, ctx.chunk_tokens = with_entropy, chunk_tokens
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
@@ -407,12 +408,14 @@ class _TritonLogprobs(torch.autograd.Function):
         g_ent = g_entropy.float().contiguous() if use_ent else g_logp
         ent = entropy if use_ent else lse  # a dummy pointer when unused
         tiles = _tiles(hidden)
-        chunk = min(ctx.chunk_tokens, T)
+        chunk = max(1, min(ctx.chunk_tokens, T))
         dz = hidden.new_empty(chunk, V)  # the input dtype
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
         if need_w and chunk < T:  # several chunks: accumulate in fp32 (fp64 never gets here)
             grad_w = torch.zeros(V, D, dtype=torch.float32, device=weight.device)
+        elif need_w and T == 0:
+            grad_w = torch.zeros_like(weight)
         for s in range(0, T, chunk):
             e = min(s + chunk, T)
             dz_c = dz[: e - s]

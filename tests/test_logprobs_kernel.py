@@ -96,6 +96,17 @@ def test_entropy_unused_and_frozen_weight(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_no_tokens(impl: str) -> None:
+    """An empty micro-batch (ranks pad with them to stay in step) gives empty values and zero
+    gradients of the inputs' shapes and dtypes."""
+    h, w, tgt = _inputs(0, 101, 16)
+    logp, ent, gh, gw = _run(token_logprobs_entropy, h, w, tgt, 1.0, 1.0, impl=impl, chunk_tokens=8)
+    assert logp.shape == ent.shape == (0,)
+    assert gh.shape == (0, 16) and gw.shape == w.shape and gw.dtype == w.dtype
+    assert not gw.any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_precision(impl: str, dtype: torch.dtype) -> None:
     """fp32 softmax math on half inputs; grads come back in the input dtype."""
