@@ -30,9 +30,10 @@ its left padding cannot perturb the comparison). Each engine first runs once,
 untimed (``--warmup``): Tandem on the whole workload of the first variant, since
 its Triton kernels compile per shape class (on an H200 a warm-up of 2 prompts x
 16 tokens still left about 1.1 s of compiling in the first timed run),
-transformers on 2 prompts x 16 tokens for the library's first-call setup. ``--fused-row`` adds a
-table timing Tandem with its q/k/v and gate/up products fused (what the CPU
-rollout copy does) against plain runs before and after it.
+transformers on 2 prompts x 16 tokens for the library's first-call setup. ``--layout-row`` adds a
+table timing Tandem on the training layout (no `rl.rollout.inference_layout`:
+q/k/v and gate/up as separate products, no oneDNN) against its default runs
+before and after it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 from models.hf import load_model
 from rl.generator.engine import GenerationSettings, Generator
 from rl.generator.sequence import SamplingParams
-from rl.rollout import cpu_inference_layout
+from rl.rollout import inference_layout
 
 
 def write_model(path: str, args: argparse.Namespace) -> None:
@@ -73,12 +74,11 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 
 def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, variant: str,
-               lengths: list[int], fused: bool = False) -> tuple[float, list[list[int]]]:
+               lengths: list[int], layout: bool = True) -> tuple[float, list[list[int]]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = load_model(path, device=device, dtype=dtype).eval().requires_grad_(False)
-    cpu_inference_layout(model)  # what the trainer's rollout copy gets (fp32 on the CPU; else nothing)
-    if fused:  # q/k/v and gate/up as one product each on any device (a no-op where applied above)
-        model.fuse_projections()
+    if layout:  # what the trainer's rollout copy gets
+        inference_layout(model)
     settings = GenerationSettings(block_size=16, kv_cache_gb=args.kv_cache_gb, max_num_seqs=256,
                                   max_num_batched_tokens=args.batched_tokens, seed=0, cuda_graphs=args.cuda_graphs)
     greedy = variant == "greedy"
@@ -153,16 +153,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed runs first: Tandem on the whole workload of the first variant (Triton "
                          "compiles), transformers on 2 prompts x 16 tokens; 0 times the cold first run")
-    ap.add_argument("--fused-row", action="store_true",
-                    help="also time Tandem with fused q/k/v and gate/up products (for devices where the "
-                         "trainer does not fuse them)")
+    ap.add_argument("--layout-row", action="store_true",
+                    help="also time Tandem without the rollout copy's inference layout")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = workload(args)
     rng = random.Random(1)
     lengths = [rng.randint(max(1, args.max_tokens // 4), args.max_tokens) for _ in range(len(prompts) * args.n)]
-    rows, fused_rows = [], []
+    rows, layout_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         write_model(tmp, args)
         small = argparse.Namespace(**{**vars(args), "max_tokens": 16, "n": 2})
@@ -171,11 +170,11 @@ def main() -> None:
             run_hf(tmp, prompts[:2], small, "fixed", lengths)
         for variant in args.variants.split(","):
             t_tandem, out_t = run_tandem(tmp, prompts, args, variant, lengths)
-            if args.fused_row:
-                t_fused, out_f = run_tandem(tmp, prompts, args, variant, lengths, fused=True)
-                t_plain, _ = run_tandem(tmp, prompts, args, variant, lengths)  # again, after the fused run
-                same_f = sum(a == b for a, b in zip(out_t, out_f))
-                fused_rows.append((variant, t_tandem, t_plain, t_fused, same_f, len(out_t)))
+            if args.layout_row:
+                t_plain, out_p = run_tandem(tmp, prompts, args, variant, lengths, layout=False)
+                t_again, _ = run_tandem(tmp, prompts, args, variant, lengths)  # after the plain run
+                same = sum(a == b for a, b in zip(out_t, out_p))
+                layout_rows.append((variant, t_tandem, t_again, t_plain, same, len(out_t)))
             t_hf, out_h = run_hf(tmp, prompts, args, variant, lengths)
             n_tok = sum(map(len, out_t))
             assert n_tok == sum(map(len, out_h)), "both engines must generate the same number of tokens"
@@ -190,10 +189,10 @@ def main() -> None:
         ident = f"{same}/{total}" if same is not None else "-"
         print(f"{name:<8} {n_tok:>7} {tt:>9.2f} {n_tok / tt:>13.1f} {th:>8.2f} {n_tok / th:>9.1f} "
               f"{th / tt:>5.2f}x {ident:>10}")
-    if fused_rows:
-        print(f"{'variant':<8} {'plain s':>14} {'fused s':>8} {'plain/fused':>12} {'same tokens':>12}")
-        for name, t1, t2, tf, same, total in fused_rows:  # plain runs before and after the fused one
-            print(f"{name:<8} {t1:>6.2f}, {t2:>6.2f} {tf:>8.2f} {(t1 + t2) / 2 / tf:>11.2f}x "
+    if layout_rows:
+        print(f"{'variant':<8} {'layout s':>14} {'plain s':>8} {'plain/layout':>13} {'same tokens':>12}")
+        for name, t1, t2, tp, same, total in layout_rows:  # default runs before and after the plain one
+            print(f"{name:<8} {t1:>6.2f}, {t2:>6.2f} {tp:>8.2f} {tp / ((t1 + t2) / 2):>12.2f}x "
                   f"{f'{same}/{total}':>12}")
 
 

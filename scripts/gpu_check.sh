@@ -5,7 +5,7 @@
 #      paged-attention kernels' (bench/paged_attention.py) is the part "attention", not in the default PARTS;
 #   3. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
 #   4. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL (bench/grpo_step.py);
-#   5. the generator against transformers `generate`, with a row for fused q/k/v and gate/up products.
+#   5. the generator against transformers `generate`, with a row for the rollout copy's layout.
 # A part that fails or runs out of time is reported and the next one runs.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # logs land in OUT_DIR (default: $OUT or outputs/gpu_check)
@@ -62,4 +62,4 @@ part grpo 200 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 15193
 
 
 part generate 80 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \
-  --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants grpo --fused-row
+  --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants grpo --layout-row

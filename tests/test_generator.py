@@ -232,6 +232,27 @@ def test_cuda_graph_decode_matches_eager_on_gpu(model):
     assert gen.pool_is_free()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_inference_layout_keeps_greedy_tokens(model):
+    """The CUDA rollout copy fuses q/k/v and gate/up (rl.rollout.inference_layout); with decode
+    graphs its greedy tokens equal the training layout's (fp32)."""
+    from rl.rollout import build_generation_model
+
+    class Policy:
+        def full_state(self):
+            return {k: v.clone().cuda() for k, v in model.state_dict().items()}
+
+    cuda = torch.device("cuda")
+    fused, _ = build_generation_model(Policy(), model.args, cuda)
+    plain, _ = build_generation_model(Policy(), model.args, cuda, layout=False)
+    assert fused.layers["0"].attention.wqkv is not None and plain.layers["0"].attention.wqkv is None
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = Generator(fused, _graph_settings(cuda_graphs=True)).generate(PROMPTS, params, n=2)
+    ref = Generator(plain, _graph_settings(cuda_graphs=True)).generate(PROMPTS, params, n=2)
+    assert_same_samples(flat(ref), flat(out), atol=1e-4)
+
+
 def test_generation_copy_takes_the_rollout_dtype(model):
     """rollout.dtype: the copy's floating tensors are cast (auto: the update's compute dtype on
     CUDA, the parameters' own dtype elsewhere); its log-probs stay within bf16 rounding of the fp32 model's."""
@@ -271,7 +292,7 @@ def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
 
     cpu = torch.device("cpu")
     fused, _ = build_generation_model(Policy(), model.args, cpu)
-    plain, _ = build_generation_model(Policy(), model.args, cpu, cpu_layout=False)
+    plain, _ = build_generation_model(Policy(), model.args, cpu, layout=False)
     assert plain.layers["0"].attention.wqkv is None
     if not onednn_linear_available():
         pytest.skip("this PyTorch build has no oneDNN linear: the layout does not apply")
