@@ -89,8 +89,8 @@ class RolloutConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
     prefix_sharing: bool = True  # the n samples of a prompt share its KV blocks
-    kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
-    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA only; eager elsewhere)
+    kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere, unless the environment sets TANDEM_KERNELS to triton or torch (which also picks the update's log-prob kernel)
+    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA with the Triton attention kernels; eager elsewhere)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
 
     def validate(self) -> None:
