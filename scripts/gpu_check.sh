@@ -3,10 +3,14 @@
 #   1. the CUDA and Triton tests (kernels, generator, log-probs) on the real device;
 #   2. the log-prob kernels' benchmark with a sweep of Triton tiles (bench/logprobs_memory.py); the
 #      paged-attention kernels' (bench/paged_attention.py) is the part "attention", not in the default PARTS;
-#   3. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
-#   4. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL (bench/grpo_step.py);
-#   5. the generator against transformers `generate`, with a row for the rollout copy's layout.
-# A part that fails or runs out of time is reported and the next one runs.
+#   3. the sampler's noise: the int64 tensor hash against the one-pass Triton kernel (bench/sampler_noise.py);
+#   4. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
+#   5. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL, and Tandem with TANDEM_KERNELS=triton
+#      (the one-pass noise) (bench/grpo_step.py);
+#   6. the generator against transformers `generate`, with a row for the rollout copy's layout.
+# A part that fails or runs out of time is reported and the next one runs. On an H200 the
+# default parts other than noise and grpo-triton (added after that run) took 6 minutes; the
+# limits below add up to more. The logs are 8 files at most (what a device call returns).
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # logs land in OUT_DIR (default: $OUT or outputs/gpu_check)
 #   PARTS="tests quickstart" bash scripts/gpu_check.sh
@@ -18,7 +22,7 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-outputs/gpu_check}}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
-PARTS="${PARTS:-tests kernels quickstart grpo generate}"
+PARTS="${PARTS:-tests kernels noise quickstart grpo grpo-triton generate}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -45,7 +49,7 @@ part() {  # part NAME SECONDS LOG CMD...
 }
 
 part tests 130 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${TESTS:-tests/test_paged_attention.py \
-  tests/test_logprobs_kernel.py tests/test_generator.py}
+  tests/test_logprobs_kernel.py tests/test_generator.py tests/test_sampler.py}
 [[ -f "$out/tests.log" ]] && echo "tests: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -1)"
 
 part attention 60 attention.log "$PY" -m bench.paged_attention
@@ -53,12 +57,17 @@ part attention 60 attention.log "$PY" -m bench.paged_attention
 part kernels 90 kernels.log "$PY" -m bench.logprobs_memory --device cuda --dim 2048 --dtype bf16 \
   --triton-tiles 128,256,64,8,3 64,128,64,4,4 64,256,64,8,3 128,64,64,4,4
 
+part noise 40 kernels.log "$PY" -m bench.sampler_noise
+
 part quickstart 70 quickstart.log "$PY" train.py --config configs/quickstart.toml \
   --job.dump_folder=outputs/gpu_quickstart --checkpoint.enable=false
 [[ -f outputs/gpu_quickstart/metrics.jsonl ]] && cp outputs/gpu_quickstart/metrics.jsonl "$out/quickstart_metrics.jsonl"
 
 part grpo 200 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 151936 --prompts 8 --samples 8 \
   --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines "${GRPO_ENGINES:-tandem,trl}"
+
+part grpo-triton 80 grpo_triton.log env TANDEM_KERNELS=triton "$PY" -m bench.grpo_step --shape qwen3-1.7b \
+  --vocab 151936 --prompts 8 --samples 8 --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines tandem
 
 
 part generate 80 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \

@@ -297,3 +297,51 @@ def test_sampling_params_validate() -> None:
 def test_row_count_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="3 logit rows"):
         Sampler().sample(LOGITS, [SamplingParams()] * 2, [(0, 0)] * 3)
+
+
+def _triton_can_run() -> bool:
+    from kernels.dispatch import triton_available, triton_interpreting
+
+    return triton_available() and (torch.cuda.is_available() or triton_interpreting())
+
+
+@pytest.mark.skipif(not _triton_can_run(), reason="Triton cannot run here")
+@pytest.mark.parametrize("vocab", [1, 17, 1500])
+def test_one_pass_noise_matches_the_tensor_hash(vocab: int) -> None:
+    """kernels.sampling_noise: the same 23-bit uniforms as the int64 tensor hash, bit for
+    bit (read back through exp), and E = -log(u) within a few ulp of torch's log (numpy's
+    log under the interpreter differs from torch's CPU log by up to 3 ulp)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys = [(s, i) for s in (0, 42, 2**63 + 5, 2**64 - 1) for i in (0, 1, 2**40)]
+    want = exponential_noise(keys, vocab, device, impl="torch")
+    got = exponential_noise(keys, vocab, device, impl="triton")
+    assert got.shape == want.shape == (len(keys), vocab) and got.dtype == torch.float32
+
+    def uniforms(e: torch.Tensor) -> torch.Tensor:  # the hash's 23 bits, recovered exactly
+        return torch.round(torch.exp(-e.double()) * 2**23 - 0.5)
+
+    assert torch.equal(uniforms(got), uniforms(want))
+    ulp = (got.view(torch.int32) - want.view(torch.int32)).abs().max().item()
+    assert ulp <= 4
+    assert exponential_noise([], vocab, device, impl="triton").shape == (0, vocab)
+
+
+@pytest.mark.skipif(not _triton_can_run(), reason="Triton cannot run here")
+def test_one_pass_noise_only_when_forced(monkeypatch) -> None:
+    """The kernel is untimed, so unforced calls keep the tensor hash on every device;
+    TANDEM_KERNELS=triton routes the sampler's noise through it, with the same tokens."""
+    from kernels.sampling_noise import use_one_pass_noise
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.delenv("TANDEM_KERNELS", raising=False)
+    assert not use_one_pass_noise(device)
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(6, 200)).to(device)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)] * 3
+    keys = [(11, i) for i in range(6)]
+    want = Sampler(ahead=1).sample(logits, params, keys)
+    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    assert use_one_pass_noise(device)
+    got = Sampler(ahead=1).sample(logits, params, keys)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-6)

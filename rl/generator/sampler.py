@@ -26,6 +26,7 @@ import struct
 
 import torch
 
+from kernels.sampling_noise import noise_in_one_pass, use_one_pass_noise
 from rl.generator.sequence import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -99,12 +100,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def exponential_noise(
-    step_keys: list[tuple[int, int]], vocab_size: int, device: torch.device | str = "cpu"
+    step_keys: list[tuple[int, int]], vocab_size: int, device: torch.device | str = "cpu",
+    impl: str | None = None,
 ) -> torch.Tensor:
-    """E ~ Exp(1) i.i.d. per (row, token), a pure function of (seed, index, token). [N, V] fp32."""
+    """E ~ Exp(1) i.i.d. per (row, token), a pure function of (seed, index, token). [N, V] fp32.
+
+    ``impl="triton"`` (or ``TANDEM_KERNELS=triton``) computes it with
+    `kernels.sampling_noise.noise_in_one_pass` instead (not yet timed on a GPU).
+    """
     keys = torch.tensor(_row_keys(step_keys), dtype=torch.int64, device=device).reshape(
         -1, 2
     )  # [N, 2]
+    if use_one_pass_noise(keys.device, impl):
+        return noise_in_one_pass(keys, vocab_size)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]  # [1, V]
     out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32, device=device)
     rows = max(1, _NOISE_CHUNK_ELEMS // max(vocab_size, 1))
