@@ -2,9 +2,9 @@
 
 `rl.generator.sampler.exponential_noise` defines the noise: for row key words
 ``(k0, k1)`` and vocabulary id ``t``, ``h = mix32(mix32((t + k0) mod 2**32) ^ k1)``,
-``u = ((h >> 9) + 0.5) * 2**-23`` and ``E = -log(u)``. Its PyTorch form runs about
-30 elementwise int64 passes over ``[N, V]`` (at 64 rows of a 151,936-token
-vocabulary, some 80 MB each), outside the decode step's CUDA graph. This kernel
+``u = ((h >> 9) + 0.5) * 2**-23`` and ``E = -log(u)``. Its PyTorch form runs 30
+elementwise passes over ``[N, V]``, 24 of them in int64 (at 64 rows of a
+151,936-token vocabulary, 78 MB each), outside the decode step's CUDA graph. This kernel
 computes each element in registers and writes the fp32 result once.
 
 The hash is unsigned 32-bit arithmetic, so its wrap-around is defined and equal to
