@@ -137,3 +137,30 @@ def test_check_invariants_detects_corruption() -> None:
     a.block_table.append(a.block_table[0])  # table edited behind the manager's back
     with pytest.raises(AssertionError):
         bm.check_invariants()
+
+
+def test_one_position_writes_match_the_written_out_rule() -> None:
+    """Decode steps write one position, which num_blocks_needed and prepare_write answer
+    without the general loop: a copy exactly when that block is shared, a new block exactly
+    when the position lies past the table, nothing otherwise (the refcounts, tables, copies
+    and free list as the rule says)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    parent, child, lone = seq(0), seq(1), seq(2)
+    bm.allocate(parent, 7)  # blocks for positions 0-3 and 4-7
+    bm.fork(parent, child)  # both blocks shared
+    bm.allocate(lone, 4)  # one private block, full
+    cases = [(child, 5, 1, True), (lone, 3, 0, False), (lone, 4, 1, False), (child, 8, 1, False)]
+    for s, pos, need, copies in cases:
+        table, free = list(s.block_table), bm.num_free_blocks
+        assert bm.num_blocks_needed(s, pos, pos + 1) == need
+        bm.prepare_write(s, pos, pos + 1)
+        assert bm.num_free_blocks == free - need
+        j = pos // 4
+        if copies:  # the shared block was swapped for a private copy
+            assert s.block_table[j] != table[j] and bm.ref_count(s.block_table[j]) == 1
+            assert bm.take_copies() == [(table[j], s.block_table[j])]
+        else:
+            assert s.block_table[: len(table)] == table and bm.take_copies() == []
+        assert len(s.block_table) == max(len(table), j + 1)
+        assert bm.num_blocks_needed(s, pos, pos + 1) == 0  # written once, private now
+        bm.check_invariants()

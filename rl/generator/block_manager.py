@@ -63,6 +63,11 @@ class BlockManager:
     def num_blocks_needed(self, seq: Sequence, start: int, end: int) -> int:
         """Fresh blocks `prepare_write(seq, start, end)` takes: new blocks plus copies."""
         table = seq.block_table
+        if end - start == 1:  # a decode step: the one block holding position start
+            j = start // self.block_size
+            if j < len(table):
+                return 1 if self._ref_counts[table[j]] > 1 else 0
+            return j + 1 - len(table)
         first = start // self.block_size
         last = min(len(table), self.blocks_for(end))  # existing blocks that get written
         shared = sum(1 for j in range(first, last) if self._ref_counts[table[j]] > 1)
@@ -92,13 +97,16 @@ class BlockManager:
         Every shared block in the range is swapped for a fresh one and ``(src, dst)``
         is recorded (see `take_copies`); the old block keeps its other holders.
         """
+        table = seq.block_table
+        if end - start == 1 and start // self.block_size < len(table):  # a decode step's one position
+            if self._ref_counts[table[start // self.block_size]] == 1:
+                return  # already private: nothing to copy or allocate
         need = self.num_blocks_needed(seq, start, end)
         if need > len(self._free):
             raise RuntimeError(
                 f"KV pool exhausted: sequence {seq.seq_id} needs {need} blocks to write "
                 f"positions [{start}, {end}), {len(self._free)} free"
             )
-        table = seq.block_table
         for j in range(start // self.block_size, min(len(table), self.blocks_for(end))):
             src = table[j]
             if self._ref_counts[src] > 1:

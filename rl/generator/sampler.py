@@ -139,19 +139,21 @@ class Sampler:
 
     def __init__(self, ahead: int = 8, budget: int = 1 << 21) -> None:
         self.ahead, self.budget = ahead, budget
-        self._rows: dict[tuple[int, int], torch.Tensor] = {}  # key -> [V] noise row of the current block
-        self._block_of: tuple[int, torch.device] | None = None  # (V, device) of that block
+        self._row_of: dict[tuple[int, int], int] = {}  # key -> its row in the current block
+        self._block: torch.Tensor | None = None  # [rows, V] noise of the current block
 
     def _noise(self, step_keys: list[tuple[int, int]], v: int, device: torch.device) -> torch.Tensor:
-        """Exp(1) noise [N, V] for these keys (see `exponential_noise`)."""
+        """Exp(1) noise [N, V] for these keys (see `exponential_noise`), a new tensor."""
         ahead = min(self.ahead, self.budget // max(len(step_keys) * v, 1))
         if ahead < 2:
             return exponential_noise(step_keys, v, device)
-        if self._block_of != (v, device) or any(k not in self._rows for k in step_keys):
+        block = self._block
+        if (block is None or block.shape[1] != v or block.device != device
+                or any(k not in self._row_of for k in step_keys)):
             keys = [(seed, index + j) for seed, index in dict.fromkeys(step_keys) for j in range(ahead)]
-            self._rows = dict(zip(keys, exponential_noise(keys, v, device).unbind(0)))
-            self._block_of = (v, device)
-        return torch.stack([self._rows[k] for k in step_keys])
+            self._block = block = exponential_noise(keys, v, device)
+            self._row_of = {k: i for i, k in enumerate(keys)}
+        return block.index_select(0, torch.tensor([self._row_of[k] for k in step_keys], device=device))
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], step_keys: list[tuple[int, int]]
@@ -196,6 +198,8 @@ class Sampler:
             if greedy is not None:
                 tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
             logprobs = dist_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if plain and greedy is None:  # the sampled distribution is the raw one
+                return tokens, logprobs, logprobs.clone()
             if greedy is not None:
                 logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
         raw = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
