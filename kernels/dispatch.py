@@ -50,7 +50,7 @@ def triton_interpreting() -> bool:
     return tl is None or type(getattr(tl, "zeros", None)).__name__ == "InterpretedFunction"
 
 
-def _requested_impl(impl: str | None) -> str | None:
+def requested_impl(impl: str | None) -> str | None:
     """The forced implementation, from the argument or else the environment, or None."""
     if impl is None:
         impl = os.environ.get(ENV_VAR) or None
@@ -68,7 +68,7 @@ def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
     See the module docstring for the precedence of ``impl``, ``TANDEM_KERNELS`` and
     the device. Raises if Triton is forced but cannot run here.
     """
-    forced = _requested_impl(impl)
+    forced = requested_impl(impl)
     if forced == "torch":
         return False
     if forced is None:

@@ -20,11 +20,9 @@ whole step (the other kernels are Triton on CUDA either way).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels.dispatch import ENV_VAR, use_triton
+from kernels.dispatch import requested_impl, use_triton
 
 try:
     import triton
@@ -35,12 +33,12 @@ except ImportError:  # the PyTorch form needs no Triton
 __all__ = ["noise_in_one_pass", "use_one_pass_noise"]
 
 
-def use_one_pass_noise(device: torch.device, impl: str | None = None) -> bool:
-    """Whether `noise_in_one_pass` serves ``device``: only where Triton is forced
-    (``impl="triton"``, else ``TANDEM_KERNELS=triton``), as it is untimed; raises like
-    `kernels.dispatch.use_triton` where forced Triton cannot run."""
-    forced = impl if impl is not None else (os.environ.get(ENV_VAR) or None)
-    return forced == "triton" and use_triton(torch.empty(0, device=device), forced)
+def use_one_pass_noise(t: torch.Tensor, impl: str | None = None) -> bool:
+    """Whether `noise_in_one_pass` serves tensors like ``t``: only where Triton is forced
+    (`kernels.dispatch.requested_impl`), as it is untimed; raises like `use_triton` where
+    forced Triton cannot run."""
+    forced = requested_impl(impl)
+    return forced == "triton" and use_triton(t, forced)
 
 
 def noise_in_one_pass(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

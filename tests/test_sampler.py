@@ -333,15 +333,16 @@ def test_one_pass_noise_only_when_forced(monkeypatch) -> None:
     from kernels.sampling_noise import use_one_pass_noise
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    probe = torch.empty(0, device=device)
     monkeypatch.delenv("TANDEM_KERNELS", raising=False)
-    assert not use_one_pass_noise(device)
+    assert not use_one_pass_noise(probe)
     torch.manual_seed(0)
     logits = (3 * torch.randn(6, 200)).to(device)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)] * 3
     keys = [(11, i) for i in range(6)]
     want = Sampler(ahead=1).sample(logits, params, keys)
     monkeypatch.setenv("TANDEM_KERNELS", "triton")
-    assert use_one_pass_noise(device)
+    assert use_one_pass_noise(probe)
     got = Sampler(ahead=1).sample(logits, params, keys)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-6)

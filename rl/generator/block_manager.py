@@ -97,16 +97,15 @@ class BlockManager:
         Every shared block in the range is swapped for a fresh one and ``(src, dst)``
         is recorded (see `take_copies`); the old block keeps its other holders.
         """
-        table = seq.block_table
-        if end - start == 1 and start // self.block_size < len(table):  # a decode step's one position
-            if self._ref_counts[table[start // self.block_size]] == 1:
-                return  # already private: nothing to copy or allocate
         need = self.num_blocks_needed(seq, start, end)
+        if need == 0:  # no shared block in the range and none missing: nothing to do
+            return
         if need > len(self._free):
             raise RuntimeError(
                 f"KV pool exhausted: sequence {seq.seq_id} needs {need} blocks to write "
                 f"positions [{start}, {end}), {len(self._free)} free"
             )
+        table = seq.block_table
         for j in range(start // self.block_size, min(len(table), self.blocks_for(end))):
             src = table[j]
             if self._ref_counts[src] > 1:

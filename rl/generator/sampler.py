@@ -111,7 +111,7 @@ def exponential_noise(
     keys = torch.tensor(_row_keys(step_keys), dtype=torch.int64, device=device).reshape(
         -1, 2
     )  # [N, 2]
-    if use_one_pass_noise(keys.device, impl):
+    if use_one_pass_noise(keys, impl):
         return noise_in_one_pass(keys, vocab_size)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]  # [1, V]
     out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32, device=device)
