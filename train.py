@@ -3,7 +3,7 @@
     python train.py --config configs/quickstart.toml [--section.key=value ...]
     torchrun --nproc-per-node 8 train.py --config configs/grpo.toml
 
-Exit statuses are listed in rl/errors.py and the README.
+Exit statuses are listed in rl/runtime/errors.py and the README.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ def _fail(status: int, msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rl.config import ConfigError, parse_args
+    from rl.runtime.config import ConfigError, parse_args
 
     try:
         cfg, _ = parse_args(argv)  # --print-config / --help print and exit here
     except ConfigError as e:
         return _fail(errors.EXIT_CONFIG, str(e))
 
-    from rl.system import tune_host_allocator
+    from rl.runtime.system import tune_host_allocator
 
     tune_host_allocator()  # before torch allocates: MB-sized CPU temporaries stay on the heap
     import torch
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from parallel.distributed import destroy_distributed, init_distributed
     from rl.data.loading import DataError
     from rl.fault import NonFiniteError, enable_flight_recorder
-    from rl.modeling import ModelSetupError
-    from rl.trainers import TRAINERS
+    from rl.recipes import TRAINERS
+    from rl.runtime.modeling import ModelSetupError
 
     if cfg.fault.flight_recorder and torch.cuda.is_available():
         # NCCL only: on gloo the recorder's entries can outlive the interpreter

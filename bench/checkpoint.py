@@ -30,9 +30,9 @@ from models.args import ModelArgs
 from models.flavors import get_flavor
 from parallel.distributed import destroy_distributed, init_distributed
 from parallel.mesh import Degrees, build_mesh
-from rl.checkpoint import Checkpointer
-from rl.modeling import build_sharded_model
-from rl.optim import build_optimizer
+from rl.runtime.checkpoint import Checkpointer
+from rl.runtime.modeling import build_sharded_model
+from rl.runtime.optim import build_optimizer
 
 
 def sizes(name: str) -> ModelArgs:

@@ -39,7 +39,7 @@ from rl import errors
 from rl.data.loading import DataError, iter_jsonl_objects
 from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from rl.generator.sequence import SamplingParams
-from rl.modeling import ModelSetupError
+from rl.runtime.modeling import ModelSetupError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -152,7 +152,7 @@ def generate_rows(args: argparse.Namespace, model: Any, tok: Any, prompts: list[
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from parallel.distributed import destroy_distributed, init_distributed
-    from rl.system import tune_host_allocator
+    from rl.runtime.system import tune_host_allocator
 
     tune_host_allocator()
 

@@ -36,8 +36,8 @@ def _type(tp: object) -> str:
 
 
 def reference() -> str:
-    from rl.config import Config
-    from rl.configlib import to_dict
+    from rl.runtime.config import Config
+    from rl.runtime.configlib import to_dict
 
     lines = []
     defaults = to_dict(Config())

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from parallel.distributed import init_distributed
-from rl.checkpoint import MARKER, Checkpointer, committed_steps
+from rl.runtime.checkpoint import MARKER, Checkpointer, committed_steps
 
 
 def _model_and_opt(seed):

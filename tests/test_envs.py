@@ -16,9 +16,10 @@ from rl.data.agentic_tasks import (
     make_agentic_sft_rows,
 )
 from rl.data.loading import DataError
-from rl.envs import ENVIRONMENTS, EnvPool, StepResult, make_env, step_episode
-from rl.registry import RegistryError
+from rl.envs import ENVIRONMENTS, StepResult, make_env, step_episode
 from rl.rewards import get_reward
+from rl.runtime.registry import RegistryError
+from rl.workers.env_pool import EnvPool
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 

@@ -13,7 +13,6 @@ import torch
 
 from models.tokenizer import build_char_tokenizer
 from parallel.distributed import init_distributed
-from rl.config import ConfigError, load_config
 from rl.data.loading import DataError
 from rl.data.preference import (
     build_preference_data,
@@ -21,7 +20,8 @@ from rl.data.preference import (
     load_preference_data,
     tokenize_response,
 )
-from rl.trainers import TRAINERS
+from rl.recipes import TRAINERS
+from rl.runtime.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPO_TOML = os.path.join(ROOT, "configs", "dpo.toml")

@@ -22,10 +22,10 @@ from models.value_head import (
     save_scalar_model,
 )
 from parallel.distributed import init_distributed
-from rl.config import load_config
 from rl.data.preference import SYNTHETIC_PAIRS
-from rl.reward_model import EXPORT_DIR, RewardModelScorer
-from rl.trainers import TRAINERS
+from rl.recipes import TRAINERS
+from rl.recipes.reward_model import EXPORT_DIR, RewardModelScorer
+from rl.runtime.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RM_TOML = os.path.join(ROOT, "configs", "reward_model.toml")
@@ -118,8 +118,8 @@ def test_reward_model_toml_runs_through_train_py(tmp_path):
 
 def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
     """A reward-model folder scores rollouts in the RL loop, mixed with a rule-based reward."""
+    from rl.recipes.rl import RLTrainer
     from rl.rewards.registry import REWARDS
-    from rl.rl_trainer import RLTrainer
 
     rm_dump = str(tmp_path / "rm")
     cfg = load_config(RM_TOML, ["--data.synthetic_rows=64", "--training.steps=2", "--metrics.tensorboard=false",

@@ -9,8 +9,7 @@ import time
 import pytest
 
 import tests.reward_helpers  # noqa: F401  (registers the test_* rewards)
-from rl.registry import RegistryError
-from rl.rewards import REWARDS, RewardPool, get_reward
+from rl.rewards import REWARDS, get_reward
 from rl.rewards.basic import (
     countdown_reward,
     exact_match,
@@ -19,6 +18,8 @@ from rl.rewards.basic import (
     sequence_match,
 )
 from rl.rewards.math import extract_answer, is_equiv, math_reward, normalize_answer, to_sympy
+from rl.runtime.registry import RegistryError
+from rl.workers.reward_pool import RewardPool
 
 # ---------------------------------------------------------------------------- extraction
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from models.args import ModelArgs
 from parallel.mesh import Degrees
-from rl.config import ConfigError
-from rl.policy import check_layout
+from rl.runtime.config import ConfigError
+from rl.update.policy import check_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")

@@ -18,8 +18,8 @@ import torch
 from models.attention import DocumentAttention
 from models.hf import load_model
 from rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
-from rl.rollout_types import RolloutSample
-from rl.update import (
+from rl.rollout.types import RolloutSample
+from rl.update.loss import (
     LossInputs,
     LossSpec,
     completion_tensors,

@@ -1,4 +1,4 @@
-"""Tests for rl/sandbox.py: each hostile program is stopped, leaves nothing behind and
+"""Tests for rl/workers/sandbox.py: each hostile program is stopped, leaves nothing behind and
 leaves the trainer (this pytest process) as it was."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from rl.rewards.code import build_harness, code_unit_tests, extract_code
 from rl.rewards.registry import REWARDS
-from rl.sandbox import (
+from rl.workers.sandbox import (
     SandboxError,
     SandboxLimits,
     SandboxResult,

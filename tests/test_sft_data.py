@@ -75,7 +75,7 @@ def test_step_sampler_epochs_and_ranks():
 
 
 def test_tool_calling_transcript_renders_its_tools_and_trains_only_the_assistant(tok):
-    from rl.tools import TOOLS
+    from rl.envs.tools import TOOLS
 
     tools = [TOOLS.get("calculator").schema()]
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'

@@ -8,8 +8,8 @@ import pytest
 
 from rl.data.loading import load_rows
 from rl.data.tasks import TASK_REWARD, TASKS, make_task_rows, split_of, write_jsonl
-from rl.registry import RegistryError
 from rl.rewards import REWARDS
+from rl.runtime.registry import RegistryError
 
 ALL_TASKS = ["arithmetic", "countdown", "sorting", "addition_small"]
 FIELDS = {"id", "task", "prompt", "messages", "answer", "reward", "problem_id"}

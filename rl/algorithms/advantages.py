@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 __all__ = [
     "ADVANTAGES",

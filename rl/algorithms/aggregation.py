@@ -23,7 +23,7 @@ split. Gradients are linear in these parts, so accumulated gradients match too.
 
 Data parallel: DDP and FSDP *average* gradients over ranks; to obtain the sum,
 the caller multiplies the loss it back-propagates by the data-parallel size (as
-rl/sft.py does) or configures the reduction as a sum. That factor is deliberately
+rl/recipes/sft.py does) or configures the reduction as a sum. That factor is deliberately
 not part of `AggregationNorm`: the functions here return the true loss value.
 
 Modes (G = sequences in the step, |o_i| = response tokens of sequence i):
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 __all__ = [
     "AGGREGATIONS",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 __all__ = [
     "POLICY_LOSSES",

@@ -34,7 +34,7 @@ from typing import Any
 
 from rl.data.loading import DataError, iter_jsonl_objects
 from rl.data.tasks import Split, split_of
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 __all__ = [
     "AGENTIC_TASKS",
@@ -311,7 +311,7 @@ def make_agentic_sft_rows(
         raise ValueError(
             f"need 0 <= tool_rate <= 1 and schemas in (0, 1); got {tool_rate}, {schemas}"
         )
-    from rl.tools import tool_schemas
+    from rl.envs.tools import tool_schemas
 
     rng = random.Random(f"sft|{name}|{seed}|{tool_rate}")
     out = []

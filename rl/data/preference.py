@@ -31,7 +31,7 @@ import torch
 from rl.data.loading import DataError, load_rows
 from rl.data.sft import BadRow, Example
 from rl.data.tasks import make_task_rows
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 __all__ = [
     "SYNTHETIC_PAIRS",
@@ -112,7 +112,7 @@ def tokenize_response(context: str | Messages, response: str | Messages, tokeniz
     """One side of a pair (or one reward-model query): context + response through the
     chat template, ``loss_mask`` on the response's assistant tokens.
 
-    The reward model's trainer and `rl.reward_model.RewardModelScorer` both call
+    The reward model's trainer and `rl.recipes.reward_model.RewardModelScorer` both call
     this, so a scored completion is tokenized exactly as it was trained. An
     empty string response is allowed here (a policy may generate one).
     """

@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rl.registry import Registry
 from rl.rewards.basic import eval_arithmetic
+from rl.runtime.registry import Registry
 
 __all__ = [
     "TASKS",

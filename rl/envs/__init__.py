@@ -4,7 +4,7 @@ Importing this package registers the built-ins in ``ENVIRONMENTS``: "tool"
 (tool calls, then a scored answer; rl/envs/tool_env.py) and "code" (write a
 function, optionally test it with python, scored by hidden unit tests;
 rl/envs/code_env.py). The contract is in rl/envs/base.py, the worker pool that
-runs steps next to generation in rl/envs/pool.py, the driver in rl/agentic.py.
+runs steps next to generation in rl/workers/env_pool.py, the driver in rl/rollout/agentic.py.
 Nothing here imports torch, so pool workers start quickly.
 """
 
@@ -18,12 +18,9 @@ from rl.envs.base import (
     row_messages,
     step_episode,
 )
-from rl.envs.pool import EnvOutcome, EnvPool
 
 __all__ = [
     "ENVIRONMENTS",
-    "EnvOutcome",
-    "EnvPool",
     "Environment",
     "Episode",
     "StepResult",

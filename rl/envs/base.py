@@ -10,8 +10,8 @@ An `Environment` is configuration (which tools, which reward); it makes one
     #   [{"role": "tool", "content": "42"}]; rendered through the chat template
     # result.done / result.reward: the episode ended, with this final reward
 
-Why episodes are plain picklable objects: the rollout driver (rl/agentic.py)
-runs ``step`` in CPU worker processes (rl/envs/pool.py) and ships the episode to
+Why episodes are plain picklable objects: the rollout driver (rl/rollout/agentic.py)
+runs ``step`` in CPU worker processes (rl/workers/env_pool.py) and ships the episode to
 the worker and back with every step. Nothing lives in a worker between steps, so
 any worker can take any step, a dead worker loses no conversation, and a step
 that failed can be retried from the state before it. Consequently an episode and
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 __all__ = [
     "ENVIRONMENTS",

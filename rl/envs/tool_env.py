@@ -1,8 +1,8 @@
 """The "tool" environment: the policy may call tools, then answers; the answer is scored.
 
-Each assistant turn is parsed with ``rl.tools.parse_tool_calls``. If it has
+Each assistant turn is parsed with ``rl.envs.tools.parse_tool_calls``. If it has
 ``<tool_call>`` blocks, each is dispatched to the configured tools (``python``
-runs in rl/sandbox.py, ``calculator`` is an AST whitelist) and every result comes
+runs in rl/workers/sandbox.py, ``calculator`` is an AST whitelist) and every result comes
 back as one ``{"role": "tool", "content": ...}`` observation; a malformed call
 is an ``Error: ...`` observation, never an exception. A turn without tool calls
 is the final answer: the episode ends and the configured reward function from
@@ -33,9 +33,9 @@ from rl.envs.base import (
     StepResult,
     row_messages,
 )
+from rl.envs.tools import TOOLS, Tool, ToolCallError, dispatch, make_python_tool, parse_tool_calls
 from rl.rewards.registry import RewardFn, get_reward
-from rl.sandbox import SandboxLimits
-from rl.tools import TOOLS, Tool, ToolCallError, dispatch, make_python_tool, parse_tool_calls
+from rl.workers.sandbox import SandboxLimits
 
 __all__ = ["ToolEnv", "ToolEnvConfig", "ToolEpisode"]
 

@@ -11,10 +11,10 @@ DUMP`` summarises it. docs/fault-tolerance.md has the whole story. Nothing
 here acts at import time: signal handlers and threads start only when asked.
 """
 
-from rl.errors import EXIT_HANG, EXIT_NONFINITE
 from rl.fault.nan import NonFiniteError, check_finite
 from rl.fault.signals import PreemptionHandler
 from rl.fault.watchdog import Watchdog, enable_flight_recorder
+from rl.runtime.errors import EXIT_HANG, EXIT_NONFINITE
 
 __all__ = [
     "EXIT_HANG",

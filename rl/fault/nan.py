@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-# Exit status for a NonFiniteError (the lead mirrors it in rl/errors.py).
+# Exit status for a NonFiniteError (the lead mirrors it in rl/runtime/errors.py).
 
 Policy = Literal["skip", "stop"]
 

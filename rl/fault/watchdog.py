@@ -46,8 +46,8 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-# Exit status of a rank whose watchdog fired (the lead mirrors it in rl/errors.py).
-from rl.errors import EXIT_HANG  # noqa: E402
+# Exit status of a rank whose watchdog fired (the lead mirrors it in rl/runtime/errors.py).
+from rl.runtime.errors import EXIT_HANG  # noqa: E402
 
 FR_SUBDIR = "flight_recorder"
 _RANK_JSON = re.compile(r"^rank-(\d+)\.json$")

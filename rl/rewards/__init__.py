@@ -3,12 +3,11 @@
 Importing this package registers the built-in rewards: "math" (rl.rewards.math);
 "exact_match", "format", "length_penalty", "sequence", "countdown"
 (rl.rewards.basic); "code_unit_tests" (rl.rewards.code, sandboxed unit tests).
-See ``rl.rewards.registry`` for the reward-function contract and
-``rl.rewards.pool.RewardPool`` for batched, fault-tolerant scoring.
+See ``rl.rewards.registry`` for the reward-function contract;
+``rl.workers.reward_pool.RewardPool`` scores batches in worker processes.
 """
 
 from rl.rewards import basic, code, math  # noqa: F401  (registers the built-ins)
-from rl.rewards.pool import RewardPool, RewardResult
 from rl.rewards.registry import (
     REWARDS,
     RewardFn,
@@ -20,8 +19,6 @@ from rl.rewards.registry import (
 __all__ = [
     "REWARDS",
     "RewardFn",
-    "RewardPool",
-    "RewardResult",
     "get_reward",
     "load_reward_modules",
     "register_reward",

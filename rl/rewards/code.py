@@ -9,7 +9,7 @@ block of the completion (else the last bare ```` ``` ```` block, else the whole 
 
 How a run is scored (why it is hard to fake):
 
-* The solution and a harness run in rl/sandbox.py. The harness first reads a per-call
+* The solution and a harness run in rl/workers/sandbox.py. The harness first reads a per-call
   random nonce (``secrets.token_hex``, made in this process for this call) from its
   stdin, which is an unlinked file, and then points fd 0 at /dev/null; it keeps a
   private duplicate of the real stdout fd and points fd 1 at /dev/null too, so
@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rl.rewards.registry import register_reward
-from rl.sandbox import SandboxLimits, SandboxResult, run_python
+from rl.workers.sandbox import SandboxLimits, SandboxResult, run_python
 
 __all__ = ["build_harness", "code_unit_tests", "extract_code", "normalize_tests",
            "score_result"]

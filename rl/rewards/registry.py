@@ -31,7 +31,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 

@@ -8,7 +8,7 @@ Each section is a plain dataclass validated where it is defined (``validate``
 raises `ConfigError` for cross-field checks); leaf code takes its own section,
 never the root. Adding a section is one dataclass plus one field on `Config`.
 Unknown sections and keys are errors that name the key and the nearest valid
-one; see rl/configlib.py for the mechanism and the supported field types.
+one; see rl/runtime/configlib.py for the mechanism and the supported field types.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from rl.configlib import (
+from rl.runtime.configlib import (
     EXIT_CONFIG_ERROR,
     CliArgs,
     ConfigError,
@@ -58,7 +58,7 @@ __all__ = [
     "parse_args",
 ]
 
-from rl.rl_config import (  # noqa: E402  (sections of rl recipes)
+from rl.runtime.rl_config import (  # noqa: E402  (sections of rl recipes)
     CriticConfig,
     DistillConfig,
     EnvConfig,
@@ -181,7 +181,7 @@ class LRScheduleConfig:
 class TrainingConfig:
     """Step count, batch sizes and FSDP2 mixed precision."""
 
-    recipe: Literal["sft", "rl", "dpo", "reward_model"] = "sft"  # which trainer loop runs (rl/trainers.py)
+    recipe: Literal["sft", "rl", "dpo", "reward_model"] = "sft"  # which trainer loop runs (rl/recipes/__init__.py)
     steps: int = 100  # optimizer steps
     batch_size: int = 8  # sequences (or packed rows) per optimizer step, global over data-parallel ranks
     micro_batch_size: int = 1  # per rank per forward/backward

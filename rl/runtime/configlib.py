@@ -4,7 +4,7 @@ A config is a tree of plain dataclasses. Each field's type annotation is the
 schema: values from a TOML file are checked against it, values from the command
 line (``--section.key=value``) are parsed by it, and `format_toml` writes it back
 as TOML that reads in to an equal tree. A field whose type is itself a dataclass
-is a (sub)section. Nothing here knows Tandem's sections; rl/config.py defines them.
+is a (sub)section. Nothing here knows Tandem's sections; rl/runtime/config.py defines them.
 
 Supported field types: ``int``, ``float``, ``str``, ``bool``, ``X | None``,
 ``list[X]``, ``Literal[...]``, ``dict[str, X]`` (TOML only) and dataclasses.

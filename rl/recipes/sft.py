@@ -18,15 +18,15 @@ from models.attention import DocumentAttention
 from parallel.distributed import DistInfo
 from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_rank
-from rl.checkpoint import Checkpointer, resume_note
-from rl.config import ConfigError
 from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, load_sft_records
-from rl.errors import EXIT_PREEMPTED
 from rl.fault import PreemptionHandler, Watchdog, check_finite
-from rl.metrics import MetricsLogger, truncate_jsonl
-from rl.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
-from rl.optim import build_optimizer, build_scheduler
-from rl.system import peak_memory_gb
+from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.runtime.config import ConfigError
+from rl.runtime.errors import EXIT_PREEMPTED
+from rl.runtime.metrics import MetricsLogger, truncate_jsonl
+from rl.runtime.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
+from rl.runtime.optim import build_optimizer, build_scheduler
+from rl.runtime.system import peak_memory_gb
 
 
 def run_sft(cfg, info: DistInfo) -> int:

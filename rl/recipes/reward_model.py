@@ -7,7 +7,7 @@ each side (context + reply through the chat template, as rl/data/preference.py
 renders it), and the loss is -log sigmoid(s_chosen - s_rejected)
 (rl/algorithms/preference.py `bradley_terry_loss`), averaged over the step's
 pairs with the layout-invariant scaling of the shared pairwise loop
-(rl/preference.py `run_pair_loop`).
+(rl/recipes/dpo.py `run_pair_loop`).
 
 At the end the model is written to ``<dump_folder>/reward_model`` (config.json,
 safetensors, tokenizer); `RewardModelScorer(folder)` loads it and scores
@@ -38,8 +38,8 @@ from parallel.fsdp import apply_fsdp
 from parallel.mesh import dp_mesh
 from rl.algorithms.preference import bradley_terry_loss
 from rl.data.preference import PreferencePair, collate_pairs, tokenize_response
-from rl.modeling import ModelSetupError, gather_full_state, load_full_state
-from rl.preference import pair_accuracy, run_pair_loop, setup_pairs
+from rl.recipes.dpo import pair_accuracy, run_pair_loop, setup_pairs
+from rl.runtime.modeling import ModelSetupError, gather_full_state, load_full_state
 
 __all__ = ["EXPORT_DIR", "RewardModelScorer", "build_sharded_scalar_model", "run_reward_model"]
 
@@ -51,7 +51,7 @@ def build_sharded_scalar_model(args: Any, mesh: Any, device: torch.device, *, pa
                                is_main: bool, activation_checkpoint: str = "none",
                                compile: bool = False) -> ScalarHeadModel:
     """Meta-init, activation checkpointing, compile, FSDP2 over the data-parallel mesh, then
-    rank 0's full weights broadcast in (the order rl/modeling.py uses for the policy)."""
+    rank 0's full weights broadcast in (the order rl/runtime/modeling.py uses for the policy)."""
     with torch.device("meta"):
         model = ScalarHeadModel(args)
     apply_ac(model, activation_checkpoint)  # these find the blocks through ScalarHeadModel.layers

@@ -7,34 +7,34 @@ a loop shape (supervised, preference, rollout-then-update), not an algorithm.
 
 from __future__ import annotations
 
-from rl.registry import Registry
+from rl.runtime.registry import Registry
 
 TRAINERS: Registry = Registry("training recipe")
 
 
 @TRAINERS.register("sft")
 def _sft(cfg, info) -> int:
-    from rl.sft import run_sft
+    from rl.recipes.sft import run_sft
 
     return run_sft(cfg, info)
 
 
 @TRAINERS.register("rl")
 def _rl(cfg, info) -> int:
-    from rl.rl_trainer import run_rl
+    from rl.recipes.rl import run_rl
 
     return run_rl(cfg, info)
 
 
 @TRAINERS.register("dpo")
 def _dpo(cfg, info) -> int:
-    from rl.preference import run_preference
+    from rl.recipes.dpo import run_preference
 
     return run_preference(cfg, info)
 
 
 @TRAINERS.register("reward_model")
 def _reward_model(cfg, info) -> int:
-    from rl.reward_model import run_reward_model
+    from rl.recipes.reward_model import run_reward_model
 
     return run_reward_model(cfg, info)

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from models.hf import load_args
 from models.tokenizer import Tokenizer
 from rl.data.loading import DataError
-from rl.modeling import ModelSetupError, build_sharded_model
-from rl.rollout_types import RolloutSample
-from rl.update import pack_micro_batches, recompute_logprobs, sync_micro_batch_count
+from rl.rollout.types import RolloutSample
+from rl.runtime.modeling import ModelSetupError, build_sharded_model
+from rl.update.loss import pack_micro_batches, recompute_logprobs, sync_micro_batch_count
 
 
 def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:

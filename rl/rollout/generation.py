@@ -20,7 +20,7 @@ from models.transformer import Transformer
 from rl.data.prompts import Prompt
 from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from rl.generator.sequence import SamplingParams
-from rl.rollout_types import RolloutSample
+from rl.rollout.types import RolloutSample
 
 
 def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
@@ -28,7 +28,7 @@ def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
                            ) -> tuple[Transformer, dict[str, float]]:
     """Collective: every rank gets a full, unsharded copy of the policy for generation.
 
-    ``policy``: an rl/policy.py policy, whose ``full_state()`` gathers the whole
+    ``policy``: an rl/update/policy.py policy, whose ``full_state()`` gathers the whole
     state dict onto every rank (over FSDP2, TP and the pipeline stages).
     ``dtype``: cast the copy's floating-point tensors to it (None keeps the parameters' dtype).
     ``layout``: the copy gets `inference_layout` (False: the training layout, for tests).
@@ -142,8 +142,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
                       pool: Any, *, seed: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
-    """n multi-turn episodes per prompt against ``ecfg.name`` (rl/agentic.py); the KV pool is freed on return."""
-    from rl.agentic import run_agentic_rollout
+    """n multi-turn episodes per prompt against ``ecfg.name`` (rl/rollout/agentic.py); the KV pool is freed on return."""
+    from rl.rollout.agentic import run_agentic_rollout
 
     settings = generation_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)  # max_model_len: the episode cap
     (samples, env_metrics), metrics = _with_generator(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rl.configlib import ConfigError, require
+from rl.runtime.configlib import ConfigError, require
 
 
 def _check_name(key: str, registry_path: str, name: str) -> None:
@@ -186,7 +186,7 @@ class EnvConfig:
 
     The policy's turns are sampled; the environment's replies (tool results,
     test output) join the context with no loss; the episode's final reward is
-    added to the score (next to any ``reward.functions``). See rl/agentic.py.
+    added to the score (next to any ``reward.functions``). See rl/rollout/agentic.py.
     """
 
     name: str | None = None  # rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn

@@ -26,14 +26,14 @@ from models.args import ModelArgs
 from parallel.grad import clip_grad_norm
 from rl.algorithms import AGGREGATIONS
 from rl.algorithms.value import value_loss
-from rl.optim import build_optimizer
-from rl.update import MicroBatch, scatter_completions
+from rl.runtime.optim import build_optimizer
+from rl.update.loss import MicroBatch, scatter_completions
 
 
 class Critic:
     def __init__(self, cfg: Any, args: ModelArgs, mesh: Any, device: torch.device, *, policy_path: str | None,
                  is_main: bool) -> None:
-        from rl.reward_model import build_sharded_scalar_model
+        from rl.recipes.reward_model import build_sharded_scalar_model
 
         c = cfg.critic
         self.cfg = c

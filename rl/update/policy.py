@@ -45,10 +45,10 @@ from parallel.mesh import Degrees
 from parallel.parallelize import parallelize
 from parallel.pp import SCHEDULES, build_pipeline, pipeline_split
 from parallel.tp import validate_tp
-from rl.config import ConfigError
-from rl.modeling import build_sharded_model, export_hf, full_initial_state
-from rl.rollout_types import RolloutSample
-from rl.update import (
+from rl.rollout.types import RolloutSample
+from rl.runtime.config import ConfigError
+from rl.runtime.modeling import build_sharded_model, export_hf, full_initial_state
+from rl.update.loss import (
     LossInputs,
     LossSpec,
     MicroBatch,

@@ -51,14 +51,14 @@ from rl.algorithms.preference import (
     PreferenceFn,
     PreferenceInput,
 )
-from rl.checkpoint import Checkpointer, resume_note
-from rl.config import ConfigError
 from rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from rl.data.sft import StepSampler
-from rl.metrics import MetricsLogger
-from rl.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
-from rl.optim import build_optimizer, build_scheduler
-from rl.system import peak_memory_gb
+from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.runtime.config import ConfigError
+from rl.runtime.metrics import MetricsLogger
+from rl.runtime.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
+from rl.runtime.optim import build_optimizer, build_scheduler
+from rl.runtime.system import peak_memory_gb
 
 __all__ = [
     "MicroFn",

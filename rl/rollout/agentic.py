@@ -59,10 +59,10 @@ from typing import Any
 
 from models.tokenizer import Tokenizer
 from rl.envs.base import Episode, Message, StepResult, make_env, step_episode
-from rl.envs.pool import EnvOutcome, EnvPool
 from rl.generator.engine import Generator
 from rl.generator.sequence import SamplingParams, Sequence
-from rl.rollout_types import RolloutSample
+from rl.rollout.types import RolloutSample
+from rl.workers.env_pool import EnvOutcome, EnvPool
 
 __all__ = ["ChatRenderer", "end_of_turn_id", "run_agentic_rollout"]
 

@@ -25,7 +25,7 @@ from kernels.logprobs import token_logprobs_entropy
 from models.attention import AttentionBackend, CausalAttention, DocumentAttention, SegmentAttention
 from parallel.loss import token_logprobs_at
 from rl.algorithms import KL_ESTIMATORS, PolicyLossInput
-from rl.rollout_types import RolloutSample
+from rl.rollout.types import RolloutSample
 
 
 @dataclass

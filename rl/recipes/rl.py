@@ -39,25 +39,30 @@ from rl.algorithms import (
     opd_advantages,
     overlong_penalty,
 )
-from rl.checkpoint import Checkpointer, resume_note
-from rl.config import ConfigError
-from rl.critic import Critic
 from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
 from rl.fault import PreemptionHandler, Watchdog, check_finite
 from rl.fault.inject import maybe_kill
-from rl.metrics import MetricsLogger, step_gaps, truncate_jsonl
-from rl.modeling import ModelSetupError, build_tokenizer, model_args
-from rl.optim import build_optimizer, build_scheduler
-from rl.policy import build_policy, check_layout
-from rl.rewards.pool import RewardPool
-from rl.rollout import build_generation_model, generate_episodes, generate_samples, generation_dtype
-from rl.rollout_types import RolloutSample
-from rl.system import peak_memory_gb, reset_peak_memory
-from rl.update import (
+from rl.rollout.generation import (
+    build_generation_model,
+    generate_episodes,
+    generate_samples,
+    generation_dtype,
+)
+from rl.rollout.types import RolloutSample
+from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.runtime.config import ConfigError
+from rl.runtime.metrics import MetricsLogger, step_gaps, truncate_jsonl
+from rl.runtime.modeling import ModelSetupError, build_tokenizer, model_args
+from rl.runtime.optim import build_optimizer, build_scheduler
+from rl.runtime.system import peak_memory_gb, reset_peak_memory
+from rl.update.critic import Critic
+from rl.update.loss import (
     LossInputs,
     LossSpec,
     completion_tensors,
 )
+from rl.update.policy import build_policy, check_layout
+from rl.workers.reward_pool import RewardPool
 
 _COUNTS = ("errors", "timeouts", "crashes")  # reward metrics that are counts (summed, not averaged)
 
@@ -105,14 +110,14 @@ class RLTrainer:
         self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         self.teachers = None
         if cfg.distill.teachers:
-            from rl.distill import Teachers
+            from rl.update.teachers import Teachers
 
             self.teachers = Teachers(cfg, self.tok, self.mesh, info.device, is_main=info.is_main)
             self.teachers.route_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
         self.rm = self._reward_model() if cfg.reward.reward_model else None
         self.env_pool = None
         if cfg.env.name:
-            from rl.envs import EnvPool
+            from rl.workers.env_pool import EnvPool
 
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
         # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
@@ -162,7 +167,7 @@ class RLTrainer:
     # ---- rollout ---------------------------------------------------------------------
 
     def _reward_model(self):
-        from rl.reward_model import RewardModelScorer
+        from rl.recipes.reward_model import RewardModelScorer
 
         path = self.cfg.reward.reward_model
         try:
