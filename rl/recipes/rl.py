@@ -23,7 +23,7 @@ import torch.distributed as dist
 from parallel.distributed import DistInfo
 from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
-from rl import errors
+from rl.runtime import errors
 from rl.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
