@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from parallel.distributed import destroy_distributed, init_distributed
     from rl.data.loading import DataError
     from rl.fault import NonFiniteError, enable_flight_recorder
-    from rl.recipes import TRAINERS
+    from rl.recipes import run, unused_settings
     from rl.runtime.modeling import ModelSetupError
 
     if cfg.fault.flight_recorder and torch.cuda.is_available():
@@ -45,9 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         # and abort the process at exit (seen once in CI on a 2-rank CPU run).
         enable_flight_recorder(cfg.job.dump_folder)
     info = init_distributed()
+    if info.is_main:
+        for key in unused_settings(cfg):
+            print(f"warning: {key} is set but the {cfg.training.recipe!r} recipe does not read it", flush=True)
     status = None
     try:
-        status = TRAINERS.get(cfg.training.recipe)(cfg, info)
+        status = run(cfg, info)
         return status
     except ConfigError as e:  # checks that need the world size or the model
         return _fail(errors.EXIT_CONFIG, str(e))

@@ -31,7 +31,7 @@ from models.flavors import get_flavor
 from parallel.distributed import destroy_distributed, init_distributed
 from parallel.mesh import Degrees, build_mesh
 from rl.runtime.checkpoint import Checkpointer
-from rl.runtime.modeling import build_sharded_model
+from rl.runtime.modeling import BuildSpec, build_transformer
 from rl.runtime.optim import build_optimizer
 
 
@@ -47,8 +47,7 @@ def one(name: str, folder: str, info) -> dict[str, float]:  # noqa: ANN001
     mesh = build_mesh(Degrees(**{"dp_replicate": 1, "dp_shard": info.world_size, "tp": 1, "pp": 1}), info.device)
 
     def build():
-        m = build_sharded_model(args, mesh, info.device, path=None, seed=0, param_dtype="float32",
-                                reduce_dtype="float32", cpu_offload=False, is_main=info.is_main)
+        m = build_transformer(args, None, 0, mesh, info.device, BuildSpec(), is_main=info.is_main)
         opt = build_optimizer(m, lr=1e-4, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0)
         for p in m.parameters():
             p.grad = torch.ones_like(p)

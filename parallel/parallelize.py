@@ -9,10 +9,13 @@ For pipeline parallelism the trainer first calls `parallel.pp.build_pipeline`,
 passing ``parallelize_fn=lambda m: materialise(parallelize(m, mesh, ...))``, so
 each stage module is parallelized exactly like a whole model.
 
-FSDP2 is applied when the data-parallel size (dp_replicate * dp_shard) is > 1,
-over ``mesh["dp_shard"]`` or, for HSDP, the 2-D ``mesh["dp_replicate",
-"dp_shard"]``. With a single data-parallel rank there is nothing to shard or
-reduce, so the model is left unsharded (TP/PP still apply).
+FSDP2, over ``mesh["dp_shard"]`` or, for HSDP, the 2-D ``mesh["dp_replicate",
+"dp_shard"]``, follows one rule for every model and pipeline stage: it is
+applied when there are data-parallel ranks to shard over (dp_replicate *
+dp_shard > 1), or when mixed precision or CPU offload is asked for, since
+FSDP2's policies are how those are done (so a one-GPU run, or a layout with
+pp x tp = world, still computes in ``param_dtype``). Otherwise (one
+data-parallel rank computing in float32) the model is left unsharded.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from parallel.fsdp import apply_fsdp
 from parallel.mesh import dp_mesh
 from parallel.tp import apply_tp
 
-__all__ = ["parallelize"]
+__all__ = ["fsdp_needed", "parallelize"]
+
+
+def fsdp_needed(mesh: DeviceMesh, *, param_dtype: str, cpu_offload: bool) -> bool:
+    """The FSDP2 rule: data-parallel ranks to shard over, or mixed precision / offload asked for."""
+    dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+    return dp > 1 or param_dtype != "float32" or cpu_offload
 
 
 def parallelize(
@@ -39,7 +48,7 @@ def parallelize(
     ac: str = "none",
     compile: bool = False,
     compile_backend: str = "inductor",
-    fsdp_enabled: bool = True,
+    fsdp_enabled: bool | None = None,
     param_dtype: str = "float32",
     reduce_dtype: str = "float32",
     reshard_after_forward: bool = True,
@@ -47,8 +56,8 @@ def parallelize(
 ) -> nn.Module:
     """Parallelize ``model`` in place over ``mesh`` (axes from parallel/mesh.py); returns it.
 
-    ``tp_enabled`` / ``fsdp_enabled`` let a caller switch a stage off even when
-    its mesh axis is > 1 (they default to "whenever the axis is > 1").
+    ``tp_enabled`` switches TP off even when its mesh axis is > 1; ``fsdp_enabled``
+    forces FSDP2 on or off (default None: the rule in the module docstring).
     """
     if tp_enabled and mesh["tp"].size() > 1:
         apply_tp(
@@ -57,7 +66,9 @@ def parallelize(
     apply_ac(model, ac)
     if compile:
         apply_compile(model, backend=compile_backend)
-    if fsdp_enabled and mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
+    if fsdp_enabled is None:
+        fsdp_enabled = fsdp_needed(mesh, param_dtype=param_dtype, cpu_offload=cpu_offload)
+    if fsdp_enabled:
         apply_fsdp(
             model,
             dp_mesh(mesh),

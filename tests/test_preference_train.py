@@ -20,7 +20,7 @@ from rl.data.preference import (
     load_preference_data,
     tokenize_response,
 )
-from rl.recipes import TRAINERS
+from rl.recipes import run as run_recipe
 from rl.runtime.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +41,7 @@ def one_thread():
 
 def _run(dump, *overrides, config=DPO_TOML):
     cfg = load_config(config, [*FAST, f"--job.dump_folder={dump}", *overrides])
-    assert TRAINERS.get(cfg.training.recipe)(cfg, init_distributed(force_cpu=True)) == 0
+    assert run_recipe(cfg, init_distributed(force_cpu=True)) == 0
     return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
 
 
@@ -111,7 +111,7 @@ def test_config_checks(tmp_path):
         load_config(DPO_TOML, ["--preference.loss=dpx"])
     cfg = load_config(DPO_TOML, [*FAST, f"--job.dump_folder={tmp_path}", "--preference.reference=none"])
     with pytest.raises(ConfigError, match="loss 'dpo' needs reference log-probs"):
-        TRAINERS.get("dpo")(cfg, init_distributed(force_cpu=True))
+        run_recipe(cfg, init_distributed(force_cpu=True))
 
 
 # ---------------------------------------------------------------------- training
@@ -121,29 +121,29 @@ def test_dpo_learns_held_out_preferences(tmp_path, one_thread):
     # policy == reference at step 1: every implicit reward is 0, a tie (accuracy 0.5, loss log 2)
     assert first["accuracy"] == 0.5 and abs(first["loss"] - math.log(2)) < 1e-6
     # held-out lists (the task's test split) were never trained on; a sign-flipped loss reads ~0.03 here
-    assert last["eval_accuracy"] >= 0.85, last
-    assert last["eval_margin"] > 0.1 and last["eval_loss"] < math.log(2) - 0.05, last
-    assert last["eval_chosen_reward"] > 0 > last["eval_rejected_reward"]
+    assert last["eval/accuracy"] >= 0.85, last
+    assert last["eval/margin"] > 0.1 and last["eval/loss"] < math.log(2) - 0.05, last
+    assert last["eval/chosen_reward"] > 0 > last["eval/rejected_reward"]
     assert all(k in last for k in ("grad_norm", "lr", "margin", "chosen_logp", "rejected_logp"))
 
 
 def test_precompute_reference_equals_online(tmp_path, one_thread):
     steps = ["--training.steps=3", "--lr_schedule.warmup_steps=0"]
-    pre = _run(tmp_path / "pre", *steps, "--preference.reference=precompute", "--preference.eval_interval=1")
-    onl = _run(tmp_path / "onl", *steps, "--preference.reference=online", "--preference.eval_interval=0")
+    pre = _run(tmp_path / "pre", *steps, "--preference.reference=precompute", "--training.eval_interval=1")
+    onl = _run(tmp_path / "onl", *steps, "--preference.reference=online", "--training.eval_interval=0")
     assert pre[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
     for a, b in zip(pre, onl):  # also: evaluating every step does not perturb training
         for key in ("loss", "margin", "chosen_reward", "rejected_reward", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
     assert pre[-1]["loss"] < pre[0]["loss"] - 0.02  # by step 3 the reference matters
-    assert pre[-1]["eval_loss"] == pytest.approx(onl[-1]["eval_loss"], rel=1e-6)
+    assert pre[-1]["eval/loss"] == pytest.approx(onl[-1]["eval/loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("loss,extra", [("ipo", ["--preference.beta=0.5"]),
                                         ("simpo", ["--preference.beta=2.0", "--preference.reference=none"])])
 def test_other_losses_train(tmp_path, one_thread, loss, extra):
     rows = _run(tmp_path / loss, "--training.steps=6", f"--preference.loss={loss}", *extra)
-    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["eval_accuracy"] >= 0.75, rows[-1]
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["eval/accuracy"] >= 0.75, rows[-1]
 
 
 @pytest.mark.slow
@@ -167,7 +167,7 @@ def test_two_ranks_then_resume_on_one(tmp_path, one_thread):
     assert [row["step"] for row in rows] == [3, 4]
     for a, b in zip(ref[2:], rows):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
-    assert ref[-1]["eval_accuracy"] == rows[-1]["eval_accuracy"]
+    assert ref[-1]["eval/accuracy"] == rows[-1]["eval/accuracy"]
     from safetensors.torch import load_file
 
     ha, hb = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (two, resumed))
@@ -181,6 +181,6 @@ def test_dpo_toml_runs_through_train_py(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
-    assert [row["step"] for row in rows] == [1, 2] and "eval_accuracy" in rows[-1]
+    assert [row["step"] for row in rows] == [1, 2] and "eval/accuracy" in rows[-1]
     assert os.path.exists(os.path.join(dump, "hf", "model.safetensors"))
     assert os.path.exists(os.path.join(dump, "checkpoints", "step-2", "COMMITTED"))

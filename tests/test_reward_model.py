@@ -23,8 +23,9 @@ from models.value_head import (
 )
 from parallel.distributed import init_distributed
 from rl.data.preference import SYNTHETIC_PAIRS
-from rl.recipes import TRAINERS
-from rl.recipes.reward_model import EXPORT_DIR, RewardModelScorer
+from rl.recipes import run as run_recipe
+from rl.recipes.reward_model import EXPORT_DIR
+from rl.rewards.reward_model import RewardModelScorer
 from rl.runtime.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,22 +80,22 @@ def test_reward_model_learns_and_scorer_reproduces_the_trainer(tmp_path, one_thr
     cfg = load_config(RM_TOML, ["--data.synthetic_rows=128", "--training.steps=12", "--training.batch_size=32",
                                 "--training.micro_batch_size=16", "--optimizer.lr=1e-3", "--metrics.tensorboard=false",
                                 "--checkpoint.enable=false", f"--job.dump_folder={dump}"])
-    assert TRAINERS.get("reward_model")(cfg, init_distributed(force_cpu=True)) == 0
+    assert run_recipe(cfg, init_distributed(force_cpu=True)) == 0
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     last = rows[-1]
     # held-out lists from the task's test split; chance is 0.5
-    assert last["eval_accuracy"] >= 0.85 and last["eval_loss"] < math.log(2) - 0.2, last
-    assert last["eval_chosen_score"] > last["eval_rejected_score"]
+    assert last["eval/accuracy"] >= 0.85 and last["eval/loss"] < math.log(2) - 0.2, last
+    assert last["eval/chosen_score"] > last["eval/rejected_score"]
 
     scorer = RewardModelScorer(os.path.join(dump, EXPORT_DIR), "cpu", batch_size=7)
     pairs = SYNTHETIC_PAIRS.get("sorting")(64, cfg.job.seed, "test")  # the trainer's held-out pairs
     prompts = [p["prompt"] for p in pairs]
     chosen = scorer.score(prompts, [p["chosen"] for p in pairs])
     rejected = scorer.score(prompts, [p["rejected"] for p in pairs])
-    assert statistics.fmean(chosen) == pytest.approx(last["eval_chosen_score"], rel=1e-5, abs=1e-6)
-    assert statistics.fmean(rejected) == pytest.approx(last["eval_rejected_score"], rel=1e-5, abs=1e-6)
+    assert statistics.fmean(chosen) == pytest.approx(last["eval/chosen_score"], rel=1e-5, abs=1e-6)
+    assert statistics.fmean(rejected) == pytest.approx(last["eval/rejected_score"], rel=1e-5, abs=1e-6)
     acc = statistics.fmean(1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(chosen, rejected))
-    assert acc == last["eval_accuracy"]
+    assert acc == last["eval/accuracy"]
 
     # a message-list prompt is the same query as its string form; empty replies score; lengths must match
     msgs = [{"role": "user", "content": prompts[0]}]
@@ -111,20 +112,23 @@ def test_reward_model_toml_runs_through_train_py(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
-    assert [row["step"] for row in rows] == [1, 2] and "eval_accuracy" in rows[-1]
+    assert [row["step"] for row in rows] == [1, 2] and "eval/accuracy" in rows[-1]
     assert os.path.exists(os.path.join(dump, EXPORT_DIR, "model.safetensors"))
     assert os.path.exists(os.path.join(dump, EXPORT_DIR, "tokenizer.json"))
 
 
 def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
     """A reward-model folder scores rollouts in the RL loop, mixed with a rule-based reward."""
-    from rl.recipes.rl import RLTrainer
+    from rl.fault import Watchdog
+    from rl.recipes.base import Runtime
+    from rl.recipes.rl import RLRecipe
     from rl.rewards.registry import REWARDS
+    from rl.runtime.metrics import MetricsLogger
 
     rm_dump = str(tmp_path / "rm")
     cfg = load_config(RM_TOML, ["--data.synthetic_rows=64", "--training.steps=2", "--metrics.tensorboard=false",
                                 "--checkpoint.enable=false", f"--job.dump_folder={rm_dump}"])
-    assert TRAINERS.get("reward_model")(cfg, init_distributed(force_cpu=True)) == 0
+    assert run_recipe(cfg, init_distributed(force_cpu=True)) == 0
     folder = os.path.join(rm_dump, EXPORT_DIR)
     policy = os.path.join(ROOT, "assets", "quickstart-policy")
     rl_dump = str(tmp_path / "rl")
@@ -133,15 +137,17 @@ def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
         "--rl.num_samples=2", "--rl.eval_prompts=4", "--reward.functions=exact_match", "--reward.num_workers=0",
         f"--reward.reward_model={folder}", "--reward.reward_model_weight=0.5", "--checkpoint.enable=false",
         "--metrics.tensorboard=false"])
-    trainer = RLTrainer(cfg, init_distributed(force_cpu=True))
+    info = init_distributed(force_cpu=True)
+    trainer = RLRecipe(cfg, Runtime(info, rl_dump, Watchdog(rl_dump, 0, info.rank), MetricsLogger(rl_dump, enabled=False)))
     samples, scores, metrics = trainer.rollout()
+    trainer.close()
     scorer = RewardModelScorer(folder, "cpu")
     rm = scorer.score([s.row["messages"] for s in samples], [s.text for s in samples])
     rule = [REWARDS.get("exact_match")(s.text, s.row) for s in samples]
     want = torch.tensor([r + 0.5 * m for r, m in zip(rule, rm)])
     torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5)
     assert metrics["reward/reward_model/mean"] == pytest.approx(statistics.fmean(rm), abs=1e-5)
-    assert trainer.run() == 0
+    assert run_recipe(cfg, info) == 0
     row = json.loads(open(os.path.join(rl_dump, "metrics.jsonl")).readline())
     assert "reward/reward_model/mean" in row and "reward/exact_match/mean" in row
 

@@ -22,8 +22,8 @@ Conventions shared by the estimators:
 - Everything is computed in float32 (or the input's wider dtype) and the
   advantages are zero outside the mask.
 - Global statistics (REINFORCE++ normalisation, GAE whitening) are over the
-  tokens passed in, so call these on the whole rollout batch, before it is split
-  into micro-batches or ranks.
+  whole rollout batch: the tokens passed in, plus those of the other ranks when
+  ``AdvantageInput.reduce_sum`` all-reduces over them.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ class AdvantageInput:
     group_index: Tensor | None = None  # [N] long, dense ids in [0, N); needed by group estimators
     token_rewards: Tensor | None = None  # [N, T] added to the reward (e.g. -beta * KL)
     values: Tensor | None = None  # [N, T] critic values (gae)
+    # Sums a tensor over every rank holding other samples of the same rollout batch (an
+    # all-reduce over the data-parallel group); batch-wide statistics (REINFORCE++ and GAE
+    # whitening) go through it, so advantages do not depend on how the batch is split.
+    # None: this call holds the whole batch.
+    reduce_sum: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass
@@ -148,14 +153,23 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return out * m
 
 
-def masked_whiten(x: Tensor, mask: Tensor, eps: float, scale: bool = True) -> Tensor:
-    """(x - mean) / (std + eps) over the masked entries (unbiased std); zero outside the mask."""
+def masked_whiten(x: Tensor, mask: Tensor, eps: float, scale: bool = True,
+                  reduce_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """(x - mean) / (std + eps) over the masked entries (unbiased std); zero outside the mask.
+
+    With ``reduce_sum`` the mean and std are those of the masked entries of every
+    rank's part (two all-reduces: the sums and count, then the squared deviations)."""
     m = _float(mask)
-    count = m.sum()
-    mean = (x * m).sum() / count.clamp(min=1)
+    total = torch.stack([(x * m).sum(), m.sum()])  # [2]: sum, count
+    if reduce_sum is not None:
+        total = reduce_sum(total)
+    mean = total[0] / total[1].clamp(min=1)
     out = (x - mean) * m
     if scale:
-        var = (out ** 2).sum() / (count - 1).clamp(min=1)
+        sq = (out ** 2).sum()
+        if reduce_sum is not None:
+            sq = reduce_sum(sq)
+        var = sq / (total[1] - 1).clamp(min=1)
         out = out / (var.sqrt() + eps)
     return out
 
@@ -181,7 +195,7 @@ def _broadcast(adv_seq: Tensor, mask: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------
 # critic-free, sequence-level
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", group_relative=True)
 def grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """GRPO outcome advantage (DeepSeekMath, arXiv 2402.03300): (r - group mean) / group std.
 
@@ -196,7 +210,7 @@ def grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     return AdvantageOutput(_broadcast(adv, inp.mask), None)
 
 
-@ADVANTAGES.register("dr_grpo")
+@ADVANTAGES.register("dr_grpo", group_relative=True)
 def dr_grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """Dr. GRPO (arXiv 2503.20783, "Understanding R1-Zero-Like Training"): r - group mean.
 
@@ -208,7 +222,7 @@ def dr_grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     return AdvantageOutput(_broadcast(r - mean, inp.mask), None)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", group_relative=True)
 def rloo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """RLOO (arXiv 2402.14740, "Back to Basics"): r_i - mean of the other rewards in the group.
 
@@ -239,11 +253,11 @@ def reinforce_pp(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     if inp.token_rewards is not None:
         r = r + inp.token_rewards * m
     ret = discounted_returns(r, m, cfg.gamma)  # [N, T]
-    adv = masked_whiten(ret, m, cfg.eps, scale=cfg.norm_by_std)
+    adv = masked_whiten(ret, m, cfg.eps, scale=cfg.norm_by_std, reduce_sum=inp.reduce_sum)
     return AdvantageOutput(adv, ret)
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", needs_values=True)
 def gae(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """PPO with Generalized Advantage Estimation (arXiv 1506.02438; PPO arXiv 1707.06347).
 
@@ -272,5 +286,5 @@ def gae(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     adv = adv * m
     returns = (adv + v) * m
     if cfg.whiten:
-        adv = masked_whiten(adv, m, cfg.eps)
+        adv = masked_whiten(adv, m, cfg.eps, reduce_sum=inp.reduce_sum)
     return AdvantageOutput(adv, returns)

@@ -122,7 +122,7 @@ def _finish(
     return PolicyLossOutput(torch.where(keep, loss, 0.0), metrics)
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@POLICY_LOSSES.register("ppo_clip", uses=("clip_low", "clip_high", "dual_clip"))
 def ppo_clip(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
     """PPO clipped surrogate (arXiv 1707.06347) with asymmetric clip and optional dual clip.
 
@@ -147,7 +147,7 @@ def ppo_clip(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
     return _finish(loss, inp, cfg, metrics)
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", uses=("seq_clip_low", "seq_clip_high"))
 def gspo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
     """GSPO (arXiv 2507.18071, "Group Sequence Policy Optimization"), token-level form.
 
@@ -177,7 +177,7 @@ def gspo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
     return _finish(loss, inp, cfg, metrics)
 
 
-@POLICY_LOSSES.register("reinforce")
+@POLICY_LOSSES.register("reinforce", uses=())
 def reinforce(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
     """REINFORCE (Williams 1992): loss_t = -A_t log pi_theta(y_t); on-policy, no ratio, no clip.
 

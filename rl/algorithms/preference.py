@@ -85,7 +85,7 @@ def _smoothed_logistic(z: Tensor, label_smoothing: float) -> Tensor:
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
-@PREFERENCE_LOSSES.register("dpo")
+@PREFERENCE_LOSSES.register("dpo", needs_reference=True)
 def dpo(inp: PreferenceInput, cfg: PreferenceConfig) -> PreferenceOutput:
     """DPO (arXiv 2305.18290): -log sigmoid(beta * (chosen log-ratio - rejected log-ratio)).
 
@@ -97,7 +97,7 @@ def dpo(inp: PreferenceInput, cfg: PreferenceConfig) -> PreferenceOutput:
     return PreferenceOutput(loss, cfg.beta * chosen.detach(), cfg.beta * rejected.detach())
 
 
-@PREFERENCE_LOSSES.register("ipo")
+@PREFERENCE_LOSSES.register("ipo", needs_reference=True)
 def ipo(inp: PreferenceInput, cfg: PreferenceConfig) -> PreferenceOutput:
     """IPO (arXiv 2310.12036, "A General Theoretical Paradigm to Understand Learning from
     Human Preferences"): (h - 1 / (2 beta))^2 with h the log-ratio difference.
@@ -112,7 +112,7 @@ def ipo(inp: PreferenceInput, cfg: PreferenceConfig) -> PreferenceOutput:
     return PreferenceOutput(loss, cfg.beta * chosen.detach(), cfg.beta * rejected.detach())
 
 
-@PREFERENCE_LOSSES.register("simpo")
+@PREFERENCE_LOSSES.register("simpo", needs_reference=False)
 def simpo(inp: PreferenceInput, cfg: PreferenceConfig) -> PreferenceOutput:
     """SimPO (arXiv 2405.14734): reference-free, length-normalised rewards with a target margin.
 

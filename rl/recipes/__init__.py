@@ -1,40 +1,66 @@
-"""The trainer loops a config can select with ``training.recipe``.
+"""Recipes: what one training step does, selected by ``training.recipe``.
 
-Each entry is ``fn(cfg: Config, info: DistInfo) -> int`` (the exit status).
-Algorithms inside a loop are registry entries too (rl/algorithms); a recipe is
-a loop shape (supervised, preference, rollout-then-update), not an algorithm.
+Each entry makes a recipe object (rl/recipes/base.py) from the config; the one
+shell (rl/recipes/loop.py) runs it. A recipe is a step shape (supervised,
+pairwise, rollout-then-update), not an algorithm: algorithms are registry
+entries inside it (rl/algorithms). ``sections`` are the config sections the
+recipe reads beyond the shared ones; a key set in any other section draws a
+warning naming it (see `unused_settings`).
+
+    sft.py           supervised fine-tuning (packed chat data)
+    pairwise.py      the pairwise step shared by dpo.py (DPO, IPO, SimPO) and reward_model.py
+    rl.py            rollout then update (GRPO, PPO, DAPO, GSPO, RLOO, REINFORCE++, OPD, agentic)
+    loop.py          the shell: resume, checkpoints, preemption, watchdog, NaN policy, metrics, eval, export
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
 from rl.runtime.registry import Registry
 
-TRAINERS: Registry = Registry("training recipe")
+SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint",
+                   "metrics", "fault")
 
 
-@TRAINERS.register("sft")
-def _sft(cfg, info) -> int:
-    from rl.recipes.sft import run_sft
+@dataclass(frozen=True)
+class RecipeEntry:
+    factory: str  # "module:function" making the recipe from (cfg, Runtime); imported when chosen
+    sections: tuple[str, ...]  # config sections read beyond SHARED_SECTIONS
 
-    return run_sft(cfg, info)
-
-
-@TRAINERS.register("rl")
-def _rl(cfg, info) -> int:
-    from rl.recipes.rl import run_rl
-
-    return run_rl(cfg, info)
+    def make(self) -> Any:
+        module, name = self.factory.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
-@TRAINERS.register("dpo")
-def _dpo(cfg, info) -> int:
-    from rl.recipes.dpo import run_preference
+RECIPES: Registry[RecipeEntry] = Registry("training recipe")
+RECIPES.register("sft")(RecipeEntry("rl.recipes.sft:make_sft", ()))
+RECIPES.register("dpo")(RecipeEntry("rl.recipes.dpo:make_dpo", ("preference",)))
+RECIPES.register("reward_model")(RecipeEntry("rl.recipes.reward_model:make_reward_model", ("preference",)))
+RECIPES.register("rl")(RecipeEntry("rl.recipes.rl:make_rl", ("rl", "rollout", "reward", "critic", "distill", "env")))
 
-    return run_preference(cfg, info)
+
+def unused_settings(cfg: Any) -> list[str]:
+    """Keys set to a non-default value in a section the chosen recipe does not read."""
+    from rl.runtime.config import Config
+    from rl.runtime.configlib import to_dict
+
+    used = set(SHARED_SECTIONS) | set(RECIPES.get(cfg.training.recipe).sections)
+    default, now = to_dict(Config()), to_dict(cfg)
+    out = []
+    for section, values in now.items():
+        if section in used:
+            continue
+        for key, value in values.items():
+            if value != default[section][key]:
+                out.append(f"{section}.{key}")
+    return out
 
 
-@TRAINERS.register("reward_model")
-def _reward_model(cfg, info) -> int:
-    from rl.recipes.reward_model import run_reward_model
+def run(cfg: Any, info: Any) -> int:
+    """Run the configured recipe in the shell; returns the exit status."""
+    from rl.recipes.loop import run_recipe
 
-    return run_reward_model(cfg, info)
+    return run_recipe(RECIPES.get(cfg.training.recipe).make(), cfg, info)

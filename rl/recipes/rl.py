@@ -1,4 +1,4 @@
-"""The colocated RL loop: each step a rollout phase, then an update phase, on the same ranks.
+"""The RL recipe: each step a rollout phase, then an update phase, on the same ranks.
 
 rollout: gather the sharded policy into a generation copy, sample n completions
 per prompt with the in-house generator, score them in CPU reward workers,
@@ -6,24 +6,23 @@ optionally drop uninformative groups (DAPO) and refill; the generation copy
 and KV pool are released. update: recompute old (and reference) log-probs in
 the update layout, compute advantages and the registered policy loss, and take
 ``rl.minibatches * rl.epochs`` optimizer steps. Algorithm pieces are registry
-names from the config; this loop never branches on them.
+names from the config, and what the loop must build for one (a critic, a
+reference model) is asked of the registry's capabilities, never of a name.
+Resume, checkpoints, preemption, logging and evaluation cadence are the
+shell's (rl/recipes/loop.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from parallel.distributed import DistInfo
 from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
-from rl.runtime import errors
 from rl.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -31,7 +30,6 @@ from rl.algorithms import (
     POLICY_LOSSES,
     AdvantageConfig,
     AdvantageInput,
-    PolicyLossConfig,
     dense_group_index,
     filter_groups,
     kl_penalty_rewards,
@@ -40,8 +38,7 @@ from rl.algorithms import (
     overlong_penalty,
 )
 from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
-from rl.fault import PreemptionHandler, Watchdog, check_finite
-from rl.fault.inject import maybe_kill
+from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from rl.rollout.generation import (
     build_generation_model,
     generate_episodes,
@@ -49,10 +46,8 @@ from rl.rollout.generation import (
     generation_dtype,
 )
 from rl.rollout.types import RolloutSample
-from rl.runtime.checkpoint import Checkpointer, resume_note
 from rl.runtime.config import ConfigError
-from rl.runtime.metrics import MetricsLogger, step_gaps, truncate_jsonl
-from rl.runtime.modeling import ModelSetupError, build_tokenizer, model_args
+from rl.runtime.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from rl.runtime.optim import build_optimizer, build_scheduler
 from rl.runtime.system import peak_memory_gb, reset_peak_memory
 from rl.update.critic import Critic
@@ -62,19 +57,25 @@ from rl.update.loss import (
     completion_tensors,
 )
 from rl.update.policy import build_policy, check_layout
+from rl.update.teachers import Teachers
 from rl.workers.reward_pool import RewardPool
 
 _COUNTS = ("errors", "timeouts", "crashes")  # reward metrics that are counts (summed, not averaged)
 
 
-class RLTrainer:
-    def __init__(self, cfg: Any, info: DistInfo) -> None:
-        self.cfg, self.info = cfg, info
+class RLRecipe:
+    console_keys = ("reward/total", "accuracy", "response/length_mean", "kl", "entropy", "clip_frac", "grad_norm",
+                    "gap/abs_mean", "time/rollout_s", "time/update_s")
+
+    def __init__(self, cfg: Any, rt: Runtime) -> None:
+        self.cfg, self.info, self.rt = cfg, rt.info, rt
+        info = rt.info
         degrees = Degrees(**cfg.parallel.resolve(info.world_size))
         r = cfg.rl
+        needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
-        if self.mp > 1 and (r.advantage == "gae" or cfg.distill.teachers):
-            what = "rl.advantage = 'gae' (the critic)" if r.advantage == "gae" else "distill.teachers"
+        if self.mp > 1 and (needs_values or cfg.distill.teachers):
+            what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
@@ -83,7 +84,7 @@ class RLTrainer:
         self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
         if r.prompts_per_step % self.dp:
             raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
-        dump = cfg.job.dump_folder
+        dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule)
@@ -92,27 +93,24 @@ class RLTrainer:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         self.train_prompts, self.eval_prompts = self._load_data()
         seq_len = cfg.data.max_length if not cfg.env.name else self.max_prompt + cfg.env.max_total_tokens
-        kw = dict(path=cfg.model.path, seed=cfg.job.seed, param_dtype=cfg.training.mixed_precision_param,
-                  reduce_dtype=cfg.training.mixed_precision_reduce, cpu_offload=cfg.parallel.cpu_offload,
-                  is_main=info.is_main, pp_schedule=cfg.parallel.pp_schedule,
-                  pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
+        spec = BuildSpec.from_config(cfg.training, cfg.parallel)
+        kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
+                  pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
                   share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw,
-                                   activation_checkpoint=cfg.parallel.activation_checkpoint, compile=cfg.parallel.compile)
+        self.policy = build_policy(self.args, self.mesh, info.device, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.critic = Critic(cfg, self.args, self.mesh, info.device, policy_path=cfg.model.path,
-                             is_main=info.is_main) if r.advantage == "gae" else None
+        self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
+                             seed=cfg.job.seed, is_main=info.is_main) if needs_values else None
         self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         self.teachers = None
         if cfg.distill.teachers:
-            from rl.update.teachers import Teachers
-
-            self.teachers = Teachers(cfg, self.tok, self.mesh, info.device, is_main=info.is_main)
+            self.teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
+                                     is_main=info.is_main)
             self.teachers.route_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
         self.rm = self._reward_model() if cfg.reward.reward_model else None
         self.env_pool = None
@@ -125,24 +123,14 @@ class RLTrainer:
         self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
                                      warmup_steps=cfg.lr_schedule.warmup_steps * r.epochs * r.minibatches,
                                      decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
+        self.updater = Updater(self.opt, self.sched, self.policy.modules, self.policy.clip,
+                               max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=dump, rank=info.rank)
         weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
         self.reward_fns = list(zip(cfg.reward.functions, weights))
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
-        c = cfg.checkpoint
-        self.ckpt = Checkpointer(os.path.join(dump, c.folder), keep_last=c.keep_last, async_save=c.async_save,
-                                 model_only=c.model_only)
-        self.ckpt_metrics: dict[str, float] = {}  # save/load seconds, logged with the next step's row
-        self.ledger_from = 1  # first step ledger.jsonl must hold at the end
-        self.logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
-                                    console_keys=("reward/total", "accuracy", "response/length_mean", "kl", "entropy",
-                                                  "clip_frac", "grad_norm", "gap/abs_mean", "time/rollout_s", "time/update_s"))
-        self.step = 0
-        self.skipped_updates = 0
-        self.watchdog = Watchdog(dump, cfg.fault.hang_timeout_s, info.rank,
-                                 phase_timeouts={"checkpoint": max(cfg.fault.hang_timeout_s, 1800.0)})
-        self.preempt = PreemptionHandler(dump, info.rank)
+        self.step_index = 0  # the step being taken (the shell's count)
 
     # ---- data ------------------------------------------------------------------------
 
@@ -167,7 +155,7 @@ class RLTrainer:
     # ---- rollout ---------------------------------------------------------------------
 
     def _reward_model(self):
-        from rl.recipes.reward_model import RewardModelScorer
+        from rl.rewards.reward_model import RewardModelScorer
 
         path = self.cfg.reward.reward_model
         try:
@@ -248,7 +236,7 @@ class RLTrainer:
         per_rank = r.prompts_per_step // self.dp
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
-        seed = (cfg.job.seed * 1_000_003 + self.step * 1_009 + self.info.rank) % (1 << 62)
+        seed = (cfg.job.seed * 1_000_003 + self.step_index * 1_009 + self.info.rank) % (1 << 62)
         kept_groups, rounds, dropped = 0, 0, 0
         while kept_groups < per_rank:
             idx = self.stream.take(per_rank if rounds == 0 else per_rank - kept_groups)
@@ -300,10 +288,17 @@ class RLTrainer:
         if ref_logp is not None and r.kl_mode == "reward":
             token_rewards = kl_penalty_rewards(old_logp, ref_logp, mask, r.kl_coef, r.kl_estimator)
         groups = dense_group_index(torch.tensor([s.group for s in samples], device=dev))
-        inp = AdvantageInput(scores=scores, mask=mask, group_index=groups, token_rewards=token_rewards, values=values)
+        inp = AdvantageInput(scores=scores, mask=mask, group_index=groups, token_rewards=token_rewards, values=values,
+                             reduce_sum=self._dp_sum if self.dp_group is not None else None)
         acfg = AdvantageConfig(norm_by_std=r.norm_by_std, gamma=r.gamma, lam=r.lam)
         out = ADVANTAGES.get(r.advantage)(inp, acfg)
         return out.advantages, out.returns
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (each holds other samples of the rollout batch)."""
+        out = t.clone()
+        dist.all_reduce(out, group=self.dp_group)
+        return out
 
     def _distill(self, samples, mask, old_logp, adv, width) -> tuple[torch.Tensor, dict[str, float]]:
         """OPD: advantages from the sampled reverse KL to each sample's teacher (+ the reward's)."""
@@ -339,10 +334,8 @@ class RLTrainer:
         extra: dict[str, float] = {}
         if self.teachers is not None:
             adv, extra = self._distill(samples, mask, old_logp, adv, width)
-        train_policy = self.step >= self.critic_warmup
-        spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss),
-                        policy_cfg=PolicyLossConfig(clip_low=r.clip_low, clip_high=r.clip_high,
-                                                    dual_clip=r.dual_clip, tis_cap=r.tis_cap),
+        train_policy = self.step_index >= self.critic_warmup
+        spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r.policy_loss_config(),
                         aggregation=AGGREGATIONS.get(r.aggregation),
                         kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if ref_logp is not None and r.kl_mode == "loss" else None,
                         kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens,
@@ -365,22 +358,13 @@ class RLTrainer:
                         sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
                 sums[:5] += self.policy.accumulate(samples, mb_rows, inp, spec, norm, width, policy=train_policy,
                                                    also=also)
-                if not check_finite(sums[0] + sums[6], self.policy.modules, self.step + 1, self.info.rank,
-                                    cfg.fault.on_nonfinite, dump_folder=cfg.job.dump_folder):
-                    self.opt.zero_grad(set_to_none=True)  # fault.on_nonfinite = "skip": counted, no update
-                    if self.critic is not None:
-                        self.critic.zero_grad()
-                    self.skipped_updates += 1
-                    continue
-                if self.critic is not None:
-                    critic_norms.append(self.critic.step())
-                if not train_policy:
-                    continue
-                grad_norms.append(self.policy.clip(cfg.optimizer.max_grad_norm))
-                self.opt.step()
-                self.sched.step()
-                self.opt.zero_grad(set_to_none=True)
-                sums[5] += 1
+                critic = self.critic
+                gn = self.updater.apply(sums[0] + sums[6], self.step_index, optimizer=train_policy,
+                                        on_apply=(lambda c=critic: critic_norms.append(c.step())) if critic else None,
+                                        on_skip=critic.zero_grad if critic else None)
+                if gn is not None:
+                    grad_norms.append(gn)
+                    sums[5] += 1
         if not self.policy.counts_stats:  # one rank per data-parallel replica reports (the last stage's tp rank 0)
             sums.zero_()
         dist.all_reduce(sums)
@@ -404,12 +388,12 @@ class RLTrainer:
 
     # ---- evaluation ------------------------------------------------------------------
 
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> dict[str, float]:
         """Held-out accuracy: the first reward function's mean over ``rl.eval_samples`` completions
         per prompt sampled like the rollout (a fixed seed, so every evaluation sees the same noise),
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
-            return None
+            return {}
         gen_model, _ = build_generation_model(self.policy, self.args, self.info.device, self.gen_dtype)
         mine = self.eval_prompts[self.info.rank::self.info.world_size]
         n = self.cfg.rl.eval_samples
@@ -418,154 +402,48 @@ class RLTrainer:
         self._score(samples)
         acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64)
         dist.all_reduce(acc)
-        return acc[0].item() / max(acc[1].item(), 1.0)
+        return {"eval/accuracy": acc[0].item() / max(acc[1].item(), 1.0)}
 
-    # ---- loop ------------------------------------------------------------------------
+    # ---- the recipe protocol (rl/recipes/base.py) -------------------------------------
 
-    def _state(self) -> dict[str, Any]:
+    def checkpoint_parts(self) -> CheckpointParts:
+        extras = self.critic.checkpoint_extras() if self.critic is not None else {}
+        return CheckpointParts(self.model, self.opt, extras)
+
+    def state_dict(self) -> dict[str, Any]:
         cursors = [None] * self.info.world_size
         dist.all_gather_object(cursors, self.stream.cursor)
-        return {"step": self.step, "scheduler": self.sched.state_dict(), "cursors": cursors, "dp": self.dp}
+        return {"scheduler": self.sched.state_dict(), "cursors": cursors, "dp": self.dp}
 
-    def _write_ledger(self, samples: list[RolloutSample]) -> None:
-        """Append the prompt ids this step trains on (all ranks) to dump_folder/ledger.jsonl."""
-        mine = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples}) if self.mp_rank == 0 else []
-        every: list[list[str] | None] = [None] * self.info.world_size
-        dist.all_gather_object(every, mine)
-        if self.info.is_main:
-            with open(os.path.join(self.cfg.job.dump_folder, "ledger.jsonl"), "a") as f:
-                f.write(json.dumps({"step": self.step + 1, "ids": sorted(i for ids in every for i in ids)}) + "\n")
-
-    def resume(self) -> None:
-        c = self.cfg.checkpoint
-        if not (c.enable and c.resume) or (last := self.ckpt.latest_step()) is None:
-            return
-        t0 = time.monotonic()
-        state = self.ckpt.load(last, self.model, self.opt, self._ckpt_extras())
-        self.ckpt_metrics["checkpoint/load_s"] = time.monotonic() - t0
+    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         self.sched.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        if not os.path.exists(os.path.join(self.cfg.job.dump_folder, "ledger.jsonl")):
-            self.ledger_from = self.step + 1  # a checkpoint brought from elsewhere: its history is not here
-        if self.info.is_main:  # drop what a crashed run logged after its last checkpoint
-            for name in ("ledger.jsonl", "metrics.jsonl"):
-                truncate_jsonl(os.path.join(self.cfg.job.dump_folder, name), self.step)
         if state["dp"] == self.dp and len(state["cursors"]) == self.info.world_size:
             self.stream.cursor = state["cursors"][self.info.rank]
         else:  # another layout: continue after every prompt any rank had taken
             self.stream.cursor = max(state["cursors"]) * state["dp"] // self.dp
-        if self.info.is_main:
-            note = resume_note(state, self.info.world_size)
-            print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}; "
-                  f"loaded in {self.ckpt_metrics['checkpoint/load_s']:.2f}s", flush=True)
 
-    def run(self) -> int:
-        self.watchdog.start()
-        self.preempt.install()
-        try:
-            return self._loop()
-        finally:
-            self.watchdog.stop()
-            self.preempt.uninstall()
-            self.rewards.close()
-            if self.env_pool is not None:
-                self.env_pool.close()
-            self.logger.close()
+    def step(self, step: int) -> StepOutput:
+        wd = self.rt.watchdog
+        self.step_index = step
+        with wd.phase("rollout"):
+            samples, scores, metrics = self.rollout()
+        with wd.phase("update"):
+            metrics.update(self.update(samples, scores))
+        metrics.update(self._rollout_metrics(samples))
+        if self.info.is_main and (step + 1) % self.cfg.rl.sample_log_interval == 0:
+            self.rt.logger.text("samples", "\n\n".join(f"[{s.finish_reason}] {s.text!r}" for s in samples[:4]), step + 1)
+        ids = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples}) if self.mp_rank == 0 else []
+        return StepOutput(metrics, ids)
 
-    def _ckpt_extras(self) -> dict:
-        return self.critic.checkpoint_extras() if self.critic is not None else {}
+    def export(self, dump_folder: str) -> str:
+        out = os.path.join(dump_folder, "hf")
+        self.policy.export_hf(self.args, self.tok, out, self.info.rank)
+        return out
 
-    def _save(self, *, finish: bool = False) -> None:
-        """Checkpoint this step; ``finish`` waits for an asynchronous write to commit."""
-        self._poll_checkpoint(wait=True)  # a previous write still pending: commit (and log) it first
-        with self.watchdog.phase("checkpoint"):
-            secs = self.ckpt.save(self.step, self.model, self.opt, self._state(), self._ckpt_extras())
-        self.ckpt_metrics["checkpoint/save_blocking_s"] = secs
-        if self.ckpt.pending_step is None:
-            self._committed(self.step, secs)
-        elif self.info.is_main:
-            print(f"checkpoint step-{self.step}: staged in {secs:.2f}s, writing in the background", flush=True)
-        if finish:
-            self._poll_checkpoint(wait=True)
-
-    def _poll_checkpoint(self, wait: bool = False) -> None:
-        step = self.ckpt.pending_step
-        if step is None:
-            return
-        with self.watchdog.phase("checkpoint"):
-            total = self.ckpt.wait() if wait else self.ckpt.poll()
-        if total is not None:
-            self._committed(step, total)
-
-    def _committed(self, step: int, total_s: float) -> None:
-        self.ckpt_metrics["checkpoint/save_total_s"] = total_s
-        if self.info.is_main:
-            print(f"checkpoint step-{step} saved in {total_s:.2f}s", flush=True)
-
-    def _loop(self) -> int:
-        cfg, r, wd = self.cfg, self.cfg.rl, self.watchdog
-        with wd.phase("resume"):
-            self.resume()
-        with wd.phase("eval"):
-            start_acc = self.evaluate() if self.step == 0 else None
-        if start_acc is not None and self.info.is_main:
-            print(f"eval accuracy at start: {start_acc:.3f}", flush=True)
-        acc = start_acc
-        while self.step < cfg.training.steps:
-            t0 = time.monotonic()
-            with wd.phase("rollout"):
-                samples, scores, metrics = self.rollout()
-                self._write_ledger(samples)
-            with wd.phase("update"):
-                metrics.update(self.update(samples, scores))
-            self.step += 1
-            maybe_kill(self.step, self.info.rank, cfg.job.dump_folder)  # fault drills only (TANDEM_INJECT_KILL)
-            wd.beat(self.step)
-            metrics.update(self._rollout_metrics(samples))
-            metrics["time/step_s"] = time.monotonic() - t0
-            metrics["fault/skipped_updates"] = float(self.skipped_updates)
-            self._poll_checkpoint()  # commits an asynchronous save whose write has finished
-            last = self.step == cfg.training.steps
-            if last or (r.eval_interval and self.step % r.eval_interval == 0):
-                with wd.phase("eval"):
-                    acc = self.evaluate()
-                if acc is not None:
-                    metrics["eval/accuracy"] = acc
-            if self.step % cfg.metrics.log_interval == 0 or last:
-                metrics.update(self.ckpt_metrics)
-                self.ckpt_metrics = {}
-                self.logger.log(self.step, metrics, total_steps=cfg.training.steps)
-            if self.info.is_main and self.step % r.sample_log_interval == 0:
-                self.logger.text("samples", "\n\n".join(f"[{s.finish_reason}] {s.text!r}" for s in samples[:4]), self.step)
-            if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or last):
-                self._save(finish=last)
-            elif self.preempt.should_stop_all(step=self.step):
-                self._save(finish=True)
-                if self.info.is_main:
-                    print(f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED} to requeue", flush=True)
-                return errors.EXIT_PREEMPTED
-            if not last and self.preempt.should_stop_all(step=self.step):  # signal arrived during the save
-                self._poll_checkpoint(wait=True)
-                return errors.EXIT_PREEMPTED
-        if self.info.is_main and acc is not None:
-            start = f"{start_acc:.3f}" if start_acc is not None else "n/a (resumed)"
-            print(f"eval accuracy: start {start} -> end {acc:.3f}", flush=True)
-        if cfg.checkpoint.export_hf_at_end:
-            with wd.phase("export"):
-                self.policy.export_hf(self.args, self.tok, os.path.join(cfg.job.dump_folder, "hf"), self.info.rank)
-        return self._check_ledger()
-
-    def _check_ledger(self) -> int:
-        """Every step 1..steps (from the resumed step on, when the checkpoint came without
-        its ledger) trained exactly once across crashes and resumes, or exit 5."""
-        box = [step_gaps(os.path.join(self.cfg.job.dump_folder, "ledger.jsonl"), self.cfg.training.steps,
-                         first=self.ledger_from) if self.info.is_main else None]
-        dist.broadcast_object_list(box)
-        if box[0] is None:
-            return 0
-        if self.info.is_main:
-            print(f"error: the run ended with fewer steps than asked: {box[0]}", file=sys.stderr, flush=True)
-        return errors.EXIT_SHORT_RUN
+    def close(self) -> None:
+        self.rewards.close()
+        if self.env_pool is not None:
+            self.env_pool.close()
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],
@@ -584,5 +462,5 @@ def _split(order: list[int], k: int) -> list[list[int]]:
     return [order[i * size:(i + 1) * size] for i in range(k)]
 
 
-def run_rl(cfg: Any, info: DistInfo) -> int:
-    return RLTrainer(cfg, info).run()
+def make_rl(cfg: Any, rt: Runtime) -> RLRecipe:
+    return RLRecipe(cfg, rt)

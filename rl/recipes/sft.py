@@ -1,152 +1,157 @@
-"""Supervised fine-tuning trainer: packed chat data, FSDP2, exact resume.
+"""The ``sft`` recipe: supervised fine-tuning on packed chat data, FSDP2.
 
 The loss is the token-mean cross-entropy over the assistant tokens of the
 whole optimizer step (all micro-batches, all data-parallel ranks), so the
 update does not depend on how the batch is split across ranks or micro-batches.
+With ``data.eval_fraction > 0`` a seeded share of the examples is held out and
+``eval/loss`` is their token-mean cross-entropy.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.attention import DocumentAttention
-from parallel.distributed import DistInfo
 from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_rank
-from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, load_sft_records
-from rl.fault import PreemptionHandler, Watchdog, check_finite
-from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.data.sft import IGNORE, PackedRow, StepSampler, build_sft_data, collate, load_sft_records
+from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
+from rl.recipes.pairwise import rank_indices, reshard_all
 from rl.runtime.config import ConfigError
-from rl.runtime.errors import EXIT_PREEMPTED
-from rl.runtime.metrics import MetricsLogger, truncate_jsonl
-from rl.runtime.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
+from rl.runtime.modeling import BuildSpec, build_tokenizer, build_transformer, export_hf, model_args
 from rl.runtime.optim import build_optimizer, build_scheduler
-from rl.runtime.system import peak_memory_gb
 
 
-def run_sft(cfg, info: DistInfo) -> int:
-    degrees = Degrees(**cfg.parallel.resolve(info.world_size))
-    if degrees.tp > 1 or degrees.pp > 1:
-        raise ConfigError("parallel.tp / parallel.pp: the sft recipe shards with FSDP2 only so far; set tp = pp = 1")
-    mesh = build_mesh(degrees, info.device)
-    dump = cfg.job.dump_folder
-    torch.manual_seed(cfg.job.seed + info.rank)
+def split_held_out(records: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """(train, held-out): a seeded ``fraction`` of the records held out, both in file order."""
+    n_eval = int(len(records) * fraction)
+    if n_eval == 0:
+        return records, []
+    g = torch.Generator().manual_seed(seed * 7_919 + 1)
+    held = set(torch.randperm(len(records), generator=g)[:n_eval].tolist())
+    return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
 
-    tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
-    args = model_args(cfg.model.flavor, cfg.model.path, tokenizer)
-    if cfg.data.path is None:
-        raise ConfigError("data.path: required by the sft recipe")
-    data = build_sft_data(
-        load_sft_records(cfg.data.path, cfg.data.format, seed=cfg.job.seed, n_synthetic=cfg.data.synthetic_rows),
-        tokenizer, source=cfg.data.path,
-        max_length=cfg.data.max_length, pack=cfg.data.pack, on_bad_row=cfg.data.on_bad_row,
-        messages_field=cfg.data.messages_field, prompt_field=cfg.data.prompt_field,
-        completion_field=cfg.data.completion_field,
-    )
-    if info.is_main:
-        skipped = sum(data.skipped.values())
-        print(f"data: {data.num_examples} examples -> {len(data.rows)} rows; skipped {skipped} {dict(data.skipped)}", flush=True)
 
-    model = build_sharded_model(args, mesh, info.device, path=cfg.model.path, seed=cfg.job.seed,
-                                param_dtype=cfg.training.mixed_precision_param,
-                                reduce_dtype=cfg.training.mixed_precision_reduce,
-                                cpu_offload=cfg.parallel.cpu_offload, is_main=info.is_main,
-                                activation_checkpoint=cfg.parallel.activation_checkpoint,
-                                compile=cfg.parallel.compile)
+class SFTRecipe:
+    console_keys = ("loss", "grad_norm", "lr", "throughput/tokens_per_s", "epoch", "eval/loss")
 
-    opt = build_optimizer(model, lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
-                          weight_decay=cfg.optimizer.weight_decay)
-    sched = build_scheduler(opt, total_steps=cfg.training.steps, warmup_steps=cfg.lr_schedule.warmup_steps,
-                            decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
-    ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last,
-                        async_save=cfg.checkpoint.async_save, model_only=cfg.checkpoint.model_only)
-    start = 0
-    if cfg.checkpoint.enable and cfg.checkpoint.resume and (last := ckpt.latest_step()) is not None:
-        state = ckpt.load(last, model, opt)
-        sched.load_state_dict(state["scheduler"])
-        start = state["step"]
+    def __init__(self, cfg: Any, rt: Runtime) -> None:
+        self.cfg, self.info = cfg, rt.info
+        info = rt.info
+        degrees = Degrees(**cfg.parallel.resolve(info.world_size))
+        if degrees.tp > 1 or degrees.pp > 1:
+            raise ConfigError("parallel.tp / parallel.pp: the sft recipe shards with FSDP2 only so far; set tp = pp = 1")
+        if cfg.data.path is None:
+            raise ConfigError("data.path: required by the sft recipe")
+        self.mesh = build_mesh(degrees, info.device)
+        self.dp, self.rank_dp = degrees.dp, dp_rank(self.mesh)
+        if cfg.training.batch_size % self.dp:
+            raise ConfigError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the "
+                              f"{self.dp} data-parallel ranks")
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(rt.dump_folder, "tokenizer"))
+        self.args = model_args(cfg.model.flavor, cfg.model.path, self.tokenizer)
+        d = cfg.data
+        records = load_sft_records(d.path, d.format, seed=cfg.job.seed, n_synthetic=d.synthetic_rows)
+        train, held = split_held_out(records, d.eval_fraction, cfg.job.seed)
+        kw = dict(tokenizer=self.tokenizer, source=d.path, max_length=d.max_length, pack=d.pack,
+                  on_bad_row=d.on_bad_row, messages_field=d.messages_field, prompt_field=d.prompt_field,
+                  completion_field=d.completion_field)
+        self.data = build_sft_data(train, **kw)
+        self.eval_rows: list[PackedRow] = build_sft_data(held, **kw).rows if held else []
         if info.is_main:
-            truncate_jsonl(os.path.join(dump, "metrics.jsonl"), start)
-        if info.is_main:
-            note = resume_note(state, info.world_size)
-            print(f"resumed from {ckpt.path(last)} at step {start}{note}", flush=True)
+            skipped = sum(self.data.skipped.values())
+            print(f"data: {self.data.num_examples} examples -> {len(self.data.rows)} rows, {len(self.eval_rows)} "
+                  f"held-out rows; skipped {skipped} {dict(self.data.skipped)}", flush=True)
+        self.model = build_transformer(self.args, cfg.model.path, cfg.job.seed, self.mesh, info.device,
+                                       BuildSpec.from_config(cfg.training, cfg.parallel), is_main=info.is_main)
+        o = cfg.optimizer
+        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.sched = build_scheduler(self.opt, total_steps=cfg.training.steps, warmup_steps=cfg.lr_schedule.warmup_steps,
+                                     decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
+        self.updater = Updater(self.opt, self.sched, [self.model],
+                               lambda max_norm: clip_grad_norm(self.model.parameters(), max_norm),
+                               max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=rt.dump_folder,
+                               rank=info.rank)
+        self.sampler = StepSampler(len(self.data.rows), cfg.training.batch_size, cfg.job.seed, d.shuffle)
+        self.pad_id = self.tokenizer.pad_token_id or 0
 
-    dp, rank_dp = degrees.dp, dp_rank(mesh)
-    if cfg.training.batch_size % dp:
-        raise ConfigError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the {dp} data-parallel ranks")
-    sampler = StepSampler(len(data.rows), cfg.training.batch_size, cfg.job.seed, cfg.data.shuffle)
-    logger = MetricsLogger(dump, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
-                           console_keys=("loss", "grad_norm", "lr", "tokens_per_s", "epoch"))
-    micro = cfg.training.micro_batch_size
-    skipped_steps = 0
-    watchdog = Watchdog(dump, cfg.fault.hang_timeout_s, info.rank).start()
-    preempt = PreemptionHandler(dump, info.rank).install()
-    try:
-        for step in range(start, cfg.training.steps):
-            t0 = time.monotonic()
-            rows = [data.rows[i] for i in sampler.local_batch(step, rank_dp, dp)]
-            counts = torch.tensor([sum(r.num_targets for r in rows), sum(len(r.tokens) for r in rows)], dtype=torch.float64)
-            dist.all_reduce(counts)  # global trained tokens and tokens this step
-            global_targets = max(counts[0].item(), 1.0)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-            model.train()
-            for m0 in range(0, len(rows), micro):
-                batch = {k: v.to(info.device) for k, v in collate(rows[m0:m0 + micro], tokenizer.pad_token_id or 0).items()}
-                logits = model(batch["tokens"], positions=batch["positions"], attn=DocumentAttention(batch["doc_ids"]))
-                tok_loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(),
-                                           ignore_index=IGNORE, reduction="sum")
-                # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
-                (tok_loss * (dp / global_targets)).backward()
-                loss_sum += tok_loss.detach().double()
-            grad_norm = 0.0
-            lr = sched.get_last_lr()[0]
-            if check_finite(loss_sum, model, step + 1, info.rank, cfg.fault.on_nonfinite, dump_folder=dump):
-                grad_norm = clip_grad_norm(model.parameters(), cfg.optimizer.max_grad_norm)
-                opt.step()
-            else:  # fault.on_nonfinite = "skip": the step is counted and its update dropped
-                skipped_steps += 1
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            dist.all_reduce(loss_sum)
-            done = step + 1
-            watchdog.beat(done)
-            if done % cfg.metrics.log_interval == 0 or done == cfg.training.steps:
-                dt = time.monotonic() - t0
-                logger.log(done, {"loss": loss_sum.item() / global_targets, "grad_norm": grad_norm, "lr": lr,
-                                  "tokens_per_s": counts[1].item() / dt, "trained_tokens": counts[0].item(),
-                                  "epoch": sampler.epoch_of(step), "step_time_s": dt,
-                                  "peak_memory_gb": peak_memory_gb(info.device),
-                                  "skipped_rows": sum(data.skipped.values()), "fault/skipped_steps": skipped_steps},
-                           total_steps=cfg.training.steps)
-            ckpt.poll()  # commits an asynchronous save whose write has finished
-            if cfg.checkpoint.enable and (done % cfg.checkpoint.interval == 0 or done == cfg.training.steps):
-                with watchdog.phase("checkpoint"):
-                    secs = ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
-                    if done == cfg.training.steps:
-                        ckpt.wait()
-                if info.is_main:
-                    print(f"checkpoint step-{done} saved in {secs:.2f}s"
-                          f"{' (writing in the background)' if ckpt.pending_step else ''}", flush=True)
-            if done < cfg.training.steps and preempt.should_stop_all(step=done):
-                with watchdog.phase("checkpoint"):
-                    if not (cfg.checkpoint.enable and done % cfg.checkpoint.interval == 0):
-                        ckpt.save(done, model, opt, {"step": done, "scheduler": sched.state_dict()})
-                    ckpt.wait()
-                if info.is_main:
-                    print(f"preempted: checkpointed step {done}; exiting with {EXIT_PREEMPTED} to requeue", flush=True)
-                return EXIT_PREEMPTED
-    finally:
-        watchdog.stop()
-        preempt.uninstall()
-    if cfg.checkpoint.export_hf_at_end:
-        out = os.path.join(dump, "hf")
-        export_hf(model, args, tokenizer, out, info.rank)
-        if info.is_main:
-            print(f"exported HF model to {out}", flush=True)
-    logger.close()
-    return 0
+    def _token_losses(self, rows: list[PackedRow], per_row: bool = False) -> torch.Tensor:
+        """Summed cross-entropy of the trained tokens (with grad): a scalar, or ``[B]`` per row."""
+        dev = self.info.device
+        batch = {k: v.to(dev) for k, v in collate(rows, self.pad_id).items()}
+        logits = self.model(batch["tokens"], positions=batch["positions"], attn=DocumentAttention(batch["doc_ids"]))
+        tok = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE,
+                              reduction="none" if per_row else "sum")
+        return tok.view(len(rows), -1).sum(-1) if per_row else tok
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        return CheckpointParts(self.model, self.opt)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.sched.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
+        self.sched.load_state_dict(state["scheduler"])
+
+    def step(self, step: int) -> StepOutput:
+        t0 = time.monotonic()
+        local = self.sampler.local_batch(step, self.rank_dp, self.dp)
+        rows = [self.data.rows[i] for i in local]
+        counts = torch.tensor([sum(r.num_targets for r in rows), sum(len(r.tokens) for r in rows)], dtype=torch.float64)
+        dist.all_reduce(counts)  # global trained tokens and tokens this step
+        global_targets = max(counts[0].item(), 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        self.model.train()
+        micro = self.cfg.training.micro_batch_size
+        for m0 in range(0, len(rows), micro):
+            tok_loss = self._token_losses(rows[m0:m0 + micro])
+            # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
+            (tok_loss * (self.dp / global_targets)).backward()
+            loss_sum += tok_loss.detach().double()
+        grad_norm = self.updater.apply(loss_sum, step)
+        dist.all_reduce(loss_sum)
+        dt = time.monotonic() - t0
+        return StepOutput({"loss": loss_sum.item() / global_targets,
+                           "grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                           "throughput/tokens_per_s": counts[1].item() / dt, "data/trained_tokens": counts[0].item(),
+                           "epoch": self.sampler.epoch_of(step), "data/skipped_rows": sum(self.data.skipped.values())},
+                          [f"row-{i}" for i in local])
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_rows:
+            return {}
+        idx, valid = rank_indices(len(self.eval_rows), self.rank_dp, self.dp)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss, trained tokens
+        self.model.eval()
+        micro = self.cfg.training.micro_batch_size
+        for m0 in range(0, len(idx), micro):
+            rows = [self.eval_rows[i] for i in idx[m0:m0 + micro]]
+            w = torch.tensor(valid[m0:m0 + micro], dtype=torch.float64, device=self.info.device)
+            sums[0] += (self._token_losses(rows, per_row=True).double() * w).sum()
+            sums[1] += (torch.tensor([r.num_targets for r in rows], dtype=torch.float64, device=w.device) * w).sum()
+        reshard_all(self.model)
+        self.model.train()
+        dist.all_reduce(sums)
+        return {"eval/loss": sums[0].item() / max(sums[1].item(), 1.0)}
+
+    def export(self, dump_folder: str) -> str:
+        out = os.path.join(dump_folder, "hf")
+        export_hf(self.model, self.args, self.tokenizer, out, self.info.rank)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def make_sft(cfg: Any, rt: Runtime) -> SFTRecipe:
+    return SFTRecipe(cfg, rt)
+
+
+__all__ = ["SFTRecipe", "make_sft", "split_held_out"]

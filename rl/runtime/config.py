@@ -72,12 +72,11 @@ Dtype = Literal["float32", "bfloat16"]
 
 @dataclass
 class JobConfig:
-    """Run identity: name, output folder, seed, log verbosity."""
+    """Run identity: name, output folder, seed."""
 
-    name: str = "tandem"
+    name: str = "tandem"  # the run's label: the start-up line, config.toml in the dump folder, reports
     dump_folder: str = "outputs/run"  # metrics.jsonl, tb/, checkpoints/, HF exports
     seed: int = 0
-    log_level: Literal["debug", "info", "warning"] = "info"
 
     def validate(self) -> None:
         require(bool(self.name.strip()), "job.name: must not be empty")
@@ -101,7 +100,6 @@ class ModelConfig:
     flavor: str | None = None  # a from-scratch size from models/flavors.py
     path: str | None = None  # an HF-format folder (config.json + safetensors)
     tokenizer: str | None = None  # a tokenizer folder or "builtin:char"; default: model.path
-    dtype: Dtype = "float32"  # parameter dtype for training (bfloat16 typical on GPU)
 
     def validate(self) -> None:
         if self.flavor is not None and self.path is not None:
@@ -148,8 +146,7 @@ class DataConfig:
 class OptimizerConfig:
     """The optimizer and gradient clipping."""
 
-    name: Literal["adamw"] = "adamw"
-    lr: float = 1e-5  # peak learning rate
+    lr: float = 1e-5  # peak learning rate (AdamW)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -187,9 +184,11 @@ class TrainingConfig:
     micro_batch_size: int = 1  # per rank per forward/backward
     mixed_precision_param: Dtype = "bfloat16"  # FSDP2 compute dtype (GPU only; CPU stays float32)
     mixed_precision_reduce: Dtype = "float32"  # FSDP2 gradient reduce dtype (GPU only)
+    eval_interval: int = 0  # steps between held-out evaluations (besides the start and the end); 0 = start and end only
 
     def validate(self) -> None:
         require(self.steps > 0, f"training.steps: must be > 0, got {self.steps}")
+        require(self.eval_interval >= 0, f"training.eval_interval: must be >= 0, got {self.eval_interval}")
         require(self.batch_size > 0, f"training.batch_size: must be > 0, got {self.batch_size}")
         require(self.micro_batch_size > 0, f"training.micro_batch_size: must be > 0, got {self.micro_batch_size}")
         require(self.micro_batch_size <= self.batch_size,
@@ -298,7 +297,6 @@ class PreferenceTrainConfig:
     reference: Literal["precompute", "online", "none"] = "precompute"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
-    eval_interval: int = 0  # steps between held-out evaluations; 0 = only after the last step
 
     def validate(self) -> None:
         from rl.algorithms.preference import PREFERENCE_LOSSES
@@ -307,7 +305,6 @@ class PreferenceTrainConfig:
         require(self.beta > 0, f"preference.beta: must be > 0, got {self.beta}")
         require(0.0 <= self.label_smoothing < 0.5,
                 f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        require(self.eval_interval >= 0, f"preference.eval_interval: must be >= 0 (0 = at the end), got {self.eval_interval}")
         for key in ("chosen_field", "rejected_field"):
             require(bool(getattr(self, key)), f"preference.{key}: must not be empty")
 
@@ -338,6 +335,15 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+
+    # Keys that moved or went away: setting one is an error that says what to do instead.
+    MOVED = {
+        "rl.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
+        "preference.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
+        "job.log_level": "removed: it was never read; the console prints one line per logged step",
+        "optimizer.name": "removed: the optimizer is AdamW; it was never read",
+        "model.dtype": "removed: it was never read; the GPU compute dtype is training.mixed_precision_param",
+    }
 
     def validate(self) -> None:
         """Type-check every key and run every section's ``validate``.

@@ -272,6 +272,9 @@ def all_keys(obj: Any, prefix: str = "") -> list[str]:
 def _unknown(root: Any, obj: Any, prefix: str, name: str) -> ConfigError:
     """'unknown key/section' with the nearest valid spelling, tried near then far."""
     key = prefix + name
+    moved = getattr(type(root), "MOVED", {})
+    if key in moved:
+        return ConfigError(f"{key}: {moved[key]}")
     names = list(field_types(type(obj)))
     near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     if near:

@@ -8,6 +8,9 @@ gives the same starting weights on every layout.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,37 +99,71 @@ def export_hf(model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, ou
         save_hf(state, args, out_dir, tokenizer=tokenizer)
 
 
-def build_sharded_model(args: ModelArgs, mesh, device: torch.device, *, path: str | None, seed: int,
-                        param_dtype: str, reduce_dtype: str, cpu_offload: bool, is_main: bool,
-                        trainable: bool = True, activation_checkpoint: str = "none",
-                        compile: bool = False) -> nn.Module:
-    """Meta-init, TP over ``mesh["tp"]``, activation checkpointing, compile, FSDP2 over the
-    data-parallel mesh, then rank 0's full weights broadcast in.
+@dataclass(frozen=True)
+class BuildSpec:
+    """How a model is laid out for training, from the [training] and [parallel] sections."""
 
-    FSDP2 wraps even a single data-parallel rank (its mixed-precision casts),
-    except under TP, where a one-rank FSDP mesh adds nothing to shard."""
-    from parallel.ac import apply_ac
-    from parallel.compile import apply_compile
-    from parallel.fsdp import apply_fsdp
-    from parallel.mesh import dp_mesh
-    from parallel.tp import apply_tp
+    param_dtype: str = "float32"  # FSDP2 compute dtype on a GPU (CPU always computes in float32)
+    reduce_dtype: str = "float32"
+    cpu_offload: bool = False
+    activation_checkpoint: str = "none"
+    compile: bool = False
 
-    with torch.device("meta"):
-        model = Transformer(args)
-    tp = mesh["tp"].size()
-    if tp > 1:
-        apply_tp(model, mesh["tp"])
-    if trainable:
-        apply_ac(model, activation_checkpoint)
-    if compile:
-        apply_compile(model)
+    @classmethod
+    def from_config(cls, training: Any, parallel: Any) -> BuildSpec:
+        return cls(param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
+                   cpu_offload=parallel.cpu_offload, activation_checkpoint=parallel.activation_checkpoint,
+                   compile=parallel.compile)
+
+
+def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: BuildSpec, *,
+                      trainable: bool = True, tp: bool = True) -> nn.Module:
+    """Every model Tandem trains or scores goes through here, on the meta device: TP (when
+    ``tp`` and the mesh has a TP axis > 1), activation checkpointing (trainable models),
+    compile, and FSDP2 by the one rule of `parallel.parallelize`. CPU computes in float32."""
+    from parallel.parallelize import parallelize
+
     on_gpu = device.type != "cpu"
-    if tp == 1 or mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
-        apply_fsdp(model, dp_mesh(mesh), param_dtype=param_dtype if on_gpu else "float32",
-                   reduce_dtype=reduce_dtype if on_gpu else "float32", cpu_offload=cpu_offload)
+    return parallelize(model, mesh, tp_enabled=tp, ac=spec.activation_checkpoint if trainable else "none",
+                       compile=spec.compile, param_dtype=spec.param_dtype if on_gpu else "float32",
+                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32", cpu_offload=spec.cpu_offload)
+
+
+def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[str, torch.Tensor]], mesh: Any,
+                device: torch.device, spec: BuildSpec, *, is_main: bool, trainable: bool = True,
+                tp: bool = True) -> nn.Module:
+    """The one model builder (policy, reference, critic, reward model, teachers): ``make()``
+    on the meta device, `parallelize_model`, then rank 0's ``initial_state()`` (the full
+    weights, CPU) broadcast into the shards, so every layout starts from the same weights.
+    Pipeline stages use `parallelize_model` the same way (rl/update/policy.py)."""
+    with torch.device("meta"):
+        model = make()
+    parallelize_model(model, mesh, device, spec, trainable=trainable, tp=tp)
     model.to_empty(device=device)
     model.reset_rope()
-    load_full_state(model, full_initial_state(args, path, seed) if is_main else None)
+    load_full_state(model, initial_state() if is_main else None)
     if not trainable:
         model.requires_grad_(False).eval()
     return model
+
+
+def build_transformer(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
+                      spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
+    """A causal LM (policy, reference, teacher) from an HF folder or a seeded from-scratch init."""
+    return build_model(lambda: Transformer(args), lambda: full_initial_state(args, path, seed), mesh, device,
+                       spec, is_main=is_main, trainable=trainable)
+
+
+def build_scalar_model(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
+                       spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
+    """A transformer trunk with a scalar head (reward model, critic); no TP (its recipes check)."""
+    from models.value_head import ScalarHeadModel, initial_scalar_state
+
+    def initial() -> dict[str, torch.Tensor]:
+        try:
+            return initial_scalar_state(args, path, seed)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelSetupError(f"model.path: {_one_line(e)}") from None
+
+    return build_model(lambda: ScalarHeadModel(args), initial, mesh, device, spec, is_main=is_main,
+                       trainable=trainable, tp=False)

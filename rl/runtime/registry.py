@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -27,15 +27,25 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._caps: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
+    def register(self, name: str, **caps: Any) -> Callable[[T], T]:
+        """Decorator; ``caps`` are what callers may ask of the entry instead of
+        comparing its name (e.g. ``needs_values=True`` for an estimator that needs a critic)."""
+
         def deco(obj: T) -> T:
             if name in self._items:
                 raise RegistryError(f"{self.kind} {name!r} is registered twice")
             self._items[name] = obj
+            self._caps[name] = caps
             return obj
 
         return deco
+
+    def cap(self, name: str, key: str, default: Any = None) -> Any:
+        """A capability the entry ``name`` declared at registration (``default`` if none)."""
+        self.get(name)  # unknown names raise the usual one-line error
+        return self._caps[name].get(key, default)
 
     def get(self, name: str) -> T:
         try:

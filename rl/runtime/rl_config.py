@@ -32,9 +32,11 @@ class RLConfig:
     gamma: float = 1.0
     lam: float = 1.0
     policy_loss: str = "ppo_clip"  # rl/algorithms/policy_loss.py: ppo_clip, gspo, reinforce
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # DAPO clip-higher: 0.28
-    dual_clip: float | None = None  # e.g. 3.0
+    clip_low: float = 0.2  # ppo_clip: token ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # ppo_clip: ... and above at 1 + clip_high (DAPO clip-higher: 0.28)
+    dual_clip: float | None = None  # ppo_clip, e.g. 3.0
+    seq_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - seq_clip_low
+    seq_clip_high: float = 4e-4  # gspo: ... and above at 1 + seq_clip_high
     aggregation: str = "token_mean"  # rl/algorithms/aggregation.py
     loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default rollout.max_tokens
     kl_coef: float = 0.0  # 0 = no reference model
@@ -53,7 +55,6 @@ class RLConfig:
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
     overlong_penalty: float = 1.0
     offload_optimizer: bool = False  # move optimizer state to CPU during rollout
-    eval_interval: int = 0  # steps between held-out evaluations; 0 = start and end only
     eval_prompts: int = 64  # held-out prompts per evaluation
     eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one greedy completion
     sample_log_interval: int = 10  # steps between sample completions in tensorboard
@@ -62,15 +63,34 @@ class RLConfig:
         for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens", "logprob_chunk_tokens",
                     "eval_prompts", "sample_log_interval"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
-        require(self.eval_interval >= 0, f"rl.eval_interval: must be >= 0, got {self.eval_interval}")
         require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / rl.clip_high: need 0 <= clip_low < 1, clip_high >= 0")
         require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
+        require(self.seq_clip_low >= 0 and self.seq_clip_high >= 0, "rl.seq_clip_low / rl.seq_clip_high: must be >= 0")
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
         require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
         _check_name("rl.advantage", "rl.algorithms.ADVANTAGES", self.advantage)
         _check_name("rl.policy_loss", "rl.algorithms.POLICY_LOSSES", self.policy_loss)
         _check_name("rl.aggregation", "rl.algorithms.AGGREGATIONS", self.aggregation)
         _check_name("rl.kl_estimator", "rl.algorithms.KL_ESTIMATORS", self.kl_estimator)
+        self._check_clip_keys()
+
+    def _check_clip_keys(self) -> None:
+        """A clip setting the chosen policy loss does not read is an error, not a silent no-op."""
+        from rl.algorithms import POLICY_LOSSES
+
+        uses = POLICY_LOSSES.cap(self.policy_loss, "uses", ())
+        default = RLConfig()
+        for key in ("clip_low", "clip_high", "dual_clip", "seq_clip_low", "seq_clip_high"):
+            if key not in uses and getattr(self, key) != getattr(default, key):
+                reads = ", ".join(f"rl.{k}" for k in uses) or "no clip setting"
+                raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} (it reads {reads})")
+
+    def policy_loss_config(self):  # -> rl.algorithms.PolicyLossConfig (imported lazily)
+        from rl.algorithms import PolicyLossConfig
+
+        return PolicyLossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+                                tis_cap=self.tis_cap, seq_clip_low=self.seq_clip_low,
+                                seq_clip_high=self.seq_clip_high)
 
 
 @dataclass

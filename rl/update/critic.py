@@ -26,23 +26,18 @@ from models.args import ModelArgs
 from parallel.grad import clip_grad_norm
 from rl.algorithms import AGGREGATIONS
 from rl.algorithms.value import value_loss
+from rl.runtime.config import OptimizerConfig
+from rl.runtime.modeling import BuildSpec, build_scalar_model
 from rl.runtime.optim import build_optimizer
+from rl.runtime.rl_config import CriticConfig
 from rl.update.loss import MicroBatch, scatter_completions
 
 
 class Critic:
-    def __init__(self, cfg: Any, args: ModelArgs, mesh: Any, device: torch.device, *, policy_path: str | None,
-                 is_main: bool) -> None:
-        from rl.recipes.reward_model import build_sharded_scalar_model
-
-        c = cfg.critic
+    def __init__(self, c: CriticConfig, o: OptimizerConfig, args: ModelArgs, mesh: Any, device: torch.device,
+                 spec: BuildSpec, *, policy_path: str | None, seed: int, is_main: bool) -> None:
         self.cfg = c
-        self.model = build_sharded_scalar_model(
-            args, mesh, device, path=c.path or policy_path, seed=cfg.job.seed + 17,
-            param_dtype=cfg.training.mixed_precision_param, reduce_dtype=cfg.training.mixed_precision_reduce,
-            cpu_offload=cfg.parallel.cpu_offload, is_main=is_main,
-            activation_checkpoint=cfg.parallel.activation_checkpoint, compile=cfg.parallel.compile)
-        o = cfg.optimizer
+        self.model = build_scalar_model(args, c.path or policy_path, seed + 17, mesh, device, spec, is_main=is_main)
         self.opt = build_optimizer(self.model, lr=c.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.max_grad_norm = o.max_grad_norm
         self.aggregation = AGGREGATIONS.get("token_mean")

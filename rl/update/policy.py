@@ -42,12 +42,17 @@ from models.transformer import Transformer
 from parallel.grad import clip_grad_norm
 from parallel.loss import token_logprobs_at
 from parallel.mesh import Degrees
-from parallel.parallelize import parallelize
 from parallel.pp import SCHEDULES, build_pipeline, pipeline_split
 from parallel.tp import validate_tp
 from rl.rollout.types import RolloutSample
 from rl.runtime.config import ConfigError
-from rl.runtime.modeling import build_sharded_model, export_hf, full_initial_state
+from rl.runtime.modeling import (
+    BuildSpec,
+    build_transformer,
+    export_hf,
+    full_initial_state,
+    parallelize_model,
+)
 from rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -64,13 +69,14 @@ from rl.update.loss import (
 class FlatPolicy:
     """One model: FSDP2 over the data-parallel ranks, TP over ``mesh["tp"]``."""
 
-    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, micro_batch_tokens: int,
-                 chunk_tokens: int, share_prompts: bool = False, **build: Any) -> None:
+    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None, seed: int,
+                 spec: BuildSpec, is_main: bool, trainable: bool = True, micro_batch_tokens: int,
+                 chunk_tokens: int, share_prompts: bool = False) -> None:
         self.device, self.budget, self.chunk = device, micro_batch_tokens, chunk_tokens
         self.share_prompts = share_prompts
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
-        self.model = build_sharded_model(args, mesh, device, **build)
+        self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main, trainable=trainable)
         self.modules = [self.model]
         self.state_module = self.model
         self.counts_stats = mesh["tp"].get_local_rank() == 0
@@ -161,8 +167,7 @@ class PipelinePolicy:
     """This rank's pipeline stages (parallel/pp.py), each also TP- and FSDP2-parallel."""
 
     def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None, seed: int,
-                 param_dtype: str, reduce_dtype: str, cpu_offload: bool, trainable: bool = True,
-                 activation_checkpoint: str = "none", compile: bool = False, schedule: str, microbatches: int,
+                 spec: BuildSpec, trainable: bool = True, schedule: str, microbatches: int,
                  seq_len: int, micro_batch_tokens: int, chunk_tokens: int = 1024, is_main: bool = False) -> None:
         del chunk_tokens, is_main  # the last stage holds whole logits rows; every rank reads its own weights
         self.device, self.args = device, args
@@ -173,12 +178,9 @@ class PipelinePolicy:
         self.rows_per_mb = max(1, micro_batch_tokens // self.seq_len)
         self.batch_rows = self.n_mb * self.rows_per_mb
         full = full_initial_state(args, path, seed)  # each rank reads it: stages load different keys
-        on_gpu = device.type != "cpu"
 
         def prepare(stage: nn.Module) -> nn.Module:
-            parallelize(stage, mesh, ac=activation_checkpoint if trainable else "none", compile=compile,
-                        param_dtype=param_dtype if on_gpu else "float32",
-                        reduce_dtype=reduce_dtype if on_gpu else "float32", cpu_offload=cpu_offload)
+            parallelize_model(stage, mesh, device, spec, trainable=trainable)
             stage.to_empty(device=device)
             stage.reset_rope()
             own = {k: full[k] for k in get_model_state_dict(stage)}

@@ -24,7 +24,8 @@ from models.hf import load_args
 from models.tokenizer import Tokenizer
 from rl.data.loading import DataError
 from rl.rollout.types import RolloutSample
-from rl.runtime.modeling import ModelSetupError, build_sharded_model
+from rl.runtime.modeling import BuildSpec, ModelSetupError, build_transformer
+from rl.runtime.rl_config import DistillConfig
 from rl.update.loss import pack_micro_batches, recompute_logprobs, sync_micro_batch_count
 
 
@@ -35,8 +36,8 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
 
 
 class Teachers:
-    def __init__(self, cfg: Any, student_tok: Tokenizer, mesh: Any, device: torch.device, *, is_main: bool) -> None:
-        d = cfg.distill
+    def __init__(self, d: DistillConfig, student_tok: Tokenizer, mesh: Any, device: torch.device, spec: BuildSpec,
+                 *, seed: int, is_main: bool) -> None:
         self.names = d.teacher_names()
         self.route_field = d.route_field
         self.models = []
@@ -50,10 +51,8 @@ class Teachers:
             if not same_tokenizer(tok, student_tok):
                 raise ModelSetupError(f"{key}: its tokenizer differs from the student's; "
                                       "on-policy distillation scores the student's token ids, so both must share one")
-            self.models.append(build_sharded_model(
-                args, mesh, device, path=path, seed=cfg.job.seed, trainable=False,
-                param_dtype=cfg.training.mixed_precision_param, reduce_dtype=cfg.training.mixed_precision_reduce,
-                cpu_offload=cfg.parallel.cpu_offload, is_main=is_main))
+            self.models.append(build_transformer(args, path, seed, mesh, device, spec, is_main=is_main,
+                                                 trainable=False))
 
     def route_rows(self, rows: list[dict[str, Any]]) -> list[int]:
         """Teacher index of every data row (0 for all with one teacher); DataError names a bad row."""
