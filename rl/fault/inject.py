@@ -1,8 +1,11 @@
-"""Fault drills: kill this rank with SIGKILL at a chosen step, once per dump folder.
+"""Fault drills: kill this rank with SIGKILL at a chosen step, once per dump folder, or
+poison a step's loss with NaN.
 
     TANDEM_INJECT_KILL=<step>:<rank>        (e.g. "3:1": rank 1 dies right after step 3's update)
     TANDEM_INJECT_KILL_SAVE=<step>:<rank>   rank dies inside step N's checkpoint save, after
                                             its shards are written and before the commit
+    TANDEM_INJECT_NAN=<step>                the loss of step N's optimizer updates is NaN on
+                                            every rank (the NaN/Inf policy then skips or stops)
 
 The kill comes after the step's update and before any checkpoint of that step,
 so a restarted job must redo the step from the previous checkpoint. A marker
@@ -18,6 +21,18 @@ import signal
 
 ENV = "TANDEM_INJECT_KILL"
 ENV_SAVE = "TANDEM_INJECT_KILL_SAVE"
+ENV_NAN = "TANDEM_INJECT_NAN"
+
+
+def nan_at(step: int) -> bool:
+    """Whether the drill asks for a NaN loss at ``step`` (counted from 1)."""
+    spec = os.environ.get(ENV_NAN)
+    if not spec:
+        return False
+    try:
+        return int(spec) == step
+    except ValueError:
+        raise ValueError(f"{ENV_NAN}={spec!r}: expected a step number") from None
 
 
 def maybe_kill(step: int, rank: int, dump_folder: str, *, in_save: bool = False) -> None:

@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from parallel.distributed import DistInfo
 from rl.fault import Watchdog, check_finite
+from rl.fault.inject import nan_at
 from rl.runtime.config import FaultConfig
 from rl.runtime.metrics import MetricsLogger
 
@@ -113,6 +114,8 @@ class Updater:
         """One guarded update; returns the gradient norm, or None when it was skipped or
         ``optimizer`` is False (only ``on_apply`` runs then, e.g. a critic warming up
         while the policy and its schedule wait)."""
+        if nan_at(step + 1):  # fault drill (TANDEM_INJECT_NAN)
+            loss = loss * float("nan")
         finite = check_finite(loss, self.modules, step + 1, self.rank, self.fault.on_nonfinite,
                               dump_folder=self.dump_folder)
         norm = None

@@ -65,7 +65,8 @@ class RLConfig:
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
         require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / rl.clip_high: need 0 <= clip_low < 1, clip_high >= 0")
         require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
-        require(self.seq_clip_low >= 0 and self.seq_clip_high >= 0, "rl.seq_clip_low / rl.seq_clip_high: must be >= 0")
+        require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
+                "rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1, seq_clip_high >= 0")
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
         require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
         _check_name("rl.advantage", "rl.algorithms.ADVANTAGES", self.advantage)

@@ -1,0 +1,72 @@
+"""The layout rules of docs/architecture.md, checked on the source itself.
+
+- models/, parallel/ and kernels/ never import rl/ (models know nothing of
+  parallelism, parallel/ nothing of RL);
+- no file over 600 lines and no function over 80 lines, except those listed
+  here with the reason;
+- the recipes never compare an algorithm's name: what a loop must build for an
+  algorithm is a capability declared at registration (rl/runtime/registry.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [p for d in ("rl", "models", "parallel", "kernels", "bench", "scripts") for p in (ROOT / d).rglob("*.py")]
+SOURCES += [ROOT / "train.py"]
+LONG_FILES: dict[str, str] = {}  # path -> why it may exceed 600 lines
+LONG_FUNCTIONS: dict[str, str] = {}  # "path:function" -> why it may exceed 80 lines
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def test_models_parallel_and_kernels_never_import_rl():
+    bad = []
+    for folder in ("models", "parallel", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            bad += [f"{path.relative_to(ROOT)} imports {m}" for m in _imports(path) if m == "rl" or m.startswith("rl.")]
+    assert not bad, bad
+
+
+def test_models_never_import_parallel():
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in (ROOT / "models").rglob("*.py")
+           for m in _imports(p) if m == "parallel" or m.startswith("parallel.")]
+    assert not bad, bad
+
+
+def test_no_file_over_600_lines_and_no_function_over_80_without_a_reason():
+    long_files, long_functions = [], []
+    for path in SOURCES:
+        rel = str(path.relative_to(ROOT))
+        text = path.read_text()
+        if text.count("\n") > 600 and rel not in LONG_FILES:
+            long_files.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80 and f"{rel}:{node.name}" not in LONG_FUNCTIONS:
+                    long_functions.append(f"{rel}:{node.name}: {n} lines")
+    assert not long_files and not long_functions, long_files + long_functions
+
+
+def test_recipes_never_compare_algorithm_names():
+    """``r.advantage == "gae"`` and the like: the registry's capabilities say what a name needs."""
+    keys = r"(advantage|policy_loss|aggregation|kl_estimator|loss)"
+    pattern = re.compile(rf"\.{keys}\s*(==|!=|\bin\b)|(==|!=)\s*\w+\.{keys}\b")
+    bad = []
+    for path in (ROOT / "rl" / "recipes").rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not bad, bad
