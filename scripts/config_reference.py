@@ -1,10 +1,10 @@
-"""Print (or refresh in README.md) the config reference, generated from the config dataclasses.
+"""Print (or refresh in docs/config.md) the config reference, generated from the config dataclasses.
 
     python scripts/config_reference.py            # print the markdown
-    python scripts/config_reference.py --write    # replace the block in README.md
+    python scripts/config_reference.py --write    # replace the block in docs/config.md
 
-The README's block is checked against this output by tests/test_readme.py, so
-the documented keys, types and defaults always match the code.
+The block in docs/config.md is checked against this output by tests/test_readme.py,
+so the documented keys, types and defaults always match the code.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def reference() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def readme_block(text: str) -> str:
+def reference_block(text: str) -> str:
     return text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     if "--write" not in sys.argv:
         print(ref, end="")
         return
-    path = os.path.join(ROOT, "README.md")
+    path = os.path.join(ROOT, "docs", "config.md")
     text = open(path, encoding="utf-8").read()
     head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]

@@ -45,6 +45,26 @@ def test_models_never_import_parallel():
     assert not bad, bad
 
 
+def test_only_the_entry_point_reaches_the_recipes():
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in (ROOT / "rl").rglob("*.py")
+           if "recipes" not in p.parts for m in _imports(p) if m.startswith("rl.recipes")]
+    assert not bad, bad
+
+
+def test_worker_side_packages_do_not_import_torch_at_module_level():
+    """Reward functions, environments and pools run in worker processes that start fast."""
+    bad = []
+    for folder in ("rewards", "envs", "workers"):
+        for path in (ROOT / "rl" / folder).glob("*.py"):
+            if path.name == "reward_model.py":  # the reward-model scorer runs in the trainer
+                continue
+            top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+            bad += [f"{path.relative_to(ROOT)} imports {m}" for m in names if m.split(".")[0] == "torch"]
+    assert not bad, bad
+
+
 def test_no_file_over_600_lines_and_no_function_over_80_without_a_reason():
     long_files, long_functions = [], []
     for path in SOURCES:

@@ -1,4 +1,5 @@
-"""The README stays true: its config reference is the one the code generates."""
+"""The README and docs stay true: the config reference is the one the code generates, and
+the files the front page names exist."""
 
 import os
 import subprocess
@@ -9,17 +10,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_config_reference_matches_code():
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from config_reference import readme_block, reference
+    from config_reference import reference, reference_block
 
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    assert readme_block(text) == reference(), "run: python scripts/config_reference.py --write"
+    text = open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8").read()
+    assert reference_block(text) == reference(), "run: python scripts/config_reference.py --write"
 
 
-def test_readme_commands_name_existing_configs():
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    for word in text.split():
-        if word.startswith("configs/") and word.endswith(".toml"):
-            assert os.path.exists(os.path.join(ROOT, word.strip("`,")), ), word
+def test_readme_commands_name_existing_files():
+    for page in ("README.md", "docs/guide.md", "docs/architecture.md"):
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        for word in text.replace("(", " ").replace(")", " ").split():
+            word = word.strip("`,.;:")
+            if word.startswith(("configs/", "docs/")) and word.endswith((".toml", ".md", ".png")):
+                assert os.path.exists(os.path.join(ROOT, word)), (page, word)
 
 
 def test_print_config_exits_zero():
