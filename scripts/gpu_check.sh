@@ -48,8 +48,8 @@ part() {  # part NAME SECONDS LOG CMD...
   tail -n 25 "$out/$log"
 }
 
-part tests 130 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${TESTS:-tests/test_paged_attention.py \
-  tests/test_logprobs_kernel.py tests/test_generator.py tests/test_sampler.py}
+part tests 130 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${TESTS:-tests/kernels/test_paged_attention.py \
+  tests/kernels/test_logprobs_kernel.py tests/generator/test_generator.py tests/generator/test_sampler.py}
 [[ -f "$out/tests.log" ]] && echo "tests: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -1)"
 
 part attention 60 attention.log "$PY" -m bench.paged_attention

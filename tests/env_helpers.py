@@ -75,7 +75,7 @@ class AgainEnv(Environment):
 
     A two-turn episode the quickstart policy can play from the start (the
     observation is a question like the ones it was trained on), with a reward
-    it can learn in a few RL steps, as in tests/test_rl_loop.py.
+    it can learn in a few RL steps, as in tests/recipes/test_rl_loop.py.
     """
 
     name = "again"

@@ -1,4 +1,4 @@
-"""Scenarios for tests/test_fault.py, run as a plain process or under torchrun (gloo, CPU).
+"""Scenarios for tests/runtime/test_fault.py, run as a plain process or under torchrun (gloo, CPU).
 
     python tests/fault_worker.py hang --dump D
         world of one; the watchdog fires while the step sleeps in a fake collective.

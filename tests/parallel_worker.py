@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_parallel_equivalence.py and bench/parallel_layouts.py.
+"""torchrun worker for tests/parallel/test_parallel_equivalence.py and bench/parallel_layouts.py.
 
 ``torchrun --standalone --nproc-per-node N tests/parallel_worker.py --out F --layouts a,b``
 runs each named layout in turn: one GRPO-style AdamW update step on one fixed

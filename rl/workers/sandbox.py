@@ -4,7 +4,7 @@ What it is for: the code reward and the ``python`` tool execute text a policy wr
 One call to :func:`run_python` starts one fresh interpreter and returns its output;
 nothing is reused between runs.
 
-Security model (what holds, checked by tests/test_sandbox.py):
+Security model (what holds, checked by tests/workers/test_sandbox.py):
 
 * Each run is a new process in its own session, started by a short trusted launcher
   (``_LAUNCHER``, run with ``python -I -S``) that sets the limits and then ``execve``s

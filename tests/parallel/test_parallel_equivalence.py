@@ -26,7 +26,7 @@ from parallel.loss import vocab_parallel_entropy, vocab_parallel_token_logprobs
 from parallel.pp import build_pipeline, pipeline_split
 from parallel.tp import validate_tp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel_worker.py"
 RTOL = 1e-5
 

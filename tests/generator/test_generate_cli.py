@@ -11,7 +11,7 @@ import torch
 from rl.generate import main
 from tests.fixtures import QWEN_CHAT_TEMPLATE, hf_reference, write_hf_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

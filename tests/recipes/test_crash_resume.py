@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(dump, extra_env=None, *extra, nproc=2):

@@ -15,7 +15,7 @@ from rl.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageConfig, AdvantageI
 from rl.recipes import unused_settings
 from rl.runtime.config import ConfigError, load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")
 SFT = os.path.join(ROOT, "configs", "quickstart_sft.toml")
 

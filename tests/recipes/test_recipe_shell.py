@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--training.steps=4", "--training.eval_interval=0", "--metrics.tensorboard=false", "--metrics.log_interval=1",
           "--checkpoint.export_hf_at_end=false"]
 RECIPES = {

@@ -26,7 +26,7 @@ from parallel.mesh import Degrees
 from rl.runtime.config import ConfigError
 from rl.update.policy import check_layout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 LAYOUTS = {"fsdp2": [], "tp2": ["--parallel.tp=2"], "pp2": ["--parallel.pp=2"]}
 

@@ -28,7 +28,7 @@ from rl.recipes.reward_model import EXPORT_DIR
 from rl.rewards.reward_model import RewardModelScorer
 from rl.runtime.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RM_TOML = os.path.join(ROOT, "configs", "reward_model.toml")
 
 

@@ -40,7 +40,7 @@ from rl.runtime.configlib import (
     validate_fields,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs"
 REPO_CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))
 HF = ["model.path=/models/some-hf-folder"]  # a valid model choice that needs no import

@@ -23,7 +23,7 @@ from rl.data.preference import (
 from rl.recipes import run as run_recipe
 from rl.runtime.config import ConfigError, load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DPO_TOML = os.path.join(ROOT, "configs", "dpo.toml")
 FAST = ["--data.path=synthetic:sorting", "--data.synthetic_rows=128", "--training.batch_size=32",
         "--training.micro_batch_size=16", "--optimizer.lr=3e-3", "--lr_schedule.warmup_steps=2",

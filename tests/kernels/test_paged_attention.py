@@ -41,7 +41,7 @@ if triton_available() and not torch.cuda.is_available():
 IN_PROCESS = torch.cuda.is_available() or triton_interpreting()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (context_len, q_len): prefill, extend onto a cached prefix, decode, and idle sequences.
 MIXED = [(7, 7), (33, 5), (1, 1), (20, 1), (9, 0), (18, 18), (40, 3)]

@@ -26,7 +26,7 @@ from rl.workers.sandbox import (
     sandbox_capabilities,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = SandboxLimits(cpu_time_s=1, wall_time_s=3.0)
 PRINT_UID = "import os, sys\nprint('uid', os.getuid(), flush=True)\n"
 
