@@ -275,9 +275,11 @@ class MetricsConfig:
     log_interval: int = 1  # steps between metric rows
     tensorboard: bool = True  # job.dump_folder/tb/
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
+    samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by rl.runtime.samples.SampleLog (read by rl.report); 0 = off
 
     def validate(self) -> None:
         require(self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}")
+        require(self.samples_per_step >= 0, f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
 
 
 @dataclass
