@@ -83,6 +83,42 @@ def test_bad_space_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, entry, 
     assert not study.exists()  # nothing was started
 
 
+def test_shipped_space_and_unquoted_dotted_keys(tmp_path, monkeypatch):
+    from rl.sweep.space import check_configs, load_space
+
+    monkeypatch.chdir(ROOT)
+    shipped = load_space("configs/sweeps/quickstart.toml")  # the README's example
+    assert check_configs("configs/quickstart.toml", shipped, "space").training.steps == 20
+    space = tmp_path / "space.toml"
+    space.write_text('[space]\noptimizer.lr = { log_uniform = [1e-6, 1e-3] }\n[fixed]\ntraining.steps = 9\n')
+    got = load_space(str(space))
+    assert list(got.params) == ["optimizer.lr"] and got.fixed == {"training.steps": 9}
+    assert got.overrides({"optimizer.lr": 1e-4}) == ["training.steps=9", "optimizer.lr=0.0001"]
+
+
+def test_a_study_keeps_its_files_and_its_folder(tmp_path, monkeypatch):
+    from rl.sweep.space import check_configs, load_space, resolve_objective
+    from rl.sweep.study import Sweep, lock_study
+
+    monkeypatch.chdir(ROOT)
+    space_path = tmp_path / "space.toml"
+    space_path.write_text(SPACE)
+    space = load_space(str(space_path))
+    base = check_configs("configs/quickstart.toml", space, str(space_path))
+    objective = resolve_objective(space, "rl", str(space_path))
+    study = str(tmp_path / "study")
+    lock = lock_study(study)
+    with pytest.raises(SweepError, match="is in use by another rl.sweep") as e:
+        lock_study(study)
+    assert e.value.status == 5
+    lock.close()
+    Sweep(study, "configs/quickstart.toml", space, objective, base, 2, [Slot(0, (0,))], 1)
+    space.params.pop("rl.advantage")
+    with pytest.raises(SweepError, match="was started with another space file") as e:
+        Sweep(study, "configs/quickstart.toml", space, objective, base, 2, [Slot(0, (0,))], 1)
+    assert e.value.status == 2
+
+
 def test_bad_command_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     space = tmp_path / "space.toml"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -183,6 +184,24 @@ def _param(path: str, key: str, spec: Any) -> Param:
     return Param(key, kind, (float(low), float(high)) if kind != "int" else (low, high))
 
 
+def _is_spec(value: Any) -> bool:
+    """A [space] value that is a distribution (good or bad), not a table of further keys."""
+    if not isinstance(value, dict) or not value:
+        return True
+    return any(k in KINDS for k in value) or not all(isinstance(v, dict) for v in value.values())
+
+
+def _flatten(table: dict[str, Any], leaf: Callable[[Any], bool], prefix: str = "") -> dict[str, Any]:
+    """Unquoted dotted keys (optimizer.lr = ...) parse as nested tables; make them "optimizer.lr" again."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if leaf(value):
+            out[prefix + key] = value
+        else:
+            out.update(_flatten(value, leaf, f"{prefix}{key}."))
+    return out
+
+
 def _table(path: str, data: dict[str, Any], name: str, allowed: dict[str, type | tuple]) -> dict[str, Any]:
     table = data.get(name, {})
     if not isinstance(table, dict):
@@ -212,10 +231,11 @@ def load_space(path: str) -> Space:
     space = data.get("space", {})
     if not isinstance(space, dict) or not space:
         raise _fail(path, '[space] is missing or empty; e.g. [space] "optimizer.lr" = { log_uniform = [1e-6, 1e-3] }')
-    params = {key: _param(path, key, spec) for key, spec in space.items()}
+    params = {key: _param(path, key, spec) for key, spec in _flatten(space, leaf=_is_spec).items()}
     fixed = data.get("fixed", {})
     if not isinstance(fixed, dict):
         raise _fail(path, "[fixed] must be a table of config keys")
+    fixed = _flatten(fixed, leaf=lambda v: not isinstance(v, dict))
     both = sorted(set(fixed) & set(params))
     if both:
         raise _fail(path, f'"{both[0]}" is both searched ([space]) and fixed ([fixed])')
