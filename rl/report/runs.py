@@ -86,7 +86,7 @@ def load_study(folder: str) -> StudyInfo:
     """A study folder: its trials as runs (those that logged a row), in trial order."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # "no complete trials" and such: the page says it
     storage = f"sqlite:///{os.path.abspath(os.path.join(folder, 'study.db'))}"
     try:
         study = optuna.load_study(study_name="sweep", storage=storage)
