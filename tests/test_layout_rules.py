@@ -45,9 +45,10 @@ def test_models_never_import_parallel():
     assert not bad, bad
 
 
-def test_only_the_entry_point_reaches_the_recipes():
+def test_only_entry_points_reach_the_recipes():
+    """train.py runs them; rl.sweep asks the registry for a recipe's held-out metric."""
     bad = [f"{p.relative_to(ROOT)} imports {m}" for p in (ROOT / "rl").rglob("*.py")
-           if "recipes" not in p.parts for m in _imports(p) if m.startswith("rl.recipes")]
+           if not {"recipes", "sweep"} & set(p.parts) for m in _imports(p) if m.startswith("rl.recipes")]
     assert not bad, bad
 
 

@@ -29,6 +29,7 @@ SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training
 class RecipeEntry:
     factory: str  # "module:function" making the recipe from (cfg, Runtime); imported when chosen
     sections: tuple[str, ...]  # config sections read beyond SHARED_SECTIONS
+    objective: tuple[str, str]  # the held-out metric and its direction (rl.sweep's default objective)
 
     def make(self) -> Any:
         module, name = self.factory.split(":")
@@ -36,10 +37,13 @@ class RecipeEntry:
 
 
 RECIPES: Registry[RecipeEntry] = Registry("training recipe")
-RECIPES.register("sft")(RecipeEntry("rl.recipes.sft:make_sft", ()))
-RECIPES.register("dpo")(RecipeEntry("rl.recipes.dpo:make_dpo", ("preference",)))
-RECIPES.register("reward_model")(RecipeEntry("rl.recipes.reward_model:make_reward_model", ("preference",)))
-RECIPES.register("rl")(RecipeEntry("rl.recipes.rl:make_rl", ("rl", "rollout", "reward", "critic", "distill", "env")))
+_ACCURACY = ("eval/accuracy", "maximize")
+RECIPES.register("sft")(RecipeEntry("rl.recipes.sft:make_sft", (), ("eval/loss", "minimize")))
+RECIPES.register("dpo")(RecipeEntry("rl.recipes.dpo:make_dpo", ("preference",), _ACCURACY))
+RECIPES.register("reward_model")(RecipeEntry("rl.recipes.reward_model:make_reward_model", ("preference",),
+                                             _ACCURACY))
+RECIPES.register("rl")(RecipeEntry("rl.recipes.rl:make_rl", ("rl", "rollout", "reward", "critic", "distill", "env"),
+                                   _ACCURACY))
 
 
 def unused_settings(cfg: Any) -> list[str]:

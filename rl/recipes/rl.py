@@ -49,6 +49,7 @@ from rl.rollout.types import RolloutSample
 from rl.runtime.config import ConfigError
 from rl.runtime.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from rl.runtime.optim import build_optimizer, build_scheduler
+from rl.runtime.samples import SampleLog
 from rl.runtime.system import peak_memory_gb, reset_peak_memory
 from rl.update.critic import Critic
 from rl.update.loss import (
@@ -131,6 +132,8 @@ class RLRecipe:
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
         self.step_index = 0  # the step being taken (the shell's count)
+        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
+        self._advantage_of: list[float] = []  # per sample, the mean advantage of its sampled tokens (last update)
 
     # ---- data ------------------------------------------------------------------------
 
@@ -169,27 +172,34 @@ class RLRecipe:
         return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
 
     def _score(self, samples: list[RolloutSample]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Each sample's total reward, and the step's reward metrics; every sample's per-source
+        rewards (reward functions, reward model, environment) go to ``s.info["rewards"]``."""
         scores = torch.zeros(len(samples))
         metrics: dict[str, float] = {}
+        parts: dict[str, list[float]] = {}
         if self.reward_fns:
             res = self.rewards.score(self.reward_fns, [s.text for s in samples], [s.row for s in samples])
             scores += torch.tensor(res.total, dtype=torch.float32)
-            first = torch.tensor(res.scores[self.reward_fns[0][0]], dtype=torch.float32)
-            for s, acc in zip(samples, first.tolist()):
+            parts.update({name: [float(v) for v in res.scores[name]] for name, _ in self.reward_fns})
+            for s, acc in zip(samples, parts[self.reward_fns[0][0]]):
                 s.info["accuracy"] = acc
             metrics = res.metrics()
         if self.rm is not None:  # scored here, on the rollout rank's device
             rm = torch.tensor(self.rm.score([self._context(s.row) for s in samples], [s.text for s in samples]))
             scores += self.cfg.reward.reward_model_weight * rm
             metrics["reward/reward_model/mean"] = rm.mean().item()
+            parts["reward_model"] = rm.tolist()
         env = [s.env_reward for s in samples]
         if any(v is not None for v in env):  # episodes' final rewards (an episode without one scores 0)
             env_t = torch.tensor([v or 0.0 for v in env], dtype=torch.float32)
             scores += env_t
             metrics["reward/env/mean"] = env_t.mean().item()
+            parts["env"] = env_t.tolist()
             if not self.reward_fns:
                 for s, v in zip(samples, env_t.tolist()):
                     s.info["accuracy"] = float(v > 0)
+        for i, s in enumerate(samples):
+            s.info["rewards"] = {name: values[i] for name, values in parts.items()}
         metrics["reward/total"] = scores.mean().item()
         return scores, metrics
 
@@ -334,6 +344,9 @@ class RLRecipe:
         extra: dict[str, float] = {}
         if self.teachers is not None:
             adv, extra = self._distill(samples, mask, old_logp, adv, width)
+        n_log = min(self.cfg.metrics.samples_per_step, len(samples)) if self.info.is_main else 0
+        m_log = mask[:n_log]  # the sample log's advantage: the mean over the sampled (trained) tokens
+        self._advantage_of = ((adv[:n_log] * m_log).sum(-1) / m_log.sum(-1).clamp(min=1)).tolist()
         train_policy = self.step_index >= self.critic_warmup
         spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r.policy_loss_config(),
                         aggregation=AGGREGATIONS.get(r.aggregation),
@@ -430,10 +443,18 @@ class RLRecipe:
         with wd.phase("update"):
             metrics.update(self.update(samples, scores))
         metrics.update(self._rollout_metrics(samples))
-        if self.info.is_main and (step + 1) % self.cfg.rl.sample_log_interval == 0:
-            self.rt.logger.text("samples", "\n\n".join(f"[{s.finish_reason}] {s.text!r}" for s in samples[:4]), step + 1)
+        self.sample_log.log(step + 1, self._sample_records(samples, scores))
         ids = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples}) if self.mp_rank == 0 else []
         return StepOutput(metrics, ids)
+
+    def _sample_records(self, samples: list[RolloutSample], scores: torch.Tensor) -> list[dict[str, Any]]:
+        """The first ``metrics.samples_per_step`` samples of this rank as samples.jsonl records
+        (rank 0 writes its own: the first prompts' groups, whose advantages are relative to each other)."""
+        n = min(self.cfg.metrics.samples_per_step, len(samples)) if self.info.is_main else 0
+        return [{"prompt": self.tok.decode(s.prompt_ids), "completion": s.text, "reward": float(scores[i]),
+                 "rewards": s.info.get("rewards", {}), "advantage": self._advantage_of[i] if self._advantage_of else None,
+                 "finish_reason": s.finish_reason, "completion_tokens": len(s.completion_ids),
+                 "id": str(s.row.get("id", s.row.get("problem_id", "")))} for i, s in enumerate(samples[:n])]
 
     def export(self, dump_folder: str) -> str:
         out = os.path.join(dump_folder, "hf")

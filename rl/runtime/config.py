@@ -274,9 +274,11 @@ class MetricsConfig:
     log_interval: int = 1  # steps between metric rows
     tensorboard: bool = True  # job.dump_folder/tb/
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
+    samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by rl.runtime.samples.SampleLog (read by rl.report); 0 = off
 
     def validate(self) -> None:
         require(self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}")
+        require(self.samples_per_step >= 0, f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
 
 
 @dataclass
@@ -343,6 +345,8 @@ class Config:
         "job.log_level": "removed: it was never read; the console prints one line per logged step",
         "optimizer.name": "removed: the optimizer is AdamW; it was never read",
         "model.dtype": "removed: it was never read; the GPU compute dtype is training.mixed_precision_param",
+        "rl.sample_log_interval": "removed: metrics.samples_per_step samples of every step go to samples.jsonl "
+                                  "and tensorboard",
     }
 
     def validate(self) -> None:

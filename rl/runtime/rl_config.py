@@ -57,11 +57,10 @@ class RLConfig:
     offload_optimizer: bool = False  # move optimizer state to CPU during rollout
     eval_prompts: int = 64  # held-out prompts per evaluation
     eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one greedy completion
-    sample_log_interval: int = 10  # steps between sample completions in tensorboard
 
     def validate(self) -> None:
         for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens", "logprob_chunk_tokens",
-                    "eval_prompts", "sample_log_interval"):
+                    "eval_prompts"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
         require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / rl.clip_high: need 0 <= clip_low < 1, clip_high >= 0")
         require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")

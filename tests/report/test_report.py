@@ -1,0 +1,125 @@
+"""rl.report: the page's contents, its bad inputs, and the page itself in a real headless browser."""
+
+import html
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from rl.report.__main__ import main as report_main
+from rl.runtime.samples import SampleLog
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import report_screenshot  # noqa: E402  (scripts/ is not a package)
+
+KNOWN = 'The answer is </script><!-- <42> & "done"'  # markup in a completion must show as text
+
+
+def _run(folder, steps, evals, lr):
+    """A dump folder as the RL recipe writes it: metrics rows, and a sample log with KNOWN at step 6."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for s in range(1, steps + 1):
+            row = {"step": s, "reward/total": s / 10, "reward/exact_match/mean": s / 10, "entropy": 1 / s, "lr": lr,
+                   "kl": 0.01 * s, "clip_frac": 0.0, "grad_norm": 2.0, "gap/abs_mean": 1e-7, "loss": 0.1,
+                   "response/length_mean": 3.0, "response/length_max": 5.0, "time/rollout_s": 0.1,
+                   "update/tokens_per_s": 900.0, "memory/update_peak_gb": 0.5, "dynamic/rounds": 1.0}
+            if s in evals:
+                row["eval/accuracy"] = 0.5 + s / 100
+            f.write(json.dumps(row) + "\n")
+    log = SampleLog(folder, per_step=3, enabled=True)
+    for s in range(1, steps + 1):
+        log.log(s, [{"prompt": f"{s}+{i}=", "completion": KNOWN if (s, i) == (6, 2) else f"{s + i}!",
+                     "reward": float(i % 2), "rewards": {"exact_match": float(i % 2)}, "advantage": i - 1.0,
+                     "finish_reason": "stop"} for i in range(3)])
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    _run(str(tmp_path / "alpha"), 9, (3, 6, 9), 3e-4)
+    _run(str(tmp_path / "beta"), 6, (3, 6), 1e-3)
+    return tmp_path
+
+
+def _figures(page: str) -> dict:
+    blob = re.search(r'<script type="application/json" id="figures-data">(.*?)</script>', page, re.S).group(1)
+    return json.loads(blob)
+
+
+def test_page_holds_every_run_and_panel(two_runs, capsys):
+    out = two_runs / "r.html"
+    assert report_main([str(two_runs / "alpha"), str(two_runs / "beta"), "--out", str(out)]) == 0
+    page = out.read_text()
+    figs = _figures(page)
+    ev = figs["fig-held-out-eval"]["data"]
+    assert [(t["name"], t["x"], t["y"]) for t in ev] == [("alpha", [3, 6, 9], [0.53, 0.56, 0.59]),
+                                                         ("beta", [3, 6], [0.53, 0.56])]
+    for fid in ("fig-reward", "fig-reward-per-function", "fig-response-length-tokens", "fig-entropy",
+                "fig-kl-to-the-reference", "fig-clip-fraction", "fig-train-generation-log-prob-gap", "fig-grad-norm",
+                "fig-learning-rate", "fig-loss", "fig-phase-times", "fig-throughput", "fig-peak-memory-per-phase",
+                "fig-length-distribution", "fig-other"):
+        assert fid in figs and f'id="{fid}"' in page, fid
+    assert figs["fig-learning-rate"]["data"][1]["y"] == [1e-3] * 6
+    assert [t["name"] for t in figs["fig-other"]["data"]] == ["alpha", "beta"]  # dynamic/rounds, in the menu
+    # self-contained: no script, style sheet or image is fetched
+    assert not re.search(r"<(script|img|iframe)[^>]+src=", page) and not re.search(r"<link[^>]+href=", page)
+    assert KNOWN not in page  # the sample text is JSON inside a script, "<" escaped, never raw markup
+    assert 'The answer is \\u003c/script>\\u003c!-- \\u003c42> & \\"done\\"' in page
+
+
+def test_metric_option_adds_a_panel(two_runs):
+    out = two_runs / "r.html"
+    assert report_main([str(two_runs / "alpha"), "--metric", "dynamic/rounds", "--out", str(out)]) == 0
+    assert _figures(out.read_text())["fig-dynamic-rounds"]["data"][0]["y"] == [1.0] * 9
+
+
+@pytest.mark.parametrize("case, status, message", [
+    ("empty", 3, "an empty folder: not a run's dump folder nor an rl.sweep study"),
+    ("missing", 3, "no such folder"),
+    ("no_metrics", 3, "no metrics.jsonl and no study.db"),
+    ("unknown_metric", 4, "--metric 'eval/acc': no run logged it; did you mean 'eval/accuracy'?"),
+    ("no_paths", 2, "give at least one run or study folder"),
+])
+def test_bad_inputs_one_line_and_status(two_runs, capsys, case, status, message):
+    (two_runs / "empty").mkdir()
+    (two_runs / "no_metrics").mkdir()
+    (two_runs / "no_metrics" / "train.log").write_text("x")
+    args = {"empty": [str(two_runs / "empty")], "missing": [str(two_runs / "nope")],
+            "no_metrics": [str(two_runs / "no_metrics")], "no_paths": [],
+            "unknown_metric": [str(two_runs / "alpha"), "--metric", "eval/acc"]}[case]
+    assert report_main([*args, "--out", str(two_runs / "r.html")]) == status
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (two_runs / "r.html").exists()
+
+
+def _points_per_trace(dom: str, fig_id: str) -> list[int]:
+    """Marker elements Plotly drew in each trace of the figure div ``fig_id``."""
+    start = dom.index(f'id="{fig_id}"')
+    nxt = re.compile(r'<div class="fig[^"]*" id=').search(dom, start + 1)
+    chunk = dom[start:nxt.start() if nxt else len(dom)]
+    traces = re.split(r'<g class="trace scatter', chunk)[1:]
+    return [len(re.findall(r'<path class="point"', t)) for t in traces]
+
+
+def test_page_renders_in_headless_chromium(two_runs, tmp_path):
+    if report_screenshot.find_chromium() is None:
+        pytest.skip("Chromium is not installed (Debian: apt-get install chromium); the page was not opened")
+    out = two_runs / "r.html"
+    assert report_main([str(two_runs / "alpha"), str(two_runs / "beta"), "--out", str(out)]) == 0
+    dom, console = report_screenshot.dump_dom(str(out), fragment="run=0&step=6")
+    assert console == [], console  # no errors, no uncaught exceptions, nothing logged
+    assert 'class="main-svg"' in dom  # Plotly drew
+    assert _points_per_trace(dom, "fig-held-out-eval") == [3, 2]
+    assert _points_per_trace(dom, "fig-reward") == [9, 6]
+    assert _points_per_trace(dom, "fig-response-length-tokens") == [9, 9, 6, 6]
+    table = re.search(r'<tbody id="sb-body">(.*?)</tbody>', dom, re.S).group(1)
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.S)]
+    assert cells[:7] == ["0", "6+0=", "6!", "0", "exact_match 0", "-1", "stop"]
+    assert KNOWN in cells and cells[cells.index(KNOWN) - 1] == "6+2="
+    shot = tmp_path / "report.png"
+    assert report_screenshot.screenshot(str(out), str(shot), 1200, 1400) == []
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
