@@ -175,6 +175,22 @@ def test_format_reward() -> None:
     assert boxed("so 3", s) == 0.0
 
 
+@pytest.mark.parametrize("text", [
+    "<think>a</think>answer <think>more", "<think>a</think><think>", "<think>a</think>x</think>",
+    "<think>a</think> </think>",
+])
+def test_format_reward_refuses_extra_think_tags(text: str) -> None:
+    assert format_reward(text, {}) == 0.0
+
+
+def test_format_reward_is_linear_on_long_failing_input() -> None:
+    text = "<think>a</think>" + "x" * 20_000 + "<think><think>"  # was ~5 s (quadratic)
+    start = time.monotonic()
+    assert format_reward(text, {}) == 0.0
+    assert format_reward("<think>a</think>" + "x " * 100_000, {}) == 1.0
+    assert time.monotonic() - start < 0.5
+
+
 def test_length_penalty() -> None:
     s: dict = {}
     assert length_penalty("x" * 10, s, soft_chars=100, hard_chars=200) == 0.0
