@@ -285,6 +285,21 @@ def test_pool_matches_inline(pool: RewardPool) -> None:
     assert m["reward/total"] == pytest.approx(2.75 / 4) and m["reward/math/mean"] == 0.5
 
 
+def test_pool_workers_have_a_memory_cap() -> None:
+    small, big = {"mb": 64}, {"mb": 3000}
+    with RewardPool(1, timeout_s=5.0) as p:  # the default cap, 2048 MB
+        pid = p.worker_pids()
+        res = p.score([("test_alloc", 1.0)], ["a"] * 3, [small, big, small])
+        assert p.worker_pids() == pid  # MemoryError is an error in the call, not a crash
+    assert res.scores["test_alloc"] == [1.0, 0.0, 1.0]
+    assert res.errors["test_alloc"] == 1 and res.crashes["test_alloc"] == 0
+    assert res.error_examples["test_alloc"].startswith("MemoryError")
+    with RewardPool(1, timeout_s=5.0, memory_mb=None) as p:
+        assert p.score([("test_alloc", 1.0)], ["a"], [big]).scores["test_alloc"] == [1.0]
+    with RewardPool(1, timeout_s=5.0, memory_mb=256) as p:
+        assert p.score([("test_alloc", 1.0)], ["a"], [{"mb": 300}]).errors["test_alloc"] == 1
+
+
 def test_pool_weighted_total_and_kwargs() -> None:
     with RewardPool(1, timeout_s=5.0, reward_kwargs={"test_len": {"scale": 2.0}}) as p:
         res = p.score(
