@@ -294,10 +294,10 @@ def test_pool_workers_have_a_memory_cap() -> None:
     assert res.scores["test_alloc"] == [1.0, 0.0, 1.0]
     assert res.errors["test_alloc"] == 1 and res.crashes["test_alloc"] == 0
     assert res.error_examples["test_alloc"].startswith("MemoryError")
-    with RewardPool(1, timeout_s=5.0, memory_mb=None) as p:
-        assert p.score([("test_alloc", 1.0)], ["a"], [big]).scores["test_alloc"] == [1.0]
     with RewardPool(1, timeout_s=5.0, memory_mb=256) as p:
         assert p.score([("test_alloc", 1.0)], ["a"], [{"mb": 300}]).errors["test_alloc"] == 1
+    with RewardPool(1, timeout_s=5.0, memory_mb=None) as p:
+        assert p.score([("test_alloc", 1.0)], ["a"], [{"mb": 300}]).scores["test_alloc"] == [1.0]
 
 
 def test_pool_weighted_total_and_kwargs() -> None:
