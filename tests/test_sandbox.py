@@ -348,6 +348,29 @@ def test_unreachable_temp_dir_is_refused(tmp_path: Path) -> None:
     assert os.listdir(hidden) == []
 
 
+@pytest.mark.parametrize("plan", ["default", "no-namespaces"])
+@pytest.mark.parametrize("numbers", ["low", "swapped"])
+def test_extra_fds_reach_the_program_at_their_numbers(temp_root: str, plan: str,
+                                                      numbers: str) -> None:
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    os.write(to_child_w, b"ping")
+    os.close(to_child_w)
+    # "low": the numbers the code reward uses; "swapped": each target is the number of
+    # the other source in the caller
+    out_fd, in_fd = (3, 4) if numbers == "low" else (to_child_r, from_child_w)
+    assert max(out_fd, in_fd) < 64
+    code = f"import os\nos.write({out_fd}, os.read({in_fd}, 10).upper())"
+    res = _run(code, plan, limits=FAST, temp_dir=temp_root,
+               fds={out_fd: from_child_w, in_fd: to_child_r})
+    os.close(from_child_w)
+    os.close(to_child_r)
+    assert os.read(from_child_r, 10) == b"PING", res
+    os.close(from_child_r)
+    with pytest.raises(ValueError, match="3..63"):
+        run_python("pass", fds={1: from_child_r})
+
+
 def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="wall_time_s"):
         SandboxLimits(wall_time_s=0)

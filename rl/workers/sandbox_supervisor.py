@@ -431,9 +431,11 @@ def _copy_tree(src: str, dst: str, uid: int, gid: int) -> None:
 
 def _place_fds(fds: dict[str, int], keep: set[int]) -> None:
     """Move the extra fds to their target numbers; close every other fd above 2."""
-    moved = {int(t): os.dup(src) for t, src in fds.items()}  # fresh numbers first: no clash
+    # copies above every target first, so no target is overwritten before it is moved
+    moved = {int(t): fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, _LOW_FDS) for t, src in fds.items()}
     for target, fd in moved.items():
         os.dup2(fd, target, inheritable=True)
+        os.set_inheritable(target, True)
     keep = keep | set(moved)
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
