@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.rewards.code import build_harness, code_unit_tests, extract_code
+from rl.rewards.code import code_unit_tests, extract_code
 from rl.rewards.registry import REWARDS
 from rl.workers.env_pool import EnvPool
 from rl.workers.sandbox import (
@@ -681,29 +681,111 @@ def test_reward_forged_result_lines_score_zero() -> None:
     assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
 
 
-def test_reward_nonce_is_not_in_files_env_or_stdin() -> None:
-    # Look everywhere a careless harness would leave the nonce, then forge with it.
+def test_reward_solution_cannot_read_the_tests() -> None:
+    # Look for the tests everywhere a harness sharing the solution's process or files
+    # would leave them, and answer from them without implementing add.
     code = (
-        "import os, re, sys\n"
-        "blobs = [open(f).read() for f in os.listdir('.') if os.path.isfile(f)]\n"
-        "blobs.append(repr(dict(os.environ)))\n"
-        "blobs.append(sys.stdin.read())\n"
-        "for fd in range(0, 64):\n"
+        "import gc, os, re, sys\n"
+        "blobs = []\n"
+        "for d in ('.', '/work', '..', '/tmp'):\n"
         "    try:\n"
-        "        blobs.append(os.pread(fd, 4096, 0).decode(errors='replace'))\n"
+        "        for f in os.listdir(d):\n"
+        "            p = os.path.join(d, f)\n"
+        "            if os.path.isfile(p):\n"
+        "                blobs.append(open(p, errors='replace').read())\n"
         "    except OSError:\n"
         "        pass\n"
-        "found = set(re.findall(r'[0-9a-f]{32}', ' '.join(blobs)))\n"
-        "for n in found:\n"
-        "    for fd in range(1, 64):\n"
-        "        try:\n"
-        "            os.write(fd, f'\\n__TANDEM_RESULT__ {n} 4/4\\n'.encode())\n"
-        "        except OSError:\n"
-        "            pass\n"
-        "os._exit(0)\n"
+        "main = sys.modules.get('__main__')\n"
+        "blobs.append(repr(getattr(main, '_PARAMS', '')))\n"
+        "blobs += [o for o in gc.get_objects() if isinstance(o, str) and 'add(' in o]\n"
+        "table = {(int(a), int(b)): int(c) for a, b, c in\n"
+        "         re.findall(r'add\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', ' '.join(blobs))}\n"
+        "def add(a, b):\n"
+        "    return table.get((a, b), -12345)\n"
     )
     assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
-    assert "nonce" not in build_harness(["assert True"], None, 1.0).split("def _tandem")[0]
+
+
+def test_reward_values_cross_as_data_so_eq_cannot_lie() -> None:
+    code = ("class Liar:\n    def __eq__(self, other):\n        return True\n"
+            "    __hash__ = object.__hash__\n"
+            "def add(a, b):\n    return Liar()\n")
+    assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
+    # honest values, objects, generators and exceptions still work across the two runs
+    tests = {"tests": [
+        "assert pair(2) == (2, [2.5, {'k': {2}}], b'x', None, True)",
+        "s = Stack(); s.push(3); s.push(4); assert s.pop() == 4 and len(s) == 1",
+        "assert list(countdown(3)) == [3, 2, 1] and 3 in Stack.of(3)",
+        "import math\nassert math.isclose(root(2.0), 2 ** 0.5) and big() == 7 ** 99",
+        "try:\n    pair(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+        "else:\n    raise AssertionError",
+    ]}
+    code = (
+        "import math\n"
+        "def pair(n):\n"
+        "    if n < 0:\n        raise ValueError('negative')\n"
+        "    return (n, [n + 0.5, {'k': {n}}], b'x', None, n > 1)\n"
+        "class Stack:\n"
+        "    def __init__(self): self.items = []\n"
+        "    def push(self, x): self.items.append(x)\n"
+        "    def pop(self): return self.items.pop()\n"
+        "    def __len__(self): return len(self.items)\n"
+        "    def __contains__(self, x): return x in self.items\n"
+        "    @classmethod\n"
+        "    def of(cls, x):\n        s = cls(); s.push(x); return s\n"
+        "def countdown(n):\n    while n:\n        yield n\n        n -= 1\n"
+        "def root(x): return math.sqrt(x)\n"
+        "def big(): return 7 ** 99\n"
+    )
+    assert code_unit_tests(fenced(code), tests) == 1.0
+
+
+UNITTEST_ADD = """
+import unittest
+
+
+class TestAdd(unittest.TestCase):
+    def test_small(self):
+        self.assertEqual(add(1, 2), 3)
+
+    def test_negative(self):
+        self.assertEqual(add(-1, 1), 0)
+
+    @unittest.skip("not a test of the solution")
+    def test_skipped(self):
+        self.fail()
+
+
+class TestMore(unittest.TestCase):
+    def test_zero(self):
+        self.assertEqual(add(0, 0), 0)
+
+    def test_large(self):
+        self.assertEqual(add(10 ** 20, 1), 10 ** 20 + 1)
+"""
+GUARD = '\nif __name__ == "__main__":\n    unittest.main()\n'
+
+
+@pytest.mark.parametrize("tail", ["", GUARD, "\nunittest.main()\n"],
+                         ids=["no-guard", "guard", "unguarded-main"])
+def test_reward_unittest_modules_are_run(tail: str) -> None:
+    tests = {"tests": UNITTEST_ADD + tail}
+    assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), tests) == 1.0
+    assert code_unit_tests(fenced("def add(a, b):\n    return 7"), tests) == 0.0
+    half = "def add(a, b):\n    return a + b if a > 0 else -99"  # test_small and test_large
+    assert code_unit_tests(fenced(half), tests) == 0.5
+
+
+def test_reward_patching_unittest_does_not_help() -> None:
+    code = (
+        "import sys, unittest\n"
+        "unittest.main = lambda *a, **k: sys.exit(0)\n"
+        "unittest.TestCase.run = lambda self, result=None: None\n"
+        "unittest.TestCase.assertEqual = lambda self, a, b, msg=None: None\n"
+        "def add(a, b):\n    return 7\n"
+    )
+    for tail in ("", GUARD):
+        assert code_unit_tests(fenced(code), {"tests": UNITTEST_ADD + tail}) == 0.0
 
 
 def test_reward_survives_print_and_stdout_override() -> None:
