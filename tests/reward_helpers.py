@@ -67,3 +67,10 @@ def kill9_reward(completion: str, sample: Mapping[str, Any]) -> float:
 def nan_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """Returns NaN (counted as an error)."""
     return float("nan")
+
+
+@register_reward("test_alloc")
+def alloc_reward(completion: str, sample: Mapping[str, Any]) -> float:
+    """Allocates ``sample["mb"]`` MB (untouched pages: cheap unless capped), returns 1.0."""
+    block = bytearray(sample["mb"] * 1024 * 1024)
+    return float(len(block) > 0)

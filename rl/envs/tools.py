@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK_RE = re.compile(re.escape(_OPEN) + r"(.*?)" + re.escape(_CLOSE), re.S)
 _FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
@@ -145,16 +144,31 @@ def _check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) ->
     return None
 
 
+def _loads(text: str) -> Any:
+    """``json.loads`` that raises only ValueError: nesting deeper than the interpreter's
+    recursion limit and integers longer than ``sys.get_int_max_str_digits`` are bad JSON
+    here, not a RecursionError that escapes the parser."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _json_problem(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at position {exc.pos}"
+    return str(exc)
+
+
 def _parse_block(body: str, raw: str, known: Callable[[str], bool]) -> ToolCall | ToolCallError:
     text = body.strip()
     fenced = _FENCE_RE.match(text)
     if fenced:
         text = fenced.group(1)
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return ToolCallError(f"tool call is not valid JSON: {exc.msg} at position {exc.pos}",
-                             raw)
+        obj = _loads(text)
+    except ValueError as exc:
+        return ToolCallError(f"tool call is not valid JSON: {_json_problem(exc)}", raw)
     if not isinstance(obj, dict):
         return ToolCallError("tool call must be a JSON object with \"name\" and "
                              "\"arguments\"", raw)
@@ -164,10 +178,10 @@ def _parse_block(body: str, raw: str, known: Callable[[str], bool]) -> ToolCall 
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
+            args = _loads(args) if args.strip() else {}
+        except ValueError as exc:
             return ToolCallError(f"arguments of {name!r} are a string that is not valid "
-                                 f"JSON: {exc.msg}", raw, name)
+                                 f"JSON: {_json_problem(exc)}", raw, name)
     if not isinstance(args, dict):
         return ToolCallError(f"arguments of {name!r} must be a JSON object, got "
                              f"{type(args).__name__}", raw, name)
@@ -188,13 +202,16 @@ def parse_tool_calls(
     known: Callable[[str], bool] = (
         (lambda n: n in TOOLS) if tools is None else (lambda n: n in tools))
     out: list[ToolCall | ToolCallError] = []
-    end = 0
-    for m in _BLOCK_RE.finditer(text):
-        out.append(_parse_block(m.group(1), m.group(0), known))
-        end = m.end()
-    tail = text.find(_OPEN, end)
-    if tail != -1:
-        out.append(ToolCallError(f"unterminated {_OPEN} block (no {_CLOSE})", text[tail:]))
+    start = text.find(_OPEN)
+    while start != -1:  # str.find, not a lazy regex: linear in len(text) however many tags
+        close = text.find(_CLOSE, start + len(_OPEN))
+        if close == -1:
+            out.append(ToolCallError(f"unterminated {_OPEN} block (no {_CLOSE})",
+                                     text[start:]))
+            break
+        end = close + len(_CLOSE)
+        out.append(_parse_block(text[start + len(_OPEN):close], text[start:end], known))
+        start = text.find(_OPEN, end)
     return out
 
 

@@ -7,113 +7,56 @@ statements is split into one test per assert; any other string is one test, and 
 the test is ``check(<entry_point>)``. The solution is the last fenced ```` ```python ````
 block of the completion (else the last bare ```` ``` ```` block, else the whole text).
 
-How a run is scored (why it is hard to fake):
+How a run is scored (why it is hard to fake): rl/rewards/code_harness.py runs the
+solution and the tests in two separate sandboxed runs (rl/workers/sandbox.py), each with
+its own uid and, where the kernel allows, its own namespaces. The solution's run never
+holds the tests: the tests' run calls the solution's functions over a socket and gets
+plain data back, compares it itself, and writes ``{"passed", "total"}`` to a pipe the
+solution's run does not have (not stdout). So the solution cannot read the tests, print
+or write a fake result, exit early with success, patch ``unittest`` or the test runner,
+or return objects whose ``__eq__`` lies.
 
-* The solution and a harness run in rl/workers/sandbox.py. The harness first reads a per-call
-  random nonce (``secrets.token_hex``, made in this process for this call) from its
-  stdin, which is an unlinked file, and then points fd 0 at /dev/null; it keeps a
-  private duplicate of the real stdout fd and points fd 1 at /dev/null too, so
-  whatever the solution prints (``print``, a replaced ``sys.stdout``, ``os.write(1,
-  ...)``) goes nowhere. The nonce is in no file and no environment variable.
-* Each test runs separately under ``try/except BaseException`` (``sys.exit`` inside a
-  test is a failure, not an exit) with a per-test timer. Only after the last test does
-  the harness write ``__TANDEM_RESULT__ <nonce> <passed>/<total>`` to its private fd and
-  ``os._exit(0)`` (no atexit hooks, no lingering threads).
-* The reward is ``passed / total`` only if that exact line, with this call's nonce and
-  the expected total, is the last line of stdout, the exit status is 0 and no sandbox
-  limit was hit; anything else (``os._exit`` before the tests, a forged result line,
-  a crash, a timeout, a flood of output) scores 0.
+Test styles: ``assert`` snippets (one test each), a HumanEval ``check`` (one test), and
+unittest modules: the ``TestCase`` classes are loaded and run (an ``if __name__ ==
+"__main__": unittest.main()`` guard or an unguarded ``unittest.main()`` changes
+nothing), each test method one test, skipped ones not counted. The reward is
+``passed / total``; 0 when the tests' run fails or hits a sandbox limit.
 
-Limits, honestly: the solution runs in the same interpreter as the harness, so code
-that deliberately introspects it (``sys._getframe().f_back.f_locals``, ``gc``,
-``/proc/self/mem``) can read the nonce or patch the tests, and objects that lie in
-``__eq__`` pass ``assert`` comparisons. The nonce defeats early exits and printed
-fake results, not an adversary that attacks the harness itself; only running the
-tests in a separate process would. ``wall_time_s`` bounds the whole run, so a slow
-solution can score 0 even if each test would pass on its own.
+Limits, honestly: values cross as data (see code_harness.py), so tests that need the
+solution's own objects beyond calls, attributes, items and iteration, or check that a
+call mutated its argument, fail. ``wall_time_s`` bounds each run, so a slow solution can
+score 0 even if each test would pass on its own.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
+import os
 import re
-import secrets
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rl.rewards.registry import register_reward
-from rl.workers.sandbox import SandboxLimits, SandboxResult, run_python
+from rl.workers.sandbox import SandboxLimits, SandboxResult, start_python
 
-__all__ = ["build_harness", "code_unit_tests", "extract_code", "normalize_tests",
-           "score_result"]
+__all__ = ["code_unit_tests", "extract_code", "normalize_tests", "score_report"]
 
-RESULT_MARK = "__TANDEM_RESULT__"
 SOLUTION_FILE = "solution.py"
+HARNESS_FILE = "tandem_harness.py"
 _PY_FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.S | re.I)
 _BARE_FENCE_RE = re.compile(r"```[ \t]*\n(.*?)```", re.S)
-
-# The harness is trusted code; it receives (tests, entry_point, per_test_s) as a JSON
-# literal. Everything it needs later is bound to locals before the solution runs.
-_HARNESS = r'''
-import builtins as _builtins, os as _os, signal as _signal, sys as _sys
+_MAX_REPORT = 4096
 
 
-class _TestTimeout(BaseException):
-    pass
-
-
-def _tandem_harness(tests, entry_point, per_test_s):
-    write, exit_, read, dup, dup2, close = (
-        _os.write, _os._exit, _os.read, _os.dup, _os.dup2, _os.close)
-    setitimer, ITIMER_REAL, setsig, SIGALRM = (
-        _signal.setitimer, _signal.ITIMER_REAL, _signal.signal, _signal.SIGALRM)
-    compile_, exec_, len_, str_, type_ = compile, exec, len, str, type
-    err = _sys.stderr.write
-    nonce = read(0, 4096).decode("ascii").strip()
-    null = _os.open(_os.devnull, _os.O_RDWR)
-    dup2(null, 0)  # the nonce file is gone: fd 0 now reads /dev/null
-    out = dup(1)  # private copy of the real stdout (not inherited across exec)
-    dup2(null, 1)  # the solution's prints go nowhere
-    close(null)
-
-    def on_alarm(signum, frame):
-        raise _TestTimeout(f"test took longer than {per_test_s} s")
-
-    def guarded(label, source, ns):
-        setsig(SIGALRM, on_alarm)
-        setitimer(ITIMER_REAL, per_test_s)
-        try:
-            exec_(compile_(source, label, "exec"), ns)
-            return True
-        except BaseException as exc:  # a failing test, sys.exit and timeouts alike
-            setitimer(ITIMER_REAL, 0)
-            try:
-                err(f"[{label}] {type_(exc).__name__}: {str_(exc)[:300]}\n")
-            except BaseException:
-                pass
-            return False
-        finally:
-            setitimer(ITIMER_REAL, 0)
-
-    ns = {"__name__": "solution", "__builtins__": _builtins}
-    with open(SOLUTION_FILE, encoding="utf-8") as f:
-        source = f.read()
-    guarded(SOLUTION_FILE, source, ns)
-    if entry_point is not None and entry_point in ns:
-        ns["candidate"] = ns[entry_point]
-    passed = 0
-    for i, test in enumerate(tests):
-        if entry_point is not None and entry_point not in ns:
-            break
-        if guarded(f"test_{i}", test, ns):
-            passed += 1
-    write(out, f"\n{RESULT_MARK} {nonce} {passed}/{len_(tests)}\n".encode("ascii"))
-    exit_(0)
-
-
-_tandem_harness(*_PARAMS)
-'''
+@functools.cache
+def _harness_source() -> str:
+    """code_harness.py's text: copied into both runs as ``HARNESS_FILE``."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py"),
+              encoding="utf-8") as f:
+        return f.read()
 
 
 def extract_code(completion: str) -> str:
@@ -143,27 +86,16 @@ def normalize_tests(tests: str | Sequence[str], entry_point: str | None = None) 
     return out
 
 
-def build_harness(tests: Sequence[str], entry_point: str | None, per_test_s: float) -> str:
-    """Source of the harness program (reads the nonce from stdin, never embeds it)."""
-    if entry_point is not None and not entry_point.isidentifier():
-        raise ValueError(f"entry_point {entry_point!r} is not a Python identifier")
-    params = json.dumps([list(tests), entry_point, float(per_test_s)])
-    return (f"RESULT_MARK = {RESULT_MARK!r}\nSOLUTION_FILE = {SOLUTION_FILE!r}\n"
-            f"import json as _json\n_PARAMS = _json.loads({params!r})\n{_HARNESS}")
-
-
-def score_result(res: SandboxResult, nonce: str, total: int) -> float:
-    """passed/total from the harness's last line, or 0.0 if it is missing or forged."""
+def score_report(res: SandboxResult, report: bytes) -> float:
+    """passed/total from the tests' run's report, or 0.0 if that run failed."""
     if res.exit_code != 0 or res.limit_hit is not None:
         return 0.0
-    lines = res.stdout.splitlines()
-    if not lines:
+    try:
+        counts = json.loads(report)
+        passed, total = int(counts["passed"]), int(counts["total"])
+    except (ValueError, KeyError, TypeError):
         return 0.0
-    m = re.fullmatch(rf"{RESULT_MARK} (\S+) (\d+)/(\d+)", lines[-1])
-    if m is None or not secrets.compare_digest(m.group(1), nonce):
-        return 0.0
-    passed, got_total = int(m.group(2)), int(m.group(3))
-    if got_total != total or passed > total:
+    if total <= 0 or not 0 <= passed <= total:
         return 0.0
     return passed / total
 
@@ -180,13 +112,42 @@ def code_unit_tests(
 ) -> float:
     """Fraction of ``sample["tests"]`` that the completion's code passes, in [0, 1]."""
     entry_point = sample.get("entry_point") or None
+    if entry_point is not None and not entry_point.isidentifier():
+        raise ValueError(f"entry_point {entry_point!r} is not a Python identifier")
     tests = normalize_tests(sample["tests"], entry_point)
     if not tests:
         raise ValueError("sample['tests'] is empty")
-    nonce = secrets.token_hex(16)
     limits = SandboxLimits(cpu_time_s=cpu_time_s, wall_time_s=wall_time_s,
                            memory_mb=memory_mb)
-    res = run_python(build_harness(tests, entry_point, per_test_timeout_s),
-                     stdin=nonce + "\n", limits=limits,
-                     files={SOLUTION_FILE: extract_code(completion)})
-    return score_result(res, nonce, len(tests))
+    per_test = float(per_test_timeout_s)
+    server_main = (f"import tandem_harness\n"
+                   f"tandem_harness.serve(3, {SOLUTION_FILE!r}, {per_test!r})\n")
+    runner_main = (f"import json, tandem_harness\n"
+                   f"tandem_harness.run_tests(3, 4, json.loads({json.dumps(tests)!r}), "
+                   f"{entry_point!r}, {per_test!r})\n")
+    to_runner, to_server = socket.socketpair()
+    report_r, report_w = os.pipe()
+    server = runner = None
+    try:
+        server = start_python(server_main, limits=limits, capture_output=False,
+                              files={HARNESS_FILE: _harness_source(),
+                                     SOLUTION_FILE: extract_code(completion)},
+                              fds={3: to_server.fileno()})
+        runner = start_python(runner_main, limits=limits, files={HARNESS_FILE: _harness_source()},
+                              fds={3: report_w, 4: to_runner.fileno()})
+    finally:  # the runs hold their own copies now; keeping ours would hide their EOFs
+        to_runner.close()
+        to_server.close()
+        os.close(report_w)
+        if runner is None and server is not None:
+            server.kill()
+            server.wait()
+            os.close(report_r)
+    try:
+        res = runner.wait()
+        report = os.read(report_r, _MAX_REPORT)
+    finally:
+        os.close(report_r)
+        server.kill()
+        server.wait()
+    return score_report(res, report)

@@ -8,10 +8,22 @@ last ``</think>`` when there is one:
 3. the rest of the line after the last "answer is X" / "Answer: X" / "#### X";
 4. optionally (``fallback_last_number``) the last number in the text.
 
-Equivalence (``is_equiv``) after normalising both sides (``normalize_answer``):
-exact string, then exact rational equality of numbers (ints, decimals, ``a/b``,
-``\\frac{a}{b}``, percentages, thousands separators), then element-wise for
-tuples, then symbolic equality with sympy (``simplify(a - b) == 0``).
+Verification (``verify``, the default ``verifier="math_verify"``): Hugging Face's
+``math-verify`` (the verifier most RLVR trainers use) compares the two answers, each
+wrapped in ``$...$`` and parsed as LaTeX only (``LatexExtractionConfig``: ANTLR grammar to
+sympy objects; its plain-expression extractor, which goes through sympy's
+``parse_expr``/``eval``, is not used). When it says "not equal" and the prediction is
+plain text (no backslash), our own ``is_equiv`` gets a second say: on the hand-labelled
+pairs in tests/rewards/math_answer_pairs.jsonl it is right where math-verify is not only on
+such answers ("5 dollars", "1e3", "10.", "x**2"), and it had no false positive there.
+math-verify's own SIGALRM timeouts are switched off (they would cancel ``RewardPool``'s
+timer); huge powers or factorials in an answer can still take unbounded time and memory,
+so score in ``RewardPool`` workers, whose timeout and memory cap bound each call.
+
+Our own equivalence (``is_equiv``, also ``verifier="own"``) after normalising both sides
+(``normalize_answer``): exact string, then exact rational equality of numbers (ints,
+decimals, ``a/b``, ``\\frac{a}{b}``, percentages, thousands separators), then
+element-wise for tuples, then symbolic equality with sympy (``simplify(a - b) == 0``).
 
 The LaTeX -> sympy conversion is a small recursive-descent parser written here
 that builds sympy objects directly: completions are untrusted text, so nothing is
@@ -24,6 +36,8 @@ itself can still be slow, so a time limit comes from ``RewardPool``.
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 from collections.abc import Mapping
 from fractions import Fraction
@@ -42,6 +56,7 @@ __all__ = [
     "normalize_answer",
     "parse_number",
     "to_sympy",
+    "verify",
 ]
 
 MAX_SYMBOLIC_CHARS = 300  # longer answers skip the sympy check
@@ -489,19 +504,54 @@ def is_equiv(a: str, b: str) -> bool:
     return _equiv_normalized(normalize_answer(str(a)), normalize_answer(str(b)))
 
 
+@functools.cache
+def _math_verify() -> Any:
+    """math-verify, imported on first use: ``import rl.rewards`` stays light, and only a
+    process that scores math answers pays its import (about 0.1 s over sympy's)."""
+    import math_verify
+
+    # It warns once that its timeouts are off: they are, on purpose (see module doc).
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return math_verify
+
+
+def _math_verify_equal(gold: str, pred: str) -> bool:
+    mv = _math_verify()
+    latex_only = [mv.LatexExtractionConfig()]
+    parsed = [mv.parse(f"${text}$", extraction_config=latex_only, parsing_timeout=None)
+              for text in (gold, pred)]
+    return bool(mv.verify(parsed[0], parsed[1], timeout_seconds=None))
+
+
+def verify(gold: str, pred: str, verifier: str = "math_verify") -> bool:
+    """Whether the predicted answer equals the ground truth (see module doc)."""
+    if verifier == "own":
+        return is_equiv(pred, gold)
+    if verifier != "math_verify":
+        raise ValueError(f"verifier must be 'math_verify' or 'own', got {verifier!r}")
+    if _math_verify_equal(gold, pred):
+        return True
+    return "\\" not in pred and is_equiv(pred, gold)
+
+
 @register_reward("math")
 def math_reward(
-    completion: str, sample: Mapping[str, Any], *, fallback_last_number: bool = True
+    completion: str,
+    sample: Mapping[str, Any],
+    *,
+    fallback_last_number: bool = True,
+    verifier: str = "math_verify",
 ) -> float:
     """1.0 when the completion's final answer equals ``sample["answer"]``, else 0.0.
 
     A ground truth that is itself a worked solution with a ``\\boxed{}`` answer is
     reduced to that answer first. ``fallback_last_number`` (config) lets a bare
     last number count as the answer when no boxed / "answer is" form exists.
+    ``verifier``: "math_verify" (default) or "own" (``is_equiv`` alone, as before).
     """
     pred = extract_answer(completion, fallback_last_number=fallback_last_number)
     if pred is None:
         return 0.0
     truth = str(sample["answer"])
     truth = extract_boxed(truth) or truth
-    return 1.0 if is_equiv(pred, truth) else 0.0
+    return 1.0 if verify(truth, pred, verifier) else 0.0

@@ -24,10 +24,15 @@ reference (module + name, or a ``functools.partial`` of one), so they must be
 top-level functions in importable modules, and they must not use SIGALRM
 themselves (use subprocess timeouts instead).
 
+Each worker's memory is capped (``memory_mb``, default 2048 MB) with the soft
+``RLIMIT_DATA`` (heap and private writable mappings, not address-space reservations):
+an allocation beyond it raises MemoryError inside the call, which scores as an error,
+and the worker lives on.
+
 ``num_workers=0`` runs inline in the calling process (for debugging): the timeout
 is a SIGALRM interval timer, which only works in the main thread on POSIX and only
-interrupts Python code; elsewhere calls run unbounded. A hard crash takes the
-caller down with it.
+interrupts Python code; elsewhere calls run unbounded, and memory is not capped. A
+hard crash takes the caller down with it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import resource
 import signal
 import threading
 import time
@@ -52,6 +58,7 @@ from rl.rewards.registry import RewardFn, get_reward, registered_modules
 __all__ = ["RewardPool", "RewardResult"]
 
 STARTUP_TIMEOUT_S = 120.0  # a worker that is not ready by then is replaced
+DEFAULT_MEMORY_MB = 2048  # per worker; a math answer once grew to 2.5 GB within its timeout
 MAX_STARTUP_FAILURES = 3  # consecutive failed starts before score() gives up
 
 
@@ -116,9 +123,21 @@ def _call(
             signal.signal(signal.SIGALRM, old)
 
 
-def _worker_main(conn: Connection, modules: list[str], timeout_s: float) -> None:
+def _cap_memory(memory_mb: int | None) -> None:
+    """Lower the soft RLIMIT_DATA (the hard one stays, so the sandbox launcher can reset it)."""
+    if memory_mb is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        want = memory_mb * 1024 * 1024
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def _worker_main(
+    conn: Connection, modules: list[str], timeout_s: float, memory_mb: int | None = None
+) -> None:
     """Worker loop: receive pickled chunks of (task_id, fn, completion, sample), reply per task."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes us
+    _cap_memory(memory_mb)
     for mod in modules:
         try:
             importlib.import_module(mod)
@@ -193,6 +212,7 @@ class RewardPool:
             run before its worker is killed.
         max_chunk: most calls sent to a worker at once (fewer round trips).
         start_method: "spawn" or "forkserver".
+        memory_mb: per-worker memory cap (soft RLIMIT_DATA); None = no cap.
     """
 
     def __init__(
@@ -205,6 +225,7 @@ class RewardPool:
         kill_grace_s: float = 1.0,
         max_chunk: int = 16,
         start_method: str = "spawn",
+        memory_mb: int | None = DEFAULT_MEMORY_MB,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -214,7 +235,10 @@ class RewardPool:
             raise ValueError(
                 f"start_method must be 'spawn' or 'forkserver' (not fork), got {start_method!r}"
             )
+        if memory_mb is not None and memory_mb <= 0:
+            raise ValueError(f"memory_mb must be > 0 or None, got {memory_mb}")
         self.num_workers = num_workers
+        self.memory_mb = memory_mb
         self.timeout_s = float(timeout_s)
         self.kill_grace_s = float(kill_grace_s)
         self.max_chunk = max(1, int(max_chunk))
@@ -238,7 +262,7 @@ class RewardPool:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(child, registered_modules(), self.timeout_s),
+            args=(child, registered_modules(), self.timeout_s, self.memory_mb),
             name="reward-worker",
             daemon=True,
         )

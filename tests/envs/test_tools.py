@@ -90,6 +90,25 @@ def test_fenced_json_inside_block() -> None:
     assert isinstance(call, ToolCall)
 
 
+@pytest.mark.parametrize("body, message", [
+    ("[" * 100_000, "nested too deeply"),
+    ('{"name": "calculator", "arguments": ' + "[" * 100_000 + "}", "nested too deeply"),
+    ('{"name": "calculator", "arguments": "' + "[" * 100_000 + '"}', "nested too deeply"),
+    ('{"name": "calculator", "arguments": {"n": ' + "7" * 5000 + "}}", "integer string"),
+], ids=["array", "arguments", "arguments-string", "huge-int"])
+def test_hostile_json_is_an_error_not_an_exception(body: str, message: str) -> None:
+    (err,) = parse_tool_calls(block(body))
+    assert isinstance(err, ToolCallError) and message in err.message, err.message[:200]
+
+
+def test_many_unclosed_tags_parse_in_linear_time() -> None:
+    start = time.monotonic()
+    calls = parse_tool_calls("<tool_call>" * 20_000)  # 220k characters, no closing tag
+    assert time.monotonic() - start < 0.5
+    assert len(calls) == 1 and isinstance(calls[0], ToolCallError)
+    assert "unterminated" in calls[0].message and len(calls[0].raw) == 220_000
+
+
 def test_restricted_tool_set() -> None:
     allowed = select_tools(["calculator"])
     (err,) = parse_tool_calls(block({"name": "python", "arguments": {"code": ""}}), allowed)

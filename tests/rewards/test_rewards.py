@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 
@@ -148,6 +149,64 @@ def test_math_reward() -> None:
     assert math_reward("Answer: 12", {"answer": r"3 \cdot 4 = \boxed{12}"}) == 1.0
 
 
+DATA = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("right, wrong, answer", [
+    (r"\boxed{3\frac{1}{2}}", r"\boxed{3\frac{1}{3}}", r"\frac{7}{2}"),  # mixed number
+    (r"\boxed{-3\frac{1}{2}}", r"\boxed{-2\frac{1}{2}}", r"-\frac{7}{2}"),
+    (r"\boxed{\log_2 8}", r"\boxed{\log_2 16}", "3"),  # logarithm
+    (r"\boxed{3, 2}", r"\boxed{3, 4}", "2, 3"),  # unordered solutions
+], ids=["mixed", "negative-mixed", "log", "unordered"])
+def test_math_reward_uses_math_verify(right: str, wrong: str, answer: str) -> None:
+    assert math_reward(f"so {right}", {"answer": answer}) == 1.0
+    assert math_reward(f"so {wrong}", {"answer": answer}) == 0.0
+
+
+def test_math_verify_never_evaluates_the_answer(tmp_path) -> None:
+    from rl.rewards.math import verify
+
+    marker = tmp_path / "pwned"
+    payloads = [
+        f"__import__('os').system('touch {marker}')",
+        f"\\text{{__import__('os').system('touch {marker}')}}",
+        f"exec(\"open('{marker}', 'w')\")",
+        f"(lambda: __import__('os').system('touch {marker}'))()",
+        f"1 + __import__('os').system('touch {marker}')",
+        "().__class__.__bases__[0].__subclasses__()",
+    ]
+    for payload in payloads:
+        assert not verify("5", payload, "math_verify") and not verify(payload, "5", "math_verify")
+        for completion in (f"\\boxed{{{payload}}}", f"The final answer is {payload}",
+                           f"<answer>{payload}</answer>"):
+            assert math_reward(completion, {"answer": "5"}) == 0.0
+        assert math_reward("\\boxed{5}", {"answer": payload}) == 0.0
+    assert not marker.exists()
+
+
+def test_math_verifier_on_hand_labelled_pairs() -> None:
+    from rl.rewards.math import verify
+
+    rows = [json.loads(line) for line in open(os.path.join(DATA, "math_answer_pairs.jsonl"))]
+    right = {v: sum(verify(r["gold"], r["pred"], v) == r["equal"] for r in rows)
+             for v in ("math_verify", "own")}
+    false_pos = sum(verify(r["gold"], r["pred"]) and not r["equal"] for r in rows)
+    assert len(rows) == 116 and false_pos == 0
+    assert right == {"math_verify": 116, "own": 98}, right  # the table in docs/rewards.md
+
+
+def test_math_reward_pool_bounds_explosive_answers() -> None:
+    # math-verify evaluates powers exactly (an exponent tower runs for minutes in C, where
+    # SIGALRM cannot reach): the pool's timeout and worker kill are what bound it.
+    with RewardPool(1, timeout_s=1.0, kill_grace_s=1.0, rewards=["math"]) as p:
+        start = time.monotonic()
+        res = p.score([("math", 1.0)], [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{5}"],
+                      [{"answer": "5"}, {"answer": "5"}])
+        assert time.monotonic() - start < 15.0
+    assert res.scores["math"] == [0.0, 1.0]
+    assert res.timeouts["math"] == 1
+
+
 # -------------------------------------------------------------------------- basic rewards
 
 
@@ -173,6 +232,22 @@ def test_format_reward() -> None:
     boxed = functools.partial(format_reward, pattern=r".*\\boxed\{.+\}.*")
     assert boxed("so \\boxed{3}", s) == 1.0
     assert boxed("so 3", s) == 0.0
+
+
+@pytest.mark.parametrize("text", [
+    "<think>a</think>answer <think>more", "<think>a</think><think>", "<think>a</think>x</think>",
+    "<think>a</think> </think>",
+])
+def test_format_reward_refuses_extra_think_tags(text: str) -> None:
+    assert format_reward(text, {}) == 0.0
+
+
+def test_format_reward_is_linear_on_long_failing_input() -> None:
+    text = "<think>a</think>" + "x" * 20_000 + "<think><think>"  # was ~5 s (quadratic)
+    start = time.monotonic()
+    assert format_reward(text, {}) == 0.0
+    assert format_reward("<think>a</think>" + "x " * 100_000, {}) == 1.0
+    assert time.monotonic() - start < 0.5
 
 
 def test_length_penalty() -> None:
@@ -267,6 +342,21 @@ def test_pool_matches_inline(pool: RewardPool) -> None:
     assert inline.scores == res.scores and inline.total == res.total
     m = res.metrics()
     assert m["reward/total"] == pytest.approx(2.75 / 4) and m["reward/math/mean"] == 0.5
+
+
+def test_pool_workers_have_a_memory_cap() -> None:
+    small, big = {"mb": 64}, {"mb": 3000}
+    with RewardPool(1, timeout_s=5.0) as p:  # the default cap, 2048 MB
+        pid = p.worker_pids()
+        res = p.score([("test_alloc", 1.0)], ["a"] * 3, [small, big, small])
+        assert p.worker_pids() == pid  # MemoryError is an error in the call, not a crash
+    assert res.scores["test_alloc"] == [1.0, 0.0, 1.0]
+    assert res.errors["test_alloc"] == 1 and res.crashes["test_alloc"] == 0
+    assert res.error_examples["test_alloc"].startswith("MemoryError")
+    with RewardPool(1, timeout_s=5.0, memory_mb=256) as p:
+        assert p.score([("test_alloc", 1.0)], ["a"], [{"mb": 300}]).errors["test_alloc"] == 1
+    with RewardPool(1, timeout_s=5.0, memory_mb=None) as p:
+        assert p.score([("test_alloc", 1.0)], ["a"], [{"mb": 300}]).scores["test_alloc"] == [1.0]
 
 
 def test_pool_weighted_total_and_kwargs() -> None:

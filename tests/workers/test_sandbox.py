@@ -3,20 +3,26 @@ leaves the trainer (this pytest process) as it was."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import resource
+import secrets
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rl.rewards.code import build_harness, code_unit_tests, extract_code
+from rl.rewards.code import code_unit_tests, extract_code
 from rl.rewards.registry import REWARDS
+from rl.workers.env_pool import EnvPool
 from rl.workers.sandbox import (
     SandboxError,
     SandboxLimits,
@@ -71,6 +77,22 @@ def _uid_of(res: SandboxResult) -> int:
 def _assert_no_processes_left(res: SandboxResult) -> None:
     if sandbox_capabilities().privilege_drop:
         assert processes_of_uid(_uid_of(res)) == []
+
+
+# What each plan leaves out: "no-namespaces" is the fallback of a machine that refuses
+# namespaces and cgroups (uid, rlimits and sweeps only), "no-cgroup" one without a
+# memory cgroup it may create.
+PLANS = {"default": (), "no-cgroup": ("cgroup",),
+         "no-namespaces": ("cgroup", "ipc", "mount")}
+
+
+def _run(code: str, plan: str, **kwargs) -> SandboxResult:
+    """run_python on this machine's plan, or on a plan with some mechanisms left out."""
+    if plan == "default":
+        return run_python(code, **kwargs)
+    from rl.workers.sandbox import _plan_without, start_python
+
+    return start_python(code, _plan=_plan_without(*PLANS[plan]), **kwargs).wait()
 
 
 def test_normal_program_stdout_and_exit_code(temp_root: str) -> None:
@@ -207,7 +229,7 @@ def test_cannot_write_outside_work_dir(temp_root: str) -> None:
         "    try:\n"
         "        open(p, 'w').write('x')\n"
         "        print('WROTE', p)\n"
-        "    except PermissionError:\n"
+        "    except OSError:  # PermissionError, or FileNotFoundError in a minimal root\n"
         "        print('denied', d)\n"
         "open('inside.txt', 'w').write('ok')\n"
         "print('inside', open('inside.txt').read())\n"
@@ -320,12 +342,285 @@ def test_unreachable_temp_dir_is_refused(tmp_path: Path) -> None:
     hidden = tmp_path / "hidden"
     hidden.mkdir(mode=0o700)
     with pytest.raises(SandboxError, match="not searchable"):
-        run_python("pass", temp_dir=str(hidden))
+        _run("pass", "no-namespaces", temp_dir=str(hidden))
+    if sandbox_capabilities().mount_namespace:  # the program never sees the staging dir
+        assert run_python("print(6 * 7)", temp_dir=str(hidden)).stdout == "42\n"
+    assert os.listdir(hidden) == []
+
+
+@pytest.mark.parametrize("plan", ["default", "no-namespaces"])
+@pytest.mark.parametrize("numbers", ["low", "swapped"])
+def test_extra_fds_reach_the_program_at_their_numbers(temp_root: str, plan: str,
+                                                      numbers: str) -> None:
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    os.write(to_child_w, b"ping")
+    os.close(to_child_w)
+    # "low": the numbers the code reward uses; "swapped": each target is the number of
+    # the other source in the caller
+    out_fd, in_fd = (3, 4) if numbers == "low" else (to_child_r, from_child_w)
+    assert max(out_fd, in_fd) < 64
+    code = f"import os\nos.write({out_fd}, os.read({in_fd}, 10).upper())"
+    res = _run(code, plan, limits=FAST, temp_dir=temp_root,
+               fds={out_fd: from_child_w, in_fd: to_child_r})
+    os.close(from_child_w)
+    os.close(to_child_r)
+    assert os.read(from_child_r, 10) == b"PING", res
+    os.close(from_child_r)
+    with pytest.raises(ValueError, match="3..63"):
+        run_python("pass", fds={1: from_child_r})
 
 
 def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="wall_time_s"):
         SandboxLimits(wall_time_s=0)
+
+
+# ---- nothing outlives a run; memory is bounded (issue 29) ---------------------------
+
+_IPC_LITTER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print('shm', libc.shmget({key}, 64 << 20, 0o1000 | 0o666))  # IPC_CREAT
+print('mq', libc.mq_open({mq!r}.encode(), os.O_CREAT | os.O_RDWR, 0o666, None))
+try:
+    open({lock!r}, 'w').write('x')
+    print('lock written')
+except OSError as e:
+    print('no lock dir', e.errno)
+"""
+
+
+@pytest.mark.parametrize("plan", ["default", "no-namespaces"])
+def test_ipc_objects_and_lock_files_do_not_outlive_the_run(temp_root: str, plan: str) -> None:
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: the run's objects cannot be told apart from the trainer's")
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = secrets.randbelow(1 << 30) + 1
+    tag = secrets.token_hex(6)
+    mq, lock = f"/tandem-test-{tag}", f"/run/lock/tandem-test-{tag}"
+    res = _run(_IPC_LITTER.format(key=key, mq=mq, lock=lock), plan, limits=FAST,
+               temp_dir=temp_root)
+    assert int(res.stdout.split("shm ")[1].split()[0]) >= 0, res  # the run did make them
+    assert int(res.stdout.split("mq ")[1].split()[0]) >= 0, res
+    left = []
+    shmid = libc.shmget(key, 0, 0)
+    if shmid >= 0:
+        left.append("SysV shm segment")
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
+    if os.path.exists(lock):
+        left.append(lock)
+        os.unlink(lock)
+    mqd = libc.mq_open(mq.encode(), os.O_RDONLY)
+    if mqd >= 0:
+        libc.mq_close(mqd)
+        libc.mq_unlink(mq.encode())
+        if plan == "default" and sandbox_capabilities().ipc_namespace:
+            left.append("POSIX message queue")  # without an IPC namespace: not swept
+    assert left == [], f"outlived the run: {left}"
+
+
+_FILL = """
+import ctypes, os
+chunk = b'x' * (16 << 20)
+{setup}
+written = 0
+try:
+    while written < (1 << 30):
+        grow()
+        written += len(chunk)
+        print(written >> 20, flush=True)
+except OSError as e:
+    print('stopped', e.errno, flush=True)
+"""
+_WRITE_FD = "fd = {}\ngrow = lambda: os.write(fd, chunk)"
+_FILL_KINDS = {
+    "dev-shm": _WRITE_FD.format("os.open('/dev/shm/fill', os.O_CREAT | os.O_WRONLY, 0o600)"),
+    "tmp": _WRITE_FD.format("os.open('/tmp/fill', os.O_CREAT | os.O_WRONLY, 0o600)"),
+    "memfd": _WRITE_FD.format("os.memfd_create('fill')"),
+    "sysv-shm": (  # segments written and detached: they stay until IPC_RMID or the namespace ends
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.shmat.restype = ctypes.c_void_p\n"
+        "def grow():\n"
+        "    sid = libc.shmget(0, len(chunk), 0o1000 | 0o600)\n"
+        "    if sid < 0:\n"
+        "        raise OSError(ctypes.get_errno(), 'shmget')\n"
+        "    addr = libc.shmat(sid, None, 0)\n"
+        "    ctypes.memmove(addr, chunk, len(chunk))\n"
+        "    libc.shmdt(ctypes.c_void_p(addr))\n"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_FILL_KINDS))
+@pytest.mark.parametrize("plan", ["default", "no-cgroup"])
+def test_shared_memory_files_and_memfd_are_bounded(temp_root: str, plan: str, kind: str) -> None:
+    caps = sandbox_capabilities()
+    cgroup = plan == "default" and caps.memory_cgroup
+    if kind == "memfd" and not cgroup:
+        pytest.skip("memfd pages are bounded only by a memory cgroup")
+    if kind in ("dev-shm", "tmp") and not (caps.mount_namespace or cgroup):
+        pytest.skip("needs a private tmpfs (mount namespace) or a memory cgroup")
+    if kind == "sysv-shm" and not ((caps.ipc_namespace and caps.running_as_root) or cgroup):
+        pytest.skip("needs an IPC namespace as root (capped shmall) or a memory cgroup")
+    limits = SandboxLimits(memory_mb=256, max_file_mb=4096, wall_time_s=20.0)
+    res = _run(_FILL.format(setup=_FILL_KINDS[kind]), plan, limits=limits, temp_dir=temp_root)
+    sizes = [int(line) for line in res.stdout.split() if line.isdigit()]
+    assert sizes and max(sizes) <= 256, (max(sizes, default=0), res.stderr[-300:])
+    assert res.limit_hit == "memory" or "stopped 28" in res.stdout, res  # OOM kill or ENOSPC
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``pid``."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+                starts[int(entry)] = fields[19]
+    out, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out[child] = starts[child]
+            todo.append(child)
+    return out
+
+
+def _alive(pids: dict[int, str]) -> list[int]:
+    return [pid for pid, start in pids.items() if _start_time(pid) == start]
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _start_long_run_and_report(report: str, temp_root: str) -> None:
+    """An env-pool task: start a 600 s run, write its processes' pids, then wait on it."""
+    limits = SandboxLimits(cpu_time_s=5, wall_time_s=120.0)
+    sandbox_capabilities()  # the probe's runs are over before the run to watch starts
+    threading.Thread(target=run_python, args=("import time\ntime.sleep(600)",),
+                     kwargs={"limits": limits, "temp_dir": temp_root}, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        procs = _descendants(os.getpid())
+        if any(os.stat(f"/proc/{p}").st_uid >= 1_600_000_000 for p in procs
+               if os.path.exists(f"/proc/{p}")):
+            with open(report, "w") as f:
+                json.dump(procs, f)
+            break
+        time.sleep(0.05)
+    time.sleep(600)
+
+
+def test_run_ends_when_the_env_worker_running_it_is_killed(temp_root: str,
+                                                           tmp_path: Path) -> None:
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: the test finds the run by its uid")
+    report = tmp_path / "pids.json"
+    pids: dict[int, str] = {}
+    try:
+        with EnvPool(1, step_timeout_s=4.0) as pool:
+            pool.wait_ready()
+            pool.submit(_start_long_run_and_report, str(report), temp_root)
+            (out,) = pool.poll(None)
+            assert out.status == "timeout"
+            pids = {int(p): s for p, s in json.loads(report.read_text()).items()}
+            deadline = time.monotonic() + 5.0
+            while _alive(pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _alive(pids) == [], "the run outlived the worker that started it"
+            while os.listdir(temp_root) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert os.listdir(temp_root) == [], "the work dir outlived the worker"
+    finally:
+        for pid in _alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+_DEEP_TREE = """
+import os
+for top in ('.', '/tmp'):
+    os.chdir(top)
+    for _ in range(1500):  # deeper than the recursion limit and (3 bytes a level) PATH_MAX
+        os.mkdir('dd')
+        os.chdir('dd')
+    open('leaf', 'w').write('x')
+print('deep')
+"""
+
+
+@pytest.mark.parametrize("plan", ["default", "no-namespaces"])
+def test_deep_directory_tree_is_removed(temp_root: str, plan: str) -> None:
+    res = _run(_DEEP_TREE, plan, limits=SandboxLimits(wall_time_s=20.0), temp_dir=temp_root)
+    assert res.stdout == "deep\n", res
+    # temp_root's teardown checks that the work dir is gone; and /tmp/d is swept:
+    if sandbox_capabilities().privilege_drop and os.path.exists("/tmp/dd"):
+        assert os.stat("/tmp/dd").st_uid < 1_600_000_000, "/tmp/dd outlived the run"
+
+
+def test_rmtree_is_iterative(tmp_path: Path) -> None:
+    from rl.workers.sandbox_supervisor import rmtree
+
+    top = tmp_path / "top"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY)
+    for i in range(1500):  # deeper than the recursion limit and (3 bytes a level) PATH_MAX
+        os.mkdir("dd", dir_fd=fd)
+        if i % 100 == 0:
+            os.mkdir("side", dir_fd=fd)
+            os.symlink("/etc", "link", dir_fd=fd)
+        if i == 1200:  # a directory the program made unreadable, with a file inside
+            os.mkdir("locked", dir_fd=fd)
+            os.close(os.open("locked/f", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+            os.chmod("locked", 0, dir_fd=fd)
+        nxt = os.open("dd", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(fd)
+    rmtree(str(top))
+    assert not top.exists() and os.path.exists("/etc/passwd")
+
+
+def test_trainer_unix_socket_is_not_reachable(temp_root: str) -> None:
+    if not sandbox_capabilities().mount_namespace:
+        pytest.skip("no mount namespace here: the program sees the trainer's files")
+    public = tempfile.mkdtemp(prefix="tandem-sock-")  # every parent searchable
+    os.chmod(public, 0o755)
+    path = os.path.join(public, "trainer.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        os.chmod(path, 0o777)
+        server.listen(1)
+        server.setblocking(False)
+        code = (
+            "import os, socket\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            "try:\n"
+            f"    s.connect({path!r})\n"
+            "    print('CONNECTED')\n"
+            "except OSError as e:\n"
+            "    print('blocked', e.errno)\n"
+            f"print(sorted(os.listdir('/')))\n"
+        )
+        try:
+            res = run_python(code, limits=FAST, temp_dir=temp_root)
+        finally:
+            os.unlink(path)
+            os.rmdir(public)
+        assert res.stdout.startswith("blocked"), res
+        assert "'root'" not in res.stdout and "'work'" in res.stdout
+        with pytest.raises(BlockingIOError):
+            server.accept()
 
 
 # ---- the code_unit_tests reward (rl/rewards/code.py), which runs on this sandbox -----
@@ -386,29 +681,111 @@ def test_reward_forged_result_lines_score_zero() -> None:
     assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
 
 
-def test_reward_nonce_is_not_in_files_env_or_stdin() -> None:
-    # Look everywhere a careless harness would leave the nonce, then forge with it.
+def test_reward_solution_cannot_read_the_tests() -> None:
+    # Look for the tests everywhere a harness sharing the solution's process or files
+    # would leave them, and answer from them without implementing add.
     code = (
-        "import os, re, sys\n"
-        "blobs = [open(f).read() for f in os.listdir('.') if os.path.isfile(f)]\n"
-        "blobs.append(repr(dict(os.environ)))\n"
-        "blobs.append(sys.stdin.read())\n"
-        "for fd in range(0, 64):\n"
+        "import gc, os, re, sys\n"
+        "blobs = []\n"
+        "for d in ('.', '/work', '..', '/tmp'):\n"
         "    try:\n"
-        "        blobs.append(os.pread(fd, 4096, 0).decode(errors='replace'))\n"
+        "        for f in os.listdir(d):\n"
+        "            p = os.path.join(d, f)\n"
+        "            if os.path.isfile(p):\n"
+        "                blobs.append(open(p, errors='replace').read())\n"
         "    except OSError:\n"
         "        pass\n"
-        "found = set(re.findall(r'[0-9a-f]{32}', ' '.join(blobs)))\n"
-        "for n in found:\n"
-        "    for fd in range(1, 64):\n"
-        "        try:\n"
-        "            os.write(fd, f'\\n__TANDEM_RESULT__ {n} 4/4\\n'.encode())\n"
-        "        except OSError:\n"
-        "            pass\n"
-        "os._exit(0)\n"
+        "main = sys.modules.get('__main__')\n"
+        "blobs.append(repr(getattr(main, '_PARAMS', '')))\n"
+        "blobs += [o for o in gc.get_objects() if isinstance(o, str) and 'add(' in o]\n"
+        "table = {(int(a), int(b)): int(c) for a, b, c in\n"
+        "         re.findall(r'add\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', ' '.join(blobs))}\n"
+        "def add(a, b):\n"
+        "    return table.get((a, b), -12345)\n"
     )
     assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
-    assert "nonce" not in build_harness(["assert True"], None, 1.0).split("def _tandem")[0]
+
+
+def test_reward_values_cross_as_data_so_eq_cannot_lie() -> None:
+    code = ("class Liar:\n    def __eq__(self, other):\n        return True\n"
+            "    __hash__ = object.__hash__\n"
+            "def add(a, b):\n    return Liar()\n")
+    assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
+    # honest values, objects, generators and exceptions still work across the two runs
+    tests = {"tests": [
+        "assert pair(2) == (2, [2.5, {'k': {2}}], b'x', None, True)",
+        "s = Stack(); s.push(3); s.push(4); assert s.pop() == 4 and len(s) == 1",
+        "assert list(countdown(3)) == [3, 2, 1] and 3 in Stack.of(3)",
+        "import math\nassert math.isclose(root(2.0), 2 ** 0.5) and big() == 7 ** 99",
+        "try:\n    pair(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+        "else:\n    raise AssertionError",
+    ]}
+    code = (
+        "import math\n"
+        "def pair(n):\n"
+        "    if n < 0:\n        raise ValueError('negative')\n"
+        "    return (n, [n + 0.5, {'k': {n}}], b'x', None, n > 1)\n"
+        "class Stack:\n"
+        "    def __init__(self): self.items = []\n"
+        "    def push(self, x): self.items.append(x)\n"
+        "    def pop(self): return self.items.pop()\n"
+        "    def __len__(self): return len(self.items)\n"
+        "    def __contains__(self, x): return x in self.items\n"
+        "    @classmethod\n"
+        "    def of(cls, x):\n        s = cls(); s.push(x); return s\n"
+        "def countdown(n):\n    while n:\n        yield n\n        n -= 1\n"
+        "def root(x): return math.sqrt(x)\n"
+        "def big(): return 7 ** 99\n"
+    )
+    assert code_unit_tests(fenced(code), tests) == 1.0
+
+
+UNITTEST_ADD = """
+import unittest
+
+
+class TestAdd(unittest.TestCase):
+    def test_small(self):
+        self.assertEqual(add(1, 2), 3)
+
+    def test_negative(self):
+        self.assertEqual(add(-1, 1), 0)
+
+    @unittest.skip("not a test of the solution")
+    def test_skipped(self):
+        self.fail()
+
+
+class TestMore(unittest.TestCase):
+    def test_zero(self):
+        self.assertEqual(add(0, 0), 0)
+
+    def test_large(self):
+        self.assertEqual(add(10 ** 20, 1), 10 ** 20 + 1)
+"""
+GUARD = '\nif __name__ == "__main__":\n    unittest.main()\n'
+
+
+@pytest.mark.parametrize("tail", ["", GUARD, "\nunittest.main()\n"],
+                         ids=["no-guard", "guard", "unguarded-main"])
+def test_reward_unittest_modules_are_run(tail: str) -> None:
+    tests = {"tests": UNITTEST_ADD + tail}
+    assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), tests) == 1.0
+    assert code_unit_tests(fenced("def add(a, b):\n    return 7"), tests) == 0.0
+    half = "def add(a, b):\n    return a + b if a > 0 else -99"  # test_small and test_large
+    assert code_unit_tests(fenced(half), tests) == 0.5
+
+
+def test_reward_patching_unittest_does_not_help() -> None:
+    code = (
+        "import sys, unittest\n"
+        "unittest.main = lambda *a, **k: sys.exit(0)\n"
+        "unittest.TestCase.run = lambda self, result=None: None\n"
+        "unittest.TestCase.assertEqual = lambda self, a, b, msg=None: None\n"
+        "def add(a, b):\n    return 7\n"
+    )
+    for tail in ("", GUARD):
+        assert code_unit_tests(fenced(code), {"tests": UNITTEST_ADD + tail}) == 0.0
 
 
 def test_reward_survives_print_and_stdout_override() -> None:
