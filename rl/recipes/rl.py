@@ -129,7 +129,8 @@ class RLRecipe:
         weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
         self.reward_fns = list(zip(cfg.reward.functions, weights))
         self.rewards = RewardPool(  # reward.modules were imported by config validation
-            cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions)
+            cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions,
+            memory_mb=cfg.reward.memory_mb or None)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
         self.step_index = 0  # the step being taken (the shell's count)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)

@@ -132,6 +132,7 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
+    memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an error; 0 = no cap
     reward_model: str | None = None  # a reward_model recipe's output folder, scored on the rollout ranks
     reward_model_weight: float = 1.0  # its weight in the total, beside the functions
 
@@ -140,6 +141,7 @@ class RewardConfig:
                 f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
         require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
+        require(self.memory_mb >= 0, f"reward.memory_mb: must be >= 0 (0 = no cap), got {self.memory_mb}")
         import importlib
 
         import rl.rewards  # noqa: F401  (registers the built-in reward functions)
