@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from rl import errors
+from rl.runtime import errors
 
 
 def _fail(status: int, msg: str) -> int:

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl import errors
 from rl.data.loading import DataError, iter_jsonl_objects
 from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from rl.generator.sequence import SamplingParams
+from rl.runtime import errors
 from rl.runtime.modeling import ModelSetupError
 
 

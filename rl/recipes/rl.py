@@ -23,7 +23,6 @@ import torch.distributed as dist
 from parallel.distributed import DistInfo
 from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
-from rl import errors
 from rl.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -49,6 +48,7 @@ from rl.rollout.generation import (
     generation_dtype,
 )
 from rl.rollout.types import RolloutSample
+from rl.runtime import errors
 from rl.runtime.checkpoint import Checkpointer, resume_note
 from rl.runtime.config import ConfigError
 from rl.runtime.metrics import MetricsLogger, step_gaps, truncate_jsonl
