@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.data.loading import DataError
     from rl.fault import NonFiniteError, enable_flight_recorder
     from rl.recipes import TRAINERS
+    from rl.runtime.checkpoint import CheckpointError
     from rl.runtime.modeling import ModelSetupError
 
     if cfg.fault.flight_recorder and torch.cuda.is_available():
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(errors.EXIT_MODEL, str(e))
     except NonFiniteError as e:
         return _fail(errors.EXIT_NONFINITE, str(e))
+    except CheckpointError as e:
+        return _fail(e.exit_status, str(e))
     finally:
         destroy_distributed(barrier=status == 0)
 

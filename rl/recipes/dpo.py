@@ -53,7 +53,7 @@ from rl.algorithms.preference import (
 )
 from rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from rl.data.sft import StepSampler
-from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.runtime.checkpoint import Checkpointer, resume_note, resume_step
 from rl.runtime.config import ConfigError
 from rl.runtime.metrics import MetricsLogger
 from rl.runtime.modeling import build_sharded_model, build_tokenizer, export_hf, model_args
@@ -234,7 +234,8 @@ def run_pair_loop(cfg, info: DistInfo, setup: PairSetup, model: nn.Module, micro
     ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last,
                         async_save=cfg.checkpoint.async_save, model_only=cfg.checkpoint.model_only)
     start = 0
-    if cfg.checkpoint.enable and cfg.checkpoint.resume and (last := ckpt.latest_step()) is not None:
+    if (last := resume_step(ckpt, cfg.checkpoint, steps, info.is_main,
+                            logs=[os.path.join(dump, "metrics.jsonl")])) is not None:
         state = ckpt.load(last, model, opt)
         sched.load_state_dict(state["scheduler"])
         start = state["step"]

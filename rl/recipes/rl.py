@@ -49,7 +49,7 @@ from rl.rollout.generation import (
 )
 from rl.rollout.types import RolloutSample
 from rl.runtime import errors
-from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.runtime.checkpoint import Checkpointer, resume_note, resume_step
 from rl.runtime.config import ConfigError
 from rl.runtime.metrics import MetricsLogger, step_gaps, truncate_jsonl
 from rl.runtime.modeling import ModelSetupError, build_tokenizer, model_args
@@ -437,8 +437,10 @@ class RLTrainer:
                 f.write(json.dumps({"step": self.step + 1, "ids": sorted(i for ids in every for i in ids)}) + "\n")
 
     def resume(self) -> None:
-        c = self.cfg.checkpoint
-        if not (c.enable and c.resume) or (last := self.ckpt.latest_step()) is None:
+        dump = self.cfg.job.dump_folder
+        last = resume_step(self.ckpt, self.cfg.checkpoint, self.cfg.training.steps, self.info.is_main,
+                           logs=[os.path.join(dump, "ledger.jsonl"), os.path.join(dump, "metrics.jsonl")])
+        if last is None:
             return
         t0 = time.monotonic()
         state = self.ckpt.load(last, self.model, self.opt, self._ckpt_extras())

@@ -20,7 +20,7 @@ from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_rank
 from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, load_sft_records
 from rl.fault import PreemptionHandler, Watchdog, check_finite
-from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.runtime.checkpoint import Checkpointer, resume_note, resume_step
 from rl.runtime.config import ConfigError
 from rl.runtime.errors import EXIT_PREEMPTED
 from rl.runtime.metrics import MetricsLogger, truncate_jsonl
@@ -66,7 +66,8 @@ def run_sft(cfg, info: DistInfo) -> int:
     ckpt = Checkpointer(os.path.join(dump, cfg.checkpoint.folder), keep_last=cfg.checkpoint.keep_last,
                         async_save=cfg.checkpoint.async_save, model_only=cfg.checkpoint.model_only)
     start = 0
-    if cfg.checkpoint.enable and cfg.checkpoint.resume and (last := ckpt.latest_step()) is not None:
+    if (last := resume_step(ckpt, cfg.checkpoint, cfg.training.steps, info.is_main,
+                            logs=[os.path.join(dump, "metrics.jsonl")])) is not None:
         state = ckpt.load(last, model, opt)
         sched.load_state_dict(state["scheduler"])
         start = state["step"]

@@ -247,7 +247,8 @@ class CheckpointConfig:
     keep_last: int = 2
     async_save: bool = False  # write in a background thread while training goes on; committed when every rank is done
     model_only: bool = False  # weights + trainer state only, no optimizer state (resuming restarts the optimizer)
-    resume: bool = True  # resume from the latest checkpoint in folder, if any
+    resume: bool = True  # resume from the newest checkpoint in folder whose files match its SHA256SUMS, if any
+    overwrite: bool = False  # allow starting at step 0 over an earlier run's checkpoints (resume = false, or none verifies): they are deleted first; false: such a start exits 8
     export_hf_at_end: bool = True  # write an HF-format folder after the last step
 
     def validate(self) -> None:
