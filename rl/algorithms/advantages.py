@@ -178,10 +178,18 @@ def _broadcast(adv_seq: Tensor, mask: Tensor) -> Tensor:
     return adv_seq[:, None] * _float(mask)  # [N] -> [N, T]
 
 
+def _group_relative(fn: AdvantageFn) -> AdvantageFn:
+    """Mark an estimator that compares the completions of one prompt (a group of one gets
+    advantage 0): config validation then requires ``rl.num_samples >= 2``."""
+    fn.group_relative = True  # type: ignore[attr-defined]
+    return fn
+
+
 # ---------------------------------------------------------------------------
 # critic-free, sequence-level
 
 @ADVANTAGES.register("grpo")
+@_group_relative
 def grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """GRPO outcome advantage (DeepSeekMath, arXiv 2402.03300): (r - group mean) / group std.
 
@@ -197,6 +205,7 @@ def grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
 
 
 @ADVANTAGES.register("dr_grpo")
+@_group_relative
 def dr_grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """Dr. GRPO (arXiv 2503.20783, "Understanding R1-Zero-Like Training"): r - group mean.
 
@@ -209,6 +218,7 @@ def dr_grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
 
 
 @ADVANTAGES.register("rloo")
+@_group_relative
 def rloo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """RLOO (arXiv 2402.14740, "Back to Basics"): r_i - mean of the other rewards in the group.
 
