@@ -138,12 +138,12 @@ class ModelConfig:
 class DataConfig:
     """The training data file and how rows become token sequences."""
 
-    path: str | None = None  # a .jsonl / .parquet file or a folder of them
+    path: str | None = None  # a .jsonl / .json / .jsonl.gz / .parquet file, or a folder of them (its files in name order; not subfolders)
     format: Literal["auto", "jsonl", "parquet"] = "auto"  # auto: by file extension
     max_length: int = 2048  # tokens per sequence (and per packed row)
     pack: bool = True  # pack several sequences into one row of max_length
     shuffle: bool = True
-    on_bad_row: Literal["skip", "error"] = "skip"  # skip: counted and reported
+    on_bad_row: Literal["skip", "error"] = "skip"  # a row with a missing or wrong-typed field: skip (counted and reported) or error (exit 3 naming file:line)
     messages_field: str = "messages"  # chat rows (sft: assistant turns trained; a "tools" list of schemas is rendered by the template)
     prompt_field: str = "prompt"
     completion_field: str = "completion"
