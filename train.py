@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(errors.EXIT_NONFINITE, str(e))
     except CheckpointError as e:
         return _fail(e.exit_status, str(e))
+    except KeyboardInterrupt:
+        return _fail(errors.EXIT_INTERRUPTED, "interrupted (SIGINT); the checkpoints committed so far are kept")
     finally:
         destroy_distributed(barrier=status == 0)
 
