@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.data.loading import DataError
     from rl.fault import NonFiniteError, enable_flight_recorder
     from rl.recipes import run, unused_settings
+    from rl.runtime.checkpoint import CheckpointError
     from rl.runtime.modeling import ModelSetupError
 
     if cfg.fault.flight_recorder and torch.cuda.is_available():
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(errors.EXIT_MODEL, str(e))
     except NonFiniteError as e:
         return _fail(errors.EXIT_NONFINITE, str(e))
+    except CheckpointError as e:
+        return _fail(e.exit_status, str(e))
+    except KeyboardInterrupt:
+        return _fail(errors.EXIT_INTERRUPTED, "interrupted (SIGINT); the checkpoints committed so far are kept")
     finally:
         destroy_distributed(barrier=status == 0)
 

@@ -8,9 +8,12 @@ gives AdamW one step so its state exists, then times three saves: synchronous
 (the step loop waits for all of it), asynchronous (`async_save`: the loop
 waits for the copy to CPU memory, "blocking"; "total" is start to commit,
 here with nothing else running) and model-only (no optimizer state); and
-`Checkpointer.load` of the full checkpoint into a fresh model and optimizer,
-checking the loaded weights equal the saved ones. Prints a table; the ratio
-column is the asynchronous save's blocking time over the synchronous save's.
+`Checkpointer.load` of the full checkpoint into a fresh model and optimizer by
+a fresh Checkpointer, as a restarted job does (so it re-hashes every file
+against SHA256SUMS first; "verify s" times that check alone), checking the
+loaded weights equal the saved ones. Saves include hashing what was written.
+Prints a table; the ratio column is the asynchronous save's blocking time over
+the synchronous save's.
 Rank 0 prints; every rank takes part.
 """
 
@@ -74,7 +77,10 @@ def one(name: str, folder: str, info) -> dict[str, float]:  # noqa: ANN001
         for p in fresh.parameters():
             p.zero_()
     t0 = time.perf_counter()
-    ck.load(1, fresh, fresh_opt)
+    assert Checkpointer(ck.folder).verify(1) is None
+    out["verify_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    Checkpointer(ck.folder).load(1, fresh, fresh_opt)  # a restarted job: verifies, then loads
     out["load_s"] = time.perf_counter() - t0
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a.to_local(), b.to_local())
@@ -94,14 +100,15 @@ def main() -> None:
         if info.is_main:
             print(f"{info.world_size} rank(s) on {info.device.type}; checkpoint = weights + AdamW state, fp32")
             print(f"{'model':<12}{'params':>12}{'disk MB':>9}{'save s':>8}{'async blocking s':>18}"
-                  f"{'async total s':>15}{'ratio':>7}{'model-only MB':>15}{'model-only s':>14}{'load s':>8}")
+                  f"{'async total s':>15}{'ratio':>7}{'model-only MB':>15}{'model-only s':>14}{'verify s':>10}"
+                  f"{'load s':>8}")
         for name in a.models.split(","):
             r = one(name, os.path.join(root, name), info)
             if info.is_main:
                 print(f"{name:<12}{int(r['params']):>12,}{r['bytes'] / 2**20:>9.1f}{r['save_s']:>8.2f}"
                       f"{r['async_blocking_s']:>18.2f}{r['async_total_s']:>15.2f}"
                       f"{r['async_blocking_s'] / r['save_s']:>7.2f}{r['model_only_bytes'] / 2**20:>15.1f}"
-                      f"{r['model_only_s']:>14.2f}{r['load_s']:>8.2f}")
+                      f"{r['model_only_s']:>14.2f}{r['verify_s']:>10.2f}{r['load_s']:>8.2f}")
     finally:
         dist.barrier()
         if info.is_main:

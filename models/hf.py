@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from models.args import ModelArgs
@@ -117,7 +117,13 @@ def load_args(path: str | Path) -> ModelArgs:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
-    args = ModelArgs.from_hf(json.loads(config_file.read_text()))
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    args = ModelArgs.from_hf(config)
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         extra = json.loads(gen_file.read_text()).get("eos_token_id")
@@ -135,8 +141,33 @@ def tensor_files(path: str | Path) -> dict[str, str]:
     single = path / SINGLE_FILE
     if not single.is_file():
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
-    with safe_open(single, framework="pt") as f:
+    with _open_safetensors(single) as f:
         return {name: SINGLE_FILE for name in f.keys()}
+
+
+def _open_safetensors(file: Path) -> Any:
+    """``safe_open(file)``; a truncated or garbage file is a ValueError naming it."""
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({str(e).strip().splitlines()[0]})") from None
+
+
+def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
+    """ValueError naming the file and tensor unless every safetensors file in ``path``
+    opens and each tensor the model uses has the shape ``args`` (config.json) gives.
+    Reads headers only."""
+    path = Path(path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {tandem_name_to_hf(n): list(t.shape) for n, t in model.state_dict().items()}
+    for fname in sorted(set(tensor_files(path).values())):
+        with _open_safetensors(path / fname) as f:
+            for name in f.keys():
+                shape = list(f.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise ValueError(f"{path / fname}: {name} has shape {shape}, but config.json makes it "
+                                     f"{expected[name]}")
 
 
 def read_hf_state_dict(
@@ -154,7 +185,7 @@ def read_hf_state_dict(
         by_file.setdefault(files[name], []).append(name)
     sd: dict[str, torch.Tensor] = {}
     for fname, fnames in sorted(by_file.items()):
-        with safe_open(path / fname, framework="pt") as f:
+        with _open_safetensors(path / fname) as f:
             for name in fnames:
                 sd[name] = f.get_tensor(name)
     return sd
@@ -187,6 +218,7 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(args)
     _check_tensor_names(model, files, path)
+    check_weight_shapes(path, args)
     model.to_empty(device=device).to(dtype)
     hf_sd = read_hf_state_dict(path, [n for n in files if not _IGNORED_HF.match(n)])
     model.load_state_dict(hf_to_tandem(hf_sd, args), strict=True)

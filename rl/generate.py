@@ -19,18 +19,25 @@ Every prompt's randomness comes from ``--seed + its line index`` (and the
 sample index), so the output is the same however many ranks share the work:
 under torchrun each rank takes every world-size-th prompt and rank 0 writes
 the file, in input order. The output is written to a temporary file and
-renamed at the end, so a failed run leaves no partial file. Bad input lines
-exit 3 naming the line; an unusable model folder exits 4.
+renamed at the end, so a failed or interrupted run leaves no partial file.
+
+Every problem is one line on stderr and an exit status (rl/runtime/errors.py):
+a bad flag value 2 (checked before the model loads; the KV budget and
+``--max-tokens`` against the model right after), a bad input line 3 naming it
+(a prompt that does not fit the model's context with ``--max-tokens`` is one,
+unless ``--truncate-prompts`` keeps its last tokens), an unusable model folder
+4, Ctrl-C 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -39,11 +46,50 @@ from rl.data.loading import DataError, iter_jsonl_objects
 from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from rl.generator.sequence import SamplingParams
 from rl.runtime import errors
+from rl.runtime.config import ConfigError, check_writable_folder
 from rl.runtime.modeling import ModelSetupError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2), not the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (python -m rl.generate --help lists the flags)", file=sys.stderr, flush=True)
+        raise SystemExit(errors.EXIT_CONFIG)
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """The first flag value the generator would fail on later, as one line; None when all are fine."""
+    finite = {"--temperature": args.temperature, "--top-p": args.top_p, "--min-p": args.min_p,
+              "--kv-cache-gb": args.kv_cache_gb}
+    checks = [
+        *((f"{k}: must be a finite number, got {v}", math.isfinite(v)) for k, v in finite.items()),
+        (f"--n: must be >= 1, got {args.n}", args.n >= 1),
+        (f"--max-tokens: must be >= 1, got {args.max_tokens}", args.max_tokens >= 1),
+        (f"--temperature: must be >= 0 (0 = greedy), got {args.temperature}", args.temperature >= 0),
+        (f"--top-k: must be >= 0 (0 = off), got {args.top_k}", args.top_k >= 0),
+        (f"--top-p: must be in (0, 1] (1 = off), got {args.top_p}", 0 < args.top_p <= 1),
+        (f"--min-p: must be in [0, 1] (0 = off), got {args.min_p}", 0 <= args.min_p <= 1),
+        (f"--seed: must be in [0, 2**32), got {args.seed}", 0 <= args.seed < 2**32),
+        (f"--stop: stop strings must not be empty, got {args.stop}", all(args.stop)),
+        (f"--kv-cache-gb: must be > 0, got {args.kv_cache_gb}", args.kv_cache_gb > 0),
+        (f"--block-size: must be >= 1, got {args.block_size}", args.block_size >= 1),
+        (f"--max-num-seqs: must be >= 1, got {args.max_num_seqs}", args.max_num_seqs >= 1),
+        (f"--max-num-batched-tokens: must be >= 1, got {args.max_num_batched_tokens}", args.max_num_batched_tokens >= 1),
+        (f"--output: {args.output} is a folder; give a file path", not os.path.isdir(args.output)),
+    ]
+    for message, ok in checks:
+        if not ok:
+            return message
+    try:
+        check_writable_folder("--output", os.path.dirname(os.path.abspath(args.output)))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m rl.generate", description="Generate completions with Tandem's paged-KV generator.")
+    ap = _Parser(prog="python -m rl.generate", description="Generate completions with Tandem's paged-KV generator.")
     ap.add_argument("--model", required=True, help="HF folder (config.json + safetensors)")
     ap.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
     ap.add_argument("--input", required=True, help="jsonl of prompt rows")
@@ -59,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--chat-template", action="store_true", help="wrap text prompts as one user turn")
+    ap.add_argument("--truncate-prompts", action="store_true",
+                    help="keep the last tokens of a prompt that does not fit the model's context with --max-tokens "
+                         "(default: such a prompt is an error naming its line, exit 3)")
     ap.add_argument("--text-field", default="prompt")
     ap.add_argument("--messages-field", default="messages")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -71,8 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                     help="auto: bfloat16 on CUDA, float32 elsewhere")
     args = ap.parse_args(argv)
-    if args.n < 1 or args.max_tokens < 1:
-        ap.error("--n and --max-tokens must be >= 1")
+    if (problem := _flag_problem(args)) is not None:
+        ap.error(problem)
     return args
 
 
@@ -87,11 +136,11 @@ def read_prompts(path: str, text_field: str, messages_field: str) -> list[dict[s
                     for m in msgs):
                 raise DataError(f"{where}: {messages_field!r} must be a non-empty list of "
                                 '{"role": str, "content": str} objects')
-            rows.append({"id": row.get("id"), "messages": msgs})
+            rows.append({"id": row.get("id"), "messages": msgs, "where": where})
         elif text_field in row:
             if not isinstance(row[text_field], str) or not row[text_field]:
                 raise DataError(f"{where}: {text_field!r} must be a non-empty string")
-            rows.append({"id": row.get("id"), "text": row[text_field]})
+            rows.append({"id": row.get("id"), "text": row[text_field], "where": where})
         else:
             raise DataError(f"{where}: has neither {text_field!r} nor {messages_field!r}")
     if not rows:
@@ -123,9 +172,38 @@ def load(args: argparse.Namespace, device: torch.device):
     return tok, model
 
 
+def check_fits(args: argparse.Namespace, model: Any) -> None:
+    """Settings that need the model: ConfigError (exit 2) for a KV budget below one block
+    or a --max-tokens that leaves no room for a prompt in the context."""
+    from rl.generator.kv_cache import KVCache
+
+    dtype = next(model.parameters()).dtype
+    per_block = KVCache.bytes_per_block(model.args, args.block_size, dtype)
+    if args.kv_cache_gb * 1e9 < per_block:
+        raise ConfigError(f"--kv-cache-gb: {args.kv_cache_gb} GB holds no KV block of this model (one block of "
+                          f"{args.block_size} tokens takes {per_block / 1e9:.3g} GB in {str(dtype).removeprefix('torch.')})")
+    context = model.args.max_position_embeddings
+    if args.max_tokens >= context:
+        raise ConfigError(f"--max-tokens: {args.max_tokens} leaves no room for a prompt in the model's context of "
+                          f"{context} tokens (max_position_embeddings in config.json)")
+
+
+def fit_prompt(ids: list[int], row: dict[str, Any], args: argparse.Namespace, context: int) -> list[int]:
+    """``ids``, or their last tokens under --truncate-prompts, so that prompt + --max-tokens fit
+    ``context``; DataError naming the line otherwise."""
+    room = context - args.max_tokens
+    if len(ids) <= room:
+        return ids
+    if not args.truncate_prompts:
+        raise DataError(f"{row['where']}: prompt of {len(ids)} tokens + --max-tokens {args.max_tokens} exceeds the "
+                        f"model's context of {context} tokens; shorten it, lower --max-tokens or pass --truncate-prompts")
+    return ids[-room:]
+
+
 def generate_rows(args: argparse.Namespace, model: Any, tok: Any, prompts: list[tuple[int, dict[str, Any]]]
                   ) -> tuple[list[dict[str, Any]], int]:
-    ids = [encode(row, tok, args.chat_template) for _, row in prompts]
+    context = model.args.max_position_embeddings
+    ids = [fit_prompt(encode(row, tok, args.chat_template), row, args, context) for _, row in prompts]
     settings = GenerationSettings(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=max(map(len, ids), default=0) + args.max_tokens + 1,
@@ -161,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = _run(args, info)
         return status
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT); no output written", file=sys.stderr, flush=True)
+        status = errors.EXIT_INTERRUPTED
+        return status
     finally:
         destroy_distributed(barrier=status == errors.EXIT_OK)
 
@@ -170,8 +252,12 @@ def _run(args: argparse.Namespace, info: Any) -> int:
     try:
         prompts = read_prompts(args.input, args.text_field, args.messages_field)
         tok, model = load(args, info.device)
+        check_fits(args, model)
         mine = [(i, prompts[i]) for i in range(info.rank, len(prompts), info.world_size)]
         rows, generated = generate_rows(args, model, tok, mine)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return errors.EXIT_CONFIG
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return errors.EXIT_DATA
@@ -188,10 +274,14 @@ def _run(args: argparse.Namespace, info: Any) -> int:
         rows.sort(key=lambda r: (r["index"], r["sample"]))
         tmp = f"{args.output}.partial-{os.getpid()}"
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, args.output)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+            os.replace(tmp, args.output)
+        finally:  # a failed or interrupted write leaves nothing behind
+            if os.path.exists(tmp):
+                os.remove(tmp)
         dt = time.monotonic() - t0
         print(f"generated {len(prompts)} prompts x {args.n} samples = {len(rows)} rows, {int(counts.item())} tokens "
               f"in {dt:.1f}s ({counts.item() / max(dt, 1e-9):.1f} tokens/s) -> {args.output}", file=sys.stderr)

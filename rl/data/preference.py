@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rl.data.loading import DataError, load_rows
+from rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
 from rl.data.sft import BadRow, Example
 from rl.data.tasks import make_task_rows
 from rl.runtime.registry import Registry
@@ -50,11 +50,12 @@ Messages = list[dict[str, Any]]
 
 # ---------------------------------------------------------------------- tokenizing
 def _check_messages(messages: Any, what: str) -> Messages:
-    if not isinstance(messages, list) or not messages:
+    if isinstance(messages, list) and not messages:
         raise BadRow(f"empty {what}")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise BadRow(f"{what}: each message needs 'role' and 'content'")
+    if not isinstance(messages, list):
+        raise BadRow(f"{what} must be a string or a list of messages, got {type(messages).__name__}")
+    if (problem := message_problem(messages)) is not None:
+        raise BadRow(f"{what}: {problem}")
     return messages
 
 
@@ -178,8 +179,9 @@ def build_preference_data(
 ) -> tuple[list[PreferencePair], Counter]:
     """Tokenize rows into pairs; bad rows are counted (into ``skipped``) or raise DataError.
 
-    ``row_numbers[i]`` is record i's row in its file, for error messages (a
-    held-out split still names rows of the original file); default: i.
+    Error messages name a record's place: ``path:line`` when ``records`` is a
+    `rl.data.loading.Rows`, else ``row_numbers[i]`` (a held-out split still names
+    rows of the original file), else i.
     """
     fields = {"messages": messages_field, "prompt": prompt_field, "chosen": chosen_field,
               "rejected": rejected_field}
@@ -197,8 +199,9 @@ def build_preference_data(
                     raise BadRow("no response token")
         except BadRow as e:
             if on_bad_row == "error":
-                row = row_numbers[i] if row_numbers is not None else i
-                raise DataError(f"{source}: row {row}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                where = (row_where(records, i, source) if row_numbers is None or isinstance(records, Rows)
+                         else f"{source}: row {row_numbers[i]}")
+                raise DataError(f"{where}: {e} (set data.on_bad_row=skip to skip such rows)") from None
             skipped[str(e).split(" (")[0]] += 1
             continue
         pairs.append(PreferencePair(sides[0], sides[1], len(pairs)))
@@ -301,7 +304,8 @@ def load_preference_data(
         held = set() if eval_source is not None else _held_out(len(rows), eval_fraction, seed)
         train_nums = [i for i in range(len(rows)) if i not in held]
         eval_nums = sorted(held)
-        train_rows, eval_rows = [rows[i] for i in train_nums], [rows[i] for i in eval_nums]
+        train_rows, eval_rows = ([Rows([rows[i] for i in nums], [row_where(rows, i, source) for i in nums])
+                                  for nums in (train_nums, eval_nums)])
     if eval_source is not None:
         eval_rows, eval_nums, eval_name = load_rows(eval_source, fmt), None, eval_source
     kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, **fields)

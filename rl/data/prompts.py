@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rl.data.loading import DataError, load_rows
+from rl.data.loading import DataError, load_rows, message_problem, row_where
 
 SYNTHETIC = "synthetic:"
 
@@ -54,7 +54,8 @@ class Prompt:
 def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
                    messages_field: str, answer_field: str, max_prompt_tokens: int,
                    on_bad_row: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
-    """Chat-template and tokenize; bad rows are counted (or raise DataError naming the row)."""
+    """Chat-template and tokenize; bad rows (a missing field, or one of the wrong type) are
+    counted (or raise DataError naming the file and line)."""
     out: list[Prompt] = []
     skipped: dict[str, int] = {}
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -62,21 +63,25 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
         try:
             if answer_field not in row or row[answer_field] is None:
                 raise ValueError(f"missing field {answer_field!r}")
+            if not isinstance(row[answer_field], str):
+                raise ValueError(f"field {answer_field!r} must be a string, got {type(row[answer_field]).__name__}")
             msgs = row.get(messages_field)
             if msgs is None:
                 q = row.get(prompt_field)
-                if not isinstance(q, str) or not q:
+                if q is None or q == "":
                     raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r}")
+                if not isinstance(q, str):
+                    raise ValueError(f"field {prompt_field!r} must be a string, got {type(q).__name__}")
                 msgs = [{"role": "user", "content": q}]
-            if not isinstance(msgs, list) or not msgs:
-                raise ValueError("empty conversation")
+            if (problem := message_problem(msgs)) is not None:
+                raise ValueError(f"field {messages_field!r}: {problem}")
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
             ids = tokenizer.encode(text)
             if len(ids) > max_prompt_tokens:
                 raise ValueError(f"prompt longer than {max_prompt_tokens} tokens")
         except ValueError as e:
             if on_bad_row == "error":
-                raise DataError(f"{source}: row {i}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                raise DataError(f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to skip such rows)") from None
             reason = str(e)
             skipped[reason] = skipped.get(reason, 0) + 1
             continue

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rl.data.loading import DataError, load_rows
+from rl.data.loading import DataError, load_rows, message_problem, row_where
 
 IGNORE = -100  # target id that takes no loss
 
@@ -41,13 +41,10 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None) -> Example:
     by the chat template as it is at generation time, so tool-calling
     transcripts (assistant ``<tool_call>`` turns, ``tool`` results) train the
     format the policy will see in an agentic rollout."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRow("empty conversation")
+    if (problem := message_problem(messages)) is not None:
+        raise BadRow(problem)
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise BadRow("tools must be a list of JSON objects (tool schemas)")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise BadRow("each message needs 'role' and 'content'")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant message to train on")
     full = tokenizer.apply_chat_template(messages, tools=tools)
@@ -75,6 +72,9 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None) -> Example:
 
 
 def tokenize_prompt_completion(prompt: Any, completion: Any, tokenizer: Any) -> Example:
+    for what, value in (("prompt", prompt), ("completion", completion)):
+        if value is not None and not isinstance(value, str):
+            raise BadRow(f"{what} must be a string, got {type(value).__name__}")
     if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
         raise BadRow("prompt and completion must be non-empty strings")
     p = tokenizer.encode(prompt)
@@ -155,7 +155,7 @@ def build_sft_data(
                 raise BadRow("no trained token")
         except BadRow as e:
             if on_bad_row == "error":
-                raise DataError(f"{source}: row {i}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                raise DataError(f"{row_where(records, i, source)}: {e} (set data.on_bad_row=skip to skip such rows)") from None
             out.skipped[str(e).split(" (")[0]] += 1
             continue
         singles.append(example_to_row(ex))

@@ -35,7 +35,7 @@ from rl.fault import PreemptionHandler, Watchdog
 from rl.fault.inject import maybe_kill
 from rl.recipes.base import Recipe, Runtime
 from rl.runtime import errors
-from rl.runtime.checkpoint import Checkpointer, resume_note
+from rl.runtime.checkpoint import Checkpointer, resume_note, resume_step
 from rl.runtime.config import Config, format_config
 from rl.runtime.metrics import MetricsLogger, step_gaps, truncate_jsonl
 from rl.runtime.system import peak_memory_gb, reset_peak_memory
@@ -177,8 +177,16 @@ class Shell:
     # ---- checkpoints -----------------------------------------------------------------
 
     def _resume(self) -> None:
-        c, recipe = self.cfg.checkpoint, self.recipe
-        if not (c.enable and c.resume) or (last := self.ckpt.latest_step()) is None:
+        """Load the newest checkpoint that verifies (rl/runtime/checkpoint.py `resume_step`: it
+        refuses a start at step 0 over an earlier run's checkpoints, exit 8) and cut the
+        per-step logs back to its step; a start at step 0 cuts them to nothing (what an
+        attempt logged before its first checkpoint is redone)."""
+        recipe, logs = self.recipe, [os.path.join(self.dump, name) for name in STEP_LOGS]
+        last = resume_step(self.ckpt, self.cfg.checkpoint, self.cfg.training.steps, self.info.is_main, logs=logs)
+        if last is None:
+            if self.info.is_main:
+                for log in logs:
+                    truncate_jsonl(log, 0)
             return
         t0 = time.monotonic()
         parts = recipe.checkpoint_parts()
@@ -190,9 +198,7 @@ class Shell:
         recipe.load_state_dict(state, saved_world=saved_world)
         if not os.path.exists(os.path.join(self.dump, "ledger.jsonl")):
             self.ledger_from = self.step + 1  # a checkpoint brought from elsewhere: its history is not here
-        if self.info.is_main:  # drop what a crashed run logged after its last checkpoint
-            for name in STEP_LOGS:
-                truncate_jsonl(os.path.join(self.dump, name), self.step)
+        if self.info.is_main:
             note = resume_note({"_saved_world": saved_world, "_model_only": model_only}, self.info.world_size)
             print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}; "
                   f"loaded in {self.ckpt_metrics['checkpoint/load_s']:.2f}s", flush=True)

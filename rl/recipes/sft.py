@@ -66,8 +66,9 @@ class SFTRecipe:
         self.eval_rows: list[PackedRow] = build_sft_data(held, **kw).rows if held else []
         if info.is_main:
             skipped = sum(self.data.skipped.values())
-            print(f"data: {self.data.num_examples} examples -> {len(self.data.rows)} rows, {len(self.eval_rows)} "
-                  f"held-out rows; skipped {skipped} {dict(self.data.skipped)}", flush=True)
+            held_out = f" (+{len(self.eval_rows)} held-out rows)" if self.eval_rows else ""
+            print(f"data: {self.data.num_examples} examples -> {len(self.data.rows)} rows{held_out}; skipped "
+                  f"{skipped} {dict(self.data.skipped)}", flush=True)
         self.model = build_transformer(self.args, cfg.model.path, cfg.job.seed, self.mesh, info.device,
                                        BuildSpec.from_config(cfg.training, cfg.parallel), is_main=info.is_main)
         o = cfg.optimizer

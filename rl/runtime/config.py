@@ -14,6 +14,7 @@ one; see rl/runtime/configlib.py for the mechanism and the supported field types
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -76,12 +77,26 @@ class JobConfig:
 
     name: str = "tandem"  # the run's label: the start-up line, config.toml in the dump folder, reports
     dump_folder: str = "outputs/run"  # metrics.jsonl, tb/, checkpoints/, HF exports
-    seed: int = 0
+    seed: int = 0  # in [0, 2**32)
 
     def validate(self) -> None:
         require(bool(self.name.strip()), "job.name: must not be empty")
         require(bool(self.dump_folder.strip()), "job.dump_folder: must not be empty")
-        require(self.seed >= 0, f"job.seed: must be >= 0, got {self.seed}")
+        require(0 <= self.seed < 2**32, f"job.seed: must be in [0, 2**32), got {self.seed}")
+        check_writable_folder("job.dump_folder", self.dump_folder)
+
+
+def check_writable_folder(key: str, path: str) -> None:
+    """ConfigError unless ``path`` is a folder this process can write in, or can be made
+    one (its nearest existing ancestor is a writable folder). Creates nothing."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        what = "is a file" if here == os.path.abspath(path) else f"is under {here}, a file"
+        raise ConfigError(f"{key}: {path} {what}, not a folder")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {path}: cannot write in {here} (no write permission, or a read-only file system)")
 
 
 def _known_flavors() -> list[str] | None:
@@ -121,12 +136,12 @@ class ModelConfig:
 class DataConfig:
     """The training data file and how rows become token sequences."""
 
-    path: str | None = None  # a .jsonl / .parquet file or a folder of them
+    path: str | None = None  # a .jsonl / .json / .jsonl.gz / .parquet file, or a folder of them (its files in name order; not subfolders)
     format: Literal["auto", "jsonl", "parquet"] = "auto"  # auto: by file extension
     max_length: int = 2048  # tokens per sequence (and per packed row)
     pack: bool = True  # pack several sequences into one row of max_length
     shuffle: bool = True
-    on_bad_row: Literal["skip", "error"] = "skip"  # skip: counted and reported
+    on_bad_row: Literal["skip", "error"] = "skip"  # a row with a missing or wrong-typed field: skip (counted and reported) or error (exit 3 naming file:line)
     messages_field: str = "messages"  # chat rows (sft: assistant turns trained; a "tools" list of schemas is rendered by the template)
     prompt_field: str = "prompt"
     completion_field: str = "completion"
@@ -246,7 +261,8 @@ class CheckpointConfig:
     keep_last: int = 2
     async_save: bool = False  # write in a background thread while training goes on; committed when every rank is done
     model_only: bool = False  # weights + trainer state only, no optimizer state (resuming restarts the optimizer)
-    resume: bool = True  # resume from the latest checkpoint in folder, if any
+    resume: bool = True  # resume from the newest checkpoint in folder whose files match its SHA256SUMS, if any
+    overwrite: bool = False  # allow starting at step 0 over an earlier run's checkpoints (resume = false, or none verifies): they are deleted first; false: such a start exits 8
     export_hf_at_end: bool = True  # write an HF-format folder after the last step
 
     def validate(self) -> None:
@@ -359,6 +375,33 @@ class Config:
         r = self.reward
         require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
                 "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")
+        if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
+            args = _model_args_if_known(self.model)
+            if args is not None:
+                self.rollout.check_kv_budget(args, self._generation_dtype())
+
+    def _generation_dtype(self) -> str:
+        """rollout.dtype as rl/rollout/generation.py resolves it (auto: the compute dtype on CUDA)."""
+        if self.rollout.dtype != "auto":
+            return self.rollout.dtype
+        import torch
+
+        return self.training.mixed_precision_param if torch.cuda.is_available() else "float32"  # CPU: fp32 weights
+
+
+def _model_args_if_known(model: ModelConfig) -> Any:
+    """The ModelArgs of model.flavor, or of model.path's config.json when it reads; else None
+    (a folder that does not read fails later, when the model is built, with exit 4)."""
+    from models.flavors import FLAVORS
+
+    if model.flavor is not None:
+        return FLAVORS[model.flavor]
+    try:
+        from models.hf import load_args
+
+        return load_args(model.path)
+    except Exception:  # noqa: BLE001  (reported with exit 4 where the model is loaded)
+        return None
 
 
 def _apply_overrides(cfg: Config, overrides: Sequence[str]) -> None:

@@ -11,7 +11,8 @@ Supported field types: ``int``, ``float``, ``str``, ``bool``, ``X | None``,
 TOML has no null, so ``None`` is written and read as the string ``"none"``.
 
 Every problem is a `ConfigError` whose message is one line naming the key, value
-or file, with a hint (nearest key, allowed values, expected type).
+or file, with a hint (nearest key, allowed values, expected type). Float values
+must be finite: ``inf`` and ``nan`` parse (TOML has them) but fail validation.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            require(math.isfinite(value), f"{key}: must be a finite number, got {value}")
             return float(value)
         ok = False
     elif tp is str:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.args import ModelArgs
 from models.flavors import get_flavor
-from models.hf import hf_to_tandem, load_args, read_hf_state_dict, save_hf
+from models.hf import check_weight_shapes, hf_to_tandem, load_args, read_hf_state_dict, save_hf
 from models.tokenizer import Tokenizer, build_char_tokenizer
 from models.transformer import Transformer
 
@@ -69,6 +69,7 @@ def full_initial_state(args: ModelArgs, path: str | None, seed: int) -> dict[str
     """The starting weights in full (CPU, fp32 for from-scratch)."""
     if path:
         try:
+            check_weight_shapes(path, args)
             return hf_to_tandem(read_hf_state_dict(path), args)
         except (OSError, ValueError, KeyError) as e:
             raise ModelSetupError(f"model.path: {_one_line(e)}") from None

@@ -62,6 +62,7 @@ class RLConfig:
         for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens", "logprob_chunk_tokens",
                     "eval_prompts"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
+        require(self.eval_samples >= 0, f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}")
         require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / rl.clip_high: need 0 <= clip_low < 1, clip_high >= 0")
         require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
         require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
@@ -72,6 +73,12 @@ class RLConfig:
         _check_name("rl.policy_loss", "rl.algorithms.POLICY_LOSSES", self.policy_loss)
         _check_name("rl.aggregation", "rl.algorithms.AGGREGATIONS", self.aggregation)
         _check_name("rl.kl_estimator", "rl.algorithms.KL_ESTIMATORS", self.kl_estimator)
+        from rl.algorithms import ADVANTAGES
+
+        require(self.num_samples >= 2 or not ADVANTAGES.cap(self.advantage, "group_relative", False),
+                f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = {self.advantage!r}, "
+                "which compares the completions of a prompt: every advantage would be 0 and nothing learned; "
+                "set rl.num_samples >= 2 or a per-sample advantage (reinforce_pp, gae)")
         self._check_clip_keys()
 
     def _check_clip_keys(self) -> None:
@@ -121,6 +128,23 @@ class RolloutConfig:
         require(self.max_tokens >= 1, f"rollout.max_tokens: must be >= 1, got {self.max_tokens}")
         require(self.block_size >= 1, f"rollout.block_size: must be >= 1, got {self.block_size}")
         require(self.num_blocks > 0 or self.kv_cache_gb > 0, "rollout.kv_cache_gb: must be > 0 when num_blocks = 0")
+        require(self.num_blocks >= 0, f"rollout.num_blocks: must be >= 0 (0 = from kv_cache_gb), got {self.num_blocks}")
+        require(self.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        require(self.max_num_batched_tokens >= 1,
+                f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
+
+    def check_kv_budget(self, args: Any, dtype: str) -> None:
+        """ConfigError unless the KV pool holds at least one block of the model ``args``
+        (ModelArgs) in ``dtype``; a no-op when ``num_blocks`` is set."""
+        import torch
+
+        from rl.generator.kv_cache import KVCache
+
+        per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype))
+        require(self.num_blocks > 0 or self.kv_cache_gb * 1e9 >= per_block,
+                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model (one block of "
+                f"{self.block_size} tokens takes {per_block / 1e9:.3g} GB in {dtype}); raise it or set rollout.num_blocks")
 
 
 @dataclass

@@ -97,12 +97,12 @@ def test_bad_rows_counted_or_named(tok, tmp_path):
     assert dict(data.skipped) == {"missing field 'rejected'": 1, "chosen equals rejected": 1,
                                   "missing field: neither 'messages' nor 'prompt'": 1,
                                   "longer than max_length": 1, "empty chosen": 1}
-    with pytest.raises(DataError, match=r"bad\.jsonl: row 1: missing field 'rejected'"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: missing field 'rejected'"):  # file:line
         load_preference_data(path, tok, max_length=128, on_bad_row="error")
     _write(path, rows[:1] * 9 + rows[1:2])
     held = load_preference_data(path, tok, max_length=128, eval_fraction=0.3, seed=1)
     assert len(held.train) + len(held.eval) == 9 and len(held.eval) >= 2
-    with pytest.raises(DataError, match=r"row 9: "):  # held-out split still names the file's row
+    with pytest.raises(DataError, match=r"bad\.jsonl:10: "):  # held-out split still names the file's line
         load_preference_data(path, tok, max_length=128, on_bad_row="error", eval_fraction=0.3, seed=1)
 
 
