@@ -67,3 +67,10 @@ def kill9_reward(completion: str, sample: Mapping[str, Any]) -> float:
 def nan_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """Returns NaN (counted as an error)."""
     return float("nan")
+
+
+@register_reward("test_slow_len")
+def slow_len_reward(completion: str, sample: Mapping[str, Any]) -> float:
+    """Sleeps ``sample["sleep"]`` seconds (default 0.1), then returns len(completion)."""
+    time.sleep(sample.get("sleep", 0.1))
+    return float(len(completion))
