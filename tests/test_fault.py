@@ -142,6 +142,53 @@ def test_preemption_handler_flag_second_signal_and_uninstall(tmp_path: Path) -> 
     assert errs and "main thread" in str(errs[0])
 
 
+def test_preemption_handler_adopts_a_signal_kept_before_install(tmp_path: Path) -> None:
+    class Keep:  # what train.py installs for SIGUSR1 before its slow imports
+        received_at = None
+
+        def __call__(self, signum: int, frame: object) -> None:
+            self.received_at = self.received_at or time.time()
+
+    keep = Keep()
+    before = signal.signal(signal.SIGUSR1, keep)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        sent_at = keep.received_at
+        assert sent_at is not None
+        h = PreemptionHandler(str(tmp_path), rank=0).install()
+        assert h.should_stop() and h.signal_name == "SIGUSR1" and h.received_at == sent_at and h.count == 1
+        assert keep.received_at is None  # handed over once
+        h.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is keep
+        assert not PreemptionHandler().install().should_stop()  # nothing kept any more
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_train_py_usr1_during_startup_checkpoints_after_the_first_step(tmp_path: Path) -> None:
+    """SIGUSR1 while train.py still imports torch: kept, then step 1, a checkpoint, exit 75."""
+    dump = tmp_path / "dump"
+    proc = subprocess.Popen([sys.executable, "train.py", "--config", "configs/quickstart.toml", "--training.steps=5",
+                             f"--job.dump_folder={dump}", "--metrics.tensorboard=false", "--rl.eval_prompts=4"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 10
+        while not _catches_usr1(proc.pid):  # the handler comes before the slow imports
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out[-3000:]
+    assert "SIGUSR1 outside the training loop: kept, not fatal" in out
+    assert "preempted: checkpointed step 1; exiting with 75" in out
+    assert (dump / "checkpoints" / "step-1" / "COMMITTED").exists()
+    assert json.loads((dump / "preempt" / "rank-0.json").read_text())["signal"] == "SIGUSR1"
+
+
 def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(WORKER), "preempt", "--dump", str(tmp_path)]
@@ -330,7 +377,7 @@ def _stub(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def _launch(script: Path, tmp_path: Path, *, job_line: str = "JobId=123 JobState=RUNNING Reason=None",
+def _launch(script: Path, tmp_path: Path, *, job_line: str = "JobId=123 JobState=RUNNING Reason=None Restarts=0",
             trap_delay: float = 0.0, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """Start ``script`` with stubs: scontrol answers ``show job`` with ``job_line``; the
     torchrun stand-in notes its arguments and OMP_NUM_THREADS, says it started, handles
@@ -421,15 +468,16 @@ def test_sbatch_usr1_before_torchrun_starts_is_kept(script: Path, tmp_path: Path
     assert "got-usr1" in log.read_text()
 
 
-@pytest.mark.parametrize(("job_line", "requeued"), [
-    ("JobId=123 JobState=COMPLETING Reason=None PreemptTime=None", False),   # scancel
-    ("JobId=123 JobState=CANCELLED Reason=None", False),
-    ("JobId=123 JobState=COMPLETING Reason=TimeLimit", True),                # time limit
-    ("JobId=123 JobState=COMPLETING Reason=None PreemptTime=2026-01-01T00:00:00", True),  # preemption
-    ("JobId=123 JobState=RUNNING Reason=None", True),                        # scancel --signal=TERM
-], ids=["scancel", "cancelled", "time-limit", "preempted", "running"])
-def test_sbatch_term_requeues_unless_cancelled(job_line: str, requeued: bool, tmp_path: Path) -> None:
-    proc, log = _launch(SCRIPTS[1], tmp_path, job_line=job_line)
+@pytest.mark.parametrize(("job_line", "then"), [
+    ("JobState=COMPLETING Reason=None Restarts=0 PreemptTime=None", "cancelled"),              # scancel
+    ("JobState=CANCELLED Reason=None Restarts=0", "cancelled"),
+    ("JobState=COMPLETING Reason=TimeLimit Restarts=0", "requeue"),                             # time limit
+    ("JobState=COMPLETING Reason=None Restarts=0 PreemptTime=2026-01-01T00:00:00", "requeue"),  # preemption
+    ("JobState=RUNNING Reason=None Restarts=0", "requeue"),                                     # a TERM, no cancel
+    ("JobState=COMPLETING Reason=None Restarts=1", "slurm"),                                    # scontrol requeue
+], ids=["scancel", "cancelled", "time-limit", "preempted", "running", "scontrol-requeue"])
+def test_sbatch_term_requeues_unless_cancelled(job_line: str, then: str, tmp_path: Path) -> None:
+    proc, log = _launch(SCRIPTS[1], tmp_path, job_line=f"JobId=123 {job_line}")
     _wait_for(tmp_path / "ready")
     # Slurm signals every process of the job: the batch shell, node.sh and torchrun
     pids = subprocess.run(["pgrep", "-f", str(tmp_path / "bin" / "torchrun")], capture_output=True,
@@ -440,10 +488,10 @@ def test_sbatch_term_requeues_unless_cancelled(job_line: str, requeued: bool, tm
     out = _finish(proc)
     calls = log.read_text()
     assert "got-term" in calls and "scontrol show job -o 123" in calls
-    assert ("scontrol requeue 123" in calls) == requeued, out
-    assert proc.returncode == (75 if requeued else 1), out
-    if not requeued:
-        assert "job 123 was cancelled: not requeueing" in out
+    assert ("scontrol requeue 123" in calls) == (then == "requeue"), out
+    assert proc.returncode == (1 if then == "cancelled" else 75), out
+    assert ("job 123 was cancelled: not requeueing" in out) == (then == "cancelled")
+    assert ("Slurm is requeueing job 123 itself" in out) == (then == "slurm")
 
 
 def test_sbatch_cpu_node_threads_follow_the_allocation(tmp_path: Path) -> None:

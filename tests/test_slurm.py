@@ -11,8 +11,8 @@ ports, state and logs; nothing of a system Slurm is used or changed.
 Every job is the CPU quickstart on this node (``--gpus-per-node=0``, all its CPUs,
 two torchrun processes) and is checked against one uninterrupted run: the same
 final weights, bit for bit, after ``scancel --signal=USR1 --batch`` mid-run and
-during torchrun's start-up (checkpoint, requeue, resume); a plain ``scancel``
-ends the job for good.
+during torchrun's start-up, and after ``scontrol requeue`` (checkpoint, requeue,
+resume); a plain ``scancel`` ends the job for good.
 """
 
 from __future__ import annotations
@@ -175,6 +175,9 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     def scancel(self, *args: str) -> None:
         self._run("scancel", *args)
 
+    def requeue(self, job_id: str) -> None:
+        self._run("scontrol", "requeue", job_id)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
@@ -286,6 +289,21 @@ def test_usr1_while_torchrun_starts_requeues_and_ends_like_the_reference(cluster
     first = log.split("(requeue 1)")[0]
     assert "batch shell got USR1" in first and "sent USR1 to torchrun" in first
     assert "status 138" not in log and f"requeueing job {job}" in first
+    _assert_same_run(dump, reference)
+
+
+def test_scontrol_requeue_resumes_like_the_reference(cluster: Cluster, reference: Path) -> None:
+    """An operator's requeue: Slurm requeues the job itself (SIGTERM to every process);
+    the script sees Restarts already raised, does not requeue again, and the job resumes."""
+    job, out, dump = cluster.submit("train_single_node.sbatch", "requeue")
+    cluster.wait(job, lambda j: _steps_done(dump) >= 10, "step 10", timeout=600)
+    cluster.requeue(job)
+    info = cluster.wait_done(job)
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-4000:]
+    assert f"Slurm is requeueing job {job} itself" in log and "was cancelled" not in log, log[-4000:]
+    stopped = re.search(r"preempted: checkpointed step (\d+)", log)
+    assert stopped and f"resumed from {dump}/checkpoints/step-{stopped.group(1)}" in log, log[-4000:]
     _assert_same_run(dump, reference)
 
 

@@ -69,23 +69,31 @@ tandem_wait() {
   done
 }
 
-# True when the job is being cancelled for good (scancel), false for a time limit,
-# a preemption or a job still running. While the job completes, `scontrol show job`
-# prints JobState=COMPLETING for all of them; a time limit leaves Reason=TimeLimit and
-# a preemption a PreemptTime. If Slurm cannot be asked, say so and answer false.
-tandem_job_cancelled() {
+# Why the job is stopping, as Slurm sees it; prints one word:
+#   requeued   Slurm requeues it itself (`scontrol requeue`, a requeueing preemption):
+#              its Restarts count is already past this allocation's SLURM_RESTART_COUNT
+#   cancelled  `scancel`: the job completes with neither Reason=TimeLimit nor a PreemptTime
+#              (while a job completes, JobState reads COMPLETING whatever ended it)
+#   other      a time limit, a preemption, a signal to a running job: requeue it
+# If Slurm cannot be asked, it says so and prints "other".
+tandem_stop_kind() {
   local info
   if ! info=$(scontrol show job -o "${SLURM_JOB_ID}" 2>&1); then
-    tandem_log "cannot read the job's state (${info}); treating the stop as a preemption"
-    return 1
+    tandem_log "cannot read the job's state (${info}); treating the stop as a preemption" >&2
+    echo other
+    return
   fi
-  [[ "${info}" == *"JobState=CANCELLED"* ]] && return 0
-  [[ "${info}" == *"JobState=COMPLETING"* ]] || return 1
-  [[ "${info}" == *"Reason=TimeLimit"* ]] && return 1
-  if [[ "${info}" =~ PreemptTime=([^ ]+) ]] && [ "${BASH_REMATCH[1]}" != None ]; then
-    return 1
+  if [[ "${info}" =~ Restarts=([0-9]+) ]] && [ "${BASH_REMATCH[1]}" -gt "${SLURM_RESTART_COUNT:-0}" ]; then
+    echo requeued
+  elif [[ "${info}" == *"JobState=CANCELLED"* ]]; then
+    echo cancelled
+  elif [[ "${info}" != *"JobState=COMPLETING"* ]] || [[ "${info}" == *"Reason=TimeLimit"* ]]; then
+    echo other
+  elif [[ "${info}" =~ PreemptTime=([^ ]+) ]] && [ "${BASH_REMATCH[1]}" != None ]; then
+    echo other
+  else
+    echo cancelled
   fi
-  return 0
 }
 
 # Sets STOP_FILE and traps for the batch shell: SIGUSR1 (the time-limit warning, or
@@ -115,8 +123,8 @@ tandem_batch_traps() {
 
 # After torchrun ended with STATUS: exit 0 if the run finished; after a stop (status 75,
 # a preempt marker of this allocation, or a signal to this shell) requeue the job and
-# exit 75, unless an operator cancelled it (then exit with STATUS); otherwise print
-# rl.diagnose's report and exit with STATUS.
+# exit 75, unless an operator cancelled it (then exit with STATUS) or Slurm requeues it
+# already (exit 75); otherwise print rl.diagnose's report and exit with STATUS.
 tandem_finish() {
   local marked
   tandem_log "torchrun ended with status ${STATUS}"
@@ -124,10 +132,14 @@ tandem_finish() {
   # torchrun reports a worker's 75 as a failure (status 1): look for this allocation's markers too
   marked=$(find "${DUMP}/preempt" -name 'rank-*.json' -newer "${STAMP}" 2>/dev/null | head -n 1)
   if [ "${STATUS}" -eq 75 ] || [ -n "${marked}" ] || [ "${STOPPED}" -eq 1 ]; then
-    if tandem_job_cancelled; then
-      tandem_log "job ${SLURM_JOB_ID} was cancelled: not requeueing; its checkpoints stay in ${DUMP}"
-      exit "${STATUS}"
-    fi
+    case $(tandem_stop_kind) in
+      cancelled)
+        tandem_log "job ${SLURM_JOB_ID} was cancelled: not requeueing; its checkpoints stay in ${DUMP}"
+        exit "${STATUS}" ;;
+      requeued)
+        tandem_log "Slurm is requeueing job ${SLURM_JOB_ID} itself; it resumes from ${DUMP}"
+        exit 75 ;;
+    esac
     if [ "${SLURM_RESTART_COUNT:-0}" -lt "${MAX_REQUEUES}" ]; then
       tandem_log "preempted: requeueing job ${SLURM_JOB_ID}; it resumes from ${DUMP}"
       scontrol requeue "${SLURM_JOB_ID}" || tandem_log "scontrol requeue failed (Slurm may requeue it itself)"
