@@ -403,6 +403,13 @@ def _launch(script: Path, tmp_path: Path, *, job_line: str = "JobId=123 JobState
     return proc, log
 
 
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def _catches_usr1(pid: int) -> bool:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("SigCgt:"):
@@ -480,11 +487,11 @@ def test_sbatch_term_requeues_unless_cancelled(job_line: str, then: str, tmp_pat
     proc, log = _launch(SCRIPTS[1], tmp_path, job_line=f"JobId=123 {job_line}")
     _wait_for(tmp_path / "ready")
     # Slurm signals every process of the job: the batch shell, node.sh and torchrun
-    pids = subprocess.run(["pgrep", "-f", str(tmp_path / "bin" / "torchrun")], capture_output=True,
-                          text=True).stdout.split()
+    stub = str(tmp_path / "bin" / "torchrun").encode()
+    pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _cmdline(d).startswith(b"/bin/bash\0" + stub)]
     assert len(pids) == 1
     proc.send_signal(signal.SIGTERM)
-    os.kill(int(pids[0]), signal.SIGTERM)
+    os.kill(pids[0], signal.SIGTERM)
     out = _finish(proc)
     calls = log.read_text()
     assert "got-term" in calls and "scontrol show job -o 123" in calls

@@ -46,8 +46,12 @@ tandem_resources() {
 # torchrun installs its handlers only once it starts its workers; before that a
 # SIGUSR1 would kill it (status 138).
 tandem_catches_usr1() {
-  local mask
-  mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null)
+  local key value mask=
+  {
+    while read -r key value; do
+      if [ "${key}" = "SigCgt:" ]; then mask=${value}; fi
+    done < "/proc/$1/status"
+  } 2>/dev/null  # gone: no mask
   [ -n "${mask}" ] && (( (16#${mask: -4} >> 9) & 1 ))
 }
 
