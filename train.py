@@ -8,14 +8,30 @@ Exit statuses are listed in rl/runtime/errors.py and the README.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 
 from rl.runtime import errors
 
 
-def _fail(status: int, msg: str) -> int:
-    import os
+class _KeepUsr1:
+    """SIGUSR1 ("stop soon": Slurm's time-limit warning, forwarded by torchrun) outside
+    the training loop is kept, not fatal. Installed first thing, it covers the seconds of
+    start-up (imports, model, resume): the loop's PreemptionHandler adopts a kept signal
+    (``received_at``) and stops after the first step. After the loop it is back in place,
+    so the final export finishes."""
 
+    def __init__(self) -> None:
+        self.received_at: float | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received_at = self.received_at or time.time()
+        os.write(2, f"[pid {os.getpid()}] SIGUSR1 outside the training loop: kept, not fatal\n".encode())
+
+
+def _fail(status: int, msg: str) -> int:
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
     return status
@@ -70,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGUSR1, _KeepUsr1())  # before the slow imports
     from torch.distributed.elastic.multiprocessing.errors import (
         record,  # torchrun error files for rl.diagnose
     )

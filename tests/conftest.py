@@ -1,4 +1,5 @@
-"""Suite-wide setup: Triton kernels run under the CPU interpreter when there is no GPU.
+"""Suite-wide setup: Triton kernels run under the CPU interpreter when there is no GPU,
+and the tests marked ``slurm`` (they start a local Slurm) run only with ``--slurm``.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here,
 before any test module loads.
@@ -6,7 +7,22 @@ before any test module loads.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slurm", action="store_true", default=False,
+                     help="run the tests marked slurm: they start a one-node Slurm on this machine (minutes)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slurm"):
+        return
+    skip = pytest.mark.skip(reason="starts a local Slurm and takes minutes: run with --slurm")
+    for item in items:
+        if "slurm" in item.keywords:
+            item.add_marker(skip)

@@ -74,3 +74,10 @@ def alloc_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """Allocates ``sample["mb"]`` MB (untouched pages: cheap unless capped), returns 1.0."""
     block = bytearray(sample["mb"] * 1024 * 1024)
     return float(len(block) > 0)
+
+
+@register_reward("test_slow_len")
+def slow_len_reward(completion: str, sample: Mapping[str, Any]) -> float:
+    """Sleeps ``sample["sleep"]`` seconds (default 0.1), then returns len(completion)."""
+    time.sleep(sample.get("sleep", 0.1))
+    return float(len(completion))

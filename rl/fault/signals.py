@@ -66,12 +66,22 @@ class PreemptionHandler:
 
     # ---- install / uninstall ------------------------------------------------------
     def install(self) -> PreemptionHandler:
-        """Install the handlers (main thread only); remembers the previous ones."""
+        """Install the handlers (main thread only); remembers the previous ones.
+
+        A previous handler that kept a signal (a ``received_at`` time that is not
+        None: train.py's start-up handler for SIGUSR1) hands it over: it counts as
+        received now, and its ``received_at`` is cleared.
+        """
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionHandler.install: signal handlers can only be installed from the main thread")
         for sig in self.signals:
             if sig not in self._previous:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                prev = self._previous[sig] = signal.signal(sig, self._on_signal)
+                kept = getattr(prev, "received_at", None)
+                if kept is not None:  # as if it came now, dated when it came
+                    prev.received_at = None
+                    self._on_signal(sig, None)
+                    self.received_at = kept
         return self
 
     def uninstall(self) -> None:

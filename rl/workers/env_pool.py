@@ -29,7 +29,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import time
 import weakref
 from collections import deque
@@ -37,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
+
+from rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked
 
 __all__ = ["EnvOutcome", "EnvPool"]
 
@@ -78,7 +79,7 @@ class _Worker:
 
 def _worker_main(conn: Connection) -> None:
     """Receive pickled (ticket, fn, args); reply ("ok"|"error", ticket, value, seconds)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    ignore_stop_signals()  # the trainer's SIGTERM/SIGUSR1/Ctrl-C are not for us (stop_signals.py)
     conn.send(("ready", -1, os.getpid(), 0.0))
     while True:
         try:
@@ -161,7 +162,8 @@ class EnvPool:
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="tandem-env")
-        proc.start()
+        with stop_signals_blocked():
+            proc.start()
         child.close()
         return _Worker(proc, parent, time.monotonic())
 

@@ -54,6 +54,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rl.rewards.registry import RewardFn, get_reward, registered_modules
+from rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked
 
 __all__ = ["RewardPool", "RewardResult"]
 
@@ -136,7 +137,7 @@ def _worker_main(
     conn: Connection, modules: list[str], timeout_s: float, memory_mb: int | None = None
 ) -> None:
     """Worker loop: receive pickled chunks of (task_id, fn, completion, sample), reply per task."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes us
+    ignore_stop_signals()  # the trainer's SIGTERM/SIGUSR1/Ctrl-C are not for us (stop_signals.py)
     _cap_memory(memory_mb)
     for mod in modules:
         try:
@@ -266,7 +267,8 @@ class RewardPool:
             name="reward-worker",
             daemon=True,
         )
-        proc.start()
+        with stop_signals_blocked():
+            proc.start()
         child.close()
         return _Worker(proc=proc, conn=parent, started_at=time.monotonic())
 
