@@ -51,6 +51,19 @@ class Prompt:
     row: dict[str, Any]
 
 
+def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str) -> list[dict[str, Any]]:
+    """The conversation a row's prompt is rendered from: its messages, or one user turn; ValueError if neither."""
+    msgs = row.get(messages_field)
+    if msgs is None:
+        q = row.get(prompt_field)
+        if not isinstance(q, str) or not q:
+            raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r}")
+        msgs = [{"role": "user", "content": q}]
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("empty conversation")
+    return msgs
+
+
 def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
                    messages_field: str, answer_field: str, max_prompt_tokens: int,
                    on_bad_row: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
@@ -62,14 +75,7 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
         try:
             if answer_field not in row or row[answer_field] is None:
                 raise ValueError(f"missing field {answer_field!r}")
-            msgs = row.get(messages_field)
-            if msgs is None:
-                q = row.get(prompt_field)
-                if not isinstance(q, str) or not q:
-                    raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r}")
-                msgs = [{"role": "user", "content": q}]
-            if not isinstance(msgs, list) or not msgs:
-                raise ValueError("empty conversation")
+            msgs = prompt_messages(row, prompt_field, messages_field)
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
             ids = tokenizer.encode(text)
             if len(ids) > max_prompt_tokens:
