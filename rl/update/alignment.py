@@ -136,9 +136,13 @@ class CrossTokenizer:
     """The student's and one teacher's tokenizers: renders, re-encodes and aligns completions."""
 
     def __init__(self, student: Tokenizer, teacher: Tokenizer) -> None:
-        self.student, self.teacher = TokenBytes(student), TokenBytes(teacher)
-        self.student.check()
+        self.teacher = TokenBytes(teacher)
         self.teacher.check()
+        try:
+            self.student = TokenBytes(student)
+            self.student.check()
+        except ValueError as e:
+            raise ValueError(f"the student's tokenizer: {e}") from None
         self.s_eos, self.t_eos = set(student.eos_token_ids), set(teacher.eos_token_ids)
         self.t_tok = teacher
         self.t_eos_text = sorted({teacher.id_to_token(i) for i in self.t_eos} - {None})
