@@ -29,6 +29,18 @@ FLAVORS: dict[str, ModelArgs] = {
         tie_word_embeddings=True,
         max_position_embeddings=2048,
     ),
+    "debug-llama3": ModelArgs(  # debug-qwen3's size in the Llama-3 layout (another family's tiny teacher)
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    ),
     "tiny-qwen3": ModelArgs(
         model_type="qwen3",
         vocab_size=512,

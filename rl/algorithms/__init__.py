@@ -26,7 +26,14 @@ from rl.algorithms.aggregation import (
     entropy_loss,
     make_norm,
 )
-from rl.algorithms.distill import opd_advantages, reverse_kl_full, reverse_kl_sampled
+from rl.algorithms.distill import (
+    chunk_opd_advantages,
+    chunk_reverse_kl,
+    chunk_sums,
+    opd_advantages,
+    reverse_kl_full,
+    reverse_kl_sampled,
+)
 from rl.algorithms.filters import filter_groups, overlong_filter_mask, overlong_penalty
 from rl.algorithms.kl import KL_ESTIMATORS, kl_loss_term, kl_penalty_rewards
 from rl.algorithms.policy_loss import (
@@ -62,6 +69,9 @@ __all__ = [
     "PreferenceOutput",
     "aggregate",
     "bradley_terry_loss",
+    "chunk_opd_advantages",
+    "chunk_reverse_kl",
+    "chunk_sums",
     "dense_group_index",
     "entropy_loss",
     "filter_groups",

@@ -51,6 +51,21 @@ class Prompt:
     row: dict[str, Any]
 
 
+def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str) -> list[dict[str, Any]]:
+    """The conversation a row's prompt is rendered from: its messages, or one user turn; ValueError if neither."""
+    msgs = row.get(messages_field)
+    if msgs is None:
+        q = row.get(prompt_field)
+        if q is None or q == "":
+            raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r}")
+        if not isinstance(q, str):
+            raise ValueError(f"field {prompt_field!r} must be a string, got {type(q).__name__}")
+        msgs = [{"role": "user", "content": q}]
+    if (problem := message_problem(msgs)) is not None:
+        raise ValueError(f"field {messages_field!r}: {problem}")
+    return msgs
+
+
 def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
                    messages_field: str, answer_field: str, max_prompt_tokens: int,
                    on_bad_row: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
@@ -65,16 +80,7 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
                 raise ValueError(f"missing field {answer_field!r}")
             if not isinstance(row[answer_field], str):
                 raise ValueError(f"field {answer_field!r} must be a string, got {type(row[answer_field]).__name__}")
-            msgs = row.get(messages_field)
-            if msgs is None:
-                q = row.get(prompt_field)
-                if q is None or q == "":
-                    raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r}")
-                if not isinstance(q, str):
-                    raise ValueError(f"field {prompt_field!r} must be a string, got {type(q).__name__}")
-                msgs = [{"role": "user", "content": q}]
-            if (problem := message_problem(msgs)) is not None:
-                raise ValueError(f"field {messages_field!r}: {problem}")
+            msgs = prompt_messages(row, prompt_field, messages_field)
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
             ids = tokenizer.encode(text)
             if len(ids) > max_prompt_tokens:

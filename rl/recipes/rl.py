@@ -30,14 +30,15 @@ from rl.algorithms import (
     POLICY_LOSSES,
     AdvantageConfig,
     AdvantageInput,
+    chunk_opd_advantages,
+    chunk_reverse_kl,
     dense_group_index,
     filter_groups,
     kl_penalty_rewards,
     make_norm,
-    opd_advantages,
     overlong_penalty,
 )
-from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows
+from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows, prompt_messages
 from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from rl.rollout.generation import (
     build_generation_model,
@@ -111,8 +112,11 @@ class RLRecipe:
         self.teachers = None
         if cfg.distill.teachers:
             self.teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
-                                     is_main=info.is_main)
-            self.teachers.route_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
+                                     is_main=info.is_main, conversation=self._conversation)
+            if self.teachers.cross_tokenizer and cfg.env.name:
+                raise ConfigError("distill.teachers: a teacher with another tokenizer scores single-turn completions "
+                                  "only so far; env.name (multi-turn episodes) needs teachers with the student's tokenizer")
+            self.teachers.check_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
         self.rm = self._reward_model() if cfg.reward.reward_model else None
         self.env_pool = None
         if cfg.env.name:
@@ -171,6 +175,10 @@ class RLRecipe:
         """The prompt of a data row as the reward model was trained on it (messages or text)."""
         d = self.cfg.data
         return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
+
+    def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat turns a row's prompt was rendered from (what another tokenizer's teacher renders)."""
+        return prompt_messages(row, self.cfg.data.prompt_field, self.cfg.data.messages_field)
 
     def _score(self, samples: list[RolloutSample]) -> tuple[torch.Tensor, dict[str, float]]:
         """Each sample's total reward, and the step's reward metrics; every sample's per-source
@@ -312,14 +320,15 @@ class RLRecipe:
         return out
 
     def _distill(self, samples, mask, old_logp, adv, width) -> tuple[torch.Tensor, dict[str, float]]:
-        """OPD: advantages from the sampled reverse KL to each sample's teacher (+ the reward's)."""
+        """OPD: advantages from the sampled reverse KL to each sample's teacher, chunk by chunk
+        (a chunk is one token with the student's tokenizer), plus the reward's."""
         d, dev = self.cfg.distill, self.info.device
         route = self.teachers.route(samples)
-        t_logp = self.teachers.logprobs(samples, route, width, self.cfg.rl.micro_batch_tokens, dev)
-        out = d.coef * opd_advantages(old_logp, t_logp, mask)
+        t_chunk_logp, chunk_ids = self.teachers.score(samples, route, width, self.cfg.rl.micro_batch_tokens, dev)
+        out = d.coef * chunk_opd_advantages(old_logp, t_chunk_logp, chunk_ids, mask)
         if d.reward_weight:
             out = out + d.reward_weight * adv
-        return out, self.teachers.metrics((old_logp - t_logp) * mask, mask, route)
+        return out, self.teachers.metrics(chunk_reverse_kl(old_logp, t_chunk_logp, chunk_ids), chunk_ids, mask, route)
 
     def update(self, samples: list[RolloutSample], scores: torch.Tensor) -> dict[str, float]:
         cfg, r, dev = self.cfg, self.cfg.rl, self.info.device

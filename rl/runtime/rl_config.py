@@ -199,13 +199,16 @@ class CriticConfig:
 
 @dataclass
 class DistillConfig:
-    """On-policy distillation: teachers score the student's samples; the per-token reverse KL is the signal.
+    """On-policy distillation: teachers score the student's samples; the sampled reverse KL is the signal.
 
     One teacher is OPD; several are multi-teacher OPD, each prompt routed to the
     teacher named by its ``route_field`` value (``names[i]`` names ``teachers[i]``).
+    A teacher may have another tokenizer: it renders the prompt with its own chat
+    template, re-encodes the completion, and the reverse KL is taken over the
+    chunks both tokenizations share (docs/guide.md).
     """
 
-    teachers: list[str] = field(default_factory=list)  # HF folders; empty = off
+    teachers: list[str] = field(default_factory=list)  # HF folders (any tokenizer); empty = off
     names: list[str] = field(default_factory=list)  # route values, one per teacher; default: folder names
     route_field: str | None = None  # data field naming each prompt's teacher (needed with several)
     coef: float = 1.0  # weight of the distillation advantage
