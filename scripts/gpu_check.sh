@@ -7,7 +7,9 @@
 #   4. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
 #   5. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL, and Tandem with TANDEM_KERNELS=triton
 #      (the one-pass noise) (bench/grpo_step.py);
-#   6. the generator against transformers `generate`, with a row for the rollout copy's layout.
+#   6. the generator against transformers `generate`, with a row for the rollout copy's layout;
+#   7. (part "profile", not in the default PARTS) one decode step at Qwen3-1.7B and 8B shapes, batch
+#      64 and 256, by kernel class against its weight-read floor (bench/decode_profile.py).
 # A part that fails or runs out of time is reported and the next one runs. On an H200 the
 # default parts other than noise and grpo-triton (added after that run) took 6 minutes; the
 # limits below add up to more. The logs are 8 files at most (what a device call returns).
@@ -72,3 +74,8 @@ part grpo-triton 80 grpo_triton.log env TANDEM_KERNELS=triton "$PY" -m bench.grp
 
 part generate 80 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \
   --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants grpo --layout-row
+
+# The decode step against its weight-read floor, by kernel class (issue: GPU rollout at the floor).
+# Not in the default PARTS: PARTS="profile" bash scripts/gpu_check.sh
+part profile 150 profile.log bash -c "for s in qwen3-1.7b qwen3-8b; do for b in 64 256; do \
+  $PY -m bench.decode_profile --shape \$s --batch \$b --device cuda --dtype bfloat16 --cuda-graphs; done; done"
