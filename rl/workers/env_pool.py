@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-from rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked
+from rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked, stop_workers
 
 __all__ = ["EnvOutcome", "EnvPool"]
 
@@ -108,23 +108,6 @@ def _worker_main(conn: Connection) -> None:
         conn.send(("error", ticket, err, time.perf_counter() - t0))
 
 
-def _stop_workers(workers: list[_Worker]) -> None:
-    """Ask workers to exit, kill stragglers, always join (no zombies)."""
-    for w in workers:
-        try:
-            w.conn.send_bytes(pickle.dumps(None))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 2.0
-    for w in workers:
-        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if w.proc.is_alive():
-            w.proc.kill()
-            w.proc.join(timeout=5.0)
-        w.conn.close()
-    workers.clear()
-
-
 class EnvPool:
     """Worker processes running environment steps; see the module docstring."""
 
@@ -156,7 +139,7 @@ class EnvPool:
         self.counts = {"crashes": 0, "timeouts": 0, "errors": 0, "restarts": 0}
         for _ in range(num_workers):
             self._workers.append(self._start_worker())
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:

@@ -54,7 +54,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rl.rewards.registry import RewardFn, get_reward, registered_modules
-from rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked
+from rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked, stop_workers
 
 __all__ = ["RewardPool", "RewardResult"]
 
@@ -183,23 +183,6 @@ def _drain(conn: Connection) -> tuple[list[tuple[str, int, float, str]], bool]:
     return messages, False
 
 
-def _stop(workers: list[_Worker]) -> None:
-    """Ask workers to exit, then kill stragglers; always joins (no zombies)."""
-    for w in workers:
-        try:
-            w.conn.send_bytes(pickle.dumps(None))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 2.0
-    for w in workers:
-        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if w.proc.is_alive():
-            w.proc.kill()
-            w.proc.join(timeout=5.0)
-        w.conn.close()
-    workers.clear()
-
-
 class RewardPool:
     """Score completions with named reward functions on ``num_workers`` processes.
 
@@ -252,7 +235,7 @@ class RewardPool:
         self._closed = False
         for _ in range(num_workers):
             self._workers.append(self._start_worker())
-        self._finalizer = weakref.finalize(self, _stop, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
 
     # -- lifecycle -----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Pool worker processes do not die of the trainer's stop signals.
+"""Pool worker processes do not die of the trainer's stop signals, and stop cleanly when asked.
 
 A stop signal is meant for the trainer: it checkpoints at the end of the step
 (rl/fault/signals.py). But launchers deliver it to whole process trees: torchrun
@@ -50,3 +50,25 @@ def ignore_stop_signals() -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def stop_workers(workers: list) -> None:
+    """Stop pool workers (each with ``.conn`` and ``.proc``): ask them to exit (a ``None``
+    message), kill stragglers after 2 s, and always join them (no zombies). Shared by the
+    reward and environment pools."""
+    import pickle
+    import time
+
+    for w in workers:
+        try:
+            w.conn.send_bytes(pickle.dumps(None))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 2.0
+    for w in workers:
+        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(timeout=5.0)
+        w.conn.close()
+    workers.clear()
