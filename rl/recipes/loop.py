@@ -3,7 +3,8 @@
 For every recipe (rl/recipes/base.py) the shell owns, in one place:
 
 - preemption: SIGTERM/SIGUSR1 at any moment (also while the recipe is being
-  built) -> every rank agrees after the step -> checkpoint -> exit 75;
+  built: then after the first step) -> every rank agrees after the step ->
+  checkpoint -> exit 75;
 - the hang watchdog and its phases (build, resume, eval, step, checkpoint, export);
 - checkpoints: resume (trainer state, RNG, model and optimizer resharded by
   DCP), periodic / asynchronous / final saves, and truncating what a crashed
@@ -104,8 +105,8 @@ class Shell:
         steps = cfg.training.steps
         with wd.phase("resume"):
             self._resume()
-        if self.preempt.should_stop_all(step=self.step):  # signalled while starting: nothing new to save
-            return self._preempted()
+        # A stop signal that arrived while starting is kept: the run takes one step, checkpoints
+        # it and exits 75, so a job warned during start-up still makes progress.
         start_eval: dict[str, float] = {}
         if self.step == 0:
             with wd.phase("eval"):

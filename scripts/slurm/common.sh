@@ -57,6 +57,13 @@ tandem_catches_usr1() {
 
 # Waits for background child $1 to end, sets STATUS to its exit status. A trapped
 # signal interrupts `wait` (status 128+n) while the child still runs: wait again.
+tandem_execd() {  # has child $1 exec'd its program? Between fork and exec it is a copy of
+  # node.sh, with node.sh's USR1 trap: a USR1 sent then is taken by that trap and lost
+  local cmd
+  cmd=$(tr '\0' ' ' < "/proc/$1/cmdline" 2>/dev/null) || return 1
+  [[ -n "${cmd}" && "${cmd}" != *node.sh* ]]
+}
+
 tandem_wait() {
   local pid=$1 rc rc2
   while true; do

@@ -25,7 +25,7 @@ CHILD=$!
 SENT=0
 while kill -0 "${CHILD}" 2>/dev/null; do
   if [ "${SENT}" -eq 0 ] && [ -n "${TANDEM_STOP_FILE:-}" ] && [ -e "${TANDEM_STOP_FILE}" ] &&
-     tandem_catches_usr1 "${CHILD}"; then
+     tandem_execd "${CHILD}" && tandem_catches_usr1 "${CHILD}"; then
     kill -s USR1 "${CHILD}" 2>/dev/null && SENT=1 &&
       tandem_log "node.sh on $(hostname -s): sent USR1 to torchrun (pid ${CHILD})"
   fi
