@@ -8,9 +8,15 @@ or ignored norm/bias changes logits and fails the comparison.
 
 from __future__ import annotations
 
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from models.tokenizer import QWEN_CHAT_TEMPLATE, build_char_tokenizer
@@ -129,3 +135,20 @@ def hf_reference(path: str | Path):
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+@pytest.fixture
+def trainer_unaffected() -> Iterator[None]:
+    """The parent (this pytest process) keeps its cwd, environment and rlimits and can still
+    start processes: sandboxed runs must leave the trainer as it was."""
+    def environ() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+    cwd, env = os.getcwd(), environ()
+    limits = {r: resource.getrlimit(r) for r in (resource.RLIMIT_CPU, resource.RLIMIT_AS,
+                                                   resource.RLIMIT_NPROC, resource.RLIMIT_FSIZE)}
+    yield
+    assert os.getcwd() == cwd
+    assert environ() == env
+    assert {r: resource.getrlimit(r) for r in limits} == limits
+    assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True).stdout == b"1\n"

@@ -12,8 +12,8 @@ those, identically for every recipe. The protocol:
     export(dump_folder) -> str | None       the final model (collective); the path written
     close()                                 worker pools and the like
 
-Adding a recipe is one file: a class with these methods and one line in
-`rl.recipes.RECIPES`.
+and an ``updater`` attribute (`Updater`). Adding a recipe is one file: a class
+with these and one line in `rl.recipes.RECIPES`.
 
 `Updater` is the one NaN/Inf rule for every recipe: a guarded optimizer update
 either applies or is skipped (counted as ``fault/skipped_updates``), and in
@@ -71,6 +71,7 @@ class Runtime:
 
 class Recipe(Protocol):
     console_keys: tuple[str, ...]  # metrics printed on the console line
+    updater: Updater  # the shell logs its learning rate and skipped-update count
 
     def checkpoint_parts(self) -> CheckpointParts: ...
 
@@ -135,3 +136,31 @@ class Updater:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+
+class SingleModelTraining:
+    """One trained model with its AdamW, LR schedule (over ``training.steps``) and `Updater`:
+    the optimisation and checkpoint state the sft and pairwise recipes share. The recipe
+    exposes ``updater`` (the shell reads its counters) and delegates the checkpoint methods."""
+
+    def __init__(self, model: nn.Module, cfg: Any, dump_folder: str, rank: int) -> None:
+        from parallel.grad import clip_grad_norm
+        from rl.runtime.optim import build_optimizer, build_scheduler
+
+        o, s = cfg.optimizer, cfg.lr_schedule
+        self.model = model
+        self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
+                                         decay=s.decay, min_lr_ratio=s.min_lr_ratio)
+        self.updater = Updater(self.optimizer, self.scheduler, [model],
+                               lambda max_norm: clip_grad_norm(model.parameters(), max_norm),
+                               max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=dump_folder, rank=rank)
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        return CheckpointParts(self.model, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -156,13 +156,10 @@ class Shell:
 
     def _shell_metrics(self, metrics: dict[str, float], t0: float) -> dict[str, float]:
         phase_peaks = [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("peak_gb")]
-        updater = getattr(self.recipe, "updater", None)
-        out = {"time/step_s": time.monotonic() - t0,
-               "memory/peak_gb": max([peak_memory_gb(self.info.device), *phase_peaks])}
-        if updater is not None:
-            out["lr"] = updater.last_lr
-            out["fault/skipped_updates"] = float(updater.skipped)
-        return out
+        updater = self.recipe.updater
+        return {"time/step_s": time.monotonic() - t0,
+                "memory/peak_gb": max([peak_memory_gb(self.info.device), *phase_peaks]),
+                "lr": updater.last_lr, "fault/skipped_updates": float(updater.skipped)}
 
     def _say_eval(self, values: dict[str, float], form: str, start: dict[str, float] | None = None) -> None:
         if not self.info.is_main:

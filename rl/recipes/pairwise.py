@@ -32,14 +32,12 @@ from torch.distributed.fsdp import FSDPModule
 from models.args import ModelArgs
 from models.tokenizer import Tokenizer
 from parallel.distributed import DistInfo
-from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_rank
 from rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from rl.data.sft import StepSampler
-from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
+from rl.recipes.base import CheckpointParts, Runtime, SingleModelTraining, StepOutput
 from rl.runtime.config import ConfigError
 from rl.runtime.modeling import BuildSpec, build_tokenizer, model_args
-from rl.runtime.optim import build_optimizer, build_scheduler
 
 __all__ = [
     "PairHead",
@@ -185,26 +183,20 @@ class PairwiseRecipe:
         self.setup = setup_pairs(cfg, rt.info, name)
         self.head = make_head(cfg, rt.info, self.setup, BuildSpec.from_config(cfg.training, cfg.parallel))
         self.model = self.head.model
-        o, steps = cfg.optimizer, cfg.training.steps
-        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.sched = build_scheduler(self.opt, total_steps=steps, warmup_steps=cfg.lr_schedule.warmup_steps,
-                                     decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
-        self.updater = Updater(self.opt, self.sched, [self.model],
-                               lambda max_norm: clip_grad_norm(self.model.parameters(), max_norm),
-                               max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=rt.dump_folder,
-                               rank=rt.info.rank)
+        self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
+        self.updater = self.training.updater
         self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size, cfg.job.seed,
                                    cfg.data.shuffle)
         self.model.train()
 
     def checkpoint_parts(self) -> CheckpointParts:
-        return CheckpointParts(self.model, self.opt)
+        return self.training.checkpoint_parts()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict()}
+        return self.training.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
-        self.sched.load_state_dict(state["scheduler"])
+        self.training.load_state_dict(state)
 
     def step(self, step: int) -> StepOutput:
         t0 = time.monotonic()

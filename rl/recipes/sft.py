@@ -18,14 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.attention import DocumentAttention
-from parallel.grad import clip_grad_norm
 from parallel.mesh import Degrees, build_mesh, dp_rank
 from rl.data.sft import IGNORE, PackedRow, StepSampler, build_sft_data, collate, load_sft_records
-from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
+from rl.recipes.base import CheckpointParts, Runtime, SingleModelTraining, StepOutput
 from rl.recipes.pairwise import rank_indices, reshard_all
 from rl.runtime.config import ConfigError
 from rl.runtime.modeling import BuildSpec, build_tokenizer, build_transformer, export_hf, model_args
-from rl.runtime.optim import build_optimizer, build_scheduler
 
 
 def split_held_out(records: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
@@ -71,14 +69,8 @@ class SFTRecipe:
                   f"{skipped} {dict(self.data.skipped)}", flush=True)
         self.model = build_transformer(self.args, cfg.model.path, cfg.job.seed, self.mesh, info.device,
                                        BuildSpec.from_config(cfg.training, cfg.parallel), is_main=info.is_main)
-        o = cfg.optimizer
-        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.sched = build_scheduler(self.opt, total_steps=cfg.training.steps, warmup_steps=cfg.lr_schedule.warmup_steps,
-                                     decay=cfg.lr_schedule.decay, min_lr_ratio=cfg.lr_schedule.min_lr_ratio)
-        self.updater = Updater(self.opt, self.sched, [self.model],
-                               lambda max_norm: clip_grad_norm(self.model.parameters(), max_norm),
-                               max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=rt.dump_folder,
-                               rank=info.rank)
+        self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
+        self.updater = self.training.updater
         self.sampler = StepSampler(len(self.data.rows), cfg.training.batch_size, cfg.job.seed, d.shuffle)
         self.pad_id = self.tokenizer.pad_token_id or 0
 
@@ -92,13 +84,13 @@ class SFTRecipe:
         return tok.view(len(rows), -1).sum(-1) if per_row else tok
 
     def checkpoint_parts(self) -> CheckpointParts:
-        return CheckpointParts(self.model, self.opt)
+        return self.training.checkpoint_parts()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict()}
+        return self.training.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
-        self.sched.load_state_dict(state["scheduler"])
+        self.training.load_state_dict(state)
 
     def step(self, step: int) -> StepOutput:
         t0 = time.monotonic()
