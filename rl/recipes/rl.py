@@ -147,7 +147,7 @@ class RLRecipe:
     def _generation_copy(self) -> GenerationCopy:
         """The generation layout (``rollout.tp`` ranks per generator) and the policy's copy into it."""
         ro, dev = self.cfg.rollout, self.info.device
-        dtype = self.gen_dtype or next(self.policy.parameters()).dtype
+        dtype = self.gen_dtype or self.policy.parameters()[0].dtype
         resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if self.cfg.rl.offload_optimizer else 3)
                                      for p in self.policy.parameters())], dtype=torch.float64, device=dev)
         dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
