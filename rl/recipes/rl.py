@@ -54,7 +54,7 @@ from rl.runtime.config import ConfigError
 from rl.runtime.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from rl.runtime.optim import build_optimizer, build_scheduler
 from rl.runtime.samples import SampleLog
-from rl.runtime.system import peak_memory_gb, reset_peak_memory
+from rl.runtime.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from rl.update.critic import Critic
 from rl.update.loss import (
     LossInputs,
@@ -277,6 +277,7 @@ class RLRecipe:
         cfg, r = self.cfg, self.cfg.rl
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
+        before = allocated_gb(self.info.device)
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
         gen_model, metrics = self.gen_copy.build()
@@ -311,6 +312,8 @@ class RLRecipe:
         self._reduce_reward_metrics(metrics)
         if r.offload_optimizer:
             move_optimizer_state(self.opt, self.info.device)
+        if before is not None:  # the generation copy and KV pool are gone: the update starts where it would have
+            metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
         return samples, torch.stack(scores), metrics
