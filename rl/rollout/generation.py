@@ -8,6 +8,7 @@ carves from its budget. Both sizes and the gather time are reported.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -121,13 +122,19 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
 
 
 def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
-                     seed: int, max_prompt_tokens: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
-    """n completions per prompt with the in-house generator; the KV pool is freed on return."""
+                     seed: int, max_prompt_tokens: int, greedy: bool = False,
+                     seeds: list[int] | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n completions per prompt with the in-house generator; the KV pool is freed on return.
+
+    ``seeds``: one per prompt (its samples use seed + sample index), so a sample's noise does
+    not depend on which other prompts share the generator; None derives them from ``seed``
+    and the batch slot."""
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
+    base = sampling_params(rcfg, greedy=greedy)
+    params = base if seeds is None else [dataclasses.replace(base, seed=s) for s in seeds]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(prompts) * n,
-        lambda gen: gen.generate([p.token_ids for p in prompts], sampling_params(rcfg, greedy=greedy), n=n,
-                                 stop_check=check))
+        lambda gen: gen.generate([p.token_ids for p in prompts], params, n=n, stop_check=check))
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out)):
         for c in comps:
@@ -141,7 +148,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
 
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
-                      pool: Any, *, seed: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
+                      pool: Any, *, seed: int, greedy: bool = False,
+                      seeds: list[int] | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
     """n multi-turn episodes per prompt against ``ecfg.name`` (rl/rollout/agentic.py); the KV pool is freed on return."""
     from rl.rollout.agentic import run_agentic_rollout
 
@@ -151,5 +159,5 @@ def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prom
         lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p in prompts], n,
                                         sampling_params(rcfg, greedy=greedy), max_turns=ecfg.max_turns,
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
-                                        max_turn_tokens=ecfg.max_turn_tokens))
+                                        max_turn_tokens=ecfg.max_turn_tokens, seeds=seeds))
     return samples, {**env_metrics, **metrics}
