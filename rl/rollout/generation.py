@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kernels import batch_invariant
 from kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from models.args import ModelArgs
 from models.transformer import Transformer
@@ -64,7 +65,7 @@ def inference_layout(model: Transformer) -> bool:
     without oneDNN or in another dtype) the layout stays, as nothing was measured there.
     Numbers: docs/performance.md."""
     weight = next(model.parameters(), None)
-    if weight is None:
+    if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
         return False
     if weight.is_cuda:
         model.fuse_projections()
