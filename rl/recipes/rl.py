@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels import batch_invariant
 from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
 from rl.algorithms import (
@@ -87,6 +88,11 @@ class RLRecipe:
         if self.mp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
+        if r.exact and (info.device.type != "cpu" or self.mp > 1):
+            raise ConfigError("rl.exact: batch-invariant kernels exist for the CPU with parallel.tp = pp = 1 only so far "
+                              f"(device {info.device.type}, tp x pp = {self.mp}); set rl.exact = false")
+        if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
+            batch_invariant.enable()
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
@@ -431,9 +437,10 @@ class RLRecipe:
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
         gap = ((old_logp if old_logp is not None else inp.seen_logp) - gen_logp).abs() * mask * float(self.policy.counts_stats)
-        gap_stats = torch.stack([gap.sum(), mask.sum(), gap.max() if gap.numel() else gap.new_zeros(())]).double()
-        gmax = gap_stats[2:].clone()
-        dist.all_reduce(gap_stats[:2])
+        gap_stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
+                                 gap.max() if gap.numel() else gap.new_zeros(())]).double()
+        gmax = gap_stats[3:].clone()
+        dist.all_reduce(gap_stats[:3])
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
@@ -443,6 +450,7 @@ class RLRecipe:
                 "clip_frac": sums[1].item() / tokens, "entropy": sums[2].item() / tokens, "kl": sums[3].item() / tokens,
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "lr": self.sched.get_last_lr()[0],
                 "gap/abs_mean": gap_stats[0].item() / max(gap_stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
+                "gap/tokens_differ": gap_stats[2].item(),
                 "update/tokens": tokens, "update/tokens_per_s": tokens / (time.monotonic() - t0),
                 "time/update_s": time.monotonic() - t0, "time/logprobs_s": t_logprobs,
                 "memory/update_peak_gb": peak_memory_gb(dev)}
@@ -512,6 +520,7 @@ class RLRecipe:
         return out
 
     def close(self) -> None:
+        batch_invariant.disable()
         self.rewards.close()
         if self.env_pool is not None:
             self.env_pool.close()
