@@ -84,7 +84,7 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
 
 
 TANDEM_ROWS = {"tandem": (), "tandem-unshared": ("--rl.share_prompts=false",),
-               "tandem-eager": ("--rollout.cuda_graphs=false",)}
+               "tandem-eager": ("--rollout.cuda_graphs=false",), "tandem-exact": ("--rl.exact=true",)}
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -225,7 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
     ap.add_argument("--engines", default="tandem,tandem-unshared,trl",
                     help="tandem-unshared: rl.share_prompts = false (each sample packs its own prompt copy); "
-                         "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere)")
+                         "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere); "
+                         "tandem-exact: rl.exact = true (batch-invariant kernels)")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
     args = ap.parse_args(argv)
     unknown = [e for e in args.engines.split(",") if e != "trl" and e not in TANDEM_ROWS]

@@ -67,6 +67,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import batch_invariant
 from kernels.dispatch import triton_interpreting, use_triton
 
 try:
@@ -157,8 +158,8 @@ def _chunk_logp_all(h: Tensor, weight: Tensor, lse: Tensor | None = None) -> tup
     Returns ``(logp_all [C, V] fp32, lse [C])``; ``lse`` is recomputed unless given.
     """
     z = (h @ weight.T).to(_acc_dtype(h))  # [C, V]
-    if lse is None:
-        lse = torch.logsumexp(z, dim=-1)  # [C]
+    if lse is None:  # rl.exact: the sampler's batch-invariant normaliser
+        lse = batch_invariant.logsumexp(z) if batch_invariant.enabled() else torch.logsumexp(z, dim=-1)  # [C]
     return z.sub_(lse[:, None]), lse
 
 

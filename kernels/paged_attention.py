@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import batch_invariant
 from kernels.dispatch import use_triton
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -139,6 +140,8 @@ def paged_attention(
             f"expected cu_seqlens_q [{n + 1}] and block_tables [{n}, MB] for {n} sequences; "
             f"got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
         )
+    if batch_invariant.enabled():  # rl.exact: the training forward's attention function
+        return _paged_attention_exact(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     if not use_triton(q, impl):
         return paged_attention_torch(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len, plan
@@ -152,6 +155,19 @@ def paged_attention(
     return tk.paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len
     )
+
+
+def _paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention` through `kernels.batch_invariant.attention` (rows past the step's
+    queries are zero); one host sync for the query count."""
+    out = torch.zeros_like(q)
+    t = int(cu_seqlens_q[-1])
+    if t == 0:
+        return out
+    index, length = batch_invariant.paged_key_index(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1])
+    out[:t] = batch_invariant.attention(q[:t], k_cache.flatten(0, 1), v_cache.flatten(0, 1), index, length, scale)
+    return out
 
 
 def paged_decode_attention(

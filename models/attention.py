@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import batch_invariant
+
 
 class AttentionBackend(Protocol):
     def __call__(
@@ -140,6 +142,24 @@ class SegmentAttention:
 
         out = _sdpa(segments(q), segments(k), segments(v), mask=None, causal=True)  # [V, W, Hq, D]
         return out.reshape(n * w, hq, d).index_select(0, self.scatter).view(b, s, hq, d)
+
+
+class ExactAttention:
+    """Batch-invariant attention (``rl.exact``): what `DocumentAttention` computes, each query
+    over the keys its mask allows in row order, through `kernels.batch_invariant.attention`,
+    the function the generator's paged attention uses too, so a token's output is the same
+    bits in the training forward as in prefill or decode, whatever shares its batch."""
+
+    def __init__(self, doc_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> None:
+        self.index, self.length = batch_invariant.mask_key_index(DocumentAttention(doc_ids, branch_ids).mask[:, 0])
+
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        b, s, hq, d = q.shape
+        out = batch_invariant.attention(q.reshape(b * s, hq, d), k.reshape(b * s, k.shape[2], d),
+                                        v.reshape(b * s, v.shape[2], d), self.index, self.length, d**-0.5)
+        return out.view(b, s, hq, d)
 
 
 def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:

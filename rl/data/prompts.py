@@ -5,21 +5,28 @@ ground truth (``answer``); everything else in the row travels with it to the
 reward functions. ``synthetic:<task>`` generates rows in code (rl/data/tasks.py),
 with the task's held-out split for evaluation.
 
-`PromptStream` hands each data-parallel rank its own endless sequence of rows
-(per-epoch shuffles of one global order); its position is a single integer per
-rank, saved in checkpoints, so resume continues with the next unseen prompt.
+`PromptStream` is one endless global sequence of rows (per-epoch shuffles of
+one order) that every rank reads in step: a step takes the next positions of the
+stream and `deal` splits them over the data-parallel ranks, so the union of a
+step's prompts does not depend on the number of ranks. Its position is a single
+integer, the same on every rank, saved in checkpoints: a resume on any world
+size continues with the next unseen prompt. A prompt's position in the stream is
+its id in `rollout_seed`, which keys its samples' random streams.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rl.data.loading import DataError, load_rows, message_problem, row_where
 
 SYNTHETIC = "synthetic:"
+T = TypeVar("T")
 
 
 def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
@@ -98,13 +105,15 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
 
 
 class PromptStream:
-    """Rank r reads positions r, r+dp, r+2dp, ... of the global epoch-shuffled chain."""
+    """The global chain of rows: position g is row ``perm(g // num_rows)[g % num_rows]``.
 
-    def __init__(self, num_rows: int, seed: int, dp_rank: int, dp_size: int, shuffle: bool = True,
-                 cursor: int = 0) -> None:
+    Every rank holds the same cursor and takes the same positions; `deal` says which
+    of them a rank generates for.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True, cursor: int = 0) -> None:
         self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.cursor = cursor  # how many rows this rank has taken
+        self.cursor = cursor  # how many positions of the global chain have been taken
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
@@ -116,14 +125,32 @@ class PromptStream:
                 self._perms[epoch] = list(range(self.num_rows))
         return self._perms[epoch]
 
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """The next n (position, row index) pairs of the global chain."""
         out = []
         for _ in range(n):
-            g = self.cursor * self.dp_size + self.dp_rank
-            out.append(self._perm(g // self.num_rows)[g % self.num_rows])
+            g = self.cursor
+            out.append((g, self._perm(g // self.num_rows)[g % self.num_rows]))
             self.cursor += 1
         return out
 
     @property
     def epoch(self) -> int:
-        return (self.cursor * self.dp_size + self.dp_rank) // self.num_rows
+        return self.cursor // self.num_rows
+
+
+def deal(items: list[T], rank: int, size: int) -> list[T]:
+    """Rank ``rank``'s share of ``items``: every ``size``-th from ``rank`` on.
+
+    Strided rather than contiguous so that contiguous minibatches of the global list
+    are the union of contiguous minibatches of the ranks' lists (when the counts divide).
+    """
+    return items[rank::size]
+
+
+def rollout_seed(job_seed: int, step: int, position: int) -> int:
+    """The sampling seed of the prompt at stream ``position`` in ``step`` (its samples use
+    seed + sample index): a hash of (job seed, step, prompt id), never of rank or batch slot,
+    so the same samples come out on any number of ranks and any batch composition."""
+    h = hashlib.blake2b(struct.pack("<qqq", job_seed, step, position), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 2  # 62 bits: seed + sample index stays below 2**63

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import batch_invariant
 from kernels.dispatch import use_triton
 from models.attention import AttentionBackend
 from models.transformer import Transformer
@@ -52,7 +53,7 @@ class ModelRunner:
                                        max_model_len or model.args.max_position_embeddings, impl=impl,
                                        capture=capture)
         self.mirror: DecodeMirror | None = None
-        if (decode_mirror and self.graphs is None and cache.data.dtype == torch.float32
+        if (decode_mirror and self.graphs is None and cache.data.dtype == torch.float32 and not batch_invariant.enabled()
                 and not use_triton(cache.data, impl)):
             self.mirror = DecodeMirror(cache, max_model_len or model.args.max_position_embeddings)
 

@@ -26,6 +26,7 @@ import struct
 
 import torch
 
+from kernels import batch_invariant
 from kernels.sampling_noise import noise_in_one_pass, use_one_pass_noise
 from rl.generator.sequence import SamplingParams
 
@@ -173,7 +174,8 @@ class Sampler:
             )
         device = logits.device
         logits = logits.float()
-        raw_logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, V]
+        lse = batch_invariant.logsumexp if batch_invariant.enabled() else _logsumexp  # rl.exact: per-row fixed order
+        raw_logprobs = logits - lse(logits)[:, None]  # [N, V]
         greedy_rows = [p.temperature == 0 for p in params]
         if all(greedy_rows):
             tokens = logits.argmax(dim=-1)  # [N]
@@ -191,7 +193,7 @@ class Sampler:
                 keep = truncation_mask(scaled, [p.top_k for p in params], [p.top_p for p in params],
                                        [p.min_p for p in params])
                 masked = scaled.masked_fill(~keep, float("-inf"))
-                dist_logprobs = masked - torch.logsumexp(masked, dim=-1, keepdim=True)  # [N, V]
+                dist_logprobs = masked - lse(masked)[:, None]  # [N, V]
             race = dist_logprobs - self._noise(step_keys, v, device).log_()  # [N, V]
             tokens = race.argmax(dim=-1)  # [N]
             greedy = torch.tensor(greedy_rows, device=device) if any(greedy_rows) else None
@@ -204,6 +206,10 @@ class Sampler:
                 logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
         raw = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         return tokens, logprobs, raw
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(x, dim=-1)
 
 
 def _truncates(p: SamplingParams, vocab_size: int) -> bool:

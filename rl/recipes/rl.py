@@ -14,6 +14,7 @@ shell's (rl/recipes/loop.py).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels import batch_invariant
 from parallel.generation_layout import check_divisible, make_layout
 from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
@@ -40,7 +42,14 @@ from rl.algorithms import (
     make_norm,
     overlong_penalty,
 )
-from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows, prompt_messages
+from rl.data.prompts import (
+    PromptStream,
+    deal,
+    encode_prompts,
+    load_prompt_rows,
+    prompt_messages,
+    rollout_seed,
+)
 from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from rl.rollout.generation import (
     GenerationCopy,
@@ -82,6 +91,11 @@ class RLRecipe:
         if self.mp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
+        if r.exact and (info.device.type != "cpu" or self.mp > 1):
+            raise ConfigError("rl.exact: batch-invariant kernels exist for the CPU with parallel.tp = pp = 1 only so far "
+                              f"(device {info.device.type}, tp x pp = {self.mp}); set rl.exact = false")
+        if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
+            batch_invariant.enable()
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
@@ -139,7 +153,7 @@ class RLRecipe:
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions,
             memory_mb=cfg.reward.memory_mb or None)
-        self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, self.dp_rank, self.dp, cfg.data.shuffle)
+        self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, cfg.data.shuffle)
         self.step_index = 0  # the step being taken (the shell's count)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
         self._advantage_of: list[float] = []  # per sample, the mean advantage of its sampled tokens (last update)
@@ -239,21 +253,24 @@ class RLRecipe:
         metrics["reward/total"] = scores.mean().item()
         return scores, metrics
 
-    def _generate(self, gen_model, prompts, n: int, seed: int, greedy: bool = False):
-        """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set."""
+    def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
+        """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
+        ``seeds`` one per prompt (its samples use seed + sample index)."""
         if self.env_pool is not None:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
-                                     seed=seed, greedy=greedy)
-        return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=seed,
-                                max_prompt_tokens=self.max_prompt, greedy=greedy, layout=self.gen_copy.layout)
+                                     seed=0, greedy=greedy, seeds=seeds)
+        return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
+                                max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
+                                layout=self.gen_copy.layout)
 
-    def _generate_shared(self, gen_model, prompts, n: int, seed: int):
+    def _generate_shared(self, gen_model, prompts, n: int, seeds: list[int]):
         """Generate and score, the prompts split over the model-parallel group (its TP and PP
         ranks share one data-parallel replica's batch), then gathered so that every rank of
         the group holds the same samples, scores and reward metrics."""
-        mine = prompts[self.mp_rank::self.mp]
+        mine = deal(prompts, self.mp_rank, self.mp)
         pooled = self.gen_copy.layout.tp > 1  # a generation group generates together: every rank takes part
-        new, gm = self._generate(gen_model, mine, n, seed) if mine or pooled else ([], {})
+        new, gm = (self._generate(gen_model, mine, n, deal(seeds, self.mp_rank, self.mp)) if mine or pooled
+                   else ([], {}))
         sc, rm = self._score(new) if new else (torch.zeros(0), {})
         if self.mp == 1:
             return new, sc, gm, rm
@@ -274,6 +291,10 @@ class RLRecipe:
         return samples, torch.tensor(scores, dtype=torch.float32), gm, merged
 
     def rollout(self) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
+        """Sample and score this step's prompts. Layout-invariant: each round takes the next
+        positions of the global prompt stream, deals them over the data-parallel ranks, and keys
+        every prompt's samples by (job seed, step, stream position); refill rounds are sized by
+        the groups kept on all ranks together. A sample's ``group`` is its prompt's position."""
         cfg, r = self.cfg, self.cfg.rl
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
@@ -281,29 +302,30 @@ class RLRecipe:
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
         gen_model, metrics = self.gen_copy.build()
-        per_rank = r.prompts_per_step // self.dp
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
-        seed = (cfg.job.seed * 1_000_003 + self.step_index * 1_009 + self.gen_copy.layout.leader) % (1 << 62)
-        kept_groups, rounds, dropped = 0, 0, 0
-        while kept_groups < per_rank:
-            idx = self.stream.take(per_rank if rounds == 0 else per_rank - kept_groups)
-            new, sc, gm, rm = self._generate_shared(gen_model, [self.train_prompts[i] for i in idx], r.num_samples,
-                                                    seed + rounds)
-            groups = torch.tensor([s.group for s in new])
-            keep = filter_groups(sc, groups) if r.dynamic_sampling else torch.ones(len(new), dtype=torch.bool)
+        kept, dropped, rounds = 0, 0, 0  # groups, over all ranks
+        while kept < r.prompts_per_step:
+            taken = self.stream.take(r.prompts_per_step - kept)
+            mine = deal(taken, self.dp_rank, self.dp)
+            seeds = [rollout_seed(cfg.job.seed, self.step_index, pos) for pos, _ in mine]
+            new, sc, gm, rm = self._generate_shared(gen_model, [self.train_prompts[i] for _, i in mine], r.num_samples,
+                                                    seeds)
+            for s in new:
+                s.group = mine[s.group][0]
+            groups = torch.tensor([s.group for s in new], dtype=torch.long)
+            keep = filter_groups(sc, dense_group_index(groups)) if r.dynamic_sampling else torch.ones(len(new), dtype=torch.bool)
             rounds += 1
             last_round = rounds > r.max_refill_rounds
             if last_round:  # keep what we have rather than stall
                 keep[:] = True
             for s, k, v in zip(new, keep.tolist(), sc):
                 if k:
-                    s.group += kept_groups * 10_000_000  # unique across rounds
                     samples.append(s)
                     scores.append(v)
-            n_keep = int(keep.sum()) // r.num_samples
-            dropped += len(idx) - n_keep
-            kept_groups += n_keep
+            n_keep = self._dp_count(len({s.group for s, k in zip(new, keep.tolist()) if k}))
+            dropped += len(taken) - n_keep
+            kept += n_keep
             for k, v in {**gm, **rm}.items():
                 metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", *_COUNTS)) else v
             if last_round or not r.dynamic_sampling:
@@ -316,7 +338,31 @@ class RLRecipe:
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
-        return samples, torch.stack(scores), metrics
+        _dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
+        return samples, torch.stack(scores) if scores else torch.zeros(0), metrics
+
+    def _dp_count(self, n: int) -> int:
+        """``n`` summed over the data-parallel ranks (a model-parallel group holds the same samples)."""
+        if self.dp_group is None:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=self.info.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return int(t.item())
+
+    def _minibatches(self, samples: list[RolloutSample]) -> list[list[int]]:
+        """``rl.minibatches`` lists of sample rows: the step's groups over all ranks in stream
+        order, cut into equal runs, so a minibatch holds the same groups on any layout."""
+        k = self.cfg.rl.minibatches
+        if k == 1:
+            return [list(range(len(samples)))]
+        mine = sorted({s.group for s in samples})
+        everyone: list[Any] = [mine]
+        if self.dp_group is not None:
+            everyone = [None] * self.dp
+            dist.all_gather_object(everyone, mine, group=self.dp_group)
+        order = sorted(g for part in everyone for g in part)
+        which = {g: i * k // len(order) for i, g in enumerate(order)}
+        return [[i for i, s in enumerate(samples) if which[s.group] == j] for j in range(k)]
 
     def _reduce_reward_metrics(self, metrics: dict[str, float]) -> None:
         """Reward means over all ranks (failure counts summed), so the log is not rank 0's alone."""
@@ -401,7 +447,7 @@ class RLRecipe:
         grad_norms, critic_norms = [], []
         self.policy.train()
         for _ in range(r.epochs):
-            for mb_rows in _split(list(range(len(samples))), r.minibatches):
+            for mb_rows in self._minibatches(samples):
                 norm = make_norm(mask[mb_rows], constant=const, group=self.dp_group)
                 also = None
                 if self.critic is not None:
@@ -424,9 +470,10 @@ class RLRecipe:
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
         gap = ((old_logp if old_logp is not None else inp.seen_logp) - gen_logp).abs() * mask * float(self.policy.counts_stats)
-        gap_stats = torch.stack([gap.sum(), mask.sum(), gap.max() if gap.numel() else gap.new_zeros(())]).double()
-        gmax = gap_stats[2:].clone()
-        dist.all_reduce(gap_stats[:2])
+        gap_stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
+                                 gap.max() if gap.numel() else gap.new_zeros(())]).double()
+        gmax = gap_stats[3:].clone()
+        dist.all_reduce(gap_stats[:3])
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
@@ -436,6 +483,7 @@ class RLRecipe:
                 "clip_frac": sums[1].item() / tokens, "entropy": sums[2].item() / tokens, "kl": sums[3].item() / tokens,
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "lr": self.sched.get_last_lr()[0],
                 "gap/abs_mean": gap_stats[0].item() / max(gap_stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
+                "gap/tokens_differ": gap_stats[2].item(),
                 "update/tokens": tokens, "update/tokens_per_s": tokens / (time.monotonic() - t0),
                 "time/update_s": time.monotonic() - t0, "time/logprobs_s": t_logprobs,
                 "memory/update_peak_gb": peak_memory_gb(dev)}
@@ -449,9 +497,11 @@ class RLRecipe:
         if not self.eval_prompts:
             return {}
         gen_model, _ = self.gen_copy.build()
-        mine = self.eval_prompts[self.info.rank::self.info.world_size]
+        order = list(range(len(self.eval_prompts)))
+        mine = deal(order, self.info.rank, self.info.world_size)
         n = self.cfg.rl.eval_samples
-        samples, _ = self._generate(gen_model, mine, max(n, 1), 12345 + self.gen_copy.layout.leader, greedy=n == 0)
+        seeds = [rollout_seed(12345, -1, i) for i in mine]  # the same noise at every evaluation, on any layout
+        samples, _ = self._generate(gen_model, [self.eval_prompts[i] for i in mine], max(n, 1), seeds, greedy=n == 0)
         del gen_model
         self._score(samples)
         acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64)
@@ -465,16 +515,16 @@ class RLRecipe:
         return CheckpointParts(self.model, self.opt, extras)
 
     def state_dict(self) -> dict[str, Any]:
-        cursors = [None] * self.info.world_size
-        dist.all_gather_object(cursors, self.stream.cursor)
-        return {"scheduler": self.sched.state_dict(), "cursors": cursors, "dp": self.dp}
+        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor}  # the same on every rank
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
+        """The prompt stream's position is global, so any world size continues where the saved
+        run stopped (and samples what it would have: seeds are keyed by position, not rank)."""
         self.sched.load_state_dict(state["scheduler"])
-        if state["dp"] == self.dp and len(state["cursors"]) == self.info.world_size:
-            self.stream.cursor = state["cursors"][self.info.rank]
-        else:  # another layout: continue after every prompt any rank had taken
-            self.stream.cursor = max(state["cursors"]) * state["dp"] // self.dp
+        if "cursor" in state:
+            self.stream.cursor = state["cursor"]
+        else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
+            self.stream.cursor = max(state["cursors"]) * state["dp"]
 
     def step(self, step: int) -> StepOutput:
         wd = self.rt.watchdog
@@ -503,6 +553,7 @@ class RLRecipe:
         return out
 
     def close(self) -> None:
+        batch_invariant.disable()
         self.rewards.close()
         if self.env_pool is not None:
             self.env_pool.close()
@@ -519,9 +570,17 @@ class RLRecipe:
                 "response/clipped_frac": stats[1].item() / n, "accuracy": stats[2].item() / n}
 
 
-def _split(order: list[int], k: int) -> list[list[int]]:
-    size = -(-len(order) // k) if order else 0
-    return [order[i * size:(i + 1) * size] for i in range(k)]
+def _dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutSample]) -> None:
+    """With ``TANDEM_DUMP_ROLLOUTS=1`` (a debugging aid, used by the layout tests): every sample
+    of this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens,
+    generator log-probs), so runs on different layouts can be compared sample by sample."""
+    if os.environ.get("TANDEM_DUMP_ROLLOUTS") != "1":
+        return
+    os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
+    with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
+        for s in samples:
+            f.write(json.dumps({"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
+                                "gen_logprobs": s.gen_logprobs}) + "\n")
 
 
 def make_rl(cfg: Any, rt: Runtime) -> RLRecipe:

@@ -400,6 +400,11 @@ def _metrics(r: _Rollout, elapsed: float) -> dict[str, float]:
     }
 
 
+def _nth(params: SamplingParams, i: int) -> SamplingParams:
+    """The params of a group's i-th sample added on its own (``Generator.add`` with n > 1 does this)."""
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+
+
 def run_agentic_rollout(
     generator: Generator,
     tokenizer: Tokenizer,
@@ -414,6 +419,7 @@ def run_agentic_rollout(
     pool: EnvPool,
     max_turn_tokens: int | None = None,
     end_of_turn_token: str | None = None,
+    seeds: Seq[int] | None = None,
 ) -> tuple[list[RolloutSample], dict[str, float]]:
     """Play ``n_samples`` episodes of ``env_name`` per row; samples in (row, sample) order.
 
@@ -421,7 +427,9 @@ def run_agentic_rollout(
     episode; ``max_total_tokens`` caps prompt + completion; ``max_turns`` caps
     assistant turns. ``env_reward`` is the episode's final reward (None when the
     environment gave none). ``pool`` serves one rollout at a time (outcomes of tickets
-    this call did not submit are dropped). See the module docstring for the mechanics.
+    this call did not submit are dropped). ``seeds``: one per row, its episodes sampled with
+    seed + episode index (None: ``sampling_params.seed`` + the episode's slot in this call).
+    See the module docstring for the mechanics.
     """
     if n_samples < 1 or max_turns < 1 or max_total_tokens < 2:
         raise ValueError(
@@ -452,7 +460,8 @@ def run_agentic_rollout(
             for i, episode in enumerate(episodes)
         ]
         r.eps += eps
-        params = _turn_params(sampling_params, generator, tokenizer, eot, g * n_samples)
+        base = sampling_params if seeds is None else dataclasses.replace(sampling_params, seed=seeds[g])
+        params = _turn_params(base, generator, tokenizer, eot, 0 if seeds is not None else g * n_samples)
         if len(ids) + 1 > limit:
             for ep in eps:  # a counted skip: no tokens to train on, never silently truncated
                 ep.prompt_ids = ids
@@ -464,7 +473,7 @@ def run_agentic_rollout(
         seqs = (
             generator.add(ids, params, n_samples)
             if same
-            else [generator.add(renderer.prompt(m)[1], params)[0] for m in initial]
+            else [generator.add(renderer.prompt(m)[1], _nth(params, i))[0] for i, m in enumerate(initial)]
         )
         for ep, seq in zip(eps, seqs):
             ep.seq, ep.turn_token_start = seq, seq.num_tokens

@@ -11,6 +11,7 @@ the ranks of a generation group pool their prompts and run one generator togethe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from functools import partial
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels import batch_invariant
 from kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from models.args import ModelArgs
 from models.transformer import Transformer
@@ -142,7 +144,7 @@ def inference_layout(model: Transformer) -> bool:
     without oneDNN or in another dtype) the layout stays, as nothing was measured there.
     Numbers: docs/performance.md."""
     weight = next(model.parameters(), None)
-    if weight is None:
+    if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
         return False
     if weight.is_cuda:
         model.fuse_projections()
@@ -213,9 +215,9 @@ def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[tor
     return sampled
 
 
-def pool_prompts(prompts: list[Prompt], layout: GenerationLayout) -> tuple[list[Prompt], int]:
-    """Collective over the generation group: every member's prompts, in rank order, and where
-    this rank's start in that list."""
+def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any], int]:
+    """Collective over the generation group: every member's prompts (any picklable items), in
+    rank order, and where this rank's start in that list."""
     if layout.tp == 1:
         return prompts, 0
     parts: list[Any] = [None] * layout.tp
@@ -225,21 +227,25 @@ def pool_prompts(prompts: list[Prompt], layout: GenerationLayout) -> tuple[list[
 
 
 def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
-                     seed: int, max_prompt_tokens: int, greedy: bool = False,
+                     seed: int, max_prompt_tokens: int, greedy: bool = False, seeds: list[int] | None = None,
                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return.
 
-    In a generation group (``layout.tp > 1``; every rank calls, with its own prompts, possibly
-    none, and the group's one ``seed``) the members' prompts are generated together and each
-    rank gets the samples of its own prompts."""
-    pooled, start = pool_prompts(prompts, layout or GenerationLayout())
+    ``seeds``: one per prompt (its samples use seed + sample index), so a sample's noise does
+    not depend on which other prompts share the generator; None derives them from ``seed``
+    and the batch slot. In a generation group (``layout.tp > 1``; every rank calls, with its
+    own prompts, possibly none, and the group's one ``seed``) the members' prompts are
+    generated together and each rank gets the samples of its own prompts."""
+    mine = list(zip(prompts, seeds if seeds is not None else [None] * len(prompts)))
+    pooled, start = pool_prompts(mine, layout or GenerationLayout())
     if not pooled:
         return [], {}
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
+    base = sampling_params(rcfg, greedy=greedy)
+    params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
-        lambda gen: gen.generate([p.token_ids for p in pooled], sampling_params(rcfg, greedy=greedy), n=n,
-                                 stop_check=check), layout)
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
@@ -253,7 +259,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
 
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
-                      pool: Any, *, seed: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
+                      pool: Any, *, seed: int, greedy: bool = False,
+                      seeds: list[int] | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
     """n multi-turn episodes per prompt against ``ecfg.name`` (rl/rollout/agentic.py); the KV pool is freed on return."""
     from rl.rollout.agentic import run_agentic_rollout
 
@@ -263,5 +270,5 @@ def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prom
         lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p in prompts], n,
                                         sampling_params(rcfg, greedy=greedy), max_turns=ecfg.max_turns,
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
-                                        max_turn_tokens=ecfg.max_turn_tokens))
+                                        max_turn_tokens=ecfg.max_turn_tokens, seeds=seeds))
     return samples, {**env_metrics, **metrics}

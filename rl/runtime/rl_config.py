@@ -44,6 +44,7 @@ class RLConfig:
     kl_mode: Literal["loss", "reward"] = "loss"
     entropy_coef: float = 0.0
     tis_cap: float | None = 2.0  # truncated importance sampling of the train/generation gap; none = off
+    exact: bool = False  # batch-invariant kernels in rollout and update (kernels/batch_invariant.py): sampled tokens' log-probs equal the update's recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)

@@ -21,8 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from kernels import batch_invariant
 from kernels.logprobs import token_logprobs_entropy
-from models.attention import AttentionBackend, CausalAttention, DocumentAttention, SegmentAttention
+from models.attention import (
+    AttentionBackend,
+    CausalAttention,
+    DocumentAttention,
+    ExactAttention,
+    SegmentAttention,
+)
 from parallel.loss import token_logprobs_at
 from rl.algorithms import KL_ESTIMATORS, PolicyLossInput
 from rl.rollout.types import RolloutSample
@@ -57,6 +64,8 @@ class MicroBatch:
     one_per_row: bool = False
 
     def attention(self) -> AttentionBackend:
+        if batch_invariant.enabled():  # rl.exact: the generator's attention function, whatever the packing
+            return ExactAttention(self.doc_ids, self.branch_ids)
         if self.one_per_row:
             return CausalAttention()
         if self.seg_gather is not None:
