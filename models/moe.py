@@ -87,9 +87,8 @@ class MoE(nn.Module):
             self.shared_experts = FeedForward(d, args.shared_expert_intermediate_size)
             if args.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(d, 1, bias=False)
-        self.expert_bias: torch.Tensor | None = None
-        if self.score_func == "sigmoid":
-            self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
+        bias = torch.zeros(e, dtype=torch.float32) if self.score_func == "sigmoid" else None
+        self.register_buffer("expert_bias", bias)  # [E] fp32, or None (not in the state dict)
         self.last_routing: torch.Tensor | None = None  # [T, k] int64
         self.tokens_per_expert: torch.Tensor | None = None  # [E] int64
         self.aux_loss: torch.Tensor | None = None  # scalar fp32
