@@ -169,6 +169,8 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     """
     _check(x, w, offsets)
     bounds = [0, *offsets.tolist()]
-    parts = [x[s:e] @ w[i] for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
+    # unbind, not w[i]: each w[i]'s backward would materialise a zero [E, K, N] gradient.
+    experts = w.unbind(0)
+    parts = [x[s:e] @ we for we, s, e in zip(experts, bounds[:-1], bounds[1:], strict=True)]
     parts.append(x.new_zeros(x.shape[0] - bounds[-1], w.shape[2]))
     return torch.cat(parts)
