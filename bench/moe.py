@@ -18,7 +18,7 @@ per token (router weights random, so loads are near-uniform):
   weight, ``index_add`` (a host sync per layer to find the experts hit).
 * ``fwd``: the same layer, forward only under ``no_grad`` (what a generator pays).
 
-Milliseconds are the median of ``--repeats`` runs after a warm-up; ``ratio`` is
+Milliseconds are the median of ``--repeats`` runs after two warm-ups; ``ratio`` is
 loop / grouped; on CUDA also the grouped path's TFLOP/s (matmul FLOPs only).
 Record results in docs/performance.md.
 """
@@ -26,12 +26,11 @@ Record results in docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.paged_attention import time_ms
 from kernels.grouped_gemm import grouped_mm, grouped_mm_ref, permute_tokens
 from models.args import ModelArgs
 from models.moe import MoE
@@ -40,17 +39,7 @@ DEFAULT_SHAPES = ["2048,512,256,16,2", "2048,256,128,64,8", "1024,256,96,128,8",
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return time_ms(fn, device.type, repeats)
 
 
 def loop_moe(block: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,23 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 256,
 }
 
+_DEBUG_MOE = ModelArgs(
+    model_type="qwen3_moe",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
+
 FLAVORS: dict[str, ModelArgs] = {
     "debug-qwen3": ModelArgs(
         model_type="qwen3",
@@ -80,37 +97,8 @@ FLAVORS: dict[str, ModelArgs] = {
     # the quickstart size (about tiny-qwen3's active compute per token). debug-dsv3-moe:
     # DeepSeek-V3 routing (sigmoid scores, selection bias, route scale, an ungated shared
     # expert) on Qwen3-MoE attention; it has no HF layout, so it cannot be exported.
-    "debug-qwen3-moe": ModelArgs(
-        model_type="qwen3_moe",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    ),
-    "debug-dsv3-moe": ModelArgs(
-        model_type="qwen3_moe",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
+    "debug-qwen3-moe": _DEBUG_MOE,
+    "debug-dsv3-moe": _DEBUG_MOE.replace(
         shared_expert_intermediate_size=32,
         moe_score_func="sigmoid",
         moe_route_scale=2.5,
