@@ -139,7 +139,11 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _forward(dy, w.transpose(1, 2), offsets, ctx.triton)  # [M, K]
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(x, dy, offsets, ctx.triton)  # [E, K, N]
+            if w.stride(1) == 1 and w.stride(2) != 1:  # w is a transposed [E, N, K] parameter:
+                # compute its gradient in that layout, so autograd need not copy it back.
+                dw = _weight_grad(dy, x, offsets, ctx.triton).transpose(1, 2)  # [E, K, N] view
+            else:
+                dw = _weight_grad(x, dy, offsets, ctx.triton)  # [E, K, N]
         return dx, dw, None, None
 
 
