@@ -14,10 +14,12 @@ the run for ``dw[e] = x_e^T @ dy_e``) and picks an implementation:
 
 * ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): the kernels in
   `kernels.triton_grouped_gemm`; no host syncs.
-* ``"torch"``: ``torch._grouped_mm`` where it applies, which on this repository's
-  CPU PyTorch (2.13) is every float dtype (fp32, bf16, fp16 forward and
-  backward, checked by the tests) and on CUDA bf16 on compute capability >= 9.0;
-  no host syncs either. Elsewhere the per-expert loop below (one host sync).
+* ``"torch"``: ``torch._grouped_mm`` where it applies: on this repository's CPU
+  PyTorch (2.13) every float dtype (fp32, bf16 and fp16, forward and backward,
+  checked by the tests); on CUDA we take it only for bf16 on compute capability
+  >= 9.0 (an assumption about its CUDA support, not run here: no GPU was lent
+  to the session that wrote this).
+  No host syncs either. Elsewhere the per-expert loop below (one host sync).
 
 `grouped_mm_ref` is the oracle: a Python loop of plain matmuls over the runs,
 differentiable through autograd, so its gradients are independent of the

@@ -349,7 +349,7 @@ def _hf_moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         return {}
     fields = {
         # transformers 5 writes Qwen3-MoE's count as num_local_experts; checkpoints have num_experts.
-        "num_experts": config.get("num_experts", config.get("num_local_experts")),
+        "num_experts": config.get("num_experts") or config.get("num_local_experts") or 0,
         "num_experts_per_tok": config["num_experts_per_tok"],
         "moe_intermediate_size": config["moe_intermediate_size"],
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
