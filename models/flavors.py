@@ -16,8 +16,8 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 256,
 }
 
-_DEBUG_MOE = ModelArgs(
-    model_type="qwen3_moe",
+_DEBUG_QWEN3 = ModelArgs(
+    model_type="qwen3",
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -27,25 +27,14 @@ _DEBUG_MOE = ModelArgs(
     rope_theta=1e6,
     tie_word_embeddings=True,
     max_position_embeddings=2048,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
+)
+# debug-qwen3 with 8 experts of width 32, 2 per token, in every layer.
+_DEBUG_MOE = _DEBUG_QWEN3.replace(
+    model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
 )
 
 FLAVORS: dict[str, ModelArgs] = {
-    "debug-qwen3": ModelArgs(
-        model_type="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-    ),
+    "debug-qwen3": _DEBUG_QWEN3,
     "debug-llama3": ModelArgs(  # debug-qwen3's size in the Llama-3 layout (another family's tiny teacher)
         model_type="llama",
         vocab_size=512,
@@ -104,21 +93,12 @@ FLAVORS: dict[str, ModelArgs] = {
         moe_route_scale=2.5,
         mlp_only_layers=[0],
     ),
-    "tiny-qwen3-moe": ModelArgs(
-        model_type="qwen3_moe",
-        vocab_size=512,
+    "tiny-qwen3-moe": _DEBUG_MOE.replace(
         hidden_size=128,
         intermediate_size=384,
         num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
         max_position_embeddings=4096,
-        num_experts=8,
-        num_experts_per_tok=2,
         moe_intermediate_size=192,
-        norm_topk_prob=True,
     ),
 }
 
