@@ -89,6 +89,19 @@ def test_logits_and_routing_match_transformers(moe_folder):
     assert (ours(x, positions=pos) - ref(x, position_ids=pos).logits).abs().max().item() <= TOL
 
 
+@torch.no_grad()
+def test_fused_inference_layout_matches_transformers(moe_folder):
+    """`fuse_projections` (the generation copy's layout) fuses attention and the shared
+    expert's gate/up; dense layers too; the experts stay stacked."""
+    family, path = moe_folder
+    ref, ours = hf_reference(path), load_model(path).fuse_projections()
+    keys = set(ours.state_dict())
+    assert ("layers.1.moe.shared_experts.w13.weight" in keys) == (family == "qwen2_moe")
+    assert "layers.0.attention.wqkv.weight" in keys and not any(k.endswith("w1.weight") for k in keys)
+    x = _tokens(2, 24, seed=7)
+    assert (ours(x) - ref(x).logits).abs().max().item() <= TOL
+
+
 def test_export_reload_bit_exact_and_transformers_reads_it(moe_folder, tmp_path):
     family, path = moe_folder
     model = load_model(path)
