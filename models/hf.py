@@ -5,6 +5,10 @@ Reads ``config.json`` + safetensors (single file or sharded with
 back, and writes folders that ``transformers.AutoModelForCausalLM`` loads.
 Export -> reload is bit-exact (no dtype change unless asked). Tied models may
 omit ``lm_head.weight`` on disk; we write it omitted, as transformers does.
+MoE experts are one tensor per expert on disk
+(``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``) and one stacked 3-D
+parameter here (``layers.{i}.moe.experts.w1``, expert ``e`` at index ``e``):
+stacked on load, split (copied) on export.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ _NAME_PAIRS = [
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.gate.weight"),
+    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "layers.{i}.moe.shared_experts.w1.weight"),
+    ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.moe.shared_experts.w2.weight"),
+    ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.moe.shared_experts.w3.weight"),
+    ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.moe.shared_expert_gate.weight"),
 ] + [
     (f"model.layers.{{i}}.self_attn.{p}_proj.{kind}", f"layers.{{i}}.attention.w{p}.{kind}")
     for p in "qkv"
@@ -56,6 +65,11 @@ def _compile(pattern: str) -> re.Pattern[str]:
 
 _HF_TO_TANDEM = [(_compile(h), t) for h, t in _NAME_PAIRS]
 _TANDEM_TO_HF = [(_compile(t), h) for h, t in _NAME_PAIRS]
+
+# One expert's projection on disk <-> a slice of the stacked parameter.
+_EXPERT_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_HF_EXPERT = re.compile(r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.(?P<e>\d+)\.(?P<p>gate|down|up)_proj\.weight$")
+_TANDEM_EXPERTS = re.compile(r"layers\.(?P<i>\d+)\.moe\.experts\.(?P<w>w[123])$")
 
 
 def _rename(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
@@ -76,10 +90,30 @@ def tandem_name_to_hf(name: str) -> str | None:
     return _rename(name, _TANDEM_TO_HF)
 
 
+def _stack_experts(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Pop the per-expert HF tensors out of ``sd`` and return them stacked, Tandem names."""
+    found: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in sd if _HF_EXPERT.match(n)]:
+        m = _HF_EXPERT.match(name)
+        target = f"layers.{m['i']}.moe.experts.{_EXPERT_PROJ[m['p'] + '_proj']}"
+        found.setdefault(target, {})[int(m["e"])] = sd.pop(name)
+    stacked = {}
+    for target, experts in found.items():
+        if sorted(experts) != list(range(args.num_experts)):
+            missing = sorted(set(range(args.num_experts)) - set(experts))
+            extra = sorted(set(experts) - set(range(args.num_experts)))
+            raise KeyError(f"{target}: experts {missing} missing, {extra} unexpected "
+                           f"(config num_experts={args.num_experts})")
+        stacked[target] = torch.stack([experts[e] for e in range(args.num_experts)])
+    return stacked
+
+
 def hf_to_tandem(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Rename an HF state dict to Tandem names. For tied models ``output.weight`` is
-    the embedding tensor (whether or not the HF dict carried ``lm_head.weight``)."""
-    out: dict[str, torch.Tensor] = {}
+    the embedding tensor (whether or not the HF dict carried ``lm_head.weight``).
+    Per-expert tensors are stacked into 3-D parameters."""
+    sd = dict(sd)
+    out: dict[str, torch.Tensor] = _stack_experts(sd, args)
     for name, tensor in sd.items():
         if _IGNORED_HF.match(name):
             continue
@@ -97,9 +131,17 @@ def hf_to_tandem(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torc
 
 def tandem_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Rename a Tandem state dict to HF names; tied models drop ``lm_head.weight``
-    (keeping the embedding, recovered from ``output.weight`` if that is all there is)."""
+    (keeping the embedding, recovered from ``output.weight`` if that is all there is).
+    Stacked expert parameters become one tensor per expert (copies: safetensors
+    refuses tensors that share storage)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in sd.items():
+        m = _TANDEM_EXPERTS.match(name)
+        if m:
+            proj = {w: p for p, w in _EXPERT_PROJ.items()}[m["w"]]
+            for e in range(tensor.shape[0]):
+                out[f"model.layers.{m['i']}.mlp.experts.{e}.{proj}.weight"] = tensor[e].clone()
+            continue
         new = tandem_name_to_hf(name)
         if new is None:
             raise KeyError(f"tensor {name!r} has no Hugging Face counterpart")
@@ -160,7 +202,10 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
     path = Path(path)
     with torch.device("meta"):
         model = Transformer(args)
-    expected = {tandem_name_to_hf(n): list(t.shape) for n, t in model.state_dict().items()}
+    sd = model.state_dict()
+    expected = {tandem_name_to_hf(n): list(t.shape) for n, t in sd.items()}
+    experts = {n: t for n, t in sd.items() if _TANDEM_EXPERTS.match(n)}
+    expected.update({n: list(t.shape) for n, t in tandem_to_hf(experts, args).items()})
     for fname in sorted(set(tensor_files(path).values())):
         with _open_safetensors(path / fname) as f:
             for name in f.keys():
@@ -193,7 +238,7 @@ def read_hf_state_dict(
 
 def _check_tensor_names(model: Transformer, files: dict[str, str], path: Path) -> None:
     """Clear errors for tensors in the folder the model lacks, and the reverse."""
-    expected = set(tandem_to_hf(dict.fromkeys(model.state_dict(), torch.empty(0)), model.args))
+    expected = set(tandem_to_hf(model.state_dict(), model.args))  # meta model: no copies
     found = {n for n in files if not _IGNORED_HF.match(n)}
     if model.args.tie_word_embeddings:
         found.discard("lm_head.weight")

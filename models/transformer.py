@@ -1,9 +1,11 @@
-"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3) in plain PyTorch.
+"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, and their MoE kin) in plain PyTorch.
 
 The module tree mirrors torchtitan's Llama so parallel/ can address it by name:
 ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed "0".."L-1" so a
 pipeline stage can delete the layers it does not own), ``norm`` and ``output``;
 any of the three non-layer modules may be set to None by a pipeline split.
+A block has either ``feed_forward`` (dense SwiGLU) or ``moe`` (models/moe.py),
+never both, as in torchtitan's MoE models.
 Numerics follow transformers (fp32 RMSNorm statistics, fp32 RoPE tables), so
 logits match HF for the same weights. Attention itself is delegated to a
 backend (models/attention.py), which is how training and the paged generator
@@ -21,6 +23,7 @@ from torch import nn
 
 from models.args import ModelArgs
 from models.attention import AttentionBackend, CausalAttention
+from models.moe import MoE
 from models.rope import RotaryEmbedding, apply_rotary
 
 INIT_STD = 0.02
@@ -143,13 +146,17 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
+        if args.is_moe_layer(layer_id):
+            self.moe = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, attn)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -191,7 +198,9 @@ class Transformer(nn.Module):
         A second call changes nothing."""
         for block in self.layers.values():
             block.attention.fuse()
-            block.feed_forward.fuse()
+            ffn = block.moe.shared_experts if hasattr(block, "moe") else block.feed_forward
+            if ffn is not None:
+                ffn.fuse()
         return self
 
     def reset_rope(self) -> None:
@@ -221,6 +230,8 @@ class Transformer(nn.Module):
                     nn.init.normal_(module.weight, mean=0.0, std=INIT_STD, generator=gen)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, MoE):
+                module.init_weights(INIT_STD, gen)
         self.reset_rope()
 
     def forward(
