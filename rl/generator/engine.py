@@ -75,7 +75,10 @@ def _to_completion(seq: Sequence, prompt_index: int, sample_index: int) -> Compl
 
 class Generator:
     def __init__(self, model: Transformer, settings: GenerationSettings, *, eos_token_ids: Seq[int] = (),
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
+        """``agree(tokens, logprobs, raw_logprobs)``: run on every step's samples before the
+        scheduler sees them (a tensor-parallel generation group takes its leader's, in place)."""
         self.model, self.settings = model, settings
         p = next(model.parameters())
         device = device or p.device
@@ -96,7 +99,8 @@ class Generator:
                                    max_model_len=max_len, eos_token_ids=eos_token_ids)
         self.runner = ModelRunner(model, cache, default_seed=settings.seed, impl=settings.kernels,
                                   cuda_graphs=settings.cuda_graphs, max_model_len=max_len,
-                                  graphs_capture=settings.graphs_capture, decode_mirror=settings.decode_mirror)
+                                  graphs_capture=settings.graphs_capture, decode_mirror=settings.decode_mirror,
+                                  agree=agree)
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
         self._next_id = 0
         self._stop_check: dict[int, Callable[[Sequence], bool]] = {}

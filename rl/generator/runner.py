@@ -17,6 +17,8 @@ caches) pure decode steps read contiguous per-sequence rows kept by a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.dispatch import use_triton
@@ -32,8 +34,9 @@ from rl.generator.scheduler import SchedulerOutput
 class ModelRunner:
     def __init__(self, model: Transformer, cache: KVCache, *, default_seed: int = 0, impl: str | None = None,
                  cuda_graphs: bool = False, max_model_len: int | None = None,
-                 graphs_capture: bool | None = None, decode_mirror: bool = True) -> None:
-        self.model, self.cache, self.impl = model, cache, impl
+                 graphs_capture: bool | None = None, decode_mirror: bool = True,
+                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
+        self.model, self.cache, self.impl, self.agree = model, cache, impl, agree
         self.default_seed = default_seed
         self.sampler = Sampler()
         self.device = cache.data.device
@@ -123,6 +126,8 @@ class ModelRunner:
             logits = self.model.output(hidden[last]).float()  # [M, V]
         keys = [c.step_key(self.default_seed) for c in chunks]
         toks, lps, raws = self.sampler.sample(logits, [c.seq.params for c in chunks], keys)
+        if self.agree is not None:
+            toks, lps, raws = self.agree(toks, lps, raws)
         # One host sync per step, on purpose: the scheduler needs the tokens.
         rows = zip(toks.tolist(), lps.tolist(), raws.tolist())
         return {c.seq.seq_id: row for c, row in zip(chunks, rows)}

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel.generation_layout import check_divisible, make_layout
 from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
+from parallel.reshard import held
 from rl.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -41,7 +43,8 @@ from rl.algorithms import (
 from rl.data.prompts import PromptStream, encode_prompts, load_prompt_rows, prompt_messages
 from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from rl.rollout.generation import (
-    build_generation_model,
+    GenerationCopy,
+    choose_rollout_tp,
     generate_episodes,
     generate_samples,
     generation_dtype,
@@ -51,7 +54,7 @@ from rl.runtime.config import ConfigError
 from rl.runtime.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from rl.runtime.optim import build_optimizer, build_scheduler
 from rl.runtime.samples import SampleLog
-from rl.runtime.system import peak_memory_gb, reset_peak_memory
+from rl.runtime.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from rl.update.critic import Critic
 from rl.update.loss import (
     LossInputs,
@@ -103,6 +106,7 @@ class RLRecipe:
         self.policy = build_policy(self.args, self.mesh, info.device, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
+        self.gen_copy = self._generation_copy()
         self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -139,6 +143,29 @@ class RLRecipe:
         self.step_index = 0  # the step being taken (the shell's count)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
         self._advantage_of: list[float] = []  # per sample, the mean advantage of its sampled tokens (last update)
+
+    def _generation_copy(self) -> GenerationCopy:
+        """The generation layout (``rollout.tp`` ranks per generator) and the policy's copy into it."""
+        ro, dev = self.cfg.rollout, self.info.device
+        dtype = self.gen_dtype or self.policy.parameters()[0].dtype
+        resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if self.cfg.rl.offload_optimizer else 3)
+                                     for p in self.policy.parameters())], dtype=torch.float64, device=dev)
+        dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
+        tp = choose_rollout_tp(ro.tp, self.args, self.info.world_size, dev, dtype, ro.kv_cache_gb, int(resident.item()))
+        if self.info.world_size % tp:
+            raise ConfigError(f"rollout.tp: {tp} does not divide the {self.info.world_size} ranks")
+        reason = check_divisible(self.args, tp)
+        if reason:
+            raise ConfigError(f"rollout.tp: {reason}")
+        if tp > 1 and self.cfg.env.name:
+            raise ConfigError("rollout.tp: multi-turn episodes (env.name) generate with rollout.tp = 1 so far "
+                              "(a group's ranks would each run the environment)")
+        layout = make_layout(tp, ro.vocab_parallel)
+        if self.info.is_main and tp > 1:
+            print(f"generation layout: {self.info.world_size // tp} group(s) of {tp} ranks "
+                  f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
+        return GenerationCopy(self.policy.state_module, self.args, layout, dev, self.gen_dtype,
+                              bucket_bytes=ro.reshard_bucket_mb << 20)
 
     # ---- data ------------------------------------------------------------------------
 
@@ -218,14 +245,15 @@ class RLRecipe:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
                                      seed=seed, greedy=greedy)
         return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=seed,
-                                max_prompt_tokens=self.max_prompt, greedy=greedy)
+                                max_prompt_tokens=self.max_prompt, greedy=greedy, layout=self.gen_copy.layout)
 
     def _generate_shared(self, gen_model, prompts, n: int, seed: int):
         """Generate and score, the prompts split over the model-parallel group (its TP and PP
         ranks share one data-parallel replica's batch), then gathered so that every rank of
         the group holds the same samples, scores and reward metrics."""
         mine = prompts[self.mp_rank::self.mp]
-        new, gm = self._generate(gen_model, mine, n, seed) if mine else ([], {})
+        pooled = self.gen_copy.layout.tp > 1  # a generation group generates together: every rank takes part
+        new, gm = self._generate(gen_model, mine, n, seed) if mine or pooled else ([], {})
         sc, rm = self._score(new) if new else (torch.zeros(0), {})
         if self.mp == 1:
             return new, sc, gm, rm
@@ -249,13 +277,14 @@ class RLRecipe:
         cfg, r = self.cfg, self.cfg.rl
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
+        before = allocated_gb(self.info.device)
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
-        gen_model, metrics = build_generation_model(self.policy, self.args, self.info.device, self.gen_dtype)
+        gen_model, metrics = self.gen_copy.build()
         per_rank = r.prompts_per_step // self.dp
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
-        seed = (cfg.job.seed * 1_000_003 + self.step_index * 1_009 + self.info.rank) % (1 << 62)
+        seed = (cfg.job.seed * 1_000_003 + self.step_index * 1_009 + self.gen_copy.layout.leader) % (1 << 62)
         kept_groups, rounds, dropped = 0, 0, 0
         while kept_groups < per_rank:
             idx = self.stream.take(per_rank if rounds == 0 else per_rank - kept_groups)
@@ -283,6 +312,8 @@ class RLRecipe:
         self._reduce_reward_metrics(metrics)
         if r.offload_optimizer:
             move_optimizer_state(self.opt, self.info.device)
+        if before is not None:  # the generation copy and KV pool are gone: the update starts where it would have
+            metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
         return samples, torch.stack(scores), metrics
@@ -417,10 +448,10 @@ class RLRecipe:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return {}
-        gen_model, _ = build_generation_model(self.policy, self.args, self.info.device, self.gen_dtype)
+        gen_model, _ = self.gen_copy.build()
         mine = self.eval_prompts[self.info.rank::self.info.world_size]
         n = self.cfg.rl.eval_samples
-        samples, _ = self._generate(gen_model, mine, max(n, 1), 12345 + self.info.rank, greedy=n == 0)
+        samples, _ = self._generate(gen_model, mine, max(n, 1), 12345 + self.gen_copy.layout.leader, greedy=n == 0)
         del gen_model
         self._score(samples)
         acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64)

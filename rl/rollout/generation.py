@@ -1,54 +1,133 @@
-"""The rollout phase: gather the policy into a generation copy, sample, score.
+"""The rollout phase: move the policy into its generation layout, sample, score.
 
-The generation copy is a plain (unsharded) `Transformer` built from the
-policy gathered over FSDP2, TP and pipeline stages; it lives only for the rollout
-and is dropped before the update phase, as is the KV pool the generator
-carves from its budget. Both sizes and the gather time are reported.
+The generation copy is a `Transformer` of one generation shard (the whole model when
+``rollout.tp = 1``), filled from the policy's FSDP2 / TP / pipeline shards by a
+bucketed reshard (`GenerationCopy`); it lives only for the rollout and is dropped
+before the update phase, as is the KV pool the generator carves from its budget.
+Both sizes, the bytes moved and the reshard time are reported. With ``rollout.tp > 1``
+the ranks of a generation group pool their prompts and run one generator together
+(`generate_in_group`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from models.args import ModelArgs
 from models.transformer import Transformer
+from parallel.ac import clean_fqn
+from parallel.generation_layout import (
+    GenerationLayout,
+    check_divisible,
+    local_args,
+    needed_box,
+    shard_bytes,
+    shard_modules,
+)
+from parallel.reshard import Box, Resharder, held
 from rl.data.prompts import Prompt
 from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from rl.generator.sequence import SamplingParams
 from rl.rollout.types import RolloutSample
 
 
+class GenerationCopy:
+    """The rollout's copy of the policy, in the generation layout (parallel/generation_layout.py).
+
+    ``module``: the policy's parameters under the whole model's names (an rl/update/policy.py
+    policy's ``state_module``: FSDP2 / TP DTensors, or this rank's pipeline stages).
+    `build` moves, bucket by bucket, only the regions this rank's generation shard needs, in
+    the generation dtype (parallel/reshard.py), so no rank ever holds the whole model unless
+    its shard is the whole model (``layout.tp = 1``). The move's plan is worked out at the
+    first build (collective) and kept: the layouts do not change during a run.
+    """
+
+    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
+        self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.local = local_args(args, layout)
+        with torch.device("meta"):
+            meta = Transformer(args)
+        self.shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}  # tied: counted once
+        first = next(iter(module.parameters()), None)
+        self.dtype = dtype or (first.dtype if first is not None else torch.float32)
+        self.bucket_bytes = bucket_bytes
+        self._plan: Resharder | None = None
+
+    def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
+        out = {}
+        for name, p in self.module.named_parameters():
+            name = clean_fqn(name)
+            if name in self.shapes:  # a pipeline rank's second copy of a tied head is not moved
+                out[name] = held(p.detach())
+        return out
+
+    def build(self, *, inference: bool = True,
+              probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
+        """Collective (every rank): this rank's generation shard as a runnable model.
+
+        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
+        ``probe()`` runs inside every reshard collective (memory tests)."""
+        srcs = self._held()
+        if self._plan is None:
+            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                                   bucket_bytes=self.bucket_bytes)
+        state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device, probe=probe)
+        del srcs
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        if self.args.tie_word_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        with torch.device("meta"):
+            gen = Transformer(self.local)
+        gen.load_state_dict(state, assign=True, strict=True)
+        gen.tie_weights()
+        gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
+        gen.requires_grad_(False).eval()
+        shard_modules(gen, self.args, self.layout)
+        if inference:
+            inference_layout(gen)
+        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+                     "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
+                     "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+
+
+def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.device, dtype: torch.dtype,
+                      kv_cache_gb: float, training_bytes: int) -> int:
+    """``rollout.tp``, with 0 (auto) resolved: 1 off CUDA; on CUDA the smallest degree that divides
+    the world and the model's heads and MLP whose generation shard, plus the ``kv_cache_gb``
+    pool, fits in 90 % of the device beside ``training_bytes`` (what stays resident on the
+    busiest rank during the rollout: parameter and optimizer shards). Every rank must pass
+    the same values (the recipe takes the maximum over ranks of ``training_bytes``)."""
+    if setting:
+        return setting
+    if device.type != "cuda":
+        return 1
+    room = 0.9 * torch.cuda.get_device_properties(device).total_memory - training_bytes - kv_cache_gb * 1e9
+    fits = [g for g in range(1, world + 1) if world % g == 0 and check_divisible(args, g) is None]
+    for g in fits:
+        if shard_bytes(args, GenerationLayout(tp=g), dtype) <= room:
+            return g
+    return fits[-1]
+
+
 def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
                            dtype: torch.dtype | None = None, *, layout: bool = True,
                            ) -> tuple[Transformer, dict[str, float]]:
-    """Collective: every rank gets a full, unsharded copy of the policy for generation.
-
-    ``policy``: an rl/update/policy.py policy, whose ``full_state()`` gathers the whole
-    state dict onto every rank (over FSDP2, TP and the pipeline stages).
-    ``dtype``: cast the copy's floating-point tensors to it (None keeps the parameters' dtype).
-    ``layout``: the copy gets `inference_layout` (False: the training layout, for tests).
-    """
-    t0 = time.monotonic()
-    full = policy.full_state()
-    if dtype is not None:  # one tensor at a time, so the full-precision copy is freed as it goes
-        for k, v in full.items():
-            if v.is_floating_point():
-                full[k] = v.to(dtype)
-    nbytes = sum(t.numel() * t.element_size() for k, t in full.items() if k != "output.weight" or not args.tie_word_embeddings)
-    with torch.device("meta"):
-        gen = Transformer(args)
-    gen.load_state_dict(full, assign=True, strict=True)
-    gen.tie_weights()
-    gen.rope.to_empty(device=device)  # materialise and recompute the RoPE table
-    gen.requires_grad_(False).eval()
-    if layout:
-        inference_layout(gen)
-    return gen, {"reshard/seconds": time.monotonic() - t0, "reshard/gb": nbytes / 1e9}
+    """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
+    (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
+    `GenerationCopy` with ``rollout.tp = 1``."""
+    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype)
+    return copy.build(inference=layout)
 
 
 def inference_layout(model: Transformer) -> bool:
@@ -103,12 +182,18 @@ def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
 
 
 def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
-                    run: Callable[[Generator], Any]) -> tuple[Any, dict[str, float]]:
+                    run: Callable[[Generator], Any], layout: GenerationLayout | None = None,
+                    ) -> tuple[Any, dict[str, float]]:
     """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
-    freed on return (a leak raises); the rollout/* metrics of that generation."""
+    freed on return (a leak raises); the rollout/* metrics of that generation. In a generation
+    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens."""
     t0 = time.monotonic()
     settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
-    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids)
+    agree = None
+    if layout is not None and layout.tp > 1:
+        settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
+        agree = partial(leader_tokens, layout)
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree)
     out = run(gen)
     if not gen.pool_is_free():
         raise RuntimeError("generator leaked KV blocks")
@@ -120,16 +205,43 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
                  "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
 
 
+def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every rank of a generation group takes its leader's sampled tokens and log-probs, so the
+    group's schedulers stay in step even if a rank's logits differed in the last bit."""
+    for t in sampled:
+        dist.broadcast(t, src=layout.leader, group=layout.group)
+    return sampled
+
+
+def pool_prompts(prompts: list[Prompt], layout: GenerationLayout) -> tuple[list[Prompt], int]:
+    """Collective over the generation group: every member's prompts, in rank order, and where
+    this rank's start in that list."""
+    if layout.tp == 1:
+        return prompts, 0
+    parts: list[Any] = [None] * layout.tp
+    dist.all_gather_object(parts, prompts, group=layout.group)
+    start = sum(len(p) for p in parts[: layout.rank])
+    return [p for part in parts for p in part], start
+
+
 def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
-                     seed: int, max_prompt_tokens: int, greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
-    """n completions per prompt with the in-house generator; the KV pool is freed on return."""
+                     seed: int, max_prompt_tokens: int, greedy: bool = False,
+                     layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n completions per prompt with the in-house generator; the KV pool is freed on return.
+
+    In a generation group (``layout.tp > 1``; every rank calls, with its own prompts, possibly
+    none, and the group's one ``seed``) the members' prompts are generated together and each
+    rank gets the samples of its own prompts."""
+    pooled, start = pool_prompts(prompts, layout or GenerationLayout())
+    if not pooled:
+        return [], {}
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
     out, metrics = _with_generator(
-        gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(prompts) * n,
-        lambda gen: gen.generate([p.token_ids for p in prompts], sampling_params(rcfg, greedy=greedy), n=n,
-                                 stop_check=check))
+        gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
+        lambda gen: gen.generate([p.token_ids for p in pooled], sampling_params(rcfg, greedy=greedy), n=n,
+                                 stop_check=check), layout)
     samples = []
-    for group, (p, comps) in enumerate(zip(prompts, out)):
+    for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
             lp = iter(c.raw_logprobs)
             gen_lp = [next(lp) if m else 0.0 for m in c.sampled_mask]

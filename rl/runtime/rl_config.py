@@ -119,6 +119,9 @@ class RolloutConfig:
     kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere, unless the environment sets TANDEM_KERNELS to triton or torch (which also picks the update's log-prob kernel)
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA with the Triton attention kernels; eager elsewhere)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
+    tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest degree whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
+    vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
+    reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
@@ -133,6 +136,8 @@ class RolloutConfig:
         require(self.max_num_batched_tokens >= 1,
                 f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
+        require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
+        require(self.reshard_bucket_mb >= 1, f"rollout.reshard_bucket_mb: must be >= 1, got {self.reshard_bucket_mb}")
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``

@@ -16,6 +16,13 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+def allocated_gb(device: torch.device) -> float | None:
+    """Device memory held by live tensors now (GB); None off CUDA (no allocator statistics)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 1e9
+    return None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

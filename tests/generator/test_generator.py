@@ -5,6 +5,7 @@ sampled token equals the one the training forward computes for the same
 sequence (fp32 CPU, <= 1e-5).
 """
 
+import copy
 import random
 
 import pytest
@@ -240,8 +241,7 @@ def test_cuda_inference_layout_keeps_greedy_tokens(model):
     from rl.rollout.generation import build_generation_model
 
     class Policy:
-        def full_state(self):
-            return {k: v.clone().cuda() for k, v in model.state_dict().items()}
+        state_module = copy.deepcopy(model).cuda()
 
     cuda = torch.device("cuda")
     fused, _ = build_generation_model(Policy(), model.args, cuda)
@@ -265,8 +265,7 @@ def test_generation_copy_takes_the_rollout_dtype(model):
     assert generation_dtype("bfloat16", cpu, "float32") is torch.bfloat16
 
     class Policy:  # what build_generation_model reads of an rl/update/policy.py policy
-        def full_state(self):
-            return {k: v.clone() for k, v in model.state_dict().items()}
+        state_module = model
 
     gen_model, metrics = build_generation_model(Policy(), model.args, cpu, torch.bfloat16)
     assert {p.dtype for p in gen_model.parameters()} == {torch.bfloat16}
@@ -287,8 +286,7 @@ def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
     from rl.rollout.generation import build_generation_model
 
     class Policy:
-        def full_state(self):
-            return {k: v.clone() for k, v in model.state_dict().items()}
+        state_module = model
 
     cpu = torch.device("cpu")
     fused, _ = build_generation_model(Policy(), model.args, cpu)
