@@ -109,12 +109,13 @@ class BuildSpec:
     cpu_offload: bool = False
     activation_checkpoint: str = "none"
     compile: bool = False
+    ep: int = 1  # expert parallelism over the FSDP2 shard ranks (MoE models)
 
     @classmethod
     def from_config(cls, training: Any, parallel: Any) -> BuildSpec:
         return cls(param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
                    cpu_offload=parallel.cpu_offload, activation_checkpoint=parallel.activation_checkpoint,
-                   compile=parallel.compile)
+                   compile=parallel.compile, ep=parallel.ep)
 
 
 def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: BuildSpec, *,
@@ -127,7 +128,8 @@ def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: B
     on_gpu = device.type != "cpu"
     return parallelize(model, mesh, tp_enabled=tp, ac=spec.activation_checkpoint if trainable else "none",
                        compile=spec.compile, param_dtype=spec.param_dtype if on_gpu else "float32",
-                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32", cpu_offload=spec.cpu_offload)
+                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32", cpu_offload=spec.cpu_offload,
+                       ep=spec.ep)
 
 
 def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[str, torch.Tensor]], mesh: Any,
