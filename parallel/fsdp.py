@@ -25,6 +25,7 @@ def apply_fsdp(
     reduce_dtype: str = "float32",
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, norm, head).
 
@@ -33,7 +34,7 @@ def apply_fsdp(
     ``reduce_dtype``; the sharded master copy stays in the model's dtype.
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-    kwargs: dict = {"mesh": mesh, "mp_policy": mp}
+    kwargs: dict = {"mesh": mesh, "mp_policy": mp, "ignored_params": ignored_params or None}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)

@@ -43,6 +43,13 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.feed_forward\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.feed_forward\.w2\.weight$"), 1),
     (re.compile(r"(layers\.\d+\.(attention_norm|ffn_norm|attention\.[qk]_norm)|norm)\.weight$"), None),
+    # mixture of experts: every expert split by its hidden features (TP inside the experts), the
+    # router, the shared expert's gate and the routing bias whole; the block's output is summed
+    (re.compile(r"layers\.\d+\.moe\.experts\.w[13]$"), 1),
+    (re.compile(r"layers\.\d+\.moe\.experts\.w2$"), 2),
+    (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
+    (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
+    (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
 ]
 _VOCAB = re.compile(r"(tok_embeddings|output)\.weight$")
 
@@ -74,8 +81,12 @@ def make_layout(tp: int, vocab_parallel: bool = True) -> GenerationLayout:
 
 def check_divisible(args: ModelArgs, tp: int) -> str | None:
     """Why ``args`` cannot be split ``tp`` ways (None: it can)."""
-    for what, n in (("num_heads", args.num_heads), ("num_kv_heads", args.num_kv_heads),
-                    ("intermediate_size", args.intermediate_size)):
+    sizes = [("num_heads", args.num_heads), ("num_kv_heads", args.num_kv_heads),
+             ("intermediate_size", args.intermediate_size)]
+    if getattr(args, "num_experts", 0):
+        sizes += [("moe_intermediate_size", args.moe_intermediate_size),
+                  ("shared_expert_intermediate_size", args.shared_expert_intermediate_size)]
+    for what, n in sizes:
         if n % tp:
             return f"the model's {what} {n} is not divisible by {tp}"
     return None
@@ -93,10 +104,14 @@ def local_args(args: ModelArgs, layout: GenerationLayout) -> ModelArgs:
     reason = check_divisible(args, layout.tp)
     if reason:
         raise ValueError(reason)
+    moe = {}
+    if getattr(args, "num_experts", 0):
+        moe = {"moe_intermediate_size": args.moe_intermediate_size // layout.tp,
+               "shared_expert_intermediate_size": args.shared_expert_intermediate_size // layout.tp}
     return dataclasses.replace(
         args, num_heads=args.num_heads // layout.tp, num_kv_heads=args.num_kv_heads // layout.tp,
         head_dim=args.head_dim, intermediate_size=args.intermediate_size // layout.tp,
-        vocab_size=vocab_rows(args, layout.tp) if layout.splits_vocab else args.vocab_size)
+        vocab_size=vocab_rows(args, layout.tp) if layout.splits_vocab else args.vocab_size, **moe)
 
 
 def split_dim(name: str, layout: GenerationLayout) -> int | None:
@@ -130,13 +145,21 @@ def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype) -
         model = Transformer(args)
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for name, p in model.named_parameters():
+    for name, p in state_tensors(model).items():
         _, local = needed_box(name, tuple(p.shape), layout)
         n = 1
         for s in local:
             n *= s
         total += n * elem
     return total
+
+
+def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a generation copy needs: parameters (a tied one once) and persistent buffers."""
+    keys = set(model.state_dict())
+    out = dict(model.named_parameters())
+    out.update({n: b for n, b in model.named_buffers() if n in keys})
+    return out
 
 
 class RowParallel(nn.Module):
@@ -184,13 +207,17 @@ class VocabParallelHead(nn.Module):
 
 def shard_modules(model: nn.Module, args: ModelArgs, layout: GenerationLayout) -> None:
     """Wrap a shard-sized `Transformer`'s row-parallel and vocabulary modules, in place
-    (after its weights are loaded: parameter names change under the wrappers)."""
+    (after its weights are loaded and its inference layout is applied: parameter names
+    change under the wrappers)."""
     if layout.tp == 1:
         return
     assert layout.group is not None
     for block in model.layers.values():
         block.attention.wo = RowParallel(block.attention.wo, layout.group)
-        block.feed_forward.w2 = RowParallel(block.feed_forward.w2, layout.group)
+        if hasattr(block, "moe"):  # routed and shared experts' partial sums, added once
+            block.moe = RowParallel(block.moe, layout.group)
+        else:
+            block.feed_forward.w2 = RowParallel(block.feed_forward.w2, layout.group)
     if layout.splits_vocab:
         rows = vocab_rows(args, layout.tp)
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, layout.rank * rows, layout.group)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile
+from parallel.expert_parallel import apply_ep, expert_params
 from parallel.fsdp import apply_fsdp
 from parallel.mesh import dp_mesh
 from parallel.tp import apply_tp
@@ -53,9 +54,11 @@ def parallelize(
     reduce_dtype: str = "float32",
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    ep: int = 1,
 ) -> nn.Module:
     """Parallelize ``model`` in place over ``mesh`` (axes from parallel/mesh.py); returns it.
 
+    ``ep`` > 1 shards MoE experts over ``mesh["dp_shard"]`` (parallel/expert_parallel.py).
     ``tp_enabled`` switches TP off even when its mesh axis is > 1; ``fsdp_enabled``
     forces FSDP2 on or off (default None: the rule in the module docstring).
     """
@@ -63,6 +66,10 @@ def parallelize(
         apply_tp(
             model, mesh["tp"], sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel
         )
+    ignored = set()
+    if ep > 1:  # experts sharded over the FSDP2 ranks, left out of FSDP2 (parallel/expert_parallel.py)
+        apply_ep(model, mesh["dp_shard"])
+        ignored = expert_params(model)
     apply_ac(model, ac)
     if compile:
         apply_compile(model, backend=compile_backend)
@@ -76,5 +83,6 @@ def parallelize(
             reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
+            ignored_params=ignored,
         )
     return model

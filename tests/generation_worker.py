@@ -48,12 +48,16 @@ ARGS = {
     "qwen3-tied": ModelArgs(model_type="qwen3", vocab_size=1001, hidden_size=128, intermediate_size=384,
                             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
 }
+ARGS["qwen3-moe"] = ModelArgs(model_type="qwen3_moe", vocab_size=1001, hidden_size=128, intermediate_size=384,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
 LAYOUTS = {  # name -> (model, training degrees, [(generation tp, vocab_parallel)])
     "fsdp2": ("qwen3", Degrees(dp_shard=2), [(1, True), (2, True)]),
     "tp2": ("qwen3", Degrees(tp=2), [(1, True), (2, True), (2, False)]),
     "pp2": ("qwen3", Degrees(pp=2), [(1, True), (2, True)]),
     "tp2_tied": ("qwen3-tied", Degrees(tp=2), [(2, True)]),
     "fsdp2_tp2": ("qwen3", Degrees(dp_shard=2, tp=2), [(1, True), (2, True)]),
+    "fsdp2_ep2_moe": ("qwen3-moe", Degrees(dp_shard=2), [(1, True), (2, True)]),  # experts sharded (EP = 2)
 }
 BUCKET = 256 << 10
 SEED = 7
@@ -107,7 +111,8 @@ def run_layout(name: str) -> dict:
     args, dev = ARGS[family], torch.device("cpu")
     mesh = build_mesh(degrees, dev)
     policy = build_policy(args, mesh, dev, pp_schedule="1F1B", pp_microbatches=0, seq_len=32, micro_batch_tokens=64,
-                          chunk_tokens=64, path=None, seed=SEED, spec=BuildSpec(), is_main=dist.get_rank() == 0)
+                          chunk_tokens=64, path=None, seed=SEED, spec=BuildSpec(ep=2 if "ep2" in name else 1),
+                          is_main=dist.get_rank() == 0)
     policy.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}

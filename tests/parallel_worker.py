@@ -68,6 +68,22 @@ FAMILIES: dict[str, ModelArgs] = {
         rope_theta=1e6,
         tie_word_embeddings=True,
     ),
+    # 4 experts, 2 per token: the fixed batch's 64 (token, expert) rows reach every expert
+    "qwen3-moe": ModelArgs(
+        model_type="qwen3_moe",
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
     "qwen2": ModelArgs(
         model_type="qwen2",
         vocab_size=96,
@@ -107,6 +123,7 @@ class Layout:
     ac: str = "none"
     sequence_parallel: bool = True
     entropy_coef: float = 0.0
+    ep: int = 1  # expert parallelism (MoE families)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -127,6 +144,10 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_fsdp2": Layout(Degrees(pp=2, dp_shard=2), schedule="1F1B"),
     "hsdp2x2": Layout(Degrees(dp_replicate=2, dp_shard=2)),
     "pp2_tp2": Layout(Degrees(pp=2, tp=2), schedule="1F1B"),
+    # mixture of experts: FSDP2 gathering the experts, then experts sharded (EP) over the FSDP2 ranks
+    "fsdp2_moe": Layout(Degrees(dp_shard=2), family="qwen3-moe"),
+    "fsdp2_ep2_moe": Layout(Degrees(dp_shard=2), family="qwen3-moe", ep=2),
+    "fsdp4_ep4_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=4),
 }
 
 
@@ -246,7 +267,7 @@ def run_layout(layout: Layout, device: torch.device, steps: int = STEPS) -> dict
     scale = dp / float(batch["mask"].sum())  # global token count, known to every rank
 
     def prepare(module: torch.nn.Module) -> torch.nn.Module:
-        parallelize(module, mesh, sequence_parallel=layout.sequence_parallel, ac=layout.ac)
+        parallelize(module, mesh, sequence_parallel=layout.sequence_parallel, ac=layout.ac, ep=layout.ep)
         module.to_empty(device=device)
         load_full_weights(module, full)
         return module

@@ -475,6 +475,7 @@ class RLRecipe:
         gmax = gap_stats[3:].clone()
         dist.all_reduce(gap_stats[:3])
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+        extra.update(self.policy.moe.metrics(self.dp_group, dev))
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
                           "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),

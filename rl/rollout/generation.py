@@ -33,6 +33,7 @@ from parallel.generation_layout import (
     needed_box,
     shard_bytes,
     shard_modules,
+    state_tensors,
 )
 from parallel.reshard import Box, Resharder, held
 from rl.data.prompts import Prompt
@@ -58,7 +59,7 @@ class GenerationCopy:
         self.local = local_args(args, layout)
         with torch.device("meta"):
             meta = Transformer(args)
-        self.shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}  # tied: counted once
+        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
@@ -66,7 +67,7 @@ class GenerationCopy:
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
-        for name, p in self.module.named_parameters():
+        for name, p in [*self.module.named_parameters(), *self.module.named_buffers()]:
             name = clean_fqn(name)
             if name in self.shapes:  # a pipeline rank's second copy of a tied head is not moved
                 out[name] = held(p.detach())
@@ -95,9 +96,9 @@ class GenerationCopy:
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
         gen.requires_grad_(False).eval()
-        shard_modules(gen, self.args, self.layout)
         if inference:
             inference_layout(gen)
+        shard_modules(gen, self.args, self.layout)
         return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
                      "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
                      "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}

@@ -109,12 +109,13 @@ class BuildSpec:
     cpu_offload: bool = False
     activation_checkpoint: str = "none"
     compile: bool = False
+    ep: int = 1  # expert parallelism over the FSDP2 shard ranks (MoE models)
 
     @classmethod
     def from_config(cls, training: Any, parallel: Any) -> BuildSpec:
         return cls(param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
                    cpu_offload=parallel.cpu_offload, activation_checkpoint=parallel.activation_checkpoint,
-                   compile=parallel.compile)
+                   compile=parallel.compile, ep=parallel.ep)
 
 
 def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: BuildSpec, *,
@@ -122,12 +123,24 @@ def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: B
     """Every model Tandem trains or scores goes through here, on the meta device: TP (when
     ``tp`` and the mesh has a TP axis > 1), activation checkpointing (trainable models),
     compile, and FSDP2 by the one rule of `parallel.parallelize`. CPU computes in float32."""
+    from parallel.expert_parallel import validate_ep
     from parallel.parallelize import parallelize
+    from rl.runtime.config import ConfigError
 
+    args = getattr(model, "args", None)
+    sizes = {a: mesh[a].size() for a in ("dp_shard", "tp", "pp", "dp_replicate")}
+    if getattr(args, "num_experts", 0) and (sizes["tp"] > 1 or sizes["pp"] > 1):
+        raise ConfigError(f"parallel: a mixture-of-experts model runs with tp = pp = 1 so far (tp={sizes['tp']}, "
+                          f"pp={sizes['pp']}); use parallel.ep for its experts")
+    try:
+        validate_ep(args, spec.ep, **sizes)
+    except ValueError as e:
+        raise ConfigError(f"parallel.ep: {e}") from None
     on_gpu = device.type != "cpu"
     return parallelize(model, mesh, tp_enabled=tp, ac=spec.activation_checkpoint if trainable else "none",
                        compile=spec.compile, param_dtype=spec.param_dtype if on_gpu else "float32",
-                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32", cpu_offload=spec.cpu_offload)
+                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32", cpu_offload=spec.cpu_offload,
+                       ep=spec.ep)
 
 
 def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[str, torch.Tensor]], mesh: Any,

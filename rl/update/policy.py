@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.args import ModelArgs
 from models.hf import save_hf
+from models.moe import router_loss
 from models.transformer import Transformer
 from parallel.grad import clip_grad_norm
 from parallel.loss import token_logprobs_at
@@ -64,6 +65,7 @@ from rl.update.loss import (
     scatter_completions,
     sync_micro_batch_count,
 )
+from rl.update.router_stats import RouterStats
 
 
 class FlatPolicy:
@@ -80,6 +82,7 @@ class FlatPolicy:
         self.modules = [self.model]
         self.state_module = self.model
         self.counts_stats = mesh["tp"].get_local_rank() == 0
+        self.moe = RouterStats()
 
     @property
     def vocab_parallel(self) -> bool:
@@ -113,9 +116,14 @@ class FlatPolicy:
         ``also(mb)`` runs after each micro-batch (the PPO critic's step).
         """
         sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        for mb in self.micro_batches(samples, rows):
+        mbs = self.micro_batches(samples, rows)
+        for mb in mbs:
             if policy:
                 loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
+                router = router_loss(self.model) if mb.rows else None  # MoE: the router's losses, mean over
+                if router is not None:  # micro-batches (and, through FSDP2's averaging, over ranks)
+                    self.moe.observe(self.model)
+                    loss = loss + router / len(mbs)
                 (loss * self.dp).backward()  # FSDP2 averages over dp ranks
                 if st:
                     sums += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
@@ -197,6 +205,7 @@ class PipelinePolicy:
             for m in self.modules:
                 m.requires_grad_(False).eval()
         self.state_module = _StageUnion(self.modules, tied=self.pipe.tied_group is not None)
+        self.moe = RouterStats()  # never fed: MoE models run without pipeline stages so far
         self.counts_stats = self.pipe.has_last_stage and mesh["tp"].get_local_rank() == 0
         self.vocab_parallel = self.tp > 1
         self._ctx: dict[str, Any] = {}

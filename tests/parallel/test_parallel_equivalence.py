@@ -42,8 +42,10 @@ LAYOUTS_2 = [
     "pp2_gpipe",
     "pp2_interleaved",
     "pp2_qwen3_tied",
+    "fsdp2_moe",
+    "fsdp2_ep2_moe",
 ]
-LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2"]
+LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe"]
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, errors: bool) -> dict:

@@ -1,0 +1,135 @@
+"""Expert parallelism: an MoE layer's experts sharded over ranks, tokens moved to them.
+
+``apply_ep(model, mesh)`` shards every `models.moe.GroupedExperts` over the
+data-parallel shard ranks (EP borrows the FSDP2 dimension: ``parallel.ep`` must
+equal ``dp_shard``): rank r keeps experts ``[r * E/ep, (r+1) * E/ep)`` as a
+DTensor ``Shard(0)`` on the same mesh FSDP2 uses, so checkpoints (DCP) see the
+whole expert tensor and resume on any EP degree, and gradient clipping and AdamW
+see one mesh. FSDP2 leaves these parameters alone (`expert_params`, passed as
+``ignored_params``): they are not gathered before the forward; the tokens travel
+instead. Per layer and micro-batch (`ExpertParallelExperts.forward`):
+
+1. the tokens already sorted by expert (the MoE block's dispatch) are counted per
+   destination rank, the counts exchanged (an all-to-all of ``E`` integers);
+2. the rows go to their experts' ranks (``all_to_all_single``, differentiable);
+3. the received rows are regrouped by local expert and run through the grouped
+   GEMM with the local weights (cast to the rows' dtype: FSDP2's mixed precision
+   does not reach ignored parameters);
+4. the outputs go back the same way, in the original order.
+
+Gradients: an expert's weight gradient is the sum over every rank's tokens routed
+to it, while FSDP2 *averages* the other gradients over the data-parallel ranks (the
+recipes scale each rank's loss by the data-parallel size, parallel/fsdp.py); the
+expert gradients are divided by the EP size to match (`_scale_grad`). So an update
+equals the single-process one (tests/parallel/test_expert_parallel.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from kernels.grouped_gemm import grouped_mm
+from models.moe import GroupedExperts
+
+__all__ = ["ExpertParallelExperts", "apply_ep", "expert_params", "validate_ep"]
+
+
+def validate_ep(args: object, ep: int, dp_shard: int, tp: int, pp: int, dp_replicate: int) -> None:
+    """ValueError (one line) unless this model can run with expert-parallel degree ``ep``."""
+    if ep == 1:
+        return
+    experts = getattr(args, "num_experts", 0)
+    if not experts:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model (this one is dense)")
+    if ep != dp_shard:
+        raise ValueError(f"ep={ep} must equal dp_shard={dp_shard} (expert parallelism borrows the FSDP2 ranks)")
+    if tp > 1 or pp > 1 or dp_replicate > 1:
+        raise ValueError(f"ep={ep} runs with FSDP2 only so far (tp={tp}, pp={pp}, dp_replicate={dp_replicate})")
+    if experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={experts}")
+
+
+def _scale_grad(t: torch.Tensor, scale: float) -> torch.Tensor:
+    return _ScaleGrad.apply(t, scale)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return g * ctx.scale, None
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """A `GroupedExperts` whose weights are this rank's shard; forward moves the tokens.
+
+    Made by `apply_ep` in place (the class is swapped, parameter names stay)."""
+
+    group: dist.ProcessGroup
+    ep: int
+
+    def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ep, group = self.ep, self.group
+        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep).to(x_sorted.dtype)
+                      for w in (self.w1, self.w2, self.w3))
+        local = w1.shape[0]
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # [E] rows per expert
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)  # [ep (source), local]
+        send = counts.view(ep, local).sum(1).tolist()
+        recv_by_src = recv_counts.view(ep, local)
+        recv = recv_by_src.sum(1).tolist()
+        x_recv = all_to_all_single(x_sorted.new_empty(sum(recv), x_sorted.shape[1]), x_sorted, recv, send,
+                                   group=group)  # rows by source rank, then by local expert
+        order = _by_expert(recv_by_src)  # received row -> its place grouped by local expert
+        local_offsets = recv_by_src.sum(0).cumsum(0).to(torch.int32)  # [local]
+        x_local = x_recv[order]
+        gate = grouped_mm(x_local, w1.transpose(1, 2), local_offsets)
+        up = grouped_mm(x_local, w3.transpose(1, 2), local_offsets)
+        y_local = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), local_offsets)
+        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local) if y_local.numel() else y_local
+        return all_to_all_single(x_sorted.new_empty(x_sorted.shape[0], y_recv.shape[1]), y_recv, send, recv,
+                                 group=group)
+
+
+def _by_expert(recv_by_src: torch.Tensor) -> torch.Tensor:
+    """Indices into the received rows (grouped by source, then local expert) that list them
+    grouped by local expert, then source: the layout the grouped GEMM takes."""
+    ep, local = recv_by_src.shape
+    starts = torch.cat([recv_by_src.new_zeros(1), recv_by_src.reshape(-1).cumsum(0)[:-1]]).view(ep, local)
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_by_src[s, e]), device=recv_by_src.device)
+              for e in range(local) for s in range(ep)]
+    return torch.cat(pieces) if pieces else recv_by_src.new_zeros(0)
+
+
+def expert_params(model: nn.Module) -> set[nn.Parameter]:
+    """The expert weights `apply_ep` sharded (FSDP2 must ignore them)."""
+    return {p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> int:
+    """Shard every `GroupedExperts` of ``model`` over ``mesh`` (1-D: the FSDP2 shard ranks),
+    in place, on the meta device or materialised; returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is GroupedExperts:
+            for name in ("w1", "w2", "w3"):
+                p = getattr(m, name)
+                setattr(m, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
+                                              requires_grad=p.requires_grad))
+            m.__class__ = ExpertParallelExperts
+            m.group, m.ep = mesh.get_group(), mesh.size()
+            n += 1
+    return n

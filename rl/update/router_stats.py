@@ -1,0 +1,52 @@
+"""Mixture-of-experts routing statistics of the update phase (`moe/*` metrics).
+
+`RouterStats.observe(model)` reads what each MoE block recorded in its last
+forward (models/moe.py: ``tokens_per_expert``, ``aux_loss``, ``z_loss``) and adds
+it up; `metrics(group)` sums the counts over the data-parallel ranks and returns,
+per layer, ``moe/expert_load_max_over_mean/<layer>`` (the busiest expert's tokens
+over the mean: 1 is perfect balance, ``E / k`` every token on the same ``k``),
+and the mean ``moe/aux_loss`` and ``moe/z_loss``; then starts over. Empty for a
+dense model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.moe import moe_layers
+
+
+class RouterStats:
+    def __init__(self) -> None:
+        self.counts: dict[str, torch.Tensor] = {}
+        self.losses = torch.zeros(3, dtype=torch.float64)  # aux sum, z sum, observations
+
+    @torch.no_grad()
+    def observe(self, model: nn.Module) -> None:
+        layers = moe_layers(model)
+        for key, moe in layers.items():
+            if moe.tokens_per_expert is None:
+                continue
+            c = moe.tokens_per_expert.detach().double().cpu()
+            self.counts[key] = self.counts[key] + c if key in self.counts else c
+            self.losses += torch.tensor([float(moe.aux_loss), float(moe.z_loss), 1.0], dtype=torch.float64)
+
+    def metrics(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
+        """Collective over ``group`` (every rank of it calls, each with the same layers)."""
+        if not self.counts:
+            return {}
+        keys = sorted(self.counts, key=int)
+        flat = torch.cat([torch.stack([self.counts[k] for k in keys]).reshape(-1), self.losses]).to(device)
+        if dist.is_initialized():
+            dist.all_reduce(flat, group=group)
+        n = len(keys) * self.counts[keys[0]].numel()
+        counts = flat[:n].view(len(keys), -1)
+        counts = counts.cpu()
+        aux, z, seen = flat[n:].tolist()
+        out = {f"moe/expert_load_max_over_mean/{k}": float(c.max() / c.mean().clamp(min=1e-9))
+               for k, c in zip(keys, counts)}
+        out.update({"moe/aux_loss": aux / max(seen, 1.0), "moe/z_loss": z / max(seen, 1.0)})
+        self.counts, self.losses = {}, torch.zeros(3, dtype=torch.float64)
+        return out
