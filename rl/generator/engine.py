@@ -54,6 +54,7 @@ class Completion:
     raw_logprobs: list[float]  # per sampled token, temperature 1, no truncation
     finish_reason: str
     text: str | None = None
+    routing: torch.Tensor | None = None  # MoE: [C, L, k] experts of the inputs producing each completion token
 
 
 @dataclass
@@ -168,7 +169,16 @@ class Generator:
                 raise RuntimeError("generate: paused sequences remain; use the step API for multi-turn")
             self.step()
         self.stats.seconds += time.monotonic() - t0
-        return [[_to_completion(s, i, j) for j, s in enumerate(g)] for i, g in enumerate(groups)]
+        out = [[_to_completion(s, i, j) for j, s in enumerate(g)] for i, g in enumerate(groups)]
+        for comps, seqs in zip(out, groups):
+            for c, s in zip(comps, seqs):
+                c.routing = self.routing(s)
+        return out
+
+    def routing(self, seq: Sequence) -> torch.Tensor | None:
+        """MoE models: the experts of the inputs that produced ``seq``'s completion tokens
+        (rl/generator/routing.py); None for a dense model. Read once per sequence."""
+        return self.runner.routing.completion(seq.seq_id, seq.num_prompt_tokens, len(seq.completion_token_ids))
 
     def pool_is_free(self) -> bool:
         """No block leaked: every block is back in the free list."""

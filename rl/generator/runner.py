@@ -28,6 +28,7 @@ from models.transformer import Transformer
 from rl.generator.cuda_graphs import DecodeGraphs
 from rl.generator.decode_mirror import DecodeMirror, MirrorAttention
 from rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
+from rl.generator.routing import RoutingRecorder
 from rl.generator.sampler import Sampler
 from rl.generator.scheduler import SchedulerOutput
 
@@ -38,6 +39,7 @@ class ModelRunner:
                  graphs_capture: bool | None = None, decode_mirror: bool = True,
                  agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
         self.model, self.cache, self.impl, self.agree = model, cache, impl, agree
+        self.routing = RoutingRecorder(model)  # MoE models: each token's experts, for the update's parity check
         self.default_seed = default_seed
         self.sampler = Sampler()
         self.device = cache.data.device
@@ -108,6 +110,11 @@ class ModelRunner:
             return None
         return self._logits(step.tokens, step.positions, MirrorAttention(self.mirror, step, self.scale))
 
+    def _record_routing(self, out: SchedulerOutput) -> None:
+        """MoE models: file the experts of the step's tokens (every path runs them in chunk order)."""
+        if self.routing.blocks:
+            self.routing.record([(c.seq.seq_id, p) for c in out.chunks for p in c.positions])
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, tuple[int, float, float]]:
         """Execute one step; returns seq_id -> (token, logprob, raw_logprob) for sampled chunks."""
@@ -120,11 +127,14 @@ class ModelRunner:
             tokens, positions, meta = self.build_meta(out)
             attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
             hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]  # [T, D]
+            self._record_routing(out)
             if not chunks:
                 return {}
             ends = [i for i, c in enumerate(out.chunks) if c.sample]
             last = meta.cu_seqlens_q[1:][torch.tensor(ends, device=self.device)].long() - 1  # [M]
             logits = self.model.output(hidden[last]).float()  # [M, V]
+        else:
+            self._record_routing(out)
         keys = [c.step_key(self.default_seed) for c in chunks]
         toks, lps, raws = self.sampler.sample(logits, [c.seq.params for c in chunks], keys)
         if self.agree is not None:

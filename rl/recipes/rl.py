@@ -420,6 +420,7 @@ class RLRecipe:
         # before the loss: skip the extra forward (see LossInputs.old_logp).
         one_step = (r.epochs == 1 and r.minibatches == 1 and self.teachers is None and self.critic is None
                     and not (self.ref is not None and r.kl_mode == "reward"))
+        self.policy.routing.arm(samples)  # MoE: the update's first forwards check the rollout's routing
         old_logp = None if one_step else self.policy.logprobs(samples, width)
         ref_logp = self.ref.logprobs(samples, width) if self.ref is not None else None
         values = None
@@ -476,6 +477,7 @@ class RLRecipe:
         dist.all_reduce(gap_stats[:3])
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
+        extra.update(self.policy.routing.metrics(self.dp_group, dev))
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
                           "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),

@@ -193,6 +193,8 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     t0 = time.monotonic()
     settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
     agree = None
+    if getattr(gen_model.args, "num_experts", 0):  # data-dependent expert runs; routing is read per step
+        settings.cuda_graphs = False
     if layout is not None and layout.tp > 1:
         settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
         agree = partial(leader_tokens, layout)
@@ -255,7 +257,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
             samples.append(RolloutSample(group=group, prompt_ids=p.token_ids, completion_ids=c.token_ids,
                                          loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
                                          finish_reason=c.finish_reason,
-                                         text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row))
+                                         text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row,
+                                         routing=c.routing))
     return samples, metrics
 
 

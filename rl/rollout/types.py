@@ -23,6 +23,7 @@ class RolloutSample:
     row: dict[str, Any]  # the dataset row (ground truth, task, id, ...)
     env_reward: float | None = None  # reward an environment gave at the end of an episode
     info: dict[str, float] = field(default_factory=dict)  # per-episode metrics (turns, tool calls, ...)
+    routing: Any = None  # MoE: [C, L, k] int16 experts the rollout chose for the inputs of each completion token
 
     @property
     def num_sampled(self) -> int:

@@ -250,12 +250,16 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
 
 @torch.no_grad()
 def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch], width: int,
-                       device: torch.device, chunk_tokens: int = 1024, vocab_parallel: bool = False) -> torch.Tensor:
-    """Log-probs of every completion token under ``model`` [N, width] (old / reference)."""
+                       device: torch.device, chunk_tokens: int = 1024, vocab_parallel: bool = False,
+                       after: Callable[[MicroBatch], None] | None = None) -> torch.Tensor:
+    """Log-probs of every completion token under ``model`` [N, width] (old / reference);
+    ``after(mb)`` runs after each micro-batch's forward."""
     out = torch.zeros(len(samples), width, device=device)
     for mb in mbs:
         logp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=chunk_tokens,
                                  vocab_parallel=vocab_parallel)
+        if after is not None:
+            after(mb)
         if mb.rows:
             out[mb.rows] = scatter_completions(logp, mb, width)
     return out

@@ -65,7 +65,7 @@ from rl.update.loss import (
     scatter_completions,
     sync_micro_batch_count,
 )
-from rl.update.router_stats import RouterStats
+from rl.update.router_stats import RouterStats, RoutingCheck
 
 
 class FlatPolicy:
@@ -83,6 +83,7 @@ class FlatPolicy:
         self.state_module = self.model
         self.counts_stats = mesh["tp"].get_local_rank() == 0
         self.moe = RouterStats()
+        self.routing = RoutingCheck()
 
     @property
     def vocab_parallel(self) -> bool:
@@ -105,8 +106,11 @@ class FlatPolicy:
 
     def logprobs(self, samples: list[RolloutSample], width: int) -> torch.Tensor:
         mbs = self.micro_batches(samples, list(range(len(samples))))
-        return recompute_logprobs(self.model, samples, mbs, width, self.device, self.chunk,
-                                  vocab_parallel=self.vocab_parallel)
+        out = recompute_logprobs(self.model, samples, mbs, width, self.device, self.chunk,
+                                 vocab_parallel=self.vocab_parallel,
+                                 after=lambda mb: self.routing.observe(self.model, mb))
+        self.routing.disarm()  # compared once, with the rollout's weights
+        return out
 
     def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs, spec: LossSpec, norm: Any,
                    width: int, *, policy: bool = True,
@@ -120,6 +124,7 @@ class FlatPolicy:
         for mb in mbs:
             if policy:
                 loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
+                self.routing.observe(self.model, mb)
                 router = router_loss(self.model) if mb.rows else None  # MoE: the router's losses, mean over
                 if router is not None:  # micro-batches (and, through FSDP2's averaging, over ranks)
                     self.moe.observe(self.model)
@@ -206,6 +211,7 @@ class PipelinePolicy:
                 m.requires_grad_(False).eval()
         self.state_module = _StageUnion(self.modules, tied=self.pipe.tied_group is not None)
         self.moe = RouterStats()  # never fed: MoE models run without pipeline stages so far
+        self.routing = RoutingCheck()
         self.counts_stats = self.pipe.has_last_stage and mesh["tp"].get_local_rank() == 0
         self.vocab_parallel = self.tp > 1
         self._ctx: dict[str, Any] = {}

@@ -1,5 +1,7 @@
 """Mixture-of-experts routing statistics of the update phase (`moe/*` metrics).
 
+`RoutingCheck` (below) compares the rollout's routing with the update's.
+
 `RouterStats.observe(model)` reads what each MoE block recorded in its last
 forward (models/moe.py: ``tokens_per_expert``, ``aux_loss``, ``z_loss``) and adds
 it up; `metrics(group)` sums the counts over the data-parallel ranks and returns,
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.moe import moe_layers
+from rl.rollout.types import RolloutSample
 
 
 class RouterStats:
@@ -50,3 +53,53 @@ class RouterStats:
         out.update({"moe/aux_loss": aux / max(seen, 1.0), "moe/z_loss": z / max(seen, 1.0)})
         self.counts, self.losses = {}, torch.zeros(3, dtype=torch.float64)
         return out
+
+
+class RoutingCheck:
+    """Rollout vs update routing, token by token (`moe/routing_mismatch`).
+
+    Armed with the step's samples (their ``routing``: the experts the generator chose,
+    rl/generator/routing.py), it reads, after each update forward with the rollout's
+    weights, the experts every MoE block chose for the inputs that predict the
+    completion tokens (``mb.comp_index``) and counts the (token, layer) pairs whose
+    expert sets differ. Tokens the rollout did not record for a sample (-1) are not
+    compared."""
+
+    def __init__(self) -> None:
+        self.samples: list[RolloutSample] | None = None
+        self.stats = torch.zeros(2, dtype=torch.float64)  # differing pairs, compared pairs
+
+    def arm(self, samples: list[RolloutSample]) -> None:
+        self.samples = samples if any(s.routing is not None for s in samples) else None
+
+    def disarm(self) -> None:
+        self.samples = None
+
+    @torch.no_grad()
+    def observe(self, model: nn.Module, mb) -> None:  # noqa: ANN001 - rl.update.loss.MicroBatch
+        if self.samples is None or not mb.rows:
+            return
+        layers = list(moe_layers(model).values())
+        if not layers:
+            return
+        upd = torch.stack([m.last_routing for m in layers], dim=1)[mb.comp_index].sort(dim=-1).values.cpu()  # [K, L, k]
+        gen = torch.full_like(upd, -1)
+        rows, cols = mb.comp_row.cpu(), mb.comp_col.cpu()
+        for r, j in enumerate(mb.rows):
+            routing = self.samples[j].routing
+            if routing is not None:
+                sel = rows == r
+                gen[sel] = routing[cols[sel]].to(upd.dtype)
+        valid = gen[..., 0] >= 0  # [K, L]
+        differ = (gen != upd).any(dim=-1) & valid
+        self.stats += torch.tensor([float(differ.sum()), float(valid.sum())], dtype=torch.float64)
+
+    def metrics(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
+        """Collective over ``group``; empty when nothing was compared on any rank."""
+        self.samples = None
+        t = self.stats.to(device)
+        if dist.is_initialized():
+            dist.all_reduce(t, group=group)
+        self.stats = torch.zeros(2, dtype=torch.float64)
+        differ, compared = t.tolist()
+        return {"moe/routing_mismatch": differ / compared, "moe/routing_compared": compared} if compared else {}
