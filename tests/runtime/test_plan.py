@@ -135,13 +135,13 @@ def test_plan_without_the_weights_names_the_key():
 
 
 def test_smallest_layout_is_the_hand_count():
-    """qwen3-8b, AdamW, full checkpointing, a 1 GB KV pool, 80 GB devices. By hand, per rank with FSDP2
-    over n ranks: fp32 parameters + gradients + two moments = 16 B x 8.19 B / n, bf16 generation
-    shard 16.4 GB / rollout.tp. One rank: 131 GB of state alone, no. Two ranks: 65.5 GB of update
-    state, over 72 GB with the unsharded transient and activations? 65.5 + 4 (two blocks and the
-    embedding and head unsharded, bf16) + 1.9 (16384 tokens x 36 blocks x 4096 x 2 B, + the recomputed
-    block and log-prob chunk) > 72: no. Four ranks: 32.8 GB of update state; rollout: 24.6 GB
-    resident + 16.4 GB shard + 1 GB pool = 42 GB: fits, with rollout.tp = 1."""
+    """qwen3-8b (8.19 B parameters), AdamW, full checkpointing, 16384-token micro-batches, a 1 GB KV
+    pool, 8 x 80 GB (72 GB usable). By hand, per rank with FSDP2 over n ranks: fp32 parameters,
+    gradients and two moments are 16 B x 8.19 B / n = 131 GB / n; beside them, whatever n, the bf16
+    transient of two unsharded blocks and the embedding and head (4.0 GB), the checkpointed block
+    inputs (16384 x 36 x 4096 x 2 B = 4.8 GB, plus the head), one recomputed block and the log-prob
+    chunk: about 14 GB. n = 1: 131 GB, no. n = 2: 65.5 + 14 = 80 GB > 72, no. n = 4: 33 + 14 = 47 GB,
+    and the rollout 24.6 resident + 16.4 shard + 1 pool = 42 GB: fits, with rollout.tp = 1."""
     s = Settings(tokens=16384, ac="full", kv_cache_gb=1.0, max_len=4097, prompts_per_step=128)
     p = Planner(get_flavor("qwen3-8b"), s)
     lay, peak = p.smallest(nodes=1, devices_per_node=8, device_bytes=80e9)
