@@ -33,6 +33,7 @@ from parallel.generation_layout import (
     needed_box,
     shard_bytes,
 )
+from parallel.mesh import Degrees
 from parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from rl.generator.kv_cache import KVCache
 from rl.runtime.configlib import ConfigError
@@ -43,18 +44,14 @@ DEFAULT_DEVICE_GB = 80.0
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Mesh degrees of the update and the generation layout's degree."""
+class Layout(Degrees):
+    """The update's mesh degrees (parallel/mesh.py) and the generation layout's degree."""
 
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
     rollout_tp: int = 1
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.world_size
 
     def describe(self) -> str:
         dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
@@ -443,7 +440,6 @@ def target(cfg: Any) -> tuple[int, int, float]:
 
 
 def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: float) -> Layout:
-    from parallel.mesh import Degrees
     from rl.update.policy import check_layout
 
     d = cfg.parallel.resolve(world)
