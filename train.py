@@ -1,6 +1,7 @@
 """Tandem entry point: config -> distributed init -> the recipe's trainer loop.
 
     python train.py --config configs/quickstart.toml [--section.key=value ...]
+    python train.py --config configs/grpo.toml --plan [--plan.nodes=N --plan.devices_per_node=G]
     torchrun --nproc-per-node 8 train.py --config configs/grpo.toml
 
 Exit statuses are listed in rl/runtime/errors.py and the README.
@@ -41,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     from rl.runtime.config import ConfigError, parse_args
 
     try:
-        cfg, _ = parse_args(argv)  # --print-config / --help print and exit here
+        cfg, cli = parse_args(argv)  # --print-config / --help print and exit here
+        if cli.plan:
+            from rl.runtime.plan import run_plan
+
+            return run_plan(cfg)  # one process, nothing allocated: no launcher, GPU or weights
     except ConfigError as e:
         return _fail(errors.EXIT_CONFIG, str(e))
 

@@ -100,6 +100,50 @@ FLAVORS: dict[str, ModelArgs] = {
         max_position_embeddings=4096,
         moe_intermediate_size=192,
     ),
+    # Published sizes, for planning (train.py --plan) before a download; from-scratch training at
+    # these sizes is possible but not what they are for. Qwen3-8B: the Qwen3-8B model card (36
+    # layers, 32 q / 8 kv heads) and a Qwen3ForCausalLM config.json of that size (hidden 4096,
+    # intermediate 12288, head_dim 128, vocab 151936, untied, rope_theta 1e6, 40960 positions).
+    "qwen3-8b": ModelArgs(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    # Qwen3-32B: its config.json (hidden 5120, intermediate 25600, 64 layers, 64 q / 8 kv heads,
+    # head_dim 128, vocab 151936, untied), as summarised in the model card and third-party copies.
+    "qwen3-32b": ModelArgs(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_layers=64,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    # Meta-Llama-3-70B: its config.json (hidden 8192, intermediate 28672, 80 layers, 64 q / 8 kv
+    # heads, vocab 128256, untied, rope_theta 5e5, 8192 positions, rms_norm_eps 1e-5).
+    "llama3-70b": ModelArgs(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
 }
 
 

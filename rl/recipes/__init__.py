@@ -22,7 +22,7 @@ from typing import Any
 from rl.runtime.registry import Registry
 
 SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint",
-                   "metrics", "fault")
+                   "metrics", "fault", "plan")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "PlanConfig",
     "PreferenceTrainConfig",
     "TrainingConfig",
     "config_from_dict",
@@ -334,6 +335,27 @@ class PreferenceTrainConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The target cluster of ``train.py --config X --plan`` (per-rank memory of each phase; see rl/runtime/plan.py)."""
+
+    nodes: int = 0  # 0: one node
+    devices_per_node: int = 0  # 0: the config's own layout (parallel.dp_shard = -1: this machine's GPUs)
+    device_memory_gb: float = 0.0  # 0: this machine's GPU, else 80
+    flavor: str | None = None  # the architecture of model.path for planning before it is downloaded (a models/flavors.py name); read only when model.path has no config.json here
+
+    def validate(self) -> None:
+        for key in ("nodes", "devices_per_node"):
+            require(getattr(self, key) >= 0, f"plan.{key}: must be >= 0 (0 = from the config), got {getattr(self, key)}")
+        require(self.device_memory_gb >= 0, f"plan.device_memory_gb: must be >= 0 (0 = this machine's GPU or 80), "
+                                            f"got {self.device_memory_gb}")
+        flavors = _known_flavors()
+        if self.flavor is not None and flavors is not None and self.flavor not in flavors:
+            near = difflib.get_close_matches(self.flavor, flavors, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"plan.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: {', '.join(flavors)})")
+
+
+@dataclass
 class Config:
     """The whole run. Each field is a section; its name is the TOML table name."""
 
@@ -354,6 +376,7 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.
     MOVED = {
@@ -448,10 +471,14 @@ def format_config(cfg: Config) -> str:
     return format_toml(cfg, header="Tandem config (load with --config FILE)")
 
 
-USAGE = """usage: train.py [--config FILE.toml] [--print-config] [--section.key=VALUE ...]
+USAGE = """usage: train.py [--config FILE.toml] [--print-config] [--plan] [--section.key=VALUE ...]
 
   --config FILE      TOML config; later --section.key=VALUE overrides win
   --print-config     print the resolved config as TOML and exit
+  --plan             print each rank's memory per phase on the target cluster
+                     (--plan.nodes=N --plan.devices_per_node=G --plan.device_memory_gb=M),
+                     whether it fits and the smallest layout that does, and exit
+                     (status 9 when it does not fit); no GPU, weights or launcher needed
   --section.key=V    override one key (also: --section.key V; a bare bool flag sets true)
 
 sections: {sections}

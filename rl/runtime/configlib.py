@@ -436,18 +436,19 @@ def format_toml(obj: Any, header: str = "") -> str:
 
 @dataclasses.dataclass
 class CliArgs:
-    """What `parse_cli` found: ``--config FILE``, ``--print-config``, ``--help`` and overrides.
+    """What `parse_cli` found: ``--config FILE``, ``--print-config``, ``--plan``, ``--help`` and overrides.
 
     Each override is ``"section.key=value"``, or ``"section.key"`` for a bare flag.
     """
 
     config: str | None = None
     print_config: bool = False
+    plan: bool = False
     help: bool = False
     overrides: list[str] = dataclasses.field(default_factory=list)
 
 
-_OPTIONS = ("--config", "--print-config", "--help")
+_OPTIONS = ("--config", "--print-config", "--plan", "--help")
 
 
 def parse_cli(argv: Sequence[str]) -> CliArgs:
@@ -463,6 +464,9 @@ def parse_cli(argv: Sequence[str]) -> CliArgs:
         elif name == "--print-config":
             require(not eq, "--print-config takes no value")
             out.print_config = True
+        elif name == "--plan":
+            require(not eq, "--plan takes no value; the target is --plan.nodes=N --plan.devices_per_node=G --plan.device_memory_gb=M")
+            out.plan = True
         elif name == "--config":
             require(out.config is None, "--config given twice; pass one config file")
             require(bool(eq) or takes_next, "--config needs a file path: --config FILE.toml")
