@@ -94,6 +94,9 @@ class RLRecipe:
         if r.exact and (info.device.type != "cpu" or self.mp > 1):
             raise ConfigError("rl.exact: batch-invariant kernels exist for the CPU with parallel.tp = pp = 1 only so far "
                               f"(device {info.device.type}, tp x pp = {self.mp}); set rl.exact = false")
+        if r.exact and cfg.rollout.tp > 1:
+            raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
+                              f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
         self.mesh = build_mesh(degrees, info.device)
@@ -470,12 +473,7 @@ class RLRecipe:
             sums.zero_()
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
-        gap = ((old_logp if old_logp is not None else inp.seen_logp) - gen_logp).abs() * mask * float(self.policy.counts_stats)
-        gap_stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
-                                 gap.max() if gap.numel() else gap.new_zeros(())]).double()
-        gmax = gap_stats[3:].clone()
-        dist.all_reduce(gap_stats[:3])
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+        extra.update(self._gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
         if self.critic is not None:
@@ -485,11 +483,21 @@ class RLRecipe:
         return {**extra, "loss": sums[0].item() / max(sums[5].item() / self.dp, 1.0),
                 "clip_frac": sums[1].item() / tokens, "entropy": sums[2].item() / tokens, "kl": sums[3].item() / tokens,
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "lr": self.sched.get_last_lr()[0],
-                "gap/abs_mean": gap_stats[0].item() / max(gap_stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
-                "gap/tokens_differ": gap_stats[2].item(),
                 "update/tokens": tokens, "update/tokens_per_s": tokens / (time.monotonic() - t0),
                 "time/update_s": time.monotonic() - t0, "time/logprobs_s": t_logprobs,
                 "memory/update_peak_gb": peak_memory_gb(dev)}
+
+    def _gap_metrics(self, update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """How far the rollout's sampled-token log-probs are from the update's recomputation
+        with the same weights, over all ranks (one rank per data-parallel replica counts)."""
+        gap = (update_logp - gen_logp).abs() * mask * float(self.policy.counts_stats)
+        stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
+                             gap.max() if gap.numel() else gap.new_zeros(())]).double()
+        gmax = stats[3:].clone()
+        dist.all_reduce(stats[:3])
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+        return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
+                "gap/tokens_differ": stats[2].item()}
 
     # ---- evaluation ------------------------------------------------------------------
 
