@@ -332,7 +332,8 @@ def test_args_validation_errors():
 @pytest.mark.parametrize("name", sorted(FLAVORS))
 def test_flavors_num_params(name):
     args = get_flavor(name)
-    model = Transformer(args)
+    with torch.device("meta"):  # the planning flavors (8B-70B) would not fit this machine's memory
+        model = Transformer(args)
     assert args.num_params() == sum(p.numel() for p in model.parameters())
     assert args.vocab_size >= 360  # fits build_char_tokenizer
 
