@@ -42,6 +42,12 @@ completion together; sampling stops there too), the episode ends with
 ``finish_reason="length"`` and ``info["truncated"] = 1``. The environment still
 steps on the last turn, so a final answer given in it is scored.
 
+Generation groups (``rollout.tp > 1``, parallel/generation_layout.py): every rank of a
+group runs the same generator steps, so all must take the same decisions. Only the
+leader resets episodes, submits steps and polls its pool; after each poll it broadcasts
+the outcomes that arrived, in order, and every rank applies them (`_GroupSteps`).
+The other ranks run no environment code and need no pool.
+
 Failures: an environment step that raises, hangs past the pool's timeout, or
 kills its worker becomes an error observation (``role: user``) for the policy and
 is counted (``env/env_errors``, ``env/env_timeouts``, ``env/env_crashes``); the
