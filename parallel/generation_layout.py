@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,16 @@ def make_layout(tp: int, vocab_parallel: bool = True) -> GenerationLayout:
     me = dist.get_rank() if dist.is_initialized() else 0
     group = new_groups([list(range(i, i + tp)) for i in range(0, world, tp)]) if tp > 1 else None
     return GenerationLayout(tp=tp, rank=me % tp, group=group, vocab_parallel=vocab_parallel, leader=me - me % tp)
+
+
+def from_leader(obj: Any, layout: GenerationLayout) -> Any:
+    """Collective over the generation group: the leader's ``obj`` (any picklable value) on every
+    rank; what the others pass is ignored. ``layout.tp = 1``: ``obj`` itself, no collective."""
+    if layout.tp == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=layout.leader, group=layout.group)
+    return box[0]
 
 
 def check_divisible(args: ModelArgs, tp: int) -> str | None:

@@ -2,7 +2,7 @@
 
 They live in an importable module, not in a test file, because spawned pool
 workers unpickle episodes by reference and must import their classes. Importing
-this module registers "sleepy" in ``ENVIRONMENTS``. It imports torch and the model
+this module registers "sleepy", "again" and "tool_pid" in ``ENVIRONMENTS``. It imports torch and the model
 code only inside the helpers that need them, so a worker that unpickles a sleepy
 episode starts in a fraction of a second.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl.envs.base import ENVIRONMENTS, Environment, Episode, Message, StepResult, row_messages
+from rl.envs.tool_env import ToolEnv, ToolEpisode
 
 
 class SleepyEnv(Environment):
@@ -100,10 +101,34 @@ class AgainEpisode(Episode):
         return StepResult([], done=True, reward=float(assistant_text.strip().startswith("2")))
 
 
+class PidToolEnv(ToolEnv):
+    """The "tool" environment (rl/envs/tool_env.py) that also appends, per step, the pid of the
+    process that submitted it (the env worker's parent; the worker itself when run inline) to
+    the file ``log``: which trainer rank ran the tools, and how often."""
+
+    name = "tool_pid"
+
+    def __init__(self, log: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.log = log
+
+    def new_episode(self) -> PidToolEpisode:
+        return PidToolEpisode(self)
+
+
+class PidToolEpisode(ToolEpisode):
+    def step(self, assistant_text: str) -> StepResult:
+        with open(self.env.log, "a") as f:  # one short line per write: appends do not interleave
+            f.write(f"{os.getppid()} {os.getpid()}\n")
+        return super().step(assistant_text)
+
+
 if "sleepy" not in ENVIRONMENTS:
     ENVIRONMENTS.register("sleepy")(SleepyEnv)
 if "again" not in ENVIRONMENTS:
     ENVIRONMENTS.register("again")(AgainEnv)
+if "tool_pid" not in ENVIRONMENTS:
+    ENVIRONMENTS.register("tool_pid")(PidToolEnv)
 
 if TYPE_CHECKING:
     import torch

@@ -140,7 +140,7 @@ class RLRecipe:
             self.teachers.check_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
         self.rm = self._reward_model() if cfg.reward.reward_model else None
         self.env_pool = None
-        if cfg.env.name:
+        if cfg.env.name and self.gen_copy.layout.rank == 0:  # a generation group's leader steps its environments
             from rl.workers.env_pool import EnvPool
 
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
@@ -174,9 +174,6 @@ class RLRecipe:
         reason = check_divisible(self.args, tp)
         if reason:
             raise ConfigError(f"rollout.tp: {reason}")
-        if tp > 1 and self.cfg.env.name:
-            raise ConfigError("rollout.tp: multi-turn episodes (env.name) generate with rollout.tp = 1 so far "
-                              "(a group's ranks would each run the environment)")
         layout = make_layout(tp, ro.vocab_parallel)
         if self.info.is_main and tp > 1:
             print(f"generation layout: {self.info.world_size // tp} group(s) of {tp} ranks "
@@ -259,9 +256,9 @@ class RLRecipe:
     def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
-        if self.env_pool is not None:
+        if self.cfg.env.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
-                                     seed=0, greedy=greedy, seeds=seeds)
+                                     seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
         return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
                                 max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
                                 layout=self.gen_copy.layout)

@@ -42,6 +42,12 @@ completion together; sampling stops there too), the episode ends with
 ``finish_reason="length"`` and ``info["truncated"] = 1``. The environment still
 steps on the last turn, so a final answer given in it is scored.
 
+Generation groups (``rollout.tp > 1``, parallel/generation_layout.py): every rank of a
+group runs the same generator steps, so all must take the same decisions. Only the
+leader resets episodes, submits steps and polls its pool; after each poll it broadcasts
+the outcomes that arrived, in order, and every rank applies them (`_GroupSteps`).
+The other ranks run no environment code and need no pool.
+
 Failures: an environment step that raises, hangs past the pool's timeout, or
 kills its worker becomes an error observation (``role: user``) for the policy and
 is counted (``env/env_errors``, ``env/env_timeouts``, ``env/env_crashes``); the
@@ -58,7 +64,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.tokenizer import Tokenizer
-from rl.envs.base import Episode, Message, StepResult, make_env, step_episode
+from parallel.generation_layout import GenerationLayout, from_leader
+from rl.envs.base import Environment, Episode, Message, StepResult, make_env, step_episode
 from rl.generator.engine import Generator
 from rl.generator.sequence import SamplingParams, Sequence
 from rl.rollout.types import RolloutSample
@@ -151,7 +158,6 @@ class _Ep:
     turns: int = 0
     turn_gen_start: int = 0  # seq.num_generated when the current turn began
     turn_token_start: int = 0  # index in seq.token_ids where the current turn began
-    ticket: int | None = None
     can_continue: bool = True  # the sequence may take another turn after this env step
     stop_reason: str | None = None  # why the sequence cannot continue ("stop" | "length" | "abort")
     ended_with_eot: bool = True
@@ -163,6 +169,50 @@ class _Ep:
         self.info[key] = self.info.get(key, 0.0) + value
 
 
+class _Steps:
+    """The environment steps of one rollout, on this rank's pool; outcomes keyed by episode index."""
+
+    def __init__(self, pool: EnvPool | None) -> None:
+        self.pool = pool
+        self.tickets: dict[int, int] = {}  # pool ticket -> episode index
+        self.runs_env = True  # this rank resets episodes and steps them
+
+    def shared(self, value: Any) -> Any:
+        """What the environment side decided (tp = 1: ``value`` itself)."""
+        return value
+
+    def submit(self, index: int, episode: Episode, content: str) -> None:
+        assert self.pool is not None
+        self.tickets[self.pool.submit(step_episode, episode, content)] = index
+
+    def poll(self, timeout: float | None) -> list[tuple[int, EnvOutcome]]:
+        """Finished steps of this rollout, in arrival order (others' tickets on a shared pool are dropped)."""
+        assert self.pool is not None
+        return [(self.tickets.pop(o.ticket), o) for o in self.pool.poll(timeout) if o.ticket in self.tickets]
+
+
+class _GroupSteps(_Steps):
+    """A generation group's steps: only the leader resets episodes, submits steps and polls its
+    pool; every rank takes what the leader saw, in its order, so the group's schedulers take
+    the same decisions. Each `poll` is a collective (a blocking one blocks the whole group)."""
+
+    def __init__(self, pool: EnvPool | None, layout: GenerationLayout) -> None:
+        super().__init__(pool)
+        self.layout, self.runs_env = layout, layout.rank == 0
+        if self.runs_env and pool is None:
+            raise ValueError("the leader of a generation group needs an EnvPool")
+
+    def shared(self, value: Any) -> Any:
+        return from_leader(value, self.layout)
+
+    def submit(self, index: int, episode: Episode, content: str) -> None:
+        if self.runs_env:
+            super().submit(index, episode, content)
+
+    def poll(self, timeout: float | None) -> list[tuple[int, EnvOutcome]]:
+        return from_leader(super().poll(timeout) if self.runs_env else None, self.layout)
+
+
 class _Rollout:
     """The bookkeeping of one `run_agentic_rollout` call."""
 
@@ -170,13 +220,13 @@ class _Rollout:
         self,
         generator: Generator,
         renderer: ChatRenderer,
-        pool: EnvPool,
+        steps: _Steps,
         *,
         max_turns: int,
         token_limit: int,
         max_turn_tokens: int | None,
     ) -> None:
-        self.gen, self.renderer, self.pool = generator, renderer, pool
+        self.gen, self.renderer, self.steps = generator, renderer, steps
         self.max_turns, self.token_limit, self.max_turn_tokens = (
             max_turns,
             token_limit,
@@ -184,7 +234,7 @@ class _Rollout:
         )
         self.eps: list[_Ep] = []
         self.generating: dict[int, _Ep] = {}  # seq_id -> episode being sampled
-        self.waiting: dict[int, _Ep] = {}  # ticket -> episode whose env step is in flight
+        self.waiting: dict[int, _Ep] = {}  # episode index -> episode whose env step is in flight
         self.unfinished = 0
         self.env_time = self.device_wait = 0.0
         self.env_steps = self.gen_steps = self.fallbacks = 0
@@ -224,14 +274,12 @@ class _Rollout:
         ep.messages.append({"role": "assistant", "content": content})
         ep.turns += 1
         ep.can_continue, ep.ended_with_eot = can_continue, eot
-        ep.ticket = self.pool.submit(step_episode, ep.episode, content)
-        self.waiting[ep.ticket] = ep
+        self.steps.submit(ep.index, ep.episode, content)
+        self.waiting[ep.index] = ep
 
     # ---- environment side -------------------------------------------------------------------
-    def on_outcome(self, out: EnvOutcome) -> None:
-        ep = self.waiting.pop(out.ticket, None)
-        if ep is None:
-            return  # not ours (a shared pool)
+    def on_outcome(self, index: int, out: EnvOutcome) -> None:
+        ep = self.waiting.pop(index)
         self.env_time += out.seconds
         self.env_steps += 1
         ep.add_info("env_time_s", out.seconds)
@@ -300,18 +348,18 @@ class _Rollout:
     def run(self) -> None:
         """Decode while anything is schedulable; block on environments only when nothing is."""
         while self.unfinished > 0:
-            for out in self.pool.poll(0.0):
-                self.on_outcome(out)
+            for index, out in self.steps.poll(0.0):
+                self.on_outcome(index, out)
             if self.gen.has_work():
                 self.gen.step()
                 self.gen_steps += 1
                 self.after_step()
             elif self.waiting:
                 t0 = time.perf_counter()
-                outs = self.pool.poll(None)
+                outs = self.steps.poll(None)
                 self.device_wait += time.perf_counter() - t0
-                for out in outs:
-                    self.on_outcome(out)
+                for index, out in outs:
+                    self.on_outcome(index, out)
             elif self.unfinished > 0:
                 raise RuntimeError(
                     f"agentic rollout stalled: {self.unfinished} episodes neither "
@@ -405,6 +453,47 @@ def _nth(params: SamplingParams, i: int) -> SamplingParams:
     return params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
 
 
+def _start_episodes(
+    r: _Rollout, env: Environment, rows: Seq[Mapping[str, Any]], n_samples: int,
+    sampling_params: SamplingParams, seeds: Seq[int] | None,
+) -> None:
+    """Reset ``n_samples`` episodes per row (on the group's leader) and add their prompts."""
+    gen, renderer, tokenizer = r.gen, r.renderer, r.renderer.tok
+    fresh = None
+    if r.steps.runs_env:
+        fresh = [[(ep, ep.reset(row)) for ep in [env.new_episode() for _ in range(n_samples)]] for row in rows]
+    started = r.steps.shared(fresh)  # [row][sample] -> (episode, initial messages)
+    for g, (row, pairs) in enumerate(zip(rows, started)):
+        initial = [m for _, m in pairs]
+        prompt_text, ids = renderer.prompt(initial[0])
+        eps = [
+            _Ep(len(r.eps) + i, g, row, episode, initial[i], list(initial[i]), prompt_text)
+            for i, (episode, _) in enumerate(pairs)
+        ]
+        r.eps += eps
+        base = sampling_params if seeds is None else dataclasses.replace(sampling_params, seed=seeds[g])
+        params = _turn_params(base, gen, tokenizer, renderer.eot_id, 0 if seeds is not None else g * n_samples)
+        if len(ids) + 1 > r.token_limit:
+            for ep in eps:  # a counted skip: no tokens to train on, never silently truncated
+                ep.prompt_ids = ids
+                ep.finish_reason = "length"
+                ep.add_info("prompt_too_long")
+                ep.add_info("truncated")
+            continue
+        same = all(m == initial[0] for m in initial)
+        seqs = (
+            gen.add(ids, params, n_samples)
+            if same
+            else [gen.add(renderer.prompt(m)[1], _nth(params, i))[0] for i, m in enumerate(initial)]
+        )
+        for ep, seq in zip(eps, seqs):
+            ep.seq, ep.turn_token_start = seq, seq.num_tokens
+            if not same:
+                ep.history_text = renderer.prompt(ep.initial)[0]
+            r.generating[seq.seq_id] = ep
+            r.unfinished += 1
+
+
 def run_agentic_rollout(
     generator: Generator,
     tokenizer: Tokenizer,
@@ -416,10 +505,11 @@ def run_agentic_rollout(
     *,
     max_turns: int,
     max_total_tokens: int,
-    pool: EnvPool,
+    pool: EnvPool | None,
     max_turn_tokens: int | None = None,
     end_of_turn_token: str | None = None,
     seeds: Seq[int] | None = None,
+    layout: GenerationLayout | None = None,
 ) -> tuple[list[RolloutSample], dict[str, float]]:
     """Play ``n_samples`` episodes of ``env_name`` per row; samples in (row, sample) order.
 
@@ -429,6 +519,9 @@ def run_agentic_rollout(
     environment gave none). ``pool`` serves one rollout at a time (outcomes of tickets
     this call did not submit are dropped). ``seeds``: one per row, its episodes sampled with
     seed + episode index (None: ``sampling_params.seed`` + the episode's slot in this call).
+    ``layout`` with ``tp > 1``: ``generator`` is the group's (every rank of the group calls,
+    with the same ``rows``); only the leader's ``pool`` runs the environment (the others may
+    pass None) and the leader's outcomes are broadcast (`_GroupSteps`).
     See the module docstring for the mechanics.
     """
     if n_samples < 1 or max_turns < 1 or max_total_tokens < 2:
@@ -441,46 +534,16 @@ def run_agentic_rollout(
     t0 = time.perf_counter()
     env = make_env(env_name, env_kwargs)
     eot = end_of_turn_id(tokenizer, end_of_turn_token)
-    renderer = ChatRenderer(tokenizer, env.tool_schemas(), eot)
-    limit = min(max_total_tokens, generator.scheduler.max_model_len)
+    steps = _GroupSteps(pool, layout) if layout is not None and layout.tp > 1 else _Steps(pool)
     r = _Rollout(
         generator,
-        renderer,
-        pool,
+        ChatRenderer(tokenizer, env.tool_schemas(), eot),
+        steps,
         max_turns=max_turns,
-        token_limit=limit,
+        token_limit=min(max_total_tokens, generator.scheduler.max_model_len),
         max_turn_tokens=max_turn_tokens,
     )
-    for g, row in enumerate(rows):
-        episodes = [env.new_episode() for _ in range(n_samples)]
-        initial = [ep.reset(row) for ep in episodes]
-        prompt_text, ids = renderer.prompt(initial[0])
-        eps = [
-            _Ep(len(r.eps) + i, g, row, episode, initial[i], list(initial[i]), prompt_text)
-            for i, episode in enumerate(episodes)
-        ]
-        r.eps += eps
-        base = sampling_params if seeds is None else dataclasses.replace(sampling_params, seed=seeds[g])
-        params = _turn_params(base, generator, tokenizer, eot, 0 if seeds is not None else g * n_samples)
-        if len(ids) + 1 > limit:
-            for ep in eps:  # a counted skip: no tokens to train on, never silently truncated
-                ep.prompt_ids = ids
-                ep.finish_reason = "length"
-                ep.add_info("prompt_too_long")
-                ep.add_info("truncated")
-            continue
-        same = all(m == initial[0] for m in initial)
-        seqs = (
-            generator.add(ids, params, n_samples)
-            if same
-            else [generator.add(renderer.prompt(m)[1], _nth(params, i))[0] for i, m in enumerate(initial)]
-        )
-        for ep, seq in zip(eps, seqs):
-            ep.seq, ep.turn_token_start = seq, seq.num_tokens
-            if not same:
-                ep.history_text = renderer.prompt(ep.initial)[0]
-            r.generating[seq.seq_id] = ep
-            r.unfinished += 1
+    _start_episodes(r, env, rows, n_samples, sampling_params, seeds)
     r.run()
     samples = [_sample(ep, tokenizer) for ep in r.eps]
     return samples, _metrics(r, time.perf_counter() - t0)

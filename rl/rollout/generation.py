@@ -263,16 +263,30 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
 
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
-                      pool: Any, *, seed: int, greedy: bool = False,
-                      seeds: list[int] | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
-    """n multi-turn episodes per prompt against ``ecfg.name`` (rl/rollout/agentic.py); the KV pool is freed on return."""
+                      pool: Any, *, seed: int, greedy: bool = False, seeds: list[int] | None = None,
+                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n multi-turn episodes per prompt against ``ecfg.name`` (rl/rollout/agentic.py); the KV pool is freed on return.
+
+    In a generation group (``layout.tp > 1``) the members' prompts are pooled as in
+    `generate_samples` (every rank calls, possibly with none); only the leader's ``pool``
+    steps the environments (the others may pass None); each rank gets its own prompts'
+    episodes back, and the ``env/*`` and ``rollout/*`` metrics of the whole group."""
     from rl.rollout.agentic import run_agentic_rollout
 
+    layout = layout or GenerationLayout()
+    pooled, start = pool_prompts(list(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), layout)
+    if not pooled:
+        return [], {}
     settings = generation_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)  # max_model_len: the episode cap
     (samples, env_metrics), metrics = _with_generator(
-        gen_model, tokenizer, settings, len(prompts) * n,
-        lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p in prompts], n,
+        gen_model, tokenizer, settings, len(pooled) * n,
+        lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p, _ in pooled], n,
                                         sampling_params(rcfg, greedy=greedy), max_turns=ecfg.max_turns,
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
-                                        max_turn_tokens=ecfg.max_turn_tokens, seeds=seeds))
-    return samples, {**env_metrics, **metrics}
+                                        max_turn_tokens=ecfg.max_turn_tokens,
+                                        seeds=None if seeds is None else [s for _, s in pooled], layout=layout),
+        layout)
+    mine = samples[start * n:(start + len(prompts)) * n]
+    for s in mine:
+        s.group -= start
+    return mine, {**env_metrics, **metrics}

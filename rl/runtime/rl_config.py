@@ -249,7 +249,7 @@ class EnvConfig:
     max_turns: int = 4  # assistant turns per episode
     max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
     max_turn_tokens: int | None = None  # sampled tokens per turn; none = up to rollout.max_tokens in all
-    num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes
+    num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes (on each generation group's first rank only)
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
 
     def validate(self) -> None:

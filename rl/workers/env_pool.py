@@ -205,6 +205,11 @@ class EnvPool:
             )
 
     @property
+    def submitted(self) -> int:
+        """Tasks submitted over the pool's life."""
+        return self._next_ticket
+
+    @property
     def num_pending(self) -> int:
         """Tasks submitted and not yet returned by ``poll``."""
         return len(self._queue) + sum(w.task is not None for w in self._workers) + len(self._done)

@@ -10,9 +10,14 @@ Two ranks under torchrun.
 * configs/quickstart_agentic.toml as shipped (the python tool in the sandbox,
   assets/agentic-policy): calling the tool is the only way to score, and RL must
   raise both the tool-call rate and the reward.
+* The same quickstart for three steps with rollout.tp = 2 (one generation group over
+  both ranks, the leader stepping the environments) and with rollout.tp = 1: it runs
+  to the end with finite metrics and samples the same episodes (same rewards and
+  lengths every step).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -70,3 +75,35 @@ def test_tool_use_raises_reward_with_the_python_tool(tmp_path):
     # and 0.19 -> 0.50 (first 3 vs last 3 steps); a sign-flipped loss stops calling the tool
     assert sum(tools[-3:]) / 3 > sum(tools[:3]) / 3 + 0.2, tools
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.15, reward
+
+
+@pytest.fixture(scope="module")
+def quickstart_tp(tmp_path_factory) -> dict[int, tuple[str, list[dict]]]:
+    """configs/quickstart_agentic.toml for 3 steps on 2 ranks, rollout.tp = 1 and 2: output, metrics."""
+    out = {}
+    for tp in (1, 2):
+        dump = tmp_path_factory.mktemp(f"agentic_tp{tp}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart_agentic.toml"),
+               f"--job.dump_folder={dump}", "--training.steps=3", f"--rollout.tp={tp}", "--rl.eval_prompts=4",
+               "--metrics.tensorboard=false", "--checkpoint.enable=false"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out[tp] = (r.stdout, [json.loads(line) for line in open(dump / "metrics.jsonl")])
+    return out
+
+
+def test_quickstart_agentic_in_a_generation_group(quickstart_tp):
+    said, rows = quickstart_tp[2]
+    assert "generation layout: 1 group(s) of 2 ranks" in said
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert row["env/episodes"] == 64 and row["env/env_errors"] == 0  # the group's 8 prompts x 8 episodes
+        assert row["gap/abs_mean"] < 1e-5
+    # the same episodes as rollout.tp = 1 (measured: equal rewards and lengths, grad norms to 2e-6 relative)
+    for a, b in zip(quickstart_tp[1][1], rows):
+        assert a["reward/total"] == b["reward/total"] and a["response/length_mean"] == b["response/length_mean"]
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
+    assert sum(row["env/tool_calls_per_episode"] for row in rows) > 0  # the tool ran
