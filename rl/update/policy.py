@@ -126,9 +126,9 @@ class FlatPolicy:
                 loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
                 self.routing.observe(self.model, mb)
                 router = router_loss(self.model) if mb.rows else None  # MoE: the router's losses, mean over
-                if router is not None:  # micro-batches (and, through FSDP2's averaging, over ranks)
-                    self.moe.observe(self.model)
-                    loss = loss + router / len(mbs)
+                if router is not None:  # micro-batches and over the data-parallel ranks: ``loss`` is this
+                    self.moe.observe(self.model)  # rank's share of a global sum, so its router term is 1/dp
+                    loss = loss + router / (len(mbs) * self.dp)
                 (loss * self.dp).backward()  # FSDP2 averages over dp ranks
                 if st:
                     sums += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
