@@ -1,7 +1,7 @@
 """torchrun worker for tests/runtime/test_plan.py: what a CPU run actually allocates, per layout.
 
 ``torchrun --standalone --nproc-per-node 2 tests/plan_worker.py --out F --layouts a,b`` builds, for
-each named training layout, the policy (rl/update/policy.py) and measures on every rank: the
+each named training layout (`LAYOUTS`, and `MOE_LAYOUTS` with an MoE model and parallel.ep), the policy (rl/update/policy.py) and measures on every rank: the
 local bytes of its parameter shards; the tensors one micro-batch's forward saves for backward
 (`saved_bytes`); gradient and AdamW state bytes after one optimizer step; the generation shard
 of `GenerationCopy.build()` (``reshard/gb``) for each generation degree; and the KV pool of a
@@ -51,9 +51,9 @@ LAYOUTS = {  # name -> (training degrees, activation checkpointing)
 MOE_ARGS = ARGS.replace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
                         norm_topk_prob=True, mlp_only_layers=[0])
 MOE_LAYOUTS = {  # name -> (training degrees, activation checkpointing, parallel.ep)
+    "moe_ep2_full": (Degrees(dp_shard=2), "full", 2),
     "moe_fsdp2": (Degrees(dp_shard=2), "none", 1),
     "moe_ep2": (Degrees(dp_shard=2), "none", 2),
-    "moe_ep2_full": (Degrees(dp_shard=2), "full", 2),
 }
 MICRO_BATCH_TOKENS, SEQ_LEN = 256, 48
 # the rollout's KV sizing: (kv_cache_gb, max_num_seqs, max_tokens): one limited by the budget, one by the sequences

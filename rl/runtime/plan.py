@@ -37,7 +37,13 @@ from parallel.mesh import Degrees
 from parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from rl.generator.kv_cache import KVCache
 from rl.runtime.configlib import ConfigError
-from rl.runtime.plan_moe import dispatch_transient, ep_cast_bytes, ffn_saved_per_token, is_expert, moe_layer_count
+from rl.runtime.plan_moe import (
+    dispatch_transient,
+    ep_cast_bytes,
+    ffn_saved_per_token,
+    is_expert,
+    moe_layer_count,
+)
 
 GB = 1e9
 USABLE = 0.9  # share of a device a plan may fill (choose_rollout_tp keeps the same)
@@ -462,9 +468,8 @@ def target(cfg: Any) -> tuple[int, int, float]:
 
 
 def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: float) -> Layout:
-    from rl.update.policy import check_layout
-
     from rl.runtime.modeling import check_moe_layout
+    from rl.update.policy import check_layout
 
     d = cfg.parallel.resolve(world)
     check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule)
