@@ -144,6 +144,25 @@ FLAVORS: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         max_position_embeddings=8192,
     ),
+    # Qwen3-30B-A3B: its config.json (Qwen3MoeForCausalLM: 48 layers, hidden 2048, 32 q / 4 kv heads,
+    # head_dim 128, 128 experts of moe_intermediate_size 768, 8 per token, norm_topk_prob, every
+    # layer MoE (intermediate_size 6144 unused), vocab 151936, untied, rope_theta 1e6, 40960 positions).
+    "qwen3-30b-a3b": ModelArgs(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
 }
 
 

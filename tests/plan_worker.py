@@ -1,7 +1,7 @@
 """torchrun worker for tests/runtime/test_plan.py: what a CPU run actually allocates, per layout.
 
 ``torchrun --standalone --nproc-per-node 2 tests/plan_worker.py --out F --layouts a,b`` builds, for
-each named training layout, the policy (rl/update/policy.py) and measures on every rank: the
+each named training layout (`LAYOUTS`, and `MOE_LAYOUTS` with an MoE model and parallel.ep), the policy (rl/update/policy.py) and measures on every rank: the
 local bytes of its parameter shards; the tensors one micro-batch's forward saves for backward
 (`saved_bytes`); gradient and AdamW state bytes after one optimizer step; the generation shard
 of `GenerationCopy.build()` (``reshard/gb``) for each generation degree; and the KV pool of a
@@ -46,6 +46,14 @@ LAYOUTS = {  # name -> (training degrees, activation checkpointing)
     "fsdp2_full": (Degrees(dp_shard=2), "full"),
     "tp2": (Degrees(tp=2), "none"),
     "pp2": (Degrees(pp=2), "none"),
+}
+# a Qwen3-MoE of about the same size: 8 experts (2 per token) in layers 1-3, layer 0 dense
+MOE_ARGS = ARGS.replace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                        norm_topk_prob=True, mlp_only_layers=[0])
+MOE_LAYOUTS = {  # name -> (training degrees, activation checkpointing, parallel.ep)
+    "moe_ep2_full": (Degrees(dp_shard=2), "full", 2),
+    "moe_fsdp2": (Degrees(dp_shard=2), "none", 1),
+    "moe_ep2": (Degrees(dp_shard=2), "none", 2),
 }
 MICRO_BATCH_TOKENS, SEQ_LEN = 256, 48
 # the rollout's KV sizing: (kv_cache_gb, max_num_seqs, max_tokens): one limited by the budget, one by the sequences
@@ -111,13 +119,20 @@ def _loss_inputs(batch: list[RolloutSample], policy) -> tuple[LossInputs, LossSp
     return inp, spec, make_norm(mask), width
 
 
+def layout_spec(name: str) -> tuple[ModelArgs, Degrees, str, int]:
+    """(model, training degrees, activation checkpointing, parallel.ep) of a named layout."""
+    if name in MOE_LAYOUTS:
+        return (MOE_ARGS, *MOE_LAYOUTS[name])
+    return (ARGS, *LAYOUTS[name], 1)
+
+
 def run_layout(name: str) -> dict:
-    degrees, ac = LAYOUTS[name]
+    args, degrees, ac, ep = layout_spec(name)
     dev = torch.device("cpu")
     mesh = build_mesh(degrees, dev)
-    policy = build_policy(ARGS, mesh, dev, pp_schedule="1F1B", pp_microbatches=0, seq_len=SEQ_LEN,
+    policy = build_policy(args, mesh, dev, pp_schedule="1F1B", pp_microbatches=0, seq_len=SEQ_LEN,
                           micro_batch_tokens=MICRO_BATCH_TOKENS, chunk_tokens=64, path=None, seed=5,
-                          spec=BuildSpec(activation_checkpoint=ac), is_main=dist.get_rank() == 0)
+                          spec=BuildSpec(activation_checkpoint=ac, ep=ep), is_main=dist.get_rank() == 0)
     batch = samples()
     rec: dict = {"params": sum(held(p)[0].numel() * 4 for p in policy.parameters())}
     if degrees.pp == 1:  # the flat policy: one packed micro-batch through the training forward
@@ -139,7 +154,7 @@ def run_layout(name: str) -> dict:
     policy.eval()
     for g in (1, 2):
         layout = make_layout(g, True)
-        gen_model, metrics = GenerationCopy(policy.state_module, ARGS, layout, dev).build(inference=False)
+        gen_model, metrics = GenerationCopy(policy.state_module, args, layout, dev).build(inference=False)
         rec[f"shard_{g}"] = metrics["reshard/gb"] * 1e9
         for j, (kv_gb, seqs, max_tokens) in enumerate(KV_CASES):
             settings = generation_settings(RolloutConfig(kv_cache_gb=kv_gb, max_num_seqs=seqs, max_tokens=max_tokens,

@@ -118,24 +118,31 @@ class BuildSpec:
                    compile=parallel.compile, ep=parallel.ep)
 
 
+def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
+    """One line (ConfigError) unless the degrees ``sizes`` (dp_shard, tp, pp, dp_replicate) and
+    ``parallel.ep`` suit the model: an MoE model runs with tp = pp = 1 so far; EP as
+    parallel/expert_parallel.py's `validate_ep` says."""
+    from parallel.expert_parallel import validate_ep
+    from rl.runtime.config import ConfigError
+
+    if getattr(args, "num_experts", 0) and (sizes["tp"] > 1 or sizes["pp"] > 1):
+        raise ConfigError(f"parallel: a mixture-of-experts model runs with tp = pp = 1 so far (tp={sizes['tp']}, "
+                          f"pp={sizes['pp']}); use parallel.ep for its experts")
+    try:
+        validate_ep(args, ep, **{a: sizes[a] for a in ("dp_shard", "tp", "pp", "dp_replicate")})
+    except ValueError as e:
+        raise ConfigError(f"parallel.ep: {e}") from None
+
+
 def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: BuildSpec, *,
                       trainable: bool = True, tp: bool = True) -> nn.Module:
     """Every model Tandem trains or scores goes through here, on the meta device: TP (when
     ``tp`` and the mesh has a TP axis > 1), activation checkpointing (trainable models),
     compile, and FSDP2 by the one rule of `parallel.parallelize`. CPU computes in float32."""
-    from parallel.expert_parallel import validate_ep
     from parallel.parallelize import parallelize
-    from rl.runtime.config import ConfigError
 
-    args = getattr(model, "args", None)
-    sizes = {a: mesh[a].size() for a in ("dp_shard", "tp", "pp", "dp_replicate")}
-    if getattr(args, "num_experts", 0) and (sizes["tp"] > 1 or sizes["pp"] > 1):
-        raise ConfigError(f"parallel: a mixture-of-experts model runs with tp = pp = 1 so far (tp={sizes['tp']}, "
-                          f"pp={sizes['pp']}); use parallel.ep for its experts")
-    try:
-        validate_ep(args, spec.ep, **sizes)
-    except ValueError as e:
-        raise ConfigError(f"parallel.ep: {e}") from None
+    check_moe_layout(getattr(model, "args", None), spec.ep, {a: mesh[a].size() for a in
+                                                             ("dp_shard", "tp", "pp", "dp_replicate")})
     on_gpu = device.type != "cpu"
     return parallelize(model, mesh, tp_enabled=tp, ac=spec.activation_checkpoint if trainable else "none",
                        compile=spec.compile, param_dtype=spec.param_dtype if on_gpu else "float32",

@@ -37,6 +37,13 @@ from parallel.mesh import Degrees
 from parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from rl.generator.kv_cache import KVCache
 from rl.runtime.configlib import ConfigError
+from rl.runtime.plan_moe import (
+    dispatch_transient,
+    ep_cast_bytes,
+    ffn_saved_per_token,
+    is_expert,
+    moe_layer_count,
+)
 
 GB = 1e9
 USABLE = 0.9  # share of a device a plan may fill (choose_rollout_tp keeps the same)
@@ -45,9 +52,11 @@ DEFAULT_DEVICE_GB = 80.0
 
 @dataclass(frozen=True)
 class Layout(Degrees):
-    """The update's mesh degrees (parallel/mesh.py) and the generation layout's degree."""
+    """The update's mesh degrees (parallel/mesh.py), the expert-parallel degree (1, or dp_shard
+    for an MoE model) and the generation layout's degree."""
 
     rollout_tp: int = 1
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -55,11 +64,14 @@ class Layout(Degrees):
 
     def describe(self) -> str:
         dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
-        return f"{self.world} ranks: pp={self.pp} {dp} tp={self.tp}, rollout.tp={self.rollout_tp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"{self.world} ranks: pp={self.pp} {dp} tp={self.tp}{ep}, rollout.tp={self.rollout_tp}"
 
-    def overrides(self) -> str:
+    def overrides(self, moe: bool = False) -> str:
+        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model)."""
+        ep = f" --parallel.ep={self.ep}" if moe or self.ep > 1 else ""
         return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} --parallel.dp_shard={self.dp_shard} "
-                f"--parallel.tp={self.tp} --rollout.tp={self.rollout_tp}")
+                f"--parallel.tp={self.tp}{ep} --rollout.tp={self.rollout_tp}")
 
 
 @dataclass(frozen=True)
@@ -188,7 +200,8 @@ def rank_kinds(args: ModelArgs, layout: Layout, schedule: str) -> list[tuple[str
 
 
 def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dtype, ac: str, tp: int = 1, *,
-                     first: bool = True, last: bool = True, vocab_parallel_head: bool | None = None) -> float:
+                     first: bool = True, last: bool = True, vocab_parallel_head: bool | None = None,
+                     moe_layers: int | None = None, ep: int = 1) -> float:
     """Bytes saved for backward by one micro-batch of ``tokens`` through ``layers`` blocks.
 
     Per block and token, what autograd keeps (counted from the ops in models/transformer.py;
@@ -199,7 +212,9 @@ def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dty
     SwiGLU gate, up, silu and product. ``full`` checkpointing keeps a block's input;
     ``selective`` (parallel/ac.py) its matmul and attention outputs and TP collectives.
     The head: ids, the final norm, and either the completion hidden states of the chunked
-    log-prob path or (TP, vocab-parallel) the logits shard and its fp32 log-softmax."""
+    log-prob path or (TP, vocab-parallel) the logits shard and its fp32 log-softmax.
+    ``moe_layers`` of the ``layers`` (default: those among the first ``layers``) have an MoE
+    feed-forward instead of SwiGLU, counted by rl/runtime/plan_moe.py (``ep``: its degree)."""
     c, d, hd = _elem(dtype), args.hidden_size, args.head_dim
     q, k, i = args.num_heads * hd / tp, args.num_kv_heads * hd / tp, args.intermediate_size / tp
     hq, hk = args.num_heads / tp, args.num_kv_heads / tp
@@ -209,16 +224,18 @@ def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dty
         return (8 * n if c == 4 else 6 * n) + 4 * rows
 
     if ac == "full":
-        per_layer = c * d / sp
-    elif ac == "selective":
-        per_layer = c * d / sp + c * (q + 2 * k) + c * q + 4 * hq + c * 2 * i + 2 * c * d
+        per_layer, ffn = c * d / sp, 0.0
+    elif ac == "selective":  # the feed-forward's part: gate / up and down outputs
+        per_layer, ffn = c * d / sp + c * (q + 2 * k) + c * q + 4 * hq + c * d, c * 2 * i + c * d
         if tp > 1:
             per_layer += 2 * c * d / tp  # the reduce-scatter outputs, kept too
     else:
-        per_layer = 2 * (norm(d) / sp + c * d) + c * (q + 2 * k) + 2 * c * q + 4 * hq + 4 * c * i
+        per_layer, ffn = 2 * (norm(d) / sp + c * d) + c * (q + 2 * k) + 2 * c * q + 4 * hq, 4 * c * i
         if args.qk_norm:
             per_layer += norm(q, hq) + norm(k, hk)
-    total = layers * per_layer + 2 * c * hd  # rope cos / sin, shared by the blocks
+    n_moe = moe_layer_count(args, range(layers)) if moe_layers is None else moe_layers
+    moe = ffn_saved_per_token(args, c, ac, tp, ep) if n_moe else 0.0
+    total = layers * per_layer + (layers - n_moe) * ffn + n_moe * moe + 2 * c * hd  # + rope cos / sin
     if first:
         total += 8  # token ids (embedding)
     if last:
@@ -227,7 +244,7 @@ def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dty
             total += norm(d) / sp + c * d + (c + 4) * v  # gathered hidden, logits shard, fp32 log-softmax
         else:
             total += norm(d) / sp + c * d + 24  # completion hidden states (all tokens, at most), index, targets, stats
-    return tokens * total
+    return tokens * total + (n_moe * ep_cast_bytes(args, c, ep) if ac == "none" else 0)
 
 
 class Planner:
@@ -245,19 +262,22 @@ class Planner:
         return layout.dp_replicate * layout.dp_shard > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
 
     def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "") -> int:
-        """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps)."""
+        """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps); under EP the
+        experts are this rank's ``E / ep`` of them (a DTensor Shard(0), outside FSDP2)."""
         fsdp = layout.dp_shard if self.fsdp_applied(layout) else 1
         held = _held_names(self.shapes, self.args, stages)
-        return 4 * sum(_local_numel(n, s, layout.tp, fsdp) for n, s in held if not (skip and n.startswith(skip)))
+        return 4 * sum(_local_numel(n, s, layout.tp, layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
+                       for n, s in held if not (skip and n.startswith(skip)))
 
     def unsharded_transient(self, layout: Layout, stages: list[list[int]] | None) -> int:
         """FSDP2's gathered copies while computing: the root's (embedding, head) for the whole
         forward, two blocks (the one computing and the one prefetched) and one block's
-        unsharded gradients before their reduce-scatter."""
+        unsharded gradients before their reduce-scatter. Under EP the experts are not FSDP2's
+        (the tokens travel to them: `plan_moe.dispatch_transient`); with ep = 1 they are gathered."""
         if not self.fsdp_applied(layout):
             return 0
         c, red = _elem(self.s.compute_dtype), _elem(self.s.reduce_dtype)
-        held = _held_names(self.shapes, self.args, stages)
+        held = [(n, s) for n, s in _held_names(self.shapes, self.args, stages) if not (layout.ep > 1 and is_expert(n))]
         root = sum(_local_numel(n, s, layout.tp, 1) for n, s in held if _layer(n) is None)
         blocks: dict[int, int] = {}
         for n, s in held:
@@ -304,18 +324,21 @@ class Planner:
         s, args = self.s, self.args
         params = self.param_bytes(layout, stages)
         on_device = 0 if s.cpu_offload else params  # FSDP2 CPU offload: shards and steps on the host
-        layers = args.num_layers if stages is None else sum(len(x) for x in stages)
-        first = stages is None or any(0 in x for x in stages)
-        last = stages is None or any(args.num_layers - 1 in x for x in stages)
+        mine = list(range(args.num_layers)) if stages is None else [i for x in stages for i in x]
+        n_moe = moe_layer_count(args, mine)
+        first, last = 0 in mine, args.num_layers - 1 in mine
         tokens, in_flight = self.micro_batch(layout)
-        act = activation_bytes(args, tokens, layers, s.compute_dtype, s.ac, layout.tp, first=first, last=last,
-                               vocab_parallel_head=layout.tp > 1 or layout.pp > 1)
+        act = activation_bytes(args, tokens, len(mine), s.compute_dtype, s.ac, layout.tp, first=first, last=last,
+                               vocab_parallel_head=layout.tp > 1 or layout.pp > 1, moe_layers=n_moe, ep=layout.ep)
         update = {"parameters": on_device, "gradients": on_device, "optimizer state": 2 * on_device,
                   "FSDP2 unsharded (transient)": self.unsharded_transient(layout, stages),
                   "activations": act * in_flight}
         if s.ac != "none":  # backward recomputes one block with nothing checkpointed
-            one = activation_bytes(args, tokens, 1, s.compute_dtype, "none", layout.tp, first=False, last=False)
+            one = activation_bytes(args, tokens, 1, s.compute_dtype, "none", layout.tp, first=False, last=False,
+                                   moe_layers=min(1, n_moe), ep=layout.ep)
             update["recomputed block (transient)"] = one
+        if n_moe:
+            update["MoE dispatch (transient)"] = dispatch_transient(args, tokens, _elem(s.compute_dtype), layout.ep)
         if last and layout.tp == 1 and layout.pp == 1:
             update["log-prob chunk (transient)"] = 2 * s.chunk_tokens * args.vocab_size * 4
         extra = 0
@@ -359,7 +382,12 @@ class Planner:
         return fits[-1]
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
-        """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node), least model parallelism first."""
+        """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node), least model parallelism
+        first; an MoE model's: FSDP2 over them all (tp = pp = 1 so far), without EP, then with
+        ep = dp_shard where that divides the experts (parallel/expert_parallel.py's rule)."""
+        if self.args.is_moe:
+            eps = [1] + ([world] if world > 1 and self.args.num_experts % world == 0 else [])
+            return [Layout(dp_shard=world, ep=ep) for ep in eps]
         per = SCHEDULES[self.s.pp_schedule][1]
         out = []
         for tp in range(1, min(world, devices_per_node) + 1):
@@ -440,11 +468,13 @@ def target(cfg: Any) -> tuple[int, int, float]:
 
 
 def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: float) -> Layout:
+    from rl.runtime.modeling import check_moe_layout
     from rl.update.policy import check_layout
 
     d = cfg.parallel.resolve(world)
     check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule)
-    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"])
+    check_moe_layout(planner.args, cfg.parallel.ep, d)
+    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=cfg.parallel.ep)
     g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1)
     if world % g:
         raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")
@@ -500,7 +530,7 @@ def run_plan(cfg: Any) -> int:
         print(f"smallest layout that fits: {smallest[0].describe()} (peak {smallest[1] / GB:.1f} GB)")
     if best:
         print(f"least model parallelism that fits on {world} ranks: {best[0].describe()} (peak {best[1] / GB:.1f} GB)"
-              f"\n  {best[0].overrides()}")
+              f"\n  {best[0].overrides(moe=args.is_moe)}")
     if fits:
         print(f"fits: peak {worst.peak / GB:.1f} GB ({worst.kind}, {worst.peak_phase()} phase)")
         return errors.EXIT_OK

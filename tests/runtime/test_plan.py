@@ -43,16 +43,20 @@ def _close(planned: float, measured: float, tol: float, what: str) -> None:
     assert abs(planned - measured) <= tol * measured, f"{what}: planned {planned:.0f}, measured {measured:.0f}"
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("plan") / "plan.pt"
+def run_worker(out: Path, layouts: list[str]) -> dict:
+    """tests/plan_worker.py's records of ``layouts`` (one torchrun launch, 2 CPU ranks)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "tests" / "plan_worker.py"),
-           "--out", str(out), "--layouts", ",".join(W.LAYOUTS)]
+           "--out", str(out), "--layouts", ",".join(layouts)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
         raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    return run_worker(tmp_path_factory.mktemp("plan") / "plan.pt", list(W.LAYOUTS))
 
 
 @pytest.mark.parametrize("name", list(W.LAYOUTS))
