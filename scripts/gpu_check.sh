@@ -9,7 +9,10 @@
 #      (the one-pass noise) (bench/grpo_step.py);
 #   6. the generator against transformers `generate`, with a row for the rollout copy's layout;
 #   7. (part "profile", not in the default PARTS) one decode step at Qwen3-1.7B and 8B shapes, batch
-#      64 and 256, by kernel class against its weight-read floor (bench/decode_profile.py).
+#      64 and 256, by kernel class against its weight-read floor (bench/decode_profile.py);
+#   8. (parts "moe" and "reshard", not yet run on a GPU, so not in the default PARTS) the MoE grouped
+#      GEMM and layer against per-expert loops in bf16 (bench/moe.py), and the move into the
+#      generation copy at Qwen3-1.7B shapes on one GPU against the full gather (bench/reshard.py).
 # A part that fails or runs out of time is reported and the next one runs. On an H200 the
 # default parts other than noise and grpo-triton (added after that run) took 6 minutes; the
 # limits below add up to more. The logs are 8 files at most (what a device call returns).
@@ -51,7 +54,8 @@ part() {  # part NAME SECONDS LOG CMD...
 }
 
 part tests 130 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${TESTS:-tests/kernels/test_paged_attention.py \
-  tests/kernels/test_logprobs_kernel.py tests/generator/test_generator.py tests/generator/test_sampler.py}
+  tests/kernels/test_logprobs_kernel.py tests/generator/test_generator.py tests/generator/test_sampler.py \
+  tests/kernels/test_grouped_gemm.py}
 [[ -f "$out/tests.log" ]] && echo "tests: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -1)"
 
 part attention 60 attention.log "$PY" -m bench.paged_attention
@@ -79,3 +83,8 @@ part generate 80 generate.log "$PY" -m bench.generate --device cuda --dtype bflo
 # Not in the default PARTS: PARTS="profile" bash scripts/gpu_check.sh
 part profile 150 profile.log bash -c "for s in qwen3-1.7b qwen3-8b; do for b in 64 256; do \
   $PY -m bench.decode_profile --shape \$s --batch \$b --device cuda --dtype bfloat16 --cuda-graphs; done; done"
+
+# Mixture of experts and the generation-layout reshard (issues 23, 24). Not in the default PARTS:
+#   PARTS="moe reshard" bash scripts/gpu_check.sh
+part moe 90 moe.log "$PY" -m bench.moe --device cuda --dtype bfloat16
+part reshard 120 reshard.log "$PY" bench/reshard.py --device cuda --size 1.7b --nproc 1
