@@ -134,14 +134,17 @@ def run_layout(name: str) -> dict:
         del gen_model
         gc.collect()
         after = live_tensor_bytes()
+        # what the rollout hands to the update stays: an MoE sample's recorded routing [C, L, k] int16
+        kept = sum(s.routing.untyped_storage().nbytes() for s in greedy + sampled if s.routing is not None)
         mask, gen_logp, width = completion_tensors(sampled, dev)
         update_logp = policy.logprobs(sampled, width)
         gap = ((update_logp - gen_logp).abs() * mask).max().item()
         rec = {"greedy": {s.row["id"]: s.completion_ids for s in greedy}, "gap": gap,
                "over": max(peaks, default=before) - before, "shard": shard_bytes(args, layout, torch.float32),
-               "after_minus_before": after - before, "sent": metrics["reshard/sent_gb"] * 1e9,
+               "after_minus_before": after - before, "samples_bytes": kept, "sent": metrics["reshard/sent_gb"] * 1e9,
                "collectives": metrics["reshard/collectives"], "seconds": metrics["reshard/seconds"],
                "buffer_peak": metrics["reshard/buffer_peak_gb"] * 1e9}
+        del greedy, sampled, mask, gen_logp, update_logp  # the next degree's "before" must not hold them
         recs: list = [None] * world
         dist.all_gather_object(recs, rec)
         out[(g, vocab_parallel)] = recs

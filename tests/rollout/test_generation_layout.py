@@ -77,10 +77,11 @@ def test_generation_layout_greedy_tokens_and_logprobs(results, layout, g, vocab_
 def test_reshard_stays_within_shard_plus_bucket(results, layout, g, vocab_parallel):
     """No rank holds more than its generation shard plus one bucket during the move (the model
     is ~4.2 MB: a full gather, or a full copy on a tp = 2 rank, would break the bound), and the
-    copy leaves nothing alive once it is dropped (the update phase starts where it would have)."""
+    copy leaves nothing alive once it is dropped but the samples' own data (an MoE sample's
+    routing): the update phase starts where it would have."""
     for rec in results["layouts"][layout][(g, vocab_parallel)]:
         assert rec["over"] <= rec["shard"] + BUCKET, rec
-        assert rec["after_minus_before"] == 0
+        assert rec["after_minus_before"] == rec["samples_bytes"]  # 0 for a dense model
         assert rec["buffer_peak"] <= BUCKET
     if g == 2 and "moe" not in layout:
         full = shard_bytes(_ARGS, GenerationLayout(), torch.float32)

@@ -81,7 +81,7 @@ def every_field_changed() -> Config:
         training=TrainingConfig(recipe="rl", steps=20, batch_size=16, micro_batch_size=4, mixed_precision_param="float32",
                                 mixed_precision_reduce="bfloat16", eval_interval=3),
         parallel=ParallelConfig(dp_replicate=2, dp_shard=4, tp=2, pp=2, pp_schedule="GPipe", pp_microbatches=8,
-                                activation_checkpoint="selective", compile=True, cpu_offload=True),
+                                activation_checkpoint="selective", compile=True, cpu_offload=True, ep=4),
         checkpoint=CheckpointConfig(enable=False, interval=7, folder="ckpt", keep_last=5, resume=False,
                                     export_hf_at_end=False, async_save=True, model_only=True, overwrite=True),
         metrics=MetricsConfig(log_interval=10, tensorboard=False, jsonl=False, samples_per_step=2),
