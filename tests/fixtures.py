@@ -152,3 +152,16 @@ def trainer_unaffected() -> Iterator[None]:
     assert environ() == env
     assert {r: resource.getrlimit(r) for r in limits} == limits
     assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True).stdout == b"1\n"
+
+
+def launch_worker(worker: str | Path, nproc: int, out: str | Path, *args: str, timeout: float = 400) -> Any:
+    """Run a torchrun worker script on ``nproc`` CPU ranks (gloo) and load what it saved to ``out``
+    (torch.save); a failing launch raises with the end of its output."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(worker),
+           "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return torch.load(out, weights_only=False)

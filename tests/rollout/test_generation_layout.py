@@ -11,9 +11,6 @@ shard plus one bucket; and nothing may stay alive once the copy is dropped.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from parallel.generation_layout import (
     split_dim,
 )
 from parallel.reshard import Box, Resharder, _bucket, _Move
+from tests.fixtures import launch_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "generation_worker.py"
@@ -35,13 +33,7 @@ BUCKET = 256 << 10  # tests/generation_worker.py BUCKET
 
 
 def _launch(nproc: int, layouts: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
-           "--out", str(out), "--layouts", ",".join(layouts)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return torch.load(out, weights_only=False)
+    return launch_worker(WORKER, nproc, out, "--layouts", ",".join(layouts))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from rl.runtime import errors
 from rl.runtime.plan import Layout, Planner, Settings, activation_bytes
 from rl.update.loss import pack_micro_batches, token_logprobs
 from tests import plan_worker as W
+from tests.fixtures import launch_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT, ACT = 0.05, 0.25
@@ -45,13 +46,7 @@ def _close(planned: float, measured: float, tol: float, what: str) -> None:
 
 def run_worker(out: Path, layouts: list[str]) -> dict:
     """tests/plan_worker.py's records of ``layouts`` (one torchrun launch, 2 CPU ranks)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "tests" / "plan_worker.py"),
-           "--out", str(out), "--layouts", ",".join(layouts)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return torch.load(out, weights_only=False)
+    return launch_worker(ROOT / "tests" / "plan_worker.py", 2, out, "--layouts", ",".join(layouts), timeout=240)
 
 
 @pytest.fixture(scope="module")
