@@ -1,0 +1,137 @@
+"""``rl.exact`` on the Triton path: the batch-invariant Triton matmul against torch, its
+invariance to the batch, exact mode routing ``nn.Linear`` to it, and the device-agnostic
+reductions (tree logsumexp, exact attention, RMSNorm) checked for invariance on the device.
+
+Without CUDA the kernel runs under the interpreter; as in test_grouped_gemm.py, if triton
+was imported before ``TRITON_INTERPRET`` was set, the in-process Triton tests are skipped
+and `test_all_in_clean_subprocess` runs this file in a fresh interpreter. On CUDA the same
+tests check the GPU (scripts/gpu_check.sh, part ``exact``): there the matmul is ``tl.dot``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kernels import batch_invariant as bi  # noqa: E402
+from kernels.dispatch import triton_available, triton_interpreting  # noqa: E402
+from models.transformer import RMSNorm  # noqa: E402
+
+if triton_available() and not torch.cuda.is_available():
+    import triton.language  # noqa: E402, F401  (decorated for the interpreter if we came first)
+IN_PROCESS = torch.cuda.is_available() or triton_interpreting()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NEIGHBOURS = (1, 7, 63)
+
+
+@pytest.fixture(autouse=True)
+def _needs_usable_triton(request: pytest.FixtureRequest) -> None:
+    if "triton" in request.node.name and not IN_PROCESS:
+        pytest.skip("triton was imported before TRITON_INTERPRET was set; covered by test_all_in_clean_subprocess")
+
+
+def test_all_in_clean_subprocess() -> None:
+    if IN_PROCESS:
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _tk():  # noqa: ANN202 - module object
+    from kernels import triton_batch_invariant
+
+    return triton_batch_invariant
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _batch_around(row: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, int]:
+    """``row [1, ...]`` at position k // 2 among ``k`` random neighbours: ``([k + 1, ...], position)``."""
+    others = _randn(k, *row.shape[1:], seed=seed, dtype=row.dtype) * 3
+    return torch.cat([others[: k // 2], row, others[k // 2:]]), k // 2
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within the dtype's rounding of the fp64 result: bf16 allows a whole ulp (2**-7 relative),
+    as the interpreter rounds fp32 to bf16 by truncation (34.2459 gave 34.0, not 34.25)."""
+    atol, rtol = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3), torch.bfloat16: (2e-2, 2**-7)}[got.dtype]
+    assert ((got.double() - want).abs() <= atol + rtol * want.abs()).all(), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matmul_matches_torch(dtype):
+    """``x @ w.T (+ b)`` with ragged M, N, K (none a multiple of a tile), the linear layout
+    (``w.T`` a transposed view) and a contiguous ``b``, against fp64 torch."""
+    tk = _tk()
+    x, w, b = _randn(70, 100, seed=0, dtype=dtype), _randn(90, 100, seed=1, dtype=dtype), _randn(90, seed=2, dtype=dtype)
+    ref = x.double() @ w.double().T
+    got = tk.matmul(x, w.T)
+    assert got.dtype == dtype and got.shape == (70, 90)
+    _close(got, ref)
+    _close(tk.matmul(x, w.T.contiguous(), b, alpha=0.5, beta=2.0), 0.5 * ref + 2.0 * b.double())
+    full_bias = _randn(70, 90, seed=3, dtype=dtype)  # addmm's [M, N] self
+    _close(tk.matmul(x, w.T, full_bias), ref + full_bias.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
+    """Each of 70 rows computed alone equals its row of the 70-row product, and one row alone
+    equals itself among 1, 7 and 63 random neighbours (a different position in its tile
+    each time): identical bits."""
+    tk = _tk()
+    x, w, b = _randn(70, 100, seed=4, dtype=dtype), _randn(130, 100, seed=5, dtype=dtype), _randn(130, seed=6, dtype=dtype)
+    batched = tk.matmul(x, w.T, b)
+    alone = torch.cat([tk.matmul(x[i:i + 1], w.T, b) for i in range(70)])
+    assert torch.equal(alone, batched)
+    target = _randn(1, 100, seed=7, dtype=dtype)
+    ref = tk.matmul(target, w.T, b)
+    for k in NEIGHBOURS:
+        batch, at = _batch_around(target, k, seed=10 + k)
+        assert torch.equal(tk.matmul(batch, w.T, b)[at:at + 1], ref), k
+
+
+# ---- the reductions without a Triton form: invariant by construction on any device ---------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reductions_rows_do_not_depend_on_the_batch(dtype):
+    """Tree logsumexp over a 151936-wide vocabulary, RMSNorm and the exact attention: one row
+    alone and among 1, 7 and 63 neighbours, on this device (CUDA in scripts/gpu_check.sh)."""
+    z = _randn(1, 151936, seed=20) * 4
+    norm = RMSNorm(2048, 1e-6).to(DEVICE, dtype)
+    norm.weight.data = _randn(2048, seed=21, dtype=dtype)
+    h = _randn(1, 2048, seed=22, dtype=dtype)
+    lse, normed = bi.logsumexp(z), norm(h)
+    torch.testing.assert_close(lse, torch.logsumexp(z.double(), -1).float())
+    for k in NEIGHBOURS:
+        batch, at = _batch_around(z, k, seed=30 + k)
+        assert torch.equal(bi.logsumexp(batch)[at:at + 1], lse), k
+        batch, at = _batch_around(h, k, seed=40 + k)
+        assert torch.equal(norm(batch)[at:at + 1], normed), k
+    q, kv = _randn(1, 4, 64, seed=50, dtype=dtype), _randn(300, 2, 64, seed=51, dtype=dtype)
+    index = torch.arange(257, device=DEVICE)[None]  # the query over keys 0..256
+    one = bi.attention(q, kv, kv * 0.5, index, torch.tensor([257], device=DEVICE), 0.125)
+    for k in NEIGHBOURS:  # neighbours with shorter and longer contexts
+        qs, at = _batch_around(q, k, seed=60 + k)
+        lens = torch.randint(1, 300, (k + 1,), generator=torch.Generator().manual_seed(k)).to(DEVICE)
+        lens[at] = 257
+        idx = torch.arange(300, device=DEVICE).expand(k + 1, 300)
+        out = bi.attention(qs, kv, kv * 0.5, idx, lens, 0.125)
+        assert torch.equal(out[at:at + 1], one), k
