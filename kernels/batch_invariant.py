@@ -37,9 +37,13 @@ from collections.abc import Iterator
 
 import torch
 
+from kernels.dispatch import use_triton
+
 TILE_ROWS = 16  # rows per matmul call (see the module docstring)
 KEY_CHUNK = 64  # key positions gathered at a time in `attention` (memory only; values do not depend on it)
 QUERY_BLOCK = 256  # queries at a time in `attention` (memory only)
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton matmul takes
 
 _state: dict[str, object] = {"lib": None}
 
@@ -49,14 +53,17 @@ def enabled() -> bool:
 
 
 def enable() -> None:
-    """Switch batch-invariant matmuls on for this process (idempotent)."""
+    """Switch batch-invariant matmuls on for this process (idempotent): aten ``mm`` and
+    ``addmm`` on the CPU and, where CUDA is available, on CUDA; each call chooses the Triton
+    kernel or `tiled_mm` as `kernels.dispatch.use_triton` says."""
     if enabled():
         return
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "overriding a previously registered kernel": the point
         warnings.simplefilter("ignore", UserWarning)
-        lib.impl("mm", _mm, "CPU")
-        lib.impl("addmm", _addmm, "CPU")
+        for key in ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",):
+            lib.impl("mm", _mm, key)
+            lib.impl("addmm", _addmm, key)
     _state["lib"] = lib
 
 
@@ -96,11 +103,24 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out[:m]
 
 
+def _triton_mm(a: torch.Tensor, b: torch.Tensor):  # noqa: ANN202 - module object or None
+    """The Triton matmul's module when it should take ``a @ b`` (see `kernels.dispatch`), else None."""
+    if a.dtype not in TRITON_DTYPES or b.dtype != a.dtype or not use_triton(a):
+        return None
+    from kernels import triton_batch_invariant  # Triton imported on first use
+
+    return triton_batch_invariant
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return tiled_mm(a, b)
+    tk = _triton_mm(a, b)
+    return tk.matmul(a, b) if tk is not None else tiled_mm(a, b)
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    tk = _triton_mm(a, b)
+    if tk is not None and bias.dtype == a.dtype:
+        return tk.matmul(a, b, bias, alpha=alpha, beta=beta)  # bias added to the fp32 accumulator
     out = tiled_mm(a, b)
     if alpha != 1:
         out = out * alpha

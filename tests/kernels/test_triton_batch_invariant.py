@@ -107,6 +107,33 @@ def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(tk.matmul(batch, w.T, b)[at:at + 1], ref), k
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_triton_exact_mode_routes_linear_by_dispatch(monkeypatch, impl):
+    """With exact mode on, ``nn.Linear`` (aten addmm / mm) goes to the Triton matmul when
+    `kernels.dispatch` says Triton and to `tiled_mm` otherwise; gradients stay correct."""
+    tk = _tk()
+    monkeypatch.setenv("TANDEM_KERNELS", impl)
+    calls = []
+    real = tk.matmul
+    monkeypatch.setattr(tk, "matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lin = torch.nn.Linear(100, 40).to(DEVICE)
+    x = _randn(9, 3, 100, seed=8).requires_grad_()
+    want = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+    with bi.exact_mode():
+        y = lin(x)
+        one = lin(x[:1, :1])
+        y.square().sum().backward()
+    assert not bi.enabled()
+    assert (len(calls) > 0) == (impl == "triton")
+    assert torch.equal(y[:1, :1], one)
+    if impl == "triton":  # the very kernel, bit for bit
+        assert torch.equal(y.reshape(27, 40), real(x.detach().reshape(27, 100), lin.weight.T, lin.bias))
+    assert (y.double() - want).abs().max().item() <= 1e-4
+    gx, gw = torch.autograd.grad(want.square().sum(), (x, lin.weight))
+    torch.testing.assert_close(x.grad, gx.float(), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(lin.weight.grad, gw.float(), atol=1e-3, rtol=1e-4)
+
+
 # ---- the reductions without a Triton form: invariant by construction on any device ---------------
 
 
