@@ -25,8 +25,31 @@ operations that reduce are replaced by forms whose order is fixed per row:
 RMSNorm's reduction over the hidden size is left to PyTorch: measured per-row
 invariant for widths up to 32000 (its kernel splits a row over threads only past that).
 Elementwise operations are invariant by nature. The mode is process-wide, like
-``torch.use_deterministic_algorithms``: `enable` registers the CPU kernels with the
+``torch.use_deterministic_algorithms``: `enable` registers the matmul kernels with the
 dispatcher and the attention / log-prob call sites ask `enabled`.
+
+CUDA (written, tested under the Triton interpreter only: no GPU was lent to the session that
+wrote it, and the recipe still refuses ``rl.exact`` off the CPU):
+
+- matmuls: `enable` registers the same ``mm`` / ``addmm`` override for CUDA too, and each
+  call takes the Triton kernel of `kernels.triton_batch_invariant` (fixed tiles per dtype,
+  one order over K, no split-K) where `kernels.dispatch.use_triton` says Triton: on CUDA, or
+  on the CPU with ``TANDEM_KERNELS=triton`` under ``TRITON_INTERPRET=1``; `tiled_mm`
+  otherwise (the CPU default, unchanged). The MoE grouped GEMM takes its per-expert loop of
+  these matmuls, and the log-prob kernel its chunked path (its Triton kernel splits the
+  vocabulary by the token count).
+- `logsumexp` and `attention` need no Triton form to be batch-invariant on CUDA: they are
+  elementwise operations (each element's value depends on its inputs alone, whatever the
+  kernel's launch shape), gathers, ``amax`` (exact in any order) and `tree_sum`, whose adds
+  are elementwise between fixed slices; nothing in them reduces in an order that the device
+  chooses from the shape. They are slow there (the attention materialises [T, H, L] scores
+  and gathers K/V per query), so a fused Triton attention with the same trees would be the
+  first speed-up; its cost is what scripts/gpu_check.sh's part ``exact`` measures.
+- RMSNorm: PyTorch's CUDA layer-norm kernels (which its rms_norm shares) reduce each row in
+  one thread block, in an order set by the width and the input's alignment, not the row
+  count; expected invariant (from reading them, not measured)
+  (tests/kernels/test_triton_batch_invariant.py checks it, with the tree logsumexp and the
+  attention, on whichever device runs it).
 """
 
 from __future__ import annotations
