@@ -14,7 +14,8 @@ Rows (milliseconds, median of ``--repeats`` after two warm-ups):
   (qkv, o, gate/up, down, LM head) at decode (M = 64) and update (M = 4096) row counts;
 * ``lse N,V``: ``torch.logsumexp`` against the tree `logsumexp`;
 * ``attn T,L``: SDPA (causal, one sequence of L keys, the last T queries) against the exact
-  attention (`kernels.batch_invariant.attention`, fixed trees over positions and head dim).
+  attention (`kernels.batch_invariant.attention`, fixed trees over positions and head dim:
+  the fused Triton kernel on CUDA, and ``attn-torch`` its PyTorch form).
 
 ``differ`` counts the default kernel's rows that change when computed alone instead of in
 the batch (the problem exact mode removes); the exact kernels' must be 0, and are counted
@@ -81,6 +82,10 @@ def bench_reductions(device: str, dtype: torch.dtype, reps: int, vocab: int, hea
         exact = time_ms(lambda q=q, k=k, v=v, index=index, pos=pos: bi.attention(q, k, v, index, pos + 1, d**-0.5),
                         device, reps)
         print(f"{f'attn {t},{length}':28s} {base:9.3f} {exact:9.3f} {exact / base:6.2f}")
+        if device == "cuda":  # the PyTorch form too, which the Triton kernel replaces there
+            ref = time_ms(lambda q=q, k=k, v=v, index=index, pos=pos: bi.attention_torch(q, k, v, index, pos + 1,
+                                                                                         d**-0.5), device, reps)
+            print(f"{f'attn-torch {t},{length}':28s} {base:9.3f} {ref:9.3f} {ref / base:6.2f}")
 
 
 def main() -> None:

@@ -14,10 +14,10 @@
 #      GEMM and layer against per-expert loops in bf16 (bench/moe.py), and the move into the
 #      generation copy at Qwen3-1.7B shapes on one GPU against the full gather (bench/reshard.py).
 #   9. (part "exact", not yet run on a GPU, so not in the default PARTS) rl.exact on CUDA: the
-#      batch-invariant Triton matmul's tests and the device invariance of the tree reductions and
-#      RMSNorm (tests/kernels/test_triton_batch_invariant.py), then the exact kernels' cost against
-#      the default ones at Qwen3-1.7B shapes in bf16, with how many rows the default ones change
-#      when computed alone (bench/exact_kernels.py).
+#      Triton matmul's and exact attention's tests and the device invariance of the tree
+#      reductions and RMSNorm (tests/kernels/test_triton_batch_invariant.py), then the exact
+#      kernels' cost against the default ones (cuBLAS, SDPA) at Qwen3-1.7B shapes in bf16, with how
+#      many rows the default ones change when computed alone (bench/exact_kernels.py).
 # A part that fails or runs out of time is reported and the next one runs. On an H200 the
 # default parts other than noise and grpo-triton (added after that run) took 6 minutes; the
 # limits below add up to more. The logs are 8 files at most (what a device call returns).

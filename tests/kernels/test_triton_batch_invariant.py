@@ -1,6 +1,7 @@
 """``rl.exact`` on the Triton path: the batch-invariant Triton matmul against torch, its
-invariance to the batch, exact mode routing ``nn.Linear`` to it, and the device-agnostic
-reductions (tree logsumexp, exact attention, RMSNorm) checked for invariance on the device.
+invariance to the batch, exact mode routing ``nn.Linear`` to it; the fused exact attention
+against `attention_torch`, its invariance, dispatch and gradients; and the reductions without
+a Triton form (tree logsumexp, RMSNorm, `attention_torch`) checked for invariance on the device.
 
 Without CUDA the kernel runs under the interpreter; as in test_grouped_gemm.py, if triton
 was imported before ``TRITON_INTERPRET`` was set, the in-process Triton tests are skipped
@@ -17,11 +18,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 from kernels import batch_invariant as bi  # noqa: E402
+from kernels.dispatch import triton_available  # noqa: E402
 from models.transformer import RMSNorm  # noqa: E402
-from tests.kernels.interpreted import SKIP_REASON, in_process, rerun_in_clean_subprocess  # noqa: E402
+from tests.kernels.interpreted import ROOT, SKIP_REASON, in_process, rerun_in_clean_subprocess  # noqa: E402
 
 IN_PROCESS = in_process()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,7 +133,7 @@ def test_triton_exact_mode_routes_linear_by_dispatch(monkeypatch, impl):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reductions_rows_do_not_depend_on_the_batch(dtype):
-    """Tree logsumexp over a 151936-wide vocabulary, RMSNorm and the exact attention: one row
+    """Tree logsumexp over a 151936-wide vocabulary, RMSNorm and `attention_torch`: one row
     alone and among 1, 7 and 63 neighbours, on this device (CUDA in scripts/gpu_check.sh)."""
     z = _randn(1, 151936, seed=20) * 4
     norm = RMSNorm(2048, 1e-6).to(DEVICE, dtype)
@@ -142,11 +148,66 @@ def test_reductions_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(norm(batch)[at:at + 1], normed), k
     q, kv = _randn(1, 4, 64, seed=50, dtype=dtype), _randn(300, 2, 64, seed=51, dtype=dtype)
     index = torch.arange(257, device=DEVICE)[None]  # the query over keys 0..256
-    one = bi.attention(q, kv, kv * 0.5, index, torch.tensor([257], device=DEVICE), 0.125)
+    one = bi.attention_torch(q, kv, kv * 0.5, index, torch.tensor([257], device=DEVICE), 0.125)
     for k in NEIGHBOURS:  # neighbours with shorter and longer contexts
         qs, at = _batch_around(q, k, seed=60 + k)
         lens = torch.randint(1, 300, (k + 1,), generator=torch.Generator().manual_seed(k)).to(DEVICE)
         lens[at] = 257
         idx = torch.arange(300, device=DEVICE).expand(k + 1, 300)
-        out = bi.attention(qs, kv, kv * 0.5, idx, lens, 0.125)
+        out = bi.attention_torch(qs, kv, kv * 0.5, idx, lens, 0.125)
         assert torch.equal(out[at:at + 1], one), k
+
+
+def _attention_problem(t: int, length: int, dtype: torch.dtype, seed: int):
+    q = _randn(t, 4, 24, seed=seed, dtype=dtype)  # D = 24: padded to 32 inside
+    k, v = _randn(length, 2, 24, seed=seed + 1, dtype=dtype), _randn(length, 2, 24, seed=seed + 2, dtype=dtype)
+    lens = torch.randint(1, length + 1, (t,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    perm = torch.stack([torch.randperm(length, generator=torch.Generator().manual_seed(seed + i)) for i in range(t)])
+    return q, k, v, perm.to(DEVICE), lens  # each query's keys: a random order of the store's rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_attention_matches_the_reference_and_is_invariant(dtype):
+    """The fused kernel against `attention_torch` (close: exp differs in the last bit), and
+    bitwise: each query alone (its own keys only) equals itself in the batch, where the key
+    index is wider; lengths cover one chunk, a partial chunk and 5 chunks (the counter)."""
+    tk = _tk()
+    q, k, v, index, lens = _attention_problem(9, 300, dtype, seed=70)
+    lens[:3] = torch.tensor([1, 64, 300])
+    got = tk.attention(q, k, v, index, lens, 0.2)
+    want = bi.attention_torch(q.float(), k.float(), v.float(), index, lens, 0.2)  # its fp32 math, unrounded
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for i in range(9):
+        n = int(lens[i])
+        one = tk.attention(q[i:i + 1], k, v, index[i:i + 1, :n], lens[i:i + 1], 0.2)
+        assert torch.equal(one, got[i:i + 1]), i
+
+
+def test_triton_attention_dispatch_and_gradients(monkeypatch):
+    """`batch_invariant.attention` takes the kernel under TANDEM_KERNELS=triton (bitwise its
+    output) and gives the reference's gradients (backward recomputes through it)."""
+    tk = _tk()
+    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    q, k, v, index, lens = _attention_problem(6, 70, torch.float32, seed=80)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = bi.attention(*leaves, index, lens, 0.3)
+    assert torch.equal(out, tk.attention(q, k, v, index, lens, 0.3))
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = bi.attention_torch(*ref_leaves, index, lens, 0.3)
+    dy = _randn(*out.shape, seed=81)
+    for got, want in zip(torch.autograd.grad(out, leaves, dy), torch.autograd.grad(ref, ref_leaves, dy), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert bi.attention(q[:0], k, v, index[:0], lens[:0], 0.3).shape == (0, 4, 24)
+
+
+def test_kernels_compile_for_a_gpu() -> None:
+    """The kernels through Triton's compiler and ptxas for sm_90 (tests/kernels/compile_check.py),
+    in a process without the interpreter; skipped where Triton lacks its CUDA backend."""
+    if not triton_available() or importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton with its CUDA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "compile_check.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("compiled") == 2 * len(DTYPES) + 2
