@@ -128,7 +128,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
 # of partial sums, level l holding the sum of 2**l chunks. That equals the tree over the chunk
 # sums zero-padded to a power of two, so a query's result depends on its own keys alone.
 
-KEY_CHUNK = 64
+KEY_CHUNK = 32  # keys per step; values do not depend on it (a power of two), spills do:
+ATTN_WARPS = 8  # ptxas for sm_90 (bf16, 2 query heads per KV head, D = 128): 32 keys and 8 warps,
+# 218 registers and no spills; 64 keys spilled ~200 bytes at 255 registers with 4 or 8 warps
 
 
 @triton.jit
@@ -250,15 +252,16 @@ def _attention_kernel(
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, key_len: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, chunk: int = KEY_CHUNK) -> torch.Tensor:
     """`kernels.batch_invariant.attention`'s contract (q [T, Hq, D]; k, v [N, Hkv, D]; key_index
-    [T, L]; key_len [T]); returns [T, Hq, D] in fp32, the caller casts. Forward only."""
+    [T, L]; key_len [T]); returns [T, Hq, D] in fp32, the caller casts. Forward only. ``chunk``
+    (a power of two) changes the speed, not the values."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
     if t == 0:
         return out
-    chunks = max(1, triton.cdiv(key_index.shape[1], KEY_CHUNK))
+    chunks = max(1, triton.cdiv(key_index.shape[1], chunk))
     levels = triton.next_power_of_2(chunks.bit_length())  # the counter's depth: registers, not values
     d_p = triton.next_power_of_2(d)
     # fmt: off
@@ -267,8 +270,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torc
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), key_index.stride(0), out.stride(0), out.stride(1), out.stride(2),
         float(scale), hq // hkv, d,
-        G_P=triton.next_power_of_2(hq // hkv), D_P=d_p, KC=KEY_CHUNK, LEVELS=levels,
-        LOG2_D=d_p.bit_length() - 1, LOG2_KC=KEY_CHUNK.bit_length() - 1, num_warps=4,
+        G_P=triton.next_power_of_2(hq // hkv), D_P=d_p, KC=chunk, LEVELS=levels,
+        LOG2_D=d_p.bit_length() - 1, LOG2_KC=chunk.bit_length() - 1, num_warps=ATTN_WARPS,
     )
     # fmt: on
     return out

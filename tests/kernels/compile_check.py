@@ -42,7 +42,7 @@ def main() -> None:
            "out_ptr": "*fp32", **dict.fromkeys(ATTN_INTS, "i32"), "scale": "fp32"}
     for levels in (1, 8):  # Qwen3-1.7B's heads: 16 query / 8 KV heads of 128
         _compile(tbi._attention_kernel, sig, {"G_P": 2, "D_P": 128, "KC": tbi.KEY_CHUNK, "LEVELS": levels,
-                                              "LOG2_D": 7, "LOG2_KC": tbi.KEY_CHUNK.bit_length() - 1}, num_warps=4)
+                                              "LOG2_D": 7, "LOG2_KC": tbi.KEY_CHUNK.bit_length() - 1}, num_warps=tbi.ATTN_WARPS)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ def _attention_problem(t: int, length: int, dtype: torch.dtype, seed: int):
 def test_triton_attention_matches_the_reference_and_is_invariant(dtype):
     """The fused kernel against `attention_torch` (close: exp differs in the last bit), and
     bitwise: each query alone (its own keys only) equals itself in the batch, where the key
-    index is wider; lengths cover one chunk, a partial chunk and 5 chunks (the counter)."""
+    index is wider, and with other chunk sizes; lengths cover one chunk, a partial chunk and
+    many chunks (the counter)."""
     tk = _tk()
     q, k, v, index, lens = _attention_problem(9, 300, dtype, seed=70)
     lens[:3] = torch.tensor([1, 64, 300])
@@ -181,6 +182,8 @@ def test_triton_attention_matches_the_reference_and_is_invariant(dtype):
         n = int(lens[i])
         one = tk.attention(q[i:i + 1], k, v, index[i:i + 1, :n], lens[i:i + 1], 0.2)
         assert torch.equal(one, got[i:i + 1]), i
+    for chunk in (16, 64):  # other chunkings of the same tree (deeper or shallower counters): same bits
+        assert torch.equal(tk.attention(q, k, v, index, lens, 0.2, chunk=chunk), got), chunk
 
 
 def test_triton_attention_dispatch_and_gradients(monkeypatch):
