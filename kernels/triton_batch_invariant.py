@@ -122,8 +122,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
 # ---- attention --------------------------------------------------------------------------------
 # `kernels.batch_invariant.attention`'s trees, fused: one program per (query, KV head) walks the
 # query's own keys in KEY_CHUNK chunks, twice (the max, then the sums). Within a chunk the sums
-# over the head dim and over key positions are adjacent-pair trees (`_tree2`, `_tree3`: split the last
-# axis into pairs and add them, log2(n) times), as in `tree_sum`; across chunks the chunk sums are
+# over the head dim and over key positions are adjacent-pair trees (`_tree2`, `_tree3`: split the
+# last axis into pairs and add them, log2(n) times), as in `tree_sum`; across chunks the sums are
 # combined by the same adjacent-pair tree, kept as a binary counter (`_push`, `_total`): a stack
 # of partial sums, level l holding the sum of 2**l chunks. That equals the tree over the chunk
 # sums zero-padded to a power of two, so a query's result depends on its own keys alone.
@@ -197,8 +197,8 @@ def _push(stack_n, stack_d, part_n, part_d, i, levels, LEVELS: tl.constexpr):
 @triton.jit
 def _total(stack_n, stack_d, n, levels, LEVELS: tl.constexpr):
     """The counter's sum over ``n`` chunks: its levels (the set bits of n), lowest first."""
-    num = _level3(stack_n, levels == 0) * 0.0
-    den = _level2(stack_d, levels == 0) * 0.0
+    num = _level3(stack_n, levels < 0)  # no level: zeros [G, D]
+    den = _level2(stack_d, levels < 0)
     seen = n < 0
     for lv in tl.static_range(LEVELS):
         at = levels == lv
