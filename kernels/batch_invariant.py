@@ -25,8 +25,35 @@ operations that reduce are replaced by forms whose order is fixed per row:
 RMSNorm's reduction over the hidden size is left to PyTorch: measured per-row
 invariant for widths up to 32000 (its kernel splits a row over threads only past that).
 Elementwise operations are invariant by nature. The mode is process-wide, like
-``torch.use_deterministic_algorithms``: `enable` registers the CPU kernels with the
+``torch.use_deterministic_algorithms``: `enable` registers the matmul kernels with the
 dispatcher and the attention / log-prob call sites ask `enabled`.
+
+CUDA (written and tested under the Triton interpreter, and compiled for sm_90 by Triton and
+ptxas in the tests, but never run on a GPU: none was lent to the session that wrote it, and
+the recipe still refuses ``rl.exact`` off the CPU):
+
+- matmuls: `enable` registers the same ``mm`` / ``addmm`` override for CUDA too, and each
+  call takes the Triton kernel of `kernels.triton_batch_invariant` (fixed tiles per dtype,
+  one order over K, no split-K) where `kernels.dispatch.use_triton` says Triton: on CUDA, or
+  on the CPU with ``TANDEM_KERNELS=triton`` under ``TRITON_INTERPRET=1``; `tiled_mm`
+  otherwise (the CPU default, unchanged). The MoE grouped GEMM takes its per-expert loop of
+  these matmuls, and the log-prob kernel its chunked path (its Triton kernel splits the
+  vocabulary by the token count).
+- `logsumexp` needs no Triton form to be batch-invariant on CUDA: it is elementwise
+  operations (each element's value depends on its inputs alone, whatever the kernel's launch
+  shape), ``amax`` (exact in any order) and `tree_sum`, whose adds are elementwise between
+  fixed slices; nothing in it reduces in an order that the device chooses from the shape.
+  `attention_torch` is the same by construction, but materialises [T, H, C, D] products and
+  gathers K/V per query, so `attention` takes a fused Triton kernel where Triton is chosen
+  (`kernels.triton_batch_invariant.attention`: one program per query and KV head, the same
+  trees, the chunks' sums combined by a binary counter); its backward recomputes through
+  `attention_torch`. The kernel and `attention_torch` agree to ~1e-7, not bitwise (``exp``
+  differs), so both phases must take the same one: they do, as one dispatch rule picks.
+- RMSNorm: PyTorch's CUDA layer-norm kernels (which its rms_norm shares) reduce each row in
+  one thread block, in an order set by the width and the input's alignment, not the row
+  count; expected invariant (from reading them, not measured)
+  (tests/kernels/test_triton_batch_invariant.py checks it, with the tree logsumexp and
+  `attention_torch`, on whichever device runs it).
 """
 
 from __future__ import annotations
@@ -37,9 +64,13 @@ from collections.abc import Iterator
 
 import torch
 
+from kernels.dispatch import use_triton
+
 TILE_ROWS = 16  # rows per matmul call (see the module docstring)
 KEY_CHUNK = 64  # key positions gathered at a time in `attention` (memory only; values do not depend on it)
 QUERY_BLOCK = 256  # queries at a time in `attention` (memory only)
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton matmul takes
 
 _state: dict[str, object] = {"lib": None}
 
@@ -49,14 +80,17 @@ def enabled() -> bool:
 
 
 def enable() -> None:
-    """Switch batch-invariant matmuls on for this process (idempotent)."""
+    """Switch batch-invariant matmuls on for this process (idempotent): aten ``mm`` and
+    ``addmm`` on the CPU and, where CUDA is available, on CUDA; each call chooses the Triton
+    kernel or `tiled_mm` as `kernels.dispatch.use_triton` says."""
     if enabled():
         return
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "overriding a previously registered kernel": the point
         warnings.simplefilter("ignore", UserWarning)
-        lib.impl("mm", _mm, "CPU")
-        lib.impl("addmm", _addmm, "CPU")
+        for key in ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",):
+            lib.impl("mm", _mm, key)
+            lib.impl("addmm", _addmm, key)
     _state["lib"] = lib
 
 
@@ -96,11 +130,24 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out[:m]
 
 
+def _triton_mm(a: torch.Tensor, b: torch.Tensor):  # noqa: ANN202 - module object or None
+    """The Triton matmul's module when it should take ``a @ b`` (see `kernels.dispatch`), else None."""
+    if a.dtype not in TRITON_DTYPES or b.dtype != a.dtype or not use_triton(a):
+        return None
+    from kernels import triton_batch_invariant  # Triton imported on first use
+
+    return triton_batch_invariant
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return tiled_mm(a, b)
+    tk = _triton_mm(a, b)
+    return tk.matmul(a, b) if tk is not None else tiled_mm(a, b)
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    tk = _triton_mm(a, b)
+    if tk is not None and bias.dtype == a.dtype:
+        return tk.matmul(a, b, bias, alpha=alpha, beta=beta)  # bias added to the fp32 accumulator
     out = tiled_mm(a, b)
     if alpha != 1:
         out = out * alpha
@@ -142,8 +189,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torc
     q ``[T, Hq, D]``; k, v ``[N, Hkv, D]`` a store of key/value rows (a packed training
     batch, or the flattened paged cache); ``key_index [T, L]`` int64, query t's keys in
     position order in its first ``key_len[t]`` entries (the rest are ignored). Returns
-    ``[T, Hq, D]`` in q's dtype; everything is computed in fp32.
+    ``[T, Hq, D]`` in q's dtype; everything is computed in fp32. The Triton kernel
+    (`kernels.triton_batch_invariant.attention`, the same trees fused) where
+    `kernels.dispatch.use_triton` says so, else `attention_torch`.
     """
+    if q.dtype in TRITON_DTYPES and use_triton(q):
+        return _TritonAttention.apply(q, k, v, key_index, key_len, scale)
+    return attention_torch(q, k, v, key_index, key_len, scale)
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Forward by the Triton kernel; backward by autograd through `attention_torch` recomputed
+    (the same function in another order: gradients to float rounding, which the exactness
+    of log-probs does not need)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_index, key_len, scale):  # noqa: ANN001, ANN205
+        from kernels import triton_batch_invariant
+
+        ctx.save_for_backward(q, k, v, key_index, key_len)
+        ctx.scale = scale
+        return triton_batch_invariant.attention(q, k, v, key_index, key_len, scale).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        q, k, v, key_index, key_len = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
+        with torch.enable_grad():
+            out = attention_torch(*inputs, key_index, key_len, ctx.scale)
+            wrt = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wrt, grad) if wrt else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor,
+                    key_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attention` in PyTorch: tree sums of gathered key chunks (any device)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     out = q.new_empty(t, hq, d)

@@ -20,8 +20,9 @@ the run for ``dw[e] = x_e^T @ dy_e``) and picks an implementation:
   >= 9.0 (an assumption about its CUDA support, not run here: no GPU was lent
   to the session that wrote this).
   No host syncs either. Elsewhere the per-expert loop below (one host sync).
-* with ``rl.exact``'s batch-invariant mode on (CPU): the per-expert loop, whose matmuls
-  the mode tiles, so each row's result is independent of its expert's row count.
+* with ``rl.exact``'s batch-invariant mode on (any device): the per-expert loop, whose
+  matmuls the mode makes batch-invariant, so each row's result is independent of its
+  expert's row count (one host sync; on CUDA not run yet).
 
 `grouped_mm_ref` is the oracle: a Python loop of plain matmuls over the runs,
 differentiable through autograd, so its gradients are independent of the
@@ -153,10 +154,11 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, triton: bool) -> torch.Tensor:
-    if batch_invariant.enabled() and x.device.type == "cpu":
-        # rl.exact: one matmul per expert, which the mode runs in fixed-shape row tiles, so a
-        # row's result does not depend on how many rows its expert got in this batch
-        # (torch._grouped_mm's does: the generator and the update differed in the last bits)
+    if batch_invariant.enabled():
+        # rl.exact: one matmul per expert, which the mode runs in fixed-shape row tiles (or the
+        # Triton batch-invariant matmul), so a row's result does not depend on how many rows its
+        # expert got in this batch (torch._grouped_mm's does: the generator and the update
+        # differed in the last bits; the Triton kernel here sizes its tiles from rows / experts)
         with torch.no_grad():
             return grouped_mm_ref(x, w, offsets)
     if triton:

@@ -109,7 +109,10 @@ def token_logprobs_entropy(
         ``(logp [T] fp32, entropy [T] fp32 or None)``, both differentiable with
         respect to ``hidden`` and ``weight``.
     """
-    triton_path = use_triton(hidden, impl)  # validates impl first
+    # rl.exact takes the chunked path whatever the device: its logits go through the
+    # batch-invariant matmul and its normaliser is the sampler's (the Triton kernel splits V
+    # over a number of programs chosen from T, `_num_splits`)
+    triton_path = use_triton(hidden, impl) and not batch_invariant.enabled()  # validates impl first
     _check_args(hidden, weight, targets, chunk_tokens)
     if triton_path:
         if hidden.dtype not in _TRITON_DTYPES:

@@ -13,6 +13,11 @@
 #   8. (parts "moe" and "reshard", not yet run on a GPU, so not in the default PARTS) the MoE grouped
 #      GEMM and layer against per-expert loops in bf16 (bench/moe.py), and the move into the
 #      generation copy at Qwen3-1.7B shapes on one GPU against the full gather (bench/reshard.py).
+#   9. (part "exact", not yet run on a GPU, so not in the default PARTS) rl.exact on CUDA: the
+#      Triton matmul's and exact attention's tests and the device invariance of the tree
+#      reductions and RMSNorm (tests/kernels/test_triton_batch_invariant.py), then the exact
+#      kernels' cost against the default ones (cuBLAS, SDPA) at Qwen3-1.7B shapes in bf16, with how
+#      many rows the default ones change when computed alone (bench/exact_kernels.py).
 # A part that fails or runs out of time is reported and the next one runs. On an H200 the
 # default parts other than noise and grpo-triton (added after that run) took 6 minutes; the
 # limits below add up to more. The logs are 8 files at most (what a device call returns).
@@ -88,3 +93,7 @@ part profile 150 profile.log bash -c "for s in qwen3-1.7b qwen3-8b; do for b in 
 #   PARTS="moe reshard" bash scripts/gpu_check.sh
 part moe 90 moe.log "$PY" -m bench.moe --device cuda --dtype bfloat16
 part reshard 120 reshard.log "$PY" bench/reshard.py --device cuda --size 1.7b --nproc 1
+
+# rl.exact's CUDA path (issue 25). Not in the default PARTS: PARTS="exact" bash scripts/gpu_check.sh
+part exact 150 exact.log bash -c "$PY -m pytest -v -p no:cacheprovider tests/kernels/test_triton_batch_invariant.py; \
+  $PY -m bench.exact_kernels --device cuda --dtype bf16"

@@ -92,7 +92,9 @@ class RLRecipe:
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
         if r.exact and (info.device.type != "cpu" or self.mp > 1):
-            raise ConfigError("rl.exact: batch-invariant kernels exist for the CPU with parallel.tp = pp = 1 only so far "
+            raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
+                              "so far (the CUDA path, kernels/triton_batch_invariant.py, passes its tests under the "
+                              "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
                               f"(device {info.device.type}, tp x pp = {self.mp}); set rl.exact = false")
         if r.exact and cfg.rollout.tp > 1:
             raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "

@@ -5,7 +5,9 @@ fp32 and bf16 on the CPU), and a sequence's log-probs do not depend on its neigh
 The reference is the other phase: the generator (paged prefill, decode, its own batches)
 against `recompute_logprobs` (packed rows, training attention, chunked vocab). Without
 exact mode the same comparison differs in the last bits (asserted too, so the test shows
-that it measures something).
+that it measures something). The same holds on the Triton path (TANDEM_KERNELS=triton under
+the interpreter: the batch-invariant Triton matmul and exact attention, Triton K/V stores and
+sampling noise), on a smaller workload.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from kernels import batch_invariant
+from kernels.dispatch import triton_interpreting
 from models.hf import load_model
 from rl.generator.engine import GenerationSettings, Generator
 from rl.generator.sequence import SamplingParams
@@ -115,3 +118,41 @@ def test_one_sequence_alone_or_with_neighbours(models, dtype, exact):
             mbs = pack_micro_batches(rows, list(range(len(rows))), budget, torch.device("cpu"))
             logp = recompute_logprobs(model, rows, mbs, w, torch.device("cpu"), chunk_tokens=5)
             assert torch.equal(logp[0, :width] * mask[0], gen_logp[0, :width] * mask[0]), (k, budget)
+
+
+ON_TRITON = pytest.mark.skipif(not triton_interpreting(), reason="the Triton path on CPU tensors needs "
+                               "TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)")
+
+
+def _triton_gap(model, monkeypatch, share: bool, exact: bool) -> tuple[float, int, int, int, int]:
+    """`_gap` on a small workload with every kernel on its Triton form (TANDEM_KERNELS=triton,
+    under the interpreter, which is slow), and the fewer of the Triton matmul's and the Triton
+    exact attention's call counts."""
+    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    from kernels import triton_batch_invariant
+
+    calls = {"matmul": 0, "attention": 0}
+    for name in calls:
+        real = getattr(triton_batch_invariant, name)
+        monkeypatch.setattr(triton_batch_invariant, name,
+                            lambda *a, _name=name, _real=real, **kw: calls.__setitem__(_name, calls[_name] + 1) or _real(*a, **kw))
+    with batch_invariant.exact_mode(exact):
+        samples, _ = _generate(model, _prompts(3, seed=2, hi=16), 2, max_tokens=6, budget=24)
+        return (*_gap(model, samples, 30, share=share), min(calls.values()))
+
+
+@ON_TRITON
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prompts"])
+def test_exact_gap_is_zero_on_the_triton_path(models, monkeypatch, share):
+    """The same property with the kernels in their Triton forms: the Triton batch-invariant
+    matmul and exact attention, K/V stores and sampling noise in their Triton kernels."""
+    gap, differ, tokens, n_mb, calls = _triton_gap(models[torch.float32], monkeypatch, share, exact=True)
+    assert tokens == 36 and n_mb > 1 and calls > 20
+    assert gap == 0.0 and differ == 0, (gap, differ, tokens)
+
+
+@ON_TRITON
+def test_without_exact_the_triton_path_differs(models, monkeypatch):
+    """Its control: the Triton paged attention and log-prob kernels, no exact kernels, a gap."""
+    gap, differ, _, _, calls = _triton_gap(models[torch.float32], monkeypatch, False, exact=False)
+    assert 0 < gap < 1e-4 and differ > 0 and calls == 0

@@ -16,13 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 
-from kernels.dispatch import triton_available, triton_interpreting  # noqa: E402
 from kernels.grouped_gemm import (  # noqa: E402
     grouped_mm,
     grouped_mm_ref,
@@ -30,12 +25,10 @@ from kernels.grouped_gemm import (  # noqa: E402
     torch_grouped_mm_applies,
     unpermute_tokens,
 )
+from tests.kernels.interpreted import SKIP_REASON, in_process, rerun_in_clean_subprocess  # noqa: E402
 
-if triton_available() and not torch.cuda.is_available():
-    import triton.language  # noqa: E402, F401  (decorated for the interpreter if we came first)
-IN_PROCESS = torch.cuda.is_available() or triton_interpreting()
+IN_PROCESS = in_process()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROOT = Path(__file__).resolve().parents[2]
 # Runs of uneven length, including empty experts first, in the middle and last.
 COUNTS = [0, 5, 40, 0, 3, 17, 1, 0]
 
@@ -43,17 +36,12 @@ COUNTS = [0, 5, 40, 0, 3, 17, 1, 0]
 @pytest.fixture(autouse=True)
 def _needs_usable_triton(request: pytest.FixtureRequest) -> None:
     if "triton" in request.node.name and not IN_PROCESS:
-        pytest.skip("triton was imported before TRITON_INTERPRET was set; covered by test_all_in_clean_subprocess")
+        pytest.skip(SKIP_REASON)
 
 
 def test_all_in_clean_subprocess() -> None:
-    if IN_PROCESS:
-        return
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    if not IN_PROCESS:
+        rerun_in_clean_subprocess(__file__)
 
 
 def _problem(counts: list[int], k: int, n: int, dtype=torch.float32, seed: int = 0, transposed: bool = True):
