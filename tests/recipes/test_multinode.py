@@ -41,7 +41,7 @@ def test_quickstart_learns_on_two_nodes_with_a_two_rank_generation_layout(tmp_pa
     said = re.search(r"eval accuracy: start ([\d.]+) -> end ([\d.]+)", "".join(outs))
     assert said, outs[0][-2000:]
     start, end = float(said[1]), float(said[2])
-    assert end - start >= 0.3, (start, end)  # 0.555 -> 0.968 measured
+    assert end - start >= 0.3, (start, end)  # 0.527 -> 0.975 measured, as on one agent
     assert abs(end - rows[-1]["eval/accuracy"]) < 1e-3  # printed to 3 decimals
     # the sharded copy samples what the update recomputes (fp32; the group's all-reduce sums in
     # another order than the update's matmuls: 7e-5 at most measured over the run)
