@@ -8,7 +8,8 @@ fixed prompts (the group pools its ranks' prompts), then sampled ones whose
 generator log-probs are compared with the policy's recomputation in the training
 layout. Around the move it measures this rank's live tensor bytes (every tensor
 reachable from Python, storages counted once) inside every reshard collective,
-and again after the copy and its KV pool are dropped. Rank 0 writes
+and again after the copy and its KV pool are dropped (the run's first build, which also
+makes the reshard plan with object collectives, is done before the baseline). Rank 0 writes
 ``{layout: {g: record}}`` plus the tokens of a plain single-process generator on
 the same weights (``"reference"``) to ``F`` (torch.save).
 """
@@ -119,8 +120,9 @@ def run_layout(name: str) -> dict:
     for g, vocab_parallel in gens:
         layout = make_layout(g, vocab_parallel)
         copy = GenerationCopy(policy.state_module, args, layout, dev, bucket_bytes=BUCKET)
+        del copy.build(inference=False)[0]  # the first build also makes the plan (object collectives, once a run)
         gc.collect()
-        before = live_tensor_bytes()
+        before = live_tensor_bytes()  # what every later step's move starts from
         peaks: list[int] = []
         gen_model, metrics = copy.build(inference=False, probe=lambda p=peaks: p.append(live_tensor_bytes()))
         replica = _prompts(dp_rank(mesh), degrees.dp)

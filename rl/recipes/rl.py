@@ -23,10 +23,8 @@ import torch
 import torch.distributed as dist
 
 from kernels import batch_invariant
-from parallel.generation_layout import check_divisible, make_layout
 from parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
 from parallel.offload import move_optimizer_state
-from parallel.reshard import held
 from rl.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -52,10 +50,9 @@ from rl.data.prompts import (
 )
 from rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from rl.rollout.generation import (
-    GenerationCopy,
-    choose_rollout_tp,
     generate_episodes,
     generate_samples,
+    generation_copy,
     generation_dtype,
 )
 from rl.rollout.types import RolloutSample
@@ -88,17 +85,7 @@ class RLRecipe:
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
-        if self.mp > 1 and (needs_values or cfg.distill.teachers):
-            what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
-            raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
-        if r.exact and (info.device.type != "cpu" or self.mp > 1):
-            raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
-                              "so far (the CUDA path, kernels/triton_batch_invariant.py, passes its tests under the "
-                              "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
-                              f"(device {info.device.type}, tp x pp = {self.mp}); set rl.exact = false")
-        if r.exact and cfg.rollout.tp > 1:
-            raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
-                              f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
+        self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
         self.mesh = build_mesh(degrees, info.device)
@@ -125,7 +112,8 @@ class RLRecipe:
         self.policy = build_policy(self.args, self.mesh, info.device, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
-        self.gen_copy = self._generation_copy()
+        self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
+                                        offload_optimizer=r.offload_optimizer)
         self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -163,25 +151,20 @@ class RLRecipe:
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
         self._advantage_of: list[float] = []  # per sample, the mean advantage of its sampled tokens (last update)
 
-    def _generation_copy(self) -> GenerationCopy:
-        """The generation layout (``rollout.tp`` ranks per generator) and the policy's copy into it."""
-        ro, dev = self.cfg.rollout, self.info.device
-        dtype = self.gen_dtype or self.policy.parameters()[0].dtype
-        resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if self.cfg.rl.offload_optimizer else 3)
-                                     for p in self.policy.parameters())], dtype=torch.float64, device=dev)
-        dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
-        tp = choose_rollout_tp(ro.tp, self.args, self.info.world_size, dev, dtype, ro.kv_cache_gb, int(resident.item()))
-        if self.info.world_size % tp:
-            raise ConfigError(f"rollout.tp: {tp} does not divide the {self.info.world_size} ranks")
-        reason = check_divisible(self.args, tp)
-        if reason:
-            raise ConfigError(f"rollout.tp: {reason}")
-        layout = make_layout(tp, ro.vocab_parallel)
-        if self.info.is_main and tp > 1:
-            print(f"generation layout: {self.info.world_size // tp} group(s) of {tp} ranks "
-                  f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-        return GenerationCopy(self.policy.state_module, self.args, layout, dev, self.gen_dtype,
-                              bucket_bytes=ro.reshard_bucket_mb << 20)
+    def _check_layout_settings(self, needs_values: bool) -> None:
+        """One ConfigError line for settings the layout cannot run yet."""
+        cfg, r, device = self.cfg, self.cfg.rl, self.info.device
+        if self.mp > 1 and (needs_values or cfg.distill.teachers):
+            what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
+            raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
+        if r.exact and (device.type != "cpu" or self.mp > 1):
+            raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
+                              "so far (the CUDA path, kernels/triton_batch_invariant.py, passes its tests under the "
+                              "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
+                              f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
+        if r.exact and cfg.rollout.tp > 1:
+            raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
+                              f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
 
     # ---- data ------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from parallel.generation_layout import (
     GenerationLayout,
     check_divisible,
     local_args,
+    make_layout,
     needed_box,
     shard_bytes,
     shard_modules,
@@ -121,6 +122,31 @@ def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.d
         if shard_bytes(args, GenerationLayout(tp=g), dtype) <= room:
             return g
     return fits[-1]
+
+
+def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: torch.dtype | None, *,
+                    offload_optimizer: bool) -> GenerationCopy:
+    """Collective: the generation layout (``rollout.tp`` ranks per generator; 0 resolved by
+    `choose_rollout_tp`) and the policy's copy into it; one ConfigError line when the model
+    cannot be split that way."""
+    from rl.runtime.config import ConfigError
+
+    dev, world = info.device, info.world_size
+    params = policy.parameters()
+    resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if offload_optimizer else 3) for p in params)],
+                            dtype=torch.float64, device=dev)
+    dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
+    tp = choose_rollout_tp(rcfg.tp, args, world, dev, dtype or params[0].dtype, rcfg.kv_cache_gb, int(resident.item()))
+    if world % tp:
+        raise ConfigError(f"rollout.tp: {tp} does not divide the {world} ranks")
+    reason = check_divisible(args, tp)
+    if reason:
+        raise ConfigError(f"rollout.tp: {reason}")
+    layout = make_layout(tp, rcfg.vocab_parallel)
+    if info.is_main and tp > 1:
+        print(f"generation layout: {world // tp} group(s) of {tp} ranks "
+              f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
+    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20)
 
 
 def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
