@@ -120,7 +120,7 @@ def run_layout(name: str) -> dict:
     for g, vocab_parallel in gens:
         layout = make_layout(g, vocab_parallel)
         copy = GenerationCopy(policy.state_module, args, layout, dev, bucket_bytes=BUCKET)
-        del copy.build(inference=False)[0]  # the first build also makes the plan (object collectives, once a run)
+        copy.build(inference=False)  # the first build also makes the plan (object collectives, once a run)
         gc.collect()
         before = live_tensor_bytes()  # what every later step's move starts from
         peaks: list[int] = []
