@@ -9,7 +9,7 @@ generator log-probs are compared with the policy's recomputation in the training
 layout. Around the move it measures this rank's live tensor bytes (every tensor
 reachable from Python, storages counted once) inside every reshard collective,
 and again after the copy and its KV pool are dropped (the run's first build, which also
-makes the reshard plan with object collectives, is done before the baseline). Rank 0 writes
+makes the reshard plan and the group's first object collectives, is done before the baseline). Rank 0 writes
 ``{layout: {g: record}}`` plus the tokens of a plain single-process generator on
 the same weights (``"reference"``) to ``F`` (torch.save).
 """
@@ -120,14 +120,17 @@ def run_layout(name: str) -> dict:
     for g, vocab_parallel in gens:
         layout = make_layout(g, vocab_parallel)
         copy = GenerationCopy(policy.state_module, args, layout, dev, bucket_bytes=BUCKET)
-        copy.build(inference=False)  # the first build also makes the plan (object collectives, once a run)
+        replica = _prompts(dp_rank(mesh), degrees.dp)
+        mp, mp_rank = degrees.tp * degrees.pp, rank % (degrees.tp * degrees.pp)  # tp, pp: the inner mesh axes
+        mine = replica[mp_rank::mp]  # as the recipe does: split over the model-parallel ranks, then gathered
+        # a run's first step: makes the reshard plan and the group's first object collectives (once a run)
+        warm = copy.build(inference=False)[0]
+        generate_samples(warm, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8, layout=layout)
+        del warm
         gc.collect()
         before = live_tensor_bytes()  # what every later step's move starts from
         peaks: list[int] = []
         gen_model, metrics = copy.build(inference=False, probe=lambda p=peaks: p.append(live_tensor_bytes()))
-        replica = _prompts(dp_rank(mesh), degrees.dp)
-        mp, mp_rank = degrees.tp * degrees.pp, rank % (degrees.tp * degrees.pp)  # tp, pp: the inner mesh axes
-        mine = replica[mp_rank::mp]  # as the recipe does: split over the model-parallel ranks, then gathered
         greedy, _ = generate_samples(gen_model, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8,
                                      layout=layout)
         sampled, _ = generate_samples(gen_model, _Tok(), mine, 2, _rollout_cfg(1.0), seed=SEED + layout.leader,

@@ -164,3 +164,19 @@ class SingleModelTraining:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+class SingleModelRecipe:
+    """The checkpoint half of the recipe protocol for a recipe that trains one model through a
+    `SingleModelTraining` held as ``self.training`` (sft, dpo, reward_model)."""
+
+    training: SingleModelTraining
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        return self.training.checkpoint_parts()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.training.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
+        self.training.load_state_dict(state)

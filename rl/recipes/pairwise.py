@@ -35,7 +35,12 @@ from parallel.distributed import DistInfo
 from parallel.mesh import Degrees, build_mesh, dp_rank
 from rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from rl.data.sft import StepSampler
-from rl.recipes.base import CheckpointParts, Runtime, SingleModelTraining, StepOutput
+from rl.recipes.base import (
+    Runtime,
+    SingleModelRecipe,
+    SingleModelTraining,
+    StepOutput,
+)
 from rl.runtime.config import ConfigError
 from rl.runtime.modeling import BuildSpec, build_tokenizer, model_args
 
@@ -175,7 +180,7 @@ class PairHead(Protocol):
 HeadFactory = Callable[[Any, DistInfo, "PairSetup", BuildSpec], PairHead]
 
 
-class PairwiseRecipe:
+class PairwiseRecipe(SingleModelRecipe):
     console_keys = ("loss", "accuracy", "margin", "eval/accuracy", "grad_norm", "lr")
 
     def __init__(self, cfg: Any, rt: Runtime, name: str, make_head: HeadFactory) -> None:
@@ -188,15 +193,6 @@ class PairwiseRecipe:
         self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size, cfg.job.seed,
                                    cfg.data.shuffle)
         self.model.train()
-
-    def checkpoint_parts(self) -> CheckpointParts:
-        return self.training.checkpoint_parts()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.training.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
-        self.training.load_state_dict(state)
 
     def step(self, step: int) -> StepOutput:
         t0 = time.monotonic()

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from models.attention import DocumentAttention
 from parallel.mesh import Degrees, build_mesh, dp_rank
 from rl.data.sft import IGNORE, PackedRow, StepSampler, build_sft_data, collate, load_sft_records
-from rl.recipes.base import CheckpointParts, Runtime, SingleModelTraining, StepOutput
+from rl.recipes.base import (
+    Runtime,
+    SingleModelRecipe,
+    SingleModelTraining,
+    StepOutput,
+)
 from rl.recipes.pairwise import rank_indices, reshard_all
 from rl.runtime.config import ConfigError
 from rl.runtime.modeling import BuildSpec, build_tokenizer, build_transformer, export_hf, model_args
@@ -36,7 +41,7 @@ def split_held_out(records: list[Any], fraction: float, seed: int) -> tuple[list
     return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
 
 
-class SFTRecipe:
+class SFTRecipe(SingleModelRecipe):
     console_keys = ("loss", "grad_norm", "lr", "throughput/tokens_per_s", "epoch", "eval/loss")
 
     def __init__(self, cfg: Any, rt: Runtime) -> None:
@@ -82,15 +87,6 @@ class SFTRecipe:
         tok = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE,
                               reduction="none" if per_row else "sum")
         return tok.view(len(rows), -1).sum(-1) if per_row else tok
-
-    def checkpoint_parts(self) -> CheckpointParts:
-        return self.training.checkpoint_parts()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.training.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
-        self.training.load_state_dict(state)
 
     def step(self, step: int) -> StepOutput:
         t0 = time.monotonic()

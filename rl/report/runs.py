@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl.report import EXIT_NOT_A_RUN, ReportError
+from rl.runtime.metrics import read_rows
 from rl.runtime.samples import read_samples
 
 
@@ -50,20 +51,6 @@ class StudyInfo:
     params: list[str]
     runs: list[Run]
 
-
-def read_rows(path: str) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break  # a row cut short by a crash
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
-    return rows
 
 
 def load_run(folder: str, label: str | None = None) -> Run:

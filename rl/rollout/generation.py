@@ -238,10 +238,11 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
 
 def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Every rank of a generation group takes its leader's sampled tokens and log-probs, so the
-    group's schedulers stay in step even if a rank's logits differed in the last bit."""
-    for t in sampled:
-        dist.broadcast(t, src=layout.leader, group=layout.group)
-    return sampled
+    group's schedulers stay in step even if a rank's logits differed in the last bit. One
+    broadcast per step: the rows go as float64 (token ids below 2**53 and fp32 values exactly)."""
+    packed = torch.stack([t.double() for t in sampled])  # [3, N]
+    dist.broadcast(packed, src=layout.leader, group=layout.group)
+    return tuple(row.to(t.dtype) for row, t in zip(packed, sampled))
 
 
 def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any], int]:

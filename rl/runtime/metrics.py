@@ -6,7 +6,30 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
+
+
+def parse_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """metrics.jsonl rows: the lines holding a JSON object with an integer ``step`` (others skipped)."""
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The complete rows of a metrics.jsonl file ([] when there is none): a last line cut
+    short by a crash (no newline) is left out."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return parse_rows(line for line in f if line.endswith("\n"))
 
 
 def _fmt(v: float) -> str:

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rl.runtime.metrics import parse_rows
+from rl.runtime.metrics import read_rows as metric_rows
 from rl.sweep import EXIT_USAGE, SweepError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -211,27 +213,13 @@ class MetricsTail:
             data = f.read()
         done = data.rfind(b"\n") + 1
         self._offset += done
-        return _parse(data[:done].decode("utf-8", "replace").splitlines())
+        return parse_rows(data[:done].decode("utf-8", "replace").splitlines())
 
-
-def _parse(lines: list[str]) -> list[dict[str, Any]]:
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
 
 
 def read_rows(folder: str) -> list[dict[str, Any]]:
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return _parse([line for line in f if line.endswith("\n")])
+    """The complete rows of a run folder's metrics.jsonl."""
+    return metric_rows(os.path.join(folder, "metrics.jsonl"))
 
 
 def keep_rows(folder: str, last_step: int) -> list[dict[str, Any]]:
