@@ -45,7 +45,12 @@ def test_multi_turn_rl_learns_with_env_tokens_masked(tmp_path):
     assert len(rows) == 8
     for row in rows:
         assert row["env/turns_mean"] == 2.0 and row["env/env_errors"] == 0
-        assert row["gap/abs_mean"] < 1e-5 and row["gap/abs_max"] < 1e-4  # sampled tokens, every turn
+        # sampled tokens of every turn match the training forward: the mean is float noise (3e-7
+        # to 9e-7 measured); the max is the rarest token's rounding, 2.7e-5 here and 1.1e-4 on
+        # the CI machine (another CPU, other fp32 kernels). A token scored at the wrong position
+        # or an environment token counted as sampled is off by far more: a sequence scored one
+        # position off has a max gap of 0.1 or more (64 sampled sequences of this policy).
+        assert row["gap/abs_mean"] < 1e-5 and row["gap/abs_max"] < 1e-3
         # the loss counts only sampled tokens: the second question (environment tokens) is context
         assert row["update/tokens"] < 0.5 * samples * row["response/length_mean"], row
     reward = [row["reward/env/mean"] for row in rows]

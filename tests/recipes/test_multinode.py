@@ -45,4 +45,5 @@ def test_quickstart_learns_on_two_nodes_with_a_two_rank_generation_layout(tmp_pa
     assert abs(end - rows[-1]["eval/accuracy"]) < 1e-3  # printed to 3 decimals
     # the sharded copy samples what the update recomputes (fp32; the group's all-reduce sums in
     # another order than the update's matmuls: 7e-5 at most measured over the run)
-    assert all(r["gap/abs_max"] < 2e-4 for r in rows)
+    # (the mean is float noise; the max moves with the CPU's fp32 kernels, see test_agentic_rl)
+    assert all(r["gap/abs_mean"] < 5e-6 and r["gap/abs_max"] < 1e-3 for r in rows)

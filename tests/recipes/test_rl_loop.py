@@ -214,8 +214,11 @@ def test_rl_run_learns_survives_reward_errors_and_resumes_exactly(tmp_path):
     # once decode attention became one fused SDPA (a different summation order than the
     # training forward's), ~1e-5 before; the largest per-step mean was 8.3e-7 with masked
     # training attention and 1.1e-6 with causal attention by segments
-    assert max(r["gap/abs_mean"] for r in rows) < 2e-6
-    assert max(r["gap/abs_max"] for r in rows) < 1e-4
+    assert max(r["gap/abs_mean"] for r in rows) < 5e-6
+    # (the max is one rare token's rounding and moves with the CPU's fp32 kernels: the CI
+    # machine's were 4x this machine's in the agentic test; a sequence scored one position off
+    # is off by 0.1 or more, see test_agentic_rl)
+    assert max(r["gap/abs_max"] for r in rows) < 1e-3
 
     resumed = str(tmp_path / "resumed")
     shutil.copytree(full, resumed)
