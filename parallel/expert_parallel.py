@@ -21,7 +21,8 @@ Gradients: an expert's weight gradient is the sum over every rank's tokens route
 to it, while FSDP2 *averages* the other gradients over the data-parallel ranks (the
 recipes scale each rank's loss by the data-parallel size, parallel/fsdp.py); the
 expert gradients are divided by the EP size to match (`_scale_grad`). So an update
-equals the single-process one (tests/parallel/test_expert_parallel.py).
+equals the single-process one (tests/parallel/test_parallel_equivalence.py,
+layouts ``fsdp2_ep2_moe`` and ``fsdp4_ep4_moe``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FSDP2 over the data-parallel mesh, applied from outside the model.
 
 Gradient reduction: FSDP2 averages gradients over the data-parallel ranks on
-every backend (gloo ignores a divide factor of 1, see docs/notes.md), so
+every backend, gloo included (no custom divide factor: gloo has no PREMUL_SUM), so
 trainers normalise each rank's loss by the *global* token count and multiply
 by the data-parallel size; the averaged gradient is then the gradient of the
 global token-mean loss, whatever the layout.

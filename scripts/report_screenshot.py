@@ -4,7 +4,7 @@
     python scripts/report_screenshot.py report.html shot.png --fragment "run=1&step=40" --height 2400
 
 Chromium comes from the distribution (Debian: ``apt-get install chromium``).
-tests/test_report.py uses `dump_dom` to check a page renders; the README's
+tests/report/test_report.py uses `dump_dom` to check a page renders; the README's
 screenshot is made with `screenshot`.
 """
 
