@@ -1,11 +1,16 @@
 """Expert parallelism: an MoE layer's experts sharded over ranks, tokens moved to them.
 
-``apply_ep(model, mesh)`` shards every `models.moe.GroupedExperts` over the
+``apply_ep(model, mesh, ep)`` shards every `models.moe.GroupedExperts` over the
 data-parallel shard ranks (EP borrows the FSDP2 dimension: ``parallel.ep`` must
-equal ``dp_shard``): rank r keeps experts ``[r * E/ep, (r+1) * E/ep)`` as a
-DTensor ``Shard(0)`` on the same mesh FSDP2 uses, so checkpoints (DCP) see the
-whole expert tensor and resume on any EP degree, and gradient clipping and AdamW
-see one mesh. FSDP2 leaves these parameters alone (`expert_params`, passed as
+divide ``dp_shard``). With ``ep == dp_shard`` rank r keeps experts
+``[r * E/ep, (r+1) * E/ep)`` as a DTensor ``Shard(0)`` on the mesh FSDP2 uses;
+with ``ep < dp_shard`` the FSDP2 ranks are cut into ``dp_shard / ep`` groups of
+``ep`` consecutive ranks (a 2-D mesh ``("ep_replicate", "ep")``, placements
+``[Replicate(), Shard(0)]``): each group holds every expert once, and the groups
+are replicas of one another, so tokens stay within a group (a node, when ``ep``
+is the node's size). Either way checkpoints (DCP) see the whole expert tensor
+and resume on any EP degree, and gradient clipping and AdamW see DTensors.
+FSDP2 leaves these parameters alone (`expert_params`, passed as
 ``ignored_params``): they are not gathered before the forward; the tokens travel
 instead. Per layer and micro-batch (`ExpertParallelExperts.forward`):
 
@@ -17,12 +22,14 @@ instead. Per layer and micro-batch (`ExpertParallelExperts.forward`):
    does not reach ignored parameters);
 4. the outputs go back the same way, in the original order.
 
-Gradients: an expert's weight gradient is the sum over every rank's tokens routed
-to it, while FSDP2 *averages* the other gradients over the data-parallel ranks (the
-recipes scale each rank's loss by the data-parallel size, parallel/fsdp.py); the
-expert gradients are divided by the EP size to match (`_scale_grad`). So an update
-equals the single-process one (tests/parallel/test_parallel_equivalence.py,
-layouts ``fsdp2_ep2_moe`` and ``fsdp4_ep4_moe``).
+Gradients: an expert's weight gradient is the sum over its group's tokens routed
+to it, while FSDP2 *averages* the other gradients over the data-parallel ranks
+(the recipes scale each rank's loss by the data-parallel size, parallel/fsdp.py).
+So the expert gradients are divided by ``dp_shard`` and, with replica groups,
+summed over the replicas (an all-reduce in the backward, per micro-batch, as
+FSDP2 reduce-scatters the others); an update then equals the single-process one
+(tests/parallel/test_parallel_equivalence.py, layouts ``fsdp2_ep2_moe``,
+``fsdp4_ep4_moe`` and ``fsdp4_ep2_moe``).
 """
 
 from __future__ import annotations
@@ -33,12 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from kernels.grouped_gemm import grouped_mm
 from models.moe import GroupedExperts
 
-__all__ = ["ExpertParallelExperts", "apply_ep", "expert_params", "validate_ep"]
+__all__ = ["ExpertParallelExperts", "apply_ep", "ep_mesh", "expert_params", "validate_ep"]
 
 
 def validate_ep(args: object, ep: int, dp_shard: int, tp: int, pp: int, dp_replicate: int) -> None:
@@ -48,29 +55,33 @@ def validate_ep(args: object, ep: int, dp_shard: int, tp: int, pp: int, dp_repli
     experts = getattr(args, "num_experts", 0)
     if not experts:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model (this one is dense)")
-    if ep != dp_shard:
-        raise ValueError(f"ep={ep} must equal dp_shard={dp_shard} (expert parallelism borrows the FSDP2 ranks)")
+    if dp_shard % ep:
+        raise ValueError(f"ep={ep} must divide dp_shard={dp_shard} (expert parallelism borrows the FSDP2 ranks)")
     if tp > 1 or pp > 1 or dp_replicate > 1:
         raise ValueError(f"ep={ep} runs with FSDP2 only so far (tp={tp}, pp={pp}, dp_replicate={dp_replicate})")
     if experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={experts}")
 
 
-def _scale_grad(t: torch.Tensor, scale: float) -> torch.Tensor:
-    return _ScaleGrad.apply(t, scale)
+def _scale_grad(t: torch.Tensor, scale: float, replicas: dist.ProcessGroup | None = None) -> torch.Tensor:
+    return _ScaleGrad.apply(t, scale, replicas)
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` (see the module docstring)."""
+    """Identity forward; the gradient times ``scale``, summed over ``replicas`` when given
+    (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
-        ctx.scale = scale
+    def forward(ctx, t: torch.Tensor, scale: float, replicas: dist.ProcessGroup | None) -> torch.Tensor:  # noqa: ANN001
+        ctx.scale, ctx.replicas = scale, replicas
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        return g * ctx.scale, None
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        g = g * ctx.scale
+        if ctx.replicas is not None:
+            dist.all_reduce(g, group=ctx.replicas)
+        return g, None, None
 
 
 class ExpertParallelExperts(GroupedExperts):
@@ -78,12 +89,15 @@ class ExpertParallelExperts(GroupedExperts):
 
     Made by `apply_ep` in place (the class is swapped, parameter names stay)."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup  # the ep ranks that hold one copy of every expert
     ep: int
+    replicas: dist.ProcessGroup | None  # the ranks holding the same experts (None: ep == dp_shard)
+    dp_shard: int
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ep, group = self.ep, self.group
-        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep).to(x_sorted.dtype)
+        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, 1.0 / self.dp_shard,
+                                  self.replicas).to(x_sorted.dtype)
                       for w in (self.w1, self.w2, self.w3))
         local = w1.shape[0]
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # [E] rows per expert
@@ -120,17 +134,39 @@ def expert_params(model: nn.Module) -> set[nn.Parameter]:
     return {p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh) -> int:
-    """Shard every `GroupedExperts` of ``model`` over ``mesh`` (1-D: the FSDP2 shard ranks),
-    in place, on the meta device or materialised; returns how many."""
+def ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The mesh experts are sharded over: ``mesh`` (1-D, the FSDP2 shard ranks) itself when
+    ``ep`` is its size, else ``("ep_replicate", "ep")`` of shape ``(size / ep, ep)``, each
+    ``ep`` consecutive ranks one group. Collective the first time (new process groups);
+    cached on ``mesh`` after that."""
+    if ep == mesh.size():
+        return mesh
+    cache = mesh.__dict__.setdefault("_tandem_ep_meshes", {})
+    if ep not in cache:
+        cache[ep] = mesh._unflatten(0, (mesh.size() // ep, ep), ("ep_replicate", "ep"))
+    return cache[ep]
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None) -> int:
+    """Shard every `GroupedExperts` of ``model`` over ``ep`` of the ranks of ``mesh`` (1-D:
+    the FSDP2 shard ranks; ``ep`` defaults to all of them), in place, on the meta device or
+    materialised; returns how many."""
+    dp_shard = mesh.size()
+    ep = dp_shard if ep is None else ep
+    if dp_shard % ep:
+        raise ValueError(f"ep={ep} must divide the {dp_shard} FSDP2 shard ranks")
+    emesh = ep_mesh(mesh, ep)
+    placements = [Shard(0)] if emesh is mesh else [Replicate(), Shard(0)]
+    group = mesh.get_group() if emesh is mesh else emesh.get_group("ep")
+    replicas = None if emesh is mesh else emesh.get_group("ep_replicate")
     n = 0
     for m in model.modules():
         if type(m) is GroupedExperts:
             for name in ("w1", "w2", "w3"):
                 p = getattr(m, name)
-                setattr(m, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
+                setattr(m, name, nn.Parameter(distribute_tensor(p.data, emesh, placements),
                                               requires_grad=p.requires_grad))
             m.__class__ = ExpertParallelExperts
-            m.group, m.ep = mesh.get_group(), mesh.size()
+            m.group, m.ep, m.replicas, m.dp_shard = group, ep, replicas, dp_shard
             n += 1
     return n

@@ -148,6 +148,7 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_moe": Layout(Degrees(dp_shard=2), family="qwen3-moe"),
     "fsdp2_ep2_moe": Layout(Degrees(dp_shard=2), family="qwen3-moe", ep=2),
     "fsdp4_ep4_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=4),
+    "fsdp4_ep2_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=2),
 }
 
 

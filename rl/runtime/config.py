@@ -224,7 +224,7 @@ class ParallelConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # per block; selective: matmul/attention outputs kept, elementwise recomputed
     compile: bool = False  # torch.compile per block
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters and gradients
-    ep: int = 1  # expert parallelism (MoE models): experts sharded over the FSDP2 ranks (ep = dp_shard), tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
+    ep: int = 1  # expert parallelism (MoE models): experts sharded over groups of ep consecutive FSDP2 ranks (ep divides dp_shard; ep < dp_shard: the groups are replicas, e.g. one per node), tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
 
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "ep"):

@@ -384,10 +384,12 @@ class Planner:
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node), least model parallelism
         first; an MoE model's: FSDP2 over them all (tp = pp = 1 so far), without EP, then with
-        ep = dp_shard where that divides the experts (parallel/expert_parallel.py's rule)."""
+        ep = a node (EP groups within nodes), then ep = dp_shard, where ep divides the ranks and the
+        experts (parallel/expert_parallel.py's rule)."""
         if self.args.is_moe:
-            eps = [1] + ([world] if world > 1 and self.args.num_experts % world == 0 else [])
-            return [Layout(dp_shard=world, ep=ep) for ep in eps]
+            eps = sorted({e for e in (devices_per_node, world)
+                          if 1 < e <= world and world % e == 0 and self.args.num_experts % e == 0})
+            return [Layout(dp_shard=world, ep=ep) for ep in [1, *eps]]
         per = SCHEDULES[self.s.pp_schedule][1]
         out = []
         for tp in range(1, min(world, devices_per_node) + 1):

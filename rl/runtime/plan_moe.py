@@ -2,7 +2,7 @@
 
 An MoE layer (models/moe.py) routes each of ``T`` tokens to ``k`` of ``E`` experts
 (``moe_intermediate_size`` ``I`` each), so its feed-forward runs on ``T * k`` *routed rows*.
-With expert parallelism (parallel/expert_parallel.py, ``ep`` = dp_shard) a rank holds
+With expert parallelism (parallel/expert_parallel.py, ``ep`` dividing dp_shard) a rank holds
 ``E / ep`` whole experts, left out of FSDP2: no unsharded-layer transient for them; the rows
 travel to the experts instead. With ``ep = 1`` FSDP2 shards the stacked expert tensors by
 their first dimension like any weight and gathers them per block.

@@ -22,6 +22,7 @@ from models.args import ModelArgs
 from models.transformer import Transformer
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile
+from parallel.expert_parallel import validate_ep
 from parallel.loss import vocab_parallel_entropy, vocab_parallel_token_logprobs
 from parallel.pp import build_pipeline, pipeline_split
 from parallel.tp import validate_tp
@@ -45,7 +46,7 @@ LAYOUTS_2 = [
     "fsdp2_moe",
     "fsdp2_ep2_moe",
 ]
-LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe"]
+LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe", "fsdp4_ep2_moe"]
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, errors: bool) -> dict:
@@ -137,6 +138,25 @@ def test_validate_tp_one_line(tp: int, needle: str) -> None:
         validate_tp(_args(), tp)
     assert needle in str(e.value) and "\n" not in str(e.value)
     validate_tp(_args(), 2)
+
+
+@pytest.mark.parametrize("experts, ep, sizes, needle", [
+    (0, 2, (2, 1, 1, 1), "dense"),
+    (4, 3, (6, 1, 1, 1), "ep=3 must divide num_experts=4"),
+    (4, 4, (6, 1, 1, 1), "ep=4 must divide dp_shard=6"),
+    (4, 2, (2, 2, 1, 1), "FSDP2 only so far (tp=2"),
+    (4, 2, (2, 1, 1, 2), "dp_replicate=2"),
+])
+def test_validate_ep_one_line(experts: int, ep: int, sizes: tuple, needle: str) -> None:
+    """EP groups of any divisor of dp_shard (and the experts) are accepted; the rest get one line."""
+    moe = _args(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    args = moe if experts else _args()
+    dp_shard, tp, pp, dp_replicate = sizes
+    with pytest.raises(ValueError) as e:
+        validate_ep(args, ep, dp_shard=dp_shard, tp=tp, pp=pp, dp_replicate=dp_replicate)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    for ok in (1, 2, 4):  # 2 groups of 4 ranks or 4 of 2 (or whole-world EP) on 8 FSDP2 ranks
+        validate_ep(moe, ok, dp_shard=8, tp=1, pp=1, dp_replicate=1)
 
 
 def test_pipeline_split_even_and_errors() -> None:

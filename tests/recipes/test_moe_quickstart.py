@@ -7,7 +7,8 @@ One module fixture runs the quickstart once; its step-60 checkpoint (experts sav
 * loaded with nothing left to train on 1 rank and on 2 ranks of plain FSDP2 (ep = 1): the
   HF export equals the EP = 2 run's bit for bit;
 * continued for one step (61) on 2 ranks EP = 2 (the reference), 1 rank and 2 ranks
-  FSDP2 (ep = 1), each with one sample per micro-batch, so the router losses (a mean over
+  FSDP2 (ep = 1), and 4 ranks in two EP = 2 groups (experts ``[Replicate, Shard(0)]`` on a
+  2 x 2 mesh), each with one sample per micro-batch, so the router losses (a mean over
   each micro-batch's tokens) see the same token sets on every layout: the step-61
   weights and AdamW moments agree to float tolerance (a fresh optimizer would be O(1)
   off: Adam's first step is about ``lr * sign(g)``).
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "quickstart_moe.toml")
 # name -> (ranks, parallel.ep); the continuations of step 60 to 61
-CONTINUE = {"ep2": (2, 2), "one_rank": (1, 1), "fsdp2": (2, 1)}
+CONTINUE = {"ep2": (2, 2), "one_rank": (1, 1), "fsdp2": (2, 1), "ep2_groups2": (4, 2)}
 
 
 def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
@@ -115,13 +116,13 @@ def test_ep2_checkpoint_loads_bit_for_bit_without_ep(runs):
 
 
 @pytest.mark.slow
-def test_ep2_checkpoint_continues_with_its_optimizer_state_without_ep(runs):
+def test_ep2_checkpoint_continues_with_its_optimizer_state_on_other_layouts(runs):
     base, out = runs
     ref = _checkpoint(base / "ep2", 61)
     saved = _checkpoint(base / "quickstart", 60)
     key = "state.layers.1.moe.experts.w2.exp_avg"  # an expert tensor sharded over the EP ranks at save
     assert _worst_rel({key: saved["optim"][key]}, {key: ref["optim"][key]})[0] > 1e-2  # step 61 moved it
-    for name in ("one_rank", "fsdp2"):
+    for name in ("one_rank", "fsdp2", "ep2_groups2"):
         got = _checkpoint(base / name, 61)
         steps = {float(v) for k, v in got["optim"].items() if k.endswith(".step")}
         assert steps == {61.0}, (name, steps)  # AdamW's step counts went on from 60

@@ -68,6 +68,7 @@ def test_moe_layouts_and_the_ep_transient_by_hand():
     p = Planner(args, Settings(tokens=8192, ac="full", kv_cache_gb=8.0, max_len=4097, prompts_per_step=128))
     assert [(x.tp, x.pp, x.dp_shard, x.ep) for x in p.candidates(8, 8)] == [(1, 1, 8, 1), (1, 1, 8, 8)]
     assert [x.ep for x in p.candidates(6, 8)] == [1]  # 6 does not divide 128 experts
+    assert [x.ep for x in p.candidates(32, 8)] == [1, 8, 32]  # EP within a node, then over all
     ep1, ep8 = (p.plan(Layout(dp_shard=8, ep=e, rollout_tp=4))[0] for e in (1, 8))
     assert ep1.update["parameters"] == ep8.update["parameters"]
     experts = 3 * 128 * 768 * 2048
@@ -75,6 +76,9 @@ def test_moe_layouts_and_the_ep_transient_by_hand():
     assert saved == (2 * 2 + 4) * experts
     lay, peak = p.smallest(nodes=1, devices_per_node=8, device_bytes=80e9)
     assert (lay.world, lay.ep, lay.rollout_tp) == (8, 8, 4) and ep1.peak > 72e9 > peak
+    # two nodes, EP groups of one node: each rank keeps E/8 experts, not E/16 (fp32, 48 layers)
+    node, both = (p.plan(Layout(dp_shard=16, ep=e, rollout_tp=4))[0] for e in (8, 16))
+    assert node.update["parameters"] - both.update["parameters"] == 4 * 48 * experts * (1 / 8 - 1 / 16)
 
 
 def test_moe_config_plans_and_names_ep():
