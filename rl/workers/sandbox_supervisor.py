@@ -1,8 +1,8 @@
 """The trusted supervisor of one sandboxed run, and the clean-up helpers it shares.
 
-rl/workers/sandbox.py starts this file as ``python -I -S sandbox_supervisor.py CONFIG``
-(stdlib only, so it needs no site-packages and no repo on ``sys.path``), in a session
-of its own. The supervisor
+rl/workers/sandbox_run.py (``SandboxRun``, behind rl/workers/sandbox.py) starts this
+file as ``python -I -S sandbox_supervisor.py CONFIG`` (stdlib only, so it needs no
+site-packages and no repo on ``sys.path``), in a session of its own. The supervisor
 
 1. creates the run's memory cgroup (when the probe found one it may create),
 2. forks the child, which joins the cgroup, enters new user/network/IPC/mount
