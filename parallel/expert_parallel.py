@@ -2,13 +2,13 @@
 
 ``apply_ep(model, mesh, ep)`` shards every `models.moe.GroupedExperts` over the
 data-parallel shard ranks (EP borrows the FSDP2 dimension: ``parallel.ep`` must
-divide ``dp_shard``). With ``ep == dp_shard`` rank r keeps experts
-``[r * E/ep, (r+1) * E/ep)`` as a DTensor ``Shard(0)`` on the mesh FSDP2 uses;
-with ``ep < dp_shard`` the FSDP2 ranks are cut into ``dp_shard / ep`` groups of
-``ep`` consecutive ranks (a 2-D mesh ``("ep_replicate", "ep")``, placements
-``[Replicate(), Shard(0)]``): each group holds every expert once, and the groups
-are replicas of one another, so tokens stay within a group (a node, when ``ep``
-is the node's size). Either way checkpoints (DCP) see the whole expert tensor
+divide ``dp_shard``). With ``ep`` all the data-parallel ranks (FSDP2, no HSDP) rank
+r keeps experts ``[r * E/ep, (r+1) * E/ep)`` as a DTensor ``Shard(0)`` on the mesh
+FSDP2 uses; otherwise the data-parallel ranks (HSDP's replicas too, replicate-major)
+are cut into groups of ``ep`` consecutive ranks (a 2-D mesh ``("ep_replicate",
+"ep")``, placements ``[Replicate(), Shard(0)]``; a group never spans two HSDP
+replicas): each group holds every expert once, and the groups are replicas of one
+another, so tokens stay within a group (a node, when ``ep`` is the node's size). Either way checkpoints (DCP) see the whole expert tensor
 and resume on any EP degree, and gradient clipping and AdamW see DTensors.
 FSDP2 leaves these parameters alone (`expert_params`, passed as
 ``ignored_params``): they are not gathered before the forward; the tokens travel
@@ -25,11 +25,11 @@ instead. Per layer and micro-batch (`ExpertParallelExperts.forward`):
 Gradients: an expert's weight gradient is the sum over its group's tokens routed
 to it, while FSDP2 *averages* the other gradients over the data-parallel ranks
 (the recipes scale each rank's loss by the data-parallel size, parallel/fsdp.py).
-So the expert gradients are divided by ``dp_shard`` and, with replica groups,
+So the expert gradients are divided by the data-parallel size and, with replica groups,
 summed over the replicas (an all-reduce in the backward, per micro-batch, as
 FSDP2 reduce-scatters the others); an update then equals the single-process one
 (tests/parallel/test_parallel_equivalence.py, layouts ``fsdp2_ep2_moe``,
-``fsdp4_ep4_moe`` and ``fsdp4_ep2_moe``).
+``fsdp4_ep4_moe``, ``fsdp4_ep2_moe`` and ``hsdp2x2_ep2_moe``).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def validate_ep(args: object, ep: int, dp_shard: int, tp: int, pp: int, dp_repli
         raise ValueError(f"ep={ep} needs a mixture-of-experts model (this one is dense)")
     if dp_shard % ep:
         raise ValueError(f"ep={ep} must divide dp_shard={dp_shard} (expert parallelism borrows the FSDP2 ranks)")
-    if tp > 1 or pp > 1 or dp_replicate > 1:
-        raise ValueError(f"ep={ep} runs with FSDP2 only so far (tp={tp}, pp={pp}, dp_replicate={dp_replicate})")
+    if tp > 1 or pp > 1:
+        raise ValueError(f"ep={ep} runs with FSDP2 or HSDP only so far (tp={tp}, pp={pp})")
     if experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={experts}")
 
@@ -91,12 +91,12 @@ class ExpertParallelExperts(GroupedExperts):
 
     group: dist.ProcessGroup  # the ep ranks that hold one copy of every expert
     ep: int
-    replicas: dist.ProcessGroup | None  # the ranks holding the same experts (None: ep == dp_shard)
-    dp_shard: int
+    replicas: dist.ProcessGroup | None  # the ranks holding the same experts (None: ep == dp)
+    dp: int  # data-parallel ranks (FSDP2 averages the other gradients over them)
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ep, group = self.ep, self.group
-        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, 1.0 / self.dp_shard,
+        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, 1.0 / self.dp,
                                   self.replicas).to(x_sorted.dtype)
                       for w in (self.w1, self.w2, self.w3))
         local = w1.shape[0]
@@ -137,21 +137,23 @@ def expert_params(model: nn.Module) -> set[nn.Parameter]:
 def ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The mesh experts are sharded over: ``mesh`` (1-D, the FSDP2 shard ranks) itself when
     ``ep`` is its size, else ``("ep_replicate", "ep")`` of shape ``(size / ep, ep)``, each
-    ``ep`` consecutive ranks one group. Collective the first time (new process groups);
-    cached on ``mesh`` after that."""
-    if ep == mesh.size():
+    ``ep`` consecutive ranks one group (a 2-D HSDP mesh is flattened first, replicate-major).
+    Collective the first time (new process groups); cached on ``mesh`` after that."""
+    if mesh.ndim == 1 and ep == mesh.size():
         return mesh
     cache = mesh.__dict__.setdefault("_tandem_ep_meshes", {})
     if ep not in cache:
-        cache[ep] = mesh._unflatten(0, (mesh.size() // ep, ep), ("ep_replicate", "ep"))
+        flat = mesh if mesh.ndim == 1 else mesh._flatten("dp_for_ep")
+        cache[ep] = flat._unflatten(0, (flat.size() // ep, ep), ("ep_replicate", "ep"))
     return cache[ep]
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None) -> int:
-    """Shard every `GroupedExperts` of ``model`` over ``ep`` of the ranks of ``mesh`` (1-D:
-    the FSDP2 shard ranks; ``ep`` defaults to all of them), in place, on the meta device or
+    """Shard every `GroupedExperts` of ``model`` over ``ep`` of the ranks of ``mesh`` (the
+    data-parallel mesh: 1-D FSDP2 shard ranks, or 2-D HSDP ``(dp_replicate, dp_shard)``; ``ep``
+    divides the shard ranks and defaults to all of them), in place, on the meta device or
     materialised; returns how many."""
-    dp_shard = mesh.size()
+    dp_shard, dp = mesh.size(mesh.ndim - 1), mesh.size()
     ep = dp_shard if ep is None else ep
     if dp_shard % ep:
         raise ValueError(f"ep={ep} must divide the {dp_shard} FSDP2 shard ranks")
@@ -167,6 +169,6 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None) -> int:
                 setattr(m, name, nn.Parameter(distribute_tensor(p.data, emesh, placements),
                                               requires_grad=p.requires_grad))
             m.__class__ = ExpertParallelExperts
-            m.group, m.ep, m.replicas, m.dp_shard = group, ep, replicas, dp_shard
+            m.group, m.ep, m.replicas, m.dp = group, ep, replicas, dp
             n += 1
     return n

@@ -58,8 +58,8 @@ def parallelize(
 ) -> nn.Module:
     """Parallelize ``model`` in place over ``mesh`` (axes from parallel/mesh.py); returns it.
 
-    ``ep`` > 1 shards MoE experts over groups of ``ep`` of the ``mesh["dp_shard"]`` ranks
-    (parallel/expert_parallel.py).
+    ``ep`` > 1 shards MoE experts over groups of ``ep`` of the ``mesh["dp_shard"]`` ranks,
+    replicated over the other groups and HSDP's replicas (parallel/expert_parallel.py).
     ``tp_enabled`` switches TP off even when its mesh axis is > 1; ``fsdp_enabled``
     forces FSDP2 on or off (default None: the rule in the module docstring).
     """
@@ -69,7 +69,7 @@ def parallelize(
         )
     ignored = set()
     if ep > 1:  # experts sharded over the FSDP2 ranks, left out of FSDP2 (parallel/expert_parallel.py)
-        apply_ep(model, mesh["dp_shard"], ep)
+        apply_ep(model, dp_mesh(mesh), ep)
         ignored = expert_params(model)
     apply_ac(model, ac)
     if compile:

@@ -149,6 +149,7 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_ep2_moe": Layout(Degrees(dp_shard=2), family="qwen3-moe", ep=2),
     "fsdp4_ep4_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=4),
     "fsdp4_ep2_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=2),
+    "hsdp2x2_ep2_moe": Layout(Degrees(dp_replicate=2, dp_shard=2), family="qwen3-moe", ep=2),
 }
 
 
