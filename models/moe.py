@@ -33,7 +33,12 @@ carry gradients to the router while grad mode is on):
   same for one layer and differs for several.
 * ``z_loss = mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022).
 
-Padding tokens of a packed batch are routed and counted like any other.
+Padding tokens of a packed batch are routed like any other. A caller that knows
+which positions are real sets ``token_mask`` (``[B, S]`` bool, `set_token_mask`)
+before the forward and clears it after the backward (activation checkpointing
+replays the forward): ``tokens_per_expert`` and the two losses then count the real
+tokens only (``T`` their number), so padding neither pulls the router nor depends
+on how a layout pads (tensor parallelism pads sequences to a multiple of ``tp``).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class MoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(d, 1, bias=False)
         bias = torch.zeros(e, dtype=torch.float32) if self.score_func == "sigmoid" else None
         self.register_buffer("expert_bias", bias)  # [E] fp32, or None (not in the state dict)
+        self.token_mask: torch.Tensor | None = None  # [B, S] bool, set by the caller: the real tokens
         self.last_routing: torch.Tensor | None = None  # [T, k] int64
         self.tokens_per_expert: torch.Tensor | None = None  # [E] int64
         self.aux_loss: torch.Tensor | None = None  # scalar fp32
@@ -120,7 +126,12 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
+        if self.token_mask is None:
+            counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
+        else:  # the real tokens only (see the module docstring)
+            keep = self.token_mask.reshape(-1)  # [T]
+            ids_kept, scores, logits = ids[keep], scores[keep], logits[keep]
+            counts = torch.bincount(ids_kept.reshape(-1), minlength=self.num_experts)  # [E]
         self.last_routing, self.tokens_per_expert = ids.detach(), counts
         self.aux_loss = load_balancing_loss(scores, counts, self.score_func)
         self.z_loss = router_z_loss(logits)
@@ -151,6 +162,13 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """The MoE blocks of a model by layer key ("0", "1", ...; those present on this stage)."""
     layers = getattr(model, "layers", None) or {}
     return {key: layer.moe for key, layer in layers.items() if getattr(layer, "moe", None) is not None}
+
+
+def set_token_mask(model: nn.Module, mask: torch.Tensor | None) -> None:
+    """Tell every MoE block of ``model`` which of the next forward's ``[B, S]`` positions are real
+    tokens (None: all of them); see the module docstring."""
+    for m in moe_layers(model).values():
+        m.token_mask = mask
 
 
 def router_loss(model: nn.Module) -> torch.Tensor | None:

@@ -14,6 +14,8 @@ Plan per block, for a TP group of size ``tp``:
   heads, but its weight is shared by all heads, so it is planned as
   ``SequenceParallel(sequence_dim=2)`` (heads dim): its gradient is summed over
   the TP group like any other replicated norm.
+- A mixture-of-experts block (parallel/moe_tp.py): every rank routes all the block's
+  tokens; experts are split by hidden features like the MLP, the router stays whole.
 - Vocab parallel (default): the embedding is row-parallel (vocab rows split) and
   the output head column-parallel with its output *kept* as a DTensor sharded on
   the vocab dim (``Shard(-1)``); parallel/loss.py computes token log-probs and
@@ -44,14 +46,20 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from parallel.moe_tp import moe_block_plan, shard_experts_tp
+
 __all__ = ["apply_tp", "validate_tp"]
 
 
 def validate_tp(args: Any, tp: int) -> None:
-    """Raise ValueError (one line) unless ``tp`` divides heads, kv heads and the MLP width."""
+    """Raise ValueError (one line) unless ``tp`` divides heads, kv heads and the MLP widths
+    (an MoE model's expert and shared-expert widths too)."""
     if tp < 1:
         raise ValueError(f"tensor parallel degree must be >= 1, got tp={tp}")
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    names = ["num_heads", "num_kv_heads", "intermediate_size"]
+    if getattr(args, "num_experts", 0):
+        names += ["moe_intermediate_size", "shared_expert_intermediate_size"]
+    for name in names:
         value = getattr(args, name)
         if value % tp:
             raise ValueError(
@@ -100,6 +108,8 @@ def apply_tp(
 
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+        if hasattr(block, "moe"):
+            shard_experts_tp(block.moe.experts, tp_mesh)
         attn = block.attention
         attn.num_heads //= tp
         attn.num_kv_heads //= tp
@@ -119,10 +129,13 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=out),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=out),
     }
+    if hasattr(block, "moe"):  # parallel/moe_tp.py: every rank routes all the block's tokens
+        plan.update(moe_block_plan(block, out))
+    else:
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w3"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=out)
     if block.attention.q_norm is not None:
         # Per-head norm on the local heads [B, S, H/tp, Dh]: heads dim 2 plays "sequence".
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -136,9 +149,10 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
             desired_input_layouts=(Replicate(), None, None, None),
             use_local_output=True,
         )
-        plan["feed_forward"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
+        if not hasattr(block, "moe"):
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
     return plan
 
 

@@ -112,6 +112,10 @@ FAMILIES: dict[str, ModelArgs] = {
         },
     ),
 }
+# qwen2 with 4 experts (2 per token), a gated shared expert, and layer 1 dense (mixed blocks)
+FAMILIES["qwen2-moe"] = FAMILIES["qwen2"].replace(
+    model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, mlp_only_layers=[1])
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,10 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp4_ep4_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=4),
     "fsdp4_ep2_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=2),
     "hsdp2x2_ep2_moe": Layout(Degrees(dp_replicate=2, dp_shard=2), family="qwen3-moe", ep=2),
+    # MoE under TP (parallel/moe_tp.py): experts split by hidden features, every rank routing all tokens
+    "tp2_moe": Layout(Degrees(tp=2), family="qwen3-moe"),
+    "tp2_qwen2_moe_nosp": Layout(Degrees(tp=2), family="qwen2-moe", sequence_parallel=False),
+    "fsdp2_tp2_qwen2_moe": Layout(Degrees(dp_shard=2, tp=2), family="qwen2-moe"),
 }
 
 

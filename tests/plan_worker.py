@@ -54,6 +54,7 @@ MOE_LAYOUTS = {  # name -> (training degrees, activation checkpointing, parallel
     "moe_ep2_full": (Degrees(dp_shard=2), "full", 2),
     "moe_fsdp2": (Degrees(dp_shard=2), "none", 1),
     "moe_ep2": (Degrees(dp_shard=2), "none", 2),
+    "moe_tp2": (Degrees(tp=2), "none", 1),  # experts split by hidden features (parallel/moe_tp.py)
 }
 MICRO_BATCH_TOKENS, SEQ_LEN = 256, 48
 # the rollout's KV sizing: (kv_cache_gb, max_num_seqs, max_tokens): one limited by the budget, one by the sequences

@@ -120,14 +120,14 @@ class BuildSpec:
 
 def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
     """One line (ConfigError) unless the degrees ``sizes`` (dp_shard, tp, pp, dp_replicate) and
-    ``parallel.ep`` suit the model: an MoE model runs with tp = pp = 1 so far; EP as
-    parallel/expert_parallel.py's `validate_ep` says."""
+    ``parallel.ep`` suit the model: an MoE model runs with pp = 1 so far; EP as
+    parallel/expert_parallel.py's `validate_ep` says (tp = 1 with EP)."""
     from parallel.expert_parallel import validate_ep
     from rl.runtime.config import ConfigError
 
-    if getattr(args, "num_experts", 0) and (sizes["tp"] > 1 or sizes["pp"] > 1):
-        raise ConfigError(f"parallel: a mixture-of-experts model runs with tp = pp = 1 so far (tp={sizes['tp']}, "
-                          f"pp={sizes['pp']}); use parallel.ep for its experts")
+    if getattr(args, "num_experts", 0) and sizes["pp"] > 1:
+        raise ConfigError(f"parallel: a mixture-of-experts model runs with pp = 1 so far (pp={sizes['pp']}); "
+                          "use parallel.tp or parallel.ep")
     try:
         validate_ep(args, ep, **{a: sizes[a] for a in ("dp_shard", "tp", "pp", "dp_replicate")})
     except ValueError as e:

@@ -383,7 +383,7 @@ class Planner:
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node), least model parallelism
-        first; an MoE model's: FSDP2 over them all (tp = pp = 1 so far), without EP, then with
+        first; an MoE model's: FSDP2 over them all (pp = 1 so far; TP is planned, not searched), without EP, then with
         ep = a node (EP groups within nodes), then ep = dp_shard, where ep divides the ranks and the
         experts (parallel/expert_parallel.py's rule)."""
         if self.args.is_moe:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.args import ModelArgs
 from models.hf import save_hf
-from models.moe import router_loss
+from models.moe import router_loss, set_token_mask
 from models.transformer import Transformer
 from parallel.grad import clip_grad_norm
 from parallel.loss import token_logprobs_at
@@ -123,6 +123,7 @@ class FlatPolicy:
         mbs = self.micro_batches(samples, rows)
         for mb in mbs:
             if policy:
+                set_token_mask(self.model, mb.doc_ids >= 0)  # MoE router losses: not the padding
                 loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
                 self.routing.observe(self.model, mb)
                 router = router_loss(self.model) if mb.rows else None  # MoE: the router's losses, mean over
@@ -130,6 +131,7 @@ class FlatPolicy:
                     self.moe.observe(self.model)  # rank's share of a global sum, so its router term is 1/dp
                     loss = loss + router / (len(mbs) * self.dp)
                 (loss * self.dp).backward()  # FSDP2 averages over dp ranks
+                set_token_mask(self.model, None)  # after the backward: checkpointing replays the forward
                 if st:
                     sums += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
             if also is not None:

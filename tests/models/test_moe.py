@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelArgs, Transformer, get_flavor, load_model, read_hf_state_dict, save_hf
-from models.moe import MoE, moe_layers, router_loss
+from models.moe import MoE, moe_layers, router_loss, set_token_mask
 from models.tokenizer import build_char_tokenizer
 from tests.fixtures import TINY_VOCAB, hf_reference, randomize_
 
@@ -194,6 +194,32 @@ def test_aux_and_z_loss_equal_the_formulas_and_transformers(moe_folder):
     assert abs(total.item() - want.item()) <= 1e-5 * want.item()
     total.backward()  # the losses reach the routers (and nothing past them needs them)
     assert all(m.gate.weight.grad.abs().sum() > 0 for m in layers.values())
+
+
+def test_router_losses_count_only_the_masked_in_tokens(moe_folder):
+    """With `set_token_mask` (right padding: a row's first n tokens real), the aux loss equals
+    transformers' ``load_balancing_loss_func`` given that attention mask, the z-loss the formula
+    over the real tokens' logits, and the expert counts cover the real tokens only."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    _, path = moe_folder
+    ref, ours = hf_reference(path), load_model(path)
+    x = _tokens(2, 32, seed=7)
+    mask = torch.zeros(2, 32, dtype=torch.bool)
+    mask[0, :20], mask[1, :9] = True, True  # pads after the real tokens: causal attention never sees them
+    with torch.no_grad():
+        out = ref(x, output_router_logits=True)
+    set_token_mask(ours, mask)
+    ours(x)
+    set_token_mask(ours, None)
+    for (key, moe), hf_logits in zip(moe_layers(ours).items(), out.router_logits, strict=True):
+        want = load_balancing_loss_func((hf_logits,), 8, 2, attention_mask=mask.long())
+        assert abs(moe.aux_loss.item() - want.item()) <= 1e-5, key
+        unmasked = _hand_aux_loss(hf_logits, 2)
+        assert abs(unmasked.item() - want.item()) > 1e-3, key  # the mask matters on this batch
+        z = _hand_z_loss(hf_logits[mask.reshape(-1)])
+        assert abs(moe.z_loss.item() - z.item()) <= 1e-4 * z.item(), key
+        assert moe.tokens_per_expert.sum().item() == 29 * 2 and moe.token_mask is None
 
 
 # ------------------------------------------------------------------ dispatch

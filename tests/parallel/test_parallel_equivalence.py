@@ -45,8 +45,11 @@ LAYOUTS_2 = [
     "pp2_qwen3_tied",
     "fsdp2_moe",
     "fsdp2_ep2_moe",
+    "tp2_moe",
+    "tp2_qwen2_moe_nosp",
 ]
-LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe", "fsdp4_ep2_moe", "hsdp2x2_ep2_moe"]
+LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe", "fsdp4_ep2_moe", "hsdp2x2_ep2_moe",
+             "fsdp2_tp2_qwen2_moe"]
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, errors: bool) -> dict:

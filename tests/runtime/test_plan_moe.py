@@ -2,7 +2,8 @@
 
 One torchrun launch (2 CPU processes, gloo) runs tests/plan_worker.py over its MoE layouts (a
 Qwen3-MoE of 8 experts, 2 per token, layer 0 dense): FSDP2 over 2 ranks gathering the experts
-(ep = 1), expert parallelism over the same 2 ranks (ep = 2), and ep = 2 with full checkpointing.
+(ep = 1), expert parallelism over the same 2 ranks (ep = 2), ep = 2 with full checkpointing, and
+TP over 2 ranks (experts split by hidden features).
 Every rank's parameter, gradient and AdamW bytes, generation shards (rollout.tp 1, 2) and KV
 pools must be within 5 % of the planner, the tensors one micro-batch saves for backward within
 25 % (under EP each rank's own: the rows it receives depend on the routing) for the layouts
@@ -36,13 +37,14 @@ def measured(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", list(W.MOE_LAYOUTS))
 def test_moe_state_and_activations_match_a_cpu_run(measured, name):
     degrees, ac, ep = W.MOE_LAYOUTS[name]
-    plan = Planner(W.MOE_ARGS, _settings(ac)).plan(Layout(dp_shard=degrees.dp_shard, ep=ep))[0]
+    plan = Planner(W.MOE_ARGS, _settings(ac)).plan(Layout(dp_shard=degrees.dp_shard, tp=degrees.tp, ep=ep))[0]
     for rank, rec in enumerate(measured[name]):
         _close(plan.update["parameters"], rec["params"], EXACT, f"{name} rank {rank} parameters")
         _close(plan.update["gradients"], rec["grads"], EXACT, f"{name} rank {rank} gradients")
         _close(plan.update["optimizer state"], rec["optimizer"], EXACT, f"{name} rank {rank} optimizer")
         if ac == "none":  # see the module docstring
-            planned = activation_bytes(W.MOE_ARGS, rec["act_tokens"], W.MOE_ARGS.num_layers, torch.float32, ac, ep=ep)
+            planned = activation_bytes(W.MOE_ARGS, rec["act_tokens"], W.MOE_ARGS.num_layers, torch.float32, ac,
+                                       degrees.tp, ep=ep)
             _close(planned, rec["activations"], ACT, f"{name} rank {rank} activations")
 
 
