@@ -8,8 +8,12 @@ FSDP2 uses; otherwise the data-parallel ranks (HSDP's replicas too, replicate-ma
 are cut into groups of ``ep`` consecutive ranks (a 2-D mesh ``("ep_replicate",
 "ep")``, placements ``[Replicate(), Shard(0)]``; a group never spans two HSDP
 replicas): each group holds every expert once, and the groups are replicas of one
-another, so tokens stay within a group (a node, when ``ep`` is the node's size). Either way checkpoints (DCP) see the whole expert tensor
-and resume on any EP degree, and gradient clipping and AdamW see DTensors.
+another, so tokens stay within a group (a node, when ``ep`` is the node's size).
+Under tensor parallelism (``ep`` = dp_shard, no HSDP) each expert is also split by
+its hidden features over the TP ranks, on the ``(dp_shard, tp)`` mesh, and the
+dispatch is wrapped in parallel/moe_tp.py's two sums. Either way checkpoints (DCP)
+see the whole expert tensor and resume on any EP degree, and gradient clipping and
+AdamW see DTensors.
 FSDP2 leaves these parameters alone (`expert_params`, passed as
 ``ignored_params``): they are not gathered before the forward; the tokens travel
 instead. Per layer and micro-batch (`ExpertParallelExperts.forward`):
@@ -44,6 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from kernels.grouped_gemm import grouped_mm
 from models.moe import GroupedExperts
+from parallel.moe_tp import sum_gradients, sum_partials
 
 __all__ = ["ExpertParallelExperts", "apply_ep", "ep_mesh", "expert_params", "validate_ep"]
 
@@ -57,8 +62,11 @@ def validate_ep(args: object, ep: int, dp_shard: int, tp: int, pp: int, dp_repli
         raise ValueError(f"ep={ep} needs a mixture-of-experts model (this one is dense)")
     if dp_shard % ep:
         raise ValueError(f"ep={ep} must divide dp_shard={dp_shard} (expert parallelism borrows the FSDP2 ranks)")
-    if tp > 1 or pp > 1:
-        raise ValueError(f"ep={ep} runs with FSDP2 or HSDP only so far (tp={tp}, pp={pp})")
+    if pp > 1:
+        raise ValueError(f"ep={ep} runs without pipeline stages so far (pp={pp})")
+    if tp > 1 and (ep != dp_shard or dp_replicate > 1):
+        raise ValueError(f"ep={ep} with tp={tp} needs ep = dp_shard ({dp_shard}) and no HSDP (dp_replicate="
+                         f"{dp_replicate}) so far")
     if experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={experts}")
 
@@ -93,8 +101,16 @@ class ExpertParallelExperts(GroupedExperts):
     ep: int
     replicas: dist.ProcessGroup | None  # the ranks holding the same experts (None: ep == dp)
     dp: int  # data-parallel ranks (FSDP2 averages the other gradients over them)
+    tp_group: dist.ProcessGroup | None  # with TP: experts also split by hidden features over it
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return self._dispatch(x_sorted, offsets)
+        # TP (parallel/moe_tp.py): every TP rank sends the same rows to its EP peers of the same
+        # TP coordinate, which hold I / tp of each expert's hidden features: partial outputs
+        return sum_partials(self._dispatch(sum_gradients(x_sorted, self.tp_group), offsets), self.tp_group)
+
+    def _dispatch(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ep, group = self.ep, self.group
         w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, 1.0 / self.dp,
                                   self.replicas).to(x_sorted.dtype)
@@ -148,27 +164,38 @@ def ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return cache[ep]
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None) -> int:
+def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None, *,
+             ep_tp_mesh: DeviceMesh | None = None) -> int:
     """Shard every `GroupedExperts` of ``model`` over ``ep`` of the ranks of ``mesh`` (the
     data-parallel mesh: 1-D FSDP2 shard ranks, or 2-D HSDP ``(dp_replicate, dp_shard)``; ``ep``
     divides the shard ranks and defaults to all of them), in place, on the meta device or
-    materialised; returns how many."""
+    materialised; returns how many. ``ep_tp_mesh``, the 2-D ``(dp_shard, tp)`` mesh under
+    tensor parallelism (``ep`` = dp_shard, no HSDP): each expert is also split by its hidden
+    features over ``tp`` (``w1``/``w3`` ``[Shard(0), Shard(1)]``, ``w2`` ``[Shard(0), Shard(2)]``)."""
     dp_shard, dp = mesh.size(mesh.ndim - 1), mesh.size()
     ep = dp_shard if ep is None else ep
     if dp_shard % ep:
         raise ValueError(f"ep={ep} must divide the {dp_shard} FSDP2 shard ranks")
-    emesh = ep_mesh(mesh, ep)
-    placements = [Shard(0)] if emesh is mesh else [Replicate(), Shard(0)]
-    group = mesh.get_group() if emesh is mesh else emesh.get_group("ep")
-    replicas = None if emesh is mesh else emesh.get_group("ep_replicate")
+    tp_group = None
+    if ep_tp_mesh is not None:
+        if ep != dp or ep_tp_mesh.size(0) != ep:
+            raise ValueError(f"ep={ep} with tensor parallelism needs ep = dp_shard and no HSDP")
+        emesh, group, replicas, tp_group = ep_tp_mesh, ep_tp_mesh.get_group(0), None, ep_tp_mesh.get_group(1)
+        placements = {"w1": [Shard(0), Shard(1)], "w3": [Shard(0), Shard(1)], "w2": [Shard(0), Shard(2)]}
+    else:
+        emesh = ep_mesh(mesh, ep)
+        one = [Shard(0)] if emesh is mesh else [Replicate(), Shard(0)]
+        placements = dict.fromkeys(("w1", "w2", "w3"), one)
+        group = mesh.get_group() if emesh is mesh else emesh.get_group("ep")
+        replicas = None if emesh is mesh else emesh.get_group("ep_replicate")
     n = 0
     for m in model.modules():
         if type(m) is GroupedExperts:
             for name in ("w1", "w2", "w3"):
                 p = getattr(m, name)
-                setattr(m, name, nn.Parameter(distribute_tensor(p.data, emesh, placements),
+                setattr(m, name, nn.Parameter(distribute_tensor(p.data, emesh, placements[name]),
                                               requires_grad=p.requires_grad))
             m.__class__ = ExpertParallelExperts
-            m.group, m.ep, m.replicas, m.dp = group, ep, replicas, dp
+            m.group, m.ep, m.replicas, m.dp, m.tp_group = group, ep, replicas, dp, tp_group
             n += 1
     return n

@@ -19,8 +19,8 @@ losses and the routing records are those of one process. The pieces:
 - the block's output, whole on every rank, is cut back to this rank's sequence
   shard under sequence parallel (no communication; its gradient is gathered).
 
-Expert parallelism (``parallel.ep``) with TP is not supported yet: `validate_ep`
-refuses it.
+With expert parallelism too (``parallel.ep`` = dp_shard, parallel/expert_parallel.py)
+each expert is split both ways, and the same two sums wrap the token dispatch.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from torch.distributed.tensor.parallel import (
 from kernels.grouped_gemm import grouped_mm
 from models.moe import GroupedExperts
 
-__all__ = ["TensorParallelExperts", "WholeOnEveryRank", "moe_block_plan", "shard_experts_tp"]
+__all__ = ["TensorParallelExperts", "WholeOnEveryRank", "moe_block_plan", "shard_experts_tp", "sum_gradients",
+           "sum_partials"]
 
 
 class WholeOnEveryRank(ParallelStyle):
@@ -97,6 +98,16 @@ class _SumGradients(torch.autograd.Function):
         return g, None
 
 
+def sum_partials(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ``group`` of its ranks' partial ``t`` (the gradient passes through whole)."""
+    return _SumPartials.apply(t, group)
+
+
+def sum_gradients(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``t`` itself; its gradient is the sum over ``group`` of the ranks' partial gradients."""
+    return _SumGradients.apply(t, group)
+
+
 class TensorParallelExperts(GroupedExperts):
     """A `GroupedExperts` holding ``I / tp`` hidden features of every expert; forward sums the
     group's partial outputs. Made by `shard_experts_tp` in place (parameter names stay)."""
@@ -105,11 +116,11 @@ class TensorParallelExperts(GroupedExperts):
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        x = _SumGradients.apply(x_sorted, self.group)
+        x = sum_gradients(x_sorted, self.group)
         gate = grouped_mm(x, w1.transpose(1, 2), offsets)  # [R, I/tp]
         up = grouped_mm(x, w3.transpose(1, 2), offsets)
         partial = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offsets)  # [R, D], this rank's share
-        return _SumPartials.apply(partial, self.group)
+        return sum_partials(partial, self.group)
 
 
 def shard_experts_tp(experts: GroupedExperts, tp_mesh: DeviceMesh) -> None:

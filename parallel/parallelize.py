@@ -63,13 +63,15 @@ def parallelize(
     ``tp_enabled`` switches TP off even when its mesh axis is > 1; ``fsdp_enabled``
     forces FSDP2 on or off (default None: the rule in the module docstring).
     """
-    if tp_enabled and mesh["tp"].size() > 1:
+    tp = tp_enabled and mesh["tp"].size() > 1
+    if tp:  # with EP the experts are split by apply_ep below, over (dp_shard, tp)
         apply_tp(
-            model, mesh["tp"], sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel
+            model, mesh["tp"], sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+            shard_experts=ep == 1,
         )
     ignored = set()
     if ep > 1:  # experts sharded over the FSDP2 ranks, left out of FSDP2 (parallel/expert_parallel.py)
-        apply_ep(model, dp_mesh(mesh), ep)
+        apply_ep(model, dp_mesh(mesh), ep, ep_tp_mesh=mesh["dp_shard", "tp"] if tp else None)
         ignored = expert_params(model)
     apply_ac(model, ac)
     if compile:

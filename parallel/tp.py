@@ -75,13 +75,15 @@ def apply_tp(
     *,
     sequence_parallel: bool = True,
     vocab_parallel: bool = True,
+    shard_experts: bool = True,
 ) -> nn.Module:
     """Shard ``model`` (a Transformer or one pipeline stage of it) over ``tp_mesh`` in place.
 
     With ``vocab_parallel`` the output is a DTensor of logits sharded on the vocab
     dim; feed it to `parallel.loss.vocab_parallel_token_logprobs`. Without it the
     logits are gathered into a plain ``[B, S, V]`` tensor. The embedding is
-    row-parallel (vocab rows split) either way.
+    row-parallel (vocab rows split) either way. ``shard_experts=False`` leaves MoE experts to
+    expert parallelism (parallel/expert_parallel.py splits them over (dp_shard, tp)).
     """
     tp = tp_mesh.size()
     validate_tp(model.args, tp)
@@ -108,7 +110,7 @@ def apply_tp(
 
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
-        if hasattr(block, "moe"):
+        if hasattr(block, "moe") and shard_experts:
             shard_experts_tp(block.moe.experts, tp_mesh)
         attn = block.attention
         attn.num_heads //= tp

@@ -158,6 +158,7 @@ LAYOUTS: dict[str, Layout] = {
     "tp2_moe": Layout(Degrees(tp=2), family="qwen3-moe"),
     "tp2_qwen2_moe_nosp": Layout(Degrees(tp=2), family="qwen2-moe", sequence_parallel=False),
     "fsdp2_tp2_qwen2_moe": Layout(Degrees(dp_shard=2, tp=2), family="qwen2-moe"),
+    "fsdp2_tp2_ep2_qwen2_moe": Layout(Degrees(dp_shard=2, tp=2), family="qwen2-moe", ep=2),  # attention TP, experts EP x TP
 }
 
 

@@ -49,7 +49,7 @@ LAYOUTS_2 = [
     "tp2_qwen2_moe_nosp",
 ]
 LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe", "fsdp4_ep2_moe", "hsdp2x2_ep2_moe",
-             "fsdp2_tp2_qwen2_moe"]
+             "fsdp2_tp2_qwen2_moe", "fsdp2_tp2_ep2_qwen2_moe"]
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, errors: bool) -> dict:
@@ -147,7 +147,8 @@ def test_validate_tp_one_line(tp: int, needle: str) -> None:
     (0, 2, (2, 1, 1, 1), "dense"),
     (4, 3, (6, 1, 1, 1), "ep=3 must divide num_experts=4"),
     (4, 4, (6, 1, 1, 1), "ep=4 must divide dp_shard=6"),
-    (4, 2, (2, 2, 1, 1), "FSDP2 or HSDP only so far (tp=2"),
+    (4, 2, (4, 2, 1, 1), "ep=2 with tp=2 needs ep = dp_shard (4)"),
+    (4, 2, (2, 2, 1, 2), "no HSDP (dp_replicate=2)"),
     (4, 2, (2, 1, 2, 1), "pp=2"),
 ])
 def test_validate_ep_one_line(experts: int, ep: int, sizes: tuple, needle: str) -> None:
@@ -161,6 +162,7 @@ def test_validate_ep_one_line(experts: int, ep: int, sizes: tuple, needle: str) 
     for ok in (1, 2, 4):  # 2 groups of 4 ranks or 4 of 2 (or whole-world EP) on 8 FSDP2 ranks
         validate_ep(moe, ok, dp_shard=8, tp=1, pp=1, dp_replicate=1)
     validate_ep(moe, 2, dp_shard=2, tp=1, pp=1, dp_replicate=2)  # HSDP: a group per replica
+    validate_ep(moe, 2, dp_shard=2, tp=2, pp=1, dp_replicate=1)  # attention TP, experts EP x TP
 
 
 def test_pipeline_split_even_and_errors() -> None:

@@ -8,8 +8,9 @@ One module fixture runs the quickstart once; its step-60 checkpoint (experts sav
   HF export equals the EP = 2 run's bit for bit;
 * continued for one step (61) on 2 ranks EP = 2 (the reference), 1 rank and 2 ranks
   FSDP2 (ep = 1), and 4 ranks of HSDP (2 replicas of 2 FSDP2 shards) with an EP = 2 group
-  in each replica (experts ``[Replicate, Shard(0)]`` on a 2 x 2 mesh), and 2 ranks of TP
-  (experts split by hidden features, parallel/moe_tp.py), each with one sample per micro-batch, so the router losses (a mean over
+  in each replica (experts ``[Replicate, Shard(0)]`` on a 2 x 2 mesh), 2 ranks of TP
+  (experts split by hidden features, parallel/moe_tp.py) and 4 ranks of TP 2 x EP 2 (attention
+  TP, experts split both ways), each with one sample per micro-batch, so the router losses (a mean over
   each micro-batch's tokens) see the same token sets on every layout: the step-61
   weights and AdamW moments agree to float tolerance (a fresh optimizer would be O(1)
   off: Adam's first step is about ``lr * sign(g)``).
@@ -34,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIG = os.path.join(ROOT, "configs", "quickstart_moe.toml")
 # name -> (ranks, parallel.ep, parallel.dp_replicate, parallel.tp); the continuations of step 60 to 61
 CONTINUE = {"ep2": (2, 2, 1, 1), "one_rank": (1, 1, 1, 1), "fsdp2": (2, 1, 1, 1), "hsdp_ep2": (4, 2, 2, 1),
-            "tp2": (2, 1, 1, 2)}
+            "tp2": (2, 1, 1, 2), "tp2_ep2": (4, 2, 1, 2)}
 
 
 def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
@@ -124,7 +125,7 @@ def test_ep2_checkpoint_continues_with_its_optimizer_state_on_other_layouts(runs
     saved = _checkpoint(base / "quickstart", 60)
     key = "state.layers.1.moe.experts.w2.exp_avg"  # an expert tensor sharded over the EP ranks at save
     assert _worst_rel({key: saved["optim"][key]}, {key: ref["optim"][key]})[0] > 1e-2  # step 61 moved it
-    for name in ("one_rank", "fsdp2", "hsdp_ep2", "tp2"):
+    for name in ("one_rank", "fsdp2", "hsdp_ep2", "tp2", "tp2_ep2"):
         got = _checkpoint(base / name, 61)
         steps = {float(v) for k, v in got["optim"].items() if k.endswith(".step")}
         assert steps == {61.0}, (name, steps)  # AdamW's step counts went on from 60
