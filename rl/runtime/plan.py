@@ -382,19 +382,24 @@ class Planner:
         return fits[-1]
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
-        """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node), least model parallelism
-        first; an MoE model's: FSDP2 over them all (pp = 1 so far; TP is planned, not searched), without EP, then with
-        ep = a node (EP groups within nodes), then ep = dp_shard, where ep divides the ranks and the
-        experts (parallel/expert_parallel.py's rule)."""
+        """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl
+        recipe only, as the other recipes shard with FSDP2 alone), least model parallelism first.
+        An MoE model's (pp = 1 so far), by TP degree: without EP, then with ep = a node (EP groups
+        within nodes), then ep = dp_shard, where ep divides the ranks and the experts; under TP
+        only ep = dp_shard (parallel/expert_parallel.py's rules)."""
+        tps = [tp for tp in range(1, min(world, devices_per_node) + 1)
+               if world % tp == 0 and check_divisible(self.args, tp) is None and (tp == 1 or self.s.recipe == "rl")]
         if self.args.is_moe:
-            eps = sorted({e for e in (devices_per_node, world)
-                          if 1 < e <= world and world % e == 0 and self.args.num_experts % e == 0})
-            return [Layout(dp_shard=world, ep=ep) for ep in [1, *eps]]
+            out = []
+            for tp in tps:
+                dp = world // tp
+                sizes = (devices_per_node, dp) if tp == 1 else (dp,)
+                eps = sorted({e for e in sizes if 1 < e <= dp and dp % e == 0 and self.args.num_experts % e == 0})
+                out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
+            return out
         per = SCHEDULES[self.s.pp_schedule][1]
         out = []
-        for tp in range(1, min(world, devices_per_node) + 1):
-            if world % tp or check_divisible(self.args, tp) is not None:
-                continue
+        for tp in tps:
             for pp in range(1, world // tp + 1):
                 if (world // tp) % pp or pp * (per if pp > 1 else 1) > self.args.num_layers:
                     continue

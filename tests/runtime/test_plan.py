@@ -12,6 +12,7 @@ not fit, and the smallest-layout search against a hand count.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -150,3 +151,8 @@ def test_smallest_layout_is_the_hand_count():
     state = 16 * get_flavor("qwen3-8b").num_params() / 4
     assert abs(sum(v for k, v in p.plan(lay)[0].update.items() if k in ("parameters", "gradients", "optimizer state"))
                - state) < 0.01 * state
+    # the rl recipe may take TP and PP; the others shard with FSDP2 alone (they refuse tp / pp > 1)
+    assert {(x.tp > 1, x.pp > 1) for x in p.candidates(8, 8)} == {(False, False), (True, False), (False, True),
+                                                                   (True, True)}
+    sft = Planner(get_flavor("qwen3-8b"), dataclasses.replace(s, recipe="sft"))
+    assert [(x.tp, x.pp, x.dp_shard) for x in sft.candidates(8, 8)] == [(1, 1, 8)]

@@ -68,9 +68,11 @@ def test_moe_layouts_and_the_ep_transient_by_hand():
     args = get_flavor("qwen3-30b-a3b")
     assert abs(args.num_params() - 30.53e9) < 0.01e9
     p = Planner(args, Settings(tokens=8192, ac="full", kv_cache_gb=8.0, max_len=4097, prompts_per_step=128))
-    assert [(x.tp, x.pp, x.dp_shard, x.ep) for x in p.candidates(8, 8)] == [(1, 1, 8, 1), (1, 1, 8, 8)]
-    assert [x.ep for x in p.candidates(6, 8)] == [1]  # 6 does not divide 128 experts
-    assert [x.ep for x in p.candidates(32, 8)] == [1, 8, 32]  # EP within a node, then over all
+    # 4 KV heads: TP 2 or 4 within the node, each without EP and with EP over its dp_shard ranks
+    assert [(x.tp, x.pp, x.dp_shard, x.ep) for x in p.candidates(8, 8)] == [
+        (1, 1, 8, 1), (1, 1, 8, 8), (2, 1, 4, 1), (2, 1, 4, 4), (4, 1, 2, 1), (4, 1, 2, 2)]
+    assert [(x.tp, x.ep) for x in p.candidates(6, 8)] == [(1, 1), (2, 1)]  # 6, 3 do not divide 128 experts
+    assert [x.ep for x in p.candidates(32, 8) if x.tp == 1] == [1, 8, 32]  # EP within a node, then over all
     ep1, ep8 = (p.plan(Layout(dp_shard=8, ep=e, rollout_tp=4))[0] for e in (1, 8))
     assert ep1.update["parameters"] == ep8.update["parameters"]
     experts = 3 * 128 * 768 * 2048
