@@ -154,14 +154,17 @@ def ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The mesh experts are sharded over: ``mesh`` (1-D, the FSDP2 shard ranks) itself when
     ``ep`` is its size, else ``("ep_replicate", "ep")`` of shape ``(size / ep, ep)``, each
     ``ep`` consecutive ranks one group (a 2-D HSDP mesh is flattened first, replicate-major).
-    Collective the first time (new process groups); cached on ``mesh`` after that."""
+    Collective the first time (new process groups); cached on the root mesh after that, so
+    the policy, reference and teachers share the groups (slicing a root mesh makes a new
+    submesh object each time)."""
     if mesh.ndim == 1 and ep == mesh.size():
         return mesh
-    cache = mesh.__dict__.setdefault("_tandem_ep_meshes", {})
-    if ep not in cache:
+    cache = mesh._get_root_mesh().__dict__.setdefault("_tandem_ep_meshes", {})
+    key = (mesh.mesh_dim_names, ep)
+    if key not in cache:
         flat = mesh if mesh.ndim == 1 else mesh._flatten("dp_for_ep")
-        cache[ep] = flat._unflatten(0, (flat.size() // ep, ep), ("ep_replicate", "ep"))
-    return cache[ep]
+        cache[key] = flat._unflatten(0, (flat.size() // ep, ep), ("ep_replicate", "ep"))
+    return cache[key]
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None, *,
