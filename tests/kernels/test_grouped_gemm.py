@@ -25,23 +25,12 @@ from kernels.grouped_gemm import (  # noqa: E402
     torch_grouped_mm_applies,
     unpermute_tokens,
 )
-from tests.kernels.interpreted import SKIP_REASON, in_process, rerun_in_clean_subprocess  # noqa: E402
+from tests.kernels.interpreted import interpreter_guard  # noqa: E402
 
-IN_PROCESS = in_process()
+_needs_usable_triton, test_all_in_clean_subprocess = interpreter_guard(__file__)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Runs of uneven length, including empty experts first, in the middle and last.
 COUNTS = [0, 5, 40, 0, 3, 17, 1, 0]
-
-
-@pytest.fixture(autouse=True)
-def _needs_usable_triton(request: pytest.FixtureRequest) -> None:
-    if "triton" in request.node.name and not IN_PROCESS:
-        pytest.skip(SKIP_REASON)
-
-
-def test_all_in_clean_subprocess() -> None:
-    if not IN_PROCESS:
-        rerun_in_clean_subprocess(__file__)
 
 
 def _problem(counts: list[int], k: int, n: int, dtype=torch.float32, seed: int = 0, transposed: bool = True):

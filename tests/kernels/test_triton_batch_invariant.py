@@ -27,23 +27,12 @@ import pytest  # noqa: E402
 from kernels import batch_invariant as bi  # noqa: E402
 from kernels.dispatch import triton_available  # noqa: E402
 from models.transformer import RMSNorm  # noqa: E402
-from tests.kernels.interpreted import ROOT, SKIP_REASON, in_process, rerun_in_clean_subprocess  # noqa: E402
+from tests.kernels.interpreted import ROOT, interpreter_guard  # noqa: E402
 
-IN_PROCESS = in_process()
+_needs_usable_triton, test_all_in_clean_subprocess = interpreter_guard(__file__)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NEIGHBOURS = (1, 7, 63)
-
-
-@pytest.fixture(autouse=True)
-def _needs_usable_triton(request: pytest.FixtureRequest) -> None:
-    if "triton" in request.node.name and not IN_PROCESS:
-        pytest.skip(SKIP_REASON)
-
-
-def test_all_in_clean_subprocess() -> None:
-    if not IN_PROCESS:
-        rerun_in_clean_subprocess(__file__)
 
 
 def _tk():  # noqa: ANN202 - module object
