@@ -84,6 +84,7 @@ class FlatPolicy:
         self.counts_stats = mesh["tp"].get_local_rank() == 0
         self.moe = RouterStats()
         self.routing = RoutingCheck()
+        self.is_moe = args.is_moe
 
     @property
     def vocab_parallel(self) -> bool:
@@ -123,7 +124,8 @@ class FlatPolicy:
         mbs = self.micro_batches(samples, rows)
         for mb in mbs:
             if policy:
-                set_token_mask(self.model, mb.doc_ids >= 0)  # MoE router losses: not the padding
+                if self.is_moe:
+                    set_token_mask(self.model, mb.doc_ids >= 0)  # MoE router losses: not the padding
                 loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
                 self.routing.observe(self.model, mb)
                 router = router_loss(self.model) if mb.rows else None  # MoE: the router's losses, mean over
@@ -131,7 +133,8 @@ class FlatPolicy:
                     self.moe.observe(self.model)  # rank's share of a global sum, so its router term is 1/dp
                     loss = loss + router / (len(mbs) * self.dp)
                 (loss * self.dp).backward()  # FSDP2 averages over dp ranks
-                set_token_mask(self.model, None)  # after the backward: checkpointing replays the forward
+                if self.is_moe:
+                    set_token_mask(self.model, None)  # after the backward: checkpointing replays the forward
                 if st:
                     sums += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
             if also is not None:
