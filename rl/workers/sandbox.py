@@ -75,6 +75,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from rl.workers import sandbox_supervisor as _sup
+from rl.workers.sandbox_cleanup import find_memory_cgroup, processes_of_uid
 from rl.workers.sandbox_plan import (
     DEFAULT_LIMITS,
     SandboxCapabilities,
@@ -86,7 +87,6 @@ from rl.workers.sandbox_plan import (
     _Plan,
 )
 from rl.workers.sandbox_run import _MAIN, _SUPERVISOR, SandboxRun, _safe_relpath
-from rl.workers.sandbox_supervisor import processes_of_uid
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -131,7 +131,7 @@ def _probe() -> tuple[SandboxCapabilities, _Plan]:
     features = {"net", "ipc", "mount"} | (set() if root else {"user"})
     cgroup = None
     if root:
-        version, where = _sup.find_memory_cgroup()
+        version, where = find_memory_cgroup()
         if version is None:
             notes.append(f"no memory cgroup: {where}")
         else:

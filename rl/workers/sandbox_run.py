@@ -22,7 +22,7 @@ import tempfile
 import time
 import warnings
 
-from rl.workers import sandbox_supervisor as _sup
+from rl.workers import sandbox_cleanup as _cleanup
 from rl.workers.sandbox_plan import (
     SandboxError,
     SandboxLimits,
@@ -107,7 +107,7 @@ class SandboxRun:
             cwd = "/work" if mount_ns else files_dir
             self._start(plan, gid, cwd, stdin, fds, capture_output, temp_dir)
         except BaseException:
-            _sup.rmtree(self._workdir)
+            _cleanup.rmtree(self._workdir)
             raise
 
     def _start(self, plan: _Plan, gid: int, cwd: str, stdin: str, fds: dict[int, int],
@@ -256,14 +256,14 @@ class SandboxRun:
         return ["no clean-up report from the supervisor"]
 
     def _backstop(self) -> None:
-        _sup.killpg(self._proc.pid)
+        _cleanup.killpg(self._proc.pid)
         try:
             self._proc.kill()
         except ProcessLookupError:
             pass
         if self._uid is not None:
-            _sup.kill_uid(self._uid)
-        _sup.rmtree(self._workdir)
+            _cleanup.kill_uid(self._uid)
+        _cleanup.rmtree(self._workdir)
 
     def _result(self, out: bytes, err: bytes, output_cut: bool) -> SandboxResult:
         st = self._status or {}

@@ -193,7 +193,7 @@ def test_deep_directory_tree_is_removed(temp_root: str, plan: str) -> None:
 
 
 def test_rmtree_is_iterative(tmp_path: Path) -> None:
-    from rl.workers.sandbox_supervisor import rmtree
+    from rl.workers.sandbox_cleanup import rmtree
 
     top = tmp_path / "top"
     top.mkdir()
