@@ -75,8 +75,10 @@ def test_reshard_stays_within_shard_plus_bucket(results, layout, g, vocab_parall
     for rec in results["layouts"][layout][(g, vocab_parallel)]:
         assert rec["over"] <= rec["shard"] + BUCKET, rec
         # 0 to 4152 bytes left besides the samples' own data, run to run, never in a launch of one
-        # layout: below LEFTOVER, two orders under any shard or KV pool here (>= 0.5 MB), which a leak would leave
-        assert 0 <= rec["after_minus_before"] - rec["samples_bytes"] <= LEFTOVER, rec
+        # layout: below LEFTOVER, two orders under any shard or KV pool here (>= 0.5 MB), which a leak
+        # would leave. Fewer bytes than before is no leak (CI once saw -24048: a buffer held from
+        # before the step was freed during it), so only the upper bound is the check.
+        assert rec["after_minus_before"] - rec["samples_bytes"] <= LEFTOVER, rec
         assert rec["buffer_peak"] <= BUCKET
     if g == 2 and "moe" not in layout:
         full = shard_bytes(_ARGS, GenerationLayout(), torch.float32)
