@@ -29,13 +29,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from models.args import ModelArgs
-from models.flavors import get_flavor
-from parallel.distributed import destroy_distributed, init_distributed
-from parallel.mesh import Degrees, build_mesh
-from rl.runtime.checkpoint import Checkpointer
-from rl.runtime.modeling import BuildSpec, build_transformer
-from rl.runtime.optim import build_optimizer
+from tandem.models.args import ModelArgs
+from tandem.models.flavors import get_flavor
+from tandem.parallel.distributed import destroy_distributed, init_distributed
+from tandem.parallel.mesh import Degrees, build_mesh
+from tandem.rl.runtime.checkpoint import Checkpointer
+from tandem.rl.runtime.modeling import BuildSpec, build_transformer
+from tandem.rl.runtime.optim import build_optimizer
 
 
 def sizes(name: str) -> ModelArgs:

@@ -32,11 +32,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from models.args import ModelArgs
-from models.transformer import Transformer
-from rl.generator.engine import GenerationSettings, Generator
-from rl.generator.sequence import SamplingParams
-from rl.rollout.generation import inference_layout
+from tandem.models.args import ModelArgs
+from tandem.models.transformer import Transformer
+from tandem.rl.generator.engine import GenerationSettings, Generator
+from tandem.rl.generator.sequence import SamplingParams
+from tandem.rl.rollout.generation import inference_layout
 
 SHAPES = {
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     floor_ms = 1e3 * (w_bytes + kv_bytes) / (args.bandwidth_gbs * 1e9)
     print(f"decode step, {args.shape}, batch {args.batch}, context ~{args.prompt + args.warmup + args.steps // 2}, "
           f"{args.dtype} on {device.type}{' with CUDA graphs' if args.cuda_graphs else ''}")
-    print(f"{'':14}{'ms/step':>10}{'kernels/step':>14}{'share':>8}")
+    print(f"{'':14}{'ms/step':>10}{'tandem/kernels/step':>14}{'share':>8}")
     for cls, (ms, n) in sorted(per_class.items(), key=lambda kv: -kv[1][0]):
         print(f"{cls:14}{ms / args.steps:>10.3f}{n / args.steps:>14.1f}{ms / args.steps / max(device_ms, 1e-9):>8.1%}")
     print(f"{'device total':14}{device_ms:>10.3f}")

@@ -9,12 +9,12 @@ Run from the repository root::
 Rows (milliseconds, median of ``--repeats`` after two warm-ups):
 
 * ``mm M,N,K``: ``x [M, K] @ w.T`` by the default matmul (cuBLAS / CPU BLAS), by the exact
-  mode's matmul as it would run here (the Triton kernel of `kernels.triton_batch_invariant`
-  where `kernels.dispatch` picks Triton, else `tiled_mm`), for the 1.7B model's projections
+  mode's matmul as it would run here (the Triton kernel of `tandem.kernels.triton_batch_invariant`
+  where `tandem.kernels.dispatch` picks Triton, else `tiled_mm`), for the 1.7B model's projections
   (qkv, o, gate/up, down, LM head) at decode (M = 64) and update (M = 4096) row counts;
 * ``lse N,V``: ``torch.logsumexp`` against the tree `logsumexp`;
 * ``attn T,L``: SDPA (causal, one sequence of L keys, the last T queries) against the exact
-  attention (`kernels.batch_invariant.attention`, fixed trees over positions and head dim:
+  attention (`tandem.kernels.batch_invariant.attention`, fixed trees over positions and head dim:
   the fused Triton kernel on CUDA, and ``attn-torch`` its PyTorch form).
 
 ``differ`` counts the default kernel's rows that change when computed alone instead of in
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.paged_attention import time_ms
-from kernels import batch_invariant as bi
+from tandem.kernels import batch_invariant as bi
 
 # (name, N, K) of Qwen3-1.7B's linears: hidden 2048, 16 q / 8 kv heads of 128, MLP 6144, vocab 151936
 SHAPES_17B = [("qkv", 4096, 2048), ("o", 2048, 2048), ("gate_up", 12288, 2048), ("down", 2048, 6144),

@@ -3,7 +3,7 @@
 A GRPO-shaped workload: P prompts of varied lengths, n samples each, up to
 ``--max-tokens`` new tokens at temperature 1. Both engines run in this process
 on one set of weights: a random Qwen3-style model written as an HF folder with
-transformers and read back by ``models.hf.load_model``. Random weights never
+transformers and read back by ``tandem.models.hf.load_model``. Random weights never
 say EOS, so EOS is ignored and three variants fix the lengths instead:
 
 - ``grpo``: each sample stops at its own length, drawn uniformly from
@@ -31,7 +31,7 @@ untimed (``--warmup``): Tandem on the whole workload of the first variant, since
 its Triton kernels compile per shape class (on an H200 a warm-up of 2 prompts x
 16 tokens still left about 1.1 s of compiling in the first timed run),
 transformers on 2 prompts x 16 tokens for the library's first-call setup. ``--layout-row`` adds a
-table timing Tandem on the training layout (no `rl.rollout.generation.inference_layout`:
+table timing Tandem on the training layout (no `tandem.rl.rollout.generation.inference_layout`:
 q/k/v and gate/up as separate products, no oneDNN) against its default runs
 before and after it.
 """
@@ -45,10 +45,10 @@ import time
 
 import torch
 
-from models.hf import load_model
-from rl.generator.engine import GenerationSettings, Generator
-from rl.generator.sequence import SamplingParams
-from rl.rollout.generation import inference_layout
+from tandem.models.hf import load_model
+from tandem.rl.generator.engine import GenerationSettings, Generator
+from tandem.rl.generator.sequence import SamplingParams
+from tandem.rl.rollout.generation import inference_layout
 
 
 def write_model(path: str, args: argparse.Namespace) -> None:

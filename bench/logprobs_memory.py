@@ -1,4 +1,4 @@
-"""Peak memory of per-token log-prob + entropy: naive full logits vs `kernels.logprobs`.
+"""Peak memory of per-token log-prob + entropy: naive full logits vs `tandem.kernels.logprobs`.
 
 Run from the repository root::
 
@@ -27,7 +27,7 @@ small warm-up step is run before the measurement. Variants: ``naive``
 ``triton``. After the measured step, ``--repeats`` more steps are timed; the table
 gives their median forward and forward + backward times. ``--triton-tiles`` adds
 one Triton row per tile configuration (``BLOCK_T,BLOCK_V,BLOCK_D,warps,stages``)
-to choose the defaults in `kernels.logprobs._tiles`. Record results in docs/,
+to choose the defaults in `tandem.kernels.logprobs._tiles`. Record results in docs/,
 not in code.
 """
 
@@ -61,7 +61,7 @@ def _sync(device: torch.device) -> None:
 def _step(variant: str, h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, chunk: int) -> float:
     """One forward + backward; grads land in ``h.grad`` / ``w.grad``. Returns the
     forward's seconds (the device synchronised before and after it)."""
-    from kernels.logprobs import token_logprobs_entropy, token_logprobs_entropy_reference
+    from tandem.kernels.logprobs import token_logprobs_entropy, token_logprobs_entropy_reference
 
     g = torch.Generator(device=h.device).manual_seed(1)
     a = torch.randn(tgt.shape, generator=g, device=h.device)
@@ -80,8 +80,8 @@ def _step(variant: str, h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, chu
 
 
 def _set_tiles(spec: str) -> None:
-    """Make `kernels.logprobs` use the tiles ``BLOCK_T,BLOCK_V,BLOCK_D,warps,stages``."""
-    import kernels.logprobs as lp
+    """Make `tandem.kernels.logprobs` use the tiles ``BLOCK_T,BLOCK_V,BLOCK_D,warps,stages``."""
+    import tandem.kernels.logprobs as lp
 
     bt, bv, bd, warps, stages = (int(x) for x in spec.split(","))
     default = lp._tiles

@@ -9,10 +9,10 @@ For each shape ``T`` tokens, hidden ``D``, expert width ``I``, ``E`` experts, ``
 per token (router weights random, so loads are near-uniform):
 
 * ``gemm``: one expert projection over the ``T * k`` sorted rows, ``[T*k, D] x
-  [E, D, I]``, forward and backward. ``loop``: `kernels.grouped_gemm.grouped_mm_ref`
+  [E, D, I]``, forward and backward. ``loop``: `tandem.kernels.grouped_gemm.grouped_mm_ref`
   (a matmul per expert, autograd); ``grouped``: `grouped_mm` on its default path
   (``torch._grouped_mm`` on CPU, Triton on CUDA).
-* ``layer``: the whole `models.moe.MoE` block (router, permute, three grouped
+* ``layer``: the whole `tandem.models.moe.MoE` block (router, permute, three grouped
   GEMMs, unpermute), forward and backward. ``loop`` is the same block's weights run
   the way transformers' Qwen3-MoE does: per expert, gather its tokens, SwiGLU,
   weight, ``index_add`` (a host sync per layer to find the experts hit).
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.paged_attention import time_ms
-from kernels.grouped_gemm import grouped_mm, grouped_mm_ref, permute_tokens
-from models.args import ModelArgs
-from models.moe import MoE
+from tandem.kernels.grouped_gemm import grouped_mm, grouped_mm_ref, permute_tokens
+from tandem.models.args import ModelArgs
+from tandem.models.moe import MoE
 
 DEFAULT_SHAPES = ["2048,512,256,16,2", "2048,256,128,64,8", "1024,256,96,128,8", "64,512,256,64,8"]
 

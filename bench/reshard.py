@@ -5,8 +5,8 @@
     python bench/reshard.py --device cuda --size 1.7b --nproc 1   # on a GPU
 
 Launches itself under torchrun per world size. For each training layout and
-generation degree it builds the policy (rl/update/policy.py, seeded init), then
-times `GenerationCopy.build` (the bucketed reshard, parallel/reshard.py; the
+generation degree it builds the policy (tandem/rl/update/policy.py, seeded init), then
+times `GenerationCopy.build` (the bucketed reshard, tandem/parallel/reshard.py; the
 plan is made at the first build and kept, so the median of the later builds is
 reported) and, as the reference in the same run, the path it replaced: every
 rank gathering the whole state dict (`policy.full_state()`) and casting it.
@@ -43,8 +43,8 @@ LAYOUTS = {1: [("single", {}, [1])],
 
 
 def _args(size: str):
-    from models.args import ModelArgs
-    from models.hf import load_args
+    from tandem.models.args import ModelArgs
+    from tandem.models.hf import load_args
 
     kw = SIZES[size]
     return load_args(ROOT / "assets" / "quickstart-policy") if kw is None else ModelArgs(**kw)
@@ -53,12 +53,12 @@ def _args(size: str):
 def worker(opts: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from parallel.distributed import init_distributed
-    from parallel.generation_layout import check_divisible, make_layout
-    from parallel.mesh import Degrees, build_mesh
-    from rl.rollout.generation import GenerationCopy
-    from rl.runtime.modeling import BuildSpec
-    from rl.update.policy import build_policy
+    from tandem.parallel.distributed import init_distributed
+    from tandem.parallel.generation_layout import check_divisible, make_layout
+    from tandem.parallel.mesh import Degrees, build_mesh
+    from tandem.rl.rollout.generation import GenerationCopy
+    from tandem.rl.runtime.modeling import BuildSpec
+    from tandem.rl.update.policy import build_policy
 
     info = init_distributed(force_cpu=opts.device == "cpu")
     dev, args = info.device, _args(opts.size)

@@ -36,9 +36,9 @@ POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 def model_folder(name: str, root: str) -> str:
     if name == "quickstart":
         return POLICY
-    from models.hf import save_hf
-    from models.tokenizer import Tokenizer
-    from models.transformer import Transformer
+    from tandem.models.hf import save_hf
+    from tandem.models.tokenizer import Tokenizer
+    from tandem.models.transformer import Transformer
 
     tok = Tokenizer.from_dir(POLICY)
     args = sizes(name)

@@ -6,8 +6,8 @@ Run from the repository root (the Triton row needs CUDA)::
     python -m bench.sampler_noise --rows 64 --vocab 8192
 
 For each batch of rows: milliseconds per call of
-`rl.generator.sampler.exponential_noise` with ``impl="torch"`` and, on CUDA,
-``impl="triton"`` (`kernels.sampling_noise`), the median of ``--repeats`` calls
+`tandem.rl.generator.sampler.exponential_noise` with ``impl="torch"`` and, on CUDA,
+``impl="triton"`` (`tandem.kernels.sampling_noise`), the median of ``--repeats`` calls
 after a warm-up, the ratio, and whether the recovered 23-bit uniforms agree
 bit for bit. One call is what a decode step pays when the vocabulary is too
 large for the sampler's lookahead. Record results in docs/performance.md.
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from rl.generator.sampler import exponential_noise
+from tandem.rl.generator.sampler import exponential_noise
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:  # noqa: ANN001

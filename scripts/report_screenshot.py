@@ -1,4 +1,4 @@
-"""Open an rl.report page in headless Chromium: a screenshot, or the page's DOM after its scripts ran.
+"""Open a tandem-report page in headless Chromium: a screenshot, or the page's DOM after its scripts ran.
 
     python scripts/report_screenshot.py outputs/sweeps/quickstart/report.html docs/report.png
     python scripts/report_screenshot.py report.html shot.png --fragment "run=1&step=40" --height 2400

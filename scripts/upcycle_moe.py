@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.hf import hf_to_tandem, load_args, read_hf_state_dict, save_hf  # noqa: E402
+from tandem.models.hf import hf_to_tandem, load_args, read_hf_state_dict, save_hf  # noqa: E402
 
 
 def upcycle(src: Path, dst: Path, experts: int, per_token: int, router_std: float, aux_coef: float,

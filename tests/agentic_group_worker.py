@@ -4,7 +4,7 @@
 loads assets/agentic-policy on both ranks and plays multi-turn episodes of the
 "tool_pid" environment (the "tool" environment with the sandboxed python tool,
 logging the pid that ran each step; tests/env_helpers.py) through
-rl/rollout/generation.py `generate_episodes`, as the RL recipe does:
+tandem/rl/rollout/generation.py `generate_episodes`, as the RL recipe does:
 
 1. ``rollout.tp = 1``: each rank its own prompts, on a whole copy, with its own pool
    (the reference);
@@ -29,14 +29,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tests.env_helpers  # noqa: E402,F401  (registers "tool_pid")
-from models.hf import load_model  # noqa: E402
-from models.tokenizer import Tokenizer  # noqa: E402
-from parallel.distributed import init_distributed  # noqa: E402
-from parallel.generation_layout import GenerationLayout, make_layout  # noqa: E402
-from rl.data.prompts import Prompt, load_prompt_rows  # noqa: E402
-from rl.rollout.generation import GenerationCopy, generate_episodes  # noqa: E402
-from rl.runtime.rl_config import EnvConfig, RolloutConfig  # noqa: E402
-from rl.workers.env_pool import EnvPool  # noqa: E402
+from tandem.models.hf import load_model  # noqa: E402
+from tandem.models.tokenizer import Tokenizer  # noqa: E402
+from tandem.parallel.distributed import init_distributed  # noqa: E402
+from tandem.parallel.generation_layout import GenerationLayout, make_layout  # noqa: E402
+from tandem.rl.data.prompts import Prompt, load_prompt_rows  # noqa: E402
+from tandem.rl.rollout.generation import GenerationCopy, generate_episodes  # noqa: E402
+from tandem.rl.runtime.rl_config import EnvConfig, RolloutConfig  # noqa: E402
+from tandem.rl.workers.env_pool import EnvPool  # noqa: E402
 
 POLICY = "assets/agentic-policy"
 TASK = "synthetic:calc_arithmetic?digits=3&num_ops=1&ops=*&tool=python"

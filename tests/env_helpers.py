@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rl.envs.base import ENVIRONMENTS, Environment, Episode, Message, StepResult, row_messages
-from rl.envs.tool_env import ToolEnv, ToolEpisode
+from tandem.rl.envs.base import ENVIRONMENTS, Environment, Episode, Message, StepResult, row_messages
+from tandem.rl.envs.tool_env import ToolEnv, ToolEpisode
 
 
 class SleepyEnv(Environment):
@@ -102,7 +102,7 @@ class AgainEpisode(Episode):
 
 
 class PidToolEnv(ToolEnv):
-    """The "tool" environment (rl/envs/tool_env.py) that also appends, per step, the pid of the
+    """The "tool" environment (tandem/rl/envs/tool_env.py) that also appends, per step, the pid of the
     process that submitted it (the env worker's parent; the worker itself when run inline) to
     the file ``log``: which trainer rank ran the tools, and how often."""
 
@@ -133,12 +133,12 @@ if "tool_pid" not in ENVIRONMENTS:
 if TYPE_CHECKING:
     import torch
 
-    from models.tokenizer import Tokenizer
-    from models.transformer import Transformer
+    from tandem.models.tokenizer import Tokenizer
+    from tandem.models.transformer import Transformer
 
 
 def char_tokenizer(tmp: Path) -> Tokenizer:
-    from models.tokenizer import build_char_tokenizer
+    from tandem.models.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer(tmp / "tok")
 
@@ -152,8 +152,8 @@ def tiny_model(seed: int = 0, logit_bias: Mapping[int, float] | None = None) -> 
     """
     import torch
 
-    from models.flavors import get_flavor
-    from models.transformer import Transformer
+    from tandem.models.flavors import get_flavor
+    from tandem.models.transformer import Transformer
 
     model = Transformer(get_flavor("debug-qwen3"))
     model.init_weights(seed=seed)
@@ -168,7 +168,7 @@ def tiny_model(seed: int = 0, logit_bias: Mapping[int, float] | None = None) -> 
 def agentic_model(tok: Tokenizer, seed: int = 0, eot_bias: float = 4.5) -> Transformer:
     """A tiny model whose turns end with <|im_end|> after a few tokens (about 1 in
     ``1 + 360 / e**eot_bias``), never samples <|endoftext|> or ids the tokenizer lacks."""
-    from models.flavors import get_flavor
+    from tandem.models.flavors import get_flavor
 
     bias = {i: -30.0 for i in range(tok.vocab_size, get_flavor("debug-qwen3").vocab_size)}
     bias[tok.token_to_id("<|endoftext|>")] = -30.0

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from models.tokenizer import QWEN_CHAT_TEMPLATE, build_char_tokenizer
+from tandem.models.tokenizer import QWEN_CHAT_TEMPLATE, build_char_tokenizer
 
 __all__ = [
     "FAMILIES",

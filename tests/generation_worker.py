@@ -1,9 +1,9 @@
 """torchrun worker for tests/rollout/test_generation_layout.py.
 
 ``torchrun --standalone --nproc-per-node N tests/generation_worker.py --out F --layouts a,b``
-builds, for each named training layout, the policy (rl/update/policy.py) from a
+builds, for each named training layout, the policy (tandem/rl/update/policy.py) from a
 seeded init, then for each generation degree g moves it into the generation
-layout (rl/rollout/generation.py GenerationCopy) and generates: greedy completions of
+layout (tandem/rl/rollout/generation.py GenerationCopy) and generates: greedy completions of
 fixed prompts (the group pools its ranks' prompts), then sampled ones whose
 generator log-probs are compared with the policy's recomputation in the training
 layout. Around the move it measures this rank's live tensor bytes (every tensor
@@ -28,19 +28,19 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.args import ModelArgs  # noqa: E402
-from models.transformer import Transformer  # noqa: E402
-from parallel.distributed import init_distributed  # noqa: E402
-from parallel.generation_layout import make_layout, shard_bytes  # noqa: E402
-from parallel.mesh import Degrees, build_mesh, dp_rank  # noqa: E402
-from rl.data.prompts import Prompt  # noqa: E402
-from rl.generator.engine import GenerationSettings, Generator  # noqa: E402
-from rl.generator.sequence import SamplingParams  # noqa: E402
-from rl.rollout.generation import GenerationCopy, generate_samples  # noqa: E402
-from rl.runtime.modeling import BuildSpec, full_initial_state  # noqa: E402
-from rl.runtime.rl_config import RolloutConfig  # noqa: E402
-from rl.update.loss import completion_tensors  # noqa: E402
-from rl.update.policy import build_policy  # noqa: E402
+from tandem.models.args import ModelArgs  # noqa: E402
+from tandem.models.transformer import Transformer  # noqa: E402
+from tandem.parallel.distributed import init_distributed  # noqa: E402
+from tandem.parallel.generation_layout import make_layout, shard_bytes  # noqa: E402
+from tandem.parallel.mesh import Degrees, build_mesh, dp_rank  # noqa: E402
+from tandem.rl.data.prompts import Prompt  # noqa: E402
+from tandem.rl.generator.engine import GenerationSettings, Generator  # noqa: E402
+from tandem.rl.generator.sequence import SamplingParams  # noqa: E402
+from tandem.rl.rollout.generation import GenerationCopy, generate_samples  # noqa: E402
+from tandem.rl.runtime.modeling import BuildSpec, full_initial_state  # noqa: E402
+from tandem.rl.runtime.rl_config import RolloutConfig  # noqa: E402
+from tandem.rl.update.loss import completion_tensors  # noqa: E402
+from tandem.rl.update.policy import build_policy  # noqa: E402
 
 ARGS = {
     # vocabulary 1001: uneven over 2 ranks (the padded shard); ~4.2 MB of fp32 weights

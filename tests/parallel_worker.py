@@ -3,7 +3,7 @@
 ``torchrun --standalone --nproc-per-node N tests/parallel_worker.py --out F --layouts a,b``
 runs each named layout in turn: one GRPO-style AdamW update step on one fixed
 batch followed by a second forward/backward (its loss checks the updated, still
-sharded weights), the model built on meta, parallelized (parallel.parallelize / parallel.pp),
+sharded weights), the model built on meta, parallelized (tandem.parallel.parallelize / parallel.pp),
 materialised and loaded with the reference weights. Rank 0 also runs the same
 steps on a plain single-process copy and writes ``{"reference": {family: ...},
 "layouts": {name: ...}}`` to ``F`` (torch.save): both losses, the full gradients of
@@ -11,9 +11,9 @@ the update step, the full weights after it, the worst disagreement between
 ranks holding the same parameter, and the wall time of the update step (forward, backward, optimizer).
 
 Loss: ``-(adv * logp * mask).sum() / mask.sum()`` over the *global* batch (plus
-an optional entropy bonus), with ``logp`` from parallel/loss.py. Each
+an optional entropy bonus), with ``logp`` from tandem/parallel/loss.py. Each
 data-parallel rank takes ``B / dp`` rows and scales its share by ``dp`` because
-FSDP2 averages gradients over data-parallel ranks (parallel/fsdp.py).
+FSDP2 averages gradients over data-parallel ranks (tandem/parallel/fsdp.py).
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.args import ModelArgs  # noqa: E402
-from models.transformer import Transformer  # noqa: E402
-from parallel.ac import clean_fqn  # noqa: E402
-from parallel.distributed import init_distributed  # noqa: E402
-from parallel.loss import vocab_parallel_entropy, vocab_parallel_token_logprobs  # noqa: E402
-from parallel.mesh import Degrees, build_mesh, dp_rank  # noqa: E402
-from parallel.parallelize import parallelize  # noqa: E402
-from parallel.pp import build_pipeline  # noqa: E402
-from parallel.tp import apply_tp  # noqa: E402
+from tandem.models.args import ModelArgs  # noqa: E402
+from tandem.models.transformer import Transformer  # noqa: E402
+from tandem.parallel.ac import clean_fqn  # noqa: E402
+from tandem.parallel.distributed import init_distributed  # noqa: E402
+from tandem.parallel.loss import vocab_parallel_entropy, vocab_parallel_token_logprobs  # noqa: E402
+from tandem.parallel.mesh import Degrees, build_mesh, dp_rank  # noqa: E402
+from tandem.parallel.parallelize import parallelize  # noqa: E402
+from tandem.parallel.pp import build_pipeline  # noqa: E402
+from tandem.parallel.tp import apply_tp  # noqa: E402
 
 BATCH, SEQ, STEPS, LR = 4, 16, 2, 1e-2
 
@@ -154,7 +154,7 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp4_ep4_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=4),
     "fsdp4_ep2_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=2),
     "hsdp2x2_ep2_moe": Layout(Degrees(dp_replicate=2, dp_shard=2), family="qwen3-moe", ep=2),
-    # MoE under TP (parallel/moe_tp.py): experts split by hidden features, every rank routing all tokens
+    # MoE under TP (tandem/parallel/moe_tp.py): experts split by hidden features, every rank routing all tokens
     "tp2_moe": Layout(Degrees(tp=2), family="qwen3-moe"),
     "tp2_qwen2_moe_nosp": Layout(Degrees(tp=2), family="qwen2-moe", sequence_parallel=False),
     "fsdp2_tp2_qwen2_moe": Layout(Degrees(dp_shard=2, tp=2), family="qwen2-moe"),

@@ -1,7 +1,7 @@
 """torchrun worker for tests/runtime/test_plan.py: what a CPU run actually allocates, per layout.
 
 ``torchrun --standalone --nproc-per-node 2 tests/plan_worker.py --out F --layouts a,b`` builds, for
-each named training layout (`LAYOUTS`, and `MOE_LAYOUTS` with an MoE model and parallel.ep), the policy (rl/update/policy.py) and measures on every rank: the
+each named training layout (`LAYOUTS`, and `MOE_LAYOUTS` with an MoE model and parallel.ep), the policy (tandem/rl/update/policy.py) and measures on every rank: the
 local bytes of its parameter shards; the tensors one micro-batch's forward saves for backward
 (`saved_bytes`); gradient and AdamW state bytes after one optimizer step; the generation shard
 of `GenerationCopy.build()` (``reshard/gb``) for each generation degree; and the KV pool of a
@@ -23,20 +23,20 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.args import ModelArgs  # noqa: E402
-from parallel.distributed import init_distributed  # noqa: E402
-from parallel.generation_layout import make_layout  # noqa: E402
-from parallel.mesh import Degrees, build_mesh  # noqa: E402
-from parallel.reshard import held  # noqa: E402
-from rl.algorithms import AGGREGATIONS, POLICY_LOSSES, make_norm  # noqa: E402
-from rl.generator.engine import Generator  # noqa: E402
-from rl.rollout.generation import GenerationCopy, generation_settings  # noqa: E402
-from rl.rollout.types import RolloutSample  # noqa: E402
-from rl.runtime.modeling import BuildSpec  # noqa: E402
-from rl.runtime.optim import build_optimizer  # noqa: E402
-from rl.runtime.rl_config import RLConfig, RolloutConfig  # noqa: E402
-from rl.update.loss import LossInputs, LossSpec, completion_tensors, token_logprobs  # noqa: E402
-from rl.update.policy import build_policy  # noqa: E402
+from tandem.models.args import ModelArgs  # noqa: E402
+from tandem.parallel.distributed import init_distributed  # noqa: E402
+from tandem.parallel.generation_layout import make_layout  # noqa: E402
+from tandem.parallel.mesh import Degrees, build_mesh  # noqa: E402
+from tandem.parallel.reshard import held  # noqa: E402
+from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, make_norm  # noqa: E402
+from tandem.rl.generator.engine import Generator  # noqa: E402
+from tandem.rl.rollout.generation import GenerationCopy, generation_settings  # noqa: E402
+from tandem.rl.rollout.types import RolloutSample  # noqa: E402
+from tandem.rl.runtime.modeling import BuildSpec  # noqa: E402
+from tandem.rl.runtime.optim import build_optimizer  # noqa: E402
+from tandem.rl.runtime.rl_config import RLConfig, RolloutConfig  # noqa: E402
+from tandem.rl.update.loss import LossInputs, LossSpec, completion_tensors, token_logprobs  # noqa: E402
+from tandem.rl.update.policy import build_policy  # noqa: E402
 
 # ~4.2 MB of fp32 weights; vocabulary 1001 (uneven over 2 ranks)
 ARGS = ModelArgs(model_type="qwen3", vocab_size=1001, hidden_size=128, intermediate_size=384, num_layers=4,
@@ -54,7 +54,7 @@ MOE_LAYOUTS = {  # name -> (training degrees, activation checkpointing, parallel
     "moe_ep2_full": (Degrees(dp_shard=2), "full", 2),
     "moe_fsdp2": (Degrees(dp_shard=2), "none", 1),
     "moe_ep2": (Degrees(dp_shard=2), "none", 2),
-    "moe_tp2": (Degrees(tp=2), "none", 1),  # experts split by hidden features (parallel/moe_tp.py)
+    "moe_tp2": (Degrees(tp=2), "none", 1),  # experts split by hidden features (tandem/parallel/moe_tp.py)
 }
 MICRO_BATCH_TOKENS, SEQ_LEN = 256, 48
 # the rollout's KV sizing: (kv_cache_gb, max_num_seqs, max_tokens): one limited by the budget, one by the sequences

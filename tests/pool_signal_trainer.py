@@ -15,9 +15,9 @@ import sys
 import time
 
 import tests.reward_helpers  # noqa: F401  (registers test_slow_len)
-from rl.fault import PreemptionHandler
-from rl.workers.env_pool import EnvPool
-from rl.workers.reward_pool import RewardPool
+from tandem.rl.fault import PreemptionHandler
+from tandem.rl.workers.env_pool import EnvPool
+from tandem.rl.workers.reward_pool import RewardPool
 from tests.reward_helpers import slow_len_reward
 
 COMPLETIONS = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff", "ggggggg", "hhhhhhhh"]

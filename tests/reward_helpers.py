@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rl.rewards.registry import register_reward
+from tandem.rl.rewards.registry import register_reward
 
 
 @register_reward("test_len")

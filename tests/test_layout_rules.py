@@ -1,11 +1,12 @@
 """The layout rules of docs/architecture.md, checked on the source itself.
 
+- one import root: every package of the project's code lives under tandem/;
 - models/, parallel/ and kernels/ never import rl/ (models know nothing of
   parallelism, parallel/ nothing of RL);
 - no file over 600 lines and no function over 80 lines, except those listed
   here with the reason;
 - the recipes never compare an algorithm's name: what a loop must build for an
-  algorithm is a capability declared at registration (rl/runtime/registry.py).
+  algorithm is a capability declared at registration (tandem/rl/runtime/registry.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [p for d in ("rl", "models", "parallel", "kernels", "bench", "scripts") for p in (ROOT / d).rglob("*.py")]
+PKG = ROOT / "tandem"
+SOURCES = [p for d in (PKG, ROOT / "bench", ROOT / "scripts") for p in d.rglob("*.py")]
 SOURCES += [ROOT / "train.py"]
 LONG_FILES: dict[str, str] = {}  # path -> why it may exceed 600 lines
 LONG_FUNCTIONS: dict[str, str] = {}  # "path:function" -> why it may exceed 80 lines
@@ -46,9 +48,9 @@ def test_models_never_import_parallel():
 
 
 def test_only_entry_points_reach_the_recipes():
-    """train.py runs them; rl.sweep asks the registry for a recipe's held-out metric."""
+    """train.py runs them; tandem-sweep asks the registry for a recipe's held-out metric."""
     bad = [f"{p.relative_to(ROOT)} imports {m}" for p in (ROOT / "rl").rglob("*.py")
-           if not {"recipes", "sweep"} & set(p.parts) for m in _imports(p) if m.startswith("rl.recipes")]
+           if not {"recipes", "sweep"} & set(p.parts) for m in _imports(p) if m.startswith("tandem.rl.recipes")]
     assert not bad, bad
 
 
@@ -56,7 +58,7 @@ def test_worker_side_packages_do_not_import_torch_at_module_level():
     """Reward functions, environments and pools run in worker processes that start fast."""
     bad = []
     for folder in ("rewards", "envs", "workers"):
-        for path in (ROOT / "rl" / folder).glob("*.py"):
+        for path in (PKG / "rl" / folder).glob("*.py"):
             if path.name == "reward_model.py":  # the reward-model scorer runs in the trainer
                 continue
             top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
@@ -86,7 +88,7 @@ def test_recipes_never_compare_algorithm_names():
     keys = r"(advantage|policy_loss|aggregation|kl_estimator|loss)"
     pattern = re.compile(rf"\.{keys}\s*(==|!=|\bin\b)|(==|!=)\s*\w+\.{keys}\b")
     bad = []
-    for path in (ROOT / "rl" / "recipes").rglob("*.py"):
+    for path in (PKG / "rl" / "recipes").rglob("*.py"):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
                 bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")

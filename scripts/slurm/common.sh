@@ -135,7 +135,7 @@ tandem_batch_traps() {
 # After torchrun ended with STATUS: exit 0 if the run finished; after a stop (status 75,
 # a preempt marker of this allocation, or a signal to this shell) requeue the job and
 # exit 75, unless an operator cancelled it (then exit with STATUS) or Slurm requeues it
-# already (exit 75); otherwise print rl.diagnose's report and exit with STATUS.
+# already (exit 75); otherwise print tandem-diagnose's report and exit with STATUS.
 tandem_finish() {
   local marked
   tandem_log "torchrun ended with status ${STATUS}"
@@ -159,6 +159,6 @@ tandem_finish() {
     fi
     exit 75
   fi
-  python -m rl.diagnose "${DUMP}" || true
+  python -m tandem.diagnose "${DUMP}" || true
   exit "${STATUS}"
 }

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from rl.algorithms import (
+from tandem.rl.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -31,7 +31,7 @@ from rl.algorithms import (
     reverse_kl_sampled,
     value_loss,
 )
-from rl.runtime.registry import RegistryError
+from tandem.rl.runtime.registry import RegistryError
 
 # 8 responses, 5 positions; right padding, row 6 has a hole (a tool-output token), row 7 is empty.
 MASK = torch.tensor([

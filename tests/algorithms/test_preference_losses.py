@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rl.algorithms import (
+from tandem.rl.algorithms import (
     PREFERENCE_LOSSES,
     PreferenceConfig,
     PreferenceInput,

@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
-from models.tokenizer import build_char_tokenizer
-from rl.data.loading import DataError, load_rows
-from rl.data.preference import load_preference_data
-from rl.data.prompts import encode_prompts
-from rl.data.sft import build_sft_data
+from tandem.models.tokenizer import build_char_tokenizer
+from tandem.rl.data.loading import DataError, load_rows
+from tandem.rl.data.preference import load_preference_data
+from tandem.rl.data.prompts import encode_prompts
+from tandem.rl.data.sft import build_sft_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from models.tokenizer import build_char_tokenizer
-from rl.data.loading import DataError, load_rows
-from rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, example_to_row, tokenize_chat
+from tandem.models.tokenizer import build_char_tokenizer
+from tandem.rl.data.loading import DataError, load_rows
+from tandem.rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, example_to_row, tokenize_chat
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_step_sampler_epochs_and_ranks():
 
 
 def test_tool_calling_transcript_renders_its_tools_and_trains_only_the_assistant(tok):
-    from rl.envs.tools import TOOLS
+    from tandem.rl.envs.tools import TOOLS
 
     tools = [TOOLS.get("calculator").schema()]
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from rl.data.loading import load_rows
-from rl.data.tasks import TASK_REWARD, TASKS, make_task_rows, split_of, write_jsonl
-from rl.rewards import REWARDS
-from rl.runtime.registry import RegistryError
+from tandem.rl.data.loading import load_rows
+from tandem.rl.data.tasks import TASK_REWARD, TASKS, make_task_rows, split_of, write_jsonl
+from tandem.rl.rewards import REWARDS
+from tandem.rl.runtime.registry import RegistryError
 
 ALL_TASKS = ["arithmetic", "countdown", "sorting", "addition_small"]
 FIELDS = {"id", "task", "prompt", "messages", "answer", "reward", "problem_id"}
@@ -159,8 +159,8 @@ def test_write_jsonl_round_trip(tmp_path) -> None:
 
 
 def test_addition_small_stray_habit_only_changes_the_sft_reply() -> None:
-    from rl.data.sft import load_sft_records
-    from rl.rewards.basic import exact_match
+    from tandem.rl.data.sft import load_sft_records
+    from tandem.rl.rewards.basic import exact_match
 
     clean = make_task_rows("addition_small", 200, seed=0, split="train", max_value=19)
     assert all(r["sft_reply"] == r["answer"] for r in clean)

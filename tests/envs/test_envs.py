@@ -9,17 +9,17 @@ import time
 import pytest
 
 import tests.env_helpers  # noqa: F401  (registers "sleepy")
-from rl.data.agentic_tasks import (
+from tandem.rl.data.agentic_tasks import (
     AGENTIC_TASKS,
     load_agentic_jsonl,
     make_agentic_rows,
     make_agentic_sft_rows,
 )
-from rl.data.loading import DataError
-from rl.envs import ENVIRONMENTS, StepResult, make_env, step_episode
-from rl.rewards import get_reward
-from rl.runtime.registry import RegistryError
-from rl.workers.env_pool import EnvPool
+from tandem.rl.data.loading import DataError
+from tandem.rl.envs import ENVIRONMENTS, StepResult, make_env, step_episode
+from tandem.rl.rewards import get_reward
+from tandem.rl.runtime.registry import RegistryError
+from tandem.rl.workers.env_pool import EnvPool
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 

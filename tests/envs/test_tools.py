@@ -1,4 +1,4 @@
-"""Tests for rl/envs/tools.py: Hermes-style tool-call parsing, dispatch, and the shipped tools."""
+"""Tests for tandem/rl/envs/tools.py: Hermes-style tool-call parsing, dispatch, and the shipped tools."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rl.envs.tools import (
+from tandem.rl.envs.tools import (
     TOOLS,
     Tool,
     ToolCall,

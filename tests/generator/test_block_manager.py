@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rl.generator.block_manager import BlockManager
-from rl.generator.sequence import Sequence
+from tandem.rl.generator.block_manager import BlockManager
+from tandem.rl.generator.sequence import Sequence
 
 
 def seq(seq_id: int, n: int = 1) -> Sequence:

@@ -17,13 +17,13 @@ import os
 import pytest
 import torch
 
-from kernels import batch_invariant
-from kernels.dispatch import triton_interpreting
-from models.hf import load_model
-from rl.generator.engine import GenerationSettings, Generator
-from rl.generator.sequence import SamplingParams
-from rl.rollout.types import RolloutSample
-from rl.update.loss import completion_tensors, pack_micro_batches, recompute_logprobs
+from tandem.kernels import batch_invariant
+from tandem.kernels.dispatch import triton_interpreting
+from tandem.models.hf import load_model
+from tandem.rl.generator.engine import GenerationSettings, Generator
+from tandem.rl.generator.sequence import SamplingParams
+from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.update.loss import completion_tensors, pack_micro_batches, recompute_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
@@ -129,7 +129,7 @@ def _triton_gap(model, monkeypatch, share: bool, exact: bool) -> tuple[float, in
     under the interpreter, which is slow), and the fewer of the Triton matmul's and the Triton
     exact attention's call counts."""
     monkeypatch.setenv("TANDEM_KERNELS", "triton")
-    from kernels import triton_batch_invariant
+    from tandem.kernels import triton_batch_invariant
 
     calls = {"matmul": 0, "attention": 0}
     for name in calls:

@@ -1,4 +1,4 @@
-"""`python -m rl.generate`: against transformers on an HF folder, seeds, torchrun split, bad input."""
+"""`tandem-generate`: against transformers on an HF folder, seeds, torchrun split, bad input."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rl.generate import main
+from tandem.generate import main
 from tests.fixtures import QWEN_CHAT_TEMPLATE, hf_reference, write_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,7 +47,7 @@ def test_greedy_equals_transformers_and_logprobs_match(folder, prompts, tmp_path
     assert _run(folder, prompts, out, "--temperature", "0", "--max-tokens", "12", "--ignore-eos") == 0
     rows = _read(out)
     assert [r["index"] for r in rows] == [0, 1, 2, 3] and [r["id"] for r in rows] == ["a", None, "c", None]
-    from models.tokenizer import Tokenizer
+    from tandem.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(folder)
     ref = hf_reference(folder)
@@ -91,7 +91,7 @@ def test_sampling_is_seeded_and_independent_of_ranks(folder, prompts, tmp_path):
     assert _read(c) != rows
     # two ranks under torchrun split the prompts; the file is the same as one process wrote
     d = tmp_path / "d.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "rl.generate",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tandem.generate",
            "--model", str(folder), "--input", str(prompts), "--output", str(d), "--kv-cache-gb", "0.01",
            "--num-samples", *flags[1:]]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},

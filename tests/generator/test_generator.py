@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from models.flavors import get_flavor
-from models.transformer import Transformer
-from rl.generator.engine import GenerationSettings, Generator, stop_strings_check
-from rl.generator.sequence import SamplingParams
+from tandem.models.flavors import get_flavor
+from tandem.models.transformer import Transformer
+from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
+from tandem.rl.generator.sequence import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -236,9 +236,9 @@ def test_cuda_graph_decode_matches_eager_on_gpu(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_inference_layout_keeps_greedy_tokens(model):
-    """The CUDA rollout copy fuses q/k/v and gate/up (rl.rollout.generation.inference_layout); with decode
+    """The CUDA rollout copy fuses q/k/v and gate/up (tandem.rl.rollout.generation.inference_layout); with decode
     graphs its greedy tokens equal the training layout's (fp32)."""
-    from rl.rollout.generation import build_generation_model
+    from tandem.rl.rollout.generation import build_generation_model
 
     class Policy:
         state_module = copy.deepcopy(model).cuda()
@@ -256,7 +256,7 @@ def test_cuda_inference_layout_keeps_greedy_tokens(model):
 def test_generation_copy_takes_the_rollout_dtype(model):
     """rollout.dtype: the copy's floating tensors are cast (auto: the update's compute dtype on
     CUDA, the parameters' own dtype elsewhere); its log-probs stay within bf16 rounding of the fp32 model's."""
-    from rl.rollout.generation import build_generation_model, generation_dtype
+    from tandem.rl.rollout.generation import build_generation_model, generation_dtype
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert generation_dtype("auto", cuda, "bfloat16") is torch.bfloat16
@@ -264,7 +264,7 @@ def test_generation_copy_takes_the_rollout_dtype(model):
     assert generation_dtype("float32", cuda, "bfloat16") is torch.float32
     assert generation_dtype("bfloat16", cpu, "float32") is torch.bfloat16
 
-    class Policy:  # what build_generation_model reads of an rl/update/policy.py policy
+    class Policy:  # what build_generation_model reads of an tandem/rl/update/policy.py policy
         state_module = model
 
     gen_model, metrics = build_generation_model(Policy(), model.args, cpu, torch.bfloat16)
@@ -279,11 +279,11 @@ def test_generation_copy_takes_the_rollout_dtype(model):
 
 
 def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
-    """The rollout copy's CPU layout (fused projections on oneDNN, rl/rollout/generation.py): greedy
+    """The rollout copy's CPU layout (fused projections on oneDNN, tandem/rl/rollout/generation.py): greedy
     tokens of the naive loop on the training model, sampled log-probs within 1e-5 of its
     training forward, and sampled tokens equal to the plain copy's."""
-    from kernels.cpu_linear import OneDNNLinear, onednn_linear_available
-    from rl.rollout.generation import build_generation_model
+    from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
+    from tandem.rl.rollout.generation import build_generation_model
 
     class Policy:
         state_module = model

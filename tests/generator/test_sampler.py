@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rl.generator.sampler import Sampler, exponential_noise, truncation_mask
-from rl.generator.sequence import SamplingParams
+from tandem.rl.generator.sampler import Sampler, exponential_noise, truncation_mask
+from tandem.rl.generator.sequence import SamplingParams
 
 
 def ref_keep(
@@ -176,7 +176,7 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
     """Steps whose keys move on by one, a row that joins, a finished row, a recomputed
     (repeated) key and a duplicate key: the same tokens and log-probs with the noise
     computed 8 steps ahead as with each step's own, from far fewer noise calls."""
-    import rl.generator.sampler as sampler_module
+    import tandem.rl.generator.sampler as sampler_module
 
     calls = []
     real = sampler_module.exponential_noise
@@ -209,7 +209,7 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
 
 def test_hash_matches_exact_integer_arithmetic() -> None:
     """The tensor hash (int64 products that wrap) equals Python's exact big-int version."""
-    from rl.generator.sampler import _mix32
+    from tandem.rl.generator.sampler import _mix32
 
     def mix(x: int) -> int:
         x ^= x >> 16
@@ -300,7 +300,7 @@ def test_row_count_mismatch_raises() -> None:
 
 
 def _triton_can_run() -> bool:
-    from kernels.dispatch import triton_available, triton_interpreting
+    from tandem.kernels.dispatch import triton_available, triton_interpreting
 
     return triton_available() and (torch.cuda.is_available() or triton_interpreting())
 
@@ -308,7 +308,7 @@ def _triton_can_run() -> bool:
 @pytest.mark.skipif(not _triton_can_run(), reason="Triton cannot run here")
 @pytest.mark.parametrize("vocab", [1, 17, 1500])
 def test_one_pass_noise_matches_the_tensor_hash(vocab: int) -> None:
-    """kernels.sampling_noise: the same 23-bit uniforms as the int64 tensor hash, bit for
+    """tandem.kernels.sampling_noise: the same 23-bit uniforms as the int64 tensor hash, bit for
     bit (read back through exp), and E = -log(u) within a few ulp of torch's log (numpy's
     log under the interpreter differs from torch's CPU log by up to 3 ulp)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -330,7 +330,7 @@ def test_one_pass_noise_matches_the_tensor_hash(vocab: int) -> None:
 def test_one_pass_noise_only_when_forced(monkeypatch) -> None:
     """The kernel is untimed, so unforced calls keep the tensor hash on every device;
     TANDEM_KERNELS=triton routes the sampler's noise through it, with the same tokens."""
-    from kernels.sampling_noise import use_one_pass_noise
+    from tandem.kernels.sampling_noise import use_one_pass_noise
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     probe = torch.empty(0, device=device)

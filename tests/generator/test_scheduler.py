@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import pytest
 
-from rl.generator.block_manager import BlockManager
-from rl.generator.scheduler import Scheduler, SchedulerOutput
-from rl.generator.sequence import SamplingParams, Sequence, SequenceStatus
+from tandem.rl.generator.block_manager import BlockManager
+from tandem.rl.generator.scheduler import Scheduler, SchedulerOutput
+from tandem.rl.generator.sequence import SamplingParams, Sequence, SequenceStatus
 
 VOCAB = 50
 EOS = 0

@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_batch_invariant as tbi
+from tandem.kernels import triton_batch_invariant as tbi
 
 PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 MM_INTS = ("M N K stride_am stride_ak stride_bk stride_bn stride_biasm stride_biasn stride_cm stride_cn").split()

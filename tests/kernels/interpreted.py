@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.dispatch import triton_available, triton_interpreting
+from tandem.kernels.dispatch import triton_available, triton_interpreting
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_REASON = "triton was imported before TRITON_INTERPRET was set; covered by test_all_in_clean_subprocess"

@@ -1,12 +1,12 @@
-"""kernels/batch_invariant.py against plain PyTorch references, and its invariances."""
+"""tandem/kernels/batch_invariant.py against plain PyTorch references, and its invariances."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels import batch_invariant as bi
-from models.attention import DocumentAttention, ExactAttention
+from tandem.kernels import batch_invariant as bi
+from tandem.models.attention import DocumentAttention, ExactAttention
 
 
 def test_tree_sum_matches_sum_and_ignores_trailing_zeros():

@@ -1,4 +1,4 @@
-"""kernels/cpu_linear.py: oneDNN linears against F.linear and a float64 reference."""
+"""tandem/kernels/cpu_linear.py: oneDNN linears against F.linear and a float64 reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.cpu_linear as cl
+import tandem.kernels.cpu_linear as cl
 
 pytestmark = pytest.mark.skipif(not cl.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear")
 

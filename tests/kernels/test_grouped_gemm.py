@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.grouped_gemm import (  # noqa: E402
+from tandem.kernels.grouped_gemm import (  # noqa: E402
     grouped_mm,
     grouped_mm_ref,
     permute_tokens,
@@ -142,8 +142,8 @@ def test_many_experts_few_rows(impl):
 
 def test_moe_block_on_triton_equals_torch(monkeypatch):
     """The model's MoE block (three grouped GEMMs per layer) through each path, forward and backward."""
-    from models import get_flavor
-    from models.moe import MoE
+    from tandem.models import get_flavor
+    from tandem.models.moe import MoE
 
     torch.manual_seed(0)
     block = MoE(get_flavor("debug-qwen3-moe")).to(DEVICE)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import triton_available, triton_interpreting
-from kernels.logprobs import token_logprobs_entropy, token_logprobs_entropy_reference
+from tandem.kernels.dispatch import triton_available, triton_interpreting
+from tandem.kernels.logprobs import token_logprobs_entropy, token_logprobs_entropy_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_OK = triton_available() and (torch.cuda.is_available() or triton_interpreting())
@@ -126,7 +126,7 @@ def test_half_precision(impl: str, dtype: torch.dtype) -> None:
 def test_triton_vocab_splits_merge_exactly(monkeypatch: pytest.MonkeyPatch, nsplit: int) -> None:
     """The forward's per-split sums merge to the reference for any split count, including
     splits left empty (9 splits of whole 16-wide tiles over V=101 leave the last two empty)."""
-    import kernels.logprobs as lp
+    import tandem.kernels.logprobs as lp
 
     monkeypatch.setattr(lp, "_num_splits", lambda *args: nsplit)
     h, w, tgt = _inputs(37, 101, 16)
@@ -218,7 +218,7 @@ def test_unforced_calls_take_triton_on_cuda_and_the_chunked_path_elsewhere(
 ) -> None:
     """Unforced calls take the Triton kernel on CUDA (it measured 2x faster than the chunked
     path on an H200) and the chunked path on the CPU; TANDEM_KERNELS overrides either way."""
-    import kernels.logprobs as lp
+    import tandem.kernels.logprobs as lp
 
     calls: list[str] = []
 

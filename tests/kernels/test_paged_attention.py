@@ -28,8 +28,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels import paged_attention as pa  # noqa: E402
-from kernels.dispatch import (  # noqa: E402
+from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels.dispatch import (  # noqa: E402
     ENV_VAR,
     triton_available,
     triton_interpreting,
@@ -444,8 +444,8 @@ def test_imports_and_runs_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from kernels import paged_attention as pa\n"
-        "from kernels.dispatch import triton_available, use_triton\n"
+        "from tandem.kernels import paged_attention as pa\n"
+        "from tandem.kernels.dispatch import triton_available, use_triton\n"
         "assert not triton_available() and not use_triton(torch.zeros(1))\n"
         "kc = torch.zeros(2, 4, 1, 8); vc = torch.zeros_like(kc)\n"
         "k = torch.randn(3, 1, 8)\n"
@@ -453,7 +453,7 @@ def test_imports_and_runs_without_triton() -> None:
         "out = pa.paged_decode_attention(torch.randn(1, 2, 8), kc, vc,\n"
         "    torch.tensor([[0, 1]], dtype=torch.int32),\n"
         "    torch.tensor([3], dtype=torch.int32), 0.3)\n"
-        "assert out.shape == (1, 2, 8) and 'kernels.triton_paged_attention' not in sys.modules\n"
+        "assert out.shape == (1, 2, 8) and 'tandem.kernels.triton_paged_attention' not in sys.modules\n"
     )
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -24,9 +24,9 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels import batch_invariant as bi  # noqa: E402
-from kernels.dispatch import triton_available  # noqa: E402
-from models.transformer import RMSNorm  # noqa: E402
+from tandem.kernels import batch_invariant as bi  # noqa: E402
+from tandem.kernels.dispatch import triton_available  # noqa: E402
+from tandem.models.transformer import RMSNorm  # noqa: E402
 from tests.kernels.interpreted import ROOT, interpreter_guard  # noqa: E402
 
 _needs_usable_triton, test_all_in_clean_subprocess = interpreter_guard(__file__)
@@ -36,7 +36,7 @@ NEIGHBOURS = (1, 7, 63)
 
 
 def _tk():  # noqa: ANN202 - module object
-    from kernels import triton_batch_invariant
+    from tandem.kernels import triton_batch_invariant
 
     return triton_batch_invariant
 
@@ -93,7 +93,7 @@ def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_triton_exact_mode_routes_linear_by_dispatch(monkeypatch, impl):
     """With exact mode on, ``nn.Linear`` (aten addmm / mm) goes to the Triton matmul when
-    `kernels.dispatch` says Triton and to `tiled_mm` otherwise; gradients stay correct."""
+    `tandem.kernels.dispatch` says Triton and to `tiled_mm` otherwise; gradients stay correct."""
     tk = _tk()
     monkeypatch.setenv("TANDEM_KERNELS", impl)
     calls = []

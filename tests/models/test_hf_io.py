@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import (
+from tandem.models import (
     Tokenizer,
     hf_to_tandem,
     load_args,
@@ -17,7 +17,7 @@ from models import (
     save_hf,
     tandem_to_hf,
 )
-from models.hf import INDEX_FILE, tensor_files
+from tandem.models.hf import INDEX_FILE, tensor_files
 from tests.fixtures import hf_reference, write_hf_model
 
 
@@ -113,7 +113,7 @@ def test_transformers_autotokenizer_reads_our_tokenizer_files(tied_dir, tmp_path
 
 
 def test_tied_name_mapping_both_ways():
-    from models import get_flavor
+    from tandem.models import get_flavor
 
     args = get_flavor("debug-qwen3")
     emb = torch.randn(3, 2)

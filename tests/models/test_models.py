@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import (
+from tandem.models import (
     FLAVORS,
     DocumentAttention,
     ModelArgs,
@@ -15,7 +15,7 @@ from models import (
     load_model,
     positions_from_doc_ids,
 )
-from models.rope import rope_inv_freq
+from tandem.models.rope import rope_inv_freq
 from tests.fixtures import FAMILIES, hf_reference, tiny_hf_config, write_hf_model
 
 TOL = 1e-4
@@ -52,7 +52,7 @@ def test_logits_match_transformers(hf_folder):
 def test_fused_projections_match_transformers(hf_folder):
     """The inference layout (q/k/v and gate/up fused, linears on oneDNN where PyTorch has it)
     gives transformers' logits, biases (qwen2) and tied heads included."""
-    from kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
+    from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 
     family, path = hf_folder
     ref, ours = hf_reference(path), load_model(path).fuse_projections().fuse_projections()  # the second: no-op
@@ -97,7 +97,7 @@ def test_llama3_rope_scaling_matters(tmp_path):
 def test_rms_norm_equals_the_written_out_formula(dtype, weight_dtype):
     """HF's order of operations (fp32 statistics, round, then the weight), values and
     gradients bit for bit, also with an fp32 weight on low-precision activations."""
-    from models.transformer import RMSNorm
+    from tandem.models.transformer import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(64, 1e-6).to(dtype if weight_dtype == "same" else weight_dtype)

@@ -3,7 +3,7 @@
 Tiny random Qwen3-MoE / Qwen2-MoE folders (written by transformers, fp32) load
 with logits within 1e-4 of ``Qwen3MoeForCausalLM`` / ``Qwen2MoeForCausalLM``;
 the losses, the dispatch and the DeepSeek-style router are checked against
-formulas written out here, independently of models/moe.py.
+formulas written out here, independently of tandem/models/moe.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import ModelArgs, Transformer, get_flavor, load_model, read_hf_state_dict, save_hf
-from models.moe import MoE, moe_layers, router_loss, set_token_mask
-from models.tokenizer import build_char_tokenizer
+from tandem.models import ModelArgs, Transformer, get_flavor, load_model, read_hf_state_dict, save_hf
+from tandem.models.moe import MoE, moe_layers, router_loss, set_token_mask
+from tandem.models.tokenizer import build_char_tokenizer
 from tests.fixtures import TINY_VOCAB, hf_reference, randomize_
 
 TOL = 1e-4

@@ -9,7 +9,7 @@ import string
 import jinja2
 import pytest
 
-from models import Tokenizer, build_char_tokenizer
+from tandem.models import Tokenizer, build_char_tokenizer
 from tests.fixtures import LLAMA3_STYLE_TEMPLATE, QWEN_CHAT_TEMPLATE
 
 TOOLS = [

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.args import ModelArgs
-from models.transformer import Transformer
-from parallel.ac import apply_ac
-from parallel.compile import apply_compile
-from parallel.expert_parallel import validate_ep
-from parallel.loss import vocab_parallel_entropy, vocab_parallel_token_logprobs
-from parallel.pp import build_pipeline, pipeline_split
-from parallel.tp import validate_tp
+from tandem.models.args import ModelArgs
+from tandem.models.transformer import Transformer
+from tandem.parallel.ac import apply_ac
+from tandem.parallel.compile import apply_compile
+from tandem.parallel.expert_parallel import validate_ep
+from tandem.parallel.loss import vocab_parallel_entropy, vocab_parallel_token_logprobs
+from tandem.parallel.pp import build_pipeline, pipeline_split
+from tandem.parallel.tp import validate_tp
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel_worker.py"

@@ -2,7 +2,7 @@
 
 Two runs of the quickstart (2 ranks, 6 steps, checkpoints every 2; --max-restarts=4): one never
 interrupted, one whose rank 1 is SIGKILLed right after step 3's update
-(TANDEM_INJECT_KILL, rl/fault/inject.py), i.e. after the step-2 checkpoint and
+(TANDEM_INJECT_KILL, tandem/rl/fault/inject.py), i.e. after the step-2 checkpoint and
 before step 4's. torchrun restarts both workers, they resume from step 2 and
 finish. The final checkpoints (weights, optimizer, scheduler, data cursors)
 must be equal bit for bit, and the ledger of prompt ids per step identical:
@@ -112,7 +112,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_without_repeating_prompts(tmp_p
     p = _single(one, "--training.steps=4")  # nothing left to train: load, then export the loaded weights
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0 and "resharded" in out, out[-3000:]
-    from models.hf import load_model
+    from tandem.models.hf import load_model
 
     loaded = load_model(str(one / "hf")).state_dict()
     assert loaded.keys() == saved["model"].keys()
@@ -130,7 +130,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_without_repeating_prompts(tmp_p
 
 def _exported_equals_saved(dump, step):
     """The HF export written right after a resume (nothing left to train) equals step-N's weights."""
-    from models.hf import load_model
+    from tandem.models.hf import load_model
 
     saved = _flat(str(dump / "checkpoints" / f"step-{step}"))["model"]
     loaded = load_model(str(dump / "hf")).state_dict()
@@ -170,7 +170,7 @@ def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path):
             p.send_signal(signal.SIGTERM)
     p.wait(timeout=600)
     out = "".join(lines)
-    assert p.returncode == 75, out[-2000:]  # rl/runtime/errors.py EXIT_PREEMPTED: the batch script requeues on it
+    assert p.returncode == 75, out[-2000:]  # tandem/rl/runtime/errors.py EXIT_PREEMPTED: the batch script requeues on it
     saved = sorted(os.listdir(dump / "checkpoints"))
     assert len(saved) == 1 and saved[0].startswith("step-"), saved
     step = int(saved[0].split("-")[1])
@@ -209,7 +209,7 @@ def test_a_run_whose_ledger_lacks_steps_exits_5(tmp_path):
     ledger.write_text(ledger.read_text().splitlines(keepends=True)[1])  # step 1's prompts lost
     p = _single(dump, "--training.steps=2")  # resumes at step 2: nothing to train, the check fails
     out, _ = p.communicate(timeout=600)
-    assert p.returncode == 5, out[-2000:]  # rl/runtime/errors.py EXIT_SHORT_RUN
+    assert p.returncode == 5, out[-2000:]  # tandem/rl/runtime/errors.py EXIT_SHORT_RUN
     assert f"the run ended with fewer steps than asked: {ledger}: steps 1 missing (of 1..2)" in out, out[-2000:]
 
 

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from rl.data.prompts import PromptStream, deal, rollout_seed
+from tandem.rl.data.prompts import PromptStream, deal, rollout_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
@@ -52,7 +52,7 @@ def _rollouts(dump: str, field: str = "completion_ids") -> dict[tuple[int, int],
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("layouts")
     out = {"one": _run(str(base / "one"), 1), "two": _run(str(base / "two"), 2)}
-    # the same 2 ranks generating as one group over sharded weights (rollout.tp = 2, parallel/generation_layout.py)
+    # the same 2 ranks generating as one group over sharded weights (rollout.tp = 2, tandem/parallel/generation_layout.py)
     out["two_gen_tp2"] = _run(str(base / "two_gen_tp2"), 2, ("--rollout.tp=2", "--checkpoint.enable=false"))
     resumed = base / "resumed"  # the 2-rank run's step-2 checkpoint, continued on 1 rank
     shutil.copytree(base / "two" / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")

@@ -9,7 +9,7 @@ One module fixture runs the quickstart once; its step-60 checkpoint (experts sav
 * continued for one step (61) on 2 ranks EP = 2 (the reference), 1 rank and 2 ranks
   FSDP2 (ep = 1), and 4 ranks of HSDP (2 replicas of 2 FSDP2 shards) with an EP = 2 group
   in each replica (experts ``[Replicate, Shard(0)]`` on a 2 x 2 mesh), 2 ranks of TP
-  (experts split by hidden features, parallel/moe_tp.py) and 4 ranks of TP 2 x EP 2 (attention
+  (experts split by hidden features, tandem/parallel/moe_tp.py) and 4 ranks of TP 2 x EP 2 (attention
   TP, experts split both ways), each with one sample per micro-batch, so the router losses (a mean over
   each micro-batch's tokens) see the same token sets on every layout: the step-61
   weights and AdamW moments agree to float tolerance (a fresh optimizer would be O(1)

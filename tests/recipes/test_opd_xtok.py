@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.tokenizer import Tokenizer
-from rl.rollout.types import RolloutSample
+from tandem.models.tokenizer import Tokenizer
+from tandem.rl.rollout.types import RolloutSample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STUDENT = os.path.join(ROOT, "assets", "quickstart-policy")
@@ -47,10 +47,10 @@ def _hf_logprobs(folder, prompt_ids, completion_ids):
 def test_teacher_chunk_logprobs_match_transformers(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from parallel.mesh import Degrees, build_mesh
-    from rl.runtime.modeling import BuildSpec
-    from rl.runtime.rl_config import DistillConfig
-    from rl.update.teachers import Teachers
+    from tandem.parallel.mesh import Degrees, build_mesh
+    from tandem.rl.runtime.modeling import BuildSpec
+    from tandem.rl.runtime.rl_config import DistillConfig
+    from tandem.rl.update.teachers import Teachers
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:

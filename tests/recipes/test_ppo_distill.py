@@ -21,8 +21,8 @@ import sys
 import pytest
 import torch
 
-from models.hf import load_model, save_hf
-from models.tokenizer import Tokenizer
+from tandem.models.hf import load_model, save_hf
+from tandem.models.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")

@@ -11,17 +11,17 @@ import sys
 import pytest
 import torch
 
-from models.tokenizer import build_char_tokenizer
-from parallel.distributed import init_distributed
-from rl.data.loading import DataError
-from rl.data.preference import (
+from tandem.models.tokenizer import build_char_tokenizer
+from tandem.parallel.distributed import init_distributed
+from tandem.rl.data.loading import DataError
+from tandem.rl.data.preference import (
     build_preference_data,
     collate_pairs,
     load_preference_data,
     tokenize_response,
 )
-from rl.recipes import run as run_recipe
-from rl.runtime.config import ConfigError, load_config
+from tandem.rl.recipes import run as run_recipe
+from tandem.rl.runtime.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DPO_TOML = os.path.join(ROOT, "configs", "dpo.toml")

@@ -1,4 +1,4 @@
-"""The same fault drills for every recipe: they all run in one shell (rl/recipes/loop.py).
+"""The same fault drills for every recipe: they all run in one shell (tandem/rl/recipes/loop.py).
 
 For each of sft, dpo, reward_model and rl (tiny CPU configs, 4 steps):
 - SIGTERM mid-run -> a checkpoint, exit 75; the next launch resumes and ends

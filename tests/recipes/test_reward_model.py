@@ -11,22 +11,22 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.flavors import get_flavor
-from models.hf import save_hf
-from models.tokenizer import build_char_tokenizer
-from models.transformer import Transformer
-from models.value_head import (
+from tandem.models.flavors import get_flavor
+from tandem.models.hf import save_hf
+from tandem.models.tokenizer import build_char_tokenizer
+from tandem.models.transformer import Transformer
+from tandem.models.value_head import (
     ScalarHeadModel,
     initial_scalar_state,
     load_scalar_model,
     save_scalar_model,
 )
-from parallel.distributed import init_distributed
-from rl.data.preference import SYNTHETIC_PAIRS
-from rl.recipes import run as run_recipe
-from rl.recipes.reward_model import EXPORT_DIR
-from rl.rewards.reward_model import RewardModelScorer
-from rl.runtime.config import load_config
+from tandem.parallel.distributed import init_distributed
+from tandem.rl.data.preference import SYNTHETIC_PAIRS
+from tandem.rl.recipes import run as run_recipe
+from tandem.rl.recipes.reward_model import EXPORT_DIR
+from tandem.rl.rewards.reward_model import RewardModelScorer
+from tandem.rl.runtime.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RM_TOML = os.path.join(ROOT, "configs", "reward_model.toml")
@@ -119,11 +119,11 @@ def test_reward_model_toml_runs_through_train_py(tmp_path):
 
 def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
     """A reward-model folder scores rollouts in the RL loop, mixed with a rule-based reward."""
-    from rl.fault import Watchdog
-    from rl.recipes.base import Runtime
-    from rl.recipes.rl import RLRecipe
-    from rl.rewards.registry import REWARDS
-    from rl.runtime.metrics import MetricsLogger
+    from tandem.rl.fault import Watchdog
+    from tandem.rl.recipes.base import Runtime
+    from tandem.rl.recipes.rl import RLRecipe
+    from tandem.rl.rewards.registry import REWARDS
+    from tandem.rl.runtime.metrics import MetricsLogger
 
     rm_dump = str(tmp_path / "rm")
     cfg = load_config(RM_TOML, ["--data.synthetic_rows=64", "--training.steps=2", "--metrics.tensorboard=false",

@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.args import ModelArgs
-from parallel.mesh import Degrees
-from rl.runtime.config import ConfigError
-from rl.update.policy import check_layout
+from tandem.models.args import ModelArgs
+from tandem.parallel.mesh import Degrees
+from tandem.rl.runtime.config import ConfigError
+from tandem.rl.update.policy import check_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")

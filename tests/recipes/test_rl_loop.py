@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
-from models.attention import DocumentAttention
-from models.hf import load_model
-from rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
-from rl.rollout.types import RolloutSample
-from rl.update.loss import (
+from tandem.models.attention import DocumentAttention
+from tandem.models.hf import load_model
+from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
+from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
     completion_tensors,

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageConfig, AdvantageInput
-from rl.recipes import unused_settings
-from rl.runtime.config import ConfigError, load_config
+from tandem.rl.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageConfig, AdvantageInput
+from tandem.rl.recipes import unused_settings
+from tandem.rl.runtime.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")
@@ -98,7 +98,7 @@ def test_gspo_reads_its_own_clip_keys_and_rejects_the_token_ones():
 
 def test_gspo_clip_range_reaches_the_loss():
     """A wider sequence clip range clips fewer tokens of the same batch."""
-    from rl.algorithms import PolicyLossInput
+    from tandem.rl.algorithms import PolicyLossInput
 
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
@@ -135,11 +135,11 @@ def test_one_fsdp_rule_for_every_model():
     one-rank float32 run is left unsharded."""
     from torch.distributed.fsdp import FSDPModule
 
-    from models.flavors import get_flavor
-    from models.transformer import Transformer
-    from parallel.distributed import init_distributed
-    from parallel.mesh import Degrees, build_mesh
-    from parallel.parallelize import parallelize
+    from tandem.models.flavors import get_flavor
+    from tandem.models.transformer import Transformer
+    from tandem.parallel.distributed import init_distributed
+    from tandem.parallel.mesh import Degrees, build_mesh
+    from tandem.parallel.parallelize import parallelize
 
     info = init_distributed(force_cpu=True)
     mesh = build_mesh(Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1), info.device)

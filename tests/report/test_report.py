@@ -1,4 +1,4 @@
-"""rl.report: the page's contents, its bad inputs, and the page itself in a real headless browser."""
+"""tandem-report: the page's contents, its bad inputs, and the page itself in a real headless browser."""
 
 import html
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from rl.report.__main__ import main as report_main
-from rl.runtime.samples import SampleLog
+from tandem.report.__main__ import main as report_main
+from tandem.rl.runtime.samples import SampleLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -77,7 +77,7 @@ def test_metric_option_adds_a_panel(two_runs):
 
 
 @pytest.mark.parametrize("case, status, message", [
-    ("empty", 3, "an empty folder: not a run's dump folder nor an rl.sweep study"),
+    ("empty", 3, "an empty folder: not a run's dump folder nor a tandem-sweep study"),
     ("missing", 3, "no such folder"),
     ("no_metrics", 3, "no metrics.jsonl and no study.db"),
     ("unknown_metric", 4, "--metric 'eval/acc': no run logged it; did you mean 'eval/accuracy'?"),

@@ -1,13 +1,13 @@
-"""The code_unit_tests reward (rl/rewards/code.py): the solution and the hidden tests run in
-separate sandboxed runs (rl/workers/sandbox.py), so a solution can neither read nor forge
+"""The code_unit_tests reward (tandem/rl/rewards/code.py): the solution and the hidden tests run in
+separate sandboxed runs (tandem/rl/workers/sandbox.py), so a solution can neither read nor forge
 the test results, and unittest-style tests are discovered and run."""
 
 from __future__ import annotations
 
 import pytest
 
-from rl.rewards.code import code_unit_tests, extract_code
-from rl.rewards.registry import REWARDS
+from tandem.rl.rewards.code import code_unit_tests, extract_code
+from tandem.rl.rewards.registry import REWARDS
 from tests.fixtures import trainer_unaffected  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("trainer_unaffected")  # tests/fixtures.py

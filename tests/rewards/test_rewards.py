@@ -10,17 +10,17 @@ import time
 import pytest
 
 import tests.reward_helpers  # noqa: F401  (registers the test_* rewards)
-from rl.rewards import REWARDS, get_reward
-from rl.rewards.basic import (
+from tandem.rl.rewards import REWARDS, get_reward
+from tandem.rl.rewards.basic import (
     countdown_reward,
     exact_match,
     format_reward,
     length_penalty,
     sequence_match,
 )
-from rl.rewards.math import extract_answer, is_equiv, math_reward, normalize_answer, to_sympy
-from rl.runtime.registry import RegistryError
-from rl.workers.reward_pool import RewardPool
+from tandem.rl.rewards.math import extract_answer, is_equiv, math_reward, normalize_answer, to_sympy
+from tandem.rl.runtime.registry import RegistryError
+from tandem.rl.workers.reward_pool import RewardPool
 
 # ---------------------------------------------------------------------------- extraction
 
@@ -164,7 +164,7 @@ def test_math_reward_uses_math_verify(right: str, wrong: str, answer: str) -> No
 
 
 def test_math_verify_never_evaluates_the_answer(tmp_path) -> None:
-    from rl.rewards.math import verify
+    from tandem.rl.rewards.math import verify
 
     marker = tmp_path / "pwned"
     payloads = [
@@ -185,7 +185,7 @@ def test_math_verify_never_evaluates_the_answer(tmp_path) -> None:
 
 
 def test_math_verifier_on_hand_labelled_pairs() -> None:
-    from rl.rewards.math import verify
+    from tandem.rl.rewards.math import verify
 
     rows = [json.loads(line) for line in open(os.path.join(DATA, "math_answer_pairs.jsonl"))]
     right = {v: sum(verify(r["gold"], r["pred"], v) == r["equal"] for r in rows)

@@ -13,11 +13,11 @@ import os
 import pytest
 import torch
 
-from models.tokenizer import Tokenizer
-from rl.generator.engine import GenerationSettings, Generator
-from rl.generator.sequence import SamplingParams
-from rl.rollout.agentic import ChatRenderer, end_of_turn_id, run_agentic_rollout
-from rl.workers.env_pool import EnvPool
+from tandem.models.tokenizer import Tokenizer
+from tandem.rl.generator.engine import GenerationSettings, Generator
+from tandem.rl.generator.sequence import SamplingParams
+from tandem.rl.rollout.agentic import ChatRenderer, end_of_turn_id, run_agentic_rollout
+from tandem.rl.workers.env_pool import EnvPool
 from tests.env_helpers import agentic_model, char_tokenizer, tiny_model, train_logprobs
 from tests.fixtures import LLAMA3_STYLE_TEMPLATE
 

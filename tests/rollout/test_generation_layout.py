@@ -1,4 +1,4 @@
-"""The generation layout (parallel/generation_layout.py) and the reshard into it (parallel/reshard.py).
+"""The generation layout (tandem/parallel/generation_layout.py) and the reshard into it (tandem/parallel/reshard.py).
 
 Two torchrun launches (2 and 4 CPU ranks, gloo) run tests/generation_worker.py
 once per module: for each training layout (FSDP2, TP, PP, FSDP2 x TP, a tied
@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.args import ModelArgs
-from parallel.generation_layout import (
+from tandem.models.args import ModelArgs
+from tandem.parallel.generation_layout import (
     GenerationLayout,
     local_args,
     needed_box,
     shard_bytes,
     split_dim,
 )
-from parallel.reshard import Box, Resharder, _bucket, _Move
+from tandem.parallel.reshard import Box, Resharder, _bucket, _Move
 from tests.fixtures import launch_worker
 
 ROOT = Path(__file__).resolve().parents[2]

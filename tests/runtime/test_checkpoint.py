@@ -5,8 +5,8 @@ import os
 import torch
 import torch.nn as nn
 
-from parallel.distributed import init_distributed
-from rl.runtime.checkpoint import MARKER, Checkpointer, committed_steps
+from tandem.parallel.distributed import init_distributed
+from tandem.rl.runtime.checkpoint import MARKER, Checkpointer, committed_steps
 
 
 def _model_and_opt(seed):

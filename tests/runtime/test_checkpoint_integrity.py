@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from parallel.distributed import init_distributed
-from rl.fault import NonFiniteError
-from rl.runtime.checkpoint import (
+from tandem.parallel.distributed import init_distributed
+from tandem.rl.fault import NonFiniteError
+from tandem.rl.runtime.checkpoint import (
     MARKER,
     SUMS,
     Checkpointer,
@@ -25,8 +25,8 @@ from rl.runtime.checkpoint import (
     committed_steps,
     resume_step,
 )
-from rl.runtime.config import CheckpointConfig, ConfigError
-from rl.runtime.errors import EXIT_CHECKPOINT
+from tandem.rl.runtime.config import CheckpointConfig, ConfigError
+from tandem.rl.runtime.errors import EXIT_CHECKPOINT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""Tests for rl/runtime/config.py and rl/runtime/configlib.py: TOML + CLI overrides, one-line errors, round trips."""
+"""Tests for tandem/rl/runtime/config.py and tandem/rl/runtime/configlib.py: TOML + CLI overrides, one-line errors, round trips."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import pytest
 
-from rl.runtime.config import (
+from tandem.rl.runtime.config import (
     EXIT_CONFIG_ERROR,
     CheckpointConfig,
     Config,
@@ -31,7 +31,7 @@ from rl.runtime.config import (
     load_config,
     parse_args,
 )
-from rl.runtime.configlib import (
+from tandem.rl.runtime.configlib import (
     apply_override,
     apply_table,
     format_toml,
@@ -320,7 +320,7 @@ def test_help_lists_sections(capsys: pytest.CaptureFixture[str]) -> None:
 def test_main_guard_exit_status_in_subprocess(overrides: list[str], needle: str) -> None:
     script = (
         "import sys\n"
-        "from rl.runtime.config import main_guard, parse_args\n"
+        "from tandem.rl.runtime.config import main_guard, parse_args\n"
         "main_guard(parse_args)(sys.argv[1:])\n"
         "print('unreachable')\n"
     )

@@ -1,4 +1,4 @@
-"""rl.fault and rl.diagnose: hang dumps, agreed preemption, the NaN guard, the launch scripts.
+"""tandem.rl.fault and tandem-diagnose: hang dumps, agreed preemption, the NaN guard, the launch scripts.
 
 Multi-rank cases run tests/fault_worker.py under torchrun (2 CPU processes, gloo).
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl import diagnose
-from rl.fault import (
+from tandem import diagnose
+from tandem.rl.fault import (
     EXIT_HANG,
     EXIT_NONFINITE,
     NonFiniteError,
@@ -95,7 +95,7 @@ def test_both_ranks_dump_when_one_blocks_before_all_reduce(tmp_path: Path) -> No
     assert "stuck_before_all_reduce" in text1 and "phase: update" in text1
     for rank in (0, 1):
         assert json.loads((tmp_path / "hang" / f"rank-{rank}.json").read_text())["rank"] == rank
-    out = subprocess.run([sys.executable, "-m", "rl.diagnose", str(tmp_path)], cwd=ROOT, env=ENV,
+    out = subprocess.run([sys.executable, "-m", "tandem.diagnose", str(tmp_path)], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
     assert "likely cause: rank(s) [1]" in out.stdout and "stuck_before_all_reduce" in out.stdout
@@ -259,7 +259,7 @@ def test_check_finite_reads_dtensor_local_shards() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from parallel.distributed import init_distributed
+    from tandem.parallel.distributed import init_distributed
 
     init_distributed(force_cpu=True)
     assert dist.get_world_size() == 1
@@ -287,7 +287,7 @@ def _write(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
 
 
-def _frames(*names: str, file: str = "rl/rollout/generation.py") -> list[dict]:
+def _frames(*names: str, file: str = "tandem/rl/rollout/generation.py") -> list[dict]:
     return [{"file": file, "line": 10 + i, "function": n, "code": ""} for i, n in enumerate(names)]
 
 
@@ -317,7 +317,7 @@ def test_diagnose_reports_hang_rank_phase_step_and_function(tmp_path: Path, caps
     assert diagnose.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "[FAILED] hang" in out and "phase update at step 3" in out
-    assert "rank 1 (n1, phase 'update', step 3" in out and "score_rewards (rl/rollout/generation.py:11)" in out
+    assert "rank 1 (n1, phase 'update', step 3" in out and "score_rewards (tandem/rl/rollout/generation.py:11)" in out
     assert "likely cause: rank(s) [1]" in out and "verdict: FAILED: hang" in out
 
 

@@ -1,7 +1,7 @@
-"""Model folders, rl.generate's flags and Ctrl-C: the documented exit status and one line, no traceback.
+"""Model folders, tandem-generate's flags and Ctrl-C: the documented exit status and one line, no traceback.
 
 Damaged copies of assets/quickstart-policy go to train.py (SFT) and to
-`python -m rl.generate`; both must exit 4 with one line naming the file. Flag
+`tandem-generate`; both must exit 4 with one line naming the file. Flag
 values the generator would fail on later exit 2 before the model loads; a
 prompt that does not fit the model's context exits 3 naming its line (or is
 cut by --truncate-prompts). SIGINT ends train.py with 130 and one line.
@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from rl.generate import main as generate
-from rl.runtime.checkpoint import Checkpointer
+from tandem.generate import main as generate
+from tandem.rl.runtime.checkpoint import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")  # context 2048, char tokenizer, intermediate 128
@@ -98,7 +98,7 @@ def test_bad_generate_flag_exits_2_with_one_line(tmp_path, prompts, capsys, flag
     with pytest.raises(SystemExit) as e:
         generate(["--model", POLICY, "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), *flags])
     assert e.value.code == 2
-    assert capsys.readouterr().err == f"error: {message} (python -m rl.generate --help lists the flags)\n"
+    assert capsys.readouterr().err == f"error: {message} (tandem-generate --help lists the flags)\n"
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -109,7 +109,7 @@ def test_generate_output_path_problems_exit_2(tmp_path, prompts, capsys):
         with pytest.raises(SystemExit) as e:
             generate(["--model", POLICY, "--input", str(prompts), "--output", str(out)])
         assert e.value.code == 2
-        assert capsys.readouterr().err == f"error: {message} (python -m rl.generate --help lists the flags)\n"
+        assert capsys.readouterr().err == f"error: {message} (tandem-generate --help lists the flags)\n"
 
 
 def test_generate_checks_the_kv_budget_and_the_context_against_the_model(tmp_path, prompts, capsys):
@@ -137,7 +137,7 @@ def test_sigint_during_generation_exits_130_and_writes_nothing(tmp_path):
     prompts = tmp_path / "many.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(32)))
     out = tmp_path / "out" / "o.jsonl"
-    cmd = [sys.executable, "-m", "rl.generate", "--model", POLICY, "--input", str(prompts), "--output", str(out),
+    cmd = [sys.executable, "-m", "tandem.generate", "--model", POLICY, "--input", str(prompts), "--output", str(out),
            "--n", "8", "--max-tokens", "1500", "--ignore-eos"]  # 384k tokens: minutes on a CPU
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -2,7 +2,7 @@
 
 import math
 
-from rl.runtime.optim import lr_factor
+from tandem.rl.runtime.optim import lr_factor
 
 
 def test_warmup_then_cosine():

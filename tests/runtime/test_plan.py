@@ -1,4 +1,4 @@
-"""The memory planner (rl/runtime/plan.py) against what CPU runs allocate, and ``train.py --plan``.
+"""The memory planner (tandem/rl/runtime/plan.py) against what CPU runs allocate, and ``train.py --plan``.
 
 One torchrun launch (2 CPU processes, gloo) runs tests/plan_worker.py over the layouts fsdp2,
 fsdp2 with full activation checkpointing, tp2 and pp2; each rank measures its parameter,
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.flavors import get_flavor
-from models.transformer import Transformer
-from rl.runtime import errors
-from rl.runtime.plan import Layout, Planner, Settings, activation_bytes
-from rl.update.loss import pack_micro_batches, token_logprobs
+from tandem.models.flavors import get_flavor
+from tandem.models.transformer import Transformer
+from tandem.rl.runtime import errors
+from tandem.rl.runtime.plan import Layout, Planner, Settings, activation_bytes
+from tandem.rl.update.loss import pack_micro_batches, token_logprobs
 from tests import plan_worker as W
 from tests.fixtures import launch_worker
 
@@ -89,7 +89,7 @@ def test_generation_shard_and_kv_pool_match(measured, g):
 
 def test_one_rank_matches_a_plain_run():
     """One rank, no launcher: no FSDP2 (fp32), the whole model; its AdamW step and activations."""
-    from rl.runtime.optim import build_optimizer
+    from tandem.rl.runtime.optim import build_optimizer
 
     torch.manual_seed(0)
     model = Transformer(W.ARGS)

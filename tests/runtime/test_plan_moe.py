@@ -1,4 +1,4 @@
-"""The memory planner on mixture-of-experts models (rl/runtime/plan.py, rl/runtime/plan_moe.py).
+"""The memory planner on mixture-of-experts models (tandem/rl/runtime/plan.py, tandem/rl/runtime/plan_moe.py).
 
 One torchrun launch (2 CPU processes, gloo) runs tests/plan_worker.py over its MoE layouts (a
 Qwen3-MoE of 8 experts, 2 per token, layer 0 dense): FSDP2 over 2 ranks gathering the experts
@@ -22,9 +22,9 @@ import sys
 import pytest
 import torch
 
-from models.flavors import get_flavor
-from rl.runtime import errors
-from rl.runtime.plan import Layout, Planner, Settings, activation_bytes
+from tandem.models.flavors import get_flavor
+from tandem.rl.runtime import errors
+from tandem.rl.runtime.plan import Layout, Planner, Settings, activation_bytes
 from tests import plan_worker as W
 from tests.runtime.test_plan import ACT, EXACT, ROOT, _close, _settings, run_worker
 

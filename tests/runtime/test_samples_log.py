@@ -1,12 +1,12 @@
-"""rl.runtime.samples: the bounded per-step sample log that rl.report's sample browser reads."""
+"""tandem.rl.runtime.samples: the bounded per-step sample log that tandem-report's sample browser reads."""
 
 import json
 import os
 
 import pytest
 
-from rl.runtime.config import ConfigError, load_config
-from rl.runtime.samples import SampleLog, read_samples
+from tandem.rl.runtime.config import ConfigError, load_config
+from tandem.rl.runtime.samples import SampleLog, read_samples
 
 
 def _rec(i, **over):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rl.runtime.config import ConfigError, load_config
+from tandem.rl.runtime.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")  # rl recipe, an HF folder (assets/quickstart-policy)

@@ -1,10 +1,10 @@
-"""Host allocator tuning (rl/runtime/system.py)."""
+"""Host allocator tuning (tandem/rl/runtime/system.py)."""
 
 import platform
 
 
 def test_tune_host_allocator_applies_on_glibc_and_defers_to_the_environment(monkeypatch) -> None:
-    from rl.runtime.system import tune_host_allocator
+    from tandem.rl.runtime.system import tune_host_allocator
 
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert tune_host_allocator() is True

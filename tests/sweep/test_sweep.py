@@ -1,4 +1,4 @@
-"""rl.sweep: the space file's checks, and real sweeps of the CPU quickstart (train.py trials).
+"""tandem-sweep: the space file's checks, and real sweeps of the CPU quickstart (train.py trials).
 
 The sweep test runs 6 one-process trials of 9 steps, two at a time, kills the
 sweep with SIGKILL while trials run, and runs the same command again.
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from rl.sweep import SweepError
-from rl.sweep.__main__ import main as sweep_main
-from rl.sweep.trial import Slot, objective_value, plan_slots
+from tandem.sweep import SweepError
+from tandem.sweep.__main__ import main as sweep_main
+from tandem.sweep.trial import Slot, objective_value, plan_slots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXED = """
@@ -54,7 +54,7 @@ def _env():
 
 
 def _sweep_cmd(space, study, trials=6, parallel=2):
-    return [sys.executable, "-m", "rl.sweep", "--config", "configs/quickstart.toml", "--space", str(space),
+    return [sys.executable, "-m", "tandem.sweep", "--config", "configs/quickstart.toml", "--space", str(space),
             "--trials", str(trials), "--parallel", str(parallel), "--study", str(study)]
 
 
@@ -84,7 +84,7 @@ def test_bad_space_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, entry, 
 
 
 def test_shipped_space_and_unquoted_dotted_keys(tmp_path, monkeypatch):
-    from rl.sweep.space import check_configs, load_space
+    from tandem.sweep.space import check_configs, load_space
 
     monkeypatch.chdir(ROOT)
     shipped = load_space("configs/sweeps/quickstart.toml")  # the README's example
@@ -97,8 +97,8 @@ def test_shipped_space_and_unquoted_dotted_keys(tmp_path, monkeypatch):
 
 
 def test_a_study_keeps_its_files_and_its_folder(tmp_path, monkeypatch):
-    from rl.sweep.space import check_configs, load_space, resolve_objective
-    from rl.sweep.study import Sweep, lock_study
+    from tandem.sweep.space import check_configs, load_space, resolve_objective
+    from tandem.sweep.study import Sweep, lock_study
 
     monkeypatch.chdir(ROOT)
     space_path = tmp_path / "space.toml"
@@ -108,7 +108,7 @@ def test_a_study_keeps_its_files_and_its_folder(tmp_path, monkeypatch):
     objective = resolve_objective(space, "rl", str(space_path))
     study = str(tmp_path / "study")
     lock = lock_study(study)
-    with pytest.raises(SweepError, match="is in use by another rl.sweep") as e:
+    with pytest.raises(SweepError, match="is in use by another tandem-sweep") as e:
         lock_study(study)
     assert e.value.status == 5
     lock.close()
@@ -229,7 +229,7 @@ def test_sweep_prunes_survives_a_kill_and_its_best_config_runs(tmp_path):
         assert len(retry) == 1 and retry[0].params == before.params and retry[0].state.name in ("COMPLETE", "PRUNED")
         m, folder = retry[0].number, before.user_attrs["folder"]
         assert retry[0].user_attrs["folder"] == folder
-        attempts = (study / folder / "train.log").read_text().split("# rl.sweep: ")[1:]
+        attempts = (study / folder / "train.log").read_text().split("# tandem-sweep: ")[1:]
         left_checkpoint = "checkpoint step-" in attempts[0]  # the killed attempt's SIGTERM checkpoint
         if f"trial {m} pruned at step {retry[0].user_attrs.get('pruned_at')} on what its interrupted" in r.stdout:
             assert left_checkpoint and len(attempts) == 1  # its logged values sufficed: not relaunched

@@ -20,19 +20,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models import Transformer, get_flavor
-from parallel.mesh import Degrees, build_mesh
-from rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
-from rl.rollout.types import RolloutSample
-from rl.runtime.modeling import BuildSpec
-from rl.update.loss import (
+from tandem.models import Transformer, get_flavor
+from tandem.parallel.mesh import Degrees, build_mesh
+from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
+from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.runtime.modeling import BuildSpec
+from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
     completion_tensors,
     micro_batch_loss,
     pack_micro_batches,
 )
-from rl.update.policy import FlatPolicy
+from tandem.rl.update.policy import FlatPolicy
 
 CPU = torch.device("cpu")
 BUDGET = 40  # tokens per micro-batch: 8 samples of 8..23 tokens -> several micro-batches

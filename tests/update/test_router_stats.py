@@ -3,7 +3,7 @@
 A tiny random MoE (debug-qwen3-moe, fp32) samples with the paged generator (n = 4 per
 prompt sharing the prompt's KV blocks; in one case a pool so small that sequences are
 preempted and recomputed); the generator files each token's experts
-(rl/generator/routing.py). The same sequences are then recomputed the way the update
+(tandem/rl/generator/routing.py). The same sequences are then recomputed the way the update
 does (packed micro-batches, `recompute_logprobs` with `RoutingCheck.observe` after each
 forward), with and without ``rl.exact``'s batch-invariant kernels. Every (token, layer)
 pair the rollout recorded is compared; none may differ. Two controls show the check
@@ -21,13 +21,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import batch_invariant
-from models import Transformer, get_flavor
-from rl.generator.engine import GenerationSettings, Generator
-from rl.generator.sequence import SamplingParams
-from rl.rollout.types import RolloutSample
-from rl.update.loss import completion_tensors, pack_micro_batches, recompute_logprobs
-from rl.update.router_stats import RouterStats, RoutingCheck
+from tandem.kernels import batch_invariant
+from tandem.models import Transformer, get_flavor
+from tandem.rl.generator.engine import GenerationSettings, Generator
+from tandem.rl.generator.sequence import SamplingParams
+from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.update.loss import completion_tensors, pack_micro_batches, recompute_logprobs
+from tandem.rl.update.router_stats import RouterStats, RoutingCheck
 
 CPU = torch.device("cpu")
 CASES = {  # name -> (generator settings, share_prompts in the update's packing)

@@ -4,7 +4,7 @@ mechanisms left out. The ``temp_root`` fixture is in tests/workers/conftest.py."
 
 from __future__ import annotations
 
-from rl.workers.sandbox import (
+from tandem.rl.workers.sandbox import (
     SandboxLimits,
     SandboxResult,
     processes_of_uid,
@@ -38,6 +38,6 @@ def _run(code: str, plan: str, **kwargs) -> SandboxResult:
     """run_python on this machine's plan, or on a plan with some mechanisms left out."""
     if plan == "default":
         return run_python(code, **kwargs)
-    from rl.workers.sandbox import _plan_without, start_python
+    from tandem.rl.workers.sandbox import _plan_without, start_python
 
     return start_python(code, _plan=_plan_without(*PLANS[plan]), **kwargs).wait()

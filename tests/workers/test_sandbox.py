@@ -1,4 +1,4 @@
-"""Tests for rl/workers/sandbox.py: a program's input and output, its limits (CPU and
+"""Tests for tandem/rl/workers/sandbox.py: a program's input and output, its limits (CPU and
 wall time, processes, memory, file size, output) and the validation of what a run is
 given. Each hostile program is stopped, leaves nothing behind and leaves the trainer (this
 pytest process) as it was. What a run cannot reach: test_sandbox_isolation.py; what must
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from rl.workers.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_capabilities
+from tandem.rl.workers.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_capabilities
 from tests.fixtures import trainer_unaffected  # noqa: F401  (a fixture)
 from tests.workers.sandbox_helpers import FAST, PRINT_UID, _assert_no_processes_left, _run, _uid_of
 

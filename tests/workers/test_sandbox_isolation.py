@@ -1,4 +1,4 @@
-"""Tests for rl/workers/sandbox.py: what a run cannot see or reach. Files outside its
+"""Tests for tandem/rl/workers/sandbox.py: what a run cannot see or reach. Files outside its
 work dir, the trainer's environment, the network, the trainer's unix sockets, and a
 staging dir the sandbox uid cannot reach (refused, not run unprotected)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.workers.sandbox import SandboxError, run_python, sandbox_capabilities
+from tandem.rl.workers.sandbox import SandboxError, run_python, sandbox_capabilities
 from tests.fixtures import trainer_unaffected  # noqa: F401  (a fixture)
 from tests.workers.sandbox_helpers import FAST, _run
 
@@ -23,7 +23,7 @@ def test_cannot_write_outside_work_dir(temp_root: str) -> None:
     if not sandbox_capabilities().privilege_drop:
         pytest.skip("not root: the child runs as the trainer's own uid and may write "
                     "where the trainer may")
-    targets = [os.getcwd(), str(REPO), str(REPO / "rl"), "/root", "/etc", "/usr/lib",
+    targets = [os.getcwd(), str(REPO), str(REPO / "tandem"), "/root", "/etc", "/usr/lib",
                temp_root]
     code = (
         "import os, sys\n"

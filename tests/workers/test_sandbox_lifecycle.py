@@ -1,4 +1,4 @@
-"""Tests for rl/workers/sandbox.py: nothing outlives a run (issue 29). Processes (a
+"""Tests for tandem/rl/workers/sandbox.py: nothing outlives a run (issue 29). Processes (a
 ``setsid`` escapee, a run whose env worker is killed), files left in /tmp, IPC objects and
 lock files, and directory trees deeper than the recursion limit."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.workers.env_pool import EnvPool
-from rl.workers.sandbox import SandboxLimits, run_python, sandbox_capabilities
+from tandem.rl.workers.env_pool import EnvPool
+from tandem.rl.workers.sandbox import SandboxLimits, run_python, sandbox_capabilities
 from tests.fixtures import trainer_unaffected  # noqa: F401  (a fixture)
 from tests.workers.sandbox_helpers import FAST, PRINT_UID, _assert_no_processes_left, _run
 
@@ -193,7 +193,7 @@ def test_deep_directory_tree_is_removed(temp_root: str, plan: str) -> None:
 
 
 def test_rmtree_is_iterative(tmp_path: Path) -> None:
-    from rl.workers.sandbox_cleanup import rmtree
+    from tandem.rl.workers.sandbox_cleanup import rmtree
 
     top = tmp_path / "top"
     top.mkdir()

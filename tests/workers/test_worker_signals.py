@@ -1,4 +1,4 @@
-"""Reward and environment workers survive the trainer's stop signals (rl/workers/stop_signals.py).
+"""Reward and environment workers survive the trainer's stop signals (tandem/rl/workers/stop_signals.py).
 
 torchrun forwards SIGUSR1/SIGTERM to each worker's whole process group and Slurm
 signals every process of a job; the pools' workers must keep scoring, unharmed,
@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from rl.workers.stop_signals import STOP_SIGNALS, stop_signals_blocked
+from tandem.rl.workers.stop_signals import STOP_SIGNALS, stop_signals_blocked
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -1,0 +1,193 @@
+"""Grouped GEMM for mixture-of-experts layers, and token permute / unpermute.
+
+An MoE layer sends each token to ``k`` of ``E`` experts. Dropless dispatch sorts
+the ``T * k`` (token, expert) pairs by expert, so expert ``e`` owns one
+contiguous run of rows, ``x_sorted[offsets[e-1]:offsets[e]]`` (``offsets`` are
+the cumulative row counts, int32, ``offsets[-1] == rows``), and one grouped GEMM
+multiplies every run by its own expert's matrix::
+
+    y[r] = x[r] @ w[e(r)]          x [M, K], w [E, K, N] (any strides), y [M, N]
+
+`grouped_mm` is differentiable (an ``autograd.Function`` whose backward is
+another grouped GEMM for ``dx = dy @ w[e]^T`` and a per-expert reduction over
+the run for ``dw[e] = x_e^T @ dy_e``) and picks an implementation:
+
+* ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): the kernels in
+  `tandem.kernels.triton_grouped_gemm`; no host syncs.
+* ``"torch"``: ``torch._grouped_mm`` where it applies: on this repository's CPU
+  PyTorch (2.13) every float dtype (fp32, bf16 and fp16, forward and backward,
+  checked by the tests); on CUDA we take it only for bf16 on compute capability
+  >= 9.0 (an assumption about its CUDA support, not run here: no GPU was lent
+  to the session that wrote this).
+  No host syncs either. Elsewhere the per-expert loop below (one host sync).
+* with ``rl.exact``'s batch-invariant mode on (any device): the per-expert loop, whose
+  matmuls the mode makes batch-invariant, so each row's result is independent of its
+  expert's row count (one host sync; on CUDA not run yet).
+
+`grouped_mm_ref` is the oracle: a Python loop of plain matmuls over the runs,
+differentiable through autograd, so its gradients are independent of the
+hand-written backward. Choice of implementation follows `tandem.kernels.dispatch`.
+
+Finding: ``torch._grouped_mm`` on CPU needs a dense gradient in backward; the
+expanded ``[0, 0]``-stride gradient that ``y.sum().backward()`` produces raises
+"Invalid strides/sizes", so the Function makes the gradient contiguous first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels import batch_invariant
+from tandem.kernels.dispatch import use_triton
+
+
+def _triton_impl():  # noqa: ANN202 - module object
+    """Import the Triton kernels on first use (keeps Triton out of module import)."""
+    from tandem.kernels import triton_grouped_gemm
+
+    return triton_grouped_gemm
+
+
+# ---------------------------------------------------------------------------
+# Token permutation
+# ---------------------------------------------------------------------------
+
+
+def permute_tokens(
+    expert_ids: torch.Tensor,  # [T, k] int
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the ``T * k`` (token, slot) pairs by expert; no host sync.
+
+    Returns ``order`` ``[T * k]`` int64 (sorted position ``r`` holds the pair with
+    flat index ``order[r]``, i.e. token ``order[r] // k``; ties keep token order, so
+    the result is deterministic) and ``offsets`` ``[E]`` int32 (cumulative row
+    counts per expert, the layout `grouped_mm` takes).
+    """
+    flat = expert_ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(flat[order], experts, right=True)  # [E]: rows with id <= e
+    return order, offsets.to(torch.int32)
+
+
+def unpermute_tokens(
+    y_sorted: torch.Tensor,  # [T*k, N], rows in `order`
+    order: torch.Tensor,  # [T*k] from permute_tokens
+    weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:  # [T, N]
+    """Put expert outputs back in token order and combine: ``out[t] = sum_j w[t, j] y[t, j]``.
+
+    A gather by the inverse permutation (each row written once: deterministic),
+    then a weighted sum over the ``k`` slots in fp32, rounded to ``y``'s dtype.
+    """
+    t, k = weights.shape
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    y = y_sorted[inverse].view(t, k, -1)  # [T, k, N]
+    out = (y.float() * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, N]
+    return out.to(y_sorted.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Grouped GEMM
+# ---------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected x [M, K] and w [E, K, N]; got {tuple(x.shape)} and {tuple(w.shape)}")
+    if offsets.dim() != 1 or offsets.shape[0] != w.shape[0] or offsets.dtype != torch.int32:
+        raise ValueError(f"offsets must be int32 [E={w.shape[0]}]; got {offsets.dtype} {tuple(offsets.shape)}")
+    if x.dtype != w.dtype or x.device != w.device or offsets.device != x.device:
+        raise ValueError("x, w and offsets must share a device, and x and w a dtype")
+
+
+def torch_grouped_mm_applies(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run this input (decided from dtype and device only)."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_floating_point():
+        return False
+    if x.device.type == "cpu":
+        return True
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+def grouped_mm(
+    x: torch.Tensor,  # [M, K]
+    w: torch.Tensor,  # [E, K, N]
+    offsets: torch.Tensor,  # [E] int32, cumulative
+    *,
+    impl: str | None = None,
+) -> torch.Tensor:  # [M, N]
+    """Rows ``offsets[e-1]:offsets[e]`` of ``x`` times ``w[e]``; differentiable in x and w.
+
+    Rows at or past ``offsets[-1]`` are unspecified (dropless dispatch covers all).
+    ``impl`` forces ``"triton"`` or ``"torch"`` (see `tandem.kernels.dispatch`).
+    """
+    _check(x, w, offsets)
+    return _GroupedMM.apply(x, w, offsets, use_triton(x, impl))
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets, triton):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, w, offsets)
+        ctx.triton = triton
+        return _forward(x, w, offsets, triton)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, w, offsets = ctx.saved_tensors
+        dy = dy.contiguous()  # see the module docstring: _grouped_mm rejects expanded grads
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _forward(dy, w.transpose(1, 2), offsets, ctx.triton)  # [M, K]
+        if ctx.needs_input_grad[1]:
+            if w.stride(1) == 1 and w.stride(2) != 1:  # w is a transposed [E, N, K] parameter:
+                # compute its gradient in that layout, so autograd need not copy it back.
+                dw = _weight_grad(dy, x, offsets, ctx.triton).transpose(1, 2)  # [E, K, N] view
+            else:
+                dw = _weight_grad(x, dy, offsets, ctx.triton)  # [E, K, N]
+        return dx, dw, None, None
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, triton: bool) -> torch.Tensor:
+    if batch_invariant.enabled():
+        # rl.exact: one matmul per expert, which the mode runs in fixed-shape row tiles (or the
+        # Triton batch-invariant matmul), so a row's result does not depend on how many rows its
+        # expert got in this batch (torch._grouped_mm's does: the generator and the update
+        # differed in the last bits; the Triton kernel here sizes its tiles from rows / experts)
+        with torch.no_grad():
+            return grouped_mm_ref(x, w, offsets)
+    if triton:
+        return _triton_impl().grouped_mm(x, w, offsets)
+    if torch_grouped_mm_applies(x):
+        return torch._grouped_mm(x, w, offs=offsets)
+    with torch.no_grad():
+        return grouped_mm_ref(x, w, offsets)
+
+
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, triton: bool) -> torch.Tensor:
+    """``dw[e] = x_e^T @ dy_e`` over expert ``e``'s rows; zero for an expert with none."""
+    if triton:
+        return _triton_impl().grouped_weight_grad(x, dy, offsets)
+    if torch_grouped_mm_applies(x):
+        return torch._grouped_mm(x.t(), dy, offs=offsets)  # 2-D x 2-D: ragged reduction dim
+    bounds = [0, *offsets.tolist()]  # deliberate host sync (fallback path only)
+    return torch.stack([x[s:e].t() @ dy[s:e] for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
+
+
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The oracle: a loop of ``x[run] @ w[e]`` (host sync to read ``offsets``); autograd-differentiable.
+
+    Rows past ``offsets[-1]`` are zero here.
+    """
+    _check(x, w, offsets)
+    bounds = [0, *offsets.tolist()]
+    # unbind, not w[i]: each w[i]'s backward would materialise a zero [E, K, N] gradient.
+    experts = w.unbind(0)
+    parts = [x[s:e] @ we for we, s, e in zip(experts, bounds[:-1], bounds[1:], strict=True)]
+    parts.append(x.new_zeros(x.shape[0] - bounds[-1], w.shape[2]))
+    return torch.cat(parts)

@@ -1,0 +1,427 @@
+"""Paged-KV attention for the generator: public API, dispatcher and PyTorch reference.
+
+The generator keeps, per layer, a K and a V cache of fixed-size blocks,
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's *slot* is
+``block_id * block_size + offset``; a sequence's block table lists the block ids
+that hold its positions ``0, block_size, 2*block_size, ...`` in order (the ids
+need not be contiguous or sorted).
+
+Each step the runner first writes the new tokens' K/V with `store_kv`, then calls
+`paged_attention` for a batch that may mix prefill (no cached prefix), extend
+(cached prefix plus several new tokens) and decode (one new token) sequences.
+Query ``i`` of sequence ``n`` sits at position ``context_lens[n] - q_len[n] + i``
+and attends to every cache position up to and including its own.
+`paged_decode_attention` is the all-decode case with its own kernel.
+
+The Triton kernels live in `tandem.kernels.triton_paged_attention` and are imported on
+first use, so this module imports without Triton; `tandem.kernels.dispatch.use_triton`
+picks the implementation. The references below loop over sequences on the host
+(they sync); they are the numerics oracle for the kernels. The CPU path is
+`paged_attention_torch`: the same math batched over sequences (every
+sequence's pages gathered into one padded tensor, one masked softmax), tested
+against the loop reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels import batch_invariant
+from tandem.kernels.dispatch import use_triton
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _triton_impl():  # noqa: ANN202 - module object
+    """Import the Triton kernels on first use (keeps Triton out of module import)."""
+    from tandem.kernels import triton_paged_attention
+
+    return triton_paged_attention
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (shape / dtype only: no host syncs)
+# ---------------------------------------------------------------------------
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError("k_cache and v_cache must share dtype and device")
+
+
+def _check_index(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.dim() != dim or t.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"{name} must be a {dim}-d int32/int64 tensor; got {t.dtype} {tuple(t.shape)}"
+        )
+
+
+def _check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    _, _, hkv, d = k_cache.shape
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hkv != 0:
+        raise ValueError(
+            f"q must be [T, Hq, {d}] with Hq a multiple of num_kv_heads={hkv}; got {tuple(q.shape)}"
+        )
+    if q.device != k_cache.device:
+        raise ValueError("q and the KV cache must be on the same device")
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 = skip
+    *,
+    impl: str | None = None,
+) -> None:
+    """Write token ``t``'s K/V into cache slot ``slot_mapping[t]`` in place; -1 skips the token.
+
+    Padding tokens (e.g. unused rows of a CUDA-graph batch) carry slot -1. ``k``/``v``
+    are cast to the cache dtype.
+    """
+    _check_cache(k_cache, v_cache)
+    _check_index("slot_mapping", slot_mapping, 1)
+    expected = (slot_mapping.shape[0], *k_cache.shape[2:])
+    if tuple(k.shape) != expected or tuple(v.shape) != expected:
+        raise ValueError(f"k and v must be {expected}; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if use_triton(k, impl):
+        _triton_impl().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB] int32
+    cu_seqlens_q: torch.Tensor,  # [N + 1] int32
+    context_lens: torch.Tensor,  # [N] int32
+    scale: float,
+    *,
+    impl: str | None = None,
+    max_q_len: int | None = None,
+    plan: TorchPlan | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of a mixed prefill / extend / decode batch over the paged cache.
+
+    ``q[cu_seqlens_q[n]:cu_seqlens_q[n+1]]`` are sequence ``n``'s new queries, whose
+    K/V are already in the cache; ``context_lens[n]`` counts all its cached tokens,
+    new ones included. Sequences with no queries are allowed. Output rows past
+    ``cu_seqlens_q[-1]`` are unspecified.
+
+    ``max_q_len`` (the largest ``q_len``) sizes the Triton grid; pass it when the
+    host knows it, otherwise it is read from ``cu_seqlens_q`` with one device sync.
+    ``max_q_len == 1`` with one query per sequence routes to the decode kernel.
+    ``plan``: the step's `plan_torch` metadata for the PyTorch path (ignored by Triton).
+    """
+    _check_cache(k_cache, v_cache)
+    _check_query(q, k_cache)
+    _check_index("block_tables", block_tables, 2)
+    _check_index("cu_seqlens_q", cu_seqlens_q, 1)
+    _check_index("context_lens", context_lens, 1)
+    n = context_lens.shape[0]
+    if cu_seqlens_q.shape[0] != n + 1 or block_tables.shape[0] != n:
+        raise ValueError(
+            f"expected cu_seqlens_q [{n + 1}] and block_tables [{n}, MB] for {n} sequences; "
+            f"got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
+        )
+    if batch_invariant.enabled():  # rl.exact: the training forward's attention function
+        return _paged_attention_exact(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    if not use_triton(q, impl):
+        return paged_attention_torch(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len, plan
+        )
+    tk = _triton_impl()
+    if max_q_len == 1 and q.shape[0] == n:
+        return tk.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if max_q_len is None:
+        # Deliberate host sync: the grid needs the longest query run.
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n > 0 else 0
+    return tk.paged_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len
+    )
+
+
+def _paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention` through `tandem.kernels.batch_invariant.attention` (rows past the step's
+    queries are zero); one host sync for the query count."""
+    out = torch.zeros_like(q)
+    t = int(cu_seqlens_q[-1])
+    if t == 0:
+        return out
+    index, length = batch_invariant.paged_key_index(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1])
+    out[:t] = batch_invariant.attention(q[:t], k_cache.flatten(0, 1), v_cache.flatten(0, 1), index, length, scale)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB] int32
+    context_lens: torch.Tensor,  # [N] int32
+    scale: float,
+    *,
+    impl: str | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [N, Hq, D]
+    """One new query per sequence (at position ``context_lens[n] - 1``); no host syncs.
+
+    A sequence with ``context_lens[n] == 0`` (a padded decode row) gets a zero output.
+    ``num_splits`` splits each sequence's KV range across programs (split-K) on the
+    Triton path; None picks it from the batch size and ``block_tables`` width.
+    """
+    _check_cache(k_cache, v_cache)
+    _check_query(q, k_cache)
+    _check_index("block_tables", block_tables, 2)
+    _check_index("context_lens", context_lens, 1)
+    n = q.shape[0]
+    if context_lens.shape[0] != n or block_tables.shape[0] != n:
+        raise ValueError(
+            f"expected context_lens [{n}] and block_tables [{n}, MB]; "
+            f"got {tuple(context_lens.shape)} and {tuple(block_tables.shape)}"
+        )
+    if use_triton(q, impl):
+        return _triton_impl().paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits
+        )
+    cu = torch.arange(n + 1, dtype=torch.int32, device=q.device)  # [N + 1]
+    return paged_attention_torch(q, k_cache, v_cache, block_tables, cu, context_lens, scale, 1)
+
+
+# ---------------------------------------------------------------------------
+# PyTorch references
+# ---------------------------------------------------------------------------
+
+
+def store_kv_ref(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    """Reference `store_kv`: boolean-mask the valid slots, then index-put (syncs)."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0  # [T]
+    slots = slot_mapping[keep].long()  # [T']
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)  # [T', Hkv, D]
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the valid slots as int64, the mask of valid tokens or None when all are): once per step."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return slot_mapping.long(), None
+    return slot_mapping[keep].long(), keep
+
+
+def store_kv_slots(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slots: torch.Tensor,  # [T'] int64, from `valid_slots`
+    keep: torch.Tensor | None = None,  # [T] bool, from `valid_slots`
+) -> None:
+    """`store_kv`'s PyTorch path with the step's slots resolved once (`valid_slots`): one
+    ``index_copy_`` per cache into its flat ``[NB * BS, Hkv, D]`` view, for every layer."""
+    if keep is not None:
+        k, v = k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_table: torch.Tensor,  # [MB]
+    length: int,
+) -> torch.Tensor:  # [length, Hkv, D]
+    """The first ``length`` positions of one sequence, copied out of the paged cache."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    ids = block_table[:num_blocks].long()  # [nb]
+    return cache[ids].flatten(0, 1)[:length]  # [nb * BS, Hkv, D] -> [length, Hkv, D]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB]
+    cu_seqlens_q: torch.Tensor,  # [N + 1]
+    context_lens: torch.Tensor,  # [N]
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Reference `paged_attention`: per sequence, gather K/V, then masked fp32 softmax.
+
+    Rows of a query with nothing to attend to (only possible for a padded decode
+    row with ``context_lens == 0``) are zero.
+    """
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    out = torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+    cu = cu_seqlens_q.tolist()
+    ctx_lens = context_lens.tolist()
+    for n, ctx in enumerate(ctx_lens):
+        q_lo, q_hi = cu[n], cu[n + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0 or ctx == 0:
+            continue
+        if q_len > ctx:
+            raise ValueError(f"sequence {n}: q_len {q_len} exceeds context_len {ctx}")
+        k = gather_kv(k_cache, block_tables[n], ctx).float()  # [C, Hkv, D]
+        v = gather_kv(v_cache, block_tables[n], ctx).float()  # [C, Hkv, D]
+        k = k.repeat_interleave(group, dim=1)  # [C, Hq, D]
+        v = v.repeat_interleave(group, dim=1)  # [C, Hq, D]
+        qn = q[q_lo:q_hi].float()  # [L, Hq, D]
+        scores = torch.einsum("lhd,chd->hlc", qn, k) * scale  # [Hq, L, C]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)  # [L]
+        k_pos = torch.arange(ctx, device=q.device)  # [C]
+        causal = k_pos[None, :] <= q_pos[:, None]  # [L, C]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = scores.softmax(dim=-1)  # [Hq, L, C]
+        out[q_lo:q_hi] = torch.einsum("hlc,chd->lhd", probs, v).to(q.dtype)  # [L, Hq, D]
+    return out
+
+
+# Above this many fp32 score elements the batched path falls back to the per-sequence loop.
+_BATCHED_SCORE_LIMIT = 1 << 26
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """Metadata of one step for the PyTorch path, built once and shared by every layer.
+
+    ``ids`` are the pages to gather ([N * MB], padding entries read block 0 and are
+    masked), ``bias`` the additive causal mask ([N, 1, 1, Lq, W]: 0 or -inf), and
+    ``rows`` / ``valid_q`` place the queries ([N, Lq]; None for a pure decode step,
+    where row n is token n). ``has_empty``: some sequence has no key (ctx 0), whose
+    NaN softmax rows become 0. ``allowed``: the boolean form of ``bias`` for a pure
+    decode step ([N, 1, 1, W]), for SDPA.
+    """
+
+    ids: torch.Tensor
+    max_q_len: int
+    bias: torch.Tensor
+    rows: torch.Tensor | None
+    valid_q: torch.Tensor | None
+    has_empty: bool
+    allowed: torch.Tensor | None = None
+
+
+def plan_torch(
+    block_tables: torch.Tensor,  # [N, MB]
+    cu_seqlens_q: torch.Tensor,  # [N + 1]
+    context_lens: torch.Tensor,  # [N]
+    block_size: int,
+    num_tokens: int,
+    max_q_len: int | None = None,
+) -> TorchPlan:
+    """The `TorchPlan` of a step (one host sync for ``has_empty``, one more without ``max_q_len``)."""
+    n, mb = block_tables.shape
+    dev = block_tables.device
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n > 0 else 0
+    width = mb * block_size
+    ids = block_tables.long().reshape(-1).clamp(min=0)
+    starts = cu_seqlens_q[:-1].long()  # [N]
+    q_lens = cu_seqlens_q[1:].long() - starts  # [N]
+    ctx = context_lens.long()  # [N]
+    offs = torch.arange(max_q_len, device=dev)  # [Lq]
+    q_pos = ctx[:, None] - q_lens[:, None] + offs[None, :]  # [N, Lq]
+    k_pos = torch.arange(width, device=dev)  # [W]
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, Lq, W] (also < ctx)
+    bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))[:, None, None]
+    decode = max_q_len == 1 and num_tokens == n
+    rows = valid_q = None
+    if not decode:
+        valid_q = offs[None, :] < q_lens[:, None]  # [N, Lq]
+        rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)  # [N, Lq] token index into q
+    has_empty = bool((ctx == 0).any()) if n > 0 else False
+    return TorchPlan(ids, max_q_len, bias, rows, valid_q, has_empty, allowed[:, None] if decode else None)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB]
+    cu_seqlens_q: torch.Tensor,  # [N + 1]
+    context_lens: torch.Tensor,  # [N]
+    scale: float,
+    max_q_len: int | None = None,
+    plan: TorchPlan | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """`paged_attention_ref` batched over sequences: the PyTorch path off CUDA.
+
+    Every sequence's pages are gathered into ``[N, MB * BS, Hkv, D]``, its queries
+    into ``[N, max_q_len, Hq, D]`` (zero-padded), and one masked fp32 softmax
+    covers the batch, so the host does not loop over sequences (decode steps
+    mostly). Padding keys are masked by position; padding query rows are
+    dropped on the way out. A batch whose scores would exceed
+    ``_BATCHED_SCORE_LIMIT`` elements (a long prefill beside many short rows)
+    takes the loop reference instead. ``plan`` (`plan_torch`) carries the
+    step's metadata, so the layers of one step build it once.
+    """
+    t, hq, d = q.shape
+    n, mb = block_tables.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if n == 0 or t == 0:
+        return torch.zeros_like(q)
+    if plan is None:
+        plan = plan_torch(block_tables, cu_seqlens_q, context_lens, bs, t, max_q_len)
+    lq, width = plan.max_q_len, mb * bs
+    if n * hq * lq * width > _BATCHED_SCORE_LIMIT:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+    if plan.rows is None and not plan.has_empty and q.dtype == k_cache.dtype == torch.float32:
+        # pure fp32 decode: one fused SDPA over the gathered pages (GQA in the kernel),
+        # 0.50 ms vs 0.75 ms per layer for 32 sequences of ~100 tokens on 2 CPU cores
+        k = k_cache.index_select(0, plan.ids).view(n, width, hkv, d).transpose(1, 2)  # [N, Hkv, W, D]
+        v = v_cache.index_select(0, plan.ids).view(n, width, hkv, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=plan.allowed, scale=scale,
+                                             enable_gqa=group > 1)  # [N, Hq, 1, D]
+        return out[:, :, 0]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [N * Hkv, W, D], one contiguous copy
+        pages = cache.index_select(0, plan.ids).view(n, mb, bs, hkv, d)  # index_select: ~6x cheaper than cache[ids]
+        return pages.permute(0, 3, 1, 2, 4).reshape(n * hkv, width, d).float()
+
+    k, v = gather(k_cache), gather(v_cache)
+    # query head h reads KV head h // group: [N, Lq, Hkv, G, D] -> [N * Hkv, G * Lq, D]
+    if plan.rows is None:  # pure decode: token n is sequence n's only query
+        qp = q.float().reshape(n * hkv, group, d)
+    else:
+        qp = q.float()[plan.rows].view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n * hkv, group * lq, d)
+    scores = torch.bmm(qp, k.transpose(1, 2)).view(n, hkv, group, lq, width) * scale  # [N, Hkv, G, Lq, W]
+    probs = torch.softmax(scores + plan.bias, dim=-1)
+    if plan.has_empty:
+        probs = probs.nan_to_num(0.0)  # rows with no key (ctx 0) -> 0
+    out = torch.bmm(probs.view(n * hkv, group * lq, width), v)  # [N * Hkv, G * Lq, D]
+    if plan.rows is None:
+        return out.view(n, hq, d).to(q.dtype)
+    out = out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)  # [N, Lq, Hq, D]
+    result = torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
+    result[plan.rows[plan.valid_q]] = out[plan.valid_q].to(q.dtype)
+    return result

@@ -1,0 +1,177 @@
+"""Named tiny model sizes for from-scratch CPU runs and tests.
+
+Vocab sizes are 512 so `tandem.models.tokenizer.build_char_tokenizer` (a few hundred
+ids) fits every flavor.
+"""
+
+from __future__ import annotations
+
+from tandem.models.args import ModelArgs
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+_DEBUG_QWEN3 = ModelArgs(
+    model_type="qwen3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+# debug-qwen3 with 8 experts of width 32, 2 per token, in every layer.
+_DEBUG_MOE = _DEBUG_QWEN3.replace(
+    model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+)
+
+FLAVORS: dict[str, ModelArgs] = {
+    "debug-qwen3": _DEBUG_QWEN3,
+    "debug-llama3": ModelArgs(  # debug-qwen3's size in the Llama-3 layout (another family's tiny teacher)
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    ),
+    "tiny-qwen3": ModelArgs(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+    "tiny-qwen2": ModelArgs(
+        model_type="qwen2",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+    ),
+    "tiny-llama3": ModelArgs(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE,
+        max_position_embeddings=4096,
+    ),
+    # Mixture of experts. debug-qwen3-moe: 8 experts, 2 per token, for tests; tiny-qwen3-moe:
+    # the quickstart size (about tiny-qwen3's active compute per token). debug-dsv3-moe:
+    # DeepSeek-V3 routing (sigmoid scores, selection bias, route scale, an ungated shared
+    # expert) on Qwen3-MoE attention; it has no HF layout, so it cannot be exported.
+    "debug-qwen3-moe": _DEBUG_MOE,
+    "debug-dsv3-moe": _DEBUG_MOE.replace(
+        shared_expert_intermediate_size=32,
+        moe_score_func="sigmoid",
+        moe_route_scale=2.5,
+        mlp_only_layers=[0],
+    ),
+    "tiny-qwen3-moe": _DEBUG_MOE.replace(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        max_position_embeddings=4096,
+        moe_intermediate_size=192,
+    ),
+    # Published sizes, for planning (train.py --plan) before a download; from-scratch training at
+    # these sizes is possible but not what they are for. Qwen3-8B: the Qwen3-8B model card (36
+    # layers, 32 q / 8 kv heads) and a Qwen3ForCausalLM config.json of that size (hidden 4096,
+    # intermediate 12288, head_dim 128, vocab 151936, untied, rope_theta 1e6, 40960 positions).
+    "qwen3-8b": ModelArgs(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    # Qwen3-32B: its config.json (hidden 5120, intermediate 25600, 64 layers, 64 q / 8 kv heads,
+    # head_dim 128, vocab 151936, untied), as summarised in the model card and third-party copies.
+    "qwen3-32b": ModelArgs(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_layers=64,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    # Meta-Llama-3-70B: its config.json (hidden 8192, intermediate 28672, 80 layers, 64 q / 8 kv
+    # heads, vocab 128256, untied, rope_theta 5e5, 8192 positions, rms_norm_eps 1e-5).
+    "llama3-70b": ModelArgs(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+    # Qwen3-30B-A3B: its config.json (Qwen3MoeForCausalLM: 48 layers, hidden 2048, 32 q / 4 kv heads,
+    # head_dim 128, 128 experts of moe_intermediate_size 768, 8 per token, norm_topk_prob, every
+    # layer MoE (intermediate_size 6144 unused), vocab 151936, untied, rope_theta 1e6, 40960 positions).
+    "qwen3-30b-a3b": ModelArgs(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+}
+
+
+def get_flavor(name: str) -> ModelArgs:
+    """A fresh copy of the named flavor (callers may mutate it)."""
+    if name not in FLAVORS:
+        raise KeyError(f"unknown model flavor {name!r}; available: {sorted(FLAVORS)}")
+    args = FLAVORS[name]
+    return args.replace(
+        rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
+        mlp_only_layers=list(args.mlp_only_layers),
+    )

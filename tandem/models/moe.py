@@ -1,0 +1,186 @@
+"""Mixture-of-experts feed-forward block (Qwen2-MoE, Qwen3-MoE, DeepSeek-V3-style routing).
+
+``MoE`` replaces the dense SwiGLU `FeedForward` in the layers `ModelArgs.is_moe_layer`
+picks. Per token ``x`` (``D`` features) with ``E`` experts, ``k`` chosen:
+
+* router: ``logits = x @ gate^T`` ``[E]``; scores ``softmax(logits)`` (Qwen) or
+  ``sigmoid(logits)`` (DeepSeek-V3). The ``k`` experts with the largest
+  ``scores + expert_bias`` are chosen (the bias exists for sigmoid scores only; it
+  steers the choice and never the weights, as in DeepSeek-V3's auxiliary-loss-free
+  balancing; it is a persistent buffer that a trainer updates, zero at init). The
+  weights are the chosen, unbiased scores, renormalised to sum 1 when
+  ``norm_topk_prob``, times ``moe_route_scale``.
+* experts: SwiGLU each, weights stacked as 3-D parameters ``w1 [E, I, D]`` (gate),
+  ``w2 [E, D, I]`` (down), ``w3 [E, I, D]`` (up), so an expert-parallel plan
+  shards dim 0. Dispatch is dropless: the ``T * k`` (token, expert) pairs are
+  sorted by expert, each expert's run goes through `tandem.kernels.grouped_gemm.grouped_mm`,
+  and the outputs are put back in token order and summed with the weights.
+* shared expert (``shared_expert_intermediate_size > 0``): a SwiGLU every token
+  passes, scaled by ``sigmoid(x @ shared_expert_gate^T)`` in Qwen2-MoE.
+
+Each forward records, as attributes of the block (plain tensors, read by whoever
+wants them; the model knows nothing of who): ``last_routing`` ``[T, k]`` int64
+chosen expert ids (``T = B * S`` in row-major order), ``tokens_per_expert``
+``[E]`` int64, and the scalar losses ``aux_loss`` and ``z_loss`` (fp32; they
+carry gradients to the router while grad mode is on):
+
+* ``aux_loss = E * sum_e f_e * P_e`` with ``f_e`` = (times expert ``e`` is among
+  a token's ``k``) / ``T`` and ``P_e`` = mean over tokens of its score (softmax
+  probability; for sigmoid scores, the score over the token's score sum). This is
+  transformers' ``load_balancing_loss_func`` for one layer (Switch Transformer
+  eq. 4-6 with top-k counts). `router_loss` averages layers; transformers instead
+  pools counts and probabilities over layers before the product, which is the
+  same for one layer and differs for several.
+* ``z_loss = mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022).
+
+Padding tokens of a packed batch are routed like any other. A caller that knows
+which positions are real sets ``token_mask`` (``[B, S]`` bool, `set_token_mask`)
+before the forward and clears it after the backward (activation checkpointing
+replays the forward): ``tokens_per_expert`` and the two losses then count the real
+tokens only (``T`` their number), so padding neither pulls the router nor depends
+on how a layout pads (tensor parallelism pads sequences to a multiple of ``tp``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels.grouped_gemm import grouped_mm, permute_tokens, unpermute_tokens
+from tandem.models.args import ModelArgs
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts with stacked weights; `forward` runs pre-sorted tokens."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # gate [E, I, D]
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down [E, D, I]
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up   [E, I, D]
+
+    def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x_sorted ``[R, D]`` grouped by expert (``offsets`` ``[E]`` int32 cumulative) -> ``[R, D]``."""
+        gate = grouped_mm(x_sorted, self.w1.transpose(1, 2), offsets)  # [R, I]
+        up = grouped_mm(x_sorted, self.w3.transpose(1, 2), offsets)  # [R, I]
+        return grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offsets)  # [R, D]
+
+    @torch.no_grad()
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, mean=0.0, std=std, generator=generator)
+
+
+class MoE(nn.Module):
+    """Router + grouped experts (+ shared expert); see the module docstring."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        # Imported here: tandem.models.transformer imports this module for its blocks.
+        from tandem.models.transformer import FeedForward
+
+        d, e = args.hidden_size, args.num_experts
+        self.num_experts, self.top_k = e, args.num_experts_per_tok
+        self.norm_topk_prob, self.score_func = args.norm_topk_prob, args.moe_score_func
+        self.route_scale = args.moe_route_scale
+        self.gate = nn.Linear(d, e, bias=False)  # router [E, D]
+        self.experts = GroupedExperts(e, d, args.moe_intermediate_size)
+        self.shared_experts: FeedForward | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if args.shared_expert_intermediate_size:
+            self.shared_experts = FeedForward(d, args.shared_expert_intermediate_size)
+            if args.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(d, 1, bias=False)
+        bias = torch.zeros(e, dtype=torch.float32) if self.score_func == "sigmoid" else None
+        self.register_buffer("expert_bias", bias)  # [E] fp32, or None (not in the state dict)
+        self.token_mask: torch.Tensor | None = None  # [B, S] bool, set by the caller: the real tokens
+        self.last_routing: torch.Tensor | None = None  # [T, k] int64
+        self.tokens_per_expert: torch.Tensor | None = None  # [E] int64
+        self.aux_loss: torch.Tensor | None = None  # scalar fp32
+        self.z_loss: torch.Tensor | None = None  # scalar fp32
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[T, D]`` -> (logits ``[T, E]``, scores ``[T, E]`` fp32, ids ``[T, k]``, weights ``[T, k]`` fp32)."""
+        logits = self.gate(x)  # [T, E]
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits.float(), dim=-1)
+        else:
+            scores = torch.sigmoid(logits.float())
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(-1, ids)  # [T, k], unbiased
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, scores, ids, weights * self.route_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # [B, S, D]
+        flat = x.reshape(-1, shape[-1])  # [T, D]
+        logits, scores, ids, weights = self.route(flat)
+        order, offsets = permute_tokens(ids, self.num_experts)  # [T*k], [E]
+        x_sorted = flat[order // self.top_k]  # [T*k, D]
+        out = unpermute_tokens(self.experts(x_sorted, offsets), order, weights)  # [T, D]
+        if self.shared_experts is not None:
+            shared = self.shared_experts(flat)  # [T, D]
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        if self.token_mask is None:
+            counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
+        else:  # the real tokens only (see the module docstring)
+            keep = self.token_mask.reshape(-1)  # [T]
+            ids_kept, scores, logits = ids[keep], scores[keep], logits[keep]
+            counts = torch.bincount(ids_kept.reshape(-1), minlength=self.num_experts)  # [E]
+        self.last_routing, self.tokens_per_expert = ids.detach(), counts
+        self.aux_loss = load_balancing_loss(scores, counts, self.score_func)
+        self.z_loss = router_z_loss(logits)
+        return out.view(shape)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        """The parameters `Transformer.init_weights`' ``nn.Linear`` pass does not reach."""
+        self.experts.init_weights(std, generator)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str) -> torch.Tensor:
+    """``E * sum_e (counts_e / T) * mean_t p[t, e]``; scores ``[T, E]``, counts ``[E]`` top-k hits."""
+    t, e = scores.shape
+    probs = scores if score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    f = counts.to(torch.float32) / max(t, 1)  # [E]
+    return e * (f * probs.float().mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """``mean_t logsumexp(logits_t)^2`` over router logits ``[T, E]`` (fp32)."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """The MoE blocks of a model by layer key ("0", "1", ...; those present on this stage)."""
+    layers = getattr(model, "layers", None) or {}
+    return {key: layer.moe for key, layer in layers.items() if getattr(layer, "moe", None) is not None}
+
+
+def set_token_mask(model: nn.Module, mask: torch.Tensor | None) -> None:
+    """Tell every MoE block of ``model`` which of the next forward's ``[B, S]`` positions are real
+    tokens (None: all of them); see the module docstring."""
+    for m in moe_layers(model).values():
+        m.token_mask = mask
+
+
+def router_loss(model: nn.Module) -> torch.Tensor | None:
+    """``mean over MoE layers of (aux_coef * aux_loss + z_coef * z_loss)`` from the last forward.
+
+    None when the model has no MoE layer (or none ran). The coefficients are the
+    model's `ModelArgs.router_aux_loss_coef` / ``router_z_loss_coef``.
+    """
+    args: ModelArgs = model.args
+    terms = [
+        args.router_aux_loss_coef * m.aux_loss + args.router_z_loss_coef * m.z_loss
+        for m in moe_layers(model).values()
+        if m.aux_loss is not None
+    ]
+    return torch.stack(terms).mean() if terms else None

@@ -1,0 +1,88 @@
+"""Rotary position embeddings, computed the way Hugging Face computes them.
+
+Frequencies are kept in fp32 and cos/sin are formed in fp32 from explicit
+``positions [B, S]`` (packed sequences restart positions per document), then
+cast to the activation dtype — the same order of operations as transformers'
+Llama/Qwen rotary embedding, so bf16 logits agree with HF, not just fp32 ones.
+Uses the "rotate half" layout (HF checkpoints' q/k weights are stored that way),
+not the interleaved complex layout of the Meta reference code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tandem.models.args import ModelArgs, rope_type
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32), llama3-scaled when configured."""
+    dim = args.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim  # [D/2]
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    if rope_type(args.rope_scaling) == "llama3":
+        inv_freq = _llama3_scale(inv_freq, args.rope_scaling, args.max_position_embeddings)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> torch.Tensor:
+    """Llama-3.1 frequency scaling: keep high frequencies, divide low ones by ``factor``,
+    and blend linearly (in 1/wavelength) in between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling.get("original_max_position_embeddings", max_positions)
+    low_freq_wavelen = context / low
+    high_freq_wavelen = context / high
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds ``inv_freq`` as a non-persistent fp32 buffer and turns positions into cos/sin.
+
+    The buffer is recomputed whenever the module is materialised or converted
+    (``to_empty`` from meta, ``.to(dtype)``, ``.cuda()``), so it is never left as
+    uninitialised memory or rounded to bf16; ``reset()`` recomputes it explicitly.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def reset(self) -> None:
+        self.inv_freq = rope_inv_freq(self.args, device=self.inv_freq.device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":
+            self.reset()
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[B, S]`` (int) -> (cos, sin), each ``[B, S, head_dim]`` in ``dtype``."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, D/2] fp32
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` -> ``[-x2, x1]`` where x1, x2 are the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, S, H, D]``, cos/sin ``[B, S, D]`` -> rotated x ``[B, S, H, D]``."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, S, 1, D]
+    return x * cos + rotate_half(x) * sin

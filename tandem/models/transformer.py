@@ -1,0 +1,271 @@
+"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, and their MoE kin) in plain PyTorch.
+
+The module tree mirrors torchtitan's Llama so parallel/ can address it by name:
+``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed "0".."L-1" so a
+pipeline stage can delete the layers it does not own), ``norm`` and ``output``;
+any of the three non-layer modules may be set to None by a pipeline split.
+A block has either ``feed_forward`` (dense SwiGLU) or ``moe`` (tandem/models/moe.py),
+never both, as in torchtitan's MoE models.
+Numerics follow transformers (fp32 RMSNorm statistics, fp32 RoPE tables), so
+logits match HF for the same weights. Attention itself is delegated to a
+backend (tandem/models/attention.py), which is how training and the paged generator
+share this one model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.args import ModelArgs
+from tandem.models.attention import AttentionBackend, CausalAttention
+from tandem.models.moe import MoE
+from tandem.models.rope import RotaryEmbedding, apply_rotary
+
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with fp32 statistics; the weight multiplies in the input dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # ``weight * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)`` with h = x in fp32, through
+        # F.rms_norm (fewer dispatches; the same values and gradients as the steps written out).
+        # F.rms_norm applies the weight before rounding, so lower precisions round first here.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` (w1 = gate, w3 = up, w2 = down)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w13: nn.Linear | None = None  # gate and up in one (`fuse`)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference layout: w1 and w3 become one projection ``w13`` (gate rows, then up rows)."""
+        if self.w13 is not None:
+            return
+        w = torch.cat([self.w1.weight, self.w3.weight])
+        del self.w1, self.w3
+        self.w13 = _linear(w, None)
+
+
+class Attention(nn.Module):
+    """Projections, q/k-norm and RoPE around an attention backend.
+
+    ``layer_id`` is passed to the backend so a KV-cache backend knows its layer.
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
+        d, hd = args.hidden_size, args.head_dim
+        self.wq = nn.Linear(d, args.num_heads * hd, bias=args.qkv_bias)
+        self.wk = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.num_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.wqkv: nn.Linear | None = None  # q, k and v in one (`fuse`)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        b, s, _ = x.shape  # [B, S, D]
+        if self.wqkv is not None:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = self.wqkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(b, s, self.num_heads, self.head_dim)  # [B, S, Hq, Dh]
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn(self.layer_id, q, k, v)  # [B, S, Hq, Dh]
+        return self.wo(out.reshape(b, s, self.num_heads * self.head_dim))  # [B, S, D]
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference layout: wq, wk and wv become one projection ``wqkv`` (q, k, v rows)."""
+        if self.wqkv is not None:
+            return
+        parts = (self.wq, self.wk, self.wv)
+        w = torch.cat([p.weight for p in parts])
+        bias = torch.cat([p.bias for p in parts]) if self.wq.bias is not None else None
+        del self.wq, self.wk, self.wv
+        self.wqkv = _linear(w, bias)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding these tensors (no fresh initialisation)."""
+    with torch.device("meta"):
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = Attention(args, layer_id)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.is_moe_layer(layer_id):
+            self.moe = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, attn)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The full model; see the module docstring for the layout contract."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rope = RotaryEmbedding(args)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, i) for i in range(args.num_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the very tensor ``tok_embeddings.weight`` when tied."""
+        if (
+            self.args.tie_word_embeddings
+            and self.tok_embeddings is not None
+            and self.output is not None
+        ):
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):  # type: ignore[override]
+        # `to_empty` (meta -> real) builds a fresh Parameter per module, which unties
+        # shared weights; re-tie so tied models stay tied after materialisation.
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
+
+    def fuse_projections(self) -> Transformer:
+        """Inference layout, in place: each block's q/k/v projections become one matmul, and
+        its gate/up projections another (the same values up to summation order). The
+        state dict then has ``wqkv``/``w13`` keys instead of HF's, and parallel/'s plans
+        no longer apply: this is for a generation copy, never for training or checkpoints.
+        A second call changes nothing."""
+        for block in self.layers.values():
+            block.attention.fuse()
+            ffn = block.moe.shared_experts if hasattr(block, "moe") else block.feed_forward
+            if ffn is not None:
+                ffn.fuse()
+        return self
+
+    def reset_rope(self) -> None:
+        """Recompute the RoPE frequency buffer (non-persistent, so never in checkpoints)."""
+        self.rope.reset()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """From-scratch init: N(0, 0.02) weights, zero biases, unit norms, fresh RoPE.
+
+        Works on a model materialised with ``to_empty``. With ``seed`` the result is
+        reproducible (for a given device type); without it the global RNG is used.
+        """
+        self.tie_weights()
+        params = list(self.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        gen = None
+        if seed is not None and device.type != "meta":
+            gen = torch.Generator(device=device).manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD, generator=gen)
+            elif isinstance(module, nn.Linear):
+                if not (module is self.output and self.args.tie_word_embeddings):
+                    nn.init.normal_(module.weight, mean=0.0, std=INIT_STD, generator=gen)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, MoE):
+                module.init_weights(INIT_STD, gen)
+        self.reset_rope()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attn: AttentionBackend | None = None,
+        return_hidden: bool = False,
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> Any:
+        """x: token ids ``[B, S]`` or hidden ``[B, S, D]`` (when tok_embeddings is None).
+
+        Returns logits ``[B, S, V]``, or hidden ``[B, S, D]`` (after the final norm,
+        if this stage has one) when ``return_hidden`` or ``output is None``.
+        ``head(hidden, output_weight)``, when given, replaces the output
+        projection and its result is returned: a loss can then read the vocab
+        projection without full logits ever existing, while the weight is
+        still live inside this forward (wrappers that gather parameters for
+        the forward only keep it that long).
+        """
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [B, S, D]
+        b, s = h.shape[:2]
+        if positions is None:
+            positions = torch.arange(s, device=h.device).expand(b, s)  # [B, S]
+        if attn is None:
+            attn = CausalAttention()
+        cos, sin = self.rope(positions, h.dtype)  # [B, S, Dh] each
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, attn)
+        if self.norm is not None:
+            h = self.norm(h)
+        if return_hidden or self.output is None:
+            return h
+        if head is not None:
+            return head(h, self.output.weight)
+        return self.output(h)  # [B, S, V]

@@ -1,0 +1,27 @@
+"""Fault handling for the trainer loops: hangs, preemption, NaN/Inf, and what they leave behind.
+
+    watchdog.py  `Watchdog` (phase + heartbeat, stack dumps on a hang, EXIT_HANG)
+                 and `enable_flight_recorder` (NCCL flight-recorder variables)
+    signals.py   `PreemptionHandler` (SIGTERM/SIGUSR1 -> a stop agreed by all ranks)
+    nan.py       `check_finite` / `NonFiniteError` (EXIT_NONFINITE)
+
+Everything a failure leaves is under the job's dump folder (``hang/``,
+``nan/``, ``preempt/``, ``flight_recorder/``) and ``tandem-diagnose
+DUMP`` summarises it. docs/fault-tolerance.md has the whole story. Nothing
+here acts at import time: signal handlers and threads start only when asked.
+"""
+
+from tandem.rl.fault.nan import NonFiniteError, check_finite
+from tandem.rl.fault.signals import PreemptionHandler
+from tandem.rl.fault.watchdog import Watchdog, enable_flight_recorder
+from tandem.rl.runtime.errors import EXIT_HANG, EXIT_NONFINITE
+
+__all__ = [
+    "EXIT_HANG",
+    "EXIT_NONFINITE",
+    "NonFiniteError",
+    "PreemptionHandler",
+    "Watchdog",
+    "check_finite",
+    "enable_flight_recorder",
+]

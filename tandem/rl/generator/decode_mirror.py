@@ -1,0 +1,154 @@
+"""Contiguous per-sequence K/V rows for the decode steps of the PyTorch attention path.
+
+The paged pool (kv_cache.py) stays the generator's one record of every
+token's keys and values: prefix sharing, copy-on-write and preemption all work
+on its blocks. Read through the PyTorch path, though, the pool costs a page
+gather per layer per step (every sequence's blocks copied into one padded
+tensor) before attention can run. `DecodeMirror` takes that gather out of pure
+decode steps, which are almost all of a rollout's steps: the i-th sequence of
+the decode batch owns row i of a dense ``[layers, 2, rows, kv_heads, width,
+head_dim]`` tensor, filled from the pool once and then extended by one token
+per step (the pool still receives every token too). Attention is then two
+batched matmuls and a softmax over contiguous rows.
+
+A step whose batch differs from the last one (a sequence finished, joined or
+came back) first moves the rows that are still current to their new places
+and refills the others from the pool. A sequence that got tokens any other way
+(a prefill, an extend, a recompute after preemption) is forgotten, so a row
+only ever holds what the pool holds. The mirror grows with the batch and never
+takes more bytes than the pool; a step that would need more runs on the page
+gather instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.rl.generator.kv_cache import KVCache
+from tandem.rl.generator.scheduler import ScheduledChunk
+
+
+@dataclass
+class MirrorStep:
+    """One decode step on the mirror: N sequences in rows 0..N-1."""
+
+    tokens: torch.Tensor  # [N] long, the new token of each sequence
+    positions: torch.Tensor  # [N] long, its position (context length - 1)
+    slots: torch.Tensor  # [N] int64, its pool slot
+    bias: torch.Tensor  # [N * Hkv, 1, width] 0 where a key is in context, -inf past it
+    width: int  # keys attended: the longest context of the step
+
+
+class DecodeMirror:
+    def __init__(self, cache: KVCache, max_len: int) -> None:
+        self.cache, self.max_len = cache, max_len
+        layers, _, _, _, self.kv_heads, self.head_dim = cache.data.shape
+        self.rows = cache.data.new_empty(layers, 2, 0, self.kv_heads, 0, self.head_dim)  # [L, 2, R, Hkv, W, D]
+        self.budget_tokens = cache.num_blocks * cache.block_size  # rows x width may not exceed the pool
+        self.seq_ids: list[int] = []  # the sequence of row i
+        self.lengths: list[int] = []  # positions of row i that hold the pool's values; -1: forgotten
+        self.steps = self.moved = self.refilled = self.too_big = 0  # steps served, rows moved / refilled, steps refused
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """These sequences got tokens another way: their rows no longer match the pool."""
+        drop = set(seq_ids)
+        self.lengths = [-1 if s in drop else n for s, n in zip(self.seq_ids, self.lengths)]
+
+    def plan(self, chunks: list[ScheduledChunk]) -> MirrorStep | None:
+        """Lay out the rows for a pure decode step (one sampled token per chunk), or None
+        (every row forgotten) when the step's rows would outgrow the pool's size."""
+        n, bs = len(chunks), self.cache.block_size
+        ctx = [c.end for c in chunks]
+        width = max(ctx)
+        if not self._reserve(n, width):
+            self.seq_ids, self.lengths = [], []
+            self.too_big += 1
+            return None
+        where = {s: r for r, (s, length) in enumerate(zip(self.seq_ids, self.lengths)) if length >= 0}
+        src, dst, refill = [], [], []
+        for i, c in enumerate(chunks):
+            r = where.get(c.seq.seq_id)
+            if r is not None and self.lengths[r] == c.start:  # holds every position before the new token
+                if r != i:
+                    src.append(r)
+                    dst.append(i)
+            else:
+                refill.append(i)
+        if src:  # the right side is a copy, so overlapping moves are safe
+            w = max(self.lengths[r] for r in src)
+            self.rows[:, :, dst, :, :w] = self.rows[:, :, src, :, :w]
+        if refill:
+            self._refill(refill, chunks)
+        self.moved, self.refilled = self.moved + len(src), self.refilled + len(refill)
+        self.seq_ids, self.lengths = [c.seq.seq_id for c in chunks], ctx  # once the step has written its tokens
+        self.steps += 1
+
+        dev = self.rows.device
+        tokens = torch.tensor([c.seq.token_ids[c.start] for c in chunks], dtype=torch.long, device=dev)
+        positions = torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev)
+        slots = torch.tensor([c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
+                             dtype=torch.int64, device=dev)
+        lens = torch.tensor(ctx, device=dev)
+        bias = torch.zeros(n, width, dtype=self.rows.dtype, device=dev)
+        bias.masked_fill_(torch.arange(width, device=dev)[None, :] >= lens[:, None], float("-inf"))
+        bias = bias[:, None, None, :].expand(n, self.kv_heads, 1, width).reshape(n * self.kv_heads, 1, width)
+        return MirrorStep(tokens, positions, slots, bias, width)
+
+    def _reserve(self, n: int, width: int) -> bool:
+        """Room for n rows of ``width`` positions (grown geometrically, within the pool's size)."""
+        rows, cap = self.rows.shape[2], self.rows.shape[4]
+        if n <= rows and width <= cap:
+            return True
+        new_rows = max(n, rows)
+        fits = self.budget_tokens // new_rows  # widest row the pool's size allows
+        if width > fits:
+            return False
+        new_cap = min(max(width, cap), fits)
+        if width > cap:  # double the width, as far as the pool's size and the model length allow
+            new_cap = max(width, min(2 * cap, self.max_len, fits))
+        grown = self.rows.new_zeros(*self.rows.shape[:2], new_rows, self.kv_heads, new_cap, self.head_dim)
+        keep = min(cap, new_cap)
+        grown[:, :, :rows, :, :keep] = self.rows[:, :, :, :, :keep]
+        self.lengths = [length if length <= keep else -1 for length in self.lengths]
+        self.rows = grown
+        return True
+
+    def _refill(self, rows: list[int], chunks: list[ScheduledChunk]) -> None:
+        """Copy positions ``[0, start)`` of each listed row's sequence out of the pool."""
+        bs = self.cache.block_size
+        w = max(chunks[i].start for i in rows)
+        if w == 0:
+            return
+        nb = -(-w // bs)
+        tables = [chunks[i].seq.block_table[:nb] for i in rows]
+        ids = torch.tensor([t + [0] * (nb - len(t)) for t in tables], device=self.rows.device)  # [n, nb]
+        pages = self.cache.data.index_select(2, ids.reshape(-1))  # [L, 2, n * nb, BS, Hkv, D]
+        layers = pages.shape[0]
+        pages = pages.view(layers, 2, len(rows), nb * bs, self.kv_heads, self.head_dim)[:, :, :, :w]
+        self.rows[:, :, rows, :, :w] = pages.permute(0, 1, 2, 4, 3, 5)  # -> [L, 2, n, Hkv, w, D]
+
+
+class MirrorAttention:
+    """The model's attention backend for a `MirrorStep`: store the new K/V in the pool and in
+    rows 0..N-1 of the mirror, then attend over the rows."""
+
+    def __init__(self, mirror: DecodeMirror, step: MirrorStep, scale: float) -> None:
+        self.mirror, self.step, self.scale = mirror, step, scale
+        self.index = torch.arange(step.tokens.shape[0], device=step.tokens.device)  # [N]
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [1, N, Hq, D], k/v [1, N, Hkv, D]
+        s, pool, rows = self.step, self.mirror.cache.data, self.mirror.rows
+        _, n, hq, d = q.shape
+        hkv = k.shape[2]
+        for i, new in enumerate((k[0], v[0])):
+            pool[layer_id, i].view(-1, hkv, d).index_copy_(0, s.slots, new)
+            rows[layer_id, i][self.index, :, s.positions] = new  # [N, Hkv, D] at row i, position ctx - 1
+        keys = rows[layer_id, 0, :n, :, : s.width].flatten(0, 1)  # [N * Hkv, W, D], a view
+        values = rows[layer_id, 1, :n, :, : s.width].flatten(0, 1)
+        scores = torch.baddbmm(s.bias, q[0].reshape(n * hkv, hq // hkv, d), keys.transpose(1, 2), alpha=self.scale)
+        out = torch.bmm(scores.softmax(dim=-1), values)  # [N * Hkv, G, D]; query head h reads KV head h // G
+        return out.view(1, n, hq, d)

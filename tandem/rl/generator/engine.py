@@ -1,0 +1,207 @@
+"""The generation loop: prompts in, completions (tokens, log-probs, reasons) out.
+
+`Generator` is created for one rollout: it carves the KV pool, runs the
+scheduler/runner loop until every request finishes, and frees the pool on
+`close()`. The model is the trainer's own `Transformer` (in the generation
+layout); the generator opens no ports and uses no process group of its own.
+Multi-turn callers drive it step by step (`add`, `step`, `pause`, `append`,
+`resume`) while environments run elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.models.transformer import Transformer
+from tandem.rl.generator.block_manager import BlockManager
+from tandem.rl.generator.kv_cache import KVCache
+from tandem.rl.generator.runner import ModelRunner
+from tandem.rl.generator.scheduler import Scheduler
+from tandem.rl.generator.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class GenerationSettings:
+    """Engine sizes (the ``[generator]`` config section maps onto this)."""
+
+    block_size: int = 16
+    num_blocks: int = 0  # 0: derive from kv_cache_gb
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    prefix_sharing: bool = True
+    max_model_len: int | None = None
+    kernels: str | None = None  # None: Triton on CUDA, PyTorch elsewhere; "torch" | "triton" force
+    seed: int = 0
+    cuda_graphs: bool = False  # decode steps replay captured graphs (CUDA only; eager elsewhere)
+    graphs_capture: bool | None = None  # None: capture on CUDA; False: padded path without capture (tests)
+    decode_mirror: bool = True  # PyTorch attention path: decode steps read contiguous rows, not gathered pages
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # everything after the prompt
+    sampled_mask: list[bool]  # per completion token: sampled by the policy (loss mask)
+    logprobs: list[float]  # per sampled token, under the sampling distribution
+    raw_logprobs: list[float]  # per sampled token, temperature 1, no truncation
+    finish_reason: str
+    text: str | None = None
+    routing: torch.Tensor | None = None  # MoE: [C, L, k] experts of the inputs producing each completion token
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+    kv_cache_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _to_completion(seq: Sequence, prompt_index: int, sample_index: int) -> Completion:
+    return Completion(prompt_index, sample_index, seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids,
+                      seq.completion_sampled_mask, list(seq.logprobs), list(seq.raw_logprobs),
+                      seq.finish_reason or "abort")
+
+
+class Generator:
+    def __init__(self, model: Transformer, settings: GenerationSettings, *, eos_token_ids: Seq[int] = (),
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
+        """``agree(tokens, logprobs, raw_logprobs)``: run on every step's samples before the
+        scheduler sees them (a tensor-parallel generation group takes its leader's, in place)."""
+        self.model, self.settings = model, settings
+        p = next(model.parameters())
+        device = device or p.device
+        dtype = dtype or p.dtype
+        max_len = settings.max_model_len or model.args.max_position_embeddings
+        if settings.num_blocks > 0:
+            cache = KVCache(model.args, settings.num_blocks, settings.block_size, dtype, device)
+        else:
+            # The budget is an upper bound: never more blocks than max_num_seqs
+            # sequences of max_len tokens could hold at once (a small rollout
+            # then zeroes megabytes, not the whole budget).
+            most = settings.max_num_seqs * -(-max_len // settings.block_size)
+            cache = KVCache.from_budget(model.args, int(settings.kv_cache_gb * 1e9), settings.block_size, dtype,
+                                        device, max_blocks=most)
+        self.cache = cache
+        self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size), settings.max_num_seqs,
+                                   settings.max_num_batched_tokens, settings.prefix_sharing,
+                                   max_model_len=max_len, eos_token_ids=eos_token_ids)
+        self.runner = ModelRunner(model, cache, default_seed=settings.seed, impl=settings.kernels,
+                                  cuda_graphs=settings.cuda_graphs, max_model_len=max_len,
+                                  graphs_capture=settings.graphs_capture, decode_mirror=settings.decode_mirror,
+                                  agree=agree)
+        self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
+        self._next_id = 0
+        self._stop_check: dict[int, Callable[[Sequence], bool]] = {}
+
+    # ---- step-level API (multi-turn) -----------------------------------------------------
+
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
+            stop_check: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """Queue n samples of one prompt (a group sharing the prompt's KV blocks)."""
+        seqs = []
+        for i in range(n):
+            p = params
+            if params.seed is not None and n > 1:
+                p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            seqs.append(Sequence(self._next_id, prompt_token_ids, p))
+            self._next_id += 1
+        self.scheduler.add_group(seqs)
+        if stop_check is not None:
+            for s in seqs:
+                self._stop_check[s.seq_id] = stop_check
+        return seqs
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduler step; returns the sequences that finished in it."""
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if out.is_empty:
+            return []
+        sampled = self.runner.run(out)
+        done = self.scheduler.postprocess(out, sampled)
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(sampled)
+        self.stats.prefill_tokens += out.num_batched_tokens - len(sampled)
+        for c in out.sample_chunks:
+            seq = c.seq
+            check = self._stop_check.get(seq.seq_id)
+            if check is not None and not seq.is_finished and check(seq):
+                self.scheduler.abort(seq)
+                seq.finish_reason = "stop"
+                done.append(seq)
+        return done
+
+    def pause(self, seq: Sequence) -> None:
+        self.scheduler.pause(seq)
+
+    def append(self, seq: Sequence, token_ids: list[int]) -> None:
+        self.scheduler.append_tokens(seq, token_ids)
+
+    def resume(self, seq: Sequence) -> None:
+        self.scheduler.resume(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_schedulable()
+
+    # ---- batch API ---------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], n: int = 1,
+                 stop_check: Callable[[Sequence], bool] | None = None) -> list[list[Completion]]:
+        """Generate n completions per prompt; result[i][j] is sample j of prompt i."""
+        t0 = time.monotonic()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        groups = [self.add(p, sp, n, stop_check) for p, sp in zip(prompts, plist)]
+        while self.scheduler.has_unfinished():
+            if not self.scheduler.has_schedulable():
+                raise RuntimeError("generate: paused sequences remain; use the step API for multi-turn")
+            self.step()
+        self.stats.seconds += time.monotonic() - t0
+        out = [[_to_completion(s, i, j) for j, s in enumerate(g)] for i, g in enumerate(groups)]
+        for comps, seqs in zip(out, groups):
+            for c, s in zip(comps, seqs):
+                c.routing = self.routing(s)
+        return out
+
+    def routing(self, seq: Sequence) -> torch.Tensor | None:
+        """MoE models: the experts of the inputs that produced ``seq``'s completion tokens
+        (tandem/rl/generator/routing.py); None for a dense model. Read once per sequence."""
+        return self.runner.routing.completion(seq.seq_id, seq.num_prompt_tokens, len(seq.completion_token_ids))
+
+    def pool_is_free(self) -> bool:
+        """No block leaked: every block is back in the free list."""
+        return self.scheduler.block_manager.all_free()
+
+    def close(self) -> None:
+        """Release the KV pool (the rollout's memory goes back to training)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.close()
+            self.runner.graphs = None
+        self.cache = None  # type: ignore[assignment]
+        self.runner.cache = None  # type: ignore[assignment]
+        self.runner.mirror = None
+
+
+def stop_strings_check(decode: Callable[[list[int]], str], stops: Seq[str]) -> Callable[[Sequence], bool]:
+    """A stop check that fires when a completion's text contains one of ``stops``."""
+    if not stops:
+        return lambda seq: False
+    window = 4 * max(len(s) for s in stops) + 8  # tokens: enough for any stop string to appear whole
+
+    def check(seq: Sequence) -> bool:
+        tail = decode(seq.completion_token_ids[-window:])
+        return any(s in tail for s in stops)
+
+    return check

@@ -1,0 +1,144 @@
+"""Turn one scheduled step into tensors, run the model's paged path, sample.
+
+The runner owns no scheduling policy: it receives a `SchedulerOutput`, builds
+the flattened step (tokens, positions, slot mapping, block tables, context
+lengths), runs the policy's own `Transformer` with a `PagedAttention` backend,
+samples the chunks that end at a sampling point, and returns what was sampled.
+Attention metadata is passed explicitly to the backend; nothing is global.
+With ``cuda_graphs`` on, pure decode steps go through `DecodeGraphs`
+(bucketed, padded static buffers, captured on CUDA with the Triton attention
+kernels); everything else, every step off CUDA unless ``graphs_capture=False``
+forces the padded path for testing, and every step on the PyTorch attention
+path (``TANDEM_KERNELS=torch``), runs eagerly. On the PyTorch attention path (off CUDA, fp32
+caches) pure decode steps read contiguous per-sequence rows kept by a
+`DecodeMirror` instead of gathering the pages at every layer
+(``decode_mirror=False``: always gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tandem.kernels import batch_invariant
+from tandem.kernels.dispatch import use_triton
+from tandem.models.attention import AttentionBackend
+from tandem.models.transformer import Transformer
+from tandem.rl.generator.cuda_graphs import DecodeGraphs
+from tandem.rl.generator.decode_mirror import DecodeMirror, MirrorAttention
+from tandem.rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
+from tandem.rl.generator.routing import RoutingRecorder
+from tandem.rl.generator.sampler import Sampler
+from tandem.rl.generator.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: KVCache, *, default_seed: int = 0, impl: str | None = None,
+                 cuda_graphs: bool = False, max_model_len: int | None = None,
+                 graphs_capture: bool | None = None, decode_mirror: bool = True,
+                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
+        self.model, self.cache, self.impl, self.agree = model, cache, impl, agree
+        self.routing = RoutingRecorder(model)  # MoE models: each token's experts, for the update's parity check
+        self.default_seed = default_seed
+        self.sampler = Sampler()
+        self.device = cache.data.device
+        self.scale = model.args.head_dim ** -0.5
+        capture = self.device.type == "cuda" if graphs_capture is None else graphs_capture
+        if capture and not use_triton(cache.data, impl):
+            # The PyTorch attention path reads lengths on the host (`.tolist()`), which a
+            # captured graph cannot hold: with TANDEM_KERNELS=torch on CUDA, decode runs eagerly.
+            capture = False
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and (capture or graphs_capture is False):
+            self.graphs = DecodeGraphs(self._logits, cache, self.scale,
+                                       max_model_len or model.args.max_position_embeddings, impl=impl,
+                                       capture=capture)
+        self.mirror: DecodeMirror | None = None
+        if (decode_mirror and self.graphs is None and cache.data.dtype == torch.float32 and not batch_invariant.enabled()
+                and not use_triton(cache.data, impl)):
+            self.mirror = DecodeMirror(cache, max_model_len or model.args.max_position_embeddings)
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Logits [T, V] (fp32) of a flat step whose every token is sampled (decode)."""
+        hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]
+        return self.model.output(hidden).float()
+
+    def _decode_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        if self.graphs is None or not out.is_pure_decode:
+            return None
+        bs = self.cache.block_size
+        chunks = out.chunks
+        return self.graphs.run([c.token_ids[0] for c in chunks], [c.positions[0] for c in chunks],
+                               [c.slot_mapping(bs)[0] for c in chunks], [c.seq.block_table for c in chunks],
+                               [c.end for c in chunks])
+
+    def build_meta(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, PagedMeta]:
+        """Flatten the step: tokens [T], positions [T] and the paged metadata."""
+        bs = self.cache.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        ctx: list[int] = []
+        for c in out.chunks:
+            tokens += c.token_ids
+            positions += c.positions
+            slots += c.slot_mapping(bs)
+            cu.append(len(tokens))
+            ctx.append(c.end)
+        width = max(len(c.seq.block_table) for c in out.chunks)
+        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in out.chunks]
+
+        def t(x: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        meta = PagedMeta(slot_mapping=t(slots, torch.int64), block_tables=t(tables), cu_seqlens_q=t(cu),
+                         context_lens=t(ctx), max_q_len=max(c.num_tokens for c in out.chunks))
+        return t(tokens, torch.long), t(positions, torch.long), meta
+
+    def _mirror_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Logits [N, V] of a pure decode step run on the `DecodeMirror`, or None (not such a step,
+        no mirror, or the step outgrew it: its sequences are then forgotten by the mirror)."""
+        if self.mirror is None:
+            return None
+        if out.preempted:
+            self.mirror.forget(s.seq_id for s in out.preempted)
+        step = self.mirror.plan(out.chunks) if out.is_pure_decode else None
+        if step is None:
+            self.mirror.forget(c.seq.seq_id for c in out.chunks)  # they get tokens through the pages
+            return None
+        return self._logits(step.tokens, step.positions, MirrorAttention(self.mirror, step, self.scale))
+
+    def _record_routing(self, out: SchedulerOutput) -> None:
+        """MoE models: file the experts of the step's tokens (every path runs them in chunk order)."""
+        if self.routing.blocks:
+            self.routing.record([(c.seq.seq_id, p) for c in out.chunks for p in c.positions])
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[int, tuple[int, float, float]]:
+        """Execute one step; returns seq_id -> (token, logprob, raw_logprob) for sampled chunks."""
+        self.cache.copy_blocks(out.block_copies)
+        chunks = out.sample_chunks
+        logits = self._decode_logits(out)
+        if logits is None:
+            logits = self._mirror_logits(out)
+        if logits is None:
+            tokens, positions, meta = self.build_meta(out)
+            attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
+            hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]  # [T, D]
+            self._record_routing(out)
+            if not chunks:
+                return {}
+            ends = [i for i, c in enumerate(out.chunks) if c.sample]
+            last = meta.cu_seqlens_q[1:][torch.tensor(ends, device=self.device)].long() - 1  # [M]
+            logits = self.model.output(hidden[last]).float()  # [M, V]
+        else:
+            self._record_routing(out)
+        keys = [c.step_key(self.default_seed) for c in chunks]
+        toks, lps, raws = self.sampler.sample(logits, [c.seq.params for c in chunks], keys)
+        if self.agree is not None:
+            toks, lps, raws = self.agree(toks, lps, raws)
+        # One host sync per step, on purpose: the scheduler needs the tokens.
+        rows = zip(toks.tolist(), lps.tolist(), raws.tolist())
+        return {c.seq.seq_id: row for c, row in zip(chunks, rows)}

@@ -1,0 +1,182 @@
+"""What a recipe is, and the pieces every recipe shares with the shell (tandem/rl/recipes/loop.py).
+
+A recipe is a small object that knows how to take one training step of its
+kind (supervised, pairwise, rollout-then-update) and nothing about resuming,
+saving, preemption, hang detection, logging cadence or export: the shell owns
+those, identically for every recipe. The protocol:
+
+    checkpoint_parts() -> CheckpointParts   what DCP saves and loads
+    state_dict() / load_state_dict(state)   JSON-able trainer state (schedules, data position)
+    step(step) -> StepOutput                one optimizer step (``step`` counts from 0)
+    evaluate() -> dict                      held-out metrics, keys "eval/<name>"; {} when none
+    export(dump_folder) -> str | None       the final model (collective); the path written
+    close()                                 worker pools and the like
+
+and an ``updater`` attribute (`Updater`). Adding a recipe is one file: a class
+with these and one line in `tandem.rl.recipes.RECIPES`.
+
+`Updater` is the one NaN/Inf rule for every recipe: a guarded optimizer update
+either applies or is skipped (counted as ``fault/skipped_updates``), and in
+both cases the learning-rate schedule advances, so the learning rate is a
+function of the update count alone and a skipped update never shifts the
+schedule of the rest of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+
+from tandem.parallel.distributed import DistInfo
+from tandem.rl.fault import Watchdog, check_finite
+from tandem.rl.fault.inject import nan_at
+from tandem.rl.runtime.config import FaultConfig
+from tandem.rl.runtime.metrics import MetricsLogger
+
+Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
+
+
+@dataclass
+class CheckpointParts:
+    """The modules and optimizers one checkpoint holds: the main model (its parameter
+    names are the checkpoint's), its optimizer, and named extras (e.g. a PPO critic)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    extras: Extras = field(default_factory=dict)
+
+
+@dataclass
+class StepOutput:
+    """What one step gives the shell: its metrics, and the ids of the examples this rank
+    trained on (written to ledger.jsonl, which proves every step ran exactly once)."""
+
+    metrics: dict[str, float]
+    ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Runtime:
+    """What the shell hands a recipe at construction."""
+
+    info: DistInfo
+    dump_folder: str
+    watchdog: Watchdog  # recipes mark their own phases (rollout, update) inside the shell's "step"
+    logger: MetricsLogger  # for text summaries; step rows are the shell's
+
+
+class Recipe(Protocol):
+    console_keys: tuple[str, ...]  # metrics printed on the console line
+    updater: Updater  # the shell logs its learning rate and skipped-update count
+
+    def checkpoint_parts(self) -> CheckpointParts: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None: ...
+
+    def step(self, step: int) -> StepOutput: ...
+
+    def evaluate(self) -> dict[str, float]: ...
+
+    def export(self, dump_folder: str) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class Updater:
+    """Optimizer updates under the run's NaN/Inf policy (``fault.on_nonfinite``).
+
+    ``apply(loss, step)`` checks the loss and every gradient of ``modules`` on
+    all ranks (tandem/rl/fault/nan.py). Finite: clip to ``max_grad_norm``, step the
+    optimizer, and run ``on_apply`` (e.g. the critic's own step). Not finite
+    under "skip": drop the gradients, run ``on_skip``, count it. Under "stop"
+    the check raises NonFiniteError (exit 7). Either way the LR schedule
+    advances by one and the gradients are zeroed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, modules: Sequence[nn.Module],
+                 clip: Callable[[float], float], *, max_grad_norm: float, fault: FaultConfig,
+                 dump_folder: str, rank: int) -> None:
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.modules, self.clip = list(modules), clip
+        self.max_grad_norm = max_grad_norm
+        self.fault, self.dump_folder, self.rank = fault, dump_folder, rank
+        self.skipped = 0
+        self.last_lr = self.scheduler.get_last_lr()[0]  # the learning rate of the latest update
+
+
+    def apply(self, loss: torch.Tensor, step: int, *, on_apply: Callable[[], None] | None = None,
+              on_skip: Callable[[], None] | None = None, optimizer: bool = True) -> float | None:
+        """One guarded update; returns the gradient norm, or None when it was skipped or
+        ``optimizer`` is False (only ``on_apply`` runs then, e.g. a critic warming up
+        while the policy and its schedule wait)."""
+        if nan_at(step + 1):  # fault drill (TANDEM_INJECT_NAN)
+            loss = loss * float("nan")
+        finite = check_finite(loss, self.modules, step + 1, self.rank, self.fault.on_nonfinite,
+                              dump_folder=self.dump_folder)
+        norm = None
+        if optimizer:
+            self.last_lr = self.scheduler.get_last_lr()[0]
+        if finite:
+            if optimizer:
+                norm = self.clip(self.max_grad_norm)
+                self.optimizer.step()
+            if on_apply is not None:
+                on_apply()
+        else:
+            self.skipped += 1
+            if on_skip is not None:
+                on_skip()
+        if optimizer:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+class SingleModelTraining:
+    """One trained model with its AdamW, LR schedule (over ``training.steps``) and `Updater`:
+    the optimisation and checkpoint state the sft and pairwise recipes share. The recipe
+    exposes ``updater`` (the shell reads its counters) and delegates the checkpoint methods."""
+
+    def __init__(self, model: nn.Module, cfg: Any, dump_folder: str, rank: int) -> None:
+        from tandem.parallel.grad import clip_grad_norm
+        from tandem.rl.runtime.optim import build_optimizer, build_scheduler
+
+        o, s = cfg.optimizer, cfg.lr_schedule
+        self.model = model
+        self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
+                                         decay=s.decay, min_lr_ratio=s.min_lr_ratio)
+        self.updater = Updater(self.optimizer, self.scheduler, [model],
+                               lambda max_norm: clip_grad_norm(model.parameters(), max_norm),
+                               max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=dump_folder, rank=rank)
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        return CheckpointParts(self.model, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class SingleModelRecipe:
+    """The checkpoint half of the recipe protocol for a recipe that trains one model through a
+    `SingleModelTraining` held as ``self.training`` (sft, dpo, reward_model)."""
+
+    training: SingleModelTraining
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        return self.training.checkpoint_parts()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.training.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
+        self.training.load_state_dict(state)

@@ -1,0 +1,268 @@
+"""The one training shell: everything a run does around its recipe's steps.
+
+For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
+
+- preemption: SIGTERM/SIGUSR1 at any moment (also while the recipe is being
+  built: then after the first step) -> every rank agrees after the step ->
+  checkpoint -> exit 75;
+- the hang watchdog and its phases (build, resume, eval, step, checkpoint, export);
+- checkpoints: resume (trainer state, RNG, model and optimizer resharded by
+  DCP), periodic / asynchronous / final saves, and truncating what a crashed
+  run logged after its last checkpoint (metrics.jsonl, ledger.jsonl, samples.jsonl);
+- the NaN/Inf policy's counter (through the recipe's `Updater`);
+- metrics: one row per logged step with one naming scheme (docs/architecture.md):
+  ``time/*`` seconds, ``memory/*`` GB, ``throughput/*`` per second, ``fault/*``
+  counts, ``checkpoint/*`` seconds, ``eval/*`` held-out, ``data/*`` counts;
+- evaluation cadence: at the start of a fresh run, every ``training.eval_interval``
+  steps, and after the last step;
+- the ledger: the ids each step trained on (all ranks), checked at the end
+  (exit 5 when a step is missing or repeated across crashes and resumes);
+- fault drills (TANDEM_INJECT_KILL) and the HF export at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from tandem.parallel.distributed import DistInfo
+from tandem.rl.fault import PreemptionHandler, Watchdog
+from tandem.rl.fault.inject import maybe_kill
+from tandem.rl.recipes.base import Recipe, Runtime
+from tandem.rl.runtime import errors
+from tandem.rl.runtime.checkpoint import Checkpointer, resume_note, resume_step
+from tandem.rl.runtime.config import Config, format_config
+from tandem.rl.runtime.metrics import MetricsLogger, step_gaps, truncate_jsonl
+from tandem.rl.runtime.system import peak_memory_gb, reset_peak_memory
+
+RecipeFactory = Callable[[Config, Runtime], Recipe]
+# per-step files a resume cuts back to its checkpoint's step
+STEP_LOGS = ("metrics.jsonl", "ledger.jsonl", "samples.jsonl")
+
+
+class Shell:
+    def __init__(self, cfg: Config, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+        self.dump = cfg.job.dump_folder
+        f = cfg.fault
+        self.watchdog = Watchdog(self.dump, f.hang_timeout_s, info.rank,
+                                 phase_timeouts={"checkpoint": max(f.hang_timeout_s, 1800.0),
+                                                 "build": max(f.hang_timeout_s, 1800.0)})
+        self.preempt = PreemptionHandler(self.dump, info.rank)
+        c = cfg.checkpoint
+        self.ckpt = Checkpointer(os.path.join(self.dump, c.folder), keep_last=c.keep_last,
+                                 async_save=c.async_save, model_only=c.model_only)
+        self.logger: MetricsLogger | None = None
+        self.recipe: Recipe | None = None
+        self.step = 0
+        self.ledger_from = 1  # first step ledger.jsonl must hold at the end
+        self.ckpt_metrics: dict[str, float] = {}  # save/load seconds, logged with the next row
+
+    # ---- entry -----------------------------------------------------------------------
+
+    def run(self, make: RecipeFactory) -> int:
+        self.preempt.install()  # before anything slow: a signal during start-up is a clean stop
+        try:
+            self._announce()
+            self.logger = MetricsLogger(self.dump, enabled=self.info.is_main, jsonl=self.cfg.metrics.jsonl,
+                                        tensorboard=self.cfg.metrics.tensorboard)
+            self.watchdog.start()
+            with self.watchdog.phase("build"):
+                self.recipe = make(self.cfg, Runtime(self.info, self.dump, self.watchdog, self.logger))
+            self.logger.console_keys = self.recipe.console_keys
+            return self._run()
+        finally:
+            self.watchdog.stop()
+            self.preempt.uninstall()
+            if self.recipe is not None:
+                self.recipe.close()
+            if self.logger is not None:
+                self.logger.close()
+
+    def _announce(self) -> None:
+        """The start-up line, and the resolved config as config.toml in the dump folder (kept
+        as it is when the folder already has one: a resumed run does not overwrite it)."""
+        if not self.info.is_main:
+            return
+        cfg = self.cfg
+        print(f"{cfg.job.name}: recipe {cfg.training.recipe!r} on {self.info.world_size} rank(s) "
+              f"({self.info.device.type}), dump folder {self.dump}", flush=True)
+        os.makedirs(self.dump, exist_ok=True)
+        path = os.path.join(self.dump, "config.toml")
+        if not os.path.exists(path):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(format_config(cfg))
+
+    def _run(self) -> int:
+        cfg, wd, recipe = self.cfg, self.watchdog, self.recipe
+        assert recipe is not None
+        steps = cfg.training.steps
+        with wd.phase("resume"):
+            self._resume()
+        # A stop signal that arrived while starting is kept: the run takes one step, checkpoints
+        # it and exits 75, so a job warned during start-up still makes progress.
+        start_eval: dict[str, float] = {}
+        if self.step == 0:
+            with wd.phase("eval"):
+                start_eval = recipe.evaluate()
+            self._say_eval(start_eval, "at start: {}")
+        last_eval = start_eval
+        while self.step < steps:
+            t0 = time.monotonic()
+            reset_peak_memory(self.info.device)
+            with wd.phase("step"):
+                out = recipe.step(self.step)
+                self._write_ledger(out.ids)
+            self.step += 1
+            maybe_kill(self.step, self.info.rank, self.dump)  # fault drills only (TANDEM_INJECT_KILL)
+            wd.beat(self.step)
+            metrics = {**out.metrics, **self._shell_metrics(out.metrics, t0)}
+            self._poll_checkpoint()  # commits an asynchronous save whose write has finished
+            last = self.step == steps
+            every = cfg.training.eval_interval
+            if last or (every and self.step % every == 0):
+                with wd.phase("eval"):
+                    last_eval = recipe.evaluate()
+                metrics.update(last_eval)
+            if self.step % cfg.metrics.log_interval == 0 or last:
+                metrics.update(self.ckpt_metrics)
+                self.ckpt_metrics = {}
+                self.logger.log(self.step, metrics, total_steps=steps)
+            saved = cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or last)
+            if saved:
+                self._save(finish=last)
+            if not last and self.preempt.should_stop_all(step=self.step):
+                if saved:
+                    self._poll_checkpoint(wait=True)
+                else:
+                    self._save(finish=True)
+                return self._preempted()
+        if start_eval or last_eval:
+            self._say_eval(last_eval, "start {} -> end {}", start_eval)
+        if cfg.checkpoint.export_hf_at_end:
+            with wd.phase("export"):
+                out_dir = recipe.export(self.dump)
+            if out_dir and self.info.is_main:
+                print(f"exported the model to {out_dir}", flush=True)
+        return self._check_ledger()
+
+    # ---- metrics ---------------------------------------------------------------------
+
+    def _shell_metrics(self, metrics: dict[str, float], t0: float) -> dict[str, float]:
+        phase_peaks = [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("peak_gb")]
+        updater = self.recipe.updater
+        return {"time/step_s": time.monotonic() - t0,
+                "memory/peak_gb": max([peak_memory_gb(self.info.device), *phase_peaks]),
+                "lr": updater.last_lr, "fault/skipped_updates": float(updater.skipped)}
+
+    def _say_eval(self, values: dict[str, float], form: str, start: dict[str, float] | None = None) -> None:
+        if not self.info.is_main:
+            return
+        for key, value in values.items():
+            name = key.removeprefix("eval/").replace("_", " ")
+            if start is None:
+                print(f"eval {name} " + form.format(f"{value:.3f}"), flush=True)
+            else:
+                before = f"{start[key]:.3f}" if key in start else "n/a (resumed)"
+                print(f"eval {name}: " + form.format(before, f"{value:.3f}"), flush=True)
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint that verifies (tandem/rl/runtime/checkpoint.py `resume_step`: it
+        refuses a start at step 0 over an earlier run's checkpoints, exit 8) and cut the
+        per-step logs back to its step; a start at step 0 cuts them to nothing (what an
+        attempt logged before its first checkpoint is redone)."""
+        recipe, logs = self.recipe, [os.path.join(self.dump, name) for name in STEP_LOGS]
+        last = resume_step(self.ckpt, self.cfg.checkpoint, self.cfg.training.steps, self.info.is_main, logs=logs)
+        if last is None:
+            if self.info.is_main:
+                for log in logs:
+                    truncate_jsonl(log, 0)
+            return
+        t0 = time.monotonic()
+        parts = recipe.checkpoint_parts()
+        state = self.ckpt.load(last, parts.model, parts.optimizer, parts.extras)
+        self.ckpt_metrics["checkpoint/load_s"] = time.monotonic() - t0
+        self.step = state.pop("step")
+        saved_world = state.pop("_saved_world")
+        model_only = state.pop("_model_only")
+        recipe.load_state_dict(state, saved_world=saved_world)
+        if not os.path.exists(os.path.join(self.dump, "ledger.jsonl")):
+            self.ledger_from = self.step + 1  # a checkpoint brought from elsewhere: its history is not here
+        if self.info.is_main:
+            note = resume_note({"_saved_world": saved_world, "_model_only": model_only}, self.info.world_size)
+            print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}; "
+                  f"loaded in {self.ckpt_metrics['checkpoint/load_s']:.2f}s", flush=True)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, **self.recipe.state_dict()}
+
+    def _save(self, *, finish: bool = False) -> None:
+        """Checkpoint this step; ``finish`` waits for an asynchronous write to commit."""
+        self._poll_checkpoint(wait=True)  # a previous write still pending: commit (and log) it first
+        parts = self.recipe.checkpoint_parts()
+        state = self._trainer_state()
+        with self.watchdog.phase("checkpoint"):
+            secs = self.ckpt.save(self.step, parts.model, parts.optimizer, state, parts.extras)
+        self.ckpt_metrics["checkpoint/save_blocking_s"] = secs
+        if self.ckpt.pending_step is None:
+            self._committed(self.step, secs)
+        elif self.info.is_main:
+            print(f"checkpoint step-{self.step}: staged in {secs:.2f}s, writing in the background", flush=True)
+        if finish:
+            self._poll_checkpoint(wait=True)
+
+    def _poll_checkpoint(self, wait: bool = False) -> None:
+        step = self.ckpt.pending_step
+        if step is None:
+            return
+        with self.watchdog.phase("checkpoint"):
+            total = self.ckpt.wait() if wait else self.ckpt.poll()
+        if total is not None:
+            self._committed(step, total)
+
+    def _committed(self, step: int, total_s: float) -> None:
+        self.ckpt_metrics["checkpoint/save_total_s"] = total_s
+        if self.info.is_main:
+            print(f"checkpoint step-{step} saved in {total_s:.2f}s", flush=True)
+
+    def _preempted(self) -> int:
+        if self.info.is_main:
+            print(f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED} to requeue",
+                  flush=True)
+        return errors.EXIT_PREEMPTED
+
+    # ---- ledger ----------------------------------------------------------------------
+
+    def _write_ledger(self, ids: list[str]) -> None:
+        """Append the ids this step trains on (all ranks) to dump_folder/ledger.jsonl."""
+        every: list[list[str] | None] = [None] * self.info.world_size
+        dist.all_gather_object(every, sorted(set(ids)))
+        if self.info.is_main:
+            merged = sorted(i for part in every for i in (part or []))
+            with open(os.path.join(self.dump, "ledger.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step + 1, "ids": merged}) + "\n")
+
+    def _check_ledger(self) -> int:
+        """Every step 1..steps (from the resumed step on, when the checkpoint came without
+        its ledger) trained exactly once across crashes and resumes, or exit 5."""
+        box = [step_gaps(os.path.join(self.dump, "ledger.jsonl"), self.cfg.training.steps,
+                         first=self.ledger_from) if self.info.is_main else None]
+        dist.broadcast_object_list(box)
+        if box[0] is None:
+            return 0
+        if self.info.is_main:
+            print(f"error: the run ended with fewer steps than asked: {box[0]}", file=sys.stderr, flush=True)
+        return errors.EXIT_SHORT_RUN
+
+
+def run_recipe(make: RecipeFactory, cfg: Config, info: DistInfo) -> int:
+    """Build the recipe and run it to the end (or to a preemption); returns the exit status."""
+    return Shell(cfg, info).run(make)

@@ -1,0 +1,259 @@
+"""The pairwise recipe shared by DPO-style losses (tandem/rl/recipes/dpo.py) and reward models
+(tandem/rl/recipes/reward_model.py): the data, the step and the held-out evaluation.
+
+A step takes ``training.batch_size`` pairs, split over the data-parallel ranks
+and then into micro-batches of ``training.micro_batch_size`` pairs; the chosen
+and rejected sides of a pair always sit in the same micro-batch (one forward
+of 2B sequences). The loss is the mean over the step's pairs: each rank
+backpropagates ``sum(per-pair loss) * dp / batch_size`` because FSDP2 averages
+gradients over the dp ranks, so the update does not depend on the layout.
+
+What differs between the two recipes is a `PairHead`: the model it trains,
+the per-pair loss and metrics of a micro-batch, and the export. Accuracy
+counts a tie as half a win, so an untrained model reads 0.5, chance, not 0.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from tandem.models.args import ModelArgs
+from tandem.models.tokenizer import Tokenizer
+from tandem.parallel.distributed import DistInfo
+from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
+from tandem.rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
+from tandem.rl.data.sft import StepSampler
+from tandem.rl.recipes.base import (
+    Runtime,
+    SingleModelRecipe,
+    SingleModelTraining,
+    StepOutput,
+)
+from tandem.rl.runtime.config import ConfigError
+from tandem.rl.runtime.modeling import BuildSpec, build_tokenizer, model_args
+
+__all__ = [
+    "PairHead",
+    "PairSetup",
+    "PairwiseRecipe",
+    "pair_accuracy",
+    "precompute_reference",
+    "rank_indices",
+    "reshard_all",
+    "sequence_logps",
+    "setup_pairs",
+]
+
+
+# ---------------------------------------------------------------------- tensor pieces
+def sequence_logps(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Summed log-probs of each row's response tokens and their count: ``[N]``, ``[N]``.
+
+    ``batch`` is `collate_pairs` output; token t's logits predict token t+1, so
+    the response mask is read shifted by one. Log-probs are taken in fp32.
+    """
+    tokens, mask = batch["tokens"], batch["loss_mask"][:, 1:].bool()  # [N, S], [N, S-1]
+    logits = model(tokens[:, :-1])  # [N, S-1, V]
+    targets = tokens[:, 1:]  # [N, S-1]
+    tok_logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    tok_logp = torch.where(mask, tok_logp.view_as(targets), 0.0)  # [N, S-1]
+    return tok_logp.sum(-1), mask.sum(-1)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Reshard every FSDP2 unit after forwards without backward (reference, eval).
+
+    tandem/parallel/fsdp.py keeps the last block unsharded after forward (backward
+    needs it at once); with no backward to reshard it, the module would keep
+    its unsharded tensors registered, so an optimizer built next would hold
+    them instead of the sharded parameters, and a forward after an optimizer
+    step would read stale weights. Found by the precompute == online test.
+    """
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def pair_accuracy(chosen: Tensor, rejected: Tensor) -> Tensor:
+    """1 where chosen wins, 0.5 on a tie, 0 where it loses: ``[B]``."""
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
+def rank_indices(n: int, rank: int, dp: int) -> tuple[list[int], list[bool]]:
+    """This rank's share of ``n`` items (rank, rank+dp, ...), padded to ceil(n/dp) so every
+    rank runs the same number of (collective) FSDP forwards; padding repeats item 0, flagged False."""
+    per_rank = -(-n // dp)
+    idx = [rank + k * dp for k in range(per_rank)]
+    return [i if i < n else 0 for i in idx], [i < n for i in idx]
+
+
+@torch.no_grad()
+def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro: int, pad_id: int,
+                         device: torch.device, rank: int, dp: int) -> Tensor:
+    """Reference log-probs of every pair with ``model`` as it is now: ``[N, 2]`` (chosen, rejected),
+    the same table on every rank (each rank scores its share, then an all-gather)."""
+    if not pairs:
+        return torch.zeros((0, 2), device=device)
+    was_training = model.training
+    model.eval()
+    idx, _ = rank_indices(len(pairs), rank, dp)
+    parts = []
+    for m0 in range(0, len(idx), micro):
+        sub = [pairs[i] for i in idx[m0:m0 + micro]]
+        logps, _ = sequence_logps(model, {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()})
+        parts.append(torch.stack(logps.float().chunk(2), dim=1))  # [b, 2]
+    local = torch.cat(parts)  # [per_rank, 2]
+    gathered = [torch.empty_like(local) for _ in range(dp)]
+    dist.all_gather(gathered, local)
+    reshard_all(model)
+    model.train(was_training)
+    # row k of rank r is item k*dp + r
+    return torch.stack(gathered, dim=1).reshape(-1, 2)[: len(pairs)]
+
+
+# ---------------------------------------------------------------------- data
+@dataclass
+class PairSetup:
+    mesh: DeviceMesh
+    dp: int
+    rank_dp: int
+    tokenizer: Tokenizer
+    args: ModelArgs
+    data: PreferenceData
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+
+def setup_pairs(cfg: Any, info: DistInfo, recipe: str) -> PairSetup:
+    """Mesh, tokenizer, model args and preference pairs for a pairwise recipe."""
+    degrees = Degrees(**cfg.parallel.resolve(info.world_size))
+    if degrees.tp > 1 or degrees.pp > 1:
+        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only so far; set tp = pp = 1")
+    if cfg.training.batch_size % degrees.dp:
+        raise ConfigError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the "
+                          f"{degrees.dp} data-parallel ranks")
+    if cfg.data.path is None:
+        raise ConfigError(f"data.path: required by the {recipe} recipe (a file or synthetic:<name>)")
+    mesh = build_mesh(degrees, info.device)
+    torch.manual_seed(cfg.job.seed + info.rank)
+    tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(cfg.job.dump_folder, "tokenizer"))
+    args = model_args(cfg.model.flavor, cfg.model.path, tokenizer)
+    data = load_preference_data(
+        cfg.data.path, tokenizer, fmt=cfg.data.format, max_length=cfg.data.max_length,
+        on_bad_row=cfg.data.on_bad_row, eval_fraction=cfg.data.eval_fraction, eval_source=cfg.data.eval_path,
+        seed=cfg.job.seed, synthetic_rows=cfg.data.synthetic_rows, messages_field=cfg.data.messages_field,
+        prompt_field=cfg.data.prompt_field, chosen_field=cfg.preference.chosen_field,
+        rejected_field=cfg.preference.rejected_field,
+    )
+    if info.is_main:
+        print(f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "
+              f"{sum(data.skipped.values())} {dict(data.skipped)}", flush=True)
+    return PairSetup(mesh, degrees.dp, dp_rank(mesh), tokenizer, args, data)
+
+
+# ---------------------------------------------------------------------- the recipe
+class PairHead(Protocol):
+    """What a pairwise recipe trains: ``model``, ``micro(pairs, split)`` -> (per-pair loss
+    ``[B]`` with grad, per-pair metrics ``[B]`` each; split is "train" or "eval"), ``export``."""
+
+    model: nn.Module
+
+    def micro(self, pairs: list[PreferencePair], split: str) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+    def export(self, dump_folder: str) -> str: ...
+
+
+HeadFactory = Callable[[Any, DistInfo, "PairSetup", BuildSpec], PairHead]
+
+
+class PairwiseRecipe(SingleModelRecipe):
+    console_keys = ("loss", "accuracy", "margin", "eval/accuracy", "grad_norm", "lr")
+
+    def __init__(self, cfg: Any, rt: Runtime, name: str, make_head: HeadFactory) -> None:
+        self.cfg, self.info = cfg, rt.info
+        self.setup = setup_pairs(cfg, rt.info, name)
+        self.head = make_head(cfg, rt.info, self.setup, BuildSpec.from_config(cfg.training, cfg.parallel))
+        self.model = self.head.model
+        self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
+        self.updater = self.training.updater
+        self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size, cfg.job.seed,
+                                   cfg.data.shuffle)
+        self.model.train()
+
+    def step(self, step: int) -> StepOutput:
+        t0 = time.monotonic()
+        s, dev = self.setup, self.info.device
+        micro, batch = self.cfg.training.micro_batch_size, self.cfg.training.batch_size
+        local = self.sampler.local_batch(step, s.rank_dp, s.dp)
+        pairs = [s.data.train[i] for i in local]
+        sums: dict[str, Tensor] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        for m0 in range(0, len(pairs), micro):
+            loss, metrics = self.head.micro(pairs[m0:m0 + micro], "train")
+            # FSDP averages gradients over dp ranks: this makes the result the mean over the global batch.
+            (loss.sum() * (s.dp / batch)).backward()
+            loss_sum += loss.detach().double().sum()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v.double().sum()
+        grad_norm = self.updater.apply(loss_sum, step)
+        names = list(sums)
+        tokens = sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in pairs)
+        total = torch.stack([sums[k] for k in names] + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])
+        dist.all_reduce(total)  # one host sync per step, for the metrics row
+        values = total.tolist()
+        dt = time.monotonic() - t0
+        row = {k: v / batch for k, v in zip(names, values)}
+        row.update({"grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                    "throughput/pairs_per_s": batch / dt, "throughput/tokens_per_s": values[-1] / dt,
+                    "epoch": self.sampler.epoch_of(step), "data/skipped_rows": sum(s.data.skipped.values())})
+        return StepOutput(row, [f"pair-{i}" for i in local])
+
+    def evaluate(self) -> dict[str, float]:
+        return _evaluate(self.model, self.head.micro, self.setup, self.cfg.training.micro_batch_size,
+                         self.info.device)
+
+    def export(self, dump_folder: str) -> str:
+        return self.head.export(dump_folder)
+
+    def close(self) -> None:
+        pass
+
+
+def _evaluate(model: nn.Module, micro_fn: Callable[[list[PreferencePair], str], tuple[Tensor, dict[str, Tensor]]],
+              setup: PairSetup, micro: int,
+                  device: torch.device) -> dict[str, float]:
+    """Mean of every per-pair metric over the held-out pairs ("eval/" + name)."""
+    pairs = setup.data.eval
+    if not pairs:
+        return {}
+    idx, valid = rank_indices(len(pairs), setup.rank_dp, setup.dp)
+    sums: dict[str, Tensor] = {}
+    model.eval()
+    with torch.no_grad():
+        for m0 in range(0, len(idx), micro):
+            w = torch.tensor(valid[m0:m0 + micro], dtype=torch.float64, device=device)  # [b]
+            _, metrics = micro_fn([pairs[i] for i in idx[m0:m0 + micro]], "eval")
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + (v.double() * w).sum()
+    reshard_all(model)
+    model.train()
+    names = list(sums)
+    total = torch.stack([sums[k] for k in names])
+    dist.all_reduce(total)
+    return {f"eval/{k}": v / len(pairs) for k, v in zip(names, total.tolist())}
+
+

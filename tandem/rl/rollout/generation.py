@@ -1,0 +1,319 @@
+"""The rollout phase: move the policy into its generation layout, sample, score.
+
+The generation copy is a `Transformer` of one generation shard (the whole model when
+``rollout.tp = 1``), filled from the policy's FSDP2 / TP / pipeline shards by a
+bucketed reshard (`GenerationCopy`); it lives only for the rollout and is dropped
+before the update phase, as is the KV pool the generator carves from its budget.
+Both sizes, the bytes moved and the reshard time are reported. With ``rollout.tp > 1``
+the ranks of a generation group pool their prompts and run one generator together
+(`generate_in_group`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.kernels import batch_invariant
+from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
+from tandem.models.args import ModelArgs
+from tandem.models.transformer import Transformer
+from tandem.parallel.ac import clean_fqn
+from tandem.parallel.generation_layout import (
+    GenerationLayout,
+    check_divisible,
+    local_args,
+    make_layout,
+    needed_box,
+    shard_bytes,
+    shard_modules,
+    state_tensors,
+)
+from tandem.parallel.reshard import Box, Resharder, held
+from tandem.rl.data.prompts import Prompt
+from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
+from tandem.rl.generator.sequence import SamplingParams
+from tandem.rl.rollout.types import RolloutSample
+
+
+class GenerationCopy:
+    """The rollout's copy of the policy, in the generation layout (tandem/parallel/generation_layout.py).
+
+    ``module``: the policy's parameters under the whole model's names (an tandem/rl/update/policy.py
+    policy's ``state_module``: FSDP2 / TP DTensors, or this rank's pipeline stages).
+    `build` moves, bucket by bucket, only the regions this rank's generation shard needs, in
+    the generation dtype (tandem/parallel/reshard.py), so no rank ever holds the whole model unless
+    its shard is the whole model (``layout.tp = 1``). The move's plan is worked out at the
+    first build (collective) and kept: the layouts do not change during a run.
+    """
+
+    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
+        self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.local = local_args(args, layout)
+        with torch.device("meta"):
+            meta = Transformer(args)
+        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
+        first = next(iter(module.parameters()), None)
+        self.dtype = dtype or (first.dtype if first is not None else torch.float32)
+        self.bucket_bytes = bucket_bytes
+        self._plan: Resharder | None = None
+
+    def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
+        out = {}
+        for name, p in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            name = clean_fqn(name)
+            if name in self.shapes:  # a pipeline rank's second copy of a tied head is not moved
+                out[name] = held(p.detach())
+        return out
+
+    def build(self, *, inference: bool = True,
+              probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
+        """Collective (every rank): this rank's generation shard as a runnable model.
+
+        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
+        ``probe()`` runs inside every reshard collective (memory tests)."""
+        srcs = self._held()
+        if self._plan is None:
+            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                                   bucket_bytes=self.bucket_bytes)
+        state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device, probe=probe)
+        del srcs
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        if self.args.tie_word_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        with torch.device("meta"):
+            gen = Transformer(self.local)
+        gen.load_state_dict(state, assign=True, strict=True)
+        gen.tie_weights()
+        gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
+        gen.requires_grad_(False).eval()
+        if inference:
+            inference_layout(gen)
+        shard_modules(gen, self.args, self.layout)
+        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+                     "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
+                     "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+
+
+def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.device, dtype: torch.dtype,
+                      kv_cache_gb: float, training_bytes: int) -> int:
+    """``rollout.tp``, with 0 (auto) resolved: 1 off CUDA; on CUDA the smallest degree that divides
+    the world and the model's heads and MLP whose generation shard, plus the ``kv_cache_gb``
+    pool, fits in 90 % of the device beside ``training_bytes`` (what stays resident on the
+    busiest rank during the rollout: parameter and optimizer shards). Every rank must pass
+    the same values (the recipe takes the maximum over ranks of ``training_bytes``)."""
+    if setting:
+        return setting
+    if device.type != "cuda":
+        return 1
+    room = 0.9 * torch.cuda.get_device_properties(device).total_memory - training_bytes - kv_cache_gb * 1e9
+    fits = [g for g in range(1, world + 1) if world % g == 0 and check_divisible(args, g) is None]
+    for g in fits:
+        if shard_bytes(args, GenerationLayout(tp=g), dtype) <= room:
+            return g
+    return fits[-1]
+
+
+def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: torch.dtype | None, *,
+                    offload_optimizer: bool) -> GenerationCopy:
+    """Collective: the generation layout (``rollout.tp`` ranks per generator; 0 resolved by
+    `choose_rollout_tp`) and the policy's copy into it; one ConfigError line when the model
+    cannot be split that way."""
+    from tandem.rl.runtime.config import ConfigError
+
+    dev, world = info.device, info.world_size
+    params = policy.parameters()
+    resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if offload_optimizer else 3) for p in params)],
+                            dtype=torch.float64, device=dev)
+    dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
+    tp = choose_rollout_tp(rcfg.tp, args, world, dev, dtype or params[0].dtype, rcfg.kv_cache_gb, int(resident.item()))
+    if world % tp:
+        raise ConfigError(f"rollout.tp: {tp} does not divide the {world} ranks")
+    reason = check_divisible(args, tp)
+    if reason:
+        raise ConfigError(f"rollout.tp: {reason}")
+    layout = make_layout(tp, rcfg.vocab_parallel)
+    if info.is_main and tp > 1:
+        print(f"generation layout: {world // tp} group(s) of {tp} ranks "
+              f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
+    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20)
+
+
+def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
+                           dtype: torch.dtype | None = None, *, layout: bool = True,
+                           ) -> tuple[Transformer, dict[str, float]]:
+    """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
+    (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
+    `GenerationCopy` with ``rollout.tp = 1``."""
+    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype)
+    return copy.build(inference=layout)
+
+
+def inference_layout(model: Transformer) -> bool:
+    """The rollout copy's layout, in place; returns whether it changed anything.
+
+    On CUDA: the q/k/v and gate/up projections fused into one product each
+    (`Transformer.fuse_projections`); the generator ran 3-6 % faster on an H200 with the
+    same tokens (bench.generate, hidden 1024 x 16 layers, bf16, CUDA graphs). On the CPU in
+    fp32, where PyTorch has oneDNN: fused too, and every linear run through oneDNN on a
+    prepacked weight (`tandem.kernels.cpu_linear`); a rollout of the GRPO bench's shape took 550 ->
+    453 ms with the fusion on oneDNN, then 471 -> 403 ms with prepacking. Elsewhere (CPU
+    without oneDNN or in another dtype) the layout stays, as nothing was measured there.
+    Numbers: docs/performance.md."""
+    weight = next(model.parameters(), None)
+    if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
+        return False
+    if weight.is_cuda:
+        model.fuse_projections()
+        return True
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+        return False
+    model.fuse_projections()
+    use_onednn_linears(model)
+    return True
+
+
+def generation_dtype(setting: str, device: torch.device, mixed_precision_param: str) -> torch.dtype | None:
+    """The generation copy's dtype for ``rollout.dtype`` (None: keep the parameters' dtype).
+
+    ``auto`` generates in the update's compute dtype where the update uses one (FSDP2 mixed
+    precision applies on CUDA only), so rollout and update see the same rounding.
+    """
+    if setting == "auto":
+        return getattr(torch, mixed_precision_param) if device.type == "cuda" else None
+    return getattr(torch, setting)
+
+
+def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
+    return GenerationSettings(
+        block_size=rcfg.block_size, num_blocks=rcfg.num_blocks, kv_cache_gb=rcfg.kv_cache_gb,
+        max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
+        prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
+        kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
+    )
+
+
+def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=rcfg.max_tokens)
+    return SamplingParams(temperature=rcfg.temperature, top_k=rcfg.top_k, top_p=rcfg.top_p, min_p=rcfg.min_p,
+                          max_tokens=rcfg.max_tokens)
+
+
+def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
+                    run: Callable[[Generator], Any], layout: GenerationLayout | None = None,
+                    ) -> tuple[Any, dict[str, float]]:
+    """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
+    freed on return (a leak raises); the rollout/* metrics of that generation. In a generation
+    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens."""
+    t0 = time.monotonic()
+    settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
+    agree = None
+    if getattr(gen_model.args, "num_experts", 0):  # data-dependent expert runs; routing is read per step
+        settings.cuda_graphs = False
+    if layout is not None and layout.tp > 1:
+        settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
+        agree = partial(leader_tokens, layout)
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree)
+    out = run(gen)
+    if not gen.pool_is_free():
+        raise RuntimeError("generator leaked KV blocks")
+    stats, kv_bytes = gen.stats, gen.cache.nbytes
+    gen.close()
+    dt = time.monotonic() - t0
+    return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
+                 "rollout/generated_tokens": float(stats.generated_tokens),
+                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+
+
+def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every rank of a generation group takes its leader's sampled tokens and log-probs, so the
+    group's schedulers stay in step even if a rank's logits differed in the last bit. One
+    broadcast per step: the rows go as float64 (token ids below 2**53 and fp32 values exactly)."""
+    packed = torch.stack([t.double() for t in sampled])  # [3, N]
+    dist.broadcast(packed, src=layout.leader, group=layout.group)
+    return tuple(row.to(t.dtype) for row, t in zip(packed, sampled))
+
+
+def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any], int]:
+    """Collective over the generation group: every member's prompts (any picklable items), in
+    rank order, and where this rank's start in that list."""
+    if layout.tp == 1:
+        return prompts, 0
+    parts: list[Any] = [None] * layout.tp
+    dist.all_gather_object(parts, prompts, group=layout.group)
+    start = sum(len(p) for p in parts[: layout.rank])
+    return [p for part in parts for p in part], start
+
+
+def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
+                     seed: int, max_prompt_tokens: int, greedy: bool = False, seeds: list[int] | None = None,
+                     layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n completions per prompt with the in-house generator; the KV pool is freed on return.
+
+    ``seeds``: one per prompt (its samples use seed + sample index), so a sample's noise does
+    not depend on which other prompts share the generator; None derives them from ``seed``
+    and the batch slot. In a generation group (``layout.tp > 1``; every rank calls, with its
+    own prompts, possibly none, and the group's one ``seed``) the members' prompts are
+    generated together and each rank gets the samples of its own prompts."""
+    mine = list(zip(prompts, seeds if seeds is not None else [None] * len(prompts)))
+    pooled, start = pool_prompts(mine, layout or GenerationLayout())
+    if not pooled:
+        return [], {}
+    check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
+    base = sampling_params(rcfg, greedy=greedy)
+    params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
+    out, metrics = _with_generator(
+        gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)
+    samples = []
+    for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
+        for c in comps:
+            lp = iter(c.raw_logprobs)
+            gen_lp = [next(lp) if m else 0.0 for m in c.sampled_mask]
+            samples.append(RolloutSample(group=group, prompt_ids=p.token_ids, completion_ids=c.token_ids,
+                                         loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
+                                         finish_reason=c.finish_reason,
+                                         text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row,
+                                         routing=c.routing))
+    return samples, metrics
+
+
+def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
+                      pool: Any, *, seed: int, greedy: bool = False, seeds: list[int] | None = None,
+                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py); the KV pool is freed on return.
+
+    In a generation group (``layout.tp > 1``) the members' prompts are pooled as in
+    `generate_samples` (every rank calls, possibly with none); only the leader's ``pool``
+    steps the environments (the others may pass None); each rank gets its own prompts'
+    episodes back, and the ``env/*`` and ``rollout/*`` metrics of the whole group."""
+    from tandem.rl.rollout.agentic import run_agentic_rollout
+
+    layout = layout or GenerationLayout()
+    pooled, start = pool_prompts(list(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), layout)
+    if not pooled:
+        return [], {}
+    settings = generation_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)  # max_model_len: the episode cap
+    (samples, env_metrics), metrics = _with_generator(
+        gen_model, tokenizer, settings, len(pooled) * n,
+        lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p, _ in pooled], n,
+                                        sampling_params(rcfg, greedy=greedy), max_turns=ecfg.max_turns,
+                                        max_total_tokens=ecfg.max_total_tokens, pool=pool,
+                                        max_turn_tokens=ecfg.max_turn_tokens,
+                                        seeds=None if seeds is None else [s for _, s in pooled], layout=layout),
+        layout)
+    mine = samples[start * n:(start + len(prompts)) * n]
+    for s in mine:
+        s.group -= start
+    return mine, {**env_metrics, **metrics}

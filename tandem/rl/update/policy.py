@@ -1,0 +1,384 @@
+"""A model in the update layout: one FSDP2 x TP model, or this rank's pipeline stages.
+
+The RL loop talks to the policy (and the frozen reference) only through this
+interface, so it never branches on the layout:
+
+- ``logprobs(samples, width)``: the completion tokens' log-probs ``[N, width]``
+  (old / reference), no autograd;
+- ``accumulate(samples, rows, inp, spec, norm, width)``: forward + backward of
+  one optimizer step's rows, gradients accumulated;
+- ``clip(max_norm)``, ``full_state()`` (the whole model on every rank, for the
+  generation copy and the HF export), ``state_module`` (the full model's
+  parameter names, for DCP), ``counts_stats`` (the one rank per data-parallel
+  replica whose loss statistics are summed into the logs).
+
+Every rank of a model-parallel group (its TP and PP ranks) holds the same
+samples. `FlatPolicy`: FSDP2 over the data-parallel ranks and TP (log-probs
+from the vocab-sharded head, never gathered) over ``mesh["tp"]``; micro-batches
+are packed rows of about ``rl.micro_batch_tokens`` tokens. `PipelinePolicy`:
+the layers split into stages (tandem/parallel/pp.py) under a torch schedule; one
+sample per row, rows right-padded to a fixed length (the schedule fixes
+activation shapes at its first step), the loss on the last stage, and
+old / reference log-probs by a forward-only pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from tandem.models.args import ModelArgs
+from tandem.models.hf import save_hf
+from tandem.models.moe import router_loss, set_token_mask
+from tandem.models.transformer import Transformer
+from tandem.parallel.grad import clip_grad_norm
+from tandem.parallel.loss import token_logprobs_at
+from tandem.parallel.mesh import Degrees
+from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
+from tandem.parallel.tp import validate_tp
+from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.runtime.config import ConfigError
+from tandem.rl.runtime.modeling import (
+    BuildSpec,
+    build_transformer,
+    export_hf,
+    full_initial_state,
+    parallelize_model,
+)
+from tandem.rl.update.loss import (
+    LossInputs,
+    LossSpec,
+    MicroBatch,
+    completion_loss,
+    micro_batch_loss,
+    pack_micro_batches,
+    recompute_logprobs,
+    scatter_completions,
+    sync_micro_batch_count,
+)
+from tandem.rl.update.router_stats import RouterStats, RoutingCheck
+
+
+class FlatPolicy:
+    """One model: FSDP2 over the data-parallel ranks, TP over ``mesh["tp"]``."""
+
+    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None, seed: int,
+                 spec: BuildSpec, is_main: bool, trainable: bool = True, micro_batch_tokens: int,
+                 chunk_tokens: int, share_prompts: bool = False) -> None:
+        self.device, self.budget, self.chunk = device, micro_batch_tokens, chunk_tokens
+        self.share_prompts = share_prompts
+        self.tp = mesh["tp"].size()
+        self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main, trainable=trainable)
+        self.modules = [self.model]
+        self.state_module = self.model
+        self.counts_stats = mesh["tp"].get_local_rank() == 0
+        self.moe = RouterStats()
+        self.routing = RoutingCheck()
+        self.is_moe = args.is_moe
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.tp > 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def micro_batches(self, samples: list[RolloutSample], rows: list[int]) -> list[MicroBatch]:
+        """Packed micro-batches of ``rows``, as many on every rank (FSDP2's collectives must match)."""
+        mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=self.tp,
+                                 share_prompts=self.share_prompts)
+        return sync_micro_batch_count(mbs, self.device, width=self.tp)
+
+    def logprobs(self, samples: list[RolloutSample], width: int) -> torch.Tensor:
+        mbs = self.micro_batches(samples, list(range(len(samples))))
+        out = recompute_logprobs(self.model, samples, mbs, width, self.device, self.chunk,
+                                 vocab_parallel=self.vocab_parallel,
+                                 after=lambda mb: self.routing.observe(self.model, mb))
+        self.routing.disarm()  # compared once, with the rollout's weights
+        return out
+
+    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs, spec: LossSpec, norm: Any,
+                   width: int, *, policy: bool = True,
+                   also: Callable[[MicroBatch], None] | None = None) -> torch.Tensor:
+        """Forward + backward over ``rows``; returns [loss, clipped, entropy, kl, tokens] sums (float64).
+
+        ``also(mb)`` runs after each micro-batch (the PPO critic's step).
+        """
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        mbs = self.micro_batches(samples, rows)
+        for mb in mbs:
+            if policy:
+                if self.is_moe:
+                    set_token_mask(self.model, mb.doc_ids >= 0)  # MoE router losses: not the padding
+                loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
+                self.routing.observe(self.model, mb)
+                router = router_loss(self.model) if mb.rows else None  # MoE: the router's losses, mean over
+                if router is not None:  # micro-batches and over the data-parallel ranks: ``loss`` is this
+                    self.moe.observe(self.model)  # rank's share of a global sum, so its router term is 1/dp
+                    loss = loss + router / (len(mbs) * self.dp)
+                (loss * self.dp).backward()  # FSDP2 averages over dp ranks
+                if self.is_moe:
+                    set_token_mask(self.model, None)  # after the backward: checkpointing replays the forward
+                if st:
+                    sums += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
+            if also is not None:
+                also(mb)
+        return sums
+
+    def clip(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model.parameters(), max_norm)
+
+    def export_hf(self, args: ModelArgs, tokenizer: Any, out_dir: str, rank: int) -> None:
+        """Collective: the policy as an HF folder (rank 0 writes)."""
+        export_hf(self.model, args, tokenizer, out_dir, rank)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the full (unsharded) state dict on every rank, on its device."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+
+
+class _StageUnion(nn.Module):
+    """This rank's pipeline stages as one module with the whole model's parameter names.
+
+    DCP then writes and reads the same keys as a one-model layout, so a
+    checkpoint moves between pipeline and non-pipeline layouts. The last
+    stage's copy of a tied weight is registered under ``tok_embeddings`` first,
+    so the optimizer state is keyed ``tok_embeddings.weight`` as well.
+    """
+
+    def __init__(self, stages: list[nn.Module], tied: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        first = next((m.tok_embeddings for m in stages if m.tok_embeddings is not None), None)
+        last = next((m for m in stages if m.output is not None), None)
+        if first is not None:
+            self.tok_embeddings = first
+        elif tied and last is not None:
+            holder = nn.Module()
+            holder.weight = last.output.weight
+            self.tok_embeddings = holder
+        for m in stages:
+            for name, layer in m.layers.items():
+                self.layers[name] = layer
+        if last is not None:
+            self.norm = last.norm
+            self.output = last.output
+
+
+class PipelinePolicy:
+    """This rank's pipeline stages (tandem/parallel/pp.py), each also TP- and FSDP2-parallel."""
+
+    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None, seed: int,
+                 spec: BuildSpec, trainable: bool = True, schedule: str, microbatches: int,
+                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int = 1024, is_main: bool = False) -> None:
+        del chunk_tokens, is_main  # the last stage holds whole logits rows; every rank reads its own weights
+        self.device, self.args = device, args
+        self.tp = mesh["tp"].size()
+        self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        self.seq_len = -(-seq_len // self.tp) * self.tp
+        self.n_mb = microbatches or mesh["pp"].size()
+        self.rows_per_mb = max(1, micro_batch_tokens // self.seq_len)
+        self.batch_rows = self.n_mb * self.rows_per_mb
+        full = full_initial_state(args, path, seed)  # each rank reads it: stages load different keys
+
+        def prepare(stage: nn.Module) -> nn.Module:
+            parallelize_model(stage, mesh, device, spec, trainable=trainable)
+            stage.to_empty(device=device)
+            stage.reset_rope()
+            own = {k: full[k] for k in get_model_state_dict(stage)}
+            set_model_state_dict(stage, own, options=StateDictOptions(full_state_dict=True, strict=True))
+            return stage
+
+        with torch.device("meta"):
+            meta = Transformer(args)
+        self.pipe = build_pipeline(meta, mesh["pp"], schedule, self.n_mb, self._loss, device=device,
+                                   parallelize_fn=prepare)
+        full.clear()
+        self.modules = self.pipe.modules
+        if not trainable:
+            for m in self.modules:
+                m.requires_grad_(False).eval()
+        self.state_module = _StageUnion(self.modules, tied=self.pipe.tied_group is not None)
+        self.moe = RouterStats()  # never fed: MoE models run without pipeline stages so far
+        self.routing = RoutingCheck()
+        self.counts_stats = self.pipe.has_last_stage and mesh["tp"].get_local_rank() == 0
+        self.vocab_parallel = self.tp > 1
+        self._ctx: dict[str, Any] = {}
+        if trainable:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One all-padding step: torch's schedule infers stage shapes at its first step by
+        calling the loss on placeholder activations, which must not reach the statistics."""
+        tokens = torch.zeros(self.batch_rows, self.seq_len, dtype=torch.long, device=self.device)
+        pad = torch.full_like(tokens, -1)
+        self.pipe.step(tokens, targets={"targets": tokens, "row": pad, "col": pad})
+        for p in self.parameters():
+            p.grad = None
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def train(self) -> None:
+        for m in self.modules:
+            m.train()
+
+    def eval(self) -> None:
+        for m in self.modules:
+            m.eval()
+
+    # ---- batches: one sample per row, [batch_rows, seq_len] ----------------------------
+
+    def _batches(self, samples: list[RolloutSample], rows: list[int]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """(tokens, targets) per pipeline step; targets hold per position the next token, the
+        sample index (``row``, -1 on padding) and the completion column (``col``, -1 elsewhere)."""
+        per = self.batch_rows
+        n = -(-len(rows) // per) if rows else 0
+        count = torch.tensor([n], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # the same number of steps on every rank
+        out = []
+        for b in range(int(count.item())):
+            chunk = rows[b * per:(b + 1) * per]
+            tok = torch.zeros(per, self.seq_len, dtype=torch.long)
+            tgt = torch.zeros(per, self.seq_len, dtype=torch.long)
+            row = torch.full((per, self.seq_len), -1, dtype=torch.long)
+            col = torch.full((per, self.seq_len), -1, dtype=torch.long)
+            for r, i in enumerate(chunk):
+                s = samples[i]
+                seq = s.prompt_ids + s.completion_ids
+                n_in, p = len(seq) - 1, len(s.prompt_ids)
+                if n_in > self.seq_len:
+                    raise ValueError(f"a sequence of {n_in + 1} tokens exceeds the pipeline row length {self.seq_len}")
+                tok[r, :n_in] = torch.tensor(seq[:-1])
+                tgt[r, :n_in] = torch.tensor(seq[1:])
+                row[r, p - 1:n_in] = i
+                col[r, p - 1:n_in] = torch.arange(len(s.completion_ids))
+            dev = self.device
+            out.append((tok.to(dev), {"targets": tgt.to(dev), "row": row.to(dev), "col": col.to(dev)}))
+        return out
+
+    @staticmethod
+    def _completions(t: dict[str, torch.Tensor]) -> MicroBatch:
+        """The completion positions of one pipeline microbatch, as a MicroBatch's ``comp_*``."""
+        col = t["col"].reshape(-1)
+        index = (col >= 0).nonzero()[:, 0]
+        rows = t["row"].reshape(-1)[index]
+        uniq, local = torch.unique(rows, return_inverse=True)  # sorted sample indices
+        z = index.new_zeros(0)
+        return MicroBatch(uniq.tolist(), z, z, z, t["targets"], [], index, local, col[index])
+
+    # ---- loss on the last stage --------------------------------------------------------
+
+    def _loss(self, logits: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        c = self._ctx
+        mb = self._completions(t)
+        logp, ent = token_logprobs_at(logits, mb.comp_index, t["targets"].reshape(-1)[mb.comp_index], with_entropy=True)
+        if not c:  # the warm-up step
+            return logp.sum() * 0.0
+        loss, st = completion_loss(logp, ent, mb, c["inp"], c["spec"], c["norm"], c["width"])
+        if st:
+            c["sums"] += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
+        return loss * self.dp  # FSDP2 averages over dp ranks
+
+    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs, spec: LossSpec, norm: Any,
+                   width: int, *, policy: bool = True, also: Callable | None = None) -> torch.Tensor:
+        if also is not None:
+            raise ValueError("a critic cannot run under pipeline parallelism")
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        self._ctx = {"inp": inp, "spec": spec, "norm": norm, "width": width, "sums": sums}
+        if policy:
+            for tokens, targets in self._batches(samples, rows):
+                self.pipe.step(tokens, targets=targets)
+            self.pipe.sync_tied_grads()
+        self._ctx = {}
+        return sums
+
+    def logprobs(self, samples: list[RolloutSample], width: int) -> torch.Tensor:
+        """Forward only through the stages; computed on the last stage, broadcast to the others."""
+        out = torch.zeros(len(samples), width, device=self.device)
+        for tokens, targets in self._batches(samples, list(range(len(samples)))):
+            mbs = [{k: v[i * self.rows_per_mb:(i + 1) * self.rows_per_mb] for k, v in targets.items()}
+                   for i in range(self.n_mb)]
+
+            def record(i: int, logits: torch.Tensor, mbs=mbs) -> None:
+                mb = self._completions(mbs[i])
+                logp, _ = token_logprobs_at(logits, mb.comp_index, mbs[i]["targets"].reshape(-1)[mb.comp_index],
+                                            with_entropy=False)
+                if mb.rows:
+                    out[mb.rows] = scatter_completions(logp, mb, width)
+
+            self.pipe.forward_only(list(tokens.split(self.rows_per_mb)), record, device=self.device)
+        last = dist.get_world_size(self.pipe.group) - 1
+        dist.broadcast(out, group_src=last, group=self.pipe.group)
+        return out
+
+    def clip(self, max_norm: float) -> float:
+        return clip_grad_norm(self.parameters(), max_norm, group=self.pipe.group,
+                              duplicates=self.pipe.duplicate_params())
+
+    def export_hf(self, args: ModelArgs, tokenizer: Any, out_dir: str, rank: int) -> None:
+        """Collective: the policy as an HF folder (rank 0 writes)."""
+        full = self.full_state()
+        if rank == 0:
+            save_hf({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer=tokenizer)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model on every rank (stages gathered over FSDP / TP, then
+        broadcast over the pipeline from each stage's rank)."""
+        local: dict[str, torch.Tensor] = {}
+        for m in self.modules:
+            local.update(get_model_state_dict(m, options=StateDictOptions(full_state_dict=True)))
+        group = self.pipe.group
+        metas: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()], group=group)
+        me = dist.get_rank(group)
+        full: dict[str, torch.Tensor] = {}
+        for src, keys in enumerate(metas):
+            for k, shape, dtype in keys:
+                t = local[k].contiguous() if src == me else torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(t, group_src=src, group=group)
+                full[k] = t
+        return full
+
+
+def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str) -> None:
+    """One clear line (ConfigError) when the model cannot be split as ``[parallel]`` asks."""
+    try:
+        validate_tp(args, degrees.tp)
+    except ValueError as e:
+        raise ConfigError(f"parallel.tp: {e}") from None
+    try:
+        pipeline_split(args, degrees.pp, stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1)
+    except ValueError as e:
+        raise ConfigError(f"parallel.pp: {e}") from None
+
+
+def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str, pp_microbatches: int,
+                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int, share_prompts: bool = False,
+                 **build: Any) -> FlatPolicy | PipelinePolicy:
+    """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`."""
+    if mesh["pp"].size() > 1:
+        if share_prompts:
+            raise ConfigError("rl.share_prompts: not supported with parallel.pp > 1 "
+                              "(pipeline micro-batches are fixed-length rows of one sequence)")
+        return PipelinePolicy(args, mesh, device, schedule=pp_schedule, microbatches=pp_microbatches,
+                              seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
+                              **build)
+    return FlatPolicy(args, mesh, device, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
+                      share_prompts=share_prompts, **build)
