@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -31,9 +32,13 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
+    # built from a copy: setuptools writes build/ and *.egg-info beside the sources
+    shutil.copytree(ROOT / "tandem", src / "tandem", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     (path,) = out.glob("tandem_rl-*.whl")
     return path
