@@ -33,9 +33,9 @@ from tandem.models.args import ModelArgs
 from tandem.models.flavors import get_flavor
 from tandem.parallel.distributed import destroy_distributed, init_distributed
 from tandem.parallel.mesh import Degrees, build_mesh
-from tandem.rl.runtime.checkpoint import Checkpointer
-from tandem.rl.runtime.modeling import BuildSpec, build_transformer
-from tandem.rl.runtime.optim import build_optimizer
+from tandem.rl.core.checkpoint import Checkpointer
+from tandem.rl.core.modeling import BuildSpec, build_transformer
+from tandem.rl.core.optim import build_optimizer
 
 
 def sizes(name: str) -> ModelArgs:

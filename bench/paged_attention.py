@@ -137,7 +137,7 @@ def case_fn(case: Case, x: Inputs, impl: str, scale: float) -> Callable[[], obje
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tandem.rl.runtime.system import tune_host_allocator
+    from tandem.rl.core.system import tune_host_allocator
 
     tune_host_allocator()  # as train.py does: otherwise CPU timings depend on glibc's mmap threshold
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,7 +4,7 @@
     python bench/parallel_layouts.py --size small    # a ~30M qwen3, B=8, S=512
     python bench/parallel_layouts.py --device auto --size small --nproc 4   # on GPUs
 
-Launches tests/parallel_worker.py under torchrun once per world size (the same
+Launches tests/parallel/parallel_worker.py under torchrun once per world size (the same
 layouts the equivalence test checks) and prints a table: median step time after
 a warm-up step, tokens/s per rank, and on an accelerator MFU from
 ``ModelArgs.flops_per_token`` against ``--peak-tflops`` (per device; the worker
@@ -52,7 +52,7 @@ def run(nproc: int, layouts: list[str], opts: argparse.Namespace) -> dict:
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
-            str(ROOT / "tests" / "parallel_worker.py"),
+            str(ROOT / "tests" / "parallel" / "parallel_worker.py"),
             "--out",
             str(out),
             "--layouts",

@@ -36,8 +36,8 @@ def _type(tp: object) -> str:
 
 
 def reference() -> str:
-    from tandem.rl.runtime.config import Config
-    from tandem.rl.runtime.configlib import to_dict
+    from tandem.rl.config.schema import Config
+    from tandem.rl.core.configlib import to_dict
 
     lines = []
     defaults = to_dict(Config())

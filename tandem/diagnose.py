@@ -15,7 +15,7 @@ Exit status 0 when nothing failed (a preemption that left a checkpoint is not
 a failure), 1 when something did, 2 when the folder does not exist. A failure is reported as *earlier* and
 does not set the status when the run later logged steps past it (a torchrun
 restart or a requeue recovered). It imports no torch, so it runs in well under
-a second on a login node; the checkpoint layout it reads is tandem/rl/runtime/checkpoint.py's.
+a second on a login node; the checkpoint layout it reads is tandem/rl/core/checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
 _STEP_DIR = re.compile(r"^step-(\d+)(\.partial)?$")
-MARKER = "COMMITTED"  # tandem/rl/runtime/checkpoint.py
+MARKER = "COMMITTED"  # tandem/rl/core/checkpoint.py
 TOP_FRAMES = 4
 
 

@@ -21,7 +21,7 @@ under torchrun each rank takes every world-size-th prompt and rank 0 writes
 the file, in input order. The output is written to a temporary file and
 renamed at the end, so a failed or interrupted run leaves no partial file.
 
-Every problem is one line on stderr and an exit status (tandem/rl/runtime/errors.py):
+Every problem is one line on stderr and an exit status (tandem/rl/core/errors.py):
 a bad flag value 2 (checked before the model loads; the KV budget and
 ``--max-tokens`` against the model right after), a bad input line 3 naming it
 (a prompt that does not fit the model's context with ``--max-tokens`` is one,
@@ -45,9 +45,9 @@ import torch.distributed as dist
 from tandem.rl.data.loading import DataError, iter_jsonl_objects
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.rl.runtime import errors
-from tandem.rl.runtime.config import ConfigError, check_writable_folder
-from tandem.rl.runtime.modeling import ModelSetupError
+from tandem.rl.core import errors
+from tandem.rl.config.schema import ConfigError, check_writable_folder
+from tandem.rl.core.modeling import ModelSetupError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -230,7 +230,7 @@ def generate_rows(args: argparse.Namespace, model: Any, tok: Any, prompts: list[
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from tandem.parallel.distributed import destroy_distributed, init_distributed
-    from tandem.rl.runtime.system import tune_host_allocator
+    from tandem.rl.core.system import tune_host_allocator
 
     tune_host_allocator()
 

@@ -7,7 +7,7 @@ the installed package is at hand (``tandem-sweep`` launches its trials that way)
     python train.py --config configs/grpo.toml --plan [--plan.nodes=N --plan.devices_per_node=G]
     torchrun --nproc-per-node 8 train.py --config configs/grpo.toml
 
-Exit statuses are listed in tandem/rl/runtime/errors.py and the README.
+Exit statuses are listed in tandem/rl/core/errors.py and the README.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from tandem.rl.runtime import errors
+from tandem.rl.core import errors
 
 
 class _KeepUsr1:
@@ -42,18 +42,18 @@ def _fail(status: int, msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tandem.rl.runtime.config import ConfigError, parse_args
+    from tandem.rl.config.schema import ConfigError, parse_args
 
     try:
         cfg, cli = parse_args(argv)  # --print-config / --help print and exit here
         if cli.plan:
-            from tandem.rl.runtime.plan import run_plan
+            from tandem.rl.plan.planner import run_plan
 
             return run_plan(cfg)  # one process, nothing allocated: no launcher, GPU or weights
     except ConfigError as e:
         return _fail(errors.EXIT_CONFIG, str(e))
 
-    from tandem.rl.runtime.system import tune_host_allocator
+    from tandem.rl.core.system import tune_host_allocator
 
     tune_host_allocator()  # before torch allocates: MB-sized CPU temporaries stay on the heap
     import torch
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.rl.data.loading import DataError
     from tandem.rl.fault import NonFiniteError, enable_flight_recorder
     from tandem.rl.recipes import run, unused_settings
-    from tandem.rl.runtime.checkpoint import CheckpointError
-    from tandem.rl.runtime.modeling import ModelSetupError
+    from tandem.rl.core.checkpoint import CheckpointError
+    from tandem.rl.core.modeling import ModelSetupError
 
     if cfg.fault.flight_recorder and torch.cuda.is_available():
         # NCCL only: on gloo the recorder's entries can outlive the interpreter

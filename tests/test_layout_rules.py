@@ -2,17 +2,23 @@
 
 - one import root: every package of the project's code lives under tandem/;
 - models/, parallel/ and kernels/ never import rl/ (models know nothing of
-  parallelism, parallel/ nothing of RL);
+  parallelism, parallel/ nothing of RL), and models/ never imports parallel/;
+- no import cycles, between folders or between modules, and rl/core/ (the ground
+  floor) imports nothing else of rl/;
 - no file over 600 lines and no function over 80 lines, except those listed
   here with the reason;
 - the recipes never compare an algorithm's name: what a loop must build for an
-  algorithm is a capability declared at registration (tandem/rl/runtime/registry.py).
+  algorithm is a capability declared at registration (tandem/rl/core/registry.py).
+
+Imports are read from the code, every one of them (inside functions too), except those
+under ``if TYPE_CHECKING:``, which never run.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,44 +29,145 @@ LONG_FILES: dict[str, str] = {}  # path -> why it may exceed 600 lines
 LONG_FUNCTIONS: dict[str, str] = {}  # "path:function" -> why it may exceed 80 lines
 
 
-def _imports(path: Path) -> set[str]:
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in PKG.rglob("*.py")}
+
+
+@cache
+def _imports(path: Path) -> frozenset[str]:
+    """Every module ``path`` imports (``from a import b`` names ``a.b`` where that is a module)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
+            subs = {f"{node.module}.{a.name}" for a in node.names} & MODULES.keys()
+            out |= subs or {node.module}
+    return frozenset(out)
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _files(folder: str) -> list[Path]:
+    files = sorted((PKG / folder).rglob("*.py"))
+    assert files, f"tandem/{folder}: no Python files (was it moved? update this test)"
+    return files
+
+
+def _folder(module: str) -> str:
+    """The room a module lives in: tandem.rl.<x> inside rl/, tandem.<x> elsewhere."""
+    parts = module.split(".")
+    return ".".join(parts[:3] if len(parts) > 2 and parts[1] == "rl" else parts[:2])
+
+
+def _graph(key=lambda m: m) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for imported in _imports(path):
+            while imported and imported not in MODULES:
+                imported = imported.rpartition(".")[0]
+            if imported and key(imported) != key(module):
+                edges.setdefault(key(module), set()).add(key(imported))
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
     return out
 
 
+def test_one_import_root():
+    """The repository's top level holds no Python package but tandem/ (tests/ is not installed),
+    and no code imports one of the old top-level names."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages == {"tandem", "tests"}, packages
+    old = ("rl", "models", "parallel", "kernels")
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in SOURCES + list((ROOT / "tests").rglob("*.py"))
+           for m in _imports(p) if any(_within(m, o) for o in old)]
+    assert not bad, bad
+
+
 def test_models_parallel_and_kernels_never_import_rl():
-    bad = []
-    for folder in ("models", "parallel", "kernels"):
-        for path in (ROOT / folder).rglob("*.py"):
-            bad += [f"{path.relative_to(ROOT)} imports {m}" for m in _imports(path) if m == "rl" or m.startswith("rl.")]
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for folder in ("models", "parallel", "kernels")
+           for p in _files(folder) for m in _imports(p) if _within(m, "tandem.rl")]
     assert not bad, bad
 
 
 def test_models_never_import_parallel():
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in (ROOT / "models").rglob("*.py")
-           for m in _imports(p) if m == "parallel" or m.startswith("parallel.")]
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in _files("models")
+           for m in _imports(p) if _within(m, "tandem.parallel")]
+    assert not bad, bad
+
+
+def test_no_import_cycles_between_folders_or_modules():
+    folder_edges = _graph(_folder)
+    assert "tandem.rl.core" in folder_edges.get("tandem.rl.recipes", set())  # the graph is not empty
+    assert not _cycles(folder_edges), _cycles(folder_edges)
+    assert not _cycles(_graph()), _cycles(_graph())
+
+
+def test_the_ground_floor_imports_nothing_above_it():
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in _files("rl/core")
+           for m in _imports(p) if _within(m, "tandem.rl") and not _within(m, "tandem.rl.core")]
     assert not bad, bad
 
 
 def test_only_entry_points_reach_the_recipes():
-    """train.py runs them; tandem-sweep asks the registry for a recipe's held-out metric."""
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in (ROOT / "rl").rglob("*.py")
-           if not {"recipes", "sweep"} & set(p.parts) for m in _imports(p) if m.startswith("tandem.rl.recipes")]
+    """tandem/train.py runs them; tandem-sweep asks the registry for a recipe's held-out metric.
+    Inside rl/ only the recipes themselves import rl/recipes/."""
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in _files("rl")
+           if "recipes" not in p.parts for m in _imports(p) if _within(m, "tandem.rl.recipes")]
     assert not bad, bad
+    users = {_folder(_module(p)) for p in PKG.rglob("*.py") if "recipes" not in p.parts
+             for m in _imports(p) if _within(m, "tandem.rl.recipes")}
+    assert users <= {"tandem.train", "tandem.sweep"}, users
 
 
 def test_worker_side_packages_do_not_import_torch_at_module_level():
-    """Reward functions, environments and pools run in worker processes that start fast."""
+    """Reward functions, environments, the sandbox and the pools run in worker processes that
+    start fast."""
     bad = []
-    for folder in ("rewards", "envs", "workers"):
-        for path in (PKG / "rl" / folder).glob("*.py"):
-            if path.name == "reward_model.py":  # the reward-model scorer runs in the trainer
-                continue
+    for folder in ("rl/rewards", "rl/envs", "rl/workers", "rl/sandbox"):
+        for path in _files(folder):
             top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
             names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
             names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
@@ -88,7 +195,7 @@ def test_recipes_never_compare_algorithm_names():
     keys = r"(advantage|policy_loss|aggregation|kl_estimator|loss)"
     pattern = re.compile(rf"\.{keys}\s*(==|!=|\bin\b)|(==|!=)\s*\w+\.{keys}\b")
     bad = []
-    for path in (PKG / "rl" / "recipes").rglob("*.py"):
+    for path in _files("rl/recipes"):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
                 bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")

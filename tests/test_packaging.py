@@ -51,7 +51,7 @@ def test_the_wheel_installs_only_tandem(wheel: Path):
     assert top - dist_info == {"tandem"}, sorted(top)
     assert len(dist_info) == 1
     # the sandbox's supervisor and the code harness are read as files at run time
-    assert {"tandem/rl/workers/sandbox_supervisor.py", "tandem/rl/rewards/code_harness.py"} <= set(names)
+    assert {"tandem/rl/sandbox/supervisor.py", "tandem/rl/rewards/code_harness.py"} <= set(names)
     entry_points = configparser.ConfigParser()
     entry_points.read_string(zipfile.ZipFile(wheel).read(f"{next(iter(dist_info))}/entry_points.txt").decode())
     assert dict(entry_points["console_scripts"]) == {

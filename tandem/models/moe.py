@@ -49,6 +49,7 @@ from torch import nn
 
 from tandem.kernels.grouped_gemm import grouped_mm, permute_tokens, unpermute_tokens
 from tandem.models.args import ModelArgs
+from tandem.models.mlp import FeedForward
 
 
 class GroupedExperts(nn.Module):
@@ -77,9 +78,6 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        # Imported here: tandem.models.transformer imports this module for its blocks.
-        from tandem.models.transformer import FeedForward
-
         d, e = args.hidden_size, args.num_experts
         self.num_experts, self.top_k = e, args.num_experts_per_tok
         self.norm_topk_prob, self.score_func = args.norm_topk_prob, args.moe_score_func

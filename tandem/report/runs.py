@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.report import EXIT_NOT_A_RUN, ReportError
-from tandem.rl.runtime.metrics import read_rows
-from tandem.rl.runtime.samples import read_samples
+from tandem.rl.core.metrics import read_rows
+from tandem.rl.core.samples import read_samples
 
 
 @dataclass

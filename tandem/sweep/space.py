@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.rl.runtime.config import Config, ConfigError, load_config
-from tandem.rl.runtime.configlib import read_toml
+from tandem.rl.config.schema import Config, ConfigError, load_config
+from tandem.rl.core.configlib import read_toml
 from tandem.sweep import EXIT_USAGE, SweepError
 
 KINDS = ("uniform", "log_uniform", "int", "choice")

@@ -35,8 +35,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tandem.rl.runtime.config import Config, ConfigError, format_config
-from tandem.rl.runtime.configlib import format_toml
+from tandem.rl.config.schema import Config, ConfigError, format_config
+from tandem.rl.core.configlib import format_toml
 from tandem.sweep import (
     EXIT_BUSY,
     EXIT_INTERRUPTED,

@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.rl.runtime.metrics import parse_rows
-from tandem.rl.runtime.metrics import read_rows as metric_rows
+from tandem.rl.core.metrics import parse_rows
+from tandem.rl.core.metrics import read_rows as metric_rows
 from tandem.sweep import EXIT_USAGE, SweepError
 
 _PR_SET_PDEATHSIG = 1

@@ -31,7 +31,7 @@ from tandem.rl.algorithms import (
     reverse_kl_sampled,
     value_loss,
 )
-from tandem.rl.runtime.registry import RegistryError
+from tandem.rl.core.registry import RegistryError
 
 # 8 responses, 5 positions; right padding, row 6 has a hole (a tool-output token), row 7 is empty.
 MASK = torch.tensor([

@@ -9,7 +9,7 @@ import pytest
 from tandem.rl.data.loading import load_rows
 from tandem.rl.data.tasks import TASK_REWARD, TASKS, make_task_rows, split_of, write_jsonl
 from tandem.rl.rewards import REWARDS
-from tandem.rl.runtime.registry import RegistryError
+from tandem.rl.core.registry import RegistryError
 
 ALL_TASKS = ["arithmetic", "countdown", "sorting", "addition_small"]
 FIELDS = {"id", "task", "prompt", "messages", "answer", "reward", "problem_id"}

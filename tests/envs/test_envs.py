@@ -18,7 +18,7 @@ from tandem.rl.data.agentic_tasks import (
 from tandem.rl.data.loading import DataError
 from tandem.rl.envs import ENVIRONMENTS, StepResult, make_env, step_episode
 from tandem.rl.rewards import get_reward
-from tandem.rl.runtime.registry import RegistryError
+from tandem.rl.core.registry import RegistryError
 from tandem.rl.workers.env_pool import EnvPool
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'

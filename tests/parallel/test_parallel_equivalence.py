@@ -1,6 +1,6 @@
 """One GRPO-style update on every parallel layout equals the single-process update.
 
-Two torchrun launches (2 and 4 CPU processes, gloo) run tests/parallel_worker.py
+Two torchrun launches (2 and 4 CPU processes, gloo) run tests/parallel/parallel_worker.py
 once per module; each worker runs all its layouts in sequence and rank 0 writes
 losses, full gradients and full updated weights, plus a plain single-process
 reference of the same step. Tests compare each layout to that reference at
@@ -28,7 +28,7 @@ from tandem.parallel.pp import build_pipeline, pipeline_split
 from tandem.parallel.tp import validate_tp
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "parallel_worker.py"
+WORKER = ROOT / "tests" / "parallel" / "parallel_worker.py"
 RTOL = 1e-5
 
 LAYOUTS_2 = [

@@ -170,7 +170,7 @@ def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path):
             p.send_signal(signal.SIGTERM)
     p.wait(timeout=600)
     out = "".join(lines)
-    assert p.returncode == 75, out[-2000:]  # tandem/rl/runtime/errors.py EXIT_PREEMPTED: the batch script requeues on it
+    assert p.returncode == 75, out[-2000:]  # tandem/rl/core/errors.py EXIT_PREEMPTED: the batch script requeues on it
     saved = sorted(os.listdir(dump / "checkpoints"))
     assert len(saved) == 1 and saved[0].startswith("step-"), saved
     step = int(saved[0].split("-")[1])
@@ -209,7 +209,7 @@ def test_a_run_whose_ledger_lacks_steps_exits_5(tmp_path):
     ledger.write_text(ledger.read_text().splitlines(keepends=True)[1])  # step 1's prompts lost
     p = _single(dump, "--training.steps=2")  # resumes at step 2: nothing to train, the check fails
     out, _ = p.communicate(timeout=600)
-    assert p.returncode == 5, out[-2000:]  # tandem/rl/runtime/errors.py EXIT_SHORT_RUN
+    assert p.returncode == 5, out[-2000:]  # tandem/rl/core/errors.py EXIT_SHORT_RUN
     assert f"the run ended with fewer steps than asked: {ledger}: steps 1 missing (of 1..2)" in out, out[-2000:]
 
 

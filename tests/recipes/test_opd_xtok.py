@@ -48,8 +48,8 @@ def test_teacher_chunk_logprobs_match_transformers(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from tandem.parallel.mesh import Degrees, build_mesh
-    from tandem.rl.runtime.modeling import BuildSpec
-    from tandem.rl.runtime.rl_config import DistillConfig
+    from tandem.rl.core.modeling import BuildSpec
+    from tandem.rl.config.rl_schema import DistillConfig
     from tandem.rl.update.teachers import Teachers
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)

@@ -21,7 +21,7 @@ from tandem.rl.data.preference import (
     tokenize_response,
 )
 from tandem.rl.recipes import run as run_recipe
-from tandem.rl.runtime.config import ConfigError, load_config
+from tandem.rl.config.schema import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DPO_TOML = os.path.join(ROOT, "configs", "dpo.toml")

@@ -25,8 +25,8 @@ from tandem.parallel.distributed import init_distributed
 from tandem.rl.data.preference import SYNTHETIC_PAIRS
 from tandem.rl.recipes import run as run_recipe
 from tandem.rl.recipes.reward_model import EXPORT_DIR
-from tandem.rl.rewards.reward_model import RewardModelScorer
-from tandem.rl.runtime.config import load_config
+from tandem.rl.rollout.reward_model import RewardModelScorer
+from tandem.rl.config.schema import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RM_TOML = os.path.join(ROOT, "configs", "reward_model.toml")
@@ -123,7 +123,7 @@ def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
     from tandem.rl.recipes.base import Runtime
     from tandem.rl.recipes.rl import RLRecipe
     from tandem.rl.rewards.registry import REWARDS
-    from tandem.rl.runtime.metrics import MetricsLogger
+    from tandem.rl.core.metrics import MetricsLogger
 
     rm_dump = str(tmp_path / "rm")
     cfg = load_config(RM_TOML, ["--data.synthetic_rows=64", "--training.steps=2", "--metrics.tensorboard=false",

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from tandem.models.args import ModelArgs
 from tandem.parallel.mesh import Degrees
-from tandem.rl.runtime.config import ConfigError
+from tandem.rl.config.schema import ConfigError
 from tandem.rl.update.policy import check_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from tandem.rl.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageConfig, AdvantageInput
 from tandem.rl.recipes import unused_settings
-from tandem.rl.runtime.config import ConfigError, load_config
+from tandem.rl.config.schema import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")
@@ -142,25 +142,28 @@ def test_one_fsdp_rule_for_every_model():
     from tandem.parallel.parallelize import parallelize
 
     info = init_distributed(force_cpu=True)
-    mesh = build_mesh(Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1), info.device)
-    args = get_flavor("debug-qwen3")
-    for dtype, sharded in (("float32", False), ("bfloat16", True)):
+    try:
+        mesh = build_mesh(Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1), info.device)
+        args = get_flavor("debug-qwen3")
+        for dtype, sharded in (("float32", False), ("bfloat16", True)):
+            with torch.device("meta"):
+                model = Transformer(args)
+            parallelize(model, mesh, param_dtype=dtype)
+            assert isinstance(model, FSDPModule) is sharded
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize(model, mesh, param_dtype=dtype)
-        assert isinstance(model, FSDPModule) is sharded
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize(model, mesh, cpu_offload=True)
-    assert isinstance(model, FSDPModule)
-    # and a bfloat16 forward through the one-rank FSDP2 unit computes in bfloat16
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize(model, mesh, param_dtype="bfloat16")
-    model.to_empty(device="cpu")
-    model.init_weights(0)
-    model.reset_rope()
-    seen = []
-    model.layers["0"].attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    model(torch.zeros(1, 4, dtype=torch.long))
-    assert seen == [torch.bfloat16]
+        parallelize(model, mesh, cpu_offload=True)
+        assert isinstance(model, FSDPModule)
+        # and a bfloat16 forward through the one-rank FSDP2 unit computes in bfloat16
+        with torch.device("meta"):
+            model = Transformer(args)
+        parallelize(model, mesh, param_dtype="bfloat16")
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        model.reset_rope()
+        seen = []
+        model.layers["0"].attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        model(torch.zeros(1, 4, dtype=torch.long))
+        assert seen == [torch.bfloat16]
+    finally:  # the next test module may set up a process group of its own
+        dist.destroy_process_group()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tandem.report.__main__ import main as report_main
-from tandem.rl.runtime.samples import SampleLog
+from tandem.rl.core.samples import SampleLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

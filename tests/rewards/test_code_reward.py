@@ -1,5 +1,5 @@
 """The code_unit_tests reward (tandem/rl/rewards/code.py): the solution and the hidden tests run in
-separate sandboxed runs (tandem/rl/workers/sandbox.py), so a solution can neither read nor forge
+separate sandboxed runs (tandem/rl/sandbox/__init__.py), so a solution can neither read nor forge
 the test results, and unittest-style tests are discovered and run."""
 
 from __future__ import annotations

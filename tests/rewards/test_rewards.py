@@ -19,7 +19,7 @@ from tandem.rl.rewards.basic import (
     sequence_match,
 )
 from tandem.rl.rewards.math import extract_answer, is_equiv, math_reward, normalize_answer, to_sympy
-from tandem.rl.runtime.registry import RegistryError
+from tandem.rl.core.registry import RegistryError
 from tandem.rl.workers.reward_pool import RewardPool
 
 # ---------------------------------------------------------------------------- extraction

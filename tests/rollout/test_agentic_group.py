@@ -1,6 +1,6 @@
 """Multi-turn episodes in a generation group (rollout.tp = 2), against rollout.tp = 1.
 
-One torchrun launch of tests/agentic_group_worker.py per module (2 CPU ranks, gloo):
+One torchrun launch of tests/rollout/agentic_group_worker.py per module (2 CPU ranks, gloo):
 assets/agentic-policy plays the "tool" environment with the sandboxed python tool
 (as "tool_pid", which logs the pid that ran each step), first each rank alone on a
 whole copy (tp = 1, the reference), then both ranks as one generation group over
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "agentic_group_worker.py"
+WORKER = ROOT / "tests" / "rollout" / "agentic_group_worker.py"
 SAME = ("prompt", "completion", "mask", "turns", "tool_calls", "reward", "finish", "group", "row")
 
 

@@ -1,6 +1,6 @@
 """The generation layout (tandem/parallel/generation_layout.py) and the reshard into it (tandem/parallel/reshard.py).
 
-Two torchrun launches (2 and 4 CPU ranks, gloo) run tests/generation_worker.py
+Two torchrun launches (2 and 4 CPU ranks, gloo) run tests/rollout/generation_worker.py
 once per module: for each training layout (FSDP2, TP, PP, FSDP2 x TP, a tied
 model) and generation degree, greedy tokens must equal a plain single-process
 generator on the same weights; sampled tokens' generator log-probs must equal
@@ -28,8 +28,8 @@ from tandem.parallel.reshard import Box, Resharder, _bucket, _Move
 from tests.fixtures import launch_worker
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "generation_worker.py"
-BUCKET = 256 << 10  # tests/generation_worker.py BUCKET
+WORKER = ROOT / "tests" / "rollout" / "generation_worker.py"
+BUCKET = 256 << 10  # tests/rollout/generation_worker.py BUCKET
 LEFTOVER = 16 << 10  # bytes allowed to outlive a rollout that are not the samples' (see the memory test)
 
 

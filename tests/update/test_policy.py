@@ -24,7 +24,7 @@ from tandem.models import Transformer, get_flavor
 from tandem.parallel.mesh import Degrees, build_mesh
 from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.runtime.modeling import BuildSpec
+from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,

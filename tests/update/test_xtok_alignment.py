@@ -1,4 +1,4 @@
-"""Cross-tokenizer alignment (tandem/rl/update/alignment.py, tandem/models/token_bytes.py) on hand-written cases.
+"""Cross-tokenizer alignment (tandem/rl/update/xtok_alignment.py, tandem/models/token_bytes.py) on hand-written cases.
 
 Tokenizers are built here: the student's built-in character tokenizer (byte
 fallback for characters outside it), a byte-level BPE trained on a few lines
@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as Raw
 from tandem.models.token_bytes import TokenBytes, byte_level_alphabet
 from tandem.models.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer, build_char_tokenizer
 from tandem.rl.algorithms import chunk_opd_advantages, chunk_reverse_kl, chunk_sums, opd_advantages
-from tandem.rl.update.alignment import END, CrossTokenizer, align
+from tandem.rl.update.xtok_alignment import END, CrossTokenizer, align
 
 LLAMA_TEMPLATE = (
     "{{- '<|begin_of_text|>' }}{%- for m in messages %}{%- if m['role'] == 'tool' %}"

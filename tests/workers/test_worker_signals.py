@@ -35,7 +35,7 @@ def test_pool_workers_survive_signals_to_the_trainers_process_group(tmp_path: Pa
     and every score and environment result is right."""
     err_path = tmp_path / "stderr.txt"  # a line per signal: a pipe nobody reads would fill up
     with open(err_path, "w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.pool_signal_trainer"], cwd=ROOT, env=ENV,
+        proc = subprocess.Popen([sys.executable, "-m", "tests.workers.pool_signal_trainer"], cwd=ROOT, env=ENV,
                                 stdout=subprocess.PIPE, stderr=err_file, text=True, start_new_session=True)
     stop = threading.Event()
     sent = [0]

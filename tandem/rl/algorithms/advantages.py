@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.rl.runtime.registry import Registry
+from tandem.rl.core.registry import Registry
 
 __all__ = [
     "ADVANTAGES",

@@ -11,7 +11,7 @@ samples (mode-seeking; e.g. "On-Policy Distillation of Language Models", arXiv
 - `opd_advantages`: its negative, detached and masked, as per-token advantages
   for a policy loss (e.g. ``reinforce`` or ``ppo_clip``).
 - `chunk_reverse_kl` / `chunk_opd_advantages`: the same over chunks, for a
-  teacher with another tokenizer (tandem/rl/update/alignment.py): a chunk is a span
+  teacher with another tokenizer (tandem/rl/update/xtok_alignment.py): a chunk is a span
   of the completion whose ends are token boundaries for both models, and its
   estimate is ``log p_s(chunk) - log p_t(chunk)``, each the sum of that
   model's token log-probs. Every student token of a chunk carries the whole

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from tandem.rl.runtime.registry import Registry
+from tandem.rl.core.registry import Registry
 
 __all__ = ["KL_ESTIMATORS", "KLFn", "kl_loss_term", "kl_penalty_rewards"]
 

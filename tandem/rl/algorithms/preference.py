@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor
 
-from tandem.rl.runtime.registry import Registry
+from tandem.rl.core.registry import Registry
 
 __all__ = [
     "PREFERENCE_LOSSES",

@@ -34,7 +34,7 @@ from typing import Any
 
 from tandem.rl.data.loading import DataError, iter_jsonl_objects
 from tandem.rl.data.tasks import Split, split_of
-from tandem.rl.runtime.registry import Registry
+from tandem.rl.core.registry import Registry
 
 __all__ = [
     "AGENTIC_TASKS",

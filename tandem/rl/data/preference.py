@@ -31,7 +31,7 @@ import torch
 from tandem.rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
 from tandem.rl.data.sft import BadRow, Example
 from tandem.rl.data.tasks import make_task_rows
-from tandem.rl.runtime.registry import Registry
+from tandem.rl.core.registry import Registry
 
 __all__ = [
     "SYNTHETIC_PAIRS",

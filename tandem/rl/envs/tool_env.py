@@ -2,7 +2,7 @@
 
 Each assistant turn is parsed with ``tandem.rl.envs.tools.parse_tool_calls``. If it has
 ``<tool_call>`` blocks, each is dispatched to the configured tools (``python``
-runs in tandem/rl/workers/sandbox.py, ``calculator`` is an AST whitelist) and every result comes
+runs in tandem/rl/sandbox/__init__.py, ``calculator`` is an AST whitelist) and every result comes
 back as one ``{"role": "tool", "content": ...}`` observation; a malformed call
 is an ``Error: ...`` observation, never an exception. A turn without tool calls
 is the final answer: the episode ends and the configured reward function from
@@ -35,7 +35,7 @@ from tandem.rl.envs.base import (
 )
 from tandem.rl.envs.tools import TOOLS, Tool, ToolCallError, dispatch, make_python_tool, parse_tool_calls
 from tandem.rl.rewards.registry import RewardFn, get_reward
-from tandem.rl.workers.sandbox import SandboxLimits
+from tandem.rl.sandbox import SandboxLimits
 
 __all__ = ["ToolEnv", "ToolEnvConfig", "ToolEpisode"]
 

@@ -14,7 +14,7 @@ call and always returns a string. :func:`tool_schemas` gives the OpenAI function
 format that chat templates take as ``tools=``.
 
 Tools live in the ``TOOLS`` registry. Two ship here: ``python`` (runs the code in
-tandem/rl/workers/sandbox.py; read its docstring for what that isolation does and does not cover)
+tandem/rl/sandbox/__init__.py; read its docstring for what that isolation does and does not cover)
 and ``calculator`` (arithmetic over an ``ast`` whitelist: number literals,
 ``+ - * / // % **``, unary ``+``/``-`` and parentheses; no names, calls or
 attributes, so there is nothing to escape through; results are capped at
@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.rl.runtime.registry import Registry
-from tandem.rl.workers.sandbox import DEFAULT_LIMITS, SandboxLimits, run_python
+from tandem.rl.core.registry import Registry
+from tandem.rl.sandbox import DEFAULT_LIMITS, SandboxLimits, run_python
 
 __all__ = [
     "TOOLS",

@@ -29,17 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-# Exit status for a NonFiniteError (the lead mirrors it in tandem/rl/runtime/errors.py).
+from tandem.rl.core.errors import NonFiniteError
 
 Policy = Literal["skip", "stop"]
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or a gradient was NaN/Inf under policy "stop". ``report`` is the JSON written."""
-
-    def __init__(self, msg: str, report: dict[str, Any]) -> None:
-        super().__init__(msg)
-        self.report = report
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,8 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-# Exit status of a rank whose watchdog fired (the lead mirrors it in tandem/rl/runtime/errors.py).
-from tandem.rl.runtime.errors import EXIT_HANG  # noqa: E402
+# Exit status of a rank whose watchdog fired (the lead mirrors it in tandem/rl/core/errors.py).
+from tandem.rl.core.errors import EXIT_HANG  # noqa: E402
 
 FR_SUBDIR = "flight_recorder"
 _RANK_JSON = re.compile(r"^rank-(\d+)\.json$")

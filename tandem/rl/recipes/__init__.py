@@ -19,7 +19,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.rl.runtime.registry import Registry
+from tandem.rl.core.registry import Registry
 
 SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint",
                    "metrics", "fault", "plan")
@@ -48,8 +48,8 @@ RECIPES.register("rl")(RecipeEntry("tandem.rl.recipes.rl:make_rl", ("rl", "rollo
 
 def unused_settings(cfg: Any) -> list[str]:
     """Keys set to a non-default value in a section the chosen recipe does not read."""
-    from tandem.rl.runtime.config import Config
-    from tandem.rl.runtime.configlib import to_dict
+    from tandem.rl.config.schema import Config
+    from tandem.rl.core.configlib import to_dict
 
     used = set(SHARED_SECTIONS) | set(RECIPES.get(cfg.training.recipe).sections)
     default, now = to_dict(Config()), to_dict(cfg)

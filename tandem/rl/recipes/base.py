@@ -34,8 +34,8 @@ import torch.nn as nn
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
-from tandem.rl.runtime.config import FaultConfig
-from tandem.rl.runtime.metrics import MetricsLogger
+from tandem.rl.config.schema import FaultConfig
+from tandem.rl.core.metrics import MetricsLogger
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -145,7 +145,7 @@ class SingleModelTraining:
 
     def __init__(self, model: nn.Module, cfg: Any, dump_folder: str, rank: int) -> None:
         from tandem.parallel.grad import clip_grad_norm
-        from tandem.rl.runtime.optim import build_optimizer, build_scheduler
+        from tandem.rl.core.optim import build_optimizer, build_scheduler
 
         o, s = cfg.optimizer, cfg.lr_schedule
         self.model = model

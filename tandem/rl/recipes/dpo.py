@@ -37,8 +37,8 @@ from tandem.rl.recipes.pairwise import (
     reshard_all,
     sequence_logps,
 )
-from tandem.rl.runtime.config import ConfigError
-from tandem.rl.runtime.modeling import BuildSpec, build_transformer, export_hf
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.modeling import BuildSpec, build_transformer, export_hf
 
 
 class DPOHead:

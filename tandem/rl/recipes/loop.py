@@ -35,11 +35,11 @@ from tandem.parallel.distributed import DistInfo
 from tandem.rl.fault import PreemptionHandler, Watchdog
 from tandem.rl.fault.inject import maybe_kill
 from tandem.rl.recipes.base import Recipe, Runtime
-from tandem.rl.runtime import errors
-from tandem.rl.runtime.checkpoint import Checkpointer, resume_note, resume_step
-from tandem.rl.runtime.config import Config, format_config
-from tandem.rl.runtime.metrics import MetricsLogger, step_gaps, truncate_jsonl
-from tandem.rl.runtime.system import peak_memory_gb, reset_peak_memory
+from tandem.rl.core import errors
+from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
+from tandem.rl.config.schema import Config, format_config
+from tandem.rl.core.metrics import MetricsLogger, step_gaps, truncate_jsonl
+from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 
 RecipeFactory = Callable[[Config, Runtime], Recipe]
 # per-step files a resume cuts back to its checkpoint's step
@@ -57,7 +57,8 @@ class Shell:
         self.preempt = PreemptionHandler(self.dump, info.rank)
         c = cfg.checkpoint
         self.ckpt = Checkpointer(os.path.join(self.dump, c.folder), keep_last=c.keep_last,
-                                 async_save=c.async_save, model_only=c.model_only)
+                                 async_save=c.async_save, model_only=c.model_only,
+                                 before_commit=lambda step: maybe_kill(step, info.rank, self.dump, in_save=True))
         self.logger: MetricsLogger | None = None
         self.recipe: Recipe | None = None
         self.step = 0
@@ -175,7 +176,7 @@ class Shell:
     # ---- checkpoints -----------------------------------------------------------------
 
     def _resume(self) -> None:
-        """Load the newest checkpoint that verifies (tandem/rl/runtime/checkpoint.py `resume_step`: it
+        """Load the newest checkpoint that verifies (tandem/rl/core/checkpoint.py `resume_step`: it
         refuses a start at step 0 over an earlier run's checkpoints, exit 8) and cut the
         per-step logs back to its step; a start at step 0 cuts them to nothing (what an
         attempt logged before its first checkpoint is redone)."""

@@ -41,8 +41,8 @@ from tandem.rl.recipes.base import (
     SingleModelTraining,
     StepOutput,
 )
-from tandem.rl.runtime.config import ConfigError
-from tandem.rl.runtime.modeling import BuildSpec, build_tokenizer, model_args
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.modeling import BuildSpec, build_tokenizer, model_args
 
 __all__ = [
     "PairHead",

@@ -9,7 +9,7 @@ renders it), and the loss is -log sigmoid(s_chosen - s_rejected)
 pairs with the layout-invariant scaling of tandem/rl/recipes/pairwise.py.
 
 At the end the model is written to ``<dump_folder>/reward_model`` (config.json,
-safetensors, tokenizer); `tandem.rl.rewards.reward_model.RewardModelScorer(folder)`
+safetensors, tokenizer); `tandem.rl.rollout.reward_model.RewardModelScorer(folder)`
 loads it and scores (prompt, completion) texts with the very tokenization used
 in training.
 """
@@ -27,7 +27,7 @@ from tandem.rl.algorithms.preference import bradley_terry_loss
 from tandem.rl.data.preference import PreferencePair, collate_pairs
 from tandem.rl.recipes.base import Runtime
 from tandem.rl.recipes.pairwise import PairSetup, PairwiseRecipe, pair_accuracy
-from tandem.rl.runtime.modeling import BuildSpec, build_scalar_model, gather_full_state
+from tandem.rl.core.modeling import BuildSpec, build_scalar_model, gather_full_state
 
 __all__ = ["EXPORT_DIR", "RewardModelHead", "make_reward_model", "pair_scores"]
 

@@ -56,11 +56,11 @@ from tandem.rl.rollout.generation import (
     generation_dtype,
 )
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.runtime.config import ConfigError
-from tandem.rl.runtime.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
-from tandem.rl.runtime.optim import build_optimizer, build_scheduler
-from tandem.rl.runtime.samples import SampleLog
-from tandem.rl.runtime.system import allocated_gb, peak_memory_gb, reset_peak_memory
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
+from tandem.rl.core.optim import build_optimizer, build_scheduler
+from tandem.rl.core.samples import SampleLog
+from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.update.critic import Critic
 from tandem.rl.update.loss import (
     LossInputs,
@@ -189,7 +189,7 @@ class RLRecipe:
     # ---- rollout ---------------------------------------------------------------------
 
     def _reward_model(self):
-        from tandem.rl.rewards.reward_model import RewardModelScorer
+        from tandem.rl.rollout.reward_model import RewardModelScorer
 
         path = self.cfg.reward.reward_model
         try:

@@ -27,8 +27,8 @@ from tandem.rl.recipes.base import (
     StepOutput,
 )
 from tandem.rl.recipes.pairwise import rank_indices, reshard_all
-from tandem.rl.runtime.config import ConfigError
-from tandem.rl.runtime.modeling import BuildSpec, build_tokenizer, build_transformer, export_hf, model_args
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.modeling import BuildSpec, build_tokenizer, build_transformer, export_hf, model_args
 
 
 def split_held_out(records: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:

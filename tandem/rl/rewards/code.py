@@ -8,7 +8,7 @@ the test is ``check(<entry_point>)``. The solution is the last fenced ```` ```py
 block of the completion (else the last bare ```` ``` ```` block, else the whole text).
 
 How a run is scored (why it is hard to fake): tandem/rl/rewards/code_harness.py runs the
-solution and the tests in two separate sandboxed runs (tandem/rl/workers/sandbox.py), each with
+solution and the tests in two separate sandboxed runs (tandem/rl/sandbox/__init__.py), each with
 its own uid and, where the kernel allows, its own namespaces. The solution's run never
 holds the tests: the tests' run calls the solution's functions over a socket and gets
 plain data back, compares it itself, and writes ``{"passed", "total"}`` to a pipe the
@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.rl.rewards.registry import register_reward
-from tandem.rl.workers.sandbox import SandboxLimits, SandboxResult, start_python
+from tandem.rl.sandbox import SandboxLimits, SandboxResult, start_python
 
 __all__ = ["code_unit_tests", "extract_code", "normalize_tests", "score_report"]
 

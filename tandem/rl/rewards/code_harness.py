@@ -1,6 +1,6 @@
 """The two trusted programs of the ``code_unit_tests`` reward, and the wire format between them.
 
-tandem/rl/rewards/code.py copies this file into two sandboxed runs (tandem/rl/workers/sandbox.py):
+tandem/rl/rewards/code.py copies this file into two sandboxed runs (tandem/rl/sandbox/__init__.py):
 
 * the **solution server** (:func:`serve`) runs the policy's code and nothing else: it
   never receives the tests. It answers requests on a socket: call this function,

@@ -31,7 +31,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from tandem.rl.runtime.registry import Registry
+from tandem.rl.core.registry import Registry
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 

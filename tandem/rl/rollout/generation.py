@@ -129,7 +129,7 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     """Collective: the generation layout (``rollout.tp`` ranks per generator; 0 resolved by
     `choose_rollout_tp`) and the policy's copy into it; one ConfigError line when the model
     cannot be split that way."""
-    from tandem.rl.runtime.config import ConfigError
+    from tandem.rl.config.schema import ConfigError
 
     dev, world = info.device, info.world_size
     params = policy.parameters()

@@ -26,10 +26,10 @@ from tandem.models.args import ModelArgs
 from tandem.parallel.grad import clip_grad_norm
 from tandem.rl.algorithms import AGGREGATIONS
 from tandem.rl.algorithms.value import value_loss
-from tandem.rl.runtime.config import OptimizerConfig
-from tandem.rl.runtime.modeling import BuildSpec, build_scalar_model
-from tandem.rl.runtime.optim import build_optimizer
-from tandem.rl.runtime.rl_config import CriticConfig
+from tandem.rl.config.schema import OptimizerConfig
+from tandem.rl.core.modeling import BuildSpec, build_scalar_model
+from tandem.rl.core.optim import build_optimizer
+from tandem.rl.config.rl_schema import CriticConfig
 from tandem.rl.update.loss import MicroBatch, scatter_completions
 
 

@@ -46,8 +46,8 @@ from tandem.parallel.mesh import Degrees
 from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
 from tandem.parallel.tp import validate_tp
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.runtime.config import ConfigError
-from tandem.rl.runtime.modeling import (
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.modeling import (
     BuildSpec,
     build_transformer,
     export_hf,

@@ -10,7 +10,7 @@ at start (exit 2), naming the value and the row.
 A teacher with the student's tokenizer scores the student's own token ids, and
 each token is a chunk of its own. A teacher with another tokenizer sees the
 conversation through its own chat template and the completion re-encoded
-(tandem/rl/update/alignment.py); its token log-probs are summed over the chunks both
+(tandem/rl/update/xtok_alignment.py); its token log-probs are summed over the chunks both
 tokenizations share. `Teachers.score` returns, per completion, the teacher's
 log-prob of every chunk and the chunk of every student token; the recipe turns
 ``log p_student(chunk) - log p_teacher(chunk)`` into advantages
@@ -30,10 +30,10 @@ from tandem.models.hf import load_args
 from tandem.models.tokenizer import Tokenizer
 from tandem.rl.algorithms import chunk_sums
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.runtime.config import ConfigError
-from tandem.rl.runtime.modeling import BuildSpec, ModelSetupError, build_transformer
-from tandem.rl.runtime.rl_config import DistillConfig
-from tandem.rl.update.alignment import CrossTokenizer
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_transformer
+from tandem.rl.config.rl_schema import DistillConfig
+from tandem.rl.update.xtok_alignment import CrossTokenizer
 from tandem.rl.update.loss import pack_micro_batches, recompute_logprobs, sync_micro_batch_count
 
 Conversation = Callable[[dict[str, Any]], list[dict[str, Any]]]

@@ -1,0 +1,529 @@
+"""DCP checkpoints that cannot be half-written, and exact resume.
+
+Layout under ``<dump_folder>/<checkpoint.folder>/``::
+
+    step-120/            committed checkpoint (DCP shards + .metadata)
+      COMMITTED          marker, written last, before the rename; holds the sha256 of SHA256SUMS
+      SHA256SUMS         sha256 of every other file (``sha256sum -c SHA256SUMS`` format)
+      trainer.json       step, data position, and other trainer state (rank 0)
+      rng/rank-0.pt      per-rank RNG states (torch.save; not sharded)
+    step-180.partial/    a save in progress or interrupted: ignored
+
+A save writes into ``step-N.partial``, every rank finishes, then rank 0 writes
+the marker and renames the folder: a crash at any moment leaves either the
+old set of committed checkpoints or the new one. The loader only considers
+folders with the marker. DCP reshards model and optimizer state on load, so a
+checkpoint written by N ranks loads on M ranks and another layout.
+
+Asynchronous saves (``async_save=True``): the state is copied to CPU memory
+while the step loop waits (the blocking part), then written by a background
+thread over a gloo group of its own while training continues. The loop calls
+``poll()`` once per step: when every rank's write has finished, the save is
+committed as above (so a checkpoint is committed at most one step after its
+write ends). ``wait()`` finishes and commits a pending save (the last step,
+preemption); a new save first finishes the previous one.
+
+Integrity: each rank hashes the files it wrote right after writing them (in the
+background thread for asynchronous saves), rank 0 merges the sums into
+SHA256SUMS at commit, and the marker records that file's own hash. `verify`
+re-hashes a checkpoint (the ranks split its files) and names the first file
+that differs; `load` verifies before it reads, `resume_step` falls back to the
+newest checkpoint that verifies, and pruning never deletes a checkpoint while
+the newest one is not known good. A save refuses to commit non-finite weights.
+
+Model-only checkpoints (``model_only=True``) hold the weights, trainer state
+and RNG but no optimizer state (about 40 % of the bytes with AdamW); a resume
+from one starts the optimizer afresh (the marker says so; ``load`` reports it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from tandem.rl.core.configlib import ConfigError
+from tandem.rl.core.errors import EXIT_CHECKPOINT, NonFiniteError
+from tandem.rl.core.metrics import truncate_jsonl
+
+if TYPE_CHECKING:
+    from tandem.rl.config.schema import CheckpointConfig
+
+MARKER = "COMMITTED"
+SUMS = "SHA256SUMS"
+_SUMS_DIR = "_sums"  # per-rank sums while a save is staged; merged into SUMS at commit
+# Optimizer state keyed by parameter name ("state.layers.0.x.exp_avg", "param_groups.layers.0.x.lr"):
+# every rank's own entries, so pipeline stages (different parameters per rank) save and
+# load their hyperparameters too, and a checkpoint moves between layouts.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_HASH_CHUNK = 16 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint folder that cannot be used as asked (damaged, or an earlier run's
+    checkpoints in the way of a fresh start). ``str()`` is one line; train.py exits
+    with ``exit_status`` (EXIT_CHECKPOINT)."""
+
+    exit_status = EXIT_CHECKPOINT
+
+
+Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]  # name -> (model, optimizer)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def committed_steps(folder: str) -> list[int]:
+    """Steps of committed checkpoints under ``folder`` (marker present; not verified), ascending."""
+    return [s for s in step_folders(folder) if os.path.exists(os.path.join(folder, f"step-{s}", MARKER))]
+
+
+def step_folders(folder: str) -> list[int]:
+    """Steps of every ``step-N`` folder under ``folder``, committed or not (``.partial`` excluded), ascending."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        m = _STEP_RE.match(name)
+        if m and os.path.isdir(os.path.join(folder, name)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+class Checkpointer:
+    """Save and load policy + optimizer + trainer state with DCP."""
+
+    def __init__(self, folder: str, *, keep_last: int = 2, async_save: bool = False,
+                 model_only: bool = False, before_commit: Callable[[int], None] | None = None) -> None:
+        """``before_commit(step)`` runs on every rank after a step's shards are written and
+        before its commit (the shell's fault drill kills a rank there)."""
+        self.folder = folder
+        self.before_commit = before_commit
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.model_only = model_only
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._pending: _Pending | None = None
+        # Steps this process committed or verified (good) or found damaged (bad); pruning
+        # counts only these and never runs while the newest committed step is not good.
+        self._good: set[int] = set()
+        self._bad: set[int] = set()
+        # Background writes need collectives of their own, off the training groups, and a
+        # second group for the main thread's "has every rank finished?" all-reduce.
+        distributed = async_save and dist.is_initialized()
+        self._write_pg = dist.new_group(backend="gloo") if distributed else None
+        self._sync_pg = dist.new_group(backend="gloo") if distributed else None
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (not verified: `resume_step` picks the newest that verifies)."""
+        steps = committed_steps(self.folder)
+        return steps[-1] if steps else None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             trainer_state: dict[str, Any], extras: Extras | None = None) -> float:
+        """Write ``step-N`` (committed now, or by ``poll``/``wait`` when asynchronous);
+        returns the seconds the caller was blocked. ``extras`` are more (model,
+        optimizer) pairs saved under their names (e.g. a PPO critic).
+
+        Raises NonFiniteError (exit 7), whatever ``fault.on_nonfinite`` says, when a
+        weight on any rank is NaN/Inf: nothing of the step is written, and the
+        checkpoints already committed stay as they are."""
+        t0 = time.monotonic()
+        self.wait()
+        _check_finite_weights(step, [model] + [m for m, _ in (extras or {}).values()], self.rank)
+        staging = self.path(step) + ".partial"
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging, exist_ok=True)
+        _barrier()
+        state = _state(model, None if self.model_only else optimizer, extras, self.model_only)
+        os.makedirs(os.path.join(staging, "rng"), exist_ok=True)
+        torch.save(rng_state(), os.path.join(staging, "rng", f"rank-{self.rank}.pt"))
+        pending = _Pending(step, json.dumps(trainer_state), t0)
+        writer = _HashingWriter(staging)
+        if self.async_save:
+            pending.future = dcp.async_save(state, storage_writer=writer, process_group=self._write_pg)
+            self._pending = pending
+        else:
+            dcp.save(state, storage_writer=writer)
+            self._commit(pending)
+        return time.monotonic() - t0
+
+    @property
+    def pending_step(self) -> int | None:
+        return self._pending.step if self._pending is not None else None
+
+    def poll(self) -> float | None:
+        """Commit the pending asynchronous save if every rank has written it; returns the
+        save's total seconds (start to commit) when it committed now, else None.
+        Collective (every rank calls it at the same point)."""
+        if self._pending is None:
+            return None
+        unfinished = torch.tensor([0 if self._pending.future.done() else 1])
+        if self._sync_pg is not None:
+            dist.all_reduce(unfinished, group=self._sync_pg)  # ranks still writing
+        if unfinished.item():
+            return None
+        return self.wait()
+
+    def wait(self) -> float | None:
+        """Finish and commit the pending asynchronous save (blocks until written);
+        returns its total seconds, or None when nothing was pending."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        error = pending.future.exception()
+        failed = torch.tensor([1 if error is not None else 0])
+        if self._sync_pg is not None:
+            dist.all_reduce(failed, group=self._sync_pg)
+        if failed.item():
+            where = f"on this rank ({self.rank}): {error!r}" if error is not None else "on another rank"
+            raise RuntimeError(f"checkpoint step-{pending.step}: the asynchronous write failed {where}; "
+                               f"{self.path(pending.step)}.partial is left uncommitted")
+        self._commit(pending)
+        return time.monotonic() - pending.t0
+
+    def _commit(self, pending: _Pending) -> None:
+        step = pending.step
+        final, staging = self.path(step), self.path(step) + ".partial"
+        if self.before_commit is not None:
+            self.before_commit(step)
+        _barrier()
+        if self.rank == 0:
+            with open(os.path.join(staging, "trainer.json"), "w") as f:
+                f.write(pending.trainer_json)
+            sums_hash = _write_sums(staging)
+            with open(os.path.join(staging, MARKER), "w") as f:
+                f.write(f"step={step} world={self.world} model_only={int(self.model_only)} sha256sums={sums_hash}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(final):  # only a damaged one (resume_step passed it over) can be here
+                shutil.rmtree(final)
+            os.rename(staging, final)
+        self._good.add(step)
+        self._bad.discard(step)
+        if self.rank == 0:
+            self._prune()
+        _barrier()
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` checkpoints not known to be damaged; delete older
+        ones. Nothing is deleted while the newest committed one is not known good."""
+        steps = committed_steps(self.folder)
+        if steps and steps[-1] in self._good:
+            keep = [s for s in steps if s not in self._bad][-self.keep_last:]
+            for s in steps:
+                if s < keep[0]:
+                    shutil.rmtree(self.path(s), ignore_errors=True)
+        for name in os.listdir(self.folder):
+            if name.endswith(".partial"):
+                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+
+    def verify(self, step: int) -> str | None:
+        """Why ``step-N`` is not the checkpoint that was committed (one line), or None when
+        every file matches SHA256SUMS. Collective: the ranks split the files to hash,
+        and every rank returns the same answer. Remembers the result for pruning and `load`."""
+        path = self.path(step)
+        reason, files = _read_manifest(path, step)
+        first_bad = len(files)
+        for i in range(self.rank, len(files), self.world):  # rank r hashes files r, r + world, ...
+            full = os.path.join(path, files[i][0])
+            if not os.path.isfile(full) or _sha256(full) != files[i][1]:
+                first_bad = i
+                break
+        first_bad = _all_min(first_bad if reason is None else -1)
+        if reason is None and first_bad < len(files):
+            name = files[first_bad][0]
+            what = "is missing" if not os.path.isfile(os.path.join(path, name)) else "differs from its sha256 at commit"
+            reason = f"{name} {what}"
+        elif reason is None and first_bad < 0:
+            reason = "a rank could not read its manifest"  # file system not the same on every rank
+        (self._bad if reason else self._good).add(step)
+        (self._good if reason else self._bad).discard(step)
+        return f"{path}: {reason}" if reason else None
+
+    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             extras: Extras | None = None) -> dict[str, Any]:
+        """Load ``step-N`` into model/optimizer (and ``extras``), resharding as needed;
+        return trainer state (with ``_saved_world`` and ``_model_only`` added). A
+        model-only checkpoint leaves the optimizers as they are. The checkpoint is
+        verified first (unless this process just verified or wrote it); a damaged one
+        raises CheckpointError and loads nothing."""
+        path = self.path(step)
+        if step not in self._good:
+            reason = self.verify(step)
+            if reason is not None:
+                raise CheckpointError(f"checkpoint {reason}; not loaded")
+        marker = _read_marker(path, step)
+        model_only = marker["model_only"] == "1"
+        state = _state(model, None if model_only else optimizer, extras, model_only)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except Exception as e:  # e.g. a checkpoint of another model: DCP names the missing keys
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint {path}: cannot be loaded into this model: {first}") from None
+        for key, (m, o) in {"": (model, optimizer), **(extras or {})}.items():
+            part = state[key] if key else state
+            set_model_state_dict(m, part["model"])
+            if o is not None and not model_only:
+                set_optimizer_state_dict(m, o, part["optim"], options=_OPTIM)
+        rng_file = os.path.join(path, "rng", f"rank-{self.rank}.pt")
+        if os.path.exists(rng_file):
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        with open(os.path.join(path, "trainer.json")) as f:
+            trainer = json.load(f)
+        trainer["_saved_world"] = int(marker["world"])
+        trainer["_model_only"] = model_only
+        return trainer
+
+
+def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_main: bool, *,
+                logs: Sequence[str] = ()) -> int | None:
+    """The step to resume from (load it with ``ckpt.load``), or None to start at step 0.
+
+    Collective (every rank calls it; every rank gets the same answer):
+
+    - ``checkpoint.enable = false``: None; nothing is read or removed.
+    - ``checkpoint.resume = true``: the newest ``step-N`` that verifies. Newer ones that
+      do not are passed over with one line on stderr naming each and why, and kept
+      (a later save of the same step replaces it; pruning leaves the good ones alone).
+    - No checkpoint to resume from (none verifies, or ``resume = false``) while
+      ``step-N`` folders exist: CheckpointError (exit 8) naming them, unless
+      ``checkpoint.overwrite = true``; then they are deleted (one line says so) and
+      the jsonl ``logs`` (metrics.jsonl, ledger.jsonl) of that earlier run are emptied.
+    - A checkpoint past ``total_steps`` (training.steps): ConfigError (exit 2).
+    """
+    if not cfg.enable:
+        return None
+    existing = step_folders(ckpt.folder)
+    damaged: list[str] = []
+    if cfg.resume:
+        for step in reversed(existing):
+            reason = ckpt.verify(step)
+            if reason is None:
+                if damaged and is_main:
+                    print(f"warning: passed over {len(damaged)} damaged checkpoint(s): {'; '.join(damaged)}; "
+                          f"resuming from {ckpt.path(step)}, the newest that verifies", file=sys.stderr, flush=True)
+                if step > total_steps:
+                    raise ConfigError(f"training.steps: {total_steps} is below the step of the checkpoint to resume "
+                                      f"({ckpt.path(step)}); raise training.steps, or start over with "
+                                      "checkpoint.resume=false checkpoint.overwrite=true")
+                if is_main:
+                    for log in logs:
+                        truncate_jsonl(log, step)
+                return step
+            damaged.append(reason)
+    if not existing:
+        return None
+    names = ", ".join(f"step-{s}" for s in existing)
+    if not cfg.overwrite:
+        why = (f"none verifies ({'; '.join(damaged)})" if cfg.resume
+               else "checkpoint.resume = false")
+        raise CheckpointError(f"{ckpt.folder} holds checkpoints of an earlier run ({names}) and {why}; refusing "
+                              "to start at step 0 over them: set checkpoint.overwrite=true to delete them and "
+                              "start over, or choose another job.dump_folder")
+    if is_main:
+        for s in existing:
+            shutil.rmtree(ckpt.path(s))
+        for log in logs:
+            truncate_jsonl(log, 0)
+        print(f"checkpoint.overwrite: deleted the earlier run's checkpoints ({names}) under {ckpt.folder}; "
+              "starting at step 0", file=sys.stderr, flush=True)
+    _barrier()
+    return None
+
+
+def resume_note(trainer_state: dict[str, Any], world: int) -> str:
+    """What a resume log line should add: resharding, a model-only checkpoint."""
+    note = ""
+    if trainer_state["_saved_world"] != world:
+        note += f" (saved on {trainer_state['_saved_world']} ranks, now {world}: resharded)"
+    if trainer_state["_model_only"]:
+        note += " (model-only checkpoint: the optimizer state starts afresh)"
+    return note
+
+
+@dataclass
+class _Pending:
+    """A save whose shards are written (``future``: by DCP's background thread) but not
+    yet committed by ``Checkpointer._commit``."""
+
+    step: int
+    trainer_json: str  # trainer state as it was at save time
+    t0: float
+    future: Future | None = None
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extras: Extras | None,
+           model_only: bool = False) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
+    for name, (m, o) in (extras or {}).items():
+        state[name] = _state(m, None if model_only else o, None)
+    return state
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _all_min(value: int) -> int:
+    """The minimum of ``value`` over all ranks (default group; CPU tensors go over gloo)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _check_finite_weights(step: int, models: list[nn.Module], rank: int) -> None:
+    """Raise NonFiniteError on every rank when any rank holds a NaN/Inf weight (its local
+    shards). One multi-tensor norm per model part (a NaN/Inf element makes its tensor's
+    norm non-finite; 16 ms for 100M fp32 parameters on a 2-core CPU, against 190 ms for
+    ``isfinite().all()`` per tensor), an exact check only of tensors it flags (finite
+    values can overflow a norm), one host sync per part and one all-reduce."""
+    bad_name = None
+    for model in models:
+        named = [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in model.state_dict().items()]
+        named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+        if not named:
+            continue
+        norms = torch.stack([x.float().to(named[0][1].device) for x in torch._foreach_norm([t for _, t in named])])
+        flagged = (~torch.isfinite(norms)).nonzero().flatten().tolist()  # one host sync
+        bad_name = next((named[i][0] for i in flagged if not bool(torch.isfinite(named[i][1]).all())), None)
+        if bad_name is not None:
+            break
+    first_bad_rank = _all_min(rank if bad_name is not None else 1 << 62)
+    if first_bad_rank == 1 << 62:
+        return
+    where = f"{bad_name} on rank {rank}" if bad_name is not None else f"rank {first_bad_rank}"
+    raise NonFiniteError(f"checkpoint step-{step}: refusing to save non-finite weights ({where}); nothing was "
+                         "written and the committed checkpoints are kept",
+                         {"step": step, "rank": rank, "tensor": bad_name, "phase": "checkpoint"})
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _record_sums(folder: str, names: Sequence[str], tag: str) -> None:
+    """Write ``<folder>/_sums/<tag>`` with the sha256 of each of ``names`` (relative paths)."""
+    lines = "".join(f"{_sha256(os.path.join(folder, n))}  {n}\n" for n in sorted(names))
+    out = os.path.join(folder, _SUMS_DIR)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, tag + ".tmp"), "w") as f:
+        f.write(lines)
+    os.replace(os.path.join(out, tag + ".tmp"), os.path.join(out, tag))
+
+
+class _HashingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, also recording the sha256 of every file it writes right after
+    writing it (in the writing thread: the background one for asynchronous saves),
+    while the bytes are likely still in the page cache."""
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201  (DCP's signature)
+        fut = super().write_data(plan, planner)
+        names = {r.storage_data.relative_path for r in fut.wait()}  # written: the future is done
+        _record_sums(str(self.path), sorted(names), f"shards-{dist.get_rank() if dist.is_initialized() else 0}")
+        return fut
+
+    def finish(self, metadata, results) -> None:  # noqa: ANN001  (coordinator only, after every write)
+        super().finish(metadata, results)
+        _record_sums(str(self.path), [".metadata"], "metadata")
+
+
+def _write_sums(staging: str) -> str:
+    """Merge the ranks' sums, add rng/ and trainer.json, write SUMS; returns SUMS's sha256."""
+    sums_dir = os.path.join(staging, _SUMS_DIR)
+    lines = []
+    for tag in sorted(os.listdir(sums_dir)):
+        with open(os.path.join(sums_dir, tag)) as f:
+            lines += f.read().splitlines()
+    rng = [os.path.join("rng", n) for n in sorted(os.listdir(os.path.join(staging, "rng")))]
+    lines += [f"{_sha256(os.path.join(staging, n))}  {n}" for n in [*rng, "trainer.json"]]
+    with open(os.path.join(staging, SUMS), "w") as f:
+        f.write("".join(sorted(line + "\n" for line in lines)))
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(sums_dir)
+    return _sha256(os.path.join(staging, SUMS))
+
+
+def _read_marker(path: str, step: int) -> dict[str, str]:
+    """The marker's fields; CheckpointError unless it is one this module wrote for ``step``."""
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            fields = dict(kv.split("=", 1) for kv in f.read().split())
+        ok = (fields["step"] == str(step) and fields["world"].isdigit() and fields["model_only"] in ("0", "1")
+              and re.fullmatch(r"[0-9a-f]{64}", fields["sha256sums"]) is not None)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{MARKER} is missing or not one written for step {step}")
+    return fields
+
+
+def _read_manifest(path: str, step: int) -> tuple[str | None, list[tuple[str, str]]]:
+    """(why the marker or SUMS cannot be trusted, or None; [(relative path, sha256)])."""
+    try:
+        marker = _read_marker(path, step)
+    except CheckpointError as e:
+        return str(e), []
+    sums = os.path.join(path, SUMS)
+    if not os.path.isfile(sums):
+        return f"{SUMS} is missing (a checkpoint written before checksums, or damaged)", []
+    if _sha256(sums) != marker["sha256sums"]:
+        return f"{SUMS} differs from its sha256 in {MARKER}", []
+    files = []
+    with open(sums, encoding="utf-8") as f:
+        for line in f.read().splitlines():
+            digest, _, name = line.partition("  ")
+            files.append((name, digest))
+    names = {n for n, _ in files}
+    if ".metadata" not in names or "trainer.json" not in names:
+        return f"{SUMS} lists no .metadata or trainer.json", []
+    return None, files

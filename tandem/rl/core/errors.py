@@ -1,0 +1,31 @@
+"""Exit statuses of train.py and the user-facing errors they map to.
+
+Every error a user can cause by their input is one line on stderr naming the
+key, file, row or value, and a distinct exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # an unexpected error (a bug): traceback printed
+EXIT_CONFIG = 2  # bad config key, value or file
+EXIT_DATA = 3  # bad data file or rows
+EXIT_MODEL = 4  # model / tokenizer folder that cannot be used as configured
+EXIT_SHORT_RUN = 5  # the run ended with fewer steps than asked
+EXIT_HANG = 6  # the watchdog saw no progress: stacks dumped under dump_folder/hang/
+EXIT_NONFINITE = 7  # NaN/Inf in the loss or gradients with fault.on_nonfinite = "stop", or in weights about to be checkpointed
+EXIT_CHECKPOINT = 8  # no checkpoint verifies, or an earlier run's checkpoints are in the way of a fresh start
+EXIT_PLAN = 9  # train.py --plan: the configured layout does not fit in device memory (one line says where; the plan is printed)
+EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)
+
+
+class NonFiniteError(RuntimeError):
+    """NaN/Inf in the loss or a gradient under ``fault.on_nonfinite = "stop"``, or in weights about
+    to be checkpointed (EXIT_NONFINITE). ``report`` is the JSON written under ``<dump>/nan/``."""
+
+    def __init__(self, msg: str, report: dict[str, Any]) -> None:
+        super().__init__(msg)
+        self.report = report

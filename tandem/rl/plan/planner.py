@@ -1,0 +1,547 @@
+"""The memory planner: ``train.py --config X --plan``, per-rank bytes of each phase, before any launch.
+
+Nothing is allocated: the parameter shapes come from a `Transformer` built on the meta
+device, each rank's share of them from the same rules the trainer uses (TP splits as
+tandem/parallel/tp.py, the generation shard as tandem/parallel/generation_layout.py, FSDP2's dim-0
+chunks, pipeline stages as tandem/parallel/pp.py), and the KV pool from the generator's own
+sizing rule (tandem/rl/generator/engine.py). Activations are a closed-form count of the tensors
+the model saves for backward (per layer and token, by compute dtype, activation
+checkpointing and TP), checked against a CPU run's saved tensors in tests/plan/test_plan.py.
+
+Two phases share each device (DESIGN.md): the *update* (parameters, gradients, AdamW's two
+fp32 moments, FSDP2's unsharded transient, activations) and the *rollout* (what training
+keeps resident, the generation shard, the reshard buffers and the KV pool). A layout fits
+when the larger phase of its busiest rank is at most `USABLE` of the device, the headroom
+the auto ``rollout.tp`` rule also keeps for the allocator, the CUDA context and NCCL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.models.args import ModelArgs
+from tandem.parallel.generation_layout import (
+    GenerationLayout,
+    check_divisible,
+    local_args,
+    needed_box,
+    shard_bytes,
+)
+from tandem.parallel.mesh import Degrees
+from tandem.parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
+from tandem.rl.generator.kv_cache import KVCache
+from tandem.rl.core.configlib import ConfigError
+from tandem.rl.plan.moe import (
+    dispatch_transient,
+    ep_cast_bytes,
+    ffn_saved_per_token,
+    is_expert,
+    moe_layer_count,
+)
+
+GB = 1e9
+USABLE = 0.9  # share of a device a plan may fill (choose_rollout_tp keeps the same)
+DEFAULT_DEVICE_GB = 80.0
+
+
+@dataclass(frozen=True)
+class Layout(Degrees):
+    """The update's mesh degrees (tandem/parallel/mesh.py), the expert-parallel degree (1, or dp_shard
+    for an MoE model) and the generation layout's degree."""
+
+    rollout_tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.world_size
+
+    def describe(self) -> str:
+        dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"{self.world} ranks: pp={self.pp} {dp} tp={self.tp}{ep}, rollout.tp={self.rollout_tp}"
+
+    def overrides(self, moe: bool = False) -> str:
+        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model)."""
+        ep = f" --parallel.ep={self.ep}" if moe or self.ep > 1 else ""
+        return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} --parallel.dp_shard={self.dp_shard} "
+                f"--parallel.tp={self.tp}{ep} --rollout.tp={self.rollout_tp}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The plain numbers the planner reads from a config (tandem/rl/config/schema.py)."""
+
+    recipe: str = "rl"
+    compute_dtype: torch.dtype = torch.bfloat16  # FSDP2 mixed precision (a GPU target)
+    reduce_dtype: torch.dtype = torch.float32
+    gen_dtype: torch.dtype = torch.bfloat16
+    tokens: int = 4096  # per micro-batch and rank
+    ac: str = "none"
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 0
+    seq_len: int = 2048  # pipeline rows
+    offload_optimizer: bool = False
+    cpu_offload: bool = False
+    reference: bool = False  # a frozen second copy (rl.kl_coef > 0, dpo's online reference)
+    critic: bool = False
+    kv_cache_gb: float = 1.0
+    num_blocks: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_len: int = 2048  # the generator's max_model_len
+    prompts_per_step: int = 16
+    num_samples: int = 8
+    vocab_parallel: bool = True
+    bucket_bytes: int = 256 << 20
+    chunk_tokens: int = 1024
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Settings:
+        t, p, r, ro = cfg.training, cfg.parallel, cfg.rl, cfg.rollout
+        rl = t.recipe == "rl"
+        if rl:
+            tokens = r.micro_batch_tokens
+        else:  # packed rows of data.max_length; dpo / reward_model score chosen and rejected together
+            tokens = t.micro_batch_size * cfg.data.max_length * (2 if t.recipe in ("dpo", "reward_model") else 1)
+        gen = t.mixed_precision_param if ro.dtype == "auto" else ro.dtype
+        from tandem.rl.algorithms import ADVANTAGES
+
+        return cls(
+            recipe=t.recipe, compute_dtype=getattr(torch, t.mixed_precision_param),
+            reduce_dtype=getattr(torch, t.mixed_precision_reduce), gen_dtype=getattr(torch, gen), tokens=tokens,
+            ac=p.activation_checkpoint, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
+            seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer, cpu_offload=p.cpu_offload,
+            reference=(rl and r.kl_coef > 0) or (t.recipe == "dpo" and cfg.preference.reference == "online"),
+            critic=rl and ADVANTAGES.cap(r.advantage, "needs_values", False),
+            kv_cache_gb=ro.kv_cache_gb, num_blocks=ro.num_blocks, block_size=ro.block_size,
+            max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1, prompts_per_step=r.prompts_per_step,
+            num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel, bucket_bytes=ro.reshard_bucket_mb << 20,
+            chunk_tokens=r.logprob_chunk_tokens)
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def param_shapes(args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the whole model, a tied head listed once."""
+    from tandem.models.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def _layer(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def _held_names(shapes: list[tuple[str, tuple[int, ...]]], args: ModelArgs, stages: list[list[int]] | None,
+                ) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters one rank holds: all of them, or those of its pipeline ``stages`` (layer
+    lists; the first stage owns the embedding, the last the final norm and the head, a tied
+    head then being a separate copy of the embedding)."""
+    if stages is None:
+        return shapes
+    n_layers = args.num_layers
+    mine = {i for s in stages for i in s}
+    first, last = 0 in mine, n_layers - 1 in mine
+    out = [(n, s) for n, s in shapes if (_layer(n) in mine if _layer(n) is not None else
+                                         (first if n.startswith("tok_embeddings") else last))]
+    if last and args.tie_word_embeddings:
+        out.append(("output.weight", dict(shapes)["tok_embeddings.weight"]))
+    return out
+
+
+def _local_numel(name: str, shape: tuple[int, ...], tp: int, fsdp: int) -> int:
+    """Elements of rank 0's share of a parameter: TP as tandem/parallel/tp.py splits it (column /
+    row / vocabulary), then FSDP2's dim-0 chunk (the first rank's chunk is the largest)."""
+    _, local = needed_box(name, shape, GenerationLayout(tp=tp, vocab_parallel=True)) if tp > 1 else (None, shape)
+    rows = -(-local[0] // fsdp)
+    n = rows
+    for s in local[1:]:
+        n *= s
+    return n
+
+
+@dataclass
+class RankPlan:
+    """Bytes of one kind of rank in each phase (``update`` / ``rollout``: component -> bytes)."""
+
+    kind: str
+    update: dict[str, float]
+    rollout: dict[str, float]
+    kv_sequences: int = 0
+
+    @property
+    def peak(self) -> float:
+        return max(sum(self.update.values()), sum(self.rollout.values()))
+
+    def peak_phase(self) -> str:
+        return "update" if sum(self.update.values()) >= sum(self.rollout.values()) else "rollout"
+
+
+def rank_kinds(args: ModelArgs, layout: Layout, schedule: str) -> list[tuple[str, list[list[int]] | None]]:
+    """The distinct kinds of rank: one without pipelining; else the first stage, a middle one, the last."""
+    if layout.pp == 1:
+        return [("every rank", None)]
+    per = SCHEDULES[schedule][1]
+    split = pipeline_split(args, layout.pp, stages_per_rank=per)
+    kinds = [("first stage", 0)] + ([("middle stage", layout.pp // 2)] if layout.pp > 2 else []) + [
+        ("last stage", layout.pp - 1)]
+    return [(name, [split[s] for s in stage_ids_for_rank(r, layout.pp, per)]) for name, r in kinds]
+
+
+def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dtype, ac: str, tp: int = 1, *,
+                     first: bool = True, last: bool = True, vocab_parallel_head: bool | None = None,
+                     moe_layers: int | None = None, ep: int = 1) -> float:
+    """Bytes saved for backward by one micro-batch of ``tokens`` through ``layers`` blocks.
+
+    Per block and token, what autograd keeps (counted from the ops in tandem/models/transformer.py;
+    the rope tables once): each RMSNorm its input and normalised output (and, below fp32,
+    the fp32 copy it normalises) plus a row statistic; each projection its input, a
+    sequence-parallel TP rank the all-gathered whole; q/k-norm (Qwen3) the q and k heads;
+    attention q, k, v, its output and log-sum-exp, and the packed segments' output gather;
+    SwiGLU gate, up, silu and product. ``full`` checkpointing keeps a block's input;
+    ``selective`` (tandem/parallel/ac.py) its matmul and attention outputs and TP collectives.
+    The head: ids, the final norm, and either the completion hidden states of the chunked
+    log-prob path or (TP, vocab-parallel) the logits shard and its fp32 log-softmax.
+    ``moe_layers`` of the ``layers`` (default: those among the first ``layers``) have an MoE
+    feed-forward instead of SwiGLU, counted by tandem/rl/plan/moe.py (``ep``: its degree)."""
+    c, d, hd = _elem(dtype), args.hidden_size, args.head_dim
+    q, k, i = args.num_heads * hd / tp, args.num_kv_heads * hd / tp, args.intermediate_size / tp
+    hq, hk = args.num_heads / tp, args.num_kv_heads / tp
+    sp = tp  # sequence parallel: norms and the residual stream on tokens / tp
+
+    def norm(n: float, rows: float = 1) -> float:  # per token
+        return (8 * n if c == 4 else 6 * n) + 4 * rows
+
+    if ac == "full":
+        per_layer, ffn = c * d / sp, 0.0
+    elif ac == "selective":  # the feed-forward's part: gate / up and down outputs
+        per_layer, ffn = c * d / sp + c * (q + 2 * k) + c * q + 4 * hq + c * d, c * 2 * i + c * d
+        if tp > 1:
+            per_layer += 2 * c * d / tp  # the reduce-scatter outputs, kept too
+    else:
+        per_layer, ffn = 2 * (norm(d) / sp + c * d) + c * (q + 2 * k) + 2 * c * q + 4 * hq, 4 * c * i
+        if args.qk_norm:
+            per_layer += norm(q, hq) + norm(k, hk)
+    n_moe = moe_layer_count(args, range(layers)) if moe_layers is None else moe_layers
+    moe = ffn_saved_per_token(args, c, ac, tp, ep) if n_moe else 0.0
+    total = layers * per_layer + (layers - n_moe) * ffn + n_moe * moe + 2 * c * hd  # + rope cos / sin
+    if first:
+        total += 8  # token ids (embedding)
+    if last:
+        if vocab_parallel_head if vocab_parallel_head is not None else tp > 1:
+            v = -(-args.vocab_size // tp)
+            total += norm(d) / sp + c * d + (c + 4) * v  # gathered hidden, logits shard, fp32 log-softmax
+        else:
+            total += norm(d) / sp + c * d + 24  # completion hidden states (all tokens, at most), index, targets, stats
+    return tokens * total + (n_moe * ep_cast_bytes(args, c, ep) if ac == "none" else 0)
+
+
+class Planner:
+    """Per-rank plans of one model and config settings for any layout (sizes cached)."""
+
+    def __init__(self, args: ModelArgs, settings: Settings) -> None:
+        self.args, self.s = args, settings
+        self.shapes = param_shapes(args)
+        self._shards: dict[tuple[int, bool], int] = {}
+
+    # ---- pieces ----------------------------------------------------------------------
+
+    def fsdp_applied(self, layout: Layout) -> bool:
+        """tandem/parallel/parallelize.py's rule, on a GPU target."""
+        return layout.dp_replicate * layout.dp_shard > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
+
+    def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "") -> int:
+        """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps); under EP the
+        experts are this rank's ``E / ep`` of them (a DTensor Shard(0), outside FSDP2)."""
+        fsdp = layout.dp_shard if self.fsdp_applied(layout) else 1
+        held = _held_names(self.shapes, self.args, stages)
+        return 4 * sum(_local_numel(n, s, layout.tp, layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
+                       for n, s in held if not (skip and n.startswith(skip)))
+
+    def unsharded_transient(self, layout: Layout, stages: list[list[int]] | None) -> int:
+        """FSDP2's gathered copies while computing: the root's (embedding, head) for the whole
+        forward, two blocks (the one computing and the one prefetched) and one block's
+        unsharded gradients before their reduce-scatter. Under EP the experts are not FSDP2's
+        (the tokens travel to them: `plan_moe.dispatch_transient`); with ep = 1 they are gathered."""
+        if not self.fsdp_applied(layout):
+            return 0
+        c, red = _elem(self.s.compute_dtype), _elem(self.s.reduce_dtype)
+        held = [(n, s) for n, s in _held_names(self.shapes, self.args, stages) if not (layout.ep > 1 and is_expert(n))]
+        root = sum(_local_numel(n, s, layout.tp, 1) for n, s in held if _layer(n) is None)
+        blocks: dict[int, int] = {}
+        for n, s in held:
+            if _layer(n) is not None:
+                blocks[_layer(n)] = blocks.get(_layer(n), 0) + _local_numel(n, s, layout.tp, 1)
+        block = max(blocks.values(), default=0)
+        return c * (root + 2 * block) + red * block
+
+    def generation_shard(self, g: int) -> int:
+        key = (g, self.s.vocab_parallel)
+        if key not in self._shards:
+            self._shards[key] = shard_bytes(self.args, GenerationLayout(tp=g, vocab_parallel=self.s.vocab_parallel),
+                                            self.s.gen_dtype)
+        return self._shards[key]
+
+    def kv_pool(self, layout: Layout) -> tuple[int, int]:
+        """(bytes, full-length sequences) of one generator's KV pool on one rank, by the
+        generator's rule: as many blocks as rollout.kv_cache_gb holds (or rollout.num_blocks),
+        at most what the rollout's sequences of max_model_len tokens need at once."""
+        s = self.s
+        local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
+        per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype)
+        blocks_per_seq = -(-s.max_len // s.block_size)
+        if s.num_blocks:
+            blocks = s.num_blocks
+        else:
+            prompts = -(-s.prompts_per_step // layout.world) * layout.rollout_tp  # a generation group pools its ranks'
+            seqs = min(s.max_num_seqs, max(1, prompts * s.num_samples))
+            blocks = min(int(s.kv_cache_gb * GB) // per_block, seqs * blocks_per_seq)
+        return blocks * per_block, blocks // blocks_per_seq
+
+    def micro_batch(self, layout: Layout) -> tuple[int, int]:
+        """(tokens per micro-batch, micro-batches in flight on the first stage)."""
+        if layout.pp == 1:
+            return self.s.tokens, 1
+        seq = -(-self.s.seq_len // layout.tp) * layout.tp
+        rows = max(1, self.s.tokens // seq)
+        n_mb = self.s.pp_microbatches or layout.pp
+        return rows * seq, n_mb if self.s.pp_schedule == "GPipe" else min(n_mb, layout.pp)
+
+    # ---- one rank --------------------------------------------------------------------
+
+    def rank(self, layout: Layout, kind: str, stages: list[list[int]] | None) -> RankPlan:
+        s, args = self.s, self.args
+        params = self.param_bytes(layout, stages)
+        on_device = 0 if s.cpu_offload else params  # FSDP2 CPU offload: shards and steps on the host
+        mine = list(range(args.num_layers)) if stages is None else [i for x in stages for i in x]
+        n_moe = moe_layer_count(args, mine)
+        first, last = 0 in mine, args.num_layers - 1 in mine
+        tokens, in_flight = self.micro_batch(layout)
+        act = activation_bytes(args, tokens, len(mine), s.compute_dtype, s.ac, layout.tp, first=first, last=last,
+                               vocab_parallel_head=layout.tp > 1 or layout.pp > 1, moe_layers=n_moe, ep=layout.ep)
+        update = {"parameters": on_device, "gradients": on_device, "optimizer state": 2 * on_device,
+                  "FSDP2 unsharded (transient)": self.unsharded_transient(layout, stages),
+                  "activations": act * in_flight}
+        if s.ac != "none":  # backward recomputes one block with nothing checkpointed
+            one = activation_bytes(args, tokens, 1, s.compute_dtype, "none", layout.tp, first=False, last=False,
+                                   moe_layers=min(1, n_moe), ep=layout.ep)
+            update["recomputed block (transient)"] = one
+        if n_moe:
+            update["MoE dispatch (transient)"] = dispatch_transient(args, tokens, _elem(s.compute_dtype), layout.ep)
+        if last and layout.tp == 1 and layout.pp == 1:
+            update["log-prob chunk (transient)"] = 2 * s.chunk_tokens * args.vocab_size * 4
+        extra = 0
+        if s.reference:
+            extra += on_device
+        if s.critic:
+            critic = 0 if s.cpu_offload else self.param_bytes(layout, stages, skip="output")
+            extra += 4 * critic  # its parameters, gradients and moments; value head not counted
+        if extra:
+            update["reference / critic"] = extra
+        resident = on_device * (1 if s.offload_optimizer else 3) + (on_device if s.reference else 0)
+        if s.critic:
+            resident += 3 * (0 if s.cpu_offload else self.param_bytes(layout, stages, skip="output"))
+        rollout: dict[str, float] = {}
+        kv_seqs = 0
+        if s.recipe == "rl":
+            kv, kv_seqs = self.kv_pool(layout)
+            rollout = {"resident training state": resident, "generation shard": self.generation_shard(layout.rollout_tp),
+                       "reshard buffers (at most)": min(s.bucket_bytes, self.generation_shard(layout.rollout_tp)),
+                       "KV pool": kv}
+        return RankPlan(kind, update, rollout, kv_seqs)
+
+    def plan(self, layout: Layout) -> list[RankPlan]:
+        return [self.rank(layout, kind, stages) for kind, stages in rank_kinds(self.args, layout, self.s.pp_schedule)]
+
+    # ---- layouts ---------------------------------------------------------------------
+
+    def resident_bytes(self, layout: Layout) -> int:
+        """What the auto rollout.tp rule counts as staying during the rollout (busiest rank)."""
+        kinds = rank_kinds(self.args, layout, self.s.pp_schedule)
+        return max(self.param_bytes(layout, st) * (1 if self.s.offload_optimizer else 3) for _, st in kinds)
+
+    def auto_rollout_tp(self, layout: Layout, device_bytes: float, devices_per_node: int) -> int:
+        """choose_rollout_tp's rule (tandem/rl/rollout/generation.py) on the target device."""
+        room = USABLE * device_bytes - self.resident_bytes(layout) - self.s.kv_cache_gb * GB
+        fits = [g for g in range(1, min(layout.world, devices_per_node) + 1)
+                if layout.world % g == 0 and check_divisible(self.args, g) is None]
+        for g in fits:
+            if self.generation_shard(g) <= room:
+                return g
+        return fits[-1]
+
+    def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
+        """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl
+        recipe only, as the other recipes shard with FSDP2 alone), least model parallelism first.
+        An MoE model's (pp = 1 so far), by TP degree: without EP, then with ep = a node (EP groups
+        within nodes), then ep = dp_shard, where ep divides the ranks and the experts; under TP
+        only ep = dp_shard (tandem/parallel/expert_parallel.py's rules)."""
+        tps = [tp for tp in range(1, min(world, devices_per_node) + 1)
+               if world % tp == 0 and check_divisible(self.args, tp) is None and (tp == 1 or self.s.recipe == "rl")]
+        if self.args.is_moe:
+            out = []
+            for tp in tps:
+                dp = world // tp
+                sizes = (devices_per_node, dp) if tp == 1 else (dp,)
+                eps = sorted({e for e in sizes if 1 < e <= dp and dp % e == 0 and self.args.num_experts % e == 0})
+                out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
+            return out
+        per = SCHEDULES[self.s.pp_schedule][1]
+        out = []
+        for tp in tps:
+            for pp in range(1, world // tp + 1):
+                if (world // tp) % pp or pp * (per if pp > 1 else 1) > self.args.num_layers:
+                    continue
+                if pp > 1 and self.s.recipe != "rl":
+                    continue  # pipelining is the rl recipe's only (ParallelConfig)
+                out.append(Layout(pp=pp, dp_shard=world // (tp * pp), tp=tp))
+        return sorted(out, key=lambda x: (x.tp * x.pp, x.pp))
+
+    def best(self, world: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
+        """The first layout of `candidates` that fits, with its rollout.tp chosen by the auto rule; None when none does."""
+        for lay in self.candidates(world, devices_per_node):
+            lay = dataclasses.replace(lay, rollout_tp=self.auto_rollout_tp(lay, device_bytes, devices_per_node)
+                                      if self.s.recipe == "rl" else 1)
+            peak = max(r.peak for r in self.plan(lay))
+            if peak <= USABLE * device_bytes:
+                return lay, peak
+        return None
+
+    def smallest(self, nodes: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
+        """The fewest ranks (1, 2, 4, ... up to a node, then whole nodes) on which some layout fits."""
+        worlds = [w for w in (1, 2, 4, 8, 16, 32, 64) if w < devices_per_node]
+        worlds += [devices_per_node * n for n in range(1, nodes + 1)]
+        for w in worlds:
+            found = self.best(w, devices_per_node, device_bytes)
+            if found:
+                return found
+        return None
+
+
+# ---- train.py --plan -------------------------------------------------------------------
+
+
+def plan_args(cfg: Any) -> tuple[ModelArgs, str]:
+    """The architecture to plan for and where it came from: model.flavor, model.path's
+    config.json when that folder is here, else plan.flavor (planning before a download)."""
+    from tandem.models.flavors import get_flavor
+    from tandem.models.hf import load_args
+
+    m = cfg.model
+    if m.flavor is not None:
+        return get_flavor(m.flavor), f"model.flavor {m.flavor!r}"
+    if os.path.isfile(os.path.join(m.path, "config.json")):
+        try:
+            return load_args(m.path), f"{m.path}/config.json"
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.path: {m.path}/config.json: {str(e).strip().splitlines()[0]}") from None
+    if cfg.plan.flavor is None:
+        raise ConfigError(f"plan.flavor: model.path {m.path} has no config.json on this machine; name its "
+                          "architecture with --plan.flavor (a flavor of tandem/models/flavors.py)")
+    return get_flavor(cfg.plan.flavor), f"plan.flavor {cfg.plan.flavor!r} (model.path {m.path} is not here)"
+
+
+def target(cfg: Any) -> tuple[int, int, float]:
+    """(nodes, devices per node, device bytes): [plan] where set; else the config's own layout
+    (dp_shard = -1 filling this machine's GPUs, or nothing) and this machine's GPU or 80 GB."""
+    p, par = cfg.plan, cfg.parallel
+    fixed = par.pp * par.dp_replicate * par.tp
+    local_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nodes = p.nodes or 1
+    if p.devices_per_node:
+        per_node = p.devices_per_node
+    elif par.dp_shard != -1:
+        per_node = -(-fixed * par.dp_shard // nodes)
+    else:
+        per_node = max(local_gpus, fixed)
+    if p.device_memory_gb:
+        mem = p.device_memory_gb * GB
+    elif local_gpus:
+        mem = float(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        mem = DEFAULT_DEVICE_GB * GB
+    return nodes, per_node, mem
+
+
+def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: float) -> Layout:
+    from tandem.rl.core.modeling import check_moe_layout
+    from tandem.rl.update.policy import check_layout
+
+    d = cfg.parallel.resolve(world)
+    check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule)
+    check_moe_layout(planner.args, cfg.parallel.ep, d)
+    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=cfg.parallel.ep)
+    g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1)
+    if world % g:
+        raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")
+    reason = check_divisible(planner.args, g)
+    if reason:
+        raise ConfigError(f"rollout.tp: {reason}")
+    return dataclasses.replace(lay, rollout_tp=g)
+
+
+def format_plan(plans: list[RankPlan], mem: float) -> str:
+    """The per-rank table: one column per kind of rank, GB."""
+    width = 34
+    head = "".join(f"{p.kind:>16}" for p in plans)
+    lines = [f"{'GB per rank':<{width}}{head}"]
+    for phase in ("update", "rollout"):
+        keys = list(dict.fromkeys(k for p in plans for k in getattr(p, phase)))
+        if not keys:
+            continue
+        lines.append(phase)
+        for k in keys:
+            lines.append(f"  {k:<{width - 2}}" + "".join(f"{getattr(p, phase).get(k, 0) / GB:>16.2f}" for p in plans))
+        lines.append(f"  {'total':<{width - 2}}" + "".join(f"{sum(getattr(p, phase).values()) / GB:>16.2f}" for p in plans))
+        if phase == "rollout":
+            lines.append(f"  {'full-length sequences in the pool':<{width - 2}}" + "".join(f"{p.kv_sequences:>16d}" for p in plans))
+    lines.append(f"{'peak':<{width}}" + "".join(f"{p.peak / GB:>16.2f}" for p in plans))
+    lines.append(f"{'share of the device':<{width}}" + "".join(f"{p.peak / mem:>15.0%} " for p in plans))
+    return "\n".join(lines)
+
+
+def run_plan(cfg: Any) -> int:
+    """``train.py --plan``: print the plan; the exit status says whether the config's layout fits."""
+    from tandem.rl.core import errors
+
+    args, source = plan_args(cfg)
+    s = Settings.from_config(cfg)
+    planner = Planner(args, s)
+    nodes, per_node, mem = target(cfg)
+    world = nodes * per_node
+    lay = config_layout(cfg, planner, world, per_node, mem)
+    plans = planner.plan(lay)
+    print(f"model: {args.model_type}, {args.num_params() / 1e9:.2f} B parameters ({source})")
+    print(f"target: {nodes} node(s) x {per_node} devices, {mem / GB:.1f} GB each; a layout fits when its peak is at "
+          f"most {USABLE:.0%} ({USABLE * mem / GB:.1f} GB)")
+    print(f"layout: {lay.describe()}{' (auto)' if not cfg.rollout.tp and s.recipe == 'rl' else ''}; compute "
+          f"{str(s.compute_dtype).removeprefix('torch.')}, generation {str(s.gen_dtype).removeprefix('torch.')}, "
+          f"{planner.micro_batch(lay)[0]} tokens per micro-batch, activation_checkpoint={s.ac}")
+    print(format_plan(plans, mem))
+    worst = max(plans, key=lambda p: p.peak)
+    fits = worst.peak <= USABLE * mem
+    smallest = planner.smallest(nodes, per_node, mem)
+    best = planner.best(world, per_node, mem)
+    if smallest:
+        print(f"smallest layout that fits: {smallest[0].describe()} (peak {smallest[1] / GB:.1f} GB)")
+    if best:
+        print(f"least model parallelism that fits on {world} ranks: {best[0].describe()} (peak {best[1] / GB:.1f} GB)"
+              f"\n  {best[0].overrides(moe=args.is_moe)}")
+    if fits:
+        print(f"fits: peak {worst.peak / GB:.1f} GB ({worst.kind}, {worst.peak_phase()} phase)")
+        return errors.EXIT_OK
+    hint = f"; smallest layout that fits: {smallest[0].describe()}" if smallest else "; no layout of this cluster fits"
+    print(f"error: plan: {worst.peak / GB:.1f} GB per rank ({worst.kind}, {worst.peak_phase()} phase) is over "
+          f"{USABLE:.0%} of {mem / GB:.0f} GB{hint}", file=sys.stderr, flush=True)
+    return errors.EXIT_PLAN
