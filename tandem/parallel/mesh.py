@@ -44,18 +44,28 @@ class Degrees:
 def build_mesh(degrees: Degrees, device: torch.device) -> DeviceMesh:
     shape = tuple(getattr(degrees, a) for a in AXES)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
-    if degrees.cp > 1:  # FSDP2's shard axis (`dp_mesh`); made once, here, on every rank
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if degrees.cp > 1:
+        dp_mesh(mesh)  # collective the first time (new groups): made here, on every rank in step
     return mesh
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The sub-mesh FSDP2 shards over (2-D for HSDP): the data-parallel ranks and, under
-    context parallelism, their cp ranks (``dp_shard x cp`` flattened by `build_mesh`)."""
-    shard = "dp_shard_cp" if mesh["cp"].size() > 1 else "dp_shard"
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", shard]
-    return mesh[shard]
+    context parallelism, their cp ranks (``dp_shard x cp`` flattened to ``dp_shard_cp``; under
+    HSDP ``(dp_replicate, dp_shard_cp)``), cached on the root mesh after the first call."""
+    if mesh["cp"].size() == 1:
+        if mesh["dp_replicate"].size() > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_shard"]
+    cache = mesh._get_root_mesh().__dict__.setdefault("_tandem_fsdp_mesh", {})
+    if "mesh" not in cache:
+        replicas = mesh["dp_replicate"].size()
+        if replicas == 1:
+            cache["mesh"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        else:  # flatten all three, replicate-major, then cut into (replicas, the rest)
+            flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_replicate_shard_cp")
+            cache["mesh"] = flat._unflatten(0, (replicas, flat.size() // replicas), ("dp_replicate", "dp_shard_cp"))
+    return cache["mesh"]
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

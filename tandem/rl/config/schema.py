@@ -232,10 +232,6 @@ class ParallelConfig:
         for key in ("dp_replicate", "tp", "pp", "ep", "cp"):
             value = getattr(self, key)
             require(value >= 1, f"parallel.{key}: must be >= 1, got {value}")
-        for key in ("tp", "pp", "ep"):  # tandem/parallel/cp.py: what composes with cp so far
-            require(self.cp == 1 or getattr(self, key) == 1,
-                    f"parallel.cp: composes with FSDP2 / HSDP (dp_shard, dp_replicate) only so far, not with "
-                    f"parallel.{key} = {getattr(self, key)}; set one of them to 1")
         require(self.dp_shard == -1 or self.dp_shard >= 1,
                 f"parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
         require(self.pp_microbatches >= 0,

@@ -84,21 +84,21 @@ class RLRecipe:
         degrees = Degrees(**cfg.parallel.resolve(info.world_size))
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
-        self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
+        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one data-parallel replica's samples
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
-        self.mp_group = subgroup(self.mesh, ("pp", "tp"))
+        self.mp_group = subgroup(self.mesh, ("pp", "cp", "tp"))
         self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
         if r.prompts_per_step % self.dp:
             raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule)
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
@@ -108,7 +108,8 @@ class RLRecipe:
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
-                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
+                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts,
+                  cp_style=cfg.parallel.cp_style)
         self.policy = build_policy(self.args, self.mesh, info.device, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
@@ -118,7 +119,8 @@ class RLRecipe:
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main) if needs_values else None
+                             seed=cfg.job.seed, is_main=info.is_main,
+                             cp=self.policy.split) if needs_values else None
         self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         self.teachers = None
         if cfg.distill.teachers:
@@ -154,14 +156,20 @@ class RLRecipe:
     def _check_layout_settings(self, needs_values: bool) -> None:
         """One ConfigError line for settings the layout cannot run yet."""
         cfg, r, device = self.cfg, self.cfg.rl, self.info.device
-        if self.mp > 1 and (needs_values or cfg.distill.teachers):
+        tp_pp, cp = cfg.parallel.tp * cfg.parallel.pp, cfg.parallel.cp
+        if cp > 1 and cfg.distill.teachers:
+            raise ConfigError("parallel.cp: distill.teachers score with cp = 1 only so far; set parallel.cp = 1")
+        if cp > 1 and r.exact and cfg.parallel.cp_style == "ring":
+            raise ConfigError("rl.exact: the ring's online softmax sums key blocks in another order than the "
+                              "generator's attention; set parallel.cp_style = 'ulysses' (bitwise equal to cp = 1)")
+        if tp_pp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
-        if r.exact and (device.type != "cpu" or self.mp > 1):
+        if r.exact and (device.type != "cpu" or tp_pp > 1):
             raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
                               "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                               "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
-                              f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
+                              f"(device {device.type}, tp x pp = {tp_pp}); set rl.exact = false")
         if r.exact and cfg.rollout.tp > 1:
             raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
                               f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
@@ -439,7 +447,7 @@ class RLRecipe:
                 if self.critic is not None:
                     def also(mb, norm=norm):
                         vloss, sq = self.critic.micro_batch_loss(mb, values, returns, mask, norm, width)
-                        (vloss * self.dp).backward()
+                        (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2 averages over dp x cp
                         sums[6] += sq.double()
                         sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
                 sums[:5] += self.policy.accumulate(samples, mb_rows, inp, spec, norm, width, policy=train_policy,
@@ -458,6 +466,7 @@ class RLRecipe:
         extra.update(self._gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
+        extra.update(self.policy.cp_metrics())
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
                           "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
