@@ -94,10 +94,18 @@ def test_ulysses_is_bitwise_cp1_under_exact_kernels(results: dict) -> None:
 @pytest.mark.slow
 def test_activation_bytes_fall_by_cp(results: dict) -> None:
     """One 4096-token sequence: what its forward saves for backward, per rank, measured."""
+    from tandem.rl.plan.planner import activation_bytes
+    from tests.parallel.cp_worker import ARGS
+
     rec = _ok(results, "memory")
     for style in ("cp2_ulysses", "cp2_ring"):
         ratio = rec["cp1"] / rec[style]
         assert 1.85 <= ratio <= 2.1, (style, rec)
+        # the planner prices a rank's activations as those of its S / cp tokens (tandem/rl/plan/long_context.py)
+        planned = activation_bytes(ARGS, rec[style + "_tokens"] // 2, ARGS.num_layers, torch.float32, "none")
+        assert abs(planned - rec[style]) <= 0.05 * rec[style], (style, planned, rec[style])
+    planned = activation_bytes(ARGS, rec["cp1_tokens"], ARGS.num_layers, torch.float32, "none")
+    assert abs(planned - rec["cp1"]) <= 0.05 * rec["cp1"], (planned, rec["cp1"])
 
 
 @pytest.mark.slow

@@ -187,6 +187,27 @@ def addition_small(rng: random.Random, *, max_value: int = 9, stray: float = 0.0
     return Problem(key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b), extra={"sft_reply": reply})
 
 
+@_task("needle", reward="exact_match")
+def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, noise: float = 0.0) -> Problem:
+    """Long-context retrieval for a character model: the one digit in a haystack, e.g. "qz 7ab...?" -> "7".
+
+    The haystack is ``length`` random lowercase letters and spaces ending in "?"; the digit
+    (the answer) replaces one of its first ``depth`` characters, so it sits more than
+    ``length - depth`` positions before the question. ``noise``: share of rows whose
+    ``sft_reply`` (what SFT trains on) is a random digit instead of the answer: a policy
+    taught on them finds the digit but answers it only about 1 - 0.9 noise of the time, and
+    RL (exact match against the true answer) teaches it to trust what it found.
+    """
+    if not 0 < depth < length or not 0.0 <= noise <= 1.0:
+        raise ValueError(f"needle: need 0 < depth < length and 0 <= noise <= 1, got {depth}, {length}, {noise}")
+    chars = [rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(length)]
+    digit = str(rng.randrange(10))
+    chars[rng.randrange(depth)] = digit
+    text = "".join(chars) + "?"
+    reply = str(rng.randrange(10)) if noise and rng.random() < noise else digit
+    return Problem(key=text, prompt=text, answer=digit, extra={"sft_reply": reply})
+
+
 # ---------------------------------------------------------------------------
 # rows
 # ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from tandem.parallel.mesh import Degrees
 from tandem.parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from tandem.rl.generator.kv_cache import KVCache
 from tandem.rl.core.configlib import ConfigError
+from tandem.rl.plan.long_context import cp_transient, format_kv_room, kv_choices, tokens_per_rank
 from tandem.rl.plan.moe import (
     dispatch_transient,
     ep_cast_bytes,
@@ -65,13 +66,16 @@ class Layout(Degrees):
     def describe(self) -> str:
         dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"{self.world} ranks: pp={self.pp} {dp} tp={self.tp}{ep}, rollout.tp={self.rollout_tp}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"{self.world} ranks: pp={self.pp} {dp}{cp} tp={self.tp}{ep}, rollout.tp={self.rollout_tp}"
 
     def overrides(self, moe: bool = False) -> str:
-        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model)."""
+        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model,
+        ``--parallel.cp`` where it is split)."""
         ep = f" --parallel.ep={self.ep}" if moe or self.ep > 1 else ""
+        cp = f" --parallel.cp={self.cp}" if self.cp > 1 else ""
         return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} --parallel.dp_shard={self.dp_shard} "
-                f"--parallel.tp={self.tp}{ep} --rollout.tp={self.rollout_tp}")
+                f"--parallel.tp={self.tp}{ep}{cp} --rollout.tp={self.rollout_tp}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class Settings:
     vocab_parallel: bool = True
     bucket_bytes: int = 256 << 20
     chunk_tokens: int = 1024
+    cp_style: str = "ulysses"  # parallel.cp_style (rl recipe; tandem/rl/plan/long_context.py)
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
@@ -123,7 +128,7 @@ class Settings:
             kv_cache_gb=ro.kv_cache_gb, num_blocks=ro.num_blocks, block_size=ro.block_size,
             max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1, prompts_per_step=r.prompts_per_step,
             num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel, bucket_bytes=ro.reshard_bucket_mb << 20,
-            chunk_tokens=r.logprob_chunk_tokens)
+            chunk_tokens=r.logprob_chunk_tokens, cp_style=p.cp_style)
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -258,13 +263,14 @@ class Planner:
     # ---- pieces ----------------------------------------------------------------------
 
     def fsdp_applied(self, layout: Layout) -> bool:
-        """tandem/parallel/parallelize.py's rule, on a GPU target."""
-        return layout.dp_replicate * layout.dp_shard > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
+        """tandem/parallel/parallelize.py's rule, on a GPU target (FSDP2 shards over dp_shard x cp)."""
+        return (layout.dp_replicate * layout.dp_shard * layout.cp > 1 or self.s.compute_dtype != torch.float32
+                or self.s.cpu_offload)
 
     def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "") -> int:
         """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps); under EP the
         experts are this rank's ``E / ep`` of them (a DTensor Shard(0), outside FSDP2)."""
-        fsdp = layout.dp_shard if self.fsdp_applied(layout) else 1
+        fsdp = layout.dp_shard * layout.cp if self.fsdp_applied(layout) else 1
         held = _held_names(self.shapes, self.args, stages)
         return 4 * sum(_local_numel(n, s, layout.tp, layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
                        for n, s in held if not (skip and n.startswith(skip)))
@@ -310,9 +316,12 @@ class Planner:
         return blocks * per_block, blocks // blocks_per_seq
 
     def micro_batch(self, layout: Layout) -> tuple[int, int]:
-        """(tokens per micro-batch, micro-batches in flight on the first stage)."""
+        """(tokens per micro-batch and rank, micro-batches in flight on the first stage); the rl
+        recipe's longest sequence gets a micro-batch of its own, split over cp (long_context.py)."""
         if layout.pp == 1:
-            return self.s.tokens, 1
+            if self.s.recipe != "rl":
+                return self.s.tokens, 1
+            return tokens_per_rank(self.s.tokens, self.s.seq_len, layout.cp), 1
         seq = -(-self.s.seq_len // layout.tp) * layout.tp
         rows = max(1, self.s.tokens // seq)
         n_mb = self.s.pp_microbatches or layout.pp
@@ -339,6 +348,9 @@ class Planner:
             update["recomputed block (transient)"] = one
         if n_moe:
             update["MoE dispatch (transient)"] = dispatch_transient(args, tokens, _elem(s.compute_dtype), layout.ep)
+        if layout.cp > 1:
+            update["cp attention (transient)"] = cp_transient(args, tokens, _elem(s.compute_dtype), layout.cp,
+                                                              s.cp_style)
         if last and layout.tp == 1 and layout.pp == 1:
             update["log-prob chunk (transient)"] = 2 * s.chunk_tokens * args.vocab_size * 4
         extra = 0
@@ -406,7 +418,40 @@ class Planner:
                 if pp > 1 and self.s.recipe != "rl":
                     continue  # pipelining is the rl recipe's only (ParallelConfig)
                 out.append(Layout(pp=pp, dp_shard=world // (tp * pp), tp=tp))
-        return sorted(out, key=lambda x: (x.tp * x.pp, x.pp))
+        out += self._cp_candidates(world, devices_per_node)
+        # at equal degree, context parallelism first when the longest sequence outgrows a micro-batch
+        long = self.s.seq_len > self.s.tokens
+        return sorted(out, key=lambda x: (x.tp * x.pp * x.cp, (x.cp == 1) if long else (x.cp > 1), x.pp))
+
+    def _cp_candidates(self, world: int, devices_per_node: int) -> list[Layout]:
+        """FSDP2 x cp layouts (the rl recipe; cp composes with FSDP2 alone so far): cp a power of
+        two within a node, dividing the query heads under Ulysses."""
+        if self.s.recipe != "rl":
+            return []
+        out, cp = [], 2
+        while cp <= min(world, devices_per_node):
+            if world % cp == 0 and (self.s.cp_style == "ring" or self.args.num_heads % cp == 0):
+                out.append(Layout(dp_shard=world // cp, cp=cp))
+            cp *= 2
+        return out
+
+    def kv_room(self, layout: Layout, device_bytes: float) -> list:
+        """`tandem.rl.plan.long_context.kv_choices` for ``layout``'s busiest rank: the KV room of
+        the rollout as configured and with the optimizer state, then the parameters, offloaded."""
+        s = self.s
+        local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
+        seq = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype) * -(-s.max_len // s.block_size)
+        shard = self.generation_shard(layout.rollout_tp)
+        fixed = shard + min(s.bucket_bytes, shard)
+        worst = None
+        for _, stages in rank_kinds(self.args, layout, s.pp_schedule):
+            params = self.param_bytes(layout, stages)
+            critic = self.param_bytes(layout, stages, skip="output") if s.critic else 0
+            rows = kv_choices(USABLE * device_bytes, params, critic, params if s.reference else 0, fixed, seq,
+                              s.offload_optimizer, s.cpu_offload)
+            if worst is None or rows[0].room < worst[0].room:
+                worst = rows
+        return worst
 
     def best(self, world: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
         """The first layout of `candidates` that fits, with its rollout.tp chosen by the auto rule; None when none does."""
@@ -456,7 +501,7 @@ def target(cfg: Any) -> tuple[int, int, float]:
     """(nodes, devices per node, device bytes): [plan] where set; else the config's own layout
     (dp_shard = -1 filling this machine's GPUs, or nothing) and this machine's GPU or 80 GB."""
     p, par = cfg.plan, cfg.parallel
-    fixed = par.pp * par.dp_replicate * par.tp
+    fixed = par.pp * par.dp_replicate * par.tp * par.cp
     local_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nodes = p.nodes or 1
     if p.devices_per_node:
@@ -479,9 +524,10 @@ def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: fl
     from tandem.rl.update.policy import check_layout
 
     d = cfg.parallel.resolve(world)
-    check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule)
+    check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
     check_moe_layout(planner.args, cfg.parallel.ep, d)
-    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=cfg.parallel.ep)
+    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], cp=d["cp"],
+                 ep=cfg.parallel.ep)
     g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1)
     if world % g:
         raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")
@@ -529,6 +575,8 @@ def run_plan(cfg: Any) -> int:
           f"{str(s.compute_dtype).removeprefix('torch.')}, generation {str(s.gen_dtype).removeprefix('torch.')}, "
           f"{planner.micro_batch(lay)[0]} tokens per micro-batch, activation_checkpoint={s.ac}")
     print(format_plan(plans, mem))
+    if s.recipe == "rl":
+        print(format_kv_room(planner.kv_room(lay, mem), cfg.rollout.max_tokens, s.max_len - 1))
     worst = max(plans, key=lambda p: p.peak)
     fits = worst.peak <= USABLE * mem
     smallest = planner.smallest(nodes, per_node, mem)

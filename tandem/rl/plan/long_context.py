@@ -1,0 +1,92 @@
+"""The memory planner's long-context terms: context parallelism and the rollout's KV room.
+
+Context parallelism (tandem/parallel/cp.py, ``parallel.cp``): the packer gives a sequence
+longer than ``rl.micro_batch_tokens`` a micro-batch of its own and a cp rank holds
+``1 / cp`` of each packed row, so one rank's activations are those of
+``max(micro_batch_tokens, ceil(seq_len / cp))`` tokens (`tokens_per_rank`): the longest
+sequence, ``data.max_length`` (prompt + ``rollout.max_tokens``), split cp ways. The log-prob
+head works on the same local tokens (the fused chunked head never holds ``[S, V]`` logits;
+its chunk is a transient already counted). What cp adds (`cp_transient`): Ulysses sends
+and receives one layer's q, k and v (its all-to-all buffers, with K/V repeated when cp
+exceeds the KV heads); the ring holds one tile's fp32 scores and the backward's two more
+(`tandem.parallel.ring_attention`'s ``TILE_Q x TILE_K`` per query head) and K/V passing
+around with their fp32 gradient accumulators. FSDP2 shards over ``dp_shard x cp``.
+
+KV room (`kv_choices`): during the rollout a rank keeps its training state (parameters,
+and unless ``rl.offload_optimizer`` the AdamW moments and gradients; with
+``parallel.cpu_offload`` FSDP2 keeps parameters on the host), the generation shard and
+the reshard buffers; what is left of `USABLE` of the device could hold the KV of that
+many full-length sequences (``data.max_length`` tokens each). Printed for the configured
+choice and for offloading the optimizer state, then the parameters too, so a long-context
+run can see what each buys in sequences against what it costs (the state's trip to the
+host and back each step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.models.args import ModelArgs
+from tandem.parallel.ring_attention import TILE_K, TILE_Q
+
+
+def tokens_per_rank(micro_batch_tokens: int, seq_len: int, cp: int) -> int:
+    """Tokens one rank holds in its largest micro-batch (see the module docstring)."""
+    return max(micro_batch_tokens, -(-seq_len // cp))
+
+
+def cp_transient(args: ModelArgs, tokens: int, elem: int, cp: int, style: str) -> float:
+    """Bytes in flight for cp's attention in one layer (0 at cp = 1)."""
+    if cp == 1:
+        return 0.0
+    hd = args.head_dim
+    if style == "ring":
+        scores = 3 * args.num_heads * min(TILE_Q, tokens) * min(TILE_K, tokens) * 4
+        kv = 2 * 2 * tokens * args.num_kv_heads * hd * (elem + 4)  # K/V held and arriving, + fp32 grads
+        return scores + kv
+    kv_heads = args.num_kv_heads
+    if kv_heads % cp:  # repeated until cp divides them (tandem/parallel/cp.py kv_repeats)
+        kv_heads = args.num_kv_heads * (cp // math.gcd(args.num_kv_heads, cp))
+    return 2 * tokens * (args.num_heads + 2 * kv_heads) * hd * elem  # send + receive buffers
+
+
+@dataclass(frozen=True)
+class KVChoice:
+    """One way to spend the rollout's memory: what stays resident, the KV room left, in sequences."""
+
+    name: str
+    resident: float
+    room: float
+    sequences: int
+
+
+def kv_choices(usable: float, params: float, critic: float, reference: float, fixed: float, seq_bytes: float,
+               offload_optimizer: bool, cpu_offload: bool) -> list[KVChoice]:
+    """The configured choice, then ``rl.offload_optimizer`` and ``parallel.cpu_offload`` added in turn.
+
+    ``params``: the rank's fp32 parameter shard bytes; ``critic``: the critic's (0 without one;
+    its state is offloaded with the policy's); ``reference``: a frozen copy's; ``fixed``: the
+    generation shard and reshard buffers; ``seq_bytes``: one full-length sequence's KV."""
+
+    def choice(name: str, opt_off: bool, param_off: bool) -> KVChoice:
+        on_device = 0.0 if param_off else params + critic
+        resident = on_device * (1 if opt_off else 3) + (0.0 if param_off else reference)
+        room = max(usable - resident - fixed, 0.0)
+        return KVChoice(name, resident, room, int(room // seq_bytes) if seq_bytes else 0)
+
+    out = [choice("as configured", offload_optimizer, cpu_offload)]
+    if not offload_optimizer:
+        out.append(choice("rl.offload_optimizer = true", True, cpu_offload))
+    if not cpu_offload:
+        out.append(choice("+ parallel.cpu_offload = true", True, True))
+    return out
+
+
+def format_kv_room(choices: list[KVChoice], max_tokens: int, seq_len: int) -> str:
+    """The rollout's KV room per choice, one line each (``train.py --plan``)."""
+    lines = [f"rollout KV room (full-length sequences of {seq_len} tokens, rollout.max_tokens = {max_tokens}):"]
+    for c in choices:
+        lines.append(f"  {c.name:<32}resident {c.resident / 1e9:6.2f} GB, room {c.room / 1e9:6.2f} GB, "
+                     f"{c.sequences} sequences")
+    return "\n".join(lines)
