@@ -35,8 +35,8 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # cp.py builds this backend (imported there lazily)
     from tandem.parallel.cp import SequenceSplit
 
-TILE_Q = 512
-TILE_K = 4096
+TILE_Q = 256
+TILE_K = 2048
 _NEG = -1e30  # the running max starts finite: exp(m_old - m_new) stays 1 while a row has seen nothing
 
 
@@ -179,7 +179,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             s = _scores(ring, step, t, qh, kv[0], scale)
             m_old = m[..., t.q0:t.q1]
             m_new = torch.maximum(m_old, s.amax(-1))
-            p = torch.exp(s.sub_(m_new[..., None]))  # 0 where masked
+            p = s.sub_(m_new[..., None]).exp_()  # 0 where masked
             alpha = torch.exp(m_old - m_new)
             l[..., t.q0:t.q1] = l[..., t.q0:t.q1] * alpha + p.sum(-1)
             pv = (p.to(v.dtype) @ kv[1][:, :, None, t.k0:t.k1, :]).to(acc.dtype)
@@ -211,7 +211,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         kh, vh = kv[0], kv[1]
         for t in ring.plan[step]:
             s = _scores(ring, step, t, qh, kh, scale)
-            p = torch.exp(s.sub_(lse[..., t.q0:t.q1, None]))  # [B, Hkv, g, tq, tk]
+            p = s.sub_(lse[..., t.q0:t.q1, None]).exp_()  # [B, Hkv, g, tq, tk]
             do_t = doh[..., t.q0:t.q1, :]
             dkv[1][..., t.k0:t.k1, :] += (p.transpose(-1, -2).to(do_t.dtype) @ do_t).to(a).sum(2)
             dp = (do_t @ vh[:, :, None, t.k0:t.k1, :].transpose(-1, -2)).to(a)

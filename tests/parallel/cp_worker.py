@@ -53,8 +53,9 @@ ARGS = ModelArgs(model_type="qwen3", vocab_size=211, hidden_size=32, intermediat
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
 CPU = torch.device("cpu")
 BUDGET = 48  # tokens per rank per micro-batch: the 12 samples fill several
-LAYOUTS = {  # name -> (degrees, cp_style, share_prompts)
+LAYOUTS = {  # name -> (degrees, cp_style, share_prompts[, activation checkpointing])
     "cp2_ulysses": (Degrees(cp=2), "ulysses", True),
+    "cp2_ring_ac_full": (Degrees(cp=2), "ring", True, "full"),  # the backward recomputes each block's ring
     "cp2_ring": (Degrees(cp=2), "ring", True),
     "cp2_ring_unshared": (Degrees(cp=2), "ring", False),
     "cp2_dp2_ulysses": (Degrees(dp_shard=2, cp=2), "ulysses", True),
@@ -95,9 +96,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def build(degrees: Degrees, style: str, share: bool) -> tuple[FlatPolicy, Transformer, dict]:
+def build(degrees: Degrees, style: str, share: bool, ac: str = "none") -> tuple[FlatPolicy, Transformer, dict]:
     mesh = build_mesh(degrees, CPU)
-    policy = FlatPolicy(ARGS, mesh, CPU, path=None, seed=0, spec=BuildSpec(), is_main=dist.get_rank() == 0,
+    policy = FlatPolicy(ARGS, mesh, CPU, path=None, seed=0, spec=BuildSpec(activation_checkpoint=ac),
+                        is_main=dist.get_rank() == 0,
                         micro_batch_tokens=BUDGET, chunk_tokens=16, share_prompts=share, cp_style=style)
     state = policy.full_state()
     ref = Transformer(ARGS)
@@ -107,8 +109,8 @@ def build(degrees: Degrees, style: str, share: bool) -> tuple[FlatPolicy, Transf
 
 
 def run_layout(name: str) -> dict:
-    degrees, style, share = LAYOUTS[name]
-    policy, ref, m = build(degrees, style, share)
+    degrees, style, share, *ac = LAYOUTS[name]
+    policy, ref, m = build(degrees, style, share, *ac)
     every = samples()
     mine = every[m["dp_rank"]::m["dp"]]  # this data-parallel rank's samples
     rows = list(range(len(mine)))

@@ -1,7 +1,8 @@
 """Context parallelism (``parallel.cp``) equals cp = 1: tandem/parallel/cp.py, ring_attention.py, rl/update/cp_batch.py.
 
 Two torchrun launches (2 and 4 CPU processes, gloo) run tests/parallel/cp_worker.py once per
-module: cp = 2 (Ulysses, ring, ring without shared prompts), cp = 2 x dp = 2 (FSDP2 and HSDP)
+module: cp = 2 (Ulysses, ring, ring without shared prompts, ring under full activation
+checkpointing), cp = 2 x dp = 2 (FSDP2 and HSDP)
 and cp = 4 against a plain one-process model of the same weights on the same packed
 variable-length samples; rl.exact's kernels bitwise; the activation bytes of one long
 sequence at cp = 1 and 2; and the guard on a broken split. Single-process checks follow:
@@ -26,7 +27,7 @@ from tandem.parallel.ring_attention import RingAttention
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel" / "cp_worker.py"
 RTOL = 1e-5
-TWO = ["cp2_ulysses", "cp2_ring", "cp2_ring_unshared"]
+TWO = ["cp2_ulysses", "cp2_ring", "cp2_ring_unshared", "cp2_ring_ac_full"]
 FOUR = ["cp2_dp2_ulysses", "cp2_dp2_ring", "cp2_hsdp2_ring", "cp4_ulysses", "cp4_ring"]
 LOSSES = ["ppo_token_mean", "gspo_seq_mean_token_mean", "dr_grpo_seq_mean_token_sum_norm",
           "reinforce_seq_mean_token_sum"]

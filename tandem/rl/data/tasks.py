@@ -188,19 +188,21 @@ def addition_small(rng: random.Random, *, max_value: int = 9, stray: float = 0.0
 
 
 @_task("needle", reward="exact_match")
-def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, noise: float = 0.0) -> Problem:
+def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_length: int = 0,
+           noise: float = 0.0) -> Problem:
     """Long-context retrieval for a character model: the one digit in a haystack, e.g. "qz 7ab...?" -> "7".
 
-    The haystack is ``length`` random lowercase letters and spaces ending in "?"; the digit
-    (the answer) replaces one of its first ``depth`` characters, so it sits more than
+    The haystack is ``length`` random lowercase letters and spaces ending in "?" (with
+    ``min_length``, a length drawn uniformly from ``[min_length, length]``); the digit (the
+    answer) replaces one of its first ``depth`` characters, so it sits more than
     ``length - depth`` positions before the question. ``noise``: share of rows whose
-    ``sft_reply`` (what SFT trains on) is a random digit instead of the answer: a policy
-    taught on them finds the digit but answers it only about 1 - 0.9 noise of the time, and
-    RL (exact match against the true answer) teaches it to trust what it found.
+    ``sft_reply`` (what SFT trains on) is a random digit instead of the answer.
     """
-    if not 0 < depth < length or not 0.0 <= noise <= 1.0:
-        raise ValueError(f"needle: need 0 < depth < length and 0 <= noise <= 1, got {depth}, {length}, {noise}")
-    chars = [rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(length)]
+    lo = min_length or length
+    if not 0 < depth < lo <= length or not 0.0 <= noise <= 1.0:
+        raise ValueError(f"needle: need 0 < depth < min_length <= length and 0 <= noise <= 1, got depth={depth}, "
+                         f"min_length={min_length}, length={length}, noise={noise}")
+    chars = [rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(rng.randint(lo, length))]
     digit = str(rng.randrange(10))
     chars[rng.randrange(depth)] = digit
     text = "".join(chars) + "?"

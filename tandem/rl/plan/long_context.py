@@ -8,8 +8,8 @@ sequence, ``data.max_length`` (prompt + ``rollout.max_tokens``), split cp ways. 
 head works on the same local tokens (the fused chunked head never holds ``[S, V]`` logits;
 its chunk is a transient already counted). What cp adds (`cp_transient`): Ulysses sends
 and receives one layer's q, k and v (its all-to-all buffers, with K/V repeated when cp
-exceeds the KV heads); the ring holds one tile's fp32 scores and the backward's two more
-(`tandem.parallel.ring_attention`'s ``TILE_Q x TILE_K`` per query head) and K/V passing
+exceeds the KV heads); the ring holds a tile's fp32 probabilities and, in the backward, their
+gradient (`tandem.parallel.ring_attention`'s ``TILE_Q x TILE_K`` per query head) and K/V passing
 around with their fp32 gradient accumulators. FSDP2 shards over ``dp_shard x cp``.
 
 KV room (`kv_choices`): during the rollout a rank keeps its training state (parameters,
@@ -42,7 +42,7 @@ def cp_transient(args: ModelArgs, tokens: int, elem: int, cp: int, style: str) -
         return 0.0
     hd = args.head_dim
     if style == "ring":
-        scores = 3 * args.num_heads * min(TILE_Q, tokens) * min(TILE_K, tokens) * 4
+        scores = 2 * args.num_heads * min(TILE_Q, tokens) * min(TILE_K, tokens) * 4  # P and dP (dS in place)
         kv = 2 * 2 * tokens * args.num_kv_heads * hd * (elem + 4)  # K/V held and arriving, + fp32 grads
         return scores + kv
     kv_heads = args.num_kv_heads
