@@ -1,4 +1,4 @@
-"""Context parallelism on CPU: per-rank peak memory and step time of one long sequence at cp = 1, 2, 4.
+"""Context parallelism on CPU: per-rank memory and step time of one long sequence at cp = 1, 2, 4.
 
     python bench/context_parallel.py                              # 8k, 16k, 32k tokens; cp 1, 2, 4
     python bench/context_parallel.py --tokens 8192 --cp 1,2 --styles ulysses
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _peak_live():  # noqa: ANN202 - a TorchDispatchMode
-    """A dispatch mode recording the peak bytes of the tensor storages created under it and alive."""
+    """A dispatch mode recording the peak bytes of the storages created under it and still alive."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,37 +66,40 @@ def _peak_live():  # noqa: ANN202 - a TorchDispatchMode
     return PeakLive()
 
 
-def _worker(args: argparse.Namespace) -> None:
+def _update_step(tokens: int, style: str):  # noqa: ANN202 - (policy, one-step closure)
+    """This rank's policy (FSDP2 over the cp ranks) and a closure taking one timed update step
+    (forward, backward) on one sample of ``tokens`` tokens."""
     import torch
     import torch.distributed as dist
 
     from tandem.models.flavors import get_flavor
-    from tandem.parallel.distributed import init_distributed
     from tandem.parallel.mesh import Degrees, build_mesh
     from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
     from tandem.rl.core.modeling import BuildSpec
     from tandem.rl.rollout.types import RolloutSample
-    from tandem.rl.update.loss import LossInputs, LossSpec, completion_tensors, token_logprobs
+    from tandem.rl.update.loss import LossInputs, LossSpec, completion_tensors
     from tandem.rl.update.policy import FlatPolicy
-    from tests.parallel.cp_worker import saved_bytes
 
-    torch.set_num_threads(1)
-    init_distributed()
     cpu, cp = torch.device("cpu"), dist.get_world_size()
-    args_m = get_flavor("debug-qwen3").replace(max_position_embeddings=args.tokens)
-    policy = FlatPolicy(args_m, build_mesh(Degrees(cp=cp), cpu), cpu, path=None, seed=0, spec=BuildSpec(),
-                        is_main=dist.get_rank() == 0, micro_batch_tokens=args.tokens // cp, chunk_tokens=1024,
-                        cp_style=args.style)
+    model = get_flavor("debug-qwen3").replace(max_position_embeddings=tokens)
+    mesh = build_mesh(Degrees(cp=cp), cpu)
+    policy = FlatPolicy(model, mesh, cpu, path=None, seed=0, spec=BuildSpec(),
+                        is_main=dist.get_rank() == 0, micro_batch_tokens=tokens // cp,
+                        chunk_tokens=1024, cp_style=style)  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    n = args.tokens - 64 + 1  # the row: 64 prompt tokens and n - 1 completion inputs
-    sample = RolloutSample(group=0, prompt_ids=torch.randint(1, 500, (64,), generator=g).tolist(),
-                           completion_ids=torch.randint(1, 500, (n,), generator=g).tolist(), loss_mask=[True] * n,
-                           gen_logprobs=[-6.0] * n, finish_reason="length", text="", row={})
+    n = tokens - 64 + 1  # the row: 64 prompt tokens and n - 1 completion inputs
+    prompt = torch.randint(1, 500, (64,), generator=g).tolist()
+    sample = RolloutSample(group=0, prompt_ids=prompt,
+                           completion_ids=torch.randint(1, 500, (n,), generator=g).tolist(),
+                           loss_mask=[True] * n, gen_logprobs=[-6.0] * n, finish_reason="length",
+                           text="", row={})  # fmt: skip
     mask, gen, width = completion_tensors([sample], cpu)
-    inp = LossInputs(mask=mask, old_logp=None, advantages=torch.randn(mask.shape, generator=g) * mask,
-                     gen_logp=gen, ref_logp=None, seen_logp=torch.zeros_like(mask))
+    adv = torch.randn(mask.shape, generator=g) * mask
+    inp = LossInputs(mask=mask, old_logp=None, advantages=adv, gen_logp=gen, ref_logp=None,
+                     seen_logp=torch.zeros_like(mask))  # fmt: skip
     spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"), policy_cfg=PolicyLossConfig(),
-                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0, entropy_coef=0.0)
+                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0,
+                    entropy_coef=0.0)  # fmt: skip
     norm = make_norm(mask)
     policy.train()
 
@@ -109,31 +112,68 @@ def _worker(args: argparse.Namespace) -> None:
         dist.barrier()
         return time.perf_counter() - t0
 
+    return policy, sample, step
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tandem.parallel.distributed import init_distributed
+    from tandem.rl.update.loss import token_logprobs
+    from tests.parallel.cp_worker import saved_bytes
+
+    torch.set_num_threads(1)
+    init_distributed()
+    policy, sample, step = _update_step(args.tokens, args.style)
     step()  # warm-up
     (mb,) = policy.micro_batches([sample], [0])
-    saved = saved_bytes(lambda: token_logprobs(policy.model, mb, with_entropy=True, chunk_tokens=1024,
-                                               cp=policy.split))
+    saved = saved_bytes(lambda: token_logprobs(policy.model, mb, with_entropy=True,
+                                               chunk_tokens=1024, cp=policy.split))  # fmt: skip
     mode = _peak_live()
     with mode:
         step()
     peak = mode.peak
     times = [step() for _ in range(args.repeats)]  # timed without the mode's bookkeeping
-    out = torch.tensor([saved, peak, statistics.median(times), mb.tokens.numel()], dtype=torch.float64)
+    out = torch.tensor([saved, peak, statistics.median(times), mb.tokens.numel()],
+                       dtype=torch.float64)  # fmt: skip
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(dict(zip(("saved", "peak", "step_s", "row"), out.tolist()))))
+        keys = ("saved", "peak", "step_s", "row")
+        Path(args.out).write_text(json.dumps(dict(zip(keys, out.tolist()))))
     dist.destroy_process_group()
 
 
 def _launch(tokens: int, cp: int, style: str, repeats: int, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
-               str(Path(__file__).resolve()), "--worker", "--tokens", str(tokens), "--style", style,
-               "--repeats", str(repeats), "--out", str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(ROOT)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={cp}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--tokens",
+            str(tokens),
+            "--style",
+            style,
+            "--repeats",
+            str(repeats),
+            "--out",
+            str(out),
+        ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TANDEM_FORCE_CPU": "1",
+            "PYTHONPATH": str(ROOT),
+        }
         try:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            r = subprocess.run(
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout} s"}
         if r.returncode != 0 or not out.exists():
@@ -144,7 +184,9 @@ def _launch(tokens: int, cp: int, style: str, repeats: int, timeout: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="8192,16384,32768", help="sequence lengths, comma-separated")
+    ap.add_argument(
+        "--tokens", default="8192,16384,32768", help="sequence lengths, comma-separated"
+    )
     ap.add_argument("--cp", default="1,2,4", help="cp degrees, comma-separated")
     ap.add_argument("--styles", default="ulysses,ring")
     ap.add_argument("--repeats", type=int, default=2)
@@ -156,8 +198,11 @@ def main() -> None:
     if args.worker:
         args.tokens = int(args.tokens)
         return _worker(args)
-    print(f"{'tokens':>7} {'cp':>3} {'style':>8} {'saved MB':>9} {'peak MB':>9} {'step s':>8} "
-          f"{'saved ratio':>12} {'peak ratio':>11} {'time ratio':>11}", flush=True)
+    print(
+        f"{'tokens':>7} {'cp':>3} {'style':>8} {'saved MB':>9} {'peak MB':>9} {'step s':>8} "
+        f"{'saved ratio':>12} {'peak ratio':>11} {'time ratio':>11}",
+        flush=True,
+    )
     for tokens in (int(t) for t in args.tokens.split(",")):
         ref = None
         for cp in (int(c) for c in args.cp.split(",")):
@@ -167,11 +212,21 @@ def main() -> None:
                     print(f"{tokens:>7} {cp:>3} {style:>8}  {r['error']}", flush=True)
                     continue
                 ref = r if cp == 1 else ref
-                ratios = ("", "", "") if ref is None else (f"{ref['saved'] / r['saved']:.2f}x",
-                                                          f"{ref['peak'] / r['peak']:.2f}x",
-                                                          f"{ref['step_s'] / r['step_s']:.2f}x")
-                print(f"{tokens:>7} {cp:>3} {style:>8} {r['saved'] / 2**20:>9.1f} {r['peak'] / 2**20:>9.1f} "
-                      f"{r['step_s']:>8.2f} {ratios[0]:>12} {ratios[1]:>11} {ratios[2]:>11}", flush=True)
+                ratios = (
+                    ("", "", "")
+                    if ref is None
+                    else (
+                        f"{ref['saved'] / r['saved']:.2f}x",
+                        f"{ref['peak'] / r['peak']:.2f}x",
+                        f"{ref['step_s'] / r['step_s']:.2f}x",
+                    )
+                )
+                mb = (r["saved"] / 2**20, r["peak"] / 2**20)
+                print(
+                    f"{tokens:>7} {cp:>3} {style:>8} {mb[0]:>9.1f} {mb[1]:>9.1f} "
+                    f"{r['step_s']:>8.2f} {ratios[0]:>12} {ratios[1]:>11} {ratios[2]:>11}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

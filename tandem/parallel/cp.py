@@ -61,14 +61,16 @@ class SequenceSplit:
     def __post_init__(self) -> None:
         parts = 2 * self.size if self.zigzag else self.size
         if self.seq_len % parts:
-            raise ValueError(f"a row of {self.seq_len} tokens does not split into {parts} equal chunks")
+            raise ValueError(
+                f"a row of {self.seq_len} tokens does not split into {parts} equal chunks"
+            )
 
     @property
     def local_len(self) -> int:
         return self.seq_len // self.size
 
     def chunks(self, rank: int | None = None) -> list[tuple[int, int]]:
-        """Global column ranges ``[start, end)`` of ``rank`` (default: this rank), in local order."""
+        """Global column ranges ``[start, end)`` of ``rank`` (default: this rank), local order."""
         r = self.rank if rank is None else rank
         if not self.zigzag:
             c = self.seq_len // self.size
@@ -83,12 +85,14 @@ class SequenceSplit:
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's positions of ``x`` along ``dim`` (the row's length there)."""
         if x.shape[dim] != self.seq_len:
-            raise ValueError(f"expected {self.seq_len} positions along dim {dim}, got {tuple(x.shape)}")
+            raise ValueError(
+                f"expected {self.seq_len} positions along dim {dim}, got {tuple(x.shape)}"
+            )
         parts = [x.narrow(dim, a, b - a) for a, b in self.chunks()]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
     def local_columns(self, device: torch.device | None = None) -> torch.Tensor:
-        """``[S]``: the local position of each global column on this rank, -1 where another holds it."""
+        """``[S]``: each global column's local position on this rank, -1 where another holds it."""
         out = torch.full((self.seq_len,), -1, dtype=torch.long, device=device)
         out[self.index(device=device)] = torch.arange(self.local_len, device=device)
         return out
@@ -103,10 +107,14 @@ class _Guard:
     def check(self, q: torch.Tensor) -> None:
         s, n = self.split.seq_len, q.shape[1]
         if n != self.split.local_len:
-            what = "the whole row: the sequence was not split" if n == s else "not this rank's share"
+            what = (
+                "the whole row: the sequence was not split" if n == s else "not this rank's share"
+            )
             raise ContextSplitError(
-                f"context parallelism (cp={self.split.size}): rank {self.split.rank}'s attention input holds "
-                f"{n} positions of a {s}-token row, {what} (expected {self.split.local_len})")
+                f"context parallelism (cp={self.split.size}): rank {self.split.rank}'s attention "
+                f"input holds {n} positions of a {s}-token row, {what} "
+                f"(expected {self.split.local_len})"
+            )
         self.calls += 1
         self.owner.effective = min(self.owner.effective, s / n) if self.owner.effective else s / n
 
@@ -118,7 +126,9 @@ class UlyssesAttention:
         self.inner, self.group, self.guard = inner, group, guard
         self.size = dist.get_world_size(group)
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         self.guard.check(q)
         hq, hkv = q.shape[2], k.shape[2]
         rep = kv_repeats(hq, hkv, self.size)
@@ -132,8 +142,10 @@ def kv_repeats(num_heads: int, num_kv_heads: int, cp: int) -> int:
     """How many times Ulysses repeats each KV head so that cp divides them and every query
     head group still maps onto one: 1 when cp divides the KV heads."""
     if num_heads % cp:
-        raise ValueError(f"ulysses splits the {num_heads} attention heads over cp={cp} ranks; "
-                         "cp must divide them (or use cp_style = 'ring')")
+        raise ValueError(
+            f"ulysses splits the {num_heads} attention heads over cp={cp} ranks; "
+            "cp must divide them (or use cp_style = 'ring')"
+        )
     if num_kv_heads % cp == 0:
         return 1
     group = num_heads // num_kv_heads
@@ -142,10 +154,12 @@ def kv_repeats(num_heads: int, num_kv_heads: int, cp: int) -> int:
 
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[B, S/cp, H, D]`` (rank r: its contiguous shard) -> ``[B, S, H/cp, D]`` (rank r: head group r)."""
+    """``[B, S/cp, H, D]`` (rank r: its contiguous shard) -> ``[B, S, H/cp, D]`` (head group r)."""
     n = dist.get_world_size(group)
     b, s, h, d = x.shape
-    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp, B, S/cp, H/cp, D]
+    send = (
+        x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    )  # [cp, B, S/cp, H/cp, D]
     recv = torch.empty_like(send)  # [cp (source rank = sequence shard), B, S/cp, H/cp, D]
     dist.all_to_all_single(recv, send, group=group)
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
@@ -155,7 +169,9 @@ def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The inverse of `_seq_to_heads`: ``[B, S, H/cp, D]`` -> ``[B, S/cp, H, D]``."""
     n = dist.get_world_size(group)
     b, s, h, d = y.shape
-    send = y.reshape(b, n, s // n, h, d).permute(1, 0, 2, 3, 4).contiguous()  # [cp (dest), B, S/cp, H/cp, D]
+    send = (
+        y.reshape(b, n, s // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
+    )  # [cp (dest), B, S/cp, H/cp, D]
     recv = torch.empty_like(send)  # [cp (source rank = head group), B, S/cp, H/cp, D]
     dist.all_to_all_single(recv, send, group=group)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
@@ -163,7 +179,7 @@ def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore
         ctx.group = group
         return _seq_to_heads(x, group)
 
@@ -174,7 +190,7 @@ class _SeqToHeads(torch.autograd.Function):
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore
         ctx.group = group
         return _heads_to_seq(y.contiguous(), group)
 
@@ -212,8 +228,13 @@ class ContextParallel:
     def split(self, seq_len: int) -> SequenceSplit:
         return SequenceSplit(seq_len, self.size, self.rank, zigzag=self.style == "ring")
 
-    def attention(self, split: SequenceSplit, inner: AttentionBackend, doc_ids: torch.Tensor,
-                  branch_ids: torch.Tensor | None = None) -> AttentionBackend:
+    def attention(
+        self,
+        split: SequenceSplit,
+        inner: AttentionBackend,
+        doc_ids: torch.Tensor,
+        branch_ids: torch.Tensor | None = None,
+    ) -> AttentionBackend:
         """The guarded backend for one row layout. ``inner`` attends the unsplit row (Ulysses);
         ``doc_ids`` / ``branch_ids [B, S]`` (of the unsplit row) are what the ring masks with,
         `tandem.models.attention.DocumentAttention`'s rule."""

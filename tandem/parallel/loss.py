@@ -22,7 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["all_reduce_sum", "token_logprobs_at", "vocab_parallel_entropy", "vocab_parallel_token_logprobs"]
+__all__ = [
+    "all_reduce_sum",
+    "token_logprobs_at",
+    "vocab_parallel_entropy",
+    "vocab_parallel_token_logprobs",
+]
 
 
 class _AllReduceSum(torch.autograd.Function):

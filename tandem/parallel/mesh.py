@@ -64,7 +64,8 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
             cache["mesh"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         else:  # flatten all three, replicate-major, then cut into (replicas, the rest)
             flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_replicate_shard_cp")
-            cache["mesh"] = flat._unflatten(0, (replicas, flat.size() // replicas), ("dp_replicate", "dp_shard_cp"))
+            names = ("dp_replicate", "dp_shard_cp")
+            cache["mesh"] = flat._unflatten(0, (replicas, flat.size() // replicas), names)
     return cache["mesh"]
 
 

@@ -3,9 +3,9 @@
 Rank r holds chunks r and 2cp-1-r of the row's ``2 x cp`` equal chunks (the zig-zag split
 of `tandem.parallel.cp.SequenceSplit`), so under causal masking every rank has the same
 work. At step s it holds the K/V of rank ``r - s`` (sent on to ``r + 1`` while it computes)
-and folds their scores into an online softmax per query (running max ``m``, sum ``l`` and
+and folds their scores into an online softmax per query (running max ``m``, sum ``lsum`` and
 output accumulator, fp32), as flash attention does across key tiles; after ``cp`` steps
-``out = acc / l`` and ``lse = m + log l``. Which key may be read is
+``out = acc / lsum`` and ``lse = m + log lsum``. Which key may be read is
 `tandem.models.attention.DocumentAttention`'s rule on the unsplit row: the same document,
 not a later column, and with shared prompts the prefix or the query's own branch; so any
 packing of documents attends as it would unsplit.
@@ -37,12 +37,14 @@ if TYPE_CHECKING:  # cp.py builds this backend (imported there lazily)
 
 TILE_Q = 256
 TILE_K = 2048
-_NEG = -1e30  # the running max starts finite: exp(m_old - m_new) stays 1 while a row has seen nothing
+_NEG = (
+    -1e30
+)  # the running max starts finite: exp(m_old - m_new) stays 1 while a row has seen nothing
 
 
 @dataclass
 class _Meta:
-    """Per position of one rank's share: document ``[B, n]``, branch ``[B, n]`` (or None), column ``[n]``."""
+    """Per position of a rank's share: document and branch (or None) ``[B, n]``, column ``[n]``."""
 
     doc: torch.Tensor
     branch: torch.Tensor | None
@@ -76,9 +78,17 @@ class RingAttention:
     ``doc_ids`` / ``branch_ids [B, S]`` describe the unsplit row; ``guard.check(q)`` runs first
     at every call (tandem/parallel/cp.py)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, split: SequenceSplit, doc_ids: torch.Tensor,
-                 branch_ids: torch.Tensor | None = None, guard: Any = None, *, tile_q: int = TILE_Q,
-                 tile_k: int = TILE_K) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        split: SequenceSplit,
+        doc_ids: torch.Tensor,
+        branch_ids: torch.Tensor | None = None,
+        guard: Any = None,
+        *,
+        tile_q: int = TILE_Q,
+        tile_k: int = TILE_K,
+    ) -> None:
         self.group, self.split, self.guard = group, split, guard
         self.size, self.rank = split.size, split.rank
         dev = doc_ids.device
@@ -103,7 +113,9 @@ class RingAttention:
         for q0 in range(0, n, tile_q):
             q1 = min(q0 + tile_q, n)
             qt = qm.rows(q0, q1)
-            for c0 in range(0, km.col.numel(), c):  # one key chunk at a time: its columns are contiguous
+            for c0 in range(
+                0, km.col.numel(), c
+            ):  # one key chunk at a time: its columns are contiguous
                 ok = allowed(qt, km.rows(c0, c0 + c)).any(1).any(0)  # [C] columns the tile reads
                 cols = ok.nonzero()[:, 0]
                 if cols.numel() == 0:
@@ -115,7 +127,9 @@ class RingAttention:
         return tiles
 
     def mask(self, step: int, t: _Tile) -> torch.Tensor:
-        return allowed(self.metas[self.rank].rows(t.q0, t.q1), self.metas[self.source(step)].rows(t.k0, t.k1))
+        return allowed(
+            self.metas[self.rank].rows(t.q0, t.q1), self.metas[self.source(step)].rows(t.k0, t.k1)
+        )
 
     def exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> list[Any]:
         """Start sending ``sends`` to the next rank and receiving ``recvs`` from the previous."""
@@ -123,7 +137,9 @@ class RingAttention:
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recvs]
         return dist.batch_isend_irecv(ops)
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         if self.guard is not None:
             self.guard.check(q)
         return _RingFn.apply(q, k, v, self)
@@ -147,27 +163,33 @@ def _wait(reqs: list[Any]) -> None:
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
-    """Softmax and accumulator dtype: fp32 (fp64 for fp64 inputs, so gradcheck can check the path)."""
+    """Softmax and accumulator dtype: fp32 (fp64 for fp64 inputs, so gradcheck can check it)."""
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _scores(ring: RingAttention, step: int, t: _Tile, qh: torch.Tensor, kh: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _scores(
+    ring: RingAttention, step: int, t: _Tile, qh: torch.Tensor, kh: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Masked scores ``[B, Hkv, g, tq, tk]`` (fp32) of one tile, -inf where not allowed."""
-    s = (qh[..., t.q0:t.q1, :] @ kh[:, :, None, t.k0:t.k1, :].transpose(-1, -2)).to(_acc(qh)).mul_(scale)
+    s = (
+        (qh[..., t.q0 : t.q1, :] @ kh[:, :, None, t.k0 : t.k1, :].transpose(-1, -2))
+        .to(_acc(qh))
+        .mul_(scale)
+    )
     if not t.full:
         s.masked_fill_(~ring.mask(step, t)[:, None, None], float("-inf"))
     return s
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, L, Hq, D] in q's dtype, lse [B, Hkv, g, L] fp32)``."""
     hk, scale = k.shape[2], q.shape[-1] ** -0.5
     qh = _heads(q, hk)  # [B, Hkv, g, L, D]
     b, _, g, n, d = qh.shape
     m = torch.full((b, hk, g, n), _NEG, dtype=_acc(q), device=q.device)
-    l = torch.zeros_like(m)
+    lsum = torch.zeros_like(m)
     acc = torch.zeros(b, hk, g, n, d, dtype=_acc(q), device=q.device)
     kv = torch.stack([k, v]).permute(0, 1, 3, 2, 4).contiguous()  # [2, B, Hkv, Lk, D]
     for step in range(ring.size):
@@ -177,23 +199,30 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             reqs = ring.exchange([kv], [nxt])
         for t in ring.plan[step]:
             s = _scores(ring, step, t, qh, kv[0], scale)
-            m_old = m[..., t.q0:t.q1]
+            m_old = m[..., t.q0 : t.q1]
             m_new = torch.maximum(m_old, s.amax(-1))
             p = s.sub_(m_new[..., None]).exp_()  # 0 where masked
             alpha = torch.exp(m_old - m_new)
-            l[..., t.q0:t.q1] = l[..., t.q0:t.q1] * alpha + p.sum(-1)
-            pv = (p.to(v.dtype) @ kv[1][:, :, None, t.k0:t.k1, :]).to(acc.dtype)
-            acc[..., t.q0:t.q1, :] = acc[..., t.q0:t.q1, :] * alpha[..., None] + pv
-            m[..., t.q0:t.q1] = m_new
+            lsum[..., t.q0 : t.q1] = lsum[..., t.q0 : t.q1] * alpha + p.sum(-1)
+            pv = (p.to(v.dtype) @ kv[1][:, :, None, t.k0 : t.k1, :]).to(acc.dtype)
+            acc[..., t.q0 : t.q1, :] = acc[..., t.q0 : t.q1, :] * alpha[..., None] + pv
+            m[..., t.q0 : t.q1] = m_new
         _wait(reqs)
         if nxt is not None:
             kv = nxt
-    out = _unheads(acc.div_(l[..., None])).to(q.dtype)
-    return out, m + torch.log(l)
+    out = _unheads(acc.div_(lsum[..., None])).to(q.dtype)
+    return out, m + torch.log(lsum)
 
 
-def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ring: RingAttention,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes."""
     hk, scale = k.shape[2], q.shape[-1] ** -0.5
     qh, doh = _heads(q, hk), _heads(dout, hk)  # [B, Hkv, g, L, D]
@@ -211,14 +240,16 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         kh, vh = kv[0], kv[1]
         for t in ring.plan[step]:
             s = _scores(ring, step, t, qh, kh, scale)
-            p = s.sub_(lse[..., t.q0:t.q1, None]).exp_()  # [B, Hkv, g, tq, tk]
-            do_t = doh[..., t.q0:t.q1, :]
-            dkv[1][..., t.k0:t.k1, :] += (p.transpose(-1, -2).to(do_t.dtype) @ do_t).to(a).sum(2)
-            dp = (do_t @ vh[:, :, None, t.k0:t.k1, :].transpose(-1, -2)).to(a)
-            ds = p.mul_(dp.sub_(delta[..., t.q0:t.q1, None]))  # [B, Hkv, g, tq, tk]
-            dq[..., t.q0:t.q1, :] += (ds.to(kh.dtype) @ kh[:, :, None, t.k0:t.k1, :]).to(a).mul_(scale)
-            dk_t = ds.transpose(-1, -2).to(q.dtype) @ qh[..., t.q0:t.q1, :]  # [B, Hkv, g, tk, D]
-            dkv[0][..., t.k0:t.k1, :] += dk_t.to(a).sum(2).mul_(scale)
+            p = s.sub_(lse[..., t.q0 : t.q1, None]).exp_()  # [B, Hkv, g, tq, tk]
+            do_t = doh[..., t.q0 : t.q1, :]
+            dkv[1][..., t.k0 : t.k1, :] += (p.transpose(-1, -2).to(do_t.dtype) @ do_t).to(a).sum(2)
+            dp = (do_t @ vh[:, :, None, t.k0 : t.k1, :].transpose(-1, -2)).to(a)
+            ds = p.mul_(dp.sub_(delta[..., t.q0 : t.q1, None]))  # [B, Hkv, g, tq, tk]
+            dq[..., t.q0 : t.q1, :] += (
+                (ds.to(kh.dtype) @ kh[:, :, None, t.k0 : t.k1, :]).to(a).mul_(scale)
+            )
+            dk_t = ds.transpose(-1, -2).to(q.dtype) @ qh[..., t.q0 : t.q1, :]  # [B, Hkv, g, tk, D]
+            dkv[0][..., t.k0 : t.k1, :] += dk_t.to(a).sum(2).mul_(scale)
         _wait(reqs)
         if ring.size > 1:  # the gradients go on with their K/V; after the last step, home
             got = torch.empty_like(dkv)

@@ -1,5 +1,6 @@
 """A long prompt prefills in chunks: no model forward wider than ``max_num_batched_tokens``, and the
-PyTorch paged attention scores a chunk against the context in slices (``_BATCHED_SCORE_LIMIT``), with
+PyTorch paged attention scores a chunk against the context in slices (``_BATCHED_SCORE_LIMIT``),
+with
 the same greedy tokens and log-probs as one wide prefill and as the training forward."""
 
 import torch
@@ -20,16 +21,26 @@ def test_a_3000_token_prompt_prefills_in_chunks(monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     widths: list[int] = []
     model.layers["0"].register_forward_pre_hook(lambda mod, inp: widths.append(inp[0].shape[1]))
-    wide = Generator(model, GenerationSettings(block_size=16, num_blocks=256, max_num_batched_tokens=4096))
+    wide = Generator(
+        model, GenerationSettings(block_size=16, num_blocks=256, max_num_batched_tokens=4096)
+    )
     (ref,) = wide.generate([prompt], params)[0]
     assert max(widths) == 3000
     widths.clear()
-    monkeypatch.setattr(pa, "_BATCHED_SCORE_LIMIT", 4 * 3000 * 64)  # a slice of 64 query rows at most
-    narrow = Generator(model, GenerationSettings(block_size=16, num_blocks=256, max_num_batched_tokens=256))
+    monkeypatch.setattr(
+        pa, "_BATCHED_SCORE_LIMIT", 4 * 3000 * 64
+    )  # a slice of 64 query rows at most
+    narrow = Generator(
+        model, GenerationSettings(block_size=16, num_blocks=256, max_num_batched_tokens=256)
+    )
     (got,) = narrow.generate([prompt], params)[0]
-    assert max(widths) == 256 and sum(w for w in widths if w > 1) == 3000  # 12 chunks of <= 256, then decode
+    assert (
+        max(widths) == 256 and sum(w for w in widths if w > 1) == 3000
+    )  # 12 chunks of <= 256, then decode
     assert got.token_ids == ref.token_ids
-    torch.testing.assert_close(torch.tensor(got.raw_logprobs), torch.tensor(ref.raw_logprobs), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(got.raw_logprobs), torch.tensor(ref.raw_logprobs), atol=1e-5, rtol=0
+    )
     with torch.no_grad():  # the training forward of the whole sequence agrees
         logp = torch.log_softmax(model(torch.tensor([prompt + got.token_ids]))[0].float(), -1)
     pos = torch.arange(len(prompt) - 1, len(prompt) + 3)

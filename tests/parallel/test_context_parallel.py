@@ -1,13 +1,13 @@
-"""Context parallelism (``parallel.cp``) equals cp = 1: tandem/parallel/cp.py, ring_attention.py, rl/update/cp_batch.py.
+"""Context parallelism (``parallel.cp``) equals cp = 1.
 
-Two torchrun launches (2 and 4 CPU processes, gloo) run tests/parallel/cp_worker.py once per
+tandem/parallel/cp.py, tandem/parallel/ring_attention.py and tandem/rl/update/cp_batch.py. Two
+torchrun launches (2 and 4 CPU processes, gloo) run tests/parallel/cp_worker.py once per
 module: cp = 2 (Ulysses, ring, ring without shared prompts, ring under full activation
-checkpointing), cp = 2 x dp = 2 (FSDP2 and HSDP)
-and cp = 4 against a plain one-process model of the same weights on the same packed
-variable-length samples; rl.exact's kernels bitwise; the activation bytes of one long
-sequence at cp = 1 and 2; and the guard on a broken split. Single-process checks follow:
-the split, the KV-head rule, the ring's math against `DocumentAttention` (fp64, gradients
-too) and the one-line config errors.
+checkpointing), cp = 2 x dp = 2 (FSDP2 and HSDP) and cp = 4 against a plain one-process
+model of the same weights on the same packed variable-length samples; rl.exact's kernels
+bitwise; the activation bytes of one long sequence at cp = 1 and 2; and the guard on a
+broken split. Single-process checks follow: the split, the KV-head rule, the ring's math
+against `DocumentAttention` (fp64, gradients too) and the one-line config errors.
 """
 
 from __future__ import annotations
@@ -29,24 +29,43 @@ WORKER = ROOT / "tests" / "parallel" / "cp_worker.py"
 RTOL = 1e-5
 TWO = ["cp2_ulysses", "cp2_ring", "cp2_ring_unshared", "cp2_ring_ac_full"]
 FOUR = ["cp2_dp2_ulysses", "cp2_dp2_ring", "cp2_hsdp2_ring", "cp4_ulysses", "cp4_ring"]
-LOSSES = ["ppo_token_mean", "gspo_seq_mean_token_mean", "dr_grpo_seq_mean_token_sum_norm",
-          "reinforce_seq_mean_token_sum"]
+LOSSES = [
+    "ppo_token_mean",
+    "gspo_seq_mean_token_mean",
+    "dr_grpo_seq_mean_token_sum_norm",
+    "reinforce_seq_mean_token_sum",
+]
 
 
 def _launch(nproc: int, names: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
-           "--out", str(out), "--layouts", ",".join(names)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKER),
+        "--out",
+        str(out),
+        "--layouts",
+        ",".join(names),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("cp")
-    return {**_launch(2, TWO + ["exact", "memory", "guard"], tmp / "two.pt"), **_launch(4, FOUR, tmp / "four.pt")}
+    return {
+        **_launch(2, TWO + ["exact", "memory", "guard"], tmp / "two.pt"),
+        **_launch(4, FOUR, tmp / "four.pt"),
+    }
 
 
 def _ok(results: dict, name: str) -> dict:
@@ -78,8 +97,10 @@ def test_loss_and_every_gradient_equal_cp1(results: dict, layout: str, loss: str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pair", [("cp2_ulysses", "cp2_ring"), ("cp2_dp2_ulysses", "cp2_dp2_ring"),
-                                  ("cp4_ulysses", "cp4_ring")])
+@pytest.mark.parametrize(
+    "pair",
+    [("cp2_ulysses", "cp2_ring"), ("cp2_dp2_ulysses", "cp2_dp2_ring"), ("cp4_ulysses", "cp4_ring")],
+)
 def test_ulysses_equals_ring(results: dict, pair: tuple[str, str]) -> None:
     a, b = (_ok(results, p)["logp_values"] for p in pair)
     assert a.shape == b.shape and a.numel() > 50  # rank 0's completion tokens
@@ -102,8 +123,10 @@ def test_activation_bytes_fall_by_cp(results: dict) -> None:
     for style in ("cp2_ulysses", "cp2_ring"):
         ratio = rec["cp1"] / rec[style]
         assert 1.85 <= ratio <= 2.1, (style, rec)
-        # the planner prices a rank's activations as those of its S / cp tokens (tandem/rl/plan/long_context.py)
-        planned = activation_bytes(ARGS, rec[style + "_tokens"] // 2, ARGS.num_layers, torch.float32, "none")
+        # the planner prices a rank's activations as those of its S / cp tokens (long_context.py)
+        planned = activation_bytes(
+            ARGS, rec[style + "_tokens"] // 2, ARGS.num_layers, torch.float32, "none"
+        )
         assert abs(planned - rec[style]) <= 0.05 * rec[style], (style, planned, rec[style])
     planned = activation_bytes(ARGS, rec["cp1_tokens"], ARGS.num_layers, torch.float32, "none")
     assert abs(planned - rec["cp1"]) <= 0.05 * rec["cp1"], (planned, rec["cp1"])
@@ -112,7 +135,10 @@ def test_activation_bytes_fall_by_cp(results: dict) -> None:
 @pytest.mark.slow
 def test_guard_fires_on_a_broken_split(results: dict) -> None:
     rec = _ok(results, "guard")
-    assert "holds 92 positions of a 92-token row, the whole row: the sequence was not split" in rec["unsplit"]
+    assert (
+        "holds 92 positions of a 92-token row, the whole row: the sequence was not split"
+        in rec["unsplit"]
+    )
     assert "0 of the model's 2 attention layers ran through the split's backend" in rec["bypassed"]
     assert "\n" not in rec["unsplit"] + rec["bypassed"]
 
@@ -137,8 +163,10 @@ def test_zigzag_split_balances_and_partitions() -> None:
         SequenceSplit(12, 4, 0, zigzag=True)
 
 
-@pytest.mark.parametrize("heads, kv, cp, rep", [(4, 2, 2, 1), (4, 2, 4, 2), (8, 1, 4, 4), (6, 3, 2, 2),
-                                                (12, 4, 6, 3), (16, 2, 8, 4)])
+@pytest.mark.parametrize(
+    "heads, kv, cp, rep",
+    [(4, 2, 2, 1), (4, 2, 4, 2), (8, 1, 4, 4), (6, 3, 2, 2), (12, 4, 6, 3), (16, 2, 8, 4)],
+)
 def test_kv_heads_repeated_so_cp_divides_them(heads: int, kv: int, cp: int, rep: int) -> None:
     assert kv_repeats(heads, kv, cp) == rep
     assert (kv * rep) % cp == 0 and (heads // kv) % rep == 0
@@ -160,18 +188,23 @@ def test_ring_math_equals_document_attention(branches: bool) -> None:
     if branches:
         br = torch.zeros_like(doc)
         br[0, 15:22], br[0, 22:30] = 1, 2
-    q, k, v = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
+    q, k, v = (
+        torch.randn(b, s, h, d, generator=g, dtype=torch.float64, requires_grad=True)
+        for h in (hq, hkv, hkv)
+    )
     ring = RingAttention(None, SequenceSplit(s, 1, 0, zigzag=True), doc, br, tile_q=5, tile_k=7)
     assert any(t.full for t in ring.plan[0]) or branches
     out = ring(0, q, k, v)
     ref = DocumentAttention(doc, br)(0, q, k, v)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    for a, r in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+    for a, r in zip(
+        torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)
+    ):
         torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
 
 
-# ---- what does not compose yet: one line each -----------------------------------------------------
+# ---- what does not compose yet: one line each ------------------------------------------------
 
 
 def _layout_error(**kw) -> str:
@@ -188,15 +221,28 @@ def _layout_error(**kw) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"cp": 2, "tp": 2}, "parallel.cp: composes with FSDP2 / HSDP (dp_shard, dp_replicate) only so far, not with "
-                         "parallel.tp = 2; set one of them to 1"),
-    ({"cp": 2, "pp": 2}, "not with parallel.pp = 2"),
-    ({"cp": 2, "ep": 2}, "not with parallel.ep = 2"),
-    ({"cp": 2, "flavor": "debug-qwen3-moe"}, "parallel.cp: a mixture-of-experts model runs with cp = 1 so far"),
-    ({"cp": 3}, "parallel.cp: ulysses splits the 4 attention heads over cp = 3 ranks, which must divide them; "
-                "set parallel.cp_style = 'ring'"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            {"cp": 2, "tp": 2},
+            "parallel.cp: composes with FSDP2 / HSDP (dp_shard, dp_replicate) only so far, "
+            "not with parallel.tp = 2; set one of them to 1",
+        ),
+        ({"cp": 2, "pp": 2}, "not with parallel.pp = 2"),
+        ({"cp": 2, "ep": 2}, "not with parallel.ep = 2"),
+        (
+            {"cp": 2, "flavor": "debug-qwen3-moe"},
+            "parallel.cp: a mixture-of-experts model runs with cp = 1 so far",
+        ),
+        (
+            {"cp": 3},
+            "parallel.cp: ulysses splits the 4 attention heads over cp = 3 ranks, which must "
+            "divide them; "
+            "set parallel.cp_style = 'ring'",
+        ),
+    ],
+)
 def test_what_does_not_compose_is_one_config_error(kw: dict, message: str) -> None:
     assert message in _layout_error(**kw)
 
@@ -208,16 +254,28 @@ def test_ring_takes_any_head_count_and_other_recipes_refuse_cp() -> None:
     from tandem.rl.update.policy import check_layout
 
     check_layout(get_flavor("debug-qwen3"), Degrees(cp=3), "1F1B", "ring")  # no error
-    with pytest.raises(ConfigError, match=r"^parallel.cp: context parallelism runs in the rl recipe only so far, "
-                                          r"not training.recipe = 'sft'; set parallel.cp = 1$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel.cp: context parallelism runs in the rl recipe only so far, "
+        r"not training.recipe = 'sft'; set parallel.cp = 1$",
+    ):
         load_config(str(ROOT / "configs" / "quickstart_sft.toml"), ["parallel.cp=2"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rl.exact=true", "parallel.cp_style=ring"], "rl.exact: the ring's online softmax sums key blocks in another "
-                                                  "order than the generator's attention"),
-    (["distill.teachers=[\"assets/quickstart-policy\"]"], "parallel.cp: distill.teachers score with cp = 1 only so far"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["rl.exact=true", "parallel.cp_style=ring"],
+            "rl.exact: the ring's online softmax sums key blocks in another "
+            "order than the generator's attention",
+        ),
+        (
+            ['distill.teachers=["assets/quickstart-policy"]'],
+            "parallel.cp: distill.teachers score with cp = 1 only so far",
+        ),
+    ],
+)
 def test_rl_settings_cp_cannot_run_yet(overrides: list[str], message: str) -> None:
     from types import SimpleNamespace
 

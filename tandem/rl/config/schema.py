@@ -225,8 +225,8 @@ class ParallelConfig:
     compile: bool = False  # torch.compile per block
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters and gradients
     ep: int = 1  # expert parallelism (MoE models): experts sharded over groups of ep consecutive FSDP2 ranks (ep divides dp_shard; ep < dp_shard: the groups are replicas, e.g. one per node), tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
-    cp: int = 1  # context parallelism (rl recipe): each packed micro-batch's sequence split over cp ranks, which then hold rl.micro_batch_tokens of it each (a row holds cp x that); with FSDP2 / HSDP, not yet with tp, pp, ep or an MoE model (docs/long-context.md)
-    cp_style: Literal["ulysses", "ring"] = "ulysses"  # ulysses: q/k/v all-to-all over heads (cp must divide the attention heads; KV heads are repeated when fewer); ring: zig-zag split into 2 x cp chunks, K/V passed around the ring
+    cp: int = 1  # context parallelism (rl recipe): each packed row split over cp ranks, each holding rl.micro_batch_tokens of it; with FSDP2 / HSDP, not yet tp, pp, ep or MoE (docs/long-context.md)
+    cp_style: Literal["ulysses", "ring"] = "ulysses"  # ulysses: q/k/v all-to-all over heads (cp divides the query heads); ring: zig-zag chunks, K/V passed around
 
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "ep", "cp"):
@@ -253,7 +253,8 @@ class ParallelConfig:
             if fixed * dp_shard != world_size:
                 raise ConfigError(f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} does not equal "
                                   f"the world size {world_size} (set parallel.dp_shard=-1 to fill the rest)")
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp, "cp": self.cp}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp,
+                "cp": self.cp}
 
 
 @dataclass
@@ -400,8 +401,8 @@ class Config:
         """
         validate_fields(self)
         require(self.parallel.cp == 1 or self.training.recipe == "rl",
-                f"parallel.cp: context parallelism runs in the rl recipe only so far, not training.recipe = "
-                f"{self.training.recipe!r}; set parallel.cp = 1")
+                f"parallel.cp: context parallelism runs in the rl recipe only so far, not "
+                f"training.recipe = {self.training.recipe!r}; set parallel.cp = 1")
         r = self.reward
         require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
                 "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")

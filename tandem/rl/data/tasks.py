@@ -190,7 +190,7 @@ def addition_small(rng: random.Random, *, max_value: int = 9, stray: float = 0.0
 @_task("needle", reward="exact_match")
 def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_length: int = 0,
            noise: float = 0.0) -> Problem:
-    """Long-context retrieval for a character model: the one digit in a haystack, e.g. "qz 7ab...?" -> "7".
+    """Long-context retrieval for a character model: the digit in a haystack ("qz 7ab...?" -> "7").
 
     The haystack is ``length`` random lowercase letters and spaces ending in "?" (with
     ``min_length``, a length drawn uniformly from ``[min_length, length]``); the digit (the
@@ -200,8 +200,8 @@ def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_leng
     """
     lo = min_length or length
     if not 0 < depth < lo <= length or not 0.0 <= noise <= 1.0:
-        raise ValueError(f"needle: need 0 < depth < min_length <= length and 0 <= noise <= 1, got depth={depth}, "
-                         f"min_length={min_length}, length={length}, noise={noise}")
+        raise ValueError(f"needle: need 0 < depth < min_length <= length and 0 <= noise <= 1, got "
+                         f"depth={depth}, min_length={min_length}, length={length}, noise={noise}")
     chars = [rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(rng.randint(lo, length))]
     digit = str(rng.randrange(10))
     chars[rng.randrange(depth)] = digit

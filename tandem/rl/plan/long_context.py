@@ -42,8 +42,12 @@ def cp_transient(args: ModelArgs, tokens: int, elem: int, cp: int, style: str) -
         return 0.0
     hd = args.head_dim
     if style == "ring":
-        scores = 2 * args.num_heads * min(TILE_Q, tokens) * min(TILE_K, tokens) * 4  # P and dP (dS in place)
-        kv = 2 * 2 * tokens * args.num_kv_heads * hd * (elem + 4)  # K/V held and arriving, + fp32 grads
+        scores = (
+            2 * args.num_heads * min(TILE_Q, tokens) * min(TILE_K, tokens) * 4
+        )  # P and dP (dS in place)
+        kv = (
+            2 * 2 * tokens * args.num_kv_heads * hd * (elem + 4)
+        )  # K/V held and arriving, + fp32 grads
         return scores + kv
     kv_heads = args.num_kv_heads
     if kv_heads % cp:  # repeated until cp divides them (tandem/parallel/cp.py kv_repeats)
@@ -53,7 +57,7 @@ def cp_transient(args: ModelArgs, tokens: int, elem: int, cp: int, style: str) -
 
 @dataclass(frozen=True)
 class KVChoice:
-    """One way to spend the rollout's memory: what stays resident, the KV room left, in sequences."""
+    """One way to spend the rollout's memory: what stays resident, the KV room left, sequences."""
 
     name: str
     resident: float
@@ -61,9 +65,17 @@ class KVChoice:
     sequences: int
 
 
-def kv_choices(usable: float, params: float, critic: float, reference: float, fixed: float, seq_bytes: float,
-               offload_optimizer: bool, cpu_offload: bool) -> list[KVChoice]:
-    """The configured choice, then ``rl.offload_optimizer`` and ``parallel.cpu_offload`` added in turn.
+def kv_choices(
+    usable: float,
+    params: float,
+    critic: float,
+    reference: float,
+    fixed: float,
+    seq_bytes: float,
+    offload_optimizer: bool,
+    cpu_offload: bool,
+) -> list[KVChoice]:
+    """The configured choice, then ``rl.offload_optimizer`` and ``parallel.cpu_offload`` in turn.
 
     ``params``: the rank's fp32 parameter shard bytes; ``critic``: the critic's (0 without one;
     its state is offloaded with the policy's); ``reference``: a frozen copy's; ``fixed``: the
@@ -85,8 +97,11 @@ def kv_choices(usable: float, params: float, critic: float, reference: float, fi
 
 def format_kv_room(choices: list[KVChoice], max_tokens: int, seq_len: int) -> str:
     """The rollout's KV room per choice, one line each (``train.py --plan``)."""
-    lines = [f"rollout KV room (full-length sequences of {seq_len} tokens, rollout.max_tokens = {max_tokens}):"]
+    head = f"full-length sequences of {seq_len} tokens, rollout.max_tokens = {max_tokens}"
+    lines = [f"rollout KV room ({head}):"]
     for c in choices:
-        lines.append(f"  {c.name:<32}resident {c.resident / 1e9:6.2f} GB, room {c.room / 1e9:6.2f} GB, "
-                     f"{c.sequences} sequences")
+        lines.append(
+            f"  {c.name:<32}resident {c.resident / 1e9:6.2f} GB, room {c.room / 1e9:6.2f} GB, "
+            f"{c.sequences} sequences"
+        )
     return "\n".join(lines)

@@ -67,7 +67,8 @@ class Layout(Degrees):
         dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"{self.world} ranks: pp={self.pp} {dp}{cp} tp={self.tp}{ep}, rollout.tp={self.rollout_tp}"
+        rollout = f"rollout.tp={self.rollout_tp}"
+        return f"{self.world} ranks: pp={self.pp} {dp}{cp} tp={self.tp}{ep}, {rollout}"
 
     def overrides(self, moe: bool = False) -> str:
         """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model,
@@ -263,9 +264,9 @@ class Planner:
     # ---- pieces ----------------------------------------------------------------------
 
     def fsdp_applied(self, layout: Layout) -> bool:
-        """tandem/parallel/parallelize.py's rule, on a GPU target (FSDP2 shards over dp_shard x cp)."""
-        return (layout.dp_replicate * layout.dp_shard * layout.cp > 1 or self.s.compute_dtype != torch.float32
-                or self.s.cpu_offload)
+        """tandem/parallel/parallelize.py's rule on a GPU target (FSDP2 over dp_shard x cp)."""
+        dp = layout.dp_replicate * layout.dp_shard * layout.cp
+        return dp > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
 
     def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "") -> int:
         """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps); under EP the
@@ -349,8 +350,8 @@ class Planner:
         if n_moe:
             update["MoE dispatch (transient)"] = dispatch_transient(args, tokens, _elem(s.compute_dtype), layout.ep)
         if layout.cp > 1:
-            update["cp attention (transient)"] = cp_transient(args, tokens, _elem(s.compute_dtype), layout.cp,
-                                                              s.cp_style)
+            ring = cp_transient(args, tokens, _elem(s.compute_dtype), layout.cp, s.cp_style)
+            update["cp attention (transient)"] = ring
         if last and layout.tp == 1 and layout.pp == 1:
             update["log-prob chunk (transient)"] = 2 * s.chunk_tokens * args.vocab_size * 4
         extra = 0
@@ -419,9 +420,9 @@ class Planner:
                     continue  # pipelining is the rl recipe's only (ParallelConfig)
                 out.append(Layout(pp=pp, dp_shard=world // (tp * pp), tp=tp))
         out += self._cp_candidates(world, devices_per_node)
-        # at equal degree, context parallelism first when the longest sequence outgrows a micro-batch
+        # at equal degree, cp first when the longest sequence outgrows a micro-batch
         long = self.s.seq_len > self.s.tokens
-        return sorted(out, key=lambda x: (x.tp * x.pp * x.cp, (x.cp == 1) if long else (x.cp > 1), x.pp))
+        return sorted(out, key=lambda x: (x.tp * x.pp * x.cp, (x.cp == 1) == long, x.pp))
 
     def _cp_candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """FSDP2 x cp layouts (the rl recipe; cp composes with FSDP2 alone so far): cp a power of
@@ -439,15 +440,17 @@ class Planner:
         """`tandem.rl.plan.long_context.kv_choices` for ``layout``'s busiest rank: the KV room of
         the rollout as configured and with the optimizer state, then the parameters, offloaded."""
         s = self.s
-        local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
-        seq = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype) * -(-s.max_len // s.block_size)
+        gen = GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel)
+        per_block = KVCache.bytes_per_block(local_args(self.args, gen), s.block_size, s.gen_dtype)
+        seq = per_block * -(-s.max_len // s.block_size)
         shard = self.generation_shard(layout.rollout_tp)
         fixed = shard + min(s.bucket_bytes, shard)
         worst = None
         for _, stages in rank_kinds(self.args, layout, s.pp_schedule):
             params = self.param_bytes(layout, stages)
             critic = self.param_bytes(layout, stages, skip="output") if s.critic else 0
-            rows = kv_choices(USABLE * device_bytes, params, critic, params if s.reference else 0, fixed, seq,
+            reference = params if s.reference else 0
+            rows = kv_choices(USABLE * device_bytes, params, critic, reference, fixed, seq,
                               s.offload_optimizer, s.cpu_offload)
             if worst is None or rows[0].room < worst[0].room:
                 worst = rows
@@ -524,10 +527,10 @@ def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: fl
     from tandem.rl.update.policy import check_layout
 
     d = cfg.parallel.resolve(world)
-    check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
+    par = cfg.parallel
+    check_layout(planner.args, Degrees(**d), par.pp_schedule, par.cp_style, par.ep)
     check_moe_layout(planner.args, cfg.parallel.ep, d)
-    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], cp=d["cp"],
-                 ep=cfg.parallel.ep)
+    lay = Layout(ep=par.ep, **d)
     g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1)
     if world % g:
         raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")

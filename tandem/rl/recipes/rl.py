@@ -84,7 +84,7 @@ class RLRecipe:
         degrees = Degrees(**cfg.parallel.resolve(info.world_size))
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
-        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one data-parallel replica's samples
+        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
@@ -98,7 +98,8 @@ class RLRecipe:
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
+        par = cfg.parallel
+        check_layout(self.args, degrees, par.pp_schedule, par.cp_style, par.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
@@ -158,10 +159,12 @@ class RLRecipe:
         cfg, r, device = self.cfg, self.cfg.rl, self.info.device
         tp_pp, cp = cfg.parallel.tp * cfg.parallel.pp, cfg.parallel.cp
         if cp > 1 and cfg.distill.teachers:
-            raise ConfigError("parallel.cp: distill.teachers score with cp = 1 only so far; set parallel.cp = 1")
+            raise ConfigError("parallel.cp: distill.teachers score with cp = 1 only so far; "
+                              "set parallel.cp = 1")
         if cp > 1 and r.exact and cfg.parallel.cp_style == "ring":
-            raise ConfigError("rl.exact: the ring's online softmax sums key blocks in another order than the "
-                              "generator's attention; set parallel.cp_style = 'ulysses' (bitwise equal to cp = 1)")
+            raise ConfigError("rl.exact: the ring's online softmax sums key blocks in another "
+                              "order than the generator's attention; set parallel.cp_style = "
+                              "'ulysses' (bitwise equal to cp = 1)")
         if tp_pp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
@@ -447,7 +450,7 @@ class RLRecipe:
                 if self.critic is not None:
                     def also(mb, norm=norm):
                         vloss, sq = self.critic.micro_batch_loss(mb, values, returns, mask, norm, width)
-                        (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2 averages over dp x cp
+                        (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2: dp x cp mean
                         sums[6] += sq.double()
                         sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
                 sums[:5] += self.policy.accumulate(samples, mb_rows, inp, spec, norm, width, policy=train_policy,

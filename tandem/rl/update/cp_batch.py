@@ -47,8 +47,10 @@ class LocalRow:
         """Every layer's attention went through the guarded backend (none was bypassed)."""
         layers = len(model.layers)
         if self.attn.guard.calls != layers:
-            raise ContextSplitError(f"context parallelism: {self.attn.guard.calls} of the model's {layers} "
-                                    "attention layers ran through the split's backend")
+            raise ContextSplitError(
+                f"context parallelism: {self.attn.guard.calls} of the model's {layers} "
+                "attention layers ran through the split's backend"
+            )
 
 
 def local_row(cp: ContextParallel, mb: MicroBatch) -> LocalRow:
@@ -64,20 +66,25 @@ def local_row(cp: ContextParallel, mb: MicroBatch) -> LocalRow:
     return LocalRow(split.shard(mb.tokens), split.shard(mb.positions), attn, index, where)
 
 
-def cp_token_logprobs(model: nn.Module, mb: MicroBatch, cp: ContextParallel, *, with_entropy: bool,
-                      chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def cp_token_logprobs(
+    model: nn.Module, mb: MicroBatch, cp: ContextParallel, *, with_entropy: bool, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`tandem.rl.update.loss.token_logprobs` under cp: the same ``[K]`` values on every cp rank."""
     r = local_row(cp, mb)
     targets = mb.completion_targets().index_select(0, r.where)
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> Any:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, r.index)  # [K_r, D]
-        return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+        return token_logprobs_entropy(
+            flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        )
 
     logp, ent = model(r.tokens, positions=r.positions, attn=r.attn, head=head)
     r.check_calls(model)
     k = mb.comp_index.numel()
-    return cp.sum_values(logp, r.where, k), (cp.sum_values(ent, r.where, k) if ent is not None else None)
+    return cp.sum_values(logp, r.where, k), (
+        cp.sum_values(ent, r.where, k) if ent is not None else None
+    )
 
 
 def cp_values(model: nn.Module, mb: MicroBatch, cp: ContextParallel) -> torch.Tensor:

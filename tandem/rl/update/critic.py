@@ -36,15 +36,16 @@ from tandem.rl.update.loss import MicroBatch, scatter_completions
 
 class Critic:
     def __init__(self, c: CriticConfig, o: OptimizerConfig, args: ModelArgs, mesh: Any, device: torch.device,
-                 spec: BuildSpec, *, policy_path: str | None, seed: int, is_main: bool, cp: Any = None) -> None:
-        self.cfg, self.cp = c, cp  # cp: the policy's split (tandem.parallel.cp.ContextParallel) or None
+                 spec: BuildSpec, *, policy_path: str | None, seed: int, is_main: bool,
+                 cp: Any = None) -> None:
+        self.cfg, self.cp = c, cp  # cp: the policy's split (a ContextParallel) or None
         self.model = build_scalar_model(args, c.path or policy_path, seed + 17, mesh, device, spec, is_main=is_main)
         self.opt = build_optimizer(self.model, lr=c.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.max_grad_norm = o.max_grad_norm
         self.aggregation = AGGREGATIONS.get("token_mean")
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
-        """V(s_t) at the completion tokens, in ``mb.comp_*`` order [K] (under cp: every cp rank's, summed)."""
+        """V(s_t) at the completion tokens, ``mb.comp_*`` order [K] (cp: every rank's, summed)."""
         if self.cp is not None:
             return cp_values(self.model, mb, self.cp)
         v = self.model(mb.tokens, positions=mb.positions, attn=mb.attention()).reshape(-1)  # [B*S]

@@ -215,8 +215,9 @@ def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device, width: i
     return mbs + [empty_micro_batch(device, width) for _ in range(int(n.item()) - len(mbs))]
 
 
-def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool, chunk_tokens: int = 1024,
-                   vocab_parallel: bool = False, cp: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
+                   chunk_tokens: int = 1024, vocab_parallel: bool = False,
+                   cp: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log p(target) [K] and entropy [K] (fp32) of the micro-batch's K completion tokens.
 
     The vocab projection runs inside the model's forward through its ``head``
@@ -234,7 +235,8 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool, chun
     its share of the row and the values are summed over cp (tandem/rl/update/cp_batch.py).
     """
     if cp is not None:
-        return cp_token_logprobs(model, mb, cp, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+        return cp_token_logprobs(model, mb, cp, with_entropy=with_entropy,
+                                 chunk_tokens=chunk_tokens)
     index, targets = mb.comp_index, mb.completion_targets()
     if vocab_parallel:
         logits = model(mb.tokens, positions=mb.positions, attn=mb.attention())
@@ -257,7 +259,8 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
 @torch.no_grad()
 def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch], width: int,
                        device: torch.device, chunk_tokens: int = 1024, vocab_parallel: bool = False,
-                       after: Callable[[MicroBatch], None] | None = None, cp: Any = None) -> torch.Tensor:
+                       after: Callable[[MicroBatch], None] | None = None,
+                       cp: Any = None) -> torch.Tensor:
     """Log-probs of every completion token under ``model`` [N, width] (old / reference);
     ``after(mb)`` runs after each micro-batch's forward; ``cp`` as in `token_logprobs`."""
     out = torch.zeros(len(samples), width, device=device)
@@ -311,7 +314,7 @@ class LossSpec:
     entropy_coef: float
     chunk_tokens: int = 1024  # tokens per chunk of the memory-lean log-prob path
     vocab_parallel: bool = False  # TP: log-probs from the vocab-sharded head (token_logprobs)
-    cp: Any = None  # tandem.parallel.cp.ContextParallel: the rows split over cp ranks (token_logprobs)
+    cp: Any = None  # a tandem.parallel.cp.ContextParallel: rows split over cp (token_logprobs)
 
 
 def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: LossSpec, norm: Any,

@@ -77,7 +77,8 @@ class FlatPolicy:
                  spec: BuildSpec, is_main: bool, trainable: bool = True, micro_batch_tokens: int,
                  chunk_tokens: int, share_prompts: bool = False, cp_style: str = "ulysses") -> None:
         self.cp = context_parallel(mesh, cp_style)
-        self.device, self.budget, self.chunk = device, micro_batch_tokens * self.cp.size, chunk_tokens
+        self.device, self.chunk = device, chunk_tokens
+        self.budget = micro_batch_tokens * self.cp.size  # each cp rank: micro_batch_tokens
         self.share_prompts = share_prompts
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
@@ -155,7 +156,7 @@ class FlatPolicy:
         return clip_grad_norm(self.model.parameters(), max_norm)
 
     def cp_metrics(self) -> dict[str, float]:
-        """Collective where cp > 1: the split the attention guards measured, smallest over the ranks."""
+        """Collective where cp > 1: the split the attention guards measured, smallest over ranks."""
         return cp_metrics(self.split, self.device)
 
     def export_hf(self, args: ModelArgs, tokenizer: Any, out_dir: str, rank: int) -> None:
@@ -383,16 +384,19 @@ def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: 
     except ValueError as e:
         raise ConfigError(f"parallel.tp: {e}") from None
     if degrees.cp > 1:
-        for key, value in (("tp", degrees.tp), ("pp", degrees.pp), ("ep", ep)):  # what composes with cp so far
+        for key, value in (("tp", degrees.tp), ("pp", degrees.pp), ("ep", ep)):  # not with cp yet
             if value > 1:
-                raise ConfigError(f"parallel.cp: composes with FSDP2 / HSDP (dp_shard, dp_replicate) only so far, "
-                                  f"not with parallel.{key} = {value}; set one of them to 1")
+                raise ConfigError(f"parallel.cp: composes with FSDP2 / HSDP (dp_shard, "
+                                  f"dp_replicate) only so far, not with parallel.{key} = {value}; "
+                                  "set one of them to 1")
         if args.is_moe:
-            raise ConfigError("parallel.cp: a mixture-of-experts model runs with cp = 1 so far (its router losses "
-                              "are statistics of a whole micro-batch); set parallel.cp = 1")
+            raise ConfigError("parallel.cp: a mixture-of-experts model runs with cp = 1 so far "
+                              "(its router losses are statistics of a whole micro-batch); set "
+                              "parallel.cp = 1")
         if cp_style == "ulysses" and args.num_heads % degrees.cp:
-            raise ConfigError(f"parallel.cp: ulysses splits the {args.num_heads} attention heads over cp = "
-                              f"{degrees.cp} ranks, which must divide them; set parallel.cp_style = 'ring'")
+            raise ConfigError(f"parallel.cp: ulysses splits the {args.num_heads} attention heads "
+                              f"over cp = {degrees.cp} ranks, which must divide them; set "
+                              "parallel.cp_style = 'ring'")
     try:
         pipeline_split(args, degrees.pp, stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1)
     except ValueError as e:
