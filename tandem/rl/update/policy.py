@@ -232,7 +232,7 @@ class PipelinePolicy:
         self.state_module = _StageUnion(self.modules, tied=self.pipe.tied_group is not None)
         self.moe = RouterStats()  # never fed: MoE models run without pipeline stages so far
         self.routing = RoutingCheck()
-        self.cp = ContextParallel(None)  # parallel.cp needs pp = 1 (ParallelConfig)
+        self.cp, self.split = ContextParallel(None), None  # parallel.cp needs pp = 1 (check_layout)
         self.counts_stats = self.pipe.has_last_stage and mesh["tp"].get_local_rank() == 0
         self.vocab_parallel = self.tp > 1
         self._ctx: dict[str, Any] = {}
