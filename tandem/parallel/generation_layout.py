@@ -51,6 +51,17 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by its
+    # output rows, a row-parallel one's A split by its input features and B whole (its partial
+    # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
+    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
+    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
+    (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_A\.weight$"), 1),
+    (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_B\.weight$"), None),
+    (re.compile(r"\.moe\.experts\.w[13]_lora_A$"), None),
+    (re.compile(r"\.moe\.experts\.w[13]_lora_B$"), 1),
+    (re.compile(r"\.moe\.experts\.w2_lora_A$"), 2),
+    (re.compile(r"\.moe\.experts\.w2_lora_B$"), None),
 ]
 _VOCAB = re.compile(r"(tok_embeddings|output)\.weight$")
 

@@ -45,6 +45,7 @@ __all__ = [
     "DataConfig",
     "JobConfig",
     "LRScheduleConfig",
+    "LoraConfig",
     "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -68,6 +69,7 @@ from tandem.rl.config.rl_schema import (  # noqa: E402  (sections of rl recipes)
     RLConfig,
     RolloutConfig,
 )
+from tandem.rl.core.lora import LoraConfig  # noqa: E402  (the [lora] section, every recipe)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -376,6 +378,7 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.

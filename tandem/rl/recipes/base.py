@@ -35,6 +35,7 @@ from tandem.parallel.distributed import DistInfo
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
 from tandem.rl.config.schema import FaultConfig
+from tandem.rl.core.lora import checkpoint_module
 from tandem.rl.core.metrics import MetricsLogger
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
@@ -157,7 +158,7 @@ class SingleModelTraining:
                                max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=dump_folder, rank=rank)
 
     def checkpoint_parts(self) -> CheckpointParts:
-        return CheckpointParts(self.model, self.optimizer)
+        return CheckpointParts(checkpoint_module(self.model), self.optimizer)  # LoRA: the adapters alone
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict()}

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tandem.models.args import ModelArgs
-from tandem.models.hf import save_hf
+from tandem.models.lora import apply_lora, lora_spec_of
 from tandem.models.moe import router_loss, set_token_mask
 from tandem.models.transformer import Transformer
 from tandem.parallel.grad import clip_grad_norm
@@ -52,8 +52,11 @@ from tandem.rl.core.modeling import (
     build_transformer,
     export_hf,
     full_initial_state,
+    lora_shapes,
     parallelize_model,
+    with_adapters,
 )
+from tandem.rl.core.lora import save_exports
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -196,8 +199,13 @@ class PipelinePolicy:
         self.rows_per_mb = max(1, micro_batch_tokens // self.seq_len)
         self.batch_rows = self.n_mb * self.rows_per_mb
         full = full_initial_state(args, path, seed)  # each rank reads it: stages load different keys
+        lora = spec.lora if trainable else None
+        if lora is not None:  # LoRA: every stage's adapters, drawn for the whole model as one
+            full = with_adapters(full, lora, lora_shapes(args, lora))
 
         def prepare(stage: nn.Module) -> nn.Module:
+            if lora is not None:
+                apply_lora(stage, lora.spec)
             parallelize_model(stage, mesh, device, spec, trainable=trainable)
             stage.to_empty(device=device)
             stage.reset_rope()
@@ -336,7 +344,7 @@ class PipelinePolicy:
         """Collective: the policy as an HF folder (rank 0 writes)."""
         full = self.full_state()
         if rank == 0:
-            save_hf({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer=tokenizer)
+            save_exports({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer, lora_spec_of(self.modules[0]))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model on every rank (stages gathered over FSDP / TP, then
