@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.args import ModelArgs
+from tandem.models.lora import LoraSpec, apply_lora
 from tandem.models.transformer import Transformer
 from tandem.parallel.mesh import new_groups
 from tandem.parallel.reshard import Box
@@ -161,10 +162,12 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
     return Box(offset, region), local
 
 
-def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype) -> int:
-    """Bytes of one rank's generation shard (tied embeddings counted once)."""
+def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None) -> int:
+    """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``, adapters too)."""
     with torch.device("meta"):
         model = Transformer(args)
+        if lora is not None:
+            apply_lora(model, lora)
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, p in state_tensors(model).items():
