@@ -160,6 +160,7 @@ class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["math"])
     modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
+    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
     memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an error; 0 = no cap
@@ -184,6 +185,15 @@ class RewardConfig:
 
         for name in self.functions:
             _check_name("reward.functions", "tandem.rl.rewards.registry.REWARDS", name)
+        from tandem.rl.rewards.registry import get_reward
+
+        for name, kw in self.kwargs.items():
+            require(name in self.functions, f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
+            require(isinstance(kw, dict), f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
+            try:
+                get_reward(name, **kw)
+            except TypeError as e:
+                raise ConfigError(f"reward.kwargs.{name}: {e}") from None
 
 
 @dataclass

@@ -40,6 +40,7 @@ from tandem.rl.algorithms import (
     make_norm,
     overlong_penalty,
 )
+from tandem.rl.core.fields import get_field
 from tandem.rl.data.prompts import (
     PromptStream,
     deal,
@@ -145,7 +146,7 @@ class RLRecipe:
         self.reward_fns = list(zip(cfg.reward.functions, weights))
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions,
-            memory_mb=cfg.reward.memory_mb or None)
+            reward_kwargs=cfg.reward.kwargs, memory_mb=cfg.reward.memory_mb or None)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, cfg.data.shuffle)
         self.step_index = 0  # the step being taken (the shell's count)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
@@ -200,7 +201,8 @@ class RLRecipe:
     def _context(self, row: dict[str, Any]) -> Any:
         """The prompt of a data row as the reward model was trained on it (messages or text)."""
         d = self.cfg.data
-        return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
+        messages = get_field(row, d.messages_field)
+        return messages if messages is not None else get_field(row, d.prompt_field)
 
     def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The chat turns a row's prompt was rendered from (what another tokenizer's teacher renders)."""
