@@ -245,6 +245,13 @@ class EnvConfig:
     """
 
     name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn
+    kind: Literal["local", "http"] = "local"  # http: a harness plays episodes (docs/serving.md)
+    host: str = "127.0.0.1"  # http: address to bind (not loopback: needs a key)
+    port: int = 8000  # http: the endpoint's port
+    api_key: str | None = None  # http: bearer key; none: $TANDEM_API_KEY, else no key
+    episode_timeout_s: float = 300.0  # http: open this long after its claim: dropped
+    claim_timeout_s: float = 0.0  # http: unclaimed this long: dropped; 0 = wait
+    max_request_mb: float = 4.0  # http: larger request bodies get 413
     kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table), e.g. tools, reward
     max_turns: int = 4  # assistant turns per episode
     max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
@@ -253,6 +260,8 @@ class EnvConfig:
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
 
     def validate(self) -> None:
+        if self.kind == "http":
+            self._check_server()
         if self.name is None:
             return
         _check_name("env.name", "tandem.rl.envs.ENVIRONMENTS", self.name)
@@ -267,3 +276,25 @@ class EnvConfig:
         require(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "env.max_turn_tokens: must be >= 1")
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
         require(self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
+
+    def _check_server(self) -> None:
+        require(self.name is None, f"env.name: {self.name!r} plays episodes in-process; with "
+                                   "env.kind = \"http\" a harness plays them (unset env.name)")
+        require(self.episode_timeout_s > 0,
+                f"env.episode_timeout_s: must be > 0, got {self.episode_timeout_s}")
+        require(self.claim_timeout_s >= 0,
+                f"env.claim_timeout_s: must be >= 0 (0 = wait), got {self.claim_timeout_s}")
+        require(self.max_total_tokens >= 2,
+                f"env.max_total_tokens: must be >= 2, got {self.max_total_tokens}")
+        problem = self.server_settings("tandem").check()
+        require(problem is None, f"env.{problem}")
+
+    def server_settings(self, model_name: str):  # -> tandem.rl.serve.http.ServerSettings (lazy)
+        """The endpoint's settings for ``kind = "http"``; the key falls back to $TANDEM_API_KEY."""
+        import os
+
+        from tandem.rl.serve.http import ServerSettings
+
+        key = self.api_key or os.environ.get("TANDEM_API_KEY")
+        return ServerSettings(host=self.host, port=self.port, api_key=key,
+                              max_request_mb=self.max_request_mb, model_name=model_name)
