@@ -86,7 +86,8 @@ def play(ep: dict[str, Any], args: argparse.Namespace, tools: threading.Semaphor
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (env.host / env.port)")
+    ap.add_argument("--url", default="http://127.0.0.1:8000",
+                    help="the endpoint (env.host / env.port; default %(default)s)")
     ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="bearer key (env.api_key)")
     ap.add_argument("--concurrency", type=int, default=64, help="episodes played at once")
     ap.add_argument("--tool-workers", type=int, default=2, help="python tool runs at once")
@@ -96,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.url = args.url.rstrip("/")
     tools = threading.Semaphore(args.tool_workers)
-    played, rewards = 0, 0.0
+    played = 0
     with ThreadPoolExecutor(args.concurrency) as pool:
         busy: set[Any] = set()
         while True:
-            busy = {f for f in busy if not f.done()}
-            for f in [f for f in list(busy) if f.done()]:
-                f.result()
+            for f in [f for f in busy if f.done()]:
+                f.result()  # an episode's own error stops the harness, with its traceback
+                busy.discard(f)
             if len(busy) >= args.concurrency:
                 time.sleep(0.01)
                 continue
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             busy.add(future)
             played += 1
         for f in busy:
-            rewards += f.result()
+            f.result()
     print(f"the training is done; played {played} episodes", flush=True)
     return 0
 
