@@ -1,4 +1,4 @@
-"""The OpenAI endpoint's cost: turn latency and throughput, and HTTP against the in-process env path.
+"""The OpenAI endpoint's cost: turn latency, throughput, and HTTP against the in-process env path.
 
 The shipped quickstart policy is served by a `ServingEngine` (this process: the engine in
 its main thread, aiohttp in another, as in a rollout); the harness is a second process of
@@ -58,7 +58,9 @@ def _questions(n: int) -> list[str]:
     return [f"{i % 17}+{(3 * i) % 19}=" for i in range(n)]
 
 
-def _client_load(url: str, sessions: int, seconds: float, episodes: int, turn_tokens: int, out: Any) -> None:
+def _client_load(
+    url: str, sessions: int, seconds: float, episodes: int, turn_tokens: int, out: Any
+) -> None:
     """The harness process: ``sessions`` threads; each plays 2-turn episodes until ``seconds``
     pass (or ``episodes`` in all, when > 0). Sends back (latencies, turns, wall seconds)."""
     from openai import OpenAI
@@ -71,20 +73,30 @@ def _client_load(url: str, sessions: int, seconds: float, episodes: int, turn_to
         j = 0
         while True:
             with lock:
-                if (episodes and count[0] >= episodes) or (not episodes and time.monotonic() > t_end):
+                if (episodes and count[0] >= episodes) or (
+                    not episodes and time.monotonic() > t_end
+                ):
                     return
                 count[0] += 1
-            client = OpenAI(base_url=f"{url}/v1/sessions/s{sessions}-{k}-{j}", api_key="none", max_retries=0)
+            client = OpenAI(
+                base_url=f"{url}/v1/sessions/s{sessions}-{k}-{j}", api_key="none", max_retries=0
+            )
             messages = [{"role": "user", "content": _questions(k + 1)[-1]}]
             for turn in range(2):
                 t0 = time.monotonic()
-                r = client.chat.completions.create(model="m", messages=messages, max_tokens=turn_tokens,
-                                                   extra_body={"ignore_eos": True})
+                r = client.chat.completions.create(
+                    model="m",
+                    messages=messages,
+                    max_tokens=turn_tokens,
+                    extra_body={"ignore_eos": True},
+                )
                 with lock:
                     lat.append(time.monotonic() - t0)
                 if turn == 0:
-                    messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                                 {"role": "user", "content": FOLLOW_UP}]
+                    messages += [
+                        {"role": "assistant", "content": r.choices[0].message.content},
+                        {"role": "user", "content": FOLLOW_UP},
+                    ]
             j += 1
 
     t0 = time.monotonic()
@@ -124,48 +136,79 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(POLICY, device=torch.device("cpu"), dtype=torch.float32).eval()
 
     def generator() -> Generator:
-        return Generator(model, GenerationSettings(num_blocks=2048, max_num_seqs=128, max_model_len=256),
-                         eos_token_ids=tok.eos_token_ids)
+        return Generator(
+            model,
+            GenerationSettings(num_blocks=2048, max_num_seqs=128, max_model_len=256),
+            eos_token_ids=tok.eos_token_ids,
+        )
 
     ctx = mp.get_context("spawn")
 
     def over_http(sessions: int, seconds: float, episodes: int) -> tuple[list[float], float]:
         gen = generator()
-        engine = ServingEngine(gen, tok, EngineSettings(eot_id=end_of_turn_id(tok), max_model_len=256))
+        engine = ServingEngine(
+            gen, tok, EngineSettings(eot_id=end_of_turn_id(tok), max_model_len=256)
+        )
         server = AgentServer(ServerSettings(port=0), tok.vocab_size).start()
         server.engine = engine
         q = ctx.Queue()
-        proc = ctx.Process(target=_client_load, args=(server.url, sessions, seconds, episodes, args.turn_tokens, q))
+        proc = ctx.Process(
+            target=_client_load, args=(server.url, sessions, seconds, episodes, args.turn_tokens, q)
+        )
         proc.start()
         _serve_while(engine, proc)
         server.stop()
         gen.close()
         return q.get(timeout=60)
 
-    print(f"{'row':<22}{'sessions':>9}{'turns':>7}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'seconds':>9}")
+    print(
+        f"{'row':<22}{'sessions':>9}{'turns':>7}{'req/s':>9}"
+        f"{'p50 ms':>9}{'p99 ms':>9}{'seconds':>9}"
+    )
     for s in (1, 8, 64):
         lat, wall = over_http(s, args.seconds, 0)
         lat.sort()
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-        print(f"{'sessions (HTTP)':<22}{s:>9}{len(lat):>7}{len(lat) / wall:>9.1f}{1e3 * statistics.median(lat):>9.0f}"
-              f"{1e3 * p99:>9.0f}{wall:>9.1f}", flush=True)
+        print(
+            f"{'sessions (HTTP)':<22}{s:>9}{len(lat):>7}{len(lat) / wall:>9.1f}"
+            f"{1e3 * statistics.median(lat):>9.0f}"
+            f"{1e3 * p99:>9.0f}{wall:>9.1f}",
+            flush=True,
+        )
     rows = [{"prompt": q} for q in _questions(args.episodes)]
     gen = generator()
     pool = EnvPool(0)
     t0 = time.monotonic()
     with torch.inference_mode():
-        samples, _ = run_agentic_rollout(gen, tok, "bench_two_turns", {}, rows, 1,
-                                         SamplingParams(max_tokens=2 * args.turn_tokens, ignore_eos=True),
-                                         max_turns=2, max_total_tokens=256, pool=pool,
-                                         max_turn_tokens=args.turn_tokens)
+        samples, _ = run_agentic_rollout(
+            gen,
+            tok,
+            "bench_two_turns",
+            {},
+            rows,
+            1,
+            SamplingParams(max_tokens=2 * args.turn_tokens, ignore_eos=True),
+            max_turns=2,
+            max_total_tokens=256,
+            pool=pool,
+            max_turn_tokens=args.turn_tokens,
+        )
     local = time.monotonic() - t0
     gen.close()
     turns = sum(int(s.info["turns"]) for s in samples)
-    sampled = sum(s.num_sampled for s in samples)  # a turn that samples the end-of-turn token ends early
-    print(f"{'path: in-process':<22}{args.episodes:>9}{turns:>7}{turns / local:>9.1f}{'':>18}{local:>9.1f}"
-          f"   ({sampled} sampled tokens; HTTP: {2 * args.episodes * args.turn_tokens})")
+    sampled = sum(
+        s.num_sampled for s in samples
+    )  # a turn that samples the end-of-turn token ends early
+    print(
+        f"{'path: in-process':<22}{args.episodes:>9}{turns:>7}{turns / local:>9.1f}"
+        f"{'':>18}{local:>9.1f}"
+        f"   ({sampled} sampled tokens; HTTP: {2 * args.episodes * args.turn_tokens})"
+    )
     lat, wall = over_http(args.episodes, 1e9, args.episodes)
-    print(f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}{'':>18}{wall:>9.1f}")
+    print(
+        f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}"
+        f"{'':>18}{wall:>9.1f}"
+    )
     print(f"HTTP / in-process seconds for the same {args.episodes} episodes: {wall / local:.2f}x")
 
 

@@ -1,6 +1,6 @@
 """An agent harness that trains through Tandem: the quickstart's tool task over the OpenAI API.
 
-    python examples/agent_harness.py            # beside: torchrun ... configs/quickstart_agent_server.toml
+    python examples/agent_harness.py   # beside: torchrun ... configs/quickstart_agent_server.toml
 
 An ordinary program built on the stock ``openai`` client. It waits for the endpoint to come
 up, then loops: claim an episode (``POST /rl/episodes``: a session's ``base_url`` and the task's
@@ -30,13 +30,25 @@ from openai import OpenAI
 
 from tandem.rl.envs import make_env
 
-TASK = {"tools": ["python"], "reward": "math", "schemas_in_prompt": False}  # the quickstart's [env] kwargs
+TASK = {
+    "tools": ["python"],
+    "reward": "math",
+    "schemas_in_prompt": False,
+}  # the quickstart's [env] kwargs
 
 
-def post(url: str, path: str, body: dict[str, Any], key: str | None, timeout: float = 30) -> dict[str, Any]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+def post(
+    url: str, path: str, body: dict[str, Any], key: str | None, timeout: float = 30
+) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {key}"} if key else {}),
+        },
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -52,7 +64,10 @@ def wait_for(url: str, patience_s: float) -> bool:
         except (urllib.error.URLError, OSError, ValueError):
             pass
         if not said:
-            print(f"waiting for the endpoint at {url} (start the training, or it is between steps)", flush=True)
+            print(
+                f"waiting for the endpoint at {url} (start the training, or it is between steps)",
+                flush=True,
+            )
             said = True
         if patience_s and time.monotonic() - start > patience_s:
             return False
@@ -63,7 +78,9 @@ def play(ep: dict[str, Any], args: argparse.Namespace, tools: threading.Semaphor
     """One episode: chat turns until the environment says done; returns the reward it reported."""
     episode = make_env("tool", TASK).new_episode()
     messages = episode.reset(ep["row"])
-    client = OpenAI(base_url=ep["base_url"], api_key=args.api_key or "none", max_retries=0, timeout=600)
+    client = OpenAI(
+        base_url=ep["base_url"], api_key=args.api_key or "none", max_retries=0, timeout=600
+    )
     reward = 0.0
     try:
         for _ in range(args.max_turns):
@@ -80,20 +97,31 @@ def play(ep: dict[str, Any], args: argparse.Namespace, tools: threading.Semaphor
         if getattr(e, "status_code", None) not in (400,):
             post(args.url, "/rl/abort", {"session_id": ep["session_id"]}, args.api_key)
             return 0.0
-    post(args.url, "/rl/set_reward", {"session_id": ep["session_id"], "reward": reward}, args.api_key)
+    post(
+        args.url, "/rl/set_reward", {"session_id": ep["session_id"], "reward": reward}, args.api_key
+    )
     return reward
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000",
-                    help="the endpoint (env.host / env.port; default %(default)s)")
-    ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="bearer key (env.api_key)")
+    ap.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="the endpoint (env.host / env.port; default %(default)s)",
+    )
+    ap.add_argument(
+        "--api-key", default=os.environ.get("TANDEM_API_KEY"), help="bearer key (env.api_key)"
+    )
     ap.add_argument("--concurrency", type=int, default=64, help="episodes played at once")
     ap.add_argument("--tool-workers", type=int, default=2, help="python tool runs at once")
     ap.add_argument("--max-turns", type=int, default=3, help="assistant turns per episode")
-    ap.add_argument("--patience-s", type=float, default=0.0,
-                    help="give up when the endpoint is unreachable this long (0: wait forever)")
+    ap.add_argument(
+        "--patience-s",
+        type=float,
+        default=0.0,
+        help="give up when the endpoint is unreachable this long (0: wait forever)",
+    )
     args = ap.parse_args(argv)
     args.url = args.url.rstrip("/")
     tools = threading.Semaphore(args.tool_workers)

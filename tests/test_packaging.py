@@ -92,7 +92,8 @@ def test_the_installed_package_imports_beside_transformers(where: str, tmp_path:
 
 def test_console_scripts_run(tmp_path: Path):
     bindir = Path(sys.executable).parent
-    for tool in ("tandem-generate", "tandem-sweep", "tandem-report", "tandem-diagnose", "tandem-serve"):
+    tools = ("tandem-generate", "tandem-sweep", "tandem-report", "tandem-diagnose", "tandem-serve")
+    for tool in tools:
         exe = bindir / tool
         assert exe.exists(), f"{exe}: not installed (pip install -e . makes it)"
         r = subprocess.run([str(exe), "--help"], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True,

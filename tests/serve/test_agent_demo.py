@@ -1,4 +1,4 @@
-"""The README's agent demo: configs/quickstart_agent_server.toml trained by examples/agent_harness.py.
+"""The README's agent demo: configs/quickstart_agent_server.toml and examples/agent_harness.py.
 
 The harness is started first and the trainer second (either order works), as separate
 programs on loopback, the harness on nothing but the stock ``openai`` client and Tandem's
@@ -26,8 +26,13 @@ HARNESS = os.path.join(ROOT, "examples", "agent_harness.py")
 def test_the_harness_defaults_match_the_demo_config():
     """So the README's two commands need no flags."""
     cfg = load_config(CONFIG)
-    r = subprocess.run([sys.executable, HARNESS, "--help"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, HARNESS, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg.env.kind == "http" and (cfg.env.host, cfg.env.port) == ("127.0.0.1", 8000)
     assert "http://127.0.0.1:8000" in r.stdout
@@ -38,13 +43,36 @@ def test_the_agent_demo_learns(tmp_path):
     pytest.importorskip("openai")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    harness = subprocess.Popen([sys.executable, HARNESS, "--url", f"http://127.0.0.1:{port}"], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    harness = subprocess.Popen(
+        [sys.executable, HARNESS, "--url", f"http://127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            os.path.join(ROOT, "train.py"), "--config", CONFIG, f"--job.dump_folder={tmp_path}",
-                            "--training.steps=16", f"--env.port={port}", "--metrics.tensorboard=false"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                os.path.join(ROOT, "train.py"),
+                "--config",
+                CONFIG,
+                f"--job.dump_folder={tmp_path}",
+                "--training.steps=16",
+                f"--env.port={port}",
+                "--metrics.tensorboard=false",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
         said, _ = harness.communicate(timeout=120)  # it exits by itself when the training ends
     finally:
         harness.kill()
@@ -53,7 +81,11 @@ def test_the_agent_demo_learns(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 16
     for row in rows:
-        assert row["env/episodes"] == 64 and row["env/dropped_timeout"] == 0 and row["env/bad_requests"] == 0
+        assert (
+            row["env/episodes"] == 64
+            and row["env/dropped_timeout"] == 0
+            and row["env/bad_requests"] == 0
+        )
         assert row["gap/abs_mean"] < 1e-5  # the served tokens' log-probs match the training forward
     start = float(r.stdout.split("eval accuracy: start ")[1].split()[0])
     end = rows[-1]["eval/accuracy"]

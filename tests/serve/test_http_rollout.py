@@ -1,4 +1,4 @@
-"""``env.kind = "http"`` in the RL recipe: a harness on the stock ``openai`` client trains the policy.
+"""``env.kind = "http"`` in the RL recipe: a harness on the stock ``openai`` client trains it.
 
 One ``train.py`` process (``rl.exact``: the batch-invariant kernels, so the update's
 recomputation must equal the rollout's log-probs bit for bit), the quickstart policy and
@@ -40,7 +40,9 @@ def free_port() -> int:
 
 def post(url: str, path: str, body: bytes | dict) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -58,9 +60,19 @@ class Harness:
         sid, base = ep["session_id"], ep["base_url"]
         if claim == DISCONNECT:  # go away mid-stream
             conn = http.client.HTTPConnection(self.url.removeprefix("http://"), timeout=60)
-            conn.request("POST", f"/v1/sessions/{sid}/chat/completions",
-                         json.dumps({"messages": [{"role": "user", "content": ep["row"]["prompt"]}], "stream": True,
-                                     "ignore_eos": True, "max_tokens": 60}), {"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                f"/v1/sessions/{sid}/chat/completions",
+                json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": ep["row"]["prompt"]}],
+                        "stream": True,
+                        "ignore_eos": True,
+                        "max_tokens": 60,
+                    }
+                ),
+                {"Content-Type": "application/json"},
+            )
             assert conn.getresponse().status == 200
             conn.sock.close()
             conn.close()
@@ -69,13 +81,29 @@ class Harness:
         messages = [{"role": "user", "content": ep["row"]["prompt"]}]
         turns = []
         for follow_up in ("Once more?", None):
-            r = client.chat.completions.create(model="policy", messages=messages, logprobs=True,
-                                               extra_body={"return_token_ids": True})
+            r = client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                logprobs=True,
+                extra_body={"return_token_ids": True},
+            )
             c = r.choices[0]
-            turns.append((r.prompt_token_ids, c.token_ids, [t.logprob for t in c.logprobs.content], c.message.content))
+            turns.append(
+                (
+                    r.prompt_token_ids,
+                    c.token_ids,
+                    [t.logprob for t in c.logprobs.content],
+                    c.message.content,
+                )
+            )
             if follow_up:
-                messages += [{"role": "assistant", "content": c.message.content}, {"role": "user", "content": follow_up}]
-        status, _ = post(base, "/chat/completions", b"{broken")  # a malformed request in the middle of it
+                messages += [
+                    {"role": "assistant", "content": c.message.content},
+                    {"role": "user", "content": follow_up},
+                ]
+        status, _ = post(
+            base, "/chat/completions", b"{broken"
+        )  # a malformed request in the middle of it
         assert status == 400
         if claim == ABORT:
             assert post(self.url, "/rl/abort", {"session_id": sid})[0] == 200
@@ -109,8 +137,8 @@ def expected_sample(turns: list) -> tuple[list[int], list[float]]:
     prompt = turns[0][0]
     ids, lps = [], []
     for context, sampled, logprobs, _ in turns:
-        appended = context[len(prompt) + len(ids):]
-        assert context[:len(prompt) + len(ids)] == prompt + ids
+        appended = context[len(prompt) + len(ids) :]
+        assert context[: len(prompt) + len(ids)] == prompt + ids
         ids += appended + sampled
         lps += [0.0] * len(appended) + logprobs
     return ids, lps
@@ -120,10 +148,24 @@ def expected_sample(turns: list) -> tuple[list[int], list[float]]:
 def http_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("http_rl")
     port = free_port()
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--job.dump_folder={dump}", "--training.steps=1", "--env.kind=http", f"--env.port={port}",
-           "--env.max_total_tokens=128", "--env.episode_timeout_s=120", "--reward.functions=", "--rl.prompts_per_step=4", "--rl.eval_prompts=2",
-           "--rl.exact=true", "--metrics.tensorboard=false", "--checkpoint.enable=false"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        "--training.steps=1",
+        "--env.kind=http",
+        f"--env.port={port}",
+        "--env.max_total_tokens=128",
+        "--env.episode_timeout_s=120",
+        "--reward.functions=",
+        "--rl.prompts_per_step=4",
+        "--rl.eval_prompts=2",
+        "--rl.exact=true",
+        "--metrics.tensorboard=false",
+        "--checkpoint.enable=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TANDEM_DUMP_ROLLOUTS": "1"}
     harness = Harness(f"http://127.0.0.1:{port}")
     thread = threading.Thread(target=harness.run, daemon=True)
@@ -139,7 +181,9 @@ def http_run(tmp_path_factory):
 
 def test_trained_samples_are_the_harness_turns_exactly(http_run):
     harness, rows, dumped, _ = http_run
-    assert not harness.errors and harness.claims == 8 + 32 + 8  # evaluation, the step's 4 x 8, evaluation
+    assert (
+        not harness.errors and harness.claims == 8 + 32 + 8
+    )  # evaluation, the step's 4 x 8, evaluation
     expected = {}
     for turns in harness.records.values():
         ids, lps = expected_sample(turns)
@@ -147,7 +191,9 @@ def test_trained_samples_are_the_harness_turns_exactly(http_run):
     assert len(dumped) == rows[0]["env/episodes"] == 30  # 32 less the aborted and the abandoned one
     for d in dumped:
         assert tuple(d["completion_ids"]) in expected, d
-        assert d["gen_logprobs"] == expected[tuple(d["completion_ids"])]  # bit for bit, after JSON both ways
+        assert (
+            d["gen_logprobs"] == expected[tuple(d["completion_ids"])]
+        )  # bit for bit, after JSON both ways
 
 
 def test_logprobs_equal_the_updates_recomputation_and_the_run_stays_healthy(http_run):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.rl.core.configlib import ConfigError, require
+from tandem.rl.core.configlib import ConfigError, is_loopback, require
 
 
 def _check_name(key: str, registry_path: str, name: str) -> None:
@@ -286,15 +286,15 @@ class EnvConfig:
                 f"env.claim_timeout_s: must be >= 0 (0 = wait), got {self.claim_timeout_s}")
         require(self.max_total_tokens >= 2,
                 f"env.max_total_tokens: must be >= 2, got {self.max_total_tokens}")
-        problem = self.server_settings("tandem").check()
-        require(problem is None, f"env.{problem}")
+        require(0 <= self.port < 65536, f"env.port: must be in [0, 65536), got {self.port}")
+        require(self.max_request_mb > 0,
+                f"env.max_request_mb: must be > 0, got {self.max_request_mb}")
+        require(bool(self.bearer_key()) or is_loopback(self.host),
+                f"env.host: {self.host!r} is not a loopback address; serving there needs a "
+                "bearer key (set env.api_key or TANDEM_API_KEY)")
 
-    def server_settings(self, model_name: str):  # -> tandem.rl.serve.http.ServerSettings (lazy)
-        """The endpoint's settings for ``kind = "http"``; the key falls back to $TANDEM_API_KEY."""
+    def bearer_key(self) -> str | None:
+        """``kind = "http"``: the key requests must send (``api_key``, else $TANDEM_API_KEY)."""
         import os
 
-        from tandem.rl.serve.http import ServerSettings
-
-        key = self.api_key or os.environ.get("TANDEM_API_KEY")
-        return ServerSettings(host=self.host, port=self.port, api_key=key,
-                              max_request_mb=self.max_request_mb, model_name=model_name)
+        return self.api_key or os.environ.get("TANDEM_API_KEY") or None

@@ -85,9 +85,10 @@ class RLRecipe:
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
-        self.http = cfg.env.kind == "http"  # an external harness plays the episodes (tandem/rl/serve)
+        self.http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
         if self.http:
-            self._one_generation_group(info.world_size)
+            from tandem.rl.serve import episodes as http_episodes
+            http_episodes.one_generation_group(cfg.rollout, info.world_size)
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
@@ -107,7 +108,7 @@ class RLRecipe:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         self.train_prompts, self.eval_prompts = self._load_data()
         episodic = cfg.env.name or self.http
-        seq_len = cfg.data.max_length if not episodic else self.max_prompt + cfg.env.max_total_tokens
+        seq_len = self.max_prompt + cfg.env.max_total_tokens if episodic else cfg.data.max_length
         spec = BuildSpec.from_config(cfg.training, cfg.parallel)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
@@ -138,7 +139,8 @@ class RLRecipe:
             from tandem.rl.workers.env_pool import EnvPool
 
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
-        self.server = self._start_server() if self.http and info.rank == 0 else None
+        self.server = (http_episodes.start_server(cfg.env, cfg.job.name, self.tok.vocab_size)
+                       if self.http and info.rank == 0 else None)  # the endpoint, for the whole run
         # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
         self.total_updates = max(cfg.training.steps - self.critic_warmup, 1) * r.epochs * r.minibatches
         self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
@@ -170,29 +172,6 @@ class RLRecipe:
         if r.exact and cfg.rollout.tp > 1:
             raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
                               f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
-
-    def _one_generation_group(self, world: int) -> None:
-        """env.kind = "http": one generation group serves every episode (its leader runs the
-        endpoint), so rollout.tp is the world size (0, auto, resolves to it)."""
-        ro = self.cfg.rollout
-        if ro.tp not in (0, world):
-            raise ConfigError(f"rollout.tp: env.kind = \"http\" serves every episode from one generation group; "
-                              f"set rollout.tp = 0 (auto) or {world} (the world size), got {ro.tp}")
-        ro.tp = world
-
-    def _start_server(self):
-        """Rank 0: the endpoint, bound now (a taken port is a config error), serving from the first rollout."""
-        from tandem.rl.serve.http import AgentServer
-
-        env = self.cfg.env
-        server = AgentServer(env.server_settings(self.cfg.job.name), self.tok.vocab_size)
-        try:
-            server.start()
-        except OSError as e:
-            raise ConfigError(f"env.port: cannot listen on {env.host}:{env.port}: {e.strerror or e}") from None
-        print(f"agent endpoint: {server.url}/v1 (a harness claims episodes at {server.url}/rl/episodes; "
-              "e.g. python examples/agent_harness.py)", flush=True)
-        return server
 
     # ---- data ------------------------------------------------------------------------
 
@@ -272,8 +251,9 @@ class RLRecipe:
         if self.http:
             from tandem.rl.serve.episodes import serve_episodes
 
-            return serve_episodes(self.server, gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env,
-                                  seeds=seeds, greedy=greedy, layout=self.gen_copy.layout, version=self.step_index,
+            return serve_episodes(self.server, gen_model, self.tok, prompts, n, self.cfg.rollout,
+                                  self.cfg.env, seeds=seeds, greedy=greedy,
+                                  layout=self.gen_copy.layout, version=self.step_index,
                                   beat=self.rt.watchdog.beat)
         if self.cfg.env.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
@@ -585,7 +565,7 @@ class RLRecipe:
         if self.env_pool is not None:
             self.env_pool.close()
         if self.server is not None:
-            self.server.stop(grace_s=2.0)  # harnesses polling /rl/episodes hear that the run is done
+            self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],

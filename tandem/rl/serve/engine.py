@@ -37,7 +37,9 @@ from tandem.rl.generator.sequence import SamplingParams, Sequence
 from tandem.rl.serve.protocol import BadRequest, TurnRequest, TurnResult
 from tandem.rl.serve.sessions import Session, plan_turn
 
-Emit = Callable[[str, Any], None]  # ("delta" | "done" | "error", payload); called in the engine's thread
+Emit = Callable[
+    [str, Any], None
+]  # ("delta" | "done" | "error", payload); called in the engine's thread
 
 
 @dataclass
@@ -54,8 +56,12 @@ class EngineSettings:
     policy_version: int = 0  # reported per choice: the weights that sampled the tokens
     heartbeat_s: float = 0.5  # longest wait for a message before an empty tick
     open_sessions: bool = True  # an unknown session id starts a session (tandem-serve); False: 404
-    episode_timeout_s: float = 0.0  # a claimed task's session is dropped this long after the claim; 0 = never
-    claim_timeout_s: float = 0.0  # an unclaimed task is dropped this long after the engine starts; 0 = never
+    episode_timeout_s: float = (
+        0.0  # a claimed task's session is dropped this long after the claim; 0 = never
+    )
+    claim_timeout_s: float = (
+        0.0  # an unclaimed task is dropped this long after the engine starts; 0 = never
+    )
 
 
 @dataclass
@@ -75,8 +81,13 @@ class _Turn:
 class ServingEngine:
     """Serves `TurnRequest`s on ``generator``; see the module docstring."""
 
-    def __init__(self, generator: Generator, tokenizer: Any, settings: EngineSettings,
-                 layout: GenerationLayout | None = None) -> None:
+    def __init__(
+        self,
+        generator: Generator,
+        tokenizer: Any,
+        settings: EngineSettings,
+        layout: GenerationLayout | None = None,
+    ) -> None:
         self.gen, self.tok, self.s = generator, tokenizer, settings
         self.layout = layout or GenerationLayout()
         self.leader = self.layout.rank == 0
@@ -84,8 +95,16 @@ class ServingEngine:
         self.sessions: dict[str, Session] = {}
         self.seqs: dict[int, Sequence] = {}  # command key -> sequence (every rank)
         self.turns: dict[int, _Turn] = {}  # key -> turn in flight (leader)
-        self.stats = {"requests": 0, "bad_requests": 0, "disconnects": 0, "aborts": 0, "timeouts": 0,
-                      "unclaimed": 0, "new_samples": 0, "turns": 0}
+        self.stats = {
+            "requests": 0,
+            "bad_requests": 0,
+            "disconnects": 0,
+            "aborts": 0,
+            "timeouts": 0,
+            "unclaimed": 0,
+            "new_samples": 0,
+            "turns": 0,
+        }
         self._out: list[tuple] = []
         self._keys = itertools.count()
         self._lock = threading.Lock()
@@ -106,7 +125,9 @@ class ServingEngine:
             return True
 
     # ---- the loop (every rank of the group) ---------------------------------------------
-    def run(self, until: Callable[[], bool] = lambda: False, beat: Callable[[], None] | None = None) -> None:
+    def run(
+        self, until: Callable[[], bool] = lambda: False, beat: Callable[[], None] | None = None
+    ) -> None:
         """Serve until ``until()`` (asked on the leader every tick) is true; then every live
         sequence is aborted on every rank, so the KV pool is free when this returns."""
         while True:
@@ -134,7 +155,9 @@ class ServingEngine:
 
     # ---- commands: applied on the leader at once, on the others at the next tick ---------
     def _do(self, cmd: tuple) -> None:
-        self._apply(cmd)  # a ValueError here (the pool or context cannot take it) broadcasts nothing
+        self._apply(
+            cmd
+        )  # a ValueError here (the pool or context cannot take it) broadcasts nothing
         self._out.append(cmd)
 
     def _apply(self, cmd: tuple) -> None:
@@ -203,7 +226,9 @@ class ServingEngine:
             s.turn_rewards[turn] = value
             return {"session_id": sid, "closed": None}
         if s.busy:
-            raise BadRequest(f"session {sid!r}: a turn is in flight; set the reward after it", 409, "session_id")
+            raise BadRequest(
+                f"session {sid!r}: a turn is in flight; set the reward after it", 409, "session_id"
+            )
         s.reward = value
         self._close(s, "reward")
         return {"session_id": sid, "closed": "reward"}
@@ -213,31 +238,45 @@ class ServingEngine:
         s = self.sessions.get(sid)
         if s is None:
             if not (ephemeral or self.s.open_sessions):
-                raise BadRequest(f"session {sid!r}: unknown (sessions come from POST /rl/episodes)", 404)
+                raise BadRequest(
+                    f"session {sid!r}: unknown (sessions come from POST /rl/episodes)", 404
+                )
             s = self.sessions[sid] = Session(sid, ephemeral=ephemeral)
         if s.closed:
             raise BadRequest(f"session {sid!r}: already closed ({s.closed})", 409)
         if s.busy:
-            raise BadRequest(f"session {sid!r}: a turn is in flight; send the next one after it", 409)
+            raise BadRequest(
+                f"session {sid!r}: a turn is in flight; send the next one after it", 409
+            )
         ids_in = req.prompt_ids
         if ids_in is None and not req.chat:
             ids_in = self.tok.encode(req.prompt_text)
         if ids_in is None and self.tok.chat_template is None:
             raise BadRequest("the model's tokenizer has no chat template: use /v1/completions", 400)
         try:
-            action, ids, text = plan_turn(s, self.tok, req.messages if ids_in is None else None, ids_in, req.tools)
+            action, ids, text = plan_turn(
+                s, self.tok, req.messages if ids_in is None else None, ids_in, req.tools
+            )
         except ValueError as e:
             raise BadRequest(str(e)) from None
         except Exception as e:  # noqa: BLE001  (a chat template that raises on these messages)
-            raise BadRequest(f"messages: the chat template failed: {e}"[:300], param="messages") from None
+            raise BadRequest(
+                f"messages: the chat template failed: {e}"[:300], param="messages"
+            ) from None
         context = (s.seq.num_tokens if action == "append" else 0) + len(ids)
         room = self.s.max_model_len - context
         if room < 1:
-            raise BadRequest(f"the context would hold {context} tokens, leaving no room under the limit of "
-                             f"{self.s.max_model_len}", param="messages")
+            raise BadRequest(
+                f"the context would hold {context} tokens, leaving no room under the limit of "
+                f"{self.s.max_model_len}",
+                param="messages",
+            )
         if req.max_tokens is not None and req.max_tokens > room:
-            raise BadRequest(f"max_tokens: {req.max_tokens} + the context's {context} tokens exceed the limit "
-                             f"of {self.s.max_model_len}", param="max_tokens")
+            raise BadRequest(
+                f"max_tokens: {req.max_tokens} + the context's {context} tokens exceed the limit "
+                f"of {self.s.max_model_len}",
+                param="max_tokens",
+            )
         params = self._params(s, req, action)
         try:
             if action == "new":
@@ -259,8 +298,16 @@ class ServingEngine:
         s.busy = True
         if s.task is not None and s.task.claimed_at is None:
             s.task.claimed_at = time.monotonic()
-        self.turns[key] = _Turn(s, req, emit, key, seq, list(seq.token_ids), seq.num_tokens,
-                                min(req.max_tokens or self.s.max_tokens, room))
+        self.turns[key] = _Turn(
+            s,
+            req,
+            emit,
+            key,
+            seq,
+            list(seq.token_ids),
+            seq.num_tokens,
+            min(req.max_tokens or self.s.max_tokens, room),
+        )
 
     def _params(self, s: Session, req: TurnRequest, action: str) -> SamplingParams:
         d = self.s
@@ -278,10 +325,16 @@ class ServingEngine:
         else:
             seed = None
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self._eos_stops))
-        return SamplingParams(temperature=0.0 if greedy else pick(req.temperature, d.temperature),
-                              top_p=pick(req.top_p, d.top_p), top_k=pick(req.top_k, d.top_k),
-                              min_p=pick(req.min_p, d.min_p), max_tokens=d.max_model_len, seed=seed,
-                              stop_token_ids=sorted(stops), ignore_eos=True)
+        return SamplingParams(
+            temperature=0.0 if greedy else pick(req.temperature, d.temperature),
+            top_p=pick(req.top_p, d.top_p),
+            top_k=pick(req.top_k, d.top_k),
+            min_p=pick(req.min_p, d.min_p),
+            max_tokens=d.max_model_len,
+            seed=seed,
+            stop_token_ids=sorted(stops),
+            ignore_eos=True,
+        )
 
     # ---- publishing and ending turns (leader, after each step) ---------------------------
     def _publish(self) -> None:
@@ -302,7 +355,7 @@ class ServingEngine:
             if n == t.sent and finish is None:
                 continue
             if t.req.stream:
-                part = self._result(t, t.sent, n, text[len(t.text_sent):], finish)
+                part = self._result(t, t.sent, n, text[len(t.text_sent) :], finish)
                 t.sent, t.text_sent = n, text
                 t.emit("delta", part)
             if finish is not None:
@@ -312,7 +365,7 @@ class ServingEngine:
         """The turn's visible text (its tokens without a closing end-of-turn or stop id; cut
         before a stop string), and whether a stop string cut it. Streaming holds back a
         partial character and what could still become a stop string."""
-        ids = t.seq.token_ids[t.token_start:t.token_start + n]
+        ids = t.seq.token_ids[t.token_start : t.token_start + n]
         if ids and finish == "stop" and ids[-1] in self._special | set(t.req.stop_token_ids):
             ids = ids[:-1]
         text = self.tok.decode(ids, skip_special_tokens=True)
@@ -323,21 +376,27 @@ class ServingEngine:
         if finish is None:
             text = text.rstrip("\ufffd")
             hold = max((len(s) - 1 for s in t.req.stop), default=0)
-            text = text[:len(text) - hold] if hold else text
+            text = text[: len(text) - hold] if hold else text
         return text, False
 
     def _result(self, t: _Turn, a: int, b: int, text: str, finish: str | None) -> TurnResult:
         seq = t.seq
-        ids = seq.token_ids[t.token_start + a:t.token_start + b]
-        first = seq.num_generated - (seq.num_tokens - t.token_start)  # index of the turn's first log-prob
-        lps = seq.raw_logprobs[first + a:first + b]
+        ids = seq.token_ids[t.token_start + a : t.token_start + b]
+        first = seq.num_generated - (
+            seq.num_tokens - t.token_start
+        )  # index of the turn's first log-prob
+        lps = seq.raw_logprobs[first + a : first + b]
         texts = [self.tok.decode([i]) for i in ids] if t.req.logprobs else []
         routed = None
         if t.req.return_token_ids and self.gen.runner.routing.blocks:
             rows = self.gen.runner.routing.by_seq.get(seq.seq_id, {})
-            routed = [rows[p].tolist() if p in rows else None
-                      for p in range(t.token_start + a - 1, t.token_start + b - 1)]
-        return TurnResult(ids, lps, text, finish, t.prompt_ids, texts, self.s.policy_version, routed)
+            routed = [
+                rows[p].tolist() if p in rows else None
+                for p in range(t.token_start + a - 1, t.token_start + b - 1)
+            ]
+        return TurnResult(
+            ids, lps, text, finish, t.prompt_ids, texts, self.s.policy_version, routed
+        )
 
     def _end_turn(self, t: _Turn, finish: str, result: TurnResult) -> None:
         del self.turns[t.key]
@@ -345,7 +404,7 @@ class ServingEngine:
         s.busy = False
         s.turns += 1
         self.stats["turns"] += 1
-        s.history_text += self.tok.decode(t.seq.token_ids[t.token_start:])
+        s.history_text += self.tok.decode(t.seq.token_ids[t.token_start :])
         if s.ephemeral:
             self._close(s, "done")
         elif not t.seq.is_finished:
@@ -363,7 +422,9 @@ class ServingEngine:
         for key, t in list(self.turns.items()):
             if t.session is s:
                 del self.turns[key]
-                t.emit("error", BadRequest(f"session {s.id!r} closed ({reason}) during the turn", 409))
+                t.emit(
+                    "error", BadRequest(f"session {s.id!r} closed ({reason}) during the turn", 409)
+                )
         self._abort_segments(s)
         s.busy, s.closed = False, reason
         if s.ephemeral:
@@ -379,10 +440,16 @@ class ServingEngine:
             task = s.task
             if s.closed or task is None:
                 continue
-            if task.claimed_at is not None and d.episode_timeout_s and now - task.claimed_at > d.episode_timeout_s:
+            if (
+                task.claimed_at is not None
+                and d.episode_timeout_s
+                and now - task.claimed_at > d.episode_timeout_s
+            ):
                 self.stats["timeouts"] += 1
                 self._close(s, "timeout")
-            elif task.claimed_at is None and d.claim_timeout_s and now - self._t0 > d.claim_timeout_s:
+            elif (
+                task.claimed_at is None and d.claim_timeout_s and now - self._t0 > d.claim_timeout_s
+            ):
                 self.stats["unclaimed"] += 1
                 self._close(s, "unclaimed")
 

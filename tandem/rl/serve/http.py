@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import sys
 import threading
@@ -35,7 +34,15 @@ from typing import Any
 
 from aiohttp import web
 
-from tandem.rl.serve.protocol import BadRequest, chunk, error_body, parse_chat, parse_completion, response
+from tandem.rl.core.configlib import is_loopback
+from tandem.rl.serve.protocol import (
+    BadRequest,
+    chunk,
+    error_body,
+    parse_chat,
+    parse_completion,
+    response,
+)
 
 
 @dataclass
@@ -55,18 +62,11 @@ class ServerSettings:
         if self.max_request_mb <= 0:
             return f"max_request_mb: must be > 0, got {self.max_request_mb}"
         if not self.api_key and not is_loopback(self.host):
-            return (f"host: {self.host!r} is not a loopback address; serving there needs a bearer key "
-                    "(set the api_key or TANDEM_API_KEY)")
+            return (
+                f"host: {self.host!r} is not a loopback address; serving there needs a bearer key "
+                "(set the api_key or TANDEM_API_KEY)"
+            )
         return None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _sse(obj: Any) -> bytes:
@@ -100,7 +100,9 @@ class AgentServer:
         def serve() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-            runner = web.AppRunner(self._app(), handle_signals=False, handler_cancellation=True, access_log=None)
+            runner = web.AppRunner(
+                self._app(), handle_signals=False, handler_cancellation=True, access_log=None
+            )
             try:
                 loop.run_until_complete(runner.setup())
                 site = web.TCPSite(runner, self.settings.host, self.settings.port)
@@ -136,8 +138,10 @@ class AgentServer:
 
     # ---- the app ------------------------------------------------------------------------
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=int(self.settings.max_request_mb * (1 << 20)),
-                              middlewares=[self._errors])
+        app = web.Application(
+            client_max_size=int(self.settings.max_request_mb * (1 << 20)),
+            middlewares=[self._errors],
+        )
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/sessions/{sid}/models", self._models)
@@ -156,8 +160,11 @@ class AgentServer:
             if key and request.path != "/health":
                 got = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
-                    raise BadRequest("a valid bearer key is required (Authorization: Bearer <key>)", 401,
-                                     kind="authentication_error")
+                    raise BadRequest(
+                        "a valid bearer key is required (Authorization: Bearer <key>)",
+                        401,
+                        kind="authentication_error",
+                    )
             return await handler(request)
         except BadRequest as e:
             return web.json_response(error_body(str(e), e.status, e.param, e.kind), status=e.status)
@@ -169,8 +176,12 @@ class AgentServer:
             raise
         except Exception as e:  # noqa: BLE001  (the server's own fault: 500, the run goes on)
             traceback.print_exc(file=sys.stderr)
-            return web.json_response(error_body(f"internal error: {type(e).__name__}: {e}"[:300], 500,
-                                                kind="server_error"), status=500)
+            return web.json_response(
+                error_body(
+                    f"internal error: {type(e).__name__}: {e}"[:300], 500, kind="server_error"
+                ),
+                status=500,
+            )
 
     async def _json(self, request: web.Request) -> Any:
         try:
@@ -179,11 +190,24 @@ class AgentServer:
             raise BadRequest(f"the body is not valid JSON: {e}"[:300]) from None
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "serving": self.engine is not None, "done": self.finished})
+        return web.json_response(
+            {"status": "ok", "serving": self.engine is not None, "done": self.finished}
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.settings.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "tandem",
+                    }
+                ],
+            }
+        )
 
     # ---- generation ---------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -193,7 +217,7 @@ class AgentServer:
         return await self._turn(request, chat=False)
 
     def _call(self, msg: tuple) -> asyncio.Queue:
-        """Submit ``msg`` (its last item replaced by an emit callback) and return the event queue."""
+        """Submit ``msg`` with an emit callback appended; return the queue of its events."""
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(kind: str, payload: Any) -> None:  # runs in the engine's thread
@@ -223,7 +247,9 @@ class AgentServer:
                 raise payload
             if not req.stream:
                 return web.json_response(response(req, rid, model, payload))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
             await resp.prepare(request)
             first = True
             while kind != "done":
@@ -235,8 +261,17 @@ class AgentServer:
                 kind, payload = await q.get()
             if kind == "done":
                 if req.include_usage:
-                    await resp.write(_sse(chunk(req, rid, model, None,
-                                                usage=(len(payload.prompt_token_ids), len(payload.token_ids)))))
+                    await resp.write(
+                        _sse(
+                            chunk(
+                                req,
+                                rid,
+                                model,
+                                None,
+                                usage=(len(payload.prompt_token_ids), len(payload.token_ids)),
+                            )
+                        )
+                    )
                 await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -254,8 +289,16 @@ class AgentServer:
         task = board.claim() if board is not None and not self.finished else None
         if task is None:
             return web.json_response({"episode": None, "done": self.finished})
-        return web.json_response({"episode": {"session_id": task.id, "base_url": f"{self.url}/v1/sessions/{task.id}",
-                                              "row": task.row}, "done": False})
+        return web.json_response(
+            {
+                "episode": {
+                    "session_id": task.id,
+                    "base_url": f"{self.url}/v1/sessions/{task.id}",
+                    "row": task.row,
+                },
+                "done": False,
+            }
+        )
 
     async def _control(self, request: web.Request, kind: str) -> web.Response:
         body = await self._json(request)
@@ -264,9 +307,18 @@ class AgentServer:
         msg: tuple = (kind, body["session_id"])
         if kind == "reward":
             r, turn = body.get("reward"), body.get("turn")
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or r != r or abs(r) == float("inf"):
-                raise BadRequest(f"reward: must be a finite number, got {r!r}"[:200], param="reward")
-            if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 0):
+            if (
+                isinstance(r, bool)
+                or not isinstance(r, (int, float))
+                or r != r
+                or abs(r) == float("inf")
+            ):
+                raise BadRequest(
+                    f"reward: must be a finite number, got {r!r}"[:200], param="reward"
+                )
+            if turn is not None and (
+                isinstance(turn, bool) or not isinstance(turn, int) or turn < 0
+            ):
                 raise BadRequest(f"turn: must be an integer >= 0, got {turn!r}"[:200], param="turn")
             msg += (float(r), turn)
         kind, payload = await self._call(msg).get()

@@ -19,8 +19,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BadRequest", "TurnRequest", "TurnResult", "parse_chat", "parse_completion", "response",
-           "chunk", "error_body"]
+__all__ = [
+    "BadRequest",
+    "TurnRequest",
+    "TurnResult",
+    "parse_chat",
+    "parse_completion",
+    "response",
+    "chunk",
+    "error_body",
+]
 
 _MAX_STOPS = 16
 
@@ -28,19 +36,26 @@ _MAX_STOPS = 16
 class BadRequest(Exception):
     """A request the server refuses: ``status`` (4xx) and one line naming the field."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.kind = status, param, kind
 
 
-def error_body(message: str, status: int, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+def error_body(
+    message: str, status: int, param: str | None = None, kind: str = "invalid_request_error"
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 @dataclass
 class TurnRequest:
-    """One chat or completion request, validated. ``None`` sampling fields take the server's defaults."""
+    """One chat or completion request, validated; ``None`` sampling fields: server defaults."""
 
     chat: bool
     messages: list[dict[str, Any]] | None = None  # chat
@@ -101,10 +116,16 @@ def _flag(body: dict, key: str) -> bool:
 
 
 def _ids(value: Any, key: str, vocab: int) -> list[int]:
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value)):
-        raise _bad(key, f"must be a non-empty list of token ids in [0, {vocab})", value if not isinstance(value, list)
-                   else f"a list of {len(value)}")
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value)
+    ):
+        raise _bad(
+            key,
+            f"must be a non-empty list of token ids in [0, {vocab})",
+            value if not isinstance(value, list) else f"a list of {len(value)}",
+        )
     return list(value)
 
 
@@ -112,7 +133,11 @@ def _common(body: dict, req: TurnRequest, vocab: int) -> TurnRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if body.get("n", 1) != 1:
-        raise _bad("n", "only 1 is supported (send n requests; in a session each is one turn)", body.get("n"))
+        raise _bad(
+            "n",
+            "only 1 is supported (send n requests; in a session each is one turn)",
+            body.get("n"),
+        )
     if body.get("model") is not None and not isinstance(body.get("model"), str):
         raise _bad("model", "must be a string", body.get("model"))
     req.model = body.get("model")
@@ -127,8 +152,16 @@ def _common(body: dict, req: TurnRequest, vocab: int) -> TurnRequest:
     req.seed = _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or len(stop) > _MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
-        raise _bad("stop", f"must be a non-empty string or a list of at most {_MAX_STOPS} of them", body.get("stop"))
+    if (
+        not isinstance(stop, list)
+        or len(stop) > _MAX_STOPS
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise _bad(
+            "stop",
+            f"must be a non-empty string or a list of at most {_MAX_STOPS} of them",
+            body.get("stop"),
+        )
     req.stop = stop
     sti = body.get("stop_token_ids") or []
     req.stop_token_ids = _ids(sti, "stop_token_ids", vocab) if sti else []
@@ -148,14 +181,16 @@ def _content(m: dict, i: int) -> str | None:
     c = m.get("content")
     if c is None or isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   for p in c):
+    if isinstance(c, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in c
+    ):
         return "".join(p["text"] for p in c)
     raise _bad(f"messages[{i}].content", "must be a string or a list of text parts", c)
 
 
 def parse_chat(body: Any, vocab: int) -> TurnRequest:
-    """A validated `/v1/chat/completions` request (``vocab``: the tokenizer's size, for token ids)."""
+    """A validated `/v1/chat/completions` request (``vocab``: the tokenizer's size)."""
     req = _common(body, TurnRequest(chat=True), vocab)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -167,7 +202,9 @@ def parse_chat(body: Any, vocab: int) -> TurnRequest:
         out.append({**m, "content": _content(m, i)})
     req.messages = out
     tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
         raise _bad("tools", "must be a list of objects", tools)
     req.tools = tools or None
     lp, top = body.get("logprobs"), body.get("top_logprobs")
@@ -190,8 +227,11 @@ def parse_completion(body: Any, vocab: int) -> TurnRequest:
         elif isinstance(prompt, str) and prompt:
             req.prompt_text = prompt
         else:
-            raise _bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)",
-                       prompt if not isinstance(prompt, list) else f"a list of {len(prompt)}")
+            raise _bad(
+                "prompt",
+                "must be a non-empty string or a list of token ids (one prompt per request)",
+                prompt if not isinstance(prompt, list) else f"a list of {len(prompt)}",
+            )
     lp = body.get("logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp not in (0, 1)):
         raise _bad("logprobs", "only 0 or 1 is supported (the sampled token's log-prob)", lp)
@@ -205,10 +245,18 @@ def _logprobs(req: TurnRequest, part: TurnResult) -> dict | None:
     if not req.logprobs:
         return None
     if req.chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(part.token_texts, part.logprobs)]}
-    return {"tokens": part.token_texts, "token_logprobs": part.logprobs,
-            "top_logprobs": [{}] * len(part.token_texts), "text_offset": []}
+        return {
+            "content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(part.token_texts, part.logprobs)
+            ]
+        }
+    return {
+        "tokens": part.token_texts,
+        "token_logprobs": part.logprobs,
+        "top_logprobs": [{}] * len(part.token_texts),
+        "text_offset": [],
+    }
 
 
 def _extras(req: TurnRequest, part: TurnResult) -> dict:
@@ -222,35 +270,68 @@ def _extras(req: TurnRequest, part: TurnResult) -> dict:
 
 def response(req: TurnRequest, rid: str, model: str, result: TurnResult) -> dict:
     """The whole (non-streaming) response body."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": _logprobs(req, result),
-                              **_extras(req, result)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "finish_reason": result.finish_reason,
+        "logprobs": _logprobs(req, result),
+        **_extras(req, result),
+    }
     if req.chat:
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
         choice["text"] = result.text
     body: dict[str, Any] = {
-        "id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": int(time.time()),
-        "model": model, "choices": [choice],
-        "usage": {"prompt_tokens": len(result.prompt_token_ids), "completion_tokens": len(result.token_ids),
-                  "total_tokens": len(result.prompt_token_ids) + len(result.token_ids)}}
+        "id": rid,
+        "object": "chat.completion" if req.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(result.prompt_token_ids),
+            "completion_tokens": len(result.token_ids),
+            "total_tokens": len(result.prompt_token_ids) + len(result.token_ids),
+        },
+    }
     if req.return_token_ids:
         body["prompt_token_ids"] = result.prompt_token_ids
     return body
 
 
-def chunk(req: TurnRequest, rid: str, model: str, part: TurnResult | None, *, first: bool = False,
-          usage: tuple[int, int] | None = None) -> dict:
+def chunk(
+    req: TurnRequest,
+    rid: str,
+    model: str,
+    part: TurnResult | None,
+    *,
+    first: bool = False,
+    usage: tuple[int, int] | None = None,
+) -> dict:
     """One streamed chunk: the new part of a choice, or (``usage``) the closing usage chunk."""
-    body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
-                            "created": int(time.time()), "model": model, "choices": []}
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if req.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+    }
     if usage is not None:
-        body["usage"] = {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}
+        body["usage"] = {
+            "prompt_tokens": usage[0],
+            "completion_tokens": usage[1],
+            "total_tokens": sum(usage),
+        }
         return body
     assert part is not None
-    choice: dict[str, Any] = {"index": 0, "finish_reason": part.finish_reason, "logprobs": _logprobs(req, part),
-                              **_extras(req, part)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "finish_reason": part.finish_reason,
+        "logprobs": _logprobs(req, part),
+        **_extras(req, part),
+    }
     if req.chat:
-        choice["delta"] = {"role": "assistant", "content": part.text} if first else {"content": part.text}
+        choice["delta"] = (
+            {"role": "assistant", "content": part.text} if first else {"content": part.text}
+        )
     else:
         choice["text"] = part.text
     body["choices"] = [choice]

@@ -62,26 +62,44 @@ class Session:
         return (self.reward or 0.0) + sum(self.turn_rewards.values())
 
 
-def plan_turn(session: Session, tok: Any, messages: list[dict[str, Any]] | None, prompt_ids: list[int] | None,
-              tools: list[dict[str, Any]] | None) -> tuple[str, list[int], str]:
+def plan_turn(
+    session: Session,
+    tok: Any,
+    messages: list[dict[str, Any]] | None,
+    prompt_ids: list[int] | None,
+    tools: list[dict[str, Any]] | None,
+) -> tuple[str, list[int], str]:
     """How a request continues ``session``: ``("append", ids, text)`` (ids to append to the
     current sequence; text: their rendering) or ``("new", prompt_ids, text)`` (a new segment).
     Raises ValueError when the request appends nothing to a live sequence."""
     seq = session.seq
     if prompt_ids is not None:  # token-in: the check is on ids
-        if seq is not None and not seq.is_finished and prompt_ids[:seq.num_tokens] == seq.token_ids:
-            new = prompt_ids[seq.num_tokens:]
+        if (
+            seq is not None
+            and not seq.is_finished
+            and prompt_ids[: seq.num_tokens] == seq.token_ids
+        ):
+            new = prompt_ids[seq.num_tokens :]
             if not new:
-                raise ValueError("prompt_token_ids: the session already holds these ids; append the next turn's")
+                raise ValueError(
+                    "prompt_token_ids: the session already holds these ids; append the next turn's"
+                )
             return "append", new, tok.decode(new)
         return "new", list(prompt_ids), tok.decode(prompt_ids)
     assert messages is not None
     full = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
-    if seq is not None and not seq.is_finished and tools == session.tools and full.startswith(session.history_text):
-        delta = full[len(session.history_text):]
+    if (
+        seq is not None
+        and not seq.is_finished
+        and tools == session.tools
+        and full.startswith(session.history_text)
+    ):
+        delta = full[len(session.history_text) :]
         ids = tok.encode(delta) if delta else []
         if not ids:
-            raise ValueError("messages: nothing new after the session's last turn; append the next messages")
+            raise ValueError(
+                "messages: nothing new after the session's last turn; append the next messages"
+            )
         return "append", ids, delta
     return "new", tok.encode(full), full
 
@@ -95,7 +113,13 @@ def samples_of(session: Session) -> list[dict[str, Any]]:
         if not any(mask):
             continue
         raw = iter(seq.raw_logprobs)
-        out.append({"prompt_ids": seq.token_ids[:seq.num_prompt_tokens], "completion_ids": seq.completion_token_ids,
-                    "loss_mask": mask, "gen_logprobs": [next(raw) if m else 0.0 for m in mask],
-                    "finish_reason": "length" if seq.finish_reason == "length" else "stop"})
+        out.append(
+            {
+                "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
+                "completion_ids": seq.completion_token_ids,
+                "loss_mask": mask,
+                "gen_logprobs": [next(raw) if m else 0.0 for m in mask],
+                "finish_reason": "length" if seq.finish_reason == "length" else "stop",
+            }
+        )
     return out
