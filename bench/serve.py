@@ -181,34 +181,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.monotonic()
     with torch.inference_mode():
         samples, _ = run_agentic_rollout(
-            gen,
-            tok,
-            "bench_two_turns",
-            {},
-            rows,
-            1,
-            SamplingParams(max_tokens=2 * args.turn_tokens, ignore_eos=True),
-            max_turns=2,
-            max_total_tokens=256,
-            pool=pool,
-            max_turn_tokens=args.turn_tokens,
-        )
+            gen, tok, "bench_two_turns", {}, rows, 1,
+            SamplingParams(max_tokens=2 * args.turn_tokens, ignore_eos=True), max_turns=2,
+            max_total_tokens=256, pool=pool, max_turn_tokens=args.turn_tokens)
     local = time.monotonic() - t0
     gen.close()
     turns = sum(int(s.info["turns"]) for s in samples)
-    sampled = sum(
-        s.num_sampled for s in samples
-    )  # a turn that samples the end-of-turn token ends early
-    print(
-        f"{'path: in-process':<22}{args.episodes:>9}{turns:>7}{turns / local:>9.1f}"
-        f"{'':>18}{local:>9.1f}"
-        f"   ({sampled} sampled tokens; HTTP: {2 * args.episodes * args.turn_tokens})"
-    )
+    sampled = sum(s.num_sampled for s in samples)  # a turn ends early on an end-of-turn token
+    print(f"{'path: in-process':<22}{args.episodes:>9}{turns:>7}{turns / local:>9.1f}{'':>18}"
+          f"{local:>9.1f}   ({sampled} sampled tokens; "
+          f"HTTP: {2 * args.episodes * args.turn_tokens})")
     lat, wall = over_http(args.episodes, 1e9, args.episodes)
-    print(
-        f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}"
-        f"{'':>18}{wall:>9.1f}"
-    )
+    print(f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}{'':>18}"
+          f"{wall:>9.1f}")
     print(f"HTTP / in-process seconds for the same {args.episodes} episodes: {wall / local:.2f}x")
 
 
