@@ -403,8 +403,10 @@ class Config:
         """
         validate_fields(self)
         r = self.reward
-        require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
-                "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")
+        scored = r.functions or r.reward_model is not None or self.env.name is not None
+        require(bool(scored) or self.env.kind == "http",
+                "reward.functions: list at least one reward function (or set reward.reward_model, "
+                "env.name or env.kind = \"http\")")
         if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
             args = _model_args_if_known(self.model)
             if args is not None:
