@@ -42,7 +42,7 @@ CONTINUE = {"one_rank": (1, ()), "fsdp2": (2, ()), "tp2": (2, ("--parallel.tp=2"
 def _run(dump, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "train.py"), "--config", CONFIG, f"--job.dump_folder={dump}",
-           "--metrics.tensorboard=false", *extra]
+           "--metrics.loggers=[]", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

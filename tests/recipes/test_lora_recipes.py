@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 PAIRS = ["--data.path=synthetic:sorting", "--data.synthetic_rows=128", "--training.batch_size=32",
          "--training.micro_batch_size=16", "--optimizer.lr=3e-3", "--lr_schedule.warmup_steps=2",
-         "--metrics.tensorboard=false", "--checkpoint.enable=false"]
+         "--metrics.loggers=[]", "--checkpoint.enable=false"]
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_sft_lora_learns_and_continues_from_its_adapter(tmp_path, one_thread, ca
 @pytest.mark.slow
 def test_reward_model_trains_adapters_and_its_head(tmp_path, one_thread):
     rows = _run("reward_model.toml", tmp_path / "rm", "--training.steps=20", "--data.synthetic_rows=128",
-                "--lora.rank=16", "--optimizer.lr=3e-3", "--metrics.tensorboard=false", "--checkpoint.enable=false")
+                "--lora.rank=16", "--optimizer.lr=3e-3", "--metrics.loggers=[]", "--checkpoint.enable=false")
     assert rows[-1]["eval/accuracy"] >= 0.8, rows[-1]
     assert (tmp_path / "rm" / "reward_model" / "config.json").is_file()  # merged, as without LoRA
 

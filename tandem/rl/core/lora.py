@@ -69,10 +69,15 @@ class LoraConfig:
         return LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets),
                         trainable=trainable, base_model=base_model)
 
-    def setup(self, seed: int, *, base_model: str | None = None, trainable: tuple[str, ...] = ()) -> LoraSetup | None:
-        """What the model builder needs (None when LoRA is off)."""
+    def setup(self, seed: int, *, base_model: str | None = None, trainable: tuple[str, ...] = (),
+              sampled: bool = False) -> LoraSetup | None:
+        """What the model builder needs (None when LoRA is off). ``sampled``: a generator samples
+        from the trained model (the rl recipe), which runs without dropout."""
         if not self.enabled:
             return None
+        if sampled and self.dropout > 0:
+            raise ConfigError(f"lora.dropout: the rl recipe needs 0 (got {self.dropout}): the generator samples "
+                              "without dropout, so the update's log-probs would not be the rollout's")
         return LoraSetup(self.spec(trainable=trainable, base_model=base_model), seed, self.adapter_path)
 
 

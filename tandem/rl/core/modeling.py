@@ -7,6 +7,7 @@ gives the same starting weights on every layout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -214,5 +215,7 @@ def build_scalar_model(args: ModelArgs, path: str | None, seed: int, mesh: Any, 
         except (OSError, ValueError, KeyError) as e:
             raise ModelSetupError(f"model.path: {_one_line(e)}") from None
 
+    if spec.lora is not None:  # the score head is new: it trains in full beside the adapters
+        spec = dataclasses.replace(spec, lora=spec.lora.keeping("score"))
     return build_model(lambda: ScalarHeadModel(args), initial, mesh, device, spec, is_main=is_main,
                        trainable=trainable, tp=False)

@@ -50,6 +50,10 @@ class CheckpointParts:
     optimizer: torch.optim.Optimizer | None
     extras: Extras = field(default_factory=dict)
 
+    def __post_init__(self) -> None:  # LoRA: the trainable parameters alone (the base is rebuilt at start)
+        self.model = checkpoint_module(self.model)
+        self.extras = {k: (checkpoint_module(m), o) for k, (m, o) in self.extras.items()}
+
 
 @dataclass
 class StepOutput:
@@ -158,7 +162,7 @@ class SingleModelTraining:
                                max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=dump_folder, rank=rank)
 
     def checkpoint_parts(self) -> CheckpointParts:
-        return CheckpointParts(checkpoint_module(self.model), self.optimizer)  # LoRA: the adapters alone
+        return CheckpointParts(self.model, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict()}

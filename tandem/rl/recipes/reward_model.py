@@ -16,7 +16,6 @@ in training.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -47,8 +46,6 @@ class RewardModelHead:
 
     def __init__(self, cfg: Any, info: DistInfo, setup: PairSetup, spec: BuildSpec) -> None:
         self.info, self.setup = info, setup
-        if spec.lora is not None:  # the score head is new: it trains in full beside the adapters
-            spec = dataclasses.replace(spec, lora=spec.lora.keeping("score"))
         self.model = build_scalar_model(setup.args, cfg.model.path, cfg.job.seed, setup.mesh, info.device, spec,
                                         is_main=info.is_main)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,13 +58,12 @@ from tandem.rl.rollout.generation import (
 )
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.lora import checkpoint_module
 from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.update.critic import Critic
-from tandem.rl.update.lora_reference import BaseReference
+from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -118,16 +116,13 @@ class RLRecipe:
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
                   share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
-        lora = cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)  # adapters on the policy alone
-        self.policy = build_policy(self.args, self.mesh, info.device, **{**kw, "spec": replace(spec, lora=lora)})
+        self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)  # [lora]: adapters
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
                                         offload_optimizer=r.offload_optimizer)
-        self.ref = None
-        if r.kl_coef > 0:  # with LoRA the reference is the frozen base: the policy with its adapters off
-            self.ref = (BaseReference(self.policy) if lora else
-                        build_policy(self.args, self.mesh, info.device, trainable=False, **kw))
+        self.ref = frozen_reference(self.policy, lambda: build_policy(  # LoRA: the policy, adapters off
+            self.args, self.mesh, info.device, trainable=False, **kw)) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
@@ -177,9 +172,6 @@ class RLRecipe:
                               "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                               "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
                               f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
-        if cfg.lora.enabled and cfg.lora.dropout > 0:
-            raise ConfigError(f"lora.dropout: the rl recipe needs 0 (got {cfg.lora.dropout}): the generator samples "
-                              "without dropout, so the update's log-probs would not be the rollout's")
         if r.exact and cfg.rollout.tp > 1:
             raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
                               f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
@@ -531,7 +523,7 @@ class RLRecipe:
 
     def checkpoint_parts(self) -> CheckpointParts:
         extras = self.critic.checkpoint_extras() if self.critic is not None else {}
-        return CheckpointParts(checkpoint_module(self.model), self.opt, extras)  # LoRA: the adapters alone
+        return CheckpointParts(self.model, self.opt, extras)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor}  # the same on every rank

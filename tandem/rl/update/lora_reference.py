@@ -9,11 +9,12 @@ rollout's experts with the update's (with adapters on); it is held off during th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tandem.models.lora import adapters_disabled
+from tandem.models.lora import adapters_disabled, has_lora
 
 
 class BaseReference:
@@ -30,3 +31,9 @@ class BaseReference:
                 return self.policy.logprobs(samples, width)
         finally:
             routing.samples = armed
+
+
+def frozen_reference(policy: Any, build: Callable[[], Any]) -> Any:
+    """The KL reference model: with adapters, ``policy``'s base (`BaseReference`); else ``build()``,
+    a frozen copy of the initial policy."""
+    return BaseReference(policy) if has_lora(policy.state_module) else build()

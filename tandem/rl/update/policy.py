@@ -24,6 +24,7 @@ old / reference log-probs by a forward-only pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,7 @@ from tandem.rl.core.modeling import (
     parallelize_model,
     with_adapters,
 )
-from tandem.rl.core.lora import save_exports
+from tandem.rl.core.lora import LoraConfig, save_exports
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -379,8 +380,12 @@ def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str) -> None:
 
 def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str, pp_microbatches: int,
                  seq_len: int, micro_batch_tokens: int, chunk_tokens: int, share_prompts: bool = False,
-                 **build: Any) -> FlatPolicy | PipelinePolicy:
-    """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`."""
+                 lora: LoraConfig | None = None, **build: Any) -> FlatPolicy | PipelinePolicy:
+    """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`; with ``lora``
+    (the ``[lora]`` section, rank > 0) a frozen base with adapters (tandem/rl/core/lora.py)."""
+    if lora is not None and lora.enabled:  # the generator samples this model: no dropout (`LoraConfig.setup`)
+        setup = lora.setup(build["seed"], base_model=build.get("path"), sampled=True)
+        build["spec"] = dataclasses.replace(build["spec"], lora=setup)
     if mesh["pp"].size() > 1:
         if share_prompts:
             raise ConfigError("rl.share_prompts: not supported with parallel.pp > 1 "
