@@ -5,9 +5,9 @@ One module fixture runs the config for 30 steps (checkpoints at 20 and 30), then
 checkpoints:
 
 * ``resumed``: steps 21-30 again from the step-20 checkpoint (adapters and AdamW state only);
-* ``one_rank`` / ``fsdp2`` / ``tp2`` / ``rollout_tp2``: step 31 on 1 rank, 2 ranks of FSDP2, 2 ranks
-  of TP (adapters split with their projections, tandem/parallel/lora.py) and FSDP2 with a generation
-  layout of 2 ranks (adapters split there too);
+* ``one_rank`` / ``fsdp2`` / ``tp2`` / ``pp2`` / ``rollout_tp2``: step 31 on 1 rank, 2 ranks of FSDP2,
+  2 ranks of TP (adapters split with their projections, tandem/parallel/lora.py), 2 pipeline stages
+  and FSDP2 with a generation layout of 2 ranks (adapters split there too);
 * ``exact``: steps 31-32 on 2 ranks with ``rl.exact``.
 
 Every adapter move after the first is the adapters alone (``reshard/gb``) and passed the
@@ -35,7 +35,7 @@ CONFIG = os.path.join(ROOT, "configs", "quickstart_lora.toml")
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 SHORT = ("--rl.eval_prompts=8", "--rl.eval_samples=0")
 # name -> (ranks, extra overrides) of the continuations of step 30
-CONTINUE = {"one_rank": (1, ()), "fsdp2": (2, ()), "tp2": (2, ("--parallel.tp=2",)),
+CONTINUE = {"one_rank": (1, ()), "fsdp2": (2, ()), "tp2": (2, ("--parallel.tp=2",)), "pp2": (2, ("--parallel.pp=2",)),
             "rollout_tp2": (2, ("--rollout.tp=2",))}
 
 
@@ -129,7 +129,7 @@ def test_one_lora_step_agrees_on_one_rank_fsdp2_and_tp2(runs):
     ref_rows, _ = out["fsdp2"]
     ref = _adapter(base / "fsdp2")
     assert _worst_rel(ref, _adapter(base / "main")) > 1e-3  # step 31 moved the adapters
-    for name in ("one_rank", "tp2", "rollout_tp2"):
+    for name in ("one_rank", "tp2", "pp2", "rollout_tp2"):
         (row,) = out[name][0]
         assert row["step"] == 31 and row["reward/total"] == ref_rows[0]["reward/total"], name
         assert abs(row["grad_norm"] - ref_rows[0]["grad_norm"]) <= 1e-4 * ref_rows[0]["grad_norm"], name

@@ -108,6 +108,37 @@ def test_bad_lora_settings_are_one_line(tmp_path):
         {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "use_dora": True}))
     with pytest.raises(ConfigError, match="use_dora = True is not supported"):
         load_config(quick, [f"--lora.adapter_path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"lora.targets: adapters on routed experts run with .* \(tp=1, ep=2\)"):
+        load_config(os.path.join(ROOT, "configs", "quickstart_moe.toml"), ["--lora.rank=8", "--lora.targets=['experts']"])
     cfg = load_config(quick, [f"--job.dump_folder={tmp_path / 'rl'}", "--lora.dropout=0.1"])
     with pytest.raises(ConfigError, match="lora.dropout: the rl recipe needs 0"):
         run_recipe(cfg, init_distributed(force_cpu=True))
+
+
+@pytest.mark.slow
+def test_rl_with_expert_adapters_exports_the_merged_model(tmp_path, one_thread):
+    """The MoE quickstart (EP off) with adapters on attention and on every routed expert: two RL
+    steps, then hf/ (merged) gives the logits of the base plus the checkpoint's adapters."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tandem.models.hf import load_model
+    from tandem.models.lora import LoraSpec, apply_lora
+
+    dump = tmp_path / "moe"
+    rows = _run("quickstart_moe.toml", dump, "--parallel.ep=1", "--lora.rank=8",
+                "--lora.targets=['q', 'k', 'v', 'o', 'experts']", "--training.steps=2", "--rl.prompts_per_step=8",
+                "--rl.eval_prompts=8", "--rl.eval_samples=0", "--metrics.loggers=[]", "--checkpoint.interval=2")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["gap/abs_mean"] < 1e-6 for r in rows)
+    assert not (dump / "hf-adapter").exists()  # PEFT has no per-expert adapters: hf/ alone
+    dcp_to_torch_save(dump / "checkpoints" / "step-2", tmp_path / "step-2.pt")
+    adapters = torch.load(tmp_path / "step-2.pt", weights_only=False)["model"]
+    assert any("experts.w2_lora_B" in k for k in adapters)
+    ours = load_model(os.path.join(ROOT, "assets", "quickstart-moe-policy"))
+    apply_lora(ours, LoraSpec(rank=8, alpha=32, targets=("q", "k", "v", "o", "experts")))
+    ours.load_state_dict(adapters, strict=False)
+    merged = load_model(dump / "hf")
+    x = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(x), merged(x)
+    assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())
+    assert any(not torch.equal(v, adapters[k].new_zeros(v.shape)) for k, v in adapters.items() if "lora_B" in k)

@@ -405,6 +405,7 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
+        self.lora.check_layout(self.parallel)
         r = self.reward
         scored = r.functions or r.reward_model is not None or self.env.name is not None
         require(bool(scored) or self.env.kind == "http",

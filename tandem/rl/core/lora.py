@@ -61,6 +61,12 @@ class LoraConfig:
         why = spec_matches(cfg, self.spec())
         require(why is None, f"lora.adapter_path: lora has {why} ({self.adapter_path})")
 
+    def check_layout(self, parallel: Any) -> None:
+        """ConfigError where ``[parallel]`` cannot split the adapters yet (tandem/parallel/lora.py)."""
+        if self.enabled and "experts" in self.targets and (parallel.tp > 1 or parallel.ep > 1):
+            raise ConfigError(f"lora.targets: adapters on routed experts run with parallel.tp = ep = 1 so far "
+                              f"(tp={parallel.tp}, ep={parallel.ep}); adapt q, k, v, o (and shared experts) instead")
+
     @property
     def enabled(self) -> bool:
         return self.rank > 0
