@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.grouped_gemm import grouped_mm
+from tandem.kernels.lora_linear import lora_linear, use_fused_lora
 from tandem.models.moe import GroupedExperts
 
 # A target name -> the module paths inside a block it adapts (absent ones are skipped: a
@@ -102,9 +103,11 @@ class LoraLinear(nn.Linear):
         self.lora_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [..., out]
         if not self.lora_enabled:
-            return y
+            return F.linear(x, self.weight, self.bias)  # [..., out]
+        if isinstance(self.lora_dropout, nn.Identity) and use_fused_lora(x):  # forced only, so far
+            return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scale)
+        y = F.linear(x, self.weight, self.bias)  # [..., out]
         return y + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scale)  # [..., r] -> [..., out]
 
     def extra_repr(self) -> str:
