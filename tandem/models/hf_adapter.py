@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.models.args import ModelArgs
-from tandem.models.hf import hf_name_to_tandem, tandem_name_to_hf
+from tandem.models.hf import hf_name_to_tandem, read_json_object, tandem_name_to_hf
 from tandem.models.lora import LoraSpec, base_name
 
 CONFIG = "adapter_config.json"
@@ -83,12 +83,7 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     (one line naming the file and field) for DoRA, rsLoRA, per-module ranks or alphas, biases,
     layer subsets, fan-in-fan-out or target modules Tandem does not adapt."""
     file = Path(path) / CONFIG
-    if not file.is_file():
-        raise FileNotFoundError(f"no {CONFIG} in {path}")
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    cfg = read_json_object(file)
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{file}: peft_type is {cfg.get('peft_type')!r}, not 'LORA'")
     if cfg.get("bias", "none") != "none":

@@ -16,12 +16,9 @@ generation copy's checksum (the run would have stopped otherwise).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +26,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tandem.models.hf import load_args
+from tests.fixtures import train_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "quickstart_lora.toml")
@@ -40,14 +38,7 @@ CONTINUE = {"one_rank": (1, ()), "fsdp2": (2, ()), "tp2": (2, ("--parallel.tp=2"
 
 
 def _run(dump, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "train.py"), "--config", CONFIG, f"--job.dump_folder={dump}",
-           "--metrics.loggers=[]", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    path = os.path.join(dump, "metrics.jsonl")
-    return ([json.loads(line) for line in open(path)] if os.path.exists(path) else []), r.stdout + r.stderr
+    return train_run(CONFIG, dump, nproc, "--metrics.loggers=[]", *extra)
 
 
 def _from(base, name: str, step: int) -> str:

@@ -21,21 +21,13 @@ from safetensors.torch import load_file
 from tandem.parallel.distributed import init_distributed
 from tandem.rl.config.schema import ConfigError, load_config
 from tandem.rl.recipes import run as run_recipe
+from tests.fixtures import one_thread  # noqa: F401  (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 PAIRS = ["--data.path=synthetic:sorting", "--data.synthetic_rows=128", "--training.batch_size=32",
          "--training.micro_batch_size=16", "--optimizer.lr=3e-3", "--lr_schedule.warmup_steps=2",
          "--metrics.loggers=[]", "--checkpoint.enable=false"]
-
-
-@pytest.fixture
-def one_thread():
-    """Two shared cores: one intra-op thread per process is several times faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _run(config: str, dump, *overrides: str) -> list[dict]:
