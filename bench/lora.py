@@ -13,7 +13,8 @@ For each model, in the same process and on the same batch:
 * the refill of the rollout's generation copy (tandem/rl/rollout/generation.py `GenerationCopy`):
   a full copy each rollout (the reference) against the LoRA copy, whose base moved once and
   whose later builds move the adapters alone; the median seconds of the builds after the first
-  and the bytes each moves.
+  and the bytes each moves; ``check s`` is the part of a LoRA refill spent on the adapters'
+  checksum against the trainer's (tandem/parallel/checksum.py).
 
 Prints one table and the ratios LoRA / full. One process, fp32, no FSDP2: the bytes are what
 a rank holds without sharding (FSDP2 divides each by the shard count alike).
@@ -154,6 +155,7 @@ class _Refill:
         self.model, spec = _model(args, rank)
         self.copy = GenerationCopy(self.model, args, GenerationLayout(), torch.device("cpu"), lora=spec)
         self.moved = 0.0
+        self.check: list[float] = []  # of each build, the seconds of the adapters' checksum
 
     def build(self) -> float:
         with torch.no_grad():  # new values to move: every weight, or the adapters alone
@@ -166,6 +168,7 @@ class _Refill:
         del gen
         gc.collect()
         self.moved = m["reshard/gb"] * 1e9
+        self.check.append(m.get("lora/check_seconds", 0.0))
         return dt
 
 
@@ -183,7 +186,8 @@ def measure(args: ModelArgs, rank: int, repeat: int, samples) -> dict[str, dict[
                 steps[k].append(dt)
                 builds[k].append(bt)
     return {k: {**updates[k].report(steps[k]), "refill_s": statistics.median(builds[k]),
-                "refill_mb": refills[k].moved / 1e6} for k in updates}
+                "check_s": statistics.median(refills[k].check[1:]), "refill_mb": refills[k].moved / 1e6}
+            for k in updates}
 
 
 def main() -> None:
@@ -201,7 +205,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {opts.samples} samples of "
           f"{opts.prompt} + {opts.completion} tokens; LoRA rank {opts.rank} on q, k, v, o, gate, up, down")
     head = (f"{'model':<11}{'weights':<8}{'trained M':>10}{'step s':>9}{'kept MB':>10}{'saved MB':>10}"
-            f"{'refill s':>10}{'refill MB':>11}")
+            f"{'refill s':>10}{'check s':>9}{'refill MB':>11}")
     print(head)
     ratios = []
     for size in opts.sizes.split(","):
@@ -210,7 +214,7 @@ def main() -> None:
         rows = measure(args, opts.rank, opts.repeat, samples)
         for name, r in rows.items():
             print(f"{size:<11}{name:<8}{r['trained_m']:>10.3f}{r['step_s']:>9.4f}{r['kept_mb']:>10.2f}"
-                  f"{r['saved_mb']:>10.2f}{r['refill_s']:>10.5f}{r['refill_mb']:>11.3f}")
+                  f"{r['saved_mb']:>10.2f}{r['refill_s']:>10.5f}{r['check_s']:>9.5f}{r['refill_mb']:>11.3f}")
         f, lo = rows["full"], rows["lora"]
         ratios.append(f"{size}: step time {lo['step_s'] / f['step_s']:.2f}x, kept bytes {lo['kept_mb'] / f['kept_mb']:.2f}x, "
                       f"saved activations {lo['saved_mb'] / f['saved_mb']:.2f}x, refill time "

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from tandem.parallel.checksum import P, box_checksum
+from tandem.parallel.checksum import MOD, box_checksum
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class Resharder:
         ``dtype``, by the exact checksum of tandem/parallel/checksum.py. Each needed box's checksum
         is summed from the holders' intersections with it (one holder per distinct box), so no
         rank needs data it does not hold. Returns (the checksum of every distinct needed box,
-        summed mod P: the same on every rank) and the names whose copy differs on any rank."""
+        summed mod 2**32: the same on every rank) and the names whose copy differs on any rank."""
         keys = [(name, box) for name in self.shapes for box in self._needed[name]]
         expected = torch.zeros(len(keys), dtype=torch.int64)
         for i, (name, need) in enumerate(keys):
@@ -194,14 +194,14 @@ class Resharder:
             bad[index[(name, need)]] = -box_checksum(name, data, need.offset, self.shapes[name])
         if self.world > 1:
             dist.all_reduce(expected, group=self.group)
-        expected %= P
+        expected %= MOD
         for name, (need, _) in self.needs.items():  # mine == expected, or a mismatch mark
             i = index[(name, need)]
-            bad[i] = int((bad[i] + expected[i]) % P != 0)
+            bad[i] = int((bad[i] + expected[i]) % MOD != 0)
         if self.world > 1:
             dist.all_reduce(bad, group=self.group)
         wrong = sorted({keys[i][0] for i in bad.nonzero()[:, 0].tolist()})
-        return int(expected.sum() % P), wrong
+        return int(expected.sum() % MOD), wrong
 
     def _collective(self, moves: list[_Move], sources: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
                     dtype: torch.dtype, device: torch.device, stats: ReshardStats,

@@ -151,12 +151,13 @@ def test_checksum_is_tiling_free_and_sees_one_flipped_bit():
     t = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
     whole = box_checksum("w", t, (0, 0), (6, 10))
     tiles = [((0, 0), t[:4, :3]), ((0, 3), t[:4, 3:]), ((4, 0), t[4:, :])]
-    assert sum(box_checksum("w", data, off, (6, 10)) for off, data in tiles) % (2**31 - 1) == whole
+    assert sum(box_checksum("w", data, off, (6, 10)) for off, data in tiles) % 2**32 == whole
     assert box_checksum("v", t, (0, 0), (6, 10)) != whole  # the name takes part
     for flat in (0, 37, 59):
-        bad = t.clone()
-        bad.view(-1).view(torch.int32)[flat] ^= 1  # the lowest mantissa bit of one element
-        assert box_checksum("w", bad, (0, 0), (6, 10)) != whole
+        for bit in (0, 22, 30, 31):  # the lowest mantissa bit ... the sign bit of one element
+            bad = t.clone()
+            bad.view(-1).view(torch.int32)[flat] ^= (1 << bit) if bit < 31 else -(1 << 31)
+            assert box_checksum("w", bad, (0, 0), (6, 10)) != whole, (flat, bit)
     swapped = t.clone()
     swapped[[0, 1]] = swapped[[1, 0]]
     assert box_checksum("w", swapped, (0, 0), (6, 10)) != whole

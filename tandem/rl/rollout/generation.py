@@ -145,11 +145,12 @@ class GenerationCopy:
     def _check(self, srcs: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, float]:
         """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if any differ."""
         assert self._adapter_plan is not None
+        t0 = time.monotonic()
         total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
         if wrong:
             raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's after the refill "
                                f"({len(wrong)} tensors; checksum)")
-        return {"lora/adapter_checksum": float(total)}
+        return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
 
 
 def _reshard_metrics(stats: Any, nbytes: int) -> dict[str, float]:
