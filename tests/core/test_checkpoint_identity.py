@@ -144,3 +144,23 @@ def test_sigint_during_a_save_exits_130_with_one_line(tmp_path):
                                              "are kept\n")
     assert committed_steps(str(dump / "checkpoints")) == [2]
     assert Checkpointer(str(dump / "checkpoints")).verify(2) is None
+
+
+def test_overwrite_unlinks_a_symlinked_checkpoint_and_never_follows_it(tmp_path, capsys):
+    """checkpoint.overwrite with a step-N that is a symbolic link to another run's checkpoint:
+    the link goes, what it points to stays (before: the real ones were deleted, then rmtree
+    refused the link with a traceback)."""
+    from tandem.rl.config.schema import CheckpointConfig
+    from tandem.rl.core.checkpoint import resume_step
+
+    init_distributed(force_cpu=True)
+    mine, other = tmp_path / "run" / "checkpoints", tmp_path / "other" / "checkpoints"
+    Checkpointer(str(mine)).save(2, *_model(8, 2), {"step": 2})
+    Checkpointer(str(other)).save(2, *_model(8, 2), {"step": 2})
+    before = (other / "step-2" / SUMS).read_text()
+    os.symlink(other / "step-2", mine / "step-6")
+    ck = Checkpointer(str(mine))
+    assert resume_step(ck, CheckpointConfig(resume=False, overwrite=True), 10, True) is None
+    assert os.listdir(mine) == [] and (other / "step-2" / SUMS).read_text() == before
+    assert Checkpointer(str(other)).verify(2) is None
+    assert "deleted the earlier run's checkpoints (step-2, step-6)" in capsys.readouterr().err

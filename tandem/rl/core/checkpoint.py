@@ -339,8 +339,9 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
       (a later save of the same step replaces it; pruning leaves the good ones alone).
     - No checkpoint to resume from (none verifies, or ``resume = false``) while
       ``step-N`` folders exist: CheckpointError (exit 8) naming them, unless
-      ``checkpoint.overwrite = true``; then they are deleted (one line says so) and
-      the jsonl ``logs`` (metrics.jsonl, ledger.jsonl) of that earlier run are emptied.
+      ``checkpoint.overwrite = true``; then they are deleted (one line says so; a
+      ``step-N`` that is a symbolic link is unlinked, its target kept) and the jsonl
+      ``logs`` (metrics.jsonl, ledger.jsonl) of that earlier run are emptied.
     - A checkpoint past ``total_steps`` (training.steps): ConfigError (exit 2).
     """
     if not cfg.enable:
@@ -373,8 +374,12 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
                               "to start at step 0 over them: set checkpoint.overwrite=true to delete them and "
                               "start over, or choose another job.dump_folder")
     if is_main:
-        for s in existing:
-            shutil.rmtree(ckpt.path(s))
+        for s in existing:  # a step-N that is a symbolic link goes, never what it points to
+            path = ckpt.path(s)
+            if os.path.islink(path):
+                os.unlink(path)
+            else:
+                shutil.rmtree(path)
         for log in logs:
             truncate_jsonl(log, 0)
         print(f"checkpoint.overwrite: deleted the earlier run's checkpoints ({names}) under {ckpt.folder}; "
