@@ -106,7 +106,7 @@ def test_dump_folder_under_proc_is_a_config_error_before_anything_runs(tmp_path)
 def _train(dump, *extra):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3", "--model.tokenizer=builtin:char",
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
-           "--training.steps=2", "--training.batch_size=4", "--metrics.tensorboard=false",
+           "--training.steps=2", "--training.batch_size=4", "--metrics.loggers=[]",
            f"--job.dump_folder={dump}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -27,7 +27,7 @@ FIXED = """
 "lr_schedule.warmup_steps" = 0
 "checkpoint.interval" = 3
 "checkpoint.export_hf_at_end" = false
-"metrics.tensorboard" = false
+"metrics.loggers" = []
 "reward.num_workers" = 0
 """
 SPACE = """

@@ -297,13 +297,18 @@ class MetricsConfig:
     """Where and how often step metrics are written."""
 
     log_interval: int = 1  # steps between metric rows
-    tensorboard: bool = True  # job.dump_folder/tb/
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] / [mlflow]); [] for none
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
     samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off
 
     def validate(self) -> None:
         require(self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}")
         require(self.samples_per_step >= 0, f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
+        require(len(set(self.loggers)) == len(self.loggers), f"metrics.loggers: {self.loggers} names one twice")
+        from tandem.rl.core.loggers import missing_package
+
+        for name in self.loggers:
+            require((problem := missing_package(name)) is None, f"metrics.loggers: {problem}")
 
 
 @dataclass
@@ -390,6 +395,7 @@ class Config:
     MOVED = {
         "rl.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
         "preference.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
+        "metrics.tensorboard": "moved: list the loggers in metrics.loggers (tensorboard, wandb, mlflow; [] for none)",
         "job.log_level": "removed: it was never read; the console prints one line per logged step",
         "optimizer.name": "removed: the optimizer is AdamW; it was never read",
         "model.dtype": "removed: it was never read; the GPU compute dtype is training.mixed_precision_param",
@@ -405,8 +411,10 @@ class Config:
         """
         validate_fields(self)
         r = self.reward
-        require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
-                "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")
+        scored = r.functions or r.reward_model is not None or self.env.name is not None
+        require(bool(scored) or self.env.kind == "http",
+                "reward.functions: list at least one reward function (or set reward.reward_model, "
+                "env.name or env.kind = \"http\")")
         if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
             args = _model_args_if_known(self.model)
             if args is not None:
