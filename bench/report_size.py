@@ -21,10 +21,13 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CHILD = ("import resource, sys\nfrom tandem.report.__main__ import main\n"
+# The peak is VmHWM, this process's own high-water mark: ru_maxrss would also count the
+# parent's pages when the child was forked from a big process (pytest with torch loaded).
+_CHILD = ("import re, resource, sys\nfrom tandem.report.__main__ import main\n"
           "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
           "status = main(sys.argv[1:])\n"
-          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(status)\n")
+          "print(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))\n"
+          "sys.exit(status)\n")
 
 
 def measure(keys: int, folder: str) -> tuple[int, int]:

@@ -92,7 +92,7 @@ def _train(dump, flavor, steps, *extra):
     cmd = [sys.executable, "train.py", f"--model.flavor={flavor}", "--model.tokenizer=builtin:char",
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
            f"--training.steps={steps}", "--training.batch_size=4", "--checkpoint.interval=2",
-           "--metrics.tensorboard=false", f"--job.dump_folder={dump}", *extra]
+           "--metrics.loggers=[]", f"--job.dump_folder={dump}", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -138,7 +138,7 @@ def test_sigint_during_a_save_exits_130_with_one_line(tmp_path):
     cmd = [sys.executable, "-c", DRIVER, "--model.flavor=debug-qwen3", "--model.tokenizer=builtin:char",
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
            "--training.steps=6", "--training.batch_size=4", "--checkpoint.interval=2",
-           "--metrics.tensorboard=false", f"--job.dump_folder={dump}"]
+           "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stderr) == (130, "error: interrupted (SIGINT); the checkpoints committed so far "
                                              "are kept\n")
