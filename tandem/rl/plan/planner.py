@@ -53,6 +53,7 @@ from tandem.rl.plan.moe import (
 GB = 1e9
 USABLE = 0.9  # share of a device a plan may fill (choose_rollout_tp keeps the same)
 DEFAULT_DEVICE_GB = 80.0
+LINEAR_NODES = 16  # `Planner.smallest` tries each whole-node count up to this, then doubles
 
 
 @dataclass(frozen=True)
@@ -420,7 +421,7 @@ class Planner:
         per = SCHEDULES[self.s.pp_schedule][1]
         out = []
         for tp in tps:
-            for pp in range(1, world // tp + 1):
+            for pp in range(1, min(world // tp, self.args.num_layers) + 1):
                 if (world // tp) % pp or pp * (per if pp > 1 else 1) > self.args.num_layers:
                     continue
                 if pp > 1 and self.s.recipe != "rl":
@@ -439,9 +440,14 @@ class Planner:
         return None
 
     def smallest(self, nodes: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
-        """The fewest ranks (1, 2, 4, ... up to a node, then whole nodes) on which some layout fits."""
+        """The fewest ranks (1, 2, 4, ... up to a node, then whole nodes: each count up to
+        LINEAR_NODES, then doubling, then the whole cluster) on which some layout fits. The
+        doubling keeps a cluster of many nodes to a few dozen searches."""
         worlds = [w for w in (1, 2, 4, 8, 16, 32, 64) if w < devices_per_node]
-        worlds += [devices_per_node * n for n in range(1, nodes + 1)]
+        counts = list(range(1, min(nodes, LINEAR_NODES) + 1))
+        while counts[-1] < nodes:
+            counts.append(min(2 * counts[-1], nodes))
+        worlds += [devices_per_node * n for n in counts]
         for w in worlds:
             found = self.best(w, devices_per_node, device_bytes)
             if found:
