@@ -46,6 +46,7 @@ __all__ = [
     "DataConfig",
     "JobConfig",
     "LRScheduleConfig",
+    "LoraConfig",
     "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -69,6 +70,7 @@ from tandem.rl.config.rl_schema import (  # noqa: E402  (sections of rl recipes)
     RLConfig,
     RolloutConfig,
 )
+from tandem.rl.core.lora import LoraConfig  # noqa: E402  (the [lora] section, every recipe)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -389,6 +391,7 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.
@@ -410,6 +413,7 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
+        self.lora.check_layout(self.parallel)
         r = self.reward
         scored = r.functions or r.reward_model is not None or self.env.name is not None
         require(bool(scored) or self.env.kind == "http",
