@@ -274,6 +274,8 @@ def test_ring_takes_any_head_count_and_other_recipes_refuse_cp() -> None:
             ['distill.teachers=["assets/quickstart-policy"]'],
             "parallel.cp: distill.teachers score with cp = 1 only so far",
         ),
+        (["lora.rank=4"], "parallel.cp: lora runs with cp = 1 only so far"),
+        (["env.kind=http"], "parallel.cp: env.kind = http runs with cp = 1 only so far"),
     ],
 )
 def test_rl_settings_cp_cannot_run_yet(overrides: list[str], message: str) -> None:

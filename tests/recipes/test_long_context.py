@@ -27,7 +27,7 @@ SHORT = ["--training.steps=2", "--rl.prompts_per_step=16", "--rl.eval_prompts=16
 def _train(config: str, dump: str, *extra: str, timeout: int = 900) -> tuple[list[dict], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", config),
-           f"--job.dump_folder={dump}", "--metrics.tensorboard=false", *extra]  # fmt: skip
+           f"--job.dump_folder={dump}", "--metrics.loggers=[]", *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

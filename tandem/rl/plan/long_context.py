@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.models.args import ModelArgs
+from tandem.parallel.generation_layout import GenerationLayout, local_args
 from tandem.parallel.ring_attention import TILE_K, TILE_Q
+from tandem.rl.generator.kv_cache import KVCache
 
 
 def tokens_per_rank(micro_batch_tokens: int, seq_len: int, cp: int) -> int:
@@ -105,3 +108,35 @@ def format_kv_room(choices: list[KVChoice], max_tokens: int, seq_len: int) -> st
             f"{c.sequences} sequences"
         )
     return "\n".join(lines)
+
+
+def cp_degrees(world: int, devices_per_node: int, num_heads: int, style: str) -> list[int]:
+    """The planner's cp candidates (FSDP2 x cp; cp composes with FSDP2 alone so far): powers of
+    two within a node that divide ``world``, and the query heads under Ulysses."""
+    out, cp = [], 2
+    while cp <= min(world, devices_per_node):
+        if world % cp == 0 and (style == "ring" or num_heads % cp == 0):
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def kv_room(planner: Any, layout: Any, usable: float, kinds: list) -> list[KVChoice]:
+    """`kv_choices` for ``layout``'s busiest rank (``kinds``: planner.rank_kinds of it): the
+    rollout's KV room as configured, then with the optimizer state and the parameters offloaded."""
+    s = planner.s
+    gen = GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel)
+    per_block = KVCache.bytes_per_block(local_args(planner.args, gen), s.block_size, s.gen_dtype)
+    seq = per_block * -(-s.max_len // s.block_size)
+    shard = planner.generation_shard(layout.rollout_tp)
+    fixed = shard + min(s.bucket_bytes, shard)
+    worst = None
+    for _, stages in kinds:
+        params = planner.param_bytes(layout, stages)
+        critic = planner.param_bytes(layout, stages, skip="output") if s.critic else 0
+        reference = params if s.reference else 0
+        rows = kv_choices(usable, params, critic, reference, fixed, seq, s.offload_optimizer,
+                          s.cpu_offload)
+        if worst is None or rows[0].room < worst[0].room:
+            worst = rows
+    return worst

@@ -40,6 +40,7 @@ from tandem.rl.algorithms import (
     make_norm,
     overlong_penalty,
 )
+from tandem.rl.core.fields import get_field
 from tandem.rl.data.prompts import (
     PromptStream,
     deal,
@@ -61,7 +62,9 @@ from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer,
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
+from tandem.rl.update.cp_batch import check_cp_settings
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -85,6 +88,10 @@ class RLRecipe:
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
+        self.http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
+        if self.http:
+            from tandem.rl.serve import episodes as http_episodes
+            http_episodes.one_generation_group(cfg.rollout, info.world_size)
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
@@ -104,19 +111,21 @@ class RLRecipe:
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         self.train_prompts, self.eval_prompts = self._load_data()
-        seq_len = cfg.data.max_length if not cfg.env.name else self.max_prompt + cfg.env.max_total_tokens
+        episodic = cfg.env.name or self.http
+        seq_len = self.max_prompt + cfg.env.max_total_tokens if episodic else cfg.data.max_length
         spec = BuildSpec.from_config(cfg.training, cfg.parallel)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
                   share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts,
                   cp_style=cfg.parallel.cp_style)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw)
+        self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)  # [lora]: adapters
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
                                         offload_optimizer=r.offload_optimizer)
-        self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+        self.ref = frozen_reference(self.policy, lambda: build_policy(  # LoRA: the policy, adapters off
+            self.args, self.mesh, info.device, trainable=False, **kw)) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
@@ -137,6 +146,8 @@ class RLRecipe:
             from tandem.rl.workers.env_pool import EnvPool
 
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
+        self.server = (http_episodes.start_server(cfg.env, cfg.job.name, self.tok.vocab_size)
+                       if self.http and info.rank == 0 else None)  # the endpoint, for the whole run
         # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
         self.total_updates = max(cfg.training.steps - self.critic_warmup, 1) * r.epochs * r.minibatches
         self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
@@ -148,7 +159,7 @@ class RLRecipe:
         self.reward_fns = list(zip(cfg.reward.functions, weights))
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions,
-            memory_mb=cfg.reward.memory_mb or None)
+            reward_kwargs=cfg.reward.kwargs, memory_mb=cfg.reward.memory_mb or None)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, cfg.data.shuffle)
         self.step_index = 0  # the step being taken (the shell's count)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
@@ -157,14 +168,8 @@ class RLRecipe:
     def _check_layout_settings(self, needs_values: bool) -> None:
         """One ConfigError line for settings the layout cannot run yet."""
         cfg, r, device = self.cfg, self.cfg.rl, self.info.device
-        tp_pp, cp = cfg.parallel.tp * cfg.parallel.pp, cfg.parallel.cp
-        if cp > 1 and cfg.distill.teachers:
-            raise ConfigError("parallel.cp: distill.teachers score with cp = 1 only so far; "
-                              "set parallel.cp = 1")
-        if cp > 1 and r.exact and cfg.parallel.cp_style == "ring":
-            raise ConfigError("rl.exact: the ring's online softmax sums key blocks in another "
-                              "order than the generator's attention; set parallel.cp_style = "
-                              "'ulysses' (bitwise equal to cp = 1)")
+        tp_pp = cfg.parallel.tp * cfg.parallel.pp
+        check_cp_settings(cfg)
         if tp_pp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
@@ -211,7 +216,8 @@ class RLRecipe:
     def _context(self, row: dict[str, Any]) -> Any:
         """The prompt of a data row as the reward model was trained on it (messages or text)."""
         d = self.cfg.data
-        return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
+        messages = get_field(row, d.messages_field)
+        return messages if messages is not None else get_field(row, d.prompt_field)
 
     def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The chat turns a row's prompt was rendered from (what another tokenizer's teacher renders)."""
@@ -252,6 +258,13 @@ class RLRecipe:
     def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
+        if self.http:
+            from tandem.rl.serve.episodes import serve_episodes
+
+            return serve_episodes(self.server, gen_model, self.tok, prompts, n, self.cfg.rollout,
+                                  self.cfg.env, seeds=seeds, greedy=greedy,
+                                  layout=self.gen_copy.layout, version=self.step_index,
+                                  beat=self.rt.watchdog.beat)
         if self.cfg.env.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
                                      seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
@@ -562,6 +575,8 @@ class RLRecipe:
         self.rewards.close()
         if self.env_pool is not None:
             self.env_pool.close()
+        if self.server is not None:
+            self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],
