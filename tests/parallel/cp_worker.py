@@ -33,6 +33,7 @@ from tandem.kernels import batch_invariant  # noqa: E402
 from tandem.models.args import ModelArgs  # noqa: E402
 from tandem.models.attention import CausalAttention  # noqa: E402
 from tandem.models.transformer import Transformer  # noqa: E402
+from tandem.parallel.ac import clean_fqn  # noqa: E402
 from tandem.parallel.cp import ContextSplitError  # noqa: E402
 from tandem.parallel.distributed import init_distributed  # noqa: E402
 from tandem.parallel.mesh import Degrees, build_mesh, dp_rank, subgroup  # noqa: E402
@@ -270,7 +271,7 @@ def loss_case(
     sums = policy.accumulate(mine, list(range(len(mine))), inputs(idx), spec, norm, width)
     loss = sums[0] * float(policy.counts_stats)
     dist.all_reduce(loss)
-    got = {n: full(p.grad) for n, p in policy.model.named_parameters()}
+    got = {clean_fqn(n): full(p.grad) for n, p in policy.model.named_parameters()}  # ac: no wrapper
     # the reference: every sample, one process, cp = 1
     ref.zero_grad(set_to_none=True)
     all_rows = list(range(len(every)))
