@@ -12,9 +12,6 @@ against `DocumentAttention` (fp64, gradients too) and the one-line config errors
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ import torch
 from tandem.models.attention import DocumentAttention
 from tandem.parallel.cp import SequenceSplit, kv_repeats
 from tandem.parallel.ring_attention import RingAttention
+from tests.fixtures import launch_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel" / "cp_worker.py"
@@ -38,25 +36,7 @@ LOSSES = [
 
 
 def _launch(nproc: int, names: list[str], out: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(WORKER),
-        "--out",
-        str(out),
-        "--layouts",
-        ",".join(names),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    return torch.load(out, weights_only=False)
+    return launch_worker(WORKER, nproc, out, "--layouts", ",".join(names), timeout=420)
 
 
 @pytest.fixture(scope="module")

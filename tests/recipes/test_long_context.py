@@ -9,16 +9,12 @@
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-import torch
-from safetensors.torch import load_file
+
+from tests.fixtures import hf_weights, train_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHORT = ["--training.steps=2", "--rl.prompts_per_step=16", "--rl.eval_prompts=16",
@@ -27,21 +23,8 @@ SHORT = ["--training.steps=2", "--rl.prompts_per_step=16", "--rl.eval_prompts=16
 
 
 def _train(config: str, dump: str, *extra: str, timeout: int = 900) -> tuple[list[dict], str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", config),
-           f"--job.dump_folder={dump}", "--metrics.loggers=[]", *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))], r.stdout
-
-
-def _weights(dump: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in glob.glob(os.path.join(dump, "hf", "*.safetensors")):
-        out.update(load_file(f))
-    assert out, dump
-    return out
+    return train_run(os.path.join(ROOT, "configs", config), dump, 2, "--metrics.loggers=[]", *extra,
+                     timeout=timeout)
 
 
 def _agree(rows: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
@@ -66,7 +49,7 @@ def test_quickstart_with_cp2_is_the_fsdp2_run(tmp_path):
         assert (
             rows[-1]["eval/accuracy"] == ref[-1]["eval/accuracy"]
         )  # greedy, from the updated shards
-        w, w_ref = _weights(dump), _weights(str(tmp_path / "fsdp2"))
+        w, w_ref = hf_weights(dump), hf_weights(str(tmp_path / "fsdp2"))
         assert max(float((w[k] - w_ref[k]).abs().max() / w_ref[k].abs().max()) for k in w) < 1e-4
 
 
