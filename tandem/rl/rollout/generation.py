@@ -55,8 +55,10 @@ class GenerationCopy:
     """
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
-                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
+                 cpu_onednn: bool = False) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
         with torch.device("meta"):
             meta = Transformer(args)
@@ -98,7 +100,7 @@ class GenerationCopy:
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
         gen.requires_grad_(False).eval()
         if inference:
-            inference_layout(gen)
+            inference_layout(gen, self.cpu_onednn)
         shard_modules(gen, self.args, self.layout)
         return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
                      "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
@@ -146,37 +148,38 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20)
+    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
+                          cpu_onednn=rcfg.cpu_onednn)
 
 
 def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
-                           dtype: torch.dtype | None = None, *, layout: bool = True,
+                           dtype: torch.dtype | None = None, *, layout: bool = True, cpu_onednn: bool = False,
                            ) -> tuple[Transformer, dict[str, float]]:
     """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
     (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
     `GenerationCopy` with ``rollout.tp = 1``."""
-    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype)
+    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype, cpu_onednn=cpu_onednn)
     return copy.build(inference=layout)
 
 
-def inference_layout(model: Transformer) -> bool:
+def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
     """The rollout copy's layout, in place; returns whether it changed anything.
 
-    On CUDA: the q/k/v and gate/up projections fused into one product each
-    (`Transformer.fuse_projections`); the generator ran 3-6 % faster on an H200 with the
-    same tokens (bench.generate, hidden 1024 x 16 layers, bf16, CUDA graphs). On the CPU in
-    fp32, where PyTorch has oneDNN: fused too, and every linear run through oneDNN on a
-    prepacked weight (`tandem.kernels.cpu_linear`); a rollout of the GRPO bench's shape took 550 ->
-    453 ms with the fusion on oneDNN, then 471 -> 403 ms with prepacking. Elsewhere (CPU
-    without oneDNN or in another dtype) the layout stays, as nothing was measured there.
-    Numbers: docs/performance.md."""
+    On CUDA: q/k/v and gate/up fused into one product each (`Transformer.fuse_projections`:
+    fewer, larger products; 3-6 % faster on an H200). On the CPU the copy keeps the training
+    layout unless ``cpu_onednn`` (``rollout.cpu_onednn``): then, in fp32 where PyTorch has
+    oneDNN, fused and every linear on oneDNN with a prepacked weight (`tandem.kernels.cpu_linear`).
+    That won on an AMD EPYC and lost on an Intel Xeon with AMX, and its last-bit differences
+    would make two runs of one config sample differently if a timing chose it, so it is a
+    setting, off by default. Numbers: docs/performance.md."""
     weight = next(model.parameters(), None)
     if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
         return False
     if weight.is_cuda:
         model.fuse_projections()
         return True
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+    if not cpu_onednn or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or not onednn_linear_available():
         return False
     model.fuse_projections()
     use_onednn_linears(model)
