@@ -81,7 +81,8 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
 
 
 TANDEM_ROWS = {"tandem": (), "tandem-unshared": ("--rl.share_prompts=false",),
-               "tandem-eager": ("--rollout.cuda_graphs=false",), "tandem-exact": ("--rl.exact=true",)}
+               "tandem-eager": ("--rollout.cuda_graphs=false",), "tandem-exact": ("--rl.exact=true",),
+               "tandem-onednn": ("--rollout.cpu_onednn=true",)}
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -289,7 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", default="tandem,trl",
                     help="tandem-unshared: rl.share_prompts = false (each sample packs its own prompt copy); "
                          "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere); "
-                         "tandem-exact: rl.exact = true (batch-invariant kernels); trl-default: TRL with its "
+                         "tandem-exact: rl.exact = true (batch-invariant kernels); tandem-onednn: "
+                         "rollout.cpu_onednn = true (CPU); trl-default: TRL with its "
                          "default gradient checkpointing (on in TRL 1.16: not like for like)")
     ap.add_argument("--smoke", action="store_true", help="the smallest workload (the test suite's run)")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
