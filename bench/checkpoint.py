@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from bench.header import print_header
-
 from tandem.models.args import ModelArgs
 from tandem.models.flavors import get_flavor
 from tandem.parallel.distributed import destroy_distributed, init_distributed
@@ -97,7 +96,9 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="quickstart,100m")
-    ap.add_argument("--smoke", action="store_true", help="the quickstart model only (the test suite's run)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="the quickstart model only (the test suite's run)"
+    )
     a = ap.parse_args()
     if a.smoke:
         a.models = "quickstart"

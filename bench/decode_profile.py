@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="default: enough for every sequence")
     ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth of the floor (H200: 4800)")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape, batch 4, 2 steps (the test suite's run)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shape, batch 4, 2 steps (the test suite's run)"
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.batch, args.prompt, args.warmup, args.steps = "tiny", 4, 16, 1, 2

@@ -61,8 +61,14 @@ def bench_mm(shapes, ms: list[int], device: str, dtype: torch.dtype, reps: int) 
             print(f"{'mm ' + name + f' {m},{n},{k}':28s} {base:9.3f} {exact:9.3f} {exact / base:6.2f} {bad:7d} {still:12d}")
 
 
-def bench_reductions(device: str, dtype: torch.dtype, reps: int, vocab: int, heads: tuple[int, int, int],
-                     smoke: bool = False) -> None:
+def bench_reductions(
+    device: str,
+    dtype: torch.dtype,
+    reps: int,
+    vocab: int,
+    heads: tuple[int, int, int],
+    smoke: bool = False,
+) -> None:
     g = torch.Generator().manual_seed(1)
     for n in (64,) if smoke else (64, 4096):
         z = torch.randn(n, vocab, generator=g).to(device) * 4
@@ -104,7 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     big = a.device == "cuda"
     print(f"device {a.device} dtype {a.dtype}" + (f" ({torch.cuda.get_device_name()})" if big else ""))
     ms = [16] if a.smoke else [64, 4096] if big else [16, 256]
-    bench_mm(SHAPES_SMALL if a.smoke else SHAPES_17B if big else SHAPES_SMALL, ms, a.device, dtype, a.repeats)
+    bench_mm(
+        SHAPES_SMALL if a.smoke else SHAPES_17B if big else SHAPES_SMALL,
+        ms,
+        a.device,
+        dtype,
+        a.repeats,
+    )
     bench_reductions(a.device, dtype, a.repeats, 1024 if a.smoke else 151936 if big else 8192,
                      (16, 8, 128) if big else (4, 2, 32), a.smoke)
 

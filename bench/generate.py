@@ -71,7 +71,9 @@ def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, va
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = load_model(path, device=device, dtype=dtype).eval().requires_grad_(False)
     cuda = device.type == "cuda"
-    if cuda != other_layout:  # the trainer's rollout copy: fused on CUDA; on the CPU oneDNN is the other one
+    if (
+        cuda != other_layout
+    ):  # the trainer's rollout copy: fused on CUDA; on the CPU oneDNN is the other one
         inference_layout(model, cpu_onednn=other_layout)
     settings = GenerationSettings(block_size=16, kv_cache_gb=args.kv_cache_gb, max_num_seqs=256,
                                   max_num_batched_tokens=args.batched_tokens, seed=0, cuda_graphs=args.cuda_graphs)
@@ -140,13 +142,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-gb", type=float, default=0.5)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps (CUDA only)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: leave as is)")
-    ap.add_argument("--variants", default="fixed,greedy,grpo", help="comma-separated: fixed, greedy, grpo")
+    ap.add_argument(
+        "--variants", default="fixed,greedy,grpo", help="comma-separated: fixed, greedy, grpo"
+    )
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed runs first: Tandem on the whole workload of the first variant (Triton "
                          "compiles), transformers on 2 prompts x 16 tokens; 0 times the cold first run")
-    ap.add_argument("--layout-row", action="store_true",
-                    help="also time Tandem's other rollout-copy layout (CPU: oneDNN; CUDA: unfused)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny model and workload (the test suite's run)")
+    ap.add_argument(
+        "--layout-row",
+        action="store_true",
+        help="also time Tandem's other rollout-copy layout (CPU: oneDNN; CUDA: unfused)",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="a tiny model and workload (the test suite's run)"
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.vocab, args.hidden, args.layers, args.prompts, args.n = 512, 64, 1, 2, 2
@@ -184,23 +193,25 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((variant, len(out_t), n_tok, hf_computed, t_tandem, t_hf, same))
     n_seqs = args.prompts * args.n
     print(f"device={args.device} dtype={args.dtype} model: hidden={args.hidden} layers={args.layers} "
-          f"vocab={args.vocab}; {args.prompts} prompts x n={args.n}, prompt {args.min_prompt}-{args.max_prompt} "
-          f"tokens, up to {args.max_tokens} new tokens, threads={torch.get_num_threads()}; both engines take "
-          f"the whole batch ({n_seqs} sequences, greedy {args.prompts}); ratio = hf s / tandem s")
-    print(f"{'variant':<8} {'seqs':>5} {'tokens':>7} {'hf computed':>12} {'tandem s':>9} {'tandem tok/s':>13} "
-          f"{'hf s':>8} {'hf tok/s':>9} {'ratio':>6} {'identical':>10}")
+          f"vocab={args.vocab}; {args.prompts} prompts x n={args.n}, prompt "
+          f"{args.min_prompt}-{args.max_prompt} tokens, up to {args.max_tokens} new tokens, "
+          f"threads={torch.get_num_threads()}; both engines take the whole batch ({n_seqs} "
+          f"sequences, greedy {args.prompts}); ratio = hf s / tandem s")
+    print(f"{'variant':<8} {'seqs':>5} {'tokens':>7} {'hf computed':>12} {'tandem s':>9} "
+          f"{'tandem tok/s':>13} {'hf s':>8} {'hf tok/s':>9} {'ratio':>6} {'identical':>10}")
     for name, seqs, n_tok, hf_tok, tt, th, same in rows:
         ident = f"{same}/{seqs}" if same is not None else "-"
         label = name if name != "grpo" else "grpo*"
-        print(f"{label:<8} {seqs:>5} {n_tok:>7} {hf_tok:>12} {tt:>9.2f} {n_tok / tt:>13.1f} {th:>8.2f} "
-              f"{n_tok / th:>9.1f} {th / tt:>5.2f}x {ident:>10}")
+        print(f"{label:<8} {seqs:>5} {n_tok:>7} {hf_tok:>12} {tt:>9.2f} {n_tok / tt:>13.1f} "
+              f"{th:>8.2f} {n_tok / th:>9.1f} {th / tt:>5.2f}x {ident:>10}")
     if any(r[0] == "grpo" for r in rows):
-        print("* not like for like: the same samples, each engine's own work (generate computes every row to "
-              "the longest; tok/s counts the samples' tokens)")
+        print("* not like for like: the same samples, each engine's own work (generate computes "
+              "every row to the longest; tok/s counts the samples' tokens)")
     if layout_rows:
         other = "plain" if args.device == "cuda" else "oneDNN"
-        print(f"{'variant':<8} {'default s':>16} {other + ' s':>9} {other + '/default':>16} {'same tokens':>12}")
-        for name, t1, t2, to, same, total in layout_rows:  # default runs before and after the other one
+        print(f"{'variant':<8} {'default s':>16} {other + ' s':>9} {other + '/default':>16} "
+              f"{'same tokens':>12}")
+        for name, t1, t2, to, same, total in layout_rows:  # default runs before and after
             print(f"{name:<8} {t1:>7.2f}, {t2:>6.2f} {to:>9.2f} {to / ((t1 + t2) / 2):>15.2f}x "
                   f"{f'{same}/{total}':>12}")
 

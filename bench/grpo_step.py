@@ -80,9 +80,13 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
     return model_dir, data
 
 
-TANDEM_ROWS = {"tandem": (), "tandem-unshared": ("--rl.share_prompts=false",),
-               "tandem-eager": ("--rollout.cuda_graphs=false",), "tandem-exact": ("--rl.exact=true",),
-               "tandem-onednn": ("--rollout.cpu_onednn=true",)}
+TANDEM_ROWS = {
+    "tandem": (),
+    "tandem-unshared": ("--rl.share_prompts=false",),
+    "tandem-eager": ("--rollout.cuda_graphs=false",),
+    "tandem-exact": ("--rl.exact=true",),
+    "tandem-onednn": ("--rollout.cpu_onednn=true",),
+}
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -102,25 +106,49 @@ def _mean(xs: list[float]) -> float:
 def tandem_argv(model_dir: str, data: str, dump: str, args: argparse.Namespace,
                 extra: tuple[str, ...] = ()) -> list[str]:
     """``train.py``'s arguments for the workload (the settings `trl_settings` matches)."""
-    return ["--config", os.path.join(ROOT, "configs", "quickstart.toml"),
-            f"--model.path={model_dir}", f"--data.path={data}", "--data.messages_field=prompt",
-            "--data.eval_path=", "--data.shuffle=false", f"--job.dump_folder={dump}",
-            f"--training.steps={args.steps}", f"--rl.num_samples={args.samples}",
-            f"--rl.prompts_per_step={args.prompts}", "--rl.kl_coef=0", "--rl.aggregation=token_mean",
-            "--rl.micro_batch_tokens=16384", f"--rollout.max_tokens={args.max_tokens}",
-            f"--rollout.kv_cache_gb={args.kv_cache_gb}", f"--data.max_length={args.max_tokens + 128}",
-            f"--optimizer.lr={args.lr}", "--optimizer.betas=[0.9, 0.95]", "--optimizer.eps=1e-8",
-            "--optimizer.weight_decay=0", "--optimizer.max_grad_norm=1.0",
-            "--lr_schedule.warmup_steps=0", "--lr_schedule.decay=constant",
-            f"--parallel.activation_checkpoint={args.activation_checkpoint}",
-            "--training.mixed_precision_param=bfloat16", "--checkpoint.enable=false",
-            "--metrics.loggers=[]", "--reward.num_workers=0", "--reward.functions=exact_match", *extra]
+    return [
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--model.path={model_dir}",
+        f"--data.path={data}",
+        "--data.messages_field=prompt",
+        "--data.eval_path=",
+        "--data.shuffle=false",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={args.steps}",
+        f"--rl.num_samples={args.samples}",
+        f"--rl.prompts_per_step={args.prompts}",
+        "--rl.kl_coef=0",
+        "--rl.aggregation=token_mean",
+        "--rl.micro_batch_tokens=16384",
+        f"--rollout.max_tokens={args.max_tokens}",
+        f"--rollout.kv_cache_gb={args.kv_cache_gb}",
+        f"--data.max_length={args.max_tokens + 128}",
+        f"--optimizer.lr={args.lr}",
+        "--optimizer.betas=[0.9, 0.95]",
+        "--optimizer.eps=1e-8",
+        "--optimizer.weight_decay=0",
+        "--optimizer.max_grad_norm=1.0",
+        "--lr_schedule.warmup_steps=0",
+        "--lr_schedule.decay=constant",
+        f"--parallel.activation_checkpoint={args.activation_checkpoint}",
+        "--training.mixed_precision_param=bfloat16",
+        "--checkpoint.enable=false",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        "--reward.functions=exact_match",
+        *extra,
+    ]
 
 
 def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace, name: str,
                extra: tuple[str, ...] = ()) -> dict[str, float]:
     dump = os.path.join(folder, name)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *tandem_argv(model_dir, data, dump, args, extra)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        *tandem_argv(model_dir, data, dump, args, extra),
+    ]
     env = _child_env(args)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -137,23 +165,56 @@ def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
 # ---- TRL (worker mode, in the interpreter that has trl) ------------------------------
 
 
-def trl_settings(args: argparse.Namespace, folder: str, default_checkpointing: bool = False) -> dict:
+def trl_settings(
+    args: argparse.Namespace, folder: str, default_checkpointing: bool = False
+) -> dict:
     """``GRPOConfig``'s arguments for the workload, matched to `tandem_argv` (the test in
     tests/test_benches.py checks the match); ``default_checkpointing``: leave gradient
     checkpointing at TRL's default (the ``trl-default`` row)."""
     import torch
 
-    cuda = args.device == "cuda"  # CUDA: fp32 weights, bf16 autocast (as Tandem's FSDP2 mixed precision)
+    cuda = (
+        args.device == "cuda"
+    )  # CUDA: fp32 weights, bf16 autocast (as Tandem's FSDP2 mixed precision)
     kw = dict(
-        output_dir=os.path.join(folder, "trl"), use_cpu=not cuda, bf16=cuda, fp16=False, report_to="none",
-        save_strategy="no", model_init_kwargs={"dtype": torch.float32}, max_steps=args.steps, logging_steps=1,
-        seed=0, per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
-        num_generations=args.samples, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0,
-        top_k=0, beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group", loss_type="dapo",
-        optim="adamw_torch_fused", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
-        weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, use_vllm=False,
-        shuffle_dataset=False, dataloader_num_workers=0, log_completions=False, disable_dropout=True,
-        gradient_checkpointing=args.activation_checkpoint != "none")
+        output_dir=os.path.join(folder, "trl"),
+        use_cpu=not cuda,
+        bf16=cuda,
+        fp16=False,
+        report_to="none",
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+        max_steps=args.steps,
+        logging_steps=1,
+        seed=0,
+        per_device_train_batch_size=args.prompts * args.samples,
+        gradient_accumulation_steps=1,
+        num_generations=args.samples,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        scale_rewards="group",
+        loss_type="dapo",
+        optim="adamw_torch_fused",
+        learning_rate=args.lr,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        use_vllm=False,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        log_completions=False,
+        disable_dropout=True,
+        gradient_checkpointing=args.activation_checkpoint != "none",
+    )
     if default_checkpointing:
         del kw["gradient_checkpointing"]
     return kw
@@ -165,12 +226,19 @@ def trl_resolved(config, model=None) -> dict:  # noqa: ANN001 - a GRPOConfig, th
     the worker also replaces the optimizer's name with the one the trainer built."""
     dtype = config.model_init_kwargs["dtype"] if model is None else next(model.parameters()).dtype
     ckpt = config.gradient_checkpointing if model is None else model.is_gradient_checkpointing
-    return {"checkpointing": bool(ckpt), "dtype": str(dtype).removeprefix("torch."),
-            "autocast_bf16": bool(config.bf16), "optimizer": getattr(config.optim, "value", config.optim),
-            "lr": config.learning_rate, "betas": [config.adam_beta1, config.adam_beta2], "eps": config.adam_epsilon,
-            "weight_decay": config.weight_decay, "max_grad_norm": config.max_grad_norm,
-            "schedule": getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type),
-            "warmup_steps": config.warmup_steps}
+    return {
+        "checkpointing": bool(ckpt),
+        "dtype": str(dtype).removeprefix("torch."),
+        "autocast_bf16": bool(config.bf16),
+        "optimizer": getattr(config.optim, "value", config.optim),
+        "lr": config.learning_rate,
+        "betas": [config.adam_beta1, config.adam_beta2],
+        "eps": config.adam_epsilon,
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm,
+        "schedule": getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type),
+        "warmup_steps": config.warmup_steps,
+    }
 
 
 def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace) -> dict[str, float]:
@@ -220,7 +288,9 @@ def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace)
 
     trainer.add_callback(Clock())
     trainer.train()
-    settings = trl_resolved(config, trainer.model)  # after train(): the trainer turns checkpointing on there
+    settings = trl_resolved(
+        config, trainer.model
+    )  # after train(): the trainer turns checkpointing on there
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
     fused = type(opt).__name__ == "AdamW" and bool(opt.defaults.get("fused"))
     settings["optimizer"] = "adamw_torch_fused" if fused else f"{type(opt).__name__} (not fused)"
@@ -241,8 +311,13 @@ def run_trl(model_dir: str, data: str, folder: str, args: argparse.Namespace,
     if probe.returncode != 0:
         return f"trl is not importable by {python} (see this file's docstring)"
     cmd = [python, "-m", "bench.grpo_step", "--worker", model_dir, data, folder, *args.argv]
-    r = subprocess.run(cmd + (["--trl-default"] if default_checkpointing else []), cwd=ROOT, env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        cmd + (["--trl-default"] if default_checkpointing else []),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         return f"trl run failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -252,14 +327,23 @@ def tandem_settings(cfg, device: str) -> dict:  # noqa: ANN001 - a tandem.rl.con
     """The settings `trl_settings` must match, as Tandem's loaded config sets them (its AdamW
     is always fused: tandem.rl.core.optim.build_optimizer; weights fp32, autocast on CUDA)."""
     o = cfg.optimizer
-    return {"checkpointing": cfg.parallel.activation_checkpoint != "none", "dtype": "float32",
-            "autocast_bf16": device == "cuda" and cfg.training.mixed_precision_param == "bfloat16",
-            "optimizer": "adamw_torch_fused", "lr": o.lr, "betas": list(o.betas), "eps": o.eps,
-            "weight_decay": o.weight_decay, "max_grad_norm": o.max_grad_norm, "schedule": cfg.lr_schedule.decay,
-            "warmup_steps": cfg.lr_schedule.warmup_steps}
+    return {
+        "checkpointing": cfg.parallel.activation_checkpoint != "none",
+        "dtype": "float32",
+        "autocast_bf16": device == "cuda" and cfg.training.mixed_precision_param == "bfloat16",
+        "optimizer": "adamw_torch_fused",
+        "lr": o.lr,
+        "betas": list(o.betas),
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+        "max_grad_norm": o.max_grad_norm,
+        "schedule": cfg.lr_schedule.decay,
+        "warmup_steps": cfg.lr_schedule.warmup_steps,
+    }
 
 
-def _tandem_config(model_dir: str, data: str, folder: str, args: argparse.Namespace):  # noqa: ANN202
+def _tandem_config(model_dir: str, data: str, folder: str,
+                   args: argparse.Namespace):  # noqa: ANN202
     from tandem.rl.config.schema import parse_args as parse_train_args
 
     return parse_train_args(tandem_argv(model_dir, data, os.path.join(folder, "settings"), args))[0]
@@ -283,23 +367,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="small: --hidden x --layers; qwen3-1.7b: Qwen3-1.7B's shapes")
     ap.add_argument("--vocab", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="Tandem's KV pool budget")
-    ap.add_argument("--activation-checkpoint", default="none", choices=("none", "full"),
-                    help="in both trainers: Tandem's parallel.activation_checkpoint, TRL's gradient_checkpointing")
+    ap.add_argument(
+        "--activation-checkpoint",
+        default="none",
+        choices=("none", "full"),
+        help="in both trainers: Tandem's parallel.activation_checkpoint, TRL's "
+        "gradient_checkpointing",
+    )
     ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
-    ap.add_argument("--trl-python-path", default=None, help="a folder with trl, added to the TRL worker's PYTHONPATH")
+    ap.add_argument(
+        "--trl-python-path",
+        default=None,
+        help="a folder with trl, added to the TRL worker's PYTHONPATH",
+    )
     ap.add_argument("--engines", default="tandem,trl",
                     help="tandem-unshared: rl.share_prompts = false (each sample packs its own prompt copy); "
                          "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere); "
                          "tandem-exact: rl.exact = true (batch-invariant kernels); tandem-onednn: "
                          "rollout.cpu_onednn = true (CPU); trl-default: TRL with its "
                          "default gradient checkpointing (on in TRL 1.16: not like for like)")
-    ap.add_argument("--smoke", action="store_true", help="the smallest workload (the test suite's run)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="the smallest workload (the test suite's run)"
+    )
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
-    ap.add_argument("--trl-default", action="store_true", help=argparse.SUPPRESS)  # internal: the trl-default row
+    ap.add_argument(
+        "--trl-default", action="store_true", help=argparse.SUPPRESS
+    )  # internal: the trl-default row
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.smoke:
-        args.prompts, args.samples, args.max_tokens, args.steps, args.hidden, args.layers = 2, 2, 4, 2, 64, 1
+        args.prompts, args.samples, args.max_tokens, args.steps, args.hidden, args.layers = (
+            2,
+            2,
+            4,
+            2,
+            64,
+            1,
+        )
     unknown = [e for e in args.engines.split(",") if e not in TRL_ROWS and e not in TANDEM_ROWS]
     if unknown:
         ap.error(f"--engines: unknown {unknown}; choose from {[*TRL_ROWS, *TANDEM_ROWS]}")
@@ -354,10 +458,15 @@ def main(argv: list[str] | None = None) -> None:
             rounds.append(results)
         for ref in [e for e in args.engines.split(",") if e in TRL_ROWS]:
             for engine in [e for e in args.engines.split(",") if e in TANDEM_ROWS]:
-                ratios = [rr[ref]["step_s"] / rr[engine]["step_s"] for rr in rounds if ref in rr and engine in rr]
+                ratios = [
+                    rr[ref]["step_s"] / rr[engine]["step_s"]
+                    for rr in rounds
+                    if ref in rr and engine in rr
+                ]
                 if ratios:
                     each = ", ".join(f"{x:.2f}" for x in ratios)
-                    print(f"{ref} / {engine} seconds per step: median {statistics.median(ratios):.2f}x "
+                    median = statistics.median(ratios)
+                    print(f"{ref} / {engine} seconds per step: median {median:.2f}x "
                           f"(rounds: {each})")
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -16,7 +16,11 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV_SHOWN = ("OMP_NUM_THREADS", "TANDEM_KERNELS", "TRITON_INTERPRET")  # variables that change a timing
+ENV_SHOWN = (
+    "OMP_NUM_THREADS",
+    "TANDEM_KERNELS",
+    "TRITON_INTERPRET",
+)  # variables that change a timing
 
 
 def command(module: str, argv: list[str] | None = None) -> str:
@@ -30,8 +34,11 @@ def command(module: str, argv: list[str] | None = None) -> str:
 
 def commit() -> str:
     """The checkout's commit, with "+changes" where tracked files differ from it."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
 
     try:
         head = git("rev-parse", "--short=10", "HEAD")
@@ -48,7 +55,9 @@ def machine(device: str = "cpu") -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            model = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -68,12 +77,14 @@ def header(module: str, argv: list[str] | None = None, device: str = "cpu") -> s
     import torch
 
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return "\n".join([
-        f"# command: {command(module, argv)}",
-        f"# date: {date}; commit: {commit()}",
-        f"# machine: {machine(device)}",
-        f"# torch {torch.__version__}, Python {platform.python_version()}",
-    ])
+    return "\n".join(
+        [
+            f"# command: {command(module, argv)}",
+            f"# date: {date}; commit: {commit()}",
+            f"# machine: {machine(device)}",
+            f"# torch {torch.__version__}, Python {platform.python_version()}",
+        ]
+    )
 
 
 def print_header(module: str, argv: list[str] | None = None, device: str = "cpu") -> None:

@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         "--triton-tiles", nargs="*", default=[], metavar="BT,BV,BD,W,S",
         help="extra Triton rows, one per tile configuration (CUDA)",
     )  # fmt: skip
-    parser.add_argument("--smoke", action="store_true", help="T=64, V=512, D=32 (the test suite's run)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="T=64, V=512, D=32 (the test suite's run)"
+    )
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: worker mode
     args = parser.parse_args(argv)
     if args.smoke:

@@ -48,10 +48,20 @@ def hf_block(block: MoE, impl: str | None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     e, i, d = block.experts.w1.shape
-    cfg = Qwen3MoeConfig(vocab_size=8, hidden_size=d, intermediate_size=i, moe_intermediate_size=i,
-                         num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
-                         num_experts=e, num_experts_per_tok=block.top_k, norm_topk_prob=True,
-                         experts_implementation=impl)
+    cfg = Qwen3MoeConfig(
+        vocab_size=8,
+        hidden_size=d,
+        intermediate_size=i,
+        moe_intermediate_size=i,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=e,
+        num_experts_per_tok=block.top_k,
+        norm_topk_prob=True,
+        experts_implementation=impl,
+    )
     hf = AutoModelForCausalLM.from_config(cfg).model.layers[0].mlp
     w = block.experts
     with torch.no_grad():
@@ -99,13 +109,17 @@ def bench_shape(t: int, d: int, i: int, e: int, k: int, device: torch.device, dt
     for label, impl in (("hf default", None), ("hf eager", "eager")):
         hf = hf_block(block, impl)
         with torch.no_grad():  # the same layer: same outputs (fp32 sums in another order)
-            torch.testing.assert_close(hf(h), want, rtol=1e-2 if dtype != torch.float32 else 1e-4, atol=1e-3)
+            torch.testing.assert_close(
+                hf(h), want, rtol=1e-2 if dtype != torch.float32 else 1e-4, atol=1e-3
+            )
         name = label if impl else f"{label}: {hf.experts.config._experts_implementation}"
         ref = _time(_fwd_bwd(lambda hf=hf: hf(h), [h, *hf.parameters()]), device, repeats)
         rows.append(("layer", name, ref, ours, layer_flops / ours / 1e9 if cuda else None))
         with torch.no_grad():
             ref = _time(lambda hf=hf: hf(h), device, repeats)
-        rows.append(("fwd", name, ref, ours_fwd, layer_flops / 3 / ours_fwd / 1e9 if cuda else None))
+        rows.append(
+            ("fwd", name, ref, ours_fwd, layer_flops / 3 / ours_fwd / 1e9 if cuda else None)
+        )
     return rows
 
 
@@ -116,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadiest on a shared box)")
-    ap.add_argument("--smoke", action="store_true", help="one tiny shape, one repeat (the test suite's run)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="one tiny shape, one repeat (the test suite's run)"
+    )
     opts = ap.parse_args(argv)
     if opts.smoke:
         opts.shapes, opts.repeats = ["64,32,16,4,2"], 1
@@ -127,12 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     print_header("bench.moe", argv, opts.device)
     print(f"{device} {dtype}, {torch.get_num_threads()} threads; ms, median of {opts.repeats}; "
           "ratio = reference / Tandem")
-    print(f"{'T,D,I,E,k':>20}{'what':>7}  {'reference':<26}{'ref ms':>9}{'tandem ms':>11}{'ratio':>8}{'TFLOP/s':>9}")
+    print(f"{'T,D,I,E,k':>20}{'what':>7}  {'reference':<26}{'ref ms':>9}{'tandem ms':>11}"
+          f"{'ratio':>8}{'TFLOP/s':>9}")
     for shape in opts.shapes:
         t, d, i, e, k = (int(v) for v in shape.split(","))
-        for what, ref_name, ref, ours, tflops in bench_shape(t, d, i, e, k, device, dtype, opts.repeats):
-            tf = f"{tflops:>9.1f}" if tflops is not None else f"{'-':>9}"
-            print(f"{shape:>20}{what:>7}  {ref_name:<26}{ref:>9.2f}{ours:>11.2f}{ref / ours:>7.2f}x{tf}")
+        for what, name, ref, ours, tf in bench_shape(t, d, i, e, k, device, dtype, opts.repeats):
+            tf_s = f"{tf:>9.1f}" if tf is not None else f"{'-':>9}"
+            ratio = f"{ref / ours:>7.2f}x"
+            print(f"{shape:>20}{what:>7}  {name:<26}{ref:>9.2f}{ours:>11.2f}{ratio}{tf_s}")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "auto"))
     parser.add_argument("--size", default="tiny", choices=("tiny", "small"))
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU")
-    parser.add_argument("--smoke", action="store_true", help="fsdp2 and tp2 on 2 ranks, 2 steps (the test suite's run)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="fsdp2 and tp2 on 2 ranks, 2 steps (the test suite's run)",
+    )
     opts = parser.parse_args()
     if opts.smoke:
         opts.nproc, opts.steps = [2], 2
@@ -106,10 +110,8 @@ def main() -> None:
     for name, n, _, ms, *_ in rows:
         first.setdefault(n, (name, ms))
     print("ratio: the step time of the first layout of the same world size / this layout's")
-    print(
-        f"{'layout':20s} {'ranks':>5s} {'family':>10s} {'step ms':>9s} {'tok/s/rank':>11s} {'MFU':>7s} "
-        f"{'ratio':>16s}  device"
-    )
+    print(f"{'layout':20s} {'ranks':>5s} {'family':>10s} {'step ms':>9s} {'tok/s/rank':>11s} "
+          f"{'MFU':>7s} {'ratio':>16s}  device")
     for name, n, fam, ms, tps, mfu, dev in rows:
         mfu_s = f"{100 * mfu:6.2f}%" if mfu is not None else "     -"
         ref, ref_ms = first[n]

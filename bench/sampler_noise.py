@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--smoke", action="store_true", help="4 rows of a 1024 vocabulary (the test suite's run)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="4 rows of a 1024 vocabulary (the test suite's run)"
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.vocab, args.repeats = [4], 1024, 2

@@ -115,7 +115,7 @@ def _serve_while(engine: Any, proc: mp.Process) -> None:
         engine.run(until=lambda: not proc.is_alive())
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="per sessions row")
     ap.add_argument("--turn-tokens", type=int, default=8)
@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.seconds, args.episodes, args.sessions = 1.0, 4, [1, 2]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
     from bench.header import print_header
 
     print_header("bench.serve", argv)

@@ -2,16 +2,17 @@
 # One GPU session's checks and timings, each part under its own time limit, in order of value:
 #   1. tests: the CUDA and Triton tests (kernels, generator, log-probs) on the real device;
 #   2. kernels, noise: the log-prob kernels with a sweep of Triton tiles (bench/logprobs_memory.py),
-#      the sampler's noise, int64 tensor hash against the one-pass Triton kernel (bench/sampler_noise.py);
+#      the sampler's noise, int64 tensor hash against the one-pass Triton kernel
+#      (bench/sampler_noise.py);
 #   3. quickstart: the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
 #   4. grpo, grpo-triton: one GRPO step at Qwen3-1.7B shapes, Tandem vs TRL with the settings
 #      matched (gradient checkpointing off in both, bf16 autocast, fused AdamW: bench/grpo_step.py
 #      prints them), and Tandem with TANDEM_KERNELS=triton;
 #   5. generate: the generator against transformers' batched `generate` at the same batch, like
 #      for like (fixed lengths) and GRPO-shaped (labelled), with a row for the copy's layout;
-#   6. planner: the memory planner's predicted peak per phase against torch.cuda.max_memory_allocated
-#      for three layouts on one device (activation checkpointing none / selective / full;
-#      tests/plan/test_plan_cuda.py).
+#   6. planner: the memory planner's predicted peak per phase against
+#      torch.cuda.max_memory_allocated for three layouts on one device (activation
+#      checkpointing none / selective / full; tests/plan/test_plan_cuda.py).
 # Not in the default PARTS: "attention" (bench/paged_attention.py), "profile" (one decode step at
 # Qwen3-1.7B and 8B shapes, batch 64 and 256, by kernel class against its weight-read floor),
 # "moe" (grouped GEMM and layer against the per-expert loop and transformers' block, bf16),
@@ -45,7 +46,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 {
-  date -u; echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here)")"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tail -n +1
+  date -u; echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here)")"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tail -n +1
   "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
   "$PY" -c "import transformers, trl, datasets; print('transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)" 2>&1 | tail -1
 } > "$out/env.txt" 2>&1
@@ -85,8 +87,9 @@ part grpo-triton 80 grpo.log env TANDEM_KERNELS=triton "$PY" -m bench.grpo_step 
   --vocab 151936 --prompts 8 --samples 8 --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines tandem
 
 
-part generate 120 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \
-  --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants fixed,grpo --layout-row
+part generate 120 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 \
+  --hidden 1024 --layers 16 --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs \
+  --variants fixed,grpo --layout-row
 
 part planner 180 layouts.log "$PY" -m pytest -v -s -p no:cacheprovider tests/plan/test_plan_cuda.py
 
@@ -100,5 +103,6 @@ part moe 90 kernels.log "$PY" -m bench.moe --device cuda --dtype bfloat16
 part reshard 120 layouts.log "$PY" -m bench.reshard --device cuda --size 1.7b --nproc 1
 
 # rl.exact's CUDA path (issue 25). Not in the default PARTS: PARTS="exact" bash scripts/gpu_check.sh
-part exact 150 kernels.log bash -c "$PY -m pytest -v -p no:cacheprovider tests/kernels/test_triton_batch_invariant.py; \
+part exact 150 kernels.log bash -c "$PY -m pytest -v -p no:cacheprovider \
+  tests/kernels/test_triton_batch_invariant.py; \
   $PY -m bench.exact_kernels --device cuda --dtype bf16"

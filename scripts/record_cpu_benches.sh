@@ -3,7 +3,7 @@
 # into its own log (the bench's header, then its table), on a machine with nothing else running.
 # Paste each log's header and table into its section, replacing the table that is there.
 #
-#   bash scripts/record_cpu_benches.sh [OUT_DIR]          # default outputs/cpu_benches; ~30-40 min on 2 cores
+#   bash scripts/record_cpu_benches.sh [OUT_DIR]    # default outputs/cpu_benches
 #   ONLY="generate moe" bash scripts/record_cpu_benches.sh # some of them (the names below)
 #
 # TRL (a test reference: pip install -e ".[test]") must be importable for the grpo rows.
@@ -13,8 +13,7 @@ out="${1:-outputs/cpu_benches}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-{ date -u; uptime; "$PY" -c "import torch; print('torch', torch.__version__)"; } > "$out/machine.txt" 2>&1
-lscpu >> "$out/machine.txt" 2>&1
+{ date -u; uptime; lscpu; } > "$out/machine.txt" 2>&1
 
 run() {  # run NAME CMD...: the command's output in OUT_DIR/NAME.log
   local name=$1; shift
@@ -26,8 +25,10 @@ run() {  # run NAME CMD...: the command's output in OUT_DIR/NAME.log
 }
 
 # the order of docs/performance.md's CPU sections
-run grpo "$PY" -m bench.grpo_step --steps 6 --repeats 5 --engines tandem,trl,tandem-onednn,trl-default
-run grpo_ac "$PY" -m bench.grpo_step --steps 6 --repeats 3 --activation-checkpoint full --engines tandem,trl
+run grpo "$PY" -m bench.grpo_step --steps 6 --repeats 3 \
+  --engines tandem,trl,tandem-onednn,trl-default
+run grpo_ac "$PY" -m bench.grpo_step --steps 6 --repeats 3 --activation-checkpoint full \
+  --engines tandem,trl
 run exact "$PY" -m bench.grpo_step --steps 3 --repeats 3 --threads 1 --engines tandem,tandem-exact
 run generate "$PY" -m bench.generate --threads 2 --layout-row
 run moe "$PY" -m bench.moe --threads 1

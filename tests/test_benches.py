@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if '__name__ == "__main__"' in p.read_text())
+BENCHES = sorted(
+    p.stem for p in (ROOT / "bench").glob("*.py") if '__name__ == "__main__"' in p.read_text()
+)
 # what each bench's table must show (a row with its ratio); a bench not listed: any table row
 TABLES = {
     "checkpoint": r"quickstart\s+106,880 .*\d\.\d\d\s+[\d.]+\s+[\d.]+\s*$",
@@ -31,7 +33,8 @@ TABLES = {
     "generate": r"fixed\s+4\s+32\s+32 .*x\s+-\n(.|\n)*greedy\s+2\s+16 .*x\s+\d/2",
     "grpo_step": r"trl / tandem seconds per step: median [\d.]+x",
     "logprobs_memory": r"naive / chunked: peak [\d.]+x, time [\d.]+x",
-    "moe": r"gemm\s+loop \(split\)\s+[\d.]+\s+[\d.]+\s+[\d.]+x(.|\n)*layer\s+hf default: grouped_mm",
+    "moe": r"gemm\s+loop \(split\)\s+[\d.]+\s+[\d.]+\s+[\d.]+x(.|\n)*"
+    r"layer\s+hf default: grouped_mm",
     "paged_attention": r"decode\s+4\s+64\s+1\s+[\d.]+",
     "parallel_layouts": r"tp2\s+2\s+qwen3\s+[\d.]+\s+\d+\s+-\s+[\d.]+x vs fsdp2",
     "reshard": r"1\s+single\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
@@ -43,10 +46,19 @@ TIMEOUT_S = 900  # one bench on a loaded 2-core machine; each takes seconds on a
 
 
 def _run(name: str) -> tuple[int, str, float]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+    }
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", f"bench.{name}", "--smoke"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
 
 
@@ -60,7 +72,9 @@ def smoke_runs() -> dict[str, tuple[int, str, float]]:
 
 def test_every_bench_is_checked():
     assert len(BENCHES) >= 13, BENCHES  # the glob found the entry points (bench/ was not moved)
-    assert not set(TABLES) - set(BENCHES), f"TABLES names benches that are gone: {set(TABLES) - set(BENCHES)}"
+    assert not set(TABLES) - set(BENCHES), (
+        f"TABLES names benches that are gone: {set(TABLES) - set(BENCHES)}"
+    )
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -72,7 +86,9 @@ def test_bench_runs_and_prints_its_table(name: str, smoke_runs: dict[str, tuple[
     for line in ("# date: ", "; commit: ", "# machine: ", "# torch "):
         assert line in out, f"bench.{name}: no header line {line!r}:\n{out[-3000:]}"
     pattern = TABLES.get(name, r"^\S.*\d\.\d")
-    assert re.search(pattern, out, re.MULTILINE), f"bench.{name}: no table row like {pattern!r}:\n{out[-3000:]}"
+    assert re.search(pattern, out, re.MULTILINE), (
+        f"bench.{name}: no table row like {pattern!r}:\n{out[-3000:]}"
+    )
     assert "settings differ" not in out, out[-3000:]  # grpo_step: TRL's row must be like for like
 
 
@@ -86,7 +102,9 @@ def test_grpo_bench_trl_settings_match_tandem(tmp_path: Path):
     from bench import grpo_step
     from tandem.rl.core.optim import build_optimizer
 
-    opt = build_optimizer(torch.nn.Linear(2, 2), lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0)
+    opt = build_optimizer(
+        torch.nn.Linear(2, 2), lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0
+    )
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]  # what tandem_settings says
     model_dir = data = None
     for ac in ("none", "full"):
@@ -94,7 +112,9 @@ def test_grpo_bench_trl_settings_match_tandem(tmp_path: Path):
         args.device = "cpu"
         if model_dir is None:
             model_dir, data = grpo_step.write_workload(str(tmp_path), args)
-        ours = grpo_step.tandem_settings(grpo_step._tandem_config(model_dir, data, str(tmp_path), args), "cpu")
+        ours = grpo_step.tandem_settings(
+            grpo_step._tandem_config(model_dir, data, str(tmp_path), args), "cpu"
+        )
         theirs = grpo_step.trl_resolved(GRPOConfig(**grpo_step.trl_settings(args, str(tmp_path))))
         assert theirs == ours
         assert ours["checkpointing"] is (ac == "full") and ours["dtype"] == "float32"

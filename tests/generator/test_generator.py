@@ -280,9 +280,10 @@ def test_generation_copy_takes_the_rollout_dtype(model):
 
 def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
     """The rollout copy's CPU layout: by default the training layout (plain linears, nothing
-    fused); with ``rollout.cpu_onednn`` fused projections on oneDNN (tandem/rl/rollout/generation.py),
-    whose greedy tokens are the naive loop's on the training model, sampled log-probs within
-    1e-5 of its training forward, and sampled tokens equal to the plain copy's."""
+    fused); with ``rollout.cpu_onednn`` fused projections on oneDNN
+    (tandem/rl/rollout/generation.py), whose greedy tokens are the naive loop's on the training
+    model, sampled log-probs within 1e-5 of its training forward, and sampled tokens equal to
+    the plain copy's."""
     from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
     from tandem.rl.rollout.generation import build_generation_model
 

@@ -26,11 +26,26 @@ from bench import grpo_step
 from tandem.rl.config.schema import parse_args as parse_train_args
 from tandem.rl.plan.planner import Layout, Planner, Settings, plan_args
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 0.25
-WORKLOAD = dict(shape="small", hidden=1024, layers=28, vocab=151936, device="cuda", prompts=8, samples=8,
-                max_tokens=128, steps=2, kv_cache_gb=4.0, lr=1e-6, threads=2)
+WORKLOAD = dict(
+    shape="small",
+    hidden=1024,
+    layers=28,
+    vocab=151936,
+    device="cuda",
+    prompts=8,
+    samples=8,
+    max_tokens=128,
+    steps=2,
+    kv_cache_gb=4.0,
+    lr=1e-6,
+    threads=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +64,28 @@ def test_planned_peak_matches_cuda_peak(workload, ac: str):
     cfg = parse_train_args(argv)[0]
     model_args, _ = plan_args(cfg)
     (plan,) = Planner(model_args, Settings.from_config(cfg)).plan(Layout(dp_shard=1))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+    }
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
-    print(f"\nactivation_checkpoint={ac}: phase, planned GB, measured GB (max over {len(rows)} steps)")
+    print(
+        f"\nactivation_checkpoint={ac}: phase, planned GB, measured GB (max over {len(rows)} steps)"
+    )
     for phase, parts in (("update", plan.update), ("rollout", plan.rollout)):
         planned = sum(parts.values()) / 1e9
         measured = max(x[f"memory/{phase}_peak_gb"] for x in rows)
-        print(f"  {phase:<8}{planned:>8.2f}{measured:>8.2f}  ({', '.join(f'{k} {v / 1e9:.2f}' for k, v in parts.items())})")
-        assert abs(planned - measured) <= TOL * measured, f"{ac} {phase}: planned {planned:.2f} GB, measured {measured:.2f}"
+        each = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items())
+        print(f"  {phase:<8}{planned:>8.2f}{measured:>8.2f}  ({each})")
+        assert abs(planned - measured) <= TOL * measured, (
+            f"{ac} {phase}: planned {planned:.2f} GB, measured {measured:.2f}"
+        )

@@ -148,17 +148,32 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
-                          cpu_onednn=rcfg.cpu_onednn)
+    return GenerationCopy(
+        policy.state_module,
+        args,
+        layout,
+        dev,
+        dtype,
+        bucket_bytes=rcfg.reshard_bucket_mb << 20,
+        cpu_onednn=rcfg.cpu_onednn,
+    )
 
 
-def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
-                           dtype: torch.dtype | None = None, *, layout: bool = True, cpu_onednn: bool = False,
-                           ) -> tuple[Transformer, dict[str, float]]:
+def build_generation_model(
+    policy: Any,
+    args: ModelArgs,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    *,
+    layout: bool = True,
+    cpu_onednn: bool = False,
+) -> tuple[Transformer, dict[str, float]]:
     """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
     (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
     `GenerationCopy` with ``rollout.tp = 1``."""
-    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype, cpu_onednn=cpu_onednn)
+    copy = GenerationCopy(
+        policy.state_module, args, GenerationLayout(), device, dtype, cpu_onednn=cpu_onednn
+    )
     return copy.build(inference=layout)
 
 
