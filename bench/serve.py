@@ -2,15 +2,18 @@
 
 The shipped quickstart policy is served by a `ServingEngine` (this process: the engine in
 its main thread, aiohttp in another, as in a rollout); the harness is a second process of
-stock ``openai`` clients, one thread per session. Every turn samples exactly
-``--turn-tokens`` tokens (``ignore_eos``), so both sides do the same work.
+stock ``openai`` clients, one thread per session.
 
 - ``sessions`` rows: S concurrent sessions (1, 8, 64), each playing 2-turn episodes
-  back to back for ``--seconds``; requests/s and the p50 / p99 latency of a turn.
+  back to back for ``--seconds``; every turn samples exactly ``--turn-tokens`` tokens
+  (``ignore_eos``); requests/s and the p50 / p99 latency of a turn.
 - ``path`` rows: the same 64 two-turn episodes (a question, the model's answer, a fixed
   follow-up message, its second answer) played in-process by
   `tandem.rl.rollout.agentic.run_agentic_rollout` (an environment stepping inline) and over
-  HTTP by 64 client threads; the ratio is HTTP seconds / in-process seconds.
+  HTTP by 64 client threads. Both sides end a turn at the end-of-turn token or after
+  ``--turn-tokens`` (the in-process rollout always stops at the end of a turn), so the sampled
+  tokens differ a little: each row prints its count, and the ratio is taken on sampled tokens
+  per second (in-process / HTTP) beside the plain seconds.
 
     python -m bench.serve
 """
@@ -62,11 +65,12 @@ def _client_load(
     url: str, sessions: int, seconds: float, episodes: int, turn_tokens: int, out: Any
 ) -> None:
     """The harness process: ``sessions`` threads; each plays 2-turn episodes until ``seconds``
-    pass (or ``episodes`` in all, when > 0). Sends back (latencies, turns, wall seconds)."""
+    pass (or ``episodes`` in all, when > 0: then turns stop at the end of a turn, as in-process).
+    Sends back (latencies, wall seconds, sampled tokens)."""
     from openai import OpenAI
 
     lat: list[float] = []
-    lock, count = threading.Lock(), [0]
+    lock, count, sampled = threading.Lock(), [0], [0]
     t_end = time.monotonic() + seconds
 
     def worker(k: int) -> None:
@@ -88,10 +92,11 @@ def _client_load(
                     model="m",
                     messages=messages,
                     max_tokens=turn_tokens,
-                    extra_body={"ignore_eos": True},
+                    extra_body={} if episodes else {"ignore_eos": True},
                 )
                 with lock:
                     lat.append(time.monotonic() - t0)
+                    sampled[0] += r.usage.completion_tokens
                 if turn == 0:
                     messages += [
                         {"role": "assistant", "content": r.choices[0].message.content},
@@ -105,7 +110,7 @@ def _client_load(
         t.start()
     for t in threads:
         t.join()
-    out.put((lat, time.monotonic() - t0))
+    out.put((lat, time.monotonic() - t0, sampled[0]))
 
 
 def _serve_while(engine: Any, proc: mp.Process) -> None:
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ctx = mp.get_context("spawn")
 
-    def over_http(sessions: int, seconds: float, episodes: int) -> tuple[list[float], float]:
+    def over_http(sessions: int, seconds: float, episodes: int) -> tuple[list[float], float, int]:
         gen = generator()
         engine = ServingEngine(
             gen, tok, EngineSettings(eot_id=end_of_turn_id(tok), max_model_len=256)
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'p50 ms':>9}{'p99 ms':>9}{'seconds':>9}"
     )
     for s in args.sessions:
-        lat, wall = over_http(s, args.seconds, 0)
+        lat, wall, _ = over_http(s, args.seconds, 0)
         lat.sort()
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
         print(
@@ -195,19 +200,19 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         samples, _ = run_agentic_rollout(
             gen, tok, "bench_two_turns", {}, rows, 1,
-            SamplingParams(max_tokens=2 * args.turn_tokens, ignore_eos=True), max_turns=2,
+            SamplingParams(max_tokens=2 * args.turn_tokens), max_turns=2,
             max_total_tokens=256, pool=pool, max_turn_tokens=args.turn_tokens)
     local = time.monotonic() - t0
     gen.close()
     turns = sum(int(s.info["turns"]) for s in samples)
     sampled = sum(s.num_sampled for s in samples)  # a turn ends early on an end-of-turn token
     print(f"{'path: in-process':<22}{args.episodes:>9}{turns:>7}{turns / local:>9.1f}{'':>18}"
-          f"{local:>9.1f}   ({sampled} sampled tokens; "
-          f"HTTP: {2 * args.episodes * args.turn_tokens})")
-    lat, wall = over_http(args.episodes, 1e9, args.episodes)
+          f"{local:>9.1f}   {sampled} sampled tokens, {sampled / local:.1f}/s")
+    lat, wall, http_sampled = over_http(args.episodes, 1e9, args.episodes)
     print(f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}{'':>18}"
-          f"{wall:>9.1f}")
-    print(f"HTTP / in-process seconds for the same {args.episodes} episodes: {wall / local:.2f}x")
+          f"{wall:>9.1f}   {http_sampled} sampled tokens, {http_sampled / wall:.1f}/s")
+    print(f"the same {args.episodes} episodes: HTTP / in-process seconds {wall / local:.2f}x; "
+          f"in-process / HTTP sampled tokens per second {sampled / local / (http_sampled / wall):.2f}x")
 
 
 if __name__ == "__main__":

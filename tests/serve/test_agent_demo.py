@@ -65,7 +65,7 @@ def test_the_agent_demo_learns(tmp_path):
                 f"--job.dump_folder={tmp_path}",
                 "--training.steps=16",
                 f"--env.port={port}",
-                "--metrics.tensorboard=false",
+                "--metrics.loggers=[]",
             ],
             cwd=ROOT,
             env=env,

@@ -163,7 +163,7 @@ def http_run(tmp_path_factory):
         "--rl.prompts_per_step=4",
         "--rl.eval_prompts=2",
         "--rl.exact=true",
-        "--metrics.tensorboard=false",
+        "--metrics.loggers=[]",
         "--checkpoint.enable=false",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TANDEM_DUMP_ROLLOUTS": "1"}
