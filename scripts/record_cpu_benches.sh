@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Re-record the CPU figures of docs/performance.md: every CPU bench command the page prints, each
 # into its own log (the bench's header, then its table), on a machine with nothing else running.
+# One torch thread where a command says so: on a shared machine two threads spin-wait for each
+# other when one is descheduled, and the timings swing far more than with one.
 # Paste each log's header and table into its section, replacing the table that is there.
 #
 #   bash scripts/record_cpu_benches.sh [OUT_DIR]    # default outputs/cpu_benches
@@ -25,12 +27,12 @@ run() {  # run NAME CMD...: the command's output in OUT_DIR/NAME.log
 }
 
 # the order of docs/performance.md's CPU sections
-run grpo "$PY" -m bench.grpo_step --steps 6 --repeats 3 \
+run grpo "$PY" -m bench.grpo_step --steps 6 --repeats 3 --threads 1 \
   --engines tandem,trl,tandem-onednn,trl-default
-run grpo_ac "$PY" -m bench.grpo_step --steps 6 --repeats 3 --activation-checkpoint full \
+run grpo_ac "$PY" -m bench.grpo_step --steps 6 --repeats 3 --threads 1 --activation-checkpoint full \
   --engines tandem,trl
 run exact "$PY" -m bench.grpo_step --steps 3 --repeats 3 --threads 1 --engines tandem,tandem-exact
-run generate "$PY" -m bench.generate --threads 2 --layout-row
+run generate "$PY" -m bench.generate --threads 1 --layout-row
 run moe "$PY" -m bench.moe --threads 1
 run logprobs "$PY" -m bench.logprobs_memory
 run checkpoint "$PY" -m bench.checkpoint
