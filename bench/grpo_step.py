@@ -51,6 +51,9 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
     """(model folder, prompts jsonl) for the run."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep the table readable
 
     model_dir = os.path.join(folder, "model")
     vocab = args.vocab or json.load(open(os.path.join(TOKENIZER, "config.json")))["vocab_size"]
