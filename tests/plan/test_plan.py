@@ -140,7 +140,8 @@ def test_plan_bounds_its_inputs(flag, message):
 
 
 def test_plan_of_the_largest_cluster_ends():
-    """100,000 nodes of 1,024 devices: the whole-node search doubles past 16 nodes."""
+    """100,000 nodes of 1,024 devices: pipeline degrees stop at the layer count (before, every pp
+    up to the 102,400,000 ranks was tried) and the whole-node search doubles past 16 nodes."""
     r = _plan("--plan.nodes=100000", "--plan.devices_per_node=1024")
     assert r.returncode == 0 and "fits on 102400000 ranks" in r.stdout, r.stderr
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -45,6 +46,7 @@ __all__ = [
     "DataConfig",
     "JobConfig",
     "LRScheduleConfig",
+    "LoraConfig",
     "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -68,6 +70,7 @@ from tandem.rl.config.rl_schema import (  # noqa: E402  (sections of rl recipes)
     RLConfig,
     RolloutConfig,
 )
+from tandem.rl.core.lora import LoraConfig  # noqa: E402  (the [lora] section, every recipe)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -89,7 +92,9 @@ class JobConfig:
 
 def check_writable_folder(key: str, path: str) -> None:
     """ConfigError unless ``path`` is a folder this process can write in, or can be made
-    one (its nearest existing ancestor is a writable folder). Creates nothing."""
+    one (its nearest existing ancestor is a writable folder). Leaves nothing behind: the
+    ancestor is tried with a folder made and removed at once, since permission bits do not
+    tell (root may write anywhere, yet /proc and read-only mounts refuse new entries)."""
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)
@@ -98,6 +103,10 @@ def check_writable_folder(key: str, path: str) -> None:
         raise ConfigError(f"{key}: {path} {what}, not a folder")
     if not os.access(here, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: {path}: cannot write in {here} (no write permission, or a read-only file system)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tandem-write-check-", dir=here))
+    except OSError as e:
+        raise ConfigError(f"{key}: {path}: cannot make a folder in {here} ({e.strerror or e})") from None
 
 
 def _known_flavors() -> list[str] | None:
@@ -349,10 +358,11 @@ class PlanConfig:
     flavor: str | None = None  # the architecture of model.path for planning before it is downloaded (a tandem/models/flavors.py name); read only when model.path has no config.json here
 
     def validate(self) -> None:
-        for key in ("nodes", "devices_per_node"):
-            require(getattr(self, key) >= 0, f"plan.{key}: must be >= 0 (0 = from the config), got {getattr(self, key)}")
-        require(self.device_memory_gb >= 0, f"plan.device_memory_gb: must be >= 0 (0 = this machine's GPU or 80), "
-                                            f"got {self.device_memory_gb}")
+        for key, most in (("nodes", 100_000), ("devices_per_node", 1024)):  # bounds: the search's size
+            value = getattr(self, key)
+            require(0 <= value <= most, f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}")
+        require(0 <= self.device_memory_gb <= 1e6, "plan.device_memory_gb: must be in [0, 1e6] (0 = this "
+                                                   f"machine's GPU or 80), got {self.device_memory_gb}")
         flavors = _known_flavors()
         if self.flavor is not None and flavors is not None and self.flavor not in flavors:
             near = difflib.get_close_matches(self.flavor, flavors, n=1)
@@ -381,6 +391,7 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.
@@ -402,6 +413,7 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
+        self.lora.check_layout(self.parallel)
         r = self.reward
         scored = r.functions or r.reward_model is not None or self.env.name is not None
         require(bool(scored) or self.env.kind == "http",

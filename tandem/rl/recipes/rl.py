@@ -63,6 +63,7 @@ from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -115,12 +116,13 @@ class RLRecipe:
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
                   share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw)
+        self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)  # [lora]: adapters
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
                                         offload_optimizer=r.offload_optimizer)
-        self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+        self.ref = frozen_reference(self.policy, lambda: build_policy(  # LoRA: the policy, adapters off
+            self.args, self.mesh, info.device, trainable=False, **kw)) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
