@@ -1,7 +1,8 @@
 """Context parallelism on CPU: per-rank memory and step time of one long sequence at cp = 1, 2, 4.
 
-    python bench/context_parallel.py                              # 8k, 16k, 32k tokens; cp 1, 2, 4
-    python bench/context_parallel.py --tokens 8192 --cp 1,2 --styles ulysses
+    python -m bench.context_parallel                              # 8k, 16k, 32k tokens; cp 1, 2, 4
+    python -m bench.context_parallel --tokens 8192 --cp 1,2 --styles ulysses
+    python -m bench.context_parallel --smoke                      # 1024 tokens, cp 1, 2
 
 For each sequence length and each (cp, style) the update step of tandem/rl/update/policy.py
 (`FlatPolicy.accumulate`: forward, backward, FSDP2's reduce-scatter over the cp ranks) runs on
@@ -191,6 +192,7 @@ def main() -> None:
     ap.add_argument("--styles", default="ulysses,ring")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
+    ap.add_argument("--smoke", action="store_true", help="1024 tokens, cp 1 and 2, one repeat")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--style", default="ulysses", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -198,6 +200,11 @@ def main() -> None:
     if args.worker:
         args.tokens = int(args.tokens)
         return _worker(args)
+    if args.smoke:
+        args.tokens, args.cp, args.repeats = "1024", "1,2", 1
+    from bench.header import print_header
+
+    print_header("bench.context_parallel")
     print(
         f"{'tokens':>7} {'cp':>3} {'style':>8} {'saved MB':>9} {'peak MB':>9} {'step s':>8} "
         f"{'saved ratio':>12} {'peak ratio':>11} {'time ratio':>11}",
