@@ -62,6 +62,7 @@ from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.kv_scales import KVScales
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -115,6 +116,7 @@ class RLRecipe:
         self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
                                         offload_optimizer=r.offload_optimizer)
         self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+        self.kv = KVScales.create(cfg.rollout, self.args, self.policy, self.ref)  # FP8 KV or None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
@@ -241,12 +243,19 @@ class RLRecipe:
     def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
+        layout = self.gen_copy.layout
+        kv = self.kv.for_heads(layout.tp, layout.rank) if self.kv is not None else None
         if self.cfg.env.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
-                                     seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
+                                     seed=0, greedy=greedy, seeds=seeds, layout=layout,
+                                     kv_scales=kv)
         return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
                                 max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                layout=self.gen_copy.layout)
+                                layout=layout, kv_scales=kv)
+
+    def _kv_ready(self) -> dict[str, float]:
+        """Collective: FP8 KV scales exist before anything samples (a first calibration)."""
+        return self.kv.ensure(self.policy, self.train_prompts, self.step_index) if self.kv else {}
 
     def _generate_shared(self, gen_model, prompts, n: int, seeds: list[int]):
         """Generate and score, the prompts split over the model-parallel group (its TP and PP
@@ -284,9 +293,11 @@ class RLRecipe:
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
         before = allocated_gb(self.info.device)
+        kv_metrics = self._kv_ready()
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
         gen_model, metrics = self.gen_copy.build()
+        metrics.update(kv_metrics)
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
         kept, dropped, rounds = 0, 0, 0  # groups, over all ranks
@@ -321,6 +332,8 @@ class RLRecipe:
             move_optimizer_state(self.opt, self.info.device)
         if before is not None:  # the generation copy and KV pool are gone: the update starts where it would have
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
+        if self.kv is not None:
+            metrics.update(self.kv.rollout_metrics(self.step_index))
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
         _dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
@@ -456,6 +469,8 @@ class RLRecipe:
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
         extra.update(self._gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask))
+        if self.kv is not None:  # the next rollout's scales, from the weights it will run
+            extra.update(self.kv.calibrate(self.policy, samples, self.step_index + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
         if self.critic is not None:
@@ -489,6 +504,7 @@ class RLRecipe:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return {}
+        self._kv_ready()
         gen_model, _ = self.gen_copy.build()
         order = list(range(len(self.eval_prompts)))
         mine = deal(order, self.info.rank, self.info.world_size)
@@ -508,12 +524,15 @@ class RLRecipe:
         return CheckpointParts(self.model, self.opt, extras)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor}  # the same on every rank
+        kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}  # the same on every rank
+        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor, **kv}
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
         run stopped (and samples what it would have: seeds are keyed by position, not rank)."""
         self.sched.load_state_dict(state["scheduler"])
+        if self.kv is not None and "kv_scales" in state:
+            self.kv.load_state_dict(state["kv_scales"])
         if "cursor" in state:
             self.stream.cursor = state["cursor"]
         else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks

@@ -1,0 +1,145 @@
+"""FP8 KV pool: capacity and rollout time at long completions, with and without it.
+
+A random Qwen3-style model (``--hidden``, ``--layers``; head_dim 64, two KV heads) in the
+rollout copy's layout (`tandem.rl.rollout.generation.inference_layout`) generates ``--seqs``
+completions of exactly L tokens (EOS ignored) after 64-token prompts, for each L of
+``--lengths``, with the KV pool in:
+
+- ``default``: the generation dtype (``--dtype``; fp32 on the CPU, where decode steps also
+  read the contiguous rows of `tandem.rl.generator.decode_mirror`) -- the reference;
+- ``fp8``: ``rollout.kv_dtype = "fp8_e4m3"`` with calibrated per-(layer, head) scales
+  (the amax of a forward over the prompts, as the trainer's calibration takes it);
+- ``fp8/token``: the same with ``rollout.kv_scales = "per_token"``.
+
+Two pool sizes per length: ``room`` (``--kv-cache-gb``, which holds every sequence in every
+format: the cost of reading FP8 pages) and ``tight`` (the bytes that ``default`` needs for a
+quarter of the sequences: it preempts and queues, while FP8 holds four times as many tokens
+per byte of fp32, twice bf16's). The first table is capacity: full-length sequences that
+``--kv-cache-gb`` holds per format (bf16 listed for the GPU's default); the second, rollout
+time, with each FP8 row's time over the default row's of the same length and pool (the
+ratio, measured in the same command, survives a busy machine; absolute times do not).
+
+Run from the repository root::
+
+    python -m bench.fp8_kv                                  # CPU: 2k, 4k and 8k-token completions
+    python -m bench.fp8_kv --lengths 256 --seqs 2           # a quick look
+    python -m bench.fp8_kv --device cuda --dtype bfloat16 --hidden 1024 --layers 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tandem.kernels import kv_quant as kvq
+from tandem.models.args import ModelArgs
+from tandem.models.attention import CausalAttention
+from tandem.models.transformer import Transformer
+from tandem.rl.generator.engine import GenerationSettings, Generator
+from tandem.rl.generator.kv_cache import KVCache, KVQuant
+from tandem.rl.generator.sequence import SamplingParams
+from tandem.rl.rollout.generation import inference_layout
+
+PROMPT = 64
+FORMATS = {"default": None, "fp8": ("fp8_e4m3", "calibrated"), "fp8/token": ("fp8_e4m3", "per_token")}
+
+
+def build(args: argparse.Namespace) -> Transformer:
+    margs = ModelArgs(model_type="qwen3", vocab_size=8192, hidden_size=args.hidden,
+                      intermediate_size=3 * args.hidden, num_layers=args.layers,
+                      num_heads=args.hidden // 64, num_kv_heads=2, head_dim=64, rope_theta=1e6,
+                      tie_word_embeddings=True, max_position_embeddings=max(args.lengths) + PROMPT + 8)
+    with torch.device(args.device):
+        model = Transformer(margs)
+    model.init_weights(seed=0)
+    model = model.to(getattr(torch, args.dtype)).eval().requires_grad_(False)
+    inference_layout(model)
+    return model
+
+
+@torch.no_grad()
+def calibrate(model: Transformer, prompts: list[list[int]], device: str) -> torch.Tensor:
+    """Per-(layer, K/V, head) power-of-two scales from the amax of a forward over the prompts."""
+    a = model.args
+    amax = torch.zeros(a.num_layers, 2, a.num_kv_heads, device=device)
+    for p in prompts:
+        model(torch.tensor([p], device=device), attn=kvq.KVAmaxObserver(CausalAttention(), amax))
+    return kvq.scale_from_amax(amax.cpu(), torch.float8_e4m3fn)
+
+
+def capacity(model: Transformer, length: int, gb: float, block: int, dtype: torch.dtype,
+             quant: KVQuant | None) -> int:
+    per_seq = -(-(PROMPT + length + 1) // block)
+    return int(gb * 1e9 // KVCache.bytes_per_block(model.args, block, dtype, quant)) // per_seq
+
+
+def run(model: Transformer, prompts: list[list[int]], length: int, fmt: tuple[str, str] | None,
+        scales: torch.Tensor, gb: float, args: argparse.Namespace) -> tuple[float, int, int]:
+    """(seconds, generated tokens, preemptions) of one generation."""
+    kv_dtype, kv_scales = fmt or ("auto", "calibrated")
+    settings = GenerationSettings(block_size=args.block_size, kv_cache_gb=gb, max_num_seqs=len(prompts),
+                                  max_num_batched_tokens=2048, max_model_len=PROMPT + length + 1,
+                                  kv_dtype=kv_dtype, kv_scales=kv_scales)
+    gen = Generator(model, settings, kv_scales=scales if kv_scales == "calibrated" else None)
+    params = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=0)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = gen.generate(prompts, params)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for group in out for c in group)
+    assert tokens == length * len(prompts), tokens
+    preempted = gen.stats.preemptions
+    gen.close()
+    return dt, tokens, preempted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", help="the model's and the default pool's dtype")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096, 8192])
+    ap.add_argument("--seqs", type=int, default=4, help="completions generated per run")
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="the room pool; the capacity table's budget")
+    ap.add_argument("--block-size", type=int, default=16)
+    args = ap.parse_args()
+    model = build(args)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 8192, (PROMPT,), generator=g).tolist() for _ in range(args.seqs)]
+    scales = calibrate(model, prompts, args.device)
+    print(f"model: hidden {args.hidden}, {args.layers} layers, 2 KV heads of 64, {args.dtype} on {args.device}; "
+          f"{args.seqs} completions after {PROMPT}-token prompts; torch threads {torch.get_num_threads()}")
+
+    e4m3 = torch.float8_e4m3fn
+    quants = {args.dtype: (dtype, None), "bfloat16": (torch.bfloat16, None), "fp8": (dtype, KVQuant(e4m3)),
+              "fp8/token": (dtype, KVQuant(e4m3, per_token=True))}
+    print(f"\ncapacity: full-length sequences in {args.kv_cache_gb} GB")
+    print(f"{'length':>8}" + "".join(f"{k:>12}" for k in quants) + f"{'fp8 / bf16':>12}")
+    for length in args.lengths:
+        caps = {k: capacity(model, length, args.kv_cache_gb, args.block_size, d, q) for k, (d, q) in quants.items()}
+        print(f"{length:>8}" + "".join(f"{c:>12d}" for c in caps.values()) +
+              f"{caps['fp8'] / caps['bfloat16']:>11.2f}x")
+
+    print("\nrollout time")
+    print(f"{'length':>8}{'pool':>7}{'kv':>11}{'pool GB':>9}{'seconds':>9}{'tok/s':>8}{'preempt':>9}{'ratio':>8}")
+    for length in args.lengths:
+        full = -(-(PROMPT + length + 1) // args.block_size) * KVCache.bytes_per_block(
+            model.args, args.block_size, dtype)
+        for pool, gb in (("room", args.kv_cache_gb), ("tight", max(1, args.seqs // 4) * full / 1e9)):
+            ref = None
+            for name, fmt in FORMATS.items():
+                dt, tokens, preempted = run(model, prompts, length, fmt, scales, gb, args)
+                ref = dt if ref is None else ref
+                print(f"{length:>8}{pool:>7}{name:>11}{gb:>9.3f}{dt:>9.2f}{tokens / dt:>8.0f}{preempted:>9}"
+                      f"{dt / ref:>7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
