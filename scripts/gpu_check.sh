@@ -18,6 +18,9 @@
 #      reductions and RMSNorm (tests/kernels/test_triton_batch_invariant.py), then the exact
 #      kernels' cost against the default ones (cuBLAS, SDPA) at Qwen3-1.7B shapes in bf16, with how
 #      many rows the default ones change when computed alone (bench/exact_kernels.py).
+#  10. (part "fp8kv", not yet run on a GPU, so not in the default PARTS) the FP8 KV store and
+#      attention kernels' tests on the device, then capacity and rollout time with and without
+#      FP8 pages (bench/fp8_kv.py).
 # A part that fails or runs out of time is reported and the next one runs. On an H200 the
 # default parts other than noise and grpo-triton (added after that run) took 6 minutes; the
 # limits below add up to more. The logs are 8 files at most (what a device call returns).
@@ -97,3 +100,13 @@ part reshard 120 reshard.log "$PY" bench/reshard.py --device cuda --size 1.7b --
 # rl.exact's CUDA path (issue 25). Not in the default PARTS: PARTS="exact" bash scripts/gpu_check.sh
 part exact 150 exact.log bash -c "$PY -m pytest -v -p no:cacheprovider tests/kernels/test_triton_batch_invariant.py; \
   $PY -m bench.exact_kernels --device cuda --dtype bf16"
+
+# FP8 KV (issue 40). Not yet run on a GPU, so not in the default PARTS:
+#   PARTS="fp8kv" bash scripts/gpu_check.sh
+# The FP8 store / attention kernels against the PyTorch path on the device
+# (tests/kernels/test_fp8_kv.py), then capacity and rollout time with and without FP8 pages at
+# GPU sizes (bench/fp8_kv.py).
+part fp8kv 240 fp8kv.log bash -c "$PY -m pytest -v -p no:cacheprovider \
+  tests/kernels/test_fp8_kv.py; \
+  $PY -m bench.fp8_kv --device cuda --dtype bfloat16 --hidden 1024 --layers 16 --lengths 2048,8192 \
+  --seqs 64 --kv-cache-gb 4"

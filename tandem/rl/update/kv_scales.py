@@ -143,15 +143,14 @@ class KVScales:
                 "kv/scales_changed": changed, "kv/scale_log2_mean": float(after.log2().mean())}
 
     def ensure(self, policy: Any, prompts: list[Any], step: int) -> dict[str, float]:
-        """Collective: the first calibration, from training prompts alone (rank r reads prompts
-        r, r + world, ...), when the run has no scales yet (not after a resume that restored
-        them)."""
+        """Collective: the first calibration, from training prompts alone (data-parallel rank r
+        of n reads prompts r, r + n, ...; a replica's tensor-parallel ranks the same ones),
+        when the run has no scales yet (not after a resume that restored them)."""
         if self.calibrated:
             return {}
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = [RolloutSample(group=i, prompt_ids=p.token_ids, completion_ids=[], loss_mask=[],
                               gen_logprobs=[], finish_reason="stop", text="", row={})
-                for i, p in enumerate(prompts[rank::world])]
+                for i, p in enumerate(prompts[policy.dp_rank::policy.dp])]
         return self.calibrate(policy, mine, step)
 
     def rollout_metrics(self, step: int) -> dict[str, float]:

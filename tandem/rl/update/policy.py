@@ -42,7 +42,7 @@ from tandem.models.moe import router_loss, set_token_mask
 from tandem.models.transformer import Transformer
 from tandem.parallel.grad import clip_grad_norm
 from tandem.parallel.loss import token_logprobs_at
-from tandem.parallel.mesh import Degrees
+from tandem.parallel.mesh import Degrees, dp_rank
 from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
 from tandem.parallel.tp import validate_tp
 from tandem.rl.rollout.types import RolloutSample
@@ -78,6 +78,7 @@ class FlatPolicy:
         self.share_prompts = share_prompts
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        self.dp_rank = dp_rank(mesh)  # TP ranks of one replica share it (and their samples)
         self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main, trainable=trainable)
         self.modules = [self.model]
         self.state_module = self.model
