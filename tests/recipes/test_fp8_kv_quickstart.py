@@ -42,7 +42,7 @@ def _run(dump: str, *extra: str) -> tuple[list[dict], str]:
         "--config",
         os.path.join(ROOT, "configs", "quickstart.toml"),
         f"--job.dump_folder={dump}",
-        "--metrics.tensorboard=false",
+        "--metrics.loggers=[]",
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -55,7 +55,7 @@ def _run(dump: str, *extra: str) -> tuple[list[dict], str]:
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("fp8_quickstart")
     default, out_default = _run(str(base / "default"), "--checkpoint.enable=false")
-    fp8, out_fp8 = _run(str(base / "fp8"), *FP8)
+    fp8, out_fp8 = _run(str(base / "fp8"), *FP8, "--checkpoint.keep_last=3")  # steps 20, 40, 60
     return base, default, fp8, (_eval(out_default), _eval(out_fp8))
 
 
