@@ -122,6 +122,7 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
     tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest degree whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
+    cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
     reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
     # FP8 KV pool (docs/fp8-kv.md)
     kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the

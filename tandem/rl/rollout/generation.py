@@ -61,8 +61,9 @@ class GenerationCopy:
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
                  dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
-                 lora: LoraSpec | None = None) -> None:
+                 cpu_onednn: bool = False, lora: LoraSpec | None = None) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
         self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
         with torch.device("meta"):
@@ -119,7 +120,7 @@ class GenerationCopy:
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
         gen.requires_grad_(False).eval()
         if inference and self.lora is None:  # fused projections would fold the adapters' inputs away
-            inference_layout(gen)
+            inference_layout(gen, self.cpu_onednn)
         metrics = _reshard_metrics(stats, nbytes)
         if self.lora is not None:
             adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}  # before shard_modules renames
@@ -201,38 +202,44 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
     return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
-                          lora=lora_spec_of(policy.modules[0]))
+                          cpu_onednn=rcfg.cpu_onednn, lora=lora_spec_of(policy.modules[0]))
 
 
-def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
-                           dtype: torch.dtype | None = None, *, layout: bool = True,
-                           ) -> tuple[Transformer, dict[str, float]]:
+def build_generation_model(
+    policy: Any,
+    args: ModelArgs,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    *,
+    layout: bool = True,
+    cpu_onednn: bool = False,
+) -> tuple[Transformer, dict[str, float]]:
     """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
     (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
     `GenerationCopy` with ``rollout.tp = 1``."""
     copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype,
-                          lora=lora_spec_of(policy.modules[0]))
+                          cpu_onednn=cpu_onednn, lora=lora_spec_of(policy.modules[0]))
     return copy.build(inference=layout)
 
 
-def inference_layout(model: Transformer) -> bool:
+def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
     """The rollout copy's layout, in place; returns whether it changed anything.
 
-    On CUDA: the q/k/v and gate/up projections fused into one product each
-    (`Transformer.fuse_projections`); the generator ran 3-6 % faster on an H200 with the
-    same tokens (bench.generate, hidden 1024 x 16 layers, bf16, CUDA graphs). On the CPU in
-    fp32, where PyTorch has oneDNN: fused too, and every linear run through oneDNN on a
-    prepacked weight (`tandem.kernels.cpu_linear`); a rollout of the GRPO bench's shape took 550 ->
-    453 ms with the fusion on oneDNN, then 471 -> 403 ms with prepacking. Elsewhere (CPU
-    without oneDNN or in another dtype) the layout stays, as nothing was measured there.
-    Numbers: docs/performance.md."""
+    On CUDA: q/k/v and gate/up fused into one product each (`Transformer.fuse_projections`:
+    fewer, larger products; 3-6 % faster on an H200). On the CPU the copy keeps the training
+    layout unless ``cpu_onednn`` (``rollout.cpu_onednn``): then, in fp32 where PyTorch has
+    oneDNN, fused and every linear on oneDNN with a prepacked weight (`tandem.kernels.cpu_linear`).
+    That won on an AMD EPYC and lost on an Intel Xeon with AMX, and its last-bit differences
+    would make two runs of one config sample differently if a timing chose it, so it is a
+    setting, off by default. Numbers: docs/performance.md."""
     weight = next(model.parameters(), None)
     if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
         return False
     if weight.is_cuda:
         model.fuse_projections()
         return True
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+    if not cpu_onednn or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or not onednn_linear_available():
         return False
     model.fuse_projections()
     use_onednn_linears(model)
