@@ -200,7 +200,7 @@ def accuracy(path: str) -> None:
         print(f"{name:>10}{len(wrong):>7}{numbers:>8}", flush=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", help="the model's and the default pool's dtype")
@@ -231,6 +231,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.lengths, args.seqs = 2, [32], 2
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     from bench.header import print_header
 
     print_header("bench.fp8_kv", device=args.device)

@@ -118,8 +118,7 @@ class RLRecipe:
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
                              seed=cfg.job.seed, is_main=info.is_main) if needs_values else None
-        self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
-        self.teachers = None
+        self.critic_warmup, self.teachers = cfg.critic.warmup_steps if self.critic is not None else 0, None
         if cfg.distill.teachers:
             self.teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
                                      is_main=info.is_main, conversation=self._conversation)
