@@ -44,7 +44,8 @@ class Critic:
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         """V(s_t) at the completion tokens, in ``mb.comp_*`` order [K]."""
-        v = self.model(mb.tokens, positions=mb.positions, attn=mb.attention()).reshape(-1)  # [B*S]
+        attn = mb.attention(wrapped=False)  # not the policy's FP8 K/V rounding
+        v = self.model(mb.tokens, positions=mb.positions, attn=attn).reshape(-1)  # [B*S]
         return v.index_select(0, mb.comp_index)
 
     @torch.no_grad()
