@@ -17,13 +17,15 @@
 # Qwen3-1.7B and 8B shapes, batch 64 and 256, by kernel class against its weight-read floor),
 # "moe" (grouped GEMM and layer against the per-expert loop and transformers' block, bf16),
 # "reshard" (the move into the generation copy at Qwen3-1.7B shapes against a full gather), and
-# "exact" (rl.exact's Triton kernels' tests and their cost against cuBLAS / SDPA at 1.7B shapes).
+# "exact" (rl.exact's Triton kernels' tests and their cost against cuBLAS / SDPA at 1.7B shapes),
+# "fp8kv" (the FP8 KV store and attention kernels' tests on the device, then capacity and
+# rollout time with and without FP8 pages: bench/fp8_kv.py).
 # A part that fails or runs out of time is reported and the next one runs. The limits of the
 # default parts add up to 15 minutes, over one device call's 10: run it as two calls,
 # PARTS="tests kernels noise quickstart grpo" then PARTS="grpo-triton generate planner" (on an
 # H200 the parts of the second GPU run took 6 minutes in all).
 # Logs: at most 8 files whatever PARTS holds (what a device call returns): env.txt, tests.log,
-# kernels.log (attention, kernels, noise, moe, exact), quickstart.log, quickstart_metrics.jsonl,
+# kernels.log (attention, kernels, noise, moe, exact, fp8kv), quickstart.log, quickstart_metrics.jsonl,
 # grpo.log (grpo, grpo-triton), generate.log (generate, profile), layouts.log (planner, reshard).
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # logs land in OUT_DIR (default: $OUT or outputs/gpu_check)
@@ -106,3 +108,13 @@ part reshard 120 layouts.log "$PY" -m bench.reshard --device cuda --size 1.7b --
 part exact 150 kernels.log bash -c "$PY -m pytest -v -p no:cacheprovider \
   tests/kernels/test_triton_batch_invariant.py; \
   $PY -m bench.exact_kernels --device cuda --dtype bf16"
+
+# FP8 KV (issue 40). Not yet run on a GPU, so not in the default PARTS:
+#   PARTS="fp8kv" bash scripts/gpu_check.sh
+# The FP8 store / attention kernels against the PyTorch path on the device
+# (tests/kernels/test_fp8_kv.py), then capacity and rollout time with and without FP8 pages at
+# GPU sizes (bench/fp8_kv.py).
+part fp8kv 240 kernels.log bash -c "$PY -m pytest -v -p no:cacheprovider \
+  tests/kernels/test_fp8_kv.py; \
+  $PY -m bench.fp8_kv --device cuda --dtype bfloat16 --hidden 1024 --layers 16 --lengths 2048,8192 \
+  --seqs 64 --kv-cache-gb 4"

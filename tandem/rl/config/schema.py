@@ -426,6 +426,9 @@ class Config:
         require(bool(scored) or self.env.kind == "http",
                 "reward.functions: list at least one reward function (or set reward.reward_model, "
                 "env.name or env.kind = \"http\")")
+        require(self.env.kind != "http" or self.rollout.kv_dtype == "auto",
+                f"rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = \"http\" is not supported "
+                "yet (the endpoint's engine does not take the FP8 scales); use \"auto\"")
         if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
             args = _model_args_if_known(self.model)
             if args is not None:

@@ -103,6 +103,7 @@ class Settings:
     reference: bool = False  # a frozen second copy (rl.kl_coef > 0, dpo's online reference)
     critic: bool = False
     kv_cache_gb: float = 1.0
+    kv_quant: Any = None  # rollout.kv_dtype's FP8 format (a KVQuant); None: gen_dtype
     num_blocks: int = 0
     block_size: int = 16
     max_num_seqs: int = 256
@@ -135,7 +136,8 @@ class Settings:
             seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer, cpu_offload=p.cpu_offload,
             reference=lora is None and ((rl and r.kl_coef > 0) or (t.recipe == "dpo" and cfg.preference.reference == "online")),
             critic=rl and ADVANTAGES.cap(r.advantage, "needs_values", False),
-            kv_cache_gb=ro.kv_cache_gb, num_blocks=ro.num_blocks, block_size=ro.block_size,
+            kv_cache_gb=ro.kv_cache_gb, kv_quant=ro.kv_quant_format(), num_blocks=ro.num_blocks,
+            block_size=ro.block_size,
             max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1, prompts_per_step=r.prompts_per_step,
             num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel, bucket_bytes=ro.reshard_bucket_mb << 20,
             chunk_tokens=r.logprob_chunk_tokens, cp_style=p.cp_style, lora=lora)
@@ -323,7 +325,7 @@ class Planner:
         at most what the rollout's sequences of max_model_len tokens need at once."""
         s = self.s
         local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
-        per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype)
+        per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype, s.kv_quant)
         blocks_per_seq = -(-s.max_len // s.block_size)
         if s.num_blocks:
             blocks = s.num_blocks

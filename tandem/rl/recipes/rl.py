@@ -14,7 +14,6 @@ shell's (tandem/rl/recipes/loop.py).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -41,29 +40,20 @@ from tandem.rl.algorithms import (
     overlong_penalty,
 )
 from tandem.rl.core.fields import get_field
-from tandem.rl.data.prompts import (
-    PromptStream,
-    deal,
-    encode_prompts,
-    load_prompt_rows,
-    prompt_messages,
-    rollout_seed,
-)
+from tandem.rl.data.prompts import (PromptStream, deal, encode_prompts, load_prompt_rows,
+                                     prompt_messages, rollout_seed)
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
-from tandem.rl.rollout.generation import (
-    generate_episodes,
-    generate_samples,
-    generation_copy,
-    generation_dtype,
-)
+from tandem.rl.rollout.generation import (generate_episodes, generate_samples, generation_copy,
+                                          generation_dtype)
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from tandem.rl.core.optim import build_optimizer, build_scheduler
-from tandem.rl.core.samples import SampleLog
+from tandem.rl.core.samples import SampleLog, dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.update.cp_batch import check_cp_settings
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.kv_scales import KVScales
 from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.loss import (
     LossInputs,
@@ -98,15 +88,14 @@ class RLRecipe:
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
-        self.mp_group = subgroup(self.mesh, ("pp", "cp", "tp"))
-        self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
+        self.mp_group = mp = subgroup(self.mesh, ("pp", "cp", "tp"))
+        self.mp_rank = dist.get_rank(mp) if mp is not None else 0
         if r.prompts_per_step % self.dp:
             raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
-        par = cfg.parallel
-        check_layout(self.args, degrees, par.pp_schedule, par.cp_style, par.ep)
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
@@ -126,13 +115,12 @@ class RLRecipe:
                                         offload_optimizer=r.offload_optimizer)
         self.ref = frozen_reference(self.policy, lambda: build_policy(  # LoRA: the policy, adapters off
             self.args, self.mesh, info.device, trainable=False, **kw)) if r.kl_coef > 0 else None
+        self.kv = KVScales.create(cfg.rollout, self.args, self.policy, self.ref)  # FP8 KV or None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main,
-                             cp=self.policy.split) if needs_values else None
-        self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
-        self.teachers = None
+                             seed=cfg.job.seed, is_main=info.is_main, cp=self.policy.split) if needs_values else None
+        self.critic_warmup, self.teachers = cfg.critic.warmup_steps if self.critic is not None else 0, None
         if cfg.distill.teachers:
             self.teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
                                      is_main=info.is_main, conversation=self._conversation)
@@ -140,8 +128,7 @@ class RLRecipe:
                 raise ConfigError("distill.teachers: a teacher with another tokenizer scores single-turn completions "
                                   "only so far; env.name (multi-turn episodes) needs teachers with the student's tokenizer")
             self.teachers.check_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
-        self.rm = self._reward_model() if cfg.reward.reward_model else None
-        self.env_pool = None
+        self.rm, self.env_pool = self._reward_model() if cfg.reward.reward_model else None, None
         if cfg.env.name and self.gen_copy.layout.rank == 0:  # a generation group's leader steps its environments
             from tandem.rl.workers.env_pool import EnvPool
 
@@ -258,6 +245,8 @@ class RLRecipe:
     def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
+        layout = self.gen_copy.layout
+        kv = self.kv.for_heads(layout.tp, layout.rank) if self.kv is not None else None
         if self.http:
             from tandem.rl.serve.episodes import serve_episodes
 
@@ -267,10 +256,10 @@ class RLRecipe:
                                   beat=self.rt.watchdog.beat)
         if self.cfg.env.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
-                                     seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
+                                     seed=0, greedy=greedy, seeds=seeds, layout=layout, kv_scales=kv)
         return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
                                 max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                layout=self.gen_copy.layout)
+                                layout=layout, kv_scales=kv)
 
     def _generate_shared(self, gen_model, prompts, n: int, seeds: list[int]):
         """Generate and score, the prompts split over the model-parallel group (its TP and PP
@@ -308,9 +297,11 @@ class RLRecipe:
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
         before = allocated_gb(self.info.device)
+        kv_metrics = self._kv_ready()  # collective: FP8 KV scales exist before anything samples
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
         gen_model, metrics = self.gen_copy.build()
+        metrics.update(kv_metrics)
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
         kept, dropped, rounds = 0, 0, 0  # groups, over all ranks
@@ -345,9 +336,11 @@ class RLRecipe:
             move_optimizer_state(self.opt, self.info.device)
         if before is not None:  # the generation copy and KV pool are gone: the update starts where it would have
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
+        if self.kv is not None:
+            metrics.update(self.kv.rollout_metrics(self.step_index))
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
-        _dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
+        dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
         return samples, torch.stack(scores) if scores else torch.zeros(0), metrics
 
     def _dp_count(self, n: int) -> int:
@@ -480,6 +473,8 @@ class RLRecipe:
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
         extra.update(self._gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask))
+        if self.kv is not None:  # the next rollout's scales, from the weights it will run
+            extra.update(self.kv.calibrate(self.policy, samples, self.step_index + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
         extra.update(self.policy.cp_metrics())
@@ -514,6 +509,7 @@ class RLRecipe:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return {}
+        self._kv_ready()
         gen_model, _ = self.gen_copy.build()
         order = list(range(len(self.eval_prompts)))
         mine = deal(order, self.info.rank, self.info.world_size)
@@ -533,12 +529,15 @@ class RLRecipe:
         return CheckpointParts(self.model, self.opt, extras)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor}  # the same on every rank
+        kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}  # the same on every rank
+        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor, **kv}
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
         run stopped (and samples what it would have: seeds are keyed by position, not rank)."""
         self.sched.load_state_dict(state["scheduler"])
+        if self.kv is not None and "kv_scales" in state:
+            self.kv.load_state_dict(state["kv_scales"])
         if "cursor" in state:
             self.stream.cursor = state["cursor"]
         else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
@@ -578,6 +577,9 @@ class RLRecipe:
         if self.server is not None:
             self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
 
+    def _kv_ready(self) -> dict[str, float]:
+        return self.kv.ensure(self.policy, self.train_prompts, self.step_index) if self.kv else {}
+
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],
                          dtype=torch.float64)
@@ -588,19 +590,6 @@ class RLRecipe:
         n = max(stats[3].item(), 1.0)
         return {"response/length_mean": stats[0].item() / n, "response/length_max": mx.item(),
                 "response/clipped_frac": stats[1].item() / n, "accuracy": stats[2].item() / n}
-
-
-def _dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutSample]) -> None:
-    """With ``TANDEM_DUMP_ROLLOUTS=1`` (a debugging aid, used by the layout tests): every sample
-    of this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens,
-    generator log-probs), so runs on different layouts can be compared sample by sample."""
-    if os.environ.get("TANDEM_DUMP_ROLLOUTS") != "1":
-        return
-    os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
-    with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
-        for s in samples:
-            f.write(json.dumps({"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
-                                "gen_logprobs": s.gen_logprobs}) + "\n")
 
 
 def make_rl(cfg: Any, rt: Runtime) -> RLRecipe:

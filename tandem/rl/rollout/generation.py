@@ -263,6 +263,7 @@ def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> Generat
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
         kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
+        kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
     )
 
 
@@ -275,10 +276,11 @@ def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
 
 def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
                     run: Callable[[Generator], Any], layout: GenerationLayout | None = None,
-                    ) -> tuple[Any, dict[str, float]]:
+                    kv_scales: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
     """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
     freed on return (a leak raises); the rollout/* metrics of that generation. In a generation
-    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens."""
+    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens.
+    ``kv_scales``: the FP8 pool's scales of this rank's KV heads (``rollout.kv_dtype``)."""
     t0 = time.monotonic()
     settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
     agree = None
@@ -287,16 +289,23 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     if layout is not None and layout.tp > 1:
         settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
         agree = partial(leader_tokens, layout)
-    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree)
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree,
+                    kv_scales=kv_scales)
     out = run(gen)
     if not gen.pool_is_free():
         raise RuntimeError("generator leaked KV blocks")
-    stats, kv_bytes = gen.stats, gen.cache.nbytes
+    stats, cache = gen.stats, gen.cache
+    per_seq = -(-gen.scheduler.max_model_len // cache.block_size)
+    # capacity: how many full-length sequences the budget holds
+    kv = {"rollout/kv_cache_gb": cache.nbytes / 1e9,
+          "rollout/kv_capacity_seqs": float(cache.budget_blocks // per_seq)}
+    if cache.quant is not None and not cache.quant.per_token:
+        kv["rollout/kv_saturated_frac"] = cache.saturated_share()
     gen.close()
     dt = time.monotonic() - t0
     return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
-                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+                 "rollout/preemptions": float(stats.preemptions), **kv}
 
 
 def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -321,7 +330,8 @@ def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any
 
 def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
                      seed: int, max_prompt_tokens: int, greedy: bool = False, seeds: list[int] | None = None,
-                     layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+                     layout: GenerationLayout | None = None, kv_scales: torch.Tensor | None = None,
+                     ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return.
 
     ``seeds``: one per prompt (its samples use seed + sample index), so a sample's noise does
@@ -338,7 +348,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
-        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check),
+        layout, kv_scales)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
@@ -354,7 +365,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
                       pool: Any, *, seed: int, greedy: bool = False, seeds: list[int] | None = None,
-                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+                      layout: GenerationLayout | None = None, kv_scales: torch.Tensor | None = None,
+                      ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py); the KV pool is freed on return.
 
     In a generation group (``layout.tp > 1``) the members' prompts are pooled as in
@@ -375,7 +387,7 @@ def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prom
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
                                         max_turn_tokens=ecfg.max_turn_tokens,
                                         seeds=None if seeds is None else [s for _, s in pooled], layout=layout),
-        layout)
+        layout, kv_scales)
     mine = samples[start * n:(start + len(prompts)) * n]
     for s in mine:
         s.group -= start

@@ -48,7 +48,8 @@ class Critic:
         """V(s_t) at the completion tokens, ``mb.comp_*`` order [K] (cp: every rank's, summed)."""
         if self.cp is not None:
             return cp_values(self.model, mb, self.cp)
-        v = self.model(mb.tokens, positions=mb.positions, attn=mb.attention()).reshape(-1)  # [B*S]
+        attn = mb.attention(wrapped=False)  # not the policy's FP8 K/V rounding
+        v = self.model(mb.tokens, positions=mb.positions, attn=attn).reshape(-1)  # [B*S]
         return v.index_select(0, mb.comp_index)
 
     @torch.no_grad()

@@ -63,8 +63,17 @@ class MicroBatch:
     seg_gather: torch.Tensor | None = None  # [V, W] flat positions
     seg_scatter: torch.Tensor | None = None  # [B*S] flat segment positions
     one_per_row: bool = False
+    # wraps the attention backend (FP8 KV: tandem.kernels.kv_quant.KVQuantAttention rounds K and
+    # V as the rollout's pool did); set per forward by the policy that runs it
+    kv_wrap: Callable[[AttentionBackend], AttentionBackend] | None = None
 
-    def attention(self) -> AttentionBackend:
+    def attention(self, wrapped: bool = True) -> AttentionBackend:
+        """The backend this layout needs; ``wrapped``: with ``kv_wrap`` (the policy's forwards;
+        another model reading the same micro-batch, the critic, passes False)."""
+        backend = self._attention()
+        return backend if self.kv_wrap is None or not wrapped else self.kv_wrap(backend)
+
+    def _attention(self) -> AttentionBackend:
         if batch_invariant.enabled():  # rl.exact: the generator's attention function, whatever the packing
             return ExactAttention(self.doc_ids, self.branch_ids)
         if self.one_per_row:

@@ -44,7 +44,7 @@ from tandem.models.transformer import Transformer
 from tandem.parallel.cp import ContextParallel
 from tandem.parallel.grad import clip_grad_norm
 from tandem.parallel.loss import token_logprobs_at
-from tandem.parallel.mesh import Degrees
+from tandem.parallel.mesh import Degrees, dp_rank
 from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
 from tandem.parallel.tp import validate_tp
 from tandem.rl.rollout.types import RolloutSample
@@ -85,10 +85,13 @@ class FlatPolicy:
         self.share_prompts = share_prompts
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        self.dp_rank = dp_rank(mesh)  # TP ranks of one replica share it (and their samples)
         self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main, trainable=trainable)
         self.modules = [self.model]
         self.state_module = self.model
-        self.counts_stats = mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0
+        self.tp_rank = mesh["tp"].get_local_rank()
+        self.counts_stats = self.tp_rank == 0 and mesh["cp"].get_local_rank() == 0
+        self.kv_wrap: Callable[[Any], Any] | None = None  # FP8 KV: attention wrapper (kv_scales.py)
         self.moe = RouterStats()
         self.routing = RoutingCheck()
         self.is_moe = args.is_moe
@@ -118,8 +121,13 @@ class FlatPolicy:
         """The cp group the rows are split over (None: cp = 1)."""
         return self.cp if self.cp.size > 1 else None
 
+    def _wrapped(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        for mb in mbs:
+            mb.kv_wrap = self.kv_wrap
+        return mbs
+
     def logprobs(self, samples: list[RolloutSample], width: int) -> torch.Tensor:
-        mbs = self.micro_batches(samples, list(range(len(samples))))
+        mbs = self._wrapped(self.micro_batches(samples, list(range(len(samples)))))
         out = recompute_logprobs(self.model, samples, mbs, width, self.device, self.chunk,
                                  vocab_parallel=self.vocab_parallel, cp=self.split,
                                  after=lambda mb: self.routing.observe(self.model, mb))
@@ -134,7 +142,7 @@ class FlatPolicy:
         ``also(mb)`` runs after each micro-batch (the PPO critic's step).
         """
         sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        mbs = self.micro_batches(samples, rows)
+        mbs = self._wrapped(self.micro_batches(samples, rows))
         spec = dataclasses.replace(spec, cp=self.split)
         for mb in mbs:
             if policy:
