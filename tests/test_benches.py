@@ -28,6 +28,7 @@ BENCHES = sorted(
 # what each bench's table must show (a row with its ratio); a bench not listed: any table row
 TABLES = {
     "checkpoint": r"quickstart\s+106,880 .*\d\.\d\d\s+[\d.]+\s+[\d.]+\s*$",
+    "context_parallel": r"^\s+1024\s+2\s+ring\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+[\d.]+x",
     "decode_profile": r"step / floor = [\d.]+x",
     "exact_kernels": r"mm qkv 16,256,128\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+0\s*$",
     "fp8_kv": r"^\s+32\s+tight\s+fp8\s+[\d.]+\s+[\d.]+\s+\d+\s+\d+\s+[\d.]+x$",

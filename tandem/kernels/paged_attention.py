@@ -382,7 +382,10 @@ def paged_attention_ref(
     then masked fp32 softmax.
 
     Rows of a query with nothing to attend to (only possible for a padded decode
-    row with ``context_lens == 0``) are zero.
+    row with ``context_lens == 0``) are zero. A sequence's queries go in slices whose
+    ``[Hq, rows, context]`` scores stay under ``_BATCHED_SCORE_LIMIT`` elements, so a
+    prefill chunk of a long prompt never scores the whole chunk against the whole context
+    at once.
     """
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -401,14 +404,17 @@ def paged_attention_ref(
         v = _gather_float(v_cache, v_scale, block_tables[n], ctx)  # [C, Hkv, D]
         k = k.repeat_interleave(group, dim=1)  # [C, Hq, D]
         v = v.repeat_interleave(group, dim=1)  # [C, Hq, D]
-        qn = q[q_lo:q_hi].float()  # [L, Hq, D]
-        scores = torch.einsum("lhd,chd->hlc", qn, k) * scale  # [Hq, L, C]
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)  # [L]
         k_pos = torch.arange(ctx, device=q.device)  # [C]
-        causal = k_pos[None, :] <= q_pos[:, None]  # [L, C]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        probs = scores.softmax(dim=-1)  # [Hq, L, C]
-        out[q_lo:q_hi] = torch.einsum("hlc,chd->lhd", probs, v).to(q.dtype)  # [L, Hq, D]
+        rows = max(1, _BATCHED_SCORE_LIMIT // (hq * ctx))
+        for a in range(q_lo, q_hi, rows):
+            b = min(a + rows, q_hi)
+            qn = q[a:b].float()  # [L, Hq, D]
+            scores = torch.einsum("lhd,chd->hlc", qn, k) * scale  # [Hq, L, C]
+            q_pos = torch.arange(ctx - q_hi + a, ctx - q_hi + b, device=q.device)  # [L]
+            causal = k_pos[None, :] <= q_pos[:, None]  # [L, C]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            probs = scores.softmax(dim=-1)  # [Hq, L, C]
+            out[a:b] = torch.einsum("hlc,chd->lhd", probs, v).to(q.dtype)  # [L, Hq, D]
     return out
 
 

@@ -51,6 +51,7 @@ from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer,
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog, dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
+from tandem.rl.update.cp_batch import check_cp_settings
 from tandem.rl.update.critic import Critic
 from tandem.rl.update.kv_scales import KVScales
 from tandem.rl.update.lora_reference import frozen_reference
@@ -76,7 +77,7 @@ class RLRecipe:
         degrees = Degrees(**cfg.parallel.resolve(info.world_size))
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
-        self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
+        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         self.http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
         if self.http:
             from tandem.rl.serve import episodes as http_episodes
@@ -87,14 +88,14 @@ class RLRecipe:
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
-        self.mp_group = subgroup(self.mesh, ("pp", "tp"))
-        self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
+        self.mp_group = mp = subgroup(self.mesh, ("pp", "cp", "tp"))
+        self.mp_rank = dist.get_rank(mp) if mp is not None else 0
         if r.prompts_per_step % self.dp:
             raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule)
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
@@ -105,7 +106,8 @@ class RLRecipe:
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
-                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
+                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts,
+                  cp_style=cfg.parallel.cp_style)
         self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)  # [lora]: adapters
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
@@ -117,7 +119,7 @@ class RLRecipe:
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main) if needs_values else None
+                             seed=cfg.job.seed, is_main=info.is_main, cp=self.policy.split) if needs_values else None
         self.critic_warmup, self.teachers = cfg.critic.warmup_steps if self.critic is not None else 0, None
         if cfg.distill.teachers:
             self.teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
@@ -126,8 +128,7 @@ class RLRecipe:
                 raise ConfigError("distill.teachers: a teacher with another tokenizer scores single-turn completions "
                                   "only so far; env.name (multi-turn episodes) needs teachers with the student's tokenizer")
             self.teachers.check_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
-        self.rm = self._reward_model() if cfg.reward.reward_model else None
-        self.env_pool = None
+        self.rm, self.env_pool = self._reward_model() if cfg.reward.reward_model else None, None
         if cfg.env.name and self.gen_copy.layout.rank == 0:  # a generation group's leader steps its environments
             from tandem.rl.workers.env_pool import EnvPool
 
@@ -154,14 +155,16 @@ class RLRecipe:
     def _check_layout_settings(self, needs_values: bool) -> None:
         """One ConfigError line for settings the layout cannot run yet."""
         cfg, r, device = self.cfg, self.cfg.rl, self.info.device
-        if self.mp > 1 and (needs_values or cfg.distill.teachers):
+        tp_pp = cfg.parallel.tp * cfg.parallel.pp
+        check_cp_settings(cfg)
+        if tp_pp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
-        if r.exact and (device.type != "cpu" or self.mp > 1):
+        if r.exact and (device.type != "cpu" or tp_pp > 1):
             raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
                               "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                               "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
-                              f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
+                              f"(device {device.type}, tp x pp = {tp_pp}); set rl.exact = false")
         if r.exact and cfg.rollout.tp > 1:
             raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
                               f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
@@ -453,7 +456,7 @@ class RLRecipe:
                 if self.critic is not None:
                     def also(mb, norm=norm):
                         vloss, sq = self.critic.micro_batch_loss(mb, values, returns, mask, norm, width)
-                        (vloss * self.dp).backward()
+                        (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2: dp x cp mean
                         sums[6] += sq.double()
                         sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
                 sums[:5] += self.policy.accumulate(samples, mb_rows, inp, spec, norm, width, policy=train_policy,
@@ -474,6 +477,7 @@ class RLRecipe:
             extra.update(self.kv.calibrate(self.policy, samples, self.step_index + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
+        extra.update(self.policy.cp_metrics())
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
                           "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
