@@ -8,7 +8,10 @@ omit ``lm_head.weight`` on disk; we write it omitted, as transformers does.
 MoE experts are one tensor per expert on disk
 (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``) and one stacked 3-D
 parameter here (``layers.{i}.moe.experts.w1``, expert ``e`` at index ``e``):
-stacked on load, split (copied) on export.
+stacked on load, split (copied) on export. A vision-language model's tower keeps HF's
+names (``visual.blocks.{i}.attn.qkv.weight``, ...); its LM is named like Qwen2's
+(transformers 5 writes both so; its in-memory ``model.language_model.`` / ``model.visual.``
+prefixes are read too).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from safetensors.torch import save_file
 
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
+from tandem.models.vlm import make_model
 
 if TYPE_CHECKING:
     from tandem.models.tokenizer import Tokenizer
@@ -80,13 +84,30 @@ def _rename(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
     return None
 
 
+_VISION = "visual."
+_HF_PREFIXES = (("model.language_model.", "model."), ("model.visual.", _VISION))
+
+
+def canonical_hf_name(name: str) -> str:
+    """The on-disk (hub) form of an HF tensor name: transformers 5's in-memory VLM prefixes dropped."""
+    for old, new in _HF_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def hf_name_to_tandem(name: str) -> str | None:
     """Tandem name for an HF tensor name, or None when it has no counterpart."""
+    name = canonical_hf_name(name)
+    if name.startswith(_VISION):
+        return name
     return _rename(name, _HF_TO_TANDEM)
 
 
 def tandem_name_to_hf(name: str) -> str | None:
     """HF name for a Tandem tensor name, or None when it has no counterpart."""
+    if name.startswith(_VISION):
+        return name
     return _rename(name, _TANDEM_TO_HF)
 
 
@@ -201,7 +222,7 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
     Reads headers only."""
     path = Path(path)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
     sd = model.state_dict()
     expected = {tandem_name_to_hf(n): list(t.shape) for n, t in sd.items()}
     experts = {n: t for n, t in sd.items() if _TANDEM_EXPERTS.match(n)}
@@ -210,6 +231,7 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
         with _open_safetensors(path / fname) as f:
             for name in f.keys():
                 shape = list(f.get_slice(name).get_shape())
+                name = canonical_hf_name(name)
                 if name in expected and shape != expected[name]:
                     raise ValueError(f"{path / fname}: {name} has shape {shape}, but config.json makes it "
                                      f"{expected[name]}")
@@ -239,12 +261,12 @@ def read_hf_state_dict(
 def _check_tensor_names(model: Transformer, files: dict[str, str], path: Path) -> None:
     """Clear errors for tensors in the folder the model lacks, and the reverse."""
     expected = set(tandem_to_hf(model.state_dict(), model.args))  # meta model: no copies
-    found = {n for n in files if not _IGNORED_HF.match(n)}
+    found = {canonical_hf_name(n) for n in files if not _IGNORED_HF.match(n)}
     if model.args.tie_word_embeddings:
         found.discard("lm_head.weight")
     unknown = sorted(found - expected)
     if unknown:
-        where = ", ".join(f"{n} (in {files[n]})" for n in unknown)
+        where = ", ".join(f"{n} (in {files.get(n, 'its file')})" for n in unknown)
         raise KeyError(f"unexpected tensors in {path} for {model.args.model_type}: {where}")
     missing = sorted(expected - found)
     if missing:
@@ -261,7 +283,7 @@ def load_model(
     args = load_args(path)
     files = tensor_files(path)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
     _check_tensor_names(model, files, path)
     check_weight_shapes(path, args)
     model.to_empty(device=device).to(dtype)
