@@ -16,6 +16,7 @@ prefixes are read too).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
@@ -27,6 +28,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tandem.models.args import ModelArgs
+from tandem.models.image_processor import CONFIG_FILE as IMAGE_CONFIG
+from tandem.models.image_processor import ImageProcessor
 from tandem.models.transformer import Transformer
 from tandem.models.vlm import make_model
 
@@ -187,6 +190,8 @@ def load_args(path: str | Path) -> ModelArgs:
     if not isinstance(config, dict):
         raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
     args = ModelArgs.from_hf(config)
+    if args.vision is not None and (path / IMAGE_CONFIG).is_file():
+        args = args.replace(vision=dataclasses.replace(args.vision, processor=ImageProcessor.from_dir(path)))
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         extra = json.loads(gen_file.read_text()).get("eos_token_id")
@@ -365,6 +370,8 @@ def _write_configs(
         config["dtype"] = name  # transformers 5.x
         config["torch_dtype"] = name  # transformers 4.x
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if args.vision is not None:
+        args.vision.processor.save(path)
     eos = list(args.eos_token_id)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_token_ids if i not in eos]

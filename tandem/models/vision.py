@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.image_processor import ImageProcessor
+
 INIT_STD = 0.02
 
 
@@ -30,7 +32,8 @@ class VisionArgs:
 
     HF key names (``in_chans`` of older folders is read as ``in_channels``). ``window_size``
     is in pixels: a window covers ``window_size // (patch_size * spatial_merge_size)`` merged
-    rows and columns.
+    rows and columns. ``processor``: how images are prepared for the tower (the folder's
+    ``preprocessor_config.json``; its patch, frame and merge sizes are the tower's).
     """
 
     depth: int = 2
@@ -50,9 +53,16 @@ class VisionArgs:
     video_token_id: int = 0
     vision_start_token_id: int = 0
     vision_end_token_id: int = 0
+    processor: ImageProcessor = dataclasses.field(default_factory=ImageProcessor)
 
     def __post_init__(self) -> None:
         self.fullatt_block_indexes = sorted(int(i) for i in self.fullatt_block_indexes)
+        p = self.processor
+        if (p.patch_size, p.temporal_patch_size, p.merge_size) != (
+                self.patch_size, self.temporal_patch_size, self.spatial_merge_size):
+            raise ValueError(f"the image processor's patch / temporal patch / merge sizes ({p.patch_size}, "
+                             f"{p.temporal_patch_size}, {p.merge_size}) differ from the vision tower's "
+                             f"({self.patch_size}, {self.temporal_patch_size}, {self.spatial_merge_size})")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ValueError(f"vision hidden_size {self.hidden_size} / num_heads {self.num_heads} must be a "
                              "multiple of 4 (the 2-D RoPE splits each head in four)")
@@ -77,12 +87,16 @@ class VisionArgs:
         return self.spatial_merge_size**2
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any], top: dict[str, Any]) -> VisionArgs:
-        """From a ``vision_config`` dict and the folder's top-level config (token ids)."""
+    def from_hf(cls, config: dict[str, Any], top: dict[str, Any],
+                processor: ImageProcessor | None = None) -> VisionArgs:
+        """From a ``vision_config`` dict and the folder's top-level config (token ids);
+        ``processor`` None: the defaults at the tower's patch sizes."""
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported vision hidden_act {config.get('hidden_act')!r}; only 'silu'")
         rope = config.get("rope_parameters") or {}
-        return cls(
+        sizes = dict(patch_size=config.get("patch_size", 14), temporal_patch_size=config.get("temporal_patch_size", 2),
+                     merge_size=config.get("spatial_merge_size", 2))
+        return cls(processor=processor or ImageProcessor(**sizes),
             depth=config["depth"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
             num_heads=config["num_heads"], in_channels=config.get("in_channels", config.get("in_chans", 3)),
             patch_size=config.get("patch_size", 14), temporal_patch_size=config.get("temporal_patch_size", 2),

@@ -19,10 +19,12 @@ waits for the others).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tandem.models.args import ModelArgs
+from tandem.models.image_processor import ImageProcessor, open_image
 from tandem.models.transformer import Transformer
 from tandem.models.vision import VisionTransformer
 
@@ -43,6 +45,82 @@ class ImageInputs:
     def to(self, device: torch.device | str) -> ImageInputs:
         return ImageInputs(self.index.to(device), [(p.to(device), g) for p, g in self.groups],
                            None if self.embeds is None else self.embeds.to(device))
+
+
+@dataclass(eq=False)
+class PromptImages:
+    """The images of one prompt (or training example) and its M-RoPE positions.
+
+    Made once when the prompt is built (tandem/rl/data/images.py) and carried, the same
+    object, by every sample of it: the generator's prefill and the update's forward read
+    the same ``positions``. Pixels are decoded and preprocessed on demand (`pixels`) and
+    kept until `release`; ``rows`` holds the tower's output while a generator shares it
+    among the prompt's samples.
+    """
+
+    sources: list[Any]  # what `open_image` reads: paths, data: URIs, bytes
+    grids: list[tuple[int, int, int]]  # patch grid (t, h, w) per image
+    positions: torch.Tensor  # [3, P] M-RoPE positions of the prompt's tokens
+    delta: int  # a later token at index i sits at i + delta on every axis
+    processor: ImageProcessor
+    base_dir: str | None = None  # relative image paths are read from here
+    rows: torch.Tensor | None = None
+    _pixels: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        """LM rows (image tokens) of all the images."""
+        m = self.processor.merge_size**2
+        return sum(t * h * w // m for t, h, w in self.grids)
+
+    def pixels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixels ``[N, patch_dim]``, grid_thw ``[I, 3]``), decoded once until `release`."""
+        if self._pixels is None:
+            pixels, grid = self.processor([open_image(s, self.base_dir) for s in self.sources])
+            if grid.tolist() != [list(g) for g in self.grids]:
+                raise ValueError(f"an image changed size since the prompt was built: {grid.tolist()} != {self.grids}")
+            self._pixels = (pixels, grid)
+        return self._pixels
+
+    def release(self) -> None:
+        """Drop the cached pixels and rows (they are made again on demand)."""
+        self._pixels, self.rows = None, None
+
+    def positions_at(self, index: torch.Tensor) -> torch.Tensor:
+        """``[3, *index.shape]`` M-RoPE positions of token indices (any later index allowed)."""
+        p = self.positions.shape[1]
+        pos = self.positions.to(index.device)
+        inside = pos[:, index.clamp(max=p - 1)]
+        return torch.where(index < p, inside, index + self.delta)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled between ranks without caches
+        return {**self.__dict__, "rows": None, "_pixels": None}
+
+
+def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor,
+                 images: dict[tuple[int, int], PromptImages], image_token_id: int,
+                 ) -> tuple[torch.Tensor, ImageInputs | None]:
+    """M-RoPE positions ``[3, B, S]`` and the `ImageInputs` of a packed batch.
+
+    ``tokens``, ``positions`` (per-document token indices) and ``doc_ids`` are ``[B, S]``;
+    ``images[(row, doc)]`` the images of document ``doc`` of row ``row`` (documents without
+    an entry are text: the same position on all axes). A document's image tokens take its
+    images' rows in order; its tokens past the images' prompt continue at index + delta.
+    """
+    pos3 = positions.unsqueeze(0).expand(3, -1, -1).clone()  # [3, B, S]
+    if not images:
+        return pos3, None
+    s = tokens.shape[1]
+    index, groups = [], []
+    for (row, doc), pi in sorted(images.items()):
+        sel = (doc_ids[row] == doc).nonzero()[:, 0]  # [n] columns of this document
+        pos3[:, row, sel] = pi.positions_at(positions[row, sel])
+        cols = sel[tokens[row, sel] == image_token_id]
+        if cols.numel() != pi.num_rows:
+            raise ValueError(f"document {doc} of row {row} has {cols.numel()} image tokens for {pi.num_rows} image rows")
+        index.append(row * s + cols)
+        groups.append(pi.pixels())
+    return pos3, ImageInputs(torch.cat(index), groups)
 
 
 class VisionLanguageModel(Transformer):

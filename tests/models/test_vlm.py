@@ -193,6 +193,9 @@ def test_flat_hub_config_loads(folder, tmp_path):
     vision["in_chans"] = vision.pop("in_channels")
     flat["vision_config"] = vision
     (tmp_path / "config.json").write_text(json.dumps(flat))
+    assert load_args(tmp_path).replace(vision=None, model_type="qwen2") == load_args(folder).replace(
+        vision=None, model_type="qwen2")
+    (tmp_path / "preprocessor_config.json").write_text((folder / "preprocessor_config.json").read_text())
     assert load_args(tmp_path) == load_args(folder)
 
 

@@ -25,7 +25,8 @@ from tandem.models.args import ModelArgs
 from tandem.models.flavors import get_flavor
 from tandem.models.hf import check_weight_shapes, hf_to_tandem, load_args, read_hf_state_dict, save_hf
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
-from tandem.models.transformer import Transformer
+from tandem.models.vl_template import build_vl_char_tokenizer
+from tandem.models.vlm import make_model
 
 
 class ModelSetupError(Exception):
@@ -37,11 +38,11 @@ def build_tokenizer(tokenizer: str | None, model_path: str | None, cache_dir: st
     src = tokenizer or model_path
     if src is None:
         raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or 'builtin:char')")
-    if src == "builtin:char":
+    if src in ("builtin:char", "builtin:vl-char"):
         # One folder per rank: ranks build it at the same time and must not read a half-written file.
         rank_dir = os.path.join(cache_dir, f"rank-{os.environ.get('RANK', '0')}")
         os.makedirs(rank_dir, exist_ok=True)
-        return build_char_tokenizer(rank_dir)
+        return build_char_tokenizer(rank_dir) if src == "builtin:char" else build_vl_char_tokenizer(rank_dir)
     key = "model.tokenizer" if tokenizer else "model.path"
     try:
         return Tokenizer.from_dir(src)
@@ -74,7 +75,7 @@ def full_initial_state(args: ModelArgs, path: str | None, seed: int) -> dict[str
         except (OSError, ValueError, KeyError) as e:
             raise ModelSetupError(f"model.path: {_one_line(e)}") from None
     torch_state = torch.get_rng_state()
-    model = Transformer(args)
+    model = make_model(args)
     model.init_weights(seed)
     torch.set_rng_state(torch_state)
     return {k: v for k, v in model.state_dict().items()}
@@ -110,12 +111,13 @@ class BuildSpec:
     activation_checkpoint: str = "none"
     compile: bool = False
     ep: int = 1  # expert parallelism over the FSDP2 shard ranks (MoE models)
+    train_vision: bool = False  # vision-language models: the tower trains too (model.train_vision)
 
     @classmethod
-    def from_config(cls, training: Any, parallel: Any) -> BuildSpec:
+    def from_config(cls, training: Any, parallel: Any, model: Any = None) -> BuildSpec:
         return cls(param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
                    cpu_offload=parallel.cpu_offload, activation_checkpoint=parallel.activation_checkpoint,
-                   compile=parallel.compile, ep=parallel.ep)
+                   compile=parallel.compile, ep=parallel.ep, train_vision=bool(getattr(model, "train_vision", False)))
 
 
 def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
@@ -156,6 +158,7 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     """The one model builder (policy, reference, critic, reward model, teachers): ``make()``
     on the meta device, `parallelize_model`, then rank 0's ``initial_state()`` (the full
     weights, CPU) broadcast into the shards, so every layout starts from the same weights.
+    A vision-language model's tower is frozen unless ``spec.train_vision``.
     Pipeline stages use `parallelize_model` the same way (tandem/rl/update/policy.py)."""
     with torch.device("meta"):
         model = make()
@@ -165,13 +168,15 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     load_full_state(model, initial_state() if is_main else None)
     if not trainable:
         model.requires_grad_(False).eval()
+    elif hasattr(model, "visual") and not spec.train_vision:
+        model.visual.requires_grad_(False)  # a frozen tower: the same on every rank, never in a gradient collective
     return model
 
 
 def build_transformer(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
                       spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
     """A causal LM (policy, reference, teacher) from an HF folder or a seeded from-scratch init."""
-    return build_model(lambda: Transformer(args), lambda: full_initial_state(args, path, seed), mesh, device,
+    return build_model(lambda: make_model(args), lambda: full_initial_state(args, path, seed), mesh, device,
                        spec, is_main=is_main, trainable=trainable)
 
 
