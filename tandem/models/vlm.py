@@ -104,8 +104,9 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
 
     ``tokens``, ``positions`` (per-document token indices) and ``doc_ids`` are ``[B, S]``;
     ``images[(row, doc)]`` the images of document ``doc`` of row ``row`` (documents without
-    an entry are text: the same position on all axes). A document's image tokens take its
-    images' rows in order; its tokens past the images' prompt continue at index + delta.
+    an entry are text: the same position on all axes). A document's image tokens (those
+    inside the images' prompt: a sampled image token is text) take its images' rows in
+    order; its tokens past the prompt continue at index + delta.
     """
     pos3 = positions.unsqueeze(0).expand(3, -1, -1).clone()  # [3, B, S]
     if not images:
@@ -115,7 +116,8 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
     for (row, doc), pi in sorted(images.items()):
         sel = (doc_ids[row] == doc).nonzero()[:, 0]  # [n] columns of this document
         pos3[:, row, sel] = pi.positions_at(positions[row, sel])
-        cols = sel[tokens[row, sel] == image_token_id]
+        inside = positions[row, sel] < pi.positions.shape[1]
+        cols = sel[(tokens[row, sel] == image_token_id) & inside]
         if cols.numel() != pi.num_rows:
             raise ValueError(f"document {doc} of row {row} has {cols.numel()} image tokens for {pi.num_rows} image rows")
         index.append(row * s + cols)
