@@ -107,3 +107,36 @@ def test_sampled_logprobs_equal_a_full_forward(setup):
             n = len(p.token_ids)
             want = logp[torch.arange(n - 1, ids.shape[1] - 1), ids[0, n:]]
             torch.testing.assert_close(torch.tensor(c.raw_logprobs), want, atol=2e-5, rtol=0)
+
+
+def test_tandem_generate_with_image_rows(setup, tmp_path, capsys):
+    """`tandem-generate` on image rows (paths relative to the input file): greedy equals
+    transformers'; a missing image exits 3 naming its line."""
+    import json
+    import shutil
+
+    from tandem.generate import main
+
+    folder, prompts = setup
+    for path in {s for p in prompts if p.images is not None for s in p.images.sources}:
+        shutil.copy(path, tmp_path)
+    rows = [{"id": "one", "messages": [{"role": "user", "content": [{"type": "image", "image": "0.png"},
+                                                                    {"type": "text", "text": "Describe."}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "1.png"}, {"type": "text", "text": "and"},
+                                                       {"type": "image", "image": "2.png"},
+                                                       {"type": "text", "text": "Compare them."}]}]},
+            {"prompt": "Hi!"}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--model", str(folder), "--input", str(inp), "--output", str(out), "--kv-cache-gb", "0.01",
+             "--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--chat-template"]
+    assert main(flags) == 0
+    got = [json.loads(line) for line in open(out)]
+    assert [r["token_ids"] for r in got] == _hf_greedy(folder, prompts)
+    assert [r["prompt_tokens"] for r in got] == [len(p.token_ids) for p in prompts]
+    rows[1]["messages"][0]["content"][2]["image"] = "gone.png"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(flags) == 3
+    assert capsys.readouterr().err == (f"error: {inp}:2: image 2 of 2: image {tmp_path}/gone.png: "
+                                       "No such file or directory\n")
