@@ -35,16 +35,19 @@ class ImageInputs:
 
     ``index [R]``: flat positions (into the ``[B * S]`` tokens) of the image tokens, in
     the order of the rows; ``groups``: ``(pixels [N, patch_dim], grid_thw [I, 3])`` per
-    prompt, whose rows, concatenated, fill ``index``; or ``embeds [R, D]`` given.
+    prompt, whose rows, concatenated (and picked by ``take [R]`` when a prompt appears
+    more than once), fill ``index``; or ``embeds [R, D]`` given.
     """
 
     index: torch.Tensor
     groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     embeds: torch.Tensor | None = None
+    take: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ImageInputs:
         return ImageInputs(self.index.to(device), [(p.to(device), g) for p, g in self.groups],
-                           None if self.embeds is None else self.embeds.to(device))
+                           None if self.embeds is None else self.embeds.to(device),
+                           None if self.take is None else self.take.to(device))
 
 
 @dataclass(eq=False)
@@ -112,8 +115,9 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
     if not images:
         return pos3, None
     s = tokens.shape[1]
-    index, groups = [], []
-    for (row, doc), pi in sorted(images.items()):
+    index, groups, take, first = [], [], [], {}  # first: id(PromptImages) -> its first row in the tower's output
+    computed = 0  # rows the tower will output for the groups so far
+    for (row, doc), pi in sorted(images.items(), key=lambda kv: kv[0]):
         sel = (doc_ids[row] == doc).nonzero()[:, 0]  # [n] columns of this document
         pos3[:, row, sel] = pi.positions_at(positions[row, sel])
         inside = positions[row, sel] < pi.positions.shape[1]
@@ -121,8 +125,13 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
         if cols.numel() != pi.num_rows:
             raise ValueError(f"document {doc} of row {row} has {cols.numel()} image tokens for {pi.num_rows} image rows")
         index.append(row * s + cols)
-        groups.append(pi.pixels())
-    return pos3, ImageInputs(torch.cat(index), groups)
+        if id(pi) not in first:  # the tower runs once per prompt, however many of its samples are here
+            first[id(pi)], computed = computed, computed + pi.num_rows
+            groups.append(pi.pixels())
+        take.append(torch.arange(first[id(pi)], first[id(pi)] + pi.num_rows))
+    picks = torch.cat(take)
+    once = picks.numel() == computed  # every prompt once: the rows are in order already
+    return pos3, ImageInputs(torch.cat(index), groups, take=None if once else picks.to(tokens.device))
 
 
 class VisionLanguageModel(Transformer):
@@ -146,6 +155,8 @@ class VisionLanguageModel(Transformer):
         h = self.tok_embeddings(tokens)
         if images is not None and images.index.numel():
             rows = images.embeds if images.embeds is not None else self.image_rows(images.groups)
+            if images.take is not None:
+                rows = rows[images.take]
             if rows.shape[0] != images.index.numel():
                 raise ValueError(f"{rows.shape[0]} image rows for {images.index.numel()} image tokens")
             flat = h.reshape(-1, h.shape[-1]).index_copy(0, images.index, rows.to(h.dtype))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.args import ModelArgs
-from tandem.models.transformer import Transformer
+from tandem.models.vlm import make_model
 from tandem.parallel.mesh import new_groups
 from tandem.parallel.reshard import Box
 
@@ -153,7 +153,7 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
 def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype) -> int:
     """Bytes of one rank's generation shard (tied embeddings counted once)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, p in state_tensors(model).items():

@@ -109,3 +109,10 @@ def with_images(messages: list[dict[str, Any]], ids: list[int], vision: VisionDa
             dst += [src[j]] * k
     positions, delta = mrope_positions(out, sizes, vision.image_token_id, vision.processor.merge_size)
     return out, PromptImages(sources, sizes, positions, delta, vision.processor, vision.base_dir), lists
+
+
+def release_images(items: list[Any]) -> None:
+    """Drop the cached pixels of the images the given prompts or samples carry."""
+    for it in items:
+        if getattr(it, "images", None) is not None:
+            it.images.release()

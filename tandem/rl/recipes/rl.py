@@ -40,6 +40,7 @@ from tandem.rl.algorithms import (
     make_norm,
     overlong_penalty,
 )
+from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import (
     PromptStream,
     deal,
@@ -69,6 +70,7 @@ from tandem.rl.update.loss import (
 )
 from tandem.rl.update.policy import build_policy, check_layout
 from tandem.rl.update.teachers import Teachers
+from tandem.rl.update.vision import check_vision_policy
 from tandem.rl.workers.reward_pool import RewardPool
 
 _COUNTS = ("errors", "timeouts", "crashes")  # reward metrics that are counts (summed, not averaged)
@@ -98,6 +100,8 @@ class RLRecipe:
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
+        if self.args.vision is not None:
+            check_vision_policy(cfg, self.mp)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
@@ -175,13 +179,15 @@ class RLRecipe:
         kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field,
                   max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
         rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows)
-        train, skipped = encode_prompts(rows, self.tok, source=d.path, **kw)
+        train, skipped = encode_prompts(rows, self.tok, source=d.path, vision=VisionData.for_model(self.args, d.path),
+                                        **kw)
         eval_path = d.eval_path or (d.path if d.path.startswith("synthetic:") else None)
         evals = []
         if eval_path:
             erows = load_prompt_rows(eval_path, d.format, split="test", seed=self.cfg.job.seed + 1,
                                      n_synthetic=self.cfg.rl.eval_prompts)
-            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path, **kw)
+            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path,
+                                      vision=VisionData.for_model(self.args, eval_path), **kw)
         if self.info.is_main:
             print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped {sum(skipped.values())} {skipped}", flush=True)
         return train, evals
@@ -312,7 +318,8 @@ class RLRecipe:
             dropped += len(taken) - n_keep
             kept += n_keep
             for k, v in {**gm, **rm}.items():
-                metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", *_COUNTS)) else v
+                metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", "runs",
+                                                                    *_COUNTS)) else v
             if last_round or not r.dynamic_sampling:
                 break
         del gen_model
@@ -497,6 +504,7 @@ class RLRecipe:
         samples, _ = self._generate(gen_model, [self.eval_prompts[i] for i in mine], max(n, 1), seeds, greedy=n == 0)
         del gen_model
         self._score(samples)
+        release_images(samples)
         acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64)
         dist.all_reduce(acc)
         return {"eval/accuracy": acc[0].item() / max(acc[1].item(), 1.0)}
@@ -526,6 +534,7 @@ class RLRecipe:
             samples, scores, metrics = self.rollout()
         with wd.phase("update"):
             metrics.update(self.update(samples, scores))
+        release_images(samples)  # the step's pixels (decoded once for the rollout and the update)
         metrics.update(self._rollout_metrics(samples))
         self.sample_log.log(step + 1, self._sample_records(samples, scores))
         ids = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples}) if self.mp_rank == 0 else []

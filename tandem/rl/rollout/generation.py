@@ -25,6 +25,7 @@ from tandem.kernels import batch_invariant
 from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
+from tandem.models.vlm import make_model
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.generation_layout import (
     GenerationLayout,
@@ -52,19 +53,32 @@ class GenerationCopy:
     the generation dtype (tandem/parallel/reshard.py), so no rank ever holds the whole model unless
     its shard is the whole model (``layout.tp = 1``). The move's plan is worked out at the
     first build (collective) and kept: the layouts do not change during a run.
+
+    ``keep``: name prefixes of parameters that never change during the run (a frozen vision
+    tower, ``"visual."``): the generation copy and the policy have the same names, so this
+    explicit map is all the reshard needs; they move at the first build only and their copies
+    are kept for the next rollouts (``reshard/kept_gb``; the only rollout memory the update
+    phase still holds), so later builds move only what training changed.
     """
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
-                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
+                 keep: tuple[str, ...] = ()) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
         self.local = local_args(args, layout)
         with torch.device("meta"):
-            meta = Transformer(args)
+            meta = make_model(args)
         self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
-        self._plan: Resharder | None = None
+        self.keep = keep
+        self._kept: dict[str, torch.Tensor] = {}  # the kept names' generation copies, after the first build
+        self._plans: dict[bool, Resharder] = {}  # the first build's plan and, with ``keep``, the later builds'
+
+    def _moving(self) -> dict[str, tuple[int, ...]]:
+        """The names this build moves: all at first, then all but the kept ones."""
+        return {n: shape for n, shape in self.shapes.items() if not (self._kept and n.startswith(self.keep))}
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -80,27 +94,36 @@ class GenerationCopy:
 
         ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
         ``probe()`` runs inside every reshard collective (memory tests)."""
-        srcs = self._held()
-        if self._plan is None:
-            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
+        moving = self._moving()
+        srcs = {n: src for n, src in self._held().items() if n in moving}
+        later = bool(self._kept)
+        if later not in self._plans:
+            needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
             elem = torch.empty((), dtype=self.dtype).element_size()
-            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                                   bucket_bytes=self.bucket_bytes)
-        state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device, probe=probe)
+            self._plans[later] = Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                                           bucket_bytes=self.bucket_bytes)
+        state, stats = self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
+                                              probe=probe)
         del srcs
+        if self.keep and not later:
+            self._kept = {n: t for n, t in state.items() if n.startswith(self.keep)}
+        state.update(self._kept)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        kept_bytes = sum(t.numel() * t.element_size() for t in self._kept.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
         with torch.device("meta"):
-            gen = Transformer(self.local)
+            gen = make_model(self.local)
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
+        if hasattr(gen, "visual"):
+            gen.visual.reset_rope(self.device)
         gen.requires_grad_(False).eval()
         if inference:
             inference_layout(gen)
         shard_modules(gen, self.args, self.layout)
-        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9, "reshard/kept_gb": kept_bytes / 1e9,
                      "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
                      "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
 
@@ -146,7 +169,10 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20)
+    module = policy.state_module
+    frozen_tower = hasattr(module, "visual") and not any(p.requires_grad for p in module.visual.parameters())
+    return GenerationCopy(module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
+                          keep=("visual.",) if frozen_tower else ())
 
 
 def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
@@ -233,7 +259,8 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     dt = time.monotonic() - t0
     return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
-                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9,
+                 **{f"rollout/{k}": float(v) for k, v in stats.extra.items() if k == "vision_tower_runs"}}
 
 
 def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -275,7 +302,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
-        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check,
+                                 images=[p.images for p, _ in pooled]), layout)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
@@ -285,7 +313,7 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
                                          loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
                                          finish_reason=c.finish_reason,
                                          text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row,
-                                         routing=c.routing))
+                                         routing=c.routing, images=p.images))
     return samples, metrics
 
 

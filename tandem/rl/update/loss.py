@@ -62,6 +62,16 @@ class MicroBatch:
     seg_gather: torch.Tensor | None = None  # [V, W] flat positions
     seg_scatter: torch.Tensor | None = None  # [B*S] flat segment positions
     one_per_row: bool = False
+    # A vision-language policy (tandem/rl/update/vision.py): positions become M-RoPE [3, B, S]
+    # and the image tokens take these rows.
+    images: Any = None  # tandem.models.vlm.ImageInputs
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The model's keyword inputs besides the tokens and attention."""
+        kw: dict[str, Any] = {"positions": self.positions}
+        if self.images is not None:
+            kw["images"] = self.images
+        return kw
 
     def attention(self) -> AttentionBackend:
         if batch_invariant.enabled():  # rl.exact: the generator's attention function, whatever the packing
@@ -81,13 +91,13 @@ class MicroBatch:
 
 def _units(samples: list[RolloutSample], indices: list[int], share: bool, budget: int) -> list[list[int]]:
     """Samples grouped into packing units: one sample each, or (``share``) the samples
-    of one prompt (equal ``prompt_ids``), split where a unit would pass ``budget``."""
+    of one prompt (equal ``prompt_ids`` and the same images), split where a unit would pass ``budget``."""
     if not share:
         return [[i] for i in indices]
-    by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
+    by_prompt: dict[tuple[tuple[int, ...], int], list[list[int]]] = {}
     for i in indices:
         s = samples[i]
-        units = by_prompt.setdefault(tuple(s.prompt_ids), [[]])
+        units = by_prompt.setdefault((tuple(s.prompt_ids), id(s.images)), [[]])  # equal ids, other pictures: apart
         if units[-1] and _unit_len(samples, units[-1] + [i]) > budget:
             units.append([])
         units[-1].append(i)
@@ -231,14 +241,14 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
     """
     index, targets = mb.comp_index, mb.completion_targets()
     if vocab_parallel:
-        logits = model(mb.tokens, positions=mb.positions, attn=mb.attention())
+        logits = model(mb.tokens, attn=mb.attention(), **mb.model_inputs())
         return token_logprobs_at(logits, index, targets, with_entropy=with_entropy)
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
         return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
-    return model(mb.tokens, positions=mb.positions, attn=mb.attention(), head=head)
+    return model(mb.tokens, attn=mb.attention(), head=head, **mb.model_inputs())
 
 
 def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
