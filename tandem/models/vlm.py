@@ -79,7 +79,8 @@ class PromptImages:
     def pixels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixels ``[N, patch_dim]``, grid_thw ``[I, 3]``), decoded once until `release`."""
         if self._pixels is None:
-            pixels, grid = self.processor([open_image(s, self.base_dir) for s in self.sources])
+            with torch.inference_mode(False):  # kept for a later forward with autograd (the generator's is not)
+                pixels, grid = self.processor([open_image(s, self.base_dir) for s in self.sources])
             if grid.tolist() != [list(g) for g in self.grids]:
                 raise ValueError(f"an image changed size since the prompt was built: {grid.tolist()} != {self.grids}")
             self._pixels = (pixels, grid)
