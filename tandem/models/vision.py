@@ -195,6 +195,20 @@ class PatchEmbed(nn.Module):
         return F.linear(x.to(w.dtype), w.reshape(w.shape[0], -1))
 
 
+def segment_plan(ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Contiguous segments of ``ids [N]`` grouped by length: per length L an index ``[k, L]``
+    of its k segments' positions, and the permutation ``[N]`` that puts the groups' outputs,
+    concatenated, back in order. Attention then runs as one batched call per segment length,
+    with no mask (a window or an image attends to itself only)."""
+    n = ids.shape[0]
+    cut = (ids[1:] != ids[:-1]).nonzero()[:, 0] + 1
+    starts = torch.cat([cut.new_zeros(1), cut])
+    lengths = torch.cat([cut, cut.new_tensor([n])]) - starts
+    groups = [starts[lengths == size][:, None] + torch.arange(size, device=ids.device)
+              for size in lengths.unique().tolist()]
+    return groups, torch.argsort(torch.cat([g.flatten() for g in groups]))
+
+
 class VisionAttention(nn.Module):
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
@@ -202,13 +216,18 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]  # x [N, D]; cos/sin [N, Dh] fp32; mask [N, N] bool
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                plan: tuple[list[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        n = x.shape[0]  # x [N, D]; cos/sin [N, Dh] fp32; plan: `segment_plan` of the segments attended within
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, Dh] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, scale=self.head_dim**-0.5)  # [H, N, Dh]
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        groups, order = plan
+        outs = [F.scaled_dot_product_attention(q[idx].transpose(1, 2), k[idx].transpose(1, 2), v[idx].transpose(1, 2),
+                                               scale=self.head_dim**-0.5).transpose(1, 2).reshape(-1, self.num_heads,
+                                                                                                   self.head_dim)
+                for idx in groups]  # per segment length: [k * L, H, Dh]
+        out = torch.cat(outs)[order]  # [N, H, Dh] back in order
+        return self.proj(out.reshape(n, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -240,8 +259,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(args)
         self.mlp = VisionMLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                plan: tuple[list[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
         return x + self.mlp(self.norm2(x))
 
 
@@ -295,11 +315,9 @@ class VisionTransformer(nn.Module):
         freqs = (rc[..., None].float() * self.inv_freq).flatten(1)  # [N, Dh/2]: rows' then columns' angles
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        windows, images = windows.to(pixels.device), images.to(pixels.device)
-        window_mask = windows[:, None] == windows[None, :]  # [N, N]
-        image_mask = images[:, None] == images[None, :]
+        by_window, by_image = segment_plan(windows.to(pixels.device)), segment_plan(images.to(pixels.device))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, image_mask if i in a.fullatt_block_indexes else window_mask)
+            x = block(x, cos, sin, by_image if i in a.fullatt_block_indexes else by_window)
         merged = self.merger(x)  # [M, out] in window order
         return merged[torch.argsort(order.to(pixels.device))]
 

@@ -6,9 +6,9 @@ every plan, reshard and checkpoint that addresses ``layers`` / ``tok_embeddings`
 (tandem/models/vision.py). Its forward embeds the token ids, writes the images' rows over
 the image tokens' embeddings, and runs the LM on those hidden states with M-RoPE
 positions ``[3, B, S]`` (tandem/models/rope.py). The caller says where the rows go
-(`ImageInputs.index`) and gives either the pixels, one group per prompt (the tower runs
-once per group, so a prompt's rows are the same bits whatever else shares the batch), or
-rows computed earlier (the generator computes a prompt's rows once for its samples).
+(`ImageInputs.index`) and gives either the pixels, one group per prompt (under ``rl.exact``
+the tower runs once per group, so a prompt's rows are the same bits whatever else shares the
+batch), or rows computed earlier (the generator computes a prompt's rows once for its samples).
 
 When the tower is trainable and a forward has no image, it runs on one blank image and
 adds zero times the result, so every data-parallel rank's backward reaches the tower's
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tandem.kernels import batch_invariant
 from tandem.models.args import ModelArgs
 from tandem.models.image_processor import ImageProcessor, open_image
 from tandem.models.transformer import Transformer
@@ -145,8 +146,13 @@ class VisionLanguageModel(Transformer):
         self.visual = VisionTransformer(args.vision)
 
     def image_rows(self, groups: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """``[R, D]``: the tower once per group, concatenated."""
-        return torch.cat([self.visual(pixels, grid) for pixels, grid in groups])
+        """``[R, D]``: the groups' rows, concatenated. Under batch-invariant numerics
+        (``rl.exact``) the tower runs once per group, so a prompt's rows are the same bits
+        whatever else is in the batch (the generator runs it on one prompt); otherwise once
+        on all of them (images never attend to each other: the same rows up to rounding)."""
+        if batch_invariant.enabled() or len(groups) == 1:
+            return torch.cat([self.visual(pixels, grid) for pixels, grid in groups])
+        return self.visual(torch.cat([p for p, _ in groups]), torch.cat([g for _, g in groups]))
 
     def _tower_trains(self) -> bool:
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.visual.parameters())
