@@ -120,7 +120,7 @@ FLAVORS: dict[str, ModelArgs] = {
     # Vision-language: debug-qwen2_5_vl for tests (tandem/models/vlm.py, "builtin:vl-char" tokenizer).
     "debug-qwen2_5_vl": _DEBUG_VL,
     "tiny-qwen2_5_vl": _DEBUG_VL.replace(
-        hidden_size=128, intermediate_size=256, mrope_section=[4, 6, 6],
+        hidden_size=128, intermediate_size=256, head_dim=32, mrope_section=[4, 6, 6],
         vision=VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, window_size=56,
                           out_hidden_size=128, fullatt_block_indexes=[1],
                           processor=ImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56), **_VL_CHAR_IDS),

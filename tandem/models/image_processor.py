@@ -3,7 +3,8 @@
 An image is converted to RGB (transparency composited on white), resized with Pillow's
 bicubic filter so both sides are multiples of ``patch_size * merge_size`` and the area lies
 in ``[min_pixels, max_pixels]`` (aspect ratio kept as nearly as possible), rescaled by 1/255
-(in float64, then float32), normalised by the folder's mean and std, and cut into
+(in float64, then float32) and normalised by the folder's mean and std (both through one
+table of the 256 values per channel: the same arithmetic, once per value), and cut into
 ``patch_size`` patches, each repeated over ``temporal_patch_size`` frames and flattened
 channel-major; each ``merge_size x merge_size`` block of patches is contiguous, in row-major
 order of the blocks. Settings come from the folder's ``preprocessor_config.json``. The
@@ -110,15 +111,23 @@ class ImageProcessor:
         if (h, w) != (rgb.height, rgb.width):
             rgb = rgb.resize((w, h), resample=self.resample)
         x = torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)  # [C, H, W] uint8
-        x = (x.double() * self.rescale_factor).float()
-        mean = torch.tensor(self.image_mean, dtype=torch.float32)[:, None, None]
-        std = torch.tensor(self.image_std, dtype=torch.float32)[:, None, None]
-        x = (x - mean) / std
+        x = self._table().gather(1, x.reshape(3, -1).long()).view(x.shape)  # [C, H, W] float32
         p, m, c = self.patch_size, self.merge_size, x.shape[0]
         gh, gw = h // p, w // p
         blocks = x.view(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P]
         frames = blocks.unsqueeze(5).expand(*blocks.shape[:5], self.temporal_patch_size, p, p)
         return frames.reshape(gh * gw, -1), (1, gh, gw)
+
+    def _table(self) -> torch.Tensor:
+        """``[3, 256]``: every channel value rescaled (float64, then float32) and normalised
+        (float32), the operations HF applies per pixel, done once per value instead."""
+        key = (self.rescale_factor, tuple(self.image_mean), tuple(self.image_std))
+        if getattr(self, "_lut_key", None) != key:
+            v = (torch.arange(256, dtype=torch.float64) * self.rescale_factor).float()  # [256]
+            mean = torch.tensor(self.image_mean, dtype=torch.float32)[:, None]
+            std = torch.tensor(self.image_std, dtype=torch.float32)[:, None]
+            self._lut, self._lut_key = (v[None, :] - mean) / std, key
+        return self._lut
 
     def __call__(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """Several images -> (pixels ``[N, patch_dim]``, grid_thw ``[I, 3]``), in order."""

@@ -51,6 +51,7 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    (re.compile(r"^visual\."), None),  # a vision-language model's tower: whole on every rank of a group
 ]
 _VOCAB = re.compile(r"(tok_embeddings|output)\.weight$")
 
