@@ -11,7 +11,9 @@ Run from the repository root::
 ``--samples`` samples of up to 8 tokens through the generator, the tower once per prompt)
 and the update (the samples packed into micro-batches of 2048 tokens, forward and backward
 with the tower trainable, as ``model.train_vision = true`` runs it; the quickstart's own
-frozen tower skips the tower's backward). ``tower`` is the time spent inside the tower's
+frozen tower skips the tower's backward; here the pixels ask for a gradient, so the tower's
+backward hook fires when its backward ends, at the cost of one small extra product).
+``tower`` is the time spent inside the tower's
 forward and backward, ``share`` = tower / phase. Milliseconds: medians of ``--repeats``
 steps after one warm-up.
 
@@ -90,9 +92,13 @@ def bench_step(path: str, prompts: int, samples: int, repeats: int) -> None:
         clock.seconds, t0 = 0.0, time.perf_counter()
         for mb in pack_micro_batches(rs, list(range(len(rs))), 2048, torch.device("cpu"), share_prompts=True):
             attach_images(mb, rs, args.vision.image_token_id)
+            for pixels, _ in mb.images.groups:  # the tower's backward then ends with its input's
+                pixels.requires_grad_(True)     # gradient, where the backward hook reads the clock
             logp, _ = token_logprobs(model, mb, with_entropy=True)
             logp.sum().backward()
         model.zero_grad(set_to_none=True)
+        for p in batch:
+            p.images.release()
         if r:  # the first step warms up
             for k, v in zip(times, (rollout, rollout_tower, time.perf_counter() - t0, clock.seconds)):
                 times[k].append(v * 1e3)
