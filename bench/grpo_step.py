@@ -111,7 +111,7 @@ def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
            "--rl.micro_batch_tokens=16384", f"--rollout.max_tokens={args.max_tokens}",
            f"--rollout.kv_cache_gb={args.kv_cache_gb}", f"--data.max_length={args.max_tokens + 128}",
            f"--optimizer.lr={args.lr}", "--lr_schedule.warmup_steps=0", "--checkpoint.enable=false",
-           "--metrics.tensorboard=false", "--reward.num_workers=0", "--reward.functions=exact_match", *extra]
+           "--metrics.loggers=[]", "--reward.num_workers=0", "--reward.functions=exact_match", *extra]
     env = _child_env(args)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:

@@ -27,6 +27,7 @@ from tandem.parallel.ac import apply_ac
 from tandem.parallel.compile import apply_compile
 from tandem.parallel.expert_parallel import apply_ep, expert_params
 from tandem.parallel.fsdp import apply_fsdp
+from tandem.parallel.lora import check_lora_layout
 from tandem.parallel.mesh import dp_mesh
 from tandem.parallel.tp import apply_tp
 
@@ -64,6 +65,7 @@ def parallelize(
     forces FSDP2 on or off (default None: the rule in the module docstring).
     """
     tp = tp_enabled and mesh["tp"].size() > 1
+    check_lora_layout(model, tp=mesh["tp"].size() if tp else 1, ep=ep)
     if tp:  # with EP the experts are split by apply_ep below, over (dp_shard, tp)
         apply_tp(
             model, mesh["tp"], sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,

@@ -84,7 +84,7 @@ def every_field_changed() -> Config:
                                 activation_checkpoint="selective", compile=True, cpu_offload=True, ep=4),
         checkpoint=CheckpointConfig(enable=False, interval=7, folder="ckpt", keep_last=5, resume=False,
                                     export_hf_at_end=False, async_save=True, model_only=True, overwrite=True),
-        metrics=MetricsConfig(log_interval=10, tensorboard=False, jsonl=False, samples_per_step=2),
+        metrics=MetricsConfig(log_interval=10, loggers=[], jsonl=False, samples_per_step=2),
     )
 
 

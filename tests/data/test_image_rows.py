@@ -180,7 +180,7 @@ def test_train_exits_3_naming_a_missing_image(folder, data_dir, tmp_path):
     path.write_text(json.dumps(row) + "\n")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--model.path={folder}", f"--data.path={path}",
            "--data.max_length=256", "--training.steps=1", "--training.batch_size=1", "--data.on_bad_row=error",
-           "--metrics.tensorboard=false", "--checkpoint.enable=false", f"--job.dump_folder={tmp_path / 'run'}"]
+           "--metrics.loggers=[]", "--checkpoint.enable=false", f"--job.dump_folder={tmp_path / 'run'}"]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stderr) == (3, f"error: {path}:1: image 1 of 1: image {data_dir}/img/nothere.png: "

@@ -36,7 +36,7 @@ def _run(dump: str, steps: int, extra: list[str]) -> list[dict]:
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={POLICY}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
            "--rl.prompts_per_step=16", "--rl.eval_prompts=16", "--rl.eval_samples=0", "--training.eval_interval=0",
-           "--rl.epochs=2", "--rl.kl_coef=0.01", "--rl.kl_mode=reward", "--metrics.tensorboard=false",
+           "--rl.epochs=2", "--rl.kl_coef=0.01", "--rl.kl_mode=reward", "--metrics.loggers=[]",
            "--checkpoint.interval=100", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -72,7 +72,7 @@ def test_vlm_dpo_two_ranks_images_on_one(tmp_path):
            f"--data.path={data}", "--data.max_length=256", "--data.shuffle=false", "--training.steps=2",
            "--training.batch_size=2", "--training.micro_batch_size=1", "--training.eval_interval=0",
            "--preference.reference=precompute", "--optimizer.lr=1e-2", "--lr_schedule.warmup_steps=0",
-           "--checkpoint.enable=false", "--metrics.tensorboard=false", f"--job.dump_folder={dump}"]
+           "--checkpoint.enable=false", "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _run(config: str, dump, nproc: int, *extra: str) -> tuple[list[dict], str]:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [*launch, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", config),
-           f"--job.dump_folder={dump}", "--metrics.tensorboard=false", *extra]
+           f"--job.dump_folder={dump}", "--metrics.loggers=[]", *extra]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

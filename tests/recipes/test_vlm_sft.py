@@ -46,7 +46,7 @@ def _train(folder, data, dump, *extra):
            os.path.join(ROOT, "train.py"), f"--model.path={folder}", f"--data.path={data}", "--data.max_length=256",
            "--data.pack=false", "--data.shuffle=false", "--training.steps=2", "--training.batch_size=2",
            "--training.micro_batch_size=1", "--optimizer.lr=1e-2", "--lr_schedule.warmup_steps=0",
-           "--checkpoint.enable=false", "--metrics.tensorboard=false", f"--job.dump_folder={dump}", *extra]
+           "--checkpoint.enable=false", "--metrics.loggers=[]", f"--job.dump_folder={dump}", *extra]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.rl.core.configlib import ConfigError, require
+from tandem.rl.core.configlib import ConfigError, is_loopback, require
 
 
 def _check_name(key: str, registry_path: str, name: str) -> None:
@@ -160,6 +160,7 @@ class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["math"])
     modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
+    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
     memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an error; 0 = no cap
@@ -184,6 +185,15 @@ class RewardConfig:
 
         for name in self.functions:
             _check_name("reward.functions", "tandem.rl.rewards.registry.REWARDS", name)
+        from tandem.rl.rewards.registry import get_reward
+
+        for name, kw in self.kwargs.items():
+            require(name in self.functions, f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
+            require(isinstance(kw, dict), f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
+            try:
+                get_reward(name, **kw)
+            except TypeError as e:
+                raise ConfigError(f"reward.kwargs.{name}: {e}") from None
 
 
 @dataclass
@@ -245,6 +255,13 @@ class EnvConfig:
     """
 
     name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn
+    kind: Literal["local", "http"] = "local"  # http: a harness plays episodes (docs/serving.md)
+    host: str = "127.0.0.1"  # http: address to bind (not loopback: needs a key)
+    port: int = 8000  # http: the endpoint's port
+    api_key: str | None = None  # http: bearer key; none: $TANDEM_API_KEY, else no key
+    episode_timeout_s: float = 300.0  # http: open this long after its claim: dropped
+    claim_timeout_s: float = 0.0  # http: unclaimed this long: dropped; 0 = wait
+    max_request_mb: float = 4.0  # http: larger request bodies get 413
     kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table), e.g. tools, reward
     max_turns: int = 4  # assistant turns per episode
     max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
@@ -253,6 +270,8 @@ class EnvConfig:
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
 
     def validate(self) -> None:
+        if self.kind == "http":
+            self._check_server()
         if self.name is None:
             return
         _check_name("env.name", "tandem.rl.envs.ENVIRONMENTS", self.name)
@@ -267,3 +286,25 @@ class EnvConfig:
         require(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "env.max_turn_tokens: must be >= 1")
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
         require(self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
+
+    def _check_server(self) -> None:
+        require(self.name is None, f"env.name: {self.name!r} plays episodes in-process; with "
+                                   "env.kind = \"http\" a harness plays them (unset env.name)")
+        require(self.episode_timeout_s > 0,
+                f"env.episode_timeout_s: must be > 0, got {self.episode_timeout_s}")
+        require(self.claim_timeout_s >= 0,
+                f"env.claim_timeout_s: must be >= 0 (0 = wait), got {self.claim_timeout_s}")
+        require(self.max_total_tokens >= 2,
+                f"env.max_total_tokens: must be >= 2, got {self.max_total_tokens}")
+        require(0 <= self.port < 65536, f"env.port: must be in [0, 65536), got {self.port}")
+        require(self.max_request_mb > 0,
+                f"env.max_request_mb: must be > 0, got {self.max_request_mb}")
+        require(bool(self.bearer_key()) or is_loopback(self.host),
+                f"env.host: {self.host!r} is not a loopback address; serving there needs a "
+                "bearer key (set env.api_key or TANDEM_API_KEY)")
+
+    def bearer_key(self) -> str | None:
+        """``kind = "http"``: the key requests must send (``api_key``, else $TANDEM_API_KEY)."""
+        import os
+
+        return self.api_key or os.environ.get("TANDEM_API_KEY") or None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -45,6 +46,7 @@ __all__ = [
     "DataConfig",
     "JobConfig",
     "LRScheduleConfig",
+    "LoraConfig",
     "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -68,6 +70,7 @@ from tandem.rl.config.rl_schema import (  # noqa: E402  (sections of rl recipes)
     RLConfig,
     RolloutConfig,
 )
+from tandem.rl.core.lora import LoraConfig  # noqa: E402  (the [lora] section, every recipe)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -89,7 +92,9 @@ class JobConfig:
 
 def check_writable_folder(key: str, path: str) -> None:
     """ConfigError unless ``path`` is a folder this process can write in, or can be made
-    one (its nearest existing ancestor is a writable folder). Creates nothing."""
+    one (its nearest existing ancestor is a writable folder). Leaves nothing behind: the
+    ancestor is tried with a folder made and removed at once, since permission bits do not
+    tell (root may write anywhere, yet /proc and read-only mounts refuse new entries)."""
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)
@@ -98,6 +103,10 @@ def check_writable_folder(key: str, path: str) -> None:
         raise ConfigError(f"{key}: {path} {what}, not a folder")
     if not os.access(here, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: {path}: cannot write in {here} (no write permission, or a read-only file system)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tandem-write-check-", dir=here))
+    except OSError as e:
+        raise ConfigError(f"{key}: {path}: cannot make a folder in {here} ({e.strerror or e})") from None
 
 
 def _known_flavors() -> list[str] | None:
@@ -291,13 +300,18 @@ class MetricsConfig:
     """Where and how often step metrics are written."""
 
     log_interval: int = 1  # steps between metric rows
-    tensorboard: bool = True  # job.dump_folder/tb/
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] / [mlflow]); [] for none
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
     samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off
 
     def validate(self) -> None:
         require(self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}")
         require(self.samples_per_step >= 0, f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
+        require(len(set(self.loggers)) == len(self.loggers), f"metrics.loggers: {self.loggers} names one twice")
+        from tandem.rl.core.loggers import missing_package
+
+        for name in self.loggers:
+            require((problem := missing_package(name)) is None, f"metrics.loggers: {problem}")
 
 
 @dataclass
@@ -345,10 +359,11 @@ class PlanConfig:
     flavor: str | None = None  # the architecture of model.path for planning before it is downloaded (a tandem/models/flavors.py name); read only when model.path has no config.json here
 
     def validate(self) -> None:
-        for key in ("nodes", "devices_per_node"):
-            require(getattr(self, key) >= 0, f"plan.{key}: must be >= 0 (0 = from the config), got {getattr(self, key)}")
-        require(self.device_memory_gb >= 0, f"plan.device_memory_gb: must be >= 0 (0 = this machine's GPU or 80), "
-                                            f"got {self.device_memory_gb}")
+        for key, most in (("nodes", 100_000), ("devices_per_node", 1024)):  # bounds: the search's size
+            value = getattr(self, key)
+            require(0 <= value <= most, f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}")
+        require(0 <= self.device_memory_gb <= 1e6, "plan.device_memory_gb: must be in [0, 1e6] (0 = this "
+                                                   f"machine's GPU or 80), got {self.device_memory_gb}")
         flavors = _known_flavors()
         if self.flavor is not None and flavors is not None and self.flavor not in flavors:
             near = difflib.get_close_matches(self.flavor, flavors, n=1)
@@ -377,12 +392,14 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.
     MOVED = {
         "rl.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
         "preference.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
+        "metrics.tensorboard": "moved: list the loggers in metrics.loggers (tensorboard, wandb, mlflow; [] for none)",
         "job.log_level": "removed: it was never read; the console prints one line per logged step",
         "optimizer.name": "removed: the optimizer is AdamW; it was never read",
         "model.dtype": "removed: it was never read; the GPU compute dtype is training.mixed_precision_param",
@@ -397,9 +414,12 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
+        self.lora.check_layout(self.parallel)
         r = self.reward
-        require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
-                "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")
+        scored = r.functions or r.reward_model is not None or self.env.name is not None
+        require(bool(scored) or self.env.kind == "http",
+                "reward.functions: list at least one reward function (or set reward.reward_model, "
+                "env.name or env.kind = \"http\")")
         if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
             args = _model_args_if_known(self.model)
             if args is not None:

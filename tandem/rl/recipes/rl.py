@@ -14,7 +14,6 @@ shell's (tandem/rl/recipes/loop.py).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -40,6 +39,7 @@ from tandem.rl.algorithms import (
     make_norm,
     overlong_penalty,
 )
+from tandem.rl.core.fields import get_field
 from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import (
     PromptStream,
@@ -56,13 +56,14 @@ from tandem.rl.rollout.generation import (
     generation_copy,
     generation_dtype,
 )
-from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.rollout.types import RolloutSample, dump_rollouts
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -71,6 +72,7 @@ from tandem.rl.update.loss import (
 from tandem.rl.update.policy import build_policy, check_layout
 from tandem.rl.update.teachers import Teachers
 from tandem.rl.update.vision import check_vision_policy
+from tandem.rl.workers.env_pool import EnvPool
 from tandem.rl.workers.reward_pool import RewardPool
 
 _COUNTS = ("errors", "timeouts", "crashes")  # reward metrics that are counts (summed, not averaged)
@@ -87,6 +89,10 @@ class RLRecipe:
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
+        self.http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
+        if self.http:
+            from tandem.rl.serve import episodes as http_episodes
+            http_episodes.one_generation_group(cfg.rollout, info.world_size)
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
@@ -100,25 +106,26 @@ class RLRecipe:
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
-        if self.args.vision is not None:
-            check_vision_policy(cfg, self.mp)
+        check_vision_policy(cfg, self.args, self.mp)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         self.train_prompts, self.eval_prompts = self._load_data()
-        seq_len = cfg.data.max_length if not cfg.env.name else self.max_prompt + cfg.env.max_total_tokens
+        episodic = cfg.env.name or self.http
+        seq_len = self.max_prompt + cfg.env.max_total_tokens if episodic else cfg.data.max_length
         spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
                   share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw)
+        self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)  # [lora]: adapters
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
                                         offload_optimizer=r.offload_optimizer)
-        self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+        self.ref = frozen_reference(self.policy, lambda: build_policy(  # LoRA: the policy, adapters off
+            self.args, self.mesh, info.device, trainable=False, **kw)) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
@@ -135,9 +142,9 @@ class RLRecipe:
         self.rm = self._reward_model() if cfg.reward.reward_model else None
         self.env_pool = None
         if cfg.env.name and self.gen_copy.layout.rank == 0:  # a generation group's leader steps its environments
-            from tandem.rl.workers.env_pool import EnvPool
-
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
+        self.server = (http_episodes.start_server(cfg.env, cfg.job.name, self.tok.vocab_size)
+                       if self.http and info.rank == 0 else None)  # the endpoint, for the whole run
         # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
         self.total_updates = max(cfg.training.steps - self.critic_warmup, 1) * r.epochs * r.minibatches
         self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
@@ -149,7 +156,7 @@ class RLRecipe:
         self.reward_fns = list(zip(cfg.reward.functions, weights))
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions,
-            memory_mb=cfg.reward.memory_mb or None)
+            reward_kwargs=cfg.reward.kwargs, memory_mb=cfg.reward.memory_mb or None)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, cfg.data.shuffle)
         self.step_index = 0  # the step being taken (the shell's count)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
@@ -206,7 +213,8 @@ class RLRecipe:
     def _context(self, row: dict[str, Any]) -> Any:
         """The prompt of a data row as the reward model was trained on it (messages or text)."""
         d = self.cfg.data
-        return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
+        messages = get_field(row, d.messages_field)
+        return messages if messages is not None else get_field(row, d.prompt_field)
 
     def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The chat turns a row's prompt was rendered from (what another tokenizer's teacher renders)."""
@@ -247,6 +255,13 @@ class RLRecipe:
     def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
+        if self.http:
+            from tandem.rl.serve.episodes import serve_episodes
+
+            return serve_episodes(self.server, gen_model, self.tok, prompts, n, self.cfg.rollout,
+                                  self.cfg.env, seeds=seeds, greedy=greedy,
+                                  layout=self.gen_copy.layout, version=self.step_index,
+                                  beat=self.rt.watchdog.beat)
         if self.cfg.env.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
                                      seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
@@ -330,7 +345,7 @@ class RLRecipe:
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
-        _dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
+        dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
         return samples, torch.stack(scores) if scores else torch.zeros(0), metrics
 
     def _dp_count(self, n: int) -> int:
@@ -559,6 +574,8 @@ class RLRecipe:
         self.rewards.close()
         if self.env_pool is not None:
             self.env_pool.close()
+        if self.server is not None:
+            self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],
@@ -570,19 +587,6 @@ class RLRecipe:
         n = max(stats[3].item(), 1.0)
         return {"response/length_mean": stats[0].item() / n, "response/length_max": mx.item(),
                 "response/clipped_frac": stats[1].item() / n, "accuracy": stats[2].item() / n}
-
-
-def _dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutSample]) -> None:
-    """With ``TANDEM_DUMP_ROLLOUTS=1`` (a debugging aid, used by the layout tests): every sample
-    of this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens,
-    generator log-probs), so runs on different layouts can be compared sample by sample."""
-    if os.environ.get("TANDEM_DUMP_ROLLOUTS") != "1":
-        return
-    os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
-    with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
-        for s in samples:
-            f.write(json.dumps({"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
-                                "gen_logprobs": s.gen_logprobs}) + "\n")
 
 
 def make_rl(cfg: Any, rt: Runtime) -> RLRecipe:

@@ -7,6 +7,10 @@ before the update phase, as is the KV pool the generator carves from its budget.
 Both sizes, the bytes moved and the reshard time are reported. With ``rollout.tp > 1``
 the ranks of a generation group pool their prompts and run one generator together
 (`generate_in_group`).
+
+With LoRA adapters the copy runs them unmerged, like the update: its frozen base moves
+once, at the first build, and stays; every later build moves only the adapters and checks
+them against the trainer's by an exact checksum (a mismatch is an error).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from tandem.kernels import batch_invariant
 from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
+from tandem.models.lora import LoraSpec, apply_lora, is_adapter, lora_spec_of
 from tandem.models.transformer import Transformer
 from tandem.models.vlm import make_model
 from tandem.parallel.ac import clean_fqn
@@ -63,22 +68,27 @@ class GenerationCopy:
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
                  dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
-                 keep: tuple[str, ...] = ()) -> None:
+                 keep: tuple[str, ...] = (), lora: LoraSpec | None = None) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
         self.local = local_args(args, layout)
+        self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
         with torch.device("meta"):
             meta = make_model(args)
+            if lora is not None:
+                apply_lora(meta, lora)
         self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
         self.keep = keep
-        self._kept: dict[str, torch.Tensor] = {}  # the kept names' generation copies, after the first build
+        self._kept_state: dict[str, torch.Tensor] = {}  # the kept names' generation copies, after the first build
         self._plans: dict[bool, Resharder] = {}  # the first build's plan and, with ``keep``, the later builds'
+        self._adapter_plan: Resharder | None = None
+        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None  # LoRA: the copy and its adapters
 
     def _moving(self) -> dict[str, tuple[int, ...]]:
         """The names this build moves: all at first, then all but the kept ones."""
-        return {n: shape for n, shape in self.shapes.items() if not (self._kept and n.startswith(self.keep))}
+        return {n: shape for n, shape in self.shapes.items() if not (self._kept_state and n.startswith(self.keep))}
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -92,40 +102,88 @@ class GenerationCopy:
               probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
         """Collective (every rank): this rank's generation shard as a runnable model.
 
-        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
-        ``probe()`` runs inside every reshard collective (memory tests)."""
+        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests;
+        a copy with adapters keeps the training layout). ``probe()`` runs inside every reshard
+        collective (memory tests)."""
+        if self._kept is not None:
+            return self._refill(probe)
         moving = self._moving()
         srcs = {n: src for n, src in self._held().items() if n in moving}
-        later = bool(self._kept)
+        later = bool(self._kept_state)
         if later not in self._plans:
-            needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            self._plans[later] = Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                                           bucket_bytes=self.bucket_bytes)
+            self._plans[later] = self._make_plans(moving, srcs)
         state, stats = self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
                                               probe=probe)
+        adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
         del srcs
         if self.keep and not later:
-            self._kept = {n: t for n, t in state.items() if n.startswith(self.keep)}
-        state.update(self._kept)
+            self._kept_state = {n: t for n, t in state.items() if n.startswith(self.keep)}
+        state.update(self._kept_state)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        kept_bytes = sum(t.numel() * t.element_size() for t in self._kept.values())
+        kept_bytes = sum(t.numel() * t.element_size() for t in self._kept_state.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
         with torch.device("meta"):
             gen = make_model(self.local)
+            if self.lora is not None:
+                apply_lora(gen, self.lora)
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
         if hasattr(gen, "visual"):
             gen.visual.reset_rope(self.device)
         gen.requires_grad_(False).eval()
-        if inference:
+        if inference and self.lora is None:  # fused projections would fold the adapters' inputs away
             inference_layout(gen)
+        metrics = _reshard_metrics(stats, nbytes, kept_bytes)
+        if self.lora is not None:
+            adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}  # before shard_modules renames
+            self._kept = (gen, adapters)
+            metrics.update(self._check(adapter_srcs, adapters))
         shard_modules(gen, self.args, self.layout)
-        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9, "reshard/kept_gb": kept_bytes / 1e9,
-                     "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
-                     "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+        return gen, metrics
+
+    def _make_plans(self, moving: dict[str, tuple[int, ...]],
+                    srcs: dict[str, tuple[torch.Tensor, Box]]) -> Resharder:
+        """The reshard plan of ``moving``; with adapters, also the plan of the adapters alone."""
+        needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.lora is not None:  # the adapters alone, for every later build
+            names = [n for n in moving if is_adapter(n)]
+            self._adapter_plan = Resharder({n: self.shapes[n] for n in names},
+                                           {n: srcs[n][1] for n in names if n in srcs},
+                                           {n: needs[n] for n in names}, elem, bucket_bytes=self.bucket_bytes)
+        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem, bucket_bytes=self.bucket_bytes)
+
+    def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
+        """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
+        assert self._kept is not None and self._adapter_plan is not None
+        gen, adapters = self._kept
+        srcs = {n: t for n, (t, _) in self._held().items() if n in adapters}
+        state, stats = self._adapter_plan.run(srcs, self.dtype, self.device, probe=probe)
+        with torch.no_grad():
+            for n, t in state.items():
+                adapters[n].copy_(t)
+        metrics = _reshard_metrics(stats, sum(t.numel() * t.element_size() for t in state.values()))
+        del state
+        metrics.update(self._check(srcs, adapters))
+        return gen, metrics
+
+    def _check(self, srcs: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if any differ."""
+        assert self._adapter_plan is not None
+        t0 = time.monotonic()
+        total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
+        if wrong:
+            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's after the refill "
+                               f"({len(wrong)} tensors; checksum)")
+        return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
+
+
+def _reshard_metrics(stats: Any, nbytes: int, kept_bytes: int = 0) -> dict[str, float]:
+    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9, "reshard/kept_gb": kept_bytes / 1e9,
+            "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
+            "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
 
 
 def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.device, dtype: torch.dtype,
@@ -156,7 +214,8 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
 
     dev, world = info.device, info.world_size
     params = policy.parameters()
-    resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if offload_optimizer else 3) for p in params)],
+    resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if offload_optimizer or not p.requires_grad else 3)
+                                 for p in params)],
                             dtype=torch.float64, device=dev)
     dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
     tp = choose_rollout_tp(rcfg.tp, args, world, dev, dtype or params[0].dtype, rcfg.kv_cache_gb, int(resident.item()))
@@ -172,7 +231,7 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     module = policy.state_module
     frozen_tower = hasattr(module, "visual") and not any(p.requires_grad for p in module.visual.parameters())
     return GenerationCopy(module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
-                          keep=("visual.",) if frozen_tower else ())
+                          keep=("visual.",) if frozen_tower else (), lora=lora_spec_of(policy.modules[0]))
 
 
 def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
@@ -181,7 +240,8 @@ def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
     """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
     (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
     `GenerationCopy` with ``rollout.tp = 1``."""
-    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype)
+    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype,
+                          lora=lora_spec_of(policy.modules[0]))
     return copy.build(inference=layout)
 
 

@@ -24,6 +24,7 @@ old / reference log-probs by a forward-only pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tandem.models.args import ModelArgs
-from tandem.models.hf import save_hf
+from tandem.models.lora import apply_lora, lora_spec_of
 from tandem.models.moe import router_loss, set_token_mask
 from tandem.models.transformer import Transformer
 from tandem.parallel.grad import clip_grad_norm
@@ -52,8 +53,11 @@ from tandem.rl.core.modeling import (
     build_transformer,
     export_hf,
     full_initial_state,
+    lora_shapes,
     parallelize_model,
+    with_adapters,
 )
+from tandem.rl.core.lora import LoraConfig, save_exports
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -200,8 +204,13 @@ class PipelinePolicy:
         self.rows_per_mb = max(1, micro_batch_tokens // self.seq_len)
         self.batch_rows = self.n_mb * self.rows_per_mb
         full = full_initial_state(args, path, seed)  # each rank reads it: stages load different keys
+        lora = spec.lora if trainable else None
+        if lora is not None:  # LoRA: every stage's adapters, drawn for the whole model as one
+            full = with_adapters(full, lora, lora_shapes(args, lora))
 
         def prepare(stage: nn.Module) -> nn.Module:
+            if lora is not None:
+                apply_lora(stage, lora.spec)
             parallelize_model(stage, mesh, device, spec, trainable=trainable)
             stage.to_empty(device=device)
             stage.reset_rope()
@@ -340,7 +349,7 @@ class PipelinePolicy:
         """Collective: the policy as an HF folder (rank 0 writes)."""
         full = self.full_state()
         if rank == 0:
-            save_hf({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer=tokenizer)
+            save_exports({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer, lora_spec_of(self.modules[0]))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model on every rank (stages gathered over FSDP / TP, then
@@ -375,8 +384,12 @@ def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str) -> None:
 
 def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str, pp_microbatches: int,
                  seq_len: int, micro_batch_tokens: int, chunk_tokens: int, share_prompts: bool = False,
-                 **build: Any) -> FlatPolicy | PipelinePolicy:
-    """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`."""
+                 lora: LoraConfig | None = None, **build: Any) -> FlatPolicy | PipelinePolicy:
+    """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`; with ``lora``
+    (the ``[lora]`` section, rank > 0) a frozen base with adapters (tandem/rl/core/lora.py)."""
+    if lora is not None and lora.enabled:  # the generator samples this model: no dropout (`LoraConfig.setup`)
+        setup = lora.setup(build["seed"], base_model=build.get("path"), sampled=True)
+        build["spec"] = dataclasses.replace(build["spec"], lora=setup)
     if mesh["pp"].size() > 1:
         if share_prompts:
             raise ConfigError("rl.share_prompts: not supported with parallel.pp > 1 "

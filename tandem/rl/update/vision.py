@@ -34,9 +34,13 @@ def attach_images(mb: MicroBatch, samples: list[RolloutSample], image_token_id: 
     return mb
 
 
-def check_vision_policy(cfg: Any, mp: int) -> None:
-    """One ConfigError line for what the RL recipe cannot run with a vision-language policy yet."""
+def check_vision_policy(cfg: Any, args: Any, mp: int) -> None:
+    """One ConfigError line for what the RL recipe cannot run with a vision-language policy
+    (``args.vision`` set) yet."""
+    if args.vision is None:
+        return
     unsupported = [(mp > 1, "parallel.tp / parallel.pp > 1"), (cfg.rollout.tp > 1, "rollout.tp > 1"),
+                   (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'), (cfg.lora.enabled, "lora"),
                    (ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
                     f"rl.advantage = {cfg.rl.advantage!r} (a critic)"),
                    (bool(cfg.distill.teachers), "distill.teachers"), (bool(cfg.env.name), "env.name"),
