@@ -81,14 +81,15 @@ class GenerationCopy:
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
         self.keep = keep
-        self._kept_state: dict[str, torch.Tensor] = {}  # the kept names' generation copies, after the first build
+        self._kept_state: dict[str, torch.Tensor] = {}  # the kept names' copies, after the first build
         self._plans: dict[bool, Resharder] = {}  # the first build's plan and, with ``keep``, the later builds'
         self._adapter_plan: Resharder | None = None
         self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None  # LoRA: the copy and its adapters
 
     def _moving(self) -> dict[str, tuple[int, ...]]:
         """The names this build moves: all at first, then all but the kept ones."""
-        return {n: shape for n, shape in self.shapes.items() if not (self._kept_state and n.startswith(self.keep))}
+        later = bool(self._kept_state)
+        return {n: shape for n, shape in self.shapes.items() if not (later and n.startswith(self.keep))}
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -152,8 +153,10 @@ class GenerationCopy:
             names = [n for n in moving if is_adapter(n)]
             self._adapter_plan = Resharder({n: self.shapes[n] for n in names},
                                            {n: srcs[n][1] for n in names if n in srcs},
-                                           {n: needs[n] for n in names}, elem, bucket_bytes=self.bucket_bytes)
-        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem, bucket_bytes=self.bucket_bytes)
+                                           {n: needs[n] for n in names}, elem,
+                                           bucket_bytes=self.bucket_bytes)
+        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                         bucket_bytes=self.bucket_bytes)
 
     def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
         """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
@@ -181,8 +184,9 @@ class GenerationCopy:
 
 
 def _reshard_metrics(stats: Any, nbytes: int, kept_bytes: int = 0) -> dict[str, float]:
-    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9, "reshard/kept_gb": kept_bytes / 1e9,
-            "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
+    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+            "reshard/kept_gb": kept_bytes / 1e9, "reshard/sent_gb": stats.bytes_sent / 1e9,
+            "reshard/collectives": float(stats.collectives),
             "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
 
 
@@ -231,7 +235,8 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     module = policy.state_module
     frozen_tower = hasattr(module, "visual") and not any(p.requires_grad for p in module.visual.parameters())
     return GenerationCopy(module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
-                          keep=("visual.",) if frozen_tower else (), lora=lora_spec_of(policy.modules[0]))
+                          keep=("visual.",) if frozen_tower else (),
+                          lora=lora_spec_of(policy.modules[0]))
 
 
 def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,

@@ -43,5 +43,6 @@ def dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutS
     os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
     with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
         for s in samples:
-            f.write(json.dumps({"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
-                                "gen_logprobs": s.gen_logprobs}) + "\n")
+            row = {"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
+                   "gen_logprobs": s.gen_logprobs}
+            f.write(json.dumps(row) + "\n")

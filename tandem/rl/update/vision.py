@@ -40,7 +40,8 @@ def check_vision_policy(cfg: Any, args: Any, mp: int) -> None:
     if args.vision is None:
         return
     unsupported = [(mp > 1, "parallel.tp / parallel.pp > 1"), (cfg.rollout.tp > 1, "rollout.tp > 1"),
-                   (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'), (cfg.lora.enabled, "lora"),
+                   (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'),
+                   (cfg.lora.enabled, "lora"),
                    (ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
                     f"rl.advantage = {cfg.rl.advantage!r} (a critic)"),
                    (bool(cfg.distill.teachers), "distill.teachers"), (bool(cfg.env.name), "env.name"),
