@@ -198,8 +198,15 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--completion", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on a shared 2-core box spin-waited: 10x slower)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (2 on a shared 2-core box spin-waited: 10x slower)")
+    ap.add_argument("--smoke", action="store_true", help="the quickstart size, 2 repeats, 4 samples")
     opts = ap.parse_args()
+    if opts.smoke:
+        opts.sizes, opts.repeat, opts.samples = "quickstart", 2, 4
+    from bench.header import print_header
+
+    print_header("bench.lora")
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {opts.samples} samples of "

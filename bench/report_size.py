@@ -50,7 +50,13 @@ def measure(keys: int, folder: str) -> tuple[int, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keys", type=int, nargs="+", default=[2_000, 20_000])
+    p.add_argument("--smoke", action="store_true", help="200 and 2,000 keys")
     args = p.parse_args()
+    if args.smoke:
+        args.keys = [200, 2_000]
+    from bench.header import print_header
+
+    print_header("bench.report_size")
     from plotly.offline import get_plotlyjs
 
     base = len(get_plotlyjs())

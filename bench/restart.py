@@ -80,7 +80,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="quickstart,100m")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the quickstart policy on one rank (the test suite's run)",
+    )
     a = ap.parse_args()
+    if a.smoke:
+        a.models, a.nproc = "quickstart", 1
+    from bench.header import print_header
+
+    print_header("bench.restart")
     root = tempfile.mkdtemp(prefix="tandem-restart-bench-")
     try:
         print(f"{a.nproc} rank(s), CPU; wall seconds from launch")

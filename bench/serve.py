@@ -120,12 +120,25 @@ def _serve_while(engine: Any, proc: mp.Process) -> None:
         engine.run(until=lambda: not proc.is_alive())
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="per sessions row")
     ap.add_argument("--turn-tokens", type=int, default=8)
     ap.add_argument("--episodes", type=int, default=64, help="path rows")
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 64], help="sessions rows")
+    ap.add_argument("--smoke", action="store_true", help="1 s rows of 1 and 2 sessions, 4 episodes "
+                                                          "(the test suite's run)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.seconds, args.episodes, args.sessions = 1.0, 4, [1, 2]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    from bench.header import print_header
+
+    print_header("bench.serve", argv)
     import torch
 
     from tandem.models.hf import load_model
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'row':<22}{'sessions':>9}{'turns':>7}{'req/s':>9}"
         f"{'p50 ms':>9}{'p99 ms':>9}{'seconds':>9}"
     )
-    for s in (1, 8, 64):
+    for s in args.sessions:
         lat, wall, _ = over_http(s, args.seconds, 0)
         lat.sort()
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]

@@ -22,11 +22,19 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
-    out = {}
+    """Each field's trailing comment, continued by comment-only lines indented deeper than the
+    field (a description longer than one line)."""
+    out, last, indent = {}, None, 0
     for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
+        m = re.match(r"(\s+)(\w+):[^#]*?=.*?#\s*(.*)$", line)
+        more = re.match(r"(\s+)#\s*(.*)$", line)
         if m:
-            out[m.group(1)] = m.group(2).strip()
+            last, indent = m.group(2), len(m.group(1))
+            out[last] = m.group(3).strip()
+        elif more and last is not None and len(more.group(1)) > indent:
+            out[last] += " " + more.group(2).strip()
+        else:
+            last = None
     return out
 
 

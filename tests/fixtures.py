@@ -245,3 +245,14 @@ def train_run(config: str | Path, dump: str | Path, nproc: int, *extra: str,
     path = Path(dump) / "metrics.jsonl"
     rows = [json.loads(line) for line in open(path)] if path.exists() else []
     return rows, r.stdout + r.stderr
+
+
+def hf_weights(dump: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF folder a run exported (``dump/hf/*.safetensors``)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(dump, "hf").glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, dump
+    return out

@@ -187,14 +187,16 @@ def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, trito
 
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The oracle: a loop of ``x[run] @ w[e]`` (host sync to read ``offsets``); autograd-differentiable.
+    """The oracle: a loop of ``x_e @ w[e]`` over the runs (host sync to read ``offsets``);
+    autograd-differentiable, and the fair per-expert loop bench/moe.py times.
 
     Rows past ``offsets[-1]`` are zero here.
     """
     _check(x, w, offsets)
-    bounds = [0, *offsets.tolist()]
-    # unbind, not w[i]: each w[i]'s backward would materialise a zero [E, K, N] gradient.
-    experts = w.unbind(0)
-    parts = [x[s:e] @ we for we, s, e in zip(experts, bounds[:-1], bounds[1:], strict=True)]
-    parts.append(x.new_zeros(x.shape[0] - bounds[-1], w.shape[2]))
-    return torch.cat(parts)
+    ends = offsets.tolist()
+    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)] + [x.shape[0] - ends[-1]]
+    # split and unbind, not x[s:e] and w[i]: each slice's backward would materialise a zero
+    # gradient as large as the whole x (or w); split's backward concatenates the parts once.
+    *runs, rest = x.split(sizes)
+    parts = [run @ we for run, we in zip(runs, w.unbind(0), strict=True)]
+    return torch.cat([*parts, rest.new_zeros(rest.shape[0], w.shape[2])])

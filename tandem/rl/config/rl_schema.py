@@ -122,7 +122,22 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
     tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest degree whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
+    cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
     reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
+    # FP8 KV pool (docs/fp8-kv.md)
+    kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the
+        # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
+        # of bf16 (four times fp32's)
+    kv_scales: Literal["calibrated", "per_token"] = "calibrated"  # fp8 kv_dtype: one power-of-two
+        # scale per (layer, KV head) from the trainer's forward after each update (calibrated),
+        # or one per token and KV head from the entry itself as it is written (per_token)
+    kv_scale_decay: float = 0.9  # calibrated scales: the amax high-water mark is
+        # max(decay x the previous one, the new calibration's amax)
+    kv_calibration_tokens: int = 4096  # calibrated scales: tokens per rank of the step's
+        # samples (prompt + completion) that the calibration forward reads after each update
+    kv_quantize_update: bool = True  # fp8 kv_dtype: the update's (and the reference's)
+        # attention rounds K and V as the pool does, with the rollout's scales, so its log-probs
+        # match the rollout's
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
@@ -139,6 +154,10 @@ class RolloutConfig:
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
         require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
         require(self.reshard_bucket_mb >= 1, f"rollout.reshard_bucket_mb: must be >= 1, got {self.reshard_bucket_mb}")
+        require(0 <= self.kv_scale_decay <= 1,
+                f"rollout.kv_scale_decay: must be in [0, 1], got {self.kv_scale_decay}")
+        require(self.kv_calibration_tokens >= 1,
+                f"rollout.kv_calibration_tokens: must be >= 1, got {self.kv_calibration_tokens}")
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``
@@ -147,10 +166,25 @@ class RolloutConfig:
 
         from tandem.rl.generator.kv_cache import KVCache
 
-        per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype))
+        fmt = self.kv_quant_format()
+        per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype), fmt)
+        what = dtype if self.kv_dtype == "auto" else self.kv_dtype
         require(self.num_blocks > 0 or self.kv_cache_gb * 1e9 >= per_block,
-                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model (one block of "
-                f"{self.block_size} tokens takes {per_block / 1e9:.3g} GB in {dtype}); raise it or set rollout.num_blocks")
+                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model "
+                f"(one block of {self.block_size} tokens takes {per_block / 1e9:.3g} GB "
+                f"in {what}); "
+                "raise it or set rollout.num_blocks")
+
+    def kv_quant_format(self) -> Any:
+        """The pool's FP8 format for sizing (tandem/rl/generator/kv_cache.py KVQuant, without
+        scales), or None."""
+        if self.kv_dtype == "auto":
+            return None
+        from tandem.kernels.kv_quant import storage_dtype
+        from tandem.rl.generator.kv_cache import KVQuant
+
+        per_token = self.kv_scales == "per_token"
+        return KVQuant(storage_dtype(self.kv_dtype), per_token=per_token)
 
 
 @dataclass

@@ -235,9 +235,11 @@ class ParallelConfig:
     compile: bool = False  # torch.compile per block
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters and gradients
     ep: int = 1  # expert parallelism (MoE models): experts sharded over groups of ep consecutive FSDP2 ranks (ep divides dp_shard; ep < dp_shard: the groups are replicas, e.g. one per node), tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
+    cp: int = 1  # context parallelism (rl recipe): each packed row split over cp ranks, each holding rl.micro_batch_tokens of it; with FSDP2 / HSDP, not yet tp, pp, ep or MoE (docs/long-context.md)
+    cp_style: Literal["ulysses", "ring"] = "ulysses"  # ulysses: q/k/v all-to-all over heads (cp divides the query heads); ring: zig-zag chunks, K/V passed around
 
     def validate(self) -> None:
-        for key in ("dp_replicate", "tp", "pp", "ep"):
+        for key in ("dp_replicate", "tp", "pp", "ep", "cp"):
             value = getattr(self, key)
             require(value >= 1, f"parallel.{key}: must be >= 1, got {value}")
         require(self.dp_shard == -1 or self.dp_shard >= 1,
@@ -246,10 +248,11 @@ class ParallelConfig:
                 f"parallel.pp_microbatches: must be >= 0 (0 = the pp degree), got {self.pp_microbatches}")
 
     def resolve(self, world_size: int) -> dict[str, int]:
-        """Mesh degrees {pp, dp_replicate, dp_shard, tp} whose product is ``world_size``."""
+        """Mesh degrees {pp, dp_replicate, dp_shard, tp, cp} whose product is ``world_size``."""
         self.validate()
-        fixed = self.dp_replicate * self.tp * self.pp
+        fixed = self.dp_replicate * self.tp * self.pp * self.cp
         named = f"dp_replicate={self.dp_replicate} * tp={self.tp} * pp={self.pp}"
+        named += f" * cp={self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(f"parallel: world size {world_size} is not divisible by {named} = {fixed} "
@@ -260,7 +263,8 @@ class ParallelConfig:
             if fixed * dp_shard != world_size:
                 raise ConfigError(f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} does not equal "
                                   f"the world size {world_size} (set parallel.dp_shard=-1 to fill the rest)")
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp,
+                "cp": self.cp}
 
 
 @dataclass
@@ -414,12 +418,18 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
+        require(self.parallel.cp == 1 or self.training.recipe == "rl",
+                f"parallel.cp: context parallelism runs in the rl recipe only so far, not "
+                f"training.recipe = {self.training.recipe!r}; set parallel.cp = 1")
         self.lora.check_layout(self.parallel)
         r = self.reward
         scored = r.functions or r.reward_model is not None or self.env.name is not None
         require(bool(scored) or self.env.kind == "http",
                 "reward.functions: list at least one reward function (or set reward.reward_model, "
                 "env.name or env.kind = \"http\")")
+        require(self.env.kind != "http" or self.rollout.kv_dtype == "auto",
+                f"rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = \"http\" is not supported "
+                "yet (the endpoint's engine does not take the FP8 scales); use \"auto\"")
         if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
             args = _model_args_if_known(self.model)
             if args is not None:

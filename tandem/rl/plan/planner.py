@@ -42,6 +42,7 @@ from tandem.parallel.mesh import Degrees
 from tandem.parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from tandem.rl.generator.kv_cache import KVCache
 from tandem.rl.core.configlib import ConfigError
+from tandem.rl.plan import long_context as lc
 from tandem.rl.plan.moe import (
     dispatch_transient,
     ep_cast_bytes,
@@ -71,13 +72,17 @@ class Layout(Degrees):
     def describe(self) -> str:
         dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"{self.world} ranks: pp={self.pp} {dp} tp={self.tp}{ep}, rollout.tp={self.rollout_tp}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        rollout = f"rollout.tp={self.rollout_tp}"
+        return f"{self.world} ranks: pp={self.pp} {dp}{cp} tp={self.tp}{ep}, {rollout}"
 
     def overrides(self, moe: bool = False) -> str:
-        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model)."""
+        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model,
+        ``--parallel.cp`` where it is split)."""
         ep = f" --parallel.ep={self.ep}" if moe or self.ep > 1 else ""
+        cp = f" --parallel.cp={self.cp}" if self.cp > 1 else ""
         return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} --parallel.dp_shard={self.dp_shard} "
-                f"--parallel.tp={self.tp}{ep} --rollout.tp={self.rollout_tp}")
+                f"--parallel.tp={self.tp}{ep}{cp} --rollout.tp={self.rollout_tp}")
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Settings:
     reference: bool = False  # a frozen second copy (rl.kl_coef > 0, dpo's online reference)
     critic: bool = False
     kv_cache_gb: float = 1.0
+    kv_quant: Any = None  # rollout.kv_dtype's FP8 format (a KVQuant); None: gen_dtype
     num_blocks: int = 0
     block_size: int = 16
     max_num_seqs: int = 256
@@ -107,6 +113,7 @@ class Settings:
     vocab_parallel: bool = True
     bucket_bytes: int = 256 << 20
     chunk_tokens: int = 1024
+    cp_style: str = "ulysses"  # parallel.cp_style (rl recipe; tandem/rl/plan/long_context.py)
     lora: LoraSpec | None = None  # adapters on a frozen base (tandem/models/lora.py)
 
     @classmethod
@@ -129,10 +136,11 @@ class Settings:
             seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer, cpu_offload=p.cpu_offload,
             reference=lora is None and ((rl and r.kl_coef > 0) or (t.recipe == "dpo" and cfg.preference.reference == "online")),
             critic=rl and ADVANTAGES.cap(r.advantage, "needs_values", False),
-            kv_cache_gb=ro.kv_cache_gb, num_blocks=ro.num_blocks, block_size=ro.block_size,
+            kv_cache_gb=ro.kv_cache_gb, kv_quant=ro.kv_quant_format(), num_blocks=ro.num_blocks,
+            block_size=ro.block_size,
             max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1, prompts_per_step=r.prompts_per_step,
             num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel, bucket_bytes=ro.reshard_bucket_mb << 20,
-            chunk_tokens=r.logprob_chunk_tokens, lora=lora)
+            chunk_tokens=r.logprob_chunk_tokens, cp_style=p.cp_style, lora=lora)
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -269,15 +277,16 @@ class Planner:
     # ---- pieces ----------------------------------------------------------------------
 
     def fsdp_applied(self, layout: Layout) -> bool:
-        """tandem/parallel/parallelize.py's rule, on a GPU target."""
-        return layout.dp_replicate * layout.dp_shard > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
+        """tandem/parallel/parallelize.py's rule on a GPU target (FSDP2 over dp_shard x cp)."""
+        dp = layout.dp_replicate * layout.dp_shard * layout.cp
+        return dp > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
 
     def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "",
                     trained: bool = False) -> int:
         """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps); under EP the
         experts are this rank's ``E / ep`` of them (a DTensor Shard(0), outside FSDP2).
         ``trained``: those with gradients and AdamW moments (with LoRA, the adapters)."""
-        fsdp = layout.dp_shard if self.fsdp_applied(layout) else 1
+        fsdp = layout.dp_shard * layout.cp if self.fsdp_applied(layout) else 1
         held = _held_names(self.shapes, self.args, stages)
         return 4 * sum(_local_numel(n, s, layout.tp, layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
                        for n, s in held if not (skip and n.startswith(skip))
@@ -316,7 +325,7 @@ class Planner:
         at most what the rollout's sequences of max_model_len tokens need at once."""
         s = self.s
         local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
-        per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype)
+        per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype, s.kv_quant)
         blocks_per_seq = -(-s.max_len // s.block_size)
         if s.num_blocks:
             blocks = s.num_blocks
@@ -327,9 +336,10 @@ class Planner:
         return blocks * per_block, blocks // blocks_per_seq
 
     def micro_batch(self, layout: Layout) -> tuple[int, int]:
-        """(tokens per micro-batch, micro-batches in flight on the first stage)."""
-        if layout.pp == 1:
-            return self.s.tokens, 1
+        """(tokens per micro-batch and rank, micro-batches in flight on the first stage)."""
+        if layout.pp == 1:  # rl: the longest sequence gets a micro-batch of its own, split over cp
+            s = self.s
+            return (lc.tokens_per_rank(s.tokens, s.seq_len, layout.cp) if s.recipe == "rl" else s.tokens), 1
         seq = -(-self.s.seq_len // layout.tp) * layout.tp
         rows = max(1, self.s.tokens // seq)
         n_mb = self.s.pp_microbatches or layout.pp
@@ -357,6 +367,9 @@ class Planner:
             update["recomputed block (transient)"] = one
         if n_moe:
             update["MoE dispatch (transient)"] = dispatch_transient(args, tokens, _elem(s.compute_dtype), layout.ep)
+        if layout.cp > 1:
+            ring = lc.cp_transient(args, tokens, _elem(s.compute_dtype), layout.cp, s.cp_style)
+            update["cp attention (transient)"] = ring
         if last and layout.tp == 1 and layout.pp == 1:
             update["log-prob chunk (transient)"] = 2 * s.chunk_tokens * args.vocab_size * 4
         extra = 0
@@ -427,7 +440,12 @@ class Planner:
                 if pp > 1 and self.s.recipe != "rl":
                     continue  # pipelining is the rl recipe's only (ParallelConfig)
                 out.append(Layout(pp=pp, dp_shard=world // (tp * pp), tp=tp))
-        return sorted(out, key=lambda x: (x.tp * x.pp, x.pp))
+        if self.s.recipe == "rl":  # FSDP2 x cp (long_context.py)
+            out += [Layout(dp_shard=world // cp, cp=cp) for cp in lc.cp_degrees(
+                world, devices_per_node, self.args.num_heads, self.s.cp_style)]
+        # at equal degree, cp first when the longest sequence outgrows a micro-batch
+        long = self.s.seq_len > self.s.tokens
+        return sorted(out, key=lambda x: (x.tp * x.pp * x.cp, (x.cp == 1) == long, x.pp))
 
     def best(self, world: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
         """The first layout of `candidates` that fits, with its rollout.tp chosen by the auto rule; None when none does."""
@@ -482,7 +500,7 @@ def target(cfg: Any) -> tuple[int, int, float]:
     """(nodes, devices per node, device bytes): [plan] where set; else the config's own layout
     (dp_shard = -1 filling this machine's GPUs, or nothing) and this machine's GPU or 80 GB."""
     p, par = cfg.plan, cfg.parallel
-    fixed = par.pp * par.dp_replicate * par.tp
+    fixed = par.pp * par.dp_replicate * par.tp * par.cp
     local_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nodes = p.nodes or 1
     if p.devices_per_node:
@@ -505,9 +523,10 @@ def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: fl
     from tandem.rl.update.policy import check_layout
 
     d = cfg.parallel.resolve(world)
-    check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule)
+    par = cfg.parallel
+    check_layout(planner.args, Degrees(**d), par.pp_schedule, par.cp_style, par.ep)
     check_moe_layout(planner.args, cfg.parallel.ep, d)
-    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=cfg.parallel.ep)
+    lay = Layout(ep=par.ep, **d)
     g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1)
     if world % g:
         raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")
@@ -559,6 +578,10 @@ def run_plan(cfg: Any) -> int:
           f"{str(s.compute_dtype).removeprefix('torch.')}, generation {str(s.gen_dtype).removeprefix('torch.')}, "
           f"{planner.micro_batch(lay)[0]} tokens per micro-batch, activation_checkpoint={s.ac}")
     print(format_plan(plans, mem))
+    if s.recipe == "rl":
+        kinds = rank_kinds(planner.args, lay, s.pp_schedule)
+        room = lc.kv_room(planner, lay, USABLE * mem, kinds)
+        print(lc.format_kv_room(room, cfg.rollout.max_tokens, s.max_len - 1))
     worst = max(plans, key=lambda p: p.peak)
     fits = worst.peak <= USABLE * mem
     smallest = planner.smallest(nodes, per_node, mem)

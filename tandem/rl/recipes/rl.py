@@ -41,33 +41,26 @@ from tandem.rl.algorithms import (
 )
 from tandem.rl.core.fields import get_field
 from tandem.rl.data.images import VisionData, release_images
-from tandem.rl.data.prompts import (
-    PromptStream,
-    deal,
-    encode_prompts,
-    load_prompt_rows,
-    prompt_messages,
-    rollout_seed,
-)
+from tandem.rl.data.prompts import (PromptStream, deal, encode_prompts, load_prompt_rows,
+                                     prompt_messages, rollout_seed)
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
-from tandem.rl.rollout.generation import (
-    generate_episodes,
-    generate_samples,
-    generation_copy,
-    generation_dtype,
-)
-from tandem.rl.rollout.types import RolloutSample, dump_rollouts
+from tandem.rl.rollout.generation import (generate_episodes, generate_samples, generation_copy,
+                                          generation_dtype)
+from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
 from tandem.rl.core.optim import build_optimizer, build_scheduler
-from tandem.rl.core.samples import SampleLog
+from tandem.rl.core.samples import SampleLog, dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
+from tandem.rl.update.cp_batch import check_cp_settings
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.kv_scales import KVScales
 from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
     completion_tensors,
+    gap_metrics,
 )
 from tandem.rl.update.policy import build_policy, check_layout
 from tandem.rl.update.teachers import Teachers
@@ -88,7 +81,7 @@ class RLRecipe:
         degrees = Degrees(**cfg.parallel.resolve(info.world_size))
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
-        self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
+        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         self.http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
         if self.http:
             from tandem.rl.serve import episodes as http_episodes
@@ -99,15 +92,15 @@ class RLRecipe:
         self.mesh = build_mesh(degrees, info.device)
         self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
-        self.mp_group = subgroup(self.mesh, ("pp", "tp"))
-        self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
+        self.mp_group = mp = subgroup(self.mesh, ("pp", "cp", "tp"))
+        self.mp_rank = dist.get_rank(mp) if mp is not None else 0
         if r.prompts_per_step % self.dp:
             raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
         check_vision_policy(cfg, self.args, self.mp)
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule)
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
@@ -118,7 +111,8 @@ class RLRecipe:
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
-                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
+                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts,
+                  cp_style=cfg.parallel.cp_style)
         self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)  # [lora]: adapters
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
@@ -126,12 +120,12 @@ class RLRecipe:
                                         offload_optimizer=r.offload_optimizer)
         self.ref = frozen_reference(self.policy, lambda: build_policy(  # LoRA: the policy, adapters off
             self.args, self.mesh, info.device, trainable=False, **kw)) if r.kl_coef > 0 else None
+        self.kv = KVScales.create(cfg.rollout, self.args, self.policy, self.ref)  # FP8 KV or None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main) if needs_values else None
-        self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
-        self.teachers = None
+                             seed=cfg.job.seed, is_main=info.is_main, cp=self.policy.split) if needs_values else None
+        self.critic_warmup, self.teachers = cfg.critic.warmup_steps if self.critic is not None else 0, None
         if cfg.distill.teachers:
             self.teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
                                      is_main=info.is_main, conversation=self._conversation)
@@ -139,8 +133,7 @@ class RLRecipe:
                 raise ConfigError("distill.teachers: a teacher with another tokenizer scores single-turn completions "
                                   "only so far; env.name (multi-turn episodes) needs teachers with the student's tokenizer")
             self.teachers.check_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
-        self.rm = self._reward_model() if cfg.reward.reward_model else None
-        self.env_pool = None
+        self.rm, self.env_pool = self._reward_model() if cfg.reward.reward_model else None, None
         if cfg.env.name and self.gen_copy.layout.rank == 0:  # a generation group's leader steps its environments
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
         self.server = (http_episodes.start_server(cfg.env, cfg.job.name, self.tok.vocab_size)
@@ -165,14 +158,16 @@ class RLRecipe:
     def _check_layout_settings(self, needs_values: bool) -> None:
         """One ConfigError line for settings the layout cannot run yet."""
         cfg, r, device = self.cfg, self.cfg.rl, self.info.device
-        if self.mp > 1 and (needs_values or cfg.distill.teachers):
+        tp_pp = cfg.parallel.tp * cfg.parallel.pp
+        check_cp_settings(cfg)
+        if tp_pp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
-        if r.exact and (device.type != "cpu" or self.mp > 1):
+        if r.exact and (device.type != "cpu" or tp_pp > 1):
             raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
                               "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                               "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
-                              f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
+                              f"(device {device.type}, tp x pp = {tp_pp}); set rl.exact = false")
         if r.exact and cfg.rollout.tp > 1:
             raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
                               f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
@@ -255,6 +250,8 @@ class RLRecipe:
     def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
+        layout = self.gen_copy.layout
+        kv = self.kv.for_heads(layout.tp, layout.rank) if self.kv is not None else None
         if self.http:
             from tandem.rl.serve.episodes import serve_episodes
 
@@ -264,10 +261,10 @@ class RLRecipe:
                                   beat=self.rt.watchdog.beat)
         if self.cfg.env.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
-                                     seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
+                                     seed=0, greedy=greedy, seeds=seeds, layout=layout, kv_scales=kv)
         return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
                                 max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                layout=self.gen_copy.layout)
+                                layout=layout, kv_scales=kv)
 
     def _generate_shared(self, gen_model, prompts, n: int, seeds: list[int]):
         """Generate and score, the prompts split over the model-parallel group (its TP and PP
@@ -305,9 +302,11 @@ class RLRecipe:
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
         before = allocated_gb(self.info.device)
+        kv_metrics = self._kv_ready()  # collective: FP8 KV scales exist before anything samples
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
         gen_model, metrics = self.gen_copy.build()
+        metrics.update(kv_metrics)
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
         kept, dropped, rounds = 0, 0, 0  # groups, over all ranks
@@ -343,6 +342,8 @@ class RLRecipe:
             move_optimizer_state(self.opt, self.info.device)
         if before is not None:  # the generation copy and KV pool are gone: the update starts where it would have
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
+        if self.kv is not None:
+            metrics.update(self.kv.rollout_metrics(self.step_index))
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
         dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
@@ -461,7 +462,7 @@ class RLRecipe:
                 if self.critic is not None:
                     def also(mb, norm=norm):
                         vloss, sq = self.critic.micro_batch_loss(mb, values, returns, mask, norm, width)
-                        (vloss * self.dp).backward()
+                        (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2: dp x cp mean
                         sums[6] += sq.double()
                         sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
                 sums[:5] += self.policy.accumulate(samples, mb_rows, inp, spec, norm, width, policy=train_policy,
@@ -477,9 +478,13 @@ class RLRecipe:
             sums.zero_()
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
-        extra.update(self._gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask))
+        extra.update(gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask,
+                                 float(self.policy.counts_stats)))
+        if self.kv is not None:  # the next rollout's scales, from the weights it will run
+            extra.update(self.kv.calibrate(self.policy, samples, self.step_index + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
+        extra.update(self.policy.cp_metrics())
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
                           "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
@@ -491,18 +496,6 @@ class RLRecipe:
                 "time/update_s": time.monotonic() - t0, "time/logprobs_s": t_logprobs,
                 "memory/update_peak_gb": peak_memory_gb(dev)}
 
-    def _gap_metrics(self, update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-        """How far the rollout's sampled-token log-probs are from the update's recomputation
-        with the same weights, over all ranks (one rank per data-parallel replica counts)."""
-        gap = (update_logp - gen_logp).abs() * mask * float(self.policy.counts_stats)
-        stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
-                             gap.max() if gap.numel() else gap.new_zeros(())]).double()
-        gmax = stats[3:].clone()
-        dist.all_reduce(stats[:3])
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
-        return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
-                "gap/tokens_differ": stats[2].item()}
-
     # ---- evaluation ------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
@@ -511,6 +504,7 @@ class RLRecipe:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return {}
+        self._kv_ready()
         gen_model, _ = self.gen_copy.build()
         order = list(range(len(self.eval_prompts)))
         mine = deal(order, self.info.rank, self.info.world_size)
@@ -531,12 +525,15 @@ class RLRecipe:
         return CheckpointParts(self.model, self.opt, extras)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor}  # the same on every rank
+        kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}  # the same on every rank
+        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor, **kv}
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
         run stopped (and samples what it would have: seeds are keyed by position, not rank)."""
         self.sched.load_state_dict(state["scheduler"])
+        if self.kv is not None and "kv_scales" in state:
+            self.kv.load_state_dict(state["kv_scales"])
         if "cursor" in state:
             self.stream.cursor = state["cursor"]
         else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
@@ -576,6 +573,9 @@ class RLRecipe:
             self.env_pool.close()
         if self.server is not None:
             self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
+
+    def _kv_ready(self) -> dict[str, float]:
+        return self.kv.ensure(self.policy, self.train_prompts, self.step_index) if self.kv else {}
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],

@@ -68,8 +68,10 @@ class GenerationCopy:
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
                  dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
-                 keep: tuple[str, ...] = (), lora: LoraSpec | None = None) -> None:
+                 keep: tuple[str, ...] = (), cpu_onednn: bool = False,
+                 lora: LoraSpec | None = None) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
         self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
         with torch.device("meta"):
@@ -135,7 +137,7 @@ class GenerationCopy:
             gen.visual.reset_rope(self.device)
         gen.requires_grad_(False).eval()
         if inference and self.lora is None:  # fused projections would fold the adapters' inputs away
-            inference_layout(gen)
+            inference_layout(gen, self.cpu_onednn)
         metrics = _reshard_metrics(stats, nbytes, kept_bytes)
         if self.lora is not None:
             adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}  # before shard_modules renames
@@ -235,39 +237,45 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     module = policy.state_module
     frozen_tower = hasattr(module, "visual") and not any(p.requires_grad for p in module.visual.parameters())
     return GenerationCopy(module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
-                          keep=("visual.",) if frozen_tower else (),
+                          keep=("visual.",) if frozen_tower else (), cpu_onednn=rcfg.cpu_onednn,
                           lora=lora_spec_of(policy.modules[0]))
 
 
-def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
-                           dtype: torch.dtype | None = None, *, layout: bool = True,
-                           ) -> tuple[Transformer, dict[str, float]]:
+def build_generation_model(
+    policy: Any,
+    args: ModelArgs,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    *,
+    layout: bool = True,
+    cpu_onednn: bool = False,
+) -> tuple[Transformer, dict[str, float]]:
     """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
     (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
     `GenerationCopy` with ``rollout.tp = 1``."""
     copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype,
-                          lora=lora_spec_of(policy.modules[0]))
+                          cpu_onednn=cpu_onednn, lora=lora_spec_of(policy.modules[0]))
     return copy.build(inference=layout)
 
 
-def inference_layout(model: Transformer) -> bool:
+def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
     """The rollout copy's layout, in place; returns whether it changed anything.
 
-    On CUDA: the q/k/v and gate/up projections fused into one product each
-    (`Transformer.fuse_projections`); the generator ran 3-6 % faster on an H200 with the
-    same tokens (bench.generate, hidden 1024 x 16 layers, bf16, CUDA graphs). On the CPU in
-    fp32, where PyTorch has oneDNN: fused too, and every linear run through oneDNN on a
-    prepacked weight (`tandem.kernels.cpu_linear`); a rollout of the GRPO bench's shape took 550 ->
-    453 ms with the fusion on oneDNN, then 471 -> 403 ms with prepacking. Elsewhere (CPU
-    without oneDNN or in another dtype) the layout stays, as nothing was measured there.
-    Numbers: docs/performance.md."""
+    On CUDA: q/k/v and gate/up fused into one product each (`Transformer.fuse_projections`:
+    fewer, larger products; 3-6 % faster on an H200). On the CPU the copy keeps the training
+    layout unless ``cpu_onednn`` (``rollout.cpu_onednn``): then, in fp32 where PyTorch has
+    oneDNN, fused and every linear on oneDNN with a prepacked weight (`tandem.kernels.cpu_linear`).
+    That won on an AMD EPYC and lost on an Intel Xeon with AMX, and its last-bit differences
+    would make two runs of one config sample differently if a timing chose it, so it is a
+    setting, off by default. Numbers: docs/performance.md."""
     weight = next(model.parameters(), None)
     if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
         return False
     if weight.is_cuda:
         model.fuse_projections()
         return True
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+    if not cpu_onednn or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or not onednn_linear_available():
         return False
     model.fuse_projections()
     use_onednn_linears(model)
@@ -291,6 +299,7 @@ def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> Generat
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
         kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
+        kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
     )
 
 
@@ -303,10 +312,11 @@ def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
 
 def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
                     run: Callable[[Generator], Any], layout: GenerationLayout | None = None,
-                    ) -> tuple[Any, dict[str, float]]:
+                    kv_scales: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
     """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
     freed on return (a leak raises); the rollout/* metrics of that generation. In a generation
-    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens."""
+    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens.
+    ``kv_scales``: the FP8 pool's scales of this rank's KV heads (``rollout.kv_dtype``)."""
     t0 = time.monotonic()
     settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
     agree = None
@@ -315,16 +325,23 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     if layout is not None and layout.tp > 1:
         settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
         agree = partial(leader_tokens, layout)
-    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree)
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree,
+                    kv_scales=kv_scales)
     out = run(gen)
     if not gen.pool_is_free():
         raise RuntimeError("generator leaked KV blocks")
-    stats, kv_bytes = gen.stats, gen.cache.nbytes
+    stats, cache = gen.stats, gen.cache
+    per_seq = -(-gen.scheduler.max_model_len // cache.block_size)
+    # capacity: how many full-length sequences the budget holds
+    kv = {"rollout/kv_cache_gb": cache.nbytes / 1e9,
+          "rollout/kv_capacity_seqs": float(cache.budget_blocks // per_seq)}
+    if cache.quant is not None and not cache.quant.per_token:
+        kv["rollout/kv_saturated_frac"] = cache.saturated_share()
     gen.close()
     dt = time.monotonic() - t0
     return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
-                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9,
+                 "rollout/preemptions": float(stats.preemptions), **kv,
                  **{f"rollout/{k}": float(v) for k, v in stats.extra.items() if k == "vision_tower_runs"}}
 
 
@@ -350,7 +367,8 @@ def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any
 
 def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
                      seed: int, max_prompt_tokens: int, greedy: bool = False, seeds: list[int] | None = None,
-                     layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+                     layout: GenerationLayout | None = None, kv_scales: torch.Tensor | None = None,
+                     ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return.
 
     ``seeds``: one per prompt (its samples use seed + sample index), so a sample's noise does
@@ -368,7 +386,7 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
         lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check,
-                                 images=[p.images for p, _ in pooled]), layout)
+                                 images=[p.images for p, _ in pooled]), layout, kv_scales)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
@@ -384,7 +402,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
                       pool: Any, *, seed: int, greedy: bool = False, seeds: list[int] | None = None,
-                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+                      layout: GenerationLayout | None = None, kv_scales: torch.Tensor | None = None,
+                      ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py); the KV pool is freed on return.
 
     In a generation group (``layout.tp > 1``) the members' prompts are pooled as in
@@ -405,7 +424,7 @@ def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prom
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
                                         max_turn_tokens=ecfg.max_turn_tokens,
                                         seeds=None if seeds is None else [s for _, s in pooled], layout=layout),
-        layout)
+        layout, kv_scales)
     mine = samples[start * n:(start + len(prompts)) * n]
     for s in mine:
         s.group -= start

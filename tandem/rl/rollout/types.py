@@ -2,14 +2,11 @@
 
 Single-turn generation and multi-turn agentic episodes both produce
 `RolloutSample`s, so rewards, advantages and the update never care which made
-them. Per-token lists cover the completion (everything after the prompt). `dump_rollouts`
-writes them out for debugging (``TANDEM_DUMP_ROLLOUTS=1``).
+them. Per-token lists cover the completion (everything after the prompt).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,22 +24,7 @@ class RolloutSample:
     env_reward: float | None = None  # reward an environment gave at the end of an episode
     info: dict[str, float] = field(default_factory=dict)  # per-episode metrics (turns, tool calls, ...)
     routing: Any = None  # MoE: [C, L, k] int16 experts the rollout chose for the inputs of each completion token
-    images: Any = None  # the prompt's tandem.models.vlm.PromptImages (its M-RoPE positions), the object the rollout used
 
     @property
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
-
-
-def dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutSample]) -> None:
-    """With ``TANDEM_DUMP_ROLLOUTS=1`` (a debugging aid, used by the layout tests): every sample
-    of this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens,
-    generator log-probs), so runs on different layouts can be compared sample by sample."""
-    if os.environ.get("TANDEM_DUMP_ROLLOUTS") != "1":
-        return
-    os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
-    with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
-        for s in samples:
-            row = {"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
-                   "gen_logprobs": s.gen_logprobs}
-            f.write(json.dumps(row) + "\n")

@@ -39,7 +39,8 @@ def check_vision_policy(cfg: Any, args: Any, mp: int) -> None:
     (``args.vision`` set) yet."""
     if args.vision is None:
         return
-    unsupported = [(mp > 1, "parallel.tp / parallel.pp > 1"), (cfg.rollout.tp > 1, "rollout.tp > 1"),
+    unsupported = [(mp > 1, "parallel.tp / pp / cp > 1"), (cfg.rollout.tp > 1, "rollout.tp > 1"),
+                   (cfg.rollout.kv_dtype != "auto", f"rollout.kv_dtype = {cfg.rollout.kv_dtype!r}"),
                    (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'),
                    (cfg.lora.enabled, "lora"),
                    (ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
