@@ -124,7 +124,8 @@ class ModelConfig:
 
     flavor: str | None = None  # a from-scratch size from tandem/models/flavors.py
     path: str | None = None  # an HF-format folder (config.json + safetensors)
-    tokenizer: str | None = None  # a tokenizer folder or "builtin:char"; default: model.path
+    tokenizer: str | None = None  # a tokenizer folder, "builtin:char", or "builtin:vl-char" (with the image tokens, for a from-scratch vision-language flavor); default: model.path
+    train_vision: bool = False  # vision-language models: train the vision tower too (false: frozen, only the LM trains)
 
     def validate(self) -> None:
         if self.flavor is not None and self.path is not None:

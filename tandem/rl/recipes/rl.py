@@ -40,6 +40,7 @@ from tandem.rl.algorithms import (
     overlong_penalty,
 )
 from tandem.rl.core.fields import get_field
+from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import (PromptStream, deal, encode_prompts, load_prompt_rows,
                                      prompt_messages, rollout_seed)
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
@@ -59,9 +60,12 @@ from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
     completion_tensors,
+    gap_metrics,
 )
 from tandem.rl.update.policy import build_policy, check_layout
 from tandem.rl.update.teachers import Teachers
+from tandem.rl.update.vision import check_vision_policy
+from tandem.rl.workers.env_pool import EnvPool
 from tandem.rl.workers.reward_pool import RewardPool
 
 _COUNTS = ("errors", "timeouts", "crashes")  # reward metrics that are counts (summed, not averaged)
@@ -95,6 +99,7 @@ class RLRecipe:
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
+        check_vision_policy(cfg, self.args, self.mp)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
@@ -102,7 +107,7 @@ class RLRecipe:
         self.train_prompts, self.eval_prompts = self._load_data()
         episodic = cfg.env.name or self.http
         seq_len = self.max_prompt + cfg.env.max_total_tokens if episodic else cfg.data.max_length
-        spec = BuildSpec.from_config(cfg.training, cfg.parallel)
+        spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
@@ -130,8 +135,6 @@ class RLRecipe:
             self.teachers.check_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
         self.rm, self.env_pool = self._reward_model() if cfg.reward.reward_model else None, None
         if cfg.env.name and self.gen_copy.layout.rank == 0:  # a generation group's leader steps its environments
-            from tandem.rl.workers.env_pool import EnvPool
-
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
         self.server = (http_episodes.start_server(cfg.env, cfg.job.name, self.tok.vocab_size)
                        if self.http and info.rank == 0 else None)  # the endpoint, for the whole run
@@ -178,13 +181,15 @@ class RLRecipe:
         kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field,
                   max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
         rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows)
-        train, skipped = encode_prompts(rows, self.tok, source=d.path, **kw)
+        train, skipped = encode_prompts(rows, self.tok, source=d.path, vision=VisionData.for_model(self.args, d.path),
+                                        **kw)
         eval_path = d.eval_path or (d.path if d.path.startswith("synthetic:") else None)
         evals = []
         if eval_path:
             erows = load_prompt_rows(eval_path, d.format, split="test", seed=self.cfg.job.seed + 1,
                                      n_synthetic=self.cfg.rl.eval_prompts)
-            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path, **kw)
+            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path,
+                                      vision=VisionData.for_model(self.args, eval_path), **kw)
         if self.info.is_main:
             print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped {sum(skipped.values())} {skipped}", flush=True)
         return train, evals
@@ -327,7 +332,8 @@ class RLRecipe:
             dropped += len(taken) - n_keep
             kept += n_keep
             for k, v in {**gm, **rm}.items():
-                metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", *_COUNTS)) else v
+                metrics[k] = metrics.get(k, 0.0) + v if k.endswith(("seconds", "tokens", "preemptions", "runs",
+                                                                    *_COUNTS)) else v
             if last_round or not r.dynamic_sampling:
                 break
         del gen_model
@@ -472,7 +478,8 @@ class RLRecipe:
             sums.zero_()
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
-        extra.update(self._gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask))
+        extra.update(gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask,
+                                 float(self.policy.counts_stats)))
         if self.kv is not None:  # the next rollout's scales, from the weights it will run
             extra.update(self.kv.calibrate(self.policy, samples, self.step_index + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
@@ -488,18 +495,6 @@ class RLRecipe:
                 "update/tokens": tokens, "update/tokens_per_s": tokens / (time.monotonic() - t0),
                 "time/update_s": time.monotonic() - t0, "time/logprobs_s": t_logprobs,
                 "memory/update_peak_gb": peak_memory_gb(dev)}
-
-    def _gap_metrics(self, update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-        """How far the rollout's sampled-token log-probs are from the update's recomputation
-        with the same weights, over all ranks (one rank per data-parallel replica counts)."""
-        gap = (update_logp - gen_logp).abs() * mask * float(self.policy.counts_stats)
-        stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
-                             gap.max() if gap.numel() else gap.new_zeros(())]).double()
-        gmax = stats[3:].clone()
-        dist.all_reduce(stats[:3])
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
-        return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
-                "gap/tokens_differ": stats[2].item()}
 
     # ---- evaluation ------------------------------------------------------------------
 
@@ -518,6 +513,7 @@ class RLRecipe:
         samples, _ = self._generate(gen_model, [self.eval_prompts[i] for i in mine], max(n, 1), seeds, greedy=n == 0)
         del gen_model
         self._score(samples)
+        release_images(samples)
         acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64)
         dist.all_reduce(acc)
         return {"eval/accuracy": acc[0].item() / max(acc[1].item(), 1.0)}
@@ -550,6 +546,7 @@ class RLRecipe:
             samples, scores, metrics = self.rollout()
         with wd.phase("update"):
             metrics.update(self.update(samples, scores))
+        release_images(samples)  # the step's pixels (decoded once for the rollout and the update)
         metrics.update(self._rollout_metrics(samples))
         self.sample_log.log(step + 1, self._sample_records(samples, scores))
         ids = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples}) if self.mp_rank == 0 else []

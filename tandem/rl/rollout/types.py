@@ -24,6 +24,7 @@ class RolloutSample:
     env_reward: float | None = None  # reward an environment gave at the end of an episode
     info: dict[str, float] = field(default_factory=dict)  # per-episode metrics (turns, tool calls, ...)
     routing: Any = None  # MoE: [C, L, k] int16 experts the rollout chose for the inputs of each completion token
+    images: Any = None  # the prompt's tandem.models.vlm.PromptImages (its M-RoPE positions), the object the rollout used
 
     @property
     def num_sampled(self) -> int:
