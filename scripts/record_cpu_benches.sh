@@ -32,6 +32,8 @@ run grpo "$PY" -m bench.grpo_step --steps 6 --repeats 3 --threads 1 \
 run grpo_ac "$PY" -m bench.grpo_step --steps 6 --repeats 3 --threads 1 --activation-checkpoint full \
   --engines tandem,trl
 run exact "$PY" -m bench.grpo_step --steps 3 --repeats 3 --threads 1 --engines tandem,tandem-exact
+run exact_small "$PY" -m bench.grpo_step --prompts 2 --steps 2 --repeats 3 --threads 1 \
+  --engines tandem,tandem-exact
 run generate "$PY" -m bench.generate --threads 1 --layout-row
 run moe "$PY" -m bench.moe --threads 1
 run paged env OMP_NUM_THREADS=1 "$PY" -m bench.paged_attention --preset small
