@@ -152,7 +152,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="4 prompts x 2 samples, 2 repeats")
     a = ap.parse_args()
+    if a.smoke:
+        a.prompts, a.samples, a.repeats = 4, 2, 2
+    from bench.header import print_header
+
+    print_header("bench.vlm")
     torch.manual_seed(0)
     if a.part in ("all", "step"):
         bench_step(a.model, a.prompts, a.samples, a.repeats)
