@@ -254,7 +254,7 @@ def build_generation_model(
     (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
     `GenerationCopy` with ``rollout.tp = 1``."""
     copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype,
-                          cpu_onednn=cpu_onednn, lora=lora_spec_of(policy.modules[0]))
+                          cpu_onednn=cpu_onednn, lora=lora_spec_of(policy.state_module))
     return copy.build(inference=layout)
 
 
