@@ -6,6 +6,7 @@ on the name:
     ADVANTAGES.get(name)(AdvantageInput, AdvantageConfig) -> AdvantageOutput
     POLICY_LOSSES.get(name)(PolicyLossInput, PolicyLossConfig) -> PolicyLossOutput
     KL_ESTIMATORS.get(name)(logp, ref_logp) -> [N, T]
+    KL_MODES.get(name)(logp, ref_logp, mask, beta, estimator) -> [N, T]
     AGGREGATIONS.get(name)(loss, mask, AggregationNorm) -> scalar
     PREFERENCE_LOSSES.get(name)(PreferenceInput, PreferenceConfig) -> PreferenceOutput
 
@@ -35,7 +36,7 @@ from tandem.rl.algorithms.distill import (
     reverse_kl_sampled,
 )
 from tandem.rl.algorithms.filters import filter_groups, overlong_filter_mask, overlong_penalty
-from tandem.rl.algorithms.kl import KL_ESTIMATORS, kl_loss_term, kl_penalty_rewards
+from tandem.rl.algorithms.kl import KL_ESTIMATORS, KL_MODES, kl_loss_term, kl_penalty_rewards
 from tandem.rl.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLossConfig,
@@ -55,6 +56,7 @@ __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "KL_MODES",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
     "AdvantageConfig",

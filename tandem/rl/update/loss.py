@@ -291,6 +291,68 @@ class LossInputs:
     gen_logp: torch.Tensor  # [N, T] generator log-probs (truncated IS)
     ref_logp: torch.Tensor | None  # [N, T] reference policy (KL)
     seen_logp: torch.Tensor | None = None  # [N, T] filled with the training forward's log-probs when old_logp is None
+    values: torch.Tensor | None = None  # [N, T] critic values before this update (PPO)
+    returns: torch.Tensor | None = None  # [N, T] the critic's targets (GAE returns)
+
+
+_SUMS = ("loss", "clipped", "entropy", "kl", "tokens", "steps", "value_sq_err", "value_tokens")
+
+
+@dataclass
+class UpdateSums:
+    """The update phase's float64 sums, this rank's share until `all_reduce`.
+
+    ``loss``: the policy loss over micro-batches (each its share of a step's global loss);
+    ``clipped``, ``entropy``, ``kl`` (k3 to the reference), ``tokens``: token sums over the
+    trained (masked-in) tokens; ``steps``: the policy's optimizer steps; ``value_sq_err``
+    and ``value_tokens``: the critic's squared error against the returns and its tokens.
+    """
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    entropy: torch.Tensor
+    kl: torch.Tensor
+    tokens: torch.Tensor
+    steps: torch.Tensor
+    value_sq_err: torch.Tensor
+    value_tokens: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> UpdateSums:
+        return cls.of(torch.zeros(len(_SUMS), dtype=torch.float64, device=device))
+
+    @classmethod
+    def of(cls, flat: torch.Tensor) -> UpdateSums:
+        """The fields of a ``[8]`` float64 tensor, in field order."""
+        return cls(*flat.unbind(0))
+
+    def flat(self) -> torch.Tensor:
+        return torch.stack([getattr(self, k) for k in _SUMS])
+
+    def add_loss(self, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+        """One micro-batch's policy loss and token sums (`completion_loss`'s), in place."""
+        part = torch.stack([loss.detach(), stats["clipped"], stats["entropy"], stats["kl"],
+                            stats["tokens"]])
+        self._add(("loss", "clipped", "entropy", "kl", "tokens"), part.double())
+
+    def add_value(self, sq_err: torch.Tensor, tokens: torch.Tensor | float) -> None:
+        tokens = torch.as_tensor(tokens, dtype=torch.float64, device=sq_err.device)
+        self._add(("value_sq_err", "value_tokens"), torch.stack([sq_err.double(), tokens]))
+
+    def __iadd__(self, other: UpdateSums) -> UpdateSums:
+        self._add(_SUMS, other.flat())
+        return self
+
+    def _add(self, names: tuple[str, ...], values: torch.Tensor) -> None:
+        for k, v in zip(names, values.unbind(0)):
+            setattr(self, k, getattr(self, k) + v)
+
+    def all_reduce(self, counts: bool) -> UpdateSums:
+        """Collective: the sums over all ranks; a rank with ``counts`` False (not the one rank
+        per data-parallel replica that reports) adds zeros."""
+        flat = self.flat() if counts else torch.zeros_like(self.flat())
+        dist.all_reduce(flat)
+        return UpdateSums.of(flat)
 
 
 @dataclass
