@@ -22,11 +22,20 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
-    out = {}
+    """Each field's description: the comment on its line, continued by comment-only lines
+    right below it (so a long description keeps lines within 100 characters)."""
+    out: dict[str, str] = {}
+    last = None
     for line in inspect.getsource(cls).splitlines():
         m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
+        more = re.match(r"\s+#\s*(.*)$", line)
         if m:
-            out[m.group(1)] = m.group(2).strip()
+            last = m.group(1)
+            out[last] = m.group(2).strip()
+        elif more and last is not None:
+            out[last] = f"{out[last]} {more.group(1).strip()}"
+        else:
+            last = None
     return out
 
 

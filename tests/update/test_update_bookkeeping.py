@@ -16,16 +16,18 @@ from tandem.rl.update.phase import UpdatePhase
 
 def test_update_sums_add_by_name_in_float64():
     s = UpdateSums.zeros(torch.device("cpu"))
-    s.add_loss(torch.tensor(0.5), {"clipped": torch.tensor(2.0), "entropy": torch.tensor(3.0),
-                                   "kl": torch.tensor(0.25), "tokens": torch.tensor(10.0)})
+    names = ("clipped", "entropy", "kl", "tokens", "is_weight", "is_weight_sq", "dropped",
+             "kl_behav", "kl_prox")
+    s.add_loss(torch.tensor(0.5), {k: torch.tensor(float(i + 2)) for i, k in enumerate(names)})
     part = UpdateSums.zeros(torch.device("cpu"))
     part.add_value(torch.tensor(1.5), 4)
     s += part
     s.steps = s.steps + 1
     assert s.flat().dtype == torch.float64
-    assert s.flat().tolist() == [0.5, 2.0, 3.0, 0.25, 10.0, 1.0, 1.5, 4.0]
-    named = (s.loss.item(), s.tokens.item(), s.value_sq_err.item(), s.value_tokens.item())
-    assert named == (0.5, 10.0, 1.5, 4.0)
+    assert s.flat().tolist() == [0.5, 2.0, 3.0, 4.0, 5.0, 1.0, 1.5, 4.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    named = (s.loss.item(), s.tokens.item(), s.value_sq_err.item(), s.value_tokens.item(),
+             s.kl_prox.item())
+    assert named == (0.5, 5.0, 1.5, 4.0, 10.0)
 
 
 def _learner(name, lr=0.1, schedule=True):
@@ -76,8 +78,10 @@ def test_updater_steps_the_chosen_learners_and_drops_everyones_gradients_on_nan(
     assert set(norms) == {"policy", "critic"} and not torch.equal(policy.weight, w_policy)
 
 
-def _phase(*, epochs=1, minibatches=1, kl_mode="loss", ref=False, trainers=(), teachers=None):
-    rl = SimpleNamespace(epochs=epochs, minibatches=minibatches, kl_mode=kl_mode)
+def _phase(*, epochs=1, minibatches=1, kl_mode="loss", ref=False, trainers=(), teachers=None,
+           correction="tis", proximal="recompute"):
+    rl = SimpleNamespace(epochs=epochs, minibatches=minibatches, kl_mode=kl_mode,
+                         offpolicy_correction=correction, proximal=proximal)
     trainers = [SimpleNamespace(needs_old_logp=False), *trainers]
     return UpdatePhase(rl=rl, max_tokens=8, distill=None, policy=None,
                        ref=object() if ref else None, trainers=trainers, updater=None,
@@ -95,3 +99,9 @@ def test_the_old_log_probs_get_a_forward_only_when_something_needs_them():
     critic = SimpleNamespace(needs_old_logp=True)
     assert _phase(trainers=[critic]).needs_old_logp  # a critic says so
     assert _phase(teachers=SimpleNamespace(needs_old_logp=True)).needs_old_logp  # OPD reads them
+    assert _phase(correction="m2po").needs_old_logp  # its token cut is taken over the whole step
+    # AReaL's log-linear proximal policy needs no forward, even for several optimizer steps
+    assert not _phase(epochs=2, correction="decoupled", proximal="loglinear").needs_old_logp
+    assert _phase(epochs=2, correction="decoupled", proximal="recompute").needs_old_logp
+    # tis always divides by the recomputed proximal policy
+    assert _phase(epochs=2, correction="tis", proximal="loglinear").needs_old_logp

@@ -24,18 +24,28 @@ from tandem.rl.algorithms import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     KL_MODES,
+    OFFPOLICY_CORRECTIONS,
     POLICY_LOSSES,
     AdvantageConfig,
     AdvantageInput,
+    CorrectionInput,
     chunk_opd_advantages,
     chunk_reverse_kl,
     dense_group_index,
+    m2po_keep,
     make_norm,
     overlong_penalty,
+    proximal_logp,
 )
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
-from tandem.rl.update.loss import LossInputs, LossSpec, UpdateSums, completion_tensors
+from tandem.rl.update.loss import (
+    LossInputs,
+    LossSpec,
+    UpdateSums,
+    completion_tensors,
+    completion_versions,
+)
 
 
 @dataclass
@@ -59,12 +69,17 @@ class UpdatePhase:
         self.dp, self.dp_group = dp
         self.device, self.samples_to_log = device, samples_to_log
         self.kl_in_loss = ref is not None and KL_MODES.cap(rl.kl_mode, "in_loss")
+        corr = rl.offpolicy_correction
         early = (any(t.needs_old_logp for t in trainers)
                  or (teachers is not None and teachers.needs_old_logp)
-                 or (ref is not None and KL_MODES.cap(rl.kl_mode, "needs_old_logp")))
+                 or (ref is not None and KL_MODES.cap(rl.kl_mode, "needs_old_logp"))
+                 or OFFPOLICY_CORRECTIONS.cap(corr, "needs_old_logp", False))
         # the old log-probs need a forward of their own when the batch feeds several optimizer
-        # steps (the policy moves in between) or something reads them before the loss
-        self.needs_old_logp = rl.epochs * rl.minibatches > 1 or early
+        # steps (the policy moves in between; a log-linear proximal policy does without) or
+        # something reads them before the loss
+        uses = OFFPOLICY_CORRECTIONS.cap(corr, "uses", ())
+        loglinear = "proximal" in uses and rl.proximal == "loglinear"
+        self.needs_old_logp = (rl.epochs * rl.minibatches > 1 and not loglinear) or early
         self.critic = next((t.critic for t in trainers if hasattr(t, "critic")), None)
 
     def run(self, batch: RolloutBatch, step: int) -> UpdateResult:
@@ -72,6 +87,7 @@ class UpdatePhase:
         t0 = time.monotonic()
         reset_peak_memory(dev)
         mask, gen_logp, width = completion_tensors(samples, dev)
+        versions = completion_versions(samples, width, dev)
         if r.overlong_filter:
             trunc = torch.tensor([s.finish_reason == "length" for s in samples], device=dev)
             mask = mask * (~trunc).float()[:, None]
@@ -96,10 +112,15 @@ class UpdatePhase:
             aggregation=AGGREGATIONS.get(r.aggregation),
             kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if self.kl_in_loss else None,
             kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens,
-            vocab_parallel=self.policy.vocab_parallel)
+            vocab_parallel=self.policy.vocab_parallel,
+            correction=OFFPOLICY_CORRECTIONS.get(r.offpolicy_correction),
+            correction_cfg=r.correction_config())
         inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp,
                          ref_logp=ref_logp, values=values, returns=returns,
-                         seen_logp=torch.zeros_like(mask) if old_logp is None else None)
+                         seen_logp=torch.zeros_like(mask) if old_logp is None else None,
+                         versions=versions, version=batch.version)
+        if OFFPOLICY_CORRECTIONS.cap(r.offpolicy_correction, "batch_keep", False):
+            inp.keep = self._m2po_keep(inp, spec)
         sums, norms = self._train(samples, inp, spec, width, step)
         sums = sums.all_reduce(counts=self.policy.counts_stats)  # one rank per replica reports
         tokens = max(sums.tokens.item(), 1.0)
@@ -114,6 +135,7 @@ class UpdatePhase:
                           "critic/grad_norm": sum(critic) / max(len(critic), 1),
                           "critic/training_policy": float(self.trainers[0].active(step))})
         policy = norms.get("policy", [])
+        extra.update(_offpolicy_metrics(sums, tokens))
         dt = time.monotonic() - t0
         return UpdateResult({
             **extra, "loss": sums.loss.item() / max(sums.steps.item() / self.dp, 1.0),
@@ -166,6 +188,21 @@ class UpdatePhase:
         out = ADVANTAGES.get(r.advantage)(inp, acfg)
         return out.advantages, out.returns
 
+    def _m2po_keep(self, inp: LossInputs, spec: LossSpec) -> torch.Tensor:
+        """M2PO's tokens, over the step's tokens on every rank (before any optimizer step: the
+        proximal policy is the old one, the current one too)."""
+        c = CorrectionInput(logp=inp.old_logp, prox_logp=inp.old_logp, behav_logp=inp.gen_logp,
+                            mask=inp.mask, versions=inp.versions, version=inp.version)
+        m2 = (proximal_logp(c, spec.correction_cfg.proximal) - inp.gen_logp) ** 2
+        return m2po_keep(m2, inp.mask, spec.correction_cfg.m2_threshold,
+                         gather=self._dp_gather if self.dp_group is not None else None)
+
+    def _dp_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """A 1-D tensor of every data-parallel rank (any lengths), concatenated in rank order."""
+        parts: list[Any] = [None] * self.dp
+        dist.all_gather_object(parts, t.cpu(), group=self.dp_group)
+        return torch.cat(parts).to(t.device)
+
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (each holds other samples of the rollout batch)."""
         out = t.clone()
@@ -214,3 +251,13 @@ class UpdatePhase:
         return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0),
                 "gap/abs_max": gmax.item(), "gap/tokens_differ": stats[2].item()}
 
+
+def _offpolicy_metrics(sums: UpdateSums, tokens: float) -> dict[str, float]:
+    """The behaviour / proximal / current mismatch over the step's trained tokens: the KLs (k3),
+    the correction's mean weight, its effective sample size ``(sum w)^2 / (n sum w^2)`` (1: no
+    correction at all) and the share of tokens it dropped."""
+    w, w2 = sums.is_weight.item(), sums.is_weight_sq.item()
+    return {"offpolicy/kl_behav_prox": sums.kl_behav.item() / tokens,
+            "offpolicy/kl_prox_current": sums.kl_prox.item() / tokens,
+            "offpolicy/weight_mean": w / tokens, "offpolicy/ess": w * w / max(tokens * w2, 1e-30),
+            "offpolicy/dropped_frac": sums.dropped.item() / tokens}
