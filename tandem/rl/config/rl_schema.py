@@ -158,6 +158,14 @@ class RolloutConfig:
     tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest degree whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
     reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
+    mode: Literal["sync", "colocated_async"] = "sync"  # sync: each step samples its prompts to
+    # the end, then trains; colocated_async: generation stops once a step's groups are complete,
+    # the other sequences are suspended through the update and resumed (docs/async.md)
+    max_staleness: int = 0  # S: a sample trains at most S policy versions after its first
+    # token was sampled (0: synchronous); a prompt group starts only if it can train within S
+    suspended_kv: Literal["keep", "offload", "recompute"] = "keep"  # colocated_async: a
+    # suspended sequence's KV stays in device memory through the update (keep), goes to host
+    # memory and back (offload), or is freed and recomputed with the new weights (recompute)
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
@@ -174,6 +182,12 @@ class RolloutConfig:
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
         require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
         require(self.reshard_bucket_mb >= 1, f"rollout.reshard_bucket_mb: must be >= 1, got {self.reshard_bucket_mb}")
+        require(self.max_staleness >= 0,
+                f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        require(self.max_staleness == 0 or self.mode != "sync",
+                f"rollout.max_staleness: {self.max_staleness} needs rollout.mode = "
+                "'colocated_async' (a synchronous step trains every sample at the version that "
+                "sampled it)")
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``

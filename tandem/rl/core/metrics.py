@@ -213,6 +213,29 @@ def step_gaps(path: str, steps: int, first: int = 1) -> str | None:
     return f"{path}: {'; '.join(parts)} (of {first}..{steps})"
 
 
+def position_repeats(path: str) -> str | None:
+    """Data-stream positions that more than one step of a ledger.jsonl trained (an
+    asynchronous run trains a prompt at a later step than it took it, once), or None."""
+    first: dict[int, int] = {}
+    twice: list[tuple[int, int, int]] = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                for p in row.get("positions", []):
+                    if p in first:
+                        twice.append((p, first[p], row["step"]))
+                    else:
+                        first[p] = row["step"]
+    if not twice:
+        return None
+    shown = ", ".join(f"{p} (steps {a} and {b})" for p, a, b in twice[:5])
+    more = f" and {len(twice) - 5} more" if len(twice) > 5 else ""
+    return f"{path}: positions {shown}{more}"
+
+
 def _spans(values: list[int]) -> str:
     """Sorted ints as runs: [1, 2, 3, 5] -> "1-3,5"."""
     runs: list[list[int]] = []

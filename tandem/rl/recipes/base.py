@@ -54,10 +54,12 @@ class CheckpointParts:
 @dataclass
 class StepOutput:
     """What one step gives the shell: its metrics, and the ids of the examples this rank
-    trained on (written to ledger.jsonl, which proves every step ran exactly once)."""
+    trained on (written to ledger.jsonl, which proves every step ran exactly once) and their
+    positions in the data stream (each trained at most once over the whole run)."""
 
     metrics: dict[str, float]
     ids: list[str] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
 
 
 @dataclass

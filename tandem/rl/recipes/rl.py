@@ -27,6 +27,7 @@ from tandem.rl.core.samples import SampleLog
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from tandem.rl.rollout.generation import generation_copy, generation_dtype
+from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.types import RolloutBatch
 from tandem.rl.update.critic import Critic
@@ -65,7 +66,9 @@ class RLRecipe:
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         train_prompts, eval_prompts = self._load_data()
-        seq_len = cfg.data.max_length if not cfg.env.name else self.max_prompt + cfg.env.max_total_tokens
+        seq_len = cfg.data.max_length
+        if cfg.env.name:
+            seq_len = self.max_prompt + cfg.env.max_total_tokens
         spec = BuildSpec.from_config(cfg.training, cfg.parallel)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
@@ -87,14 +90,43 @@ class RLRecipe:
         warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         teachers = None
         if cfg.distill.teachers:
-            teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec,
-                                seed=cfg.job.seed, is_main=info.is_main,
-                                conversation=self._conversation)
-            if teachers.cross_tokenizer and cfg.env.name:
-                raise ConfigError("distill.teachers: a teacher with another tokenizer scores single-turn completions "
-                                  "only so far; env.name (multi-turn episodes) needs teachers with the student's tokenizer")
-            teachers.check_rows([p.row for p in train_prompts + eval_prompts])  # fail now
-        # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
+            teachers = self._teachers(spec, train_prompts + eval_prompts)
+        trainers = self._trainers(warmup)
+        self.updater = Updater([t.learner for t in trainers], fault=cfg.fault, dump_folder=dump,
+                               rank=info.rank)
+        mode = cfg.rollout.mode
+        if ROLLOUT_MODES.cap(mode, "streams") and gen_copy.layout.tp > 1:
+            raise ConfigError(f"rollout.mode: {mode!r} runs with rollout.tp = 1 only so far, "
+                              f"got {gen_copy.layout.tp}")
+        self.rollout = ROLLOUT_MODES.get(mode)(RolloutPhase(
+            rl=r, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
+            seed=cfg.job.seed, info=info, tok=self.tok, train=train_prompts, evals=eval_prompts,
+            gen_copy=gen_copy, dp=(self.dp, dp_rank(self.mesh), dp_group),
+            mp=(self.mp, mp_rank, mp_group), max_prompt=self.max_prompt, dump_folder=dump,
+            optimizer=self.opt if r.offload_optimizer else None))
+        n_log = cfg.metrics.samples_per_step if info.is_main else 0
+        self.update = UpdatePhase(rl=r, max_tokens=cfg.rollout.max_tokens, distill=cfg.distill,
+                                  policy=self.policy, ref=ref, trainers=trainers,
+                                  updater=self.updater, teachers=teachers, dp=(self.dp, dp_group),
+                                  device=info.device, samples_to_log=n_log)
+        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
+
+    def _teachers(self, spec: BuildSpec, prompts: list[Any]) -> Teachers:
+        cfg, info = self.cfg, self.info
+        teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
+                            is_main=info.is_main, conversation=self._conversation)
+        if teachers.cross_tokenizer and cfg.env.name:
+            raise ConfigError("distill.teachers: a teacher with another tokenizer scores "
+                              "single-turn "
+                              "completions only so far; env.name (multi-turn episodes) needs "
+                              "teachers with the student's tokenizer")
+        teachers.check_rows([p.row for p in prompts])  # fail now, not mid-run
+        return teachers
+
+    def _trainers(self, warmup: int) -> list[Any]:
+        """The learners of the update, policy first, and the policy's LR schedule, whose optimizer
+        steps exclude the critic's warm-up steps."""
+        cfg, r, o = self.cfg, self.cfg.rl, self.cfg.optimizer
         per_batch = r.epochs * r.minibatches
         ls = cfg.lr_schedule
         total = max(cfg.training.steps - warmup, 1) * per_batch
@@ -106,20 +138,7 @@ class RLRecipe:
         if self.critic is not None:
             trainers.append(CriticTrainer(self.critic, self.policy, max_grad_norm=o.max_grad_norm,
                                           dp=self.dp))
-        self.updater = Updater([t.learner for t in trainers], fault=cfg.fault, dump_folder=dump,
-                               rank=info.rank)
-        self.rollout = RolloutPhase(
-            rl=r, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
-            seed=cfg.job.seed, info=info, tok=self.tok, train=train_prompts, evals=eval_prompts,
-            gen_copy=gen_copy, dp=(self.dp, dp_rank(self.mesh), dp_group),
-            mp=(self.mp, mp_rank, mp_group), max_prompt=self.max_prompt, dump_folder=dump,
-            optimizer=self.opt if r.offload_optimizer else None)
-        n_log = cfg.metrics.samples_per_step if info.is_main else 0
-        self.update = UpdatePhase(rl=r, max_tokens=cfg.rollout.max_tokens, distill=cfg.distill,
-                                  policy=self.policy, ref=ref, trainers=trainers,
-                                  updater=self.updater, teachers=teachers, dp=(self.dp, dp_group),
-                                  device=info.device, samples_to_log=n_log)
-        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
+        return trainers
 
     def _check_layout_settings(self, needs_values: bool) -> None:
         """One ConfigError line for settings the layout cannot run yet."""
@@ -132,6 +151,14 @@ class RLRecipe:
                               "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                               "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
                               f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
+        if ROLLOUT_MODES.cap(cfg.rollout.mode, "streams"):
+            what = [k for k, bad in (("env.name", cfg.env.name),
+                                     ("rl.dynamic_sampling", r.dynamic_sampling),
+                                     ("parallel.tp / parallel.pp", self.mp > 1)) if bad]
+            if what:
+                raise ConfigError(f"rollout.mode: {cfg.rollout.mode!r} runs single-turn rollouts "
+                                  "without dynamic sampling on parallel.tp = pp = 1 so far; unset "
+                                  + ", ".join(what))
         if r.exact and cfg.rollout.tp > 1:
             raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
                               f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
@@ -168,7 +195,7 @@ class RLRecipe:
             result = self.update.run(batch, step)
         metrics = {**batch.metrics, **result.metrics, **self.rollout.sample_metrics(batch.samples)}
         self.sample_log.log(step + 1, self._sample_records(batch, result.advantages))
-        return StepOutput(metrics, batch.ids)
+        return StepOutput(metrics, batch.ids, batch.positions)
 
     def evaluate(self) -> dict[str, float]:
         return self.rollout.evaluate()
@@ -178,8 +205,12 @@ class RLRecipe:
         return CheckpointParts(self.model, self.opt, extras)
 
     def state_dict(self) -> dict[str, Any]:
-        # the same on every rank
-        return {"scheduler": self.sched.state_dict(), "cursor": self.rollout.stream.cursor}
+        """Collective, the same on every rank: the schedule, the prompt stream's position and
+        given-back prompts, and what is in flight between the phases (asynchronous modes:
+        prompt groups and their partial samples)."""
+        stream = self.rollout.stream
+        return {"scheduler": self.sched.state_dict(), "cursor": stream.cursor,
+                "requeued": stream.requeued, "rollout": self.rollout.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
@@ -189,6 +220,8 @@ class RLRecipe:
             self.rollout.stream.cursor = state["cursor"]
         else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
             self.rollout.stream.cursor = max(state["cursors"]) * state["dp"]
+        self.rollout.stream.requeued = list(state.get("requeued", []))
+        self.rollout.load_state_dict(state.get("rollout") or {})
 
     def _sample_records(self, batch: RolloutBatch, advantages: list[float]) -> list[dict[str, Any]]:
         """The first ``metrics.samples_per_step`` samples of this rank as samples.jsonl records

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.kernels import batch_invariant
-from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
+from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
 from tandem.parallel.ac import clean_fqn
@@ -38,6 +38,7 @@ from tandem.parallel.generation_layout import (
 )
 from tandem.parallel.reshard import Box, Resharder, held
 from tandem.rl.data.prompts import Prompt
+from tandem.rl.fault.inject import forced_length, generator_delay
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.types import RolloutSample
@@ -80,14 +81,7 @@ class GenerationCopy:
 
         ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
         ``probe()`` runs inside every reshard collective (memory tests)."""
-        srcs = self._held()
-        if self._plan is None:
-            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                                   bucket_bytes=self.bucket_bytes)
-        state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device, probe=probe)
-        del srcs
+        state, stats = self._move(None, probe)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
@@ -99,10 +93,38 @@ class GenerationCopy:
         gen.requires_grad_(False).eval()
         if inference:
             inference_layout(gen)
+        gen.refill_views = gen.unfused_views()  # before the wrappers rename the shard's modules
         shard_modules(gen, self.args, self.layout)
-        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
-                     "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
-                     "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+        return gen, _reshard_metrics(stats, nbytes)
+
+    def refill(self, gen: Transformer, *,
+               probe: Callable[[], None] | None = None) -> dict[str, float]:
+        """Collective: the policy's current weights into ``gen`` (a model `build` made), in place:
+        its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay."""
+        views = gen.refill_views
+        state, stats = self._move(views, probe)
+        for m in gen.modules():  # oneDNN's blocked copies are of the old weights
+            if isinstance(m, OneDNNLinear) and m.packed is not None:
+                m.pack()
+        return _reshard_metrics(stats, sum(t.numel() * t.element_size() for t in state.values()))
+
+    def _move(self, into: dict[str, torch.Tensor] | None,
+              probe: Callable[[], None] | None) -> tuple[dict[str, torch.Tensor], Any]:
+        srcs = self._held()
+        if self._plan is None:
+            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                                   bucket_bytes=self.bucket_bytes)
+        return self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
+                              probe=probe, into=into)
+
+
+def _reshard_metrics(stats: Any, nbytes: int) -> dict[str, float]:
+    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+            "reshard/sent_gb": stats.bytes_sent / 1e9,
+            "reshard/collectives": float(stats.collectives),
+            "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
 
 
 def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.device, dtype: torch.dtype,
@@ -195,12 +217,24 @@ def generation_dtype(setting: str, device: torch.device, mixed_precision_param: 
 
 
 def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
+    rank = dist.get_rank() if dist.is_initialized() else 0
     return GenerationSettings(
         block_size=rcfg.block_size, num_blocks=rcfg.num_blocks, kv_cache_gb=rcfg.kv_cache_gb,
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
         kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
+        step_delay_s=generator_delay(rank),
     )
+
+
+def group_params(base: SamplingParams, seed: int) -> SamplingParams:
+    """A prompt group's sampling: ``base`` with the group's seed (its samples add their index);
+    under the long-tail drill (TANDEM_INJECT_LENGTHS) a forced length, EOS ignored."""
+    length = forced_length(seed)
+    if length is None:
+        return dataclasses.replace(base, seed=seed)
+    return dataclasses.replace(base, seed=seed, ignore_eos=True,
+                               max_tokens=max(1, min(length, base.max_tokens)))
 
 
 def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
@@ -272,7 +306,7 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
         return [], {}
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
     base = sampling_params(rcfg, greedy=greedy)
-    params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
+    params = base if seeds is None else [group_params(base, s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
         lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)

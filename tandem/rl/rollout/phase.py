@@ -8,7 +8,8 @@ the step's prompts, score them, optionally drop uninformative groups (DAPO) and
 refill, and release the generation copy and KV pool before the update. Layout-
 invariant: each round takes the next positions of the global prompt stream, deals
 them over the data-parallel ranks, and keys every prompt's samples by (job seed,
-step, stream position).
+step, stream position). The asynchronous modes reuse its generation and scoring
+(tandem/rl/rollout/streaming.py).
 """
 
 from __future__ import annotations
@@ -212,13 +213,19 @@ class RolloutPhase:
                         "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
         dump_rollouts(self.dump_folder, step, self.info.rank, samples)
         scores_t = torch.stack(scores) if scores else torch.zeros(0)
-        return RolloutBatch(samples, scores_t, step, metrics, self.ids(samples))
+        return RolloutBatch(samples, scores_t, step, metrics, self.ids(samples),
+                            self.positions(samples))
 
     def ids(self, samples: list[RolloutSample]) -> list[str]:
         """The prompt ids of ``samples`` for the ledger (one rank per model-parallel group)."""
         if self.mp_rank != 0:
             return []
         return sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples})
+
+    def positions(self, samples: list[RolloutSample]) -> list[int]:
+        """Their prompt-stream positions (a sample's ``group``), for the ledger's exactly-once
+        check (one rank per model-parallel group)."""
+        return sorted({s.group for s in samples}) if self.mp_rank == 0 else []
 
     def _dp_count(self, n: int) -> int:
         """``n`` summed over the data-parallel ranks (a model-parallel group holds the same
@@ -265,6 +272,15 @@ class RolloutPhase:
                            dtype=torch.float64)
         dist.all_reduce(acc)
         return {"eval/accuracy": acc[0].item() / max(acc[1].item(), 1.0)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What is in flight between steps: nothing, in the synchronous rollout."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint of an asynchronous run: its groups in flight are sampled again here."""
+        flights = (state or {}).get("admission", {}).get("flights", [])
+        self.stream.requeue([f["position"] for f in flights])
 
     def close(self) -> None:
         self.rewards.close()

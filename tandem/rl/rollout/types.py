@@ -57,3 +57,4 @@ class RolloutBatch:
     version: int
     metrics: dict[str, float] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)  # the prompt ids it trains on (the ledger)
+    positions: list[int] = field(default_factory=list)  # and their prompt-stream positions
