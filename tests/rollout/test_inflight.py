@@ -12,25 +12,34 @@ def _positions(flights):
     return [f.position for f in flights]
 
 
-def test_a_step_admits_at_most_its_own_share_so_a_short_workload_stays_fresh():
+def _more(adm, stream, version):
+    """Top up as if every group in flight were complete: P more, within the capacity."""
+    return adm.top_up(stream, version, {f.position for f in adm.flights})
+
+
+def test_a_step_admits_up_to_p_in_flight_so_a_short_workload_stays_fresh():
     stream, adm = PromptStream(100, 0, shuffle=False), Admission(2, 3, 0)
     assert _positions(adm.admit(stream, 0)) == [0, 1]  # P, not P (S + 1), at once
     assert _positions(adm.choose({0, 1}, 0)) == [0, 1]
     adm.remove({0, 1})
     assert _positions(adm.admit(stream, 1)) == [2, 3]  # every group admitted fresh
+    assert _positions(adm.top_up(stream, 1, {2})) == [4]  # half still running: one more
+    adm.remove({2, 4})
+    assert _positions(adm.admit(stream, 2)) == [5]  # the group left over counts
 
 
 def test_a_step_waiting_on_stragglers_admits_one_new_group_per_complete_one():
     stream, adm = PromptStream(100, 0, shuffle=False), Admission(3, 1, 0)
     adm.admit(stream, 0)
     assert adm.choose({0}, 0) is None
-    assert _positions(adm.top_up(stream, 0, {0})) == [3]  # 2 still running: one more
-    assert _positions(adm.top_up(stream, 0, {0, 1, 3})) == [4, 5]  # capacity P (S + 1) = 6
-    assert adm.top_up(stream, 0, {0, 1, 2, 3, 4, 5}) == []  # full
+    assert adm.top_up(stream, 0, {0}) == []  # more than half of P still running: no tail yet
+    assert _positions(adm.top_up(stream, 0, {0, 1})) == [3, 4]  # one straggler: P running again
+    assert _positions(adm.top_up(stream, 0, {0, 1, 3, 4})) == [5]  # capacity P (S + 1) = 6
+    assert adm.top_up(stream, 0, {0, 1, 3, 4, 5}) == []  # full
     assert _positions(adm.choose({0, 1, 3, 4}, 0)) == [0, 1, 3]
     sync = Admission(3, 0, 0)
     sync.admit(stream, 0)
-    assert sync.top_up(stream, 0, {6}) == []  # S = 0: the capacity is P
+    assert _more(sync, stream, 0) == []  # S = 0: the capacity is P
 
 
 def test_staleness_zero_is_the_synchronous_schedule():
@@ -42,15 +51,15 @@ def test_staleness_zero_is_the_synchronous_schedule():
 
 
 def test_a_step_never_leaves_more_due_groups_than_the_next_steps_can_train():
-    # P = 1, S = 2: A, B, C admitted at version 0 are all due at version 2 (a step admits at
-    # most P new groups: three calls make the case)
+    # P = 1, S = 2: A, B, C admitted at version 0 are all due at version 2
     stream, adm = PromptStream(100, 0, shuffle=False), Admission(1, 2, 0)
-    for _ in range(4):
-        adm.admit(stream, 0)
+    adm.admit(stream, 0)
+    for _ in range(3):
+        _more(adm, stream, 0)
     assert _positions(adm.flights) == [0, 1, 2]  # the capacity, P (S + 1)
     assert _positions(adm.choose({2}, 0)) == [2]  # C first: A and B can still train at 1 and 2
     adm.remove({2})
-    assert _positions(adm.admit(stream, 1)) == [3]  # D, due at 3
+    assert _positions(_more(adm, stream, 1)) == [3]  # D, due at 3
     assert adm.choose({3}, 1) is None  # training D now would leave A and B both for version 2
     assert _positions(adm.choose({0, 3}, 1)) == [0]  # earliest deadline first
     adm.remove({0})
@@ -88,10 +97,11 @@ def test_random_completion_times_keep_the_bound_and_train_every_prompt_once(per_
 
 def test_a_resume_with_a_smaller_bound_gives_the_late_groups_back_to_the_stream():
     stream, adm = PromptStream(100, 0, shuffle=False), Admission(2, 2, 0)
-    for _ in range(3):
-        adm.admit(stream, 0)  # 6 groups due at 2
+    adm.admit(stream, 0)
+    for _ in range(2):
+        _more(adm, stream, 0)  # 6 groups due at 2
     adm.remove({0, 1})
-    adm.admit(stream, 1)  # 2 more, due at 3
+    _more(adm, stream, 1)  # 2 more, due at 3
     state = adm.state_dict()
     tight = Admission(2, 1, 0)  # resumed with S = 1 at version 2
     tight.load_state_dict(state)

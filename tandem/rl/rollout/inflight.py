@@ -4,11 +4,12 @@ A group admitted at policy version ``v`` (its seed keyed by ``v`` and its stream
 position) must train by version ``v + S`` (``rollout.max_staleness``), so no sampled
 token is more than S versions older than the update that trains it. Each step trains
 ``P`` groups (``rl.prompts_per_step``) and at most ``P (S + 1)`` are in flight. A step
-first admits at most P new groups (`admit`); while it waits on stragglers, `top_up`
-admits one new group for each complete one, within that capacity, so the generator
-keeps about P groups of work instead of idling. A workload without stragglers thus runs
-like the synchronous one (every sample fresh); a long tail trains its stragglers up to S
-versions late. `choose` picks a step's P among the complete ones by earliest deadline,
+first admits new groups until P are in flight (`admit`: the last step's leftovers count);
+once at most half of P are still running and the step waits on them, `top_up` admits
+new groups until P are running again, within that capacity, so the generator does not
+idle through a long tail. A workload without stragglers thus runs like the synchronous
+one (every sample fresh); a long tail trains its stragglers and the groups started
+beside them up to S versions late. `choose` picks a step's P among the complete ones by earliest deadline,
 only when the rest can still meet theirs: with ``c(d)`` the groups due by version ``d``,
 the P chosen must include at least ``c(d) - P (d - t)`` of them for every ``d`` in
 ``t .. t + S`` (the later steps train P each). S = 0 is the synchronous schedule: the
@@ -46,14 +47,17 @@ class Admission:
         return f.version + self.max_staleness
 
     def admit(self, stream: PromptStream, version: int) -> list[Flight]:
-        """A step's new groups: up to P, within the capacity (the stream serves given-back
-        prompts first)."""
-        return self._take(stream, version, self.per_step)
+        """A step's new groups: as many as bring the flight to P (the groups left over from
+        the last step count), within the capacity (the stream serves given-back prompts
+        first)."""
+        return self._take(stream, version, self.per_step - len(self.flights))
 
     def top_up(self, stream: PromptStream, version: int, complete: set[int]) -> list[Flight]:
-        """While a step waits on stragglers: new groups, so that about P in flight are still
-        generating (one for each complete group, within the capacity; none when S = 0)."""
+        """While a step waits on a tail (at most half of P still running): new groups until P
+        are running again, within the capacity (none when S = 0)."""
         running = sum(1 for f in self.flights if f.position not in complete)
+        if 2 * running > self.per_step:
+            return []
         return self._take(stream, version, self.per_step - running)
 
     def _take(self, stream: PromptStream, version: int, n: int) -> list[Flight]:
