@@ -2,6 +2,7 @@
 fixed tensors: each weight written out token by token with ``math``."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tandem.rl.algorithms import (
     PolicyLossInput,
     m2po_keep,
 )
+from tandem.rl.config.schema import ConfigError, load_config
 
 # two sequences of 4 tokens, the second 3 long
 MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
@@ -116,3 +118,20 @@ def test_tis_in_the_loss_equals_the_truncated_ppo_loss_written_out():
         a = adv[i, t].item()
         want = max(-a * r, -a * min(max(r, 0.8), 1.2)) * min(_rho(i, t), 1.2)
         assert math.isclose(loss[i, t].item(), want, rel_tol=1e-6, abs_tol=1e-9), (i, t)
+
+
+@pytest.mark.parametrize("override, message", [
+    (["rl.proximal=loglinear"], "rl.proximal: not used by rl.offpolicy_correction = 'tis' "
+                                "(it reads rl.tis_cap, rl.offpolicy_level)"),
+    (["rl.offpolicy_correction=m2po", "rl.offpolicy_level=sequence"],
+     "rl.offpolicy_level: not used by rl.offpolicy_correction = 'm2po' "
+     "(it reads rl.proximal, rl.m2_threshold)"),
+    (["rl.offpolicy_correction=mis", "rl.tis_cap=none"],
+     "rl.tis_cap: none, but rl.offpolicy_correction = 'mis' needs a cap "
+     "(set rl.offpolicy_correction = 'none' for no correction)"),
+])
+def test_a_correction_setting_the_correction_does_not_read_is_one_config_line(override, message):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(root, "configs", "quickstart.toml"), override)
+    assert str(e.value) == message

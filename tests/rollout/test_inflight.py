@@ -1,9 +1,11 @@
 """`Admission`, the staleness bound's bookkeeping: hand cases and a randomised schedule."""
 
+import os
 import random
 
 import pytest
 
+from tandem.rl.config.schema import ConfigError, load_config
 from tandem.rl.data.prompts import PromptStream
 from tandem.rl.rollout.inflight import Admission
 
@@ -114,3 +116,13 @@ def test_a_resume_with_a_smaller_bound_gives_the_late_groups_back_to_the_stream(
     smaller = Admission(1, 1, 0)  # and with P = 1 too: one group per step, two due at 2
     smaller.load_state_dict({"flights": [f for f in state["flights"] if f["version"] == 1]})
     assert _positions(smaller.expire(2, stream)) == [7]  # the youngest goes back
+
+
+def test_a_staleness_bound_needs_an_asynchronous_mode():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "configs", "quickstart.toml")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["rollout.max_staleness=1"])
+    assert str(e.value).startswith("rollout.max_staleness: 1 needs rollout.mode = 'colocated_async'")
+    cfg = load_config(path, ["rollout.mode=colocated_async", "rollout.max_staleness=1"])
+    assert (cfg.rollout.mode, cfg.rollout.max_staleness) == ("colocated_async", 1)
