@@ -2,6 +2,7 @@
 
     python -m bench.async_modes                      # 2 CPU ranks, 8 steps, S = 1 and 2
     python -m bench.async_modes --steps 12 --staleness 1 2 4
+    python -m bench.async_modes --smoke              # 3 steps, S = 1, 12 tokens (the test's size)
 
 The quickstart (2 ranks, 16 prompts x 8 samples a step) with every prompt group's
 completion length drawn from a Pareto(1.2) above 2 tokens, capped at ``--max-tokens``
@@ -33,7 +34,7 @@ def launch(dump: str, steps: int, nproc: int, max_tokens: int, delay: float,
            f"--nproc-per-node={nproc}", os.path.join(ROOT, "train.py"),
            "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.tensorboard=false",
+           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
            "--reward.num_workers=0", "--checkpoint.interval=1000",
            "--checkpoint.export_hf_at_end=false", f"--rollout.max_tokens={max_tokens}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
@@ -62,7 +63,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--delay", type=float, default=0.003)
     ap.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--smoke", action="store_true", help="3 steps, S = 1, 12 tokens, no delay")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.staleness, args.max_tokens, args.delay = 3, [1], 12, 0.0
+    from bench.header import print_header
+
+    print_header("bench.async_modes")
     modes = [("sync", [])]
     modes += [(f"colocated_async S={s}",
                ["--rollout.mode=colocated_async", f"--rollout.max_staleness={s}"])

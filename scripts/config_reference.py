@@ -22,18 +22,17 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """Each field's description: the comment on its line, continued by comment-only lines
-    right below it (so a long description keeps lines within 100 characters)."""
-    out: dict[str, str] = {}
-    last = None
+    """Each field's trailing comment, continued by comment-only lines indented deeper than the
+    field (a description longer than one line)."""
+    out, last, indent = {}, None, 0
     for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
-        more = re.match(r"\s+#\s*(.*)$", line)
+        m = re.match(r"(\s+)(\w+):[^#]*?=.*?#\s*(.*)$", line)
+        more = re.match(r"(\s+)#\s*(.*)$", line)
         if m:
-            last = m.group(1)
-            out[last] = m.group(2).strip()
-        elif more and last is not None:
-            out[last] = f"{out[last]} {more.group(1).strip()}"
+            last, indent = m.group(2), len(m.group(1))
+            out[last] = m.group(3).strip()
+        elif more and last is not None and len(more.group(1)) > indent:
+            out[last] += " " + more.group(2).strip()
         else:
             last = None
     return out

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.args import ModelArgs
+from tandem.models.lora import LoraSpec, apply_lora
 from tandem.models.transformer import Transformer
 from tandem.parallel.mesh import new_groups
 from tandem.parallel.reshard import Box
@@ -51,6 +52,17 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by its
+    # output rows, a row-parallel one's A split by its input features and B whole (its partial
+    # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
+    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
+    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
+    (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_A\.weight$"), 1),
+    (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_B\.weight$"), None),
+    (re.compile(r"\.moe\.experts\.w[13]_lora_A$"), None),
+    (re.compile(r"\.moe\.experts\.w[13]_lora_B$"), 1),
+    (re.compile(r"\.moe\.experts\.w2_lora_A$"), 2),
+    (re.compile(r"\.moe\.experts\.w2_lora_B$"), None),
 ]
 _VOCAB = re.compile(r"(tok_embeddings|output)\.weight$")
 
@@ -150,10 +162,12 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
     return Box(offset, region), local
 
 
-def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype) -> int:
-    """Bytes of one rank's generation shard (tied embeddings counted once)."""
+def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None) -> int:
+    """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``, adapters too)."""
     with torch.device("meta"):
         model = Transformer(args)
+        if lora is not None:
+            apply_lora(model, lora)
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, p in state_tensors(model).items():

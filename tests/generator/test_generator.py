@@ -279,9 +279,11 @@ def test_generation_copy_takes_the_rollout_dtype(model):
 
 
 def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
-    """The rollout copy's CPU layout (fused projections on oneDNN, tandem/rl/rollout/generation.py): greedy
-    tokens of the naive loop on the training model, sampled log-probs within 1e-5 of its
-    training forward, and sampled tokens equal to the plain copy's."""
+    """The rollout copy's CPU layout: by default the training layout (plain linears, nothing
+    fused); with ``rollout.cpu_onednn`` fused projections on oneDNN
+    (tandem/rl/rollout/generation.py), whose greedy tokens are the naive loop's on the training
+    model, sampled log-probs within 1e-5 of its training forward, and sampled tokens equal to
+    the plain copy's."""
     from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
     from tandem.rl.rollout.generation import build_generation_model
 
@@ -289,7 +291,10 @@ def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
         state_module = model
 
     cpu = torch.device("cpu")
-    fused, _ = build_generation_model(Policy(), model.args, cpu)
+    default, _ = build_generation_model(Policy(), model.args, cpu)
+    assert default.layers["0"].attention.wqkv is None
+    assert not any(isinstance(m, OneDNNLinear) for m in default.modules())
+    fused, _ = build_generation_model(Policy(), model.args, cpu, cpu_onednn=True)
     plain, _ = build_generation_model(Policy(), model.args, cpu, layout=False)
     assert plain.layers["0"].attention.wqkv is None
     if not onednn_linear_available():

@@ -30,7 +30,7 @@ def _cmd(dump, steps, nproc=2):
     return [*launch, os.path.join(ROOT, "train.py"),
             "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
             f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
-            "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.tensorboard=false",
+            "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
             "--reward.num_workers=0", "--checkpoint.export_hf_at_end=false"]
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem.kernels.cpu_linear import OneDNNLinear
+from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
 from tandem.models.flavors import get_flavor
 from tandem.models.transformer import Transformer
 from tandem.parallel.generation_layout import GenerationLayout
@@ -40,9 +40,11 @@ def _prompts(n=3, seed=0):
     return [[r.randrange(3, 500) for _ in range(r.randrange(3, 9))] for _ in range(n)]
 
 
-def test_refill_in_place_equals_a_fresh_build():
+@pytest.mark.parametrize("onednn", [False, True])
+def test_refill_in_place_equals_a_fresh_build(onednn):
     policy = _model(0)
-    copy = GenerationCopy(policy, policy.args, GenerationLayout(), torch.device("cpu"))
+    copy = GenerationCopy(policy, policy.args, GenerationLayout(), torch.device("cpu"),
+                          cpu_onednn=onednn)
     gen, _ = copy.build()
     ptrs = {k: v.data_ptr() for k, v in gen.state_dict().items()}
     with torch.no_grad():
@@ -51,7 +53,8 @@ def test_refill_in_place_equals_a_fresh_build():
     copy.refill(gen)
     fresh, _ = copy.build()
     got, want = gen.state_dict(), fresh.state_dict()
-    assert got.keys() == want.keys() and any("wqkv" in k for k in got)  # the fused inference layout
+    assert got.keys() == want.keys()
+    assert any("wqkv" in k for k in got) == (onednn and onednn_linear_available())  # fused
     for k in got:
         assert torch.equal(got[k], want[k]), k
         assert got[k].data_ptr() == ptrs[k], k  # the same tensors, written in place

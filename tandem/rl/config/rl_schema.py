@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.rl.core.configlib import ConfigError, require
+from tandem.rl.core.configlib import ConfigError, is_loopback, require
 
 
 def _check_name(key: str, registry_path: str, name: str) -> None:
@@ -44,15 +44,15 @@ class RLConfig:
     kl_mode: Literal["loss", "reward"] = "loss"
     entropy_coef: float = 0.0
     tis_cap: float | None = 2.0  # C: the importance weight's cap (tis truncates at it, mis drops
-    # tokens above it, decoupled truncates at it; none: no cap, decoupled only)
+        # tokens above it, decoupled truncates at it; none: no cap, decoupled only)
     offpolicy_correction: str = "tis"  # how the behaviour policy (the generator's log-probs) is
-    # corrected for: none, tis, mis, decoupled, m2po (tandem/rl/algorithms/offpolicy.py)
+        # corrected for: none, tis, mis, decoupled, m2po (tandem/rl/algorithms/offpolicy.py)
     offpolicy_level: Literal["token", "sequence"] = "token"  # tis, mis: one importance ratio
-    # per token, or the product over each sequence's tokens
+        # per token, or the product over each sequence's tokens
     proximal: Literal["recompute", "loglinear"] = "recompute"  # decoupled, m2po: the proximal
-    # policy's log-probs recomputed before the update, or interpolated by versions (no forward)
+        # policy's log-probs recomputed before the update, or interpolated by versions (no forward)
     m2_threshold: float = 0.04  # m2po: tokens with the largest (prox - behav)^2 are dropped
-    # until the mean of the rest is below this
+        # until the mean of the rest is below this
     exact: bool = False  # batch-invariant kernels in rollout and update (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
@@ -157,15 +157,30 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
     tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest degree whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
+    cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
     reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
     mode: Literal["sync", "colocated_async"] = "sync"  # sync: each step samples its prompts to
-    # the end, then trains; colocated_async: generation stops once a step's groups are complete,
-    # the other sequences are suspended through the update and resumed (docs/async.md)
+        # the end, then trains; colocated_async: generation stops once a step's groups are complete,
+        # the other sequences are suspended through the update and resumed (docs/async.md)
     max_staleness: int = 0  # S: a sample trains at most S policy versions after its first
-    # token was sampled (0: synchronous); a prompt group starts only if it can train within S
+        # token was sampled (0: synchronous); a prompt group starts only if it can train within S
     suspended_kv: Literal["keep", "offload", "recompute"] = "keep"  # colocated_async: a
-    # suspended sequence's KV stays in device memory through the update (keep), goes to host
-    # memory and back (offload), or is freed and recomputed with the new weights (recompute)
+        # suspended sequence's KV stays in device memory through the update (keep), goes to host
+        # memory and back (offload), or is freed and recomputed with the new weights (recompute)
+    # FP8 KV pool (docs/fp8-kv.md)
+    kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the
+        # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
+        # of bf16 (four times fp32's)
+    kv_scales: Literal["calibrated", "per_token"] = "calibrated"  # fp8 kv_dtype: one power-of-two
+        # scale per (layer, KV head) from the trainer's forward after each update (calibrated),
+        # or one per token and KV head from the entry itself as it is written (per_token)
+    kv_scale_decay: float = 0.9  # calibrated scales: the amax high-water mark is
+        # max(decay x the previous one, the new calibration's amax)
+    kv_calibration_tokens: int = 4096  # calibrated scales: tokens per rank of the step's
+        # samples (prompt + completion) that the calibration forward reads after each update
+    kv_quantize_update: bool = True  # fp8 kv_dtype: the update's (and the reference's)
+        # attention rounds K and V as the pool does, with the rollout's scales, so its log-probs
+        # match the rollout's
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
@@ -188,6 +203,10 @@ class RolloutConfig:
                 f"rollout.max_staleness: {self.max_staleness} needs rollout.mode = "
                 "'colocated_async' (a synchronous step trains every sample at the version that "
                 "sampled it)")
+        require(0 <= self.kv_scale_decay <= 1,
+                f"rollout.kv_scale_decay: must be in [0, 1], got {self.kv_scale_decay}")
+        require(self.kv_calibration_tokens >= 1,
+                f"rollout.kv_calibration_tokens: must be >= 1, got {self.kv_calibration_tokens}")
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``
@@ -196,10 +215,25 @@ class RolloutConfig:
 
         from tandem.rl.generator.kv_cache import KVCache
 
-        per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype))
+        fmt = self.kv_quant_format()
+        per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype), fmt)
+        what = dtype if self.kv_dtype == "auto" else self.kv_dtype
         require(self.num_blocks > 0 or self.kv_cache_gb * 1e9 >= per_block,
-                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model (one block of "
-                f"{self.block_size} tokens takes {per_block / 1e9:.3g} GB in {dtype}); raise it or set rollout.num_blocks")
+                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model "
+                f"(one block of {self.block_size} tokens takes {per_block / 1e9:.3g} GB "
+                f"in {what}); "
+                "raise it or set rollout.num_blocks")
+
+    def kv_quant_format(self) -> Any:
+        """The pool's FP8 format for sizing (tandem/rl/generator/kv_cache.py KVQuant, without
+        scales), or None."""
+        if self.kv_dtype == "auto":
+            return None
+        from tandem.kernels.kv_quant import storage_dtype
+        from tandem.rl.generator.kv_cache import KVQuant
+
+        per_token = self.kv_scales == "per_token"
+        return KVQuant(storage_dtype(self.kv_dtype), per_token=per_token)
 
 
 @dataclass
@@ -209,6 +243,7 @@ class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["math"])
     modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
+    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
     memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an error; 0 = no cap
@@ -233,6 +268,15 @@ class RewardConfig:
 
         for name in self.functions:
             _check_name("reward.functions", "tandem.rl.rewards.registry.REWARDS", name)
+        from tandem.rl.rewards.registry import get_reward
+
+        for name, kw in self.kwargs.items():
+            require(name in self.functions, f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
+            require(isinstance(kw, dict), f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
+            try:
+                get_reward(name, **kw)
+            except TypeError as e:
+                raise ConfigError(f"reward.kwargs.{name}: {e}") from None
 
 
 @dataclass
@@ -294,6 +338,13 @@ class EnvConfig:
     """
 
     name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn
+    kind: Literal["local", "http"] = "local"  # http: a harness plays episodes (docs/serving.md)
+    host: str = "127.0.0.1"  # http: address to bind (not loopback: needs a key)
+    port: int = 8000  # http: the endpoint's port
+    api_key: str | None = None  # http: bearer key; none: $TANDEM_API_KEY, else no key
+    episode_timeout_s: float = 300.0  # http: open this long after its claim: dropped
+    claim_timeout_s: float = 0.0  # http: unclaimed this long: dropped; 0 = wait
+    max_request_mb: float = 4.0  # http: larger request bodies get 413
     kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table), e.g. tools, reward
     max_turns: int = 4  # assistant turns per episode
     max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
@@ -302,6 +353,8 @@ class EnvConfig:
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
 
     def validate(self) -> None:
+        if self.kind == "http":
+            self._check_server()
         if self.name is None:
             return
         _check_name("env.name", "tandem.rl.envs.ENVIRONMENTS", self.name)
@@ -316,3 +369,25 @@ class EnvConfig:
         require(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "env.max_turn_tokens: must be >= 1")
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
         require(self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
+
+    def _check_server(self) -> None:
+        require(self.name is None, f"env.name: {self.name!r} plays episodes in-process; with "
+                                   "env.kind = \"http\" a harness plays them (unset env.name)")
+        require(self.episode_timeout_s > 0,
+                f"env.episode_timeout_s: must be > 0, got {self.episode_timeout_s}")
+        require(self.claim_timeout_s >= 0,
+                f"env.claim_timeout_s: must be >= 0 (0 = wait), got {self.claim_timeout_s}")
+        require(self.max_total_tokens >= 2,
+                f"env.max_total_tokens: must be >= 2, got {self.max_total_tokens}")
+        require(0 <= self.port < 65536, f"env.port: must be in [0, 65536), got {self.port}")
+        require(self.max_request_mb > 0,
+                f"env.max_request_mb: must be > 0, got {self.max_request_mb}")
+        require(bool(self.bearer_key()) or is_loopback(self.host),
+                f"env.host: {self.host!r} is not a loopback address; serving there needs a "
+                "bearer key (set env.api_key or TANDEM_API_KEY)")
+
+    def bearer_key(self) -> str | None:
+        """``kind = "http"``: the key requests must send (``api_key``, else $TANDEM_API_KEY)."""
+        import os
+
+        return self.api_key or os.environ.get("TANDEM_API_KEY") or None

@@ -35,6 +35,7 @@ from tandem.parallel.distributed import DistInfo
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
 from tandem.rl.config.schema import FaultConfig
+from tandem.rl.core.lora import checkpoint_module
 from tandem.rl.core.metrics import MetricsLogger
 from tandem.rl.core.optim import Learner
 
@@ -49,6 +50,10 @@ class CheckpointParts:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     extras: Extras = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # LoRA: the trainable parameters alone (the base is rebuilt at start)
+        self.model = checkpoint_module(self.model)
+        self.extras = {k: (checkpoint_module(m), o) for k, (m, o) in self.extras.items()}
 
 
 @dataclass

@@ -30,8 +30,11 @@ from tandem.rl.rollout.generation import generation_copy, generation_dtype
 from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.types import RolloutBatch
+from tandem.rl.update.cp_batch import check_cp_settings
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.kv_scales import KVScales
 from tandem.rl.update.learners import CriticTrainer, PolicyTrainer
+from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.phase import UpdatePhase
 from tandem.rl.update.policy import build_policy, check_layout
 from tandem.rl.update.teachers import Teachers
@@ -47,46 +50,58 @@ class RLRecipe:
         degrees = Degrees(**cfg.parallel.resolve(info.world_size))
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
-        self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
+        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
+        http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
+        if http:
+            from tandem.rl.serve import episodes as http_episodes
+            http_episodes.one_generation_group(cfg.rollout, info.world_size)
+        self.server = None  # the endpoint (env.kind = http), for the whole run
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
         self.mesh = build_mesh(degrees, info.device)
         self.dp = degrees.dp
         dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
-        mp_group = subgroup(self.mesh, ("pp", "tp"))
+        mp_group = subgroup(self.mesh, ("pp", "cp", "tp"))
         mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
         if r.prompts_per_step % self.dp:
             raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule)
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style,
+                     cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         train_prompts, eval_prompts = self._load_data()
+        self.train_prompts = train_prompts
         seq_len = cfg.data.max_length
-        if cfg.env.name:
+        if cfg.env.name or http:
             seq_len = self.max_prompt + cfg.env.max_total_tokens
         spec = BuildSpec.from_config(cfg.training, cfg.parallel)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
-                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw)
+                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts,
+                  cp_style=cfg.parallel.cp_style)
+        self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         gen_dtype = generation_dtype(cfg.rollout.dtype, info.device,
                                      cfg.training.mixed_precision_param)
         gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, gen_dtype,
                                    offload_optimizer=r.offload_optimizer)
         ref = None
-        if r.kl_coef > 0:
-            ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw)
+        if r.kl_coef > 0:  # LoRA: the policy with its adapters off
+            ref = frozen_reference(self.policy, lambda: build_policy(
+                self.args, self.mesh, info.device, trainable=False, **kw))
+        self.kv = KVScales.create(cfg.rollout, self.args, self.policy, ref)  # FP8 KV or None
+        self.step_index = 0  # the step being taken (the shell's count)
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main) if needs_values else None
+                             seed=cfg.job.seed, is_main=info.is_main,
+                             cp=self.policy.split) if needs_values else None
         warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         teachers = None
         if cfg.distill.teachers:
@@ -94,22 +109,37 @@ class RLRecipe:
         trainers = self._trainers(warmup)
         self.updater = Updater([t.learner for t in trainers], fault=cfg.fault, dump_folder=dump,
                                rank=info.rank)
-        mode = cfg.rollout.mode
-        if ROLLOUT_MODES.cap(mode, "streams") and gen_copy.layout.tp > 1:
-            raise ConfigError(f"rollout.mode: {mode!r} runs with rollout.tp = 1 only so far, "
-                              f"got {gen_copy.layout.tp}")
-        self.rollout = ROLLOUT_MODES.get(mode)(RolloutPhase(
-            rl=r, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
-            seed=cfg.job.seed, info=info, tok=self.tok, train=train_prompts, evals=eval_prompts,
-            gen_copy=gen_copy, dp=(self.dp, dp_rank(self.mesh), dp_group),
-            mp=(self.mp, mp_rank, mp_group), max_prompt=self.max_prompt, dump_folder=dump,
-            optimizer=self.opt if r.offload_optimizer else None))
+        self.rollout = self._rollout_phase(gen_copy, train_prompts, eval_prompts, http,
+                                           dp=(self.dp, dp_rank(self.mesh), dp_group),
+                                           mp=(self.mp, mp_rank, mp_group))
         n_log = cfg.metrics.samples_per_step if info.is_main else 0
         self.update = UpdatePhase(rl=r, max_tokens=cfg.rollout.max_tokens, distill=cfg.distill,
                                   policy=self.policy, ref=ref, trainers=trainers,
                                   updater=self.updater, teachers=teachers, dp=(self.dp, dp_group),
-                                  device=info.device, samples_to_log=n_log)
+                                  device=info.device, samples_to_log=n_log, kv=self.kv)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
+
+    def _rollout_phase(self, gen_copy: Any, train: list[Any], evals: list[Any], http: bool, *,
+                       dp: tuple[int, int, Any], mp: tuple[int, int, Any]) -> Any:
+        """The rollout phase in ``rollout.mode``; with ``env.kind = "http"`` the endpoint starts
+        (rank 0) and plays the episodes."""
+        cfg, info = self.cfg, self.info
+        if http and info.rank == 0:
+            from tandem.rl.serve.episodes import start_server
+
+            self.server = start_server(cfg.env, cfg.job.name, self.tok.vocab_size)
+        self.gen_layout = gen_copy.layout
+        mode = cfg.rollout.mode
+        if ROLLOUT_MODES.cap(mode, "streams") and gen_copy.layout.tp > 1:
+            raise ConfigError(f"rollout.mode: {mode!r} runs with rollout.tp = 1 only so far, "
+                              f"got {gen_copy.layout.tp}")
+        return ROLLOUT_MODES.get(mode)(RolloutPhase(
+            rl=cfg.rl, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
+            seed=cfg.job.seed, info=info, tok=self.tok, train=train, evals=evals,
+            gen_copy=gen_copy, dp=dp, mp=mp, max_prompt=self.max_prompt,
+            dump_folder=self.rt.dump_folder,
+            optimizer=self.opt if cfg.rl.offload_optimizer else None, kv=self.kv,
+            kv_ready=self._kv_ready, episodes=self._serve if http else None))
 
     def _teachers(self, spec: BuildSpec, prompts: list[Any]) -> Teachers:
         cfg, info = self.cfg, self.info
@@ -143,18 +173,20 @@ class RLRecipe:
     def _check_layout_settings(self, needs_values: bool) -> None:
         """One ConfigError line for settings the layout cannot run yet."""
         cfg, r, device = self.cfg, self.cfg.rl, self.info.device
-        if self.mp > 1 and (needs_values or cfg.distill.teachers):
+        tp_pp = cfg.parallel.tp * cfg.parallel.pp
+        check_cp_settings(cfg)
+        if tp_pp > 1 and (needs_values or cfg.distill.teachers):
             what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
             raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
-        if r.exact and (device.type != "cpu" or self.mp > 1):
+        if r.exact and (device.type != "cpu" or tp_pp > 1):
             raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
                               "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                               "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
-                              f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
+                              f"(device {device.type}, tp x pp = {tp_pp}); set rl.exact = false")
         if ROLLOUT_MODES.cap(cfg.rollout.mode, "streams"):
             what = [k for k, bad in (("env.name", cfg.env.name),
                                      ("rl.dynamic_sampling", r.dynamic_sampling),
-                                     ("parallel.tp / parallel.pp", self.mp > 1)) if bad]
+                                     ("parallel.tp / parallel.pp", tp_pp > 1)) if bad]
             if what:
                 raise ConfigError(f"rollout.mode: {cfg.rollout.mode!r} runs single-turn rollouts "
                                   "without dynamic sampling on parallel.tp = pp = 1 so far; unset "
@@ -189,6 +221,7 @@ class RLRecipe:
 
     def step(self, step: int) -> StepOutput:
         wd = self.rt.watchdog
+        self.step_index = step
         with wd.phase("rollout"):
             batch = self.rollout.batch(step)
         with wd.phase("update"):
@@ -209,13 +242,16 @@ class RLRecipe:
         given-back prompts, and what is in flight between the phases (asynchronous modes:
         prompt groups and their partial samples)."""
         stream = self.rollout.stream
+        kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}
         return {"scheduler": self.sched.state_dict(), "cursor": stream.cursor,
-                "requeued": stream.requeued, "rollout": self.rollout.state_dict()}
+                "requeued": stream.requeued, "rollout": self.rollout.state_dict(), **kv}
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
         run stopped (and samples what it would have: seeds are keyed by position, not rank)."""
         self.sched.load_state_dict(state["scheduler"])
+        if self.kv is not None and "kv_scales" in state:
+            self.kv.load_state_dict(state["kv_scales"])
         if "cursor" in state:
             self.rollout.stream.cursor = state["cursor"]
         else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
@@ -242,6 +278,22 @@ class RLRecipe:
     def close(self) -> None:
         batch_invariant.disable()
         self.rollout.close()
+        if self.server is not None:
+            self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
+
+    def _serve(self, gen_model: Any, prompts: list[Any], n: int, seeds: list[int],
+               greedy: bool = False) -> tuple[list[Any], dict[str, float]]:
+        """``env.kind = "http"``: the step's episodes, played by a harness over the endpoint."""
+        from tandem.rl.serve.episodes import serve_episodes
+
+        return serve_episodes(self.server, gen_model, self.tok, prompts, n, self.cfg.rollout,
+                              self.cfg.env, seeds=seeds, greedy=greedy,
+                              layout=self.gen_layout, version=self.step_index,
+                              beat=self.rt.watchdog.beat)
+
+    def _kv_ready(self) -> dict[str, float]:
+        """Collective: FP8 KV scales exist before anything samples (the first calibration)."""
+        return self.kv.ensure(self.policy, self.train_prompts, self.step_index) if self.kv else {}
 
 
 def make_rl(cfg: Any, rt: Runtime) -> RLRecipe:

@@ -7,6 +7,10 @@ before the update phase, as is the KV pool the generator carves from its budget.
 Both sizes, the bytes moved and the reshard time are reported. With ``rollout.tp > 1``
 the ranks of a generation group pool their prompts and run one generator together
 (`generate_in_group`).
+
+With LoRA adapters the copy runs them unmerged, like the update: its frozen base moves
+once, at the first build, and stays; every later build moves only the adapters and checks
+them against the trainer's by an exact checksum (a mismatch is an error).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from tandem.kernels import batch_invariant
 from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
+from tandem.models.lora import LoraSpec, apply_lora, is_adapter, lora_spec_of
 from tandem.models.transformer import Transformer
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.generation_layout import (
@@ -56,16 +61,23 @@ class GenerationCopy:
     """
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
-                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
+                 cpu_onednn: bool = False, lora: LoraSpec | None = None) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
+        self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
         with torch.device("meta"):
             meta = Transformer(args)
+            if lora is not None:
+                apply_lora(meta, lora)
         self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
         self._plan: Resharder | None = None
+        self._adapter_plan: Resharder | None = None
+        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None  # LoRA: the copy and its adapters
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -79,52 +91,97 @@ class GenerationCopy:
               probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
         """Collective (every rank): this rank's generation shard as a runnable model.
 
-        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
-        ``probe()`` runs inside every reshard collective (memory tests)."""
-        state, stats = self._move(None, probe)
+        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests;
+        a copy with adapters keeps the training layout). ``probe()`` runs inside every reshard
+        collective (memory tests)."""
+        if self._kept is not None:
+            return self._refill(probe)
+        srcs = self._held()
+        adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
+        state, stats = self._move(srcs, None, probe)
+        del srcs
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
         with torch.device("meta"):
             gen = Transformer(self.local)
+            if self.lora is not None:
+                apply_lora(gen, self.lora)
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
         gen.requires_grad_(False).eval()
-        if inference:
-            inference_layout(gen)
+        if inference and self.lora is None:  # fused projections would fold the adapters' inputs
+            inference_layout(gen, self.cpu_onednn)
+        metrics = _reshard_metrics(stats, nbytes)
+        if self.lora is not None:  # before shard_modules renames
+            adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}
+            self._kept = (gen, adapters)
+            metrics.update(self._check(adapter_srcs, adapters))
         gen.refill_views = gen.unfused_views()  # before the wrappers rename the shard's modules
         shard_modules(gen, self.args, self.layout)
-        return gen, _reshard_metrics(stats, nbytes)
+        return gen, metrics
 
     def refill(self, gen: Transformer, *,
                probe: Callable[[], None] | None = None) -> dict[str, float]:
         """Collective: the policy's current weights into ``gen`` (a model `build` made), in place:
-        its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay."""
-        views = gen.refill_views
-        state, stats = self._move(views, probe)
+        its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay.
+        With adapters: the kept copy's adapters alone (`_refill`)."""
+        if self._kept is not None:
+            return self._refill(probe)[1]
+        state, stats = self._move(self._held(), gen.refill_views, probe)
         for m in gen.modules():  # oneDNN's blocked copies are of the old weights
             if isinstance(m, OneDNNLinear) and m.packed is not None:
                 m.pack()
         return _reshard_metrics(stats, sum(t.numel() * t.element_size() for t in state.values()))
 
-    def _move(self, into: dict[str, torch.Tensor] | None,
+    def _move(self, srcs: dict[str, tuple[torch.Tensor, Box]],
+              into: dict[str, torch.Tensor] | None,
               probe: Callable[[], None] | None) -> tuple[dict[str, torch.Tensor], Any]:
-        srcs = self._held()
+        """Collective: the whole model's move (planned at the first call), into new tensors or
+        ``into``'s."""
         if self._plan is None:
             needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
             elem = torch.empty((), dtype=self.dtype).element_size()
             self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
                                    bucket_bytes=self.bucket_bytes)
+            if self.lora is not None:  # the adapters alone, for every later build
+                names = [n for n in self.shapes if is_adapter(n)]
+                self._adapter_plan = Resharder(
+                    {n: self.shapes[n] for n in names},
+                    {n: srcs[n][1] for n in names if n in srcs},
+                    {n: needs[n] for n in names}, elem, bucket_bytes=self.bucket_bytes)
         return self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
                               probe=probe, into=into)
 
+    def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
+        """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
+        assert self._kept is not None and self._adapter_plan is not None
+        gen, adapters = self._kept
+        srcs = {n: t for n, (t, _) in self._held().items() if n in adapters}
+        state, stats = self._adapter_plan.run(srcs, self.dtype, self.device, probe=probe)
+        with torch.no_grad():
+            for n, t in state.items():
+                adapters[n].copy_(t)
+        metrics = _reshard_metrics(stats, sum(t.numel() * t.element_size() for t in state.values()))
+        del state
+        metrics.update(self._check(srcs, adapters))
+        return gen, metrics
+
+    def _check(self, srcs: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if any differ."""
+        assert self._adapter_plan is not None
+        t0 = time.monotonic()
+        total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
+        if wrong:
+            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's after the refill "
+                               f"({len(wrong)} tensors; checksum)")
+        return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
+
 
 def _reshard_metrics(stats: Any, nbytes: int) -> dict[str, float]:
-    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
-            "reshard/sent_gb": stats.bytes_sent / 1e9,
-            "reshard/collectives": float(stats.collectives),
-            "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9, "reshard/sent_gb": stats.bytes_sent / 1e9,
+            "reshard/collectives": float(stats.collectives), "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
 
 
 def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.device, dtype: torch.dtype,
@@ -155,7 +212,8 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
 
     dev, world = info.device, info.world_size
     params = policy.parameters()
-    resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if offload_optimizer else 3) for p in params)],
+    resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if offload_optimizer or not p.requires_grad else 3)
+                                 for p in params)],
                             dtype=torch.float64, device=dev)
     dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
     tp = choose_rollout_tp(rcfg.tp, args, world, dev, dtype or params[0].dtype, rcfg.kv_cache_gb, int(resident.item()))
@@ -168,37 +226,45 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20)
+    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
+                          cpu_onednn=rcfg.cpu_onednn, lora=lora_spec_of(policy.modules[0]))
 
 
-def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
-                           dtype: torch.dtype | None = None, *, layout: bool = True,
-                           ) -> tuple[Transformer, dict[str, float]]:
+def build_generation_model(
+    policy: Any,
+    args: ModelArgs,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    *,
+    layout: bool = True,
+    cpu_onednn: bool = False,
+) -> tuple[Transformer, dict[str, float]]:
     """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
     (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
     `GenerationCopy` with ``rollout.tp = 1``."""
-    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype)
+    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype,
+                          cpu_onednn=cpu_onednn, lora=lora_spec_of(policy.modules[0]))
     return copy.build(inference=layout)
 
 
-def inference_layout(model: Transformer) -> bool:
+def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
     """The rollout copy's layout, in place; returns whether it changed anything.
 
-    On CUDA: the q/k/v and gate/up projections fused into one product each
-    (`Transformer.fuse_projections`); the generator ran 3-6 % faster on an H200 with the
-    same tokens (bench.generate, hidden 1024 x 16 layers, bf16, CUDA graphs). On the CPU in
-    fp32, where PyTorch has oneDNN: fused too, and every linear run through oneDNN on a
-    prepacked weight (`tandem.kernels.cpu_linear`); a rollout of the GRPO bench's shape took 550 ->
-    453 ms with the fusion on oneDNN, then 471 -> 403 ms with prepacking. Elsewhere (CPU
-    without oneDNN or in another dtype) the layout stays, as nothing was measured there.
-    Numbers: docs/performance.md."""
+    On CUDA: q/k/v and gate/up fused into one product each (`Transformer.fuse_projections`:
+    fewer, larger products; 3-6 % faster on an H200). On the CPU the copy keeps the training
+    layout unless ``cpu_onednn`` (``rollout.cpu_onednn``): then, in fp32 where PyTorch has
+    oneDNN, fused and every linear on oneDNN with a prepacked weight (`tandem.kernels.cpu_linear`).
+    That won on an AMD EPYC and lost on an Intel Xeon with AMX, and its last-bit differences
+    would make two runs of one config sample differently if a timing chose it, so it is a
+    setting, off by default. Numbers: docs/performance.md."""
     weight = next(model.parameters(), None)
     if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
         return False
     if weight.is_cuda:
         model.fuse_projections()
         return True
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+    if not cpu_onednn or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or not onednn_linear_available():
         return False
     model.fuse_projections()
     use_onednn_linears(model)
@@ -223,7 +289,7 @@ def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> Generat
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
         kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
-        step_delay_s=generator_delay(rank),
+        step_delay_s=generator_delay(rank), kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
     )
 
 
@@ -246,10 +312,11 @@ def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
 
 def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
                     run: Callable[[Generator], Any], layout: GenerationLayout | None = None,
-                    ) -> tuple[Any, dict[str, float]]:
+                    kv_scales: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
     """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
     freed on return (a leak raises); the rollout/* metrics of that generation. In a generation
-    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens."""
+    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens.
+    ``kv_scales``: the FP8 pool's scales of this rank's KV heads (``rollout.kv_dtype``)."""
     t0 = time.monotonic()
     settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
     agree = None
@@ -258,16 +325,23 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     if layout is not None and layout.tp > 1:
         settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
         agree = partial(leader_tokens, layout)
-    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree)
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree,
+                    kv_scales=kv_scales)
     out = run(gen)
     if not gen.pool_is_free():
         raise RuntimeError("generator leaked KV blocks")
-    stats, kv_bytes = gen.stats, gen.cache.nbytes
+    stats, cache = gen.stats, gen.cache
+    per_seq = -(-gen.scheduler.max_model_len // cache.block_size)
+    # capacity: how many full-length sequences the budget holds
+    kv = {"rollout/kv_cache_gb": cache.nbytes / 1e9,
+          "rollout/kv_capacity_seqs": float(cache.budget_blocks // per_seq)}
+    if cache.quant is not None and not cache.quant.per_token:
+        kv["rollout/kv_saturated_frac"] = cache.saturated_share()
     gen.close()
     dt = time.monotonic() - t0
     return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
-                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+                 "rollout/preemptions": float(stats.preemptions), **kv}
 
 
 def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -292,7 +366,8 @@ def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any
 
 def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
                      seed: int, max_prompt_tokens: int, greedy: bool = False, seeds: list[int] | None = None,
-                     layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+                     layout: GenerationLayout | None = None, kv_scales: torch.Tensor | None = None,
+                     ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return.
 
     ``seeds``: one per prompt (its samples use seed + sample index), so a sample's noise does
@@ -309,7 +384,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     params = base if seeds is None else [group_params(base, s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
-        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check),
+        layout, kv_scales)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
@@ -325,7 +401,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
 
 def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
                       pool: Any, *, seed: int, greedy: bool = False, seeds: list[int] | None = None,
-                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+                      layout: GenerationLayout | None = None, kv_scales: torch.Tensor | None = None,
+                      ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py); the KV pool is freed on return.
 
     In a generation group (``layout.tp > 1``) the members' prompts are pooled as in
@@ -346,7 +423,7 @@ def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prom
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
                                         max_turn_tokens=ecfg.max_turn_tokens,
                                         seeds=None if seeds is None else [s for _, s in pooled], layout=layout),
-        layout)
+        layout, kv_scales)
     mine = samples[start * n:(start + len(prompts)) * n]
     for s in mine:
         s.group -= start

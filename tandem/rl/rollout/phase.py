@@ -14,9 +14,8 @@ step, stream position). The asynchronous modes reuse its generation and scoring
 
 from __future__ import annotations
 
-import json
-import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +23,10 @@ import torch.distributed as dist
 
 from tandem.parallel.offload import move_optimizer_state
 from tandem.rl.algorithms import dense_group_index, filter_groups
+from tandem.rl.core.fields import get_field
 from tandem.rl.core.metrics import Tally
 from tandem.rl.core.modeling import ModelSetupError
+from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.data.prompts import Prompt, PromptStream, deal, rollout_seed
 from tandem.rl.rollout.generation import GenerationCopy, generate_episodes, generate_samples
@@ -34,13 +35,18 @@ from tandem.rl.rollout.types import RolloutBatch, RolloutSample
 
 class RolloutPhase:
     """Sampling and scoring for the rl recipe; ``sections`` are the config's rl, rollout,
-    reward, env and data sections (`tandem.rl.config.rl_schema`)."""
+    reward, env and data sections (`tandem.rl.config.rl_schema`). ``kv``: the FP8 KV pool's
+    scales (`tandem.rl.update.kv_scales.KVScales`, None without), made ready by ``kv_ready()``
+    before anything samples; ``episodes``: plays the episodes in place of `generate`
+    (``env.kind = "http"``: a harness over the endpoint, tandem/rl/serve)."""
 
     def __init__(self, *, rl: Any, rollout: Any, reward: Any, env: Any, data: Any, seed: int,
                  info: Any, tok: Any, train: list[Prompt], evals: list[Prompt],
                  gen_copy: GenerationCopy, dp: tuple[int, int, Any], mp: tuple[int, int, Any],
                  max_prompt: int, dump_folder: str,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, kv: Any = None,
+                 kv_ready: Callable[[], dict[str, float]] | None = None,
+                 episodes: Callable[..., Any] | None = None) -> None:
         self.rl, self.rcfg, self.reward_cfg = rl, rollout, reward
         self.env_cfg, self.data_cfg = env, data
         self.seed, self.info, self.tok = seed, info, tok
@@ -50,6 +56,7 @@ class RolloutPhase:
         self.mp, self.mp_rank, self.mp_group = mp
         self.max_prompt, self.dump_folder = max_prompt, dump_folder
         self.optimizer = optimizer  # moved to CPU while the rollout runs (rl.offload_optimizer)
+        self.kv, self.kv_ready, self.episodes = kv, kv_ready or dict, episodes
         self.stream = PromptStream(len(train), seed, data.shuffle)
         weights = reward.weights or [1.0] * len(reward.functions)
         self.reward_fns = list(zip(reward.functions, weights))
@@ -57,7 +64,8 @@ class RolloutPhase:
 
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             reward.num_workers if reward.functions else 0, reward.timeout_s,
-            rewards=reward.functions, memory_mb=reward.memory_mb or None)
+            rewards=reward.functions, reward_kwargs=reward.kwargs,
+            memory_mb=reward.memory_mb or None)
         self.rm = self._reward_model() if reward.reward_model else None
         self.env_pool = None
         if env.name and gen_copy.layout.rank == 0:  # a generation group's leader steps the envs
@@ -78,7 +86,8 @@ class RolloutPhase:
     def _context(self, row: dict[str, Any]) -> Any:
         """The prompt of a data row as the reward model was trained on it (messages or text)."""
         d = self.data_cfg
-        return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
+        messages = get_field(row, d.messages_field)
+        return messages if messages is not None else get_field(row, d.prompt_field)
 
     # ---- scoring ---------------------------------------------------------------------
 
@@ -123,15 +132,19 @@ class RolloutPhase:
 
     def generate(self, gen_model: Any, prompts: list[Prompt], n: int, seeds: list[int],
                  greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
-        """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
-        ``seeds`` one per prompt (its samples use seed + sample index)."""
+        """n completions per prompt: single-turn, multi-turn episodes when ``env.name`` is set, or
+        a harness's (``episodes``); ``seeds`` one per prompt (its samples use seed + index)."""
+        if self.episodes is not None:
+            return self.episodes(gen_model, prompts, n, seeds, greedy)
+        layout = self.gen_copy.layout
+        kv = self.kv.for_heads(layout.tp, layout.rank) if self.kv is not None else None
         if self.env_cfg.name:
             return generate_episodes(gen_model, self.tok, prompts, n, self.rcfg, self.env_cfg,
                                      self.env_pool, seed=0, greedy=greedy, seeds=seeds,
-                                     layout=self.gen_copy.layout)
+                                     layout=layout, kv_scales=kv)
         return generate_samples(gen_model, self.tok, prompts, n, self.rcfg, seed=0,
                                 max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                layout=self.gen_copy.layout)
+                                layout=layout, kv_scales=kv)
 
     def _generate_shared(self, gen_model: Any, prompts: list[Prompt], n: int, seeds: list[int],
                          ) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float], Tally]:
@@ -164,11 +177,12 @@ class RolloutPhase:
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
         before = allocated_gb(self.info.device)
+        kv_metrics = self.kv_ready()  # collective: FP8 KV scales exist before anything samples
         if self.optimizer is not None:
             move_optimizer_state(self.optimizer, "cpu")
         gen_model, reshard = self.gen_copy.build()
         gen = Tally()
-        for k, v in reshard.items():
+        for k, v in {**reshard, **kv_metrics}.items():
             gen.local(k, v)
         rewards = Tally()
         samples: list[RolloutSample] = []
@@ -208,6 +222,8 @@ class RolloutPhase:
             move_optimizer_state(self.optimizer, self.info.device)
         if before is not None:  # the generation copy and KV pool are gone before the update
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
+        if self.kv is not None:
+            metrics.update(self.kv.rollout_metrics(step))
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0,
                         "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
@@ -259,6 +275,7 @@ class RolloutPhase:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return {}
+        self.kv_ready()
         gen_model, _ = self.gen_copy.build()
         order = list(range(len(self.eval_prompts)))
         mine = deal(order, self.info.rank, self.info.world_size)
@@ -287,17 +304,3 @@ class RolloutPhase:
         if self.env_pool is not None:
             self.env_pool.close()
 
-
-def dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutSample]) -> None:
-    """With ``TANDEM_DUMP_ROLLOUTS=1`` (a debugging aid, used by the layout tests): every sample
-    of this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens,
-    generator log-probs, versions), so runs on different layouts can be compared sample by
-    sample."""
-    if os.environ.get("TANDEM_DUMP_ROLLOUTS") != "1":
-        return
-    os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
-    with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
-        for s in samples:
-            f.write(json.dumps({"step": step + 1, "prompt": s.group,
-                                "completion_ids": s.completion_ids, "gen_logprobs": s.gen_logprobs,
-                                "versions": s.versions}) + "\n")

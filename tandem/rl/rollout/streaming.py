@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from tandem.rl.core.metrics import Tally
+from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import Generator, stop_strings_check
 from tandem.rl.generator.sequence import Sequence, SequenceStatus
 from tandem.rl.rollout.generation import generation_settings, group_params, sampling_params
 from tandem.rl.rollout.inflight import Admission, Flight
-from tandem.rl.rollout.phase import RolloutPhase, dump_rollouts
+from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
 
 

@@ -63,5 +63,5 @@ class CriticTrainer:
         for mb in self.policy.micro_batches(samples, rows):  # tp = pp = 1 (checked at start)
             vloss, sq = self.critic.micro_batch_loss(mb, inp.values, inp.returns, inp.mask, norm,
                                                      width)
-            (vloss * self.dp).backward()  # FSDP2 averages over dp ranks
+            (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2: the dp x cp mean
             sums.add_value(sq, inp.mask[mb.rows].sum() if mb.rows else 0.0)

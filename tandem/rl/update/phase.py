@@ -58,14 +58,16 @@ class UpdateResult:
 class UpdatePhase:
     """Trains ``trainers`` (policy first) on rollout batches; ``rl`` and ``rollout`` are the
     config's sections, ``ref`` the frozen reference policy (None without a KL term),
-    ``teachers`` the OPD teachers (None without distillation)."""
+    ``teachers`` the OPD teachers (None without distillation), ``kv`` the FP8 KV pool's
+    scales (`tandem.rl.update.kv_scales.KVScales`, None without), calibrated after each update
+    from the weights the next rollout runs."""
 
     def __init__(self, *, rl: Any, max_tokens: int, distill: Any, policy: Any, ref: Any,
                  trainers: list[Any], updater: Any, teachers: Any, dp: tuple[int, Any],
-                 device: torch.device, samples_to_log: int) -> None:
+                 device: torch.device, samples_to_log: int, kv: Any = None) -> None:
         self.rl, self.max_tokens, self.distill = rl, max_tokens, distill
         self.policy, self.ref, self.trainers = policy, ref, trainers
-        self.updater, self.teachers = updater, teachers
+        self.updater, self.teachers, self.kv = updater, teachers, kv
         self.dp, self.dp_group = dp
         self.device, self.samples_to_log = device, samples_to_log
         self.kl_in_loss = ref is not None and KL_MODES.cap(rl.kl_mode, "in_loss")
@@ -126,8 +128,11 @@ class UpdatePhase:
         tokens = max(sums.tokens.item(), 1.0)
         seen = old_logp if old_logp is not None else inp.seen_logp
         extra.update(self._gap_metrics(seen, gen_logp, mask))
+        if self.kv is not None:  # the next rollout's scales, from the weights it will run
+            extra.update(self.kv.calibrate(self.policy, samples, step + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
+        extra.update(self.policy.cp_metrics())
         if self.critic is not None:
             critic = norms.get("critic", [])
             mse = sums.value_sq_err.item() / max(sums.value_tokens.item(), 1.0)
