@@ -123,7 +123,8 @@ def test_a_staleness_bound_needs_an_asynchronous_mode():
     path = os.path.join(root, "configs", "quickstart.toml")
     with pytest.raises(ConfigError) as e:
         load_config(path, ["rollout.max_staleness=1"])
-    assert str(e.value).startswith("rollout.max_staleness: 1 needs rollout.mode = 'colocated_async'")
+    assert str(e.value).startswith(
+        "rollout.max_staleness: 1 needs rollout.mode = 'colocated_async'")
     cfg = load_config(path, ["rollout.mode=colocated_async", "rollout.max_staleness=1"])
     assert (cfg.rollout.mode, cfg.rollout.max_staleness) == ("colocated_async", 1)
 
