@@ -13,12 +13,13 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.fixtures import sigterm_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG_TAIL = {"TANDEM_INJECT_LENGTHS": "1.2:2:40", "TANDEM_INJECT_GEN_DELAY": "1:0.003"}
@@ -160,13 +161,8 @@ def test_sigterm_checkpoints_the_flight_and_the_next_launch_trains_every_prompt_
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(LONG_TAIL), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT,
                          text=True)
-    lines = []
-    for line in p.stdout:
-        lines.append(line)
-        if line.startswith("step 2/8"):
-            p.send_signal(signal.SIGTERM)
-    p.wait(timeout=600)
-    assert p.returncode == 75, "".join(lines)[-2000:]
+    out = sigterm_at(p, "step 2/8")
+    assert p.returncode == 75, out[-2000:]
     saved = sorted(os.listdir(dump / "checkpoints"))
     assert len(saved) == 1, saved
     state = json.load(open(dump / "checkpoints" / saved[0] / "trainer.json"))
