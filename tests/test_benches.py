@@ -45,6 +45,7 @@ TABLES = {
     "reshard": r"1\s+single\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
     "restart": r"quickstart\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
     "sampler_noise": r"^\s+4\s+[\d.]+\s+(-|[\d.]+)",
+    "vlm": r"^quickstart \(\d+, max 3136 px\)\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
     "serve": r"the same 4 episodes: HTTP / in-process seconds [\d.]+x; in-process / HTTP sampled "
     r"tokens per second [\d.]+x",
 }
@@ -77,7 +78,7 @@ def smoke_runs() -> dict[str, tuple[int, str, float]]:
 
 
 def test_every_bench_is_checked():
-    assert len(BENCHES) >= 16, BENCHES  # the glob found the entry points (bench/ was not moved)
+    assert len(BENCHES) >= 18, BENCHES  # the glob found the entry points (bench/ was not moved)
     assert not set(TABLES) - set(BENCHES), (
         f"TABLES names benches that are gone: {set(TABLES) - set(BENCHES)}"
     )

@@ -232,7 +232,8 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> Any:
-        """x: token ids ``[B, S]`` or hidden ``[B, S, D]`` (when tok_embeddings is None).
+        """x: token ids ``[B, S]``, or hidden ``[B, S, D]`` (a float tensor, or any x when
+        tok_embeddings is None). positions ``[B, S]``, or ``[3, B, S]`` with M-RoPE.
 
         Returns logits ``[B, S, V]``, or hidden ``[B, S, D]`` (after the final norm,
         if this stage has one) when ``return_hidden`` or ``output is None``.
@@ -242,7 +243,8 @@ class Transformer(nn.Module):
         still live inside this forward (wrappers that gather parameters for
         the forward only keep it that long).
         """
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [B, S, D]
+        embed = self.tok_embeddings is not None and not x.is_floating_point()
+        h = self.tok_embeddings(x) if embed else x  # [B, S, D]
         b, s = h.shape[:2]
         if positions is None:
             positions = torch.arange(s, device=h.device).expand(b, s)  # [B, S]

@@ -34,7 +34,7 @@ from torch import nn
 
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora
-from tandem.models.transformer import Transformer
+from tandem.models.vlm import make_model
 from tandem.parallel.mesh import new_groups
 from tandem.parallel.reshard import Box
 
@@ -52,6 +52,7 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    (re.compile(r"^visual\."), None),  # a vision-language model's tower: whole on every rank of a group
     # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by its
     # output rows, a row-parallel one's A split by its input features and B whole (its partial
     # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
@@ -165,7 +166,7 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
 def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None) -> int:
     """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``, adapters too)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
         if lora is not None:
             apply_lora(model, lora)
     elem = torch.empty((), dtype=dtype).element_size()

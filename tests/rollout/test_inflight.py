@@ -131,7 +131,8 @@ def test_a_staleness_bound_needs_an_asynchronous_mode():
 
 @pytest.mark.parametrize("override, key", [
     ("lora.rank=4", "lora.rank"), ("rollout.kv_dtype=fp8_e4m3", "rollout.kv_dtype"),
-    ("parallel.cp=2", "parallel.cp"), ("env.kind=http", 'env.kind = "http"')])
+    ("parallel.cp=2", "parallel.cp"), ("env.kind=http", 'env.kind = "http"'),
+    ("model.path=assets/quickstart-vlm-policy", "a vision-language model")])
 def test_colocated_async_refuses_what_it_has_not_run_with(override, key):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "configs", "quickstart_async.toml")

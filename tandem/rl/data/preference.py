@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tandem.rl.core.fields import get_field
+from tandem.rl.data.images import VisionData, prepare_messages, with_images
 from tandem.rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
 from tandem.rl.data.sft import BadRow, Example
 from tandem.rl.data.tasks import make_task_rows
@@ -82,12 +83,17 @@ def _as_reply(reply: Any, context: Messages, what: str, allow_empty: bool = Fals
     return turns
 
 
-def _tokenize_turns(messages: Messages, first: int, tokenizer: Any) -> Example:
+def _tokenize_turns(messages: Messages, first: int, tokenizer: Any, vision: VisionData | None = None) -> Example:
     """Tokens of ``messages``; assistant turns at index >= ``first`` are the response.
 
     The template is rendered turn by turn so the mask follows the rendered text,
-    whatever the template adds around each turn; it must be prefix-stable.
+    whatever the template adds around each turn; it must be prefix-stable. ``vision``: a
+    vision-language policy's image settings (image parts become their image tokens).
     """
+    try:
+        messages = prepare_messages(messages, vision)
+    except ValueError as e:
+        raise BadRow(str(e)) from None
     ids: list[int] = []
     mask: list[int] = []
     done = ""  # text already tokenized
@@ -107,7 +113,11 @@ def _tokenize_turns(messages: Messages, first: int, tokenizer: Any) -> Example:
     if not full.startswith(done):
         raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
     tail = tokenizer.encode(full[len(done):])
-    return Example(ids + tail, mask + [0] * len(tail))
+    try:
+        ids, images, (mask,) = with_images(messages, ids + tail, vision, mask + [0] * len(tail))
+    except ValueError as e:
+        raise BadRow(str(e)) from None
+    return Example(ids, mask, images)
 
 
 def tokenize_response(context: str | Messages, response: str | Messages, tokenizer: Any) -> Example:
@@ -178,6 +188,7 @@ def build_preference_data(
     rejected_field: str = "rejected",
     row_numbers: list[int] | None = None,
     skipped: Counter | None = None,
+    vision: VisionData | None = None,
 ) -> tuple[list[PreferencePair], Counter]:
     """Tokenize rows into pairs; bad rows are counted (into ``skipped``) or raise DataError.
 
@@ -193,7 +204,7 @@ def build_preference_data(
         try:
             ctx, c, r = _row_sides(rec, fields)
             n = len(ctx)
-            sides = [_tokenize_turns(ctx + reply, n, tokenizer) for reply in (c, r)]
+            sides = [_tokenize_turns(ctx + reply, n, tokenizer, vision) for reply in (c, r)]
             for ex in sides:
                 if len(ex.input_ids) > max_length:
                     raise BadRow(f"longer than max_length ({len(ex.input_ids)} > {max_length} tokens)")
@@ -283,8 +294,10 @@ def load_preference_data(
     prompt_field: str = "prompt",
     chosen_field: str = "chosen",
     rejected_field: str = "rejected",
+    vision: VisionData | None = None,
 ) -> PreferenceData:
     """Train and held-out pairs from a jsonl/parquet file or a ``synthetic:<name>`` source.
+    ``vision``: a vision-language policy's image settings (rows with image parts).
 
     Held-out pairs: all rows of ``eval_source`` when given, else the synthetic
     source's test split, else a seeded ``eval_fraction`` of the file's rows.
@@ -310,7 +323,7 @@ def load_preference_data(
                                   for nums in (train_nums, eval_nums)])
     if eval_source is not None:
         eval_rows, eval_nums, eval_name = load_rows(eval_source, fmt), None, eval_source
-    kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, **fields)
+    kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, vision=vision, **fields)
     train, skipped = build_preference_data(train_rows, source=source, row_numbers=train_nums, **kw)  # type: ignore[arg-type]
     evals, skipped = build_preference_data(eval_rows, source=eval_name, row_numbers=eval_nums,  # type: ignore[arg-type]
                                            skipped=skipped, **kw)

@@ -118,14 +118,15 @@ class Generator:
     # ---- step-level API (multi-turn) -----------------------------------------------------
 
     def add(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-            stop_check: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
-        """Queue n samples of one prompt (a group sharing the prompt's KV blocks)."""
+            stop_check: Callable[[Sequence], bool] | None = None, images: object = None) -> list[Sequence]:
+        """Queue n samples of one prompt (a group sharing the prompt's KV blocks); ``images``:
+        the prompt's `tandem.models.vlm.PromptImages` (a vision-language model's image prompt)."""
         seqs = []
         for i in range(n):
             p = params
             if params.seed is not None and n > 1:
                 p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-            seqs.append(Sequence(self._next_id, prompt_token_ids, p))
+            seqs.append(Sequence(self._next_id, prompt_token_ids, p, images=images))
             self._next_id += 1
         self.scheduler.add_group(seqs)
         if stop_check is not None:
@@ -211,16 +212,21 @@ class Generator:
     # ---- batch API ---------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], n: int = 1,
-                 stop_check: Callable[[Sequence], bool] | None = None) -> list[list[Completion]]:
-        """Generate n completions per prompt; result[i][j] is sample j of prompt i."""
+                 stop_check: Callable[[Sequence], bool] | None = None,
+                 images: list[object] | None = None) -> list[list[Completion]]:
+        """Generate n completions per prompt; result[i][j] is sample j of prompt i; ``images``:
+        per prompt, its PromptImages or None."""
         t0 = time.monotonic()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        groups = [self.add(p, sp, n, stop_check) for p, sp in zip(prompts, plist)]
+        ilist = images if images is not None else [None] * len(prompts)
+        groups = [self.add(p, sp, n, stop_check, im) for p, sp, im in zip(prompts, plist, ilist)]
         while self.scheduler.has_unfinished():
             if not self.scheduler.has_schedulable():
                 raise RuntimeError("generate: paused sequences remain; use the step API for multi-turn")
             self.step()
         self.stats.seconds += time.monotonic() - t0
+        if self.runner.vision is not None:
+            self.stats.extra["vision_tower_runs"] = self.runner.vision.tower_runs
         out = [[_to_completion(s, i, j) for j, s in enumerate(g)] for i, g in enumerate(groups)]
         for comps, seqs in zip(out, groups):
             for c, s in zip(comps, seqs):
@@ -244,6 +250,8 @@ class Generator:
         self.cache = None  # type: ignore[assignment]
         self.runner.cache = None  # type: ignore[assignment]
         self.runner.mirror = None
+        if self.runner.vision is not None:
+            self.runner.vision.release()
 
 
 def stop_strings_check(decode: Callable[[list[int]], str], stops: Seq[str]) -> Callable[[Sequence], bool]:

@@ -33,6 +33,8 @@ from tandem.models.args import ModelArgs
 from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
 from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
+from tandem.models.vlm import vision_batch
+from tandem.rl.data.images import VisionData
 from tandem.rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from tandem.rl.data.sft import StepSampler
 from tandem.rl.recipes.base import (
@@ -49,6 +51,7 @@ __all__ = [
     "PairSetup",
     "PairwiseRecipe",
     "pair_accuracy",
+    "pair_images",
     "precompute_reference",
     "rank_indices",
     "reshard_all",
@@ -58,18 +61,39 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- tensor pieces
-def sequence_logps(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+def sequence_logps(model: nn.Module, batch: dict[str, Tensor], images: list[Any] | None = None,
+                   ) -> tuple[Tensor, Tensor]:
     """Summed log-probs of each row's response tokens and their count: ``[N]``, ``[N]``.
 
     ``batch`` is `collate_pairs` output; token t's logits predict token t+1, so
     the response mask is read shifted by one. Log-probs are taken in fp32.
+    ``images``: per row, its `PromptImages` or None (a vision-language policy).
     """
     tokens, mask = batch["tokens"], batch["loss_mask"][:, 1:].bool()  # [N, S], [N, S-1]
-    logits = model(tokens[:, :-1])  # [N, S-1, V]
+    logits = model(tokens[:, :-1], **_image_inputs(model, tokens[:, :-1], images))  # [N, S-1, V]
     targets = tokens[:, 1:]  # [N, S-1]
     tok_logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
     tok_logp = torch.where(mask, tok_logp.view_as(targets), 0.0)  # [N, S-1]
     return tok_logp.sum(-1), mask.sum(-1)
+
+
+def _image_inputs(model: nn.Module, tokens: Tensor, images: list[Any] | None) -> dict[str, Any]:
+    """A vision-language policy's M-RoPE positions and image rows for right-padded rows."""
+    vision = getattr(getattr(model, "args", None), "vision", None)
+    if vision is None:
+        return {}
+    n, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).expand(n, s)
+    docs = {(row, 0): im for row, im in enumerate(images or []) if im is not None}
+    positions, inputs = vision_batch(tokens, positions, torch.zeros_like(tokens), docs, vision.image_token_id)
+    for im in docs.values():
+        im.release()
+    return {"positions": positions, "images": None if inputs is None else inputs.to(tokens.device)}
+
+
+def pair_images(pairs: list[PreferencePair]) -> list[Any]:
+    """The rows' images in `collate_pairs` order: the B chosen, then the B rejected."""
+    return [p.chosen.images for p in pairs] + [p.rejected.images for p in pairs]
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -112,7 +136,8 @@ def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro
     parts = []
     for m0 in range(0, len(idx), micro):
         sub = [pairs[i] for i in idx[m0:m0 + micro]]
-        logps, _ = sequence_logps(model, {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()})
+        logps, _ = sequence_logps(model, {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
+                                  pair_images(sub))
         parts.append(torch.stack(logps.float().chunk(2), dim=1))  # [b, 2]
     local = torch.cat(parts)  # [per_rank, 2]
     gathered = [torch.empty_like(local) for _ in range(dp)]
@@ -157,7 +182,7 @@ def setup_pairs(cfg: Any, info: DistInfo, recipe: str) -> PairSetup:
         on_bad_row=cfg.data.on_bad_row, eval_fraction=cfg.data.eval_fraction, eval_source=cfg.data.eval_path,
         seed=cfg.job.seed, synthetic_rows=cfg.data.synthetic_rows, messages_field=cfg.data.messages_field,
         prompt_field=cfg.data.prompt_field, chosen_field=cfg.preference.chosen_field,
-        rejected_field=cfg.preference.rejected_field,
+        rejected_field=cfg.preference.rejected_field, vision=VisionData.for_model(args, cfg.data.path),
     )
     if info.is_main:
         print(f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "
@@ -187,7 +212,8 @@ class PairwiseRecipe(SingleModelRecipe):
         self.cfg, self.info = cfg, rt.info
         self.setup = setup_pairs(cfg, rt.info, name)
         lora = cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)
-        self.head = make_head(cfg, rt.info, self.setup, BuildSpec.from_config(cfg.training, cfg.parallel, lora))
+        spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model, lora)
+        self.head = make_head(cfg, rt.info, self.setup, spec)
         self.model = self.head.model
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater

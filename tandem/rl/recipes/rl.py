@@ -24,6 +24,7 @@ from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec, build_tokenizer, model_args
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
+from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from tandem.rl.rollout.generation import generation_copy, generation_dtype
@@ -38,6 +39,7 @@ from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.phase import UpdatePhase
 from tandem.rl.update.policy import build_policy, check_layout
 from tandem.rl.update.teachers import Teachers
+from tandem.rl.update.vision import check_vision_policy
 
 
 class RLRecipe:
@@ -69,6 +71,7 @@ class RLRecipe:
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
+        check_vision_policy(cfg, self.args, self.mp)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style,
                      cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
@@ -79,7 +82,7 @@ class RLRecipe:
         seq_len = cfg.data.max_length
         if cfg.env.name or http:
             seq_len = self.max_prompt + cfg.env.max_total_tokens
-        spec = BuildSpec.from_config(cfg.training, cfg.parallel)
+        spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
                   micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
@@ -202,13 +205,15 @@ class RLRecipe:
         kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field,
                   max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
         rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows)
-        train, skipped = encode_prompts(rows, self.tok, source=d.path, **kw)
+        train, skipped = encode_prompts(rows, self.tok, source=d.path,
+                                        vision=VisionData.for_model(self.args, d.path), **kw)
         eval_path = d.eval_path or (d.path if d.path.startswith("synthetic:") else None)
         evals = []
         if eval_path:
             erows = load_prompt_rows(eval_path, d.format, split="test", seed=self.cfg.job.seed + 1,
                                      n_synthetic=self.cfg.rl.eval_prompts)
-            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path, **kw)
+            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path,
+                                      vision=VisionData.for_model(self.args, eval_path), **kw)
         if self.info.is_main:
             print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped {sum(skipped.values())} {skipped}", flush=True)
         return train, evals
@@ -226,6 +231,7 @@ class RLRecipe:
             batch = self.rollout.batch(step)
         with wd.phase("update"):
             result = self.update.run(batch, step)
+        release_images(batch.samples)  # the step's pixels (decoded once for the rollout and update)
         metrics = {**batch.metrics, **result.metrics, **self.rollout.sample_metrics(batch.samples)}
         self.sample_log.log(step + 1, self._sample_records(batch, result.advantages))
         return StepOutput(metrics, batch.ids, batch.positions)

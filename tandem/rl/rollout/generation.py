@@ -30,6 +30,7 @@ from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter, lora_spec_of
 from tandem.models.transformer import Transformer
+from tandem.models.vlm import make_model
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.generation_layout import (
     GenerationLayout,
@@ -58,26 +59,40 @@ class GenerationCopy:
     the generation dtype (tandem/parallel/reshard.py), so no rank ever holds the whole model unless
     its shard is the whole model (``layout.tp = 1``). The move's plan is worked out at the
     first build (collective) and kept: the layouts do not change during a run.
+
+    ``keep``: name prefixes of parameters that never change during the run (a frozen vision
+    tower, ``"visual."``): the generation copy and the policy have the same names, so this
+    explicit map is all the reshard needs; they move at the first build only and their copies
+    are kept for the next rollouts (``reshard/kept_gb``; the only rollout memory the update
+    phase still holds), so later builds move only what training changed.
     """
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
                  dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
-                 cpu_onednn: bool = False, lora: LoraSpec | None = None) -> None:
+                 keep: tuple[str, ...] = (), cpu_onednn: bool = False,
+                 lora: LoraSpec | None = None) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
         self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
         self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
         with torch.device("meta"):
-            meta = Transformer(args)
+            meta = make_model(args)
             if lora is not None:
                 apply_lora(meta, lora)
         self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
-        self._plan: Resharder | None = None
+        self.keep = keep
+        self._kept_state: dict[str, torch.Tensor] = {}  # the kept names' copies, after the first build
+        self._plans: dict[bool, Resharder] = {}  # the first build's plan and, with ``keep``, the later builds'
         self._adapter_plan: Resharder | None = None
         self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None  # LoRA: the copy and its adapters
+
+    def _moving(self) -> dict[str, tuple[int, ...]]:
+        """The names this build moves: all at first, then all but the kept ones."""
+        later = bool(self._kept_state)
+        return {n: shape for n, shape in self.shapes.items() if not (later and n.startswith(self.keep))}
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -96,24 +111,32 @@ class GenerationCopy:
         collective (memory tests)."""
         if self._kept is not None:
             return self._refill(probe)
-        srcs = self._held()
+        moving = self._moving()
+        later = bool(self._kept_state)
+        srcs = {n: src for n, src in self._held().items() if n in moving}
         adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
-        state, stats = self._move(srcs, None, probe)
+        state, stats = self._move(moving, srcs, None, probe)
         del srcs
+        if self.keep and not later:
+            self._kept_state = {n: t for n, t in state.items() if n.startswith(self.keep)}
+        state.update(self._kept_state)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        kept_bytes = sum(t.numel() * t.element_size() for t in self._kept_state.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
         with torch.device("meta"):
-            gen = Transformer(self.local)
+            gen = make_model(self.local)
             if self.lora is not None:
                 apply_lora(gen, self.lora)
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
+        if hasattr(gen, "visual"):
+            gen.visual.reset_rope(self.device)
         gen.requires_grad_(False).eval()
         if inference and self.lora is None:  # fused projections would fold the adapters' inputs
             inference_layout(gen, self.cpu_onednn)
-        metrics = _reshard_metrics(stats, nbytes)
+        metrics = _reshard_metrics(stats, nbytes, kept_bytes)
         if self.lora is not None:  # before shard_modules renames
             adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}
             self._kept = (gen, adapters)
@@ -126,33 +149,43 @@ class GenerationCopy:
                probe: Callable[[], None] | None = None) -> dict[str, float]:
         """Collective: the policy's current weights into ``gen`` (a model `build` made), in place:
         its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay.
-        With adapters: the kept copy's adapters alone (`_refill`)."""
+        With adapters: the kept copy's adapters alone (`_refill`); kept names (``keep``) stay."""
         if self._kept is not None:
             return self._refill(probe)[1]
-        state, stats = self._move(self._held(), gen.refill_views, probe)
+        moving = self._moving()
+        srcs = {n: src for n, src in self._held().items() if n in moving}
+        state, stats = self._move(moving, srcs, gen.refill_views, probe)
         for m in gen.modules():  # oneDNN's blocked copies are of the old weights
             if isinstance(m, OneDNNLinear) and m.packed is not None:
                 m.pack()
-        return _reshard_metrics(stats, sum(t.numel() * t.element_size() for t in state.values()))
+        kept = sum(t.numel() * t.element_size() for t in self._kept_state.values())
+        moved = sum(t.numel() * t.element_size() for t in state.values())
+        return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
 
-    def _move(self, srcs: dict[str, tuple[torch.Tensor, Box]],
+    def _move(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]],
               into: dict[str, torch.Tensor] | None,
               probe: Callable[[], None] | None) -> tuple[dict[str, torch.Tensor], Any]:
-        """Collective: the whole model's move (planned at the first call), into new tensors or
-        ``into``'s."""
-        if self._plan is None:
-            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                                   bucket_bytes=self.bucket_bytes)
-            if self.lora is not None:  # the adapters alone, for every later build
-                names = [n for n in self.shapes if is_adapter(n)]
-                self._adapter_plan = Resharder(
-                    {n: self.shapes[n] for n in names},
-                    {n: srcs[n][1] for n in names if n in srcs},
-                    {n: needs[n] for n in names}, elem, bucket_bytes=self.bucket_bytes)
-        return self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
-                              probe=probe, into=into)
+        """Collective: the move of ``moving`` (planned at its first call: one plan for the first
+        build, one for the later ones without the kept names), into new tensors or ``into``'s."""
+        later = bool(self._kept_state)
+        if later not in self._plans:
+            self._plans[later] = self._make_plans(moving, srcs)
+        return self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype,
+                                      self.device, probe=probe, into=into)
+
+    def _make_plans(self, moving: dict[str, tuple[int, ...]],
+                    srcs: dict[str, tuple[torch.Tensor, Box]]) -> Resharder:
+        """The reshard plan of ``moving``; with adapters, also the plan of the adapters alone."""
+        needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.lora is not None:  # the adapters alone, for every later build
+            names = [n for n in moving if is_adapter(n)]
+            self._adapter_plan = Resharder({n: self.shapes[n] for n in names},
+                                           {n: srcs[n][1] for n in names if n in srcs},
+                                           {n: needs[n] for n in names}, elem,
+                                           bucket_bytes=self.bucket_bytes)
+        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                         bucket_bytes=self.bucket_bytes)
 
     def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
         """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
@@ -179,9 +212,11 @@ class GenerationCopy:
         return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
 
 
-def _reshard_metrics(stats: Any, nbytes: int) -> dict[str, float]:
-    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9, "reshard/sent_gb": stats.bytes_sent / 1e9,
-            "reshard/collectives": float(stats.collectives), "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+def _reshard_metrics(stats: Any, nbytes: int, kept_bytes: int = 0) -> dict[str, float]:
+    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+            "reshard/kept_gb": kept_bytes / 1e9, "reshard/sent_gb": stats.bytes_sent / 1e9,
+            "reshard/collectives": float(stats.collectives),
+            "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
 
 
 def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.device, dtype: torch.dtype,
@@ -226,8 +261,11 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
-                          cpu_onednn=rcfg.cpu_onednn, lora=lora_spec_of(policy.modules[0]))
+    module = policy.state_module
+    frozen_tower = hasattr(module, "visual") and not any(p.requires_grad for p in module.visual.parameters())
+    return GenerationCopy(module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20,
+                          keep=("visual.",) if frozen_tower else (), cpu_onednn=rcfg.cpu_onednn,
+                          lora=lora_spec_of(policy.modules[0]))
 
 
 def build_generation_model(
@@ -341,7 +379,8 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     dt = time.monotonic() - t0
     return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
-                 "rollout/preemptions": float(stats.preemptions), **kv}
+                 "rollout/preemptions": float(stats.preemptions), **kv,
+                 **{f"rollout/{k}": float(v) for k, v in stats.extra.items() if k == "vision_tower_runs"}}
 
 
 def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -384,8 +423,8 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     params = base if seeds is None else [group_params(base, s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
-        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check),
-        layout, kv_scales)
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check,
+                                 images=[p.images for p, _ in pooled]), layout, kv_scales)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
@@ -395,7 +434,7 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
                                          loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
                                          finish_reason=c.finish_reason,
                                          text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row,
-                                         routing=c.routing))
+                                         routing=c.routing, images=p.images))
     return samples, metrics
 
 

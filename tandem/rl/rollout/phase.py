@@ -28,6 +28,7 @@ from tandem.rl.core.metrics import Tally
 from tandem.rl.core.modeling import ModelSetupError
 from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
+from tandem.rl.data.images import release_images
 from tandem.rl.data.prompts import Prompt, PromptStream, deal, rollout_seed
 from tandem.rl.rollout.generation import GenerationCopy, generate_episodes, generate_samples
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
@@ -213,7 +214,7 @@ class RolloutPhase:
             kept += n_keep
             rewards.merge(rm)
             for k, v in gm.items():  # this rank's generator: seconds and counts add up over rounds
-                gen.local(k, v, add=k.endswith(("seconds", "tokens", "preemptions")))
+                gen.local(k, v, add=k.endswith(("seconds", "tokens", "preemptions", "runs")))
             if last_round or not r.dynamic_sampling:
                 break
         del gen_model
@@ -285,6 +286,7 @@ class RolloutPhase:
         samples, _ = self.generate(gen_model, prompts, max(n, 1), seeds, greedy=n == 0)
         del gen_model
         self.score(samples)
+        release_images(samples)
         acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)],
                            dtype=torch.float64)
         dist.all_reduce(acc)

@@ -31,6 +31,9 @@ class RolloutSample:
     # per completion token: the policy version that sampled it (environment tokens: the
     # version when they were appended); empty when not recorded
     versions: list[int] = field(default_factory=list)
+    # the prompt's tandem.models.vlm.PromptImages (its M-RoPE positions), the object the
+    # rollout used
+    images: Any = None
 
     @property
     def num_sampled(self) -> int:

@@ -69,9 +69,19 @@ class MicroBatch:
     seg_gather: torch.Tensor | None = None  # [V, W] flat positions
     seg_scatter: torch.Tensor | None = None  # [B*S] flat segment positions
     one_per_row: bool = False
+    # A vision-language policy (tandem/rl/update/vision.py): positions become M-RoPE [3, B, S]
+    # and the image tokens take these rows.
+    images: Any = None  # tandem.models.vlm.ImageInputs
     # wraps the attention backend (FP8 KV: tandem.kernels.kv_quant.KVQuantAttention rounds K and
     # V as the rollout's pool did); set per forward by the policy that runs it
     kv_wrap: Callable[[AttentionBackend], AttentionBackend] | None = None
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The model's keyword inputs besides the tokens and attention."""
+        kw: dict[str, Any] = {"positions": self.positions}
+        if self.images is not None:
+            kw["images"] = self.images
+        return kw
 
     def attention(self, wrapped: bool = True) -> AttentionBackend:
         """The backend this layout needs; ``wrapped``: with ``kv_wrap`` (the policy's forwards;
@@ -97,13 +107,13 @@ class MicroBatch:
 
 def _units(samples: list[RolloutSample], indices: list[int], share: bool, budget: int) -> list[list[int]]:
     """Samples grouped into packing units: one sample each, or (``share``) the samples
-    of one prompt (equal ``prompt_ids``), split where a unit would pass ``budget``."""
+    of one prompt (equal ``prompt_ids`` and the same images), split where a unit would pass ``budget``."""
     if not share:
         return [[i] for i in indices]
-    by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
+    by_prompt: dict[tuple[tuple[int, ...], int], list[list[int]]] = {}
     for i in indices:
         s = samples[i]
-        units = by_prompt.setdefault(tuple(s.prompt_ids), [[]])
+        units = by_prompt.setdefault((tuple(s.prompt_ids), id(s.images)), [[]])  # equal ids, other pictures: apart
         if units[-1] and _unit_len(samples, units[-1] + [i]) > budget:
             units.append([])
         units[-1].append(i)
@@ -254,14 +264,14 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
                                  chunk_tokens=chunk_tokens)
     index, targets = mb.comp_index, mb.completion_targets()
     if vocab_parallel:
-        logits = model(mb.tokens, positions=mb.positions, attn=mb.attention())
+        logits = model(mb.tokens, attn=mb.attention(), **mb.model_inputs())
         return token_logprobs_at(logits, index, targets, with_entropy=with_entropy)
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
         return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
-    return model(mb.tokens, positions=mb.positions, attn=mb.attention(), head=head)
+    return model(mb.tokens, attn=mb.attention(), head=head, **mb.model_inputs())
 
 
 def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
@@ -468,3 +478,18 @@ def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, i
                 "kl_behav": ((torch.expm1(lr) - lr) * m).sum(),
                 "kl_prox": (out.metrics["approx_kl"] * m).sum()}
     return loss, sums
+
+
+def gap_metrics(update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor,
+                weight: float = 1.0) -> dict[str, float]:
+    """How far the rollout's sampled-token log-probs are from the update's recomputation
+    with the same weights, over all ranks; ``weight``: 1 on the one rank per data-parallel
+    replica that counts (the policy's ``counts_stats``), else 0."""
+    gap = (update_logp - gen_logp).abs() * mask * weight
+    stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
+                         gap.max() if gap.numel() else gap.new_zeros(())]).double()
+    gmax = stats[3:].clone()
+    dist.all_reduce(stats[:3])
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+    return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
+            "gap/tokens_differ": stats[2].item()}

@@ -45,6 +45,7 @@ from tandem.rl.update.loss import (
     UpdateSums,
     completion_tensors,
     completion_versions,
+    gap_metrics,
 )
 
 
@@ -127,7 +128,7 @@ class UpdatePhase:
         sums = sums.all_reduce(counts=self.policy.counts_stats)  # one rank per replica reports
         tokens = max(sums.tokens.item(), 1.0)
         seen = old_logp if old_logp is not None else inp.seen_logp
-        extra.update(self._gap_metrics(seen, gen_logp, mask))
+        extra.update(gap_metrics(seen, gen_logp, mask, float(self.policy.counts_stats)))
         if self.kv is not None:  # the next rollout's scales, from the weights it will run
             extra.update(self.kv.calibrate(self.policy, samples, step + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
@@ -242,19 +243,6 @@ class UpdatePhase:
         order = sorted(g for part in everyone for g in part)
         which = {g: i * k // len(order) for i, g in enumerate(order)}
         return [[i for i, s in enumerate(samples) if which[s.group] == j] for j in range(k)]
-
-    def _gap_metrics(self, update_logp: torch.Tensor, gen_logp: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
-        """How far the rollout's sampled-token log-probs are from the update's recomputation
-        with the same weights, over all ranks (one rank per data-parallel replica counts)."""
-        gap = (update_logp - gen_logp).abs() * mask * float(self.policy.counts_stats)
-        stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
-                             gap.max() if gap.numel() else gap.new_zeros(())]).double()
-        gmax = stats[3:].clone()
-        dist.all_reduce(stats[:3])
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
-        return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0),
-                "gap/abs_max": gmax.item(), "gap/tokens_differ": stats[2].item()}
 
 
 def _offpolicy_metrics(sums: UpdateSums, tokens: float) -> dict[str, float]:

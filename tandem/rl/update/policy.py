@@ -72,6 +72,7 @@ from tandem.rl.update.loss import (
     sync_micro_batch_count,
 )
 from tandem.rl.update.router_stats import RouterStats, RoutingCheck
+from tandem.rl.update.vision import attach_images
 
 
 class FlatPolicy:
@@ -96,6 +97,7 @@ class FlatPolicy:
         self.moe = RouterStats()
         self.routing = RoutingCheck()
         self.is_moe = args.is_moe
+        self.image_token_id = args.vision.image_token_id if args.vision is not None else None
 
     @property
     def vocab_parallel(self) -> bool:
@@ -115,6 +117,8 @@ class FlatPolicy:
         multiple = self.tp * self.cp.granularity  # TP's sequence-parallel pieces; cp's chunks
         mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=multiple,
                                  share_prompts=self.share_prompts)
+        if self.image_token_id is not None:  # a vision-language policy: M-RoPE positions, image rows
+            mbs = [attach_images(mb, samples, self.image_token_id) for mb in mbs]
         return sync_micro_batch_count(mbs, self.device, width=multiple)
 
     @property
