@@ -256,3 +256,18 @@ def hf_weights(dump: str | Path) -> dict[str, torch.Tensor]:
         out.update(load_file(f))
     assert out, dump
     return out
+
+
+def sigterm_at(p: subprocess.Popen, prefix: str, timeout: float = 600) -> str:
+    """Read a run's output (``stdout`` piped as text, stderr folded in) and send it SIGTERM at
+    the first line starting with ``prefix`` (a step's console line); its whole output once it
+    exits (``p.returncode`` then set)."""
+    import signal
+
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            p.send_signal(signal.SIGTERM)
+    p.wait(timeout=timeout)
+    return "".join(lines)

@@ -235,7 +235,6 @@ OLD_LOGP = LOGP + torch.tensor([
     [0.4, 0.0, -0.3, 0.1, 0.0],
     [0.0, 0.0, 0.0, 0.0, 0.0],
 ])  # log(old/new) per token; ratios range over both clip edges
-GEN_LOGP = OLD_LOGP + 0.1 * torch.tensor([[1.0, -2.0, 0.5, 0.0, 0.0]]).expand(N, T)
 ADV_SEQ = [1.0, -1.0, 0.5, -2.0, 2.0, 0.3, -0.7, 0.0]
 ADV = broadcast(ADV_SEQ)
 
@@ -269,22 +268,6 @@ def test_ppo_clip(clip_low, clip_high, dual):
     assert_close(out.metrics["ratio"], ratio)
     assert_close(out.metrics["approx_kl"], (ratio - 1 - (LOGP - OLD_LOGP)) * MASK)
     assert (out.metrics["approx_kl"] >= 0).all()
-
-
-def test_ppo_clip_with_tis():
-    cap = 1.05
-    logp, inp = policy_input(gen_logp=GEN_LOGP)
-    base = POLICY_LOSSES.get("ppo_clip")(PolicyLossInput(LOGP, OLD_LOGP, ADV, MASK), PolicyLossConfig())
-    out = POLICY_LOSSES.get("ppo_clip")(inp, PolicyLossConfig(tis_cap=cap))
-    weight = torch.zeros(N, T)
-    for i, ts in enumerate(rows()):
-        for t in ts:
-            weight[i, t] = min(math.exp(OLD_LOGP[i, t].item() - GEN_LOGP[i, t].item()), cap)
-    assert_close(out.loss, base.loss * weight)
-    assert_close(out.metrics["tis_weight"], weight)
-    assert_close(out.metrics["tis_gap"], (OLD_LOGP - GEN_LOGP) * MASK)
-    with pytest.raises(ValueError, match="gen_logp"):
-        POLICY_LOSSES.get("ppo_clip")(PolicyLossInput(LOGP, OLD_LOGP, ADV, MASK), PolicyLossConfig(tis_cap=2.0))
 
 
 @pytest.mark.parametrize("lo,hi", [(3e-4, 4e-4), (0.05, 0.1), (0.5, 0.5)])

@@ -104,7 +104,7 @@ def test_gspo_clip_range_reaches_the_loss():
     logp = torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
     old = logp + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
     inp = PolicyLossInput(logp=logp, old_logp=old, advantages=torch.ones(4, 5, dtype=torch.float64),
-                          mask=torch.ones(4, 5, dtype=torch.float64), gen_logp=old)
+                          mask=torch.ones(4, 5, dtype=torch.float64))
     fracs = []
     for lo, hi in ((3e-4, 4e-4), (0.5, 0.5)):
         cfg = load_config(QUICKSTART, ["--rl.policy_loss=gspo", f"--rl.seq_clip_low={lo}", f"--rl.seq_clip_high={hi}"])

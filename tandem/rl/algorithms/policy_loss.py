@@ -10,15 +10,11 @@ reduce them with the same mask and global norm as the loss, layout-invariantly:
 - ``clipped``: 1 where the clip (or dual clip) removed the token's gradient;
 - ``ratio``: the importance ratio used by the loss (sequence ratio for GSPO);
 - ``approx_kl``: k3 estimate of KL(pi_old || pi_theta) per token,
-  ``(r - 1) - log r`` with ``r = pi_theta / pi_old`` on tokens sampled from pi_old;
-- with truncated importance sampling: ``tis_weight`` and ``tis_gap``
-  (old_logp - gen_logp, the trainer/generator log-prob mismatch).
+  ``(r - 1) - log r`` with ``r = pi_theta / pi_old`` on tokens sampled from pi_old.
 
-Truncated importance sampling (TIS): the generator (e.g. a paged inference engine
-in lower precision) reports ``gen_logp`` that differ from the trainer's
-``old_logp`` for the same policy. With ``cfg.tis_cap`` set, every loss is
-multiplied by the detached weight ``min(exp(old_logp - gen_logp), cap)``, which
-corrects the sampling distribution to the trainer's, truncated for variance.
+The behaviour policy (the generator's log-probs: another layout, possibly older
+weights) enters through an off-policy correction (`tandem.rl.algorithms.offpolicy`),
+which chooses ``old_logp`` and weights the per-token loss.
 
 Log-ratios are clamped to [-20, 20] before ``exp`` so one far-off token cannot
 overflow; the clamp is inactive for any ratio the clip range lets through.
@@ -51,7 +47,6 @@ class PolicyLossInput:
     old_logp: Tensor  # [N, T] policy before this update, recomputed in the update layout
     advantages: Tensor  # [N, T]
     mask: Tensor  # [N, T] float/bool
-    gen_logp: Tensor | None = None  # [N, T] generator-reported log-probs (for TIS)
 
 
 @dataclass
@@ -59,7 +54,6 @@ class PolicyLossConfig:
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float = 0.2  # ... and above at 1 + clip_high (DAPO clip-higher: 0.28)
     dual_clip: float | None = None  # c > 1: bound the loss of negative advantages by c * |A|
-    tis_cap: float | None = None  # truncated IS cap on exp(old_logp - gen_logp)
     seq_clip_low: float = 3e-4  # GSPO sequence-ratio clip range
     seq_clip_high: float = 4e-4
 
@@ -77,8 +71,6 @@ class PolicyLossConfig:
             raise ValueError(
                 f"policy loss dual_clip must be > 1 (arXiv 1912.09729 uses 3), got {self.dual_clip}"
             )
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"policy loss tis_cap must be > 0, got {self.tis_cap}")
 
 
 @dataclass
@@ -104,16 +96,8 @@ def _approx_kl(log_ratio: Tensor) -> Tensor:
 def _finish(
     loss: Tensor, inp: PolicyLossInput, cfg: PolicyLossConfig, metrics: dict[str, Tensor]
 ) -> PolicyLossOutput:
-    """Apply TIS (when configured), mask the loss and the per-token metrics."""
+    """Mask the loss and the per-token metrics."""
     keep = inp.mask.bool()
-    if cfg.tis_cap is not None:
-        if inp.gen_logp is None:
-            raise ValueError("PolicyLossConfig.tis_cap is set but PolicyLossInput.gen_logp is None")
-        gap = (inp.old_logp - inp.gen_logp).detach()  # [N, T]
-        weight = gap.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cfg.tis_cap)  # [N, T]
-        loss = loss * weight
-        metrics["tis_weight"] = weight
-        metrics["tis_gap"] = gap
     # torch.where, not "* mask": padding log-probs may be non-finite and inf * 0 is nan
     metrics = {
         k: torch.where(keep, v.detach(), 0.0) if v.dim() == 2 else v.detach()

@@ -128,6 +128,7 @@ class PromptStream:
     def __init__(self, num_rows: int, seed: int, shuffle: bool = True, cursor: int = 0) -> None:
         self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
         self.cursor = cursor  # how many positions of the global chain have been taken
+        self.requeued: list[int] = []  # positions taken but given back untrained: taken again first
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
@@ -140,13 +141,22 @@ class PromptStream:
         return self._perms[epoch]
 
     def take(self, n: int) -> list[tuple[int, int]]:
-        """The next n (position, row index) pairs of the global chain."""
+        """The next n (position, row index) pairs: given-back positions first (lowest first),
+        then the global chain's."""
         out = []
         for _ in range(n):
-            g = self.cursor
+            if self.requeued:
+                g = self.requeued.pop(0)
+            else:
+                g = self.cursor
+                self.cursor += 1
             out.append((g, self._perm(g // self.num_rows)[g % self.num_rows]))
-            self.cursor += 1
         return out
+
+    def requeue(self, positions: list[int]) -> None:
+        """Give back taken positions that will not train (asynchronous RL drops a group whose
+        samples would break the staleness bound): they are taken again before new ones."""
+        self.requeued = sorted(set(self.requeued) | set(positions))
 
     @property
     def epoch(self) -> int:

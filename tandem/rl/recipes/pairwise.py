@@ -236,7 +236,7 @@ class PairwiseRecipe(SingleModelRecipe):
             loss_sum += loss.detach().double().sum()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.double().sum()
-        grad_norm = self.updater.apply(loss_sum, step)
+        grad_norm = self.updater.apply(loss_sum, step).get("model")
         names = list(sums)
         tokens = sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in pairs)
         total = torch.stack([sums[k] for k in names] + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])

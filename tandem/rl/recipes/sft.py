@@ -120,7 +120,7 @@ class SFTRecipe(SingleModelRecipe):
             # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
             (tok_loss * (self.dp / global_targets)).backward()
             loss_sum += tok_loss.detach().double()
-        grad_norm = self.updater.apply(loss_sum, step)
+        grad_norm = self.updater.apply(loss_sum, step).get("model")
         dist.all_reduce(loss_sum)
         dt = time.monotonic() - t0
         return StepOutput({"loss": loss_sum.item() / global_targets,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.kernels import batch_invariant
-from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
+from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter, lora_spec_of
 from tandem.models.transformer import Transformer
@@ -44,6 +44,7 @@ from tandem.parallel.generation_layout import (
 )
 from tandem.parallel.reshard import Box, Resharder, held
 from tandem.rl.data.prompts import Prompt
+from tandem.rl.fault.inject import forced_length, generator_delay
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.types import RolloutSample
@@ -111,13 +112,10 @@ class GenerationCopy:
         if self._kept is not None:
             return self._refill(probe)
         moving = self._moving()
-        srcs = {n: src for n, src in self._held().items() if n in moving}
         later = bool(self._kept_state)
-        if later not in self._plans:
-            self._plans[later] = self._make_plans(moving, srcs)
-        state, stats = self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
-                                              probe=probe)
+        srcs = {n: src for n, src in self._held().items() if n in moving}
         adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
+        state, stats = self._move(moving, srcs, None, probe)
         del srcs
         if self.keep and not later:
             self._kept_state = {n: t for n, t in state.items() if n.startswith(self.keep)}
@@ -136,15 +134,44 @@ class GenerationCopy:
         if hasattr(gen, "visual"):
             gen.visual.reset_rope(self.device)
         gen.requires_grad_(False).eval()
-        if inference and self.lora is None:  # fused projections would fold the adapters' inputs away
+        if inference and self.lora is None:  # fused projections would fold the adapters' inputs
             inference_layout(gen, self.cpu_onednn)
         metrics = _reshard_metrics(stats, nbytes, kept_bytes)
-        if self.lora is not None:
-            adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}  # before shard_modules renames
+        if self.lora is not None:  # before shard_modules renames
+            adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}
             self._kept = (gen, adapters)
             metrics.update(self._check(adapter_srcs, adapters))
+        gen.refill_views = gen.unfused_views()  # before the wrappers rename the shard's modules
         shard_modules(gen, self.args, self.layout)
         return gen, metrics
+
+    def refill(self, gen: Transformer, *,
+               probe: Callable[[], None] | None = None) -> dict[str, float]:
+        """Collective: the policy's current weights into ``gen`` (a model `build` made), in place:
+        its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay.
+        With adapters: the kept copy's adapters alone (`_refill`); kept names (``keep``) stay."""
+        if self._kept is not None:
+            return self._refill(probe)[1]
+        moving = self._moving()
+        srcs = {n: src for n, src in self._held().items() if n in moving}
+        state, stats = self._move(moving, srcs, gen.refill_views, probe)
+        for m in gen.modules():  # oneDNN's blocked copies are of the old weights
+            if isinstance(m, OneDNNLinear) and m.packed is not None:
+                m.pack()
+        kept = sum(t.numel() * t.element_size() for t in self._kept_state.values())
+        moved = sum(t.numel() * t.element_size() for t in state.values())
+        return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
+
+    def _move(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]],
+              into: dict[str, torch.Tensor] | None,
+              probe: Callable[[], None] | None) -> tuple[dict[str, torch.Tensor], Any]:
+        """Collective: the move of ``moving`` (planned at its first call: one plan for the first
+        build, one for the later ones without the kept names), into new tensors or ``into``'s."""
+        later = bool(self._kept_state)
+        if later not in self._plans:
+            self._plans[later] = self._make_plans(moving, srcs)
+        return self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype,
+                                      self.device, probe=probe, into=into)
 
     def _make_plans(self, moving: dict[str, tuple[int, ...]],
                     srcs: dict[str, tuple[torch.Tensor, Box]]) -> Resharder:
@@ -294,13 +321,24 @@ def generation_dtype(setting: str, device: torch.device, mixed_precision_param: 
 
 
 def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
+    rank = dist.get_rank() if dist.is_initialized() else 0
     return GenerationSettings(
         block_size=rcfg.block_size, num_blocks=rcfg.num_blocks, kv_cache_gb=rcfg.kv_cache_gb,
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
         kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
-        kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
+        step_delay_s=generator_delay(rank), kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
     )
+
+
+def group_params(base: SamplingParams, seed: int) -> SamplingParams:
+    """A prompt group's sampling: ``base`` with the group's seed (its samples add their index);
+    under the long-tail drill (TANDEM_INJECT_LENGTHS) a forced length, EOS ignored."""
+    length = forced_length(seed)
+    if length is None:
+        return dataclasses.replace(base, seed=seed)
+    return dataclasses.replace(base, seed=seed, ignore_eos=True,
+                               max_tokens=max(1, min(length, base.max_tokens)))
 
 
 def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
@@ -382,7 +420,7 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
         return [], {}
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
     base = sampling_params(rcfg, greedy=greedy)
-    params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
+    params = base if seeds is None else [group_params(base, s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
         lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check,
