@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -271,3 +272,11 @@ def sigterm_at(p: subprocess.Popen, prefix: str, timeout: float = 600) -> str:
             p.send_signal(signal.SIGTERM)
     p.wait(timeout=timeout)
     return "".join(lines)
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child that a test interrupts: SIGINT back to its default, so Python
+    turns it into KeyboardInterrupt even when the suite itself was started in the background by
+    a non-interactive shell (which starts its jobs with SIGINT ignored, and Python then keeps
+    ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
