@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tandem.parallel.distributed import destroy_distributed, init_distributed
+    from tandem.parallel.split import BridgeMismatch
     from tandem.rl.data.loading import DataError
     from tandem.rl.fault import NonFiniteError, enable_flight_recorder
     from tandem.rl.recipes import run, unused_settings
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(errors.EXIT_NONFINITE, str(e))
     except CheckpointError as e:
         return _fail(e.exit_status, str(e))
+    except BridgeMismatch as e:
+        return _fail(errors.EXIT_WEIGHT_SYNC, str(e))
     except KeyboardInterrupt:
         return _fail(errors.EXIT_INTERRUPTED, "interrupted (SIGINT); the checkpoints committed so far are kept")
     finally:

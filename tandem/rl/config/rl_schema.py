@@ -159,9 +159,12 @@ class RolloutConfig:
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
     cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
     reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
-    mode: Literal["sync", "colocated_async"] = "sync"  # sync: each step samples its prompts to
-        # the end, then trains; colocated_async: generation stops once a step's groups are complete,
-        # the other sequences are suspended through the update and resumed (docs/async.md)
+    mode: Literal["sync", "colocated_async", "split"] = "sync"  # sync: each step samples its
+        # prompts to the end, then trains; colocated_async: generation stops once a step's groups
+        # are complete, the other sequences are suspended through the update and resumed; split:
+        # rollout.gen_ranks ranks generate while the others train (docs/async.md)
+    gen_ranks: int = 0  # split mode: the first gen_ranks ranks generate, the rest train (0 with
+        # the other modes)
     max_staleness: int = 0  # S: a sample trains at most S policy versions after its first
         # token was sampled (0: synchronous); a prompt group starts only if it can train within S
     suspended_kv: Literal["keep", "offload", "recompute"] = "keep"  # colocated_async: a
@@ -201,8 +204,12 @@ class RolloutConfig:
                 f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
         require(self.max_staleness == 0 or self.mode != "sync",
                 f"rollout.max_staleness: {self.max_staleness} needs rollout.mode = "
-                "'colocated_async' (a synchronous step trains every sample at the version that "
-                "sampled it)")
+                "'colocated_async' or 'split' (a synchronous step trains every sample at the "
+                "version that sampled it)")
+        require(self.gen_ranks >= 0, f"rollout.gen_ranks: must be >= 0, got {self.gen_ranks}")
+        require((self.gen_ranks > 0) == (self.mode == "split"),
+                f"rollout.gen_ranks: {self.gen_ranks} with rollout.mode = {self.mode!r} (split "
+                "mode needs gen_ranks >= 1; the other modes generate on every rank: 0)")
         require(0 <= self.kv_scale_decay <= 1,
                 f"rollout.kv_scale_decay: must be in [0, 1], got {self.kv_scale_decay}")
         require(self.kv_calibration_tokens >= 1,

@@ -314,7 +314,8 @@ class Checkpointer:
             raise _dcp_error(e, f"checkpoint {path}: cannot be loaded into this model") from None
         for key, (m, o) in {"": (model, optimizer), **(extras or {})}.items():
             part = state[key] if key else state
-            set_model_state_dict(m, part["model"])
+            if part["model"]:
+                set_model_state_dict(m, part["model"])
             if o is not None and not model_only:
                 set_optimizer_state_dict(m, o, part["optim"], options=_OPTIM)
         rng_file = os.path.join(path, "rng", f"rank-{self.rank}.pt")
@@ -411,7 +412,8 @@ class _Pending:
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extras: Extras | None,
            model_only: bool = False) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    # a rank that holds none of the model (a split run's generator) saves and loads nothing
+    state: dict[str, Any] = {"model": get_model_state_dict(model) if model.state_dict() else {}}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
     for name, (m, o) in (extras or {}).items():

@@ -20,6 +20,8 @@ EXIT_NONFINITE = 7  # NaN/Inf in the loss or gradients with fault.on_nonfinite =
 # resume was written by another model, or DCP failed to write or read one
 EXIT_CHECKPOINT = 8
 EXIT_PLAN = 9  # train.py --plan: the configured layout does not fit in device memory (one line says where; the plan is printed)
+# split mode: the generators' weights differ from the trainers' after a sync (checksum)
+EXIT_WEIGHT_SYNC = 10
 EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)
 

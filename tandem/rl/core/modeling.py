@@ -29,6 +29,7 @@ from tandem.models.lora import adapter_shapes, apply_lora, lora_spec_of
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
 from tandem.models.vl_template import build_vl_char_tokenizer
 from tandem.models.vlm import make_model
+from tandem.parallel.split import side_group
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.lora import LoraSetup, save_exports
 
@@ -86,10 +87,38 @@ def full_initial_state(args: ModelArgs, path: str | None, seed: int) -> dict[str
 
 
 def load_full_state(model: nn.Module, full: dict[str, torch.Tensor] | None) -> None:
-    """Load rank 0's full state dict into a (possibly sharded) model."""
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized() and dist.get_world_size() > 1,
+    """Load rank 0's full state dict into a (possibly sharded) model; on one side of a split
+    world (tandem/parallel/split.py) every rank passes the full state and copies its own
+    shards out of it (torch's loaders scatter from global rank 0, which is not on this side)."""
+    if side_group() is not None:
+        _copy_own_shards(model, full or {})
+        return
+    broadcast = dist.is_initialized() and dist.get_world_size() > 1
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast,
                             strict=True)
     set_model_state_dict(model, full or {}, options=opts)
+
+
+@torch.no_grad()
+def _copy_own_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Each parameter's local shard (a DTensor's region) copied from the full tensor; no
+    collective."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    state = get_model_state_dict(model)
+    missing = sorted(state.keys() - full.keys())
+    if missing:
+        raise ModelSetupError(f"model.path: the weights lack {missing[0]} ({len(missing)} missing)")
+    for name, t in state.items():
+        src = full[name]
+        if isinstance(t, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                  t.placements)
+            region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            t.to_local().copy_(src[region])
+        else:
+            t.copy_(src)
 
 
 def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:

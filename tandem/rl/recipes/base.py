@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from tandem.parallel.distributed import DistInfo
+from tandem.parallel.split import side_group
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
 from tandem.rl.config.schema import FaultConfig
@@ -129,7 +130,7 @@ class Updater:
             loss = loss * float("nan")
         modules = [m for learner in self.learners for m in learner.modules]
         finite = check_finite(loss, modules, step + 1, self.rank, self.fault.on_nonfinite,
-                              dump_folder=self.dump_folder)
+                              dump_folder=self.dump_folder, group=side_group())
         if self.learners[0] in stepping:
             self.last_lr = self._lr()
         norms: dict[str, float] = {}

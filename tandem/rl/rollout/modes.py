@@ -13,8 +13,12 @@ from typing import Any
 
 from tandem.rl.core.registry import Registry
 from tandem.rl.rollout.phase import RolloutPhase
+from tandem.rl.rollout.split import SplitGenerator
 from tandem.rl.rollout.streaming import ColocatedAsyncRollout
 
 ROLLOUT_MODES: Registry[Callable[[RolloutPhase], Any]] = Registry("rollout mode")
 ROLLOUT_MODES.register("sync", streams=False)(lambda base: base)
 ROLLOUT_MODES.register("colocated_async", streams=True)(ColocatedAsyncRollout)
+# dedicated generator ranks: the recipe of its own that ``recipe`` names builds it
+ROLLOUT_MODES.register("split", streams=True,
+                       recipe="tandem.rl.recipes.rl_split:SplitRLRecipe")(SplitGenerator)

@@ -31,6 +31,7 @@ from tandem.models.attention import (
     SegmentAttention,
 )
 from tandem.parallel.loss import token_logprobs_at
+from tandem.parallel.split import side_group
 from tandem.rl.algorithms import (
     KL_ESTIMATORS,
     OFFPOLICY_CORRECTIONS,
@@ -236,7 +237,7 @@ def empty_micro_batch(device: torch.device, width: int = 1) -> MicroBatch:
 
 def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device, width: int = 1) -> list[MicroBatch]:
     n = torch.tensor([len(mbs)], device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=side_group())
     return mbs + [empty_micro_batch(device, width) for _ in range(int(n.item()) - len(mbs))]
 
 
@@ -408,7 +409,7 @@ class UpdateSums:
         """Collective: the sums over all ranks; a rank with ``counts`` False (not the one rank
         per data-parallel replica that reports) adds zeros."""
         flat = self.flat() if counts else torch.zeros_like(self.flat())
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=side_group())
         return UpdateSums.of(flat)
 
 
@@ -489,7 +490,7 @@ def gap_metrics(update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.T
     stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
                          gap.max() if gap.numel() else gap.new_zeros(())]).double()
     gmax = stats[3:].clone()
-    dist.all_reduce(stats[:3])
-    dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+    dist.all_reduce(stats[:3], group=side_group())
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=side_group())
     return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
             "gap/tokens_differ": stats[2].item()}

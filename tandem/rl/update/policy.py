@@ -46,6 +46,7 @@ from tandem.parallel.grad import clip_grad_norm
 from tandem.parallel.loss import token_logprobs_at
 from tandem.parallel.mesh import Degrees, dp_rank
 from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
+from tandem.parallel.split import side_group
 from tandem.parallel.tp import validate_tp
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
@@ -283,7 +284,8 @@ class PipelinePolicy:
         per = self.batch_rows
         n = -(-len(rows) // per) if rows else 0
         count = torch.tensor([n], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # the same number of steps on every rank
+        # the same number of steps on every rank
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=side_group())
         out = []
         for b in range(int(count.item())):
             chunk = rows[b * per:(b + 1) * per]

@@ -1,0 +1,108 @@
+"""A world split in two: the first G ranks run one job, the other ranks another, concurrently.
+
+`split_world` makes, once and on every rank (``new_group`` is collective over the world):
+
+- ``first``: the group of ranks ``0 .. G-1`` (None when G = 1);
+- ``second``: the group of ranks ``G .. W-1`` (None when it is one rank); the second side's
+  collectives that would go to the whole world go here (`set_side_group`);
+- ``bridge``: every rank, for the weight move from the second side to the first: a
+  `tandem.parallel.reshard.Resharder` over it, planned once, moves each region from the rank
+  that holds it (every holder sends its own shard, no single sender) in buckets;
+- ``control``: every rank, on gloo (CPU), for point-to-point messages between the sides.
+
+`side_mesh` lays a device mesh over the second side's ranks only, and `check_bridge` compares,
+by the exact checksum of tandem/parallel/checksum.py, what the receivers hold with what the
+senders hold (`BridgeMismatch` when any tensor differs). Nothing here knows what runs on
+either side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from tandem.parallel.mesh import AXES, Degrees
+from tandem.parallel.reshard import Resharder
+
+_SIDE_GROUP: dist.ProcessGroup | None = None
+
+
+def set_side_group(group: dist.ProcessGroup | None) -> None:
+    """The group that stands for "every rank" in collectives that take no group (a loss's
+    token count, the NaN check): one side of a split world. None: the whole world."""
+    global _SIDE_GROUP
+    _SIDE_GROUP = group
+
+
+def side_group() -> dist.ProcessGroup | None:
+    """The group `set_side_group` set (None: the whole world, the default group)."""
+    return _SIDE_GROUP
+
+
+class BridgeMismatch(RuntimeError):
+    """What the receivers of a bridge move hold differs from what the senders hold."""
+
+
+@dataclass(frozen=True)
+class SplitWorld:
+    """This rank's place in a world of ``first`` ranks ``0 .. first-1`` and the rest."""
+
+    first: int  # G, the ranks of the first side
+    world: int
+    rank: int
+    first_group: dist.ProcessGroup | None
+    second_group: dist.ProcessGroup | None
+    bridge: dist.ProcessGroup
+    control: dist.ProcessGroup
+
+    @property
+    def in_first(self) -> bool:
+        return self.rank < self.first
+
+    @property
+    def second(self) -> int:
+        return self.world - self.first
+
+    @property
+    def side_rank(self) -> int:
+        """This rank's index on its own side."""
+        return self.rank if self.in_first else self.rank - self.first
+
+
+def split_world(first: int) -> SplitWorld:
+    """Collective (every rank, once): the groups of a world whose first ``first`` ranks form
+    one side."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not 1 <= first < world:
+        raise ValueError(f"a split of {first} rank(s) leaves no rank on one side of {world}")
+    groups = []
+    for ranks in (list(range(first)), list(range(first, world))):
+        g = dist.new_group(ranks)
+        groups.append(g if len(ranks) > 1 and rank in ranks else None)
+    bridge = dist.new_group(list(range(world)))
+    control = dist.new_group(list(range(world)), backend="gloo")
+    return SplitWorld(first, world, rank, groups[0], groups[1], bridge, control)
+
+
+def side_mesh(degrees: Degrees, device: torch.device, first_rank: int) -> DeviceMesh:
+    """Collective (every rank of the world): the mesh of ``degrees`` (tandem/parallel/mesh.py's
+    axes) over ranks ``first_rank .. first_rank + degrees.world_size - 1``; a rank outside it
+    holds the object but no coordinate."""
+    shape = tuple(getattr(degrees, a) for a in AXES)
+    ranks = torch.arange(first_rank, first_rank + degrees.world_size).view(shape)
+    return DeviceMesh(device.type, ranks, mesh_dim_names=AXES)
+
+
+def check_bridge(plan: Resharder, sources: dict[str, torch.Tensor],
+                 targets: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """Collective over the plan's group: the checksum of everything moved (the same on every
+    rank); `BridgeMismatch` on every rank when what some receiver holds in ``targets`` differs
+    from the senders' ``sources`` (cast to ``dtype``)."""
+    total, wrong = plan.verify(sources, targets, dtype)
+    if wrong:
+        raise BridgeMismatch(f"weight sync: {len(wrong)} tensor(s) differ between the senders and "
+                             f"the receivers after the move (checksum), first {wrong[0]!r}")
+    return total

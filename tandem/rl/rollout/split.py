@@ -1,0 +1,237 @@
+"""Split-mode rollout: generator ranks that never stop for the update (``rollout.mode = "split"``).
+
+The first ``rollout.gen_ranks`` ranks generate, the others train (tandem/rl/recipes/rl_split.py),
+in one torchrun program (the groups: tandem/parallel/split.py). A generator's step ``t``:
+
+1. admits prompt groups within the staleness bound and decodes until the step's P groups are
+   complete on the generators together: `ColocatedAsyncRollout`'s admission, deadlines and
+   decode loop (tandem/rl/rollout/inflight.py), with the generators in place of the
+   data-parallel ranks. The flight is the reordering window over the prompt stream: at most
+   ``P (S + 1)`` groups, and a step trains the complete ones by earliest deadline, so a
+   straggler holds back only its own group, for at most S versions;
+2. scores its share of them and sends each group to the trainer that trains it (the i-th in
+   stream order to trainer ``i mod T``, as the synchronous deal) by point-to-point sends;
+3. while the trainers update, keeps decoding (with ``S >= 1`` it first admits the next step's
+   groups, version ``t``), and between two decode steps takes the trainers' weights of
+   version ``t + 1`` when their request arrives: every trainer sends its own shard over the
+   bridge group, in buckets, by the plan made at the first sync (`BridgeCopy`), and the
+   checksum of what the generators then hold is compared with the trainers'
+   (`tandem.parallel.split.BridgeMismatch`, exit 10, on any difference).
+
+With ``S = 0`` nothing is admitted during the update, so the generators sample exactly what
+the synchronous run samples. Every token keeps the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.parallel.generation_layout import GenerationLayout, needed_box
+from tandem.parallel.reshard import Resharder
+from tandem.parallel.split import SplitWorld, check_bridge
+from tandem.rl.core.metrics import Tally
+from tandem.rl.rollout.generation import GenerationCopy
+from tandem.rl.rollout.inflight import Flight
+from tandem.rl.rollout.phase import RolloutPhase
+from tandem.rl.rollout.streaming import ColocatedAsyncRollout
+from tandem.rl.rollout.types import RolloutSample
+
+_SYNC_TAG, _SAMPLES_TAG = 36, 37
+
+
+class BridgeCopy(GenerationCopy):
+    """The generation copy across a split world's bridge group: the trainers' policy shards
+    (``module``) are the sources, the generators (an empty ``module``, ``receives``) build a
+    whole copy (``rollout.tp = 1``) once and refill it in place afterwards."""
+
+    def __init__(self, module: nn.Module, args: Any, device: torch.device, dtype: torch.dtype,
+                 *, world: SplitWorld, bucket_bytes: int) -> None:
+        super().__init__(module, args, GenerationLayout(), device, dtype, bucket_bytes=bucket_bytes)
+        self.world = world
+
+    def _make_plans(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, Any]) -> Resharder:
+        needs = ({n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
+                 if self.world.in_first else {})
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                         bucket_bytes=self.bucket_bytes, group=self.world.bridge)
+
+    def send(self) -> dict[str, float]:
+        """Collective over the bridge (a trainer): this rank's shards out, then the checksum."""
+        moving = self._moving()
+        srcs = {n: s for n, s in self._held().items() if n in moving}
+        _, stats = self._move(moving, srcs, None, None)
+        t0 = time.monotonic()
+        total = check_bridge(self._plans[False], {n: t for n, (t, _) in srcs.items()}, {},
+                             self.dtype)
+        return {"split/sync_s": stats.seconds, "split/check_s": time.monotonic() - t0,
+                "split/sync_checksum": float(total)}
+
+    def receive(self, gen: Any) -> tuple[Any, dict[str, float]]:
+        """Collective over the bridge (a generator): the trainers' weights into ``gen`` (None:
+        build it), then the checksum against the trainers'."""
+        if gen is None:
+            gen, metrics = self.build()
+        else:
+            metrics = self.refill(gen)
+        t0 = time.monotonic()
+        total = check_bridge(self._plans[False], {}, gen.refill_views, self.dtype)
+        return gen, {"split/sync_s": metrics["reshard/seconds"],
+                     "split/check_s": time.monotonic() - t0, "split/sync_checksum": float(total)}
+
+
+def request_sync(world: SplitWorld, version: int) -> None:
+    """A trainer (the first): tell every generator that version ``version`` is ready to move."""
+    if world.side_rank != 0 or world.in_first:
+        return
+    for g in range(world.first):
+        dist.send(torch.tensor([version], dtype=torch.long), dst=g, group=world.control,
+                  tag=_SYNC_TAG)
+
+
+def receive_groups(world: SplitWorld) -> list[tuple[int, list[RolloutSample], list[float]]]:
+    """A trainer: this step's groups from every generator (position, samples, scores), in
+    stream order."""
+    out = []
+    for g in range(world.first):
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=g, group=world.control)
+        out += box[0]
+    return sorted(out, key=lambda x: x[0])
+
+
+class SplitGenerator(ColocatedAsyncRollout):
+    """A generator rank's rollout across steps (``base``: its `RolloutPhase`, whose
+    data-parallel group is the generators' group)."""
+
+    def __init__(self, base: RolloutPhase, world: SplitWorld, bridge: BridgeCopy) -> None:
+        super().__init__(base)
+        self.world, self.bridge = world, bridge
+
+    def first_sync(self) -> dict[str, float]:
+        """Collective over the bridge: the generation copy, built from the trainers' weights."""
+        self.model, metrics = self.bridge.receive(self.model)
+        return metrics
+
+    def step(self, step: int) -> dict[str, float]:
+        """Generate step ``step``'s groups with version ``step``, send them to the trainers,
+        keep generating through the update, then take version ``step + 1``. This rank's
+        metrics (reduced over the generators)."""
+        b, version = self.base, step
+        t0 = time.monotonic()
+        expired = self.admission.expire(version, self.stream)
+        for f in expired:
+            self.gen.drop(f.position)
+        tally = Tally().sum("async/dropped", sum(1 for f in expired
+                                                 if self.owner(f.position) == b.dp_rank))
+        self.gen.resume(self.model)  # the first step: the generator, and groups restored
+        self._add(self.admission.admit(self.stream, version))
+        before = self.gen.gen.stats.steps, self.gen.gen.stats.generated_tokens
+        chosen = self._generate(version)
+        self._stamp(version)
+        t_chosen = time.monotonic()
+        self._send(chosen, version, tally)
+        self.admission.remove({f.position for f in chosen})
+        if b.rcfg.max_staleness > 0:  # the next step's groups, sampled through the update
+            self._add(self.admission.admit(self.stream, version))
+        idle = self._decode_until_request()
+        tally.sum("async/suspended", self.gen.suspend(version))
+        self.model, sync = self.bridge.receive(self.model)
+        self.gen.resume(self.model)  # recompute: the suspended KV again, with the new weights
+        stats = self.gen.gen.stats
+        steps, made = stats.steps - before[0], stats.generated_tokens - before[1]
+        tally.mean("async/gen_idle_frac", 1.0 - made / max(steps * self.gen.gen.scheduler.max_num_seqs, 1))
+        tally.mean("split/gen_wait_s", idle)
+        tally.mean("time/rollout_s", t_chosen - t0)
+        for k, v in sync.items():
+            tally.mean(k, v)
+        metrics = (tally.reduce(group=b.dp_group, device=b.info.device) if b.dp > 1
+                   else tally.values())  # (no group: the world's, which the trainers are in)
+        metrics.update({"async/inflight": float(len(self.admission.flights)),
+                        "async/weight_sync_s": metrics["split/sync_s"]})
+        return metrics
+
+    def _add(self, flights: list[Flight]) -> None:
+        for f in flights:
+            if self.owner(f.position) == self.base.dp_rank:
+                self.gen.add(f, self.base.train_prompts[f.row], self.base.rl.num_samples)
+
+    def _stamp(self, version: int) -> None:
+        for g in self.gen.groups.values():
+            g.stamp(version)
+
+    def _send(self, chosen: list[Flight], version: int, tally: Tally) -> None:
+        """Score this rank's chosen groups and send every trainer its share (possibly none)."""
+        b, trainers = self.base, self.world.second
+        order = sorted(f.position for f in chosen)
+        target = {pos: i % trainers for i, pos in enumerate(order)}
+        parts: list[list[Any]] = [[] for _ in range(trainers)]
+        for pos in order:
+            if self.owner(pos) != b.dp_rank:
+                continue
+            group = self.gen.take(pos)
+            sc, t = b.score(group)
+            tally.merge(t)
+            for s in group:
+                stale = version - s.first_version
+                tally.max("async/staleness_max", stale).mean("async/staleness_mean", stale)
+                for k in range(b.rcfg.max_staleness + 1):
+                    tally.sum(f"async/staleness_{k}", float(stale == k))
+                tally.mean("response/length_mean", len(s.completion_ids))
+                tally.max("response/length_max", len(s.completion_ids))
+                tally.mean("response/clipped_frac", float(s.finish_reason == "length"))
+                tally.mean("accuracy", s.info.get("accuracy", 0.0))
+            parts[target[pos]].append((pos, group, sc.tolist()))
+        for j, part in enumerate(parts):
+            dist.send_object_list([part], dst=self.world.first + j, group=self.world.control)
+
+    def _decode_until_request(self) -> float:
+        """Decode this rank's sequences until the trainers ask for the sync; the seconds spent
+        with nothing to decode (waiting on the update)."""
+        buf = torch.zeros(1, dtype=torch.long)
+        req = dist.irecv(buf, src=self.world.first, group=self.world.control, tag=_SYNC_TAG)
+        arrived = threading.Event()  # gloo's irecv reports completion only through wait()
+        threading.Thread(target=lambda: (req.wait(), arrived.set()), daemon=True).start()
+        idle = 0.0
+        while not arrived.is_set():
+            if self.gen.busy():
+                self.gen.step()
+            else:
+                t = time.monotonic()
+                arrived.wait()
+                idle += time.monotonic() - t
+        return idle
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy from the generators' copy (the trainers add zeros: see
+        `evaluate_split`)."""
+        return evaluate_split(self.base, self.world, self.model)
+
+
+def evaluate_split(base: RolloutPhase | None, world: SplitWorld, model: Any) -> dict[str, float]:
+    """Collective over the world: the first reward function's mean over the eval prompts,
+    sampled by the generators like `RolloutPhase.evaluate` (fixed seeds)."""
+    from tandem.rl.data.prompts import deal, rollout_seed
+    from tandem.rl.data.images import release_images
+
+    acc = torch.zeros(2, dtype=torch.float64)
+    if base is not None and base.eval_prompts:
+        order = deal(list(range(len(base.eval_prompts))), world.side_rank, world.first)
+        n = base.rl.eval_samples
+        seeds = [rollout_seed(12345, -1, i) for i in order]
+        samples, _ = base.generate(model, [base.eval_prompts[i] for i in order], max(n, 1),
+                                   seeds, greedy=n == 0)
+        base.score(samples)
+        release_images(samples)
+        acc += torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)],
+                            dtype=torch.float64)
+    dist.all_reduce(acc, group=world.control)
+    if acc[1] == 0:
+        return {}
+    return {"eval/accuracy": acc[0].item() / acc[1].item()}
