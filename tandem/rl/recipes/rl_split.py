@@ -243,7 +243,10 @@ class SplitRLRecipe(RLRecipe):
         """The trainers gather the full weights; the first trainer writes the HF folder."""
         out = os.path.join(dump_folder, "hf")
         if not self.world.in_first:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             from tandem.rl.core.lora import save_exports
 

@@ -217,8 +217,8 @@ class SplitGenerator(ColocatedAsyncRollout):
 def evaluate_split(base: RolloutPhase | None, world: SplitWorld, model: Any) -> dict[str, float]:
     """Collective over the world: the first reward function's mean over the eval prompts,
     sampled by the generators like `RolloutPhase.evaluate` (fixed seeds)."""
-    from tandem.rl.data.prompts import deal, rollout_seed
     from tandem.rl.data.images import release_images
+    from tandem.rl.data.prompts import deal, rollout_seed
 
     acc = torch.zeros(2, dtype=torch.float64)
     if base is not None and base.eval_prompts:
