@@ -268,7 +268,8 @@ class RLRecipe:
     def _sample_records(self, batch: RolloutBatch, advantages: list[float]) -> list[dict[str, Any]]:
         """The first ``metrics.samples_per_step`` samples of this rank as samples.jsonl records
         (rank 0 writes its own: the first prompts' groups, whose advantages are relative to each other)."""
-        n = min(self.cfg.metrics.samples_per_step, len(batch.samples)) if self.sample_log.enabled else 0
+        n = (min(self.cfg.metrics.samples_per_step, len(batch.samples))
+             if self.sample_log.enabled else 0)
         return [{"prompt": self.tok.decode(s.prompt_ids), "completion": s.text,
                  "reward": float(batch.scores[i]), "rewards": s.info.get("rewards", {}),
                  "advantage": advantages[i] if advantages else None,

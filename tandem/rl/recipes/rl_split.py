@@ -98,7 +98,8 @@ class SplitRLRecipe(RLRecipe):
         dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
         self.dp, self.mp = degrees.dp, 1
         dump = rt.dump_folder
-        self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
+        self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path,
+                                   os.path.join(dump, "tokenizer"))
         self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
@@ -121,7 +122,8 @@ class SplitRLRecipe(RLRecipe):
     def _build_generator(self, dtype: torch.dtype, bucket: int) -> None:
         cfg, info, w = self.cfg, self.info, self.world
         self.model, self.opt, self.updater = nn.Module(), None, _Relay()
-        bridge = BridgeCopy(nn.Module(), self.args, info.device, dtype, world=w, bucket_bytes=bucket)
+        bridge = BridgeCopy(nn.Module(), self.args, info.device, dtype, world=w,
+                            bucket_bytes=bucket)
         base = RolloutPhase(
             rl=cfg.rl, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
             seed=cfg.job.seed, info=info, tok=self.tok, train=self.train_prompts,
@@ -189,7 +191,8 @@ class SplitRLRecipe(RLRecipe):
             with wd.phase("sync"):
                 sync = self.bridge.send()
             mine = {**result.metrics, **sync, "split/train_wait_s": waited,
-                    "lr": self.updater.last_lr, "fault/skipped_updates": float(self.updater.skipped)}
+                    "lr": self.updater.last_lr,
+                    "fault/skipped_updates": float(self.updater.skipped)}
             self.sample_log.log(step + 1, self._sample_records(batch, result.advantages))
             out = StepOutput({}, batch.ids, batch.positions)
         out.metrics = self._gather_metrics(mine)

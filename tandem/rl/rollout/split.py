@@ -146,7 +146,8 @@ class SplitGenerator(ColocatedAsyncRollout):
         self.gen.resume(self.model)  # recompute: the suspended KV again, with the new weights
         stats = self.gen.gen.stats
         steps, made = stats.steps - before[0], stats.generated_tokens - before[1]
-        tally.mean("async/gen_idle_frac", 1.0 - made / max(steps * self.gen.gen.scheduler.max_num_seqs, 1))
+        slots = steps * self.gen.gen.scheduler.max_num_seqs
+        tally.mean("async/gen_idle_frac", 1.0 - made / max(slots, 1))
         tally.mean("split/gen_wait_s", idle)
         tally.mean("time/rollout_s", t_chosen - t0)
         for k, v in sync.items():
