@@ -43,6 +43,7 @@ from tandem.parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from tandem.rl.generator.kv_cache import KVCache
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.plan import long_context as lc
+from tandem.rl.plan.async_modes import async_plans
 from tandem.rl.plan.moe import (
     dispatch_transient,
     ep_cast_bytes,
@@ -564,9 +565,9 @@ def run_plan(cfg: Any) -> int:
     s = Settings.from_config(cfg)
     planner = Planner(args, s)
     nodes, per_node, mem = target(cfg)
-    world = nodes * per_node
+    world = nodes * per_node - cfg.rollout.gen_ranks  # split mode: the trainers' layout
     lay = config_layout(cfg, planner, world, per_node, mem)
-    plans = planner.plan(lay)
+    plans = async_plans(cfg, planner, lay, planner.plan(lay))
     print(f"model: {args.model_type}, {args.num_params() / 1e9:.2f} B parameters ({source})")
     if s.lora is not None:
         n = sum(math.prod(shape) for name, shape in planner.shapes if is_adapter(name))
@@ -578,14 +579,14 @@ def run_plan(cfg: Any) -> int:
           f"{str(s.compute_dtype).removeprefix('torch.')}, generation {str(s.gen_dtype).removeprefix('torch.')}, "
           f"{planner.micro_batch(lay)[0]} tokens per micro-batch, activation_checkpoint={s.ac}")
     print(format_plan(plans, mem))
-    if s.recipe == "rl":
+    if s.recipe == "rl" and not cfg.rollout.gen_ranks:  # split mode: the generators' pool is set
         kinds = rank_kinds(planner.args, lay, s.pp_schedule)
         room = lc.kv_room(planner, lay, USABLE * mem, kinds)
         print(lc.format_kv_room(room, cfg.rollout.max_tokens, s.max_len - 1))
     worst = max(plans, key=lambda p: p.peak)
     fits = worst.peak <= USABLE * mem
-    smallest = planner.smallest(nodes, per_node, mem)
-    best = planner.best(world, per_node, mem)
+    smallest, best = ((planner.smallest(nodes, per_node, mem), planner.best(world, per_node, mem))
+                      if not cfg.rollout.gen_ranks else (None, None))  # colocated layouts only
     if smallest:
         print(f"smallest layout that fits: {smallest[0].describe()} (peak {smallest[1] / GB:.1f} GB)")
     if best:
