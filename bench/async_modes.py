@@ -1,18 +1,21 @@
-"""Synchronous vs colocated asynchronous RL on a long-tail workload, one command.
+"""Synchronous vs colocated asynchronous vs split RL on a long-tail workload, one command.
 
     python -m bench.async_modes                      # 2 CPU ranks, 8 steps, S = 1 and 2
     python -m bench.async_modes --steps 12 --staleness 1 2 4
     python -m bench.async_modes --smoke              # 3 steps, S = 1, 12 tokens (the test's size)
 
-The quickstart (2 ranks, 16 prompts x 8 samples a step) with every prompt group's
-completion length drawn from a Pareto(1.2) above 2 tokens, capped at ``--max-tokens``
-(TANDEM_INJECT_LENGTHS, EOS ignored: a few groups run to the cap, most stop early), and
-rank 1's generator slowed by ``--delay`` seconds per decode step
-(TANDEM_INJECT_GEN_DELAY). Each mode trains the same prompts; the table gives the mean
-step time (steps 2 on: the first builds the generation copy), the rollout's share of
-it, the generator's idle slots (``async/gen_idle_frac``: 1 - tokens made / (decode steps x
-batch slots), asynchronous modes only), the mean and max staleness of the trained
-samples, and the ratio of each mode's step time to the synchronous one's (< 1: faster).
+The quickstart (16 prompts x 8 samples a step) with every prompt group's completion length
+drawn from a Pareto(1.2) above 2 tokens, capped at ``--max-tokens`` (TANDEM_INJECT_LENGTHS,
+EOS ignored: a few groups run to the cap, most stop early), and every generator slowed by
+``--delay`` seconds per decode step (TANDEM_INJECT_GEN_DELAY, a decode step's cost). sync and
+colocated_async run on ``--nproc`` ranks that all generate and train; split on the same
+number of ranks, rank 0 generating and the others training. Each mode trains the same
+prompts; the table gives the mean step time (steps 2 on: the first builds the generation
+copy), steps per minute, the share of a step the generators have nothing to decode (sync and
+colocated: the update; split: waiting for the weights) and the trainers wait (sync and
+colocated: the rollout; split: waiting for samples), the generator's idle batch slots
+(``async/gen_idle_frac``), the mean and max staleness of the trained samples, and each mode's
+step time over the synchronous one's (< 1: faster).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def launch(dump: str, steps: int, nproc: int, max_tokens: int, delay: float,
            "--checkpoint.export_hf_at_end=false", f"--rollout.max_tokens={max_tokens}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "TANDEM_INJECT_LENGTHS": f"1.2:2:{max_tokens}",
-           "TANDEM_INJECT_GEN_DELAY": f"{nproc - 1}:{delay}"}
+           "TANDEM_INJECT_GEN_DELAY": f"*:{delay}"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -50,7 +53,11 @@ def launch(dump: str, steps: int, nproc: int, max_tokens: int, delay: float,
 def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     later = [r for r in rows if r["step"] > 1]
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in later)  # noqa: E731
-    return {"step_s": mean("time/step_s"), "rollout_s": mean("time/rollout_s"),
+    split = "split/train_wait_s" in later[0]
+    step = mean("time/step_s")
+    return {"step_s": step,
+            "gen_wait": mean("split/gen_wait_s" if split else "time/update_s") / step,
+            "train_wait": mean("split/train_wait_s" if split else "time/rollout_s") / step,
             "idle": mean("async/gen_idle_frac") if "async/gen_idle_frac" in later[0] else None,
             "stale_mean": mean("async/staleness_mean"),
             "stale_max": max(r.get("async/staleness_max", 0.0) for r in rows)}
@@ -74,6 +81,8 @@ def main() -> None:
     modes += [(f"colocated_async S={s}",
                ["--rollout.mode=colocated_async", f"--rollout.max_staleness={s}"])
               for s in args.staleness]
+    modes += [(f"split S={s}", ["--rollout.mode=split", "--rollout.gen_ranks=1",
+                                f"--rollout.max_staleness={s}"]) for s in [0, *args.staleness]]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(modes):
@@ -81,13 +90,14 @@ def main() -> None:
                                        args.max_tokens, args.delay, extra))
     ref = out["sync"]["step_s"]
     print(f"{args.nproc} ranks, {args.steps} steps, 16 prompts x 8 samples, lengths Pareto(1.2) "
-          f"in [2, {args.max_tokens}], rank {args.nproc - 1} +{args.delay}s per decode step")
-    print(f"{'mode':<22} {'step s':>8} {'rollout s':>10} {'gen idle':>9} {'stale mean':>11} "
-          f"{'stale max':>10} {'vs sync':>8}")
+          f"in [2, {args.max_tokens}], every generator +{args.delay}s per decode step")
+    print(f"{'mode':<22} {'step s':>7} {'steps/min':>9} {'gen wait':>8} {'train wait':>10} "
+          f"{'idle slots':>10} {'stale mean':>10} {'stale max':>9} {'vs sync':>7}")
     for name, s in out.items():
         idle = "-" if s["idle"] is None else f"{s['idle']:.2f}"
-        print(f"{name:<22} {s['step_s']:>8.2f} {s['rollout_s']:>10.2f} {idle:>9} "
-              f"{s['stale_mean']:>11.2f} {s['stale_max']:>10.0f} {s['step_s'] / ref:>8.2f}")
+        print(f"{name:<22} {s['step_s']:>7.2f} {60 / s['step_s']:>9.1f} {s['gen_wait']:>8.2f} "
+              f"{s['train_wait']:>10.2f} {idle:>10} {s['stale_mean']:>10.2f} "
+              f"{s['stale_max']:>9.0f} {s['step_s'] / ref:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 `split_world` makes, once and on every rank (``new_group`` is collective over the world):
 
 - ``first``: the group of ranks ``0 .. G-1`` (None when G = 1);
-- ``second``: the group of ranks ``G .. W-1`` (None when it is one rank); the second side's
+- ``second``: the group of ranks ``G .. W-1`` (a group even of one rank); the second side's
   collectives that would go to the whole world go here (`set_side_group`);
 - ``bridge``: every rank, for the weight move from the second side to the first: a
   `tandem.parallel.reshard.Resharder` over it, planned once, moves each region from the rank
@@ -53,8 +53,8 @@ class SplitWorld:
     first: int  # G, the ranks of the first side
     world: int
     rank: int
-    first_group: dist.ProcessGroup | None
-    second_group: dist.ProcessGroup | None
+    first_group: dist.ProcessGroup | None  # None when it is one rank
+    second_group: dist.ProcessGroup | None  # None on the first side
     bridge: dist.ProcessGroup
     control: dist.ProcessGroup
 
@@ -79,9 +79,9 @@ def split_world(first: int) -> SplitWorld:
     if not 1 <= first < world:
         raise ValueError(f"a split of {first} rank(s) leaves no rank on one side of {world}")
     groups = []
-    for ranks in (list(range(first)), list(range(first, world))):
+    for i, ranks in enumerate((list(range(first)), list(range(first, world)))):
         g = dist.new_group(ranks)
-        groups.append(g if len(ranks) > 1 and rank in ranks else None)
+        groups.append(g if rank in ranks and (len(ranks) > 1 or i == 1) else None)
     bridge = dist.new_group(list(range(world)))
     control = dist.new_group(list(range(world)), backend="gloo")
     return SplitWorld(first, world, rank, groups[0], groups[1], bridge, control)

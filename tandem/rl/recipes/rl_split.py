@@ -95,7 +95,8 @@ class SplitRLRecipe(RLRecipe):
             batch_invariant.enable()
         # collective over the world (new groups): every rank makes the trainers' mesh and groups
         self.mesh = side_mesh(degrees, info.device, world.first)
-        dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
+        subgroup(self.mesh, ("dp_replicate", "dp_shard"))  # (collective; dp_shard alone: the
+        # trainers' group, which the update takes, a group even of one trainer, never the world)
         self.dp, self.mp = degrees.dp, 1
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path,
@@ -116,7 +117,7 @@ class SplitRLRecipe(RLRecipe):
             self._build_generator(dtype, bucket)
         else:
             set_side_group(world.second_group)
-            self._build_trainer(degrees, dp_group, dtype, bucket)
+            self._build_trainer(degrees, world.second_group, dtype, bucket)
         self._first_sync()
 
     def _build_generator(self, dtype: torch.dtype, bucket: int) -> None:
