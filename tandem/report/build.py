@@ -115,6 +115,28 @@ def length_histogram(runs: list[Run], colors: list[str]) -> dict[str, Any] | Non
     return {"data": traces, "layout": layout}
 
 
+def staleness_histogram(runs: list[Run], colors: list[str]) -> dict[str, Any] | None:
+    """Trained samples by staleness (policy versions between a sample's first token and the
+    update that trained it; docs/async.md), summed over each run's logged steps'
+    ``async/staleness_<k>`` counts."""
+    traces = []
+    for i, run in enumerate(runs):
+        ks = sorted(int(k.rsplit("_", 1)[1]) for k in run.keys()
+                    if re.fullmatch(r"async/staleness_\d+", k))
+        if not ks:
+            continue
+        counts = [sum(v for v in run.series(f"async/staleness_{k}")[1] if v is not None)
+                  for k in ks]
+        traces.append({"type": "bar", "x": ks, "y": counts, "name": run.label,
+                       "marker": {"color": colors[i % len(colors)]}})
+    if not traces:
+        return None
+    layout = _layout("Staleness of the trained samples (logged steps)", "policy versions behind",
+                     "samples")
+    layout["barmode"] = "group"
+    return {"data": traces, "layout": layout}
+
+
 def _summary(runs: list[Run]) -> str:
     extra = sorted({k for r in runs for k in r.params})
     rows = []
@@ -233,6 +255,7 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
             figures[fid] = _plain(fig)
             divs.append(f'<div class="fig" id="{fid}"></div>')
     for fid, fig in (("fig-length-distribution", length_histogram(runs, colors)),
+                     ("fig-staleness", staleness_histogram(runs, colors)),
                      ("fig-other", other_figure(runs, [k for k in keys if k not in used], colors))):
         if fig:
             figures[fid] = _plain(fig)

@@ -199,3 +199,21 @@ def test_page_renders_in_headless_chromium(two_runs, tmp_path):
     shot = tmp_path / "report.png"
     assert report_screenshot.screenshot(str(out), str(shot), 1200, 1400) == []
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_staleness_histogram_of_an_asynchronous_run(tmp_path):
+    """An asynchronous run's ``async/staleness_<k>`` counts, summed over its logged steps, as bars
+    (a synchronous run has none and adds no trace)."""
+    _run(str(tmp_path / "sync"), 3, (), 3e-4)
+    folder = tmp_path / "async"
+    os.makedirs(folder)
+    counts = [(128, 0, 0), (80, 48, 0), (60, 50, 18)]
+    with open(folder / "metrics.jsonl", "w") as f:
+        for s, (c0, c1, c2) in enumerate(counts, 1):
+            f.write(json.dumps({"step": s, "reward/total": 0.5, "async/staleness_0": c0,
+                                "async/staleness_1": c1, "async/staleness_2": c2}) + "\n")
+    out = tmp_path / "r.html"
+    assert report_main([str(tmp_path / "sync"), str(folder), "--out", str(out)]) == 0
+    fig = _figures(out.read_text())["fig-staleness"]
+    assert [(t["name"], t["x"], t["y"]) for t in fig["data"]] == [("async", [0, 1, 2],
+                                                                   [268, 98, 18])]
