@@ -36,7 +36,7 @@ from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.rl.rollout.generation import inference_layout
+from tandem.parallel.generation_layout import inference_layout
 
 SHAPES = {
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2,

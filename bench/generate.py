@@ -31,7 +31,7 @@ untimed (``--warmup``): Tandem on the whole workload of the first variant, since
 its Triton kernels compile per shape class (on an H200 a warm-up of 2 prompts x
 16 tokens still left about 1.1 s of compiling in the first timed run),
 transformers on 2 prompts x 16 tokens for the library's first-call setup. ``--layout-row`` adds a
-table timing Tandem on the training layout (no `tandem.rl.rollout.generation.inference_layout`:
+table timing Tandem on the training layout (no `tandem.parallel.generation_layout.inference_layout`:
 q/k/v and gate/up as separate products, no oneDNN) against its default runs
 before and after it.
 """
@@ -48,7 +48,7 @@ import torch
 from tandem.models.hf import load_model
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.rl.rollout.generation import inference_layout
+from tandem.parallel.generation_layout import inference_layout
 
 
 def write_model(path: str, args: argparse.Namespace) -> None:

@@ -56,7 +56,7 @@ def worker(opts: argparse.Namespace) -> None:
     from tandem.parallel.distributed import init_distributed
     from tandem.parallel.generation_layout import check_divisible, make_layout
     from tandem.parallel.mesh import Degrees, build_mesh
-    from tandem.rl.rollout.generation import GenerationCopy
+    from tandem.parallel.generation_layout import GenerationCopy
     from tandem.rl.core.modeling import BuildSpec
     from tandem.rl.update.policy import build_policy
 

@@ -29,6 +29,7 @@ class DistInfo:
     world_size: int
     device: torch.device
     backend: str
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -69,7 +70,8 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
             if "TORCHELASTIC_RESTART_COUNT" in os.environ:
                 kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]), world_size=world)
             dist.init_process_group(backend, timeout=timeout, **kwargs)
-    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:

@@ -23,7 +23,9 @@ parameter takes is `needed_box`, which the reshard (tandem/parallel/reshard.py) 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +34,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import batch_invariant
+from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
+from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
-from tandem.parallel.reshard import Box
+from tandem.parallel.reshard import Box, Resharder, held
+
+HEADROOM = 0.9  # share of a device a phase may fill; the rest: allocator, CUDA context, NCCL
 
 # parameter-name pattern -> the dimension split over the group (None: whole on every rank)
 _RULES: list[tuple[re.Pattern[str], int | None]] = [
@@ -233,3 +240,102 @@ def shard_modules(model: nn.Module, args: ModelArgs, layout: GenerationLayout) -
         rows = vocab_rows(args, layout.tp)
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, layout.rank * rows, layout.group)
         model.output = VocabParallelHead(model.output.weight, args.vocab_size, layout.group, layout.tp)
+
+
+def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: int, devices_per_node: int,
+            device_bytes: float, resident_bytes: float, kv_bytes: float) -> int:
+    """The generation degree ``rollout.tp = 0`` (auto) stands for, on one kind of device.
+
+    The smallest ``g`` that divides both ``world`` and ``devices_per_node`` and the model's
+    heads and MLP, whose shard (``shard_bytes_of(g)``), beside ``resident_bytes`` (what training
+    keeps on the device) and the ``kv_bytes`` pool, fits in `HEADROOM` of ``device_bytes``; the
+    largest such ``g`` when none fits. A group is ``g`` consecutive ranks, so ``g`` dividing
+    ``devices_per_node`` keeps it inside a node: its two all-reduces per layer never cross the
+    network. The run and the planner (``train.py --plan``) both call this."""
+    bound = math.gcd(world, devices_per_node)
+    degrees = [g for g in range(1, bound + 1) if bound % g == 0 and check_divisible(args, g) is None]
+    room = HEADROOM * device_bytes - resident_bytes - kv_bytes
+    return next((g for g in degrees if shard_bytes_of(g) <= room), degrees[-1])
+
+
+class GenerationCopy:
+    """A model's copy in the generation layout, filled from its training shards.
+
+    ``module``: the trained parameters under the whole model's names (FSDP2 / TP DTensors, or
+    this rank's pipeline stages). `build` moves, bucket by bucket, only the regions this rank's
+    shard needs, in the generation dtype (tandem/parallel/reshard.py), so no rank holds the
+    whole model unless its shard is the whole model (``layout.tp = 1``). The move's plan is
+    made at the first build (collective) and kept: the layouts do not change during a run.
+    """
+
+    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
+        self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.local = local_args(args, layout)
+        with torch.device("meta"):
+            meta = Transformer(args)
+        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: once
+        first = next(iter(module.parameters()), None)
+        self.dtype = dtype or (first.dtype if first is not None else torch.float32)
+        self.bucket_bytes = bucket_bytes
+        self._plan: Resharder | None = None
+
+    def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
+        out = {}
+        for name, p in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            name = clean_fqn(name)
+            if name in self.shapes:  # a pipeline rank's second copy of a tied head is not moved
+                out[name] = held(p.detach())
+        return out
+
+    def build(self, *, inference: bool = True,
+              probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
+        """Collective (every rank): this rank's generation shard as a runnable model.
+
+        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
+        ``probe()`` runs inside every reshard collective (memory tests)."""
+        srcs = self._held()
+        if self._plan is None:
+            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                                   bucket_bytes=self.bucket_bytes)
+        state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
+                                      probe=probe)
+        del srcs
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        if self.args.tie_word_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        with torch.device("meta"):
+            gen = Transformer(self.local)
+        gen.load_state_dict(state, assign=True, strict=True)
+        gen.tie_weights()
+        gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
+        gen.requires_grad_(False).eval()
+        if inference:
+            inference_layout(gen)
+        shard_modules(gen, self.args, self.layout)
+        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+                     "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
+                     "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+
+
+def inference_layout(model: Transformer) -> bool:
+    """The generation copy's layout, in place; returns whether it changed anything.
+
+    On CUDA, and on the CPU in fp32 where PyTorch has oneDNN: q/k/v and gate/up fused into one
+    product each (`Transformer.fuse_projections`); on that CPU path every linear also runs
+    through oneDNN on a prepacked weight (`tandem.kernels.cpu_linear`). Both were measured
+    faster (docs/performance.md); elsewhere nothing was measured and the layout stays. Under
+    `batch_invariant` (``rl.exact``) the copy keeps the update's own unfused aten linears."""
+    weight = next(model.parameters(), None)
+    if weight is None or batch_invariant.enabled():
+        return False
+    if weight.is_cuda:
+        model.fuse_projections()
+        return True
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+        return False
+    model.fuse_projections()
+    use_onednn_linears(model)
+    return True

@@ -287,7 +287,7 @@ def _write(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
 
 
-def _frames(*names: str, file: str = "tandem/rl/rollout/generation.py") -> list[dict]:
+def _frames(*names: str, file: str = "tandem/rl/rollout/sampling.py") -> list[dict]:
     return [{"file": file, "line": 10 + i, "function": n, "code": ""} for i, n in enumerate(names)]
 
 
@@ -317,7 +317,7 @@ def test_diagnose_reports_hang_rank_phase_step_and_function(tmp_path: Path, caps
     assert diagnose.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "[FAILED] hang" in out and "phase update at step 3" in out
-    assert "rank 1 (n1, phase 'update', step 3" in out and "score_rewards (tandem/rl/rollout/generation.py:11)" in out
+    assert "rank 1 (n1, phase 'update', step 3" in out and "score_rewards (tandem/rl/rollout/sampling.py:11)" in out
     assert "likely cause: rank(s) [1]" in out and "verdict: FAILED: hang" in out
 
 

@@ -13,6 +13,7 @@ import torch
 
 from tandem.models.flavors import get_flavor
 from tandem.models.transformer import Transformer
+from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
 
@@ -236,16 +237,12 @@ def test_cuda_graph_decode_matches_eager_on_gpu(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_inference_layout_keeps_greedy_tokens(model):
-    """The CUDA rollout copy fuses q/k/v and gate/up (tandem.rl.rollout.generation.inference_layout); with decode
-    graphs its greedy tokens equal the training layout's (fp32)."""
-    from tandem.rl.rollout.generation import build_generation_model
-
-    class Policy:
-        state_module = copy.deepcopy(model).cuda()
-
+    """The CUDA rollout copy fuses q/k/v and gate/up (tandem.parallel.generation_layout.inference_layout);
+    with decode graphs its greedy tokens equal the training layout's (fp32)."""
     cuda = torch.device("cuda")
-    fused, _ = build_generation_model(Policy(), model.args, cuda)
-    plain, _ = build_generation_model(Policy(), model.args, cuda, layout=False)
+    copy_ = GenerationCopy(copy.deepcopy(model).cuda(), model.args, GenerationLayout(), cuda)
+    fused, _ = copy_.build()
+    plain, _ = copy_.build(inference=False)
     assert fused.layers["0"].attention.wqkv is not None and plain.layers["0"].attention.wqkv is None
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     out = Generator(fused, _graph_settings(cuda_graphs=True)).generate(PROMPTS, params, n=2)
@@ -256,7 +253,7 @@ def test_cuda_inference_layout_keeps_greedy_tokens(model):
 def test_generation_copy_takes_the_rollout_dtype(model):
     """rollout.dtype: the copy's floating tensors are cast (auto: the update's compute dtype on
     CUDA, the parameters' own dtype elsewhere); its log-probs stay within bf16 rounding of the fp32 model's."""
-    from tandem.rl.rollout.generation import build_generation_model, generation_dtype
+    from tandem.rl.rollout.sampling import generation_dtype
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert generation_dtype("auto", cuda, "bfloat16") is torch.bfloat16
@@ -264,10 +261,7 @@ def test_generation_copy_takes_the_rollout_dtype(model):
     assert generation_dtype("float32", cuda, "bfloat16") is torch.float32
     assert generation_dtype("bfloat16", cpu, "float32") is torch.bfloat16
 
-    class Policy:  # what build_generation_model reads of an tandem/rl/update/policy.py policy
-        state_module = model
-
-    gen_model, metrics = build_generation_model(Policy(), model.args, cpu, torch.bfloat16)
+    gen_model, metrics = GenerationCopy(model, model.args, GenerationLayout(), cpu, torch.bfloat16).build()
     assert {p.dtype for p in gen_model.parameters()} == {torch.bfloat16}
     assert metrics["reshard/gb"] > 0
     ids = torch.tensor([PROMPTS[2]])
@@ -279,18 +273,15 @@ def test_generation_copy_takes_the_rollout_dtype(model):
 
 
 def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
-    """The rollout copy's CPU layout (fused projections on oneDNN, tandem/rl/rollout/generation.py): greedy
+    """The rollout copy's CPU layout (fused projections on oneDNN, `inference_layout`): greedy
     tokens of the naive loop on the training model, sampled log-probs within 1e-5 of its
     training forward, and sampled tokens equal to the plain copy's."""
     from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
-    from tandem.rl.rollout.generation import build_generation_model
-
-    class Policy:
-        state_module = model
 
     cpu = torch.device("cpu")
-    fused, _ = build_generation_model(Policy(), model.args, cpu)
-    plain, _ = build_generation_model(Policy(), model.args, cpu, layout=False)
+    copy_ = GenerationCopy(model, model.args, GenerationLayout(), cpu)
+    fused, _ = copy_.build()
+    plain, _ = copy_.build(inference=False)
     assert plain.layers["0"].attention.wqkv is None
     if not onednn_linear_available():
         pytest.skip("this PyTorch build has no oneDNN linear: the layout does not apply")

@@ -23,8 +23,11 @@ import torch
 
 from tandem.models.flavors import get_flavor
 from tandem.models.transformer import Transformer
+from tandem.parallel.generation_layout import GenerationLayout, shard_bytes
+from tandem.rl.config.rl_schema import RolloutConfig
 from tandem.rl.core import errors
 from tandem.rl.plan.planner import Layout, Planner, Settings, activation_bytes
+from tandem.rl.rollout.sampling import choose_rollout_tp
 from tandem.rl.update.loss import pack_micro_batches, token_logprobs
 from tests.plan import plan_worker as W
 from tests.fixtures import launch_worker
@@ -85,6 +88,70 @@ def test_generation_shard_and_kv_pool_match(measured, g):
             rec = measured[name][0]
             _close(p.generation_shard(g), rec[f"shard_{g}"], EXACT, f"{name} generation shard, rollout.tp={g}")
             _close(p.kv_pool(lay)[0], rec[f"kv_{g}_{j}"], EXACT, f"{name} KV pool, rollout.tp={g}, case {j}")
+
+
+def _layout(name: str) -> tuple[Layout, str]:
+    degrees, ac = W.LAYOUTS[name]
+    return Layout(pp=degrees.pp, dp_shard=degrees.dp_shard, tp=degrees.tp), ac
+
+
+@pytest.mark.parametrize("name", list(W.LAYOUTS))
+def test_resident_state_is_counted_as_the_run_counts_it(measured, name):
+    """What stays on a rank through the rollout (the auto rollout.tp rule's input): the planner's
+    count from shapes equals the run's from its shards, with an offloaded optimizer, a reference
+    and a critic too (pp2: the busier stage)."""
+    lay, ac = _layout(name)
+    for case, flags in W.RESIDENT_CASES.items():
+        planned = Planner(W.ARGS, _settings(ac, **flags)).resident_bytes(lay)
+        assert planned == measured[name][0][f"resident_{case}"] > 0, (name, case)
+
+
+@pytest.mark.parametrize("name", list(W.LAYOUTS))
+def test_planner_chooses_the_rollout_tp_the_run_chooses(measured, name):
+    """The auto rollout.tp of the run (2 CPU ranks, its own resident count, a device size given)
+    equals the planner's on devices from too small for any shard to plenty; one device per node
+    keeps every group to one rank, two let the rule pick 1 or 2."""
+    lay, ac = _layout(name)
+    planner = Planner(W.ARGS, _settings(ac, kv_cache_gb=W.AUTO_KV_GB))
+    chosen = {1: set(), 2: set()}
+    for per_node in (1, 2):
+        for mem in W.DEVICE_BYTES:
+            run = measured[name][0][f"auto_tp_{per_node}_{mem:.0f}"]
+            assert run == planner.auto_rollout_tp(lay, mem, per_node), (name, per_node, mem)
+            chosen[per_node].add(run)
+    assert chosen == {1: {1}, 2: {1, 2}}, chosen
+
+
+def test_planner_and_run_choose_the_same_rollout_tp_on_a_table_of_clusters():
+    """Large models on 1 and 2 nodes of 4 or 8 devices of 40, 80 and 141 GB: the run's rule
+    (`choose_rollout_tp`, fed the planner's resident count, which the tests above tie to the
+    run's) and the planner's agree, and a group never spans two nodes. By hand, llama3-70b on
+    2 x 8 x 80 GB: 72 GB usable - 52.9 GB resident (fp32 shards and moments over 16 ranks) - 4 GB
+    of KV leave 15.1 GB; the 8-way shard (17.6 GB bf16) does not fit, the 16-way one would, but
+    it crosses the network: the rule stays at 8 (and the planner then reports no fit)."""
+    seen = set()
+    for flavor in ("qwen3-32b", "llama3-70b"):
+        args = get_flavor(flavor)
+        planner = Planner(args, Settings(tokens=8192, ac="full", kv_cache_gb=4.0))
+        for per_node in (4, 8):
+            for nodes in (1, 2):
+                lay = Layout(dp_shard=per_node * nodes)
+                for mem in (40e9, 80e9, 141e9):
+                    g = planner.auto_rollout_tp(lay, mem, per_node)
+                    run = choose_rollout_tp(RolloutConfig(kv_cache_gb=4.0), args, torch.bfloat16, world=lay.world,
+                                            devices_per_node=per_node, device_bytes=mem,
+                                            resident=planner.resident_bytes(lay))
+                    assert g == run and per_node % g == 0, (flavor, per_node, nodes, mem, g, run)
+                    seen.add(g)
+    assert seen == {1, 2, 4, 8}, seen
+    args = get_flavor("llama3-70b")
+    planner = Planner(args, Settings(tokens=8192, ac="full", kv_cache_gb=4.0))
+    lay = Layout(dp_shard=16)
+    room = 0.9 * 80e9 - planner.resident_bytes(lay) - 4e9
+    assert abs(room - 15.1e9) < 0.1e9
+    assert shard_bytes(args, GenerationLayout(tp=16), torch.bfloat16) < room < shard_bytes(
+        args, GenerationLayout(tp=8), torch.bfloat16)
+    assert planner.auto_rollout_tp(lay, 80e9, devices_per_node=8) == 8
 
 
 def test_one_rank_matches_a_plain_run():

@@ -4,7 +4,7 @@
 loads assets/agentic-policy on both ranks and plays multi-turn episodes of the
 "tool_pid" environment (the "tool" environment with the sandboxed python tool,
 logging the pid that ran each step; tests/env_helpers.py) through
-tandem/rl/rollout/generation.py `generate_episodes`, as the RL recipe does:
+tandem/rl/rollout/sampling.py `sample_episodes`, as the RL recipe does:
 
 1. ``rollout.tp = 1``: each rank its own prompts, on a whole copy, with its own pool
    (the reference);
@@ -34,7 +34,8 @@ from tandem.models.tokenizer import Tokenizer  # noqa: E402
 from tandem.parallel.distributed import init_distributed  # noqa: E402
 from tandem.parallel.generation_layout import GenerationLayout, make_layout  # noqa: E402
 from tandem.rl.data.prompts import Prompt, load_prompt_rows  # noqa: E402
-from tandem.rl.rollout.generation import GenerationCopy, generate_episodes  # noqa: E402
+from tandem.parallel.generation_layout import GenerationCopy  # noqa: E402
+from tandem.rl.rollout.sampling import sample_episodes  # noqa: E402
 from tandem.rl.config.rl_schema import EnvConfig, RolloutConfig  # noqa: E402
 from tandem.rl.workers.env_pool import EnvPool  # noqa: E402
 
@@ -76,7 +77,7 @@ def main() -> None:
     def play(phase: str, layout: GenerationLayout, pool: EnvPool | None, prompts, seeds, greedy=False) -> None:
         gen_model, _ = GenerationCopy(model, model.args, layout, dev).build()
         t0 = time.perf_counter()
-        samples, metrics = generate_episodes(gen_model, tok, prompts, N, rcfg, ecfg(phase), pool, seed=0,
+        samples, metrics = sample_episodes(gen_model, tok, prompts, N, rcfg, ecfg(phase), pool, seed=0,
                                              greedy=greedy, seeds=seeds, layout=layout)
         out[phase] = {"episodes": [_episode(s) for s in samples], "metrics": metrics,
                       "seconds": time.perf_counter() - t0}

@@ -3,7 +3,7 @@
 ``torchrun --standalone --nproc-per-node N tests/rollout/generation_worker.py --out F --layouts a,b``
 builds, for each named training layout, the policy (tandem/rl/update/policy.py) from a
 seeded init, then for each generation degree g moves it into the generation
-layout (tandem/rl/rollout/generation.py GenerationCopy) and generates: greedy completions of
+layout (tandem/parallel/generation_layout.py GenerationCopy) and generates: greedy completions of
 fixed prompts (the group pools its ranks' prompts), then sampled ones whose
 generator log-probs are compared with the policy's recomputation in the training
 layout. Around the move it measures this rank's live tensor bytes (every tensor
@@ -36,7 +36,8 @@ from tandem.parallel.mesh import Degrees, build_mesh, dp_rank  # noqa: E402
 from tandem.rl.data.prompts import Prompt  # noqa: E402
 from tandem.rl.generator.engine import GenerationSettings, Generator  # noqa: E402
 from tandem.rl.generator.sequence import SamplingParams  # noqa: E402
-from tandem.rl.rollout.generation import GenerationCopy, generate_samples  # noqa: E402
+from tandem.parallel.generation_layout import GenerationCopy  # noqa: E402
+from tandem.rl.rollout.sampling import sample_completions  # noqa: E402
 from tandem.rl.core.modeling import BuildSpec, full_initial_state  # noqa: E402
 from tandem.rl.config.rl_schema import RolloutConfig  # noqa: E402
 from tandem.rl.update.loss import completion_tensors  # noqa: E402
@@ -125,15 +126,15 @@ def run_layout(name: str) -> dict:
         mine = replica[mp_rank::mp]  # as the recipe does: split over the model-parallel ranks, then gathered
         # a run's first step: makes the reshard plan and the group's first object collectives (once a run)
         warm = copy.build(inference=False)[0]
-        generate_samples(warm, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8, layout=layout)
+        sample_completions(warm, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8, layout=layout)
         del warm
         gc.collect()
         before = live_tensor_bytes()  # what every later step's move starts from
         peaks: list[int] = []
         gen_model, metrics = copy.build(inference=False, probe=lambda p=peaks: p.append(live_tensor_bytes()))
-        greedy, _ = generate_samples(gen_model, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8,
+        greedy, _ = sample_completions(gen_model, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8,
                                      layout=layout)
-        sampled, _ = generate_samples(gen_model, _Tok(), mine, 2, _rollout_cfg(1.0), seed=SEED + layout.leader,
+        sampled, _ = sample_completions(gen_model, _Tok(), mine, 2, _rollout_cfg(1.0), seed=SEED + layout.leader,
                                       max_prompt_tokens=8, layout=layout)
         sampled = _replica_samples(sampled, {p.index for p in replica})
         del gen_model

@@ -405,7 +405,7 @@ class Config:
                 self.rollout.check_kv_budget(args, self._generation_dtype())
 
     def _generation_dtype(self) -> str:
-        """rollout.dtype as tandem/rl/rollout/generation.py resolves it (auto: the compute dtype on CUDA)."""
+        """rollout.dtype as tandem/rl/rollout/sampling.py resolves it (auto: the compute dtype on CUDA)."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
         import torch

@@ -12,7 +12,7 @@ Two phases share each device (DESIGN.md): the *update* (parameters, gradients, A
 fp32 moments, FSDP2's unsharded transient, activations) and the *rollout* (what training
 keeps resident, the generation shard, the reshard buffers and the KV pool). A layout fits
 when the larger phase of its busiest rank is at most `USABLE` of the device, the headroom
-the auto ``rollout.tp`` rule also keeps for the allocator, the CUDA context and NCCL.
+the auto ``rollout.tp`` rule also keeps (tandem/parallel/generation_layout.py `HEADROOM`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import torch
 
 from tandem.models.args import ModelArgs
 from tandem.parallel.generation_layout import (
+    HEADROOM,
     GenerationLayout,
+    auto_tp,
     check_divisible,
     local_args,
     needed_box,
@@ -37,6 +39,7 @@ from tandem.parallel.mesh import Degrees
 from tandem.parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from tandem.rl.generator.kv_cache import KVCache
 from tandem.rl.core.configlib import ConfigError
+from tandem.rl.rollout.sampling import resident_bytes
 from tandem.rl.plan.moe import (
     dispatch_transient,
     ep_cast_bytes,
@@ -46,7 +49,7 @@ from tandem.rl.plan.moe import (
 )
 
 GB = 1e9
-USABLE = 0.9  # share of a device a plan may fill (choose_rollout_tp keeps the same)
+USABLE = HEADROOM  # share of a device a plan may fill
 DEFAULT_DEVICE_GB = 80.0
 
 
@@ -349,9 +352,7 @@ class Planner:
             extra += 4 * critic  # its parameters, gradients and moments; value head not counted
         if extra:
             update["reference / critic"] = extra
-        resident = on_device * (1 if s.offload_optimizer else 3) + (on_device if s.reference else 0)
-        if s.critic:
-            resident += 3 * (0 if s.cpu_offload else self.param_bytes(layout, stages, skip="output"))
+        resident = self.resident(layout, stages)
         rollout: dict[str, float] = {}
         kv_seqs = 0
         if s.recipe == "rl":
@@ -366,20 +367,25 @@ class Planner:
 
     # ---- layouts ---------------------------------------------------------------------
 
-    def resident_bytes(self, layout: Layout) -> int:
-        """What the auto rollout.tp rule counts as staying during the rollout (busiest rank)."""
-        kinds = rank_kinds(self.args, layout, self.s.pp_schedule)
-        return max(self.param_bytes(layout, st) * (1 if self.s.offload_optimizer else 3) for _, st in kinds)
+    def resident(self, layout: Layout, stages: list[list[int]] | None) -> float:
+        """What the update keeps on a rank of ``stages`` through the rollout, counted as the run
+        counts it (`tandem.rl.rollout.sampling.resident_bytes`): the on-device shards only."""
+        if self.s.cpu_offload:  # FSDP2 CPU offload: the shards live on the host
+            return 0
+        params = self.param_bytes(layout, stages)
+        head = params - self.param_bytes(layout, stages, skip="output")
+        return resident_bytes(params, head, offload_optimizer=self.s.offload_optimizer, reference=self.s.reference,
+                              critic=self.s.critic)
+
+    def resident_bytes(self, layout: Layout) -> float:
+        """`resident` of the busiest rank: what the auto rollout.tp rule counts."""
+        return max(self.resident(layout, st) for _, st in rank_kinds(self.args, layout, self.s.pp_schedule))
 
     def auto_rollout_tp(self, layout: Layout, device_bytes: float, devices_per_node: int) -> int:
-        """choose_rollout_tp's rule (tandem/rl/rollout/generation.py) on the target device."""
-        room = USABLE * device_bytes - self.resident_bytes(layout) - self.s.kv_cache_gb * GB
-        fits = [g for g in range(1, min(layout.world, devices_per_node) + 1)
-                if layout.world % g == 0 and check_divisible(self.args, g) is None]
-        for g in fits:
-            if self.generation_shard(g) <= room:
-                return g
-        return fits[-1]
+        """The run's rule (`tandem.parallel.generation_layout.auto_tp`) on the target device."""
+        return auto_tp(self.args, self.generation_shard, world=layout.world, devices_per_node=devices_per_node,
+                       device_bytes=device_bytes, resident_bytes=self.resident_bytes(layout),
+                       kv_bytes=self.s.kv_cache_gb * GB)
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl

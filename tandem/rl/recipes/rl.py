@@ -49,11 +49,11 @@ from tandem.rl.data.prompts import (
     rollout_seed,
 )
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
-from tandem.rl.rollout.generation import (
-    generate_episodes,
-    generate_samples,
+from tandem.rl.rollout.sampling import (
     generation_copy,
     generation_dtype,
+    sample_completions,
+    sample_episodes,
 )
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
@@ -113,7 +113,8 @@ class RLRecipe:
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
-                                        offload_optimizer=r.offload_optimizer)
+                                        offload_optimizer=r.offload_optimizer, reference=r.kl_coef > 0,
+                                        critic=needs_values)
         self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -242,11 +243,11 @@ class RLRecipe:
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
         if self.cfg.env.name:
-            return generate_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
-                                     seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
-        return generate_samples(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
-                                max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                layout=self.gen_copy.layout)
+            return sample_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
+                                   seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
+        return sample_completions(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
+                                  max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
+                                  layout=self.gen_copy.layout)
 
     def _generate_shared(self, gen_model, prompts, n: int, seeds: list[int]):
         """Generate and score, the prompts split over the model-parallel group (its TP and PP

@@ -1,12 +1,9 @@
-"""The rollout phase: move the policy into its generation layout, sample, score.
+"""The rollout's sampling: the policy's generation copy, and completions or episodes from it.
 
-The generation copy is a `Transformer` of one generation shard (the whole model when
-``rollout.tp = 1``), filled from the policy's FSDP2 / TP / pipeline shards by a
-bucketed reshard (`GenerationCopy`); it lives only for the rollout and is dropped
-before the update phase, as is the KV pool the generator carves from its budget.
-Both sizes, the bytes moved and the reshard time are reported. With ``rollout.tp > 1``
-the ranks of a generation group pool their prompts and run one generator together
-(`generate_in_group`).
+`generation_copy` resolves ``rollout.tp`` and builds the policy's `GenerationCopy`
+(tandem/parallel/generation_layout.py); `sample_completions` and `sample_episodes` run a
+generator on that copy, its KV pool freed on return, and report the rollout/* metrics. In a
+generation group (``rollout.tp > 1``) the ranks pool their prompts and run one generator.
 """
 
 from __future__ import annotations
@@ -19,124 +16,72 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from tandem.kernels import batch_invariant
-from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.generation_layout import (
+    GenerationCopy,
     GenerationLayout,
+    auto_tp,
     check_divisible,
-    local_args,
     make_layout,
-    needed_box,
     shard_bytes,
-    shard_modules,
-    state_tensors,
 )
-from tandem.parallel.reshard import Box, Resharder, held
+from tandem.parallel.reshard import held
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.types import RolloutSample
 
 
-class GenerationCopy:
-    """The rollout's copy of the policy, in the generation layout (tandem/parallel/generation_layout.py).
-
-    ``module``: the policy's parameters under the whole model's names (an tandem/rl/update/policy.py
-    policy's ``state_module``: FSDP2 / TP DTensors, or this rank's pipeline stages).
-    `build` moves, bucket by bucket, only the regions this rank's generation shard needs, in
-    the generation dtype (tandem/parallel/reshard.py), so no rank ever holds the whole model unless
-    its shard is the whole model (``layout.tp = 1``). The move's plan is worked out at the
-    first build (collective) and kept: the layouts do not change during a run.
-    """
-
-    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
-                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
-        self.module, self.args, self.layout, self.device = module, args, layout, device
-        self.local = local_args(args, layout)
-        with torch.device("meta"):
-            meta = Transformer(args)
-        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
-        first = next(iter(module.parameters()), None)
-        self.dtype = dtype or (first.dtype if first is not None else torch.float32)
-        self.bucket_bytes = bucket_bytes
-        self._plan: Resharder | None = None
-
-    def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
-        out = {}
-        for name, p in [*self.module.named_parameters(), *self.module.named_buffers()]:
-            name = clean_fqn(name)
-            if name in self.shapes:  # a pipeline rank's second copy of a tied head is not moved
-                out[name] = held(p.detach())
-        return out
-
-    def build(self, *, inference: bool = True,
-              probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
-        """Collective (every rank): this rank's generation shard as a runnable model.
-
-        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
-        ``probe()`` runs inside every reshard collective (memory tests)."""
-        srcs = self._held()
-        if self._plan is None:
-            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                                   bucket_bytes=self.bucket_bytes)
-        state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device, probe=probe)
-        del srcs
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        if self.args.tie_word_embeddings:
-            state["output.weight"] = state["tok_embeddings.weight"]
-        with torch.device("meta"):
-            gen = Transformer(self.local)
-        gen.load_state_dict(state, assign=True, strict=True)
-        gen.tie_weights()
-        gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
-        gen.requires_grad_(False).eval()
-        if inference:
-            inference_layout(gen)
-        shard_modules(gen, self.args, self.layout)
-        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
-                     "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
-                     "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+def resident_bytes(param_bytes: float, head_bytes: float, *, offload_optimizer: bool = False,
+                   reference: bool = False, critic: bool = False) -> float:
+    """What the update keeps on a device through the rollout: the policy's fp32 parameter shards
+    there (``param_bytes``, of which its LM head's ``head_bytes``) with AdamW's two moments
+    unless ``rl.offload_optimizer``, a frozen reference copy (``reference``), and a critic (the
+    policy less its head) with its moments. The run and the planner count it this one way."""
+    critic_bytes = 3 * (param_bytes - head_bytes) if critic else 0
+    return param_bytes * (1 if offload_optimizer else 3) + (param_bytes if reference else 0) + critic_bytes
 
 
-def choose_rollout_tp(setting: int, args: ModelArgs, world: int, device: torch.device, dtype: torch.dtype,
-                      kv_cache_gb: float, training_bytes: int) -> int:
-    """``rollout.tp``, with 0 (auto) resolved: 1 off CUDA; on CUDA the smallest degree that divides
-    the world and the model's heads and MLP whose generation shard, plus the ``kv_cache_gb``
-    pool, fits in 90 % of the device beside ``training_bytes`` (what stays resident on the
-    busiest rank during the rollout: parameter and optimizer shards). Every rank must pass
-    the same values (the recipe takes the maximum over ranks of ``training_bytes``)."""
-    if setting:
-        return setting
-    if device.type != "cuda":
-        return 1
-    room = 0.9 * torch.cuda.get_device_properties(device).total_memory - training_bytes - kv_cache_gb * 1e9
-    fits = [g for g in range(1, world + 1) if world % g == 0 and check_divisible(args, g) is None]
-    for g in fits:
-        if shard_bytes(args, GenerationLayout(tp=g), dtype) <= room:
-            return g
-    return fits[-1]
+def choose_rollout_tp(rcfg: Any, args: ModelArgs, dtype: torch.dtype, *, world: int, devices_per_node: int,
+                      device_bytes: float | None, resident: float) -> int:
+    """``rollout.tp``, 0 (auto) resolved by `auto_tp` on a device of ``device_bytes`` (None: not
+    CUDA, where auto is 1) beside ``resident`` bytes (`resident_bytes`, the busiest rank's)."""
+    if rcfg.tp or device_bytes is None:
+        return rcfg.tp or 1
+    layout = partial(GenerationLayout, vocab_parallel=rcfg.vocab_parallel)
+    return auto_tp(args, lambda g: shard_bytes(args, layout(tp=g), dtype), world=world,
+                   devices_per_node=devices_per_node, device_bytes=device_bytes, resident_bytes=resident,
+                   kv_bytes=rcfg.kv_cache_gb * 1e9)
+
+
+def rank_resident_bytes(policy: Any, device: torch.device, **flags: bool) -> float:
+    """Collective: `resident_bytes` of the busiest rank, from the policy's shards on ``device``
+    (``flags``: its offload_optimizer, reference and critic)."""
+    mine = [(clean_fqn(n), held(p.detach())[0]) for n, p in policy.state_module.named_parameters()]
+    here = [(n, t.numel() * 4) for n, t in mine if t.device == device]  # fp32 master shards
+    params, head = sum(b for _, b in here), sum(b for n, b in here if n.startswith("output."))
+    out = torch.tensor([resident_bytes(params, head, **flags)], dtype=torch.float64, device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.item()
 
 
 def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: torch.dtype | None, *,
-                    offload_optimizer: bool) -> GenerationCopy:
+                    offload_optimizer: bool, reference: bool, critic: bool) -> GenerationCopy:
     """Collective: the generation layout (``rollout.tp`` ranks per generator; 0 resolved by
     `choose_rollout_tp`) and the policy's copy into it; one ConfigError line when the model
-    cannot be split that way."""
+    cannot be split that way. ``reference`` / ``critic``: the run keeps those models too."""
     from tandem.rl.config.schema import ConfigError
 
     dev, world = info.device, info.world_size
-    params = policy.parameters()
-    resident = torch.tensor([sum(held(p)[0].numel() * 4 * (1 if offload_optimizer else 3) for p in params)],
-                            dtype=torch.float64, device=dev)
-    dist.all_reduce(resident, op=dist.ReduceOp.MAX)  # parameters + Adam's two moments, fp32
-    tp = choose_rollout_tp(rcfg.tp, args, world, dev, dtype or params[0].dtype, rcfg.kv_cache_gb, int(resident.item()))
+    resident = rank_resident_bytes(policy, dev, offload_optimizer=offload_optimizer, reference=reference,
+                                   critic=critic)
+    device_bytes = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    dtype = dtype or next(iter(policy.state_module.parameters())).dtype
+    tp = choose_rollout_tp(rcfg, args, dtype, world=world, devices_per_node=info.local_world_size,
+                           device_bytes=device_bytes, resident=resident)
     if world % tp:
         raise ConfigError(f"rollout.tp: {tp} does not divide the {world} ranks")
     reason = check_divisible(args, tp)
@@ -147,40 +92,6 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
     return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20)
-
-
-def build_generation_model(policy: Any, args: ModelArgs, device: torch.device,
-                           dtype: torch.dtype | None = None, *, layout: bool = True,
-                           ) -> tuple[Transformer, dict[str, float]]:
-    """Collective: a whole copy of ``policy`` (its ``state_module``) on every rank, in ``dtype``
-    (None: the parameters' dtype); ``layout``: with `inference_layout`. The one-off form of
-    `GenerationCopy` with ``rollout.tp = 1``."""
-    copy = GenerationCopy(policy.state_module, args, GenerationLayout(), device, dtype)
-    return copy.build(inference=layout)
-
-
-def inference_layout(model: Transformer) -> bool:
-    """The rollout copy's layout, in place; returns whether it changed anything.
-
-    On CUDA: the q/k/v and gate/up projections fused into one product each
-    (`Transformer.fuse_projections`); the generator ran 3-6 % faster on an H200 with the
-    same tokens (bench.generate, hidden 1024 x 16 layers, bf16, CUDA graphs). On the CPU in
-    fp32, where PyTorch has oneDNN: fused too, and every linear run through oneDNN on a
-    prepacked weight (`tandem.kernels.cpu_linear`); a rollout of the GRPO bench's shape took 550 ->
-    453 ms with the fusion on oneDNN, then 471 -> 403 ms with prepacking. Elsewhere (CPU
-    without oneDNN or in another dtype) the layout stays, as nothing was measured there.
-    Numbers: docs/performance.md."""
-    weight = next(model.parameters(), None)
-    if weight is None or batch_invariant.enabled():  # rl.exact: the update's own (unfused, aten) linears
-        return False
-    if weight.is_cuda:
-        model.fuse_projections()
-        return True
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
-        return False
-    model.fuse_projections()
-    use_onednn_linears(model)
-    return True
 
 
 def generation_dtype(setting: str, device: torch.device, mixed_precision_param: str) -> torch.dtype | None:
@@ -194,7 +105,7 @@ def generation_dtype(setting: str, device: torch.device, mixed_precision_param: 
     return getattr(torch, setting)
 
 
-def generation_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
+def generator_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
     return GenerationSettings(
         block_size=rcfg.block_size, num_blocks=rcfg.num_blocks, kv_cache_gb=rcfg.kv_cache_gb,
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
@@ -256,7 +167,7 @@ def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any
     return [p for part in parts for p in part], start
 
 
-def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
+def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
                      seed: int, max_prompt_tokens: int, greedy: bool = False, seeds: list[int] | None = None,
                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return.
@@ -274,7 +185,7 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     base = sampling_params(rcfg, greedy=greedy)
     params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
     out, metrics = _with_generator(
-        gen_model, tokenizer, generation_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
+        gen_model, tokenizer, generator_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
         lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
@@ -289,13 +200,13 @@ def generate_samples(gen_model: Transformer, tokenizer: Any, prompts: list[Promp
     return samples, metrics
 
 
-def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
+def sample_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
                       pool: Any, *, seed: int, greedy: bool = False, seeds: list[int] | None = None,
                       layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
     """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py); the KV pool is freed on return.
 
     In a generation group (``layout.tp > 1``) the members' prompts are pooled as in
-    `generate_samples` (every rank calls, possibly with none); only the leader's ``pool``
+    `sample_completions` (every rank calls, possibly with none); only the leader's ``pool``
     steps the environments (the others may pass None); each rank gets its own prompts'
     episodes back, and the ``env/*`` and ``rollout/*`` metrics of the whole group."""
     from tandem.rl.rollout.agentic import run_agentic_rollout
@@ -304,7 +215,7 @@ def generate_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prom
     pooled, start = pool_prompts(list(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), layout)
     if not pooled:
         return [], {}
-    settings = generation_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)  # max_model_len: the episode cap
+    settings = generator_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)  # max_model_len: the episode cap
     (samples, env_metrics), metrics = _with_generator(
         gen_model, tokenizer, settings, len(pooled) * n,
         lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p, _ in pooled], n,
