@@ -22,11 +22,15 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
+    """Each field's comment, from the class and the dataclasses it extends."""
     out = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
-        if m:
-            out[m.group(1)] = m.group(2).strip()
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        for line in inspect.getsource(klass).splitlines():
+            m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
+            if m:
+                out[m.group(1)] = m.group(2).strip()
     return out
 
 

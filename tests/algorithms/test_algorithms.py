@@ -31,6 +31,9 @@ from tandem.rl.algorithms import (
     reverse_kl_sampled,
     value_loss,
 )
+from tandem.rl.config.rl_schema import RLConfig
+from tandem.rl.config.schema import load_config
+from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.registry import RegistryError
 
 # 8 responses, 5 positions; right padding, row 6 has a hole (a tool-output token), row 7 is empty.
@@ -260,7 +263,8 @@ def test_ppo_clip(clip_low, clip_high, dual):
                 loss, grad, was_clipped = -a * dual, 0.0, True
             want_loss[i, t], want_grad[i, t], want_clip[i, t] = loss, grad, float(was_clipped)
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("ppo_clip")(inp, PolicyLossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual))
+    cfg = PolicyLossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual, tis_cap=None)
+    out = POLICY_LOSSES.get("ppo_clip")(inp, cfg)
     assert_close(out.loss, want_loss)
     assert_close(out.metrics["clipped"], want_clip)
     out.loss.sum().backward()
@@ -274,7 +278,8 @@ def test_ppo_clip(clip_low, clip_high, dual):
 def test_ppo_clip_with_tis():
     cap = 1.05
     logp, inp = policy_input(gen_logp=GEN_LOGP)
-    base = POLICY_LOSSES.get("ppo_clip")(PolicyLossInput(LOGP, OLD_LOGP, ADV, MASK), PolicyLossConfig())
+    no_tis = PolicyLossConfig(tis_cap=None)
+    base = POLICY_LOSSES.get("ppo_clip")(PolicyLossInput(LOGP, OLD_LOGP, ADV, MASK), no_tis)
     out = POLICY_LOSSES.get("ppo_clip")(inp, PolicyLossConfig(tis_cap=cap))
     weight = torch.zeros(N, T)
     for i, ts in enumerate(rows()):
@@ -300,7 +305,7 @@ def test_gspo_token_form(lo, hi):
             want_loss[i, t] = max(unclipped, clipped)
             want_grad[i, t] = 0.0 if clipped > unclipped else -a * s  # token form: s_i * grad log p_t
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi))
+    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None))
     assert_close(out.loss, want_loss)
     out.loss.sum().backward()
     assert_close(logp.grad, want_grad)
@@ -310,7 +315,7 @@ def test_gspo_token_form_matches_sequence_objective():
     """Sequence advantages + seq_mean_token_mean: gradient equals the paper's sequence-level objective."""
     lo, hi = 0.05, 0.1
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi))
+    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None))
     AGGREGATIONS.get("seq_mean_token_mean")(out.loss, MASK, make_norm(MASK)).backward()
 
     ref = LOGP.clone().requires_grad_(True)
@@ -327,7 +332,7 @@ def test_gspo_token_form_matches_sequence_objective():
 
 def test_reinforce():
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("reinforce")(inp, PolicyLossConfig())
+    out = POLICY_LOSSES.get("reinforce")(inp, PolicyLossConfig(tis_cap=None))
     want = torch.zeros(N, T)
     for i, ts in enumerate(rows()):
         for t in ts:
@@ -340,16 +345,21 @@ def test_reinforce():
 def test_padding_cannot_poison_the_loss():
     logp = LOGP.masked_fill(MASK == 0, float("-inf"))
     for name in POLICY_LOSSES:
-        out = POLICY_LOSSES.get(name)(PolicyLossInput(logp, OLD_LOGP, ADV, MASK), PolicyLossConfig())
+        no_tis = PolicyLossConfig(tis_cap=None)
+        out = POLICY_LOSSES.get(name)(PolicyLossInput(logp, OLD_LOGP, ADV, MASK), no_tis)
         assert torch.isfinite(out.loss).all(), name
         assert all(torch.isfinite(v).all() for v in out.metrics.values()), name
 
 
 def test_policy_config_validation():
-    with pytest.raises(ValueError, match="dual_clip"):
+    """One check of the clip settings, here and for the [rl] section that extends the class."""
+    with pytest.raises(ConfigError, match=r"^rl.dual_clip: must be > 1, got 0.5$"):
         PolicyLossConfig(dual_clip=0.5)
-    with pytest.raises(ValueError, match="clip_low"):
+    with pytest.raises(ConfigError, match="rl.clip_low"):
         PolicyLossConfig(clip_low=-0.1)
+    with pytest.raises(ConfigError, match=r"^rl.tis_cap: must be > 0, got 0.0$"):
+        load_config("configs/quickstart.toml", ["--rl.tis_cap=0"])
+    assert PolicyLossConfig().tis_cap == RLConfig().tis_cap == 2.0
 
 
 # ---------------------------------------------------------------- KL

@@ -119,7 +119,7 @@ def _loss_inputs(batch: list[RolloutSample], policy) -> tuple[LossInputs, LossSp
     mask, gen_logp, width = completion_tensors(batch, torch.device("cpu"))
     adv = torch.linspace(-1, 1, len(batch))[:, None].expand_as(mask).contiguous()
     r = RLConfig()
-    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"), policy_cfg=r.policy_loss_config(),
+    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"), policy_cfg=r,
                     aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0, entropy_coef=0.0,
                     vocab_parallel=policy.vocab_parallel)
     inp = LossInputs(mask=mask, old_logp=None, advantages=adv, gen_logp=gen_logp, ref_logp=None,

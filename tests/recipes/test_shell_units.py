@@ -87,7 +87,7 @@ def test_whitening_matches_the_written_out_formula():
 
 def test_gspo_reads_its_own_clip_keys_and_rejects_the_token_ones():
     cfg = load_config(QUICKSTART, ["--rl.policy_loss=gspo", "--rl.seq_clip_low=1e-3", "--rl.seq_clip_high=2e-3"])
-    pcfg = cfg.rl.policy_loss_config()
+    pcfg = cfg.rl
     assert (pcfg.seq_clip_low, pcfg.seq_clip_high) == (1e-3, 2e-3)
     assert POLICY_LOSSES.cap("gspo", "uses") == ("seq_clip_low", "seq_clip_high")
     with pytest.raises(ConfigError, match=r"rl.clip_high: not used by rl.policy_loss = 'gspo'.*rl.seq_clip_low"):
@@ -108,7 +108,7 @@ def test_gspo_clip_range_reaches_the_loss():
     fracs = []
     for lo, hi in ((3e-4, 4e-4), (0.5, 0.5)):
         cfg = load_config(QUICKSTART, ["--rl.policy_loss=gspo", f"--rl.seq_clip_low={lo}", f"--rl.seq_clip_high={hi}"])
-        out = POLICY_LOSSES.get("gspo")(inp, cfg.rl.policy_loss_config())
+        out = POLICY_LOSSES.get("gspo")(inp, cfg.rl)
         fracs.append(out.metrics["clipped"].mean().item())
     assert fracs[0] > 0 and fracs[1] == 0
 

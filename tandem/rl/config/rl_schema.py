@@ -6,9 +6,10 @@ against the registries, so a typo names the nearest registered piece.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from tandem.rl.algorithms.policy_loss import PolicyLossConfig
 from tandem.rl.core.configlib import ConfigError, require
 
 
@@ -22,8 +23,12 @@ def _check_name(key: str, registry_path: str, name: str) -> None:
 
 
 @dataclass
-class RLConfig:
-    """What one RL step does: group size, advantage, loss, KL, filters, update schedule."""
+class RLConfig(PolicyLossConfig):
+    """What one RL step does: group size, advantage, loss, KL, filters, update schedule.
+
+    The policy loss's clip and importance-sampling keys are `PolicyLossConfig`'s
+    (tandem/rl/algorithms/policy_loss.py), defined and checked there; the losses take this
+    section as their config."""
 
     num_samples: int = 8  # completions per prompt (the GRPO group)
     prompts_per_step: int = 16  # prompts per step, global over data-parallel ranks
@@ -32,18 +37,12 @@ class RLConfig:
     gamma: float = 1.0
     lam: float = 1.0
     policy_loss: str = "ppo_clip"  # tandem/rl/algorithms/policy_loss.py: ppo_clip, gspo, reinforce
-    clip_low: float = 0.2  # ppo_clip: token ratio clipped below at 1 - clip_low
-    clip_high: float = 0.2  # ppo_clip: ... and above at 1 + clip_high (DAPO clip-higher: 0.28)
-    dual_clip: float | None = None  # ppo_clip, e.g. 3.0
-    seq_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - seq_clip_low
-    seq_clip_high: float = 4e-4  # gspo: ... and above at 1 + seq_clip_high
     aggregation: str = "token_mean"  # tandem/rl/algorithms/aggregation.py
     loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default rollout.max_tokens
     kl_coef: float = 0.0  # 0 = no reference model
     kl_estimator: str = "k3"  # k1, k2, k3
     kl_mode: Literal["loss", "reward"] = "loss"
     entropy_coef: float = 0.0
-    tis_cap: float | None = 2.0  # truncated importance sampling of the train/generation gap; none = off
     exact: bool = False  # batch-invariant kernels in rollout and update (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
@@ -64,12 +63,7 @@ class RLConfig:
                     "eval_prompts"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
         require(self.eval_samples >= 0, f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}")
-        require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / rl.clip_high: need 0 <= clip_low < 1, clip_high >= 0")
-        require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
-        require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
-                "rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1, seq_clip_high >= 0")
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
-        require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
         _check_name("rl.advantage", "tandem.rl.algorithms.ADVANTAGES", self.advantage)
         _check_name("rl.policy_loss", "tandem.rl.algorithms.POLICY_LOSSES", self.policy_loss)
         _check_name("rl.aggregation", "tandem.rl.algorithms.AGGREGATIONS", self.aggregation)
@@ -80,6 +74,7 @@ class RLConfig:
                 f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = {self.advantage!r}, "
                 "which compares the completions of a prompt: every advantage would be 0 and nothing learned; "
                 "set rl.num_samples >= 2 or a per-sample advantage (reinforce_pp, gae)")
+        super().validate()
         self._check_clip_keys()
 
     def _check_clip_keys(self) -> None:
@@ -87,18 +82,11 @@ class RLConfig:
         from tandem.rl.algorithms import POLICY_LOSSES
 
         uses = POLICY_LOSSES.cap(self.policy_loss, "uses", ())
-        default = RLConfig()
-        for key in ("clip_low", "clip_high", "dual_clip", "seq_clip_low", "seq_clip_high"):
+        default = PolicyLossConfig()
+        for key in (f.name for f in fields(PolicyLossConfig) if f.name != "tis_cap"):  # every loss reads tis_cap
             if key not in uses and getattr(self, key) != getattr(default, key):
                 reads = ", ".join(f"rl.{k}" for k in uses) or "no clip setting"
                 raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} (it reads {reads})")
-
-    def policy_loss_config(self):  # -> tandem.rl.algorithms.PolicyLossConfig (imported lazily)
-        from tandem.rl.algorithms import PolicyLossConfig
-
-        return PolicyLossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                                tis_cap=self.tis_cap, seq_clip_low=self.seq_clip_low,
-                                seq_clip_high=self.seq_clip_high)
 
 
 @dataclass

@@ -422,7 +422,7 @@ class RLRecipe:
         m_log = mask[:n_log]  # the sample log's advantage: the mean over the sampled (trained) tokens
         self._advantage_of = ((adv[:n_log] * m_log).sum(-1) / m_log.sum(-1).clamp(min=1)).tolist()
         train_policy = self.step_index >= self.critic_warmup
-        spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r.policy_loss_config(),
+        spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r,
                         aggregation=AGGREGATIONS.get(r.aggregation),
                         kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if ref_logp is not None and r.kl_mode == "loss" else None,
                         kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens,
