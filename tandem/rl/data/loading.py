@@ -204,3 +204,27 @@ def load_rows(path: str, fmt: str = "auto") -> Rows:
         rows.extend(part)
         rows.where.extend(part.where)
     return rows
+
+
+class EpochOrder:
+    """An endless chain of the row numbers ``0 .. num_rows - 1``, one permutation per epoch (the
+    identity without ``shuffle``): position g is row ``perm(g // num_rows)[g % num_rows]``, a pure
+    function of (seed, g), so a resumed run reads the rows the uninterrupted one would."""
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True) -> None:
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            if self.shuffle:
+                import torch  # the permutation of every shipped run so far: torch's, seeded per epoch
+
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()
+            else:
+                self._perms[epoch] = list(range(self.num_rows))
+        return self._perms[epoch]
+
+    def row(self, position: int) -> int:
+        return self._perm(position // self.num_rows)[position % self.num_rows]

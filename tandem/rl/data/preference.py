@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tandem.rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
-from tandem.rl.data.sft import BadRow, Example
+from tandem.rl.data.sft import BadRow, Example, tokenize_turns
 from tandem.rl.data.tasks import make_task_rows
 from tandem.rl.core.registry import Registry
 
@@ -81,34 +81,6 @@ def _as_reply(reply: Any, context: Messages, what: str, allow_empty: bool = Fals
     return turns
 
 
-def _tokenize_turns(messages: Messages, first: int, tokenizer: Any) -> Example:
-    """Tokens of ``messages``; assistant turns at index >= ``first`` are the response.
-
-    The template is rendered turn by turn so the mask follows the rendered text,
-    whatever the template adds around each turn; it must be prefix-stable.
-    """
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""  # text already tokenized
-    for i in range(first, len(messages)):
-        if messages[i]["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True)
-        after = tokenizer.apply_chat_template(messages[: i + 1])
-        if not before.startswith(done) or not after.startswith(before):
-            raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
-        for text, trained in ((before[len(done):], 0), (after[len(before):], 1)):
-            piece = tokenizer.encode(text)
-            ids += piece
-            mask += [trained] * len(piece)
-        done = after
-    full = tokenizer.apply_chat_template(messages)
-    if not full.startswith(done):
-        raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
-    tail = tokenizer.encode(full[len(done):])
-    return Example(ids + tail, mask + [0] * len(tail))
-
-
 def tokenize_response(context: str | Messages, response: str | Messages, tokenizer: Any) -> Example:
     """One side of a pair (or one reward-model query): context + response through the
     chat template, ``loss_mask`` on the response's assistant tokens.
@@ -119,7 +91,7 @@ def tokenize_response(context: str | Messages, response: str | Messages, tokeniz
     """
     ctx = _as_context(context)
     reply = _as_reply(response, ctx, "response", allow_empty=True)
-    return _tokenize_turns(ctx + reply, len(ctx), tokenizer)
+    return tokenize_turns(ctx + reply, tokenizer, first=len(ctx))
 
 
 def _row_sides(rec: dict[str, Any], fields: dict[str, str]) -> tuple[Messages, Messages, Messages]:
@@ -191,7 +163,7 @@ def build_preference_data(
         try:
             ctx, c, r = _row_sides(rec, fields)
             n = len(ctx)
-            sides = [_tokenize_turns(ctx + reply, n, tokenizer) for reply in (c, r)]
+            sides = [tokenize_turns(ctx + reply, tokenizer, first=n) for reply in (c, r)]
             for ex in sides:
                 if len(ex.input_ids) > max_length:
                     raise BadRow(f"longer than max_length ({len(ex.input_ids)} > {max_length} tokens)")

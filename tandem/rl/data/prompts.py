@@ -21,9 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
-from tandem.rl.data.loading import DataError, load_rows, message_problem, row_where
+from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 SYNTHETIC = "synthetic:"
 T = TypeVar("T")
@@ -112,26 +110,14 @@ class PromptStream:
     """
 
     def __init__(self, num_rows: int, seed: int, shuffle: bool = True, cursor: int = 0) -> None:
-        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.num_rows = num_rows
         self.cursor = cursor  # how many positions of the global chain have been taken
-        self._perms: dict[int, list[int]] = {}
-
-    def _perm(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
-                self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()
-            else:
-                self._perms[epoch] = list(range(self.num_rows))
-        return self._perms[epoch]
+        self.order = EpochOrder(num_rows, seed * 7_919, shuffle)
 
     def take(self, n: int) -> list[tuple[int, int]]:
         """The next n (position, row index) pairs of the global chain."""
-        out = []
-        for _ in range(n):
-            g = self.cursor
-            out.append((g, self._perm(g // self.num_rows)[g % self.num_rows]))
-            self.cursor += 1
+        out = [(g, self.order.row(g)) for g in range(self.cursor, self.cursor + n)]
+        self.cursor += n
         return out
 
     @property

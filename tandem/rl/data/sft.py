@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tandem.rl.data.loading import DataError, load_rows, message_problem, row_where
+from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 IGNORE = -100  # target id that takes no loss
 
@@ -47,12 +47,18 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None) -> Example:
         raise BadRow("tools must be a list of JSON objects (tool schemas)")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant message to train on")
-    full = tokenizer.apply_chat_template(messages, tools=tools)
+    return tokenize_turns(messages, tokenizer, tools=tools)
+
+
+def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int = 0, tools: Any = None) -> Example:
+    """Tokens of ``messages`` through the chat template; the assistant turns at index >= ``first``
+    are trained (mask 1). The template is rendered turn by turn so the mask follows the rendered
+    text, whatever the template adds around each turn; it must be prefix-stable."""
     ids: list[int] = []
     mask: list[int] = []
     done = ""  # text already tokenized
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+    for i in range(first, len(messages)):
+        if messages[i]["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True)
         after = tokenizer.apply_chat_template(messages[: i + 1], tools=tools)
@@ -63,12 +69,11 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None) -> Example:
             ids += piece
             mask += [trained] * len(piece)
         done = after
+    full = tokenizer.apply_chat_template(messages, tools=tools)
     if not full.startswith(done):
         raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
     tail = tokenizer.encode(full[len(done):])
-    ids += tail
-    mask += [0] * len(tail)
-    return Example(ids, mask)
+    return Example(ids + tail, mask + [0] * len(tail))
 
 
 def tokenize_prompt_completion(prompt: Any, completion: Any, tokenizer: Any) -> Example:
@@ -190,21 +195,12 @@ class StepSampler:
     """
 
     def __init__(self, num_rows: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
-        self.num_rows, self.batch_size, self.seed, self.shuffle = num_rows, batch_size, seed, shuffle
-        self._perms: dict[int, list[int]] = {}
-
-    def _perm(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()
-            else:
-                self._perms[epoch] = list(range(self.num_rows))
-        return self._perms[epoch]
+        self.num_rows, self.batch_size = num_rows, batch_size
+        self.order = EpochOrder(num_rows, seed * 1_000_003, shuffle)
 
     def global_batch(self, step: int) -> list[int]:
         start = step * self.batch_size
-        return [self._perm(i // self.num_rows)[i % self.num_rows] for i in range(start, start + self.batch_size)]
+        return [self.order.row(i) for i in range(start, start + self.batch_size)]
 
     def epoch_of(self, step: int) -> int:
         return step * self.batch_size // self.num_rows

@@ -24,6 +24,7 @@ schedule of the rest of the run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,11 +32,17 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from tandem.models.args import ModelArgs
+from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
+from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
+from tandem.rl.config.schema import ConfigError, FaultConfig
+from tandem.rl.core.metrics import MetricsLogger
+from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
-from tandem.rl.config.schema import FaultConfig
-from tandem.rl.core.metrics import MetricsLogger
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -67,6 +74,43 @@ class Runtime:
     dump_folder: str
     watchdog: Watchdog  # recipes mark their own phases (rollout, update) inside the shell's "step"
     logger: MetricsLogger  # for text summaries; step rows are the shell's
+
+
+@dataclass
+class Setup:
+    """What every recipe builds first: the training mesh and this rank's data-parallel place in
+    it, the tokenizer and the model's architecture."""
+
+    degrees: Degrees
+    mesh: DeviceMesh
+    dp: int  # data-parallel ranks
+    rank_dp: int  # this rank's index among them
+    tokenizer: Tokenizer
+    args: ModelArgs
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+
+def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int], fsdp_only: bool = True) -> Setup:
+    """The set-up every recipe shares, its config checks first (one ConfigError line each):
+    the layout (``fsdp_only``: this recipe shards with FSDP2 alone), ``data.path`` and the
+    global ``batch`` (key, value) dividing over the data-parallel ranks."""
+    degrees = Degrees(**cfg.parallel.resolve(rt.info.world_size))
+    if fsdp_only and (degrees.tp > 1 or degrees.pp > 1):
+        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only so far; "
+                          "set tp = pp = 1")
+    if cfg.data.path is None:
+        raise ConfigError(f"data.path: required by the {recipe} recipe (a jsonl/parquet file or folder, "
+                          "or synthetic:<task>)")
+    key, size = batch
+    if size % degrees.dp:
+        raise ConfigError(f"{key}: {size} is not divisible by the {degrees.dp} data-parallel ranks")
+    mesh = build_mesh(degrees, rt.info.device)
+    tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(rt.dump_folder, "tokenizer"))
+    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh), tokenizer, model_args(cfg.model.flavor, cfg.model.path,
+                                                                                 tokenizer))
 
 
 class Recipe(Protocol):

@@ -15,10 +15,9 @@ counts a tie as half a win, so an untrained model reads 0.5, chance, not 0.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -26,23 +25,20 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from tandem.models.args import ModelArgs
-from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
-from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
 from tandem.rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from tandem.rl.data.sft import StepSampler
 from tandem.rl.recipes.base import (
     Runtime,
+    Setup,
     SingleModelRecipe,
     SingleModelTraining,
     StepOutput,
+    setup,
 )
-from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, build_tokenizer, model_args
+from tandem.rl.core.modeling import BuildSpec
 
 __all__ = [
     "PairHead",
@@ -125,44 +121,27 @@ def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro
 
 # ---------------------------------------------------------------------- data
 @dataclass
-class PairSetup:
-    mesh: DeviceMesh
-    dp: int
-    rank_dp: int
-    tokenizer: Tokenizer
-    args: ModelArgs
+class PairSetup(Setup):
+    """The recipes' shared `Setup` and the preference pairs."""
+
     data: PreferenceData
 
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id or 0
 
-
-def setup_pairs(cfg: Any, info: DistInfo, recipe: str) -> PairSetup:
+def setup_pairs(cfg: Any, rt: Runtime, recipe: str) -> PairSetup:
     """Mesh, tokenizer, model args and preference pairs for a pairwise recipe."""
-    degrees = Degrees(**cfg.parallel.resolve(info.world_size))
-    if degrees.tp > 1 or degrees.pp > 1:
-        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only so far; set tp = pp = 1")
-    if cfg.training.batch_size % degrees.dp:
-        raise ConfigError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the "
-                          f"{degrees.dp} data-parallel ranks")
-    if cfg.data.path is None:
-        raise ConfigError(f"data.path: required by the {recipe} recipe (a file or synthetic:<name>)")
-    mesh = build_mesh(degrees, info.device)
-    torch.manual_seed(cfg.job.seed + info.rank)
-    tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(cfg.job.dump_folder, "tokenizer"))
-    args = model_args(cfg.model.flavor, cfg.model.path, tokenizer)
+    base = setup(cfg, rt, recipe, batch=("training.batch_size", cfg.training.batch_size))
+    torch.manual_seed(cfg.job.seed + rt.info.rank)
+    d, p = cfg.data, cfg.preference
     data = load_preference_data(
-        cfg.data.path, tokenizer, fmt=cfg.data.format, max_length=cfg.data.max_length,
-        on_bad_row=cfg.data.on_bad_row, eval_fraction=cfg.data.eval_fraction, eval_source=cfg.data.eval_path,
-        seed=cfg.job.seed, synthetic_rows=cfg.data.synthetic_rows, messages_field=cfg.data.messages_field,
-        prompt_field=cfg.data.prompt_field, chosen_field=cfg.preference.chosen_field,
-        rejected_field=cfg.preference.rejected_field,
+        d.path, base.tokenizer, fmt=d.format, max_length=d.max_length, on_bad_row=d.on_bad_row,
+        eval_fraction=d.eval_fraction, eval_source=d.eval_path, seed=cfg.job.seed, synthetic_rows=d.synthetic_rows,
+        messages_field=d.messages_field, prompt_field=d.prompt_field, chosen_field=p.chosen_field,
+        rejected_field=p.rejected_field,
     )
-    if info.is_main:
+    if rt.info.is_main:
         print(f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "
               f"{sum(data.skipped.values())} {dict(data.skipped)}", flush=True)
-    return PairSetup(mesh, degrees.dp, dp_rank(mesh), tokenizer, args, data)
+    return PairSetup(**{f.name: getattr(base, f.name) for f in fields(Setup)}, data=data)
 
 
 # ---------------------------------------------------------------------- the recipe
@@ -185,7 +164,7 @@ class PairwiseRecipe(SingleModelRecipe):
 
     def __init__(self, cfg: Any, rt: Runtime, name: str, make_head: HeadFactory) -> None:
         self.cfg, self.info = cfg, rt.info
-        self.setup = setup_pairs(cfg, rt.info, name)
+        self.setup = setup_pairs(cfg, rt, name)
         self.head = make_head(cfg, rt.info, self.setup, BuildSpec.from_config(cfg.training, cfg.parallel))
         self.model = self.head.model
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)

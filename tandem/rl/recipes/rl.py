@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.kernels import batch_invariant
-from tandem.parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
+from tandem.parallel.mesh import subgroup
 from tandem.parallel.offload import move_optimizer_state
 from tandem.rl.algorithms import (
     ADVANTAGES,
@@ -48,7 +48,7 @@ from tandem.rl.data.prompts import (
     prompt_messages,
     rollout_seed,
 )
-from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
+from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
 from tandem.rl.rollout.sampling import (
     generation_copy,
     generation_dtype,
@@ -57,7 +57,7 @@ from tandem.rl.rollout.sampling import (
 )
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_tokenizer, model_args
+from tandem.rl.core.modeling import BuildSpec, ModelSetupError
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
@@ -81,23 +81,19 @@ class RLRecipe:
     def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info, self.rt = cfg, rt.info, rt
         info = rt.info
-        degrees = Degrees(**cfg.parallel.resolve(info.world_size))
         r = cfg.rl
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
+        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step), fsdp_only=False)
+        degrees = s.degrees
         self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
-        self.mesh = build_mesh(degrees, info.device)
-        self.dp, self.dp_rank = degrees.dp, dp_rank(self.mesh)
+        self.mesh, self.dp, self.dp_rank, self.tok, self.args = s.mesh, s.dp, s.rank_dp, s.tokenizer, s.args
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
         self.mp_group = subgroup(self.mesh, ("pp", "tp"))
         self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
-        if r.prompts_per_step % self.dp:
-            raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = rt.dump_folder
-        self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
-        self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
@@ -171,8 +167,6 @@ class RLRecipe:
 
     def _load_data(self):
         d = self.cfg.data
-        if d.path is None:
-            raise ConfigError("data.path: required by the rl recipe (a jsonl/parquet file or synthetic:<task>)")
         kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field,
                   max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
         rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows)

@@ -18,17 +18,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tandem.models.attention import DocumentAttention
-from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
 from tandem.rl.data.sft import IGNORE, PackedRow, StepSampler, build_sft_data, collate, load_sft_records
 from tandem.rl.recipes.base import (
     Runtime,
     SingleModelRecipe,
     SingleModelTraining,
     StepOutput,
+    setup,
 )
 from tandem.rl.recipes.pairwise import rank_indices, reshard_all
-from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, build_tokenizer, build_transformer, export_hf, model_args
+from tandem.rl.core.modeling import BuildSpec, build_transformer, export_hf
 
 
 def split_held_out(records: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
@@ -47,18 +46,8 @@ class SFTRecipe(SingleModelRecipe):
     def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info = cfg, rt.info
         info = rt.info
-        degrees = Degrees(**cfg.parallel.resolve(info.world_size))
-        if degrees.tp > 1 or degrees.pp > 1:
-            raise ConfigError("parallel.tp / parallel.pp: the sft recipe shards with FSDP2 only so far; set tp = pp = 1")
-        if cfg.data.path is None:
-            raise ConfigError("data.path: required by the sft recipe")
-        self.mesh = build_mesh(degrees, info.device)
-        self.dp, self.rank_dp = degrees.dp, dp_rank(self.mesh)
-        if cfg.training.batch_size % self.dp:
-            raise ConfigError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the "
-                              f"{self.dp} data-parallel ranks")
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(rt.dump_folder, "tokenizer"))
-        self.args = model_args(cfg.model.flavor, cfg.model.path, self.tokenizer)
+        s = setup(cfg, rt, "sft", batch=("training.batch_size", cfg.training.batch_size))
+        self.mesh, self.dp, self.rank_dp, self.tokenizer, self.args = s.mesh, s.dp, s.rank_dp, s.tokenizer, s.args
         d = cfg.data
         records = load_sft_records(d.path, d.format, seed=cfg.job.seed, n_synthetic=d.synthetic_rows)
         train, held = split_held_out(records, d.eval_fraction, cfg.job.seed)
@@ -77,7 +66,7 @@ class SFTRecipe(SingleModelRecipe):
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater
         self.sampler = StepSampler(len(self.data.rows), cfg.training.batch_size, cfg.job.seed, d.shuffle)
-        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.pad_id = s.pad_id
 
     def _token_losses(self, rows: list[PackedRow], per_row: bool = False) -> torch.Tensor:
         """Summed cross-entropy of the trained tokens (with grad): a scalar, or ``[B]`` per row."""
