@@ -8,7 +8,7 @@ scaling, PPO-clip (0.2), no KL (no reference model), token-mean loss, one
 AdamW step per rollout (lr, betas 0.9/0.95, grad clip 1.0, constant LR), fp32
 on the CPU, one process each. TRL runs without vLLM (transformers
 ``generate``); Tandem runs ``train.py`` with its own paged generator, as is
-(row "tandem": each prompt packed once per micro-batch, ``rl.share_prompts``'s
+(row "tandem": each prompt packed once per micro-batch, ``advanced.share_prompts``'s
 default) and with a prompt copy per sample (row "tandem-unshared").
 
     python -m bench.grpo_step                            # TRL from this interpreter
@@ -83,8 +83,10 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
     return model_dir, data
 
 
-TANDEM_ROWS = {"tandem": (), "tandem-unshared": ("--rl.share_prompts=false",),
-               "tandem-eager": ("--rollout.cuda_graphs=false",), "tandem-exact": ("--rl.exact=true",)}
+TANDEM_ROWS = {"tandem": (), "tandem-unshared": ("--advanced.share_prompts=false",),
+               "tandem-eager": ("--rollout.cuda_graphs=false",),
+               "tandem-exact": ("--rl.exact=true",),
+               "tandem-triton": ("--advanced.kernels=triton",)}
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -224,9 +226,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="Tandem's KV pool budget")
     ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
     ap.add_argument("--engines", default="tandem,tandem-unshared,trl",
-                    help="tandem-unshared: rl.share_prompts = false (each sample packs its own prompt copy); "
+                    help="tandem-unshared: advanced.share_prompts = false (each sample packs "
+                         "its own prompt copy); "
                          "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere); "
-                         "tandem-exact: rl.exact = true (batch-invariant kernels)")
+                         "tandem-exact: rl.exact = true (batch-invariant kernels); "
+                         "tandem-triton: advanced.kernels = triton (every kernel's Triton form)")
     ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
     args = ap.parse_args(argv)
     unknown = [e for e in args.engines.split(",") if e != "trl" and e not in TANDEM_ROWS]

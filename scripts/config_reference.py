@@ -4,7 +4,8 @@
     python scripts/config_reference.py --write    # replace the block in docs/config.md
 
 The block in docs/config.md is checked against this output by tests/test_readme.py,
-so the documented keys, types and defaults always match the code.
+so the documented keys, types and defaults always match the code, and every key must carry
+a description comment (`undescribed` lists those that do not; ``--write`` refuses them).
 """
 
 from __future__ import annotations
@@ -22,21 +23,41 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """Each field's comment, from the class and the dataclasses it extends."""
+    """Each field's comment (and the comment lines right below it), from the class and the
+    dataclasses it extends."""
     out = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
+        key = None
         for line in inspect.getsource(klass).splitlines():
             m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
+            more = re.match(r"\s+#\s*(.*)$", line)
             if m:
-                out[m.group(1)] = m.group(2).strip()
+                key, out[m.group(1)] = m.group(1), m.group(2).strip()
+            elif more and key:  # a comment line right below continues the description
+                out[key] += " " + more.group(1).strip()
+            else:
+                key = None
     return out
 
 
 def _type(tp: object) -> str:
     s = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     return s.replace("typing.", "").replace("Literal", "one of ").replace("|", "or")
+
+
+def undescribed() -> list[str]:
+    """``section.key`` of every config key whose dataclass line has no description comment."""
+    from tandem.rl.config.schema import Config
+
+    out = []
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory  # type: ignore[misc]
+        notes = _comments(cls)
+        out += [f"{section.name}.{f.name}" for f in dataclasses.fields(cls)
+                if not notes.get(f.name)]
+    return out
 
 
 def reference() -> str:
@@ -65,6 +86,9 @@ def reference_block(text: str) -> str:
 
 def main() -> None:
     ref = reference()
+    missing = undescribed()
+    if missing and "--write" in sys.argv:
+        sys.exit(f"error: no description comment for {', '.join(missing)}")
     if "--write" not in sys.argv:
         print(ref, end="")
         return

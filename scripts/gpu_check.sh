@@ -5,7 +5,7 @@
 #      paged-attention kernels' (bench/paged_attention.py) is the part "attention", not in the default PARTS;
 #   3. the sampler's noise: the int64 tensor hash against the one-pass Triton kernel (bench/sampler_noise.py);
 #   4. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
-#   5. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL, and Tandem with TANDEM_KERNELS=triton
+#   5. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL, and Tandem with advanced.kernels = triton
 #      (the one-pass noise) (bench/grpo_step.py);
 #   6. the generator against transformers `generate`, with a row for the rollout copy's layout;
 #   7. (part "profile", not in the default PARTS) one decode step at Qwen3-1.7B and 8B shapes, batch
@@ -77,8 +77,9 @@ part quickstart 70 quickstart.log "$PY" train.py --config configs/quickstart.tom
 part grpo 200 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 151936 --prompts 8 --samples 8 \
   --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines "${GRPO_ENGINES:-tandem,trl}"
 
-part grpo-triton 80 grpo_triton.log env TANDEM_KERNELS=triton "$PY" -m bench.grpo_step --shape qwen3-1.7b \
-  --vocab 151936 --prompts 8 --samples 8 --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines tandem
+part grpo-triton 80 grpo_triton.log "$PY" -m bench.grpo_step --shape qwen3-1.7b \
+  --vocab 151936 --prompts 8 --samples 8 --max-tokens 256 --steps 3 --kv-cache-gb 20 \
+  --engines tandem-triton
 
 
 part generate 80 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \

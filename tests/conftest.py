@@ -26,3 +26,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kernels(monkeypatch: pytest.MonkeyPatch):
+    """``kernels("triton" | "torch" | None)``: the process's kernel choice for one test (what
+    ``advanced.kernels`` sets, `tandem.kernels.dispatch.set_kernels`), back as it was after."""
+    from tandem.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_chosen", dispatch.chosen_kernels())
+    return dispatch.set_kernels

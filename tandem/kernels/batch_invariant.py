@@ -35,7 +35,7 @@ the recipe still refuses ``rl.exact`` off the CPU):
 - matmuls: `enable` registers the same ``mm`` / ``addmm`` override for CUDA too, and each
   call takes the Triton kernel of `tandem.kernels.triton_batch_invariant` (fixed tiles per dtype,
   one order over K, no split-K) where `tandem.kernels.dispatch.use_triton` says Triton: on CUDA, or
-  on the CPU with ``TANDEM_KERNELS=triton`` under ``TRITON_INTERPRET=1``; `tiled_mm`
+  on the CPU with ``advanced.kernels = "triton"`` under ``TRITON_INTERPRET=1``; `tiled_mm`
   otherwise (the CPU default, unchanged). The MoE grouped GEMM takes its per-expert loop of
   these matmuls, and the log-prob kernel its chunked path (its Triton kernel splits the
   vocabulary by the token count).

@@ -100,7 +100,7 @@ def token_logprobs_entropy(
         with_entropy: also return the entropy (else ``None``; slightly cheaper).
         chunk_tokens: tokens per chunk on the torch path (peak ~ 2 * chunk * V * 4 B).
         impl: ``"torch"`` or ``"triton"`` to force an implementation (or
-            ``TANDEM_KERNELS``, see `tandem.kernels.dispatch`); ``None`` takes Triton on CUDA
+            the process's `tandem.kernels.dispatch.set_kernels`); ``None`` takes Triton on CUDA
             and the chunked torch path elsewhere. On an H200 (T=4096, V=151936,
             D=2048, bf16, forward + backward) Triton took 23 ms at 2.1 GB peak, the
             chunked path 45 ms at 2.7 GB, naive full logits 31 ms at 11.9 GB.

@@ -58,7 +58,7 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(local_rank, force_cpu=force_cpu or os.environ.get("TANDEM_FORCE_CPU") == "1")
+    device = pick_device(local_rank, force_cpu=force_cpu)
     backend = backend_for(device)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -71,7 +71,8 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
                 kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]), world_size=world)
             dist.init_process_group(backend, timeout=timeout, **kwargs)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
-    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world)
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend,
+                    local_world)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:

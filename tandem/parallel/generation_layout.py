@@ -242,8 +242,9 @@ def shard_modules(model: nn.Module, args: ModelArgs, layout: GenerationLayout) -
         model.output = VocabParallelHead(model.output.weight, args.vocab_size, layout.group, layout.tp)
 
 
-def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: int, devices_per_node: int,
-            device_bytes: float, resident_bytes: float, kv_bytes: float) -> int:
+def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: int,
+            devices_per_node: int, device_bytes: float, resident_bytes: float,
+            kv_bytes: float) -> int:
     """The generation degree ``rollout.tp = 0`` (auto) stands for, on one kind of device.
 
     The smallest ``g`` that divides both ``world`` and ``devices_per_node`` and the model's
@@ -253,7 +254,8 @@ def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: i
     ``devices_per_node`` keeps it inside a node: its two all-reduces per layer never cross the
     network. The run and the planner (``train.py --plan``) both call this."""
     bound = math.gcd(world, devices_per_node)
-    degrees = [g for g in range(1, bound + 1) if bound % g == 0 and check_divisible(args, g) is None]
+    degrees = [g for g in range(1, bound + 1)
+               if bound % g == 0 and check_divisible(args, g) is None]
     room = HEADROOM * device_bytes - resident_bytes - kv_bytes
     return next((g for g in degrees if shard_bytes_of(g) <= room), degrees[-1])
 
@@ -274,7 +276,8 @@ class GenerationCopy:
         self.local = local_args(args, layout)
         with torch.device("meta"):
             meta = Transformer(args)
-        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: once
+        # a tied head counted once
+        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes

@@ -305,7 +305,8 @@ def test_gspo_token_form(lo, hi):
             want_loss[i, t] = max(unclipped, clipped)
             want_grad[i, t] = 0.0 if clipped > unclipped else -a * s  # token form: s_i * grad log p_t
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None))
+    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None)
+    out = POLICY_LOSSES.get("gspo")(inp, cfg)
     assert_close(out.loss, want_loss)
     out.loss.sum().backward()
     assert_close(logp.grad, want_grad)
@@ -315,7 +316,8 @@ def test_gspo_token_form_matches_sequence_objective():
     """Sequence advantages + seq_mean_token_mean: gradient equals the paper's sequence-level objective."""
     lo, hi = 0.05, 0.1
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None))
+    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None)
+    out = POLICY_LOSSES.get("gspo")(inp, cfg)
     AGGREGATIONS.get("seq_mean_token_mean")(out.loss, MASK, make_norm(MASK)).backward()
 
     ref = LOGP.clone().requires_grad_(True)

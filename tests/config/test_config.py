@@ -14,6 +14,7 @@ import pytest
 
 from tandem.rl.config.schema import (
     EXIT_CONFIG_ERROR,
+    AdvancedConfig,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -80,15 +81,18 @@ def every_field_changed() -> Config:
         lr_schedule=LRScheduleConfig(warmup_steps=5, decay="linear", min_lr_ratio=0.0),
         training=TrainingConfig(recipe="rl", steps=20, batch_size=16, micro_batch_size=4, mixed_precision_param="float32",
                                 mixed_precision_reduce="bfloat16", eval_interval=3),
-        parallel=ParallelConfig(dp_replicate=2, dp_shard=4, tp=2, pp=2, pp_schedule="GPipe", pp_microbatches=8,
+        parallel=ParallelConfig(dp_replicate=2, dp_shard=4, tp=2, pp=2, pp_schedule="GPipe",
                                 activation_checkpoint="selective", compile=True, cpu_offload=True, ep=4),
         checkpoint=CheckpointConfig(enable=False, interval=7, folder="ckpt", keep_last=5, resume=False,
                                     export_hf_at_end=False, async_save=True, model_only=True, overwrite=True),
         metrics=MetricsConfig(log_interval=10, tensorboard=False, jsonl=False, samples_per_step=2),
+        advanced=AdvancedConfig(kernels="torch", reshard_bucket_mb=64, logprob_chunk_tokens=256,
+                                share_prompts=False, pp_microbatches=8, dump_rollouts=True),
     )
 
 
-FOUNDATION = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint", "metrics")
+FOUNDATION = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel",
+              "checkpoint", "metrics", "advanced")
 
 
 @pytest.mark.parametrize("section", FOUNDATION)

@@ -21,7 +21,10 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")  # rl recipe, an H
     ("reward.weights=[inf]", "reward.weights[0]: must be a finite number, got inf"),
     ("rollout.max_num_seqs=0", "rollout.max_num_seqs: must be >= 1, got 0"),
     ("rollout.max_num_batched_tokens=0", "rollout.max_num_batched_tokens: must be >= 1, got 0"),
-    ("rollout.num_blocks=-3", "rollout.num_blocks: must be >= 0 (0 = from kv_cache_gb), got -3"),
+    ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb: must be > 0, got 0.0"),
+    ("advanced.logprob_chunk_tokens=0", "advanced.logprob_chunk_tokens: must be >= 1, got 0"),
+    ("advanced.pp_microbatches=-1",
+     "advanced.pp_microbatches: must be >= 0 (0 = the pp degree), got -1"),
     ('rollout.stop=["</a>", ""]', "rollout.stop: stop strings must not be empty, got ['</a>', '']"),
     ("rl.eval_samples=-1", "rl.eval_samples: must be >= 0 (0 = one greedy completion), got -1"),
     ("job.seed=4294967296", "job.seed: must be in [0, 2**32), got 4294967296"),
@@ -29,7 +32,7 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")  # rl recipe, an H
     # 2 layers x (K, V) x 16 tokens x 2 KV heads x head dim 16 x 4 bytes = 8192 bytes per block
     ("rollout.kv_cache_gb=1e-6 rollout.dtype=float32",
      "rollout.kv_cache_gb: 1e-06 GB holds no KV block of this model (one block of 16 "
-     "tokens takes 8.19e-06 GB in float32); raise it or set rollout.num_blocks"),
+     "tokens takes 8.19e-06 GB in float32); raise it"),
 ])
 def test_bad_setting_is_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError) as e:
@@ -42,10 +45,10 @@ def test_one_sample_under_a_group_relative_advantage_is_rejected(advantage):
     with pytest.raises(ConfigError, match=rf"rl.num_samples: 1 completion per prompt under rl.advantage = '{advantage}'.*"
                                           "every advantage would be 0"):
         load_config(QUICKSTART, ["rl.num_samples=1", f"rl.advantage={advantage}"])
-    # a per-sample estimator learns from one sample; a KV pool given in blocks needs no budget
+    # a per-sample estimator learns from one sample
     cfg = load_config(QUICKSTART, ["rl.num_samples=1", "rl.advantage=reinforce_pp",
-                                   "rollout.kv_cache_gb=1e-6", "rollout.num_blocks=4", "job.seed=4294967295"])
-    assert (cfg.rl.num_samples, cfg.rollout.num_blocks, cfg.job.seed) == (1, 4, 2**32 - 1)
+                                   "job.seed=4294967295"])
+    assert (cfg.rl.num_samples, cfg.job.seed) == (1, 2**32 - 1)
 
 
 def test_kv_budget_is_checked_for_a_from_scratch_flavor_too():

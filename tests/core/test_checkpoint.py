@@ -61,7 +61,8 @@ def test_async_save_commits_when_written_and_keeps_the_state_of_its_step(tmp_pat
     at_save = {k: v.clone() for k, v in m.state_dict().items()}
     t0 = time.monotonic()
     blocked = ck.save(3, m, opt, {"step": 3})
-    assert ck.pending_step == 3 and 0 < blocked <= time.monotonic() - t0  # the call's own time, not the write's
+    # the call's own time, not the write's
+    assert ck.pending_step == 3 and 0 < blocked <= time.monotonic() - t0
     assert committed_steps(str(tmp_path)) == []  # not committed before the write is known to be done
     with torch.no_grad():  # training goes on while the write runs: the checkpoint must not see it
         for p in m.parameters():

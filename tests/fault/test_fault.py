@@ -317,7 +317,8 @@ def test_diagnose_reports_hang_rank_phase_step_and_function(tmp_path: Path, caps
     assert diagnose.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "[FAILED] hang" in out and "phase update at step 3" in out
-    assert "rank 1 (n1, phase 'update', step 3" in out and "score_rewards (tandem/rl/rollout/sampling.py:11)" in out
+    assert "rank 1 (n1, phase 'update', step 3" in out
+    assert "score_rewards (tandem/rl/rollout/sampling.py:11)" in out
     assert "likely cause: rank(s) [1]" in out and "verdict: FAILED: hang" in out
 
 
@@ -515,8 +516,10 @@ def test_sbatch_cpu_node_threads_follow_the_allocation(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("env", "cwd", "message"), [
     ({"TANDEM_NPROC_PER_NODE": "two"}, ROOT, "error: TANDEM_NPROC_PER_NODE must be a positive integer, got 'two'"),
     ({"TANDEM_THREADS_PER_PROC": "0"}, ROOT, "error: TANDEM_THREADS_PER_PROC must be a positive integer, got '0'"),
+    ({"TANDEM_GPUS_PER_NODE": "2"}, ROOT,
+     "error: TANDEM_GPUS_PER_NODE was renamed: set TANDEM_NPROC_PER_NODE"),
     ({}, Path("/"), "error: submit from the Tandem repository root"),
-], ids=["nproc", "threads", "not-repo-root"])
+], ids=["nproc", "threads", "old-name", "not-repo-root"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_sbatch_bad_setup_is_one_line_and_exit_2(script: Path, env: dict[str, str], cwd: Path, message: str,
                                                  tmp_path: Path) -> None:

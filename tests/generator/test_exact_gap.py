@@ -5,7 +5,7 @@ fp32 and bf16 on the CPU), and a sequence's log-probs do not depend on its neigh
 The reference is the other phase: the generator (paged prefill, decode, its own batches)
 against `recompute_logprobs` (packed rows, training attention, chunked vocab). Without
 exact mode the same comparison differs in the last bits (asserted too, so the test shows
-that it measures something). The same holds on the Triton path (TANDEM_KERNELS=triton under
+that it measures something). The same holds on the Triton path (advanced.kernels = triton under
 the interpreter: the batch-invariant Triton matmul and exact attention, Triton K/V stores and
 sampling noise), on a smaller workload.
 """
@@ -124,11 +124,12 @@ ON_TRITON = pytest.mark.skipif(not triton_interpreting(), reason="the Triton pat
                                "TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)")
 
 
-def _triton_gap(model, monkeypatch, share: bool, exact: bool) -> tuple[float, int, int, int, int]:
-    """`_gap` on a small workload with every kernel on its Triton form (TANDEM_KERNELS=triton,
+def _triton_gap(model, monkeypatch, kernels, share: bool,
+                exact: bool) -> tuple[float, int, int, int, int]:
+    """`_gap` on a small workload with every kernel on its Triton form (advanced.kernels = triton,
     under the interpreter, which is slow), and the fewer of the Triton matmul's and the Triton
     exact attention's call counts."""
-    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    kernels("triton")
     from tandem.kernels import triton_batch_invariant
 
     calls = {"matmul": 0, "attention": 0}
@@ -143,16 +144,18 @@ def _triton_gap(model, monkeypatch, share: bool, exact: bool) -> tuple[float, in
 
 @ON_TRITON
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prompts"])
-def test_exact_gap_is_zero_on_the_triton_path(models, monkeypatch, share):
+def test_exact_gap_is_zero_on_the_triton_path(models, monkeypatch, kernels, share):
     """The same property with the kernels in their Triton forms: the Triton batch-invariant
     matmul and exact attention, K/V stores and sampling noise in their Triton kernels."""
-    gap, differ, tokens, n_mb, calls = _triton_gap(models[torch.float32], monkeypatch, share, exact=True)
+    gap, differ, tokens, n_mb, calls = _triton_gap(models[torch.float32], monkeypatch, kernels,
+                                                   share, exact=True)
     assert tokens == 36 and n_mb > 1 and calls > 20
     assert gap == 0.0 and differ == 0, (gap, differ, tokens)
 
 
 @ON_TRITON
-def test_without_exact_the_triton_path_differs(models, monkeypatch):
+def test_without_exact_the_triton_path_differs(models, monkeypatch, kernels):
     """Its control: the Triton paged attention and log-prob kernels, no exact kernels, a gap."""
-    gap, differ, _, _, calls = _triton_gap(models[torch.float32], monkeypatch, False, exact=False)
+    gap, differ, _, _, calls = _triton_gap(models[torch.float32], monkeypatch, kernels, False,
+                                           exact=False)
     assert 0 < gap < 1e-4 and differ > 0 and calls == 0

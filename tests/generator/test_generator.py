@@ -191,7 +191,7 @@ def test_cuda_graphs_setting_is_eager_off_cuda(model):
 
 def test_graph_capture_needs_the_triton_attention_path(model):
     """A captured decode graph cannot hold the PyTorch attention path's host reads, so with
-    that path (kernels="torch", or TANDEM_KERNELS=torch) the runner does not capture; asking
+    that path (kernels="torch", or advanced.kernels = torch) the runner does not capture; asking
     for capture on the CPU here would otherwise try CUDA streams."""
     gen = Generator(model, _graph_settings(cuda_graphs=True, graphs_capture=True, kernels="torch"))
     assert gen.runner.graphs is None
@@ -202,9 +202,9 @@ def test_graph_capture_needs_the_triton_attention_path(model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_with_pytorch_attention_run_eagerly_on_gpu(model, monkeypatch):
-    """TANDEM_KERNELS=torch with cuda_graphs on: decode runs eagerly (it used to fail in capture)."""
-    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+def test_cuda_graphs_with_pytorch_attention_run_eagerly_on_gpu(model, kernels):
+    """The torch kernels with cuda_graphs on: decode runs eagerly (it used to fail in capture)."""
+    kernels("torch")
     m = Transformer(model.args).cuda()
     m.load_state_dict(model.state_dict())
     m.reset_rope()
@@ -213,7 +213,7 @@ def test_cuda_graphs_with_pytorch_attention_run_eagerly_on_gpu(model, monkeypatc
     gen = Generator(m, _graph_settings(cuda_graphs=True))
     assert gen.runner.graphs is None
     out = gen.generate(PROMPTS, params, n=2)
-    monkeypatch.delenv("TANDEM_KERNELS")
+    kernels(None)
     ref = Generator(m, _graph_settings()).generate(PROMPTS, params, n=2)
     assert_same_samples(flat(ref), flat(out), atol=1e-4)
 
@@ -237,8 +237,8 @@ def test_cuda_graph_decode_matches_eager_on_gpu(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_inference_layout_keeps_greedy_tokens(model):
-    """The CUDA rollout copy fuses q/k/v and gate/up (tandem.parallel.generation_layout.inference_layout);
-    with decode graphs its greedy tokens equal the training layout's (fp32)."""
+    """The CUDA rollout copy fuses q/k/v and gate/up (`inference_layout`); with decode graphs its
+    greedy tokens equal the training layout's (fp32)."""
     cuda = torch.device("cuda")
     copy_ = GenerationCopy(copy.deepcopy(model).cuda(), model.args, GenerationLayout(), cuda)
     fused, _ = copy_.build()
@@ -261,7 +261,8 @@ def test_generation_copy_takes_the_rollout_dtype(model):
     assert generation_dtype("float32", cuda, "bfloat16") is torch.float32
     assert generation_dtype("bfloat16", cpu, "float32") is torch.bfloat16
 
-    gen_model, metrics = GenerationCopy(model, model.args, GenerationLayout(), cpu, torch.bfloat16).build()
+    copy_ = GenerationCopy(model, model.args, GenerationLayout(), cpu, torch.bfloat16)
+    gen_model, metrics = copy_.build()
     assert {p.dtype for p in gen_model.parameters()} == {torch.bfloat16}
     assert metrics["reshard/gb"] > 0
     ids = torch.tensor([PROMPTS[2]])

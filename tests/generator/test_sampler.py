@@ -327,21 +327,21 @@ def test_one_pass_noise_matches_the_tensor_hash(vocab: int) -> None:
 
 
 @pytest.mark.skipif(not _triton_can_run(), reason="Triton cannot run here")
-def test_one_pass_noise_only_when_forced(monkeypatch) -> None:
+def test_one_pass_noise_only_when_forced(kernels) -> None:
     """The kernel is untimed, so unforced calls keep the tensor hash on every device;
-    TANDEM_KERNELS=triton routes the sampler's noise through it, with the same tokens."""
+    advanced.kernels = triton routes the sampler's noise through it, with the same tokens."""
     from tandem.kernels.sampling_noise import use_one_pass_noise
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     probe = torch.empty(0, device=device)
-    monkeypatch.delenv("TANDEM_KERNELS", raising=False)
+    kernels(None)
     assert not use_one_pass_noise(probe)
     torch.manual_seed(0)
     logits = (3 * torch.randn(6, 200)).to(device)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)] * 3
     keys = [(11, i) for i in range(6)]
     want = Sampler(ahead=1).sample(logits, params, keys)
-    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    kernels("triton")
     assert use_one_pass_noise(probe)
     got = Sampler(ahead=1).sample(logits, params, keys)
     assert torch.equal(got[0], want[0])

@@ -140,7 +140,7 @@ def test_many_experts_few_rows(impl):
     assert (wa.grad - wr.grad).abs().max().item() <= 1e-5
 
 
-def test_moe_block_on_triton_equals_torch(monkeypatch):
+def test_moe_block_on_triton_equals_torch(kernels):
     """The model's MoE block (three grouped GEMMs per layer) through each path, forward and backward."""
     from tandem.models import get_flavor
     from tandem.models.moe import MoE
@@ -153,7 +153,7 @@ def test_moe_block_on_triton_equals_torch(monkeypatch):
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
     for impl in ("torch", "triton"):
-        monkeypatch.setenv("TANDEM_KERNELS", impl)
+        kernels(impl)
         block.zero_grad()
         y = block(x)
         y.square().sum().backward()

@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 
 from tandem.kernels import paged_attention as pa  # noqa: E402
 from tandem.kernels.dispatch import (  # noqa: E402
-    ENV_VAR,
+    chosen_kernels,
     triton_available,
     triton_interpreting,
     use_triton,
@@ -411,30 +411,30 @@ def test_bad_shapes_raise() -> None:
         pa.store_kv(b.q[:, :2], b.q[:, :2], b.k_cache, b.v_cache, b.cu_seqlens_q.float())
 
 
-def test_use_triton_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_use_triton_precedence(monkeypatch: pytest.MonkeyPatch, kernels) -> None:
     cpu = torch.zeros(1)
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    kernels(None)
     assert use_triton(cpu) is False  # CPU tensor: reference by default
     assert use_triton(cpu, "torch") is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if triton_interpreting():  # CPU runs: conftest set it before triton was first imported
         assert use_triton(cpu, "triton") is True
-        monkeypatch.setenv(ENV_VAR, "triton")
+        kernels("triton")
         assert use_triton(cpu) is True
     else:  # a CUDA machine: triton loaded compiled, so a CPU tensor cannot take the kernel
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             use_triton(cpu, "triton")
-        monkeypatch.setenv(ENV_VAR, "triton")
+        kernels("triton")
         assert use_triton(torch.zeros(1, device="cuda")) is True
-    assert use_triton(cpu, "torch") is False  # the argument beats the environment
-    monkeypatch.setenv(ENV_VAR, "torch")
+    assert use_triton(cpu, "torch") is False  # the argument beats the process's choice
+    kernels("torch")
     assert use_triton(cpu) is False
-    monkeypatch.setenv(ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match=ENV_VAR):
-        use_triton(cpu)
+    kernels("auto")
+    assert chosen_kernels() is None and use_triton(cpu) is False
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of auto, triton, torch"):
+        kernels("cuda")
     with pytest.raises(ValueError, match="impl"):
         use_triton(cpu, "tirton")
-    monkeypatch.delenv(ENV_VAR)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         use_triton(cpu, "triton")
@@ -455,7 +455,7 @@ def test_imports_and_runs_without_triton() -> None:
         "    torch.tensor([3], dtype=torch.int32), 0.3)\n"
         "assert out.shape == (1, 2, 8) and 'tandem.kernels.triton_paged_attention' not in sys.modules\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120

@@ -91,11 +91,11 @@ def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_triton_exact_mode_routes_linear_by_dispatch(monkeypatch, impl):
+def test_triton_exact_mode_routes_linear_by_dispatch(monkeypatch, kernels, impl):
     """With exact mode on, ``nn.Linear`` (aten addmm / mm) goes to the Triton matmul when
     `tandem.kernels.dispatch` says Triton and to `tiled_mm` otherwise; gradients stay correct."""
     tk = _tk()
-    monkeypatch.setenv("TANDEM_KERNELS", impl)
+    kernels(impl)
     calls = []
     real = tk.matmul
     monkeypatch.setattr(tk, "matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -175,11 +175,11 @@ def test_triton_attention_matches_the_reference_and_is_invariant(dtype):
         assert torch.equal(tk.attention(q, k, v, index, lens, 0.2, chunk=chunk), got), chunk
 
 
-def test_triton_attention_dispatch_and_gradients(monkeypatch):
-    """`batch_invariant.attention` takes the kernel under TANDEM_KERNELS=triton (bitwise its
+def test_triton_attention_dispatch_and_gradients(monkeypatch, kernels):
+    """`batch_invariant.attention` takes the kernel under advanced.kernels = triton (bitwise its
     output) and gives the reference's gradients (backward recomputes through it)."""
     tk = _tk()
-    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    kernels("triton")
     q, k, v, index, lens = _attention_problem(6, 70, torch.float32, seed=80)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = bi.attention(*leaves, index, lens, 0.3)

@@ -5,10 +5,10 @@ each named training layout (`LAYOUTS`, and `MOE_LAYOUTS` with an MoE model and p
 policy (tandem/rl/update/policy.py) and measures on every rank: the local bytes of its parameter
 shards; what the run counts as resident through the rollout and the auto ``rollout.tp`` it
 chooses from that (tandem/rl/rollout/sampling.py); the tensors one micro-batch's forward saves
-for backward (`saved_bytes`); gradient and AdamW state bytes after one optimizer step; the generation shard
-of `GenerationCopy.build()` (``reshard/gb``) for each generation degree; and the KV pool of a
-`Generator` sized the way the rollout sizes it. Rank 0 writes ``{layout: [record per rank]}``
-to ``F`` (torch.save).
+for backward (`saved_bytes`); gradient and AdamW state bytes after one optimizer step; the
+generation shard of `GenerationCopy.build()` (``reshard/gb``) for each generation degree; and
+the KV pool of a `Generator` sized the way the rollout sizes it. Rank 0 writes
+``{layout: [record per rank]}`` to ``F`` (torch.save).
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ from tandem.parallel.reshard import held  # noqa: E402
 from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, make_norm  # noqa: E402
 from tandem.rl.generator.engine import Generator  # noqa: E402
 from tandem.parallel.generation_layout import GenerationCopy  # noqa: E402
-from tandem.rl.rollout.sampling import choose_rollout_tp, generator_settings, rank_resident_bytes  # noqa: E402
+from tandem.rl.rollout.sampling import (  # noqa: E402
+    choose_rollout_tp,
+    generator_settings,
+    rank_resident_bytes,
+)
 from tandem.rl.rollout.types import RolloutSample  # noqa: E402
 from tandem.rl.core.modeling import BuildSpec  # noqa: E402
 from tandem.rl.core.optim import build_optimizer  # noqa: E402
@@ -64,8 +68,10 @@ MICRO_BATCH_TOKENS, SEQ_LEN = 256, 48
 KV_CASES = [(0.0005, 64, 24), (1.0, 6, 24)]
 PROMPTS_PER_STEP, NUM_SAMPLES, MAX_PROMPT = 8, 2, 16
 # what the run counts as staying through the rollout, with these models beside the policy
-RESIDENT_CASES = {"policy": {}, "offloaded": {"offload_optimizer": True}, "ref_critic": {"reference": True, "critic": True}}
-# the auto rollout.tp the run chooses (2 ranks, 1 or 2 per node) on devices of these sizes, KV pool budget 0.5 MB
+RESIDENT_CASES = {"policy": {}, "offloaded": {"offload_optimizer": True},
+                  "ref_critic": {"reference": True, "critic": True}}
+# the auto rollout.tp the run chooses (2 ranks, 1 or 2 per node) on devices of these sizes,
+# KV pool budget 0.5 MB
 DEVICE_BYTES, AUTO_KV_GB = (8e6, 11e6, 14e6, 20e6, 1e9), 0.0005
 
 
@@ -164,17 +170,18 @@ def run_layout(name: str) -> dict:
     for per_node in (1, 2):
         for mem in DEVICE_BYTES:
             rec[f"auto_tp_{per_node}_{mem:.0f}"] = choose_rollout_tp(
-                RolloutConfig(kv_cache_gb=AUTO_KV_GB), args, torch.float32, world=dist.get_world_size(),
-                devices_per_node=per_node, device_bytes=mem, resident=rec["resident_policy"])
+                RolloutConfig(kv_cache_gb=AUTO_KV_GB), args, torch.float32,
+                world=dist.get_world_size(), devices_per_node=per_node, device_bytes=mem,
+                resident=rec["resident_policy"])
     policy.eval()
     for g in (1, 2):
         layout = make_layout(g, True)
         gen_model, metrics = GenerationCopy(policy.state_module, args, layout, dev).build(inference=False)
         rec[f"shard_{g}"] = metrics["reshard/gb"] * 1e9
         for j, (kv_gb, seqs, max_tokens) in enumerate(KV_CASES):
-            settings = generator_settings(RolloutConfig(kv_cache_gb=kv_gb, max_num_seqs=seqs, max_tokens=max_tokens,
-                                                         block_size=4, kernels="torch", cuda_graphs=False),
-                                           MAX_PROMPT, seed=0)
+            rcfg = RolloutConfig(kv_cache_gb=kv_gb, max_num_seqs=seqs, max_tokens=max_tokens,
+                                 block_size=4, cuda_graphs=False)
+            settings = generator_settings(rcfg, MAX_PROMPT, seed=0)
             pooled = PROMPTS_PER_STEP // dist.get_world_size() * g  # as _with_generator sizes it
             settings.max_num_seqs = min(settings.max_num_seqs, pooled * NUM_SAMPLES)
             gen = Generator(gen_model, settings)

@@ -138,9 +138,9 @@ def test_planner_and_run_choose_the_same_rollout_tp_on_a_table_of_clusters():
                 lay = Layout(dp_shard=per_node * nodes)
                 for mem in (40e9, 80e9, 141e9):
                     g = planner.auto_rollout_tp(lay, mem, per_node)
-                    run = choose_rollout_tp(RolloutConfig(kv_cache_gb=4.0), args, torch.bfloat16, world=lay.world,
-                                            devices_per_node=per_node, device_bytes=mem,
-                                            resident=planner.resident_bytes(lay))
+                    run = choose_rollout_tp(RolloutConfig(kv_cache_gb=4.0), args, torch.bfloat16,
+                                            world=lay.world, devices_per_node=per_node,
+                                            device_bytes=mem, resident=planner.resident_bytes(lay))
                     assert g == run and per_node % g == 0, (flavor, per_node, nodes, mem, g, run)
                     seen.add(g)
     assert seen == {1, 2, 4, 8}, seen

@@ -50,11 +50,11 @@ def test_reward_model_then_rlhf_configs(tmp_path):
 
 
 def test_share_prompts_gives_the_same_run(tmp_path):
-    """rl.share_prompts (on by default without pipeline stages) packs each prompt once per
+    """advanced.share_prompts (on by default without pipeline stages) packs each prompt once per
     micro-batch: the same run as without it (the token saving and exact gradients are
     checked in test_rl_loop)."""
     args = ("--training.steps=2", "--rl.eval_prompts=4", "--rl.prompts_per_step=8", "--checkpoint.enable=false")
-    plain = _train("quickstart.toml", tmp_path / "plain", *args, "--rl.share_prompts=false")
+    plain = _train("quickstart.toml", tmp_path / "plain", *args, "--advanced.share_prompts=false")
     shared = _train("quickstart.toml", tmp_path / "shared", *args)
     for a, b in zip(plain, shared, strict=True):
         assert b["update/tokens"] == a["update/tokens"]  # the same completion tokens trained

@@ -5,7 +5,7 @@ Each prompt's samples are keyed by (job seed, step, stream position, sample inde
 prompts are the next positions of one global stream dealt over the ranks, so the completions
 must agree token for token; the updates agree up to the float reassociation of a different
 reduction tree (FSDP2's reduce-scatter vs one rank's sum). The runs dump every sample with
-``TANDEM_DUMP_ROLLOUTS=1``; torchrun launches are shared through a module fixture.
+``advanced.dump_rollouts``; torchrun launches are shared through a module fixture.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> list[dict]:
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={POLICY}", f"--job.dump_folder={dump}", f"--training.steps={STEPS}",
            "--rl.prompts_per_step=8", "--rl.eval_prompts=8", "--training.eval_interval=0",
-           "--metrics.tensorboard=false", "--checkpoint.interval=2", "--checkpoint.keep_last=5", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TANDEM_DUMP_ROLLOUTS": "1"}
+           "--metrics.tensorboard=false", "--checkpoint.interval=2", "--checkpoint.keep_last=5",
+           "--advanced.dump_rollouts=true", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]

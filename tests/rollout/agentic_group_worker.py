@@ -65,8 +65,7 @@ def main() -> None:
     prompts = [Prompt(index=i, token_ids=[], row=r) for i, r in enumerate(rows)]
     mine = prompts[:8] if rank == 0 else prompts[8:]
     seeds = [1000 + 7 * p.index for p in mine]
-    rcfg = RolloutConfig(temperature=1.0, max_tokens=96, block_size=16, num_blocks=256, kernels="torch",
-                         cuda_graphs=False)
+    rcfg = RolloutConfig(temperature=1.0, max_tokens=96, block_size=16, cuda_graphs=False)
     out: dict = {"pid": os.getpid(), "world": info.world_size}
 
     def ecfg(phase: str) -> EnvConfig:
@@ -77,8 +76,8 @@ def main() -> None:
     def play(phase: str, layout: GenerationLayout, pool: EnvPool | None, prompts, seeds, greedy=False) -> None:
         gen_model, _ = GenerationCopy(model, model.args, layout, dev).build()
         t0 = time.perf_counter()
-        samples, metrics = sample_episodes(gen_model, tok, prompts, N, rcfg, ecfg(phase), pool, seed=0,
-                                             greedy=greedy, seeds=seeds, layout=layout)
+        samples, metrics = sample_episodes(gen_model, tok, prompts, N, rcfg, ecfg(phase), pool,
+                                           seed=0, greedy=greedy, seeds=seeds, layout=layout)
         out[phase] = {"episodes": [_episode(s) for s in samples], "metrics": metrics,
                       "seconds": time.perf_counter() - t0}
 

@@ -92,8 +92,8 @@ class _Tok:
 
 
 def _rollout_cfg(temperature: float) -> RolloutConfig:
-    return RolloutConfig(temperature=temperature, max_tokens=10, block_size=4, num_blocks=64, max_num_seqs=16,
-                         max_num_batched_tokens=64, prefix_sharing=True, kernels="torch", cuda_graphs=False)
+    return RolloutConfig(temperature=temperature, max_tokens=10, block_size=4, max_num_seqs=16,
+                         max_num_batched_tokens=64, prefix_sharing=True, cuda_graphs=False)
 
 
 def _prompts(dp_rank: int, dp: int) -> list[Prompt]:
@@ -126,16 +126,18 @@ def run_layout(name: str) -> dict:
         mine = replica[mp_rank::mp]  # as the recipe does: split over the model-parallel ranks, then gathered
         # a run's first step: makes the reshard plan and the group's first object collectives (once a run)
         warm = copy.build(inference=False)[0]
-        sample_completions(warm, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8, layout=layout)
+        sample_completions(warm, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8,
+                           layout=layout)
         del warm
         gc.collect()
         before = live_tensor_bytes()  # what every later step's move starts from
         peaks: list[int] = []
         gen_model, metrics = copy.build(inference=False, probe=lambda p=peaks: p.append(live_tensor_bytes()))
-        greedy, _ = sample_completions(gen_model, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED, max_prompt_tokens=8,
-                                     layout=layout)
-        sampled, _ = sample_completions(gen_model, _Tok(), mine, 2, _rollout_cfg(1.0), seed=SEED + layout.leader,
-                                      max_prompt_tokens=8, layout=layout)
+        greedy, _ = sample_completions(gen_model, _Tok(), mine, 1, _rollout_cfg(0.0), seed=SEED,
+                                       max_prompt_tokens=8, layout=layout)
+        sampled, _ = sample_completions(gen_model, _Tok(), mine, 2, _rollout_cfg(1.0),
+                                        seed=SEED + layout.leader, max_prompt_tokens=8,
+                                        layout=layout)
         sampled = _replica_samples(sampled, {p.index for p in replica})
         del gen_model
         gc.collect()

@@ -59,14 +59,17 @@ class PolicyLossInput:
 class PolicyLossConfig:
     """The policy losses' clip and truncated-importance-sampling settings, defined and checked
     here once. The ``[rl]`` config section extends this class (tandem/rl/config/rl_schema.py
-    `RLConfig`), so they are set as ``rl.<key>``; a loss declares the clip keys it reads (``uses``)."""
+    `RLConfig`), so they are set as ``rl.<key>``; a loss declares the clip keys it reads
+    (``uses``)."""
 
     clip_low: float = 0.2  # ppo_clip: token ratio clipped below at 1 - clip_low
     clip_high: float = 0.2  # ppo_clip: ... and above at 1 + clip_high (DAPO clip-higher: 0.28)
-    dual_clip: float | None = None  # ppo_clip: c > 1 bounds the loss of a token with advantage A < 0 by -c x A (arXiv 1912.09729 uses 3); none = off
+    dual_clip: float | None = None  # ppo_clip: c > 1 bounds the loss of a token with advantage A <
+    # 0 by -c x A (arXiv 1912.09729 uses 3); none = off
     seq_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - seq_clip_low
     seq_clip_high: float = 4e-4  # gspo: ... and above at 1 + seq_clip_high
-    tis_cap: float | None = 2.0  # truncated importance sampling of the train/generation gap: each token's loss times min(exp(old - gen log-prob), tis_cap); none = off
+    tis_cap: float | None = 2.0  # truncated importance sampling of the train/generation gap: each
+    # token's loss times min(exp(old - gen log-prob), tis_cap); none = off
 
     def __post_init__(self) -> None:
         PolicyLossConfig.validate(self)
@@ -76,8 +79,8 @@ class PolicyLossConfig:
                 f"rl.clip_low / rl.clip_high: need 0 <= clip_low < 1 and clip_high >= 0, "
                 f"got {self.clip_low} / {self.clip_high}")
         require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
-                f"rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1 and seq_clip_high >= 0, "
-                f"got {self.seq_clip_low} / {self.seq_clip_high}")
+                f"rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1 and "
+                f"seq_clip_high >= 0, got {self.seq_clip_low} / {self.seq_clip_high}")
         require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
         require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
 

@@ -34,33 +34,35 @@ class RLConfig(PolicyLossConfig):
     prompts_per_step: int = 16  # prompts per step, global over data-parallel ranks
     advantage: str = "grpo"  # tandem/rl/algorithms/advantages.py: grpo, dr_grpo, rloo, reinforce_pp, gae
     norm_by_std: bool = True  # grpo: divide by the group std
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount of later token rewards (reinforce_pp, gae), in [0, 1]
+    lam: float = 1.0  # gae: GAE's lambda, in [0, 1]
     policy_loss: str = "ppo_clip"  # tandem/rl/algorithms/policy_loss.py: ppo_clip, gspo, reinforce
     aggregation: str = "token_mean"  # tandem/rl/algorithms/aggregation.py
     loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default rollout.max_tokens
     kl_coef: float = 0.0  # 0 = no reference model
     kl_estimator: str = "k3"  # k1, k2, k3
-    kl_mode: Literal["loss", "reward"] = "loss"
-    entropy_coef: float = 0.0
+    kl_mode: Literal["loss", "reward"] = "loss"  # loss: kl_coef x the estimator added to the loss;
+    # reward: subtracted from each token's reward before the advantages
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x each token's entropy;
+    # 0 = off
     exact: bool = False  # batch-invariant kernels in rollout and update (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
-    share_prompts: bool | None = None  # each prompt once per micro-batch, its completions as branches: same gradients, fewer tokens; none: on unless parallel.pp > 1 (true there is an error)
-    logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk of the log-probs (peak ~ 2 x chunk x vocab x 4 B on the CPU; on CUDA the Triton backward's chunk x vocab in the compute dtype)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
-    max_refill_rounds: int = 3
+    max_refill_rounds: int = 3  # dynamic_sampling: at most this many more rollouts per step; the
+    # last round's groups are all kept
     overlong_filter: bool = False  # mask out truncated completions
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = 1.0  # the overlong_buffer penalty's size: 0 at max_tokens -
+    # overlong_buffer tokens, -overlong_penalty at max_tokens
     offload_optimizer: bool = False  # move optimizer state to CPU during rollout
     eval_prompts: int = 64  # held-out prompts per evaluation
     eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one greedy completion
 
     def validate(self) -> None:
-        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens", "logprob_chunk_tokens",
-                    "eval_prompts"):
+        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches",
+                    "micro_batch_tokens", "eval_prompts"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
         require(self.eval_samples >= 0, f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}")
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
@@ -83,7 +85,7 @@ class RLConfig(PolicyLossConfig):
 
         uses = POLICY_LOSSES.cap(self.policy_loss, "uses", ())
         default = PolicyLossConfig()
-        for key in (f.name for f in fields(PolicyLossConfig) if f.name != "tis_cap"):  # every loss reads tis_cap
+        for key in (f.name for f in fields(PolicyLossConfig) if f.name != "tis_cap"):  # all read it
             if key not in uses and getattr(self, key) != getattr(default, key):
                 reads = ", ".join(f"rl.{k}" for k in uses) or "no clip setting"
                 raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} (it reads {reads})")
@@ -93,24 +95,26 @@ class RLConfig(PolicyLossConfig):
 class RolloutConfig:
     """Sampling settings and the in-house generator's sizes."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus: sample among the fewest tokens holding this probability; 1 = off
+    top_k: int = 0  # sample among the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
     max_tokens: int = 256  # new tokens per completion
     stop: list[str] = field(default_factory=list)  # stop strings (EOS ids always stop)
     block_size: int = 16  # KV block size (tokens)
-    kv_cache_gb: float = 1.0  # KV pool budget, carved at rollout start (at most what max_num_seqs full-length sequences need; ignored when num_blocks > 0); off CUDA in fp32, decode steps also keep contiguous K/V rows of at most the pool's size
-    num_blocks: int = 0
-    max_num_seqs: int = 256
+    kv_cache_gb: float = 1.0  # KV pool budget per generator, carved at rollout start: as many
+    # blocks as fit, at most what max_num_seqs full-length sequences need; off CUDA in fp32, decode
+    # steps also keep contiguous K/V rows of at most the pool's size
+    max_num_seqs: int = 256  # sequences one generator runs at once (its KV pool is sized for at
+    # most this many)
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
     prefix_sharing: bool = True  # the n samples of a prompt share its KV blocks
-    kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere, unless the environment sets TANDEM_KERNELS to triton or torch (which also picks the update's log-prob kernel)
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA with the Triton attention kernels; eager elsewhere)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
-    tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest degree whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
+    tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks
+    # run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest
+    # degree within a node whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
-    reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
@@ -119,33 +123,32 @@ class RolloutConfig:
         require(0 <= self.min_p < 1, f"rollout.min_p: must be in [0, 1), got {self.min_p}")
         require(self.max_tokens >= 1, f"rollout.max_tokens: must be >= 1, got {self.max_tokens}")
         require(self.block_size >= 1, f"rollout.block_size: must be >= 1, got {self.block_size}")
-        require(self.num_blocks > 0 or self.kv_cache_gb > 0, "rollout.kv_cache_gb: must be > 0 when num_blocks = 0")
-        require(self.num_blocks >= 0, f"rollout.num_blocks: must be >= 0 (0 = from kv_cache_gb), got {self.num_blocks}")
+        require(self.kv_cache_gb > 0, f"rollout.kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
         require(self.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1,
                 f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
         require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
-        require(self.reshard_bucket_mb >= 1, f"rollout.reshard_bucket_mb: must be >= 1, got {self.reshard_bucket_mb}")
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``
-        (ModelArgs) in ``dtype``; a no-op when ``num_blocks`` is set."""
+        (ModelArgs) in ``dtype``."""
         import torch
 
         from tandem.rl.generator.kv_cache import KVCache
 
         per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype))
-        require(self.num_blocks > 0 or self.kv_cache_gb * 1e9 >= per_block,
+        require(self.kv_cache_gb * 1e9 >= per_block,
                 f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model (one block of "
-                f"{self.block_size} tokens takes {per_block / 1e9:.3g} GB in {dtype}); raise it or set rollout.num_blocks")
+                f"{self.block_size} tokens takes {per_block / 1e9:.3g} GB in {dtype}); raise it")
 
 
 @dataclass
 class RewardConfig:
     """Reward functions (tandem/rl/rewards registry), their weights, and the CPU worker pool."""
 
-    functions: list[str] = field(default_factory=lambda: ["math"])
+    functions: list[str] = field(default_factory=lambda: ["math"])  # names in the tandem/rl/rewards
+    # registry, summed with reward.weights
     modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
     num_workers: int = 2  # 0 = score in the trainer process
@@ -179,7 +182,8 @@ class CriticConfig:
     """PPO's value model (used when rl.advantage = "gae"): same architecture and mesh as the policy."""
 
     path: str | None = None  # HF folder (policy or reward model); default: the policy's starting weights
-    lr: float = 1e-5
+    lr: float = 1e-5  # the critic's own AdamW learning rate (betas, eps, weight decay from
+    # [optimizer])
     value_clip: float | None = 0.2  # clip the new value within this of the old; none = unclipped loss
     coef: float = 1.0  # scale of the value loss (the critic has its own optimizer)
     warmup_steps: int = 0  # RL steps at the start where only the critic learns

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from tandem.rl.algorithms.preference import PreferenceConfig
 from tandem.rl.core.configlib import (
     EXIT_CONFIG_ERROR,
     CliArgs,
@@ -38,6 +39,7 @@ from tandem.rl.core.configlib import (
 
 __all__ = [
     "EXIT_CONFIG_ERROR",
+    "AdvancedConfig",
     "CheckpointConfig",
     "CliArgs",
     "Config",
@@ -141,11 +143,12 @@ class DataConfig:
     format: Literal["auto", "jsonl", "parquet"] = "auto"  # auto: by file extension
     max_length: int = 2048  # tokens per sequence (and per packed row)
     pack: bool = True  # pack several sequences into one row of max_length
-    shuffle: bool = True
+    shuffle: bool = True  # a new seeded permutation of the rows every epoch; false: file order
     on_bad_row: Literal["skip", "error"] = "skip"  # a row with a missing or wrong-typed field: skip (counted and reported) or error (exit 3 naming file:line)
     messages_field: str = "messages"  # chat rows (sft: assistant turns trained; a "tools" list of schemas is rendered by the template)
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
+    prompt_field: str = "prompt"  # a row's prompt as plain text, read when it has no messages_field
+    completion_field: str = "completion"  # sft: the text trained after a prompt_field prompt (rows
+    # without messages)
     answer_field: str = "answer"  # ground truth for rule-based rewards (rl recipe)
     eval_fraction: float = 0.0  # share of rows held out for evaluation
     eval_path: str | None = None  # held-out prompts (rl recipe); synthetic:<task> uses its test split
@@ -163,9 +166,9 @@ class OptimizerConfig:
     """The optimizer and gradient clipping."""
 
     lr: float = 1e-5  # peak learning rate (AdamW)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's [beta1, beta2]
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # 0 disables clipping
 
     def validate(self) -> None:
@@ -182,7 +185,8 @@ class LRScheduleConfig:
     """Learning-rate warm-up and decay over training.steps."""
 
     warmup_steps: int = 0  # linear warm-up from 0 to optimizer.lr
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # after the warm-up, from
+    # optimizer.lr down to min_lr_ratio x lr at the last step; constant: no decay
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optimizer.lr
 
     def validate(self) -> None:
@@ -220,7 +224,6 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel (sequence parallel norms, vocab-parallel head); must divide the heads
     pp: int = 1  # pipeline stages (layers split evenly; rl recipe only)
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"  # Interleaved1F1B: 2 stages per rank
-    pp_microbatches: int = 0  # 0 = the pp degree
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # per block; selective: matmul/attention outputs kept, elementwise recomputed
     compile: bool = False  # torch.compile per block
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters and gradients
@@ -232,8 +235,6 @@ class ParallelConfig:
             require(value >= 1, f"parallel.{key}: must be >= 1, got {value}")
         require(self.dp_shard == -1 or self.dp_shard >= 1,
                 f"parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
-        require(self.pp_microbatches >= 0,
-                f"parallel.pp_microbatches: must be >= 0 (0 = the pp degree), got {self.pp_microbatches}")
 
     def resolve(self, world_size: int) -> dict[str, int]:
         """Mesh degrees {pp, dp_replicate, dp_shard, tp} whose product is ``world_size``."""
@@ -257,10 +258,11 @@ class ParallelConfig:
 class CheckpointConfig:
     """DCP checkpoints under job.dump_folder, resume, and the final HF export."""
 
-    enable: bool = True
+    enable: bool = True  # write checkpoints (every interval steps and at the end); false: none, so
+    # nothing to resume
     interval: int = 50  # steps between saves (the last step always saves)
     folder: str = "checkpoints"  # relative to job.dump_folder
-    keep_last: int = 2
+    keep_last: int = 2  # committed checkpoints kept; older ones are deleted after each save
     async_save: bool = False  # write in a background thread while training goes on; committed when every rank is done
     model_only: bool = False  # weights + trainer state only, no optimizer state (resuming restarts the optimizer)
     resume: bool = True  # resume from the newest checkpoint in folder whose files match its SHA256SUMS, if any
@@ -300,38 +302,30 @@ class MetricsConfig:
 
 
 @dataclass
-class PreferenceTrainConfig:
+class PreferenceTrainConfig(PreferenceConfig):
     """The [preference] section: pairwise recipes (dpo: DPO/IPO/SimPO; reward_model: Bradley-Terry).
 
-    ``loss``/``beta``/``label_smoothing``/``gamma`` become the algorithm's
-    ``tandem.rl.algorithms.preference.PreferenceConfig`` (`loss_config`). ``reference``:
-    "precompute" scores every pair once with the initial policy before training
-    (no second model in memory), "online" keeps a frozen sharded copy and scores
-    each micro-batch, "none" is for reference-free losses (simpo).
+    ``beta`` / ``label_smoothing`` / ``margin`` are the loss's own `PreferenceConfig`
+    (tandem/rl/algorithms/preference.py), defined and checked there; the loss takes this
+    section as its config. ``reference``: "precompute" scores every pair once with the initial
+    policy before training (no second model in memory), "online" keeps a frozen sharded copy
+    and scores each micro-batch, "none" is for reference-free losses (simpo).
     """
 
     loss: str = "dpo"  # a name in tandem.rl.algorithms.preference.PREFERENCE_LOSSES (dpo recipe)
-    beta: float = 0.1  # DPO ~0.1; IPO's tau; SimPO ~2.0
-    label_smoothing: float = 0.0  # cDPO: assumed label-flip probability
-    gamma: float = 0.5  # SimPO target reward margin
-    reference: Literal["precompute", "online", "none"] = "precompute"
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
+    reference: Literal["precompute", "online", "none"] = "precompute"  # the dpo recipe's reference
+    # log-probs: precompute (scored once before training), online (a frozen copy scores each
+    # micro-batch), none (reference-free losses: simpo)
+    chosen_field: str = "chosen"  # data field of the preferred reply (text or assistant messages)
+    rejected_field: str = "rejected"  # data field of the dispreferred reply
 
     def validate(self) -> None:
         from tandem.rl.algorithms.preference import PREFERENCE_LOSSES
 
         require(self.loss in PREFERENCE_LOSSES, f"preference.loss: {PREFERENCE_LOSSES.unknown_message(self.loss)}")
-        require(self.beta > 0, f"preference.beta: must be > 0, got {self.beta}")
-        require(0.0 <= self.label_smoothing < 0.5,
-                f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+        super().validate()
         for key in ("chosen_field", "rejected_field"):
             require(bool(getattr(self, key)), f"preference.{key}: must not be empty")
-
-    def loss_config(self):  # -> tandem.rl.algorithms.preference.PreferenceConfig (imported lazily)
-        from tandem.rl.algorithms.preference import PreferenceConfig
-
-        return PreferenceConfig(beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
 
 
 @dataclass
@@ -356,6 +350,34 @@ class PlanConfig:
 
 
 @dataclass
+class AdvancedConfig:
+    """Performance and debugging settings the program picks itself; set one to measure or debug."""
+
+    kernels: Literal["auto", "torch", "triton"] = "auto"  # every kernel of both phases (paged
+    # attention, sampling noise, log-probs, grouped GEMM, rl.exact matmuls): auto = Triton on CUDA,
+    # PyTorch elsewhere; triton off CUDA runs under TRITON_INTERPRET=1 only
+    reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this
+    # many MB of send + receive buffers per rank at a time
+    logprob_chunk_tokens: int = 1024  # completion tokens per vocabulary-projection chunk of the
+    # update's log-probs (peak about 2 x chunk x vocab x 4 B on the CPU; on CUDA the Triton
+    # backward's chunk x vocab in the compute dtype)
+    share_prompts: bool | None = None  # rl: each prompt packed once per micro-batch, its
+    # completions as branches (same gradients, fewer tokens); none = on unless parallel.pp > 1 (true
+    # there is an error)
+    pp_microbatches: int = 0  # micro-batches per pipeline schedule; 0 = the pp degree
+    dump_rollouts: bool = False  # rl: every rank appends each step's samples (prompt, completion
+    # ids, generator log-probs) to job.dump_folder/rollouts/rank-N.jsonl
+
+    def validate(self) -> None:
+        for key in ("reshard_bucket_mb", "logprob_chunk_tokens"):
+            value = getattr(self, key)
+            require(value >= 1, f"advanced.{key}: must be >= 1, got {value}")
+        require(self.pp_microbatches >= 0,
+                f"advanced.pp_microbatches: must be >= 0 (0 = the pp degree), "
+                f"got {self.pp_microbatches}")
+
+
+@dataclass
 class Config:
     """The whole run. Each field is a section; its name is the TOML table name."""
 
@@ -377,6 +399,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.
     MOVED = {
@@ -387,6 +410,15 @@ class Config:
         "model.dtype": "removed: it was never read; the GPU compute dtype is training.mixed_precision_param",
         "rl.sample_log_interval": "removed: metrics.samples_per_step samples of every step go to samples.jsonl "
                                   "and tensorboard",
+        "rollout.num_blocks": "removed: the KV pool's blocks come from rollout.kv_cache_gb",
+        "rollout.kernels": "moved: set advanced.kernels (it picks the kernels of both phases; the "
+                           "TANDEM_KERNELS variable is gone too)",
+        "rollout.reshard_bucket_mb": "moved: set advanced.reshard_bucket_mb",
+        "rl.logprob_chunk_tokens": "moved: set advanced.logprob_chunk_tokens",
+        "rl.share_prompts": "moved: set advanced.share_prompts",
+        "parallel.pp_microbatches": "moved: set advanced.pp_microbatches",
+        "preference.gamma": "renamed: set preference.margin (SimPO's target reward margin; "
+                            "rl.gamma is GAE's discount)",
     }
 
     def validate(self) -> None:
@@ -399,13 +431,14 @@ class Config:
         r = self.reward
         require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
                 "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")
-        if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
+        if self.training.recipe == "rl":
             args = _model_args_if_known(self.model)
             if args is not None:
                 self.rollout.check_kv_budget(args, self._generation_dtype())
 
     def _generation_dtype(self) -> str:
-        """rollout.dtype as tandem/rl/rollout/sampling.py resolves it (auto: the compute dtype on CUDA)."""
+        """rollout.dtype as tandem/rl/rollout/sampling.py resolves it (auto: the compute dtype on
+        CUDA)."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
         import torch

@@ -218,7 +218,7 @@ class EpochOrder:
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             if self.shuffle:
-                import torch  # the permutation of every shipped run so far: torch's, seeded per epoch
+                import torch  # torch's seeded permutation: the row order of every run so far
 
                 g = torch.Generator().manual_seed(self.seed + epoch)
                 self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()

@@ -50,7 +50,8 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None) -> Example:
     return tokenize_turns(messages, tokenizer, tools=tools)
 
 
-def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int = 0, tools: Any = None) -> Example:
+def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int = 0,
+                   tools: Any = None) -> Example:
     """Tokens of ``messages`` through the chat template; the assistant turns at index >= ``first``
     are trained (mask 1). The template is rendered turn by turn so the mask follows the rendered
     text, whatever the template adds around each turn; it must be prefix-stable."""

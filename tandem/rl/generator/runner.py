@@ -9,7 +9,7 @@ With ``cuda_graphs`` on, pure decode steps go through `DecodeGraphs`
 (bucketed, padded static buffers, captured on CUDA with the Triton attention
 kernels); everything else, every step off CUDA unless ``graphs_capture=False``
 forces the padded path for testing, and every step on the PyTorch attention
-path (``TANDEM_KERNELS=torch``), runs eagerly. On the PyTorch attention path (off CUDA, fp32
+path (``advanced.kernels = "torch"``), runs eagerly. On the PyTorch attention path (off CUDA, fp32
 caches) pure decode steps read contiguous per-sequence rows kept by a
 `DecodeMirror` instead of gathering the pages at every layer
 (``decode_mirror=False``: always gather).
@@ -47,7 +47,7 @@ class ModelRunner:
         capture = self.device.type == "cuda" if graphs_capture is None else graphs_capture
         if capture and not use_triton(cache.data, impl):
             # The PyTorch attention path reads lengths on the host (`.tolist()`), which a
-            # captured graph cannot hold: with TANDEM_KERNELS=torch on CUDA, decode runs eagerly.
+            # captured graph cannot hold: with the torch kernels on CUDA, decode runs eagerly.
             capture = False
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and (capture or graphs_capture is False):

@@ -106,7 +106,7 @@ def exponential_noise(
 ) -> torch.Tensor:
     """E ~ Exp(1) i.i.d. per (row, token), a pure function of (seed, index, token). [N, V] fp32.
 
-    ``impl="triton"`` (or ``TANDEM_KERNELS=triton``) computes it with
+    ``impl="triton"`` (or ``advanced.kernels = "triton"``) computes it with
     `tandem.kernels.sampling_noise.noise_in_one_pass` instead (not yet timed on a GPU).
     """
     keys = torch.tensor(_row_keys(step_keys), dtype=torch.int64, device=device).reshape(

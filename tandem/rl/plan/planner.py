@@ -88,14 +88,13 @@ class Settings:
     tokens: int = 4096  # per micro-batch and rank
     ac: str = "none"
     pp_schedule: str = "1F1B"
-    pp_microbatches: int = 0
+    pp_microbatches: int = 0  # advanced.pp_microbatches
     seq_len: int = 2048  # pipeline rows
     offload_optimizer: bool = False
     cpu_offload: bool = False
     reference: bool = False  # a frozen second copy (rl.kl_coef > 0, dpo's online reference)
     critic: bool = False
     kv_cache_gb: float = 1.0
-    num_blocks: int = 0
     block_size: int = 16
     max_num_seqs: int = 256
     max_len: int = 2048  # the generator's max_model_len
@@ -107,7 +106,7 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
-        t, p, r, ro = cfg.training, cfg.parallel, cfg.rl, cfg.rollout
+        t, p, r, ro, a = cfg.training, cfg.parallel, cfg.rl, cfg.rollout, cfg.advanced
         rl = t.recipe == "rl"
         if rl:
             tokens = r.micro_batch_tokens
@@ -119,14 +118,16 @@ class Settings:
         return cls(
             recipe=t.recipe, compute_dtype=getattr(torch, t.mixed_precision_param),
             reduce_dtype=getattr(torch, t.mixed_precision_reduce), gen_dtype=getattr(torch, gen), tokens=tokens,
-            ac=p.activation_checkpoint, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
+            ac=p.activation_checkpoint, pp_schedule=p.pp_schedule,
+            pp_microbatches=a.pp_microbatches,
             seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer, cpu_offload=p.cpu_offload,
             reference=(rl and r.kl_coef > 0) or (t.recipe == "dpo" and cfg.preference.reference == "online"),
             critic=rl and ADVANTAGES.cap(r.advantage, "needs_values", False),
-            kv_cache_gb=ro.kv_cache_gb, num_blocks=ro.num_blocks, block_size=ro.block_size,
+            kv_cache_gb=ro.kv_cache_gb, block_size=ro.block_size,
             max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1, prompts_per_step=r.prompts_per_step,
-            num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel, bucket_bytes=ro.reshard_bucket_mb << 20,
-            chunk_tokens=r.logprob_chunk_tokens)
+            num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel,
+            bucket_bytes=a.reshard_bucket_mb << 20,
+            chunk_tokens=a.logprob_chunk_tokens)
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -298,18 +299,16 @@ class Planner:
 
     def kv_pool(self, layout: Layout) -> tuple[int, int]:
         """(bytes, full-length sequences) of one generator's KV pool on one rank, by the
-        generator's rule: as many blocks as rollout.kv_cache_gb holds (or rollout.num_blocks),
-        at most what the rollout's sequences of max_model_len tokens need at once."""
+        generator's rule: as many blocks as rollout.kv_cache_gb holds, at most what the
+        rollout's sequences of max_model_len tokens need at once."""
         s = self.s
         local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
         per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype)
         blocks_per_seq = -(-s.max_len // s.block_size)
-        if s.num_blocks:
-            blocks = s.num_blocks
-        else:
-            prompts = -(-s.prompts_per_step // layout.world) * layout.rollout_tp  # a generation group pools its ranks'
-            seqs = min(s.max_num_seqs, max(1, prompts * s.num_samples))
-            blocks = min(int(s.kv_cache_gb * GB) // per_block, seqs * blocks_per_seq)
+        # a generation group pools its ranks' prompts
+        prompts = -(-s.prompts_per_step // layout.world) * layout.rollout_tp
+        seqs = min(s.max_num_seqs, max(1, prompts * s.num_samples))
+        blocks = min(int(s.kv_cache_gb * GB) // per_block, seqs * blocks_per_seq)
         return blocks * per_block, blocks // blocks_per_seq
 
     def micro_batch(self, layout: Layout) -> tuple[int, int]:
@@ -374,18 +373,19 @@ class Planner:
             return 0
         params = self.param_bytes(layout, stages)
         head = params - self.param_bytes(layout, stages, skip="output")
-        return resident_bytes(params, head, offload_optimizer=self.s.offload_optimizer, reference=self.s.reference,
-                              critic=self.s.critic)
+        return resident_bytes(params, head, offload_optimizer=self.s.offload_optimizer,
+                              reference=self.s.reference, critic=self.s.critic)
 
     def resident_bytes(self, layout: Layout) -> float:
         """`resident` of the busiest rank: what the auto rollout.tp rule counts."""
-        return max(self.resident(layout, st) for _, st in rank_kinds(self.args, layout, self.s.pp_schedule))
+        kinds = rank_kinds(self.args, layout, self.s.pp_schedule)
+        return max(self.resident(layout, stages) for _, stages in kinds)
 
     def auto_rollout_tp(self, layout: Layout, device_bytes: float, devices_per_node: int) -> int:
         """The run's rule (`tandem.parallel.generation_layout.auto_tp`) on the target device."""
-        return auto_tp(self.args, self.generation_shard, world=layout.world, devices_per_node=devices_per_node,
-                       device_bytes=device_bytes, resident_bytes=self.resident_bytes(layout),
-                       kv_bytes=self.s.kv_cache_gb * GB)
+        return auto_tp(self.args, self.generation_shard, world=layout.world,
+                       devices_per_node=devices_per_node, device_bytes=device_bytes,
+                       resident_bytes=self.resident_bytes(layout), kv_bytes=self.s.kv_cache_gb * GB)
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl

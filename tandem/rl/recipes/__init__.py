@@ -22,7 +22,7 @@ from typing import Any
 from tandem.rl.core.registry import Registry
 
 SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint",
-                   "metrics", "fault", "plan")
+                   "metrics", "fault", "plan", "advanced")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,14 @@ def unused_settings(cfg: Any) -> list[str]:
 
 
 def run(cfg: Any, info: Any) -> int:
-    """Run the configured recipe in the shell; returns the exit status."""
+    """Run the configured recipe in the shell, every kernel as ``advanced.kernels`` picks;
+    returns the exit status."""
+    from tandem.kernels.dispatch import chosen_kernels, set_kernels
     from tandem.rl.recipes.loop import run_recipe
 
-    return run_recipe(RECIPES.get(cfg.training.recipe).make(), cfg, info)
+    before = chosen_kernels()
+    set_kernels(cfg.advanced.kernels)
+    try:
+        return run_recipe(RECIPES.get(cfg.training.recipe).make(), cfg, info)
+    finally:
+        set_kernels(before)

@@ -93,24 +93,26 @@ class Setup:
         return self.tokenizer.pad_token_id or 0
 
 
-def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int], fsdp_only: bool = True) -> Setup:
+def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int],
+          fsdp_only: bool = True) -> Setup:
     """The set-up every recipe shares, its config checks first (one ConfigError line each):
     the layout (``fsdp_only``: this recipe shards with FSDP2 alone), ``data.path`` and the
     global ``batch`` (key, value) dividing over the data-parallel ranks."""
     degrees = Degrees(**cfg.parallel.resolve(rt.info.world_size))
     if fsdp_only and (degrees.tp > 1 or degrees.pp > 1):
-        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only so far; "
-                          "set tp = pp = 1")
+        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only "
+                          "so far; set tp = pp = 1")
     if cfg.data.path is None:
-        raise ConfigError(f"data.path: required by the {recipe} recipe (a jsonl/parquet file or folder, "
-                          "or synthetic:<task>)")
+        raise ConfigError(f"data.path: required by the {recipe} recipe (a jsonl/parquet file or "
+                          "folder, or synthetic:<task>)")
     key, size = batch
     if size % degrees.dp:
         raise ConfigError(f"{key}: {size} is not divisible by the {degrees.dp} data-parallel ranks")
     mesh = build_mesh(degrees, rt.info.device)
-    tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(rt.dump_folder, "tokenizer"))
-    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh), tokenizer, model_args(cfg.model.flavor, cfg.model.path,
-                                                                                 tokenizer))
+    m = cfg.model
+    tokenizer = build_tokenizer(m.tokenizer, m.path, os.path.join(rt.dump_folder, "tokenizer"))
+    args = model_args(m.flavor, m.path, tokenizer)
+    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh), tokenizer, args)
 
 
 class Recipe(Protocol):

@@ -47,7 +47,7 @@ class DPOHead:
     def __init__(self, cfg: Any, info: DistInfo, setup: PairSetup, spec: BuildSpec) -> None:
         pcfg = cfg.preference
         self.info, self.setup = info, setup
-        self.loss_fn, self.loss_cfg = PREFERENCE_LOSSES.get(pcfg.loss), pcfg.loss_config()
+        self.loss_fn, self.loss_cfg = PREFERENCE_LOSSES.get(pcfg.loss), pcfg
         reference = pcfg.reference
         if PREFERENCE_LOSSES.cap(pcfg.loss, "needs_reference", True):
             if reference == "none":

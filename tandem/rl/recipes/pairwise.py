@@ -134,9 +134,9 @@ def setup_pairs(cfg: Any, rt: Runtime, recipe: str) -> PairSetup:
     d, p = cfg.data, cfg.preference
     data = load_preference_data(
         d.path, base.tokenizer, fmt=d.format, max_length=d.max_length, on_bad_row=d.on_bad_row,
-        eval_fraction=d.eval_fraction, eval_source=d.eval_path, seed=cfg.job.seed, synthetic_rows=d.synthetic_rows,
-        messages_field=d.messages_field, prompt_field=d.prompt_field, chosen_field=p.chosen_field,
-        rejected_field=p.rejected_field,
+        eval_fraction=d.eval_fraction, eval_source=d.eval_path, seed=cfg.job.seed,
+        synthetic_rows=d.synthetic_rows, messages_field=d.messages_field,
+        prompt_field=d.prompt_field, chosen_field=p.chosen_field, rejected_field=p.rejected_field,
     )
     if rt.info.is_main:
         print(f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "

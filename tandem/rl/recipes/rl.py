@@ -81,7 +81,7 @@ class RLRecipe:
     def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info, self.rt = cfg, rt.info, rt
         info = rt.info
-        r = cfg.rl
+        r, advanced = cfg.rl, cfg.advanced
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step), fsdp_only=False)
         degrees = s.degrees
@@ -89,7 +89,8 @@ class RLRecipe:
         self._check_layout_settings(needs_values)
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
-        self.mesh, self.dp, self.dp_rank, self.tok, self.args = s.mesh, s.dp, s.rank_dp, s.tokenizer, s.args
+        self.mesh, self.dp, self.dp_rank = s.mesh, s.dp, s.rank_dp
+        self.tok, self.args = s.tokenizer, s.args
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
         self.mp_group = subgroup(self.mesh, ("pp", "tp"))
         self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
@@ -102,15 +103,18 @@ class RLRecipe:
         seq_len = cfg.data.max_length if not cfg.env.name else self.max_prompt + cfg.env.max_total_tokens
         spec = BuildSpec.from_config(cfg.training, cfg.parallel)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
-                  pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
-                  micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
-                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts)
+                  pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=advanced.pp_microbatches,
+                  seq_len=seq_len, micro_batch_tokens=r.micro_batch_tokens,
+                  chunk_tokens=advanced.logprob_chunk_tokens,
+                  share_prompts=degrees.pp == 1 if advanced.share_prompts is None
+                  else advanced.share_prompts)
         self.policy = build_policy(self.args, self.mesh, info.device, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
-        self.gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, self.gen_dtype,
-                                        offload_optimizer=r.offload_optimizer, reference=r.kl_coef > 0,
-                                        critic=needs_values)
+        self.gen_copy = generation_copy(
+            self.policy, self.args, cfg.rollout, info, self.gen_dtype,
+            offload_optimizer=r.offload_optimizer, reference=r.kl_coef > 0, critic=needs_values,
+            bucket_bytes=advanced.reshard_bucket_mb << 20)
         self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -237,8 +241,9 @@ class RLRecipe:
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
         if self.cfg.env.name:
-            return sample_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env, self.env_pool,
-                                   seed=0, greedy=greedy, seeds=seeds, layout=self.gen_copy.layout)
+            return sample_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env,
+                                   self.env_pool, seed=0, greedy=greedy, seeds=seeds,
+                                   layout=self.gen_copy.layout)
         return sample_completions(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
                                   max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
                                   layout=self.gen_copy.layout)
@@ -318,7 +323,8 @@ class RLRecipe:
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
-        _dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
+        if self.cfg.advanced.dump_rollouts:
+            _dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
         return samples, torch.stack(scores) if scores else torch.zeros(0), metrics
 
     def _dp_count(self, n: int) -> int:
@@ -419,7 +425,8 @@ class RLRecipe:
         spec = LossSpec(policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r,
                         aggregation=AGGREGATIONS.get(r.aggregation),
                         kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if ref_logp is not None and r.kl_mode == "loss" else None,
-                        kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens,
+                        kl_coef=r.kl_coef, entropy_coef=r.entropy_coef,
+                        chunk_tokens=self.cfg.advanced.logprob_chunk_tokens,
                         vocab_parallel=self.policy.vocab_parallel)
         inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp, ref_logp=ref_logp,
                          seen_logp=torch.zeros_like(mask) if old_logp is None else None)
@@ -559,11 +566,9 @@ class RLRecipe:
 
 
 def _dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutSample]) -> None:
-    """With ``TANDEM_DUMP_ROLLOUTS=1`` (a debugging aid, used by the layout tests): every sample
-    of this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens,
-    generator log-probs), so runs on different layouts can be compared sample by sample."""
-    if os.environ.get("TANDEM_DUMP_ROLLOUTS") != "1":
-        return
+    """``advanced.dump_rollouts`` (a debugging aid, used by the layout tests): every sample of this
+    rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens, generator
+    log-probs), so runs on different layouts can be compared sample by sample."""
     os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
     with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
         for s in samples:

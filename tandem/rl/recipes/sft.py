@@ -47,7 +47,8 @@ class SFTRecipe(SingleModelRecipe):
         self.cfg, self.info = cfg, rt.info
         info = rt.info
         s = setup(cfg, rt, "sft", batch=("training.batch_size", cfg.training.batch_size))
-        self.mesh, self.dp, self.rank_dp, self.tokenizer, self.args = s.mesh, s.dp, s.rank_dp, s.tokenizer, s.args
+        self.mesh, self.dp, self.rank_dp = s.mesh, s.dp, s.rank_dp
+        self.tokenizer, self.args = s.tokenizer, s.args
         d = cfg.data
         records = load_sft_records(d.path, d.format, seed=cfg.job.seed, n_synthetic=d.synthetic_rows)
         train, held = split_held_out(records, d.eval_fraction, cfg.job.seed)

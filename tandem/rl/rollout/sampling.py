@@ -41,20 +41,21 @@ def resident_bytes(param_bytes: float, head_bytes: float, *, offload_optimizer: 
     there (``param_bytes``, of which its LM head's ``head_bytes``) with AdamW's two moments
     unless ``rl.offload_optimizer``, a frozen reference copy (``reference``), and a critic (the
     policy less its head) with its moments. The run and the planner count it this one way."""
+    optimizer = 0 if offload_optimizer else 2 * param_bytes
     critic_bytes = 3 * (param_bytes - head_bytes) if critic else 0
-    return param_bytes * (1 if offload_optimizer else 3) + (param_bytes if reference else 0) + critic_bytes
+    return param_bytes + optimizer + (param_bytes if reference else 0) + critic_bytes
 
 
-def choose_rollout_tp(rcfg: Any, args: ModelArgs, dtype: torch.dtype, *, world: int, devices_per_node: int,
-                      device_bytes: float | None, resident: float) -> int:
+def choose_rollout_tp(rcfg: Any, args: ModelArgs, dtype: torch.dtype, *, world: int,
+                      devices_per_node: int, device_bytes: float | None, resident: float) -> int:
     """``rollout.tp``, 0 (auto) resolved by `auto_tp` on a device of ``device_bytes`` (None: not
     CUDA, where auto is 1) beside ``resident`` bytes (`resident_bytes`, the busiest rank's)."""
     if rcfg.tp or device_bytes is None:
         return rcfg.tp or 1
     layout = partial(GenerationLayout, vocab_parallel=rcfg.vocab_parallel)
     return auto_tp(args, lambda g: shard_bytes(args, layout(tp=g), dtype), world=world,
-                   devices_per_node=devices_per_node, device_bytes=device_bytes, resident_bytes=resident,
-                   kv_bytes=rcfg.kv_cache_gb * 1e9)
+                   devices_per_node=devices_per_node, device_bytes=device_bytes,
+                   resident_bytes=resident, kv_bytes=rcfg.kv_cache_gb * 1e9)
 
 
 def rank_resident_bytes(policy: Any, device: torch.device, **flags: bool) -> float:
@@ -68,17 +69,20 @@ def rank_resident_bytes(policy: Any, device: torch.device, **flags: bool) -> flo
     return out.item()
 
 
-def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: torch.dtype | None, *,
-                    offload_optimizer: bool, reference: bool, critic: bool) -> GenerationCopy:
+def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: torch.dtype | None,
+                    *, offload_optimizer: bool, reference: bool, critic: bool,
+                    bucket_bytes: int) -> GenerationCopy:
     """Collective: the generation layout (``rollout.tp`` ranks per generator; 0 resolved by
-    `choose_rollout_tp`) and the policy's copy into it; one ConfigError line when the model
-    cannot be split that way. ``reference`` / ``critic``: the run keeps those models too."""
+    `choose_rollout_tp`) and the policy's copy into it, moved in buckets of ``bucket_bytes``;
+    one ConfigError line when the model cannot be split that way. ``reference`` / ``critic``:
+    the run keeps those models too."""
     from tandem.rl.config.schema import ConfigError
 
     dev, world = info.device, info.world_size
-    resident = rank_resident_bytes(policy, dev, offload_optimizer=offload_optimizer, reference=reference,
-                                   critic=critic)
-    device_bytes = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    resident = rank_resident_bytes(policy, dev, offload_optimizer=offload_optimizer,
+                                   reference=reference, critic=critic)
+    cuda = dev.type == "cuda"
+    device_bytes = torch.cuda.get_device_properties(dev).total_memory if cuda else None
     dtype = dtype or next(iter(policy.state_module.parameters())).dtype
     tp = choose_rollout_tp(rcfg, args, dtype, world=world, devices_per_node=info.local_world_size,
                            device_bytes=device_bytes, resident=resident)
@@ -91,7 +95,7 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=rcfg.reshard_bucket_mb << 20)
+    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=bucket_bytes)
 
 
 def generation_dtype(setting: str, device: torch.device, mixed_precision_param: str) -> torch.dtype | None:
@@ -107,10 +111,10 @@ def generation_dtype(setting: str, device: torch.device, mixed_precision_param: 
 
 def generator_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
     return GenerationSettings(
-        block_size=rcfg.block_size, num_blocks=rcfg.num_blocks, kv_cache_gb=rcfg.kv_cache_gb,
+        block_size=rcfg.block_size, kv_cache_gb=rcfg.kv_cache_gb,
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
-        kernels=None if rcfg.kernels == "auto" else rcfg.kernels, seed=seed, cuda_graphs=rcfg.cuda_graphs,
+        seed=seed, cuda_graphs=rcfg.cuda_graphs,
     )
 
 
@@ -167,9 +171,10 @@ def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any
     return [p for part in parts for p in part], start
 
 
-def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, *,
-                     seed: int, max_prompt_tokens: int, greedy: bool = False, seeds: list[int] | None = None,
-                     layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
+def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int,
+                       rcfg: Any, *, seed: int, max_prompt_tokens: int, greedy: bool = False,
+                       seeds: list[int] | None = None, layout: GenerationLayout | None = None,
+                       ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return.
 
     ``seeds``: one per prompt (its samples use seed + sample index), so a sample's noise does
@@ -200,10 +205,12 @@ def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Pro
     return samples, metrics
 
 
-def sample_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int, rcfg: Any, ecfg: Any,
-                      pool: Any, *, seed: int, greedy: bool = False, seeds: list[int] | None = None,
-                      layout: GenerationLayout | None = None) -> tuple[list[RolloutSample], dict[str, float]]:
-    """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py); the KV pool is freed on return.
+def sample_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int,
+                    rcfg: Any, ecfg: Any, pool: Any, *, seed: int, greedy: bool = False,
+                    seeds: list[int] | None = None, layout: GenerationLayout | None = None,
+                    ) -> tuple[list[RolloutSample], dict[str, float]]:
+    """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py);
+    the KV pool is freed on return.
 
     In a generation group (``layout.tp > 1``) the members' prompts are pooled as in
     `sample_completions` (every rank calls, possibly with none); only the leader's ``pool``
@@ -215,7 +222,8 @@ def sample_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt
     pooled, start = pool_prompts(list(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), layout)
     if not pooled:
         return [], {}
-    settings = generator_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)  # max_model_len: the episode cap
+    # max_model_len: the episode cap
+    settings = generator_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)
     (samples, env_metrics), metrics = _with_generator(
         gen_model, tokenizer, settings, len(pooled) * n,
         lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p, _ in pooled], n,

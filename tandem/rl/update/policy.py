@@ -375,7 +375,7 @@ def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedul
     """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`."""
     if mesh["pp"].size() > 1:
         if share_prompts:
-            raise ConfigError("rl.share_prompts: not supported with parallel.pp > 1 "
+            raise ConfigError("advanced.share_prompts: not supported with parallel.pp > 1 "
                               "(pipeline micro-batches are fixed-length rows of one sequence)")
         return PipelinePolicy(args, mesh, device, schedule=pp_schedule, microbatches=pp_microbatches,
                               seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
