@@ -568,3 +568,21 @@ def test_reverse_kl_sampled_is_unbiased():
     keep[:, 1] = 0
     want = -(ls - lt) * keep
     assert_close(opd_advantages(ls, lt, keep), want)
+
+
+def test_gspo_clip_range_reaches_the_loss():
+    """A wider sequence clip range clips fewer tokens of the same batch."""
+    from tandem.rl.algorithms import PolicyLossInput
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
+    old = logp + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
+    inp = PolicyLossInput(logp=logp, old_logp=old, advantages=torch.ones(4, 5, dtype=torch.float64),
+                          mask=torch.ones(4, 5, dtype=torch.float64), gen_logp=old)
+    fracs = []
+    for lo, hi in ((3e-4, 4e-4), (0.5, 0.5)):
+        keys = ["--rl.policy_loss=gspo", f"--rl.seq_clip_low={lo}", f"--rl.seq_clip_high={hi}"]
+        cfg = load_config("configs/quickstart.toml", keys)
+        out = POLICY_LOSSES.get("gspo")(inp, cfg.rl)
+        fracs.append(out.metrics["clipped"].mean().item())
+    assert fracs[0] > 0 and fracs[1] == 0

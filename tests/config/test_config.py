@@ -40,6 +40,7 @@ from tandem.rl.core.configlib import (
     read_toml,
     validate_fields,
 )
+from tandem.rl.recipes import unused_settings
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs"
@@ -408,3 +409,32 @@ def test_repo_config_loads_and_validates(path: Path, tmp_path: Path) -> None:
     # The public interface every recipe honours.
     cfg = load_config(str(path), ["--training.steps=3", f"--job.dump_folder={tmp_path}"])
     assert cfg.training.steps == 3 and cfg.job.dump_folder == str(tmp_path)
+
+
+# ------------------------------------------------------------ moved keys, unread keys
+
+QUICKSTART = str(CONFIG_DIR / "quickstart.toml")
+SFT = str(CONFIG_DIR / "quickstart_sft.toml")
+
+
+@pytest.mark.parametrize("key,new", [("rl.eval_interval", "training.eval_interval"),
+                                     ("preference.eval_interval", "training.eval_interval"),
+                                     ("model.dtype", "training.mixed_precision_param"),
+                                     ("job.log_level", "never read"), ("optimizer.name", "AdamW"),
+                                     ("rollout.num_blocks", "rollout.kv_cache_gb"),
+                                     ("rollout.kernels", "advanced.kernels"),
+                                     ("rollout.reshard_bucket_mb", "advanced.reshard_bucket_mb"),
+                                     ("rl.logprob_chunk_tokens", "advanced.logprob_chunk_tokens"),
+                                     ("rl.share_prompts", "advanced.share_prompts"),
+                                     ("parallel.pp_microbatches", "advanced.pp_microbatches"),
+                                     ("preference.gamma", "preference.margin")])
+def test_moved_and_removed_keys_say_what_to_do(key, new):
+    with pytest.raises(ConfigError) as e:
+        load_config(QUICKSTART, [f"--{key}=1"])
+    assert str(e.value).startswith(f"{key}: ") and new in str(e.value)
+
+
+def test_keys_the_recipe_does_not_read_are_named():
+    cfg = load_config(SFT, ["--rl.kl_coef=0.1", "--preference.beta=0.5", "--training.steps=3"])
+    assert unused_settings(cfg) == ["rl.kl_coef", "preference.beta"]
+    assert unused_settings(load_config(QUICKSTART)) == []

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tandem.rl.algorithms import POLICY_LOSSES
 from tandem.rl.config.schema import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,3 +108,17 @@ def test_train_rejects_inf_lr_and_an_overflowing_seed_before_writing_anything(tm
     r = _train(tmp_path / "run", f"--job.seed={2**32 - 1}")  # the largest seed trains
     assert r.returncode == 0, r.stderr[-2000:]
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "step-2" / "SHA256SUMS")
+
+
+def test_gspo_reads_its_own_clip_keys_and_rejects_the_token_ones():
+    cfg = load_config(QUICKSTART, ["--rl.policy_loss=gspo", "--rl.seq_clip_low=1e-3",
+                                   "--rl.seq_clip_high=2e-3"])
+    pcfg = cfg.rl
+    assert (pcfg.seq_clip_low, pcfg.seq_clip_high) == (1e-3, 2e-3)
+    assert POLICY_LOSSES.cap("gspo", "uses") == ("seq_clip_low", "seq_clip_high")
+    unused = r"rl.clip_high: not used by rl.policy_loss = 'gspo'.*rl.seq_clip_low"
+    with pytest.raises(ConfigError, match=unused):
+        load_config(QUICKSTART, ["--rl.policy_loss=gspo", "--rl.clip_high=0.28"])
+    unused = r"rl.seq_clip_low: not used by rl.policy_loss = 'ppo_clip'"
+    with pytest.raises(ConfigError, match=unused):
+        load_config(QUICKSTART, ["--rl.seq_clip_low=1e-3"])
