@@ -1,59 +1,13 @@
 """Batch-invariant numerics (``rl.exact``): a row's result never depends on its neighbours.
 
-The generator and the update run the same model code, but on different batches: a
-sequence is prefilled and decoded next to whichever sequences the scheduler admitted,
-and recomputed in packed micro-batches next to others. Any operation whose per-row
-reduction order depends on how many rows (tokens, keys) are processed together then
-gives the two phases log-probs that differ in the last bits. With `exact` on, the
-operations that reduce are replaced by forms whose order is fixed per row:
-
-- matmuls (every ``nn.Linear``: aten ``mm`` / ``addmm`` on the CPU) run in calls of
-  exactly ``TILE_ROWS`` rows, the last tile zero-padded: BLAS picks its kernel (gemv for
-  one row, other paths for a few) and its thread split from the shape, so every call has
-  the same shape. Measured on this project's CPU (docs/performance.md): a row's result
-  is the same in every position of a tile, fp32 and bf16; M = 1, 2, 3 and 7 rows each took
-  another path than M >= 16 before.
-- attention (`attention`): the scores' reduction over the head dimension and the
-  softmax's sums over key positions are `tree_sum`s, a fixed pairwise tree over a
-  zero-padded power-of-two length, in fp32. Trailing zeros leave such a tree's value
-  unchanged, so a query's output does not depend on how long its neighbours' contexts
-  are; prefill, decode and the training forward share this one function.
-- the log-normaliser over the vocabulary (`logsumexp`): a `tree_sum` too (PyTorch's
-  logsumexp splits one long row over threads when few rows are given: 26 of 130 rows
-  differed at V = 151936 with 2 threads).
-
-RMSNorm's reduction over the hidden size is left to PyTorch: measured per-row
-invariant for widths up to 32000 (its kernel splits a row over threads only past that).
-Elementwise operations are invariant by nature. The mode is process-wide, like
-``torch.use_deterministic_algorithms``: `enable` registers the matmul kernels with the
-dispatcher and the attention / log-prob call sites ask `enabled`.
-
-CUDA (written and tested under the Triton interpreter, and compiled for sm_90 by Triton and
-ptxas in the tests, but never run on a GPU: none was lent to the session that wrote it, and
-the recipe still refuses ``rl.exact`` off the CPU):
-
-- matmuls: `enable` registers the same ``mm`` / ``addmm`` override for CUDA too, and each
-  call takes the Triton kernel of `tandem.kernels.triton_batch_invariant` (fixed tiles per dtype,
-  one order over K, no split-K) where `tandem.kernels.dispatch.use_triton` says Triton: on CUDA, or
-  on the CPU with ``advanced.kernels = "triton"`` under ``TRITON_INTERPRET=1``; `tiled_mm`
-  otherwise (the CPU default, unchanged). The MoE grouped GEMM takes its per-expert loop of
-  these matmuls, and the log-prob kernel its chunked path (its Triton kernel splits the
-  vocabulary by the token count).
-- `logsumexp` needs no Triton form to be batch-invariant on CUDA: it is elementwise
-  operations (each element's value depends on its inputs alone, whatever the kernel's launch
-  shape), ``amax`` (exact in any order) and `tree_sum`, whose adds are elementwise between
-  fixed slices; nothing in it reduces in an order that the device chooses from the shape.
-  `attention_torch` is the same by construction, but materialises [T, H, C, D] products and
-  gathers K/V per query, so `attention` takes a fused Triton kernel where Triton is chosen
-  (`tandem.kernels.triton_batch_invariant.attention`: one program per query and KV head, the same
-  trees, the chunks' sums combined by a binary counter); its backward recomputes through
-  `attention_torch`. The kernel and `attention_torch` agree to ~1e-7, not bitwise (``exp``
-  differs), so both phases must take the same one: they do, as one dispatch rule picks.
-- RMSNorm: PyTorch's CUDA layer-norm kernels (which its rms_norm shares) reduce each row in
-  one thread block, in an order set by the width and the input's alignment, not the row
-  count; expected invariant (from reading them, not measured)
-  (tests/kernels/test_triton_batch_invariant.py checks it, with the tree logsumexp and
-  `attention_torch`, on whichever device runs it).
+The generator and the update run the same model on different batches, so any reduction
+whose order depends on how many rows are processed together gives the two phases log-probs
+that differ in the last bits. With `exact` on, the reducing operations take forms whose
+order is fixed per row: matmuls in calls of ``TILE_ROWS`` rows (`tiled_mm`, or the Triton
+kernel where `tandem.kernels.dispatch.use_triton` says Triton), attention and the
+vocabulary's log-normaliser as fixed pairwise trees (`tree_sum`). The mode is process-wide,
+like ``torch.use_deterministic_algorithms``. What each operation does on the CPU and CUDA,
+and what was measured: docs/exactness.md.
 """
 
 from __future__ import annotations

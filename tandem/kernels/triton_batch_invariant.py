@@ -2,36 +2,11 @@
 computed in an order that does not depend on how many rows there are, and the exact
 attention's fixed trees fused into one kernel (see the comment above `attention`).
 
-Called through `tandem.kernels.batch_invariant` (its aten ``mm`` / ``addmm`` override, and its
-`attention`), which chooses between these kernels and the PyTorch references
-`tandem.kernels.batch_invariant.tiled_mm` and `attention_torch`; see that module for why. Imports Triton at the top, so `tandem.kernels.batch_invariant` imports
-it lazily. Under ``TRITON_INTERPRET=1`` (set before Triton is first imported) it runs on
-the CPU.
-
-Why a matmul row's result is independent of the batch:
-
-* one program per ``BLOCK_M x BLOCK_N`` output tile, and the tile sizes are fixed per dtype
-  (`CONFIG`), never chosen from ``M``: cuBLAS picks its kernel, its tiles and a split of
-  ``K`` over thread blocks from the shape, so one row alone (decode) and the same row among
-  thousands (the update's packed micro-batch) are reduced in different orders;
-* no split-K, no stream-K, no atomics: each program walks ``K`` from 0 upwards in
-  ``BLOCK_K`` steps into one fp32 accumulator (``tl.dot`` with an fp32 ``acc``), so an
-  element's sum is the same sequence of operations wherever its row sits;
-* rows past ``M`` and columns past ``K`` load as zeros, which change no sum;
-* the bias is added in fp32 to the finished accumulator, then the result rounds once.
-
-fp32 inputs use IEEE products (``input_precision="ieee"``, no TF32), as PyTorch does by
-default. Under the interpreter the tile product is not ``tl.dot``: there ``tl.dot`` is
-``numpy.matmul`` (OpenBLAS), which rounds a row differently depending on its position in
-the tile (measured: 20 of 32 rows of a 32x32 @ 32x64 fp32 tile changed when moved to row 0;
-the other rows' values never mattered), and which cannot read bf16 (stored as uint16 there).
-So when interpreting, a tile's product is a broadcast multiply in fp32 and a ``tl.sum`` over
-``K`` (numpy adds the ``K`` slices in order, the same in every row): the same loop, tiles
-and masks, another inner product. On a GPU it is ``tl.dot`` on the tensor cores; that a
-row's result there does not depend on its position in the tile is what the tests check
-when run on CUDA (not yet done).
-Not run on a GPU yet (no GPU was lent to the session that wrote it): the tile sizes are
-a guess, and scripts/gpu_check.sh's part ``exact`` measures their cost.
+Called through `tandem.kernels.batch_invariant` (its aten ``mm`` / ``addmm`` override and
+its `attention`), which chooses between these kernels and the PyTorch references. Imports
+Triton at the top, so that module imports this one lazily; under ``TRITON_INTERPRET=1``
+it runs on the CPU. Why a row's result is independent of the batch (fixed tiles per dtype,
+no split-K) and what the interpreter changes: docs/exactness.md.
 """
 
 from __future__ import annotations

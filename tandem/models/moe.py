@@ -1,44 +1,12 @@
 """Mixture-of-experts feed-forward block (Qwen2-MoE, Qwen3-MoE, DeepSeek-V3-style routing).
 
 ``MoE`` replaces the dense SwiGLU `FeedForward` in the layers `ModelArgs.is_moe_layer`
-picks. Per token ``x`` (``D`` features) with ``E`` experts, ``k`` chosen:
-
-* router: ``logits = x @ gate^T`` ``[E]``; scores ``softmax(logits)`` (Qwen) or
-  ``sigmoid(logits)`` (DeepSeek-V3). The ``k`` experts with the largest
-  ``scores + expert_bias`` are chosen (the bias exists for sigmoid scores only; it
-  steers the choice and never the weights, as in DeepSeek-V3's auxiliary-loss-free
-  balancing; it is a persistent buffer that a trainer updates, zero at init). The
-  weights are the chosen, unbiased scores, renormalised to sum 1 when
-  ``norm_topk_prob``, times ``moe_route_scale``.
-* experts: SwiGLU each, weights stacked as 3-D parameters ``w1 [E, I, D]`` (gate),
-  ``w2 [E, D, I]`` (down), ``w3 [E, I, D]`` (up), so an expert-parallel plan
-  shards dim 0. Dispatch is dropless: the ``T * k`` (token, expert) pairs are
-  sorted by expert, each expert's run goes through `tandem.kernels.grouped_gemm.grouped_mm`,
-  and the outputs are put back in token order and summed with the weights.
-* shared expert (``shared_expert_intermediate_size > 0``): a SwiGLU every token
-  passes, scaled by ``sigmoid(x @ shared_expert_gate^T)`` in Qwen2-MoE.
-
-Each forward records, as attributes of the block (plain tensors, read by whoever
-wants them; the model knows nothing of who): ``last_routing`` ``[T, k]`` int64
-chosen expert ids (``T = B * S`` in row-major order), ``tokens_per_expert``
-``[E]`` int64, and the scalar losses ``aux_loss`` and ``z_loss`` (fp32; they
-carry gradients to the router while grad mode is on):
-
-* ``aux_loss = E * sum_e f_e * P_e`` with ``f_e`` = (times expert ``e`` is among
-  a token's ``k``) / ``T`` and ``P_e`` = mean over tokens of its score (softmax
-  probability; for sigmoid scores, the score over the token's score sum). This is
-  transformers' ``load_balancing_loss_func`` for one layer (Switch Transformer
-  eq. 4-6 with top-k counts). `router_loss` averages layers; transformers instead
-  pools counts and probabilities over layers before the product, which is the
-  same for one layer and differs for several.
-* ``z_loss = mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022).
-
-Padding tokens of a packed batch are routed like any other. A caller that knows
-which positions are real sets ``token_mask`` (``[B, S]`` bool, `set_token_mask`)
-before the forward and clears it after the backward (activation checkpointing
-replays the forward): ``tokens_per_expert`` and the two losses then count the real
-tokens only (``T`` their number), so padding neither pulls the router nor depends
-on how a layout pads (tensor parallelism pads sequences to a multiple of ``tp``).
+picks: a router chooses ``k`` experts per token (softmax or sigmoid scores, an optional
+DeepSeek-V3 selection bias), the experts are SwiGLUs stacked as 3-D parameters (dim 0
+shards under expert parallelism) run dropless through
+`tandem.kernels.grouped_gemm.grouped_mm`, plus an optional shared expert. Each forward
+records its routing, tokens per expert and the auxiliary and z losses as attributes of the
+block; ``token_mask`` keeps padding out of them. The formulas: docs/models.md.
 """
 
 from __future__ import annotations

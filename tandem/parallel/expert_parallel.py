@@ -1,39 +1,11 @@
 """Expert parallelism: an MoE layer's experts sharded over ranks, tokens moved to them.
 
-``apply_ep(model, mesh, ep)`` shards every `tandem.models.moe.GroupedExperts` over the
-data-parallel shard ranks (EP borrows the FSDP2 dimension: ``parallel.ep`` must
-divide ``dp_shard``). With ``ep`` all the data-parallel ranks (FSDP2, no HSDP) rank
-r keeps experts ``[r * E/ep, (r+1) * E/ep)`` as a DTensor ``Shard(0)`` on the mesh
-FSDP2 uses; otherwise the data-parallel ranks (HSDP's replicas too, replicate-major)
-are cut into groups of ``ep`` consecutive ranks (a 2-D mesh ``("ep_replicate",
-"ep")``, placements ``[Replicate(), Shard(0)]``; a group never spans two HSDP
-replicas): each group holds every expert once, and the groups are replicas of one
-another, so tokens stay within a group (a node, when ``ep`` is the node's size).
-Under tensor parallelism (``ep`` = dp_shard, no HSDP) each expert is also split by
-its hidden features over the TP ranks, on the ``(dp_shard, tp)`` mesh, and the
-dispatch is wrapped in tandem/parallel/moe_tp.py's two sums. Either way checkpoints (DCP)
-see the whole expert tensor and resume on any EP degree, and gradient clipping and
-AdamW see DTensors.
-FSDP2 leaves these parameters alone (`expert_params`, passed as
-``ignored_params``): they are not gathered before the forward; the tokens travel
-instead. Per layer and micro-batch (`ExpertParallelExperts.forward`):
-
-1. the tokens already sorted by expert (the MoE block's dispatch) are counted per
-   destination rank, the counts exchanged (an all-to-all of ``E`` integers);
-2. the rows go to their experts' ranks (``all_to_all_single``, differentiable);
-3. the received rows are regrouped by local expert and run through the grouped
-   GEMM with the local weights (cast to the rows' dtype: FSDP2's mixed precision
-   does not reach ignored parameters);
-4. the outputs go back the same way, in the original order.
-
-Gradients: an expert's weight gradient is the sum over its group's tokens routed
-to it, while FSDP2 *averages* the other gradients over the data-parallel ranks
-(the recipes scale each rank's loss by the data-parallel size, tandem/parallel/fsdp.py).
-So the expert gradients are divided by the data-parallel size and, with replica groups,
-summed over the replicas (an all-reduce in the backward, per micro-batch, as
-FSDP2 reduce-scatters the others); an update then equals the single-process one
-(tests/parallel/test_parallel_equivalence.py, layouts ``fsdp2_ep2_moe``,
-``fsdp4_ep4_moe``, ``fsdp4_ep2_moe`` and ``hsdp2x2_ep2_moe``).
+``apply_ep(model, mesh, ep)`` shards every `tandem.models.moe.GroupedExperts` over groups
+of ``ep`` data-parallel shard ranks (``parallel.ep`` divides ``dp_shard``); FSDP2 leaves
+these parameters alone and the tokens travel instead (all-to-alls per layer and
+micro-batch). Expert gradients are rescaled and summed over replica groups so an update
+equals the single-process one (tests/parallel/test_parallel_equivalence.py). Meshes,
+the dispatch's steps and the gradient rule: docs/internals.md.
 """
 
 from __future__ import annotations

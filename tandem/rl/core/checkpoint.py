@@ -1,39 +1,11 @@
 """DCP checkpoints that cannot be half-written, and exact resume.
 
-Layout under ``<dump_folder>/<checkpoint.folder>/``::
-
-    step-120/            committed checkpoint (DCP shards + .metadata)
-      COMMITTED          marker, written last, before the rename; holds the sha256 of SHA256SUMS
-      SHA256SUMS         sha256 of every other file (``sha256sum -c SHA256SUMS`` format)
-      trainer.json       step, data position, and other trainer state (rank 0)
-      rng/rank-0.pt      per-rank RNG states (torch.save; not sharded)
-    step-180.partial/    a save in progress or interrupted: ignored
-
-A save writes into ``step-N.partial``, every rank finishes, then rank 0 writes
-the marker and renames the folder: a crash at any moment leaves either the
-old set of committed checkpoints or the new one. The loader only considers
-folders with the marker. DCP reshards model and optimizer state on load, so a
-checkpoint written by N ranks loads on M ranks and another layout.
-
-Asynchronous saves (``async_save=True``): the state is copied to CPU memory
-while the step loop waits (the blocking part), then written by a background
-thread over a gloo group of its own while training continues. The loop calls
-``poll()`` once per step: when every rank's write has finished, the save is
-committed as above (so a checkpoint is committed at most one step after its
-write ends). ``wait()`` finishes and commits a pending save (the last step,
-preemption); a new save first finishes the previous one.
-
-Integrity: each rank hashes the files it wrote right after writing them (in the
-background thread for asynchronous saves), rank 0 merges the sums into
-SHA256SUMS at commit, and the marker records that file's own hash. `verify`
-re-hashes a checkpoint (the ranks split its files) and names the first file
-that differs; `load` verifies before it reads, `resume_step` falls back to the
-newest checkpoint that verifies, and pruning never deletes a checkpoint while
-the newest one is not known good. A save refuses to commit non-finite weights.
-
-Model-only checkpoints (``model_only=True``) hold the weights, trainer state
-and RNG but no optimizer state (about 40 % of the bytes with AdamW); a resume
-from one starts the optimizer afresh (the marker says so; ``load`` reports it).
+A save writes ``step-N.partial``; when every rank is done, rank 0 writes the COMMITTED
+marker (with the hash of SHA256SUMS, every file's sha256) and renames the folder, so a
+crash leaves either the old set of committed checkpoints or the new one. Loads verify the
+sums first and fall back to the newest checkpoint that verifies; DCP reshards on load, so a
+checkpoint resumes on another world size or layout. Asynchronous and model-only saves, and
+the folder layout: docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
