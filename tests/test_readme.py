@@ -38,3 +38,21 @@ def test_print_config_exits_zero():
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "[rl]" in r.stdout and 'recipe = "rl"' in r.stdout
+
+
+def test_every_environment_variable_is_listed():
+    """Each ``TANDEM_*`` variable the code or the scripts read is in docs/config.md's
+    "Environment variables" section (the one place they are documented)."""
+    import re
+    from pathlib import Path
+
+    text = open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8").read()
+    section = text.split("## Environment variables", 1)[1]
+    read = set()
+    for path in [*Path(ROOT, "tandem").rglob("*.py"), Path(ROOT, "train.py")]:
+        read |= set(re.findall(r"[\"'](TANDEM_[A-Z_]+)[\"']", path.read_text()))
+    for path in Path(ROOT, "scripts").rglob("*"):
+        if path.is_file() and path.suffix in ("", ".sh", ".sbatch"):
+            read |= set(re.findall(r"\$\{?(TANDEM_[A-Z_]+)", path.read_text()))
+    assert len(read) >= 12, read  # the scan finds the Slurm settings and the fault drills
+    assert sorted(v for v in read if f"`{v}" not in section) == []
