@@ -1,32 +1,11 @@
 """Tensor parallelism (Megatron-style, with sequence parallel) applied from outside the model.
 
-Plan per block, for a TP group of size ``tp``:
-
-- ``wq``/``wk``/``wv``/``w1``/``w3`` are column-parallel (each rank owns ``H/tp``
-  heads and ``I/tp`` MLP columns; q/k/v biases shard with their weight), ``wo``/``w2``
-  are row-parallel. GQA stays consistent because q and kv heads are both split
-  into contiguous blocks: local q head j maps to local kv head ``j // group``.
-- Sequence parallel (default): the residual stream between blocks is a *local*
-  tensor holding ``S/tp`` positions; the norms run on that shard (their weights
-  are replicated DTensors, so their gradients are reduced over the TP group),
-  attention / MLP inputs are all-gathered and their outputs reduce-scattered.
-- q/k-norm (Qwen3) normalises each head over ``head_dim``; it runs on the local
-  heads, but its weight is shared by all heads, so it is planned as
-  ``SequenceParallel(sequence_dim=2)`` (heads dim): its gradient is summed over
-  the TP group like any other replicated norm.
-- A mixture-of-experts block (tandem/parallel/moe_tp.py): every rank routes all the block's
-  tokens; experts are split by hidden features like the MLP, the router stays whole.
-- Vocab parallel (default): the embedding is row-parallel (vocab rows split) and
-  the output head column-parallel with its output *kept* as a DTensor sharded on
-  the vocab dim (``Shard(-1)``); tandem/parallel/loss.py computes token log-probs and
-  entropy from that without ever gathering ``[B, S, V]``.
-
-Two things are handled from outside because the model is parallelism-agnostic:
-``Attention`` reshapes with ``self.num_heads`` / ``self.num_kv_heads``, so
-`apply_tp` sets those attributes to the local head counts (backends therefore
-receive local heads); and ``Transformer.forward`` derives default positions from
-the local sequence length, so under sequence parallel a root pre-hook supplies
-full-length positions (and checks ``S % tp == 0``).
+`apply_tp` plans each block: q/k/v and the MLP's gate/up column-parallel, the output
+projections row-parallel, norms sequence-parallel, MoE experts split by hidden features
+(tandem/parallel/moe_tp.py), and the embedding and head split by vocabulary rows so
+tandem/parallel/loss.py reads log-probs without gathering ``[B, S, V]``. The model knows
+nothing of it: `apply_tp` sets the attention's local head counts and a pre-hook supplies
+full-length positions under sequence parallel. The plan in full: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Hang detection: a per-rank watchdog thread that dumps every Python stack and exits.
 
-A hang in a collective hangs every rank, and NCCL's own timeout (minutes) only
-says *which collective* stalled, not *what the Python code was doing*. So each
-rank runs its own `Watchdog`: the trainer calls `beat(step)` as steps progress
-and `phase(name)` as it moves between rollout / update / checkpoint; a daemon
-thread wakes every ``poll_s`` and, if nothing has beaten for the current
-phase's timeout, writes
-
-    <dump>/hang/rank-<r>.txt   header + faulthandler dump of all threads +
-                               the same stacks formatted from sys._current_frames()
-    <dump>/hang/rank-<r>.json  rank, phase, last step, times, stacks as data
-
-and ends the process with `EXIT_HANG` through ``os._exit`` (a hung collective
-cannot be unwound by an exception). Ranks detect independently: the stuck rank
-shows where it is stuck, its peers show the collective they wait in. Because
-the launcher kills the survivors as soon as one rank exits, and ranks' last
-beats can be a phase apart, a rank whose watchdog fired waits a short grace
-before exiting, and every watchdog also dumps (and exits) as soon as it sees
-a fresh ``hang/rank-<k>.json`` of a peer in the shared dump folder (one
-``stat`` per poll). ``tandem-diagnose DUMP`` reads these files.
-
-The watchdog needs the GIL: a C call that blocks while holding it would stall
-the watchdog too. torch's collectives and kernels release the GIL while they
-wait, which is the case that matters here.
-
-`enable_flight_recorder` sets the NCCL flight-recorder variables before
-``init_process_group`` so a NCCL timeout also leaves a per-rank trace of the
-last collectives; on CPU/gloo it only sets environment variables.
+NCCL's own timeout says which collective stalled, not what the Python code was doing. Each
+rank's `Watchdog` thread expects `beat(step)` within the current `phase(name)`'s timeout;
+when none comes it writes ``<dump>/hang/rank-<r>.txt`` / ``.json`` (every thread's stack)
+and ends the process with `EXIT_HANG`; its peers dump too when they see that file, so
+``tandem-diagnose DUMP`` shows the stuck rank and the collective the others wait in.
+`enable_flight_recorder` sets the NCCL flight-recorder variables. Details:
+docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
