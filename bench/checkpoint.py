@@ -28,7 +28,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from bench.header import print_header
 from tandem.models.args import ModelArgs
 from tandem.models.flavors import get_flavor
 from tandem.parallel.distributed import destroy_distributed, init_distributed
@@ -82,15 +84,24 @@ def one(name: str, folder: str, info) -> dict[str, float]:  # noqa: ANN001
     t0 = time.perf_counter()
     Checkpointer(ck.folder).load(1, fresh, fresh_opt)  # a restarted job: verifies, then loads
     out["load_s"] = time.perf_counter() - t0
-    for a, b in zip(model.parameters(), fresh.parameters()):
-        assert torch.equal(a.to_local(), b.to_local())
+    for a, b in zip(model.parameters(), fresh.parameters()):  # DTensor shards, or plain on one rank
+        assert torch.equal(_local(a), _local(b))
     return out
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="quickstart,100m")
+    ap.add_argument(
+        "--smoke", action="store_true", help="the quickstart model only (the test suite's run)"
+    )
     a = ap.parse_args()
+    if a.smoke:
+        a.models = "quickstart"
     info = init_distributed()
     root = tempfile.mkdtemp(prefix="tandem-ckpt-bench-") if info.is_main else None
     box = [root]
@@ -98,6 +109,7 @@ def main() -> None:
     root = box[0]
     try:
         if info.is_main:
+            print_header("bench.checkpoint", device=info.device.type)
             print(f"{info.world_size} rank(s) on {info.device.type}; checkpoint = weights + AdamW state, fp32")
             print(f"{'model':<12}{'params':>12}{'disk MB':>9}{'save s':>8}{'async blocking s':>18}"
                   f"{'async total s':>15}{'ratio':>7}{'model-only MB':>15}{'model-only s':>14}{'verify s':>10}"

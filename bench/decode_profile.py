@@ -32,6 +32,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.header import print_header
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
 from tandem.rl.generator.engine import GenerationSettings, Generator
@@ -102,7 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="default: enough for every sequence")
     ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth of the floor (H200: 4800)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shape, batch 4, 2 steps (the test suite's run)"
+    )
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.shape, args.batch, args.prompt, args.warmup, args.steps = "tiny", 4, 16, 1, 2
+    print_header("bench.decode_profile", argv, args.device)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = build(args)
     a = model.args

@@ -30,6 +30,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from bench.header import print_header
 from bench.paged_attention import time_ms
 from tandem.kernels import batch_invariant as bi
 
@@ -60,9 +61,16 @@ def bench_mm(shapes, ms: list[int], device: str, dtype: torch.dtype, reps: int) 
             print(f"{'mm ' + name + f' {m},{n},{k}':28s} {base:9.3f} {exact:9.3f} {exact / base:6.2f} {bad:7d} {still:12d}")
 
 
-def bench_reductions(device: str, dtype: torch.dtype, reps: int, vocab: int, heads: tuple[int, int, int]) -> None:
+def bench_reductions(
+    device: str,
+    dtype: torch.dtype,
+    reps: int,
+    vocab: int,
+    heads: tuple[int, int, int],
+    smoke: bool = False,
+) -> None:
     g = torch.Generator().manual_seed(1)
-    for n in (64, 4096):
+    for n in (64,) if smoke else (64, 4096):
         z = torch.randn(n, vocab, generator=g).to(device) * 4
         base = time_ms(lambda z=z: torch.logsumexp(z, -1), device, reps)
         exact = time_ms(lambda z=z: bi.logsumexp(z), device, reps)
@@ -70,7 +78,7 @@ def bench_reductions(device: str, dtype: torch.dtype, reps: int, vocab: int, hea
         print(f"{f'lse {n},{vocab}':28s} {base:9.3f} {exact:9.3f} {exact / base:6.2f} {bad:7d} "
               f"{_rows_differ(bi.logsumexp, z):12d}")
     hq, hkv, d = heads
-    for t, length in ((1, 1024), (64, 1024), (512, 512)):
+    for t, length in ((1, 128),) if smoke else ((1, 1024), (64, 1024), (512, 512)):
         q = torch.randn(t, hq, d, generator=g).to(device, dtype)
         k, v = (torch.randn(length, hkv, d, generator=g).to(device, dtype) for _ in range(2))
         pos = torch.arange(length - t, length, device=device)  # the last t positions' queries
@@ -88,17 +96,29 @@ def bench_reductions(device: str, dtype: torch.dtype, reps: int, vocab: int, hea
             print(f"{f'attn-torch {t},{length}':28s} {base:9.3f} {ref:9.3f} {ref / base:6.2f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--repeats", type=int, default=10)
-    a = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one repeat (the test suite's run)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.repeats = 1
+    print_header("bench.exact_kernels", argv, a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     big = a.device == "cuda"
     print(f"device {a.device} dtype {a.dtype}" + (f" ({torch.cuda.get_device_name()})" if big else ""))
-    bench_mm(SHAPES_17B if big else SHAPES_SMALL, [64, 4096] if big else [16, 256], a.device, dtype, a.repeats)
-    bench_reductions(a.device, dtype, a.repeats, 151936 if big else 8192, (16, 8, 128) if big else (4, 2, 32))
+    ms = [16] if a.smoke else [64, 4096] if big else [16, 256]
+    bench_mm(
+        SHAPES_SMALL if a.smoke else SHAPES_17B if big else SHAPES_SMALL,
+        ms,
+        a.device,
+        dtype,
+        a.repeats,
+    )
+    bench_reductions(a.device, dtype, a.repeats, 1024 if a.smoke else 151936 if big else 8192,
+                     (16, 8, 128) if big else (4, 2, 32), a.smoke)
 
 
 if __name__ == "__main__":

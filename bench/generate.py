@@ -1,39 +1,28 @@
-"""Tandem's paged generator vs transformers' ``generate`` on the same weights.
+"""Tandem's paged generator vs transformers' batched ``generate`` on the same weights.
 
-A GRPO-shaped workload: P prompts of varied lengths, n samples each, up to
-``--max-tokens`` new tokens at temperature 1. Both engines run in this process
-on one set of weights: a random Qwen3-style model written as an HF folder with
-transformers and read back by ``tandem.models.hf.load_model``. Random weights never
-say EOS, so EOS is ignored and three variants fix the lengths instead:
+Both engines run in this process on one set of weights (a random Qwen3-style model written
+as an HF folder by transformers and read back by ``tandem.models.hf.load_model``), on the
+same batch: P prompts of varied lengths, n samples each, all submitted at once. Random
+weights never say EOS, so EOS is ignored and the variants fix the lengths:
 
-- ``grpo``: each sample stops at its own length, drawn uniformly from
-  [max_tokens/4, max_tokens], as GRPO samples stop at EOS at different points.
-  Tandem stops each sequence there (a stop check, as EOS would) and fills the
-  freed batch slots; transformers' batch runs until its longest sample ends
-  (what ``generate`` does when samples hit EOS at different steps), and only
-  the tokens inside each sample's length count as generated.
-- ``fixed``: every sample generates exactly ``--max-tokens`` tokens (no length
-  variation: the engines' per-step costs alone).
-- ``greedy``: one sample per prompt, temperature 0, ``--max-tokens`` tokens;
-  transformers runs one prompt at a time (no padding, so an exact reference)
-  and the ``identical`` column counts sequences equal token for token.
+- ``fixed`` (like for like): every sample generates exactly ``--max-tokens`` tokens at
+  temperature 1, so both engines compute the same tokens for the same batch.
+- ``greedy`` (like for like): one sample per prompt at temperature 0, ``--max-tokens``
+  tokens, the whole batch in one ``generate`` call (left-padded); ``identical`` counts the
+  sequences equal token for token.
+- ``grpo`` (what a GRPO user gets, not like for like): each sample stops at its own
+  length, drawn from [max_tokens/4, max_tokens], as samples stop at EOS. Tandem stops each
+  there and refills the batch; ``generate`` runs the batch until its longest sample ends.
+  Both produce the same samples; the table prints the tokens each engine computed.
 
-Run from the repository root::
+``ratio`` is transformers seconds / Tandem seconds. Each engine first runs once untimed
+(``--warmup``): Tandem on the whole first variant (Triton compiles per shape class),
+transformers on 2 prompts x 16 tokens. ``--layout-row`` times Tandem's other rollout-copy
+layout against its default, before and after (on the CPU the fused oneDNN layout of
+``rollout.cpu_onednn``; on CUDA the unfused training layout).
 
-    python -m bench.generate                 # default CPU-sized workload
+    python -m bench.generate --threads 2
     python -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16
-
-Prints one row per (engine, variant) with seconds and generated tokens/s, the
-Tandem/transformers ratio, and for greedy how many sequences are identical
-token for token (transformers runs the greedy variant one prompt at a time, so
-its left padding cannot perturb the comparison). Each engine first runs once,
-untimed (``--warmup``): Tandem on the whole workload of the first variant, since
-its Triton kernels compile per shape class (on an H200 a warm-up of 2 prompts x
-16 tokens still left about 1.1 s of compiling in the first timed run),
-transformers on 2 prompts x 16 tokens for the library's first-call setup. ``--layout-row`` adds a
-table timing Tandem on the training layout (no `tandem.parallel.generation_layout.inference_layout`:
-q/k/v and gate/up as separate products, no oneDNN) against its default runs
-before and after it.
 """
 
 from __future__ import annotations
@@ -45,6 +34,7 @@ import time
 
 import torch
 
+from bench.header import print_header
 from tandem.models.hf import load_model
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
@@ -53,6 +43,9 @@ from tandem.parallel.generation_layout import inference_layout
 
 def write_model(path: str, args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep the table readable
 
     cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
@@ -74,11 +67,14 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 
 def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, variant: str,
-               lengths: list[int], layout: bool = True) -> tuple[float, list[list[int]]]:
+               lengths: list[int], other_layout: bool = False) -> tuple[float, list[list[int]]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = load_model(path, device=device, dtype=dtype).eval().requires_grad_(False)
-    if layout:  # what the trainer's rollout copy gets
-        inference_layout(model)
+    cuda = device.type == "cuda"
+    if (
+        cuda != other_layout
+    ):  # the trainer's rollout copy: fused on CUDA; on the CPU oneDNN is the other one
+        inference_layout(model, cpu_onednn=other_layout)
     settings = GenerationSettings(block_size=16, kv_cache_gb=args.kv_cache_gb, max_num_seqs=256,
                                   max_num_batched_tokens=args.batched_tokens, seed=0, cuda_graphs=args.cuda_graphs)
     greedy = variant == "greedy"
@@ -110,20 +106,17 @@ def run_hf(path: str, prompts: list[list[int]], args: argparse.Namespace, varian
     outs: list[list[int]] = []
     _sync(device)
     t0 = time.perf_counter()
-    if variant == "greedy":  # one prompt at a time: no padding, an exact reference
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            o = model.generate(ids, do_sample=False, **kw)
-            outs.append(o[0, len(p):].tolist())
-    else:  # the whole batch at once, left-padded, n samples per prompt
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    width = max(map(len, prompts))  # the whole batch in one call, left-padded
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    if variant == "greedy":
+        o = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    else:  # n samples per prompt
         o = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                            num_return_sequences=args.n, **kw)
-        outs = [row[width:].tolist() for row in o]
-        if variant == "grpo":
-            outs = [row[:n] for row, n in zip(outs, lengths)]
+    outs = [row[width:].tolist() for row in o]
+    if variant == "grpo":  # computed to the longest; each sample is its own length
+        outs = [row[:n] for row, n in zip(outs, lengths)]
     _sync(device)
     return time.perf_counter() - t0, outs
 
@@ -133,7 +126,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32")
@@ -149,15 +142,32 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=0.5)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps (CUDA only)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: leave as is)")
-    ap.add_argument("--variants", default="grpo,fixed,greedy", help="comma-separated: grpo, fixed, greedy")
+    ap.add_argument(
+        "--variants", default="fixed,greedy,grpo", help="comma-separated: fixed, greedy, grpo"
+    )
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed runs first: Tandem on the whole workload of the first variant (Triton "
                          "compiles), transformers on 2 prompts x 16 tokens; 0 times the cold first run")
-    ap.add_argument("--layout-row", action="store_true",
-                    help="also time Tandem without the rollout copy's inference layout")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--layout-row",
+        action="store_true",
+        help="also time Tandem's other rollout-copy layout (CPU: oneDNN; CUDA: unfused)",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="a tiny model and workload (the test suite's run)"
+    )
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.vocab, args.hidden, args.layers, args.prompts, args.n = 512, 64, 1, 2, 2
+        args.min_prompt, args.max_prompt, args.max_tokens, args.layout_row = 4, 8, 8, True
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_header("bench.generate", argv, args.device)
     prompts = workload(args)
     rng = random.Random(1)
     lengths = [rng.randint(max(1, args.max_tokens // 4), args.max_tokens) for _ in range(len(prompts) * args.n)]
@@ -171,28 +181,38 @@ def main() -> None:
         for variant in args.variants.split(","):
             t_tandem, out_t = run_tandem(tmp, prompts, args, variant, lengths)
             if args.layout_row:
-                t_plain, out_p = run_tandem(tmp, prompts, args, variant, lengths, layout=False)
-                t_again, _ = run_tandem(tmp, prompts, args, variant, lengths)  # after the plain run
-                same = sum(a == b for a, b in zip(out_t, out_p))
-                layout_rows.append((variant, t_tandem, t_again, t_plain, same, len(out_t)))
+                t_other, out_o = run_tandem(tmp, prompts, args, variant, lengths, other_layout=True)
+                t_again, _ = run_tandem(tmp, prompts, args, variant, lengths)  # after the other one
+                same = sum(a == b for a, b in zip(out_t, out_o))
+                layout_rows.append((variant, t_tandem, t_again, t_other, same, len(out_t)))
             t_hf, out_h = run_hf(tmp, prompts, args, variant, lengths)
             n_tok = sum(map(len, out_t))
             assert n_tok == sum(map(len, out_h)), "both engines must generate the same number of tokens"
+            hf_computed = len(out_h) * max(map(len, out_h))  # every row runs to the longest
             same = sum(a == b for a, b in zip(out_t, out_h)) if variant == "greedy" else None
-            rows.append((variant, n_tok, t_tandem, t_hf, same, len(out_t)))
+            rows.append((variant, len(out_t), n_tok, hf_computed, t_tandem, t_hf, same))
+    n_seqs = args.prompts * args.n
     print(f"device={args.device} dtype={args.dtype} model: hidden={args.hidden} layers={args.layers} "
-          f"vocab={args.vocab}; {args.prompts} prompts x n={args.n}, prompt {args.min_prompt}-{args.max_prompt} "
-          f"tokens, up to {args.max_tokens} new tokens, threads={torch.get_num_threads()}")
-    print(f"{'variant':<8} {'tokens':>7} {'tandem s':>9} {'tandem tok/s':>13} {'hf s':>8} {'hf tok/s':>9} "
-          f"{'ratio':>6} {'identical':>10}")
-    for name, n_tok, tt, th, same, total in rows:
-        ident = f"{same}/{total}" if same is not None else "-"
-        print(f"{name:<8} {n_tok:>7} {tt:>9.2f} {n_tok / tt:>13.1f} {th:>8.2f} {n_tok / th:>9.1f} "
-              f"{th / tt:>5.2f}x {ident:>10}")
+          f"vocab={args.vocab}; {args.prompts} prompts x n={args.n}, prompt "
+          f"{args.min_prompt}-{args.max_prompt} tokens, up to {args.max_tokens} new tokens, "
+          f"threads={torch.get_num_threads()}; both engines take the whole batch ({n_seqs} "
+          f"sequences, greedy {args.prompts}); ratio = hf s / tandem s")
+    print(f"{'variant':<8} {'seqs':>5} {'tokens':>7} {'hf computed':>12} {'tandem s':>9} "
+          f"{'tandem tok/s':>13} {'hf s':>8} {'hf tok/s':>9} {'ratio':>6} {'identical':>10}")
+    for name, seqs, n_tok, hf_tok, tt, th, same in rows:
+        ident = f"{same}/{seqs}" if same is not None else "-"
+        label = name if name != "grpo" else "grpo*"
+        print(f"{label:<8} {seqs:>5} {n_tok:>7} {hf_tok:>12} {tt:>9.2f} {n_tok / tt:>13.1f} "
+              f"{th:>8.2f} {n_tok / th:>9.1f} {th / tt:>5.2f}x {ident:>10}")
+    if any(r[0] == "grpo" for r in rows):
+        print("* not like for like: the same samples, each engine's own work (generate computes "
+              "every row to the longest; tok/s counts the samples' tokens)")
     if layout_rows:
-        print(f"{'variant':<8} {'layout s':>14} {'plain s':>8} {'plain/layout':>13} {'same tokens':>12}")
-        for name, t1, t2, tp, same, total in layout_rows:  # default runs before and after the plain one
-            print(f"{name:<8} {t1:>6.2f}, {t2:>6.2f} {tp:>8.2f} {tp / ((t1 + t2) / 2):>12.2f}x "
+        other = "plain" if args.device == "cuda" else "oneDNN"
+        print(f"{'variant':<8} {'default s':>16} {other + ' s':>9} {other + '/default':>16} "
+              f"{'same tokens':>12}")
+        for name, t1, t2, to, same, total in layout_rows:  # default runs before and after
+            print(f"{name:<8} {t1:>7.2f}, {t2:>6.2f} {to:>9.2f} {to / ((t1 + t2) / 2):>15.2f}x "
                   f"{f'{same}/{total}':>12}")
 
 

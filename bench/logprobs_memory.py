@@ -148,11 +148,19 @@ def main(argv: list[str] | None = None) -> None:
         "--triton-tiles", nargs="*", default=[], metavar="BT,BV,BD,W,S",
         help="extra Triton rows, one per tile configuration (CUDA)",
     )  # fmt: skip
+    parser.add_argument(
+        "--smoke", action="store_true", help="T=64, V=512, D=32 (the test suite's run)"
+    )
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: worker mode
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.vocab, args.dim, args.chunk, args.repeats = 64, 512, 32, 16, 1
     if args.variant:
         print(json.dumps(_worker(args)))
         return
+    from bench.header import print_header
+
+    print_header("bench.logprobs_memory", argv, args.device)
 
     variants = ["naive", "chunked"]
     if args.device.startswith("cuda"):

@@ -154,7 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20 if device == "cuda" else 3)
+    parser.add_argument(
+        "--smoke", action="store_true", help="the small preset, one rep (the test suite's run)"
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset, args.reps = "small", 1
+    from bench.header import print_header
+
+    print_header("bench.paged_attention", argv, device)
     dtype = getattr(torch, args.dtype)
     hq, hkv = args.heads
     impls = ["torch"]

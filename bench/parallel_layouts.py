@@ -25,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "parallel"))
 
 import parallel_worker as pw  # noqa: E402
 
@@ -78,7 +78,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "auto"))
     parser.add_argument("--size", default="tiny", choices=("tiny", "small"))
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="fsdp2 and tp2 on 2 ranks, 2 steps (the test suite's run)",
+    )
     opts = parser.parse_args()
+    if opts.smoke:
+        opts.nproc, opts.steps = [2], 2
+        LAYOUTS[2] = ["fsdp2", "tp2"]
+    from bench.header import print_header
+
+    print_header("bench.parallel_layouts", device="cuda" if opts.device == "auto" else "cpu")
     if opts.size == "small":
         pw._use_small_model()
     rows = []
@@ -95,12 +106,17 @@ def main() -> None:
             if res["device"] != "cpu":
                 mfu = args.flops_per_token(res["seq"]) * tps / (opts.peak_tflops * 1e12)
             rows.append((name, nproc, layout.family, r["time_s"] * 1e3, tps, mfu, res["device"]))
-    print(
-        f"{'layout':20s} {'ranks':>5s} {'family':>10s} {'step ms':>9s} {'tok/s/rank':>11s} {'MFU':>7s}  device"
-    )
+    first = {}  # the reference of each world size: its first layout (fsdp2, fsdp2_tp2)
+    for name, n, _, ms, *_ in rows:
+        first.setdefault(n, (name, ms))
+    print("ratio: the step time of the first layout of the same world size / this layout's")
+    print(f"{'layout':20s} {'ranks':>5s} {'family':>10s} {'step ms':>9s} {'tok/s/rank':>11s} "
+          f"{'MFU':>7s} {'ratio':>16s}  device")
     for name, n, fam, ms, tps, mfu, dev in rows:
         mfu_s = f"{100 * mfu:6.2f}%" if mfu is not None else "     -"
-        print(f"{name:20s} {n:5d} {fam:>10s} {ms:9.1f} {tps:11.0f} {mfu_s:>7s}  {dev}")
+        ref, ref_ms = first[n]
+        ratio = f"{ref_ms / ms:.2f}x vs {ref}"
+        print(f"{name:20s} {n:5d} {fam:>10s} {ms:9.1f} {tps:11.0f} {mfu_s:>7s} {ratio:>16s}  {dev}")
 
 
 if __name__ == "__main__":

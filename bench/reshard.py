@@ -54,9 +54,8 @@ def worker(opts: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from tandem.parallel.distributed import init_distributed
-    from tandem.parallel.generation_layout import check_divisible, make_layout
+    from tandem.parallel.generation_layout import GenerationCopy, check_divisible, make_layout
     from tandem.parallel.mesh import Degrees, build_mesh
-    from tandem.parallel.generation_layout import GenerationCopy
     from tandem.rl.core.modeling import BuildSpec
     from tandem.rl.update.policy import build_policy
 
@@ -116,9 +115,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the quickstart model on one rank (the test suite's run)",
+    )
     opts = ap.parse_args()
     if opts.worker:
         return worker(opts)
+    if opts.smoke:
+        opts.size, opts.nproc, opts.repeat = "quickstart", [1], 1
+    from bench.header import print_header
+
+    print_header("bench.reshard", device=opts.device)
     print(f"model {opts.size}, generation dtype {opts.dtype}, bucket {opts.bucket_mb} MB, device {opts.device}")
     print(f"{'ranks':>5} {'training':>10} {'gen tp':>6} {'reshard s':>10} {'first s':>8} {'sent MB/rank':>12} "
           f"{'shard MB':>9} {'gather s':>9} {'gather MB':>9} {'gather/reshard':>14}")

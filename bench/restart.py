@@ -55,7 +55,7 @@ def launch(path: str, dump: str, steps: int, nproc: int) -> dict[str, float]:
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={path}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
            "--checkpoint.interval=1", "--rl.prompts_per_step=4", "--rl.num_samples=2", "--rl.eval_prompts=1", "--rl.eval_samples=0",
-           "--training.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0",
+           "--training.eval_interval=0", "--metrics.loggers=[]", "--reward.num_workers=0",
            "--checkpoint.export_hf_at_end=false"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)), "PYTHONPATH": ROOT}
     t0 = time.monotonic()
@@ -80,7 +80,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="quickstart,100m")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the quickstart policy on one rank (the test suite's run)",
+    )
     a = ap.parse_args()
+    if a.smoke:
+        a.models, a.nproc = "quickstart", 1
+    from bench.header import print_header
+
+    print_header("bench.restart")
     root = tempfile.mkdtemp(prefix="tandem-restart-bench-")
     try:
         print(f"{a.nproc} rank(s), CPU; wall seconds from launch")

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from bench.header import print_header
 from tandem.rl.generator.sampler import exponential_noise
 
 
@@ -44,7 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--smoke", action="store_true", help="4 rows of a 1024 vocabulary (the test suite's run)"
+    )
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.rows, args.vocab, args.repeats = [4], 1024, 2
+    print_header("bench.sampler_noise", argv, args.device)
     device = torch.device(args.device)
     triton = device.type == "cuda"
     print(f"vocab {args.vocab} on {device}; ms per call, median of {args.repeats}")

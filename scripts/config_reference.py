@@ -23,22 +23,24 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """Each field's comment (and the comment lines right below it), from the class and the
-    dataclasses it extends."""
+    """Each field's trailing comment, continued by the comment-only lines right below it at its
+    indent or deeper (a description longer than one line; a blank line ends it), from the class
+    and the dataclasses it extends."""
     out = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        key = None
+        last, indent = None, 0
         for line in inspect.getsource(klass).splitlines():
-            m = re.match(r"\s+(\w+):[^#]*?=.*?#\s*(.*)$", line)
-            more = re.match(r"\s+#\s*(.*)$", line)
+            m = re.match(r"(\s+)(\w+):[^#]*?=.*?#\s*(.*)$", line)
+            more = re.match(r"(\s+)#\s*(.*)$", line)
             if m:
-                key, out[m.group(1)] = m.group(1), m.group(2).strip()
-            elif more and key:  # a comment line right below continues the description
-                out[key] += " " + more.group(1).strip()
+                last, indent = m.group(2), len(m.group(1))
+                out[last] = m.group(3).strip()
+            elif more and last is not None and len(more.group(1)) >= indent:
+                out[last] += " " + more.group(2).strip()
             else:
-                key = None
+                last = None
     return out
 
 

@@ -1,38 +1,45 @@
 #!/usr/bin/env bash
 # One GPU session's checks and timings, each part under its own time limit, in order of value:
-#   1. the CUDA and Triton tests (kernels, generator, log-probs) on the real device;
-#   2. the log-prob kernels' benchmark with a sweep of Triton tiles (bench/logprobs_memory.py); the
-#      paged-attention kernels' (bench/paged_attention.py) is the part "attention", not in the default PARTS;
-#   3. the sampler's noise: the int64 tensor hash against the one-pass Triton kernel (bench/sampler_noise.py);
-#   4. the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
-#   5. one GRPO step at Qwen3-1.7B shapes: Tandem vs TRL, and Tandem with advanced.kernels = triton
-#      (the one-pass noise) (bench/grpo_step.py);
-#   6. the generator against transformers `generate`, with a row for the rollout copy's layout;
-#   7. (part "profile", not in the default PARTS) one decode step at Qwen3-1.7B and 8B shapes, batch
-#      64 and 256, by kernel class against its weight-read floor (bench/decode_profile.py);
-#   8. (parts "moe" and "reshard", not yet run on a GPU, so not in the default PARTS) the MoE grouped
-#      GEMM and layer against per-expert loops in bf16 (bench/moe.py), and the move into the
-#      generation copy at Qwen3-1.7B shapes on one GPU against the full gather (bench/reshard.py).
-#   9. (part "exact", not yet run on a GPU, so not in the default PARTS) rl.exact on CUDA: the
-#      Triton matmul's and exact attention's tests and the device invariance of the tree
-#      reductions and RMSNorm (tests/kernels/test_triton_batch_invariant.py), then the exact
-#      kernels' cost against the default ones (cuBLAS, SDPA) at Qwen3-1.7B shapes in bf16, with how
-#      many rows the default ones change when computed alone (bench/exact_kernels.py).
-# A part that fails or runs out of time is reported and the next one runs. On an H200 the
-# default parts other than noise and grpo-triton (added after that run) took 6 minutes; the
-# limits below add up to more. The logs are 8 files at most (what a device call returns).
+#   1. tests: the CUDA and Triton tests (kernels, generator, log-probs) on the real device;
+#   2. kernels, noise: the log-prob kernels with a sweep of Triton tiles (bench/logprobs_memory.py),
+#      the sampler's noise, int64 tensor hash against the one-pass Triton kernel
+#      (bench/sampler_noise.py);
+#   3. quickstart: the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
+#   4. grpo, grpo-triton: one GRPO step at Qwen3-1.7B shapes, Tandem vs TRL with the settings
+#      matched (gradient checkpointing off in both, bf16 autocast, fused AdamW: bench/grpo_step.py
+#      prints them), and Tandem with advanced.kernels = triton;
+#   5. generate: the generator against transformers' batched `generate` at the same batch, like
+#      for like (fixed lengths) and GRPO-shaped (labelled), with a row for the copy's layout;
+#   6. planner: the memory planner's predicted peak per phase against
+#      torch.cuda.max_memory_allocated for three layouts on one device (activation
+#      checkpointing none / selective / full; tests/plan/test_plan_cuda.py).
+# Not in the default PARTS: "attention" (bench/paged_attention.py), "profile" (one decode step at
+# Qwen3-1.7B and 8B shapes, batch 64 and 256, by kernel class against its weight-read floor),
+# "moe" (grouped GEMM and layer against the per-expert loop and transformers' block, bf16),
+# "reshard" (the move into the generation copy at Qwen3-1.7B shapes against a full gather), and
+# "exact" (rl.exact's Triton kernels' tests and their cost against cuBLAS / SDPA at 1.7B shapes),
+# "fp8kv" (the FP8 KV store and attention kernels' tests on the device, then capacity and
+# rollout time with and without FP8 pages: bench/fp8_kv.py).
+# A part that fails or runs out of time is reported and the next one runs. The limits of the
+# default parts add up to 15 minutes, over one device call's 10: run it as two calls,
+# PARTS="tests kernels noise quickstart grpo" then PARTS="grpo-triton generate planner" (on an
+# H200 the parts of the second GPU run took 6 minutes in all).
+# Logs: at most 8 files whatever PARTS holds (what a device call returns): env.txt, tests.log,
+# kernels.log (attention, kernels, noise, moe, exact, fp8kv), quickstart.log, quickstart_metrics.jsonl,
+# grpo.log (grpo, grpo-triton), generate.log (generate, profile), layouts.log (planner, reshard).
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # logs land in OUT_DIR (default: $OUT or outputs/gpu_check)
 #   PARTS="tests quickstart" bash scripts/gpu_check.sh
 #
 # Python packages that the machine lacks (trl, datasets) may be wheels in .whl/; they are
-# installed into /tmp/site first. Record what it prints in docs/performance.md.
+# installed into /tmp/site first. Every bench prints its command, date, commit and machine;
+# record what it prints in docs/performance.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-outputs/gpu_check}}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
-PARTS="${PARTS:-tests kernels noise quickstart grpo grpo-triton generate}"
+PARTS="${PARTS:-tests kernels noise quickstart grpo grpo-triton generate planner}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -41,7 +48,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 {
-  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tail -n +1
+  date -u; echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here)")"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tail -n +1
   "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
   "$PY" -c "import transformers, trl, datasets; print('transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)" 2>&1 | tail -1
 } > "$out/env.txt" 2>&1
@@ -63,7 +71,7 @@ part tests 130 tests.log "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider ${T
   tests/kernels/test_grouped_gemm.py}
 [[ -f "$out/tests.log" ]] && echo "tests: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -1)"
 
-part attention 60 attention.log "$PY" -m bench.paged_attention
+part attention 60 kernels.log "$PY" -m bench.paged_attention
 
 part kernels 90 kernels.log "$PY" -m bench.logprobs_memory --device cuda --dim 2048 --dtype bf16 \
   --triton-tiles 128,256,64,8,3 64,128,64,4,4 64,256,64,8,3 128,64,64,4,4
@@ -77,24 +85,37 @@ part quickstart 70 quickstart.log "$PY" train.py --config configs/quickstart.tom
 part grpo 200 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 151936 --prompts 8 --samples 8 \
   --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines "${GRPO_ENGINES:-tandem,trl}"
 
-part grpo-triton 80 grpo_triton.log "$PY" -m bench.grpo_step --shape qwen3-1.7b \
+part grpo-triton 80 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b \
   --vocab 151936 --prompts 8 --samples 8 --max-tokens 256 --steps 3 --kv-cache-gb 20 \
   --engines tandem-triton
 
 
-part generate 80 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16 \
-  --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs --variants grpo --layout-row
+part generate 120 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 \
+  --hidden 1024 --layers 16 --prompts 16 --n 8 --max-tokens 256 --kv-cache-gb 8 --cuda-graphs \
+  --variants fixed,grpo --layout-row
 
-# The decode step against its weight-read floor, by kernel class (issue: GPU rollout at the floor).
+part planner 180 layouts.log "$PY" -m pytest -v -s -p no:cacheprovider tests/plan/test_plan_cuda.py
+
 # Not in the default PARTS: PARTS="profile" bash scripts/gpu_check.sh
-part profile 150 profile.log bash -c "for s in qwen3-1.7b qwen3-8b; do for b in 64 256; do \
+part profile 150 generate.log bash -c "for s in qwen3-1.7b qwen3-8b; do for b in 64 256; do \
   $PY -m bench.decode_profile --shape \$s --batch \$b --device cuda --dtype bfloat16 --cuda-graphs; done; done"
 
 # Mixture of experts and the generation-layout reshard (issues 23, 24). Not in the default PARTS:
 #   PARTS="moe reshard" bash scripts/gpu_check.sh
-part moe 90 moe.log "$PY" -m bench.moe --device cuda --dtype bfloat16
-part reshard 120 reshard.log "$PY" bench/reshard.py --device cuda --size 1.7b --nproc 1
+part moe 90 kernels.log "$PY" -m bench.moe --device cuda --dtype bfloat16
+part reshard 120 layouts.log "$PY" -m bench.reshard --device cuda --size 1.7b --nproc 1
 
 # rl.exact's CUDA path (issue 25). Not in the default PARTS: PARTS="exact" bash scripts/gpu_check.sh
-part exact 150 exact.log bash -c "$PY -m pytest -v -p no:cacheprovider tests/kernels/test_triton_batch_invariant.py; \
+part exact 150 kernels.log bash -c "$PY -m pytest -v -p no:cacheprovider \
+  tests/kernels/test_triton_batch_invariant.py; \
   $PY -m bench.exact_kernels --device cuda --dtype bf16"
+
+# FP8 KV (issue 40). Not yet run on a GPU, so not in the default PARTS:
+#   PARTS="fp8kv" bash scripts/gpu_check.sh
+# The FP8 store / attention kernels against the PyTorch path on the device
+# (tests/kernels/test_fp8_kv.py), then capacity and rollout time with and without FP8 pages at
+# GPU sizes (bench/fp8_kv.py).
+part fp8kv 240 kernels.log bash -c "$PY -m pytest -v -p no:cacheprovider \
+  tests/kernels/test_fp8_kv.py; \
+  $PY -m bench.fp8_kv --device cuda --dtype bfloat16 --hidden 1024 --layers 16 --lengths 2048,8192 \
+  --seqs 64 --kv-cache-gb 4"

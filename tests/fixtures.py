@@ -23,6 +23,8 @@ from tandem.models.tokenizer import QWEN_CHAT_TEMPLATE, build_char_tokenizer
 
 __all__ = [
     "FAMILIES",
+    "one_thread",
+    "train_run",
     "LLAMA3_STYLE_TEMPLATE",
     "QWEN_CHAT_TEMPLATE",
     "tiny_hf_config",
@@ -165,3 +167,41 @@ def launch_worker(worker: str | Path, nproc: int, out: str | Path, *args: str, t
     if proc.returncode != 0:
         raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return torch.load(out, weights_only=False)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Two shared cores: one intra-op thread per process is several times faster than two."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def train_run(config: str | Path, dump: str | Path, nproc: int, *extra: str,
+              timeout: float = 900) -> tuple[list[dict], str]:
+    """``train.py --config CONFIG`` under torchrun on ``nproc`` CPU ranks (gloo): the rows of its
+    metrics.jsonl (none when a resumed run had no step left) and its output; a failing run raises
+    with the end of its output."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(root / "train.py"), "--config", str(config), f"--job.dump_folder={dump}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    path = Path(dump) / "metrics.jsonl"
+    rows = [json.loads(line) for line in open(path)] if path.exists() else []
+    return rows, r.stdout + r.stderr
+
+
+def hf_weights(dump: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF folder a run exported (``dump/hf/*.safetensors``)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(dump, "hf").glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, dump
+    return out

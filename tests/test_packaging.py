@@ -56,7 +56,8 @@ def test_the_wheel_installs_only_tandem(wheel: Path):
     entry_points.read_string(zipfile.ZipFile(wheel).read(f"{next(iter(dist_info))}/entry_points.txt").decode())
     assert dict(entry_points["console_scripts"]) == {
         "tandem-generate": "tandem.generate:main", "tandem-sweep": "tandem.sweep.__main__:main",
-        "tandem-report": "tandem.report.__main__:main", "tandem-diagnose": "tandem.diagnose:main"}
+        "tandem-report": "tandem.report.__main__:main", "tandem-diagnose": "tandem.diagnose:main",
+        "tandem-serve": "tandem.serve:main"}
 
 
 def test_a_non_editable_install_leaves_transformers_and_kernels_intact(wheel: Path, tmp_path: Path):
@@ -91,7 +92,8 @@ def test_the_installed_package_imports_beside_transformers(where: str, tmp_path:
 
 def test_console_scripts_run(tmp_path: Path):
     bindir = Path(sys.executable).parent
-    for tool in ("tandem-generate", "tandem-sweep", "tandem-report", "tandem-diagnose"):
+    tools = ("tandem-generate", "tandem-sweep", "tandem-report", "tandem-diagnose", "tandem-serve")
+    for tool in tools:
         exe = bindir / tool
         assert exe.exists(), f"{exe}: not installed (pip install -e . makes it)"
         r = subprocess.run([str(exe), "--help"], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True,

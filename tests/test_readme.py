@@ -56,3 +56,18 @@ def test_every_environment_variable_is_listed():
             read |= set(re.findall(r"\$\{?(TANDEM_[A-Z_]+)", path.read_text()))
     assert len(read) >= 12, read  # the scan finds the Slurm settings and the fault drills
     assert sorted(v for v in read if f"`{v}" not in section) == []
+
+
+def test_readme_speed_figures_are_in_the_performance_log():
+    """Every figure of the README's Speed section (a decimal or a ratio, ranges whole) appears,
+    as written, in docs/performance.md, where the bench command that printed it is."""
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    speed = readme.split("\n## Speed\n", 1)[1].split("\n## ", 1)[0]
+    log = open(os.path.join(ROOT, "docs", "performance.md"), encoding="utf-8").read()
+    tokens = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x?", speed)
+    figures = [f for f in tokens if "." in f or f.endswith("x")]
+    assert len(figures) >= 4, speed  # the section still quotes figures
+    missing = [f for f in figures if f not in log]
+    assert not missing, f"README speed figures not in docs/performance.md: {missing}"

@@ -1,23 +1,17 @@
 """oneDNN matmuls for the gradient-free fp32 linears of a CPU generation copy.
 
-On the CPU, ``F.linear`` in fp32 goes to MKL's sgemm. On this project's AMD
-machines MKL takes its generic code path (``MKL_VERBOSE`` reports "Intel(R)
-Architecture processors", not AVX-512), while oneDNN, which PyTorch also
-ships, picks its kernels by the instructions the CPU has. At decode shapes (32
-rows), one layer of the GRPO bench's model took 429 us on MKL with separate
-projections and 348 us on oneDNN with fused ones (q/k/v in one, gate/up in one:
-see ``Transformer.fuse_projections``; fused, MKL took 414 us), in a tight loop;
-docs/performance.md has the numbers.
+On the CPU, ``F.linear`` in fp32 goes to MKL's sgemm. oneDNN, which PyTorch also ships, was
+faster at the rollout's small decode products on the AMD EPYC machines of earlier sessions
+(where ``MKL_VERBOSE`` reported MKL's generic code path) and slower on an Intel Xeon with AMX,
+so the rollout copy uses it only where ``rollout.cpu_onednn`` asks (docs/performance.md).
 
 `OneDNNLinear` is an ``nn.Linear`` whose forward takes that route when nothing
 needs a gradient and the tensors are plain fp32 CPU tensors; anything else
 (autograd, DTensor shards, CUDA, other dtypes) runs ``F.linear`` as before.
 The results differ from MKL's only by summation order (a few fp32 ulps).
 `use_onednn_linears` also reorders each weight once into oneDNN's blocked
-layout (a second copy of it, kept beside the plain one): a [32, 256] product
-then takes about 30 % less time than on the plain weight (qkv 83 -> 59 us).
-A weight changed in place after that is seen (its version is checked) and
-used plain.
+layout (a second copy of it, kept beside the plain one). A weight changed in place
+after that is seen (its version is checked) and used plain.
 """
 
 from __future__ import annotations

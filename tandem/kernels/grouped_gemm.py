@@ -90,6 +90,13 @@ def torch_grouped_mm_applies(x: torch.Tensor) -> bool:
     return False
 
 
+def _aligned(*ts: torch.Tensor) -> bool:
+    """torch._grouped_mm's layout rule: every non-unit stride and the data a multiple of 16 bytes
+    (a LoRA rank of 3 in fp32 gives 12-byte rows: those go through the loop)."""
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+               for t in ts)
+
+
 def grouped_mm(
     x: torch.Tensor,  # [M, K]
     w: torch.Tensor,  # [E, K, N]
@@ -139,7 +146,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, triton: bo
             return grouped_mm_ref(x, w, offsets)
     if triton:
         return _triton_impl().grouped_mm(x, w, offsets)
-    if torch_grouped_mm_applies(x):
+    if torch_grouped_mm_applies(x) and _aligned(x, w):
         return torch._grouped_mm(x, w, offs=offsets)
     with torch.no_grad():
         return grouped_mm_ref(x, w, offsets)
@@ -149,21 +156,23 @@ def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, trito
     """``dw[e] = x_e^T @ dy_e`` over expert ``e``'s rows; zero for an expert with none."""
     if triton:
         return _triton_impl().grouped_weight_grad(x, dy, offsets)
-    if torch_grouped_mm_applies(x):
+    if torch_grouped_mm_applies(x) and _aligned(x, dy):
         return torch._grouped_mm(x.t(), dy, offs=offsets)  # 2-D x 2-D: ragged reduction dim
     bounds = [0, *offsets.tolist()]  # deliberate host sync (fallback path only)
     return torch.stack([x[s:e].t() @ dy[s:e] for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
 
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The oracle: a loop of ``x[run] @ w[e]`` (host sync to read ``offsets``); autograd-differentiable.
+    """The oracle: a loop of ``x_e @ w[e]`` over the runs (host sync to read ``offsets``);
+    autograd-differentiable, and the fair per-expert loop bench/moe.py times.
 
     Rows past ``offsets[-1]`` are zero here.
     """
     _check(x, w, offsets)
-    bounds = [0, *offsets.tolist()]
-    # unbind, not w[i]: each w[i]'s backward would materialise a zero [E, K, N] gradient.
-    experts = w.unbind(0)
-    parts = [x[s:e] @ we for we, s, e in zip(experts, bounds[:-1], bounds[1:], strict=True)]
-    parts.append(x.new_zeros(x.shape[0] - bounds[-1], w.shape[2]))
-    return torch.cat(parts)
+    ends = offsets.tolist()
+    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)] + [x.shape[0] - ends[-1]]
+    # split and unbind, not x[s:e] and w[i]: each slice's backward would materialise a zero
+    # gradient as large as the whole x (or w); split's backward concatenates the parts once.
+    *runs, rest = x.split(sizes)
+    parts = [run @ we for run, we in zip(runs, w.unbind(0), strict=True)]
+    return torch.cat([*parts, rest.new_zeros(rest.shape[0], w.shape[2])])

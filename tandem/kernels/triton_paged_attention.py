@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import kv_quant as kvq
+
 _LOG2E = 1.4426950408889634
 
 
@@ -26,14 +28,65 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _pow2_scale(amax, M_EXP: tl.constexpr, M_MANT: tl.constexpr):
+    """(scale, 1 / scale): the smallest power of two 2**k with amax <= fp8 max * 2**k, k in
+    [-126, 126], from the fp32 bits (`tandem.kernels.kv_quant.scale_exponent`)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - M_EXP + ((bits & 0x7FFFFF) > M_MANT).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, -126), 126)
+    scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    return scale, ((127 - k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """y (fp32, within the format's range) rounded to the FP8 grid, to nearest, ties to even, in
+    fp32: ``(|y| + C) - C`` with C a power of two whose fp32 spacing is the grid's spacing at
+    y (EMIN: the biased fp32 exponent of the format's smallest normal; MANT: its mantissa
+    bits). The cast to FP8 is then exact, so it does not matter how the cast rounds (the
+    interpreter's rounds 7.84 to 4 in e4m3)."""
+    a = tl.abs(y)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, EMIN)
+    c = ((e - MANT + 23) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _store_rows(
+    x, c_ptr, s_ptr, dst, mask, s_dst, h_ok, inv_head,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, M_EXP: tl.constexpr, M_MANT: tl.constexpr,
+    MANT: tl.constexpr, EMIN: tl.constexpr,
+):
+    """Store one token's [H, D] rows at ``dst``: cast, or quantized with ``inv_head`` [H]
+    (QUANT 1) or with the rows' own scales, written at ``s_dst`` [H] (QUANT 2)."""
+    if QUANT == 0:
+        tl.store(c_ptr + dst, x.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        y = x.to(tl.float32)
+        if QUANT == 1:
+            y = y * inv_head[:, None]
+        else:
+            s, inv = _pow2_scale(tl.max(tl.abs(y), 1), M_EXP, M_MANT)  # [H]
+            tl.store(s_ptr + s_dst, s, mask=h_ok)
+            y = y * inv[:, None]
+        y = _round_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANT, EMIN)
+        tl.store(c_ptr + dst, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, M_EXP: tl.constexpr, M_MANT: tl.constexpr,
+    MANT: tl.constexpr, EMIN: tl.constexpr,
 ):
-    """One program per token: copy its [Hkv, D] K and V rows into the cache slot."""
+    """One program per token: copy its [Hkv, D] K and V rows into the cache slot (quantized
+    into an FP8 cache: ``ks``/``vs`` hold inverse scales [Hkv] for QUANT 1, and the slot
+    scales [NB, BS, Hkv] that this kernel writes for QUANT 2)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -41,35 +94,51 @@ def _store_kv_kernel(
     # A skipped slot (-1) masks every head. (Folded into the bound rather than and-ed
     # in as a scalar: the interpreter mistypes `tensor & scalar_bool`.)
     num_heads = tl.where(slot >= 0, NUM_HEADS, 0)
-    mask = (h[:, None] < num_heads) & (d[None, :] < HEAD_DIM)  # [H, D]
+    h_ok = h < num_heads
+    mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)  # [H, D]
     safe = tl.maximum(slot, 0)
     dst = (safe // PAGE) * stride_cb + (safe % PAGE) * stride_cs  # scalar
     dst = dst + h[:, None] * stride_ch + d[None, :]  # [H, D]
+    s_dst = safe * NUM_HEADS + h  # [H] into the slot scales [NB * BS, Hkv]
     t64 = t.to(tl.int64)
-    k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    inv_k = tl.full([BLOCK_H], 1.0, tl.float32)
+    inv_v = inv_k
+    if QUANT == 1:
+        inv_k = tl.load(ks_ptr + h, mask=h < NUM_HEADS, other=1.0)
+        inv_v = tl.load(vs_ptr + h, mask=h < NUM_HEADS, other=1.0)
+    _store_rows(k, kc_ptr, ks_ptr, dst, mask, s_dst, h_ok, inv_k,
+                QUANT, FP8_MAX, M_EXP, M_MANT, MANT, EMIN)
+    _store_rows(v, vc_ptr, vs_ptr, dst, mask, s_dst, h_ok, inv_v,
+                QUANT, FP8_MAX, M_EXP, M_MANT, MANT, EMIN)
 
 
 @triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, start, kv_hi, pos, d, kv_head_off,
-    qk_scale, stride_cb, stride_cs,
+    qk_scale, stride_cb, stride_cs, ks_ptr, vs_ptr, k_head_scale, v_head_scale, kvh,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """One online-softmax step over KV positions [start, start + BLOCK_N) below ``kv_hi``.
 
     q [M, D]; m_i, l_i [M]; acc [M, D]; pos [M] query positions (used when CAUSAL).
+    FP8 tiles are dequantized: by the head's scale (QUANT 1) or each slot's (QUANT 2,
+    ``ks``/``vs`` [NB * BS, Hkv]).
     """
     j = start + tl.arange(0, BLOCK_N)  # [N] cache positions
     j_ok = j < kv_hi
     d_ok = d < HEAD_DIM
     bid = tl.load(bt_row_ptr + j // PAGE, mask=j_ok, other=0).to(tl.int64)  # [N]
     kv_off = bid * stride_cb + (j % PAGE) * stride_cs + kv_head_off  # [N]
+    s_off = (bid * PAGE + j % PAGE) * NUM_KV_HEADS + kvh  # [N] into the slot scales
     k_mask = j_ok[None, :] & d_ok[:, None]
     k = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_mask, other=0.0)  # [D, N]
+    if QUANT == 1:
+        k = k.to(tl.float32) * k_head_scale
+    if QUANT == 2:
+        k = k.to(tl.float32) * tl.load(ks_ptr + s_off, mask=j_ok, other=0.0)[None, :]
     k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
     keep = j_ok[None, :]
@@ -82,19 +151,35 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v_mask = j_ok[:, None] & d_ok[None, :]
     v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=v_mask, other=0.0)  # [N, D]
+    if QUANT == 1:
+        v = v.to(tl.float32) * v_head_scale
+    if QUANT == 2:
+        v = v.to(tl.float32) * tl.load(vs_ptr + s_off, mask=j_ok, other=0.0)[:, None]
     v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
+def _head_scales(ks_ptr, vs_ptr, kvh, QUANT: tl.constexpr):
+    """The KV head's K and V scales (QUANT 1), else 1."""
+    ks = 1.0
+    vs = 1.0
+    if QUANT == 1:
+        ks = tl.load(ks_ptr + kvh)
+        vs = tl.load(vs_ptr + kvh)
+    return ks, vs
+
+
+@triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, cu_ptr, ctx_ptr,
+    q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, cu_ptr, ctx_ptr, ks_ptr, vs_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TOK_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Grid (sequence, query tile, kv head). Rows are (token, head-in-group) pairs."""
     n = tl.program_id(0)
@@ -125,10 +210,12 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row_ptr = bt_ptr + n.to(tl.int64) * stride_bt
+    k_head_scale, v_head_scale = _head_scales(ks_ptr, vs_ptr, kvh, QUANT)
     for start in range(0, kv_hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, start, kv_hi, pos, d, kvh * stride_ch,
-            qk_scale, stride_cb, stride_cs, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
+            qk_scale, stride_cb, stride_cs, ks_ptr, vs_ptr, k_head_scale, v_head_scale, kvh,
+            HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, QUANT, NUM_KV_HEADS,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -138,12 +225,13 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, o_ptr, part_o_ptr, part_m_ptr, part_l_ptr, bt_ptr, ctx_ptr,
+    ks_ptr, vs_ptr,
     qk_scale, split_len, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Grid (sequence, kv head, split). Rows are the kv head's group of query heads.
 
@@ -169,10 +257,12 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row_ptr = bt_ptr + n64 * stride_bt
+    k_head_scale, v_head_scale = _head_scales(ks_ptr, vs_ptr, kvh, QUANT)
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, start, hi, g, d, kvh * stride_ch,
-            qk_scale, stride_cb, stride_cs, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
+            qk_scale, stride_cb, stride_cs, ks_ptr, vs_ptr, k_head_scale, v_head_scale, kvh,
+            HEAD_DIM, PAGE, BLOCK_N, False, PRECISION, QUANT, NUM_KV_HEADS,
         )
     if SPLIT:
         # part_* are contiguous: m, l [N, Hq, S]; o [N, Hq, S, BLOCK_D].
@@ -231,6 +321,31 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _quant_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(QUANT, k scales, v scales) for the kernels: 0 and placeholders for an unquantized
+    cache, 1 and the per-head scales, 2 and the per-slot scales (made contiguous)."""
+    if k_scale is None:
+        return 0, k_cache, k_cache
+    if k_scale.dim() == 1:
+        return 1, k_scale.contiguous(), v_scale.contiguous()
+    if not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError("per-slot KV scales must be contiguous (they are written in place)")
+    return 2, k_scale, v_scale
+
+
+def _fp8_constants(dtype: torch.dtype) -> dict[str, object]:
+    """FP8_MAX, the fp32 exponent and mantissa bits of it (`_pow2_scale`), the format's mantissa
+    bits and the fp32 exponent of its smallest normal (`_round_fp8`); placeholders otherwise."""
+    if dtype not in kvq.MANTISSA_BITS:
+        return {"FP8_MAX": 0.0, "M_EXP": 0, "M_MANT": 0, "MANT": 0, "EMIN": 0}
+    m = kvq.fp8_max(dtype)
+    bits = kvq.fp32_bits(m)
+    emin = (kvq.fp32_bits(torch.finfo(dtype).smallest_normal) >> 23) & 0xFF
+    return {"FP8_MAX": m, "M_EXP": (bits >> 23) & 0xFF, "M_MANT": bits & 0x7FFFFF,
+            "MANT": kvq.MANTISSA_BITS[dtype], "EMIN": emin}
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -242,6 +357,8 @@ def store_kv(
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T]
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton `store_kv` (arguments already checked by the caller)."""
     t = slot_mapping.shape[0]
@@ -253,13 +370,17 @@ def store_kv(
         raise ValueError("k_cache and v_cache must have the same strides")
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _, page, hkv, d = k_cache.shape
+    quant, ks, vs = _quant_args(k_cache, k_scale, v_scale)
+    if quant == 1:  # the kernel multiplies by the inverse (exact for powers of two)
+        ks, vs = ks.reciprocal(), vs.reciprocal()
     # fmt: off
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),
+        k, v, k_cache, v_cache, slot_mapping.contiguous(), ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=hkv, HEAD_DIM=d, PAGE=page,
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        QUANT=quant, **_fp8_constants(k_cache.dtype),
     )
     # fmt: on
 
@@ -273,6 +394,8 @@ def paged_attention(
     context_lens: torch.Tensor,  # [N]
     scale: float,
     max_q_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton prefill / extend attention (arguments already checked by the caller)."""
     q = _last_dim_contiguous(q)
@@ -291,16 +414,17 @@ def paged_attention(
     if n == 0 or num_tiles == 0:
         return out
     block_tables = block_tables.contiguous()
+    quant, ks, vs = _quant_args(k_cache, k_scale, v_scale)
     # fmt: off
     _prefill_kernel[(n, num_tiles, hkv)](
         q, k_cache, v_cache, out,
-        block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(),
+        block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), ks, vs,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, TOK_PER_TILE=tok_per_tile, HEAD_DIM=d, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        QUANT=quant, NUM_KV_HEADS=hkv, num_warps=4, num_stages=2,
     )
     # fmt: on
     return out
@@ -333,6 +457,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [N]
     scale: float,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, Hq, D]
     """Triton decode attention, optionally split-K (arguments already checked by the caller)."""
     q = _last_dim_contiguous(q)
@@ -361,16 +487,17 @@ def paged_decode_attention(
     else:
         part_o = part_m = part_l = out  # unused by the kernel when SPLIT is False
     block_tables = block_tables.contiguous()
+    quant, ks, vs = _quant_args(k_cache, k_scale, v_scale)
     # fmt: off
     _decode_kernel[(n, hkv, num_splits)](
         q, k_cache, v_cache, out, part_o, part_m, part_l,
-        block_tables, context_lens.contiguous(),
+        block_tables, context_lens.contiguous(), ks, vs,
         scale * _LOG2E, split_len, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, PAGE=page,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT=split, PRECISION=_precision(q.dtype),
+        SPLIT=split, PRECISION=_precision(q.dtype), QUANT=quant, NUM_KV_HEADS=hkv,
         num_warps=4, num_stages=2,
     )
     if split:

@@ -153,19 +153,23 @@ def tandem_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torc
 
 
 # ---------------------------------------------------------------------- reading
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON object file; FileNotFoundError / ValueError (one line naming it) otherwise."""
+    if not file.is_file():
+        raise FileNotFoundError(f"no {file.name} in {file.parent}")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_args(path: str | Path) -> ModelArgs:
     """ModelArgs from ``config.json``; eos ids also gathered from ``generation_config.json``."""
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-    args = ModelArgs.from_hf(config)
+    args = ModelArgs.from_hf(read_json_object(path / "config.json"))
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         extra = json.loads(gen_file.read_text()).get("eos_token_id")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from torch import nn
 from tandem.kernels import batch_invariant
 from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
+from tandem.models.lora import LoraSpec, apply_lora, is_adapter
 from tandem.models.transformer import Transformer
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
@@ -58,6 +60,17 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by its
+    # output rows, a row-parallel one's A split by its input features and B whole (its partial
+    # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
+    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
+    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
+    (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_A\.weight$"), 1),
+    (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_B\.weight$"), None),
+    (re.compile(r"\.moe\.experts\.w[13]_lora_A$"), None),
+    (re.compile(r"\.moe\.experts\.w[13]_lora_B$"), 1),
+    (re.compile(r"\.moe\.experts\.w2_lora_A$"), 2),
+    (re.compile(r"\.moe\.experts\.w2_lora_B$"), None),
 ]
 _VOCAB = re.compile(r"(tok_embeddings|output)\.weight$")
 
@@ -157,10 +170,12 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
     return Box(offset, region), local
 
 
-def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype) -> int:
-    """Bytes of one rank's generation shard (tied embeddings counted once)."""
+def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None) -> int:
+    """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``, adapters too)."""
     with torch.device("meta"):
         model = Transformer(args)
+        if lora is not None:
+            apply_lora(model, lora)
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, p in state_tensors(model).items():
@@ -268,20 +283,31 @@ class GenerationCopy:
     shard needs, in the generation dtype (tandem/parallel/reshard.py), so no rank holds the
     whole model unless its shard is the whole model (``layout.tp = 1``). The move's plan is
     made at the first build (collective) and kept: the layouts do not change during a run.
+    With LoRA adapters (``lora``) the copy runs them unmerged, like the update: its frozen base
+    moves once, at the first build, and stays; every later build moves only the adapters and
+    checks them against the trainer's by an exact checksum (a mismatch is an error).
     """
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
-                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> None:
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
+                 cpu_onednn: bool = False, lora: LoraSpec | None = None) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
+        self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
         with torch.device("meta"):
             meta = Transformer(args)
+            if lora is not None:
+                apply_lora(meta, lora)
         # a tied head counted once
         self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
         self._plan: Resharder | None = None
+        self._adapter_plan: Resharder | None = None
+        # LoRA: the copy and its adapters
+        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -295,49 +321,104 @@ class GenerationCopy:
               probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
         """Collective (every rank): this rank's generation shard as a runnable model.
 
-        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests).
-        ``probe()`` runs inside every reshard collective (memory tests)."""
+        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests;
+        a copy with adapters keeps the training layout). ``probe()`` runs inside every reshard
+        collective (memory tests)."""
+        if self._kept is not None:
+            return self._refill(probe)
         srcs = self._held()
         if self._plan is None:
-            needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                                   bucket_bytes=self.bucket_bytes)
+            self._make_plans(srcs)
+        assert self._plan is not None
         state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
                                       probe=probe)
+        adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
         del srcs
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
         with torch.device("meta"):
             gen = Transformer(self.local)
+            if self.lora is not None:
+                apply_lora(gen, self.lora)
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
         gen.requires_grad_(False).eval()
-        if inference:
-            inference_layout(gen)
+        if inference and self.lora is None:  # fused projections would fold the adapters' inputs away
+            inference_layout(gen, self.cpu_onednn)
+        metrics = _reshard_metrics(stats, nbytes)
+        if self.lora is not None:
+            # before shard_modules renames
+            adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}
+            self._kept = (gen, adapters)
+            metrics.update(self._check(adapter_srcs, adapters))
         shard_modules(gen, self.args, self.layout)
-        return gen, {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
-                     "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
-                     "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+        return gen, metrics
+
+    def _make_plans(self, srcs: dict[str, tuple[torch.Tensor, Box]]) -> None:
+        """Collective: the whole copy's move, and with adapters their own move for later builds."""
+        needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                               bucket_bytes=self.bucket_bytes)
+        if self.lora is not None:
+            names = [n for n in self.shapes if is_adapter(n)]
+            self._adapter_plan = Resharder(
+                {n: self.shapes[n] for n in names}, {n: srcs[n][1] for n in names if n in srcs},
+                {n: needs[n] for n in names}, elem, bucket_bytes=self.bucket_bytes)
+
+    def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
+        """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
+        assert self._kept is not None and self._adapter_plan is not None
+        gen, adapters = self._kept
+        srcs = {n: t for n, (t, _) in self._held().items() if n in adapters}
+        state, stats = self._adapter_plan.run(srcs, self.dtype, self.device, probe=probe)
+        with torch.no_grad():
+            for n, t in state.items():
+                adapters[n].copy_(t)
+        metrics = _reshard_metrics(stats, sum(t.numel() * t.element_size() for t in state.values()))
+        del state
+        metrics.update(self._check(srcs, adapters))
+        return gen, metrics
+
+    def _check(self, srcs: dict[str, torch.Tensor],
+               adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError
+        if any differ."""
+        assert self._adapter_plan is not None
+        t0 = time.monotonic()
+        total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
+        if wrong:
+            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's "
+                               f"after the refill ({len(wrong)} tensors; checksum)")
+        return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
 
 
-def inference_layout(model: Transformer) -> bool:
+def _reshard_metrics(stats: Any, nbytes: int) -> dict[str, float]:
+    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+            "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
+            "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+
+
+def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
     """The generation copy's layout, in place; returns whether it changed anything.
 
-    On CUDA, and on the CPU in fp32 where PyTorch has oneDNN: q/k/v and gate/up fused into one
-    product each (`Transformer.fuse_projections`); on that CPU path every linear also runs
-    through oneDNN on a prepacked weight (`tandem.kernels.cpu_linear`). Both were measured
-    faster (docs/performance.md); elsewhere nothing was measured and the layout stays. Under
-    `batch_invariant` (``rl.exact``) the copy keeps the update's own unfused aten linears."""
+    On CUDA: q/k/v and gate/up fused into one product each (`Transformer.fuse_projections`;
+    measured faster, docs/performance.md). On the CPU the copy keeps the training layout unless
+    ``cpu_onednn`` (``rollout.cpu_onednn``): then, in fp32 where PyTorch has oneDNN, fused and
+    every linear on oneDNN with a prepacked weight (`tandem.kernels.cpu_linear`); it won on one
+    CPU and lost on another, and a timing-chosen path would make two runs of one config sample
+    differently, so it is a setting, off by default. Under `batch_invariant` (``rl.exact``) the
+    copy keeps the update's own unfused aten linears."""
     weight = next(model.parameters(), None)
     if weight is None or batch_invariant.enabled():
         return False
     if weight.is_cuda:
         model.fuse_projections()
         return True
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_linear_available():
+    if not cpu_onednn or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or not onednn_linear_available():
         return False
     model.fuse_projections()
     use_onednn_linears(model)

@@ -22,7 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["token_logprobs_at", "vocab_parallel_entropy", "vocab_parallel_token_logprobs"]
+__all__ = [
+    "all_reduce_sum",
+    "token_logprobs_at",
+    "vocab_parallel_entropy",
+    "vocab_parallel_token_logprobs",
+]
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -37,6 +42,12 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` summed over ``group`` for a consumer that every rank of it computes alike: the
+    backward is the identity (each rank's gradient reaches its own contribution once)."""
+    return _AllReduceSum.apply(x, group)
 
 
 def _vocab_shard(

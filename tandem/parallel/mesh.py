@@ -1,9 +1,15 @@
 """The device mesh: one named axis per kind of parallelism.
 
 Axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP
-replicas), ``dp_shard`` (FSDP2 shards), ``tp`` (tensor parallel, innermost so a
+replicas), ``dp_shard`` (FSDP2 shards), ``cp`` (context parallel: the ranks that
+split one sequence, tandem/parallel/cp.py), ``tp`` (tensor parallel, innermost so a
 TP group sits on one node). Every axis exists even at size 1, so callers never
 branch on whether an axis is present.
+
+The ``cp`` ranks of a data-parallel rank hold the same samples and the same
+parameters, so FSDP2 shards over ``dp_shard x cp`` (`dp_mesh`, flattened to
+``dp_shard_cp``): a cp rank's gradient covers its share of the tokens only and the
+reduce-scatter sums the shares.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -23,10 +29,11 @@ class Degrees:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -36,14 +43,30 @@ class Degrees:
 
 def build_mesh(degrees: Degrees, device: torch.device) -> DeviceMesh:
     shape = tuple(getattr(degrees, a) for a in AXES)
-    return init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+    if degrees.cp > 1:
+        dp_mesh(mesh)  # collective the first time (new groups): made here, on every rank in step
+    return mesh
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP)."""
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+    """The sub-mesh FSDP2 shards over (2-D for HSDP): the data-parallel ranks and, under
+    context parallelism, their cp ranks (``dp_shard x cp`` flattened to ``dp_shard_cp``; under
+    HSDP ``(dp_replicate, dp_shard_cp)``), cached on the root mesh after the first call."""
+    if mesh["cp"].size() == 1:
+        if mesh["dp_replicate"].size() > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_shard"]
+    cache = mesh._get_root_mesh().__dict__.setdefault("_tandem_fsdp_mesh", {})
+    if "mesh" not in cache:
+        replicas = mesh["dp_replicate"].size()
+        if replicas == 1:
+            cache["mesh"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        else:  # flatten all three, replicate-major, then cut into (replicas, the rest)
+            flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_replicate_shard_cp")
+            names = ("dp_replicate", "dp_shard_cp")
+            cache["mesh"] = flat._unflatten(0, (replicas, flat.size() // replicas), names)
+    return cache["mesh"]
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

@@ -12,9 +12,10 @@ each stage module is parallelized exactly like a whole model.
 FSDP2, over ``mesh["dp_shard"]`` or, for HSDP, the 2-D ``mesh["dp_replicate",
 "dp_shard"]``, follows one rule for every model and pipeline stage: it is
 applied when there are data-parallel ranks to shard over (dp_replicate *
-dp_shard > 1), or when mixed precision or CPU offload is asked for, since
-FSDP2's policies are how those are done (so a one-GPU run, or a layout with
-pp x tp = world, still computes in ``param_dtype``). Otherwise (one
+dp_shard * cp > 1: under context parallelism FSDP2 shards over ``dp_shard x
+cp``), or when mixed precision or CPU offload is asked for, since FSDP2's
+policies are how those are done (so a one-GPU run, or a layout with pp x tp =
+world, still computes in ``param_dtype``). Otherwise (one
 data-parallel rank computing in float32) the model is left unsharded.
 """
 
@@ -27,6 +28,7 @@ from tandem.parallel.ac import apply_ac
 from tandem.parallel.compile import apply_compile
 from tandem.parallel.expert_parallel import apply_ep, expert_params
 from tandem.parallel.fsdp import apply_fsdp
+from tandem.parallel.lora import check_lora_layout
 from tandem.parallel.mesh import dp_mesh
 from tandem.parallel.tp import apply_tp
 
@@ -34,8 +36,10 @@ __all__ = ["fsdp_needed", "parallelize"]
 
 
 def fsdp_needed(mesh: DeviceMesh, *, param_dtype: str, cpu_offload: bool) -> bool:
-    """The FSDP2 rule: data-parallel ranks to shard over, or mixed precision / offload asked for."""
-    dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+    """The FSDP2 rule: data-parallel (or context-parallel) ranks to shard over, or mixed precision /
+    offload asked for. cp ranks hold the same parameters and gradients of different tokens, which
+    FSDP2's reduce-scatter sums (tandem/parallel/mesh.py)."""
+    dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size() * mesh["cp"].size()
     return dp > 1 or param_dtype != "float32" or cpu_offload
 
 
@@ -64,6 +68,7 @@ def parallelize(
     forces FSDP2 on or off (default None: the rule in the module docstring).
     """
     tp = tp_enabled and mesh["tp"].size() > 1
+    check_lora_layout(model, tp=mesh["tp"].size() if tp else 1, ep=ep)
     if tp:  # with EP the experts are split by apply_ep below, over (dp_shard, tp)
         apply_tp(
             model, mesh["tp"], sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from tandem.parallel.checksum import MOD, box_checksum
+
 
 @dataclass(frozen=True)
 class Box:
@@ -114,6 +116,9 @@ class Resharder:
             all_holds, all_needs = [None] * self.world, [None] * self.world  # type: ignore[list-item]
             dist.all_gather_object(all_holds, holds, group=group)
             dist.all_gather_object(all_needs, {k: b for k, (b, _) in needs.items()}, group=group)
+        self._holders: dict[str, dict[Box, list[int]]] = {}  # per tensor: each distinct held box and its holders
+        self._needed = {name: sorted({n[name] for n in all_needs if name in n}, key=lambda b: (b.offset, b.size))
+                        for name in self.shapes}  # per tensor: the distinct boxes some rank needs
         self.collectives = _bucket(self._moves(all_holds, all_needs), self.world, elem_bytes, bucket_bytes)
 
     def _moves(self, all_holds: list[dict[str, Box]], all_needs: list[dict[str, Box]]) -> list[list[_Move]]:
@@ -124,6 +129,7 @@ class Resharder:
             for p, h in enumerate(all_holds):
                 if name in h:
                     holders.setdefault(h[name], []).append(p)
+            self._holders[name] = holders
             total = sum(b.numel for b in holders)
             if total != math.prod(shape):
                 raise ValueError(f"{name}: the ranks hold {total} distinct elements of a {shape} tensor "
@@ -164,6 +170,38 @@ class Resharder:
             raise RuntimeError(f"reshard: nothing arrived for {sorted(missing)}")
         stats.seconds = time.monotonic() - t0
         return out, stats
+
+    def verify(self, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+               dtype: torch.dtype) -> tuple[int, list[str]]:
+        """Collective: compare what every rank holds in ``targets`` (its needed box of each tensor,
+        at index 0 of a possibly padded tensor) with the ``sources`` it was moved from, cast to
+        ``dtype``, by the exact checksum of tandem/parallel/checksum.py. Each needed box's checksum
+        is summed from the holders' intersections with it (one holder per distinct box), so no
+        rank needs data it does not hold. Returns (the checksum of every distinct needed box,
+        summed mod 2**32: the same on every rank) and the names whose copy differs on any rank."""
+        keys = [(name, box) for name in self.shapes for box in self._needed[name]]
+        expected = torch.zeros(len(keys), dtype=torch.int64)
+        for i, (name, need) in enumerate(keys):
+            for box, ranks in self._holders[name].items():
+                region = box.intersect(need)
+                if ranks[0] == self.rank and region is not None:
+                    part = sources[name][region.index_in(box)].to(dtype)
+                    expected[i] += box_checksum(name, part, region.offset, self.shapes[name])
+        bad = torch.zeros(len(keys), dtype=torch.int64)
+        index = {key: i for i, key in enumerate(keys)}
+        for name, (need, _) in self.needs.items():
+            data = targets[name][need.index_in(need)]
+            bad[index[(name, need)]] = -box_checksum(name, data, need.offset, self.shapes[name])
+        if self.world > 1:
+            dist.all_reduce(expected, group=self.group)
+        expected %= MOD
+        for name, (need, _) in self.needs.items():  # mine == expected, or a mismatch mark
+            i = index[(name, need)]
+            bad[i] = int((bad[i] + expected[i]) % MOD != 0)
+        if self.world > 1:
+            dist.all_reduce(bad, group=self.group)
+        wrong = sorted({keys[i][0] for i in bad.nonzero()[:, 0].tolist()})
+        return int(expected.sum() % MOD), wrong
 
     def _collective(self, moves: list[_Move], sources: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
                     dtype: torch.dtype, device: torch.device, stats: ReshardStats,

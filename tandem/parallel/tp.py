@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tandem.parallel.lora import lora_plan
 from tandem.parallel.moe_tp import moe_block_plan, shard_experts_tp
 
 __all__ = ["apply_tp", "validate_tp"]
@@ -68,6 +69,7 @@ def apply_tp(
     validate_tp(model.args, tp)
     if tp == 1:
         return model
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # e.g. a LoRA run's base
     stream = Shard(1) if sequence_parallel else Replicate()  # residual stream between blocks
 
     root_plan: dict[str, Any] = {}
@@ -98,6 +100,9 @@ def apply_tp(
     if sequence_parallel:
         model.register_forward_pre_hook(_make_positions_hook(tp), with_kwargs=True)
     _retie(model)
+    for name, p in model.named_parameters():  # torch's SequenceParallel makes fresh (trainable) Parameters
+        if name in frozen:
+            p.requires_grad_(False)
     _register_grad_placement_hooks(model)
     return model
 
@@ -134,7 +139,7 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
             plan["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
-    return plan
+    return lora_plan(block, plan)  # adapted linears: their adapters split with them (tandem/parallel/lora.py)
 
 
 def _make_positions_hook(tp: int):

@@ -12,9 +12,12 @@ network. Exit statuses (each error is one line on stderr; the same numbers as
 tandem-sweep):
 
     0   the page was written
-    2   bad command line (no path, --out missing or its folder absent)
+    2   bad command line (no path, --out missing, its folder absent, a folder, or
+        not writable)
     3   a path is not a run: missing, an empty folder, a folder without
-        metrics.jsonl (and no study.db), or a metrics.jsonl without rows
+        metrics.jsonl (and no study.db), a metrics.jsonl without rows, a line of
+        metrics.jsonl or samples.jsonl that is not JSON or not a row (file:line),
+        or a study.db that Optuna cannot read
     4   unknown metric: a --metric key that no run logged
 """
 

@@ -4,6 +4,12 @@ The panels follow the names the trainers log (metrics.jsonl); a panel appears
 when some run logged one of its keys, and every other numeric key is one
 entry of the "Other metrics" figure's menu. Each run keeps one colour across
 the page; within a panel that plots several keys, the key sets the dash.
+
+Size: the "Other metrics" figure holds each key's points once, and the page's script
+builds its menu and draws the chosen key, so the page and this process's memory grow
+with the number of points logged, not with the square of the number of keys.
+Plotly renders the strings of a figure as HTML of its own (``<a href>``, ``<b>``):
+every string here goes through `_plain`, so a metric name or run folder shows as text.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.report import EXIT_METRIC, EXIT_USAGE, ReportError
-from tandem.report.page import SAMPLE_BROWSER, esc, page, table
+from tandem.report.page import SAMPLE_BROWSER, esc, menu_figure_div, page, table
 from tandem.report.runs import Run, StudyInfo, load
 
 # (title, which keys, y-axis title)
@@ -55,7 +61,7 @@ def line_figure(runs: list[Run], keys: list[str], title: str, ytitle: str, color
             if not steps:
                 continue
             traces.append({"type": "scatter", "x": steps, "y": values, "name": run.label if len(keys) == 1
-                           else f"{run.label} · {key}", "legendgroup": run.label,
+                           else f"{run.label} · {key}", "legendgroup": str(i),
                            "mode": "lines+markers" if len(steps) <= MARKERS_UP_TO else "lines",
                            "marker": {"size": 4}, "line": {"color": colors[i % len(colors)],
                                                           "dash": DASHES[j % len(DASHES)], "width": 1.5}})
@@ -72,23 +78,20 @@ def _layout(title: str, xtitle: str, ytitle: str) -> dict[str, Any]:
 
 
 def other_figure(runs: list[Run], keys: list[str], colors: list[str]) -> dict[str, Any] | None:
-    """The keys no panel shows, in one figure with a menu to pick the key."""
-    traces, owner = [], []
-    for key in keys:
+    """The keys no panel shows, in one figure whose menu (built by the page's script) picks the
+    key: ``menu`` holds each key's points once, {"keys", "runs", "series": [[key index, run
+    index, steps, values], ...]}, and the script draws the chosen key's traces."""
+    series = []
+    for j, key in enumerate(keys):
         for i, run in enumerate(runs):
             steps, values = run.series(key)
             if steps:
-                traces.append({"type": "scatter", "x": steps, "y": values, "name": run.label, "mode": "lines",
-                               "visible": not owner or owner[0] == key, "line": {"color": colors[i % len(colors)]}})
-                owner.append(key)
-    if not traces:
+                series.append([j, i, steps, values])
+    if not series:
         return None
-    shown = [k for k in keys if k in owner]
-    buttons = [{"label": k, "method": "update", "args": [{"visible": [o == k for o in owner]},
-                                                         {"title.text": f"Other metrics: {k}"}]} for k in shown]
-    layout = _layout(f"Other metrics: {shown[0]}", "step", "")
-    layout["updatemenus"] = [{"buttons": buttons, "x": 1.0, "xanchor": "right", "y": 1.18, "yanchor": "top"}]
-    return {"data": traces, "layout": layout}
+    names = [{"name": r.label, "color": colors[i % len(colors)]} for i, r in enumerate(runs)]
+    menu = {"keys": keys, "runs": names, "series": series}
+    return {"layout": _layout("Other metrics", "step", ""), "menu": menu}
 
 
 def length_histogram(runs: list[Run], colors: list[str]) -> dict[str, Any] | None:
@@ -102,7 +105,7 @@ def length_histogram(runs: list[Run], colors: list[str]) -> dict[str, Any] | Non
         if all("completion_tokens" in s for s in recs):
             lengths, unit = [s["completion_tokens"] for s in recs], "tokens"
         else:
-            lengths = [len(s["completion"]) for s in recs]
+            lengths = [len(s.get("completion", "")) for s in recs]
         traces.append({"type": "histogram", "x": lengths, "name": run.label, "opacity": 0.6,
                        "marker": {"color": colors[i % len(colors)]}})
     if not traces:
@@ -162,12 +165,31 @@ def _study_section(s: StudyInfo, figures: dict[str, Any], n: int) -> str:
             missing.append(f"{name}: {e}")
             continue
         fid = f"fig-study{n}-{name}"
-        figures[fid] = json.loads(fig.to_json())  # {"data", "layout"}, numpy arrays as lists
+        # json: numpy arrays as lists
+        figures[fid] = _plain(json.loads(fig.to_json()), keep=_OPTUNA_MARKUP)
         divs.append(f'<div class="fig wide" id="{fid}"></div>')
     parts.append('<div class="grid">' + "".join(divs) + "</div>")
     if missing:
         parts.append(f'<p class="note">Not drawn: {esc("; ".join(missing))}</p>')
     return "\n".join(parts)
+
+
+_OPTUNA_MARKUP = ("<br>", "<extra></extra>")  # what Optuna's plots put around the study's strings
+
+
+def _plain(value: Any, keep: tuple[str, ...] = ()) -> Any:
+    """``value`` (a figure) with every string's ``&``, ``<`` and ``>`` as entities, which Plotly
+    shows as text; ``keep`` are markup tokens put back (Optuna's line breaks)."""
+    if isinstance(value, str):
+        text = value.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        for token in keep:
+            text = text.replace(_plain(token), token)
+        return text
+    if isinstance(value, list):
+        return [_plain(v, keep) for v in value]
+    if isinstance(value, dict):
+        return {k: (v if k == "menu" else _plain(v, keep)) for k, v in value.items()}
+    return value
 
 
 def _check_metrics(runs: list[Run], metrics: list[str]) -> None:
@@ -185,6 +207,8 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
     if not paths:
         raise ReportError(EXIT_USAGE, "give at least one run or study folder")
     out_dir = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise ReportError(EXIT_USAGE, f"--out {out}: a folder; give the HTML file's path")
     if not os.path.isdir(out_dir):
         raise ReportError(EXIT_USAGE, f"--out {out}: folder {out_dir} does not exist")
     runs, studies = load(paths)
@@ -206,13 +230,14 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
         fig = line_figure(runs, pk, name, ytitle, colors) if pk else None
         fid = "fig-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")  # e.g. fig-held-out-eval
         if fig and fid not in figures:
-            figures[fid] = fig
+            figures[fid] = _plain(fig)
             divs.append(f'<div class="fig" id="{fid}"></div>')
     for fid, fig in (("fig-length-distribution", length_histogram(runs, colors)),
                      ("fig-other", other_figure(runs, [k for k in keys if k not in used], colors))):
         if fig:
-            figures[fid] = fig
-            divs.append(f'<div class="fig" id="{fid}"></div>')
+            figures[fid] = _plain(fig)
+            plain_div = f'<div class="fig" id="{fid}"></div>'
+            divs.append(menu_figure_div(fid) if "menu" in fig else plain_div)
     if divs:
         sections += ["<h2>Metrics</h2>", '<div class="grid">' + "".join(divs) + "</div>"]
     sample_runs = [{"label": r.label, "steps": r.samples[-max_sample_steps:]} for r in runs if r.samples]
@@ -225,6 +250,10 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
     else:
         sections.append('<p class="note">No run has a samples.jsonl (metrics.samples_per_step).</p>')
     text = page(title, sections, figures, {"runs": sample_runs}, get_plotlyjs())
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:  # a folder that refuses files (/proc), no space, no permission
+        why = e.strerror or str(e)
+        raise ReportError(EXIT_USAGE, f"--out {out}: cannot be written ({why})") from None
     return out

@@ -21,15 +21,44 @@ table { border-collapse: collapse; margin: 6px 0; } th, td { border: 1px solid #
   vertical-align: top; } th { background: #f5f5f5; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 #sb-body pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-width: 520px; }
 .controls { display: flex; gap: 10px; align-items: center; margin: 6px 0; flex-wrap: wrap; }
+.fig-box .fig { height: 310px; } .fig-menu { max-width: 100%; height: 28px; }
 """
 
-# Draws every figure in #figures-data into the div of the same id, then runs the sample browser.
+# Draws every figure in #figures-data into the div of the same id (a figure with a "menu": its
+# keys into the <select> "<id>-menu", and the chosen key's traces), then runs the sample browser.
 # The step shown first comes from the address (#run=<index>&step=<step>) or is each run's last step.
 SCRIPT = """
 (function () {
   const figs = JSON.parse(document.getElementById('figures-data').textContent);
+  const config = {displaylogo: false, responsive: true};
+  function plain(s) {  // Plotly shows entities as text; markup it would render
+    return String(s).replace(/&/g, '&amp;').replace(/</g, '&lt;').replace(/>/g, '&gt;');
+  }
+  function menuFigure(id, fig) {
+    const menu = fig.menu, byKey = new Map();
+    menu.series.forEach(s => {
+      if (!byKey.has(s[0])) byKey.set(s[0], []);
+      byKey.get(s[0]).push(s);
+    });
+    const sel = document.getElementById(id + '-menu');
+    menu.keys.forEach((k, j) => {
+      if (!byKey.has(j)) return;
+      const o = document.createElement('option');
+      o.value = j; o.textContent = k; sel.appendChild(o);
+    });
+    function draw() {
+      const j = Number(sel.value), traces = byKey.get(j).map(([_, i, x, y]) => ({
+        type: 'scatter', mode: 'lines', x: x, y: y, name: plain(menu.runs[i].name),
+        line: {color: menu.runs[i].color}}));
+      const layout = Object.assign({}, fig.layout, {title: Object.assign({}, fig.layout.title,
+                                   {text: 'Other metrics: ' + plain(menu.keys[j])})});
+      Plotly.react(id, traces, layout, config);
+    }
+    sel.onchange = draw;
+    draw();
+  }
   for (const [id, fig] of Object.entries(figs)) {
-    Plotly.newPlot(id, fig.data, fig.layout, {displaylogo: false, responsive: true});
+    if (fig.menu) menuFigure(id, fig); else Plotly.newPlot(id, fig.data, fig.layout, config);
   }
   const data = JSON.parse(document.getElementById('samples-data').textContent);
   const runSel = document.getElementById('sb-run');
@@ -93,6 +122,12 @@ def esc(value: Any) -> str:
 def script_json(value: Any) -> str:
     """JSON that is safe inside <script>: every "<" escaped (a completion may contain "</script>")."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
+
+
+def menu_figure_div(fid: str) -> str:
+    """The grid cell of a figure with a key menu (see SCRIPT)."""
+    return (f'<div class="fig-box"><select class="fig-menu" id="{fid}-menu"></select>'
+            f'<div class="fig" id="{fid}"></div></div>')
 
 
 def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset()) -> str:

@@ -22,7 +22,10 @@ Exit statuses (each error is one line on stderr; tandem-report uses the same num
 
     0   done: N trials finished (complete, pruned or failed on their own)
     2   bad command line, space file or config; nothing was started. Also a study
-        folder made with another config or space
+        folder made with another config or space, a --study that is a file or whose
+        study.db Optuna cannot read, and a space file naming job.dump_folder or
+        checkpoint.folder or a config whose checkpoint.folder leaves the trial's
+        dump folder (trials would share, and resume, each other's checkpoints)
     4   unknown metric: the objective metric is in no row of a finished trial's
         metrics.jsonl
     5   the study folder is held by another tandem-sweep

@@ -40,6 +40,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise SweepError(EXIT_USAGE, f"--nproc-per-trial: must be >= 1, got {args.nproc_per_trial}")
     if args.study is None:
         args.study = os.path.join("outputs", "sweeps", os.path.splitext(os.path.basename(args.config))[0])
+    if os.path.exists(args.study) and not os.path.isdir(args.study):
+        raise SweepError(EXIT_USAGE, f"--study {args.study}: a file; give a study folder")
     return args
 
 

@@ -39,6 +39,8 @@ from tandem.rl.core.configlib import read_toml
 from tandem.sweep import EXIT_USAGE, SweepError
 
 KINDS = ("uniform", "log_uniform", "int", "choice")
+# set per trial by the sweep; shared, trials would resume each other's checkpoints
+PER_TRIAL = ("job.dump_folder", "checkpoint.folder")
 
 @dataclass(frozen=True)
 class Param:
@@ -234,6 +236,11 @@ def load_space(path: str) -> Space:
     both = sorted(set(fixed) & set(params))
     if both:
         raise _fail(path, f'"{both[0]}" is both searched ([space]) and fixed ([fixed])')
+    for table, keys in (("space", params), ("fixed", fixed)):
+        for key in sorted(set(keys) & set(PER_TRIAL)):
+            raise _fail(path, f'[{table}] "{key}": each trial keeps its checkpoints in its own '
+                              "dump folder under the study, which the sweep sets; a space file "
+                              "may not")
     objective = None
     if "objective" in data:
         t = _table(path, data, "objective", {"metric": str, "mode": ("last", "best"),
@@ -287,6 +294,12 @@ def check_configs(config_path: str, space: Space, space_path: str) -> Config:
         base = load_config(config_path, space.overrides({}))
     except ConfigError as e:
         raise _fail(space_path, f"[fixed]: {e}") from None
+    folder = base.checkpoint.folder
+    if os.path.isabs(folder) or os.path.normpath(folder).split(os.sep)[0] == "..":
+        raise SweepError(EXIT_USAGE, f"--config {config_path}: checkpoint.folder = {folder!r} is "
+                                     "outside the trial's dump folder, so trials would share "
+                                     "checkpoints; give a folder inside it (the default is "
+                                     "\"checkpoints\")")
     tries = [(k, {**first, k: v}) for k, p in space.params.items() for v in p.edges()]
     tries.append(("every parameter at its last value", {k: p.edges()[-1] for k, p in space.params.items()}))
     for what, values in tries:

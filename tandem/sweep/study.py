@@ -98,9 +98,17 @@ class Sweep:
         self.target, self.slots, self.ranks = trials, slots, ranks
         self.ckpt_folder = base.checkpoint.folder
         self.optuna = _optuna()
-        self.storage = self.optuna.storages.RDBStorage(f"sqlite:///{os.path.abspath(os.path.join(folder, 'study.db'))}")
-        self.study = self._open(format_config(base))
-        self.study_id = self.storage.get_study_id_from_name(STUDY_NAME)
+        db = os.path.join(folder, "study.db")
+        try:
+            self.storage = self.optuna.storages.RDBStorage(f"sqlite:///{os.path.abspath(db)}")
+            self.study = self._open(format_config(base))
+            self.study_id = self.storage.get_study_id_from_name(STUDY_NAME)
+        except SweepError:
+            raise
+        except Exception as e:  # not SQLite or not Optuna's tables (SQLAlchemy's, Optuna's errors)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise SweepError(EXIT_USAGE, f"{db}: not a readable Optuna study ({first}); give a new "
+                                         "--study folder") from None
         self.running: dict[int, tuple[Any, TrialProcess]] = {}  # slot index -> (optuna Trial, process)
         self.reported: dict[int, set[int]] = {}  # trial number -> steps already reported
         self.stop_signal: int | None = None
@@ -376,6 +384,9 @@ def _params(params: dict[str, Any]) -> str:
 def unknown_metric(metric: str, rows: list[dict[str, Any]], folder: str) -> str:
     import difflib
 
+    if not rows:
+        return (f"objective {metric!r}: {folder}/metrics.jsonl has no rows; the trial exited 0 "
+                "without logging a step")
     keys = sorted({k for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))})
     near = difflib.get_close_matches(metric, keys, n=3)
     hint = f"did you mean {', '.join(map(repr, near))}?" if near else f"logged keys include {', '.join(keys[:12])}"

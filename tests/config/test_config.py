@@ -83,10 +83,11 @@ def every_field_changed() -> Config:
         training=TrainingConfig(recipe="rl", steps=20, batch_size=16, micro_batch_size=4, mixed_precision_param="float32",
                                 mixed_precision_reduce="bfloat16", eval_interval=3),
         parallel=ParallelConfig(dp_replicate=2, dp_shard=4, tp=2, pp=2, pp_schedule="GPipe",
-                                activation_checkpoint="selective", compile=True, cpu_offload=True, ep=4),
+                                activation_checkpoint="selective", compile=True, cpu_offload=True,
+                                ep=4, cp=2, cp_style="ring"),
         checkpoint=CheckpointConfig(enable=False, interval=7, folder="ckpt", keep_last=5, resume=False,
                                     export_hf_at_end=False, async_save=True, model_only=True, overwrite=True),
-        metrics=MetricsConfig(log_interval=10, tensorboard=False, jsonl=False, samples_per_step=2),
+        metrics=MetricsConfig(log_interval=10, loggers=[], jsonl=False, samples_per_step=2),
         advanced=AdvancedConfig(kernels="torch", reshard_bucket_mb=64, logprob_chunk_tokens=256,
                                 share_prompts=False, pp_microbatches=8, dump_rollouts=True),
     )
@@ -272,9 +273,14 @@ def test_validate_checks_types_of_python_built_configs() -> None:
 
 
 def test_parallel_resolve() -> None:
-    assert ParallelConfig().resolve(8) == {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 1}
-    assert ParallelConfig(dp_replicate=2, tp=2).resolve(8) == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    one = {"pp": 1, "dp_replicate": 1, "tp": 1, "cp": 1}
+    assert ParallelConfig().resolve(8) == {**one, "dp_shard": 8}
+    two = {**one, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert ParallelConfig(dp_replicate=2, tp=2).resolve(8) == two
     assert ParallelConfig(dp_shard=2, tp=2, pp=2).resolve(8)["dp_shard"] == 2
+    assert ParallelConfig(cp=4).resolve(8)["dp_shard"] == 2
+    msg = error_of(ParallelConfig(cp=3).resolve, 8)
+    assert "world size 8" in msg and "cp=3" in msg
     msg = error_of(ParallelConfig(tp=3).resolve, 8)
     assert "world size 8" in msg and "tp=3" in msg
     msg = error_of(ParallelConfig(dp_shard=3, tp=2).resolve, 8)

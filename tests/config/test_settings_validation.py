@@ -34,6 +34,9 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")  # rl recipe, an H
     ("rollout.kv_cache_gb=1e-6 rollout.dtype=float32",
      "rollout.kv_cache_gb: 1e-06 GB holds no KV block of this model (one block of 16 "
      "tokens takes 8.19e-06 GB in float32); raise it"),
+    ("rollout.kv_dtype=fp8_e4m3 env.kind=http",
+     "rollout.kv_dtype: 'fp8_e4m3' with env.kind = \"http\" is not supported yet (the endpoint's "
+     "engine does not take the FP8 scales); use \"auto\""),
 ])
 def test_bad_setting_is_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError) as e:
@@ -90,10 +93,27 @@ def test_dump_folder_in_an_unwritable_folder(tmp_path):
                             "or a read-only file system)")
 
 
+def test_dump_folder_under_proc_is_a_config_error_before_anything_runs(tmp_path):
+    """Permission bits let root write anywhere, but /proc refuses new entries: train.py and
+    tandem-generate ended in a FileNotFoundError traceback; now one line, exit 2."""
+    r = _train("/proc/tandem-run")
+    assert (r.returncode, r.stderr) == (2, "error: job.dump_folder: /proc/tandem-run: cannot make a folder "
+                                           "in /proc (No such file or directory)\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1="}\n')
+    cmd = [sys.executable, "-m", "tandem.generate", "--model", os.path.join(ROOT, "assets", "quickstart-policy"),
+           "--input", str(prompts), "--output", "/proc/tandem-out.jsonl"]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                       timeout=300)
+    assert (r.returncode, r.stderr) == (2, "error: --output: /proc: cannot make a folder in /proc (No such "
+                                           "file or directory) (tandem-generate --help lists the flags)\n")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tandem-write-check")]
+
+
 def _train(dump, *extra):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3", "--model.tokenizer=builtin:char",
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
-           "--training.steps=2", "--training.batch_size=4", "--metrics.tensorboard=false",
+           "--training.steps=2", "--training.batch_size=4", "--metrics.loggers=[]",
            f"--job.dump_folder={dump}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -193,7 +193,7 @@ def test_save_refuses_non_finite_weights_and_keeps_what_was_committed(tmp_path, 
 def _train(dump, *extra):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3", "--model.tokenizer=builtin:char",
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
-           "--training.steps=4", "--training.batch_size=4", "--checkpoint.interval=2", "--metrics.tensorboard=false",
+           "--training.steps=4", "--training.batch_size=4", "--checkpoint.interval=2", "--metrics.loggers=[]",
            "--optimizer.lr=1e-3", f"--job.dump_folder={dump}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -71,7 +71,7 @@ def test_damaged_model_folder_exits_4_in_train_and_generate(tmp_path, prompts, c
     assert not out.exists() and os.listdir(tmp_path) == ["model", "p.jsonl"]
     cmd = [sys.executable, "train.py", f"--model.path={d}", "--data.path=synthetic:addition_small",
            "--data.synthetic_rows=16", "--data.max_length=64", "--training.steps=1", "--training.batch_size=2",
-           "--metrics.tensorboard=false", f"--job.dump_folder={tmp_path / 'run'}"]
+           "--metrics.loggers=[]", f"--job.dump_folder={tmp_path / 'run'}"]
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     folder = f"{d}: " if damage.startswith("tokenizer") else ""  # the tokenizer's key names the folder too
     assert (r.returncode, r.stderr) == (4, f"error: model.path: {folder}{text}\n")
@@ -154,7 +154,7 @@ def test_sigint_exits_130_with_one_line_and_keeps_the_checkpoints(tmp_path):
     cmd = [sys.executable, "train.py", "--model.flavor=debug-qwen3", "--model.tokenizer=builtin:char",
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
            "--training.steps=100000", "--training.batch_size=4", "--checkpoint.interval=2",
-           "--metrics.tensorboard=false", f"--job.dump_folder={dump}"]
+           "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
         if line.startswith("step 5/"):  # step-2 and step-4 are committed

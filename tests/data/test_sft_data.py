@@ -90,3 +90,15 @@ def test_tool_calling_transcript_renders_its_tools_and_trains_only_the_assistant
     data = build_sft_data(rows, tok, source="t.jsonl", max_length=4096, pack=False)
     assert data.num_examples == 1 and data.skipped["tools must be a list of JSON objects"] == 1
     assert data.rows[0] == example_to_row(ex)
+
+
+def test_trl_conversational_prompt_completion_trains_as_one_conversation(tok):
+    """TRL's conversational prompt-completion rows (both sides lists of messages) give the
+    example the same conversation under messages_field gives; a nested messages path too."""
+    prompt = [{"role": "user", "content": "2+2?"}]
+    completion = [{"role": "assistant", "content": "4"}]
+    rows = [{"prompt": prompt, "completion": completion}, {"conv": {"turns": prompt + completion}}]
+    data = build_sft_data(rows[:1], tok, source="mem", max_length=64, pack=False)
+    nested = build_sft_data(rows[1:], tok, source="mem", max_length=64, pack=False, messages_field="conv.turns")
+    ref = build_sft_data([{"messages": prompt + completion}], tok, source="mem", max_length=64, pack=False)
+    assert data.rows[0] == ref.rows[0] == nested.rows[0] and not data.skipped

@@ -170,7 +170,7 @@ def test_train_py_usr1_during_startup_checkpoints_after_the_first_step(tmp_path:
     """SIGUSR1 while train.py still imports torch: kept, then step 1, a checkpoint, exit 75."""
     dump = tmp_path / "dump"
     proc = subprocess.Popen([sys.executable, "train.py", "--config", "configs/quickstart.toml", "--training.steps=5",
-                             f"--job.dump_folder={dump}", "--metrics.tensorboard=false", "--rl.eval_prompts=4"],
+                             f"--job.dump_folder={dump}", "--metrics.loggers=[]", "--rl.eval_prompts=4"],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 10

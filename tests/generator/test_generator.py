@@ -274,13 +274,18 @@ def test_generation_copy_takes_the_rollout_dtype(model):
 
 
 def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
-    """The rollout copy's CPU layout (fused projections on oneDNN, `inference_layout`): greedy
-    tokens of the naive loop on the training model, sampled log-probs within 1e-5 of its
-    training forward, and sampled tokens equal to the plain copy's."""
+    """The rollout copy's CPU layout: by default the training layout (plain linears, nothing
+    fused); with ``rollout.cpu_onednn`` fused projections on oneDNN
+    (tandem/parallel/generation_layout.py), whose greedy tokens are the naive loop's on the
+    training model, sampled log-probs within 1e-5 of its training forward, and sampled tokens
+    equal to the plain copy's."""
     from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
 
     cpu = torch.device("cpu")
-    copy_ = GenerationCopy(model, model.args, GenerationLayout(), cpu)
+    default, _ = GenerationCopy(model, model.args, GenerationLayout(), cpu).build()
+    assert default.layers["0"].attention.wqkv is None
+    assert not any(isinstance(m, OneDNNLinear) for m in default.modules())
+    copy_ = GenerationCopy(model, model.args, GenerationLayout(), cpu, cpu_onednn=True)
     fused, _ = copy_.build()
     plain, _ = copy_.build(inference=False)
     assert plain.layers["0"].attention.wqkv is None

@@ -98,10 +98,16 @@ def _storage(t: torch.Tensor):
         return 0, None
 
 
+def _live_tensors() -> list[torch.Tensor]:
+    """Every tensor the collector tracks. ``type(o)`` and not ``isinstance``: isinstance on a dead
+    ``weakref.proxy`` raises ReferenceError (seen on CI after torch.distributed had been imported)."""
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+
+
 def saved_bytes(model: torch.nn.Module, run) -> int:
     """Bytes of the distinct storages ``run()`` saves for backward (autograd's saved tensors, and
     the selective-checkpoint cache, which Python holds), parameters excluded, read after it ends."""
-    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    before = {id(o) for o in _live_tensors()}
     seen: dict[int, object] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -111,8 +117,8 @@ def saved_bytes(model: torch.nn.Module, run) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and id(o) not in before and o.device.type != "meta":
+    for o in _live_tensors():
+        if id(o) not in before and o.device.type != "meta":
             ptr, st = _storage(o)
             seen.setdefault(ptr, st)
     params = {_storage(p)[0] for p in model.parameters()}

@@ -195,6 +195,24 @@ def test_plan_that_does_not_fit_exits_9_with_one_line():
     assert "rollout" in r.stdout and "KV pool" in r.stdout
 
 
+@pytest.mark.parametrize("flag, message", [
+    ("--plan.devices_per_node=1000000000000000000", "plan.devices_per_node: must be in [0, 1024]"),
+    ("--plan.nodes=1000000000000000000", "plan.nodes: must be in [0, 100000]"),
+])
+def test_plan_bounds_its_inputs(flag, message):
+    """Before: devices_per_node = 10**18 searched range(10**18) (a hang); now one line, exit 2."""
+    r = _plan(flag)
+    assert r.returncode == errors.EXIT_CONFIG and r.stderr.startswith(f"error: {message} "), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_plan_of_the_largest_cluster_ends():
+    """100,000 nodes of 1,024 devices: pipeline degrees stop at the layer count (before, every pp
+    up to the 102,400,000 ranks was tried) and the whole-node search doubles past 16 nodes."""
+    r = _plan("--plan.nodes=100000", "--plan.devices_per_node=1024")
+    assert r.returncode == 0 and "fits on 102400000 ranks" in r.stdout, r.stderr
+
+
 def test_plan_without_the_weights_names_the_key():
     r = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.toml", "--plan", "--plan.flavor=none"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)

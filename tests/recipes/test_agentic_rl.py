@@ -36,7 +36,7 @@ def test_multi_turn_rl_learns_with_env_tokens_masked(tmp_path):
            f"--job.dump_folder={dump}", "--training.steps=8", "--env.name=again", "--env.max_turns=2",
            "--env.max_total_tokens=128", "--rollout.max_tokens=12", "--reward.functions=",
            "--reward.modules=tests.env_helpers", "--rl.prompts_per_step=16", "--rl.eval_prompts=8",
-           "--optimizer.lr=1e-3", "--lr_schedule.warmup_steps=2", "--metrics.tensorboard=false",
+           "--optimizer.lr=1e-3", "--lr_schedule.warmup_steps=2", "--metrics.loggers=[]",
            "--checkpoint.enable=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -64,7 +64,7 @@ def test_tool_use_raises_reward_with_the_python_tool(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart_agentic.toml"),
            f"--job.dump_folder={dump}", f"--training.steps={steps}", "--optimizer.lr=7e-4",
-           "--rl.eval_prompts=8", "--metrics.tensorboard=false"]
+           "--rl.eval_prompts=8", "--metrics.loggers=[]"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -91,7 +91,7 @@ def quickstart_tp(tmp_path_factory) -> dict[int, tuple[str, list[dict]]]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart_agentic.toml"),
                f"--job.dump_folder={dump}", "--training.steps=3", f"--rollout.tp={tp}", "--rl.eval_prompts=4",
-               "--metrics.tensorboard=false", "--checkpoint.enable=false"]
+               "--metrics.loggers=[]", "--checkpoint.enable=false"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

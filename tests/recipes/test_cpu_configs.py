@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _train(config, dump, *extra):
     cmd = [sys.executable, "train.py", "--config", f"configs/{config}", f"--job.dump_folder={dump}",
-           "--metrics.tensorboard=false", *extra]
+           "--metrics.loggers=[]", *extra]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -28,7 +28,7 @@ def _run(dump, extra_env=None, *extra, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=4",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--job.dump_folder={dump}", "--training.steps=6", "--checkpoint.interval=2", "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0", *extra]
+           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]", "--reward.num_workers=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -95,7 +95,7 @@ def test_kill_minus_9_under_torchrun_restarts_and_matches_an_uninterrupted_run(t
 def _single(dump, *extra, **popen):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--job.dump_folder={dump}", "--checkpoint.interval=2", "--rl.prompts_per_step=16", "--rl.eval_prompts=8",
-           "--training.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0", *extra]
+           "--training.eval_interval=0", "--metrics.loggers=[]", "--reward.num_workers=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
@@ -187,7 +187,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_ignores_the_partial(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--job.dump_folder={dump}", "--training.steps=6", "--checkpoint.interval=2", "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.tensorboard=false", "--reward.num_workers=0"]
+           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]", "--reward.num_workers=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TANDEM_INJECT_KILL_SAVE": "4:1"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode != 0  # no restarts allowed: the job died in the middle of writing step-4

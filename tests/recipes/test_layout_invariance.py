@@ -31,7 +31,7 @@ def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> list[dict]:
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={POLICY}", f"--job.dump_folder={dump}", f"--training.steps={STEPS}",
            "--rl.prompts_per_step=8", "--rl.eval_prompts=8", "--training.eval_interval=0",
-           "--metrics.tensorboard=false", "--checkpoint.interval=2", "--checkpoint.keep_last=5",
+           "--metrics.loggers=[]", "--checkpoint.interval=2", "--checkpoint.keep_last=5",
            "--advanced.dump_rollouts=true", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

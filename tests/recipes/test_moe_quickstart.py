@@ -41,7 +41,7 @@ CONTINUE = {"ep2": (2, 2, 1, 1), "one_rank": (1, 1, 1, 1), "fsdp2": (2, 1, 1, 1)
 def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "train.py"), "--config", CONFIG, f"--job.dump_folder={dump}",
-           "--metrics.tensorboard=false", *extra]
+           "--metrics.loggers=[]", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -97,7 +97,7 @@ def test_teacher_chunk_logprobs_match_transformers(tmp_path):
 def _train(config, dump, *extra, torchrun=True):
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if torchrun else []
     cmd = [sys.executable, *launch, "train.py", "--config", f"configs/{config}", f"--job.dump_folder={dump}",
-           "--metrics.tensorboard=false", "--checkpoint.enable=false", "--reward.num_workers=0", *extra]
+           "--metrics.loggers=[]", "--checkpoint.enable=false", "--reward.num_workers=0", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 

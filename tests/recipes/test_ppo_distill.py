@@ -33,7 +33,7 @@ def _run(dump, steps, *extra, policy=POLICY, check=True, torchrun=True):
     cmd = [sys.executable, *launch, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={policy}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
            "--rl.prompts_per_step=16", "--rl.eval_prompts=8", "--lr_schedule.warmup_steps=2",
-           "--metrics.tensorboard=false", "--reward.num_workers=0", *extra]
+           "--metrics.loggers=[]", "--reward.num_workers=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check:

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DPO_TOML = os.path.join(ROOT, "configs", "dpo.toml")
 FAST = ["--data.path=synthetic:sorting", "--data.synthetic_rows=128", "--training.batch_size=32",
         "--training.micro_batch_size=16", "--optimizer.lr=3e-3", "--lr_schedule.warmup_steps=2",
-        "--metrics.tensorboard=false", "--checkpoint.enable=false", "--checkpoint.export_hf_at_end=false"]
+        "--metrics.loggers=[]", "--checkpoint.enable=false", "--checkpoint.export_hf_at_end=false"]
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["--training.steps=4", "--training.eval_interval=0", "--metrics.tensorboard=false", "--metrics.log_interval=1",
+COMMON = ["--training.steps=4", "--training.eval_interval=0", "--metrics.loggers=[]", "--metrics.log_interval=1",
           "--checkpoint.export_hf_at_end=false"]
 RECIPES = {
     "sft": ("quickstart_sft.toml", ["--data.synthetic_rows=64", "--data.max_length=96", "--training.batch_size=4",

@@ -78,7 +78,7 @@ def test_folder_roundtrip_trunk_init_and_transformers_agree(tmp_path):
 def test_reward_model_learns_and_scorer_reproduces_the_trainer(tmp_path, one_thread):
     dump = str(tmp_path / "rm")
     cfg = load_config(RM_TOML, ["--data.synthetic_rows=128", "--training.steps=12", "--training.batch_size=32",
-                                "--training.micro_batch_size=16", "--optimizer.lr=1e-3", "--metrics.tensorboard=false",
+                                "--training.micro_batch_size=16", "--optimizer.lr=1e-3", "--metrics.loggers=[]",
                                 "--checkpoint.enable=false", f"--job.dump_folder={dump}"])
     assert run_recipe(cfg, init_distributed(force_cpu=True)) == 0
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
@@ -126,7 +126,7 @@ def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
     from tandem.rl.core.metrics import MetricsLogger
 
     rm_dump = str(tmp_path / "rm")
-    cfg = load_config(RM_TOML, ["--data.synthetic_rows=64", "--training.steps=2", "--metrics.tensorboard=false",
+    cfg = load_config(RM_TOML, ["--data.synthetic_rows=64", "--training.steps=2", "--metrics.loggers=[]",
                                 "--checkpoint.enable=false", f"--job.dump_folder={rm_dump}"])
     assert run_recipe(cfg, init_distributed(force_cpu=True)) == 0
     folder = os.path.join(rm_dump, EXPORT_DIR)
@@ -136,7 +136,7 @@ def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
         f"--model.path={policy}", f"--job.dump_folder={rl_dump}", "--training.steps=1", "--rl.prompts_per_step=4",
         "--rl.num_samples=2", "--rl.eval_prompts=4", "--reward.functions=exact_match", "--reward.num_workers=0",
         f"--reward.reward_model={folder}", "--reward.reward_model_weight=0.5", "--checkpoint.enable=false",
-        "--metrics.tensorboard=false"])
+        "--metrics.loggers=[]"])
     info = init_distributed(force_cpu=True)
     trainer = RLRecipe(cfg, Runtime(info, rl_dump, Watchdog(rl_dump, 0, info.rank), MetricsLogger(rl_dump, enabled=False)))
     samples, scores, metrics = trainer.rollout()

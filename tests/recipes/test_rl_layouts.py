@@ -10,7 +10,6 @@ checkpoint written on one layout resumes on another with the very same weights.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -18,13 +17,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tandem.models.args import ModelArgs
 from tandem.parallel.mesh import Degrees
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.update.policy import check_layout
+from tests.fixtures import hf_weights as _weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
@@ -36,21 +34,13 @@ def _run(dump: str, steps: int, extra: list[str]) -> list[dict]:
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
            f"--model.path={POLICY}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
            "--rl.prompts_per_step=16", "--rl.eval_prompts=16", "--rl.eval_samples=0", "--training.eval_interval=0",
-           "--rl.epochs=2", "--rl.kl_coef=0.01", "--rl.kl_mode=reward", "--metrics.tensorboard=false",
+           "--rl.epochs=2", "--rl.kl_coef=0.01", "--rl.kl_mode=reward", "--metrics.loggers=[]",
            "--checkpoint.interval=100", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     path = os.path.join(dump, "metrics.jsonl")  # none when a resumed run had no step left
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-
-
-def _weights(dump: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in glob.glob(os.path.join(dump, "hf", "*.safetensors")):
-        out.update(load_file(f))
-    assert out, dump
-    return out
 
 
 def _worst_rel(a: dict, b: dict) -> float:

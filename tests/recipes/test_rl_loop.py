@@ -187,7 +187,7 @@ def _run(dump, steps, extra=()):
            "--reward.functions=exact_match,test_raise", "--reward.weights=1,0",
            "--reward.modules=tests.reward_helpers", "--rl.prompts_per_step=16", "--rl.eval_prompts=8",
            "--optimizer.lr=5e-4", "--lr_schedule.warmup_steps=2", "--checkpoint.interval=4",
-           "--metrics.tensorboard=false", "--training.eval_interval=0", *extra]
+           "--metrics.loggers=[]", "--training.eval_interval=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -28,7 +28,7 @@ def _train(dump, data, nproc=2, extra=()):
            os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3", "--model.tokenizer=builtin:char",
            f"--data.path={data}", "--data.max_length=128", "--training.steps=6", "--training.batch_size=4",
            "--training.micro_batch_size=1", "--optimizer.lr=3e-3", "--lr_schedule.warmup_steps=2",
-           "--checkpoint.interval=3", "--checkpoint.keep_last=2", "--metrics.tensorboard=false",
+           "--checkpoint.interval=3", "--checkpoint.keep_last=2", "--metrics.loggers=[]",
            f"--job.dump_folder={dump}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import report_screenshot  # noqa: E402  (scripts/ is not a package)
 
+from bench.report_size import measure  # noqa: E402
+
 KNOWN = 'The answer is </script><!-- <42> & "done"'  # markup in a completion must show as text
 
 
@@ -63,7 +65,10 @@ def test_page_holds_every_run_and_panel(two_runs, capsys):
                 "fig-length-distribution", "fig-other"):
         assert fid in figs and f'id="{fid}"' in page, fid
     assert figs["fig-learning-rate"]["data"][1]["y"] == [1e-3] * 6
-    assert [t["name"] for t in figs["fig-other"]["data"]] == ["alpha", "beta"]  # dynamic/rounds, in the menu
+    menu = figs["fig-other"]["menu"]  # dynamic/rounds, in the menu the page's script builds
+    assert menu["keys"] == ["dynamic/rounds"] and [r["name"] for r in menu["runs"]] == ["alpha", "beta"]
+    assert [(j, i, x, y) for j, i, x, y in menu["series"]] == [(0, 0, list(range(1, 10)), [1.0] * 9),
+                                                               (0, 1, list(range(1, 7)), [1.0] * 6)]
     # self-contained: no script, style sheet or image is fetched
     assert not re.search(r"<(script|img|iframe)[^>]+src=", page) and not re.search(r"<link[^>]+href=", page)
     assert KNOWN not in page  # the sample text is JSON inside a script, "<" escaped, never raw markup
@@ -76,12 +81,29 @@ def test_metric_option_adds_a_panel(two_runs):
     assert _figures(out.read_text())["fig-dynamic-rounds"]["data"][0]["y"] == [1.0] * 9
 
 
+ROW = json.dumps({"step": 1, "loss": 1.0}) + "\n"
+BAD_FILES = {  # case -> (file, its text, the message after "error: <folder>/<file>")
+    "metrics_not_json": ("metrics.jsonl", ROW + "not json\n" + ROW, ":2: not JSON (Expecting value"),
+    "metrics_deep": ("metrics.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", ":1: JSON nested too deeply"),
+    "metrics_no_step": ("metrics.jsonl", ROW + '{"step": true}\n', ':2: not a metrics row (a JSON object '
+                        'with an integer "step")'),
+    "samples_not_json": ("samples.jsonl", "garbage\n", ":1: not JSON (Expecting value"),
+    "samples_shape": ("samples.jsonl", '{"step": 1, "samples": [{"completion": 3}]}\n',
+                      ':1: not a samples step (a JSON object with an integer "step" and a list "samples" '
+                      'of objects)'),
+    "study_garbage": ("study.db", "not a database " * 100, ": not a readable Optuna study ("),
+}
+
+
 @pytest.mark.parametrize("case, status, message", [
     ("empty", 3, "an empty folder: not a run's dump folder nor a tandem-sweep study"),
     ("missing", 3, "no such folder"),
     ("no_metrics", 3, "no metrics.jsonl and no study.db"),
     ("unknown_metric", 4, "--metric 'eval/acc': no run logged it; did you mean 'eval/accuracy'?"),
     ("no_paths", 2, "give at least one run or study folder"),
+    ("out_folder", 2, "r.html: a folder; give the HTML file's path"),
+    ("out_proc", 2, "--out /proc/tandem-report.html: cannot be written (No such file or directory)"),
+    *[(case, 3, message) for case, (_, _, message) in BAD_FILES.items()],
 ])
 def test_bad_inputs_one_line_and_status(two_runs, capsys, case, status, message):
     (two_runs / "empty").mkdir()
@@ -89,11 +111,65 @@ def test_bad_inputs_one_line_and_status(two_runs, capsys, case, status, message)
     (two_runs / "no_metrics" / "train.log").write_text("x")
     args = {"empty": [str(two_runs / "empty")], "missing": [str(two_runs / "nope")],
             "no_metrics": [str(two_runs / "no_metrics")], "no_paths": [],
-            "unknown_metric": [str(two_runs / "alpha"), "--metric", "eval/acc"]}[case]
-    assert report_main([*args, "--out", str(two_runs / "r.html")]) == status
+            "unknown_metric": [str(two_runs / "alpha"), "--metric", "eval/acc"]}.get(case, [])
+    out = two_runs / "r.html"
+    if case == "out_folder":
+        out.mkdir()
+    if case == "out_proc":
+        out = "/proc/tandem-report.html"
+    if case in ("out_folder", "out_proc"):
+        args = [str(two_runs / "alpha")]
+    if case in BAD_FILES:
+        name, text, _ = BAD_FILES[case]
+        folder = two_runs / case
+        folder.mkdir()
+        (folder / ("metrics.jsonl" if name != "metrics.jsonl" else "x")).write_text(ROW)
+        (folder / name).write_text(text)
+        args, message = [str(folder)], f"{folder / name}{message}"
+    assert report_main([*args, "--out", str(out)]) == status
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
-    assert not (two_runs / "r.html").exists()
+    assert not (two_runs / "r.html").is_file()
+
+
+MARKUP_KEY = 'custom/<a href="https://evil.example/">click</a>'
+
+
+def test_metric_names_and_run_names_are_text_in_plotly(tmp_path):
+    """Plotly renders its strings as HTML of its own: a metric or folder name with markup must
+    reach it escaped (in the figures, and in the menu's key when the page's script draws it)."""
+    run = tmp_path / "<i>run"
+    run.mkdir()
+    rows = [{"step": s, "eval/<b>acc</b>": 0.5, MARKUP_KEY: 1.0} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.html"
+    assert report_main([str(run), "--metric", "eval/<b>acc</b>", "--out", str(out)]) == 0
+    figs = _figures(out.read_text())
+    assert figs["fig-held-out-eval"]["data"][0]["name"] == "&lt;i&gt;run"
+    assert figs["fig-eval-b-acc-b"]["layout"]["title"]["text"] == "eval/&lt;b&gt;acc&lt;/b&gt;"
+    assert figs["fig-other"]["menu"]["keys"] == [MARKUP_KEY]  # raw: the script sets it as text
+    if report_screenshot.find_chromium() is None:
+        pytest.skip("Chromium is not installed (Debian: apt-get install chromium); the page was not opened")
+    dom, console = report_screenshot.dump_dom(str(out))
+    assert console == [], console
+    assert not re.search(r"<a\b[^>]*evil\.example", dom)  # no live link anywhere
+    assert re.search(r'>Other metrics: custom/&lt;a href="https://evil.example/"&gt;click&lt;/a&gt;</text>',
+                     dom)  # the menu's figure title, drawn by the script
+    assert re.search(r">eval/&lt;b&gt;acc&lt;/b&gt;</text>", dom)  # the --metric panel's title
+    assert not re.search(r"<tspan[^>]*font-(weight:\s*bold|style:\s*italic)", dom)  # no <b>, <i> drawn
+
+
+def test_page_and_memory_grow_linearly_in_the_number_of_keys(tmp_path):
+    """2,000 and 20,000 keys over 3 steps, tandem-report in a process of its own capped at 3 GB
+    (bench/report_size.py; before: a 33 MB page at 2,000 keys, and over 3 GB at 20,000)."""
+    from plotly.offline import get_plotlyjs
+
+    base = len(get_plotlyjs())
+    (page2, rss2), (page20, rss20) = measure(2_000, str(tmp_path)), measure(20_000, str(tmp_path))
+    per_key = (page20 - page2) / 18_000  # 3 points a key
+    assert 20 < per_key < 150, (page2, page20)
+    assert page2 - base < 2_000 * 150, page2
+    assert rss20 - rss2 < 150 << 20 and rss20 < 400 << 20, (rss2, rss20)
 
 
 def _points_per_trace(dom: str, fig_id: str) -> list[int]:

@@ -71,7 +71,8 @@ def live_tensor_bytes() -> int:
     wrapper tensors hold none of their own)."""
     seen, total = set(), 0
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or isinstance(obj, DTensor) or obj.device.type == "meta":
+        # type(), not isinstance(): isinstance on a dead weakref.proxy raises ReferenceError
+        if not issubclass(type(obj), torch.Tensor) or isinstance(obj, DTensor) or obj.device.type == "meta":
             continue
         try:
             st = obj.untyped_storage()

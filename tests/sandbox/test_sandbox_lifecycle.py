@@ -213,3 +213,66 @@ def test_rmtree_is_iterative(tmp_path: Path) -> None:
     os.close(fd)
     rmtree(str(top))
     assert not top.exists() and os.path.exists("/etc/passwd")
+
+
+# The program and a child of its own report their pids on fd 3, then sleep past any deadline.
+_SLEEPER = ("import os, time\n"
+            "child = os.fork()\n"
+            "if child == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+            "os.write(3, f'{os.getpid()} {child}\\n'.encode())\n"
+            "time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_killed_or_frozen_supervisor_leaves_nothing(temp_root: str, how: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL of the supervisor (as the OOM killer would): its program dies with it
+    (PR_SET_PDEATHSIG) and the caller, whose status pipe closed without a status, kills the
+    run's uid and removes the work dir and the cgroup; no process, work dir or cgroup is left
+    a second after the kill. A frozen (SIGSTOP) supervisor: the caller's backstop does the
+    same at the deadline."""
+    from tandem.rl import sandbox
+    from tandem.rl.sandbox import SandboxError, processes_of_uid, start_python
+    from tandem.rl.sandbox import run as run_mod
+
+    if not sandbox_capabilities().privilege_drop:
+        pytest.skip("not root: the test finds the run by its uid")
+    monkeypatch.setattr(run_mod, "_BACKSTOP_S", 0.5)
+    wall = 30.0 if how == "killed" else 1.0
+    plan = sandbox._machine_plan
+
+    def cgroups() -> set[str]:
+        return set() if plan.cgroup is None else \
+            {e.path for e in os.scandir(plan.cgroup[1]) if e.name.startswith("tandem-sbx-")}
+
+    before = cgroups()
+    r, w = os.pipe()
+    run = start_python(_SLEEPER, limits=SandboxLimits(cpu_time_s=5, wall_time_s=wall),
+                       temp_dir=temp_root, fds={3: w})
+    os.close(w)
+    pids = [int(p) for p in os.read(r, 100).split()]  # the program and its child are running
+    os.close(r)
+    starts = {pid: _start_time(pid) for pid in pids}
+    ours = sorted(cgroups() - before)
+    assert len(ours) == (plan.cgroup is not None)
+    os.kill(run._proc.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    t0 = time.monotonic()
+    if how == "killed":  # the program dies with its supervisor, before the caller looks
+        program = {pids[0]: starts[pids[0]]}
+        while _alive(program) and time.monotonic() < t0 + 1.0:
+            time.sleep(0.01)
+        assert _alive(program) == [], "the program outlived its supervisor"
+    with pytest.raises(SandboxError, match="sandbox supervisor (died|did not report)"):
+        run.wait()
+    if how == "frozen":
+        assert time.monotonic() - t0 < wall + 0.5 + 2.0
+        t0 = time.monotonic()
+    left: list[str] = []
+    while time.monotonic() < t0 + 1.0:
+        left = ([f"pid {p}" for p in _alive(starts)] + [f"uid process {p}" for p in
+                                                        processes_of_uid(run._uid)]
+                + [p for p in [run._workdir, *ours] if os.path.exists(p)])
+        if not left:
+            break
+        time.sleep(0.02)
+    assert left == [], f"left a second after the supervisor {how}: {left}"

@@ -27,7 +27,7 @@ FIXED = """
 "lr_schedule.warmup_steps" = 0
 "checkpoint.interval" = 3
 "checkpoint.export_hf_at_end" = false
-"metrics.tensorboard" = false
+"metrics.loggers" = []
 "reward.num_workers" = 0
 """
 SPACE = """
@@ -70,6 +70,14 @@ def _sweep_cmd(space, study, trials=6, parallel=2):
     ('"rl.advantage" = { choice = ["grpo", "grpoo"] }', "rl.advantage"),
     ('"optimizer.lr" = { normal = [0, 1] }', "give exactly one of uniform, log_uniform, int, choice"),
     ('"rl.num_samples" = { int = [4, 16] }\n[objective]\nmetric = "loss"', '[objective] direction: required'),
+    # each trial has its own dump folder, and its checkpoints in it: a space file may not share them
+    ('"checkpoint.folder" = { choice = ["/tmp/shared-ckpt", "ck"] }',
+     '[space] "checkpoint.folder": each trial keeps its checkpoints in its own dump folder'),
+    ('"optimizer.lr" = { log_uniform = [1e-6, 1e-3] }\n'
+     '[fixed]\n"checkpoint.folder" = "/tmp/shared-ckpt"',
+     '[fixed] "checkpoint.folder": each trial keeps its checkpoints in its own dump folder'),
+    ('"optimizer.lr" = { log_uniform = [1e-6, 1e-3] }\n[fixed]\njob.dump_folder = "/tmp/run"',
+     '[fixed] "job.dump_folder": each trial keeps its checkpoints in its own dump folder'),
 ])
 def test_bad_space_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, entry, message):
     monkeypatch.chdir(ROOT)
@@ -127,6 +135,32 @@ def test_bad_command_line(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == "error: --trials: must be >= 1, got 0\n"
     assert sweep_main(["--config", "configs/nope.toml", "--space", str(space), "--trials", "2"]) == 2
     assert capsys.readouterr().err == "error: --config: no such file: configs/nope.toml\n"
+
+
+def test_shared_checkpoints_or_a_bad_study_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    space = tmp_path / "space.toml"
+    space.write_text(SPACE)
+    args = ["--config", "configs/quickstart.toml", "--space", str(space), "--trials", "2"]
+    config = tmp_path / "shared.toml"  # the quickstart with its checkpoints outside the dump folder
+    text = open("configs/quickstart.toml").read()
+    config.write_text(text.replace("[checkpoint]", '[checkpoint]\nfolder = "../ck"'))
+    assert sweep_main([*args[:1], str(config), *args[2:], "--study", str(tmp_path / "s1")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --config {config}: checkpoint.folder = '../ck' is outside the trial's dump "
+        "folder, so trials would share checkpoints; give a folder inside it (the default is "
+        "\"checkpoints\")\n")
+    (tmp_path / "afile").write_text("x")
+    assert sweep_main([*args, "--study", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --study {tmp_path / 'afile'}: a file; give a study folder\n"
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "study.db").write_bytes(b"not a database " * 100)
+    assert sweep_main([*args, "--study", str(tmp_path / "garbage")]) == 2
+    err = capsys.readouterr().err
+    db = tmp_path / "garbage" / "study.db"
+    assert err.startswith(f"error: {db}: not a readable Optuna study ("), err
+    assert err.count("\n") == 1 and err.endswith("; give a new --study folder\n"), err
 
 
 def test_slots_split_cores_and_gpus():

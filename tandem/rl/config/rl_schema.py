@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tandem.rl.algorithms.policy_loss import PolicyLossConfig
-from tandem.rl.core.configlib import ConfigError, require
+from tandem.rl.core.configlib import ConfigError, is_loopback, require
 
 
 def _check_name(key: str, registry_path: str, name: str) -> None:
@@ -115,6 +115,22 @@ class RolloutConfig:
     # run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest
     # degree within a node whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
+    cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
+
+    # FP8 KV pool (docs/fp8-kv.md)
+    kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the
+        # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
+        # of bf16 (four times fp32's)
+    kv_scales: Literal["calibrated", "per_token"] = "calibrated"  # fp8 kv_dtype: one power-of-two
+        # scale per (layer, KV head) from the trainer's forward after each update (calibrated),
+        # or one per token and KV head from the entry itself as it is written (per_token)
+    kv_scale_decay: float = 0.9  # calibrated scales: the amax high-water mark is
+        # max(decay x the previous one, the new calibration's amax)
+    kv_calibration_tokens: int = 4096  # calibrated scales: tokens per rank of the step's
+        # samples (prompt + completion) that the calibration forward reads after each update
+    kv_quantize_update: bool = True  # fp8 kv_dtype: the update's (and the reference's)
+        # attention rounds K and V as the pool does, with the rollout's scales, so its log-probs
+        # match the rollout's
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
@@ -129,6 +145,10 @@ class RolloutConfig:
                 f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
         require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
+        require(0 <= self.kv_scale_decay <= 1,
+                f"rollout.kv_scale_decay: must be in [0, 1], got {self.kv_scale_decay}")
+        require(self.kv_calibration_tokens >= 1,
+                f"rollout.kv_calibration_tokens: must be >= 1, got {self.kv_calibration_tokens}")
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``
@@ -137,10 +157,24 @@ class RolloutConfig:
 
         from tandem.rl.generator.kv_cache import KVCache
 
-        per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype))
+        fmt = self.kv_quant_format()
+        per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype), fmt)
+        what = dtype if self.kv_dtype == "auto" else self.kv_dtype
         require(self.kv_cache_gb * 1e9 >= per_block,
-                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model (one block of "
-                f"{self.block_size} tokens takes {per_block / 1e9:.3g} GB in {dtype}); raise it")
+                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model "
+                f"(one block of {self.block_size} tokens takes {per_block / 1e9:.3g} GB "
+                f"in {what}); raise it")
+
+    def kv_quant_format(self) -> Any:
+        """The pool's FP8 format for sizing (tandem/rl/generator/kv_cache.py KVQuant, without
+        scales), or None."""
+        if self.kv_dtype == "auto":
+            return None
+        from tandem.kernels.kv_quant import storage_dtype
+        from tandem.rl.generator.kv_cache import KVQuant
+
+        per_token = self.kv_scales == "per_token"
+        return KVQuant(storage_dtype(self.kv_dtype), per_token=per_token)
 
 
 @dataclass
@@ -151,6 +185,7 @@ class RewardConfig:
     # registry, summed with reward.weights
     modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
+    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
     memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an error; 0 = no cap
@@ -175,6 +210,15 @@ class RewardConfig:
 
         for name in self.functions:
             _check_name("reward.functions", "tandem.rl.rewards.registry.REWARDS", name)
+        from tandem.rl.rewards.registry import get_reward
+
+        for name, kw in self.kwargs.items():
+            require(name in self.functions, f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
+            require(isinstance(kw, dict), f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
+            try:
+                get_reward(name, **kw)
+            except TypeError as e:
+                raise ConfigError(f"reward.kwargs.{name}: {e}") from None
 
 
 @dataclass
@@ -237,6 +281,13 @@ class EnvConfig:
     """
 
     name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn
+    kind: Literal["local", "http"] = "local"  # http: a harness plays episodes (docs/serving.md)
+    host: str = "127.0.0.1"  # http: address to bind (not loopback: needs a key)
+    port: int = 8000  # http: the endpoint's port
+    api_key: str | None = None  # http: bearer key; none: $TANDEM_API_KEY, else no key
+    episode_timeout_s: float = 300.0  # http: open this long after its claim: dropped
+    claim_timeout_s: float = 0.0  # http: unclaimed this long: dropped; 0 = wait
+    max_request_mb: float = 4.0  # http: larger request bodies get 413
     kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table), e.g. tools, reward
     max_turns: int = 4  # assistant turns per episode
     max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
@@ -245,6 +296,8 @@ class EnvConfig:
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
 
     def validate(self) -> None:
+        if self.kind == "http":
+            self._check_server()
         if self.name is None:
             return
         _check_name("env.name", "tandem.rl.envs.ENVIRONMENTS", self.name)
@@ -259,3 +312,25 @@ class EnvConfig:
         require(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "env.max_turn_tokens: must be >= 1")
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
         require(self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
+
+    def _check_server(self) -> None:
+        require(self.name is None, f"env.name: {self.name!r} plays episodes in-process; with "
+                                   "env.kind = \"http\" a harness plays them (unset env.name)")
+        require(self.episode_timeout_s > 0,
+                f"env.episode_timeout_s: must be > 0, got {self.episode_timeout_s}")
+        require(self.claim_timeout_s >= 0,
+                f"env.claim_timeout_s: must be >= 0 (0 = wait), got {self.claim_timeout_s}")
+        require(self.max_total_tokens >= 2,
+                f"env.max_total_tokens: must be >= 2, got {self.max_total_tokens}")
+        require(0 <= self.port < 65536, f"env.port: must be in [0, 65536), got {self.port}")
+        require(self.max_request_mb > 0,
+                f"env.max_request_mb: must be > 0, got {self.max_request_mb}")
+        require(bool(self.bearer_key()) or is_loopback(self.host),
+                f"env.host: {self.host!r} is not a loopback address; serving there needs a "
+                "bearer key (set env.api_key or TANDEM_API_KEY)")
+
+    def bearer_key(self) -> str | None:
+        """``kind = "http"``: the key requests must send (``api_key``, else $TANDEM_API_KEY)."""
+        import os
+
+        return self.api_key or os.environ.get("TANDEM_API_KEY") or None

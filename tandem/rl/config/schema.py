@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -47,6 +48,7 @@ __all__ = [
     "DataConfig",
     "JobConfig",
     "LRScheduleConfig",
+    "LoraConfig",
     "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -70,6 +72,7 @@ from tandem.rl.config.rl_schema import (  # noqa: E402  (sections of rl recipes)
     RLConfig,
     RolloutConfig,
 )
+from tandem.rl.core.lora import LoraConfig  # noqa: E402  (the [lora] section, every recipe)
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -91,7 +94,9 @@ class JobConfig:
 
 def check_writable_folder(key: str, path: str) -> None:
     """ConfigError unless ``path`` is a folder this process can write in, or can be made
-    one (its nearest existing ancestor is a writable folder). Creates nothing."""
+    one (its nearest existing ancestor is a writable folder). Leaves nothing behind: the
+    ancestor is tried with a folder made and removed at once, since permission bits do not
+    tell (root may write anywhere, yet /proc and read-only mounts refuse new entries)."""
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)
@@ -100,6 +105,10 @@ def check_writable_folder(key: str, path: str) -> None:
         raise ConfigError(f"{key}: {path} {what}, not a folder")
     if not os.access(here, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: {path}: cannot write in {here} (no write permission, or a read-only file system)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tandem-write-check-", dir=here))
+    except OSError as e:
+        raise ConfigError(f"{key}: {path}: cannot make a folder in {here} ({e.strerror or e})") from None
 
 
 def _known_flavors() -> list[str] | None:
@@ -228,19 +237,22 @@ class ParallelConfig:
     compile: bool = False  # torch.compile per block
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters and gradients
     ep: int = 1  # expert parallelism (MoE models): experts sharded over groups of ep consecutive FSDP2 ranks (ep divides dp_shard; ep < dp_shard: the groups are replicas, e.g. one per node), tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
+    cp: int = 1  # context parallelism (rl recipe): each packed row split over cp ranks, each holding rl.micro_batch_tokens of it; with FSDP2 / HSDP, not yet tp, pp, ep or MoE (docs/long-context.md)
+    cp_style: Literal["ulysses", "ring"] = "ulysses"  # ulysses: q/k/v all-to-all over heads (cp divides the query heads); ring: zig-zag chunks, K/V passed around
 
     def validate(self) -> None:
-        for key in ("dp_replicate", "tp", "pp", "ep"):
+        for key in ("dp_replicate", "tp", "pp", "ep", "cp"):
             value = getattr(self, key)
             require(value >= 1, f"parallel.{key}: must be >= 1, got {value}")
         require(self.dp_shard == -1 or self.dp_shard >= 1,
                 f"parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
 
     def resolve(self, world_size: int) -> dict[str, int]:
-        """Mesh degrees {pp, dp_replicate, dp_shard, tp} whose product is ``world_size``."""
+        """Mesh degrees {pp, dp_replicate, dp_shard, tp, cp} whose product is ``world_size``."""
         self.validate()
-        fixed = self.dp_replicate * self.tp * self.pp
+        fixed = self.dp_replicate * self.tp * self.pp * self.cp
         named = f"dp_replicate={self.dp_replicate} * tp={self.tp} * pp={self.pp}"
+        named += f" * cp={self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(f"parallel: world size {world_size} is not divisible by {named} = {fixed} "
@@ -251,7 +263,8 @@ class ParallelConfig:
             if fixed * dp_shard != world_size:
                 raise ConfigError(f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} does not equal "
                                   f"the world size {world_size} (set parallel.dp_shard=-1 to fill the rest)")
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp,
+                "cp": self.cp}
 
 
 @dataclass
@@ -292,13 +305,18 @@ class MetricsConfig:
     """Where and how often step metrics are written."""
 
     log_interval: int = 1  # steps between metric rows
-    tensorboard: bool = True  # job.dump_folder/tb/
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] / [mlflow]); [] for none
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
     samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off
 
     def validate(self) -> None:
         require(self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}")
         require(self.samples_per_step >= 0, f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
+        require(len(set(self.loggers)) == len(self.loggers), f"metrics.loggers: {self.loggers} names one twice")
+        from tandem.rl.core.loggers import missing_package
+
+        for name in self.loggers:
+            require((problem := missing_package(name)) is None, f"metrics.loggers: {problem}")
 
 
 @dataclass
@@ -338,10 +356,11 @@ class PlanConfig:
     flavor: str | None = None  # the architecture of model.path for planning before it is downloaded (a tandem/models/flavors.py name); read only when model.path has no config.json here
 
     def validate(self) -> None:
-        for key in ("nodes", "devices_per_node"):
-            require(getattr(self, key) >= 0, f"plan.{key}: must be >= 0 (0 = from the config), got {getattr(self, key)}")
-        require(self.device_memory_gb >= 0, f"plan.device_memory_gb: must be >= 0 (0 = this machine's GPU or 80), "
-                                            f"got {self.device_memory_gb}")
+        for key, most in (("nodes", 100_000), ("devices_per_node", 1024)):  # bounds: the search's size
+            value = getattr(self, key)
+            require(0 <= value <= most, f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}")
+        require(0 <= self.device_memory_gb <= 1e6, "plan.device_memory_gb: must be in [0, 1e6] (0 = this "
+                                                   f"machine's GPU or 80), got {self.device_memory_gb}")
         flavors = _known_flavors()
         if self.flavor is not None and flavors is not None and self.flavor not in flavors:
             near = difflib.get_close_matches(self.flavor, flavors, n=1)
@@ -398,6 +417,7 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
 
@@ -405,6 +425,7 @@ class Config:
     MOVED = {
         "rl.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
         "preference.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
+        "metrics.tensorboard": "moved: list the loggers in metrics.loggers (tensorboard, wandb, mlflow; [] for none)",
         "job.log_level": "removed: it was never read; the console prints one line per logged step",
         "optimizer.name": "removed: the optimizer is AdamW; it was never read",
         "model.dtype": "removed: it was never read; the GPU compute dtype is training.mixed_precision_param",
@@ -428,9 +449,18 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
+        require(self.parallel.cp == 1 or self.training.recipe == "rl",
+                f"parallel.cp: context parallelism runs in the rl recipe only so far, not "
+                f"training.recipe = {self.training.recipe!r}; set parallel.cp = 1")
+        self.lora.check_layout(self.parallel)
         r = self.reward
-        require(bool(r.functions) or r.reward_model is not None or self.env.name is not None,
-                "reward.functions: list at least one reward function (or set reward.reward_model or env.name)")
+        scored = r.functions or r.reward_model is not None or self.env.name is not None
+        require(bool(scored) or self.env.kind == "http",
+                "reward.functions: list at least one reward function (or set reward.reward_model, "
+                "env.name or env.kind = \"http\")")
+        require(self.env.kind != "http" or self.rollout.kv_dtype == "auto",
+                f"rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = \"http\" is not supported "
+                "yet (the endpoint's engine does not take the FP8 scales); use \"auto\"")
         if self.training.recipe == "rl":
             args = _model_args_if_known(self.model)
             if args is not None:

@@ -4,6 +4,7 @@
     errors.py      exit statuses and the errors that map to them
     configlib.py   typed config sections: TOML, overrides, checks, ConfigError
     system.py      host set-up (allocator, threads)
+    fields.py      the field a *_field setting names in a data row (dotted paths)
     metrics.py     metrics.jsonl / tensorboard rows
     samples.py     the per-step sample log (samples.jsonl)
     optim.py       AdamW and the learning-rate schedule

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -151,11 +153,16 @@ class Checkpointer:
         torch.save(rng_state(), os.path.join(staging, "rng", f"rank-{self.rank}.pt"))
         pending = _Pending(step, json.dumps(trainer_state), t0)
         writer = _HashingWriter(staging)
-        if self.async_save:
-            pending.future = dcp.async_save(state, storage_writer=writer, process_group=self._write_pg)
-            self._pending = pending
-        else:
-            dcp.save(state, storage_writer=writer)
+        try:
+            if self.async_save:
+                pending.future = dcp.async_save(state, storage_writer=writer, process_group=self._write_pg)
+                self._pending = pending
+            else:
+                dcp.save(state, storage_writer=writer)
+        except CheckpointException as e:  # a BaseException: what DCP wraps (SIGINT included)
+            raise _dcp_error(e, f"checkpoint step-{step}: writing failed; {staging} is left "
+                                "uncommitted") from None
+        if not self.async_save:
             self._commit(pending)
         return time.monotonic() - t0
 
@@ -187,9 +194,10 @@ class Checkpointer:
         if self._sync_pg is not None:
             dist.all_reduce(failed, group=self._sync_pg)
         if failed.item():
-            where = f"on this rank ({self.rank}): {error!r}" if error is not None else "on another rank"
-            raise RuntimeError(f"checkpoint step-{pending.step}: the asynchronous write failed {where}; "
-                               f"{self.path(pending.step)}.partial is left uncommitted")
+            where = "on another rank" if error is None else f"on this rank ({self.rank})"
+            msg = (f"checkpoint step-{pending.step}: the asynchronous write failed {where}; "
+                   f"{self.path(pending.step)}.partial is left uncommitted")
+            raise _dcp_error(error, msg) if error is not None else CheckpointError(msg)
         self._commit(pending)
         return time.monotonic() - pending.t0
 
@@ -267,11 +275,15 @@ class Checkpointer:
         marker = _read_marker(path, step)
         model_only = marker["model_only"] == "1"
         state = _state(model, None if model_only else optimizer, extras, model_only)
+        other = _model_difference(path, state)
+        if other is not None:
+            raise CheckpointError(f"checkpoint {path} was written by another model: {other}; resume it with "
+                                  "that model, or start over with checkpoint.resume=false "
+                                  "checkpoint.overwrite=true (or another job.dump_folder)")
         try:
             dcp.load(state, checkpoint_id=path)
-        except Exception as e:  # e.g. a checkpoint of another model: DCP names the missing keys
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint {path}: cannot be loaded into this model: {first}") from None
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise _dcp_error(e, f"checkpoint {path}: cannot be loaded into this model") from None
         for key, (m, o) in {"": (model, optimizer), **(extras or {})}.items():
             part = state[key] if key else state
             set_model_state_dict(m, part["model"])
@@ -299,8 +311,9 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
       (a later save of the same step replaces it; pruning leaves the good ones alone).
     - No checkpoint to resume from (none verifies, or ``resume = false``) while
       ``step-N`` folders exist: CheckpointError (exit 8) naming them, unless
-      ``checkpoint.overwrite = true``; then they are deleted (one line says so) and
-      the jsonl ``logs`` (metrics.jsonl, ledger.jsonl) of that earlier run are emptied.
+      ``checkpoint.overwrite = true``; then they are deleted (one line says so; a
+      ``step-N`` that is a symbolic link is unlinked, its target kept) and the jsonl
+      ``logs`` (metrics.jsonl, ledger.jsonl) of that earlier run are emptied.
     - A checkpoint past ``total_steps`` (training.steps): ConfigError (exit 2).
     """
     if not cfg.enable:
@@ -333,8 +346,12 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
                               "to start at step 0 over them: set checkpoint.overwrite=true to delete them and "
                               "start over, or choose another job.dump_folder")
     if is_main:
-        for s in existing:
-            shutil.rmtree(ckpt.path(s))
+        for s in existing:  # a step-N that is a symbolic link goes, never what it points to
+            path = ckpt.path(s)
+            if os.path.islink(path):
+                os.unlink(path)
+            else:
+                shutil.rmtree(path)
         for log in logs:
             truncate_jsonl(log, 0)
         print(f"checkpoint.overwrite: deleted the earlier run's checkpoints ({names}) under {ckpt.folder}; "
@@ -372,6 +389,49 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extras: Ex
     for name, (m, o) in (extras or {}).items():
         state[name] = _state(m, None if model_only else o, None)
     return state
+
+
+def _dcp_error(e: BaseException, what: str) -> BaseException:
+    """One line for a DCP failure: KeyboardInterrupt when it wraps one (SIGINT during a save
+    or load exits 130), else a CheckpointError naming the first rank's exception."""
+    failures = e.failures if isinstance(e, CheckpointException) else {0: (e, None)}
+    causes = [exc for exc, _ in failures.values()]
+    if any(isinstance(exc, KeyboardInterrupt) for exc in causes):
+        return KeyboardInterrupt()
+    first = causes[0] if causes else e
+    text = str(first).strip().splitlines()[0] if str(first).strip() else ""
+    return CheckpointError(f"{what}: {type(first).__name__}{': ' + text if text else ''}")
+
+
+def _model_difference(path: str, state: dict[str, Any]) -> str | None:
+    """How the model parts of ``state`` (every rank's, so pipeline stages add up) differ from
+    what checkpoint ``path`` holds for them, by parameter name and global shape (DCP's own
+    ``.metadata``, covered by SHA256SUMS); None when they are the same. Collective."""
+    here: dict[str, list[int] | None] = {}
+    prefixes: list[str] = []  # "model." and "<extra>.model."
+    parts = [("", state)]
+    while parts:
+        prefix, part = parts.pop()
+        prefixes.append(f"{prefix}model.")
+        for name, t in part["model"].items():
+            here[f"{prefix}model.{name}"] = list(t.shape) if isinstance(t, torch.Tensor) else None
+        parts += [(f"{prefix}{k}.", v) for k, v in part.items() if k not in ("model", "optim")]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, here)
+        here = {k: v for d in every for k, v in (d or {}).items()}
+    saved = {k: list(v.size) if isinstance(v, TensorStorageMetadata) else None
+             for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+             if k.startswith(tuple(prefixes))}
+    shape = sorted(k for k in here.keys() & saved.keys() if here[k] != saved[k])
+    missing, unused = sorted(here.keys() - saved.keys()), sorted(saved.keys() - here.keys())
+    count = len(shape) + len(missing) + len(unused)
+    if not count:
+        return None
+    first = (f"{shape[0]} is {saved[shape[0]]} there and {here[shape[0]]} here" if shape
+             else f"{missing[0]} of this model is not in the checkpoint" if missing
+             else f"the checkpoint's {unused[0]} is not in this model")
+    return first + (f" ({count - 1} more parameters differ)" if count > 1 else "")
 
 
 def _barrier() -> None:

@@ -515,3 +515,16 @@ def main_guard(fn: Callable[P, R]) -> Callable[P, R]:
             raise SystemExit(EXIT_CONFIG_ERROR) from None
 
     return guarded
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP address) is this machine's loopback: a server bound
+    there is reachable from this machine only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

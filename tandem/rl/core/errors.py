@@ -16,7 +16,9 @@ EXIT_MODEL = 4  # model / tokenizer folder that cannot be used as configured
 EXIT_SHORT_RUN = 5  # the run ended with fewer steps than asked
 EXIT_HANG = 6  # the watchdog saw no progress: stacks dumped under dump_folder/hang/
 EXIT_NONFINITE = 7  # NaN/Inf in the loss or gradients with fault.on_nonfinite = "stop", or in weights about to be checkpointed
-EXIT_CHECKPOINT = 8  # no checkpoint verifies, or an earlier run's checkpoints are in the way of a fresh start
+# checkpoints: none verifies, an earlier run's are in the way of a fresh start, the one to
+# resume was written by another model, or DCP failed to write or read one
+EXIT_CHECKPOINT = 8
 EXIT_PLAN = 9  # train.py --plan: the configured layout does not fit in device memory (one line says where; the plan is printed)
 EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)

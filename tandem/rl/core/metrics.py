@@ -1,13 +1,14 @@
-"""Step metrics to the console, metrics.jsonl and tensorboard (rank 0 writes)."""
+"""Step metrics to the console, metrics.jsonl and the loggers of ``metrics.loggers`` (rank 0 writes)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from tandem.rl.core.loggers import Sink, finite_scalars, open_sinks
 
 
 def parse_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -43,25 +44,24 @@ def _fmt(v: float) -> str:
 
 
 class MetricsLogger:
-    """One JSON object per step in ``metrics.jsonl``, tensorboard scalars in ``tb/``."""
+    """One JSON object per step in ``metrics.jsonl``; the same numbers to each of ``loggers``
+    (tensorboard scalars in ``tb/``, a W&B run, an MLflow run: tandem/rl/core/loggers.py)."""
 
-    def __init__(self, dump_folder: str, *, enabled: bool, jsonl: bool = True, tensorboard: bool = True,
-                 console_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, dump_folder: str, *, enabled: bool, jsonl: bool = True,
+                 loggers: Sequence[str] = ("tensorboard",), run_name: str = "tandem",
+                 config: dict[str, Any] | None = None, console_keys: tuple[str, ...] = ()) -> None:
         self.enabled = enabled
         self.console_keys = console_keys
         self._jsonl = None
         self._jsonl_path: str | None = None
-        self._tb = None
+        self._sinks: list[Sink] = []
         self._t0 = time.monotonic()
         if not enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
         # Opened on the first row, so a resume may first truncate rows past its checkpoint.
         self._jsonl_path = os.path.join(dump_folder, "metrics.jsonl") if jsonl else None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
-
-            self._tb = SummaryWriter(os.path.join(dump_folder, "tb"))
+        self._sinks = open_sinks(list(loggers), dump_folder, run_name, config or {})
 
     def log(self, step: int, metrics: dict[str, Any], *, total_steps: int | None = None) -> None:
         if not self.enabled:
@@ -72,10 +72,10 @@ class MetricsLogger:
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
             self._jsonl.flush()
-        if self._tb:
-            for k, v in clean.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        if self._sinks:
+            scalars = finite_scalars(clean)
+            for sink in self._sinks:
+                sink.log(step, scalars)
         keys = self.console_keys or tuple(clean)
         parts = [f"{k}={_fmt(clean[k])}" for k in keys if k in clean and not isinstance(clean[k], str)]
         eta = ""
@@ -86,14 +86,15 @@ class MetricsLogger:
         print(f"step {step}" + (f"/{total_steps}" if total_steps else "") + " " + " ".join(parts) + eta, flush=True)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        if self.enabled and self._tb:
-            self._tb.add_text(tag, text, step)
+        for sink in self._sinks:
+            sink.text(tag, text, step)
 
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
-        if self._tb:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def step_gaps(path: str, steps: int, first: int = 1) -> str | None:

@@ -7,6 +7,7 @@ gives the same starting weights on every layout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tandem.models.args import ModelArgs
 from tandem.models.flavors import get_flavor
-from tandem.models.hf import check_weight_shapes, hf_to_tandem, load_args, read_hf_state_dict, save_hf
+from tandem.models.hf import check_weight_shapes, hf_to_tandem, load_args, read_hf_state_dict
+from tandem.models.lora import adapter_shapes, apply_lora, lora_spec_of
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
 from tandem.models.transformer import Transformer
+from tandem.rl.core.lora import LoraSetup, save_exports
 
 
 class ModelSetupError(Exception):
@@ -94,10 +97,11 @@ def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_hf(model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, out_dir: str, rank: int) -> None:
-    """Collective: write the model as an HF folder (rank 0 writes)."""
+    """Collective: write the model as an HF folder (rank 0 writes); with LoRA adapters, merged,
+    and the adapters alone in PEFT's format beside it (tandem/rl/core/lora.py)."""
     state = gather_full_state(model)
     if rank == 0:
-        save_hf(state, args, out_dir, tokenizer=tokenizer)
+        save_exports(state, args, out_dir, tokenizer, lora_spec_of(model))
 
 
 @dataclass(frozen=True)
@@ -110,12 +114,13 @@ class BuildSpec:
     activation_checkpoint: str = "none"
     compile: bool = False
     ep: int = 1  # expert parallelism over the FSDP2 shard ranks (MoE models)
+    lora: LoraSetup | None = None  # adapters on a trained model (set by a recipe for the model it trains)
 
     @classmethod
-    def from_config(cls, training: Any, parallel: Any) -> BuildSpec:
+    def from_config(cls, training: Any, parallel: Any, lora: LoraSetup | None = None) -> BuildSpec:
         return cls(param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
                    cpu_offload=parallel.cpu_offload, activation_checkpoint=parallel.activation_checkpoint,
-                   compile=parallel.compile, ep=parallel.ep)
+                   compile=parallel.compile, ep=parallel.ep, lora=lora)
 
 
 def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
@@ -159,13 +164,37 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     Pipeline stages use `parallelize_model` the same way (tandem/rl/update/policy.py)."""
     with torch.device("meta"):
         model = make()
+    lora = spec.lora if trainable else None
+    shapes = {}
+    if lora is not None:  # a frozen base with adapters (tandem/models/lora.py), before any sharding
+        apply_lora(model, lora.spec)
+        shapes = adapter_shapes(model)
     parallelize_model(model, mesh, device, spec, trainable=trainable, tp=tp)
     model.to_empty(device=device)
     model.reset_rope()
-    load_full_state(model, initial_state() if is_main else None)
+    load_full_state(model, with_adapters(initial_state(), lora, shapes) if is_main else None)
     if not trainable:
         model.requires_grad_(False).eval()
     return model
+
+
+def with_adapters(full: dict[str, torch.Tensor], lora: LoraSetup | None,
+                  shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """``full`` plus the adapters' first values (fresh, or ``lora.adapter_path``'s)."""
+    if lora is None:
+        return full
+    try:
+        return {**full, **lora.initial(shapes)}
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelSetupError(f"lora.adapter_path: {_one_line(e)}") from None
+
+
+def lora_shapes(args: ModelArgs, lora: LoraSetup) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every adapter the whole model gets (pipeline stages take their share)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_lora(model, lora.spec)
+    return adapter_shapes(model)
 
 
 def build_transformer(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
@@ -186,5 +215,7 @@ def build_scalar_model(args: ModelArgs, path: str | None, seed: int, mesh: Any, 
         except (OSError, ValueError, KeyError) as e:
             raise ModelSetupError(f"model.path: {_one_line(e)}") from None
 
+    if spec.lora is not None:  # the score head is new: it trains in full beside the adapters
+        spec = dataclasses.replace(spec, lora=spec.lora.keeping("score"))
     return build_model(lambda: ScalarHeadModel(args), initial, mesh, device, spec, is_main=is_main,
                        trainable=trainable, tp=False)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tandem.rl.core.fields import get_field
 from tandem.rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
 from tandem.rl.data.sft import BadRow, Example, tokenize_turns
 from tandem.rl.data.tasks import make_task_rows
@@ -96,14 +97,15 @@ def tokenize_response(context: str | Messages, response: str | Messages, tokeniz
 
 def _row_sides(rec: dict[str, Any], fields: dict[str, str]) -> tuple[Messages, Messages, Messages]:
     """(context, chosen reply, rejected reply) of one row."""
-    chosen, rejected = rec.get(fields["chosen"]), rec.get(fields["rejected"])
+    chosen, rejected = get_field(rec, fields["chosen"]), get_field(rec, fields["rejected"])
     for key, value in (("chosen", chosen), ("rejected", rejected)):
         if value is None:
             raise BadRow(f"missing field {fields[key]!r}")
-    if rec.get(fields["messages"]) is not None:
-        ctx = _as_context(rec[fields["messages"]])
-    elif rec.get(fields["prompt"]) is not None:
-        ctx = _as_context(rec[fields["prompt"]])
+    messages, prompt = get_field(rec, fields["messages"]), get_field(rec, fields["prompt"])
+    if messages is not None:
+        ctx = _as_context(messages)
+    elif prompt is not None:
+        ctx = _as_context(prompt)
     elif isinstance(chosen, list) and isinstance(rejected, list):
         n = 0  # no context field: the two conversations' common prefix is the context
         while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:

@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+
+from tandem.rl.core.fields import get_field
 from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 SYNTHETIC = "synthetic:"
@@ -57,17 +59,23 @@ class Prompt:
 
 
 def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str) -> list[dict[str, Any]]:
-    """The conversation a row's prompt is rendered from: its messages, or one user turn; ValueError if neither."""
-    msgs = row.get(messages_field)
+    """The conversation a row's prompt is rendered from: its messages field, or its prompt
+    field, which holds either text (one user turn) or a list of {role, content} messages (as in
+    verl's and TRL's conversational prompt datasets). ValueError (one line) if neither."""
+    msgs, field = get_field(row, messages_field), messages_field
     if msgs is None:
-        q = row.get(prompt_field)
+        q, field = get_field(row, prompt_field), prompt_field
         if q is None or q == "":
-            raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r}")
-        if not isinstance(q, str):
-            raise ValueError(f"field {prompt_field!r} must be a string, got {type(q).__name__}")
-        msgs = [{"role": "user", "content": q}]
+            raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r} "
+                             "(data.messages_field / data.prompt_field name them)")
+        if isinstance(q, str):
+            return [{"role": "user", "content": q}]
+        if not isinstance(q, list):
+            raise ValueError(f"field {prompt_field!r} must be text or a list of {{role, content}} messages, "
+                             f"got {type(q).__name__} (data.prompt_field / data.messages_field name the fields)")
+        msgs = q
     if (problem := message_problem(msgs)) is not None:
-        raise ValueError(f"field {messages_field!r}: {problem}")
+        raise ValueError(f"field {field!r}: {problem} (data.messages_field names the messages field)")
     return msgs
 
 
@@ -81,10 +89,11 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
     has_template = getattr(tokenizer, "chat_template", None) is not None
     for i, row in enumerate(rows):
         try:
-            if answer_field not in row or row[answer_field] is None:
-                raise ValueError(f"missing field {answer_field!r}")
-            if not isinstance(row[answer_field], str):
-                raise ValueError(f"field {answer_field!r} must be a string, got {type(row[answer_field]).__name__}")
+            answer = get_field(row, answer_field)
+            if answer is None:
+                raise ValueError(f"missing field {answer_field!r} (data.answer_field names it)")
+            if not isinstance(answer, str):
+                raise ValueError(f"field {answer_field!r} must be a string, got {type(answer).__name__}")
             msgs = prompt_messages(row, prompt_field, messages_field)
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
             ids = tokenizer.encode(text)
@@ -93,10 +102,10 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
         except ValueError as e:
             if on_bad_row == "error":
                 raise DataError(f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to skip such rows)") from None
-            reason = str(e)
+            reason = str(e).split(" (")[0]  # counted without the hint
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
-        out.append(Prompt(i, ids, {**row, "answer": row[answer_field]}))
+        out.append(Prompt(i, ids, {**row, "answer": answer}))
     if not out:
         raise DataError(f"{source}: no usable prompt rows ({skipped} skipped)")
     return out, skipped

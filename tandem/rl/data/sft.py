@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tandem.rl.core.fields import get_field
 from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 IGNORE = -100  # target id that takes no loss
@@ -149,10 +150,14 @@ def build_sft_data(
     singles: list[PackedRow] = []
     for i, rec in enumerate(records):
         try:
-            if rec.get(messages_field) is not None:
-                ex = tokenize_chat(rec[messages_field], tokenizer, rec.get("tools"))
-            elif rec.get(prompt_field) is not None or rec.get(completion_field) is not None:
-                ex = tokenize_prompt_completion(rec.get(prompt_field), rec.get(completion_field), tokenizer)
+            messages = get_field(rec, messages_field)
+            prompt, completion = get_field(rec, prompt_field), get_field(rec, completion_field)
+            if messages is not None:
+                ex = tokenize_chat(messages, tokenizer, rec.get("tools"))
+            elif isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational form
+                ex = tokenize_chat(prompt + completion, tokenizer, rec.get("tools"))
+            elif prompt is not None or completion is not None:
+                ex = tokenize_prompt_completion(prompt, completion, tokenizer)
             else:
                 raise BadRow(f"missing field: neither {messages_field!r} nor {prompt_field!r}/{completion_field!r}")
             if len(ex.input_ids) - 1 > max_length:

@@ -187,6 +187,29 @@ def addition_small(rng: random.Random, *, max_value: int = 9, stray: float = 0.0
     return Problem(key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b), extra={"sft_reply": reply})
 
 
+@_task("needle", reward="exact_match")
+def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_length: int = 0,
+           stray: float = 0.0) -> Problem:
+    """Long-context retrieval for a character model: the digit in a haystack ("qz 7ab...?" -> "7").
+
+    The haystack is ``length`` random lowercase letters and spaces ending in "?" (with
+    ``min_length``, a length drawn uniformly from ``[min_length, length]``); the digit (the
+    answer) replaces one of its first ``depth`` characters, so it sits more than
+    ``length - depth`` positions before the question. ``stray``: share of rows whose
+    ``sft_reply`` (what SFT trains on) is the digit followed by a stray "!" (as addition_small).
+    """
+    lo = min_length or length
+    if not 0 < depth < lo <= length or not 0.0 <= stray <= 1.0:
+        raise ValueError(f"needle: need 0 < depth < min_length <= length and 0 <= stray <= 1, got "
+                         f"depth={depth}, min_length={min_length}, length={length}, stray={stray}")
+    chars = [rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(rng.randint(lo, length))]
+    digit = str(rng.randrange(10))
+    chars[rng.randrange(depth)] = digit
+    text = "".join(chars) + "?"
+    reply = f"{digit}!" if stray and rng.random() < stray else digit
+    return Problem(key=text, prompt=text, answer=digit, extra={"sft_reply": reply})
+
+
 # ---------------------------------------------------------------------------
 # rows
 # ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 
 from tandem.models.transformer import Transformer
 from tandem.rl.generator.block_manager import BlockManager
-from tandem.rl.generator.kv_cache import KVCache
+from tandem.rl.generator.kv_cache import KVCache, make_quant
 from tandem.rl.generator.runner import ModelRunner
 from tandem.rl.generator.scheduler import Scheduler
 from tandem.rl.generator.sequence import SamplingParams, Sequence
@@ -41,6 +41,8 @@ class GenerationSettings:
     cuda_graphs: bool = False  # decode steps replay captured graphs (CUDA only; eager elsewhere)
     graphs_capture: bool | None = None  # None: capture on CUDA; False: padded path without capture (tests)
     decode_mirror: bool = True  # PyTorch attention path: decode steps read contiguous rows, not gathered pages
+    kv_dtype: str = "auto"  # "auto": pages in the model's dtype; "fp8_e4m3" | "fp8_e5m2": FP8 pages
+    kv_scales: str = "calibrated"  # FP8: "calibrated" (the Generator's kv_scales) | "per_token"
 
 
 @dataclass
@@ -77,23 +79,27 @@ def _to_completion(seq: Sequence, prompt_index: int, sample_index: int) -> Compl
 class Generator:
     def __init__(self, model: Transformer, settings: GenerationSettings, *, eos_token_ids: Seq[int] = (),
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
+                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+                 kv_scales: torch.Tensor | None = None) -> None:
         """``agree(tokens, logprobs, raw_logprobs)``: run on every step's samples before the
-        scheduler sees them (a tensor-parallel generation group takes its leader's, in place)."""
+        scheduler sees them (a tensor-parallel generation group takes its leader's, in place).
+        ``kv_scales [L, 2, Hkv]``: the FP8 pool's calibrated scales (``settings.kv_dtype``)."""
         self.model, self.settings = model, settings
         p = next(model.parameters())
         device = device or p.device
         dtype = dtype or p.dtype
         max_len = settings.max_model_len or model.args.max_position_embeddings
+        quant = make_quant(settings.kv_dtype, settings.kv_scales, kv_scales)
         if settings.num_blocks > 0:
-            cache = KVCache(model.args, settings.num_blocks, settings.block_size, dtype, device)
+            cache = KVCache(model.args, settings.num_blocks, settings.block_size, dtype, device,
+                            quant)
         else:
             # The budget is an upper bound: never more blocks than max_num_seqs
             # sequences of max_len tokens could hold at once (a small rollout
             # then zeroes megabytes, not the whole budget).
             most = settings.max_num_seqs * -(-max_len // settings.block_size)
             cache = KVCache.from_budget(model.args, int(settings.kv_cache_gb * 1e9), settings.block_size, dtype,
-                                        device, max_blocks=most)
+                                        device, max_blocks=most, quant=quant)
         self.cache = cache
         self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size), settings.max_num_seqs,
                                    settings.max_num_batched_tokens, settings.prefix_sharing,

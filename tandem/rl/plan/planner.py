@@ -1,23 +1,21 @@
 """The memory planner: ``train.py --config X --plan``, per-rank bytes of each phase, before any launch.
 
-Nothing is allocated: the parameter shapes come from a `Transformer` built on the meta
-device, each rank's share of them from the same rules the trainer uses (TP splits as
-tandem/parallel/tp.py, the generation shard as tandem/parallel/generation_layout.py, FSDP2's dim-0
-chunks, pipeline stages as tandem/parallel/pp.py), and the KV pool from the generator's own
-sizing rule (tandem/rl/generator/engine.py). Activations are a closed-form count of the tensors
-the model saves for backward (per layer and token, by compute dtype, activation
-checkpointing and TP), checked against a CPU run's saved tensors in tests/plan/test_plan.py.
+Nothing is allocated: shapes come from a meta-device `Transformer`, each rank's share from the
+trainer's own rules (tandem/parallel/tp.py, generation_layout.py, FSDP2's dim-0 chunks, pp.py),
+the KV pool from the generator's sizing rule, activations from a closed-form count of what the
+model saves for backward (checked against a CPU run in tests/plan/test_plan.py).
 
-Two phases share each device (DESIGN.md): the *update* (parameters, gradients, AdamW's two
-fp32 moments, FSDP2's unsharded transient, activations) and the *rollout* (what training
-keeps resident, the generation shard, the reshard buffers and the KV pool). A layout fits
-when the larger phase of its busiest rank is at most `USABLE` of the device, the headroom
-the auto ``rollout.tp`` rule also keeps (tandem/parallel/generation_layout.py `HEADROOM`).
+Two phases share each device (DESIGN.md): the *update* (parameters, gradients, AdamW's moments,
+FSDP2's unsharded transient, activations) and the *rollout* (the resident training state, the
+generation shard, the reshard buffers, the KV pool); with LoRA the adapters alone train and the
+kept generation copy counts in the update too (docs/lora.md). A layout fits when the larger phase
+of its busiest rank is at most `USABLE` of the device (generation_layout.py `HEADROOM`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from typing import Any
 import torch
 
 from tandem.models.args import ModelArgs
+from tandem.models.lora import LoraSpec, apply_lora, is_adapter
 from tandem.parallel.generation_layout import (
     HEADROOM,
     GenerationLayout,
@@ -39,6 +38,7 @@ from tandem.parallel.mesh import Degrees
 from tandem.parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from tandem.rl.generator.kv_cache import KVCache
 from tandem.rl.core.configlib import ConfigError
+from tandem.rl.plan import long_context as lc
 from tandem.rl.rollout.sampling import resident_bytes
 from tandem.rl.plan.moe import (
     dispatch_transient,
@@ -51,6 +51,7 @@ from tandem.rl.plan.moe import (
 GB = 1e9
 USABLE = HEADROOM  # share of a device a plan may fill
 DEFAULT_DEVICE_GB = 80.0
+LINEAR_NODES = 16  # `Planner.smallest` tries each whole-node count up to this, then doubles
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,17 @@ class Layout(Degrees):
     def describe(self) -> str:
         dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"{self.world} ranks: pp={self.pp} {dp} tp={self.tp}{ep}, rollout.tp={self.rollout_tp}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        rollout = f"rollout.tp={self.rollout_tp}"
+        return f"{self.world} ranks: pp={self.pp} {dp}{cp} tp={self.tp}{ep}, {rollout}"
 
     def overrides(self, moe: bool = False) -> str:
-        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model)."""
+        """The command-line overrides of this layout (``--parallel.ep`` too for an MoE model,
+        ``--parallel.cp`` where it is split)."""
         ep = f" --parallel.ep={self.ep}" if moe or self.ep > 1 else ""
+        cp = f" --parallel.cp={self.cp}" if self.cp > 1 else ""
         return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} --parallel.dp_shard={self.dp_shard} "
-                f"--parallel.tp={self.tp}{ep} --rollout.tp={self.rollout_tp}")
+                f"--parallel.tp={self.tp}{ep}{cp} --rollout.tp={self.rollout_tp}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class Settings:
     reference: bool = False  # a frozen second copy (rl.kl_coef > 0, dpo's online reference)
     critic: bool = False
     kv_cache_gb: float = 1.0
+    kv_quant: Any = None  # rollout.kv_dtype's FP8 format (a KVQuant); None: gen_dtype
     block_size: int = 16
     max_num_seqs: int = 256
     max_len: int = 2048  # the generator's max_model_len
@@ -103,6 +109,8 @@ class Settings:
     vocab_parallel: bool = True
     bucket_bytes: int = 256 << 20
     chunk_tokens: int = 1024
+    cp_style: str = "ulysses"  # parallel.cp_style (rl recipe; tandem/rl/plan/long_context.py)
+    lora: LoraSpec | None = None  # adapters on a frozen base (tandem/models/lora.py)
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
@@ -115,31 +123,35 @@ class Settings:
         gen = t.mixed_precision_param if ro.dtype == "auto" else ro.dtype
         from tandem.rl.algorithms import ADVANTAGES
 
+        lora = cfg.lora.spec() if cfg.lora.enabled else None
+
         return cls(
             recipe=t.recipe, compute_dtype=getattr(torch, t.mixed_precision_param),
             reduce_dtype=getattr(torch, t.mixed_precision_reduce), gen_dtype=getattr(torch, gen), tokens=tokens,
             ac=p.activation_checkpoint, pp_schedule=p.pp_schedule,
             pp_microbatches=a.pp_microbatches,
             seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer, cpu_offload=p.cpu_offload,
-            reference=(rl and r.kl_coef > 0) or (t.recipe == "dpo" and cfg.preference.reference == "online"),
+            reference=lora is None and ((rl and r.kl_coef > 0) or (t.recipe == "dpo" and cfg.preference.reference == "online")),
             critic=rl and ADVANTAGES.cap(r.advantage, "needs_values", False),
-            kv_cache_gb=ro.kv_cache_gb, block_size=ro.block_size,
+            kv_cache_gb=ro.kv_cache_gb, kv_quant=ro.kv_quant_format(), block_size=ro.block_size,
             max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1, prompts_per_step=r.prompts_per_step,
             num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel,
             bucket_bytes=a.reshard_bucket_mb << 20,
-            chunk_tokens=a.logprob_chunk_tokens)
+            chunk_tokens=a.logprob_chunk_tokens, cp_style=p.cp_style, lora=lora)
 
 
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def param_shapes(args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of the whole model, a tied head listed once."""
+def param_shapes(args: ModelArgs, lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the whole model, a tied head listed once (adapters too)."""
     from tandem.models.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)
+        if lora is not None:
+            apply_lora(model, lora)
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
@@ -256,22 +268,26 @@ class Planner:
 
     def __init__(self, args: ModelArgs, settings: Settings) -> None:
         self.args, self.s = args, settings
-        self.shapes = param_shapes(args)
+        self.shapes = param_shapes(args, settings.lora)
         self._shards: dict[tuple[int, bool], int] = {}
 
     # ---- pieces ----------------------------------------------------------------------
 
     def fsdp_applied(self, layout: Layout) -> bool:
-        """tandem/parallel/parallelize.py's rule, on a GPU target."""
-        return layout.dp_replicate * layout.dp_shard > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
+        """tandem/parallel/parallelize.py's rule on a GPU target (FSDP2 over dp_shard x cp)."""
+        dp = layout.dp_replicate * layout.dp_shard * layout.cp
+        return dp > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
 
-    def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "") -> int:
+    def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "",
+                    trained: bool = False) -> int:
         """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps); under EP the
-        experts are this rank's ``E / ep`` of them (a DTensor Shard(0), outside FSDP2)."""
-        fsdp = layout.dp_shard if self.fsdp_applied(layout) else 1
+        experts are this rank's ``E / ep`` of them (a DTensor Shard(0), outside FSDP2).
+        ``trained``: those with gradients and AdamW moments (with LoRA, the adapters)."""
+        fsdp = layout.dp_shard * layout.cp if self.fsdp_applied(layout) else 1
         held = _held_names(self.shapes, self.args, stages)
         return 4 * sum(_local_numel(n, s, layout.tp, layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
-                       for n, s in held if not (skip and n.startswith(skip)))
+                       for n, s in held if not (skip and n.startswith(skip))
+                       and not (trained and self.s.lora is not None and not is_adapter(n)))
 
     def unsharded_transient(self, layout: Layout, stages: list[list[int]] | None) -> int:
         """FSDP2's gathered copies while computing: the root's (embedding, head) for the whole
@@ -284,17 +300,20 @@ class Planner:
         held = [(n, s) for n, s in _held_names(self.shapes, self.args, stages) if not (layout.ep > 1 and is_expert(n))]
         root = sum(_local_numel(n, s, layout.tp, 1) for n, s in held if _layer(n) is None)
         blocks: dict[int, int] = {}
+        grads: dict[int, int] = {}  # the unsharded gradients of a block: its trained parameters'
         for n, s in held:
             if _layer(n) is not None:
                 blocks[_layer(n)] = blocks.get(_layer(n), 0) + _local_numel(n, s, layout.tp, 1)
+                if self.s.lora is None or is_adapter(n):
+                    grads[_layer(n)] = grads.get(_layer(n), 0) + _local_numel(n, s, layout.tp, 1)
         block = max(blocks.values(), default=0)
-        return c * (root + 2 * block) + red * block
+        return c * (root + 2 * block) + red * max(grads.values(), default=0)
 
     def generation_shard(self, g: int) -> int:
         key = (g, self.s.vocab_parallel)
         if key not in self._shards:
             self._shards[key] = shard_bytes(self.args, GenerationLayout(tp=g, vocab_parallel=self.s.vocab_parallel),
-                                            self.s.gen_dtype)
+                                            self.s.gen_dtype, self.s.lora)
         return self._shards[key]
 
     def kv_pool(self, layout: Layout) -> tuple[int, int]:
@@ -303,7 +322,7 @@ class Planner:
         rollout's sequences of max_model_len tokens need at once."""
         s = self.s
         local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
-        per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype)
+        per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype, s.kv_quant)
         blocks_per_seq = -(-s.max_len // s.block_size)
         # a generation group pools its ranks' prompts
         prompts = -(-s.prompts_per_step // layout.world) * layout.rollout_tp
@@ -312,9 +331,10 @@ class Planner:
         return blocks * per_block, blocks // blocks_per_seq
 
     def micro_batch(self, layout: Layout) -> tuple[int, int]:
-        """(tokens per micro-batch, micro-batches in flight on the first stage)."""
-        if layout.pp == 1:
-            return self.s.tokens, 1
+        """(tokens per micro-batch and rank, micro-batches in flight on the first stage)."""
+        if layout.pp == 1:  # rl: the longest sequence gets a micro-batch of its own, split over cp
+            s = self.s
+            return (lc.tokens_per_rank(s.tokens, s.seq_len, layout.cp) if s.recipe == "rl" else s.tokens), 1
         seq = -(-self.s.seq_len // layout.tp) * layout.tp
         rows = max(1, self.s.tokens // seq)
         n_mb = self.s.pp_microbatches or layout.pp
@@ -326,13 +346,14 @@ class Planner:
         s, args = self.s, self.args
         params = self.param_bytes(layout, stages)
         on_device = 0 if s.cpu_offload else params  # FSDP2 CPU offload: shards and steps on the host
+        trained = 0 if s.cpu_offload else self.param_bytes(layout, stages, trained=True)  # = on_device without LoRA
         mine = list(range(args.num_layers)) if stages is None else [i for x in stages for i in x]
         n_moe = moe_layer_count(args, mine)
         first, last = 0 in mine, args.num_layers - 1 in mine
         tokens, in_flight = self.micro_batch(layout)
         act = activation_bytes(args, tokens, len(mine), s.compute_dtype, s.ac, layout.tp, first=first, last=last,
                                vocab_parallel_head=layout.tp > 1 or layout.pp > 1, moe_layers=n_moe, ep=layout.ep)
-        update = {"parameters": on_device, "gradients": on_device, "optimizer state": 2 * on_device,
+        update = {"parameters": on_device, "gradients": trained, "optimizer state": 2 * trained,
                   "FSDP2 unsharded (transient)": self.unsharded_transient(layout, stages),
                   "activations": act * in_flight}
         if s.ac != "none":  # backward recomputes one block with nothing checkpointed
@@ -341,6 +362,9 @@ class Planner:
             update["recomputed block (transient)"] = one
         if n_moe:
             update["MoE dispatch (transient)"] = dispatch_transient(args, tokens, _elem(s.compute_dtype), layout.ep)
+        if layout.cp > 1:
+            ring = lc.cp_transient(args, tokens, _elem(s.compute_dtype), layout.cp, s.cp_style)
+            update["cp attention (transient)"] = ring
         if last and layout.tp == 1 and layout.pp == 1:
             update["log-prob chunk (transient)"] = 2 * s.chunk_tokens * args.vocab_size * 4
         extra = 0
@@ -359,6 +383,8 @@ class Planner:
             rollout = {"resident training state": resident, "generation shard": self.generation_shard(layout.rollout_tp),
                        "reshard buffers (at most)": min(s.bucket_bytes, self.generation_shard(layout.rollout_tp)),
                        "KV pool": kv}
+            if s.lora is not None:  # the generation copy's base stays for the next rollout
+                update["generation copy (kept, LoRA)"] = self.generation_shard(layout.rollout_tp)
         return RankPlan(kind, update, rollout, kv_seqs)
 
     def plan(self, layout: Layout) -> list[RankPlan]:
@@ -374,7 +400,8 @@ class Planner:
         params = self.param_bytes(layout, stages)
         head = params - self.param_bytes(layout, stages, skip="output")
         return resident_bytes(params, head, offload_optimizer=self.s.offload_optimizer,
-                              reference=self.s.reference, critic=self.s.critic)
+                              reference=self.s.reference, critic=self.s.critic,
+                              trained_bytes=self.param_bytes(layout, stages, trained=True))
 
     def resident_bytes(self, layout: Layout) -> float:
         """`resident` of the busiest rank: what the auto rollout.tp rule counts."""
@@ -406,13 +433,18 @@ class Planner:
         per = SCHEDULES[self.s.pp_schedule][1]
         out = []
         for tp in tps:
-            for pp in range(1, world // tp + 1):
+            for pp in range(1, min(world // tp, self.args.num_layers) + 1):
                 if (world // tp) % pp or pp * (per if pp > 1 else 1) > self.args.num_layers:
                     continue
                 if pp > 1 and self.s.recipe != "rl":
                     continue  # pipelining is the rl recipe's only (ParallelConfig)
                 out.append(Layout(pp=pp, dp_shard=world // (tp * pp), tp=tp))
-        return sorted(out, key=lambda x: (x.tp * x.pp, x.pp))
+        if self.s.recipe == "rl":  # FSDP2 x cp (long_context.py)
+            out += [Layout(dp_shard=world // cp, cp=cp) for cp in lc.cp_degrees(
+                world, devices_per_node, self.args.num_heads, self.s.cp_style)]
+        # at equal degree, cp first when the longest sequence outgrows a micro-batch
+        long = self.s.seq_len > self.s.tokens
+        return sorted(out, key=lambda x: (x.tp * x.pp * x.cp, (x.cp == 1) == long, x.pp))
 
     def best(self, world: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
         """The first layout of `candidates` that fits, with its rollout.tp chosen by the auto rule; None when none does."""
@@ -425,9 +457,14 @@ class Planner:
         return None
 
     def smallest(self, nodes: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
-        """The fewest ranks (1, 2, 4, ... up to a node, then whole nodes) on which some layout fits."""
+        """The fewest ranks (1, 2, 4, ... up to a node, then whole nodes: each count up to
+        LINEAR_NODES, then doubling, then the whole cluster) on which some layout fits. The
+        doubling keeps a cluster of many nodes to a few dozen searches."""
         worlds = [w for w in (1, 2, 4, 8, 16, 32, 64) if w < devices_per_node]
-        worlds += [devices_per_node * n for n in range(1, nodes + 1)]
+        counts = list(range(1, min(nodes, LINEAR_NODES) + 1))
+        while counts[-1] < nodes:
+            counts.append(min(2 * counts[-1], nodes))
+        worlds += [devices_per_node * n for n in counts]
         for w in worlds:
             found = self.best(w, devices_per_node, device_bytes)
             if found:
@@ -462,7 +499,7 @@ def target(cfg: Any) -> tuple[int, int, float]:
     """(nodes, devices per node, device bytes): [plan] where set; else the config's own layout
     (dp_shard = -1 filling this machine's GPUs, or nothing) and this machine's GPU or 80 GB."""
     p, par = cfg.plan, cfg.parallel
-    fixed = par.pp * par.dp_replicate * par.tp
+    fixed = par.pp * par.dp_replicate * par.tp * par.cp
     local_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nodes = p.nodes or 1
     if p.devices_per_node:
@@ -485,9 +522,10 @@ def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: fl
     from tandem.rl.update.policy import check_layout
 
     d = cfg.parallel.resolve(world)
-    check_layout(planner.args, Degrees(**d), cfg.parallel.pp_schedule)
+    par = cfg.parallel
+    check_layout(planner.args, Degrees(**d), par.pp_schedule, par.cp_style, par.ep)
     check_moe_layout(planner.args, cfg.parallel.ep, d)
-    lay = Layout(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=cfg.parallel.ep)
+    lay = Layout(ep=par.ep, **d)
     g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1)
     if world % g:
         raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")
@@ -529,12 +567,20 @@ def run_plan(cfg: Any) -> int:
     lay = config_layout(cfg, planner, world, per_node, mem)
     plans = planner.plan(lay)
     print(f"model: {args.model_type}, {args.num_params() / 1e9:.2f} B parameters ({source})")
+    if s.lora is not None:
+        n = sum(math.prod(shape) for name, shape in planner.shapes if is_adapter(name))
+        print(f"LoRA: rank {s.lora.rank} on {', '.join(s.lora.targets)}: {n / 1e6:.1f} M trained parameters "
+              f"({n / args.num_params():.2%}); the reference is the base with the adapters off")
     print(f"target: {nodes} node(s) x {per_node} devices, {mem / GB:.1f} GB each; a layout fits when its peak is at "
           f"most {USABLE:.0%} ({USABLE * mem / GB:.1f} GB)")
     print(f"layout: {lay.describe()}{' (auto)' if not cfg.rollout.tp and s.recipe == 'rl' else ''}; compute "
           f"{str(s.compute_dtype).removeprefix('torch.')}, generation {str(s.gen_dtype).removeprefix('torch.')}, "
           f"{planner.micro_batch(lay)[0]} tokens per micro-batch, activation_checkpoint={s.ac}")
     print(format_plan(plans, mem))
+    if s.recipe == "rl":
+        kinds = rank_kinds(planner.args, lay, s.pp_schedule)
+        room = lc.kv_room(planner, lay, USABLE * mem, kinds)
+        print(lc.format_kv_room(room, cfg.rollout.max_tokens, s.max_len - 1))
     worst = max(plans, key=lambda p: p.peak)
     fits = worst.peak <= USABLE * mem
     smallest = planner.smallest(nodes, per_node, mem)

@@ -22,7 +22,7 @@ from typing import Any
 from tandem.rl.core.registry import Registry
 
 SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint",
-                   "metrics", "fault", "plan", "advanced")
+                   "metrics", "fault", "plan", "lora", "advanced")
 
 
 @dataclass(frozen=True)

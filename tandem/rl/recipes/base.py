@@ -43,6 +43,7 @@ from tandem.rl.core.metrics import MetricsLogger
 from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
+from tandem.rl.core.lora import checkpoint_module
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -55,6 +56,10 @@ class CheckpointParts:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     extras: Extras = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # LoRA: the trainable parameters alone (the base is rebuilt at start)
+        self.model = checkpoint_module(self.model)
+        self.extras = {k: (checkpoint_module(m), o) for k, (m, o) in self.extras.items()}
 
 
 @dataclass

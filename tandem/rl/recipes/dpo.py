@@ -14,6 +14,11 @@ Reference log-probs (``preference.reference``):
   micro-batch.
 - "none": for losses that do not use a reference (SimPO). Whether a loss needs
   one is its registered ``needs_reference`` capability.
+
+With LoRA (``[lora]``) the reference is the policy's frozen base with its adapters
+off (tandem/models/lora.py `adapters_disabled`): "online" scores with the policy
+itself and no copy is built; "precompute" scores with the adapters off, so a run that
+starts from an existing adapter (``lora.adapter_path``) still measures against the base.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tandem.models.lora import adapters_disabled, has_lora
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.algorithms.preference import PREFERENCE_LOSSES, PreferenceInput
 from tandem.rl.data.preference import PreferencePair, collate_pairs
@@ -61,15 +67,17 @@ class DPOHead:
         build = dict(mesh=setup.mesh, device=info.device, spec=spec, is_main=info.is_main)
         self.model = build_transformer(setup.args, cfg.model.path, cfg.job.seed, **build)
         self.ref_model = None
+        self.base_reference = reference == "online" and has_lora(self.model)  # the policy, adapters off
         self.table: dict[str, Tensor] = {}
-        if reference == "online":
+        if reference == "online" and not self.base_reference:
             self.ref_model = build_transformer(setup.args, cfg.model.path, cfg.job.seed, trainable=False, **build)
         elif reference == "precompute":  # before any checkpoint is loaded: the policy is the reference now
             t0 = time.monotonic()
             kw = dict(micro=cfg.training.micro_batch_size, pad_id=setup.pad_id, device=info.device,
                       rank=setup.rank_dp, dp=setup.dp)
-            self.table = {"train": precompute_reference(self.model, setup.data.train, **kw),
-                          "eval": precompute_reference(self.model, setup.data.eval, **kw)}
+            with adapters_disabled(self.model):  # LoRA: the base (a no-op without adapters)
+                self.table = {"train": precompute_reference(self.model, setup.data.train, **kw),
+                              "eval": precompute_reference(self.model, setup.data.eval, **kw)}
             if info.is_main:
                 n = len(setup.data.train) + len(setup.data.eval)
                 print(f"reference log-probs of {n} pairs precomputed in {time.monotonic() - t0:.1f}s", flush=True)
@@ -80,10 +88,11 @@ class DPOHead:
         b = len(pairs)
         logps, lengths = sequence_logps(self.model, batch)  # [2B] each: chosen then rejected
         ref_c = ref_r = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref, _ = sequence_logps(self.ref_model, batch)
-            reshard_all(self.ref_model)  # frees its last block's unsharded copy (no backward will)
+        if self.ref_model is not None or self.base_reference:
+            ref_model = self.ref_model if self.ref_model is not None else self.model
+            with torch.no_grad(), adapters_disabled(ref_model):
+                ref, _ = sequence_logps(ref_model, batch)
+            reshard_all(ref_model)  # frees its last block's unsharded copy (no backward will)
             ref_c, ref_r = ref[:b], ref[b:]
         elif self.table:
             rows = self.table[split][torch.tensor([p.index for p in pairs], device=dev)]  # [B, 2]

@@ -22,6 +22,8 @@ For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import sys
@@ -71,8 +73,9 @@ class Shell:
         self.preempt.install()  # before anything slow: a signal during start-up is a clean stop
         try:
             self._announce()
-            self.logger = MetricsLogger(self.dump, enabled=self.info.is_main, jsonl=self.cfg.metrics.jsonl,
-                                        tensorboard=self.cfg.metrics.tensorboard)
+            m = self.cfg.metrics
+            self.logger = MetricsLogger(self.dump, enabled=self.info.is_main, jsonl=m.jsonl, loggers=m.loggers,
+                                        run_name=self.cfg.job.name, config=dataclasses.asdict(self.cfg))
             self.watchdog.start()
             with self.watchdog.phase("build"):
                 self.recipe = make(self.cfg, Runtime(self.info, self.dump, self.watchdog, self.logger))

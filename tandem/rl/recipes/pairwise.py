@@ -165,7 +165,8 @@ class PairwiseRecipe(SingleModelRecipe):
     def __init__(self, cfg: Any, rt: Runtime, name: str, make_head: HeadFactory) -> None:
         self.cfg, self.info = cfg, rt.info
         self.setup = setup_pairs(cfg, rt, name)
-        self.head = make_head(cfg, rt.info, self.setup, BuildSpec.from_config(cfg.training, cfg.parallel))
+        lora = cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)
+        self.head = make_head(cfg, rt.info, self.setup, BuildSpec.from_config(cfg.training, cfg.parallel, lora))
         self.model = self.head.model
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater

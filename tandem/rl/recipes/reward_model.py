@@ -21,12 +21,14 @@ from typing import Any
 
 from torch import Tensor
 
+from tandem.models.lora import lora_spec_of
 from tandem.models.value_head import ScalarHeadModel, last_token_scores, save_scalar_model
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.algorithms.preference import bradley_terry_loss
 from tandem.rl.data.preference import PreferencePair, collate_pairs
 from tandem.rl.recipes.base import Runtime
 from tandem.rl.recipes.pairwise import PairSetup, PairwiseRecipe, pair_accuracy
+from tandem.rl.core.lora import merged_state
 from tandem.rl.core.modeling import BuildSpec, build_scalar_model, gather_full_state
 
 __all__ = ["EXPORT_DIR", "RewardModelHead", "make_reward_model", "pair_scores"]
@@ -58,7 +60,7 @@ class RewardModelHead:
 
     def export(self, dump_folder: str) -> str:
         out = os.path.join(dump_folder, EXPORT_DIR)
-        state = gather_full_state(self.model)
+        state = merged_state(gather_full_state(self.model), lora_spec_of(self.model))
         if self.info.is_main:
             save_scalar_model(state, self.setup.args, out, tokenizer=self.setup.tokenizer)
         return out

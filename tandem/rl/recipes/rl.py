@@ -14,7 +14,6 @@ shell's (tandem/rl/recipes/loop.py).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -40,6 +39,7 @@ from tandem.rl.algorithms import (
     make_norm,
     overlong_penalty,
 )
+from tandem.rl.core.fields import get_field
 from tandem.rl.data.prompts import (
     PromptStream,
     deal,
@@ -49,6 +49,7 @@ from tandem.rl.data.prompts import (
     rollout_seed,
 )
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
+from tandem.rl.recipes.rl_settings import check_rl_settings, episode_server
 from tandem.rl.rollout.sampling import (
     generation_copy,
     generation_dtype,
@@ -59,9 +60,11 @@ from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec, ModelSetupError
 from tandem.rl.core.optim import build_optimizer, build_scheduler
-from tandem.rl.core.samples import SampleLog
+from tandem.rl.core.samples import SampleLog, dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.update.critic import Critic
+from tandem.rl.update.kv_scales import KVScales
+from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -83,45 +86,48 @@ class RLRecipe:
         info = rt.info
         r, advanced = cfg.rl, cfg.advanced
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
+        self.http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
+        check_rl_settings(cfg, info, needs_values)
         s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step), fsdp_only=False)
         degrees = s.degrees
-        self.mp = degrees.tp * degrees.pp  # model-parallel ranks sharing one data-parallel replica's samples
-        self._check_layout_settings(needs_values)
+        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
         self.mesh, self.dp, self.dp_rank = s.mesh, s.dp, s.rank_dp
         self.tok, self.args = s.tokenizer, s.args
         self.dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
-        self.mp_group = subgroup(self.mesh, ("pp", "tp"))
-        self.mp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
+        self.mp_group = mp = subgroup(self.mesh, ("pp", "cp", "tp"))
+        self.mp_rank = dist.get_rank(mp) if mp is not None else 0
         dump = rt.dump_folder
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule)
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
             raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
         self.train_prompts, self.eval_prompts = self._load_data()
-        seq_len = cfg.data.max_length if not cfg.env.name else self.max_prompt + cfg.env.max_total_tokens
+        episodic = cfg.env.name or self.http
+        seq_len = self.max_prompt + cfg.env.max_total_tokens if episodic else cfg.data.max_length
         spec = BuildSpec.from_config(cfg.training, cfg.parallel)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
                   pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=advanced.pp_microbatches,
                   seq_len=seq_len, micro_batch_tokens=r.micro_batch_tokens,
                   chunk_tokens=advanced.logprob_chunk_tokens,
                   share_prompts=degrees.pp == 1 if advanced.share_prompts is None
-                  else advanced.share_prompts)
-        self.policy = build_policy(self.args, self.mesh, info.device, **kw)
+                  else advanced.share_prompts, cp_style=cfg.parallel.cp_style)
+        self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)  # [lora]: adapters
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         self.gen_dtype = generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
         self.gen_copy = generation_copy(
             self.policy, self.args, cfg.rollout, info, self.gen_dtype,
-            offload_optimizer=r.offload_optimizer, reference=r.kl_coef > 0, critic=needs_values,
-            bucket_bytes=advanced.reshard_bucket_mb << 20)
-        self.ref = build_policy(self.args, self.mesh, info.device, trainable=False, **kw) if r.kl_coef > 0 else None
+            offload_optimizer=r.offload_optimizer, reference=r.kl_coef > 0 and not cfg.lora.enabled,
+            critic=needs_values, bucket_bytes=advanced.reshard_bucket_mb << 20)
+        self.ref = frozen_reference(self.policy, lambda: build_policy(  # LoRA: the policy, adapters off
+            self.args, self.mesh, info.device, trainable=False, **kw)) if r.kl_coef > 0 else None
+        self.kv = KVScales.create(cfg.rollout, self.args, self.policy, self.ref)  # FP8 KV or None
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main) if needs_values else None
-        self.critic_warmup = cfg.critic.warmup_steps if self.critic is not None else 0
-        self.teachers = None
+                             seed=cfg.job.seed, is_main=info.is_main, cp=self.policy.split) if needs_values else None
+        self.critic_warmup, self.teachers = cfg.critic.warmup_steps if self.critic is not None else 0, None
         if cfg.distill.teachers:
             self.teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
                                      is_main=info.is_main, conversation=self._conversation)
@@ -129,12 +135,12 @@ class RLRecipe:
                 raise ConfigError("distill.teachers: a teacher with another tokenizer scores single-turn completions "
                                   "only so far; env.name (multi-turn episodes) needs teachers with the student's tokenizer")
             self.teachers.check_rows([p.row for p in self.train_prompts + self.eval_prompts])  # fail now, not mid-run
-        self.rm = self._reward_model() if cfg.reward.reward_model else None
-        self.env_pool = None
+        self.rm, self.env_pool = self._reward_model() if cfg.reward.reward_model else None, None
         if cfg.env.name and self.gen_copy.layout.rank == 0:  # a generation group's leader steps its environments
             from tandem.rl.workers.env_pool import EnvPool
 
             self.env_pool = EnvPool(cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
+        self.server = episode_server(cfg, info, self.tok)  # env.kind = "http": the endpoint, or None
         # the policy's optimizer steps (its lr schedule) exclude the critic warm-up steps
         self.total_updates = max(cfg.training.steps - self.critic_warmup, 1) * r.epochs * r.minibatches
         self.sched = build_scheduler(self.opt, total_steps=self.total_updates,
@@ -146,26 +152,11 @@ class RLRecipe:
         self.reward_fns = list(zip(cfg.reward.functions, weights))
         self.rewards = RewardPool(  # reward.modules were imported by config validation
             cfg.reward.num_workers if cfg.reward.functions else 0, cfg.reward.timeout_s, rewards=cfg.reward.functions,
-            memory_mb=cfg.reward.memory_mb or None)
+            reward_kwargs=cfg.reward.kwargs, memory_mb=cfg.reward.memory_mb or None)
         self.stream = PromptStream(len(self.train_prompts), cfg.job.seed, cfg.data.shuffle)
         self.step_index = 0  # the step being taken (the shell's count)
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
         self._advantage_of: list[float] = []  # per sample, the mean advantage of its sampled tokens (last update)
-
-    def _check_layout_settings(self, needs_values: bool) -> None:
-        """One ConfigError line for settings the layout cannot run yet."""
-        cfg, r, device = self.cfg, self.cfg.rl, self.info.device
-        if self.mp > 1 and (needs_values or cfg.distill.teachers):
-            what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
-            raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
-        if r.exact and (device.type != "cpu" or self.mp > 1):
-            raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
-                              "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
-                              "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
-                              f"(device {device.type}, tp x pp = {self.mp}); set rl.exact = false")
-        if r.exact and cfg.rollout.tp > 1:
-            raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
-                              f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
 
     # ---- data ------------------------------------------------------------------------
 
@@ -199,7 +190,8 @@ class RLRecipe:
     def _context(self, row: dict[str, Any]) -> Any:
         """The prompt of a data row as the reward model was trained on it (messages or text)."""
         d = self.cfg.data
-        return row[d.messages_field] if d.messages_field in row else row[d.prompt_field]
+        messages = get_field(row, d.messages_field)
+        return messages if messages is not None else get_field(row, d.prompt_field)
 
     def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The chat turns a row's prompt was rendered from (what another tokenizer's teacher renders)."""
@@ -240,13 +232,22 @@ class RLRecipe:
     def _generate(self, gen_model, prompts, n: int, seeds: list[int], greedy: bool = False):
         """n completions per prompt: single-turn, or multi-turn episodes when ``env.name`` is set;
         ``seeds`` one per prompt (its samples use seed + sample index)."""
+        layout = self.gen_copy.layout
+        kv = self.kv.for_heads(layout.tp, layout.rank) if self.kv is not None else None
+        if self.http:
+            from tandem.rl.serve.episodes import serve_episodes
+
+            return serve_episodes(self.server, gen_model, self.tok, prompts, n, self.cfg.rollout,
+                                  self.cfg.env, seeds=seeds, greedy=greedy,
+                                  layout=self.gen_copy.layout, version=self.step_index,
+                                  beat=self.rt.watchdog.beat)
         if self.cfg.env.name:
             return sample_episodes(gen_model, self.tok, prompts, n, self.cfg.rollout, self.cfg.env,
-                                   self.env_pool, seed=0, greedy=greedy, seeds=seeds,
-                                   layout=self.gen_copy.layout)
+                                   self.env_pool, seed=0, greedy=greedy, seeds=seeds, layout=layout,
+                                   kv_scales=kv)
         return sample_completions(gen_model, self.tok, prompts, n, self.cfg.rollout, seed=0,
                                   max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                  layout=self.gen_copy.layout)
+                                  layout=layout, kv_scales=kv)
 
     def _generate_shared(self, gen_model, prompts, n: int, seeds: list[int]):
         """Generate and score, the prompts split over the model-parallel group (its TP and PP
@@ -284,9 +285,11 @@ class RLRecipe:
         t0 = time.monotonic()
         reset_peak_memory(self.info.device)
         before = allocated_gb(self.info.device)
+        kv_metrics = self._kv_ready()  # collective: FP8 KV scales exist before anything samples
         if r.offload_optimizer:
             move_optimizer_state(self.opt, "cpu")
         gen_model, metrics = self.gen_copy.build()
+        metrics.update(kv_metrics)
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
         kept, dropped, rounds = 0, 0, 0  # groups, over all ranks
@@ -321,10 +324,12 @@ class RLRecipe:
             move_optimizer_state(self.opt, self.info.device)
         if before is not None:  # the generation copy and KV pool are gone: the update starts where it would have
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
+        if self.kv is not None:
+            metrics.update(self.kv.rollout_metrics(self.step_index))
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0, "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
         if self.cfg.advanced.dump_rollouts:
-            _dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
+            dump_rollouts(self.rt.dump_folder, self.step_index, self.info.rank, samples)
         return samples, torch.stack(scores) if scores else torch.zeros(0), metrics
 
     def _dp_count(self, n: int) -> int:
@@ -441,7 +446,7 @@ class RLRecipe:
                 if self.critic is not None:
                     def also(mb, norm=norm):
                         vloss, sq = self.critic.micro_batch_loss(mb, values, returns, mask, norm, width)
-                        (vloss * self.dp).backward()
+                        (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2: dp x cp mean
                         sums[6] += sq.double()
                         sums[7] += mask[mb.rows].sum().double() if mb.rows else 0.0
                 sums[:5] += self.policy.accumulate(samples, mb_rows, inp, spec, norm, width, policy=train_policy,
@@ -458,8 +463,11 @@ class RLRecipe:
         dist.all_reduce(sums)
         tokens = max(sums[4].item(), 1.0)
         extra.update(self._gap_metrics(old_logp if old_logp is not None else inp.seen_logp, gen_logp, mask))
+        if self.kv is not None:  # the next rollout's scales, from the weights it will run
+            extra.update(self.kv.calibrate(self.policy, samples, self.step_index + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))
         extra.update(self.policy.routing.metrics(self.dp_group, dev))
+        extra.update(self.policy.cp_metrics())
         if self.critic is not None:
             extra.update({"critic/value_mse": sums[6].item() / max(sums[7].item(), 1.0),
                           "critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1),
@@ -491,6 +499,7 @@ class RLRecipe:
         or over one greedy completion when ``rl.eval_samples = 0``."""
         if not self.eval_prompts:
             return {}
+        self._kv_ready()
         gen_model, _ = self.gen_copy.build()
         order = list(range(len(self.eval_prompts)))
         mine = deal(order, self.info.rank, self.info.world_size)
@@ -510,12 +519,15 @@ class RLRecipe:
         return CheckpointParts(self.model, self.opt, extras)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor}  # the same on every rank
+        kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}  # the same on every rank
+        return {"scheduler": self.sched.state_dict(), "cursor": self.stream.cursor, **kv}
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
         run stopped (and samples what it would have: seeds are keyed by position, not rank)."""
         self.sched.load_state_dict(state["scheduler"])
+        if self.kv is not None and "kv_scales" in state:
+            self.kv.load_state_dict(state["kv_scales"])
         if "cursor" in state:
             self.stream.cursor = state["cursor"]
         else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
@@ -552,6 +564,11 @@ class RLRecipe:
         self.rewards.close()
         if self.env_pool is not None:
             self.env_pool.close()
+        if self.server is not None:
+            self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
+
+    def _kv_ready(self) -> dict[str, float]:
+        return self.kv.ensure(self.policy, self.train_prompts, self.step_index) if self.kv else {}
 
     def _rollout_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)] for s in samples],
@@ -563,17 +580,6 @@ class RLRecipe:
         n = max(stats[3].item(), 1.0)
         return {"response/length_mean": stats[0].item() / n, "response/length_max": mx.item(),
                 "response/clipped_frac": stats[1].item() / n, "accuracy": stats[2].item() / n}
-
-
-def _dump_rollouts(dump_folder: str, step: int, rank: int, samples: list[RolloutSample]) -> None:
-    """``advanced.dump_rollouts`` (a debugging aid, used by the layout tests): every sample of this
-    rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens, generator
-    log-probs), so runs on different layouts can be compared sample by sample."""
-    os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
-    with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
-        for s in samples:
-            f.write(json.dumps({"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
-                                "gen_logprobs": s.gen_logprobs}) + "\n")
 
 
 def make_rl(cfg: Any, rt: Runtime) -> RLRecipe:

@@ -63,7 +63,9 @@ class SFTRecipe(SingleModelRecipe):
             print(f"data: {self.data.num_examples} examples -> {len(self.data.rows)} rows{held_out}; skipped "
                   f"{skipped} {dict(self.data.skipped)}", flush=True)
         self.model = build_transformer(self.args, cfg.model.path, cfg.job.seed, self.mesh, info.device,
-                                       BuildSpec.from_config(cfg.training, cfg.parallel), is_main=info.is_main)
+                                       BuildSpec.from_config(cfg.training, cfg.parallel,
+                                                             cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)),
+                                       is_main=info.is_main)
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater
         self.sampler = StepSampler(len(self.data.rows), cfg.training.batch_size, cfg.job.seed, d.shuffle)

@@ -14,7 +14,10 @@ holds the tests: the tests' run calls the solution's functions over a socket and
 plain data back, compares it itself, and writes ``{"passed", "total"}`` to a pipe the
 solution's run does not have (not stdout). So the solution cannot read the tests, print
 or write a fake result, exit early with success, patch ``unittest`` or the test runner,
-or return objects whose ``__eq__`` lies.
+or return objects whose ``__eq__`` lies. Every name the tests read resolves in the tests'
+run first (their own names, the entry point, builtins, stdlib modules), so defining
+``abs``, ``sorted`` or a class ``math`` in the solution changes nothing the tests read
+(docs/rewards.md, tests/rewards/test_code_shadowing.py).
 
 Test styles: ``assert`` snippets (one test each), a HumanEval ``check`` (one test), and
 unittest modules: the ``TestCase`` classes are loaded and run (an ``if __name__ ==

@@ -12,6 +12,13 @@ tandem/rl/rewards/code.py copies this file into two sandboxed runs (tandem/rl/sa
   or ``assert``, or return an object whose ``__eq__`` lies. The runner writes
   ``{"passed": p, "total": t}`` to a pipe only it holds.
 
+Names: the runner reads every name the test code mentions from the compiler's symbol
+tables and resolves it itself (:func:`_test_globals`): the tests' own bindings, the
+entry point, the runner's builtins and stdlib modules come first, so a solution that
+defines ``abs``, ``len`` or a class called ``math`` changes nothing the tests read; it
+contributes only the names the tests read that nothing else provides. What the server
+sends is treated as data the solution chose (it can write that message itself).
+
 Values cross as data (:func:`encode` / :func:`decode`): None, bools, numbers, strings,
 bytes and lists, tuples, sets, frozensets and dicts of them (subclasses, numpy scalars
 and other ``numbers`` types as their plain base type); anything else stays in the server
@@ -38,6 +45,7 @@ MAX_FRAME = 16 << 20  # bytes in one message; a bigger one ends the connection
 MAX_DEPTH = 100  # nesting of a value; deeper parts travel as handles
 READY_GRACE_S = 10.0  # on top of per_test_s, for the server's interpreter to start
 _NO_IMPORT = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"}
+_SITE_NAMES = {"exit", "quit", "help", "copyright", "credits", "license"}  # builtins site adds
 
 
 class RemoteError(Exception):
@@ -382,20 +390,90 @@ class Remote:
         return hash(("remote", object.__getattribute__(self, "_h")))
 
 
+def _stdlib_module(name: str):
+    """The runner's own stdlib module ``name`` (dotted allowed), or None."""
+    top = name.split(".")[0]
+    if top not in getattr(sys, "stdlib_module_names", ()) or top in _NO_IMPORT:
+        return None
+    try:
+        return __import__(name, fromlist=["_"])
+    except Exception:
+        return None
+
+
 def _solution_names(ready) -> dict:
+    """The solution's top-level names as the runner sees them: data, :class:`Remote`
+    handles, and the runner's own copy of each stdlib module the solution imported."""
     names = {}
     for name, data in dict(ready).items():
         if isinstance(data, list) and data[:1] == ["m"]:  # a module the solution imported
-            mod = str(data[1])
-            top = mod.split(".")[0]
-            if top in getattr(sys, "stdlib_module_names", ()) and top not in _NO_IMPORT:
-                try:
-                    names[str(name)] = __import__(mod, fromlist=["_"])
-                except Exception:
-                    pass
+            module = _stdlib_module(str(data[1]))
+            if module is not None:
+                names[str(name)] = module
             continue
         names[str(name)] = decode(data, _remote)
     return names
+
+
+def _runners_name(name: str) -> bool:
+    """Whether the runner resolves ``name`` itself: a dunder, a builtin (``site``'s too,
+    present or not) or a top-level stdlib module."""
+    return (name.startswith("__") or hasattr(builtins, name) or name in _SITE_NAMES
+            or name in getattr(sys, "stdlib_module_names", ()))
+
+
+def _scanned_names(sources: list) -> tuple[set, set]:
+    """(every name the test code mentions in any scope, the names it binds at module level),
+    from the compiler's symbol tables (imports, defs, assignments, ``global`` included)."""
+    import symtable
+
+    mentioned, bound = set(), set()
+    for source in sources:
+        try:
+            tables = [symtable.symtable(source, "test", "exec")]
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue  # the test fails when it runs
+        top = tables[0]
+        while tables:
+            table = tables.pop()
+            tables.extend(table.get_children())
+            for sym in table.get_symbols():
+                mentioned.add(sym.get_name())
+                if (sym.is_assigned() or sym.is_imported()) and (
+                        table is top or sym.is_declared_global()):
+                    bound.add(sym.get_name())
+    return mentioned, bound
+
+
+def _test_globals(sources: list, names: dict, entry_point) -> dict:
+    """The globals the tests run in. A name the tests read resolves, in this order, to: the
+    tests' own module-level binding (nothing is put in its place), the entry point (also as
+    ``candidate``), the runner's builtin, the runner's stdlib module, and only then the
+    solution's top-level name. So the solution contributes the entry point and the names
+    the tests read that nothing else provides (its functions and classes), never a builtin
+    or a module the tests use."""
+    mentioned, bound = _scanned_names(sources)
+    ns = {}
+    for name in sorted(mentioned - bound):
+        if entry_point is not None and name in (entry_point, "candidate"):
+            ns[name] = names[entry_point]
+        elif _runners_name(name):
+            if name in getattr(sys, "stdlib_module_names", ()):
+                module = _stdlib_module(name)
+                if module is not None:
+                    ns[name] = module
+        elif name in names:
+            ns[name] = names[name]
+    return ns
+
+
+def _solution_module(names: dict):
+    """``import solution`` for tests that name it: every top-level name by attribute, but
+    ``from solution import *`` brings none that the runner resolves itself."""
+    module = type(sys)("solution")
+    module.__dict__.update({k: v for k, v in names.items() if not k.startswith("__")})
+    module.__all__ = [k for k in names if not k.startswith("_") and not _runners_name(k)]
+    return module
 
 
 def _is_unittest_module(source: str) -> bool:
@@ -493,21 +571,20 @@ def run_tests(result_fd: int, sock_fd: int, tests: list, entry_point, per_test_s
         signal.setitimer(signal.ITIMER_REAL, 0)
         sys.stderr.write(f"[solution] did not start: {type(exc).__name__}: {exc}\n")
         names = {}
-    if entry_point is not None:
-        if entry_point in names:
-            names["candidate"] = names[entry_point]
-        else:
-            names = None  # nothing to test: every test fails
-    ns = dict(names or {}, __name__="tandem_test")
-    sys.modules["solution"] = type(sys)("solution")
-    sys.modules["solution"].__dict__.update(names or {})
+    if entry_point is not None and entry_point not in names:
+        names = None  # nothing to test: every test fails
+    sys.modules["solution"] = _solution_module(names or {})
+    snippets = [source for source in tests if not _is_unittest_module(source)]
+    ns = dict(_test_globals(snippets, names or {}, entry_point), __name__="tandem_test")
     for i, source in enumerate(tests):
         label = f"test_{i}"
-        if _is_unittest_module(source):
-            p, t = _run_unittest(label, source, dict(names or {}), per_test_s) \
-                if names is not None else (0, 1)
+        if names is None:
+            p, t = 0, 1
+        elif _is_unittest_module(source):
+            module_ns = _test_globals([source], names, entry_point)
+            p, t = _run_unittest(label, source, module_ns, per_test_s)
         else:
-            p, t = (int(names is not None and _run_snippet(label, source, ns, per_test_s)), 1)
+            p, t = int(_run_snippet(label, source, ns, per_test_s)), 1
         passed, total = passed + p, total + t
     os.write(result_fd, json.dumps({"passed": passed, "total": total}).encode())
     os._exit(0)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.models.args import ModelArgs
+from tandem.models.lora import lora_spec_of
 from tandem.models.transformer import Transformer
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.generation_layout import (
@@ -36,12 +37,15 @@ from tandem.rl.rollout.types import RolloutSample
 
 
 def resident_bytes(param_bytes: float, head_bytes: float, *, offload_optimizer: bool = False,
-                   reference: bool = False, critic: bool = False) -> float:
+                   reference: bool = False, critic: bool = False,
+                   trained_bytes: float | None = None) -> float:
     """What the update keeps on a device through the rollout: the policy's fp32 parameter shards
-    there (``param_bytes``, of which its LM head's ``head_bytes``) with AdamW's two moments
+    there (``param_bytes``, of which its LM head's ``head_bytes``, and of which ``trained_bytes``
+    are trained: all but a LoRA base, None: all) with AdamW's two moments of the trained ones
     unless ``rl.offload_optimizer``, a frozen reference copy (``reference``), and a critic (the
     policy less its head) with its moments. The run and the planner count it this one way."""
-    optimizer = 0 if offload_optimizer else 2 * param_bytes
+    trained = param_bytes if trained_bytes is None else trained_bytes
+    optimizer = 0 if offload_optimizer else 2 * trained
     critic_bytes = 3 * (param_bytes - head_bytes) if critic else 0
     return param_bytes + optimizer + (param_bytes if reference else 0) + critic_bytes
 
@@ -61,10 +65,13 @@ def choose_rollout_tp(rcfg: Any, args: ModelArgs, dtype: torch.dtype, *, world: 
 def rank_resident_bytes(policy: Any, device: torch.device, **flags: bool) -> float:
     """Collective: `resident_bytes` of the busiest rank, from the policy's shards on ``device``
     (``flags``: its offload_optimizer, reference and critic)."""
-    mine = [(clean_fqn(n), held(p.detach())[0]) for n, p in policy.state_module.named_parameters()]
-    here = [(n, t.numel() * 4) for n, t in mine if t.device == device]  # fp32 master shards
-    params, head = sum(b for _, b in here), sum(b for n, b in here if n.startswith("output."))
-    out = torch.tensor([resident_bytes(params, head, **flags)], dtype=torch.float64, device=device)
+    mine = [(clean_fqn(n), held(p.detach())[0], p.requires_grad)
+            for n, p in policy.state_module.named_parameters()]
+    here = [(n, t.numel() * 4, g) for n, t, g in mine if t.device == device]  # fp32 master shards
+    params, head = sum(b for _, b, _ in here), sum(b for n, b, _ in here if n.startswith("output."))
+    trained = sum(b for _, b, g in here if g)  # a LoRA base has no moments
+    out = torch.tensor([resident_bytes(params, head, trained_bytes=trained, **flags)],
+                       dtype=torch.float64, device=device)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out.item()
 
@@ -95,7 +102,8 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=bucket_bytes)
+    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=bucket_bytes,
+                          cpu_onednn=rcfg.cpu_onednn, lora=lora_spec_of(policy.modules[0]))
 
 
 def generation_dtype(setting: str, device: torch.device, mixed_precision_param: str) -> torch.dtype | None:
@@ -114,7 +122,7 @@ def generator_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> Generati
         block_size=rcfg.block_size, kv_cache_gb=rcfg.kv_cache_gb,
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
-        seed=seed, cuda_graphs=rcfg.cuda_graphs,
+        seed=seed, cuda_graphs=rcfg.cuda_graphs, kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
     )
 
 
@@ -127,10 +135,11 @@ def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
 
 def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
                     run: Callable[[Generator], Any], layout: GenerationLayout | None = None,
-                    ) -> tuple[Any, dict[str, float]]:
+                    kv_scales: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
     """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
     freed on return (a leak raises); the rollout/* metrics of that generation. In a generation
-    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens."""
+    group (``layout.tp > 1``) every rank runs the same generator and takes the leader's tokens.
+    ``kv_scales``: the FP8 pool's scales of this rank's KV heads (``rollout.kv_dtype``)."""
     t0 = time.monotonic()
     settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
     agree = None
@@ -139,16 +148,23 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     if layout is not None and layout.tp > 1:
         settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
         agree = partial(leader_tokens, layout)
-    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree)
+    gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree,
+                    kv_scales=kv_scales)
     out = run(gen)
     if not gen.pool_is_free():
         raise RuntimeError("generator leaked KV blocks")
-    stats, kv_bytes = gen.stats, gen.cache.nbytes
+    stats, cache = gen.stats, gen.cache
+    per_seq = -(-gen.scheduler.max_model_len // cache.block_size)
+    # capacity: how many full-length sequences the budget holds
+    kv = {"rollout/kv_cache_gb": cache.nbytes / 1e9,
+          "rollout/kv_capacity_seqs": float(cache.budget_blocks // per_seq)}
+    if cache.quant is not None and not cache.quant.per_token:
+        kv["rollout/kv_saturated_frac"] = cache.saturated_share()
     gen.close()
     dt = time.monotonic() - t0
     return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
-                 "rollout/preemptions": float(stats.preemptions), "rollout/kv_cache_gb": kv_bytes / 1e9}
+                 "rollout/preemptions": float(stats.preemptions), **kv}
 
 
 def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -174,6 +190,7 @@ def pool_prompts(prompts: list[Any], layout: GenerationLayout) -> tuple[list[Any
 def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int,
                        rcfg: Any, *, seed: int, max_prompt_tokens: int, greedy: bool = False,
                        seeds: list[int] | None = None, layout: GenerationLayout | None = None,
+                       kv_scales: torch.Tensor | None = None,
                        ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n completions per prompt with the in-house generator; the KV pool is freed on return.
 
@@ -191,7 +208,8 @@ def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Pro
     params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generator_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
-        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check), layout)
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check),
+        layout, kv_scales)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
         for c in comps:
@@ -208,6 +226,7 @@ def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Pro
 def sample_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt], n: int,
                     rcfg: Any, ecfg: Any, pool: Any, *, seed: int, greedy: bool = False,
                     seeds: list[int] | None = None, layout: GenerationLayout | None = None,
+                    kv_scales: torch.Tensor | None = None,
                     ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n multi-turn episodes per prompt against ``ecfg.name`` (tandem/rl/rollout/agentic.py);
     the KV pool is freed on return.
@@ -231,7 +250,7 @@ def sample_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
                                         max_turn_tokens=ecfg.max_turn_tokens,
                                         seeds=None if seeds is None else [s for _, s in pooled], layout=layout),
-        layout)
+        layout, kv_scales)
     mine = samples[start * n:(start + len(prompts)) * n]
     for s in mine:
         s.group -= start

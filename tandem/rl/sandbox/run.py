@@ -40,6 +40,7 @@ _CHILD_FLAGS = ("-E", "-s", "-B", "-u")
 _CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
 _MSGQUEUE_BYTES = 1 << 20
 _BACKSTOP_S = 10.0  # past the deadline, the caller stops waiting for a silent supervisor
+_NO_REPORT = "no clean-up report from the supervisor"
 
 
 def _safe_relpath(name: str) -> str:
@@ -94,6 +95,10 @@ class SandboxRun:
             raise SandboxError(f"temp dir {root_dir} is not searchable by the sandbox uid "
                                "(needs o+x on it and every parent)")
         self._workdir = tempfile.mkdtemp(prefix="tandem-sbx-", dir=root_dir)
+        self._cgroup = None if plan.cgroup is None else _cleanup.Cgroup(
+            plan.cgroup[0], plan.cgroup[1], f"tandem-sbx-{os.getpid()}-{secrets.token_hex(8)}")
+        self._child_pid: int | None = None  # the program's, once the supervisor reports it
+        self._status_eof = False  # the status pipe closed with no status: the supervisor died
         self._status: dict | None = None
         self._status_buf = bytearray()
         self._ctl_w = -1
@@ -117,8 +122,9 @@ class SandboxRun:
         self._status_r, status_w = os.pipe()
         cfg = {
             "namespaces": list(plan.namespaces), "bound_ipc": plan.root,
-            "cgroup": None if plan.cgroup is None else
-            {"version": plan.cgroup[0], "parent": plan.cgroup[1]},
+            "cgroup": None if self._cgroup is None else
+            {"version": plan.cgroup[0], "parent": plan.cgroup[1],
+             "name": os.path.basename(self._cgroup.path)},
             "binds": list(plan.binds), "rlimits": _rlimits(self.limits), "uid": self._uid,
             "gid": gid if self._uid is not None else None, "env": env, "cwd": cwd,
             "argv": [plan.interpreter, *_CHILD_FLAGS, os.path.join(cwd, _MAIN)],
@@ -164,13 +170,23 @@ class SandboxRun:
             return self._finished
         try:
             out, err, output_cut = self._collect()
-            if self._status is None:  # the supervisor fell silent: end the run ourselves
-                self._backstop()
-                raise SandboxError("sandbox supervisor did not report the run's end")
+            if self._status is None:  # the supervisor died or fell silent: clean up ourselves
+                try:  # a status pipe at EOF: the supervisor has exited, or is about to
+                    code = self._proc.wait(timeout=1.0) if self._status_eof else self._proc.poll()
+                except subprocess.TimeoutExpired:
+                    code = None
+                self._clean_up_after_supervisor()
+                why = ("did not report the run's end by its deadline" if code is None
+                       else f"died ({'signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
+                       " before reporting the run's end")
+                raise SandboxError(f"sandbox supervisor {why}; the caller killed the run and "
+                                   "removed its work dir and cgroup")
             os.close(self._ctl_w)
             self._ctl_w = -1
             problems = self._read_cleanup_report()
             self._proc.wait()
+            if problems == [_NO_REPORT]:  # it died after the status: its clean-up did not run
+                self._clean_up_after_supervisor()
         except BaseException:  # e.g. a reward timeout: EOF on the control pipe ends the run
             if self._ctl_w >= 0:
                 os.close(self._ctl_w)
@@ -208,7 +224,8 @@ class SandboxRun:
             while True:
                 now = time.monotonic()
                 open_outputs = [fd for fd in sel.get_map() if fd in bufs]
-                if self._status is not None and (not open_outputs or now >= drain_until):
+                ended = self._status is not None or self._status_r not in sel.get_map()
+                if ended and (not open_outputs or now >= drain_until):
                     break
                 if self._status is None and now >= backstop:
                     break
@@ -221,14 +238,12 @@ class SandboxRun:
                         continue
                     if fd == self._status_r:
                         self._status_buf += chunk
-                        if not chunk or b"\n" in self._status_buf:
+                        self._status = self._first_status()
+                        if self._status is not None or not chunk:
                             sel.unregister(fd)
-                            line = bytes(self._status_buf).partition(b"\n")[0]
-                            self._status = json.loads(line) if line else {}
-                            if "exit_code" not in self._status:
-                                self._status.setdefault("setup_error",
-                                                        f"supervisor: {line[:300]!r}")
-                            drain_until = time.monotonic() + 1.0  # the run is dead by now
+                            self._status_eof = self._status is None  # no status: it died
+                            # the run is dead by now; a dead supervisor's output is moot
+                            drain_until = time.monotonic() + (0.0 if self._status_eof else 1.0)
                         continue
                     if not chunk:
                         sel.unregister(fd)
@@ -245,6 +260,23 @@ class SandboxRun:
         out = [bytes(bufs[s.fileno()]) for s in streams] or [b"", b""]
         return out[0], out[-1], output_cut
 
+    def _first_status(self) -> dict | None:
+        """The first status line on the status pipe (a ``started`` line before it records
+        the program's pid), or None while there is none."""
+        for line in bytes(self._status_buf).split(b"\n")[:-1]:  # complete lines
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                msg = None
+            if isinstance(msg, dict) and "started" in msg:
+                self._child_pid = int(msg["started"])
+                continue
+            msg = msg if isinstance(msg, dict) else {}
+            if "exit_code" not in msg:
+                msg.setdefault("setup_error", f"supervisor: {line[:300]!r}")
+            return msg
+        return None
+
     def _read_cleanup_report(self) -> list[str]:
         data = bytes(self._status_buf)
         while chunk := os.read(self._status_r, 65536):  # ends when the supervisor exits
@@ -253,16 +285,25 @@ class SandboxRun:
             msg = json.loads(line)
             if "cleanup_problems" in msg:
                 return list(msg["cleanup_problems"])
-        return ["no clean-up report from the supervisor"]
+        return [_NO_REPORT]
 
-    def _backstop(self) -> None:
+    def _clean_up_after_supervisor(self) -> None:
+        """What the supervisor does after a run, done here when it died or fell silent:
+        kill it, the program's process group, the run's uid and cgroup; remove the work
+        dir and the cgroup. The program itself already died with the supervisor
+        (PR_SET_PDEATHSIG); its children may not have."""
         _cleanup.killpg(self._proc.pid)
         try:
             self._proc.kill()
         except ProcessLookupError:
             pass
+        if self._child_pid is not None:
+            _cleanup.killpg(self._child_pid)  # the program called setsid: its group's id
         if self._uid is not None:
             _cleanup.kill_uid(self._uid)
+        if self._cgroup is not None:
+            self._cgroup.kill()
+            self._cgroup.remove()
         _cleanup.rmtree(self._workdir)
 
     def _result(self, out: bytes, err: bytes, output_cut: bool) -> SandboxResult:

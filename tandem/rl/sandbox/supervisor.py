@@ -8,17 +8,21 @@ site-packages and no repo on ``sys.path``), in a session of its own. The supervi
 2. forks the child, which joins the cgroup, enters new user/network/IPC/mount
    namespaces, builds a minimal root on a size-capped tmpfs and chroots into it, sets
    rlimits, drops to the run's uid, sets no_new_privs and ``execve``s the program;
-3. waits for the program's exit, the wall-clock deadline, a kill request from the
-   caller on the control pipe, or the control pipe's EOF (the caller died: an env
-   worker killed for a slow step), and then kills every process of the run (process
-   group, uid, cgroup);
+3. reports the program's pid on the status pipe, then waits for the program's exit,
+   the wall-clock deadline, a kill request from the caller on the control pipe, or the
+   control pipe's EOF (the caller died: an env worker killed for a slow step), and then
+   kills every process of the run (process group, uid, cgroup);
 4. reports the exit status on the status pipe, removes the work dir (iteratively:
    the program may have made a tree thousands of levels deep), sweeps what the uid
    left in shared directories and SysV IPC when there was no namespace to drop it
    with, removes the cgroup, and reports the clean-up.
 
 Because the supervisor, not the caller, holds the deadline, a run ends on time and
-leaves nothing behind even when the process that started it is killed.
+leaves nothing behind even when the process that started it is killed. The other way
+round, the program dies with its supervisor (``PR_SET_PDEATHSIG``: SIGKILL, as the OOM
+killer would send it, or SIGKILL from the caller's backstop), and the caller, whose
+status pipe then closes without a status, kills the run's uid and process group and
+removes the work dir and the cgroup itself (tandem/rl/sandbox/run.py).
 """
 
 from __future__ import annotations
@@ -166,6 +170,7 @@ def _child(cfg: dict, err_fd: int, cgroup: Cgroup | None) -> None:
     import resource
 
     step = "start"
+    supervisor = os.getppid()
     try:
         err_fd = fcntl.fcntl(err_fd, fcntl.F_DUPFD_CLOEXEC, _LOW_FDS)  # out of the targets' way
         libc = _libc()
@@ -213,6 +218,10 @@ def _child(cfg: dict, err_fd: int, cgroup: Cgroup | None) -> None:
                 raise OSError("uid did not change")
         step = "no_new_privs"
         _check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        step = "parent-death signal"  # after the uid change, which clears it
+        _check(libc.prctl(1, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != supervisor:  # the supervisor died before the prctl
+            os._exit(_SETUP_FAILED)
         step = "exec"
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
     except BaseException as exc:
@@ -281,8 +290,7 @@ def supervise(cfg: dict) -> int:
     uid = cfg["uid"]
     cgroup = None
     if cfg["cgroup"] is not None:
-        cgroup = Cgroup(cfg["cgroup"]["version"], cfg["cgroup"]["parent"],
-                        f"tandem-sbx-{os.getpid()}-{uid or 0}")
+        cgroup = Cgroup(cfg["cgroup"]["version"], cfg["cgroup"]["parent"], cfg["cgroup"]["name"])
     problems: list[str] = []
     try:
         if cgroup is not None:
@@ -315,6 +323,7 @@ def supervise(cfg: dict) -> int:
             os.waitpid(pid, 0)
             _send(status_fd, {"setup_error": b"".join(chunks).decode(errors="replace")})
             return 0
+        _send(status_fd, {"started": pid})  # the caller's clean-up should this process die
         try:
             status, cut = _wait(pid, ctl_fd, start + cfg["wall_time_s"])
         except _Terminated:

@@ -30,21 +30,26 @@ from tandem.rl.config.schema import OptimizerConfig
 from tandem.rl.core.modeling import BuildSpec, build_scalar_model
 from tandem.rl.core.optim import build_optimizer
 from tandem.rl.config.rl_schema import CriticConfig
+from tandem.rl.update.cp_batch import cp_values
 from tandem.rl.update.loss import MicroBatch, scatter_completions
 
 
 class Critic:
     def __init__(self, c: CriticConfig, o: OptimizerConfig, args: ModelArgs, mesh: Any, device: torch.device,
-                 spec: BuildSpec, *, policy_path: str | None, seed: int, is_main: bool) -> None:
-        self.cfg = c
+                 spec: BuildSpec, *, policy_path: str | None, seed: int, is_main: bool,
+                 cp: Any = None) -> None:
+        self.cfg, self.cp = c, cp  # cp: the policy's split (a ContextParallel) or None
         self.model = build_scalar_model(args, c.path or policy_path, seed + 17, mesh, device, spec, is_main=is_main)
         self.opt = build_optimizer(self.model, lr=c.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.max_grad_norm = o.max_grad_norm
         self.aggregation = AGGREGATIONS.get("token_mean")
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
-        """V(s_t) at the completion tokens, in ``mb.comp_*`` order [K]."""
-        v = self.model(mb.tokens, positions=mb.positions, attn=mb.attention()).reshape(-1)  # [B*S]
+        """V(s_t) at the completion tokens, ``mb.comp_*`` order [K] (cp: every rank's, summed)."""
+        if self.cp is not None:
+            return cp_values(self.model, mb, self.cp)
+        attn = mb.attention(wrapped=False)  # not the policy's FP8 K/V rounding
+        v = self.model(mb.tokens, positions=mb.positions, attn=attn).reshape(-1)  # [B*S]
         return v.index_select(0, mb.comp_index)
 
     @torch.no_grad()

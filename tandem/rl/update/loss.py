@@ -33,6 +33,7 @@ from tandem.models.attention import (
 from tandem.parallel.loss import token_logprobs_at
 from tandem.rl.algorithms import KL_ESTIMATORS, PolicyLossInput
 from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.update.cp_batch import cp_token_logprobs
 
 
 @dataclass
@@ -62,8 +63,17 @@ class MicroBatch:
     seg_gather: torch.Tensor | None = None  # [V, W] flat positions
     seg_scatter: torch.Tensor | None = None  # [B*S] flat segment positions
     one_per_row: bool = False
+    # wraps the attention backend (FP8 KV: tandem.kernels.kv_quant.KVQuantAttention rounds K and
+    # V as the rollout's pool did); set per forward by the policy that runs it
+    kv_wrap: Callable[[AttentionBackend], AttentionBackend] | None = None
 
-    def attention(self) -> AttentionBackend:
+    def attention(self, wrapped: bool = True) -> AttentionBackend:
+        """The backend this layout needs; ``wrapped``: with ``kv_wrap`` (the policy's forwards;
+        another model reading the same micro-batch, the critic, passes False)."""
+        backend = self._attention()
+        return backend if self.kv_wrap is None or not wrapped else self.kv_wrap(backend)
+
+    def _attention(self) -> AttentionBackend:
         if batch_invariant.enabled():  # rl.exact: the generator's attention function, whatever the packing
             return ExactAttention(self.doc_ids, self.branch_ids)
         if self.one_per_row:
@@ -215,7 +225,8 @@ def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device, width: i
 
 
 def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
-                   chunk_tokens: int = 1024, vocab_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk_tokens: int = 1024, vocab_parallel: bool = False,
+                   cp: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log p(target) [K] and entropy [K] (fp32) of the micro-batch's K completion tokens.
 
     The vocab projection runs inside the model's forward through its ``head``
@@ -228,7 +239,13 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
     own head runs, giving ``[B, S, V/tp]`` logits per rank, and
     `tandem.parallel.loss.token_logprobs_at` reads the completion positions without
     gathering the vocabulary.
+
+    ``cp`` (a `tandem.parallel.cp.ContextParallel` of more than one rank): this rank runs
+    its share of the row and the values are summed over cp (tandem/rl/update/cp_batch.py).
     """
+    if cp is not None:
+        return cp_token_logprobs(model, mb, cp, with_entropy=with_entropy,
+                                 chunk_tokens=chunk_tokens)
     index, targets = mb.comp_index, mb.completion_targets()
     if vocab_parallel:
         logits = model(mb.tokens, positions=mb.positions, attn=mb.attention())
@@ -251,13 +268,14 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
 @torch.no_grad()
 def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch], width: int,
                        device: torch.device, chunk_tokens: int = 1024, vocab_parallel: bool = False,
-                       after: Callable[[MicroBatch], None] | None = None) -> torch.Tensor:
+                       after: Callable[[MicroBatch], None] | None = None,
+                       cp: Any = None) -> torch.Tensor:
     """Log-probs of every completion token under ``model`` [N, width] (old / reference);
-    ``after(mb)`` runs after each micro-batch's forward."""
+    ``after(mb)`` runs after each micro-batch's forward; ``cp`` as in `token_logprobs`."""
     out = torch.zeros(len(samples), width, device=device)
     for mb in mbs:
         logp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=chunk_tokens,
-                                 vocab_parallel=vocab_parallel)
+                                 vocab_parallel=vocab_parallel, cp=cp)
         if after is not None:
             after(mb)
         if mb.rows:
@@ -305,13 +323,14 @@ class LossSpec:
     entropy_coef: float
     chunk_tokens: int = 1024  # tokens per chunk of the memory-lean log-prob path
     vocab_parallel: bool = False  # TP: log-probs from the vocab-sharded head (token_logprobs)
+    cp: Any = None  # a tandem.parallel.cp.ContextParallel: rows split over cp (token_logprobs)
 
 
 def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: LossSpec, norm: Any,
                      width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregated loss of one micro-batch (its share of the step's global loss) and token sums."""
     logp_l, ent_l = token_logprobs(model, mb, with_entropy=True, chunk_tokens=spec.chunk_tokens,
-                                   vocab_parallel=spec.vocab_parallel)
+                                   vocab_parallel=spec.vocab_parallel, cp=spec.cp)
     return completion_loss(logp_l, ent_l, mb, inp, spec, norm, width)
 
 

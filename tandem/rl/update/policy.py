@@ -24,6 +24,7 @@ old / reference log-probs by a forward-only pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -37,12 +38,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tandem.models.args import ModelArgs
-from tandem.models.hf import save_hf
+from tandem.models.lora import apply_lora, lora_spec_of
 from tandem.models.moe import router_loss, set_token_mask
 from tandem.models.transformer import Transformer
+from tandem.parallel.cp import ContextParallel
 from tandem.parallel.grad import clip_grad_norm
 from tandem.parallel.loss import token_logprobs_at
-from tandem.parallel.mesh import Degrees
+from tandem.parallel.mesh import Degrees, dp_rank
 from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
 from tandem.parallel.tp import validate_tp
 from tandem.rl.rollout.types import RolloutSample
@@ -52,8 +54,11 @@ from tandem.rl.core.modeling import (
     build_transformer,
     export_hf,
     full_initial_state,
+    lora_shapes,
     parallelize_model,
+    with_adapters,
 )
+from tandem.rl.core.lora import LoraConfig, save_exports
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -73,15 +78,20 @@ class FlatPolicy:
 
     def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None, seed: int,
                  spec: BuildSpec, is_main: bool, trainable: bool = True, micro_batch_tokens: int,
-                 chunk_tokens: int, share_prompts: bool = False) -> None:
-        self.device, self.budget, self.chunk = device, micro_batch_tokens, chunk_tokens
+                 chunk_tokens: int, share_prompts: bool = False, cp_style: str = "ulysses") -> None:
+        self.cp = context_parallel(mesh, cp_style)
+        self.device, self.chunk = device, chunk_tokens
+        self.budget = micro_batch_tokens * self.cp.size  # each cp rank: micro_batch_tokens
         self.share_prompts = share_prompts
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        self.dp_rank = dp_rank(mesh)  # TP ranks of one replica share it (and their samples)
         self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main, trainable=trainable)
         self.modules = [self.model]
         self.state_module = self.model
-        self.counts_stats = mesh["tp"].get_local_rank() == 0
+        self.tp_rank = mesh["tp"].get_local_rank()
+        self.counts_stats = self.tp_rank == 0 and mesh["cp"].get_local_rank() == 0
+        self.kv_wrap: Callable[[Any], Any] | None = None  # FP8 KV: attention wrapper (kv_scales.py)
         self.moe = RouterStats()
         self.routing = RoutingCheck()
         self.is_moe = args.is_moe
@@ -101,14 +111,25 @@ class FlatPolicy:
 
     def micro_batches(self, samples: list[RolloutSample], rows: list[int]) -> list[MicroBatch]:
         """Packed micro-batches of ``rows``, as many on every rank (FSDP2's collectives must match)."""
-        mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=self.tp,
+        multiple = self.tp * self.cp.granularity  # TP's sequence-parallel pieces; cp's chunks
+        mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=multiple,
                                  share_prompts=self.share_prompts)
-        return sync_micro_batch_count(mbs, self.device, width=self.tp)
+        return sync_micro_batch_count(mbs, self.device, width=multiple)
+
+    @property
+    def split(self) -> ContextParallel | None:
+        """The cp group the rows are split over (None: cp = 1)."""
+        return self.cp if self.cp.size > 1 else None
+
+    def _wrapped(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        for mb in mbs:
+            mb.kv_wrap = self.kv_wrap
+        return mbs
 
     def logprobs(self, samples: list[RolloutSample], width: int) -> torch.Tensor:
-        mbs = self.micro_batches(samples, list(range(len(samples))))
+        mbs = self._wrapped(self.micro_batches(samples, list(range(len(samples)))))
         out = recompute_logprobs(self.model, samples, mbs, width, self.device, self.chunk,
-                                 vocab_parallel=self.vocab_parallel,
+                                 vocab_parallel=self.vocab_parallel, cp=self.split,
                                  after=lambda mb: self.routing.observe(self.model, mb))
         self.routing.disarm()  # compared once, with the rollout's weights
         return out
@@ -121,7 +142,8 @@ class FlatPolicy:
         ``also(mb)`` runs after each micro-batch (the PPO critic's step).
         """
         sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        mbs = self.micro_batches(samples, rows)
+        mbs = self._wrapped(self.micro_batches(samples, rows))
+        spec = dataclasses.replace(spec, cp=self.split)
         for mb in mbs:
             if policy:
                 if self.is_moe:
@@ -132,7 +154,7 @@ class FlatPolicy:
                 if router is not None:  # micro-batches and over the data-parallel ranks: ``loss`` is this
                     self.moe.observe(self.model)  # rank's share of a global sum, so its router term is 1/dp
                     loss = loss + router / (len(mbs) * self.dp)
-                (loss * self.dp).backward()  # FSDP2 averages over dp ranks
+                (loss * self.dp * self.cp.size).backward()  # FSDP2 averages over dp x cp ranks
                 if self.is_moe:
                     set_token_mask(self.model, None)  # after the backward: checkpointing replays the forward
                 if st:
@@ -143,6 +165,10 @@ class FlatPolicy:
 
     def clip(self, max_norm: float) -> float:
         return clip_grad_norm(self.model.parameters(), max_norm)
+
+    def cp_metrics(self) -> dict[str, float]:
+        """Collective where cp > 1: the split the attention guards measured, smallest over ranks."""
+        return cp_metrics(self.split, self.device)
 
     def export_hf(self, args: ModelArgs, tokenizer: Any, out_dir: str, rank: int) -> None:
         """Collective: the policy as an HF folder (rank 0 writes)."""
@@ -196,8 +222,13 @@ class PipelinePolicy:
         self.rows_per_mb = max(1, micro_batch_tokens // self.seq_len)
         self.batch_rows = self.n_mb * self.rows_per_mb
         full = full_initial_state(args, path, seed)  # each rank reads it: stages load different keys
+        lora = spec.lora if trainable else None
+        if lora is not None:  # LoRA: every stage's adapters, drawn for the whole model as one
+            full = with_adapters(full, lora, lora_shapes(args, lora))
 
         def prepare(stage: nn.Module) -> nn.Module:
+            if lora is not None:
+                apply_lora(stage, lora.spec)
             parallelize_model(stage, mesh, device, spec, trainable=trainable)
             stage.to_empty(device=device)
             stage.reset_rope()
@@ -217,6 +248,7 @@ class PipelinePolicy:
         self.state_module = _StageUnion(self.modules, tied=self.pipe.tied_group is not None)
         self.moe = RouterStats()  # never fed: MoE models run without pipeline stages so far
         self.routing = RoutingCheck()
+        self.cp, self.split = ContextParallel(None), None  # parallel.cp needs pp = 1 (check_layout)
         self.counts_stats = self.pipe.has_last_stage and mesh["tp"].get_local_rank() == 0
         self.vocab_parallel = self.tp > 1
         self._ctx: dict[str, Any] = {}
@@ -332,11 +364,14 @@ class PipelinePolicy:
         return clip_grad_norm(self.parameters(), max_norm, group=self.pipe.group,
                               duplicates=self.pipe.duplicate_params())
 
+    def cp_metrics(self) -> dict[str, float]:
+        return {}
+
     def export_hf(self, args: ModelArgs, tokenizer: Any, out_dir: str, rank: int) -> None:
         """Collective: the policy as an HF folder (rank 0 writes)."""
         full = self.full_state()
         if rank == 0:
-            save_hf({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer=tokenizer)
+            save_exports({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer, lora_spec_of(self.modules[0]))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model on every rank (stages gathered over FSDP / TP, then
@@ -357,22 +392,57 @@ class PipelinePolicy:
         return full
 
 
-def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str) -> None:
+def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: str = "ulysses",
+                 ep: int = 1) -> None:
     """One clear line (ConfigError) when the model cannot be split as ``[parallel]`` asks."""
     try:
         validate_tp(args, degrees.tp)
     except ValueError as e:
         raise ConfigError(f"parallel.tp: {e}") from None
+    if degrees.cp > 1:
+        for key, value in (("tp", degrees.tp), ("pp", degrees.pp), ("ep", ep)):  # not with cp yet
+            if value > 1:
+                raise ConfigError(f"parallel.cp: composes with FSDP2 / HSDP (dp_shard, "
+                                  f"dp_replicate) only so far, not with parallel.{key} = {value}; "
+                                  "set one of them to 1")
+        if args.is_moe:
+            raise ConfigError("parallel.cp: a mixture-of-experts model runs with cp = 1 so far "
+                              "(its router losses are statistics of a whole micro-batch); set "
+                              "parallel.cp = 1")
+        if cp_style == "ulysses" and args.num_heads % degrees.cp:
+            raise ConfigError(f"parallel.cp: ulysses splits the {args.num_heads} attention heads "
+                              f"over cp = {degrees.cp} ranks, which must divide them; set "
+                              "parallel.cp_style = 'ring'")
     try:
         pipeline_split(args, degrees.pp, stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1)
     except ValueError as e:
         raise ConfigError(f"parallel.pp: {e}") from None
 
 
+def context_parallel(mesh: Any, style: str) -> ContextParallel:
+    """The mesh's cp group (None at cp = 1) with ``parallel.cp_style``."""
+    return ContextParallel(mesh["cp"].get_group() if mesh["cp"].size() > 1 else None, style)
+
+
+def cp_metrics(cp: ContextParallel | None, device: torch.device) -> dict[str, float]:
+    """``update/cp_effective``: the split the attention guards measured since the last call, the
+    smallest over all ranks (a collective; nothing at cp = 1)."""
+    if cp is None:
+        return {}
+    t = torch.tensor([cp.take_effective()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return {"update/cp_effective": t.item()}
+
+
 def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str, pp_microbatches: int,
                  seq_len: int, micro_batch_tokens: int, chunk_tokens: int, share_prompts: bool = False,
+                 lora: LoraConfig | None = None, cp_style: str = "ulysses",
                  **build: Any) -> FlatPolicy | PipelinePolicy:
-    """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`."""
+    """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`; with ``lora``
+    (the ``[lora]`` section, rank > 0) a frozen base with adapters (tandem/rl/core/lora.py)."""
+    if lora is not None and lora.enabled:  # the generator samples this model: no dropout (`LoraConfig.setup`)
+        setup = lora.setup(build["seed"], base_model=build.get("path"), sampled=True)
+        build["spec"] = dataclasses.replace(build["spec"], lora=setup)
     if mesh["pp"].size() > 1:
         if share_prompts:
             raise ConfigError("advanced.share_prompts: not supported with parallel.pp > 1 "
@@ -381,4 +451,4 @@ def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedul
                               seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
                               **build)
     return FlatPolicy(args, mesh, device, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
-                      share_prompts=share_prompts, **build)
+                      share_prompts=share_prompts, cp_style=cp_style, **build)

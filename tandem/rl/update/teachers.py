@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tandem.models.hf import load_args
 from tandem.models.tokenizer import Tokenizer
+from tandem.rl.core.fields import get_field
 from tandem.rl.algorithms import chunk_sums
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
@@ -96,7 +97,7 @@ class Teachers:
         index = {n: i for i, n in enumerate(self.names)}
         out = []
         for n, row in enumerate(rows):
-            value = row.get(self.route_field)
+            value = get_field(row, self.route_field)
             if str(value) not in index:
                 rid = row.get("id", row.get("problem_id", n))
                 raise ConfigError(f"distill.route_field: row {rid} has {self.route_field}={value!r}, "

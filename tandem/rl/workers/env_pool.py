@@ -16,7 +16,11 @@ knows which task a worker runs:
   on a fresh worker up to ``max_attempts`` times (safe because episodes travel by
   value: the retry starts from the state before the step), then ``"crash"``;
 * a task running longer than ``step_timeout_s`` -> its worker is killed and
-  replaced, outcome ``"timeout"`` (not retried: a hang tends to repeat).
+  replaced, outcome ``"timeout"`` (not retried: a hang tends to repeat). The clock
+  starts when the worker has unpickled the task, which on a fresh worker imports the
+  task's module (seconds on a fresh checkout of a busy machine): that is start-up work,
+  bounded by ``STARTUP_TIMEOUT_S``. Charged to the step, it timed out every first task,
+  and every first task of the replacement workers.
 
 Workers use the "spawn" start method (the parent holds torch/OpenMP threads, so
 "fork" is unsafe) and import nothing of torch. Tasks are top-level functions and
@@ -74,7 +78,8 @@ class _Worker:
     started_at: float
     ready: bool = False
     task: _Task | None = None
-    task_started: float = 0.0
+    task_started: float = 0.0  # sent to the worker
+    running_since: float | None = None  # the worker has unpickled it and runs it
 
 
 def _worker_main(conn: Connection) -> None:
@@ -95,6 +100,8 @@ def _worker_main(conn: Connection) -> None:
         except Exception as e:  # cannot even read the task: report it against no ticket
             conn.send(("error", -1, f"cannot unpickle task: {type(e).__name__}: {e}", 0.0))
             continue
+        conn.send(("started", ticket, None, 0.0))  # the step's clock starts here
+        t0 = time.perf_counter()
         try:
             value = fn(*args)
             reply = ("ok", ticket, value, time.perf_counter() - t0)
@@ -235,9 +242,16 @@ class EnvPool:
         out, self._done = self._done, []
         return out
 
+    def _deadline(self, w: _Worker) -> float:
+        """When ``w``'s task times out: ``step_timeout_s`` after it started running, or
+        ``STARTUP_TIMEOUT_S`` after it was sent while the worker still loads it."""
+        if w.running_since is None:
+            return w.task_started + STARTUP_TIMEOUT_S
+        return w.running_since + self.step_timeout_s
+
     def _next_timeout(self, now: float) -> float:
         """Seconds until the earliest running task times out (or a start-up check is due)."""
-        limits = [w.task_started + self.step_timeout_s - now for w in self._workers if w.task]
+        limits = [self._deadline(w) - now for w in self._workers if w.task]
         limits += [w.started_at + STARTUP_TIMEOUT_S - now for w in self._workers if not w.ready]
         return max(0.0, min(limits, default=1.0))
 
@@ -265,7 +279,7 @@ class EnvPool:
                     task.attempts -= 1
                     self._queue.appendleft(task)
                     continue
-                w.task, w.task_started = task, time.monotonic()
+                w.task, w.task_started, w.running_since = task, time.monotonic(), None
 
     def _collect(self, wait_s: float) -> None:
         """Read replies, then handle dead workers and timeouts."""
@@ -281,19 +295,19 @@ class EnvPool:
                 self._on_dead(w)
         now = time.monotonic()
         for w in list(self._workers):
-            if w.task is not None and now - w.task_started > self.step_timeout_s:
+            if w.task is not None and now > self._deadline(w) and w.conn.poll():
+                if self._drain(w):  # a reply that came in since the wait: not a timeout
+                    self._on_dead(w)
+                    continue
+            if w.task is not None and now > self._deadline(w):
                 task, w.task = w.task, None
                 self.counts["timeouts"] += 1
-                self._done.append(
-                    EnvOutcome(
-                        task.ticket,
-                        "timeout",
-                        None,
-                        f"step took longer than {self.step_timeout_s:g} s",
-                        now - w.task_started,
-                        task.attempts,
-                    )
-                )
+                loading = w.running_since is None
+                why = (f"the worker did not load the task in {STARTUP_TIMEOUT_S:g} s" if loading
+                       else f"step took longer than {self.step_timeout_s:g} s")
+                since = w.task_started if loading else w.running_since
+                self._done.append(EnvOutcome(task.ticket, "timeout", None, why, now - since,
+                                             task.attempts))
                 self._replace(w)
             elif not w.ready and now - w.started_at > STARTUP_TIMEOUT_S:
                 self._on_startup_failure(w)
@@ -306,6 +320,10 @@ class EnvPool:
                 if kind == "ready":
                     w.ready = True
                     self._startup_failures = 0
+                    continue
+                if kind == "started":
+                    if w.task is not None and w.task.ticket == ticket:
+                        w.running_since = time.monotonic()
                     continue
                 task, w.task = w.task, None
                 if task is None or task.ticket != ticket:

@@ -1,0 +1,335 @@
+"""The endpoint in one process, driven by the stock ``openai`` client on loopback.
+
+A `ServingEngine` over the shipped quickstart policy runs in a thread (as the trainer's
+main thread runs it), the aiohttp server in another. The references are independent: a
+fresh `Generator` run with the same prompt ids and seed (the ids and raw log-probs the
+generator samples), the tokenizer's decode (the message text), and the session's own
+sequence (what a rollout trains on).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("openai")
+from openai import OpenAI  # noqa: E402
+
+from tandem.models.hf import load_model  # noqa: E402
+from tandem.models.tokenizer import Tokenizer  # noqa: E402
+from tandem.rl.generator.engine import GenerationSettings, Generator  # noqa: E402
+from tandem.rl.generator.sequence import SamplingParams  # noqa: E402
+from tandem.rl.rollout.agentic import end_of_turn_id  # noqa: E402
+from tandem.rl.serve.engine import EngineSettings, ServingEngine  # noqa: E402
+from tandem.rl.serve.http import AgentServer, ServerSettings  # noqa: E402
+from tandem.rl.serve.sessions import samples_of  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
+QUESTION = [{"role": "user", "content": "What is 23 + 45?"}]
+MAX_LEN = 384
+
+
+def _generator(model, tok) -> Generator:
+    return Generator(
+        model,
+        GenerationSettings(
+            num_blocks=600, block_size=16, max_num_seqs=128, max_model_len=MAX_LEN, seed=3
+        ),
+        eos_token_ids=tok.eos_token_ids,
+    )
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = Tokenizer.from_dir(POLICY)
+    model = load_model(POLICY, device=torch.device("cpu"), dtype=torch.float32).eval()
+    engine = ServingEngine(
+        _generator(model, tok),
+        tok,
+        EngineSettings(eot_id=end_of_turn_id(tok), max_model_len=MAX_LEN, max_tokens=32),
+    )
+    server = AgentServer(
+        ServerSettings(port=0, max_request_mb=0.05, model_name="quickstart"), tok.vocab_size
+    ).start()
+    server.engine = engine
+    stop = threading.Event()
+
+    def loop() -> None:
+        with torch.inference_mode():
+            engine.run(until=stop.is_set)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield server.url, engine, tok, model
+    stop.set()
+    thread.join(timeout=30)
+    server.stop()
+    assert engine.gen.pool_is_free()
+
+
+def _client(url: str, session: str | None = None) -> OpenAI:
+    return OpenAI(
+        base_url=f"{url}/v1" + (f"/sessions/{session}" if session else ""),
+        api_key="none",
+        max_retries=0,
+    )
+
+
+def _post(url: str, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url + path,
+        data=data,
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _settled(engine: ServingEngine, timeout: float = 20.0) -> bool:
+    """Every sequence freed (read from this thread while the engine idles)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not engine.seqs and engine.gen.pool_is_free():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_returned_ids_are_the_generators_and_decode_to_the_text(served):
+    url, engine, tok, model = served
+    r = _client(url).chat.completions.create(
+        model="quickstart",
+        messages=QUESTION,
+        temperature=1.0,
+        seed=11,
+        max_tokens=24,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
+    choice = r.choices[0]
+    ids, lps = choice.token_ids, [t.logprob for t in choice.logprobs.content]
+    prompt = tok.encode(tok.apply_chat_template(QUESTION, add_generation_prompt=True))
+    assert r.prompt_token_ids == prompt and len(ids) == len(lps) == r.usage.completion_tokens > 0
+    # an independent generator, same prompt ids and seed: the same tokens and raw log-probs
+    eot = end_of_turn_id(tok)
+    ref = _generator(model, tok)
+    with torch.inference_mode():
+        out = ref.generate(
+            [prompt], SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+        )[0][0]
+    ref.close()
+    assert out.token_ids[: len(ids)] == ids and out.raw_logprobs[: len(ids)] == lps
+    assert (choice.finish_reason == "stop") == (ids[-1] == eot) and eot not in ids[:-1]
+    assert tok.decode(ids, skip_special_tokens=True) == choice.message.content
+    assert choice.message.content and r.usage.prompt_tokens == len(prompt)
+    assert _settled(engine)
+
+
+def test_streaming_gives_the_same_turn(served):
+    url, _, _, _ = served
+    kw = dict(
+        model="quickstart",
+        messages=QUESTION,
+        temperature=1.0,
+        seed=5,
+        max_tokens=24,
+        extra_body={"return_token_ids": True},
+    )
+    whole = _client(url).chat.completions.create(**kw).choices[0]
+    text, ids, reasons = "", [], []
+    for ch in _client(url).chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            ids += ch.choices[0].token_ids
+            reasons.append(ch.choices[0].finish_reason)
+        else:
+            assert ch.usage.completion_tokens == len(whole.token_ids)
+    assert (text, ids) == (whole.message.content, whole.token_ids) and len(reasons) > 1
+    assert reasons[-1] == whole.finish_reason and set(reasons[:-1]) == {None}
+
+
+def test_a_multi_turn_session_is_the_trained_sequence_with_its_mask(served):
+    url, engine, tok, _ = served
+    client = _client(url, "episode-a")
+    messages, turns = list(QUESTION), []
+    for follow_up in ("Are you sure?", "Say it once more."):
+        r = client.chat.completions.create(
+            model="quickstart",
+            messages=messages,
+            seed=2,
+            max_tokens=24,
+            extra_body={"return_token_ids": True},
+        )
+        turns.append((r.prompt_token_ids, r.choices[0].token_ids))
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": follow_up},
+        ]
+    r = client.chat.completions.create(
+        model="quickstart",
+        messages=messages,
+        seed=2,
+        max_tokens=24,
+        extra_body={"return_token_ids": True},
+    )
+    turns.append((r.prompt_token_ids, r.choices[0].token_ids))
+    session = engine.sessions["episode-a"]
+    (sample,) = samples_of(session)
+    prompt = turns[0][0]
+    assert sample["prompt_ids"] == prompt
+    # each turn's context: the previous context + the sampled ids + the new messages, rendered
+    expected_ids, expected_mask = [], []
+    for k, (context, sampled) in enumerate(turns):
+        assert (
+            context[: len(prompt) + len(expected_ids)] == prompt + expected_ids
+        )  # nothing re-tokenized
+        appended = context[len(prompt) + len(expected_ids) :]
+        assert (k == 0) == (not appended)
+        expected_ids += appended + sampled
+        expected_mask += [False] * len(appended) + [True] * len(sampled)
+    assert sample["completion_ids"] == expected_ids and sample["loss_mask"] == expected_mask
+    lps = iter(session.seq.raw_logprobs)
+    assert sample["gen_logprobs"] == [next(lps) if m else 0.0 for m in expected_mask]
+    assert session.forks == 0 and session.turns == 3
+    # a history that is not append-only (first question edited): a new sample, the old one kept
+    edited = [{"role": "user", "content": "What is 23 + 46?"}, *messages[1:]]
+    client.chat.completions.create(model="quickstart", messages=edited, max_tokens=8)
+    first, second = samples_of(session)
+    assert first == sample and session.forks == 1
+    assert second["prompt_ids"] == tok.encode(
+        tok.apply_chat_template(edited, add_generation_prompt=True)
+    )
+    status, body = _post(url, "/rl/set_reward", {"session_id": "episode-a", "reward": 1.0})
+    assert status == 200 and body["closed"] == "reward" and session.total_reward() == 1.0
+    status, body = _post(url, "/v1/sessions/episode-a/chat/completions", {"messages": messages})
+    assert status == 409 and "closed" in body["error"]["message"]
+    assert _settled(engine)
+
+
+def test_64_concurrent_sessions_complete(served):
+    url, engine, _, _ = served
+
+    def episode(i: int) -> int:
+        client = _client(url, f"many-{i}")
+        messages = [{"role": "user", "content": f"What is {i} + {i + 3}?"}]
+        r = client.chat.completions.create(model="quickstart", messages=messages, max_tokens=16)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "Again?"},
+        ]
+        r2 = client.chat.completions.create(model="quickstart", messages=messages, max_tokens=16)
+        assert _post(url, "/rl/abort", {"session_id": f"many-{i}"})[0] == 200
+        return r.usage.completion_tokens + r2.usage.completion_tokens
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(64) as pool:
+        tokens = list(pool.map(episode, range(64)))
+    assert len(tokens) == 64 and min(tokens) >= 2, tokens
+    assert all(engine.sessions[f"many-{i}"].turns == 2 for i in range(64))
+    assert time.monotonic() - t0 < 300
+    assert _settled(engine)
+
+
+def test_malformed_requests_a_disconnect_and_an_abort_leave_it_healthy(served):
+    url, engine, _, _ = served
+    bad = [
+        (b"{not json", 400),
+        (b'{"messages": []}', 400),
+        (b'{"messages": "hi"}', 400),
+        (json.dumps({"messages": QUESTION, "n": 2}).encode(), 400),
+        (json.dumps({"messages": QUESTION, "temperature": -1}).encode(), 400),
+        (json.dumps({"messages": QUESTION, "max_tokens": MAX_LEN}).encode(), 400),
+        (json.dumps({"messages": QUESTION, "prompt_token_ids": [10**6]}).encode(), 400),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 60_000}]}).encode(), 413),
+    ]
+    for body, status in bad:
+        got, err = _post(url, "/v1/chat/completions", body)
+        assert got == status and err["error"]["message"], (body[:60], got, err)
+    assert _post(url, "/v1/nowhere", {})[0] == 404
+    # a client that goes away mid-stream: its sequence is freed
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    conn.request(
+        "POST",
+        "/v1/sessions/gone/chat/completions",
+        json.dumps({"messages": QUESTION, "stream": True, "max_tokens": 300, "ignore_eos": True}),
+        {"Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    before = engine.stats["disconnects"]
+    conn.sock.close()
+    conn.close()
+    assert _settled(engine) and engine.stats["disconnects"] == before + 1
+    assert engine.sessions["gone"].closed == "disconnect"
+    # an abort closes a session for good
+    _client(url, "to-abort").chat.completions.create(
+        model="quickstart", messages=QUESTION, max_tokens=8
+    )
+    assert _post(url, "/rl/abort", {"session_id": "to-abort"}) == (
+        200,
+        {"session_id": "to-abort", "closed": "abort"},
+    )
+    assert _post(url, "/rl/abort", {"session_id": "to-abort"})[0] == 409
+    assert _post(url, "/rl/set_reward", {"session_id": "nobody", "reward": 1})[0] == 404
+    assert _post(url, "/rl/set_reward", {"session_id": "x", "reward": "high"})[0] == 400
+    # and the next request is served as before
+    r = _client(url).completions.create(
+        model="quickstart",
+        prompt="What is",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert len(r.choices[0].token_ids) == 4 and r.choices[0].finish_reason == "length"
+    assert _settled(engine)
+
+
+def test_bearer_key_and_loopback_default():
+    assert ServerSettings().host == "127.0.0.1" and ServerSettings().check() is None
+    assert "bearer key" in ServerSettings(host="0.0.0.0").check()
+    assert ServerSettings(host="0.0.0.0", api_key="k").check() is None
+    server = AgentServer(ServerSettings(port=0, api_key="sesame"), 512).start()
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        for key, status in ((None, 401), ("wrong", 401), ("sesame", 200)):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            req = urllib.request.Request(server.url + "/v1/models", headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    assert (r.status, json.loads(r.read())["data"][0]["owned_by"]) == (
+                        200,
+                        "tandem",
+                    )
+            except urllib.error.HTTPError as e:
+                assert (
+                    e.code == status
+                    and json.loads(e.read())["error"]["type"] == "authentication_error"
+                )
+        # no generator between rollouts: 503, not a hang
+        got = _post(
+            server.url,
+            "/v1/chat/completions",
+            {"messages": QUESTION},
+            {"Authorization": "Bearer sesame"},
+        )
+        assert got[0] == 503
+    finally:
+        server.stop()
