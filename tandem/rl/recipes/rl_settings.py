@@ -14,12 +14,12 @@ def check_rl_settings(cfg: Any, info: DistInfo, needs_values: bool) -> None:
     """One ConfigError line for settings the layout cannot run yet (before any model is built);
     ``needs_values``: the advantage needs a critic."""
     r, device = cfg.rl, info.device
+    check_cp_settings(cfg)
     if cfg.env.kind == "http":
         from tandem.rl.serve import episodes as http_episodes
 
         http_episodes.one_generation_group(cfg.rollout, info.world_size)
     tp_pp = cfg.parallel.tp * cfg.parallel.pp
-    check_cp_settings(cfg)
     if tp_pp > 1 and (needs_values or cfg.distill.teachers):
         what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
         raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; "
