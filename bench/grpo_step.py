@@ -427,6 +427,21 @@ def run_engine(engine: str, model_dir: str, data: str, folder: str, args: argpar
     return run_tandem(model_dir, data, folder, args, f"{engine}-{rnd}", TANDEM_ROWS[engine])
 
 
+def print_ratios(rounds: list[dict[str, dict]], engines: list[str]) -> None:
+    """Median over the rounds of seconds per step, each TRL row over each Tandem row, then each
+    other Tandem row over the first (e.g. tandem-exact / tandem): a cost measured in one command."""
+    ours = [e for e in engines if e in TANDEM_ROWS]
+    pairs = [(ref, e) for ref in engines if ref in TRL_ROWS for e in ours]
+    pairs += [(e, ours[0]) for e in ours[1:]]
+    for ref, engine in pairs:
+        ratios = [rr[ref]["step_s"] / rr[engine]["step_s"]
+                  for rr in rounds if ref in rr and engine in rr]
+        if ratios:
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            print(f"{ref} / {engine} seconds per step: median {statistics.median(ratios):.2f}x "
+                  f"(rounds: {each})")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device is None:
@@ -463,18 +478,7 @@ def main(argv: list[str] | None = None) -> None:
                 if differ:  # only the trl-default row may differ (its gradient checkpointing)
                     print(f"{'':<15} settings differ from Tandem's (not like for like): {differ}")
             rounds.append(results)
-        for ref in [e for e in args.engines.split(",") if e in TRL_ROWS]:
-            for engine in [e for e in args.engines.split(",") if e in TANDEM_ROWS]:
-                ratios = [
-                    rr[ref]["step_s"] / rr[engine]["step_s"]
-                    for rr in rounds
-                    if ref in rr and engine in rr
-                ]
-                if ratios:
-                    each = ", ".join(f"{x:.2f}" for x in ratios)
-                    median = statistics.median(ratios)
-                    print(f"{ref} / {engine} seconds per step: median {median:.2f}x "
-                          f"(rounds: {each})")
+        print_ratios(rounds, args.engines.split(","))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

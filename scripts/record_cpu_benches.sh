@@ -32,9 +32,12 @@ run grpo "$PY" -m bench.grpo_step --steps 6 --repeats 3 --threads 1 \
 run grpo_ac "$PY" -m bench.grpo_step --steps 6 --repeats 3 --threads 1 --activation-checkpoint full \
   --engines tandem,trl
 run exact "$PY" -m bench.grpo_step --steps 3 --repeats 3 --threads 1 --engines tandem,tandem-exact
+run exact_small "$PY" -m bench.grpo_step --prompts 2 --steps 2 --repeats 3 --threads 1 \
+  --engines tandem,tandem-exact
 run generate "$PY" -m bench.generate --threads 1 --layout-row
 run moe "$PY" -m bench.moe --threads 1
-run logprobs "$PY" -m bench.logprobs_memory
+run paged env OMP_NUM_THREADS=1 "$PY" -m bench.paged_attention --preset small
+run logprobs "$PY" -m bench.logprobs_memory --repeats 1
 run checkpoint "$PY" -m bench.checkpoint
 run checkpoint2 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.checkpoint
 run restart "$PY" -m bench.restart

@@ -9,7 +9,10 @@ ambiguous abbreviation of its own flags.)
 Input rows are ``{"prompt": "text"}`` (encoded as is, unless --chat-template
 wraps it as one user turn) or ``{"messages": [{"role": ..., "content": ...}]}``
 (the folder's chat template applied with the generation prompt); an ``id``
-field is carried over. Each output row is one sample: ``index`` (input line,
+field is carried over. With a vision-language model (Qwen2.5-VL) a message's
+content may be a list of ``{"type": "text", "text": ...}`` and
+``{"type": "image", "image": PATH or data: URI}`` parts (relative paths are read
+from the input file's folder), as in training data (tandem/rl/data/images.py). Each output row is one sample: ``index`` (input line,
 0-based), ``id``, ``sample``, ``prompt_tokens``, ``text``, ``token_ids``,
 ``logprobs`` (the raw model's, temperature 1, no truncation: what RL uses),
 ``sampling_logprobs`` (under the distribution sampled from) and
@@ -42,7 +45,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from tandem.rl.data.loading import DataError, iter_jsonl_objects
+from tandem.rl.data.images import VisionData, prepare_messages, with_images
+from tandem.rl.data.loading import DataError, iter_jsonl_objects, message_problem
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.core import errors
@@ -131,11 +135,10 @@ def read_prompts(path: str, text_field: str, messages_field: str) -> list[dict[s
     for where, row in iter_jsonl_objects(path):
         if messages_field in row:
             msgs = row[messages_field]
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
+            if message_problem(msgs) is not None:
                 raise DataError(f"{where}: {messages_field!r} must be a non-empty list of "
-                                '{"role": str, "content": str} objects')
+                                '{"role": str, "content": str or a list of text / image parts} objects '
+                                f"({message_problem(msgs)})")
             rows.append({"id": row.get("id"), "messages": msgs, "where": where})
         elif text_field in row:
             if not isinstance(row[text_field], str) or not row[text_field]:
@@ -148,13 +151,18 @@ def read_prompts(path: str, text_field: str, messages_field: str) -> list[dict[s
     return rows
 
 
-def encode(row: dict[str, Any], tok: Any, chat: bool) -> list[int]:
+def encode(row: dict[str, Any], tok: Any, chat: bool, vision: VisionData | None = None) -> tuple[list[int], Any]:
+    """(token ids, the prompt's PromptImages or None); DataError names the line of a bad image."""
     if "messages" in row or chat:
         if tok.chat_template is None:
             raise DataError("the tokenizer has no chat template; give text prompts without --chat-template")
-        msgs = row.get("messages") or [{"role": "user", "content": row["text"]}]
-        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
-    return tok.encode(row["text"])
+        try:
+            msgs = prepare_messages(row.get("messages") or [{"role": "user", "content": row["text"]}], vision)
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+            return with_images(msgs, tok.encode(text), vision)[:2]
+        except ValueError as e:
+            raise DataError(f"{row['where']}: {e}") from None
+    return tok.encode(row["text"]), None
 
 
 def load(args: argparse.Namespace, device: torch.device):
@@ -194,16 +202,22 @@ def fit_prompt(ids: list[int], row: dict[str, Any], args: argparse.Namespace, co
     room = context - args.max_tokens
     if len(ids) <= room:
         return ids
-    if not args.truncate_prompts:
+    if not args.truncate_prompts or row.get("images") is not None:
+        fix = "(a prompt with images is never cut)" if row.get("images") is not None else "or pass --truncate-prompts"
         raise DataError(f"{row['where']}: prompt of {len(ids)} tokens + --max-tokens {args.max_tokens} exceeds the "
-                        f"model's context of {context} tokens; shorten it, lower --max-tokens or pass --truncate-prompts")
+                        f"model's context of {context} tokens; shorten it, lower --max-tokens {fix}")
     return ids[-room:]
 
 
 def generate_rows(args: argparse.Namespace, model: Any, tok: Any, prompts: list[tuple[int, dict[str, Any]]]
                   ) -> tuple[list[dict[str, Any]], int]:
     context = model.args.max_position_embeddings
-    ids = [fit_prompt(encode(row, tok, args.chat_template), row, args, context) for _, row in prompts]
+    vision = VisionData.for_model(model.args, args.input)
+    ids, images = [], []
+    for _, row in prompts:
+        prompt_ids, row["images"] = encode(row, tok, args.chat_template, vision)
+        ids.append(fit_prompt(prompt_ids, row, args, context))  # a prompt with images is never cut
+        images.append(row["images"])
     settings = GenerationSettings(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=max(map(len, ids), default=0) + args.max_tokens + 1,
@@ -214,7 +228,7 @@ def generate_rows(args: argparse.Namespace, model: Any, tok: Any, prompts: list[
                              max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                              seed=(args.seed + index) * 1_000_003) for index, _ in prompts]
     check = stop_strings_check(tok.decode, args.stop) if args.stop else None
-    out = gen.generate(ids, params, n=args.n, stop_check=check) if prompts else []
+    out = gen.generate(ids, params, n=args.n, stop_check=check, images=images) if prompts else []
     gen.close()
     rows, generated = [], 0
     for (index, row), prompt_ids, comps in zip(prompts, ids, out):

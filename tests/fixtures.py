@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,7 +29,9 @@ __all__ = [
     "LLAMA3_STYLE_TEMPLATE",
     "QWEN_CHAT_TEMPLATE",
     "tiny_hf_config",
+    "tiny_vlm_config",
     "write_hf_model",
+    "write_hf_vlm",
 ]
 
 FAMILIES = ("llama3", "qwen2", "qwen3", "qwen3-tied")
@@ -129,6 +132,55 @@ def write_hf_model(path: str | Path, family: str, seed: int = 0, **overrides: An
     return path
 
 
+def tiny_vlm_config(tie: bool = False, **vision: Any):
+    """A tiny transformers Qwen2.5-VL config whose token ids are `build_vl_char_tokenizer`'s: a
+    Qwen2 LM (head_dim 16, M-RoPE sections 2/3/3) and a 3-block tower (block 1 full attention,
+    the others in windows of 2 x 2 merged patches)."""
+    from transformers import Qwen2_5_VLConfig
+
+    from tandem.models.vl_template import VL_SPECIAL_TOKENS
+
+    first = 360  # build_vl_char_tokenizer: the vision tokens follow the character tokenizer's ids
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   range(first, first + len(VL_SPECIAL_TOKENS))))
+    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512, bos_token_id=None,
+                eos_token_id=[355, 353], rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                          "mrope_section": [2, 3, 3]})
+    tower = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+                 spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                 tokens_per_second=2, **vision)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=tower, tie_word_embeddings=tie, **ids)
+
+
+def write_hf_vlm(path: str | Path, seed: int = 0, tie: bool = False, max_pixels: int = 28 * 28 * 24) -> Path:
+    """A random tiny Qwen2.5-VL folder (transformers' save_pretrained), the vision character
+    tokenizer and a preprocessor_config.json (images of at most ``max_pixels``)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tandem.models.image_processor import ImageProcessor
+    from tandem.models.vl_template import IMAGE_PAD, build_vl_char_tokenizer
+
+    path = Path(path)
+    config = tiny_vlm_config(tie)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    tok = build_vl_char_tokenizer(path)
+    assert tok.token_to_id(IMAGE_PAD) == config.image_token_id and tok.vocab_size <= TINY_VOCAB
+    ImageProcessor(max_pixels=max_pixels).save(path)
+    return path
+
+
+def hf_vlm_reference(path: str | Path):
+    """The transformers Qwen2.5-VL model stored in ``path`` (fp32, eager attention), eval mode."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+
+
 def hf_reference(path: str | Path):
     """The transformers model stored in ``path`` (fp32, eager attention) in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -205,3 +257,26 @@ def hf_weights(dump: str | Path) -> dict[str, torch.Tensor]:
         out.update(load_file(f))
     assert out, dump
     return out
+
+
+def sigterm_at(p: subprocess.Popen, prefix: str, timeout: float = 600) -> str:
+    """Read a run's output (``stdout`` piped as text, stderr folded in) and send it SIGTERM at
+    the first line starting with ``prefix`` (a step's console line); its whole output once it
+    exits (``p.returncode`` then set)."""
+    import signal
+
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            p.send_signal(signal.SIGTERM)
+    p.wait(timeout=timeout)
+    return "".join(lines)
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child that a test interrupts: SIGINT back to its default, so Python
+    turns it into KeyboardInterrupt even when the suite itself was started in the background by
+    a non-interactive shell (which starts its jobs with SIGINT ignored, and Python then keeps
+    ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -27,6 +27,7 @@ BENCHES = sorted(
 )
 # what each bench's table must show (a row with its ratio); a bench not listed: any table row
 TABLES = {
+    "async_modes": r"^colocated_async S=1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+[\d.]+$",
     "checkpoint": r"quickstart\s+106,880 .*\d\.\d\d\s+[\d.]+\s+[\d.]+\s*$",
     "context_parallel": r"^\s+1024\s+2\s+ring\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+[\d.]+x",
     "decode_profile": r"step / floor = [\d.]+x",
@@ -44,6 +45,7 @@ TABLES = {
     "reshard": r"1\s+single\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
     "restart": r"quickstart\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
     "sampler_noise": r"^\s+4\s+[\d.]+\s+(-|[\d.]+)",
+    "vlm": r"^quickstart \(\d+, max 3136 px\)\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
     "serve": r"the same 4 episodes: HTTP / in-process seconds [\d.]+x; in-process / HTTP sampled "
     r"tokens per second [\d.]+x",
 }
@@ -76,7 +78,7 @@ def smoke_runs() -> dict[str, tuple[int, str, float]]:
 
 
 def test_every_bench_is_checked():
-    assert len(BENCHES) >= 16, BENCHES  # the glob found the entry points (bench/ was not moved)
+    assert len(BENCHES) >= 18, BENCHES  # the glob found the entry points (bench/ was not moved)
     assert not set(TABLES) - set(BENCHES), (
         f"TABLES names benches that are gone: {set(TABLES) - set(BENCHES)}"
     )

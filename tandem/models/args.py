@@ -6,6 +6,8 @@ RMSNorm before RoPE (Qwen3), and their RoPE scaling. The mixture-of-experts
 families Qwen2-MoE and Qwen3-MoE share their dense sibling's attention and add
 the ``num_experts`` ... ``router_*`` fields (tandem/models/moe.py). `from_hf` / `to_hf`
 map to and from a Hugging Face ``config.json`` dict so checkpoints travel both ways.
+Qwen2.5-VL (``qwen2_5_vl``) is a Qwen2 LM with M-RoPE (``mrope_section``) and a vision
+tower (``vision``, tandem/models/vision.py; the model is tandem/models/vlm.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+from tandem.models.vision import VisionArgs
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -22,7 +26,10 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
+VLM_MODEL_TYPES = ("qwen2_5_vl",)
+_FAMILY = {"qwen2_5_vl": "qwen2"}  # the dense family whose attention a model type uses
 SCORE_FUNCS = ("softmax", "sigmoid")
 # RoPE variants we implement; anything else is rejected rather than silently run unscaled.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -50,6 +57,9 @@ class ModelArgs:
     with a shared expert, sigmoid scores or a route scale has no HF layout (`to_hf`
     raises). The trainer adds ``router_aux_loss_coef`` times the load-balancing loss
     and ``router_z_loss_coef`` times the router z-loss (`tandem.models.moe.router_loss`).
+
+    Vision-language (``qwen2_5_vl``): ``vision`` is the tower's config and token ids, and
+    ``mrope_section`` the (time, row, column) split of the ``head_dim // 2`` RoPE frequencies.
     """
 
     model_type: str = "qwen3"
@@ -80,6 +90,8 @@ class ModelArgs:
     moe_route_scale: float = 1.0
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
+    mrope_section: list[int] = field(default_factory=list)
+    vision: VisionArgs | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -119,6 +131,16 @@ class ModelArgs:
             )
         rope_type(self.rope_scaling)  # raises on unsupported scaling
         self._validate_moe()
+        self._validate_vision()
+
+    def _validate_vision(self) -> None:
+        if (self.vision is not None) != self.is_vlm:
+            raise ValueError(f"model_type {self.model_type!r} {'needs' if self.is_vlm else 'takes no'} vision settings")
+        if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(f"vision out_hidden_size {self.vision.out_hidden_size} must equal the LM's hidden_size "
+                             f"{self.hidden_size}")
 
     def _validate_moe(self) -> None:
         if not self.is_moe:
@@ -145,7 +167,12 @@ class ModelArgs:
     @property
     def family(self) -> str:
         """The dense family whose attention this model uses ("qwen3" for "qwen3_moe")."""
-        return self.model_type.removesuffix("_moe")
+        return _FAMILY.get(self.model_type, self.model_type.removesuffix("_moe"))
+
+    @property
+    def is_vlm(self) -> bool:
+        """A vision-language model (tandem/models/vlm.py): images enter as LM rows."""
+        return self.model_type in VLM_MODEL_TYPES
 
     @property
     def is_moe(self) -> bool:
@@ -174,8 +201,15 @@ class ModelArgs:
                 f"unsupported HF model_type {model_type!r} (architectures="
                 f"{config.get('architectures')}); supported: {MODEL_TYPES}"
             )
+        top, vision = config, None
+        if model_type in VLM_MODEL_TYPES:  # text keys flat (older folders) or in text_config
+            vision = VisionArgs.from_hf(config["vision_config"], config)
+            config = {**config, **(config.get("text_config") or {})}
         _reject_unsupported_hf_features(config, model_type)
+        mrope = _hf_mrope(config) if model_type in VLM_MODEL_TYPES else []
         theta, scaling = _hf_rope(config)
+        if scaling is not None and scaling.get("rope_type") == "mrope":  # transformers 4.x's name for it
+            scaling = {k: v for k, v in scaling.items() if k not in ("rope_type", "mrope_section")} or None
         eos = config.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -189,11 +223,13 @@ class ModelArgs:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(top.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=[] if eos is None else eos,
             **_hf_moe_fields(config, model_type),
+            mrope_section=mrope,
+            vision=vision,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -232,7 +268,19 @@ class ModelArgs:
             cfg["sliding_window"] = None
         if self.is_moe:
             cfg.update(self._moe_to_hf())
+        if self.is_vlm:
+            return self._vlm_to_hf(cfg)
         return cfg
+
+    def _vlm_to_hf(self, text: dict[str, Any]) -> dict[str, Any]:
+        """The nested layout transformers 5 writes: ``text_config``, ``vision_config``, token ids."""
+        arch = text.pop("architectures")
+        text.update(model_type="qwen2_5_vl_text", rope_parameters={
+            "rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": list(self.mrope_section)})
+        text.pop("rope_scaling")
+        return {"architectures": arch, "model_type": self.model_type, "text_config": text,
+                "vision_config": self.vision.to_hf(), "tie_word_embeddings": self.tie_word_embeddings,
+                **self.vision.token_ids()}
 
     def _moe_to_hf(self) -> dict[str, Any]:
         if self.model_type == "qwen3_moe" and (
@@ -272,6 +320,8 @@ class ModelArgs:
             per_layer += 2 * h
         ffn = sum(self._ffn_matmul_params(i, active=False) for i in range(self.num_layers))
         total = self.num_layers * per_layer + ffn + d  # + final norm
+        if self.vision is not None:
+            total += self.vision.num_params()
         if not self.tie_word_embeddings:
             total += self.vocab_size * d
         if include_embedding:
@@ -341,6 +391,15 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             "original_max_position_embeddings", config.get("max_position_embeddings", 8192)
         )
     return float(theta), scaling
+
+
+def _hf_mrope(config: dict[str, Any]) -> list[int]:
+    """M-RoPE sections from ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x); [] when absent."""
+    for key in ("rope_parameters", "rope_scaling"):
+        section = (config.get(key) or {}).get("mrope_section")
+        if section:
+            return [int(x) for x in section]
+    return []
 
 
 def _hf_moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -6,7 +6,11 @@ ids) fits every flavor.
 
 from __future__ import annotations
 
+import copy
+
 from tandem.models.args import ModelArgs
+from tandem.models.image_processor import ImageProcessor
+from tandem.models.vision import VisionArgs
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -31,6 +35,19 @@ _DEBUG_QWEN3 = ModelArgs(
 # debug-qwen3 with 8 experts of width 32, 2 per token, in every layer.
 _DEBUG_MOE = _DEBUG_QWEN3.replace(
     model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+)
+
+# The special ids of tandem.models.vl_template.build_vl_char_tokenizer ("builtin:vl-char"):
+# <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|> follow the character ids.
+_VL_CHAR_IDS = dict(vision_start_token_id=360, vision_end_token_id=361, image_token_id=362, video_token_id=363)
+# A Qwen2.5-VL of debug-qwen3's LM size (Qwen2 attention, M-RoPE) and a 2-block tower whose one
+# window covers a 56 x 56 image; images are resized to 56 x 56 (2 x 2 LM rows).
+_DEBUG_VL = ModelArgs(
+    model_type="qwen2_5_vl", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=2048, mrope_section=[2, 3, 3],
+    vision=VisionArgs(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=56, out_hidden_size=64,
+                      fullatt_block_indexes=[1], processor=ImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
+                      **_VL_CHAR_IDS),
 )
 
 FLAVORS: dict[str, ModelArgs] = {
@@ -100,6 +117,14 @@ FLAVORS: dict[str, ModelArgs] = {
         max_position_embeddings=4096,
         moe_intermediate_size=192,
     ),
+    # Vision-language: debug-qwen2_5_vl for tests (tandem/models/vlm.py, "builtin:vl-char" tokenizer).
+    "debug-qwen2_5_vl": _DEBUG_VL,
+    "tiny-qwen2_5_vl": _DEBUG_VL.replace(
+        hidden_size=128, intermediate_size=256, head_dim=32, mrope_section=[4, 6, 6],
+        vision=VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, window_size=56,
+                          out_hidden_size=128, fullatt_block_indexes=[1],
+                          processor=ImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56), **_VL_CHAR_IDS),
+    ),
     # Published sizes, for planning (train.py --plan) before a download; from-scratch training at
     # these sizes is possible but not what they are for. Qwen3-8B: the Qwen3-8B model card (36
     # layers, 32 q / 8 kv heads) and a Qwen3ForCausalLM config.json of that size (hidden 4096,
@@ -163,6 +188,29 @@ FLAVORS: dict[str, ModelArgs] = {
         moe_intermediate_size=768,
         norm_topk_prob=True,
     ),
+    # Qwen2.5-VL-7B: its module tree as printed by transformers (28 layers of hidden 3584, q 3584 /
+    # kv 512 (4 heads of 128), MLP 18944, vocab 152064, untied; a 32-block tower of width 1280,
+    # 16 heads, MLP 3420, merger 5120 -> 3584) and the family's config.json values (rope_theta 1e6,
+    # M-RoPE 16/24/24, 128000 positions, window 112 px, full attention in blocks 7/15/23/31,
+    # the vision token ids 151652/151653/151655/151656, processor pixels 56*56 .. 28*28*1280).
+    "qwen2.5-vl-7b": ModelArgs(
+        model_type="qwen2_5_vl",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=128000,
+        mrope_section=[16, 24, 24],
+        eos_token_id=[151645],
+        vision=VisionArgs(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
+                          out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+                          vision_start_token_id=151652, vision_end_token_id=151653, image_token_id=151655,
+                          video_token_id=151656),
+    ),
 }
 
 
@@ -174,4 +222,6 @@ def get_flavor(name: str) -> ModelArgs:
     return args.replace(
         rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
         mlp_only_layers=list(args.mlp_only_layers),
+        mrope_section=list(args.mrope_section),
+        vision=copy.deepcopy(args.vision),
     )

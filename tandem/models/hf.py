@@ -8,11 +8,15 @@ omit ``lm_head.weight`` on disk; we write it omitted, as transformers does.
 MoE experts are one tensor per expert on disk
 (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``) and one stacked 3-D
 parameter here (``layers.{i}.moe.experts.w1``, expert ``e`` at index ``e``):
-stacked on load, split (copied) on export.
+stacked on load, split (copied) on export. A vision-language model's tower keeps HF's
+names (``visual.blocks.{i}.attn.qkv.weight``, ...); its LM is named like Qwen2's
+(transformers 5 writes both so; its in-memory ``model.language_model.`` / ``model.visual.``
+prefixes are read too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
@@ -24,7 +28,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tandem.models.args import ModelArgs
+from tandem.models.image_processor import CONFIG_FILE as IMAGE_CONFIG
+from tandem.models.image_processor import ImageProcessor
 from tandem.models.transformer import Transformer
+from tandem.models.vlm import make_model
 
 if TYPE_CHECKING:
     from tandem.models.tokenizer import Tokenizer
@@ -80,13 +87,30 @@ def _rename(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
     return None
 
 
+_VISION = "visual."
+_HF_PREFIXES = (("model.language_model.", "model."), ("model.visual.", _VISION))
+
+
+def canonical_hf_name(name: str) -> str:
+    """The on-disk (hub) form of an HF tensor name: transformers 5's in-memory VLM prefixes dropped."""
+    for old, new in _HF_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def hf_name_to_tandem(name: str) -> str | None:
     """Tandem name for an HF tensor name, or None when it has no counterpart."""
+    name = canonical_hf_name(name)
+    if name.startswith(_VISION):
+        return name
     return _rename(name, _HF_TO_TANDEM)
 
 
 def tandem_name_to_hf(name: str) -> str | None:
     """HF name for a Tandem tensor name, or None when it has no counterpart."""
+    if name.startswith(_VISION):
+        return name
     return _rename(name, _TANDEM_TO_HF)
 
 
@@ -170,6 +194,9 @@ def load_args(path: str | Path) -> ModelArgs:
     """ModelArgs from ``config.json``; eos ids also gathered from ``generation_config.json``."""
     path = Path(path)
     args = ModelArgs.from_hf(read_json_object(path / "config.json"))
+    if args.vision is not None and (path / IMAGE_CONFIG).is_file():
+        processor = ImageProcessor.from_dir(path)
+        args = args.replace(vision=dataclasses.replace(args.vision, processor=processor))
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         extra = json.loads(gen_file.read_text()).get("eos_token_id")
@@ -205,7 +232,7 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
     Reads headers only."""
     path = Path(path)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
     sd = model.state_dict()
     expected = {tandem_name_to_hf(n): list(t.shape) for n, t in sd.items()}
     experts = {n: t for n, t in sd.items() if _TANDEM_EXPERTS.match(n)}
@@ -214,6 +241,7 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
         with _open_safetensors(path / fname) as f:
             for name in f.keys():
                 shape = list(f.get_slice(name).get_shape())
+                name = canonical_hf_name(name)
                 if name in expected and shape != expected[name]:
                     raise ValueError(f"{path / fname}: {name} has shape {shape}, but config.json makes it "
                                      f"{expected[name]}")
@@ -243,12 +271,12 @@ def read_hf_state_dict(
 def _check_tensor_names(model: Transformer, files: dict[str, str], path: Path) -> None:
     """Clear errors for tensors in the folder the model lacks, and the reverse."""
     expected = set(tandem_to_hf(model.state_dict(), model.args))  # meta model: no copies
-    found = {n for n in files if not _IGNORED_HF.match(n)}
+    found = {canonical_hf_name(n) for n in files if not _IGNORED_HF.match(n)}
     if model.args.tie_word_embeddings:
         found.discard("lm_head.weight")
     unknown = sorted(found - expected)
     if unknown:
-        where = ", ".join(f"{n} (in {files[n]})" for n in unknown)
+        where = ", ".join(f"{n} (in {files.get(n, 'its file')})" for n in unknown)
         raise KeyError(f"unexpected tensors in {path} for {model.args.model_type}: {where}")
     missing = sorted(expected - found)
     if missing:
@@ -265,7 +293,7 @@ def load_model(
     args = load_args(path)
     files = tensor_files(path)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
     _check_tensor_names(model, files, path)
     check_weight_shapes(path, args)
     model.to_empty(device=device).to(dtype)
@@ -347,6 +375,8 @@ def _write_configs(
         config["dtype"] = name  # transformers 5.x
         config["torch_dtype"] = name  # transformers 4.x
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if args.vision is not None:
+        args.vision.processor.save(path)
     eos = list(args.eos_token_id)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_token_ids if i not in eos]

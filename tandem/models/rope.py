@@ -6,6 +6,12 @@ cast to the activation dtype — the same order of operations as transformers'
 Llama/Qwen rotary embedding, so bf16 logits agree with HF, not just fp32 ones.
 Uses the "rotate half" layout (HF checkpoints' q/k weights are stored that way),
 not the interleaved complex layout of the Meta reference code.
+
+M-RoPE (Qwen2.5-VL, ``args.mrope_section``): positions are ``[3, B, S]`` (time, row,
+column); the frequencies are cut into three sections, each rotated by its own axis.
+Text tokens carry the same position on all three axes, which is plain RoPE, so text-only
+input may pass ``[B, S]`` and gets the same values. `mrope_positions` lays out a prompt's
+positions with its images as Hugging Face's ``get_rope_index`` does.
 """
 
 from __future__ import annotations
@@ -70,8 +76,14 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[B, S]`` (int) -> (cos, sin), each ``[B, S, head_dim]`` in ``dtype``."""
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, D/2] fp32
+        """positions ``[B, S]`` or, M-RoPE, ``[3, B, S]`` (int) -> (cos, sin), each
+        ``[B, S, head_dim]`` in ``dtype``."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [(3,) B, S, D/2] fp32
+        if positions.dim() == 3:
+            if not self.args.mrope_section:
+                raise ValueError("positions [3, B, S] need a model with M-RoPE (mrope_section)")
+            parts = freqs.split(self.args.mrope_section, dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [B, S, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -86,3 +98,39 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x ``[B, S, H, D]``, cos/sin ``[B, S, D]`` -> rotated x ``[B, S, H, D]``."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, S, 1, D]
     return x * cos + rotate_half(x) * sin
+
+
+def mrope_positions(token_ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int,
+                    merge: int) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions ``[3, P]`` of a prompt, and its ``delta``: a later token at index
+    ``i`` sits at ``i + delta`` on every axis.
+
+    ``grids`` are the (t, h, w) patch grids of the prompt's images, in order; each image
+    is the next ``t * (h / merge) * (w / merge)`` image tokens. Text counts up by one on all
+    axes; an image's tokens start at the next text position on every axis and add their
+    frame (time), merged row and merged column; the text after it resumes past the larger
+    of its two sides.
+    """
+    n = len(token_ids)
+    out = torch.empty(3, n, dtype=torch.long)
+    left = list(grids)
+    i = pos = 0
+    while i < n:
+        if token_ids[i] != image_token_id:
+            out[:, i] = pos
+            i, pos = i + 1, pos + 1
+            continue
+        if not left:
+            raise ValueError(f"image token at index {i} but only {len(grids)} image(s) given")
+        t, h, w = left.pop(0)
+        gh, gw = h // merge, w // merge
+        count = t * gh * gw
+        if token_ids[i:i + count] != [image_token_id] * count:
+            raise ValueError(f"image at index {i} needs {count} image tokens in a row ({t}x{h}x{w} patches)")
+        out[0, i:i + count] = pos + torch.arange(t).repeat_interleave(gh * gw)
+        out[1, i:i + count] = pos + torch.arange(gh).repeat_interleave(gw).repeat(t)
+        out[2, i:i + count] = pos + torch.arange(gw).repeat(t * gh)
+        i, pos = i + count, pos + max(gh, gw)
+    if left:
+        raise ValueError(f"{len(left)} image(s) left without image tokens")
+    return out, int(out.max()) + 1 - n if n else 0

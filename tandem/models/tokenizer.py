@@ -352,12 +352,14 @@ def char_vocab(extra_chars: str = "") -> list[str]:
     return list(dict.fromkeys(chars))
 
 
-def build_char_tokenizer(path: str | Path, extra_chars: str = "") -> Tokenizer:
+def build_char_tokenizer(path: str | Path, extra_chars: str = "", special_tokens: tuple[str, ...] = (),
+                         chat_template: str = QWEN_CHAT_TEMPLATE) -> Tokenizer:
     """Write a character-level tokenizer folder and load it.
 
     One id per character (printable ASCII + newline + tab + ``extra_chars``),
     byte-fallback ids ``<0x00>``..``<0xFF>`` so any other UTF-8 text still
-    round-trips, then the ChatML/tool/think special tokens; about 360 ids.
+    round-trips, then the ChatML/tool/think special tokens (and ``special_tokens``,
+    after them); about 360 ids.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -371,6 +373,7 @@ def build_char_tokenizer(path: str | Path, extra_chars: str = "") -> Tokenizer:
         [AddedToken(t, special=True, normalized=False) for t in CHAR_SPECIAL_TOKENS]
     )
     raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAR_ADDED_TOKENS])
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -380,7 +383,7 @@ def build_char_tokenizer(path: str | Path, extra_chars: str = "") -> Tokenizer:
         "model_max_length": 131072,
     }
     eos = [raw.token_to_id("<|im_end|>"), raw.token_to_id("<|endoftext|>")]
-    tok = Tokenizer(raw, config, QWEN_CHAT_TEMPLATE, eos)
+    tok = Tokenizer(raw, config, chat_template, eos)
     tok.save(path)
     gen = {"eos_token_id": eos, "pad_token_id": tok.pad_token_id}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

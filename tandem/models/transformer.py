@@ -168,6 +168,30 @@ class Transformer(nn.Module):
                 ffn.fuse()
         return self
 
+    def unfused_views(self) -> dict[str, torch.Tensor]:
+        """This model's tensors under the unfused (HF-layout) state-dict names: a fused q/k/v
+        or gate/up weight (`fuse_projections`) appears as its row blocks. They are views, so
+        writing into them refills the model in place (a generation copy given new weights
+        keeps its tensors, and anything that holds them)."""
+        out = {k: v.detach() for k, v in self.state_dict(keep_vars=True).items()}
+        for lid, block in self.layers.items():
+            att, pre = block.attention, f"layers.{lid}.attention."
+            if att.wqkv is not None:
+                kv = att.num_kv_heads * att.head_dim
+                sizes = [att.num_heads * att.head_dim, kv, kv]
+                for kind in ("weight", "bias"):
+                    fused = out.pop(f"{pre}wqkv.{kind}", None)
+                    if fused is not None:
+                        for name, part in zip(("wq", "wk", "wv"), fused.split(sizes)):
+                            out[f"{pre}{name}.{kind}"] = part
+            moe = hasattr(block, "moe")
+            ffn = block.moe.shared_experts if moe else block.feed_forward
+            pre = f"layers.{lid}." + ("moe.shared_experts." if moe else "feed_forward.")
+            if ffn is not None and ffn.w13 is not None:
+                w1, w3 = out.pop(f"{pre}w13.weight").chunk(2)
+                out[f"{pre}w1.weight"], out[f"{pre}w3.weight"] = w1, w3
+        return out
+
     def reset_rope(self) -> None:
         """Recompute the RoPE frequency buffer (non-persistent, so never in checkpoints)."""
         self.rope.reset()
@@ -208,7 +232,8 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> Any:
-        """x: token ids ``[B, S]`` or hidden ``[B, S, D]`` (when tok_embeddings is None).
+        """x: token ids ``[B, S]``, or hidden ``[B, S, D]`` (a float tensor, or any x when
+        tok_embeddings is None). positions ``[B, S]``, or ``[3, B, S]`` with M-RoPE.
 
         Returns logits ``[B, S, V]``, or hidden ``[B, S, D]`` (after the final norm,
         if this stage has one) when ``return_hidden`` or ``output is None``.
@@ -218,7 +243,8 @@ class Transformer(nn.Module):
         still live inside this forward (wrappers that gather parameters for
         the forward only keep it that long).
         """
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [B, S, D]
+        embed = self.tok_embeddings is not None and not x.is_floating_point()
+        h = self.tok_embeddings(x) if embed else x  # [B, S, D]
         b, s = h.shape[:2]
         if positions is None:
             positions = torch.arange(s, device=h.device).expand(b, s)  # [B, S]

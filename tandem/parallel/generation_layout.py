@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import batch_invariant
-from tandem.kernels.cpu_linear import onednn_linear_available, use_onednn_linears
+from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter
 from tandem.models.transformer import Transformer
+from tandem.models.vlm import make_model
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
 from tandem.parallel.reshard import Box, Resharder, held
@@ -60,6 +61,7 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    (re.compile(r"^visual\."), None),  # a vision-language model's tower: whole on every rank of a group
     # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by its
     # output rows, a row-parallel one's A split by its input features and B whole (its partial
     # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
@@ -173,7 +175,7 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
 def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None) -> int:
     """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``, adapters too)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
         if lora is not None:
             apply_lora(model, lora)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -286,28 +288,40 @@ class GenerationCopy:
     With LoRA adapters (``lora``) the copy runs them unmerged, like the update: its frozen base
     moves once, at the first build, and stays; every later build moves only the adapters and
     checks them against the trainer's by an exact checksum (a mismatch is an error).
+
+    ``keep``: name prefixes of parameters that never change during the run (a frozen vision
+    tower, ``"visual."``): the generation copy and the policy have the same names, so this
+    explicit map is all the reshard needs; they move at the first build only and their copies
+    are kept for the next rollouts (``reshard/kept_gb``; the only rollout memory the update
+    phase still holds), so later builds move only what training changed.
     """
 
     def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
                  dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
-                 cpu_onednn: bool = False, lora: LoraSpec | None = None) -> None:
+                 keep: tuple[str, ...] = (), cpu_onednn: bool = False,
+                 lora: LoraSpec | None = None) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
         self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
         self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
         with torch.device("meta"):
-            meta = Transformer(args)
+            meta = make_model(args)
             if lora is not None:
                 apply_lora(meta, lora)
-        # a tied head counted once
-        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}
+        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
-        self._plan: Resharder | None = None
+        self.keep = keep
+        self._kept_state: dict[str, torch.Tensor] = {}  # the kept names' copies, after the first build
+        self._plans: dict[bool, Resharder] = {}  # the first build's plan and, with ``keep``, the later builds'
         self._adapter_plan: Resharder | None = None
-        # LoRA: the copy and its adapters
-        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None
+        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None  # LoRA: the copy and its adapters
+
+    def _moving(self) -> dict[str, tuple[int, ...]]:
+        """The names this build moves: all at first, then all but the kept ones."""
+        later = bool(self._kept_state)
+        return {n: shape for n, shape in self.shapes.items() if not (later and n.startswith(self.keep))}
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -326,47 +340,81 @@ class GenerationCopy:
         collective (memory tests)."""
         if self._kept is not None:
             return self._refill(probe)
-        srcs = self._held()
-        if self._plan is None:
-            self._make_plans(srcs)
-        assert self._plan is not None
-        state, stats = self._plan.run({n: t for n, (t, _) in srcs.items()}, self.dtype, self.device,
-                                      probe=probe)
+        moving = self._moving()
+        later = bool(self._kept_state)
+        srcs = {n: src for n, src in self._held().items() if n in moving}
         adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
+        state, stats = self._move(moving, srcs, None, probe)
         del srcs
+        if self.keep and not later:
+            self._kept_state = {n: t for n, t in state.items() if n.startswith(self.keep)}
+        state.update(self._kept_state)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        kept_bytes = sum(t.numel() * t.element_size() for t in self._kept_state.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
         with torch.device("meta"):
-            gen = Transformer(self.local)
+            gen = make_model(self.local)
             if self.lora is not None:
                 apply_lora(gen, self.lora)
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
+        if hasattr(gen, "visual"):
+            gen.visual.reset_rope(self.device)
         gen.requires_grad_(False).eval()
-        if inference and self.lora is None:  # fused projections would fold the adapters' inputs away
+        if inference and self.lora is None:  # fused projections would fold the adapters' inputs
             inference_layout(gen, self.cpu_onednn)
-        metrics = _reshard_metrics(stats, nbytes)
-        if self.lora is not None:
-            # before shard_modules renames
+        metrics = _reshard_metrics(stats, nbytes, kept_bytes)
+        if self.lora is not None:  # before shard_modules renames
             adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}
             self._kept = (gen, adapters)
             metrics.update(self._check(adapter_srcs, adapters))
+        gen.refill_views = gen.unfused_views()  # before the wrappers rename the shard's modules
         shard_modules(gen, self.args, self.layout)
         return gen, metrics
 
-    def _make_plans(self, srcs: dict[str, tuple[torch.Tensor, Box]]) -> None:
-        """Collective: the whole copy's move, and with adapters their own move for later builds."""
-        needs = {n: needed_box(n, shape, self.layout) for n, shape in self.shapes.items()}
+    def refill(self, gen: Transformer, *,
+               probe: Callable[[], None] | None = None) -> dict[str, float]:
+        """Collective: the policy's current weights into ``gen`` (a model `build` made), in place:
+        its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay.
+        With adapters: the kept copy's adapters alone (`_refill`); kept names (``keep``) stay."""
+        if self._kept is not None:
+            return self._refill(probe)[1]
+        moving = self._moving()
+        srcs = {n: src for n, src in self._held().items() if n in moving}
+        state, stats = self._move(moving, srcs, gen.refill_views, probe)
+        for m in gen.modules():  # oneDNN's blocked copies are of the old weights
+            if isinstance(m, OneDNNLinear) and m.packed is not None:
+                m.pack()
+        kept = sum(t.numel() * t.element_size() for t in self._kept_state.values())
+        moved = sum(t.numel() * t.element_size() for t in state.values())
+        return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
+
+    def _move(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]],
+              into: dict[str, torch.Tensor] | None,
+              probe: Callable[[], None] | None) -> tuple[dict[str, torch.Tensor], Any]:
+        """Collective: the move of ``moving`` (planned at its first call: one plan for the first
+        build, one for the later ones without the kept names), into new tensors or ``into``'s."""
+        later = bool(self._kept_state)
+        if later not in self._plans:
+            self._plans[later] = self._make_plans(moving, srcs)
+        return self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype,
+                                      self.device, probe=probe, into=into)
+
+    def _make_plans(self, moving: dict[str, tuple[int, ...]],
+                    srcs: dict[str, tuple[torch.Tensor, Box]]) -> Resharder:
+        """The reshard plan of ``moving``; with adapters, also the plan of the adapters alone."""
+        needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self._plan = Resharder(self.shapes, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                               bucket_bytes=self.bucket_bytes)
-        if self.lora is not None:
-            names = [n for n in self.shapes if is_adapter(n)]
-            self._adapter_plan = Resharder(
-                {n: self.shapes[n] for n in names}, {n: srcs[n][1] for n in names if n in srcs},
-                {n: needs[n] for n in names}, elem, bucket_bytes=self.bucket_bytes)
+        if self.lora is not None:  # the adapters alone, for every later build
+            names = [n for n in moving if is_adapter(n)]
+            self._adapter_plan = Resharder({n: self.shapes[n] for n in names},
+                                           {n: srcs[n][1] for n in names if n in srcs},
+                                           {n: needs[n] for n in names}, elem,
+                                           bucket_bytes=self.bucket_bytes)
+        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                         bucket_bytes=self.bucket_bytes)
 
     def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
         """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
@@ -382,22 +430,21 @@ class GenerationCopy:
         metrics.update(self._check(srcs, adapters))
         return gen, metrics
 
-    def _check(self, srcs: dict[str, torch.Tensor],
-               adapters: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError
-        if any differ."""
+    def _check(self, srcs: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if any differ."""
         assert self._adapter_plan is not None
         t0 = time.monotonic()
         total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
         if wrong:
-            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's "
-                               f"after the refill ({len(wrong)} tensors; checksum)")
+            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's after the refill "
+                               f"({len(wrong)} tensors; checksum)")
         return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
 
 
-def _reshard_metrics(stats: Any, nbytes: int) -> dict[str, float]:
+def _reshard_metrics(stats: Any, nbytes: int, kept_bytes: int = 0) -> dict[str, float]:
     return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
-            "reshard/sent_gb": stats.bytes_sent / 1e9, "reshard/collectives": float(stats.collectives),
+            "reshard/kept_gb": kept_bytes / 1e9, "reshard/sent_gb": stats.bytes_sent / 1e9,
+            "reshard/collectives": float(stats.collectives),
             "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
 
 

@@ -147,13 +147,15 @@ class Resharder:
         return out
 
     def run(self, sources: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, *,
-            probe: Callable[[], None] | None = None) -> tuple[dict[str, torch.Tensor], ReshardStats]:
+            probe: Callable[[], None] | None = None, into: dict[str, torch.Tensor] | None = None,
+            ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
         """Collective: this rank's needed tensors (``dtype``, on ``device``), and what it cost.
         ``dtype`` must have the ``elem_bytes`` the plan was bucketed with.
 
         ``sources[name]``: this rank's held data of ``name`` (`held`'s first value), for every
         name it holds. ``probe()`` runs inside every collective while its buffers are live
-        (memory tests measure there)."""
+        (memory tests measure there). ``into``: tensors (of the needed local shapes) to write
+        into instead of allocating new ones: the layout is refilled in place."""
         import time
 
         t0 = time.monotonic()
@@ -163,7 +165,14 @@ class Resharder:
             for m in moves:  # allocate a target the first time one of its regions arrives
                 if m.dst == self.rank and m.name not in out:
                     box, local_shape = self.needs[m.name]
-                    out[m.name] = torch.zeros(local_shape, dtype=dtype, device=device)
+                    if into is not None:
+                        out[m.name] = into[m.name]
+                        have = tuple(out[m.name].shape)
+                        if have != tuple(local_shape):
+                            raise ValueError(f"reshard into {m.name}: shape {have}, "
+                                             f"need {tuple(local_shape)}")
+                    else:
+                        out[m.name] = torch.zeros(local_shape, dtype=dtype, device=device)
             self._collective(moves, sources, out, dtype, device, stats, probe)
         missing = set(self.needs) - set(out)
         if missing:

@@ -238,7 +238,6 @@ OLD_LOGP = LOGP + torch.tensor([
     [0.4, 0.0, -0.3, 0.1, 0.0],
     [0.0, 0.0, 0.0, 0.0, 0.0],
 ])  # log(old/new) per token; ratios range over both clip edges
-GEN_LOGP = OLD_LOGP + 0.1 * torch.tensor([[1.0, -2.0, 0.5, 0.0, 0.0]]).expand(N, T)
 ADV_SEQ = [1.0, -1.0, 0.5, -2.0, 2.0, 0.3, -0.7, 0.0]
 ADV = broadcast(ADV_SEQ)
 
@@ -263,7 +262,7 @@ def test_ppo_clip(clip_low, clip_high, dual):
                 loss, grad, was_clipped = -a * dual, 0.0, True
             want_loss[i, t], want_grad[i, t], want_clip[i, t] = loss, grad, float(was_clipped)
     logp, inp = policy_input()
-    cfg = PolicyLossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual, tis_cap=None)
+    cfg = PolicyLossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual)
     out = POLICY_LOSSES.get("ppo_clip")(inp, cfg)
     assert_close(out.loss, want_loss)
     assert_close(out.metrics["clipped"], want_clip)
@@ -273,23 +272,6 @@ def test_ppo_clip(clip_low, clip_high, dual):
     assert_close(out.metrics["ratio"], ratio)
     assert_close(out.metrics["approx_kl"], (ratio - 1 - (LOGP - OLD_LOGP)) * MASK)
     assert (out.metrics["approx_kl"] >= 0).all()
-
-
-def test_ppo_clip_with_tis():
-    cap = 1.05
-    logp, inp = policy_input(gen_logp=GEN_LOGP)
-    no_tis = PolicyLossConfig(tis_cap=None)
-    base = POLICY_LOSSES.get("ppo_clip")(PolicyLossInput(LOGP, OLD_LOGP, ADV, MASK), no_tis)
-    out = POLICY_LOSSES.get("ppo_clip")(inp, PolicyLossConfig(tis_cap=cap))
-    weight = torch.zeros(N, T)
-    for i, ts in enumerate(rows()):
-        for t in ts:
-            weight[i, t] = min(math.exp(OLD_LOGP[i, t].item() - GEN_LOGP[i, t].item()), cap)
-    assert_close(out.loss, base.loss * weight)
-    assert_close(out.metrics["tis_weight"], weight)
-    assert_close(out.metrics["tis_gap"], (OLD_LOGP - GEN_LOGP) * MASK)
-    with pytest.raises(ValueError, match="gen_logp"):
-        POLICY_LOSSES.get("ppo_clip")(PolicyLossInput(LOGP, OLD_LOGP, ADV, MASK), PolicyLossConfig(tis_cap=2.0))
 
 
 @pytest.mark.parametrize("lo,hi", [(3e-4, 4e-4), (0.05, 0.1), (0.5, 0.5)])
@@ -305,7 +287,7 @@ def test_gspo_token_form(lo, hi):
             want_loss[i, t] = max(unclipped, clipped)
             want_grad[i, t] = 0.0 if clipped > unclipped else -a * s  # token form: s_i * grad log p_t
     logp, inp = policy_input()
-    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None)
+    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi)
     out = POLICY_LOSSES.get("gspo")(inp, cfg)
     assert_close(out.loss, want_loss)
     out.loss.sum().backward()
@@ -316,7 +298,7 @@ def test_gspo_token_form_matches_sequence_objective():
     """Sequence advantages + seq_mean_token_mean: gradient equals the paper's sequence-level objective."""
     lo, hi = 0.05, 0.1
     logp, inp = policy_input()
-    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi, tis_cap=None)
+    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi)
     out = POLICY_LOSSES.get("gspo")(inp, cfg)
     AGGREGATIONS.get("seq_mean_token_mean")(out.loss, MASK, make_norm(MASK)).backward()
 
@@ -334,7 +316,7 @@ def test_gspo_token_form_matches_sequence_objective():
 
 def test_reinforce():
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("reinforce")(inp, PolicyLossConfig(tis_cap=None))
+    out = POLICY_LOSSES.get("reinforce")(inp, PolicyLossConfig())
     want = torch.zeros(N, T)
     for i, ts in enumerate(rows()):
         for t in ts:
@@ -347,7 +329,7 @@ def test_reinforce():
 def test_padding_cannot_poison_the_loss():
     logp = LOGP.masked_fill(MASK == 0, float("-inf"))
     for name in POLICY_LOSSES:
-        no_tis = PolicyLossConfig(tis_cap=None)
+        no_tis = PolicyLossConfig()
         out = POLICY_LOSSES.get(name)(PolicyLossInput(logp, OLD_LOGP, ADV, MASK), no_tis)
         assert torch.isfinite(out.loss).all(), name
         assert all(torch.isfinite(v).all() for v in out.metrics.values()), name
@@ -361,7 +343,7 @@ def test_policy_config_validation():
         PolicyLossConfig(clip_low=-0.1)
     with pytest.raises(ConfigError, match=r"^rl.tis_cap: must be > 0, got 0.0$"):
         load_config("configs/quickstart.toml", ["--rl.tis_cap=0"])
-    assert PolicyLossConfig().tis_cap == RLConfig().tis_cap == 2.0
+    assert issubclass(RLConfig, PolicyLossConfig) and RLConfig().clip_high == 0.2
 
 
 # ---------------------------------------------------------------- KL
@@ -578,7 +560,7 @@ def test_gspo_clip_range_reaches_the_loss():
     logp = torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
     old = logp + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
     inp = PolicyLossInput(logp=logp, old_logp=old, advantages=torch.ones(4, 5, dtype=torch.float64),
-                          mask=torch.ones(4, 5, dtype=torch.float64), gen_logp=old)
+                          mask=torch.ones(4, 5, dtype=torch.float64))
     fracs = []
     for lo, hi in ((3e-4, 4e-4), (0.5, 0.5)):
         keys = ["--rl.policy_loss=gspo", f"--rl.seq_clip_low={lo}", f"--rl.seq_clip_high={hi}"]

@@ -73,7 +73,7 @@ def every_field_changed() -> Config:
     """A valid Config where every foundation key differs from its default."""
     return Config(
         job=JobConfig(name='my "run" é\\x', dump_folder="/tmp/out dir", seed=7),
-        model=ModelConfig(flavor=None, path="/hf/qwen", tokenizer="/hf/tok"),
+        model=ModelConfig(flavor=None, path="/hf/qwen", tokenizer="/hf/tok", train_vision=True),
         data=DataConfig(path="data/x.parquet", format="parquet", max_length=512, pack=False, shuffle=False,
                         on_bad_row="error", messages_field="conv", prompt_field="q", completion_field="a",
                         eval_fraction=0.25, answer_field="gt", eval_path="data/heldout.jsonl", synthetic_rows=10),

@@ -20,6 +20,7 @@ import torch.nn as nn
 from tandem.parallel.distributed import init_distributed
 from tandem.rl.core import checkpoint as ckpt_mod
 from tandem.rl.core.checkpoint import SUMS, Checkpointer, CheckpointError, committed_steps
+from tests.fixtures import sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -139,7 +140,8 @@ def test_sigint_during_a_save_exits_130_with_one_line(tmp_path):
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
            "--training.steps=6", "--training.batch_size=4", "--checkpoint.interval=2",
            "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
-    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                       preexec_fn=sigint_default)
     assert (r.returncode, r.stderr) == (130, "error: interrupted (SIGINT); the checkpoints committed so far "
                                              "are kept\n")
     assert committed_steps(str(dump / "checkpoints")) == [2]

@@ -18,6 +18,7 @@ import pytest
 
 from tandem.generate import main as generate
 from tandem.rl.core.checkpoint import Checkpointer
+from tests.fixtures import sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")  # context 2048, char tokenizer, intermediate 128
@@ -139,7 +140,8 @@ def test_sigint_during_generation_exits_130_and_writes_nothing(tmp_path):
     out = tmp_path / "out" / "o.jsonl"
     cmd = [sys.executable, "-m", "tandem.generate", "--model", POLICY, "--input", str(prompts), "--output", str(out),
            "--n", "8", "--max-tokens", "1500", "--ignore-eos"]  # 384k tokens: minutes on a CPU
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_default)
     try:
         p.wait(timeout=10)  # past start-up: generating
     except subprocess.TimeoutExpired:
@@ -155,7 +157,8 @@ def test_sigint_exits_130_with_one_line_and_keeps_the_checkpoints(tmp_path):
            "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
            "--training.steps=100000", "--training.batch_size=4", "--checkpoint.interval=2",
            "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_default)
     for line in p.stdout:
         if line.startswith("step 5/"):  # step-2 and step-4 are committed
             break

@@ -11,17 +11,21 @@ from tandem.rl.data.tasks import TASK_REWARD, TASKS, make_task_rows, split_of, w
 from tandem.rl.rewards import REWARDS
 from tandem.rl.core.registry import RegistryError
 
-ALL_TASKS = ["arithmetic", "countdown", "sorting", "addition_small"]
+ALL_TASKS = ["arithmetic", "countdown", "sorting", "addition_small"]  # text tasks
+IMAGE_TASKS = ["shapes"]  # rows with a picture (configs/quickstart_vlm*.toml, their tests)
+LONG_TASKS = ["needle"]  # long-context retrieval (configs/quickstart_long.toml)
 FIELDS = {"id", "task", "prompt", "messages", "answer", "reward", "problem_id"}
 
 
 def test_registered_tasks() -> None:
-    assert TASKS.names() == sorted(ALL_TASKS)
+    assert TASKS.names() == sorted(ALL_TASKS + IMAGE_TASKS + LONG_TASKS)
     assert TASK_REWARD == {
         "arithmetic": "math",
         "countdown": "countdown",
         "sorting": "sequence",
         "addition_small": "exact_match",
+        "shapes": "exact_match",
+        "needle": "exact_match",
     }
     assert all(reward in REWARDS for reward in TASK_REWARD.values())
 

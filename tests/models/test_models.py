@@ -16,6 +16,7 @@ from tandem.models import (
     positions_from_doc_ids,
 )
 from tandem.models.rope import rope_inv_freq
+from tandem.models.vlm import make_model
 from tests.fixtures import FAMILIES, hf_reference, tiny_hf_config, write_hf_model
 
 TOL = 1e-4
@@ -333,7 +334,7 @@ def test_args_validation_errors():
 def test_flavors_num_params(name):
     args = get_flavor(name)
     with torch.device("meta"):  # the planning flavors (8B-70B) would not fit this machine's memory
-        model = Transformer(args)
+        model = make_model(args)  # a vision-language flavor's tower counts too
     assert args.num_params() == sum(p.numel() for p in model.parameters())
     assert args.vocab_size >= 360  # fits build_char_tokenizer
 

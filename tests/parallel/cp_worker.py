@@ -269,7 +269,7 @@ def loss_case(
     norm = make_norm(mask[idx], constant=40.0, group=m["dp_group"])
     mine = [every[i] for i in idx]
     sums = policy.accumulate(mine, list(range(len(mine))), inputs(idx), spec, norm, width)
-    loss = sums[0] * float(policy.counts_stats)
+    loss = sums.loss * float(policy.counts_stats)
     dist.all_reduce(loss)
     got = {clean_fqn(n): full(p.grad) for n, p in policy.model.named_parameters()}  # ac: no wrapper
     # the reference: every sample, one process, cp = 1

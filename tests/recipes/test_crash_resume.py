@@ -18,6 +18,8 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.fixtures import sigterm_at
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -159,17 +161,9 @@ def test_four_rank_checkpoint_resumes_on_two_ranks_and_two_on_four(tmp_path, cle
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path):
-    import signal
-
     dump = tmp_path / "pre"
     p = _single(dump, "--training.steps=8", "--checkpoint.interval=100")
-    lines = []
-    for line in p.stdout:
-        lines.append(line)
-        if line.startswith("step 2/8"):
-            p.send_signal(signal.SIGTERM)
-    p.wait(timeout=600)
-    out = "".join(lines)
+    out = sigterm_at(p, "step 2/8")
     assert p.returncode == 75, out[-2000:]  # tandem/rl/core/errors.py EXIT_PREEMPTED: the batch script requeues on it
     saved = sorted(os.listdir(dump / "checkpoints"))
     assert len(saved) == 1 and saved[0].startswith("step-"), saved

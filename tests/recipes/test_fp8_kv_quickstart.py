@@ -4,7 +4,7 @@ ranks), against the default in the same test.
 - it learns: held-out accuracy rises as the default's does (measured on a 2-core machine:
   0.497 -> 0.860 against the default's 0.527 -> 0.975 in the configured 60 steps; this
   16-dimension-head policy adds with attention, and FP8 keys alone, 3 mantissa bits, cost it
-  about 0.1 of held-out accuracy: docs/fp8-kv.md);
+  about 0.1 of held-out accuracy; the greedy answers with K and/or V rounded: docs/performance.md);
 - the train/generation gap stays at float noise (the update rounds K and V as the pool did);
 - every rollout runs on scales calibrated from the weights that generate (``kv/scale_age`` 0),
   the scales change as the policy does, and the pool's capacity is over 3.9x the default's
@@ -21,34 +21,19 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.fixtures import train_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP8 = ("--rollout.kv_dtype=fp8_e4m3",)
 
 
 def _run(dump: str, *extra: str) -> tuple[list[dict], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        os.path.join(ROOT, "train.py"),
-        "--config",
-        os.path.join(ROOT, "configs", "quickstart.toml"),
-        f"--job.dump_folder={dump}",
-        "--metrics.loggers=[]",
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))], r.stdout
+    return train_run(os.path.join(ROOT, "configs", "quickstart.toml"), dump, 2,
+                     "--metrics.loggers=[]", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,9 @@ def test_teacher_chunk_logprobs_match_transformers(tmp_path):
     from tandem.rl.config.rl_schema import DistillConfig
     from tandem.rl.update.teachers import Teachers
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    created = not dist.is_initialized()  # an in-process recipe test may have left a world of one
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         student = Tokenizer.from_dir(STUDENT)
         msgs = [{"role": "user", "content": "12+7="}]
@@ -68,7 +70,8 @@ def test_teacher_chunk_logprobs_match_transformers(tmp_path):
         assert route == [0, 1, 0, 1]
         chunk_logp, chunk_ids = teachers.score(samples, route, 4, 4096, torch.device("cpu"))
     finally:
-        dist.destroy_process_group()
+        if created:
+            dist.destroy_process_group()
     # the same tokenizer: one chunk per token, the teacher's log-probs of the student's own ids
     for i in (0, 2):
         n = len(samples[i].completion_ids)

@@ -139,7 +139,8 @@ def test_reward_model_as_rl_reward_source(tmp_path, one_thread):
         "--metrics.loggers=[]"])
     info = init_distributed(force_cpu=True)
     trainer = RLRecipe(cfg, Runtime(info, rl_dump, Watchdog(rl_dump, 0, info.rank), MetricsLogger(rl_dump, enabled=False)))
-    samples, scores, metrics = trainer.rollout()
+    batch = trainer.rollout.batch(0)  # the first step's rollout phase
+    samples, scores, metrics = batch.samples, batch.scores, batch.metrics
     trainer.close()
     scorer = RewardModelScorer(folder, "cpu")
     rm = scorer.score([s.row["messages"] for s in samples], [s.text for s in samples])

@@ -54,7 +54,7 @@ def test_micro_batch_split_gives_same_gradients(aggregation):
     inp = LossInputs(mask=mask, old_logp=-torch.rand(mask.shape, generator=g), advantages=torch.randn(mask.shape, generator=g),
                      gen_logp=gen, ref_logp=None)
     spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"),
-                    policy_cfg=PolicyLossConfig(tis_cap=None),
+                    policy_cfg=PolicyLossConfig(),
                     aggregation=AGGREGATIONS.get(aggregation), kl_estimator=None, kl_coef=0.0, entropy_coef=0.01)
     norm = make_norm(mask, constant=8.0)
     grads = []
@@ -100,7 +100,7 @@ def test_shared_prompt_packing_gives_same_logprobs_and_gradients():
     inp = LossInputs(mask=mask, old_logp=-torch.rand(mask.shape, generator=g), advantages=torch.randn(mask.shape, generator=g),
                      gen_logp=gen, ref_logp=None)
     spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"),
-                    policy_cfg=PolicyLossConfig(tis_cap=None),
+                    policy_cfg=PolicyLossConfig(),
                     aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0, entropy_coef=0.01)
     norm = make_norm(mask, constant=8.0)
     results = []

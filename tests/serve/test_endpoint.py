@@ -169,7 +169,7 @@ def test_a_multi_turn_session_is_the_trained_sequence_with_its_mask(served):
     url, engine, tok, _ = served
     client = _client(url, "episode-a")
     messages, turns = list(QUESTION), []
-    for follow_up in ("Are you sure?", "Say it once more."):
+    for follow_up in ("Are you sure?", "Say it once more.", None):  # three turns
         r = client.chat.completions.create(
             model="quickstart",
             messages=messages,
@@ -178,18 +178,11 @@ def test_a_multi_turn_session_is_the_trained_sequence_with_its_mask(served):
             extra_body={"return_token_ids": True},
         )
         turns.append((r.prompt_token_ids, r.choices[0].token_ids))
-        messages += [
-            {"role": "assistant", "content": r.choices[0].message.content},
-            {"role": "user", "content": follow_up},
-        ]
-    r = client.chat.completions.create(
-        model="quickstart",
-        messages=messages,
-        seed=2,
-        max_tokens=24,
-        extra_body={"return_token_ids": True},
-    )
-    turns.append((r.prompt_token_ids, r.choices[0].token_ids))
+        if follow_up is not None:
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": follow_up},
+            ]
     session = engine.sessions["episode-a"]
     (sample,) = samples_of(session)
     prompt = turns[0][0]

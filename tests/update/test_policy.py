@@ -92,7 +92,7 @@ def test_router_losses_reach_the_gradient(one_rank, aux_coef, z_coef):
     mask, gen_logp, width = completion_tensors(samples, CPU)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
     spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"),
-                    policy_cfg=PolicyLossConfig(tis_cap=None),
+                    policy_cfg=PolicyLossConfig(),
                     aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0, entropy_coef=0.0)
     norm = make_norm(mask)
 

@@ -6,6 +6,8 @@ on the name:
     ADVANTAGES.get(name)(AdvantageInput, AdvantageConfig) -> AdvantageOutput
     POLICY_LOSSES.get(name)(PolicyLossInput, PolicyLossConfig) -> PolicyLossOutput
     KL_ESTIMATORS.get(name)(logp, ref_logp) -> [N, T]
+    KL_MODES.get(name)(logp, ref_logp, mask, beta, estimator) -> [N, T]
+    OFFPOLICY_CORRECTIONS.get(name)(CorrectionInput, CorrectionConfig) -> CorrectionOutput
     AGGREGATIONS.get(name)(loss, mask, AggregationNorm) -> scalar
     PREFERENCE_LOSSES.get(name)(PreferenceInput, PreferenceConfig) -> PreferenceOutput
 
@@ -35,7 +37,15 @@ from tandem.rl.algorithms.distill import (
     reverse_kl_sampled,
 )
 from tandem.rl.algorithms.filters import filter_groups, overlong_filter_mask, overlong_penalty
-from tandem.rl.algorithms.kl import KL_ESTIMATORS, kl_loss_term, kl_penalty_rewards
+from tandem.rl.algorithms.kl import KL_ESTIMATORS, KL_MODES, kl_loss_term, kl_penalty_rewards
+from tandem.rl.algorithms.offpolicy import (
+    OFFPOLICY_CORRECTIONS,
+    CorrectionConfig,
+    CorrectionInput,
+    CorrectionOutput,
+    m2po_keep,
+    proximal_logp,
+)
 from tandem.rl.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLossConfig,
@@ -55,12 +65,17 @@ __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "KL_MODES",
+    "OFFPOLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
     "AdvantageConfig",
     "AdvantageInput",
     "AdvantageOutput",
     "AggregationNorm",
+    "CorrectionConfig",
+    "CorrectionInput",
+    "CorrectionOutput",
     "PolicyLossConfig",
     "PolicyLossInput",
     "PolicyLossOutput",
@@ -77,10 +92,12 @@ __all__ = [
     "filter_groups",
     "kl_loss_term",
     "kl_penalty_rewards",
+    "m2po_keep",
     "make_norm",
     "opd_advantages",
     "overlong_filter_mask",
     "overlong_penalty",
+    "proximal_logp",
     "reverse_kl_full",
     "reverse_kl_sampled",
     "value_loss",

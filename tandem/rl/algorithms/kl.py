@@ -32,10 +32,15 @@ from torch import Tensor
 
 from tandem.rl.core.registry import Registry
 
-__all__ = ["KL_ESTIMATORS", "KLFn", "kl_loss_term", "kl_penalty_rewards"]
+__all__ = ["KL_ESTIMATORS", "KL_MODES", "KLFn", "kl_loss_term", "kl_penalty_rewards"]
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
 KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
+# How the KL penalty enters (``rl.kl_mode``): entries take (logp, ref_logp, mask, beta,
+# estimator) and declare ``in_loss`` (a term of the per-token loss, with grad) and
+# ``needs_old_logp`` (computed from the policy's log-probs before the update, so the
+# update needs a separate forward for them).
+KL_MODES: Registry[Callable[..., Tensor]] = Registry("KL mode")
 
 _K3_CLAMP = 10.0
 
@@ -59,6 +64,7 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return x.expm1() - x
 
 
+@KL_MODES.register("reward", in_loss=False, needs_old_logp=True)
 def kl_penalty_rewards(
     logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
 ) -> Tensor:
@@ -67,6 +73,7 @@ def kl_penalty_rewards(
     return -beta * kl * mask.to(kl.dtype)
 
 
+@KL_MODES.register("loss", in_loss=True, needs_old_logp=False)
 def kl_loss_term(
     logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float, estimator: str = "k3"
 ) -> Tensor:

@@ -10,15 +10,11 @@ reduce them with the same mask and global norm as the loss, layout-invariantly:
 - ``clipped``: 1 where the clip (or dual clip) removed the token's gradient;
 - ``ratio``: the importance ratio used by the loss (sequence ratio for GSPO);
 - ``approx_kl``: k3 estimate of KL(pi_old || pi_theta) per token,
-  ``(r - 1) - log r`` with ``r = pi_theta / pi_old`` on tokens sampled from pi_old;
-- with truncated importance sampling: ``tis_weight`` and ``tis_gap``
-  (old_logp - gen_logp, the trainer/generator log-prob mismatch).
+  ``(r - 1) - log r`` with ``r = pi_theta / pi_old`` on tokens sampled from pi_old.
 
-Truncated importance sampling (TIS): the generator (e.g. a paged inference engine
-in lower precision) reports ``gen_logp`` that differ from the trainer's
-``old_logp`` for the same policy. With ``cfg.tis_cap`` set, every loss is
-multiplied by the detached weight ``min(exp(old_logp - gen_logp), cap)``, which
-corrects the sampling distribution to the trainer's, truncated for variance.
+The behaviour policy (the generator's log-probs: another layout, possibly older
+weights) enters through an off-policy correction (`tandem.rl.algorithms.offpolicy`),
+which chooses ``old_logp`` and weights the per-token loss.
 
 Log-ratios are clamped to [-20, 20] before ``exp`` so one far-off token cannot
 overflow; the clamp is inactive for any ratio the clip range lets through.
@@ -52,12 +48,11 @@ class PolicyLossInput:
     old_logp: Tensor  # [N, T] policy before this update, recomputed in the update layout
     advantages: Tensor  # [N, T]
     mask: Tensor  # [N, T] float/bool
-    gen_logp: Tensor | None = None  # [N, T] generator-reported log-probs (for TIS)
 
 
 @dataclass
 class PolicyLossConfig:
-    """The policy losses' clip and truncated-importance-sampling settings, defined and checked
+    """The policy losses' clip settings, defined and checked
     here once. The ``[rl]`` config section extends this class (tandem/rl/config/rl_schema.py
     `RLConfig`), so they are set as ``rl.<key>``; a loss declares the clip keys it reads
     (``uses``)."""
@@ -68,8 +63,6 @@ class PolicyLossConfig:
     # 0 by -c x A (arXiv 1912.09729 uses 3); none = off
     seq_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - seq_clip_low
     seq_clip_high: float = 4e-4  # gspo: ... and above at 1 + seq_clip_high
-    tis_cap: float | None = 2.0  # truncated importance sampling of the train/generation gap: each
-    # token's loss times min(exp(old - gen log-prob), tis_cap); none = off
 
     def __post_init__(self) -> None:
         PolicyLossConfig.validate(self)
@@ -82,7 +75,6 @@ class PolicyLossConfig:
                 f"rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1 and "
                 f"seq_clip_high >= 0, got {self.seq_clip_low} / {self.seq_clip_high}")
         require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
-        require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
 
 
 @dataclass
@@ -108,16 +100,8 @@ def _approx_kl(log_ratio: Tensor) -> Tensor:
 def _finish(
     loss: Tensor, inp: PolicyLossInput, cfg: PolicyLossConfig, metrics: dict[str, Tensor]
 ) -> PolicyLossOutput:
-    """Apply TIS (when configured), mask the loss and the per-token metrics."""
+    """Mask the loss and the per-token metrics."""
     keep = inp.mask.bool()
-    if cfg.tis_cap is not None:
-        if inp.gen_logp is None:
-            raise ValueError("PolicyLossConfig.tis_cap is set but PolicyLossInput.gen_logp is None")
-        gap = (inp.old_logp - inp.gen_logp).detach()  # [N, T]
-        weight = gap.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cfg.tis_cap)  # [N, T]
-        loss = loss * weight
-        metrics["tis_weight"] = weight
-        metrics["tis_gap"] = gap
     # torch.where, not "* mask": padding log-probs may be non-finite and inf * 0 is nan
     metrics = {
         k: torch.where(keep, v.detach(), 0.0) if v.dim() == 2 else v.detach()

@@ -45,6 +45,16 @@ class RLConfig(PolicyLossConfig):
     # reward: subtracted from each token's reward before the advantages
     entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x each token's entropy;
     # 0 = off
+    tis_cap: float | None = 2.0  # C: the importance weight's cap (tis truncates at it, mis drops
+    # tokens above it, decoupled truncates at it; none: no cap, decoupled only)
+    offpolicy_correction: str = "tis"  # how the behaviour policy (the generator's log-probs) is
+    # corrected for: none, tis, mis, decoupled, m2po (tandem/rl/algorithms/offpolicy.py)
+    offpolicy_level: Literal["token", "sequence"] = "token"  # tis, mis: one importance ratio
+    # per token, or the product over each sequence's tokens
+    proximal: Literal["recompute", "loglinear"] = "recompute"  # decoupled, m2po: the proximal
+    # policy's log-probs recomputed before the update, or interpolated by versions (no forward)
+    m2_threshold: float = 0.04  # m2po: tokens with the largest (prox - behav)^2 are dropped
+    # until the mean of the rest is below this
     exact: bool = False  # batch-invariant kernels in rollout and update (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
@@ -66,6 +76,11 @@ class RLConfig(PolicyLossConfig):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
         require(self.eval_samples >= 0, f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}")
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
+        require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
+        require(self.m2_threshold > 0, f"rl.m2_threshold: must be > 0, got {self.m2_threshold}")
+        _check_name("rl.offpolicy_correction", "tandem.rl.algorithms.OFFPOLICY_CORRECTIONS",
+                    self.offpolicy_correction)
+        self._check_correction_keys()
         _check_name("rl.advantage", "tandem.rl.algorithms.ADVANTAGES", self.advantage)
         _check_name("rl.policy_loss", "tandem.rl.algorithms.POLICY_LOSSES", self.policy_loss)
         _check_name("rl.aggregation", "tandem.rl.algorithms.AGGREGATIONS", self.aggregation)
@@ -89,6 +104,29 @@ class RLConfig(PolicyLossConfig):
             if key not in uses and getattr(self, key) != getattr(default, key):
                 reads = ", ".join(f"rl.{k}" for k in uses) or "no clip setting"
                 raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} (it reads {reads})")
+
+    def _check_correction_keys(self) -> None:
+        """A correction setting the chosen correction does not read is an error, and tis / mis
+        need their cap."""
+        from tandem.rl.algorithms import OFFPOLICY_CORRECTIONS
+
+        name = self.offpolicy_correction
+        uses = OFFPOLICY_CORRECTIONS.cap(name, "uses", ())
+        default = RLConfig()
+        for key in ("tis_cap", "offpolicy_level", "proximal", "m2_threshold"):
+            if key not in uses and getattr(self, key) != getattr(default, key):
+                reads = ", ".join(f"rl.{k}" for k in uses) or "no other setting"
+                raise ConfigError(f"rl.{key}: not used by rl.offpolicy_correction = {name!r} "
+                                  f"(it reads {reads})")
+        require(self.tis_cap is not None or not OFFPOLICY_CORRECTIONS.cap(name, "needs_cap", False),
+                f"rl.tis_cap: none, but rl.offpolicy_correction = {name!r} needs a cap "
+                "(set rl.offpolicy_correction = 'none' for no correction)")
+
+    def correction_config(self):  # -> tandem.rl.algorithms.CorrectionConfig (imported lazily)
+        from tandem.rl.algorithms import CorrectionConfig
+
+        return CorrectionConfig(cap=self.tis_cap, level=self.offpolicy_level,
+                                proximal=self.proximal, m2_threshold=self.m2_threshold)
 
 
 @dataclass
@@ -117,6 +155,14 @@ class RolloutConfig:
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
     cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
 
+    mode: Literal["sync", "colocated_async"] = "sync"  # sync: each step samples its prompts to
+    # the end, then trains; colocated_async: generation stops once a step's groups are complete,
+    # the other sequences are suspended through the update and resumed (docs/async.md)
+    max_staleness: int = 0  # S: a sample trains at most S policy versions after its first
+    # token was sampled (0: synchronous); a prompt group starts only if it can train within S
+    suspended_kv: Literal["keep", "offload", "recompute"] = "keep"  # colocated_async: a
+    # suspended sequence's KV stays in device memory through the update (keep), goes to host
+    # memory and back (offload), or is freed and recomputed with the new weights (recompute)
     # FP8 KV pool (docs/fp8-kv.md)
     kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the
         # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
@@ -145,6 +191,12 @@ class RolloutConfig:
                 f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
         require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
+        require(self.max_staleness >= 0,
+                f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        require(self.max_staleness == 0 or self.mode != "sync",
+                f"rollout.max_staleness: {self.max_staleness} needs rollout.mode = "
+                "'colocated_async' (a synchronous step trains every sample at the version that "
+                "sampled it)")
         require(0 <= self.kv_scale_decay <= 1,
                 f"rollout.kv_scale_decay: must be in [0, 1], got {self.kv_scale_decay}")
         require(self.kv_calibration_tokens >= 1,

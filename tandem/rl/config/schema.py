@@ -126,7 +126,8 @@ class ModelConfig:
 
     flavor: str | None = None  # a from-scratch size from tandem/models/flavors.py
     path: str | None = None  # an HF-format folder (config.json + safetensors)
-    tokenizer: str | None = None  # a tokenizer folder or "builtin:char"; default: model.path
+    tokenizer: str | None = None  # a tokenizer folder, "builtin:char", or "builtin:vl-char" (with the image tokens, for a from-scratch vision-language flavor); default: model.path
+    train_vision: bool = False  # vision-language models: train the vision tower too (false: frozen, only the LM trains)
 
     def validate(self) -> None:
         if self.flavor is not None and self.path is not None:
@@ -461,10 +462,30 @@ class Config:
         require(self.env.kind != "http" or self.rollout.kv_dtype == "auto",
                 f"rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = \"http\" is not supported "
                 "yet (the endpoint's engine does not take the FP8 scales); use \"auto\"")
+        self._check_async_settings()
         if self.training.recipe == "rl":
             args = _model_args_if_known(self.model)
             if args is not None:
                 self.rollout.check_kv_budget(args, self._generation_dtype())
+
+    def _check_async_settings(self) -> None:
+        """One line for what an asynchronous rollout.mode has not run with yet (docs/async.md)."""
+        if self.rollout.mode == "sync":
+            return
+        untried = [k for k, on in (("lora.rank", self.lora.enabled),
+                                   ("rollout.kv_dtype", self.rollout.kv_dtype != "auto"),
+                                   ("parallel.cp", self.parallel.cp > 1),
+                                   ("env.kind = \"http\"", self.env.kind == "http"),
+                                   ("a vision-language model", self._vision_language())) if on]
+        require(not untried,
+                f"rollout.mode: {self.rollout.mode!r} has not run with {', '.join(untried)} yet; "
+                "set rollout.mode = \"sync\" or leave them at their defaults")
+
+    def _vision_language(self) -> bool:
+        """Whether model.flavor / model.path names a vision-language model (a folder that does
+        not read: unknown here, refused when the model is built)."""
+        args = _model_args_if_known(self.model)
+        return args is not None and getattr(args, "vision", None) is not None
 
     def _generation_dtype(self) -> str:
         """rollout.dtype as tandem/rl/rollout/sampling.py resolves it (auto: the compute dtype on

@@ -13,7 +13,7 @@ EXIT_FAILURE = 1  # an unexpected error (a bug): traceback printed
 EXIT_CONFIG = 2  # bad config key, value or file
 EXIT_DATA = 3  # bad data file or rows
 EXIT_MODEL = 4  # model / tokenizer folder that cannot be used as configured
-EXIT_SHORT_RUN = 5  # the run ended with fewer steps than asked
+EXIT_SHORT_RUN = 5  # the run ended with fewer steps than asked, or trained a prompt twice
 EXIT_HANG = 6  # the watchdog saw no progress: stacks dumped under dump_folder/hang/
 EXIT_NONFINITE = 7  # NaN/Inf in the loss or gradients with fault.on_nonfinite = "stop", or in weights about to be checkpointed
 # checkpoints: none verifies, an earlier run's are in the way of a fresh start, the one to

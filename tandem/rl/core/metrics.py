@@ -1,8 +1,10 @@
-"""Step metrics to the console, metrics.jsonl and the loggers of ``metrics.loggers`` (rank 0 writes)."""
+"""Step metrics to the console, metrics.jsonl and the loggers of ``metrics.loggers`` (rank 0
+writes), and `Tally`: metrics that declare how they combine over rounds and ranks."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -31,6 +33,102 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         return []
     with open(path, encoding="utf-8", errors="replace") as f:
         return parse_rows(line for line in f if line.endswith("\n"))
+
+
+class Tally:
+    """Step metrics, each declared with how it combines over rounds and ranks:
+
+    - ``sum``: counts and seconds (a reward's errors, generated tokens), added;
+    - ``mean``: averages, weighted by what they average over (a reward's mean over samples);
+    - ``max``: the largest (a response length);
+    - ``local``: this rank's own value, never combined over ranks (a KV pool's size);
+      over rounds the latest, or with ``add=True`` the total (this rank's rollout seconds).
+
+    `merge` adds another tally (a refill round); `reduce(group)` combines every rank's
+    in two all-reduces (sums and weighted means together, then maxima) and returns the
+    values. Declaring the reduction with the value replaces key-suffix conventions."""
+
+    def __init__(self) -> None:
+        self._sum: dict[str, float] = {}
+        self._mean: dict[str, tuple[float, float]] = {}  # key -> (weighted sum, weight)
+        self._max: dict[str, float] = {}
+        self._local: dict[str, float] = {}
+        self._adds: set[str] = set()  # local keys that add up over rounds
+
+    def sum(self, key: str, value: float) -> Tally:
+        self._sum[key] = self._sum.get(key, 0.0) + float(value)
+        return self
+
+    def mean(self, key: str, value: float, weight: float = 1.0) -> Tally:
+        s, w = self._mean.get(key, (0.0, 0.0))
+        self._mean[key] = (s + float(value) * weight, w + weight)
+        return self
+
+    def max(self, key: str, value: float) -> Tally:
+        self._max[key] = max(self._max.get(key, -math.inf), float(value))
+        return self
+
+    def local(self, key: str, value: float, *, add: bool = False) -> Tally:
+        self._local[key] = float(value) + (self._local.get(key, 0.0) if add else 0.0)
+        if add:
+            self._adds.add(key)
+        return self
+
+    def merge(self, other: Tally) -> Tally:
+        for k, v in other._sum.items():
+            self.sum(k, v)
+        for k, (s, w) in other._mean.items():
+            old = self._mean.get(k, (0.0, 0.0))
+            self._mean[k] = (old[0] + s, old[1] + w)
+        for k, v in other._max.items():
+            self.max(k, v)
+        for k, v in other._local.items():
+            self.local(k, v, add=k in other._adds or k in self._adds)
+        return self
+
+    def keys(self) -> list[str]:
+        return sorted({*self._sum, *self._mean, *self._max, *self._local})
+
+    def values(self) -> dict[str, float]:
+        """This rank's values (nothing combined over ranks)."""
+        out = dict(self._local)
+        out.update(self._sum)
+        out.update({k: s / w if w else 0.0 for k, (s, w) in self._mean.items()})
+        out.update(self._max)
+        return out
+
+    def reduce(self, group: Any = None, device: Any = None) -> dict[str, float]:
+        """Collective over ``group`` (every rank, with the same keys): the combined values.
+        The keys are agreed first, so a rank that saw none of a metric still takes part."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return self.values()
+        kinds: list[Any] = [None] * dist.get_world_size(group)
+        mine = (sorted(self._sum), sorted(self._mean), sorted(self._max))
+        dist.all_gather_object(kinds, mine, group=group)
+        sums = sorted({k for part in kinds for k in part[0]})
+        means = sorted({k for part in kinds for k in part[1]})
+        maxes = sorted({k for part in kinds for k in part[2]})
+        flat = [self._sum.get(k, 0.0) for k in sums]
+        for k in means:
+            flat += list(self._mean.get(k, (0.0, 0.0)))
+        t = torch.tensor(flat, dtype=torch.float64, device=device)
+        if len(flat):
+            dist.all_reduce(t, group=group)
+        m = torch.tensor([self._max.get(k, -math.inf) for k in maxes], dtype=torch.float64,
+                         device=device)
+        if len(maxes):
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        vals = t.tolist()
+        out = dict(self._local)
+        out.update(zip(sums, vals[:len(sums)]))
+        rest = vals[len(sums):]
+        out.update({k: rest[2 * i] / rest[2 * i + 1] if rest[2 * i + 1] else 0.0
+                    for i, k in enumerate(means)})
+        out.update(zip(maxes, m.tolist()))
+        return out
 
 
 def _fmt(v: float) -> str:
@@ -115,6 +213,29 @@ def step_gaps(path: str, steps: int, first: int = 1) -> str | None:
     parts = ([f"steps {_spans(missing)} missing"] if missing else []) + \
             ([f"steps {_spans(repeated)} repeated"] if repeated else [])
     return f"{path}: {'; '.join(parts)} (of {first}..{steps})"
+
+
+def position_repeats(path: str) -> str | None:
+    """Data-stream positions that more than one step of a ledger.jsonl trained (an
+    asynchronous run trains a prompt at a later step than it took it, once), or None."""
+    first: dict[int, int] = {}
+    twice: list[tuple[int, int, int]] = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                for p in row.get("positions", []):
+                    if p in first:
+                        twice.append((p, first[p], row["step"]))
+                    else:
+                        first[p] = row["step"]
+    if not twice:
+        return None
+    shown = ", ".join(f"{p} (steps {a} and {b})" for p, a, b in twice[:5])
+    more = f" and {len(twice) - 5} more" if len(twice) > 5 else ""
+    return f"{path}: positions {shown}{more}"
 
 
 def _spans(values: list[int]) -> str:

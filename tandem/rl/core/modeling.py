@@ -27,7 +27,9 @@ from tandem.models.flavors import get_flavor
 from tandem.models.hf import check_weight_shapes, hf_to_tandem, load_args, read_hf_state_dict
 from tandem.models.lora import adapter_shapes, apply_lora, lora_spec_of
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
-from tandem.models.transformer import Transformer
+from tandem.models.vl_template import build_vl_char_tokenizer
+from tandem.models.vlm import make_model
+from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.lora import LoraSetup, save_exports
 
 
@@ -40,11 +42,11 @@ def build_tokenizer(tokenizer: str | None, model_path: str | None, cache_dir: st
     src = tokenizer or model_path
     if src is None:
         raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or 'builtin:char')")
-    if src == "builtin:char":
+    if src in ("builtin:char", "builtin:vl-char"):
         # One folder per rank: ranks build it at the same time and must not read a half-written file.
         rank_dir = os.path.join(cache_dir, f"rank-{os.environ.get('RANK', '0')}")
         os.makedirs(rank_dir, exist_ok=True)
-        return build_char_tokenizer(rank_dir)
+        return build_char_tokenizer(rank_dir) if src == "builtin:char" else build_vl_char_tokenizer(rank_dir)
     key = "model.tokenizer" if tokenizer else "model.path"
     try:
         return Tokenizer.from_dir(src)
@@ -77,7 +79,7 @@ def full_initial_state(args: ModelArgs, path: str | None, seed: int) -> dict[str
         except (OSError, ValueError, KeyError) as e:
             raise ModelSetupError(f"model.path: {_one_line(e)}") from None
     torch_state = torch.get_rng_state()
-    model = Transformer(args)
+    model = make_model(args)
     model.init_weights(seed)
     torch.set_rng_state(torch_state)
     return {k: v for k, v in model.state_dict().items()}
@@ -114,13 +116,16 @@ class BuildSpec:
     activation_checkpoint: str = "none"
     compile: bool = False
     ep: int = 1  # expert parallelism over the FSDP2 shard ranks (MoE models)
+    train_vision: bool = False  # vision-language models: the tower trains too (model.train_vision)
     lora: LoraSetup | None = None  # adapters on a trained model (set by a recipe for the model it trains)
 
     @classmethod
-    def from_config(cls, training: Any, parallel: Any, lora: LoraSetup | None = None) -> BuildSpec:
+    def from_config(cls, training: Any, parallel: Any, model: Any = None,
+                    lora: LoraSetup | None = None) -> BuildSpec:
         return cls(param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
                    cpu_offload=parallel.cpu_offload, activation_checkpoint=parallel.activation_checkpoint,
-                   compile=parallel.compile, ep=parallel.ep, lora=lora)
+                   compile=parallel.compile, ep=parallel.ep, lora=lora,
+                   train_vision=bool(getattr(model, "train_vision", False)))
 
 
 def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
@@ -161,11 +166,15 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     """The one model builder (policy, reference, critic, reward model, teachers): ``make()``
     on the meta device, `parallelize_model`, then rank 0's ``initial_state()`` (the full
     weights, CPU) broadcast into the shards, so every layout starts from the same weights.
+    A vision-language model's tower is frozen unless ``spec.train_vision``.
     Pipeline stages use `parallelize_model` the same way (tandem/rl/update/policy.py)."""
     with torch.device("meta"):
         model = make()
     lora = spec.lora if trainable else None
     shapes = {}
+    if lora is not None and hasattr(model, "visual"):
+        raise ConfigError("lora: a vision-language model trains without LoRA adapters so far "
+                          "(set lora.rank = 0; model.train_vision picks what trains)")
     if lora is not None:  # a frozen base with adapters (tandem/models/lora.py), before any sharding
         apply_lora(model, lora.spec)
         shapes = adapter_shapes(model)
@@ -175,6 +184,8 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     load_full_state(model, with_adapters(initial_state(), lora, shapes) if is_main else None)
     if not trainable:
         model.requires_grad_(False).eval()
+    elif hasattr(model, "visual") and not spec.train_vision:
+        model.visual.requires_grad_(False)  # a frozen tower: the same on every rank, never in a gradient collective
     return model
 
 
@@ -192,7 +203,7 @@ def with_adapters(full: dict[str, torch.Tensor], lora: LoraSetup | None,
 def lora_shapes(args: ModelArgs, lora: LoraSetup) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every adapter the whole model gets (pipeline stages take their share)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)
     apply_lora(model, lora.spec)
     return adapter_shapes(model)
 
@@ -200,7 +211,7 @@ def lora_shapes(args: ModelArgs, lora: LoraSetup) -> dict[str, tuple[int, ...]]:
 def build_transformer(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
                       spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
     """A causal LM (policy, reference, teacher) from an HF folder or a seeded from-scratch init."""
-    return build_model(lambda: Transformer(args), lambda: full_initial_state(args, path, seed), mesh, device,
+    return build_model(lambda: make_model(args), lambda: full_initial_state(args, path, seed), mesh, device,
                        spec, is_main=is_main, trainable=trainable)
 
 

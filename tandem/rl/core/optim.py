@@ -1,11 +1,28 @@
-"""AdamW and the warmup + decay learning-rate schedule."""
+"""AdamW, the warmup + decay learning-rate schedule, and `Learner` (one trained model)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
+
+
+@dataclass
+class Learner:
+    """One model an optimizer update trains: the modules whose gradients the NaN/Inf rule
+    checks, its optimizer, how to clip its gradients, and its learning-rate schedule
+    (None: a constant rate). An update steps a list of them (the RL policy and a critic)."""
+
+    name: str
+    modules: Sequence[nn.Module]
+    optimizer: torch.optim.Optimizer
+    clip: Callable[[float], float]  # clip to a max norm; returns the norm before clipping
+    max_grad_norm: float
+    scheduler: Any | None = None
 
 
 def build_optimizer(model: nn.Module, *, lr: float, betas: list[float], eps: float, weight_decay: float) -> torch.optim.Optimizer:

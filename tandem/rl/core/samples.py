@@ -133,9 +133,9 @@ def read_samples(dump_folder: str) -> list[dict[str, Any]]:
 def dump_rollouts(dump_folder: str, step: int, rank: int, samples: Sequence[Any]) -> None:
     """``advanced.dump_rollouts`` (a debugging aid, used by the layout tests): every sample of
     this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens, generator
-    log-probs), so runs on different layouts can be compared sample by sample."""
+    log-probs, policy versions), so runs on different layouts can be compared sample by sample."""
     os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
     with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
         for s in samples:
             f.write(json.dumps({"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
-                                "gen_logprobs": s.gen_logprobs}) + "\n")
+                                "gen_logprobs": s.gen_logprobs, "versions": s.versions}) + "\n")

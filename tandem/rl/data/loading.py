@@ -54,8 +54,26 @@ def row_where(rows: list[dict[str, Any]], i: int, source: str) -> str:
     return f"{source}: row {i}"
 
 
+IMAGE_KEYS = ("image", "image_url")
+
+
+def is_image_part(part: dict[str, Any]) -> bool:
+    """A content part that holds an image (``{"type": "image", "image": ...}`` or an ``image_url``)."""
+    return part.get("type") == "image" or any(part.get(k) is not None for k in IMAGE_KEYS)
+
+
+def _parts_problem(content: list[Any]) -> str | None:
+    for p in content:
+        if not isinstance(p, dict):
+            return f"a content part must be an object, got {type(p).__name__}"
+        if not is_image_part(p) and (p.get("type", "text") != "text" or not isinstance(p.get("text"), str)):
+            return f"a content part must be {{'type': 'text', 'text': ...}} or an image, got keys {sorted(p)}"
+    return None
+
+
 def message_problem(messages: Any) -> str | None:
-    """Why ``messages`` is not a non-empty list of {"role": str, "content": str}, or None."""
+    """Why ``messages`` is not a non-empty list of {"role": str, "content": str or a list of
+    text / image parts}, or None."""
     if messages is None or messages == []:
         return "empty conversation"
     if not isinstance(messages, list):
@@ -63,6 +81,10 @@ def message_problem(messages: Any) -> str | None:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             return "each message needs 'role' and 'content'"
+        if isinstance(m["content"], list) and isinstance(m["role"], str):
+            if (problem := _parts_problem(m["content"])) is not None:
+                return problem
+            continue
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
             bad = "role" if not isinstance(m["role"], str) else "content"
             return f"a message's {bad!r} must be a string, got {type(m[bad]).__name__}"

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tandem.rl.core.fields import get_field
+from tandem.rl.data.images import VisionData
 from tandem.rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
 from tandem.rl.data.sft import BadRow, Example, tokenize_turns
 from tandem.rl.data.tasks import make_task_rows
@@ -150,6 +151,7 @@ def build_preference_data(
     rejected_field: str = "rejected",
     row_numbers: list[int] | None = None,
     skipped: Counter | None = None,
+    vision: VisionData | None = None,
 ) -> tuple[list[PreferencePair], Counter]:
     """Tokenize rows into pairs; bad rows are counted (into ``skipped``) or raise DataError.
 
@@ -165,7 +167,8 @@ def build_preference_data(
         try:
             ctx, c, r = _row_sides(rec, fields)
             n = len(ctx)
-            sides = [tokenize_turns(ctx + reply, tokenizer, first=n) for reply in (c, r)]
+            sides = [tokenize_turns(ctx + reply, tokenizer, first=n, vision=vision)
+                     for reply in (c, r)]
             for ex in sides:
                 if len(ex.input_ids) > max_length:
                     raise BadRow(f"longer than max_length ({len(ex.input_ids)} > {max_length} tokens)")
@@ -255,8 +258,10 @@ def load_preference_data(
     prompt_field: str = "prompt",
     chosen_field: str = "chosen",
     rejected_field: str = "rejected",
+    vision: VisionData | None = None,
 ) -> PreferenceData:
     """Train and held-out pairs from a jsonl/parquet file or a ``synthetic:<name>`` source.
+    ``vision``: a vision-language policy's image settings (rows with image parts).
 
     Held-out pairs: all rows of ``eval_source`` when given, else the synthetic
     source's test split, else a seeded ``eval_fraction`` of the file's rows.
@@ -282,7 +287,7 @@ def load_preference_data(
                                   for nums in (train_nums, eval_nums)])
     if eval_source is not None:
         eval_rows, eval_nums, eval_name = load_rows(eval_source, fmt), None, eval_source
-    kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, **fields)
+    kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, vision=vision, **fields)
     train, skipped = build_preference_data(train_rows, source=source, row_numbers=train_nums, **kw)  # type: ignore[arg-type]
     evals, skipped = build_preference_data(eval_rows, source=eval_name, row_numbers=eval_nums,  # type: ignore[arg-type]
                                            skipped=skipped, **kw)

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 
 from tandem.rl.core.fields import get_field
+from tandem.rl.data.images import VisionData, prepare_messages, with_images
 from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 SYNTHETIC = "synthetic:"
@@ -56,6 +57,7 @@ class Prompt:
     index: int  # row index in its dataset
     token_ids: list[int]
     row: dict[str, Any]
+    images: Any = None  # tandem.models.vlm.PromptImages of a row with images (vision-language policies)
 
 
 def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str) -> list[dict[str, Any]]:
@@ -81,9 +83,11 @@ def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str)
 
 def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
                    messages_field: str, answer_field: str, max_prompt_tokens: int,
-                   on_bad_row: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
-    """Chat-template and tokenize; bad rows (a missing field, or one of the wrong type) are
-    counted (or raise DataError naming the file and line)."""
+                   on_bad_row: str = "skip", vision: VisionData | None = None) -> tuple[list[Prompt], dict[str, int]]:
+    """Chat-template and tokenize; bad rows (a missing field, or one of the wrong type, or an
+    unreadable image) are counted (or raise DataError naming the file and line). ``vision``:
+    a vision-language policy's image settings (tandem/rl/data/images.py); image tokens are
+    expanded to their images' rows and the prompt carries its `PromptImages`."""
     out: list[Prompt] = []
     skipped: dict[str, int] = {}
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -94,9 +98,11 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
                 raise ValueError(f"missing field {answer_field!r} (data.answer_field names it)")
             if not isinstance(answer, str):
                 raise ValueError(f"field {answer_field!r} must be a string, got {type(answer).__name__}")
-            msgs = prompt_messages(row, prompt_field, messages_field)
+            msgs = prepare_messages(prompt_messages(row, prompt_field, messages_field), vision)
+            if not has_template and not isinstance(msgs[-1]["content"], str):
+                raise ValueError("a prompt with images needs a tokenizer with a chat template")
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
-            ids = tokenizer.encode(text)
+            ids, images, _ = with_images(msgs, tokenizer.encode(text), vision)
             if len(ids) > max_prompt_tokens:
                 raise ValueError(f"prompt longer than {max_prompt_tokens} tokens")
         except ValueError as e:
@@ -105,7 +111,7 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
             reason = str(e).split(" (")[0]  # counted without the hint
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
-        out.append(Prompt(i, ids, {**row, "answer": answer}))
+        out.append(Prompt(i, ids, {**row, "answer": answer}, images))
     if not out:
         raise DataError(f"{source}: no usable prompt rows ({skipped} skipped)")
     return out, skipped
@@ -122,12 +128,25 @@ class PromptStream:
         self.num_rows = num_rows
         self.cursor = cursor  # how many positions of the global chain have been taken
         self.order = EpochOrder(num_rows, seed * 7_919, shuffle)
+        self.requeued: list[int] = []  # positions taken but given back untrained: taken again first
 
     def take(self, n: int) -> list[tuple[int, int]]:
-        """The next n (position, row index) pairs of the global chain."""
-        out = [(g, self.order.row(g)) for g in range(self.cursor, self.cursor + n)]
-        self.cursor += n
+        """The next n (position, row index) pairs: given-back positions first (lowest first),
+        then the global chain's."""
+        out = []
+        for _ in range(n):
+            if self.requeued:
+                g = self.requeued.pop(0)
+            else:
+                g = self.cursor
+                self.cursor += 1
+            out.append((g, self.order.row(g)))
         return out
+
+    def requeue(self, positions: list[int]) -> None:
+        """Give back taken positions that will not train (asynchronous RL drops a group whose
+        samples would break the staleness bound): they are taken again before new ones."""
+        self.requeued = sorted(set(self.requeued) | set(positions))
 
     @property
     def epoch(self) -> int:

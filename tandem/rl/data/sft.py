@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tandem.rl.core.fields import get_field
+from tandem.rl.data.images import VisionData, prepare_messages, with_images
 from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 IGNORE = -100  # target id that takes no loss
@@ -29,33 +30,40 @@ IGNORE = -100  # target id that takes no loss
 class Example:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token is trained (an assistant token)
+    images: Any = None  # tandem.models.vlm.PromptImages of a chat with images (M-RoPE positions of all its tokens)
 
 
 class BadRow(ValueError):
     """A row that cannot become a training example; str() says why."""
 
 
-def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None) -> Example:
+def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None, vision: VisionData | None = None) -> Example:
     """Token ids and loss mask of a chat: assistant turns trained, the rest context.
 
     ``tools`` (a list of JSON tool schemas, the row's ``tools`` field) is rendered
     by the chat template as it is at generation time, so tool-calling
     transcripts (assistant ``<tool_call>`` turns, ``tool`` results) train the
-    format the policy will see in an agentic rollout."""
+    format the policy will see in an agentic rollout. ``vision``: a vision-language
+    policy's image settings; image parts become their images' tokens (never trained)."""
     if (problem := message_problem(messages)) is not None:
         raise BadRow(problem)
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise BadRow("tools must be a list of JSON objects (tool schemas)")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant message to train on")
-    return tokenize_turns(messages, tokenizer, tools=tools)
+    return tokenize_turns(messages, tokenizer, tools=tools, vision=vision)
 
 
 def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int = 0,
-                   tools: Any = None) -> Example:
+                   tools: Any = None, vision: VisionData | None = None) -> Example:
     """Tokens of ``messages`` through the chat template; the assistant turns at index >= ``first``
     are trained (mask 1). The template is rendered turn by turn so the mask follows the rendered
-    text, whatever the template adds around each turn; it must be prefix-stable."""
+    text, whatever the template adds around each turn; it must be prefix-stable. ``vision``: a
+    vision-language policy's image settings (image parts become their images' tokens)."""
+    try:
+        messages = prepare_messages(messages, vision)
+    except ValueError as e:
+        raise BadRow(str(e)) from None
     ids: list[int] = []
     mask: list[int] = []
     done = ""  # text already tokenized
@@ -75,7 +83,11 @@ def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int
     if not full.startswith(done):
         raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
     tail = tokenizer.encode(full[len(done):])
-    return Example(ids + tail, mask + [0] * len(tail))
+    try:
+        ids, images, (mask,) = with_images(messages, ids + tail, vision, mask + [0] * len(tail))
+    except ValueError as e:
+        raise BadRow(str(e)) from None
+    return Example(ids, mask, images)
 
 
 def tokenize_prompt_completion(prompt: Any, completion: Any, tokenizer: Any) -> Example:
@@ -95,6 +107,7 @@ class PackedRow:
     targets: list[int]  # next token where trained, IGNORE elsewhere
     positions: list[int]
     doc_ids: list[int]
+    images: list[Any] = field(default_factory=list)  # per document: its PromptImages or None (text)
 
     @property
     def num_targets(self) -> int:
@@ -105,7 +118,7 @@ def example_to_row(ex: Example) -> PackedRow:
     """Shift by one: token t predicts token t+1 when t+1 is trained."""
     n = len(ex.input_ids) - 1
     targets = [ex.input_ids[t + 1] if ex.loss_mask[t + 1] else IGNORE for t in range(n)]
-    return PackedRow(ex.input_ids[:-1], targets, list(range(n)), [0] * n)
+    return PackedRow(ex.input_ids[:-1], targets, list(range(n)), [0] * n, [ex.images])
 
 
 def pack_rows(rows: list[PackedRow], max_length: int) -> list[PackedRow]:
@@ -121,6 +134,7 @@ def pack_rows(rows: list[PackedRow], max_length: int) -> list[PackedRow]:
         cur.targets += r.targets
         cur.positions += r.positions
         cur.doc_ids += [doc] * len(r.tokens)
+        cur.images += r.images
     if cur.tokens:
         packed.append(cur)
     return packed
@@ -144,8 +158,10 @@ def build_sft_data(
     messages_field: str = "messages",
     prompt_field: str = "prompt",
     completion_field: str = "completion",
+    vision: VisionData | None = None,
 ) -> SFTData:
-    """Tokenize, filter and pack; bad rows are counted or raise DataError."""
+    """Tokenize, filter and pack; bad rows are counted or raise DataError. ``vision``: a
+    vision-language policy's image settings (chats with image parts)."""
     out = SFTData(rows=[])
     singles: list[PackedRow] = []
     for i, rec in enumerate(records):
@@ -153,9 +169,9 @@ def build_sft_data(
             messages = get_field(rec, messages_field)
             prompt, completion = get_field(rec, prompt_field), get_field(rec, completion_field)
             if messages is not None:
-                ex = tokenize_chat(messages, tokenizer, rec.get("tools"))
+                ex = tokenize_chat(messages, tokenizer, rec.get("tools"), vision)
             elif isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational form
-                ex = tokenize_chat(prompt + completion, tokenizer, rec.get("tools"))
+                ex = tokenize_chat(prompt + completion, tokenizer, rec.get("tools"), vision)
             elif prompt is not None or completion is not None:
                 ex = tokenize_prompt_completion(prompt, completion, tokenizer)
             else:

@@ -1,4 +1,5 @@
-"""Synthetic verifiable tasks generated in code: arithmetic, countdown, sorting, tiny addition.
+"""Synthetic verifiable tasks generated in code: arithmetic, countdown, sorting, tiny addition,
+and pictures of coloured shapes for vision-language policies.
 
 Rows are deterministic given ``(name, n, seed, split, knobs)`` and the train and
 test splits never share a problem, whatever the seeds and knobs: every problem
@@ -208,6 +209,34 @@ def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_leng
     text = "".join(chars) + "?"
     reply = f"{digit}!" if stray and rng.random() < stray else digit
     return Problem(key=text, prompt=text, answer=digit, extra={"sft_reply": reply})
+
+
+@_task("shapes", reward="exact_match")
+def shapes(rng: random.Random, *, stray: float = 0.0, canvas: int = 56, ask: str = "both") -> Problem:
+    """A picture of one coloured shape (Pillow); the question asks its colour or its shape.
+
+    For vision-language policies: the row's ``messages`` hold the picture (a PNG ``data:``
+    URI) and the question, "What colour is the shape?" ("red") or "What shape is it?"
+    ("circle"); ``ask`` = "colour" or "shape" asks only one. The shape's size and centre are
+    drawn too, so held-out pictures are new. ``stray`` as in ``addition_small``: that share
+    of ``sft_reply``s end with a stray "!".
+    """
+    from tandem.rl.data.shapes import COLOURS, SHAPES, data_uri, draw
+
+    if ask not in ("both", "colour", "shape") or not 0.0 <= stray <= 1.0 or canvas < 28:
+        raise ValueError(f"shapes: need ask in both/colour/shape, 0 <= stray <= 1, canvas >= 28; got {ask!r}, "
+                         f"{stray}, {canvas}")
+    shape, colour = rng.choice(SHAPES), rng.choice(sorted(COLOURS))
+    size = rng.randint(canvas * 2 // 5, canvas * 3 // 4)
+    cx, cy = (rng.randint(size // 2 + 1, canvas - size // 2 - 1) for _ in range(2))
+    which = rng.choice(["colour", "shape"]) if ask == "both" else ask
+    question = "What colour is the shape?" if which == "colour" else "What shape is it?"
+    answer = colour if which == "colour" else shape
+    reply = f"{answer}!" if stray and rng.random() < stray else answer
+    picture = {"type": "image", "image": data_uri(draw(shape, colour, cx, cy, size, canvas))}
+    messages = [{"role": "user", "content": [picture, {"type": "text", "text": question}]}]
+    return Problem(key=f"{which}|{shape}|{colour}|{size}|{cx},{cy}", prompt=question, answer=answer,
+                   extra={"messages": messages, "sft_reply": reply})
 
 
 # ---------------------------------------------------------------------------

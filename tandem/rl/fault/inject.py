@@ -6,6 +6,10 @@ poison a step's loss with NaN.
                                             its shards are written and before the commit
     TANDEM_INJECT_NAN=<step>                the loss of step N's optimizer updates is NaN on
                                             every rank (the NaN/Inf policy then skips or stops)
+    TANDEM_INJECT_LENGTHS=<alpha>:<lo>:<hi> every prompt group samples a length drawn from a
+                                            Pareto(alpha) above lo, capped at hi, ignoring EOS:
+                                            the long-tail workload (bench/async_modes.py)
+    TANDEM_INJECT_GEN_DELAY=<rank>:<s>      a slow generator: rank sleeps s seconds per step
 
 The kill comes after the step's update and before any checkpoint of that step,
 so a restarted job must redo the step from the previous checkpoint. A marker
@@ -22,6 +26,39 @@ import signal
 ENV = "TANDEM_INJECT_KILL"
 ENV_SAVE = "TANDEM_INJECT_KILL_SAVE"
 ENV_NAN = "TANDEM_INJECT_NAN"
+ENV_LENGTHS = "TANDEM_INJECT_LENGTHS"
+ENV_GEN_DELAY = "TANDEM_INJECT_GEN_DELAY"
+
+
+def forced_length(seed: int) -> int | None:
+    """The drill's completion length for the group sampled with ``seed`` (None: no drill):
+    ``lo * u ** (-1 / alpha)`` capped at ``hi``, ``u`` uniform in (0, 1] from a hash of the
+    seed, so a group has the same length in every mode and on every layout."""
+    spec = os.environ.get(ENV_LENGTHS)
+    if not spec:
+        return None
+    try:
+        alpha, lo, hi = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"{ENV_LENGTHS}={spec!r}: expected <alpha>:<lo>:<hi>") from None
+    import hashlib
+
+    digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=False), digest_size=8).digest()
+    h = int.from_bytes(digest, "little")
+    u = ((h >> 11) + 1) / 2.0**53  # (0, 1]
+    return int(min(hi, lo * u ** (-1.0 / alpha)))
+
+
+def generator_delay(rank: int) -> float:
+    """Seconds the drill makes ``rank``'s generator sleep after each step (0: none)."""
+    spec = os.environ.get(ENV_GEN_DELAY)
+    if not spec:
+        return 0.0
+    try:
+        at, secs = spec.split(":")
+        return float(secs) if int(at) == rank else 0.0
+    except ValueError:
+        raise ValueError(f"{ENV_GEN_DELAY}={spec!r}: expected <rank>:<seconds>") from None
 
 
 def nan_at(step: int) -> bool:

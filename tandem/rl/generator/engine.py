@@ -41,6 +41,7 @@ class GenerationSettings:
     cuda_graphs: bool = False  # decode steps replay captured graphs (CUDA only; eager elsewhere)
     graphs_capture: bool | None = None  # None: capture on CUDA; False: padded path without capture (tests)
     decode_mirror: bool = True  # PyTorch attention path: decode steps read contiguous rows, not gathered pages
+    step_delay_s: float = 0.0  # sleep after every step (a slow generator, for drills)
     kv_dtype: str = "auto"  # "auto": pages in the model's dtype; "fp8_e4m3" | "fp8_e5m2": FP8 pages
     kv_scales: str = "calibrated"  # FP8: "calibrated" (the Generator's kv_scales) | "per_token"
 
@@ -109,20 +110,23 @@ class Generator:
                                   graphs_capture=settings.graphs_capture, decode_mirror=settings.decode_mirror,
                                   agree=agree)
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
+        self._kv_home = cache.data.device  # where the pool lives when not offloaded
+        self._kv_shape = (tuple(cache.data.shape), cache.data.dtype)
         self._next_id = 0
         self._stop_check: dict[int, Callable[[Sequence], bool]] = {}
 
     # ---- step-level API (multi-turn) -----------------------------------------------------
 
     def add(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-            stop_check: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
-        """Queue n samples of one prompt (a group sharing the prompt's KV blocks)."""
+            stop_check: Callable[[Sequence], bool] | None = None, images: object = None) -> list[Sequence]:
+        """Queue n samples of one prompt (a group sharing the prompt's KV blocks); ``images``:
+        the prompt's `tandem.models.vlm.PromptImages` (a vision-language model's image prompt)."""
         seqs = []
         for i in range(n):
             p = params
             if params.seed is not None and n > 1:
                 p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-            seqs.append(Sequence(self._next_id, prompt_token_ids, p))
+            seqs.append(Sequence(self._next_id, prompt_token_ids, p, images=images))
             self._next_id += 1
         self.scheduler.add_group(seqs)
         if stop_check is not None:
@@ -137,6 +141,8 @@ class Generator:
         if out.is_empty:
             return []
         sampled = self.runner.run(out)
+        if self.settings.step_delay_s:
+            time.sleep(self.settings.step_delay_s)
         done = self.scheduler.postprocess(out, sampled)
         self.stats.steps += 1
         self.stats.generated_tokens += len(sampled)
@@ -162,19 +168,65 @@ class Generator:
     def has_work(self) -> bool:
         return self.scheduler.has_schedulable()
 
+    def add_resumed(self, seq: Sequence,
+                    stop_check: Callable[[Sequence], bool] | None = None) -> None:
+        """Queue a sequence that already holds sampled tokens (a fresh `Sequence` with its
+        tokens, masks and log-probs restored); it recomputes its K/V and samples on."""
+        seq.seq_id = self._next_id
+        self._next_id += 1
+        self.scheduler.add_resumed(seq)
+        if stop_check is not None:
+            self._stop_check[seq.seq_id] = stop_check
+
+    # ---- suspending through an update (colocated asynchronous RL) -----------------------
+
+    def offload_kv(self) -> None:
+        """Move the KV pool (and the decode rows beside it) to host memory; `restore_kv` brings
+        the same values back, so the sequences continue as if nothing happened."""
+        pin = self._kv_home.type == "cuda"
+        host = self.cache.data.to("cpu", copy=True)
+        self.cache.data = host.pin_memory() if pin else host
+        if self.runner.mirror is not None:
+            self.runner.mirror.rows = self.runner.mirror.rows.to("cpu", copy=True)
+
+    def restore_kv(self) -> None:
+        self.cache.data = self.cache.data.to(self._kv_home)
+        if self.runner.mirror is not None:
+            self.runner.mirror.rows = self.runner.mirror.rows.to(self._kv_home)
+
+    def release_kv(self) -> None:
+        """Free the KV pool: every unfinished sequence recomputes its K/V (with whatever weights
+        the model then has) when `reacquire_kv` has carved the pool again."""
+        self.scheduler.preempt_all()
+        self.cache.data = self.cache.data.new_empty(0)
+        mirror = self.runner.mirror
+        if mirror is not None:
+            layers, two, _, heads, _, dim = mirror.rows.shape
+            mirror.rows = mirror.rows.new_empty(layers, two, 0, heads, 0, dim)
+            mirror.seq_ids, mirror.lengths = [], []
+
+    def reacquire_kv(self) -> None:
+        shape, dtype = self._kv_shape
+        self.cache.data = torch.zeros(shape, dtype=dtype, device=self._kv_home)
+
     # ---- batch API ---------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], n: int = 1,
-                 stop_check: Callable[[Sequence], bool] | None = None) -> list[list[Completion]]:
-        """Generate n completions per prompt; result[i][j] is sample j of prompt i."""
+                 stop_check: Callable[[Sequence], bool] | None = None,
+                 images: list[object] | None = None) -> list[list[Completion]]:
+        """Generate n completions per prompt; result[i][j] is sample j of prompt i; ``images``:
+        per prompt, its PromptImages or None."""
         t0 = time.monotonic()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        groups = [self.add(p, sp, n, stop_check) for p, sp in zip(prompts, plist)]
+        ilist = images if images is not None else [None] * len(prompts)
+        groups = [self.add(p, sp, n, stop_check, im) for p, sp, im in zip(prompts, plist, ilist)]
         while self.scheduler.has_unfinished():
             if not self.scheduler.has_schedulable():
                 raise RuntimeError("generate: paused sequences remain; use the step API for multi-turn")
             self.step()
         self.stats.seconds += time.monotonic() - t0
+        if self.runner.vision is not None:
+            self.stats.extra["vision_tower_runs"] = self.runner.vision.tower_runs
         out = [[_to_completion(s, i, j) for j, s in enumerate(g)] for i, g in enumerate(groups)]
         for comps, seqs in zip(out, groups):
             for c, s in zip(comps, seqs):
@@ -198,6 +250,8 @@ class Generator:
         self.cache = None  # type: ignore[assignment]
         self.runner.cache = None  # type: ignore[assignment]
         self.runner.mirror = None
+        if self.runner.vision is not None:
+            self.runner.vision.release()
 
 
 def stop_strings_check(decode: Callable[[list[int]], str], stops: Seq[str]) -> Callable[[Sequence], bool]:

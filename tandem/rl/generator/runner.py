@@ -12,7 +12,8 @@ forces the padded path for testing, and every step on the PyTorch attention
 path (``advanced.kernels = "torch"``), runs eagerly. On the PyTorch attention path (off CUDA, fp32
 caches) pure decode steps read contiguous per-sequence rows kept by a
 `DecodeMirror` instead of gathering the pages at every layer
-(``decode_mirror=False``: always gather).
+(``decode_mirror=False``: always gather). A vision-language model's steps get their
+M-RoPE positions and image rows from `VisionSteps` (tandem/rl/generator/vision.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tandem.rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
 from tandem.rl.generator.routing import RoutingRecorder
 from tandem.rl.generator.sampler import Sampler
 from tandem.rl.generator.scheduler import SchedulerOutput
+from tandem.rl.generator.vision import VisionSteps
 
 
 class ModelRunner:
@@ -40,6 +42,7 @@ class ModelRunner:
                  agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
         self.model, self.cache, self.impl, self.agree = model, cache, impl, agree
         self.routing = RoutingRecorder(model)  # MoE models: each token's experts, for the update's parity check
+        self.vision = VisionSteps(model) if getattr(model.args, "vision", None) is not None else None
         self.default_seed = default_seed
         self.sampler = Sampler()
         self.device = cache.data.device
@@ -69,7 +72,10 @@ class ModelRunner:
             return None
         bs = self.cache.block_size
         chunks = out.chunks
-        return self.graphs.run([c.token_ids[0] for c in chunks], [c.positions[0] for c in chunks],
+        if self.vision is not None and self.vision.has_images(chunks):
+            return None
+        rope = self.vision.rope_1d(chunks) if self.vision is not None else [c.positions[0] for c in chunks]
+        return self.graphs.run([c.token_ids[0] for c in chunks], rope,
                                [c.slot_mapping(bs)[0] for c in chunks], [c.seq.block_table for c in chunks],
                                [c.end for c in chunks])
 
@@ -104,11 +110,25 @@ class ModelRunner:
             return None
         if out.preempted:
             self.mirror.forget(s.seq_id for s in out.preempted)
-        step = self.mirror.plan(out.chunks) if out.is_pure_decode else None
+        decode = out.is_pure_decode and not (self.vision is not None and self.vision.has_images(out.chunks))
+        step = self.mirror.plan(out.chunks) if decode else None
         if step is None:
             self.mirror.forget(c.seq.seq_id for c in out.chunks)  # they get tokens through the pages
             return None
-        return self._logits(step.tokens, step.positions, MirrorAttention(self.mirror, step, self.scale))
+        rope = step.positions  # the KV rows' index; a vision-language model's M-RoPE shifts its RoPE
+        if self.vision is not None:
+            rope = torch.tensor(self.vision.rope_1d(out.chunks), dtype=torch.long, device=rope.device)
+        return self._logits(step.tokens, rope, MirrorAttention(self.mirror, step, self.scale))
+
+    def _inputs(self, out: SchedulerOutput, positions: torch.Tensor) -> dict:
+        """The model's positions (``[1, T]``, or M-RoPE ``[3, 1, T]`` over images) and image rows."""
+        if self.vision is None:
+            return {"positions": positions[None]}
+        if not self.vision.has_images(out.chunks):
+            rope = torch.tensor(self.vision.rope_1d(out.chunks), dtype=torch.long, device=self.device)
+            return {"positions": rope[None]}
+        rope3, images = self.vision.inputs(out.chunks, self.device)
+        return {"positions": rope3[:, None], "images": images}
 
     def _record_routing(self, out: SchedulerOutput) -> None:
         """MoE models: file the experts of the step's tokens (every path runs them in chunk order)."""
@@ -126,7 +146,7 @@ class ModelRunner:
         if logits is None:
             tokens, positions, meta = self.build_meta(out)
             attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
-            hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[0]  # [T, D]
+            hidden = self.model(tokens[None], attn=attn, return_hidden=True, **self._inputs(out, positions))[0]  # [T, D]
             self._record_routing(out)
             if not chunks:
                 return {}

@@ -182,6 +182,41 @@ class Scheduler:
         else:
             self.waiting.extend(seqs)
 
+    def add_resumed(self, seq: Sequence) -> None:
+        """Add a sequence that already holds sampled tokens (restored from a checkpoint, or
+        carried over from another generator): it recomputes its K/V, then samples on from its
+        next token index (the sampler's key), as a preempted sequence would."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence id {seq.seq_id} is already in the scheduler")
+        if seq.status is not _WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"add_resumed: sequence {seq.seq_id} holds K/V state ({seq!r})")
+        seq.params.validate()
+        left = seq.params.max_tokens - seq.num_generated
+        if seq.num_tokens >= self.max_model_len or left < 1:
+            raise ValueError(f"add_resumed: sequence {seq.seq_id} has no token left to sample "
+                             f"({seq!r})")
+        self._check_fits(seq, min(self.max_model_len, seq.num_tokens + left) - 1,
+                         f"{seq.num_tokens} tokens + {left} left to sample")
+        seq.group_id = self._num_groups if seq.group_id is None else seq.group_id
+        self._num_groups += 1
+        seq.arrival = self._num_arrived
+        self._num_arrived += 1
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def preempt_all(self) -> None:
+        """Free every unfinished sequence's K/V (they recompute it when scheduled again), keeping
+        the queue order: running ones first, in admission order, then the waiting ones."""
+        for seq in self.running:
+            seq.status = _WAITING
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+        for seq in self._seqs.values():
+            if self.block_manager.holds_blocks(seq):
+                self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+        self.block_manager.take_copies()
+
     def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already in the scheduler")

@@ -107,6 +107,7 @@ class Sequence:
         prompt_token_ids: Iterable[int],
         params: SamplingParams | None = None,
         group_id: int | None = None,
+        images: object = None,
     ) -> None:
         tokens = [int(t) for t in prompt_token_ids]
         if not tokens:
@@ -124,6 +125,7 @@ class Sequence:
         self.group_id = group_id
         self.params = params if params is not None else SamplingParams()
         self.arrival = -1  # set by the scheduler: order of add_group calls, then group order
+        self.images = images  # the prompt's PromptImages (vision-language models), shared by its group
 
     def __len__(self) -> int:
         return len(self.token_ids)

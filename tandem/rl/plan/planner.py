@@ -146,10 +146,10 @@ def _elem(dtype: torch.dtype) -> int:
 
 def param_shapes(args: ModelArgs, lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter of the whole model, a tied head listed once (adapters too)."""
-    from tandem.models.transformer import Transformer
+    from tandem.models.vlm import make_model
 
     with torch.device("meta"):
-        model = Transformer(args)
+        model = make_model(args)  # a vision-language model's tower included
         if lora is not None:
             apply_lora(model, lora)
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]

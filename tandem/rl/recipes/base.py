@@ -25,7 +25,7 @@ schedule of the rest of the run.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,6 +44,7 @@ from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
 from tandem.rl.core.lora import checkpoint_module
+from tandem.rl.core.optim import Learner
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -65,10 +66,12 @@ class CheckpointParts:
 @dataclass
 class StepOutput:
     """What one step gives the shell: its metrics, and the ids of the examples this rank
-    trained on (written to ledger.jsonl, which proves every step ran exactly once)."""
+    trained on (written to ledger.jsonl, which proves every step ran exactly once) and their
+    positions in the data stream (each trained at most once over the whole run)."""
 
     metrics: dict[str, float]
     ids: list[str] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -142,51 +145,52 @@ class Recipe(Protocol):
 class Updater:
     """Optimizer updates under the run's NaN/Inf policy (``fault.on_nonfinite``).
 
-    ``apply(loss, step)`` checks the loss and every gradient of ``modules`` on
-    all ranks (tandem/rl/fault/nan.py). Finite: clip to ``max_grad_norm``, step the
-    optimizer, and run ``on_apply`` (e.g. the critic's own step). Not finite
-    under "skip": drop the gradients, run ``on_skip``, count it. Under "stop"
-    the check raises NonFiniteError (exit 7). Either way the LR schedule
-    advances by one and the gradients are zeroed.
+    ``apply(loss, step, learners)`` checks the loss and the gradients of every learner's
+    modules on all ranks (tandem/rl/fault/nan.py). Finite: each of ``learners`` (default:
+    all; a critic warming up steps alone) clips and steps. Not finite under "skip": every
+    gradient is dropped and the update counted. Under "stop" the check raises
+    NonFiniteError (exit 7). Either way the stepped learners' schedules advance by one and
+    every gradient is zeroed. The first learner's schedule is the run's ``last_lr``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, modules: Sequence[nn.Module],
-                 clip: Callable[[float], float], *, max_grad_norm: float, fault: FaultConfig,
-                 dump_folder: str, rank: int) -> None:
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.modules, self.clip = list(modules), clip
-        self.max_grad_norm = max_grad_norm
+    def __init__(self, learners: Sequence[Learner], *, fault: FaultConfig, dump_folder: str,
+                 rank: int) -> None:
+        self.learners = list(learners)
         self.fault, self.dump_folder, self.rank = fault, dump_folder, rank
         self.skipped = 0
-        self.last_lr = self.scheduler.get_last_lr()[0]  # the learning rate of the latest update
+        self.last_lr = self._lr()  # the learning rate of the latest update
 
+    def _lr(self) -> float:
+        sched = self.learners[0].scheduler
+        if sched is not None:
+            return sched.get_last_lr()[0]
+        return self.learners[0].optimizer.param_groups[0]["lr"]
 
-    def apply(self, loss: torch.Tensor, step: int, *, on_apply: Callable[[], None] | None = None,
-              on_skip: Callable[[], None] | None = None, optimizer: bool = True) -> float | None:
-        """One guarded update; returns the gradient norm, or None when it was skipped or
-        ``optimizer`` is False (only ``on_apply`` runs then, e.g. a critic warming up
-        while the policy and its schedule wait)."""
+    def apply(self, loss: torch.Tensor, step: int,
+              learners: Sequence[Learner] | None = None) -> dict[str, float]:
+        """One guarded update of ``learners`` (default: all); returns each stepped learner's
+        gradient norm by name ({} when the update was skipped)."""
+        stepping = self.learners if learners is None else list(learners)
         if nan_at(step + 1):  # fault drill (TANDEM_INJECT_NAN)
             loss = loss * float("nan")
-        finite = check_finite(loss, self.modules, step + 1, self.rank, self.fault.on_nonfinite,
+        modules = [m for learner in self.learners for m in learner.modules]
+        finite = check_finite(loss, modules, step + 1, self.rank, self.fault.on_nonfinite,
                               dump_folder=self.dump_folder)
-        norm = None
-        if optimizer:
-            self.last_lr = self.scheduler.get_last_lr()[0]
+        if self.learners[0] in stepping:
+            self.last_lr = self._lr()
+        norms: dict[str, float] = {}
         if finite:
-            if optimizer:
-                norm = self.clip(self.max_grad_norm)
-                self.optimizer.step()
-            if on_apply is not None:
-                on_apply()
+            for learner in stepping:
+                norms[learner.name] = learner.clip(learner.max_grad_norm)
+                learner.optimizer.step()
         else:
             self.skipped += 1
-            if on_skip is not None:
-                on_skip()
-        if optimizer:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        for learner in stepping:
+            if learner.scheduler is not None:
+                learner.scheduler.step()
+        for learner in self.learners:
+            learner.optimizer.zero_grad(set_to_none=True)
+        return norms
 
 
 class SingleModelTraining:
@@ -203,9 +207,10 @@ class SingleModelTraining:
         self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
                                          decay=s.decay, min_lr_ratio=s.min_lr_ratio)
-        self.updater = Updater(self.optimizer, self.scheduler, [model],
-                               lambda max_norm: clip_grad_norm(model.parameters(), max_norm),
-                               max_grad_norm=o.max_grad_norm, fault=cfg.fault, dump_folder=dump_folder, rank=rank)
+        learner = Learner("model", [model], self.optimizer,
+                          lambda max_norm: clip_grad_norm(model.parameters(), max_norm),
+                          o.max_grad_norm, self.scheduler)
+        self.updater = Updater([learner], fault=cfg.fault, dump_folder=dump_folder, rank=rank)
 
     def checkpoint_parts(self) -> CheckpointParts:
         return CheckpointParts(self.model, self.optimizer)

@@ -39,6 +39,7 @@ from tandem.rl.recipes.pairwise import (
     PairSetup,
     PairwiseRecipe,
     pair_accuracy,
+    pair_images,
     precompute_reference,
     reshard_all,
     sequence_logps,
@@ -86,12 +87,13 @@ class DPOHead:
         dev = self.info.device
         batch = {k: v.to(dev) for k, v in collate_pairs(pairs, self.setup.pad_id).items()}
         b = len(pairs)
-        logps, lengths = sequence_logps(self.model, batch)  # [2B] each: chosen then rejected
+        images = pair_images(pairs)
+        logps, lengths = sequence_logps(self.model, batch, images)  # [2B] each: chosen then rejected
         ref_c = ref_r = None
         if self.ref_model is not None or self.base_reference:
             ref_model = self.ref_model if self.ref_model is not None else self.model
             with torch.no_grad(), adapters_disabled(ref_model):
-                ref, _ = sequence_logps(ref_model, batch)
+                ref, _ = sequence_logps(ref_model, batch, images)
             reshard_all(ref_model)  # frees its last block's unsharded copy (no backward will)
             ref_c, ref_r = ref[:b], ref[b:]
         elif self.table:

@@ -15,8 +15,9 @@ For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
   counts, ``checkpoint/*`` seconds, ``eval/*`` held-out, ``data/*`` counts;
 - evaluation cadence: at the start of a fresh run, every ``training.eval_interval``
   steps, and after the last step;
-- the ledger: the ids each step trained on (all ranks), checked at the end
-  (exit 5 when a step is missing or repeated across crashes and resumes);
+- the ledger: the ids (and data-stream positions) each step trained on (all ranks),
+  checked at the end (exit 5 when a step is missing or repeated across crashes and
+  resumes, or a position trained twice);
 - fault drills (TANDEM_INJECT_KILL) and the HF export at the end.
 """
 
@@ -40,7 +41,7 @@ from tandem.rl.recipes.base import Recipe, Runtime
 from tandem.rl.core import errors
 from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
 from tandem.rl.config.schema import Config, format_config
-from tandem.rl.core.metrics import MetricsLogger, step_gaps, truncate_jsonl
+from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 
 RecipeFactory = Callable[[Config, Runtime], Recipe]
@@ -122,7 +123,7 @@ class Shell:
             reset_peak_memory(self.info.device)
             with wd.phase("step"):
                 out = recipe.step(self.step)
-                self._write_ledger(out.ids)
+                self._write_ledger(out.ids, out.positions)
             self.step += 1
             maybe_kill(self.step, self.info.rank, self.dump)  # fault drills only (TANDEM_INJECT_KILL)
             wd.beat(self.step)
@@ -245,25 +246,37 @@ class Shell:
 
     # ---- ledger ----------------------------------------------------------------------
 
-    def _write_ledger(self, ids: list[str]) -> None:
-        """Append the ids this step trains on (all ranks) to dump_folder/ledger.jsonl."""
-        every: list[list[str] | None] = [None] * self.info.world_size
-        dist.all_gather_object(every, sorted(set(ids)))
+    def _write_ledger(self, ids: list[str], positions: list[int]) -> None:
+        """Append the ids this step trains on (all ranks) to dump_folder/ledger.jsonl, with their
+        data-stream positions when the recipe gives them."""
+        every: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(every, (sorted(set(ids)), sorted(set(positions))))
         if self.info.is_main:
-            merged = sorted(i for part in every for i in (part or []))
+            row: dict[str, Any] = {"step": self.step + 1,
+                                   "ids": sorted(i for part, _ in every for i in part)}
+            where = sorted(p for _, part in every for p in part)
+            if where:
+                row["positions"] = where
             with open(os.path.join(self.dump, "ledger.jsonl"), "a") as f:
-                f.write(json.dumps({"step": self.step + 1, "ids": merged}) + "\n")
+                f.write(json.dumps(row) + "\n")
 
     def _check_ledger(self) -> int:
         """Every step 1..steps (from the resumed step on, when the checkpoint came without
-        its ledger) trained exactly once across crashes and resumes, or exit 5."""
-        box = [step_gaps(os.path.join(self.dump, "ledger.jsonl"), self.cfg.training.steps,
-                         first=self.ledger_from) if self.info.is_main else None]
+        its ledger) trained exactly once across crashes and resumes, and no data-stream
+        position twice (an asynchronous run trains a prompt at a later step than it took
+        it), or exit 5."""
+        path = os.path.join(self.dump, "ledger.jsonl")
+        box: list[Any] = [None]
+        if self.info.is_main:
+            gaps = step_gaps(path, self.cfg.training.steps, first=self.ledger_from)
+            twice = position_repeats(path)
+            box = [f"the run ended with fewer steps than asked: {gaps}" if gaps else
+                   f"a prompt was trained twice: {twice}" if twice else None]
         dist.broadcast_object_list(box)
         if box[0] is None:
             return 0
         if self.info.is_main:
-            print(f"error: the run ended with fewer steps than asked: {box[0]}", file=sys.stderr, flush=True)
+            print(f"error: {box[0]}", file=sys.stderr, flush=True)
         return errors.EXIT_SHORT_RUN
 
 

@@ -28,6 +28,8 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from tandem.parallel.distributed import DistInfo
+from tandem.models.vlm import vision_batch
+from tandem.rl.data.images import VisionData
 from tandem.rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
 from tandem.rl.data.sft import StepSampler
 from tandem.rl.recipes.base import (
@@ -45,6 +47,7 @@ __all__ = [
     "PairSetup",
     "PairwiseRecipe",
     "pair_accuracy",
+    "pair_images",
     "precompute_reference",
     "rank_indices",
     "reshard_all",
@@ -54,18 +57,39 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- tensor pieces
-def sequence_logps(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+def sequence_logps(model: nn.Module, batch: dict[str, Tensor], images: list[Any] | None = None,
+                   ) -> tuple[Tensor, Tensor]:
     """Summed log-probs of each row's response tokens and their count: ``[N]``, ``[N]``.
 
     ``batch`` is `collate_pairs` output; token t's logits predict token t+1, so
     the response mask is read shifted by one. Log-probs are taken in fp32.
+    ``images``: per row, its `PromptImages` or None (a vision-language policy).
     """
     tokens, mask = batch["tokens"], batch["loss_mask"][:, 1:].bool()  # [N, S], [N, S-1]
-    logits = model(tokens[:, :-1])  # [N, S-1, V]
+    logits = model(tokens[:, :-1], **_image_inputs(model, tokens[:, :-1], images))  # [N, S-1, V]
     targets = tokens[:, 1:]  # [N, S-1]
     tok_logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
     tok_logp = torch.where(mask, tok_logp.view_as(targets), 0.0)  # [N, S-1]
     return tok_logp.sum(-1), mask.sum(-1)
+
+
+def _image_inputs(model: nn.Module, tokens: Tensor, images: list[Any] | None) -> dict[str, Any]:
+    """A vision-language policy's M-RoPE positions and image rows for right-padded rows."""
+    vision = getattr(getattr(model, "args", None), "vision", None)
+    if vision is None:
+        return {}
+    n, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).expand(n, s)
+    docs = {(row, 0): im for row, im in enumerate(images or []) if im is not None}
+    positions, inputs = vision_batch(tokens, positions, torch.zeros_like(tokens), docs, vision.image_token_id)
+    for im in docs.values():
+        im.release()
+    return {"positions": positions, "images": None if inputs is None else inputs.to(tokens.device)}
+
+
+def pair_images(pairs: list[PreferencePair]) -> list[Any]:
+    """The rows' images in `collate_pairs` order: the B chosen, then the B rejected."""
+    return [p.chosen.images for p in pairs] + [p.rejected.images for p in pairs]
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -108,7 +132,8 @@ def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro
     parts = []
     for m0 in range(0, len(idx), micro):
         sub = [pairs[i] for i in idx[m0:m0 + micro]]
-        logps, _ = sequence_logps(model, {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()})
+        logps, _ = sequence_logps(model, {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
+                                  pair_images(sub))
         parts.append(torch.stack(logps.float().chunk(2), dim=1))  # [b, 2]
     local = torch.cat(parts)  # [per_rank, 2]
     gathered = [torch.empty_like(local) for _ in range(dp)]
@@ -137,6 +162,7 @@ def setup_pairs(cfg: Any, rt: Runtime, recipe: str) -> PairSetup:
         eval_fraction=d.eval_fraction, eval_source=d.eval_path, seed=cfg.job.seed,
         synthetic_rows=d.synthetic_rows, messages_field=d.messages_field,
         prompt_field=d.prompt_field, chosen_field=p.chosen_field, rejected_field=p.rejected_field,
+        vision=VisionData.for_model(base.args, d.path),
     )
     if rt.info.is_main:
         print(f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "
@@ -166,7 +192,8 @@ class PairwiseRecipe(SingleModelRecipe):
         self.cfg, self.info = cfg, rt.info
         self.setup = setup_pairs(cfg, rt, name)
         lora = cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)
-        self.head = make_head(cfg, rt.info, self.setup, BuildSpec.from_config(cfg.training, cfg.parallel, lora))
+        spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model, lora)
+        self.head = make_head(cfg, rt.info, self.setup, spec)
         self.model = self.head.model
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater
@@ -189,7 +216,7 @@ class PairwiseRecipe(SingleModelRecipe):
             loss_sum += loss.detach().double().sum()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.double().sum()
-        grad_norm = self.updater.apply(loss_sum, step)
+        grad_norm = self.updater.apply(loss_sum, step).get("model")
         names = list(sums)
         tokens = sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in pairs)
         total = torch.stack([sums[k] for k in names] + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])

@@ -28,6 +28,7 @@ from tandem.rl.algorithms.preference import bradley_terry_loss
 from tandem.rl.data.preference import PreferencePair, collate_pairs
 from tandem.rl.recipes.base import Runtime
 from tandem.rl.recipes.pairwise import PairSetup, PairwiseRecipe, pair_accuracy
+from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.lora import merged_state
 from tandem.rl.core.modeling import BuildSpec, build_scalar_model, gather_full_state
 
@@ -46,6 +47,9 @@ class RewardModelHead:
 
     def __init__(self, cfg: Any, info: DistInfo, setup: PairSetup, spec: BuildSpec) -> None:
         self.info, self.setup = info, setup
+        if setup.args.vision is not None:
+            raise ConfigError("model: the reward_model recipe trains text models only so far (this folder is a "
+                              "vision-language model)")
         self.model = build_scalar_model(setup.args, cfg.model.path, cfg.job.seed, setup.mesh, info.device, spec,
                                         is_main=info.is_main)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.config.schema import ConfigError
+from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.update.cp_batch import check_cp_settings
 
 
@@ -30,6 +31,14 @@ def check_rl_settings(cfg: Any, info: DistInfo, needs_values: bool) -> None:
                           "tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                           "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part "
                           f"'exact') (device {device.type}, tp x pp = {tp_pp}); set rl.exact = false")
+    if ROLLOUT_MODES.cap(cfg.rollout.mode, "streams"):
+        what = [k for k, bad in (("env.name", cfg.env.name),
+                                 ("rl.dynamic_sampling", r.dynamic_sampling),
+                                 ("parallel.tp / parallel.pp", tp_pp > 1)) if bad]
+        if what:
+            raise ConfigError(f"rollout.mode: {cfg.rollout.mode!r} runs single-turn rollouts "
+                              "without dynamic sampling on parallel.tp = pp = 1 so far; unset "
+                              + ", ".join(what))
     if r.exact and cfg.rollout.tp > 1:
         raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like "
                           "the update's (rollout.tp = the training tp = 1), got rollout.tp = "

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tandem.models.attention import DocumentAttention
+from tandem.models.vlm import vision_batch
+from tandem.rl.data.images import VisionData
 from tandem.rl.data.sft import IGNORE, PackedRow, StepSampler, build_sft_data, collate, load_sft_records
 from tandem.rl.recipes.base import (
     Runtime,
@@ -52,9 +54,10 @@ class SFTRecipe(SingleModelRecipe):
         d = cfg.data
         records = load_sft_records(d.path, d.format, seed=cfg.job.seed, n_synthetic=d.synthetic_rows)
         train, held = split_held_out(records, d.eval_fraction, cfg.job.seed)
+        self.vision = VisionData.for_model(self.args, d.path)
         kw = dict(tokenizer=self.tokenizer, source=d.path, max_length=d.max_length, pack=d.pack,
                   on_bad_row=d.on_bad_row, messages_field=d.messages_field, prompt_field=d.prompt_field,
-                  completion_field=d.completion_field)
+                  completion_field=d.completion_field, vision=self.vision)
         self.data = build_sft_data(train, **kw)
         self.eval_rows: list[PackedRow] = build_sft_data(held, **kw).rows if held else []
         if info.is_main:
@@ -62,10 +65,10 @@ class SFTRecipe(SingleModelRecipe):
             held_out = f" (+{len(self.eval_rows)} held-out rows)" if self.eval_rows else ""
             print(f"data: {self.data.num_examples} examples -> {len(self.data.rows)} rows{held_out}; skipped "
                   f"{skipped} {dict(self.data.skipped)}", flush=True)
+        lora = cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)
+        spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model, lora)
         self.model = build_transformer(self.args, cfg.model.path, cfg.job.seed, self.mesh, info.device,
-                                       BuildSpec.from_config(cfg.training, cfg.parallel,
-                                                             cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)),
-                                       is_main=info.is_main)
+                                       spec, is_main=info.is_main)
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater
         self.sampler = StepSampler(len(self.data.rows), cfg.training.batch_size, cfg.job.seed, d.shuffle)
@@ -75,10 +78,22 @@ class SFTRecipe(SingleModelRecipe):
         """Summed cross-entropy of the trained tokens (with grad): a scalar, or ``[B]`` per row."""
         dev = self.info.device
         batch = {k: v.to(dev) for k, v in collate(rows, self.pad_id).items()}
-        logits = self.model(batch["tokens"], positions=batch["positions"], attn=DocumentAttention(batch["doc_ids"]))
+        logits = self.model(batch["tokens"], attn=DocumentAttention(batch["doc_ids"]), **self._inputs(rows, batch))
         tok = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE,
                               reduction="none" if per_row else "sum")
         return tok.view(len(rows), -1).sum(-1) if per_row else tok
+
+    def _inputs(self, rows: list[PackedRow], batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Positions (M-RoPE ``[3, B, S]`` for a vision-language policy) and the images' inputs;
+        each example's pixels are prepared here and dropped again (they are not kept per row)."""
+        if self.vision is None:
+            return {"positions": batch["positions"]}
+        docs = {(b, d): im for b, r in enumerate(rows) for d, im in enumerate(r.images) if im is not None}
+        positions, images = vision_batch(batch["tokens"], batch["positions"], batch["doc_ids"], docs,
+                                         self.vision.image_token_id)
+        for im in docs.values():
+            im.release()
+        return {"positions": positions, "images": images.to(self.info.device) if images is not None else None}
 
     def step(self, step: int) -> StepOutput:
         t0 = time.monotonic()
@@ -95,7 +110,7 @@ class SFTRecipe(SingleModelRecipe):
             # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
             (tok_loss * (self.dp / global_targets)).backward()
             loss_sum += tok_loss.detach().double()
-        grad_norm = self.updater.apply(loss_sum, step)
+        grad_norm = self.updater.apply(loss_sum, step).get("model")
         dist.all_reduce(loss_sum)
         dt = time.monotonic() - t0
         return StepOutput({"loss": loss_sum.item() / global_targets,

@@ -31,6 +31,7 @@ from tandem.parallel.generation_layout import (
 )
 from tandem.parallel.reshard import held
 from tandem.rl.data.prompts import Prompt
+from tandem.rl.fault.inject import forced_length, generator_delay
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.types import RolloutSample
@@ -102,8 +103,12 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
     if info.is_main and tp > 1:
         print(f"generation layout: {world // tp} group(s) of {tp} ranks "
               f"(vocab {'split' if layout.splits_vocab else 'whole'})", flush=True)
-    return GenerationCopy(policy.state_module, args, layout, dev, dtype, bucket_bytes=bucket_bytes,
-                          cpu_onednn=rcfg.cpu_onednn, lora=lora_spec_of(policy.modules[0]))
+    module = policy.state_module
+    frozen_tower = hasattr(module, "visual") and not any(
+        p.requires_grad for p in module.visual.parameters())
+    return GenerationCopy(module, args, layout, dev, dtype, bucket_bytes=bucket_bytes,
+                          keep=("visual.",) if frozen_tower else (), cpu_onednn=rcfg.cpu_onednn,
+                          lora=lora_spec_of(policy.modules[0]))
 
 
 def generation_dtype(setting: str, device: torch.device, mixed_precision_param: str) -> torch.dtype | None:
@@ -118,12 +123,24 @@ def generation_dtype(setting: str, device: torch.device, mixed_precision_param: 
 
 
 def generator_settings(rcfg: Any, max_prompt_tokens: int, seed: int) -> GenerationSettings:
+    rank = dist.get_rank() if dist.is_initialized() else 0
     return GenerationSettings(
         block_size=rcfg.block_size, kv_cache_gb=rcfg.kv_cache_gb,
         max_num_seqs=rcfg.max_num_seqs, max_num_batched_tokens=rcfg.max_num_batched_tokens,
         prefix_sharing=rcfg.prefix_sharing, max_model_len=max_prompt_tokens + rcfg.max_tokens + 1,
-        seed=seed, cuda_graphs=rcfg.cuda_graphs, kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
+        seed=seed, cuda_graphs=rcfg.cuda_graphs, step_delay_s=generator_delay(rank),
+        kv_dtype=rcfg.kv_dtype, kv_scales=rcfg.kv_scales,
     )
+
+
+def group_params(base: SamplingParams, seed: int) -> SamplingParams:
+    """A prompt group's sampling: ``base`` with the group's seed (its samples add their index);
+    under the long-tail drill (TANDEM_INJECT_LENGTHS) a forced length, EOS ignored."""
+    length = forced_length(seed)
+    if length is None:
+        return dataclasses.replace(base, seed=seed)
+    return dataclasses.replace(base, seed=seed, ignore_eos=True,
+                               max_tokens=max(1, min(length, base.max_tokens)))
 
 
 def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
@@ -164,7 +181,9 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     dt = time.monotonic() - t0
     return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
-                 "rollout/preemptions": float(stats.preemptions), **kv}
+                 "rollout/preemptions": float(stats.preemptions), **kv,
+                 **{f"rollout/{k}": float(v) for k, v in stats.extra.items()
+                    if k == "vision_tower_runs"}}
 
 
 def leader_tokens(layout: GenerationLayout, *sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -205,10 +224,11 @@ def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Pro
         return [], {}
     check = stop_strings_check(tokenizer.decode, rcfg.stop) if rcfg.stop else None
     base = sampling_params(rcfg, greedy=greedy)
-    params = base if seeds is None else [dataclasses.replace(base, seed=s) for _, s in pooled]
+    params = base if seeds is None else [group_params(base, s) for _, s in pooled]
     out, metrics = _with_generator(
         gen_model, tokenizer, generator_settings(rcfg, max_prompt_tokens, seed), len(pooled) * n,
-        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check),
+        lambda gen: gen.generate([p.token_ids for p, _ in pooled], params, n=n, stop_check=check,
+                                 images=[p.images for p, _ in pooled]),
         layout, kv_scales)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out[start:start + len(prompts)])):
@@ -219,7 +239,7 @@ def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Pro
                                          loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
                                          finish_reason=c.finish_reason,
                                          text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row,
-                                         routing=c.routing))
+                                         routing=c.routing, images=p.images))
     return samples, metrics
 
 

@@ -1,14 +1,18 @@
-"""What a rollout hands to the update phase: one record per sampled completion.
+"""What a rollout hands to the update phase: one `RolloutBatch` of `RolloutSample`s.
 
 Single-turn generation and multi-turn agentic episodes both produce
 `RolloutSample`s, so rewards, advantages and the update never care which made
-them. Per-token lists cover the completion (everything after the prompt).
+them. Per-token lists cover the completion (everything after the prompt). Every
+sampled token carries the policy version that sampled it (the number of updates
+its weights had had), so an update knows how stale each sample is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -24,7 +28,36 @@ class RolloutSample:
     env_reward: float | None = None  # reward an environment gave at the end of an episode
     info: dict[str, float] = field(default_factory=dict)  # per-episode metrics (turns, tool calls, ...)
     routing: Any = None  # MoE: [C, L, k] int16 experts the rollout chose for the inputs of each completion token
+    # per completion token: the policy version that sampled it (environment tokens: the
+    # version when they were appended); empty when not recorded
+    versions: list[int] = field(default_factory=list)
+    # the prompt's tandem.models.vlm.PromptImages (its M-RoPE positions), the object the
+    # rollout used
+    images: Any = None
 
     @property
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def first_version(self) -> int:
+        """The oldest policy version among the sampled tokens (-1 when none was sampled)."""
+        return min(self.versions, default=-1)
+
+    @property
+    def last_version(self) -> int:
+        return max(self.versions, default=-1)
+
+
+@dataclass
+class RolloutBatch:
+    """One update's input, this rank's share: the samples (with their behaviour log-probs
+    ``gen_logprobs`` and per-token versions), their total rewards, the policy version the
+    update trains (the step), and the rollout's metrics."""
+
+    samples: list[RolloutSample]
+    scores: torch.Tensor  # [N] float32, one total reward per sample
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    ids: list[str] = field(default_factory=list)  # the prompt ids it trains on (the ledger)
+    positions: list[int] = field(default_factory=list)  # and their prompt-stream positions

@@ -11,8 +11,8 @@ log-probs (the state before each token), so ``values[i, t]`` is V(s_t) for
 completion token t and lines up with the policy's [N, T] tensors. Each update
 phase: `values` (no grad, before any optimizer step) feeds GAE; then every
 micro-batch adds the clipped value loss (tandem/rl/algorithms/value.py) against the
-GAE returns; the critic steps when the policy does. During the first
-``critic.warmup_steps`` RL steps only the critic learns.
+GAE returns; the critic steps when the policy does (tandem/rl/update/learners.py).
+During the first ``critic.warmup_steps`` RL steps only the critic learns.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class Critic:
         self.cfg, self.cp = c, cp  # cp: the policy's split (a ContextParallel) or None
         self.model = build_scalar_model(args, c.path or policy_path, seed + 17, mesh, device, spec, is_main=is_main)
         self.opt = build_optimizer(self.model, lr=c.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.max_grad_norm = o.max_grad_norm
         self.aggregation = AGGREGATIONS.get("token_mean")
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
@@ -77,14 +76,9 @@ class Critic:
         loss = self.cfg.coef * self.aggregation(tok, m, norm)
         return loss, ((v.detach() - returns[rows]) ** 2 * m).sum()
 
-    def step(self) -> float:
-        norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return norm
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+    def clip(self, max_norm: float) -> float:
+        """Clip the critic's gradients to ``max_norm``; the norm before clipping."""
+        return clip_grad_norm(self.model.parameters(), max_norm)
 
     def checkpoint_extras(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
         return {"critic": (self.model, self.opt)}

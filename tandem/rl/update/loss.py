@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +31,13 @@ from tandem.models.attention import (
     SegmentAttention,
 )
 from tandem.parallel.loss import token_logprobs_at
-from tandem.rl.algorithms import KL_ESTIMATORS, PolicyLossInput
+from tandem.rl.algorithms import (
+    KL_ESTIMATORS,
+    OFFPOLICY_CORRECTIONS,
+    CorrectionConfig,
+    CorrectionInput,
+    PolicyLossInput,
+)
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.cp_batch import cp_token_logprobs
 
@@ -63,9 +69,19 @@ class MicroBatch:
     seg_gather: torch.Tensor | None = None  # [V, W] flat positions
     seg_scatter: torch.Tensor | None = None  # [B*S] flat segment positions
     one_per_row: bool = False
+    # A vision-language policy (tandem/rl/update/vision.py): positions become M-RoPE [3, B, S]
+    # and the image tokens take these rows.
+    images: Any = None  # tandem.models.vlm.ImageInputs
     # wraps the attention backend (FP8 KV: tandem.kernels.kv_quant.KVQuantAttention rounds K and
     # V as the rollout's pool did); set per forward by the policy that runs it
     kv_wrap: Callable[[AttentionBackend], AttentionBackend] | None = None
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The model's keyword inputs besides the tokens and attention."""
+        kw: dict[str, Any] = {"positions": self.positions}
+        if self.images is not None:
+            kw["images"] = self.images
+        return kw
 
     def attention(self, wrapped: bool = True) -> AttentionBackend:
         """The backend this layout needs; ``wrapped``: with ``kv_wrap`` (the policy's forwards;
@@ -91,13 +107,13 @@ class MicroBatch:
 
 def _units(samples: list[RolloutSample], indices: list[int], share: bool, budget: int) -> list[list[int]]:
     """Samples grouped into packing units: one sample each, or (``share``) the samples
-    of one prompt (equal ``prompt_ids``), split where a unit would pass ``budget``."""
+    of one prompt (equal ``prompt_ids`` and the same images), split where a unit would pass ``budget``."""
     if not share:
         return [[i] for i in indices]
-    by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
+    by_prompt: dict[tuple[tuple[int, ...], int], list[list[int]]] = {}
     for i in indices:
         s = samples[i]
-        units = by_prompt.setdefault(tuple(s.prompt_ids), [[]])
+        units = by_prompt.setdefault((tuple(s.prompt_ids), id(s.images)), [[]])  # equal ids, other pictures: apart
         if units[-1] and _unit_len(samples, units[-1] + [i]) > budget:
             units.append([])
         units[-1].append(i)
@@ -248,14 +264,14 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
                                  chunk_tokens=chunk_tokens)
     index, targets = mb.comp_index, mb.completion_targets()
     if vocab_parallel:
-        logits = model(mb.tokens, positions=mb.positions, attn=mb.attention())
+        logits = model(mb.tokens, attn=mb.attention(), **mb.model_inputs())
         return token_logprobs_at(logits, index, targets, with_entropy=with_entropy)
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
         return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
-    return model(mb.tokens, positions=mb.positions, attn=mb.attention(), head=head)
+    return model(mb.tokens, attn=mb.attention(), head=head, **mb.model_inputs())
 
 
 def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
@@ -281,6 +297,15 @@ def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list
         if mb.rows:
             out[mb.rows] = scatter_completions(logp, mb, width)
     return out
+
+
+def completion_versions(samples: list[RolloutSample], width: int,
+                        device: torch.device) -> torch.Tensor:
+    """[N, width] long: the policy version that sampled each completion token (0 past the end)."""
+    out = torch.zeros(len(samples), width, dtype=torch.long)
+    for i, s in enumerate(samples):
+        out[i, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+    return out.to(device)
 
 
 def completion_tensors(samples: list[RolloutSample], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -309,6 +334,82 @@ class LossInputs:
     gen_logp: torch.Tensor  # [N, T] generator log-probs (truncated IS)
     ref_logp: torch.Tensor | None  # [N, T] reference policy (KL)
     seen_logp: torch.Tensor | None = None  # [N, T] filled with the training forward's log-probs when old_logp is None
+    values: torch.Tensor | None = None  # [N, T] critic values before this update (PPO)
+    returns: torch.Tensor | None = None  # [N, T] the critic's targets (GAE returns)
+    versions: torch.Tensor | None = None  # [N, T] long: the version that sampled each token
+    version: int = 0  # the policy version this update trains
+    keep: torch.Tensor | None = None  # [N, T] bool: tokens a batch-wide correction keeps (m2po)
+
+
+_SUMS = ("loss", "clipped", "entropy", "kl", "tokens", "steps", "value_sq_err", "value_tokens",
+         "is_weight", "is_weight_sq", "dropped", "kl_behav", "kl_prox")
+_LOSS_SUMS = ("loss", "clipped", "entropy", "kl", "tokens", "is_weight", "is_weight_sq", "dropped",
+              "kl_behav", "kl_prox")
+
+
+@dataclass
+class UpdateSums:
+    """The update phase's float64 sums, this rank's share until `all_reduce`.
+
+    ``loss``: the policy loss over micro-batches (each its share of a step's global loss);
+    ``clipped``, ``entropy``, ``kl`` (k3 to the reference), ``tokens``: token sums over the
+    trained (masked-in) tokens; ``steps``: the policy's optimizer steps; ``value_sq_err``
+    and ``value_tokens``: the critic's squared error against the returns and its tokens.
+    The off-policy correction's, over the trained tokens: ``is_weight`` and ``is_weight_sq``
+    (its weights and their squares: the effective sample size), ``dropped`` (weight 0),
+    ``kl_behav`` (k3 of KL(behaviour || proximal)) and ``kl_prox`` (k3 of KL(proximal ||
+    current)).
+    """
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    entropy: torch.Tensor
+    kl: torch.Tensor
+    tokens: torch.Tensor
+    steps: torch.Tensor
+    value_sq_err: torch.Tensor
+    value_tokens: torch.Tensor
+    is_weight: torch.Tensor
+    is_weight_sq: torch.Tensor
+    dropped: torch.Tensor
+    kl_behav: torch.Tensor
+    kl_prox: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> UpdateSums:
+        return cls.of(torch.zeros(len(_SUMS), dtype=torch.float64, device=device))
+
+    @classmethod
+    def of(cls, flat: torch.Tensor) -> UpdateSums:
+        """The fields of a float64 vector, in field order."""
+        return cls(*flat.unbind(0))
+
+    def flat(self) -> torch.Tensor:
+        return torch.stack([getattr(self, k) for k in _SUMS])
+
+    def add_loss(self, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+        """One micro-batch's policy loss and token sums (`completion_loss`'s), in place."""
+        part = torch.stack([loss.detach(), *(stats[k] for k in _LOSS_SUMS[1:])])
+        self._add(_LOSS_SUMS, part.double())
+
+    def add_value(self, sq_err: torch.Tensor, tokens: torch.Tensor | float) -> None:
+        tokens = torch.as_tensor(tokens, dtype=torch.float64, device=sq_err.device)
+        self._add(("value_sq_err", "value_tokens"), torch.stack([sq_err.double(), tokens]))
+
+    def __iadd__(self, other: UpdateSums) -> UpdateSums:
+        self._add(_SUMS, other.flat())
+        return self
+
+    def _add(self, names: tuple[str, ...], values: torch.Tensor) -> None:
+        for k, v in zip(names, values.unbind(0)):
+            setattr(self, k, getattr(self, k) + v)
+
+    def all_reduce(self, counts: bool) -> UpdateSums:
+        """Collective: the sums over all ranks; a rank with ``counts`` False (not the one rank
+        per data-parallel replica that reports) adds zeros."""
+        flat = self.flat() if counts else torch.zeros_like(self.flat())
+        dist.all_reduce(flat)
+        return UpdateSums.of(flat)
 
 
 @dataclass
@@ -321,6 +422,8 @@ class LossSpec:
     kl_estimator: Callable | None  # loss-term KL (None: off)
     kl_coef: float
     entropy_coef: float
+    correction: Callable = OFFPOLICY_CORRECTIONS.get("none")  # tandem/rl/algorithms/offpolicy.py
+    correction_cfg: CorrectionConfig = field(default_factory=CorrectionConfig)
     chunk_tokens: int = 1024  # tokens per chunk of the memory-lean log-prob path
     vocab_parallel: bool = False  # TP: log-probs from the vocab-sharded head (token_logprobs)
     cp: Any = None  # a tandem.parallel.cp.ContextParallel: rows split over cp (token_logprobs)
@@ -348,9 +451,15 @@ def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, i
             inp.seen_logp[rows] = old
     else:
         old = inp.old_logp[rows]
-    out = spec.policy_loss(PolicyLossInput(logp=logp, old_logp=old, advantages=inp.advantages[rows],
-                                           mask=m, gen_logp=inp.gen_logp[rows]), spec.policy_cfg)
-    tok_loss = out.loss
+    behav = inp.gen_logp[rows]
+    corr = spec.correction(CorrectionInput(
+        logp=logp.detach(), prox_logp=old, behav_logp=behav, mask=m, version=inp.version,
+        versions=inp.versions[rows] if inp.versions is not None else None,
+        keep=inp.keep[rows] if inp.keep is not None else None), spec.correction_cfg)
+    pl_inp = PolicyLossInput(logp=logp, old_logp=corr.old_logp, advantages=inp.advantages[rows],
+                             mask=m)
+    out = spec.policy_loss(pl_inp, spec.policy_cfg)
+    tok_loss = out.loss * corr.weight
     kl = None
     if inp.ref_logp is not None:
         kl = KL_ESTIMATORS.get("k3")(logp.detach(), inp.ref_logp[rows])  # reported KL
@@ -360,6 +469,27 @@ def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, i
         tok_loss = tok_loss - spec.entropy_coef * ent
     loss = spec.aggregation(tok_loss, m, norm)
     with torch.no_grad():
+        w = corr.weight * m
+        lr = torch.where(m.bool(), corr.old_logp - behav, 0.0).clamp(-20.0, 20.0)  # log prox/behav
         sums = {"clipped": (out.metrics["clipped"].float() * m).sum(), "entropy": (ent * m).sum(),
-                "kl": (kl * m).sum() if kl is not None else m.new_zeros(()), "tokens": m.sum()}
+                "kl": (kl * m).sum() if kl is not None else m.new_zeros(()), "tokens": m.sum(),
+                "is_weight": w.sum(), "is_weight_sq": (w * w).sum(),
+                "dropped": ((corr.weight == 0) * m).sum(),
+                "kl_behav": ((torch.expm1(lr) - lr) * m).sum(),
+                "kl_prox": (out.metrics["approx_kl"] * m).sum()}
     return loss, sums
+
+
+def gap_metrics(update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor,
+                weight: float = 1.0) -> dict[str, float]:
+    """How far the rollout's sampled-token log-probs are from the update's recomputation
+    with the same weights, over all ranks; ``weight``: 1 on the one rank per data-parallel
+    replica that counts (the policy's ``counts_stats``), else 0."""
+    gap = (update_logp - gen_logp).abs() * mask * weight
+    stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
+                         gap.max() if gap.numel() else gap.new_zeros(())]).double()
+    gmax = stats[3:].clone()
+    dist.all_reduce(stats[:3])
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+    return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
+            "gap/tokens_differ": stats[2].item()}

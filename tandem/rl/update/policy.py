@@ -6,7 +6,7 @@ interface, so it never branches on the layout:
 - ``logprobs(samples, width)``: the completion tokens' log-probs ``[N, width]``
   (old / reference), no autograd;
 - ``accumulate(samples, rows, inp, spec, norm, width)``: forward + backward of
-  one optimizer step's rows, gradients accumulated;
+  one optimizer step's rows, gradients accumulated; returns their `UpdateSums`;
 - ``clip(max_norm)``, ``full_state()`` (the whole model on every rank, for the
   generation copy and the HF export), ``state_module`` (the full model's
   parameter names, for DCP), ``counts_stats`` (the one rank per data-parallel
@@ -63,6 +63,7 @@ from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
     MicroBatch,
+    UpdateSums,
     completion_loss,
     micro_batch_loss,
     pack_micro_batches,
@@ -71,6 +72,7 @@ from tandem.rl.update.loss import (
     sync_micro_batch_count,
 )
 from tandem.rl.update.router_stats import RouterStats, RoutingCheck
+from tandem.rl.update.vision import attach_images
 
 
 class FlatPolicy:
@@ -95,6 +97,7 @@ class FlatPolicy:
         self.moe = RouterStats()
         self.routing = RoutingCheck()
         self.is_moe = args.is_moe
+        self.image_token_id = args.vision.image_token_id if args.vision is not None else None
 
     @property
     def vocab_parallel(self) -> bool:
@@ -114,6 +117,8 @@ class FlatPolicy:
         multiple = self.tp * self.cp.granularity  # TP's sequence-parallel pieces; cp's chunks
         mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=multiple,
                                  share_prompts=self.share_prompts)
+        if self.image_token_id is not None:  # a vision-language policy: M-RoPE positions, image rows
+            mbs = [attach_images(mb, samples, self.image_token_id) for mb in mbs]
         return sync_micro_batch_count(mbs, self.device, width=multiple)
 
     @property
@@ -134,33 +139,28 @@ class FlatPolicy:
         self.routing.disarm()  # compared once, with the rollout's weights
         return out
 
-    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs, spec: LossSpec, norm: Any,
-                   width: int, *, policy: bool = True,
-                   also: Callable[[MicroBatch], None] | None = None) -> torch.Tensor:
-        """Forward + backward over ``rows``; returns [loss, clipped, entropy, kl, tokens] sums (float64).
-
-        ``also(mb)`` runs after each micro-batch (the PPO critic's step).
-        """
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs,
+                   spec: LossSpec, norm: Any, width: int) -> UpdateSums:
+        """Forward + backward over ``rows``; returns their loss and token sums."""
+        sums = UpdateSums.zeros(self.device)
         mbs = self._wrapped(self.micro_batches(samples, rows))
         spec = dataclasses.replace(spec, cp=self.split)
         for mb in mbs:
-            if policy:
-                if self.is_moe:
-                    set_token_mask(self.model, mb.doc_ids >= 0)  # MoE router losses: not the padding
-                loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
-                self.routing.observe(self.model, mb)
-                router = router_loss(self.model) if mb.rows else None  # MoE: the router's losses, mean over
-                if router is not None:  # micro-batches and over the data-parallel ranks: ``loss`` is this
-                    self.moe.observe(self.model)  # rank's share of a global sum, so its router term is 1/dp
-                    loss = loss + router / (len(mbs) * self.dp)
-                (loss * self.dp * self.cp.size).backward()  # FSDP2 averages over dp x cp ranks
-                if self.is_moe:
-                    set_token_mask(self.model, None)  # after the backward: checkpointing replays the forward
-                if st:
-                    sums += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
-            if also is not None:
-                also(mb)
+            if self.is_moe:
+                set_token_mask(self.model, mb.doc_ids >= 0)  # MoE router losses: not the padding
+            loss, st = micro_batch_loss(self.model, mb, inp, spec, norm, width)
+            self.routing.observe(self.model, mb)
+            # MoE: the router's losses, mean over micro-batches and over the data-parallel
+            # ranks: ``loss`` is this rank's share of a global sum, so its router term is 1/dp
+            router = router_loss(self.model) if mb.rows else None
+            if router is not None:
+                self.moe.observe(self.model)
+                loss = loss + router / (len(mbs) * self.dp)
+            (loss * self.dp * self.cp.size).backward()  # FSDP2 averages over dp x cp ranks
+            if self.is_moe:  # after the backward: checkpointing replays the forward
+                set_token_mask(self.model, None)
+            if st:
+                sums.add_loss(loss, st)
         return sums
 
     def clip(self, max_norm: float) -> float:
@@ -325,19 +325,16 @@ class PipelinePolicy:
             return logp.sum() * 0.0
         loss, st = completion_loss(logp, ent, mb, c["inp"], c["spec"], c["norm"], c["width"])
         if st:
-            c["sums"] += torch.stack([loss.detach(), st["clipped"], st["entropy"], st["kl"], st["tokens"]]).double()
+            c["sums"].add_loss(loss, st)
         return loss * self.dp  # FSDP2 averages over dp ranks
 
-    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs, spec: LossSpec, norm: Any,
-                   width: int, *, policy: bool = True, also: Callable | None = None) -> torch.Tensor:
-        if also is not None:
-            raise ValueError("a critic cannot run under pipeline parallelism")
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs,
+                   spec: LossSpec, norm: Any, width: int) -> UpdateSums:
+        sums = UpdateSums.zeros(self.device)
         self._ctx = {"inp": inp, "spec": spec, "norm": norm, "width": width, "sums": sums}
-        if policy:
-            for tokens, targets in self._batches(samples, rows):
-                self.pipe.step(tokens, targets=targets)
-            self.pipe.sync_tied_grads()
+        for tokens, targets in self._batches(samples, rows):
+            self.pipe.step(tokens, targets=targets)
+        self.pipe.sync_tied_grads()
         self._ctx = {}
         return sums
 

@@ -50,6 +50,8 @@ class Teachers:
     """``conversation(row)`` gives the chat turns a data row's prompt was rendered from
     (what a teacher with another tokenizer renders with its own template)."""
 
+    needs_old_logp = True  # the distillation advantage is the reverse KL from the old log-probs
+
     def __init__(self, d: DistillConfig, student_tok: Tokenizer, mesh: Any, device: torch.device, spec: BuildSpec,
                  *, seed: int, is_main: bool, conversation: Conversation) -> None:
         self.names = d.teacher_names()

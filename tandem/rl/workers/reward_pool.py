@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from tandem.rl.core.metrics import Tally
 from tandem.rl.rewards.registry import RewardFn, get_reward, registered_modules
 from tandem.rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked, stop_workers
 
@@ -50,13 +51,20 @@ class RewardResult:
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Flat metrics: mean total, and per reward its mean and failure counts."""
-        n = max(1, len(self.total))
-        out = {f"{prefix}/total": sum(self.total) / n}
+        return self.tally(prefix).values()
+
+    def tally(self, prefix: str = "reward", *, total: bool = True) -> Tally:
+        """The same metrics, declared for combining over ranks: means weighted by the
+        number of completions scored, failure counts summed (``total``: with the mean total)."""
+        n = len(self.total)
+        out = Tally()
+        if total:
+            out.mean(f"{prefix}/total", sum(self.total) / max(1, n), n)
         for name, vals in self.scores.items():
-            out[f"{prefix}/{name}/mean"] = sum(vals) / n
-            out[f"{prefix}/{name}/errors"] = float(self.errors[name])
-            out[f"{prefix}/{name}/timeouts"] = float(self.timeouts[name])
-            out[f"{prefix}/{name}/crashes"] = float(self.crashes[name])
+            out.mean(f"{prefix}/{name}/mean", sum(vals) / max(1, n), n)
+            out.sum(f"{prefix}/{name}/errors", self.errors[name])
+            out.sum(f"{prefix}/{name}/timeouts", self.timeouts[name])
+            out.sum(f"{prefix}/{name}/crashes", self.crashes[name])
         return out
 
 

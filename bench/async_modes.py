@@ -1,0 +1,94 @@
+"""Synchronous vs colocated asynchronous RL on a long-tail workload, one command.
+
+    python -m bench.async_modes                      # 2 CPU ranks, 8 steps, S = 1 and 2
+    python -m bench.async_modes --steps 12 --staleness 1 2 4
+    python -m bench.async_modes --smoke              # 3 steps, S = 1, 12 tokens (the test's size)
+
+The quickstart (2 ranks, 16 prompts x 8 samples a step) with every prompt group's
+completion length drawn from a Pareto(1.2) above 2 tokens, capped at ``--max-tokens``
+(TANDEM_INJECT_LENGTHS, EOS ignored: a few groups run to the cap, most stop early), and
+rank 1's generator slowed by ``--delay`` seconds per decode step
+(TANDEM_INJECT_GEN_DELAY). Each mode trains the same prompts; the table gives the mean
+step time (steps 2 on: the first builds the generation copy), the rollout's share of
+it, the generator's idle slots (``async/gen_idle_frac``: 1 - tokens made / (decode steps x
+batch slots), asynchronous modes only), the mean and max staleness of the trained
+samples, and the ratio of each mode's step time to the synchronous one's (< 1: faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(dump: str, steps: int, nproc: int, max_tokens: int, delay: float,
+           extra: list[str]) -> list[dict[str, float]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(ROOT, "train.py"),
+           "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
+           f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
+           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
+           "--reward.num_workers=0", "--checkpoint.interval=1000",
+           "--checkpoint.export_hf_at_end=false", f"--rollout.max_tokens={max_tokens}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+           "TANDEM_INJECT_LENGTHS": f"1.2:2:{max_tokens}",
+           "TANDEM_INJECT_GEN_DELAY": f"{nproc - 1}:{delay}"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    later = [r for r in rows if r["step"] > 1]
+    mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in later)  # noqa: E731
+    return {"step_s": mean("time/step_s"), "rollout_s": mean("time/rollout_s"),
+            "idle": mean("async/gen_idle_frac") if "async/gen_idle_frac" in later[0] else None,
+            "stale_mean": mean("async/staleness_mean"),
+            "stale_max": max(r.get("async/staleness_max", 0.0) for r in rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--delay", type=float, default=0.003)
+    ap.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--smoke", action="store_true", help="3 steps, S = 1, 12 tokens, no delay")
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.staleness, args.max_tokens, args.delay = 3, [1], 12, 0.0
+    from bench.header import print_header
+
+    print_header("bench.async_modes")
+    modes = [("sync", [])]
+    modes += [(f"colocated_async S={s}",
+               ["--rollout.mode=colocated_async", f"--rollout.max_staleness={s}"])
+              for s in args.staleness]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, extra) in enumerate(modes):
+            out[name] = summary(launch(os.path.join(tmp, str(i)), args.steps, args.nproc,
+                                       args.max_tokens, args.delay, extra))
+    ref = out["sync"]["step_s"]
+    print(f"{args.nproc} ranks, {args.steps} steps, 16 prompts x 8 samples, lengths Pareto(1.2) "
+          f"in [2, {args.max_tokens}], rank {args.nproc - 1} +{args.delay}s per decode step")
+    print(f"{'mode':<22} {'step s':>8} {'rollout s':>10} {'gen idle':>9} {'stale mean':>11} "
+          f"{'stale max':>10} {'vs sync':>8}")
+    for name, s in out.items():
+        idle = "-" if s["idle"] is None else f"{s['idle']:.2f}"
+        print(f"{name:<22} {s['step_s']:>8.2f} {s['rollout_s']:>10.2f} {idle:>9} "
+              f"{s['stale_mean']:>11.2f} {s['stale_max']:>10.0f} {s['step_s'] / ref:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""Colocated asynchronous rollout: generation stops once a step's groups are complete.
+
+``rollout.mode = "colocated_async"`` on the same ranks as training. Each step's
+generation phase refills the generation copy in place with the policy's weights
+(version ``t``, the step), admits new prompt groups within the staleness bound
+(`tandem.rl.rollout.inflight.Admission`), resumes the sequences suspended at the last
+step and decodes until the step's ``P`` groups are complete (every rank steps its own
+generator and, after each step, the ranks agree on the groups complete anywhere),
+admitting new groups into the room complete ones leave (`Admission.top_up`).
+The sequences still running are then suspended through the update, with their tokens,
+log-probs, sampling seeds (the sampler is keyed by seed and token index, so it has no
+other state) and the version of every token; their KV stays in device memory
+(``rollout.suspended_kv = "keep"``), goes to host memory and back (``offload``), or is
+freed and recomputed on resume with the new weights (``recompute``). Long completions
+no longer hold a step. The chosen groups are scored, dealt over the data-parallel ranks
+in stream order (so S = 0 gives the synchronous run's batches) and handed to the update
+as one `RolloutBatch`. `state_dict` holds everything in flight for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.rl.core.metrics import Tally
+from tandem.rl.core.samples import dump_rollouts
+from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
+from tandem.rl.data.prompts import Prompt
+from tandem.rl.generator.engine import Generator, stop_strings_check
+from tandem.rl.generator.sequence import Sequence, SequenceStatus
+from tandem.rl.rollout.sampling import generator_settings, group_params, sampling_params
+from tandem.rl.rollout.inflight import Admission, Flight
+from tandem.rl.rollout.phase import RolloutPhase
+from tandem.rl.rollout.types import RolloutBatch, RolloutSample
+
+
+class _Group:
+    """One group this rank generates: its sequences and each one's per-token versions."""
+
+    def __init__(self, flight: Flight, prompt: Prompt, seqs: list[Sequence],
+                 restored: bool = False) -> None:
+        self.flight, self.prompt, self.seqs = flight, prompt, seqs
+        self.versions: list[list[int]] = [[] for _ in seqs]
+        self.restored = restored  # from a checkpoint: the generator saw only part of it
+
+    def stamp(self, version: int) -> None:
+        """Give the tokens sampled since the last stamp the version that sampled them."""
+        for seq, v in zip(self.seqs, self.versions):
+            v.extend([version] * (seq.num_generated - len(v)))
+
+    @property
+    def complete(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class StreamingGenerator:
+    """This rank's generator across generation phases, and the groups it holds."""
+
+    def __init__(self, tok: Any, rcfg: Any, max_prompt: int, max_seqs: int) -> None:
+        self.tok, self.rcfg, self.max_prompt = tok, rcfg, max_prompt
+        self.max_seqs = max_seqs
+        self.gen: Generator | None = None
+        self.groups: dict[int, _Group] = {}
+        self.restored: list[_Group] = []  # from a checkpoint: added once the generator exists
+        self.check = stop_strings_check(tok.decode, rcfg.stop) if rcfg.stop else None
+        self.suspended = False
+
+    def resume(self, model: Any) -> None:
+        """Start of a phase: the generator (made at the first phase), its KV back, restored
+        groups in."""
+        if self.gen is None:
+            settings = generator_settings(self.rcfg, self.max_prompt, 0)
+            settings.max_num_seqs = min(settings.max_num_seqs, max(1, self.max_seqs))
+            # captured graphs hold the pool's address, which offload and recompute change
+            settings.cuda_graphs = settings.cuda_graphs and self.rcfg.suspended_kv == "keep"
+            if getattr(model.args, "num_experts", 0):
+                settings.cuda_graphs = False
+            self.gen = Generator(model, settings, eos_token_ids=self.tok.eos_token_ids)
+        elif self.suspended:
+            if self.rcfg.suspended_kv == "offload":
+                self.gen.restore_kv()
+            elif self.rcfg.suspended_kv == "recompute":
+                self.gen.reacquire_kv()
+        self.suspended = False
+        for g in self.restored:
+            for seq in g.seqs:
+                if seq.is_finished:
+                    continue
+                self.gen.add_resumed(seq, self.check)
+            self.groups[g.flight.position] = g
+        self.restored = []
+
+    def add(self, flight: Flight, prompt: Prompt, n: int) -> None:
+        params = group_params(sampling_params(self.rcfg), flight.seed)
+        seqs = self.gen.add(prompt.token_ids, params, n, stop_check=self.check)
+        self.groups[flight.position] = _Group(flight, prompt, seqs)
+
+    def busy(self) -> bool:
+        return self.gen is not None and self.gen.has_work()
+
+    def step(self) -> None:
+        self.gen.step()
+
+    def complete(self) -> set[int]:
+        return {p for p, g in self.groups.items() if g.complete}
+
+    def suspend(self, version: int) -> int:
+        """End of a phase: stamp every partial sequence's new tokens, then suspend the KV as
+        configured; returns the sequences suspended."""
+        for g in self.groups.values():
+            g.stamp(version)
+        n = sum(1 for g in self.groups.values() for s in g.seqs if not s.is_finished)
+        if self.gen is not None and n:
+            if self.rcfg.suspended_kv == "offload":
+                self.gen.offload_kv()
+                self.suspended = True
+            elif self.rcfg.suspended_kv == "recompute":
+                self.gen.release_kv()
+                self.suspended = True
+        return n
+
+    def take(self, position: int) -> list[RolloutSample]:
+        """A complete group's samples (it leaves this generator; `suspend` stamped its versions)."""
+        g = self.groups.pop(position)
+        return [self._sample(g, j) for j in range(len(g.seqs))]
+
+    def drop(self, position: int) -> None:
+        """Abandon a group (expired): its sequences are aborted, their blocks freed."""
+        g = self.groups.pop(position, None)
+        if g is not None and self.gen is not None:
+            for seq in g.seqs:
+                self.gen.scheduler.abort(seq)
+
+    def _sample(self, g: _Group, j: int) -> RolloutSample:
+        seq, p = g.seqs[j], g.prompt
+        comp = seq.completion_token_ids
+        mask = seq.completion_sampled_mask
+        lp = iter(seq.raw_logprobs)
+        gen_lp = [next(lp) if m else 0.0 for m in mask]
+        # MoE routing, for the update's parity check: only of samples one version made, whole
+        routing = self.gen.routing(seq) if not g.restored and len(set(g.versions[j])) == 1 else None
+        return RolloutSample(group=g.flight.position, prompt_ids=p.token_ids, completion_ids=comp,
+                             loss_mask=mask, gen_logprobs=gen_lp,
+                             finish_reason=seq.finish_reason or "abort",
+                             text=self.tok.decode(comp, skip_special_tokens=True), row=p.row,
+                             routing=routing, versions=list(g.versions[j]))
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def state(self) -> list[dict[str, Any]]:
+        """Every group this rank holds, as JSON-able records (tokens, log-probs, versions;
+        no KV: a restored sequence recomputes it)."""
+        out = []
+        for g in [*self.groups.values(), *self.restored]:
+            out.append({"position": g.flight.position, "samples": [
+                {"tokens": s.completion_token_ids, "sampled": s.completion_sampled_mask,
+                 "logprobs": list(s.logprobs), "raw_logprobs": list(s.raw_logprobs), "versions": v,
+                 "finish_reason": s.finish_reason} for s, v in zip(g.seqs, g.versions)]})
+        return out
+
+    def restore(self, records: list[dict[str, Any]], flights: dict[int, Flight],
+                prompts: list[Prompt]) -> None:
+        """Groups from `state` (any rank's), added to the generator at the next `resume`."""
+        for rec in records:
+            f = flights[rec["position"]]
+            prompt = prompts[f.row]
+            seqs, versions = [], []
+            for j, s in enumerate(rec["samples"]):
+                params = group_params(sampling_params(self.rcfg), f.seed)
+                params = dataclasses.replace(params, seed=f.seed + j)
+                seq = Sequence(-1, prompt.token_ids, params)
+                seq.token_ids += s["tokens"]
+                seq.sampled += s["sampled"]
+                seq.logprobs, seq.raw_logprobs = list(s["logprobs"]), list(s["raw_logprobs"])
+                if s["finish_reason"] is not None:
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = s["finish_reason"]
+                seqs.append(seq)
+                versions.append(list(s["versions"]))
+            g = _Group(f, prompt, seqs, restored=True)
+            g.versions = versions
+            self.restored.append(g)
+
+
+class ColocatedAsyncRollout:
+    """``rollout.mode = "colocated_async"``: the rollout phase of one step, on the training ranks.
+
+    Uses a `RolloutPhase` for prompts, scoring, metrics and evaluation; generation is
+    this class's. Supports single-turn rollouts with ``parallel.tp = pp = 1`` and
+    ``rollout.tp = 1`` so far (the recipe checks)."""
+
+    def __init__(self, base: RolloutPhase) -> None:
+        self.base = base
+        r, rc = base.rl, base.rcfg
+        self.admission = Admission(r.prompts_per_step, rc.max_staleness, base.seed)
+        per_rank = -(-self.admission.capacity // base.dp)
+        self.gen = StreamingGenerator(base.tok, rc, base.max_prompt, per_rank * r.num_samples)
+        self.model: Any = None  # the generation copy, refilled in place every phase
+        self.stream = base.stream
+
+    def owner(self, position: int) -> int:
+        """The data-parallel rank that generates a group."""
+        return position % self.base.dp
+
+    def batch(self, step: int) -> RolloutBatch:
+        b, version = self.base, step
+        t0 = time.monotonic()
+        reset_peak_memory(b.info.device)
+        if b.optimizer is not None:
+            from tandem.parallel.offload import move_optimizer_state
+
+            move_optimizer_state(b.optimizer, "cpu")
+        expired = self.admission.expire(version, self.stream)
+        for f in expired:
+            self.gen.drop(f.position)
+        mine = [f for f in expired if self.owner(f.position) == b.dp_rank]
+        tally = Tally().sum("async/dropped", len(mine))
+        new = self.admission.admit(self.stream, version)
+        if self.model is None:
+            self.model, reshard = b.gen_copy.build()
+        else:
+            reshard = b.gen_copy.refill(self.model)
+        self.gen.resume(self.model)
+        for f in new:
+            if self.owner(f.position) == b.dp_rank:
+                self.gen.add(f, b.train_prompts[f.row], b.rl.num_samples)
+        before = dataclasses.replace(self.gen.gen.stats)
+        t_gen = time.monotonic()
+        chosen = self._generate(version)
+        t_gen = time.monotonic() - t_gen
+        suspended = self.gen.suspend(version)
+        samples, scores, rewards = self._collect(chosen)
+        self.admission.remove({f.position for f in chosen})
+        if b.optimizer is not None:
+            from tandem.parallel.offload import move_optimizer_state
+
+            move_optimizer_state(b.optimizer, b.info.device)
+        stats = self.gen.gen.stats
+        steps, made = stats.steps - before.steps, stats.generated_tokens - before.generated_tokens
+        slots = steps * self.gen.gen.scheduler.max_num_seqs
+        tally.mean("async/gen_idle_frac", 1.0 - made / max(slots, 1))
+        tally.sum("async/suspended", suspended)
+        tally.local("rollout/seconds", t_gen).local("rollout/generated_tokens", made)
+        tally.local("rollout/preemptions", stats.preemptions - before.preemptions)
+        tally.local("rollout/kv_cache_gb", stats.kv_cache_bytes / 1e9)
+        for s in samples:
+            tally.max("async/staleness_max", version - s.first_version)
+            tally.mean("async/staleness_mean", version - s.first_version)
+            for k in range(b.rcfg.max_staleness + 1):
+                tally.sum(f"async/staleness_{k}", float(version - s.first_version == k))
+        tally.local("async/weight_sync_s", reshard["reshard/seconds"])
+        for k, v in reshard.items():
+            tally.local(k, v)
+        tally.merge(rewards)
+        metrics = tally.reduce(device=b.info.device)
+        metrics.update({"async/inflight": float(len(self.admission.flights)),
+                        "time/rollout_s": time.monotonic() - t0,
+                        "memory/rollout_peak_gb": peak_memory_gb(b.info.device)})
+        if b.rollout_dumps:  # advanced.dump_rollouts
+            dump_rollouts(b.rollout_dumps, step, b.info.rank, samples)
+        return RolloutBatch(samples, scores, version, metrics, b.ids(samples), b.positions(samples))
+
+    def _generate(self, version: int) -> list[Flight]:
+        """Decode until the step's groups are complete on all ranks together; the chosen flights."""
+        b = self.base
+        while True:
+            mine = self.gen.complete()
+            flights = self.admission.flights
+            flags = torch.tensor([float(f.position in mine) for f in flights]
+                                 + [float(self.gen.busy())], dtype=torch.float64,
+                                 device=b.info.device)
+            if b.dp_group is not None:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=b.dp_group)
+            values = flags.tolist()
+            complete = {f.position for f, x in zip(flights, values) if x > 0}
+            chosen = self.admission.choose(complete, version)
+            if chosen is not None:
+                return chosen
+            new = self.admission.top_up(self.stream, version, complete)
+            for f in new:  # the straggling groups leave room: fill it with new work
+                if self.owner(f.position) == b.dp_rank:
+                    self.gen.add(f, b.train_prompts[f.row], b.rl.num_samples)
+            if new:
+                continue
+            if not values[-1]:
+                raise RuntimeError(f"colocated_async: no rank has work left at version {version}, "
+                                   f"yet the {len(flights)} groups in flight make no step of "
+                                   f"{self.admission.per_step}")
+            if self.gen.busy():
+                self.gen.step()
+
+    def _collect(self, chosen: list[Flight]) -> tuple[list[RolloutSample], torch.Tensor, Tally]:
+        """Score this rank's chosen groups, then deal the step's groups over the data-parallel
+        ranks in stream order (the i-th to rank i mod dp): this rank's batch."""
+        b = self.base
+        order = sorted(f.position for f in chosen)
+        target = {pos: i % b.dp for i, pos in enumerate(order)}
+        keep: dict[int, tuple[list[RolloutSample], list[float]]] = {}
+        send: list[tuple[int, list[RolloutSample], list[float]]] = []
+        rewards = Tally()
+        for pos in order:
+            if self.owner(pos) != b.dp_rank:
+                continue
+            group = self.gen.take(pos)
+            sc, t = b.score(group)
+            rewards.merge(t)
+            if target[pos] == b.dp_rank:
+                keep[pos] = (group, sc.tolist())
+            else:
+                send.append((pos, group, sc.tolist()))
+        if b.dp > 1:
+            parts: list[Any] = [None] * b.dp
+            dist.all_gather_object(parts, send, group=b.dp_group)
+            for part in parts:
+                for pos, group, sc in part:
+                    if target[pos] == b.dp_rank:
+                        keep[pos] = (group, sc)
+        samples = [s for pos in sorted(keep) for s in keep[pos][0]]
+        scores = [v for pos in sorted(keep) for v in keep[pos][1]]
+        return samples, torch.tensor(scores, dtype=torch.float32), rewards
+
+    def evaluate(self) -> dict[str, float]:
+        return self.base.evaluate()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: the flight (the same on every rank) and every rank's groups."""
+        b = self.base
+        parts: list[Any] = [self.gen.state()]
+        if b.dp > 1:
+            parts = [None] * b.dp
+            dist.all_gather_object(parts, self.gen.state(), group=b.dp_group)
+        return {"admission": self.admission.state_dict(),
+                "groups": [g for part in parts for g in part]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every rank takes the groups it owns on this layout (any number of ranks), sampled
+        tokens and versions as saved; their KV is recomputed at the next phase."""
+        if not state:  # a checkpoint of a synchronous run: nothing in flight
+            return
+        self.admission.load_state_dict(state["admission"])
+        flights = {f.position: f for f in self.admission.flights}
+        mine = [g for g in state["groups"]
+                if g["position"] in flights and self.owner(g["position"]) == self.base.dp_rank]
+        self.gen.restore(mine, flights, self.base.train_prompts)
+
+    def sample_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
+        return self.base.sample_metrics(samples)
+
+    def ids(self, samples: list[RolloutSample]) -> list[str]:
+        return self.base.ids(samples)
+
+    def close(self) -> None:
+        self.base.close()

@@ -1,0 +1,53 @@
+"""A vision-language policy's micro-batches: the rollout's M-RoPE positions and image inputs.
+
+`attach_images` turns a packed `MicroBatch` (tandem/rl/update/loss.py) into the model's
+input for a policy with a vision tower: each packed document (a sample, or with shared
+prompts a prompt and its branches) takes the `PromptImages` its samples carry, the very
+object the generator read its positions from, so rollout and update use the same
+positions; its image tokens take the prompt's image rows (the tower once per prompt in the
+micro-batch); every token gets its ``[3]`` M-RoPE position. Text samples keep their
+positions on all three axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.models.vlm import vision_batch
+from tandem.rl.algorithms import ADVANTAGES
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.update.loss import MicroBatch
+
+
+def attach_images(mb: MicroBatch, samples: list[RolloutSample], image_token_id: int) -> MicroBatch:
+    """``mb`` with ``positions [3, B, S]`` and ``images`` set (in place; returned)."""
+    width = mb.tokens.shape[1]
+    docs = {}
+    for k, i in enumerate(mb.rows):
+        if samples[i].images is None:
+            continue
+        row, col = divmod(mb.offsets[k][0], width)  # the sample's last prompt token
+        docs[(row, int(mb.doc_ids[row, col]))] = samples[i].images
+    positions, images = vision_batch(mb.tokens, mb.positions, mb.doc_ids, docs, image_token_id)
+    mb.positions, mb.images = positions, None if images is None else images.to(mb.tokens.device)
+    return mb
+
+
+def check_vision_policy(cfg: Any, args: Any, mp: int) -> None:
+    """One ConfigError line for what the RL recipe cannot run with a vision-language policy
+    (``args.vision`` set) yet."""
+    if args.vision is None:
+        return
+    unsupported = [(mp > 1, "parallel.tp / pp / cp > 1"), (cfg.rollout.tp > 1, "rollout.tp > 1"),
+                   (cfg.rollout.kv_dtype != "auto", f"rollout.kv_dtype = {cfg.rollout.kv_dtype!r}"),
+                   (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'),
+                   (cfg.lora.enabled, "lora"),
+                   (ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
+                    f"rl.advantage = {cfg.rl.advantage!r} (a critic)"),
+                   (bool(cfg.distill.teachers), "distill.teachers"), (bool(cfg.env.name), "env.name"),
+                   (bool(cfg.reward.reward_model), "reward.reward_model")]
+    what = [w for bad, w in unsupported if bad]
+    if what:
+        raise ConfigError(f"model: a vision-language policy trains with FSDP2, rollout.tp = 1 and rule-based rewards "
+                          f"so far; not with {', '.join(what)}")
