@@ -36,3 +36,15 @@ def kernels(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(dispatch, "_chosen", dispatch.chosen_kernels())
     return dispatch.set_kernels
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_process_group_left_behind():
+    """Every test module starts without a default process group: a module that runs a recipe in
+    this process (a world of one it never tears down) must not make the next module's
+    ``init_process_group`` fail with "initialize the default process group twice"."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
