@@ -70,7 +70,7 @@ def reference() -> str:
     defaults = to_dict(Config())
     for section in dataclasses.fields(Config):
         cls = section.default_factory  # type: ignore[misc]
-        doc = (inspect.getdoc(cls) or "").splitlines()[0]
+        doc = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())  # first paragraph
         lines += [f"**[{section.name}]** {doc}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         notes = _comments(cls)
         for f in dataclasses.fields(cls):
