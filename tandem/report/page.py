@@ -120,7 +120,8 @@ def esc(value: Any) -> str:
 
 
 def script_json(value: Any) -> str:
-    """JSON that is safe inside <script>: every "<" escaped (a completion may contain "</script>")."""
+    """JSON that is safe inside <script>: every "<" escaped (a completion may contain
+    "</script>")."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
 
 
@@ -132,13 +133,16 @@ def menu_figure_div(fid: str) -> str:
 
 def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset()) -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' if i in numeric else f"<td>{esc(c)}</td>"
+    body = "".join("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' if i in numeric
+                                    else f"<td>{esc(c)}</td>"
                                     for i, c in enumerate(r)) + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def page(title: str, sections: list[str], figures: dict[str, Any], samples: dict[str, Any], plotly_js: str) -> str:
-    """The whole document. ``figures``: div id -> {"data", "layout"}; ``samples``: {"runs": [...]}"""
+def page(title: str, sections: list[str], figures: dict[str, Any], samples: dict[str, Any],
+         plotly_js: str) -> str:
+    """The whole document. ``figures``: div id -> {"data", "layout"}; ``samples``:
+    {"runs": [...]}"""
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{esc(title)}</title><style>{CSS}</style>",
