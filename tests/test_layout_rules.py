@@ -123,7 +123,8 @@ def test_one_import_root():
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert packages == {"tandem", "tests"}, packages
     old = ("rl", "models", "parallel", "kernels")
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in SOURCES + list((ROOT / "tests").rglob("*.py"))
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in SOURCES
+           + list((ROOT / "tests").rglob("*.py"))
            for m in _imports(p) if any(_within(m, o) for o in old)]
     assert not bad, bad
 
@@ -142,7 +143,8 @@ def test_models_never_import_parallel():
 
 def test_no_import_cycles_between_folders_or_modules():
     folder_edges = _graph(_folder)
-    assert "tandem.rl.core" in folder_edges.get("tandem.rl.recipes", set())  # the graph is not empty
+    # the graph is not empty
+    assert "tandem.rl.core" in folder_edges.get("tandem.rl.recipes", set())
     assert not _cycles(folder_edges), _cycles(folder_edges)
     assert not _cycles(_graph()), _cycles(_graph())
 
@@ -170,10 +172,12 @@ def test_worker_side_packages_do_not_import_torch_at_module_level():
     bad = []
     for folder in ("rl/rewards", "rl/envs", "rl/workers", "rl/sandbox"):
         for path in _files(folder):
-            top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            top = [n for n in ast.parse(path.read_text()).body
+                   if isinstance(n, (ast.Import, ast.ImportFrom))]
             names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
             names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
-            bad += [f"{path.relative_to(ROOT)} imports {m}" for m in names if m.split(".")[0] == "torch"]
+            bad += [f"{path.relative_to(ROOT)} imports {m}" for m in names if m.split(".")[0]
+                    == "torch"]
     assert not bad, bad
 
 
