@@ -1,6 +1,6 @@
 """Checkpoint save / load time of the trainer's DCP checkpoints (policy + AdamW state).
 
-    python -m bench.checkpoint                    # world of one, CPU: quickstart size and a ~100M model
+    python -m bench.checkpoint    # world of one, CPU: quickstart size and a ~100M model
     torchrun --nproc-per-node 2 -m bench.checkpoint
 
 Builds each model as the RL trainer does (FSDP2 over the data-parallel ranks),

@@ -16,8 +16,10 @@ synchronised) and profiled with torch.profiler. It prints:
 Run from the repository root::
 
     python -m bench.decode_profile --shape tiny                      # CPU, seconds
-    python -m bench.decode_profile --shape qwen3-1.7b --batch 64 --device cuda --dtype bfloat16 --cuda-graphs
-    python -m bench.decode_profile --shape qwen3-8b --batch 256 --device cuda --dtype bfloat16 --cuda-graphs
+    python -m bench.decode_profile --shape qwen3-1.7b --batch 64 --device cuda --dtype bfloat16 \\
+        --cuda-graphs
+    python -m bench.decode_profile --shape qwen3-8b --batch 256 --device cuda --dtype bfloat16 \\
+        --cuda-graphs
 
 On the CPU the "device" is the CPU itself, so the classes are of CPU operators and
 the host column is what remains outside them.

@@ -2,7 +2,8 @@
 scripts ran.
 
     python scripts/report_screenshot.py outputs/sweeps/quickstart/report.html docs/report.png
-    python scripts/report_screenshot.py report.html shot.png --fragment "run=1&step=40" --height 2400
+    python scripts/report_screenshot.py report.html shot.png --fragment "run=1&step=40" \\
+        --height 2400
 
 Chromium comes from the distribution (Debian: ``apt-get install chromium``).
 tests/report/test_report.py uses `dump_dom` to check a page renders; the README's
@@ -69,7 +70,7 @@ def screenshot(html_path: str, png_path: str, width: int = 1400, height: int = 1
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("html")
     p.add_argument("png")
     p.add_argument("--width", type=int, default=1400)

@@ -167,7 +167,8 @@ def read_preempts(dump: str, latest_ckpt: int | None) -> list[Finding]:
     summary = (f"preempted at step {step} "
                f"({', '.join(f'{s} on rank {r}' for r, s in sorted(got.items())) or 'signal'})")
     summary += f"; checkpoint step-{latest_ckpt} covers it: resumable" if saved else \
-        f"; but the latest committed checkpoint is {latest_ckpt if latest_ckpt is not None else 'none'}: the save did not finish"
+        ("; but the latest committed checkpoint is "
+         f"{latest_ckpt if latest_ckpt is not None else 'none'}: the save did not finish")
     return [Finding("preempt", not saved, summary, when, step,
                     [f"ranks that agreed to stop: {sorted(recs)}"])]
 

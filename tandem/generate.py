@@ -1,7 +1,8 @@
 """Offline generation with the in-house generator: jsonl prompts in, jsonl completions out.
 
     tandem-generate --model DIR --input prompts.jsonl --output out.jsonl --n 4
-    torchrun --nproc-per-node 8 -m tandem.generate --model DIR --input ... --output ... --num-samples 4
+    torchrun --nproc-per-node 8 -m tandem.generate --model DIR --input ... --output ... \\
+        --num-samples 4
 
 (Under torchrun write ``--num-samples``: torchrun reads ``--n`` as an
 ambiguous abbreviation of its own flags.)
@@ -189,8 +190,9 @@ def load(args: argparse.Namespace, device: torch.device):
         model = load_model(args.model, device=device, dtype=dtype).eval()
     except (OSError, ValueError, KeyError) as e:
         text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        raise ModelSetupError(f"--model {args.model}: "
-                              f"{text.strip().splitlines()[0] if text.strip() else type(e).__name__}") from None
+        raise ModelSetupError(
+            f"--model {args.model}: "
+            f"{text.strip().splitlines()[0] if text.strip() else type(e).__name__}") from None
     return tok, model
 
 

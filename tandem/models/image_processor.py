@@ -186,6 +186,8 @@ def open_image(source: Any, base_dir: str | None = None) -> Image.Image:
         image = Image.open(io.BytesIO(data))
         image.load()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ValueError(f"{what}: not a decodable image "
-                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        raise ValueError(
+            f"{what}: not a decodable image ("
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            ")") from None
     return image

@@ -210,9 +210,12 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         try:
             raw = _RawTokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for a file it cannot parse)
-            raise ValueError(f"{path / 'tokenizer.json'}: not a readable tokenizer.json "
-                             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        except Exception as e:  # noqa: BLE001
+            # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(
+                f"{path / 'tokenizer.json'}: not a readable tokenizer.json ("
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                ")") from None
         config = _read_json(path / "tokenizer_config.json")
         eos: list[int] = []
         gen_eos = _read_json(path / "generation_config.json").get("eos_token_id")

@@ -54,7 +54,8 @@ class _ScaleGrad(torch.autograd.Function):
     (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, scale: float, replicas: dist.ProcessGroup | None) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, t: torch.Tensor, scale: float,  # noqa: ANN001
+                replicas: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.scale, ctx.replicas = scale, replicas
         return t.view_as(t)
 

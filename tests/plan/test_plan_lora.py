@@ -62,7 +62,7 @@ def test_state_bytes_match_a_cpu_run():
         assert abs(planned - got) <= 0.05 * got, (what, planned, got)
     base = 4 * args.num_params()
     assert grads == params - base and state == 2 * grads  # adapters only
-    d, q, kv, i = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, \
-        args.intermediate_size
+    d, q, kv, i = (args.hidden_size, args.num_heads * args.head_dim,
+                   args.num_kv_heads * args.head_dim, args.intermediate_size)
     # the hand count
     assert grads == 4 * args.num_layers * 16 * ((d + q) * 2 + (d + kv) * 2 + (d + i) * 3)

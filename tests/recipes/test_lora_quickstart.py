@@ -90,8 +90,8 @@ def test_lora_quickstart_learns_moving_only_the_adapters(runs):
     assert end - start >= 0.3, (start, end)
     # rank 16 on q, k, v, o, gate, up, down: r * (in + out) each, fp32 on the CPU
     args = load_args(POLICY)
-    q, kv, d, i = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size, \
-        args.intermediate_size
+    q, kv, d, i = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim,
+                   args.hidden_size, args.intermediate_size)
     adapter_bytes = 4 * 16 * args.num_layers * ((d + q) * 2 + 2 * (d + kv) + 3 * (d + i))
     assert adapter_bytes == sum(t.numel() * 4 for t in _adapter(base / "main").values())
     for r in rows:  # the first copy was the start's evaluation; every step moved the adapters alone

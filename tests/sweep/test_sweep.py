@@ -284,7 +284,8 @@ def test_sweep_prunes_survives_a_kill_and_its_best_config_runs(tmp_path):
         attempts = (study / folder / "train.log").read_text().split("# tandem-sweep: ")[1:]
         # the killed attempt's SIGTERM checkpoint
         left_checkpoint = "checkpoint step-" in attempts[0]
-        if f"trial {m} pruned at step {retry[0].user_attrs.get('pruned_at')} on what its interrupted" in r.stdout:
+        if (f"trial {m} pruned at step {retry[0].user_attrs.get('pruned_at')} on what its "
+                "interrupted" in r.stdout):
             # its logged values sufficed: not relaunched
             assert left_checkpoint and len(attempts) == 1
         else:

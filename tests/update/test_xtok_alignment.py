@@ -198,9 +198,8 @@ def test_end_of_turn_strings_differ_but_align(student, teacher):
 
 
 def test_completion_cut_mid_character(student, teacher):
-    """Truncated after two of the three bytes of 你: the student's text ends in half a
-    character; the teacher can only be given U+FFFD there. Those bytes are masked, the rest
-    still aligns."""
+    """Truncated after two of the three bytes of 你: the student's text ends in half a character;
+    the teacher can only be given U+FFFD there. Those bytes are masked, the rest still aligns."""
     x = CrossTokenizer(student, teacher)
     ids = student.encode("hello 你")[:-1]  # ... <0xE4> <0xBD>, no EOS (finish_reason "length")
     v = x.view([{"role": "user", "content": "hi"}], ids)

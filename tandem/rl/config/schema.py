@@ -351,7 +351,10 @@ class MetricsConfig:
     """Where and how often step metrics are written."""
 
     log_interval: int = 1  # steps between metric rows
-    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] / [mlflow]); [] for none
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(  # besides metrics.jsonl:
+        # tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] /
+        # [mlflow]); [] for none
+        default_factory=lambda: ["tensorboard"])
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
     samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by
     # tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off

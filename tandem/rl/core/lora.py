@@ -49,7 +49,9 @@ class LoraConfig:
     alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapters' input in training forwards (sft, dpo,
     # reward_model; the rl recipe needs 0)
-    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])  # adapted in every block: q, k, v, o (attention), gate, up, down (MLP and shared expert), experts (each routed expert)
+    targets: list[str] = field(  # adapted in every block: q, k, v, o (attention), gate, up, down
+        # (MLP and shared expert), experts (each routed expert)
+        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
     adapter_path: str | None = None  # a PEFT LoRA folder (adapter_config.json +
     # adapter_model.safetensors) to continue training from; its r, lora_alpha and target_modules
     # must equal rank, alpha and targets

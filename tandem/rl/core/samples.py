@@ -9,7 +9,8 @@ step count, never with the batch size::
                     text_sink=logger.text)          # tensorboard text summaries too
     log.truncate(resumed_step)                      # on resume, like metrics.jsonl
     log.log(step, [{"prompt": ..., "completion": ..., "reward": 1.0,
-                    "rewards": {"exact_match": 1.0}, "advantage": 0.5, "finish_reason": "stop"}, ...])
+                    "rewards": {"exact_match": 1.0}, "advantage": 0.5,
+                    "finish_reason": "stop"}, ...])
 
 One JSON line per step: ``{"step": S, "samples": [record, ...]}``. A record
 needs the six keys above; other JSON-serialisable keys (a prompt id, token

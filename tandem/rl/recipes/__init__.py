@@ -10,7 +10,8 @@ warning naming it (see `unused_settings`).
     sft.py           supervised fine-tuning (packed chat data)
     pairwise.py      the pairwise step shared by dpo.py (DPO, IPO, SimPO) and reward_model.py
     rl.py            rollout then update (GRPO, PPO, DAPO, GSPO, RLOO, REINFORCE++, OPD, agentic)
-    loop.py          the shell: resume, checkpoints, preemption, watchdog, NaN policy, metrics, eval, export
+    loop.py          the shell: resume, checkpoints, preemption, watchdog, NaN policy, metrics,
+                     eval, export
 """
 
 from __future__ import annotations

@@ -173,8 +173,10 @@ class CrossTokenizer:
         try:
             _, tail = self._render(messages, probe)
         except Exception as e:  # jinja's raise_exception, a missing key, a role it refuses
-            raise ValueError(f"its chat template cannot render roles {roles} + assistant: "
-                             f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+            raise ValueError(
+                f"its chat template cannot render roles {roles} + assistant: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            ) from None
         if probe not in tail:
             raise ValueError(f"its chat template drops the assistant reply after roles {roles}")
         if not any(e in tail[tail.index(probe):] for e in self.t_eos_text):
