@@ -207,7 +207,7 @@ def measure(args: ModelArgs, rank: int, repeat: int, samples) -> dict[str, dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--sizes", default="quickstart,100m")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
