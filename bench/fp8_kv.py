@@ -227,7 +227,8 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="only a quickstart policy's held-out answers (default: the shipped one)",
     )
-    ap.add_argument("--smoke", action="store_true", help="2 layers, 32-token completions, 2 sequences")
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 layers, 32-token completions, 2 sequences")
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.lengths, args.seqs = 2, [32], 2

@@ -70,14 +70,17 @@ def reference() -> str:
     defaults = to_dict(Config())
     for section in dataclasses.fields(Config):
         cls = section.default_factory  # type: ignore[misc]
-        doc = (inspect.getdoc(cls) or "").splitlines()[0]
-        lines += [f"**[{section.name}]** {doc}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        doc = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())  # first paragraph
+        lines += [f"**[{section.name}]** {doc}", "", "| key | type | default | meaning |",
+                  "|---|---|---|---|"]
         notes = _comments(cls)
         for f in dataclasses.fields(cls):
             default = defaults[section.name][f.name]
-            shown = "none" if default is None else repr(default).replace("'", '"').replace("|", "\\|")
+            shown = ("none" if default is None
+                     else repr(default).replace("'", '"').replace("|", "\\|"))
             tp = str(f.type).replace("|", "or")
-            lines.append(f"| `{f.name}` | {tp} | `{shown}` | {notes.get(f.name, '').replace('|', '/')} |")
+            lines.append(f"| `{f.name}` | {tp} | `{shown}` | "
+                         f"{notes.get(f.name, '').replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -21,7 +21,8 @@ import torch
 from tandem.kernels.dispatch import use_triton
 
 TILE_ROWS = 16  # rows per matmul call (see the module docstring)
-KEY_CHUNK = 64  # key positions gathered at a time in `attention` (memory only; values do not depend on it)
+# key positions gathered at a time in `attention` (memory only; values do not depend on it)
+KEY_CHUNK = 64
 QUERY_BLOCK = 256  # queries at a time in `attention` (memory only)
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton matmul takes
@@ -85,7 +86,8 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_mm(a: torch.Tensor, b: torch.Tensor):  # noqa: ANN202 - module object or None
-    """The Triton matmul's module when it should take ``a @ b`` (see `tandem.kernels.dispatch`), else None."""
+    """The Triton matmul's module when it should take ``a @ b`` (see `tandem.kernels.dispatch`),
+    else None."""
     if a.dtype not in TRITON_DTYPES or b.dtype != a.dtype or not use_triton(a):
         return None
     from tandem.kernels import triton_batch_invariant  # Triton imported on first use
@@ -98,7 +100,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return tk.matmul(a, b) if tk is not None else tiled_mm(a, b)
 
 
-def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor:
     tk = _triton_mm(a, b)
     if tk is not None and bias.dtype == a.dtype:
         return tk.matmul(a, b, bias, alpha=alpha, beta=beta)  # bias added to the fp32 accumulator
@@ -168,7 +171,8 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, key_index, key_len = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
+        inputs = [t.detach().requires_grad_(need)
+                  for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
         with torch.enable_grad():
             out = attention_torch(*inputs, key_index, key_len, ctx.scale)
             wrt = [t for t in inputs if t.requires_grad]
@@ -184,13 +188,13 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index
     out = q.new_empty(t, hq, d)
     for s in range(0, t, QUERY_BLOCK):
         e = min(s + QUERY_BLOCK, t)
-        out[s:e] = _attend(q[s:e].float().view(e - s, hkv, hq // hkv, d), k, v, key_index[s:e], key_len[s:e],
-                           scale).reshape(e - s, hq, d).to(q.dtype)
+        out[s:e] = _attend(q[s:e].float().view(e - s, hkv, hq // hkv, d), k, v, key_index[s:e],
+                           key_len[s:e], scale).reshape(e - s, hq, d).to(q.dtype)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, length: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+            length: torch.Tensor, scale: float) -> torch.Tensor:
     """One block of queries: q [T, Hkv, G, D] fp32 -> [T, Hkv, G, D]."""
     t = q.shape[0]
     width = int(length.max()) if t else 0
@@ -208,14 +212,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
     parts = []
     for c, e in chunks:
         vc = v[index[:, c:e]].float().permute(0, 2, 1, 3)  # [T, Hkv, C, D]
-        pc = torch.nn.functional.pad(p[..., c:e], (0, KEY_CHUNK - (e - c)))  # [T, Hkv, G, KEY_CHUNK]
+        # [T, Hkv, G, KEY_CHUNK]
+        pc = torch.nn.functional.pad(p[..., c:e], (0, KEY_CHUNK - (e - c)))
         vc = torch.nn.functional.pad(vc, (0, 0, 0, KEY_CHUNK - (e - c)))
         parts.append(tree_sum(pc[..., None] * vc[:, :, None], dim=-2))  # [T, Hkv, G, D]
     num = tree_sum(torch.stack(parts, dim=-1), dim=-1)  # [T, Hkv, G, D]
     return num / tree_sum(p)[..., None]
 
 
-def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    context_lens: torch.Tensor,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key_index [T, L], key_len [T])`` of a paged step's queries into the flattened cache
     (``[NB * BS, Hkv, D]``): query i of sequence n (position ``ctx - q_len + i``) attends to
@@ -223,19 +229,25 @@ def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, cont
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()  # [N]
     seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)  # [T]
     first = (cu_seqlens_q[:-1].long())[seq]
-    pos = context_lens.long()[seq] - q_lens[seq] + (torch.arange(len(seq), device=seq.device) - first)  # [T]
+    # [T]
+    pos = context_lens.long()[seq] - q_lens[seq] + (torch.arange(len(seq), device=seq.device)
+                                                    - first)
     width = int(context_lens.max()) if len(context_lens) else 0
     j = torch.arange(width, device=seq.device)  # [L]
-    blocks = block_tables.long()[seq][:, (j // block_size).clamp(max=block_tables.shape[1] - 1)]  # [T, L]
+    # [T, L]
+    blocks = block_tables.long()[seq][:, (j // block_size).clamp(max=block_tables.shape[1] - 1)]
     index = blocks * block_size + j % block_size
     return index.masked_fill(j[None] > pos[:, None], 0), pos + 1
 
 
 def mask_key_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(key_index [B*S, S], key_len [B*S])`` from an attention mask ``[B, S, S]`` (query i of row b
-    attends to key j where True) into the flattened ``[B*S]`` key store, keys in row order."""
+    """``(key_index [B*S, S], key_len [B*S])`` from an attention mask ``[B, S, S]`` (query
+    i of row b attends to key j where True) into the flattened ``[B*S]`` key store, keys in
+    row order."""
     b, s, _ = mask.shape
     j = torch.arange(s, device=mask.device)
-    order = torch.where(mask, j, s + j).argsort(dim=-1)  # allowed keys first, each group in row order
-    index = (order.clamp(max=s - 1) + (torch.arange(b, device=mask.device) * s)[:, None, None]).reshape(b * s, s)
+    # allowed keys first, each group in row order
+    order = torch.where(mask, j, s + j).argsort(dim=-1)
+    index = (order.clamp(max=s - 1)
+             + (torch.arange(b, device=mask.device) * s)[:, None, None]).reshape(b * s, s)
     return index, mask.sum(-1).reshape(b * s)

@@ -109,7 +109,9 @@ def _chunk_logp_all(h: Tensor, weight: Tensor, lse: Tensor | None = None) -> tup
     """
     z = (h @ weight.T).to(_acc_dtype(h))  # [C, V]
     if lse is None:  # rl.exact: the sampler's batch-invariant normaliser
-        lse = batch_invariant.logsumexp(z) if batch_invariant.enabled() else torch.logsumexp(z, dim=-1)  # [C]
+        # [C]
+        lse = (batch_invariant.logsumexp(z) if batch_invariant.enabled()
+               else torch.logsumexp(z, dim=-1))
     return z.sub_(lse[:, None]), lse
 
 
@@ -339,8 +341,8 @@ class _TritonLogprobs(torch.autograd.Function):
         grid = (triton.cdiv(T, tiles["BLOCK_T"]), nsplit)
         if T:  # an empty micro-batch (kept so that ranks stay in step) launches nothing
             _fwd_kernel[grid](
-                hidden, weight, targets, part, hidden.stride(0), weight.stride(0), T, V, nsplit, nsplit * T,
-                D=D, WITH_ENTROPY=with_entropy, **tiles,
+                hidden, weight, targets, part, hidden.stride(0), weight.stride(0), T, V, nsplit,
+                nsplit * T, D=D, WITH_ENTROPY=with_entropy, **tiles,
             )  # fmt: skip
         logp, lse, entropy = _merge_splits(part, with_entropy)
         ctx.with_entropy, ctx.chunk_tokens = with_entropy, chunk_tokens

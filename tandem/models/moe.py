@@ -30,7 +30,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up   [E, I, D]
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """x_sorted ``[R, D]`` grouped by expert (``offsets`` ``[E]`` int32 cumulative) -> ``[R, D]``."""
+        """x_sorted ``[R, D]`` grouped by expert (``offsets`` ``[E]`` int32 cumulative) ->
+        ``[R, D]``."""
         gate = grouped_mm(x_sorted, self.w1.transpose(1, 2), offsets)  # [R, I]
         up = grouped_mm(x_sorted, self.w3.transpose(1, 2), offsets)  # [R, I]
         return grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offsets)  # [R, D]
@@ -60,14 +61,17 @@ class MoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(d, 1, bias=False)
         bias = torch.zeros(e, dtype=torch.float32) if self.score_func == "sigmoid" else None
         self.register_buffer("expert_bias", bias)  # [E] fp32, or None (not in the state dict)
-        self.token_mask: torch.Tensor | None = None  # [B, S] bool, set by the caller: the real tokens
+        # [B, S] bool, set by the caller: the real tokens
+        self.token_mask: torch.Tensor | None = None
         self.last_routing: torch.Tensor | None = None  # [T, k] int64
         self.tokens_per_expert: torch.Tensor | None = None  # [E] int64
         self.aux_loss: torch.Tensor | None = None  # scalar fp32
         self.z_loss: torch.Tensor | None = None  # scalar fp32
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[T, D]`` -> (logits ``[T, E]``, scores ``[T, E]`` fp32, ids ``[T, k]``, weights ``[T, k]`` fp32)."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+        """x ``[T, D]`` -> (logits ``[T, E]``, scores ``[T, E]`` fp32, ids ``[T, k]``, weights ``[T,
+        k]`` fp32)."""
         logits = self.gate(x)  # [T, E]
         if self.score_func == "softmax":
             scores = torch.softmax(logits.float(), dim=-1)
@@ -111,8 +115,10 @@ class MoE(nn.Module):
             self.expert_bias.zero_()
 
 
-def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str) -> torch.Tensor:
-    """``E * sum_e (counts_e / T) * mean_t p[t, e]``; scores ``[T, E]``, counts ``[E]`` top-k hits."""
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor,
+                        score_func: str) -> torch.Tensor:
+    """``E * sum_e (counts_e / T) * mean_t p[t, e]``; scores ``[T, E]``, counts ``[E]``
+    top-k hits."""
     t, e = scores.shape
     probs = scores if score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
     f = counts.to(torch.float32) / max(t, 1)  # [E]
@@ -127,7 +133,8 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """The MoE blocks of a model by layer key ("0", "1", ...; those present on this stage)."""
     layers = getattr(model, "layers", None) or {}
-    return {key: layer.moe for key, layer in layers.items() if getattr(layer, "moe", None) is not None}
+    return {key: layer.moe for key, layer in layers.items()
+            if getattr(layer, "moe", None) is not None}
 
 
 def set_token_mask(model: nn.Module, mask: torch.Tensor | None) -> None:

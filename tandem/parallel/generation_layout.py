@@ -53,7 +53,8 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.attention\.wo\.weight$"), 1),
     (re.compile(r"layers\.\d+\.feed_forward\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.feed_forward\.w2\.weight$"), 1),
-    (re.compile(r"(layers\.\d+\.(attention_norm|ffn_norm|attention\.[qk]_norm)|norm)\.weight$"), None),
+    (re.compile(r"(layers\.\d+\.(attention_norm|ffn_norm|attention\.[qk]_norm)|norm)\.weight$"),
+     None),
     # mixture of experts: every expert split by its hidden features (TP inside the experts), the
     # router, the shared expert's gate and the routing bias whole; the block's output is summed
     (re.compile(r"layers\.\d+\.moe\.experts\.w[13]$"), 1),
@@ -61,12 +62,15 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
-    (re.compile(r"^visual\."), None),  # a vision-language model's tower: whole on every rank of a group
-    # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by its
-    # output rows, a row-parallel one's A split by its input features and B whole (its partial
+    # a vision-language model's tower: whole on every rank of a group
+    (re.compile(r"^visual\."), None),
+    # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by
+    # its output rows, a row-parallel one's A split by its input features and B whole (its partial
     # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
-    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
-    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
+    (re.compile(
+        r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
+    (re.compile(
+        r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
     (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_A\.weight$"), 1),
     (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_B\.weight$"), None),
     (re.compile(r"\.moe\.experts\.w[13]_lora_A$"), None),
@@ -99,7 +103,8 @@ def make_layout(tp: int, vocab_parallel: bool = True) -> GenerationLayout:
         raise ValueError(f"a generation group of {tp} ranks does not divide the {world} ranks")
     me = dist.get_rank() if dist.is_initialized() else 0
     group = new_groups([list(range(i, i + tp)) for i in range(0, world, tp)]) if tp > 1 else None
-    return GenerationLayout(tp=tp, rank=me % tp, group=group, vocab_parallel=vocab_parallel, leader=me - me % tp)
+    return GenerationLayout(tp=tp, rank=me % tp, group=group, vocab_parallel=vocab_parallel,
+                            leader=me - me % tp)
 
 
 def from_leader(obj: Any, layout: GenerationLayout) -> Any:
@@ -157,7 +162,8 @@ def split_dim(name: str, layout: GenerationLayout) -> int | None:
     raise KeyError(f"no generation-layout rule for parameter {name!r}")
 
 
-def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> tuple[Box, tuple[int, ...]]:
+def needed_box(name: str, shape: tuple[int, ...],
+               layout: GenerationLayout) -> tuple[Box, tuple[int, ...]]:
     """The global region of ``name`` this rank's shard holds, and the shard's local shape."""
     dim = split_dim(name, layout) if layout.tp > 1 else None
     if dim is None:
@@ -172,8 +178,10 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
     return Box(offset, region), local
 
 
-def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None) -> int:
-    """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``, adapters too)."""
+def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype,
+                lora: LoraSpec | None = None) -> int:
+    """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``,
+    adapters too)."""
     with torch.device("meta"):
         model = make_model(args)
         if lora is not None:
@@ -255,8 +263,10 @@ def shard_modules(model: nn.Module, args: ModelArgs, layout: GenerationLayout) -
             block.feed_forward.w2 = RowParallel(block.feed_forward.w2, layout.group)
     if layout.splits_vocab:
         rows = vocab_rows(args, layout.tp)
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, layout.rank * rows, layout.group)
-        model.output = VocabParallelHead(model.output.weight, args.vocab_size, layout.group, layout.tp)
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight,
+                                                      layout.rank * rows, layout.group)
+        model.output = VocabParallelHead(model.output.weight, args.vocab_size, layout.group,
+                                         layout.tp)
 
 
 def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: int,
@@ -296,7 +306,8 @@ class GenerationCopy:
     phase still holds), so later builds move only what training changed.
     """
 
-    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout, device: torch.device,
+    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout,
+                 device: torch.device,
                  dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
                  keep: tuple[str, ...] = (), cpu_onednn: bool = False,
                  lora: LoraSpec | None = None) -> None:
@@ -308,20 +319,25 @@ class GenerationCopy:
             meta = make_model(args)
             if lora is not None:
                 apply_lora(meta, lora)
-        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}  # tied: counted once
+        # tied: counted once
+        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         self.bucket_bytes = bucket_bytes
         self.keep = keep
-        self._kept_state: dict[str, torch.Tensor] = {}  # the kept names' copies, after the first build
-        self._plans: dict[bool, Resharder] = {}  # the first build's plan and, with ``keep``, the later builds'
+        # the kept names' copies, after the first build
+        self._kept_state: dict[str, torch.Tensor] = {}
+        # the first build's plan and, with ``keep``, the later builds'
+        self._plans: dict[bool, Resharder] = {}
         self._adapter_plan: Resharder | None = None
-        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None  # LoRA: the copy and its adapters
+        # LoRA: the copy and its adapters
+        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None
 
     def _moving(self) -> dict[str, tuple[int, ...]]:
         """The names this build moves: all at first, then all but the kept ones."""
         later = bool(self._kept_state)
-        return {n: shape for n, shape in self.shapes.items() if not (later and n.startswith(self.keep))}
+        return {n: shape for n, shape in self.shapes.items()
+                if not (later and n.startswith(self.keep))}
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -430,14 +446,16 @@ class GenerationCopy:
         metrics.update(self._check(srcs, adapters))
         return gen, metrics
 
-    def _check(self, srcs: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if any differ."""
+    def _check(self, srcs: dict[str, torch.Tensor],
+               adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if
+        any differ."""
         assert self._adapter_plan is not None
         t0 = time.monotonic()
         total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
         if wrong:
-            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's after the refill "
-                               f"({len(wrong)} tensors; checksum)")
+            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's "
+                               f"after the refill ({len(wrong)} tensors; checksum)")
         return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
 
 

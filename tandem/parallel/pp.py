@@ -39,7 +39,8 @@ SCHEDULES: dict[str, tuple[type, int]] = {
 }
 
 LossFn = Callable[..., torch.Tensor]
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # activations sent between stages
+# activations sent between stages
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def _stages_per_rank(schedule_name: str) -> int:
@@ -65,7 +66,8 @@ def pipeline_split(
     if n_stages > n_layers:
         what = f"pp={pp}" if stages_per_rank == 1 else f"pp={pp} x {stages_per_rank} virtual stages"
         raise ValueError(
-            f"pipeline parallel {what} needs at least {n_stages} layers, model has num_layers={n_layers}"
+            f"pipeline parallel {what} needs at least {n_stages} layers, model has "
+            f"num_layers={n_layers}"
         )
     base, rem = divmod(n_layers, n_stages)
     out, start = [], 0
@@ -179,7 +181,8 @@ class Pipeline:
                     on_output(i, h)
                 elif nxt != me:
                     h = h.contiguous()
-                    head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long, device=device)
+                    head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long,
+                                        device=device)
                     dist.send(head, group_dst=nxt, group=self.group)
                     dist.send(h, group_dst=nxt, group=self.group)
 
@@ -279,7 +282,8 @@ def build_pipeline(
         has_last_stage=(n_stages - 1) in ids,
         n_stages=n_stages,
         group=group,
-        tied_group=_ends_group(pp_mesh) if pp > 1 and getattr(args, "tie_word_embeddings", False) else None,
+        tied_group=_ends_group(pp_mesh) if pp > 1 and getattr(args, "tie_word_embeddings", False)
+        else None,
     )
 
     def packed_loss(output: torch.Tensor, packed: torch.Tensor, **kw: Any) -> torch.Tensor:

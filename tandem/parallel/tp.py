@@ -69,7 +69,8 @@ def apply_tp(
     validate_tp(model.args, tp)
     if tp == 1:
         return model
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # e.g. a LoRA run's base
+    # e.g. a LoRA run's base
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     stream = Shard(1) if sequence_parallel else Replicate()  # residual stream between blocks
 
     root_plan: dict[str, Any] = {}
@@ -100,7 +101,8 @@ def apply_tp(
     if sequence_parallel:
         model.register_forward_pre_hook(_make_positions_hook(tp), with_kwargs=True)
     _retie(model)
-    for name, p in model.named_parameters():  # torch's SequenceParallel makes fresh (trainable) Parameters
+    for name, p in model.named_parameters():
+        # torch's SequenceParallel makes fresh (trainable) Parameters
         if name in frozen:
             p.requires_grad_(False)
     _register_grad_placement_hooks(model)
@@ -137,9 +139,11 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
         )
         if not hasattr(block, "moe"):
             plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_output=True
             )
-    return lora_plan(block, plan)  # adapted linears: their adapters split with them (tandem/parallel/lora.py)
+    # adapted linears: their adapters split with them (tandem/parallel/lora.py)
+    return lora_plan(block, plan)
 
 
 def _make_positions_hook(tp: int):

@@ -126,7 +126,8 @@ def test_dr_grpo_ignores_std():
     for i in range(N):
         xs = [SCORES[j].item() for j in members(i)]
         want.append(SCORES[i].item() - sum(xs) / len(xs))
-    out = ADVANTAGES.get("dr_grpo")(AdvantageInput(SCORES, MASK, GROUPS), AdvantageConfig(norm_by_std=True))
+    out = ADVANTAGES.get("dr_grpo")(AdvantageInput(SCORES, MASK, GROUPS),
+                                    AdvantageConfig(norm_by_std=True))
     assert_close(out.advantages, broadcast(want))
 
 
@@ -247,7 +248,8 @@ def policy_input(**kw):
     return logp, PolicyLossInput(logp, OLD_LOGP, ADV, MASK, **kw)
 
 
-@pytest.mark.parametrize("clip_low,clip_high,dual", [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0), (0.2, 0.2, 1.5)])
+@pytest.mark.parametrize("clip_low,clip_high,dual",
+                         [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0), (0.2, 0.2, 1.5)])
 def test_ppo_clip(clip_low, clip_high, dual):
     want_loss, want_grad, want_clip = torch.zeros(N, T), torch.zeros(N, T), torch.zeros(N, T)
     for i, ts in enumerate(rows()):
@@ -285,7 +287,8 @@ def test_gspo_token_form(lo, hi):
         unclipped, clipped = -a * s, -a * min(max(s, 1 - lo), 1 + hi)
         for t in ts:
             want_loss[i, t] = max(unclipped, clipped)
-            want_grad[i, t] = 0.0 if clipped > unclipped else -a * s  # token form: s_i * grad log p_t
+            # token form: s_i * grad log p_t
+            want_grad[i, t] = 0.0 if clipped > unclipped else -a * s
     logp, inp = policy_input()
     cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi)
     out = POLICY_LOSSES.get("gspo")(inp, cfg)
@@ -295,7 +298,8 @@ def test_gspo_token_form(lo, hi):
 
 
 def test_gspo_token_form_matches_sequence_objective():
-    """Sequence advantages + seq_mean_token_mean: gradient equals the paper's sequence-level objective."""
+    """Sequence advantages + seq_mean_token_mean: gradient equals the paper's sequence-level
+    objective."""
     lo, hi = 0.05, 0.1
     logp, inp = policy_input()
     cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi)
@@ -348,14 +352,16 @@ def test_policy_config_validation():
 
 # ---------------------------------------------------------------- KL
 
-REF_LOGP = LOGP + torch.tensor([[0.3, -0.2, 15.0, 0.0, 0.0]]).expand(N, T)  # 15 exercises the k3 clamp
+# 15 exercises the k3 clamp
+REF_LOGP = LOGP + torch.tensor([[0.3, -0.2, 15.0, 0.0, 0.0]]).expand(N, T)
 
 
 def test_kl_estimators():
     fns = {
         "k1": lambda lp, rl: lp - rl,
         "k2": lambda lp, rl: 0.5 * (lp - rl) ** 2,
-        "k3": lambda lp, rl: math.exp(max(min(rl - lp, 10.0), -10.0)) - max(min(rl - lp, 10.0), -10.0) - 1,
+        "k3": lambda lp, rl: math.exp(max(min(rl - lp, 10.0), -10.0))
+        - max(min(rl - lp, 10.0), -10.0) - 1,
     }
     assert KL_ESTIMATORS.names() == sorted(fns)
     for name, ref in fns.items():
@@ -403,16 +409,19 @@ def aggregation_reference(mode):
     }[mode]
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                  "seq_mean_token_sum_norm"])
 def test_aggregation_full_batch(mode):
     got = AGGREGATIONS.get(mode)(LOSS, MASK, make_norm(MASK, constant=L_MAX))
     assert math.isclose(got.item(), aggregation_reference(mode), rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                  "seq_mean_token_sum_norm"])
 @pytest.mark.parametrize("sizes", [[8], [3, 1, 4], [1, 1, 2, 4], [5, 3]])
 def test_aggregation_is_layout_invariant(mode, sizes):
-    """Micro-batches of different sizes (each trimmed to its own padded length) sum to the full batch."""
+    """Micro-batches of different sizes (each trimmed to its own padded length) sum to the
+    full batch."""
     agg = AGGREGATIONS.get(mode)
     weights = torch.linspace(0.5, 1.5, N * T).reshape(N, T)  # a differentiable loss
 
@@ -469,7 +478,8 @@ def test_filter_groups():
         want.append(max(xs) != min(xs))
     assert keep.tolist() == want
     assert keep.tolist() == [False, False, False, False, False, True, True, False]
-    assert filter_groups(torch.tensor([1.0, 1.05, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), atol=0.1).tolist() == [
+    assert filter_groups(torch.tensor([1.0, 1.05, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]),
+                         atol=0.1).tolist() == [
         False, False, True, True]
 
 
@@ -509,10 +519,14 @@ def test_value_loss(clip):
 
 # ---------------------------------------------------------------- distillation
 
-STUDENT = torch.tensor([[[1.0, 0.0, -1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0], [3.0, -2.0, 0.1, 0.2, 0.3]],
-                        [[-1.0, 1.0, 0.0, 0.0, 0.5], [0.2, 0.4, 0.6, 0.8, 1.0], [9.0, 9.0, 9.0, 9.0, 9.0]]])
-TEACHER = torch.tensor([[[0.5, 0.5, 0.0, 0.0, 1.0], [1.0, -1.0, 0.0, 2.0, 0.0], [2.0, -1.0, 0.0, 0.0, 1.0]],
-                        [[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.8, 0.6, 0.4, 0.2], [0.0, 0.0, 0.0, 0.0, 0.0]]])
+STUDENT = torch.tensor([[[1.0, 0.0, -1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0],
+                         [3.0, -2.0, 0.1, 0.2, 0.3]],
+                        [[-1.0, 1.0, 0.0, 0.0, 0.5], [0.2, 0.4, 0.6, 0.8, 1.0],
+                         [9.0, 9.0, 9.0, 9.0, 9.0]]])
+TEACHER = torch.tensor([[[0.5, 0.5, 0.0, 0.0, 1.0], [1.0, -1.0, 0.0, 2.0, 0.0],
+                         [2.0, -1.0, 0.0, 0.0, 1.0]],
+                        [[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.8, 0.6, 0.4, 0.2],
+                         [0.0, 0.0, 0.0, 0.0, 0.0]]])
 DMASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
 
@@ -540,7 +554,8 @@ def test_reverse_kl_sampled_is_unbiased():
     assert torch.equal(reverse_kl_sampled(log_ps[..., 0], log_ps[..., 0]), torch.zeros(2, 3))
     gen = torch.Generator().manual_seed(0)
     draws = 40_000
-    tokens = torch.multinomial(log_ps.exp().reshape(6, 5), draws, replacement=True, generator=gen)  # [6, draws]
+    # [6, draws]
+    tokens = torch.multinomial(log_ps.exp().reshape(6, 5), draws, replacement=True, generator=gen)
     ls = log_ps.reshape(6, 5).gather(1, tokens)
     lt = log_pt.reshape(6, 5).gather(1, tokens)
     mc = reverse_kl_sampled(ls, lt).mean(1).reshape(2, 3) * DMASK

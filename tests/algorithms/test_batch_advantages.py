@@ -59,7 +59,8 @@ def test_batch_wide_advantages_do_not_depend_on_the_number_of_ranks(tmp_path):
         split = torch.cat([torch.load(tmp_path / f"{name}-{r}.pt") for r in range(2)])
         torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-12)
         # and not what each half alone would give (the test would pass trivially otherwise)
-        alone = torch.cat([_advantages(name, scores[h], mask[h], values[h]) for h in (slice(0, 4), slice(4, 8))])
+        alone = torch.cat([_advantages(name, scores[h], mask[h], values[h])
+                           for h in (slice(0, 4), slice(4, 8))])
         assert not torch.allclose(alone, whole)
 
 

@@ -11,7 +11,8 @@ from tandem.rl.algorithms import POLICY_LOSSES
 from tandem.rl.config.schema import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")  # rl recipe, an HF folder (assets/quickstart-policy)
+# rl recipe, an HF folder (assets/quickstart-policy)
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -46,7 +47,8 @@ def test_bad_setting_is_one_line_naming_the_key(override, message):
 
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
 def test_one_sample_under_a_group_relative_advantage_is_rejected(advantage):
-    with pytest.raises(ConfigError, match=rf"rl.num_samples: 1 completion per prompt under rl.advantage = '{advantage}'.*"
+    with pytest.raises(ConfigError, match=r"rl.num_samples: 1 completion per prompt under "
+                                          rf"rl.advantage = '{advantage}'.*"
                                           "every advantage would be 0"):
         load_config(QUICKSTART, ["rl.num_samples=1", f"rl.advantage={advantage}"])
     # a per-sample estimator learns from one sample
@@ -57,7 +59,8 @@ def test_one_sample_under_a_group_relative_advantage_is_rejected(advantage):
 
 def test_kv_budget_is_checked_for_a_from_scratch_flavor_too():
     with pytest.raises(ConfigError, match=r"rollout.kv_cache_gb: 1e-09 GB holds no KV block"):
-        load_config(QUICKSTART, ["model.path=none", "model.flavor=debug-qwen3", "model.tokenizer=builtin:char",
+        load_config(QUICKSTART,
+                    ["model.path=none", "model.flavor=debug-qwen3", "model.tokenizer=builtin:char",
                                  "rollout.kv_cache_gb=1e-9"])
 
 
@@ -70,7 +73,8 @@ def test_dump_folder_that_is_a_file_or_under_one(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(QUICKSTART, [f"job.dump_folder={f}/run"])
     assert str(e.value) == f"job.dump_folder: {f}/run is under {f}, a file, not a folder"
-    assert load_config(QUICKSTART, [f"job.dump_folder={tmp_path}/new/run"]).job.dump_folder == f"{tmp_path}/new/run"
+    assert (load_config(QUICKSTART, [f"job.dump_folder={tmp_path}/new/run"]).job.dump_folder
+            == f"{tmp_path}/new/run")
     assert not (tmp_path / "new").exists()  # validation creates nothing
 
 
@@ -80,7 +84,8 @@ def _unwritable_folder(tmp_path):
     d.chmod(0o555)
     if not os.access(d, os.W_OK):
         return str(d)
-    if os.path.isdir("/proc/sys") and not os.access("/proc/sys", os.W_OK):  # root ignores modes: a read-only mount
+    if os.path.isdir("/proc/sys") and not os.access("/proc/sys", os.W_OK):
+        # root ignores modes: a read-only mount
         return "/proc/sys"
     pytest.skip("no unwritable folder here (root on a system without a read-only mount)")
 
@@ -89,30 +94,34 @@ def test_dump_folder_in_an_unwritable_folder(tmp_path):
     ro = _unwritable_folder(tmp_path)
     with pytest.raises(ConfigError) as e:
         load_config(QUICKSTART, [f"job.dump_folder={ro}/run"])
-    assert str(e.value) == (f"job.dump_folder: {ro}/run: cannot write in {ro} (no write permission, "
-                            "or a read-only file system)")
+    assert str(e.value) == (f"job.dump_folder: {ro}/run: cannot write in {ro} (no write "
+                            "permission, or a read-only file system)")
 
 
 def test_dump_folder_under_proc_is_a_config_error_before_anything_runs(tmp_path):
     """Permission bits let root write anywhere, but /proc refuses new entries: train.py and
     tandem-generate ended in a FileNotFoundError traceback; now one line, exit 2."""
     r = _train("/proc/tandem-run")
-    assert (r.returncode, r.stderr) == (2, "error: job.dump_folder: /proc/tandem-run: cannot make a folder "
-                                           "in /proc (No such file or directory)\n")
+    assert (r.returncode, r.stderr) == (2, "error: job.dump_folder: /proc/tandem-run: cannot "
+                                           "make a folder in /proc (No such file or directory)\n")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1="}\n')
-    cmd = [sys.executable, "-m", "tandem.generate", "--model", os.path.join(ROOT, "assets", "quickstart-policy"),
+    cmd = [sys.executable, "-m", "tandem.generate", "--model",
+           os.path.join(ROOT, "assets", "quickstart-policy"),
            "--input", str(prompts), "--output", "/proc/tandem-out.jsonl"]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                       timeout=300)
-    assert (r.returncode, r.stderr) == (2, "error: --output: /proc: cannot make a folder in /proc (No such "
-                                           "file or directory) (tandem-generate --help lists the flags)\n")
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                       text=True, timeout=300)
+    assert (r.returncode, r.stderr) == (2, "error: --output: /proc: cannot make a folder in "
+                                           "/proc (No such file or directory) (tandem-generate "
+                                           "--help lists the flags)\n")
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tandem-write-check")]
 
 
 def _train(dump, *extra):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3", "--model.tokenizer=builtin:char",
-           "--data.path=synthetic:addition_small", "--data.synthetic_rows=64", "--data.max_length=64",
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3",
+           "--model.tokenizer=builtin:char",
+           "--data.path=synthetic:addition_small", "--data.synthetic_rows=64",
+           "--data.max_length=64",
            "--training.steps=2", "--training.batch_size=4", "--metrics.loggers=[]",
            f"--job.dump_folder={dump}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -121,9 +130,11 @@ def _train(dump, *extra):
 
 def test_train_rejects_inf_lr_and_an_overflowing_seed_before_writing_anything(tmp_path):
     r = _train(tmp_path / "run", "--optimizer.lr=inf")
-    assert (r.returncode, r.stderr) == (2, "error: optimizer.lr: must be a finite number, got inf\n")
+    assert (r.returncode, r.stderr) == (2,
+                                        "error: optimizer.lr: must be a finite number, got inf\n")
     r = _train(tmp_path / "run", "--job.seed=18446744073709551616")
-    assert (r.returncode, r.stderr) == (2, "error: job.seed: must be in [0, 2**32), got 18446744073709551616\n")
+    assert (r.returncode, r.stderr) == (2, "error: job.seed: must be in [0, 2**32), got "
+                                           "18446744073709551616\n")
     assert not (tmp_path / "run").exists()
     r = _train(tmp_path / "run", f"--job.seed={2**32 - 1}")  # the largest seed trains
     assert r.returncode == 0, r.stderr[-2000:]

@@ -213,18 +213,21 @@ def test_loop_reference_and_batched_fallback_match_naive(
     b = make_batch(MIXED, block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.context_lens, b.scale)
     naive = naive_attention(b)
-    torch.testing.assert_close(pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5,
+                               rtol=1e-5)
     monkeypatch.setattr(pa, "_BATCHED_SCORE_LIMIT", 0)
-    torch.testing.assert_close(pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size,hq,hkv,d", HEADS_AND_DIMS[:3])
 def test_torch_pure_decode_matches_naive(block_size: int, hq: int, hkv: int, d: int) -> None:
     """One query per sequence takes the fused-SDPA branch of the PyTorch path (fp32); a
     padded row (context 0) takes the masked-softmax branch and gives zeros."""
-    b = make_batch([(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
-    out = pa.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, b.scale,
-                                    impl="torch")
+    b = make_batch([(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d,
+                   impl="torch")
+    out = pa.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens,
+                                    b.scale, impl="torch")
     torch.testing.assert_close(out.double().cpu(), naive_attention(b), atol=1e-5, rtol=1e-5)
     ctx = torch.cat([b.context_lens, b.context_lens.new_zeros(1)])
     tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables[:1])])
@@ -247,7 +250,8 @@ def test_reference_store_kv_writes_only_valid_slots() -> None:
 
 @pytest.mark.parametrize("slots", [[9, -1, 2, 5], [3, 0, 11, 6]])
 def test_store_kv_slots_matches_reference(slots: list[int]) -> None:
-    """The generator's PyTorch store (slots resolved once per step) writes what the reference does."""
+    """The generator's PyTorch store (slots resolved once per step) writes what the
+    reference does."""
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
     mapping = torch.tensor(slots, dtype=torch.int32)
@@ -453,7 +457,8 @@ def test_imports_and_runs_without_triton() -> None:
         "out = pa.paged_decode_attention(torch.randn(1, 2, 8), kc, vc,\n"
         "    torch.tensor([[0, 1]], dtype=torch.int32),\n"
         "    torch.tensor([3], dtype=torch.int32), 0.3)\n"
-        "assert out.shape == (1, 2, 8) and 'tandem.kernels.triton_paged_attention' not in sys.modules\n"
+        "assert out.shape == (1, 2, 8) and 'tandem.kernels.triton_paged_attention' not in "
+        "sys.modules\n"
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -1,4 +1,5 @@
-"""The memory planner (tandem/rl/plan/planner.py) against what CPU runs allocate, and ``train.py --plan``.
+"""The memory planner (tandem/rl/plan/planner.py) against what CPU runs allocate, and
+``train.py --plan``.
 
 One torchrun launch (2 CPU processes, gloo) runs tests/plan/plan_worker.py over the layouts fsdp2,
 fsdp2 with full activation checkpointing, tp2 and pp2; each rank measures its parameter,
@@ -38,19 +39,22 @@ EXACT, ACT = 0.05, 0.25
 
 def _settings(ac: str = "none", **kw) -> Settings:
     """The worker's run, as planner settings (CPU: fp32 compute and generation)."""
-    return Settings(compute_dtype=torch.float32, reduce_dtype=torch.float32, gen_dtype=torch.float32,
+    return Settings(compute_dtype=torch.float32, reduce_dtype=torch.float32,
+                    gen_dtype=torch.float32,
                     tokens=W.MICRO_BATCH_TOKENS, ac=ac, seq_len=W.SEQ_LEN, block_size=4,
                     prompts_per_step=W.PROMPTS_PER_STEP, num_samples=W.NUM_SAMPLES, **kw)
 
 
 def _close(planned: float, measured: float, tol: float, what: str) -> None:
     assert measured > 0, what
-    assert abs(planned - measured) <= tol * measured, f"{what}: planned {planned:.0f}, measured {measured:.0f}"
+    assert abs(planned - measured) <= tol * measured, (f"{what}: planned {planned:.0f}, measured "
+                                                       f"{measured:.0f}")
 
 
 def run_worker(out: Path, layouts: list[str]) -> dict:
     """tests/plan/plan_worker.py's records of ``layouts`` (one torchrun launch, 2 CPU ranks)."""
-    return launch_worker(ROOT / "tests" / "plan" / "plan_worker.py", 2, out, "--layouts", ",".join(layouts), timeout=240)
+    return launch_worker(ROOT / "tests" / "plan" / "plan_worker.py", 2, out, "--layouts",
+                         ",".join(layouts), timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +72,16 @@ def test_state_bytes_match_a_cpu_run(measured, name):
         rec = measured[name][rank]
         _close(plan.update["parameters"], rec["params"], EXACT, f"{name} rank {rank} parameters")
         _close(plan.update["gradients"], rec["grads"], EXACT, f"{name} rank {rank} gradients")
-        _close(plan.update["optimizer state"], rec["optimizer"], EXACT, f"{name} rank {rank} optimizer")
+        _close(plan.update["optimizer state"], rec["optimizer"], EXACT,
+               f"{name} rank {rank} optimizer")
 
 
 @pytest.mark.parametrize("name", [n for n, (d, _) in W.LAYOUTS.items() if d.pp == 1])
 def test_activations_match_saved_tensors(measured, name):
     degrees, ac = W.LAYOUTS[name]
     rec = measured[name][0]
-    planned = activation_bytes(W.ARGS, rec["act_tokens"], W.ARGS.num_layers, torch.float32, ac, degrees.tp)
+    planned = activation_bytes(W.ARGS, rec["act_tokens"], W.ARGS.num_layers, torch.float32, ac,
+                               degrees.tp)
     _close(planned, rec["activations"], ACT, f"{name} activations")
 
 
@@ -83,11 +89,14 @@ def test_activations_match_saved_tensors(measured, name):
 def test_generation_shard_and_kv_pool_match(measured, g):
     for name in W.LAYOUTS:
         for j, (kv_gb, seqs, max_tokens) in enumerate(W.KV_CASES):
-            p = Planner(W.ARGS, _settings(kv_cache_gb=kv_gb, max_num_seqs=seqs, max_len=W.MAX_PROMPT + max_tokens + 1))
+            p = Planner(W.ARGS, _settings(kv_cache_gb=kv_gb, max_num_seqs=seqs,
+                                          max_len=W.MAX_PROMPT + max_tokens + 1))
             lay = Layout(dp_shard=2, rollout_tp=g)
             rec = measured[name][0]
-            _close(p.generation_shard(g), rec[f"shard_{g}"], EXACT, f"{name} generation shard, rollout.tp={g}")
-            _close(p.kv_pool(lay)[0], rec[f"kv_{g}_{j}"], EXACT, f"{name} KV pool, rollout.tp={g}, case {j}")
+            _close(p.generation_shard(g), rec[f"shard_{g}"], EXACT,
+                   f"{name} generation shard, rollout.tp={g}")
+            _close(p.kv_pool(lay)[0], rec[f"kv_{g}_{j}"], EXACT,
+                   f"{name} KV pool, rollout.tp={g}, case {j}")
 
 
 def _layout(name: str) -> tuple[Layout, str]:
@@ -163,19 +172,23 @@ def test_one_rank_matches_a_plain_run():
     plan = Planner(W.ARGS, _settings()).plan(Layout())[0]
     params = sum(p.numel() * 4 for p in model.parameters())
     batch = W.samples()
-    mb = pack_micro_batches(batch, list(range(len(batch))), W.MICRO_BATCH_TOKENS, torch.device("cpu"))[0]
-    act = W.saved_bytes(model, lambda: token_logprobs(model, mb, with_entropy=True, chunk_tokens=64))
+    mb = (pack_micro_batches(batch, list(range(len(batch))), W.MICRO_BATCH_TOKENS,
+                             torch.device("cpu"))[0])
+    act = W.saved_bytes(model,
+                        lambda: token_logprobs(model, mb, with_entropy=True, chunk_tokens=64))
     opt = build_optimizer(model, lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0)
     lp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=64)
     lp.sum().backward()
     grads = sum(p.grad.numel() * 4 for p in model.parameters())
     opt.step()
-    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0)
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                if v.dim() > 0)
     _close(plan.update["parameters"], params, EXACT, "parameters")
     _close(plan.update["gradients"], grads, EXACT, "gradients")
     _close(plan.update["optimizer state"], state, EXACT, "optimizer")
     _close(plan.rollout["generation shard"], params, EXACT, "generation shard (the whole model)")
-    _close(activation_bytes(W.ARGS, mb.tokens.numel(), W.ARGS.num_layers, torch.float32, "none"), act, ACT, "activations")
+    _close(activation_bytes(W.ARGS, mb.tokens.numel(), W.ARGS.num_layers, torch.float32, "none"),
+           act, ACT, "activations")
 
 
 # ---- the command line -------------------------------------------------------------------
@@ -191,7 +204,8 @@ def test_plan_that_does_not_fit_exits_9_with_one_line():
     r = _plan("--plan.devices_per_node=8", "--plan.device_memory_gb=24")
     assert r.returncode == errors.EXIT_PLAN == 9, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: plan: ") and "over 90% of 24 GB" in lines[0], r.stderr
+    assert (len(lines) == 1 and lines[0].startswith("error: plan: ")
+            and "over 90% of 24 GB" in lines[0]), r.stderr
     assert "rollout" in r.stdout and "KV pool" in r.stdout
 
 
@@ -202,7 +216,8 @@ def test_plan_that_does_not_fit_exits_9_with_one_line():
 def test_plan_bounds_its_inputs(flag, message):
     """Before: devices_per_node = 10**18 searched range(10**18) (a hang); now one line, exit 2."""
     r = _plan(flag)
-    assert r.returncode == errors.EXIT_CONFIG and r.stderr.startswith(f"error: {message} "), r.stderr
+    assert (r.returncode == errors.EXIT_CONFIG
+            and r.stderr.startswith(f"error: {message} ")), r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
 
 
@@ -214,9 +229,12 @@ def test_plan_of_the_largest_cluster_ends():
 
 
 def test_plan_without_the_weights_names_the_key():
-    r = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.toml", "--plan", "--plan.flavor=none"],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
-    assert r.returncode == errors.EXIT_CONFIG and r.stderr.strip().startswith("error: plan.flavor: "), r.stderr
+    r = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.toml", "--plan",
+                        "--plan.flavor=none"],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode == errors.EXIT_CONFIG
+            and r.stderr.strip().startswith("error: plan.flavor: ")), r.stderr
 
 
 def test_smallest_layout_is_the_hand_count():
@@ -225,8 +243,9 @@ def test_smallest_layout_is_the_hand_count():
     gradients and two moments are 16 B x 8.19 B / n = 131 GB / n; beside them, whatever n, the bf16
     transient of two unsharded blocks and the embedding and head (4.0 GB), the checkpointed block
     inputs (16384 x 36 x 4096 x 2 B = 4.8 GB, plus the head), one recomputed block and the log-prob
-    chunk: about 14 GB. n = 1: 131 GB, no. n = 2: 65.5 + 14 = 80 GB > 72, no. n = 4: 33 + 14 = 47 GB,
-    and the rollout 24.6 resident + 16.4 shard + 1 pool = 42 GB: fits, with rollout.tp = 1."""
+    chunk: about 14 GB. n = 1: 131 GB, no. n = 2: 65.5 + 14 = 80 GB > 72, no. n = 4: 33 +
+    14 = 47 GB, and the rollout 24.6 resident + 16.4 shard + 1 pool = 42 GB: fits, with
+    rollout.tp = 1."""
     s = Settings(tokens=16384, ac="full", kv_cache_gb=1.0, max_len=4097, prompts_per_step=128)
     p = Planner(get_flavor("qwen3-8b"), s)
     lay, peak = p.smallest(nodes=1, devices_per_node=8, device_bytes=80e9)
@@ -234,10 +253,11 @@ def test_smallest_layout_is_the_hand_count():
     two = p.plan(Layout(dp_shard=2, rollout_tp=1))[0]
     assert 72e9 < two.peak < 80e9 and two.peak_phase() == "update"
     state = 16 * get_flavor("qwen3-8b").num_params() / 4
-    assert abs(sum(v for k, v in p.plan(lay)[0].update.items() if k in ("parameters", "gradients", "optimizer state"))
+    assert abs(sum(v for k, v in p.plan(lay)[0].update.items()
+                   if k in ("parameters", "gradients", "optimizer state"))
                - state) < 0.01 * state
     # the rl recipe may take TP and PP; the others shard with FSDP2 alone (they refuse tp / pp > 1)
-    assert {(x.tp > 1, x.pp > 1) for x in p.candidates(8, 8)} == {(False, False), (True, False), (False, True),
-                                                                   (True, True)}
+    assert {(x.tp > 1, x.pp > 1) for x in p.candidates(8, 8)} == {
+        (False, False), (True, False), (False, True), (True, True)}
     sft = Planner(get_flavor("qwen3-8b"), dataclasses.replace(s, recipe="sft"))
     assert [(x.tp, x.pp, x.dp_shard) for x in sft.candidates(8, 8)] == [(1, 1, 8)]

@@ -86,7 +86,8 @@ def test_masks_logprobs_and_rendering(model, tok, pool) -> None:
     for s in samples:
         assert s.finish_reason == "stop" and s.env_reward == 3.0 and s.info["turns"] == 3
         assert len(s.loss_mask) == len(s.completion_ids) == len(s.gen_logprobs)
-        # environment tokens: masked out, log-prob 0; sampled tokens: the training forward's log-probs
+        # environment tokens: masked out, log-prob 0; sampled tokens: the training forward's
+        # log-probs
         mask = torch.tensor(s.loss_mask)
         ref = train_logprobs(model, s.prompt_ids, s.completion_ids)
         got = torch.tensor(s.gen_logprobs)
@@ -270,8 +271,9 @@ def test_env_steps_overlap_with_decoding(model, tok, pool) -> None:
     assert m["env/elapsed_s"] < 0.5 * total_sleep, m
     assert m["env/device_wait_s"] < m["env/env_time_s"]
     print(
-        f"\noverlap: elapsed {m['env/elapsed_s']:.2f} s for {m['env/env_time_s']:.2f} s of env time; "
-        f"device waited {m['env/device_wait_s']:.2f} s; overlap {m['env/overlap']:.2f}; pid {os.getpid()}"
+        f"\noverlap: elapsed {m['env/elapsed_s']:.2f} s for {m['env/env_time_s']:.2f} s "
+        f"of env time; device waited {m['env/device_wait_s']:.2f} s; overlap {m['env/overlap']:.2f}"
+        f"; pid {os.getpid()}"
     )
 
 

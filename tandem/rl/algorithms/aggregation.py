@@ -129,7 +129,8 @@ def aggregate(name: str, loss: Tensor, mask: Tensor, norm: AggregationNorm) -> T
     return AGGREGATIONS.get(name)(loss, mask, norm)
 
 
-def entropy_loss(entropy: Tensor, mask: Tensor, agg: str, norm: AggregationNorm, coef: float) -> Tensor:
+def entropy_loss(entropy: Tensor, mask: Tensor, agg: str, norm: AggregationNorm,
+                 coef: float) -> Tensor:
     """Entropy bonus as a loss term: ``-coef * aggregate(agg, entropy)``.
 
     entropy: ``[N, T]`` per-token entropy of the current policy (with grad).

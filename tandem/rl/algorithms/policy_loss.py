@@ -74,7 +74,8 @@ class PolicyLossConfig:
         require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
                 f"rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1 and "
                 f"seq_clip_high >= 0, got {self.seq_clip_low} / {self.seq_clip_high}")
-        require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
+        require(self.dual_clip is None or self.dual_clip > 1,
+                f"rl.dual_clip: must be > 1, got {self.dual_clip}")
 
 
 @dataclass
@@ -131,7 +132,8 @@ def ppo_clip(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
         dual = (a < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
         clipped = clipped | dual
-    metrics = {"clipped": clipped.to(loss.dtype), "ratio": ratio, "approx_kl": _approx_kl(log_ratio)}
+    metrics = {"clipped": clipped.to(loss.dtype), "ratio": ratio,
+               "approx_kl": _approx_kl(log_ratio)}
     return _finish(loss, inp, cfg, metrics)
 
 

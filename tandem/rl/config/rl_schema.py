@@ -32,13 +32,15 @@ class RLConfig(PolicyLossConfig):
 
     num_samples: int = 8  # completions per prompt (the GRPO group)
     prompts_per_step: int = 16  # prompts per step, global over data-parallel ranks
-    advantage: str = "grpo"  # tandem/rl/algorithms/advantages.py: grpo, dr_grpo, rloo, reinforce_pp, gae
+    advantage: str = "grpo"  # tandem/rl/algorithms/advantages.py: grpo, dr_grpo, rloo,
+    # reinforce_pp, gae
     norm_by_std: bool = True  # grpo: divide by the group std
     gamma: float = 1.0  # discount of later token rewards (reinforce_pp, gae), in [0, 1]
     lam: float = 1.0  # gae: GAE's lambda, in [0, 1]
     policy_loss: str = "ppo_clip"  # tandem/rl/algorithms/policy_loss.py: ppo_clip, gspo, reinforce
     aggregation: str = "token_mean"  # tandem/rl/algorithms/aggregation.py
-    loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default rollout.max_tokens
+    loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default
+    # rollout.max_tokens
     kl_coef: float = 0.0  # 0 = no reference model
     kl_estimator: str = "k3"  # k1, k2, k3
     kl_mode: Literal["loss", "reward"] = "loss"  # loss: kl_coef x the estimator added to the loss;
@@ -55,7 +57,9 @@ class RLConfig(PolicyLossConfig):
     # policy's log-probs recomputed before the update, or interpolated by versions (no forward)
     m2_threshold: float = 0.04  # m2po: tokens with the largest (prox - behav)^2 are dropped
     # until the mean of the rest is below this
-    exact: bool = False  # batch-invariant kernels in rollout and update (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
+    exact: bool = False  # batch-invariant kernels in rollout and update
+    # (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's
+    # recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
@@ -68,15 +72,18 @@ class RLConfig(PolicyLossConfig):
     # overlong_buffer tokens, -overlong_penalty at max_tokens
     offload_optimizer: bool = False  # move optimizer state to CPU during rollout
     eval_prompts: int = 64  # held-out prompts per evaluation
-    eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one greedy completion
+    eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one
+    # greedy completion
 
     def validate(self) -> None:
         for key in ("num_samples", "prompts_per_step", "epochs", "minibatches",
                     "micro_batch_tokens", "eval_prompts"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
-        require(self.eval_samples >= 0, f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}")
+        require(self.eval_samples >= 0, "rl.eval_samples: must be >= 0 (0 = one greedy "
+                                        f"completion), got {self.eval_samples}")
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
-        require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
+        require(self.tis_cap is None or self.tis_cap > 0,
+                f"rl.tis_cap: must be > 0, got {self.tis_cap}")
         require(self.m2_threshold > 0, f"rl.m2_threshold: must be > 0, got {self.m2_threshold}")
         _check_name("rl.offpolicy_correction", "tandem.rl.algorithms.OFFPOLICY_CORRECTIONS",
                     self.offpolicy_correction)
@@ -87,10 +94,12 @@ class RLConfig(PolicyLossConfig):
         _check_name("rl.kl_estimator", "tandem.rl.algorithms.KL_ESTIMATORS", self.kl_estimator)
         from tandem.rl.algorithms import ADVANTAGES
 
-        require(self.num_samples >= 2 or not ADVANTAGES.cap(self.advantage, "group_relative", False),
-                f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = {self.advantage!r}, "
-                "which compares the completions of a prompt: every advantage would be 0 and nothing learned; "
-                "set rl.num_samples >= 2 or a per-sample advantage (reinforce_pp, gae)")
+        require(self.num_samples >= 2 or not ADVANTAGES.cap(self.advantage, "group_relative",
+                                                            False),
+                f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = "
+                f"{self.advantage!r}, which compares the completions of a prompt: every advantage "
+                "would be 0 and nothing learned; set rl.num_samples >= 2 or a per-sample advantage "
+                "(reinforce_pp, gae)")
         super().validate()
         self._check_clip_keys()
 
@@ -103,7 +112,8 @@ class RLConfig(PolicyLossConfig):
         for key in (f.name for f in fields(PolicyLossConfig) if f.name != "tis_cap"):  # all read it
             if key not in uses and getattr(self, key) != getattr(default, key):
                 reads = ", ".join(f"rl.{k}" for k in uses) or "no clip setting"
-                raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} (it reads {reads})")
+                raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} "
+                                  f"(it reads {reads})")
 
     def _check_correction_keys(self) -> None:
         """A correction setting the chosen correction does not read is an error, and tis / mis
@@ -147,12 +157,15 @@ class RolloutConfig:
     # most this many)
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
     prefix_sharing: bool = True  # the n samples of a prompt share its KV blocks
-    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA with the Triton attention kernels; eager elsewhere)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
+    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA with the Triton
+    # attention kernels; eager elsewhere)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto:
+    # training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
     tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks
     # run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest
     # degree within a node whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
-    vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
+    vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary
+    # rows over the group (false: whole on every rank)
     cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
 
     mode: Literal["sync", "colocated_async"] = "sync"  # sync: each step samples its prompts to
@@ -186,7 +199,8 @@ class RolloutConfig:
         require(self.max_tokens >= 1, f"rollout.max_tokens: must be >= 1, got {self.max_tokens}")
         require(self.block_size >= 1, f"rollout.block_size: must be >= 1, got {self.block_size}")
         require(self.kv_cache_gb > 0, f"rollout.kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
-        require(self.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        require(self.max_num_seqs >= 1,
+                f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1,
                 f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
@@ -235,13 +249,17 @@ class RewardConfig:
 
     functions: list[str] = field(default_factory=lambda: ["math"])  # names in the tandem/rl/rewards
     # registry, summed with reward.weights
-    modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
+    modules: list[str] = field(default_factory=list)  # your modules that @register_reward more
+    # functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
-    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
+    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a
+    # TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
-    memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an error; 0 = no cap
-    reward_model: str | None = None  # a reward_model recipe's output folder, scored on the rollout ranks
+    memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an
+    # error; 0 = no cap
+    reward_model: str | None = None  # a reward_model recipe's output folder, scored on the rollout
+    # ranks
     reward_model_weight: float = 1.0  # its weight in the total, beside the functions
 
     def validate(self) -> None:
@@ -249,7 +267,8 @@ class RewardConfig:
                 f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
         require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
-        require(self.memory_mb >= 0, f"reward.memory_mb: must be >= 0 (0 = no cap), got {self.memory_mb}")
+        require(self.memory_mb >= 0,
+                f"reward.memory_mb: must be >= 0 (0 = no cap), got {self.memory_mb}")
         import importlib
 
         import tandem.rl.rewards  # noqa: F401  (registers the built-in reward functions)
@@ -265,8 +284,10 @@ class RewardConfig:
         from tandem.rl.rewards.registry import get_reward
 
         for name, kw in self.kwargs.items():
-            require(name in self.functions, f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
-            require(isinstance(kw, dict), f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
+            require(name in self.functions,
+                    f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
+            require(isinstance(kw, dict),
+                    f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
             try:
                 get_reward(name, **kw)
             except TypeError as e:
@@ -275,25 +296,31 @@ class RewardConfig:
 
 @dataclass
 class CriticConfig:
-    """PPO's value model (used when rl.advantage = "gae"): same architecture and mesh as the policy."""
+    """PPO's value model (used when rl.advantage = "gae"): same architecture and mesh as
+    the policy."""
 
-    path: str | None = None  # HF folder (policy or reward model); default: the policy's starting weights
+    path: str | None = None  # HF folder (policy or reward model); default: the policy's starting
+    # weights
     lr: float = 1e-5  # the critic's own AdamW learning rate (betas, eps, weight decay from
     # [optimizer])
-    value_clip: float | None = 0.2  # clip the new value within this of the old; none = unclipped loss
+    value_clip: float | None = 0.2  # clip the new value within this of the old; none = unclipped
+    # loss
     coef: float = 1.0  # scale of the value loss (the critic has its own optimizer)
     warmup_steps: int = 0  # RL steps at the start where only the critic learns
 
     def validate(self) -> None:
         require(self.lr > 0, f"critic.lr: must be > 0, got {self.lr}")
-        require(self.value_clip is None or self.value_clip > 0, f"critic.value_clip: must be > 0, got {self.value_clip}")
+        require(self.value_clip is None or self.value_clip > 0,
+                f"critic.value_clip: must be > 0, got {self.value_clip}")
         require(self.coef > 0, f"critic.coef: must be > 0, got {self.coef}")
-        require(self.warmup_steps >= 0, f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        require(self.warmup_steps >= 0,
+                f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass
 class DistillConfig:
-    """On-policy distillation: teachers score the student's samples; the sampled reverse KL is the signal.
+    """On-policy distillation: teachers score the student's samples; the sampled reverse KL is
+    the signal.
 
     One teacher is OPD; several are multi-teacher OPD, each prompt routed to the
     teacher named by its ``route_field`` value (``names[i]`` names ``teachers[i]``).
@@ -303,10 +330,12 @@ class DistillConfig:
     """
 
     teachers: list[str] = field(default_factory=list)  # HF folders (any tokenizer); empty = off
-    names: list[str] = field(default_factory=list)  # route values, one per teacher; default: folder names
+    names: list[str] = field(default_factory=list)  # route values, one per teacher; default: folder
+    # names
     route_field: str | None = None  # data field naming each prompt's teacher (needed with several)
     coef: float = 1.0  # weight of the distillation advantage
-    reward_weight: float = 0.0  # weight of the reward advantage (rl.advantage) added to it; 0 = pure OPD
+    reward_weight: float = 0.0  # weight of the reward advantage (rl.advantage) added to it; 0 =
+    # pure OPD
 
     def validate(self) -> None:
         if not self.teachers:
@@ -314,8 +343,10 @@ class DistillConfig:
         require(not self.names or len(self.names) == len(self.teachers),
                 f"distill.names: {len(self.names)} names for {len(self.teachers)} teachers")
         require(len(self.teachers) == 1 or self.route_field is not None,
-                f"distill.route_field: {len(self.teachers)} teachers need a data field that routes each prompt")
-        require(len(set(self.teacher_names())) == len(self.teachers), "distill.names: teacher names must be distinct")
+                f"distill.route_field: {len(self.teachers)} teachers need a data field that routes "
+                "each prompt")
+        require(len(set(self.teacher_names())) == len(self.teachers),
+                "distill.names: teacher names must be distinct")
 
     def teacher_names(self) -> list[str]:
         import os
@@ -332,7 +363,8 @@ class EnvConfig:
     added to the score (next to any ``reward.functions``). See tandem/rl/rollout/agentic.py.
     """
 
-    name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn
+    name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code"
+    # (hidden unit tests); none = single turn
     kind: Literal["local", "http"] = "local"  # http: a harness plays episodes (docs/serving.md)
     host: str = "127.0.0.1"  # http: address to bind (not loopback: needs a key)
     port: int = 8000  # http: the endpoint's port
@@ -340,11 +372,14 @@ class EnvConfig:
     episode_timeout_s: float = 300.0  # http: open this long after its claim: dropped
     claim_timeout_s: float = 0.0  # http: unclaimed this long: dropped; 0 = wait
     max_request_mb: float = 4.0  # http: larger request bodies get 413
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table), e.g. tools, reward
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table),
+    # e.g. tools, reward
     max_turns: int = 4  # assistant turns per episode
     max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
-    max_turn_tokens: int | None = None  # sampled tokens per turn; none = up to rollout.max_tokens in all
-    num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes (on each generation group's first rank only)
+    max_turn_tokens: int | None = None  # sampled tokens per turn; none = up to rollout.max_tokens
+    # in all
+    num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes
+    # (on each generation group's first rank only)
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
 
     def validate(self) -> None:
@@ -361,9 +396,11 @@ class EnvConfig:
             raise ConfigError(f"env.kwargs: {e}") from None
         for key in ("max_turns", "max_total_tokens"):
             require(getattr(self, key) >= 1, f"env.{key}: must be >= 1, got {getattr(self, key)}")
-        require(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "env.max_turn_tokens: must be >= 1")
+        require(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
+                "env.max_turn_tokens: must be >= 1")
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
-        require(self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
+        require(self.step_timeout_s > 0,
+                f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
 
     def _check_server(self) -> None:
         require(self.name is None, f"env.name: {self.name!r} plays episodes in-process; with "

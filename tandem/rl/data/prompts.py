@@ -30,14 +30,16 @@ SYNTHETIC = "synthetic:"
 T = TypeVar("T")
 
 
-def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
+def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int,
+                     n_synthetic: int) -> list[dict[str, Any]]:
     if path.startswith(SYNTHETIC):
         from tandem.rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
         name, knobs = parse_synthetic(path[len(SYNTHETIC):])
         from tandem.rl.data.agentic_tasks import AGENTIC_TASKS, make_agentic_rows
 
-        if name in AGENTIC_TASKS:  # multi-turn tasks (env.name): code rows carry hidden tests, not an answer
+        if name in AGENTIC_TASKS:
+            # multi-turn tasks (env.name): code rows carry hidden tests, not an answer
             try:
                 rows = make_agentic_rows(name, n_synthetic, seed, split, **knobs)  # type: ignore[arg-type]
             except ValueError as e:
@@ -57,10 +59,12 @@ class Prompt:
     index: int  # row index in its dataset
     token_ids: list[int]
     row: dict[str, Any]
-    images: Any = None  # tandem.models.vlm.PromptImages of a row with images (vision-language policies)
+    images: Any = None  # tandem.models.vlm.PromptImages of a row with images (vision-language
+    # policies)
 
 
-def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str) -> list[dict[str, Any]]:
+def prompt_messages(row: dict[str, Any], prompt_field: str,
+                    messages_field: str) -> list[dict[str, Any]]:
     """The conversation a row's prompt is rendered from: its messages field, or its prompt
     field, which holds either text (one user turn) or a list of {role, content} messages (as in
     verl's and TRL's conversational prompt datasets). ValueError (one line) if neither."""
@@ -73,17 +77,20 @@ def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str)
         if isinstance(q, str):
             return [{"role": "user", "content": q}]
         if not isinstance(q, list):
-            raise ValueError(f"field {prompt_field!r} must be text or a list of {{role, content}} messages, "
-                             f"got {type(q).__name__} (data.prompt_field / data.messages_field name the fields)")
+            raise ValueError(f"field {prompt_field!r} must be text or a list of {{role, "
+                             f"content}} messages, got {type(q).__name__} (data.prompt_field / "
+                             "data.messages_field name the fields)")
         msgs = q
     if (problem := message_problem(msgs)) is not None:
-        raise ValueError(f"field {field!r}: {problem} (data.messages_field names the messages field)")
+        raise ValueError(f"field {field!r}: {problem} (data.messages_field names the "
+                         "messages field)")
     return msgs
 
 
 def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
                    messages_field: str, answer_field: str, max_prompt_tokens: int,
-                   on_bad_row: str = "skip", vision: VisionData | None = None) -> tuple[list[Prompt], dict[str, int]]:
+                   on_bad_row: str = "skip",
+                   vision: VisionData | None = None) -> tuple[list[Prompt], dict[str, int]]:
     """Chat-template and tokenize; bad rows (a missing field, or one of the wrong type, or an
     unreadable image) are counted (or raise DataError naming the file and line). ``vision``:
     a vision-language policy's image settings (tandem/rl/data/images.py); image tokens are
@@ -97,17 +104,20 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
             if answer is None:
                 raise ValueError(f"missing field {answer_field!r} (data.answer_field names it)")
             if not isinstance(answer, str):
-                raise ValueError(f"field {answer_field!r} must be a string, got {type(answer).__name__}")
+                raise ValueError(f"field {answer_field!r} must be a string, got "
+                                 f"{type(answer).__name__}")
             msgs = prepare_messages(prompt_messages(row, prompt_field, messages_field), vision)
             if not has_template and not isinstance(msgs[-1]["content"], str):
                 raise ValueError("a prompt with images needs a tokenizer with a chat template")
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
+            text = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template
+                    else msgs[-1]["content"])
             ids, images, _ = with_images(msgs, tokenizer.encode(text), vision)
             if len(ids) > max_prompt_tokens:
                 raise ValueError(f"prompt longer than {max_prompt_tokens} tokens")
         except ValueError as e:
             if on_bad_row == "error":
-                raise DataError(f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                raise DataError(f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to "
+                                "skip such rows)") from None
             reason = str(e).split(" (")[0]  # counted without the hint
             skipped[reason] = skipped.get(reason, 0) + 1
             continue

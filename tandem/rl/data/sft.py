@@ -30,14 +30,16 @@ IGNORE = -100  # target id that takes no loss
 class Example:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token is trained (an assistant token)
-    images: Any = None  # tandem.models.vlm.PromptImages of a chat with images (M-RoPE positions of all its tokens)
+    images: Any = None  # tandem.models.vlm.PromptImages of a chat with images (M-RoPE positions of
+    # all its tokens)
 
 
 class BadRow(ValueError):
     """A row that cannot become a training example; str() says why."""
 
 
-def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None, vision: VisionData | None = None) -> Example:
+def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None,
+                  vision: VisionData | None = None) -> Example:
     """Token ids and loss mask of a chat: assistant turns trained, the rest context.
 
     ``tools`` (a list of JSON tool schemas, the row's ``tools`` field) is rendered
@@ -47,7 +49,8 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None, vision: Visi
     policy's image settings; image parts become their images' tokens (never trained)."""
     if (problem := message_problem(messages)) is not None:
         raise BadRow(problem)
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
         raise BadRow("tools must be a list of JSON objects (tool schemas)")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant message to train on")
@@ -70,7 +73,8 @@ def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int
     for i in range(first, len(messages)):
         if messages[i]["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True)
+        before = tokenizer.apply_chat_template(messages[:i], tools=tools,
+                                               add_generation_prompt=True)
         after = tokenizer.apply_chat_template(messages[: i + 1], tools=tools)
         if not before.startswith(done) or not after.startswith(before):
             raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
@@ -170,19 +174,23 @@ def build_sft_data(
             prompt, completion = get_field(rec, prompt_field), get_field(rec, completion_field)
             if messages is not None:
                 ex = tokenize_chat(messages, tokenizer, rec.get("tools"), vision)
-            elif isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational form
+            elif isinstance(prompt, list) and isinstance(completion, list):
+                # TRL's conversational form
                 ex = tokenize_chat(prompt + completion, tokenizer, rec.get("tools"), vision)
             elif prompt is not None or completion is not None:
                 ex = tokenize_prompt_completion(prompt, completion, tokenizer)
             else:
-                raise BadRow(f"missing field: neither {messages_field!r} nor {prompt_field!r}/{completion_field!r}")
+                raise BadRow(f"missing field: neither {messages_field!r} nor {prompt_field!r}"
+                             f"/{completion_field!r}")
             if len(ex.input_ids) - 1 > max_length:
-                raise BadRow(f"longer than max_length ({len(ex.input_ids) - 1} > {max_length} tokens)")
+                raise BadRow(f"longer than max_length ({len(ex.input_ids) - 1} > "
+                             f"{max_length} tokens)")
             if sum(ex.loss_mask[1:]) == 0:
                 raise BadRow("no trained token")
         except BadRow as e:
             if on_bad_row == "error":
-                raise DataError(f"{row_where(records, i, source)}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                raise DataError(f"{row_where(records, i, source)}: {e} (set data.on_bad_row=skip "
+                                "to skip such rows)") from None
             out.skipped[str(e).split(" (")[0]] += 1
             continue
         singles.append(example_to_row(ex))
@@ -253,5 +261,6 @@ def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> lis
         rows = make_task_rows(name, n_synthetic, seed, "train", **knobs)
     except ValueError as e:
         raise DataError(f"data.path: {path}: {e}") from None
-    return [{"messages": r["messages"] + [{"role": "assistant", "content": r.get("sft_reply", r["answer"])}]}
+    return [{"messages": r["messages"] + [{"role": "assistant",
+                                           "content": r.get("sft_reply", r["answer"])}]}
             for r in rows]

@@ -58,7 +58,8 @@ def enable_flight_recorder(dump_folder: str, buffer_size: int = 2000) -> dict[st
 
 
 def _iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc).isoformat(
+        timespec="seconds")
 
 
 def _frames(frame: FrameType | None) -> list[dict[str, Any]]:
@@ -103,7 +104,8 @@ class Watchdog:
 
     # ---- trainer side -------------------------------------------------------------
     def beat(self, step: int | None = None) -> None:
-        """Record progress (cheap: two clock reads). ``step`` is the last step completed or begun."""
+        """Record progress (cheap: two clock reads). ``step`` is the last step
+        completed or begun."""
         if step is not None:
             self.last_step = step
         self._last_beat = time.monotonic()
@@ -139,7 +141,8 @@ class Watchdog:
         self.beat()
         self._started_wall = time.time()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=f"tandem-watchdog-rank{self.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"tandem-watchdog-rank{self.rank}",
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -171,7 +174,8 @@ class Watchdog:
         self.fired_count += 1
         try:
             path = self.dump(idle, reason=reason)
-            msg = f"[rank {self.rank}] hang: {reason} (last step {self.last_step}); stacks in {path}"
+            msg = (f"[rank {self.rank}] hang: {reason} (last step {self.last_step}); "
+                   f"stacks in {path}")
         except Exception as e:  # a full disk must not keep a hung job alive
             msg = f"[rank {self.rank}] hang: {reason}; writing the dump failed: {e!r}"
         print(msg, file=sys.stderr, flush=True)
@@ -184,7 +188,8 @@ class Watchdog:
             os._exit(self.exit_status)
 
     def _peer_dump(self) -> int | None:
-        """A rank whose hang dump is newer than our start (one stat per poll while there is none)."""
+        """A rank whose hang dump is newer than our start (one stat per poll while
+        there is none)."""
         folder = os.path.join(self.dump_folder, "hang")
         try:
             if os.stat(folder).st_mtime < self._started_wall - _CLOCK_SLACK_S:
@@ -201,7 +206,8 @@ class Watchdog:
                     rec = json.load(f)
             except (OSError, ValueError):
                 continue
-            if rec.get("time", 0) >= self._started_wall - _CLOCK_SLACK_S and rec.get("reason", "").startswith("no progress"):
+            if rec.get("time", 0) >= self._started_wall - _CLOCK_SLACK_S and rec.get(
+                "reason", "").startswith("no progress"):
                 self._peers_seen.add(name)
                 return int(m.group(1))
         return None
@@ -230,11 +236,11 @@ class Watchdog:
         }
         txt = os.path.join(folder, f"rank-{self.rank}.txt")
         with open(txt, "w", encoding="utf-8") as f:
-            f.write(f"rank {self.rank} pid {record['pid']} host {record['host']} restart {record['restart']}\n"
-                    f"reason: {reason}\nphase: {self.current_phase}\nlast step: {self.last_step}\n"
-                    f"no progress for {idle_s:.1f}s (timeout {self.current_timeout():g}s)\n"
-                    f"time: {record['time_iso']} (last beat {record['last_beat_iso']})\n\n"
-                    "== faulthandler (all threads) ==\n")
+            f.write(f"rank {self.rank} pid {record['pid']} host {record['host']} restart "
+                    f"{record['restart']}\nreason: {reason}\nphase: {self.current_phase}\nlast "
+                    f"step: {self.last_step}\nno progress for {idle_s:.1f}s (timeout "
+                    f"{self.current_timeout():g}s)\ntime: {record['time_iso']} (last beat "
+                    f"{record['last_beat_iso']})\n\n== faulthandler (all threads) ==\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.write("\n== Python stacks (sys._current_frames) ==\n")
@@ -254,7 +260,8 @@ class Watchdog:
 
     def _dump_flight_recorder(self, folder: str) -> str | None:
         """Best effort: write torch's flight-recorder ring, when one is being kept."""
-        if int(os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
+        if int(os.environ.get("TORCH_FR_BUFFER_SIZE",
+                              os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
             return None
         out: list[bytes] = []
 

@@ -58,7 +58,8 @@ class CheckpointParts:
     optimizer: torch.optim.Optimizer | None
     extras: Extras = field(default_factory=dict)
 
-    def __post_init__(self) -> None:  # LoRA: the trainable parameters alone (the base is rebuilt at start)
+    def __post_init__(self) -> None:
+        # LoRA: the trainable parameters alone (the base is rebuilt at start)
         self.model = checkpoint_module(self.model)
         self.extras = {k: (checkpoint_module(m), o) for k, (m, o) in self.extras.items()}
 
@@ -204,8 +205,10 @@ class SingleModelTraining:
 
         o, s = cfg.optimizer, cfg.lr_schedule
         self.model = model
-        self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
+        self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps,
+                                         weight_decay=o.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps,
+                                         warmup_steps=s.warmup_steps,
                                          decay=s.decay, min_lr_ratio=s.min_lr_ratio)
         learner = Learner("model", [model], self.optimizer,
                           lambda max_norm: clip_grad_norm(model.parameters(), max_norm),

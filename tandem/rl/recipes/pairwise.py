@@ -30,7 +30,12 @@ from torch.distributed.fsdp import FSDPModule
 from tandem.parallel.distributed import DistInfo
 from tandem.models.vlm import vision_batch
 from tandem.rl.data.images import VisionData
-from tandem.rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
+from tandem.rl.data.preference import (
+    PreferenceData,
+    PreferencePair,
+    collate_pairs,
+    load_preference_data,
+)
 from tandem.rl.data.sft import StepSampler
 from tandem.rl.recipes.base import (
     Runtime,
@@ -81,7 +86,8 @@ def _image_inputs(model: nn.Module, tokens: Tensor, images: list[Any] | None) ->
     n, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).expand(n, s)
     docs = {(row, 0): im for row, im in enumerate(images or []) if im is not None}
-    positions, inputs = vision_batch(tokens, positions, torch.zeros_like(tokens), docs, vision.image_token_id)
+    positions, inputs = vision_batch(tokens, positions, torch.zeros_like(tokens), docs,
+                                     vision.image_token_id)
     for im in docs.values():
         im.release()
     return {"positions": positions, "images": None if inputs is None else inputs.to(tokens.device)}
@@ -113,7 +119,8 @@ def pair_accuracy(chosen: Tensor, rejected: Tensor) -> Tensor:
 
 def rank_indices(n: int, rank: int, dp: int) -> tuple[list[int], list[bool]]:
     """This rank's share of ``n`` items (rank, rank+dp, ...), padded to ceil(n/dp) so every
-    rank runs the same number of (collective) FSDP forwards; padding repeats item 0, flagged False."""
+    rank runs the same number of (collective) FSDP forwards; padding repeats item 0,
+    flagged False."""
     per_rank = -(-n // dp)
     idx = [rank + k * dp for k in range(per_rank)]
     return [i if i < n else 0 for i in idx], [i < n for i in idx]
@@ -132,7 +139,8 @@ def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro
     parts = []
     for m0 in range(0, len(idx), micro):
         sub = [pairs[i] for i in idx[m0:m0 + micro]]
-        logps, _ = sequence_logps(model, {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
+        logps, _ = sequence_logps(model,
+                                  {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
                                   pair_images(sub))
         parts.append(torch.stack(logps.float().chunk(2), dim=1))  # [b, 2]
     local = torch.cat(parts)  # [per_rank, 2]
@@ -177,7 +185,8 @@ class PairHead(Protocol):
 
     model: nn.Module
 
-    def micro(self, pairs: list[PreferencePair], split: str) -> tuple[Tensor, dict[str, Tensor]]: ...
+    def micro(self, pairs: list[PreferencePair],
+              split: str) -> tuple[Tensor, dict[str, Tensor]]: ...
 
     def export(self, dump_folder: str) -> str: ...
 
@@ -197,8 +206,8 @@ class PairwiseRecipe(SingleModelRecipe):
         self.model = self.head.model
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater
-        self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size, cfg.job.seed,
-                                   cfg.data.shuffle)
+        self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size,
+                                   cfg.job.seed, cfg.data.shuffle)
         self.model.train()
 
     def step(self, step: int) -> StepOutput:
@@ -211,7 +220,8 @@ class PairwiseRecipe(SingleModelRecipe):
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for m0 in range(0, len(pairs), micro):
             loss, metrics = self.head.micro(pairs[m0:m0 + micro], "train")
-            # FSDP averages gradients over dp ranks: this makes the result the mean over the global batch.
+            # FSDP averages gradients over dp ranks: this makes the result the mean over the global
+            # batch.
             (loss.sum() * (s.dp / batch)).backward()
             loss_sum += loss.detach().double().sum()
             for k, v in metrics.items():
@@ -219,19 +229,22 @@ class PairwiseRecipe(SingleModelRecipe):
         grad_norm = self.updater.apply(loss_sum, step).get("model")
         names = list(sums)
         tokens = sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in pairs)
-        total = torch.stack([sums[k] for k in names] + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])
+        total = torch.stack([sums[k] for k in names]
+                            + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])
         dist.all_reduce(total)  # one host sync per step, for the metrics row
         values = total.tolist()
         dt = time.monotonic() - t0
         row = {k: v / batch for k, v in zip(names, values)}
         row.update({"grad_norm": grad_norm if grad_norm is not None else float("nan"),
-                    "throughput/pairs_per_s": batch / dt, "throughput/tokens_per_s": values[-1] / dt,
-                    "epoch": self.sampler.epoch_of(step), "data/skipped_rows": sum(s.data.skipped.values())})
+                    "throughput/pairs_per_s": batch / dt,
+                    "throughput/tokens_per_s": values[-1] / dt,
+                    "epoch": self.sampler.epoch_of(step),
+                    "data/skipped_rows": sum(s.data.skipped.values())})
         return StepOutput(row, [f"pair-{i}" for i in local])
 
     def evaluate(self) -> dict[str, float]:
-        return _evaluate(self.model, self.head.micro, self.setup, self.cfg.training.micro_batch_size,
-                         self.info.device)
+        return _evaluate(self.model, self.head.micro, self.setup,
+                         self.cfg.training.micro_batch_size, self.info.device)
 
     def export(self, dump_folder: str) -> str:
         return self.head.export(dump_folder)
@@ -240,7 +253,8 @@ class PairwiseRecipe(SingleModelRecipe):
         pass
 
 
-def _evaluate(model: nn.Module, micro_fn: Callable[[list[PreferencePair], str], tuple[Tensor, dict[str, Tensor]]],
+def _evaluate(model: nn.Module,
+              micro_fn: Callable[[list[PreferencePair], str], tuple[Tensor, dict[str, Tensor]]],
               setup: PairSetup, micro: int,
                   device: torch.device) -> dict[str, float]:
     """Mean of every per-pair metric over the held-out pairs ("eval/" + name)."""

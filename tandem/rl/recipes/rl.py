@@ -43,8 +43,8 @@ from tandem.rl.update.vision import check_vision_policy
 
 
 class RLRecipe:
-    console_keys = ("reward/total", "accuracy", "response/length_mean", "kl", "entropy", "clip_frac", "grad_norm",
-                    "gap/abs_mean", "time/rollout_s", "time/update_s")
+    console_keys = ("reward/total", "accuracy", "response/length_mean", "kl", "entropy",
+                    "clip_frac", "grad_norm", "gap/abs_mean", "time/rollout_s", "time/update_s")
 
     def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info, self.rt = cfg, rt.info, rt
@@ -69,7 +69,8 @@ class RLRecipe:
                      cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
-            raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
+            raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts "
+                              f"after rollout.max_tokens {cfg.rollout.max_tokens}")
         train_prompts, eval_prompts = self._load_data()
         self.train_prompts = train_prompts
         seq_len = cfg.data.max_length
@@ -97,9 +98,10 @@ class RLRecipe:
         self.kv = KVScales.create(cfg.rollout, self.args, self.policy, ref)  # FP8 KV or None
         self.step_index = 0  # the step being taken (the shell's count)
         o = cfg.optimizer
-        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main,
+        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps,
+                                   weight_decay=o.weight_decay)
+        self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec,
+                             policy_path=cfg.model.path, seed=cfg.job.seed, is_main=info.is_main,
                              cp=self.policy.split) if needs_values else None
         warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         teachers = None
@@ -117,14 +119,16 @@ class RLRecipe:
                                   updater=self.updater, teachers=teachers, dp=(self.dp, dp_group),
                                   device=info.device, samples_to_log=n_log, kv=self.kv,
                                   chunk_tokens=advanced.logprob_chunk_tokens)
-        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
+        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main,
+                                    text_sink=rt.logger.text)
 
     def _rollout_phase(self, gen_copy: Any, train: list[Any], evals: list[Any], http: bool, *,
                        dp: tuple[int, int, Any], mp: tuple[int, int, Any]) -> Any:
         """The rollout phase in ``rollout.mode``; with ``env.kind = "http"`` the endpoint starts
         (rank 0) and plays the episodes."""
         cfg, info = self.cfg, self.info
-        self.server = episode_server(cfg, info, self.tok)  # env.kind = "http": the endpoint, or None
+        # env.kind = "http": the endpoint, or None
+        self.server = episode_server(cfg, info, self.tok)
         self.gen_layout = gen_copy.layout
         mode = cfg.rollout.mode
         if ROLLOUT_MODES.cap(mode, "streams") and gen_copy.layout.tp > 1:
@@ -169,9 +173,11 @@ class RLRecipe:
 
     def _load_data(self):
         d = self.cfg.data
-        kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field,
+        kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field,
+                  answer_field=d.answer_field,
                   max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
-        rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows)
+        rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed,
+                                n_synthetic=d.synthetic_rows)
         train, skipped = encode_prompts(rows, self.tok, source=d.path,
                                         vision=VisionData.for_model(self.args, d.path), **kw)
         eval_path = d.eval_path or (d.path if d.path.startswith("synthetic:") else None)
@@ -182,11 +188,13 @@ class RLRecipe:
             evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path,
                                       vision=VisionData.for_model(self.args, eval_path), **kw)
         if self.info.is_main:
-            print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped {sum(skipped.values())} {skipped}", flush=True)
+            print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped "
+                  f"{sum(skipped.values())} {skipped}", flush=True)
         return train, evals
 
     def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chat turns a row's prompt was rendered from (what another tokenizer's teacher renders)."""
+        """The chat turns a row's prompt was rendered from (what another tokenizer's
+        teacher renders)."""
         return prompt_messages(row, self.cfg.data.prompt_field, self.cfg.data.messages_field)
 
     # ---- the recipe protocol (tandem/rl/recipes/base.py) -------------------------------------
@@ -227,14 +235,16 @@ class RLRecipe:
             self.kv.load_state_dict(state["kv_scales"])
         if "cursor" in state:
             self.rollout.stream.cursor = state["cursor"]
-        else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
+        else:
+            # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
             self.rollout.stream.cursor = max(state["cursors"]) * state["dp"]
         self.rollout.stream.requeued = list(state.get("requeued", []))
         self.rollout.load_state_dict(state.get("rollout") or {})
 
     def _sample_records(self, batch: RolloutBatch, advantages: list[float]) -> list[dict[str, Any]]:
         """The first ``metrics.samples_per_step`` samples of this rank as samples.jsonl records
-        (rank 0 writes its own: the first prompts' groups, whose advantages are relative to each other)."""
+        (rank 0 writes its own: the first prompts' groups, whose advantages are relative to
+        each other)."""
         n = min(self.cfg.metrics.samples_per_step, len(batch.samples)) if self.info.is_main else 0
         return [{"prompt": self.tok.decode(s.prompt_ids), "completion": s.text,
                  "reward": float(batch.scores[i]), "rewards": s.info.get("rewards", {}),

@@ -30,7 +30,8 @@ def check_rl_settings(cfg: Any, info: DistInfo, needs_values: bool) -> None:
                           "parallel.tp = pp = 1 only so far (the CUDA path, "
                           "tandem/kernels/triton_batch_invariant.py, passes its tests under the "
                           "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part "
-                          f"'exact') (device {device.type}, tp x pp = {tp_pp}); set rl.exact = false")
+                          f"'exact') (device {device.type}, tp x pp = {tp_pp}); set "
+                          "rl.exact = false")
     if ROLLOUT_MODES.cap(cfg.rollout.mode, "streams"):
         what = [k for k, bad in (("env.name", cfg.env.name),
                                  ("rl.dynamic_sampling", r.dynamic_sampling),

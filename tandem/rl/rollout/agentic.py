@@ -125,7 +125,8 @@ class _Ep:
 
 
 class _Steps:
-    """The environment steps of one rollout, on this rank's pool; outcomes keyed by episode index."""
+    """The environment steps of one rollout, on this rank's pool; outcomes keyed by
+    episode index."""
 
     def __init__(self, pool: EnvPool | None) -> None:
         self.pool = pool
@@ -141,9 +142,11 @@ class _Steps:
         self.tickets[self.pool.submit(step_episode, episode, content)] = index
 
     def poll(self, timeout: float | None) -> list[tuple[int, EnvOutcome]]:
-        """Finished steps of this rollout, in arrival order (others' tickets on a shared pool are dropped)."""
+        """Finished steps of this rollout, in arrival order (others' tickets on a shared pool
+        are dropped)."""
         assert self.pool is not None
-        return [(self.tickets.pop(o.ticket), o) for o in self.pool.poll(timeout) if o.ticket in self.tickets]
+        return [(self.tickets.pop(o.ticket), o) for o in self.pool.poll(timeout)
+                if o.ticket in self.tickets]
 
 
 class _GroupSteps(_Steps):
@@ -404,7 +407,8 @@ def _metrics(r: _Rollout, elapsed: float) -> dict[str, float]:
 
 
 def _nth(params: SamplingParams, i: int) -> SamplingParams:
-    """The params of a group's i-th sample added on its own (``Generator.add`` with n > 1 does this)."""
+    """The params of a group's i-th sample added on its own (``Generator.add`` with n > 1
+    does this)."""
     return params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
 
 
@@ -416,7 +420,8 @@ def _start_episodes(
     gen, renderer, tokenizer = r.gen, r.renderer, r.renderer.tok
     fresh = None
     if r.steps.runs_env:
-        fresh = [[(ep, ep.reset(row)) for ep in [env.new_episode() for _ in range(n_samples)]] for row in rows]
+        fresh = [[(ep, ep.reset(row)) for ep in [env.new_episode() for _ in range(n_samples)]]
+                 for row in rows]
     started = r.steps.shared(fresh)  # [row][sample] -> (episode, initial messages)
     for g, (row, pairs) in enumerate(zip(rows, started)):
         initial = [m for _, m in pairs]
@@ -426,8 +431,10 @@ def _start_episodes(
             for i, (episode, _) in enumerate(pairs)
         ]
         r.eps += eps
-        base = sampling_params if seeds is None else dataclasses.replace(sampling_params, seed=seeds[g])
-        params = _turn_params(base, gen, tokenizer, renderer.eot_id, 0 if seeds is not None else g * n_samples)
+        base = (sampling_params if seeds is None
+                else dataclasses.replace(sampling_params, seed=seeds[g]))
+        params = _turn_params(base, gen, tokenizer, renderer.eot_id,
+                              0 if seeds is not None else g * n_samples)
         if len(ids) + 1 > r.token_limit:
             for ep in eps:  # a counted skip: no tokens to train on, never silently truncated
                 ep.prompt_ids = ids

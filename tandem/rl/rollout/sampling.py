@@ -111,7 +111,8 @@ def generation_copy(policy: Any, args: ModelArgs, rcfg: Any, info: Any, dtype: t
                           lora=lora_spec_of(policy.modules[0]))
 
 
-def generation_dtype(setting: str, device: torch.device, mixed_precision_param: str) -> torch.dtype | None:
+def generation_dtype(setting: str, device: torch.device,
+                     mixed_precision_param: str) -> torch.dtype | None:
     """The generation copy's dtype for ``rollout.dtype`` (None: keep the parameters' dtype).
 
     ``auto`` generates in the update's compute dtype where the update uses one (FSDP2 mixed
@@ -146,11 +147,12 @@ def group_params(base: SamplingParams, seed: int) -> SamplingParams:
 def sampling_params(rcfg: Any, *, greedy: bool = False) -> SamplingParams:
     if greedy:
         return SamplingParams(temperature=0.0, max_tokens=rcfg.max_tokens)
-    return SamplingParams(temperature=rcfg.temperature, top_k=rcfg.top_k, top_p=rcfg.top_p, min_p=rcfg.min_p,
-                          max_tokens=rcfg.max_tokens)
+    return SamplingParams(temperature=rcfg.temperature, top_k=rcfg.top_k, top_p=rcfg.top_p,
+                          min_p=rcfg.min_p, max_tokens=rcfg.max_tokens)
 
 
-def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings, num_seqs: int,
+def _with_generator(gen_model: Transformer, tokenizer: Any, settings: GenerationSettings,
+                    num_seqs: int,
                     run: Callable[[Generator], Any], layout: GenerationLayout | None = None,
                     kv_scales: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
     """``run(generator)`` on a generator whose KV pool is sized for ``num_seqs`` sequences and
@@ -160,10 +162,12 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
     t0 = time.monotonic()
     settings.max_num_seqs = min(settings.max_num_seqs, max(1, num_seqs))  # sizes the KV pool too
     agree = None
-    if getattr(gen_model.args, "num_experts", 0):  # data-dependent expert runs; routing is read per step
+    if getattr(gen_model.args, "num_experts", 0):
+        # data-dependent expert runs; routing is read per step
         settings.cuda_graphs = False
     if layout is not None and layout.tp > 1:
-        settings.cuda_graphs = False  # collectives inside captured decode graphs: not verified on a GPU yet
+        # collectives inside captured decode graphs: not verified on a GPU yet
+        settings.cuda_graphs = False
         agree = partial(leader_tokens, layout)
     gen = Generator(gen_model, settings, eos_token_ids=tokenizer.eos_token_ids, agree=agree,
                     kv_scales=kv_scales)
@@ -179,7 +183,8 @@ def _with_generator(gen_model: Transformer, tokenizer: Any, settings: Generation
         kv["rollout/kv_saturated_frac"] = cache.saturated_share()
     gen.close()
     dt = time.monotonic() - t0
-    return out, {"rollout/seconds": dt, "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
+    return out, {"rollout/seconds": dt,
+                 "rollout/tokens_per_s": stats.generated_tokens / max(dt, 1e-9),
                  "rollout/generated_tokens": float(stats.generated_tokens),
                  "rollout/preemptions": float(stats.preemptions), **kv,
                  **{f"rollout/{k}": float(v) for k, v in stats.extra.items()
@@ -235,10 +240,12 @@ def sample_completions(gen_model: Transformer, tokenizer: Any, prompts: list[Pro
         for c in comps:
             lp = iter(c.raw_logprobs)
             gen_lp = [next(lp) if m else 0.0 for m in c.sampled_mask]
-            samples.append(RolloutSample(group=group, prompt_ids=p.token_ids, completion_ids=c.token_ids,
+            samples.append(RolloutSample(group=group, prompt_ids=p.token_ids,
+                                         completion_ids=c.token_ids,
                                          loss_mask=c.sampled_mask, gen_logprobs=gen_lp,
                                          finish_reason=c.finish_reason,
-                                         text=tokenizer.decode(c.token_ids, skip_special_tokens=True), row=p.row,
+                                         text=tokenizer.decode(c.token_ids,
+                                                               skip_special_tokens=True), row=p.row,
                                          routing=c.routing, images=p.images))
     return samples, metrics
 
@@ -258,18 +265,22 @@ def sample_episodes(gen_model: Transformer, tokenizer: Any, prompts: list[Prompt
     from tandem.rl.rollout.agentic import run_agentic_rollout
 
     layout = layout or GenerationLayout()
-    pooled, start = pool_prompts(list(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), layout)
+    pooled, start = pool_prompts(
+        list(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), layout)
     if not pooled:
         return [], {}
     # max_model_len: the episode cap
     settings = generator_settings(rcfg, ecfg.max_total_tokens - rcfg.max_tokens, seed)
     (samples, env_metrics), metrics = _with_generator(
         gen_model, tokenizer, settings, len(pooled) * n,
-        lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs, [p.row for p, _ in pooled], n,
-                                        sampling_params(rcfg, greedy=greedy), max_turns=ecfg.max_turns,
+        lambda gen: run_agentic_rollout(gen, tokenizer, ecfg.name, ecfg.kwargs,
+                                        [p.row for p, _ in pooled], n,
+                                        sampling_params(rcfg, greedy=greedy),
+                                        max_turns=ecfg.max_turns,
                                         max_total_tokens=ecfg.max_total_tokens, pool=pool,
                                         max_turn_tokens=ecfg.max_turn_tokens,
-                                        seeds=None if seeds is None else [s for _, s in pooled], layout=layout),
+                                        seeds=None if seeds is None else [s for _, s in pooled],
+                                        layout=layout),
         layout, kv_scales)
     mine = samples[start * n:(start + len(prompts)) * n]
     for s in mine:
