@@ -125,7 +125,7 @@ def _worker(args: argparse.Namespace) -> None:
     from tests.parallel.cp_worker import saved_bytes
 
     torch.set_num_threads(1)
-    init_distributed()
+    init_distributed(force_cpu=True)
     policy, sample, step = _update_step(args.tokens, args.style)
     step()  # warm-up
     (mb,) = policy.micro_batches([sample], [0])
@@ -168,7 +168,6 @@ def _launch(tokens: int, cp: int, style: str, repeats: int, timeout: int) -> dic
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "TANDEM_FORCE_CPU": "1",
             "PYTHONPATH": str(ROOT),
         }
         try:

@@ -1,7 +1,7 @@
 """FP8 KV pool: capacity and rollout time at long completions, with and without it.
 
 A random Qwen3-style model (``--hidden``, ``--layers``; head_dim 64, two KV heads) in the
-rollout copy's layout (`tandem.rl.rollout.generation.inference_layout`) generates ``--seqs``
+rollout copy's layout (`tandem.parallel.generation_layout.inference_layout`) generates ``--seqs``
 completions of exactly L tokens (EOS ignored) after 64-token prompts, for each L of
 ``--lengths``, with the KV pool in:
 
@@ -50,7 +50,7 @@ from tandem.models.transformer import Transformer
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.kv_cache import KVCache, KVQuant
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.rl.rollout.generation import inference_layout
+from tandem.parallel.generation_layout import inference_layout
 
 PROMPT = 64
 FORMATS = {
@@ -227,7 +227,8 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="only a quickstart policy's held-out answers (default: the shipped one)",
     )
-    ap.add_argument("--smoke", action="store_true", help="2 layers, 32-token completions, 2 sequences")
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 layers, 32-token completions, 2 sequences")
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.lengths, args.seqs = 2, [32], 2

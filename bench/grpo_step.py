@@ -57,16 +57,20 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
 
     model_dir = os.path.join(folder, "model")
     vocab = args.vocab or json.load(open(os.path.join(TOKENIZER, "config.json")))["vocab_size"]
-    if args.shape == "qwen3-1.7b":  # Qwen3-1.7B's shapes (random weights; the char tokenizer's ids are a subset)
-        shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=8, head_dim=128)
+    if args.shape == "qwen3-1.7b":
+        # Qwen3-1.7B's shapes (random weights; the char tokenizer's ids are a subset)
+        shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     else:
-        shape = dict(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-                     num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128), head_dim=64)
-    cfg = Qwen3Config(vocab_size=vocab, **shape, max_position_embeddings=4096, tie_word_embeddings=True,
-                      bos_token_id=None, eos_token_id=None)
+        shape = dict(hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                     num_hidden_layers=args.layers,
+                     num_attention_heads=args.hidden // 64,
+                     num_key_value_heads=max(1, args.hidden // 128), head_dim=64)
+    cfg = Qwen3Config(vocab_size=vocab, **shape, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
-    with torch.device(args.device):  # random init of a 1.7B model is minutes on a CPU, seconds on a GPU
+    with torch.device(args.device):
+        # random init of a 1.7B model is minutes on a CPU, seconds on a GPU
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(model_dir, safe_serialization=True)
     del model
@@ -85,10 +89,11 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
 
 TANDEM_ROWS = {
     "tandem": (),
-    "tandem-unshared": ("--rl.share_prompts=false",),
+    "tandem-unshared": ("--advanced.share_prompts=false",),
     "tandem-eager": ("--rollout.cuda_graphs=false",),
     "tandem-exact": ("--rl.exact=true",),
     "tandem-onednn": ("--rollout.cpu_onednn=true",),
+    "tandem-triton": ("--advanced.kernels=triton",),
 }
 
 
@@ -156,7 +161,8 @@ def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"tandem run failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][1:]  # drop the warm-up step
+    # drop the warm-up step
+    rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][1:]
     step = [x["time/step_s"] for x in rows]
     gen = [x["time/rollout_s"] for x in rows]
     logp = [x["time/logprobs_s"] for x in rows]
@@ -244,7 +250,8 @@ def trl_resolved(config, model=None) -> dict:  # noqa: ANN001 - a GRPOConfig, th
     }
 
 
-def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace) -> dict[str, float]:
+def trl_worker(model_dir: str, data: str, folder: str,
+               args: argparse.Namespace) -> dict[str, float]:
     import torch
     from datasets import load_dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -273,7 +280,9 @@ def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace)
         return wrapper
 
     trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
-    trainer._get_per_token_logps_and_entropies = timed("logprobs", trainer._get_per_token_logps_and_entropies, True)
+    trainer._get_per_token_logps_and_entropies = timed("logprobs",
+                                                       trainer._get_per_token_logps_and_entropies,
+                                                       True)
     steps: list[dict[str, float]] = []
     lengths: list[float] = []
 
@@ -282,10 +291,11 @@ def trl_worker(model_dir: str, data: str, folder: str, args: argparse.Namespace)
             timers.update(generate=0.0, logprobs=0.0, t0=time.perf_counter())
 
         def on_step_end(self, *_: object, **__: object) -> None:
-            steps.append({"step_s": time.perf_counter() - timers["t0"], "generate_s": timers["generate"],
-                          "logprobs_s": timers["logprobs"]})
+            steps.append({"step_s": time.perf_counter() - timers["t0"],
+                          "generate_s": timers["generate"], "logprobs_s": timers["logprobs"]})
 
-        def on_log(self, _args: object, _state: object, _control: object, logs: dict | None = None, **__: object) -> None:
+        def on_log(self, _args: object, _state: object, _control: object, logs: dict | None = None,
+                   **__: object) -> None:
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
@@ -361,14 +371,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--repeats", type=int, default=1, help="rounds of all engines, alternating; the ratio is "
-                                                           "the median of the rounds' TRL / engine ratios")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of all engines, alternating; the ratio is "
+                                                           "the median of the rounds' TRL / "
+                                                           "engine ratios")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
     ap.add_argument("--device", default=None, choices=("cpu", "cuda"),
-                    help="default: cuda when available (Tandem picks the device itself; TRL follows this)")
+                    help="default: cuda when available (Tandem picks the device itself; TRL "
+                         "follows this)")
     ap.add_argument("--shape", default="small", choices=("small", "qwen3-1.7b"),
                     help="small: --hidden x --layers; qwen3-1.7b: Qwen3-1.7B's shapes")
-    ap.add_argument("--vocab", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="model vocabulary (default: the tokenizer's)")
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="Tandem's KV pool budget")
     ap.add_argument(
         "--activation-checkpoint",
@@ -377,22 +391,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="in both trainers: Tandem's parallel.activation_checkpoint, TRL's "
         "gradient_checkpointing",
     )
-    ap.add_argument("--trl-python", default=None, help="interpreter that has trl (default: this one)")
+    ap.add_argument("--trl-python", default=None,
+                    help="interpreter that has trl (default: this one)")
     ap.add_argument(
         "--trl-python-path",
         default=None,
         help="a folder with trl, added to the TRL worker's PYTHONPATH",
     )
     ap.add_argument("--engines", default="tandem,trl",
-                    help="tandem-unshared: rl.share_prompts = false (each sample packs its own prompt copy); "
-                         "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem elsewhere); "
-                         "tandem-exact: rl.exact = true (batch-invariant kernels); tandem-onednn: "
-                         "rollout.cpu_onednn = true (CPU); trl-default: TRL with its "
+                    help="tandem-unshared: advanced.share_prompts = false (each sample packs "
+                         "its own prompt copy); "
+                         "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem "
+                         "elsewhere); tandem-exact: rl.exact = true (batch-invariant kernels); "
+                         "tandem-onednn: rollout.cpu_onednn = true (CPU); "
+                         "tandem-triton: advanced.kernels = triton (every kernel's Triton form); "
+                         "trl-default: TRL with its "
                          "default gradient checkpointing (on in TRL 1.16: not like for like)")
     ap.add_argument(
         "--smoke", action="store_true", help="the smallest workload (the test suite's run)"
     )
-    ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: TRL worker mode
+    # internal: TRL worker mode
+    ap.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)
     ap.add_argument(
         "--trl-default", action="store_true", help=argparse.SUPPRESS
     )  # internal: the trl-default row
@@ -452,14 +471,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model_dir, data = write_workload(folder, args)
         ours = tandem_settings(_tandem_config(model_dir, data, folder, args), args.device)
-        what = "Qwen3-1.7B shapes" if args.shape == "qwen3-1.7b" else f"Qwen3 hidden {args.hidden} x {args.layers} layers"
+        what = ("Qwen3-1.7B shapes" if args.shape == "qwen3-1.7b"
+                else f"Qwen3 hidden {args.hidden} x {args.layers} layers")
         where = "CUDA" if args.device == "cuda" else f"CPU, {args.threads} threads"
-        print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new tokens, {what}, "
-              f"{where}, mean of steps 2..{args.steps}")
+        print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new "
+              f"tokens, {what}, {where}, mean of steps 2..{args.steps}")
         print("settings, both trainers: " + ", ".join(f"{k} {v}" for k, v in ours.items()))
-        print(f"{'engine':<15}{'round':>6}{'step s':>9}{'generate':>10}{'logprobs':>10}{'update':>9}{'compl len':>11}")
+        print(f"{'engine':<15}{'round':>6}{'step s':>9}{'generate':>10}{'logprobs':>10}"
+              f"{'update':>9}{'compl len':>11}")
         rounds: list[dict[str, dict]] = []
-        for rnd in range(1, args.repeats + 1):  # engines alternate, so a slow spell of the machine hits all of them
+        for rnd in range(1, args.repeats + 1):
+            # engines alternate, so a slow spell of the machine hits all of them
             results: dict[str, dict] = {}
             for engine in args.engines.split(","):
                 r = run_engine(engine, model_dir, data, folder, args, rnd)
@@ -467,8 +489,9 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{engine:<15} {r}")
                     continue
                 results[engine] = r
-                print(f"{engine:<15}{rnd:>6}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}{r['logprobs_s']:>10.2f}"
-                      f"{r['update_s']:>9.2f}{r['completion_len']:>11.1f}", flush=True)
+                print(f"{engine:<15}{rnd:>6}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}"
+                      f"{r['logprobs_s']:>10.2f}{r['update_s']:>9.2f}{r['completion_len']:>11.1f}",
+                      flush=True)
                 theirs = r.get("settings", {})
                 differ = {k: v for k, v in theirs.items() if ours.get(k) != v}
                 if differ:  # only the trl-default row may differ (its gradient checkpointing)

@@ -18,7 +18,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV_SHOWN = (
     "OMP_NUM_THREADS",
-    "TANDEM_KERNELS",
     "TRITON_INTERPRET",
 )  # variables that change a timing
 

@@ -94,7 +94,8 @@ def bench_shape(t: int, d: int, i: int, e: int, k: int, device: torch.device, dt
     grouped = _time(_fwd_bwd(lambda: grouped_mm(x, w, offsets), [x, w]), device, repeats)
     rows = [("gemm", "loop (split)", loop, grouped, gemm_flops / grouped / 1e9 if cuda else None)]
 
-    args = ModelArgs(model_type="qwen3_moe", hidden_size=d, num_heads=max(1, d // 64), num_experts=e,
+    args = ModelArgs(model_type="qwen3_moe", hidden_size=d, num_heads=max(1, d // 64),
+                     num_experts=e,
                      num_experts_per_tok=k, moe_intermediate_size=i, norm_topk_prob=True)
     torch.manual_seed(0)
     block = MoE(args).to(device, dtype)
@@ -128,8 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="T,D,I,E,k each")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadiest on a shared box)")
+    ap.add_argument("--dtype", default=None,
+                    help="float32 (CPU default) or bfloat16 (CUDA default)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 is steadiest on a shared box)")
     ap.add_argument(
         "--smoke", action="store_true", help="one tiny shape, one repeat (the test suite's run)"
     )

@@ -139,7 +139,8 @@ def case_fn(case: Case, x: Inputs, impl: str, scale: float) -> Callable[[], obje
 def main(argv: list[str] | None = None) -> None:
     from tandem.rl.core.system import tune_host_allocator
 
-    tune_host_allocator()  # as train.py does: otherwise CPU timings depend on glibc's mmap threshold
+    # as train.py does: otherwise CPU timings depend on glibc's mmap threshold
+    tune_host_allocator()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(

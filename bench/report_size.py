@@ -37,13 +37,15 @@ def measure(keys: int, folder: str) -> tuple[int, int]:
     os.makedirs(run)
     with open(os.path.join(run, "metrics.jsonl"), "w") as f:
         for s in (1, 2, 3):
-            row = {"step": s, "loss": 1 / s, **{f"custom/k{i:05d}": i * s * 1e-3 for i in range(keys)}}
+            row = {"step": s, "loss": 1 / s,
+                   **{f"custom/k{i:05d}": i * s * 1e-3 for i in range(keys)}}
             f.write(json.dumps(row) + "\n")
     out = os.path.join(folder, f"k{keys}.html")
-    r = subprocess.run([sys.executable, "-c", _CHILD, run, "--out", out], capture_output=True, text=True,
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _CHILD, run, "--out", out], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
     if r.returncode != 0:
-        raise RuntimeError(f"tandem-report at {keys} keys exited {r.returncode}: {r.stderr[-1000:]}")
+        raise RuntimeError(f"tandem-report at {keys} keys exited {r.returncode}: "
+                           f"{r.stderr[-1000:]}")
     return os.path.getsize(out), int(r.stdout.split()[-1]) * 1024
 
 

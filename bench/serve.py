@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}{'':>18}"
           f"{wall:>9.1f}   {http_sampled} sampled tokens, {http_sampled / wall:.1f}/s")
     print(f"the same {args.episodes} episodes: HTTP / in-process seconds {wall / local:.2f}x; "
-          f"in-process / HTTP sampled tokens per second {sampled / local / (http_sampled / wall):.2f}x")
+          "in-process / HTTP sampled tokens per second "
+          f"{sampled / local / (http_sampled / wall):.2f}x")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     python scripts/config_reference.py --write    # replace the block in docs/config.md
 
 The block in docs/config.md is checked against this output by tests/test_readme.py,
-so the documented keys, types and defaults always match the code.
+so the documented keys, types and defaults always match the code, and every key must carry
+a description comment (`undescribed` lists those that do not; ``--write`` refuses them).
 """
 
 from __future__ import annotations
@@ -22,25 +23,43 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """Each field's trailing comment, continued by comment-only lines indented deeper than the
-    field (a description longer than one line)."""
-    out, last, indent = {}, None, 0
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"(\s+)(\w+):[^#]*?=.*?#\s*(.*)$", line)
-        more = re.match(r"(\s+)#\s*(.*)$", line)
-        if m:
-            last, indent = m.group(2), len(m.group(1))
-            out[last] = m.group(3).strip()
-        elif more and last is not None and len(more.group(1)) > indent:
-            out[last] += " " + more.group(2).strip()
-        else:
-            last = None
+    """Each field's trailing comment, continued by the comment-only lines right below it at its
+    indent or deeper (a description longer than one line; a blank line ends it), from the class
+    and the dataclasses it extends."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        last, indent = None, 0
+        for line in inspect.getsource(klass).splitlines():
+            m = re.match(r"(\s+)(\w+):[^#]*?=.*?#\s*(.*)$", line)
+            more = re.match(r"(\s+)#\s*(.*)$", line)
+            if m:
+                last, indent = m.group(2), len(m.group(1))
+                out[last] = m.group(3).strip()
+            elif more and last is not None and len(more.group(1)) >= indent:
+                out[last] += " " + more.group(2).strip()
+            else:
+                last = None
     return out
 
 
 def _type(tp: object) -> str:
     s = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     return s.replace("typing.", "").replace("Literal", "one of ").replace("|", "or")
+
+
+def undescribed() -> list[str]:
+    """``section.key`` of every config key whose dataclass line has no description comment."""
+    from tandem.rl.config.schema import Config
+
+    out = []
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory  # type: ignore[misc]
+        notes = _comments(cls)
+        out += [f"{section.name}.{f.name}" for f in dataclasses.fields(cls)
+                if not notes.get(f.name)]
+    return out
 
 
 def reference() -> str:
@@ -51,14 +70,17 @@ def reference() -> str:
     defaults = to_dict(Config())
     for section in dataclasses.fields(Config):
         cls = section.default_factory  # type: ignore[misc]
-        doc = (inspect.getdoc(cls) or "").splitlines()[0]
-        lines += [f"**[{section.name}]** {doc}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        doc = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())  # first paragraph
+        lines += [f"**[{section.name}]** {doc}", "", "| key | type | default | meaning |",
+                  "|---|---|---|---|"]
         notes = _comments(cls)
         for f in dataclasses.fields(cls):
             default = defaults[section.name][f.name]
-            shown = "none" if default is None else repr(default).replace("'", '"').replace("|", "\\|")
+            shown = ("none" if default is None
+                     else repr(default).replace("'", '"').replace("|", "\\|"))
             tp = str(f.type).replace("|", "or")
-            lines.append(f"| `{f.name}` | {tp} | `{shown}` | {notes.get(f.name, '').replace('|', '/')} |")
+            lines.append(f"| `{f.name}` | {tp} | `{shown}` | "
+                         f"{notes.get(f.name, '').replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -69,6 +91,9 @@ def reference_block(text: str) -> str:
 
 def main() -> None:
     ref = reference()
+    missing = undescribed()
+    if missing and "--write" in sys.argv:
+        sys.exit(f"error: no description comment for {', '.join(missing)}")
     if "--write" not in sys.argv:
         print(ref, end="")
         return

@@ -7,7 +7,7 @@
 #   3. quickstart: the quickstart end to end on one GPU (FSDP2 over NCCL, Triton paged attention);
 #   4. grpo, grpo-triton: one GRPO step at Qwen3-1.7B shapes, Tandem vs TRL with the settings
 #      matched (gradient checkpointing off in both, bf16 autocast, fused AdamW: bench/grpo_step.py
-#      prints them), and Tandem with TANDEM_KERNELS=triton;
+#      prints them), and Tandem with advanced.kernels = triton;
 #   5. generate: the generator against transformers' batched `generate` at the same batch, like
 #      for like (fixed lengths) and GRPO-shaped (labelled), with a row for the copy's layout;
 #   6. planner: the memory planner's predicted peak per phase against
@@ -85,8 +85,9 @@ part quickstart 70 quickstart.log "$PY" train.py --config configs/quickstart.tom
 part grpo 200 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b --vocab 151936 --prompts 8 --samples 8 \
   --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines "${GRPO_ENGINES:-tandem,trl}"
 
-part grpo-triton 80 grpo.log env TANDEM_KERNELS=triton "$PY" -m bench.grpo_step --shape qwen3-1.7b \
-  --vocab 151936 --prompts 8 --samples 8 --max-tokens 256 --steps 3 --kv-cache-gb 20 --engines tandem
+part grpo-triton 80 grpo.log "$PY" -m bench.grpo_step --shape qwen3-1.7b \
+  --vocab 151936 --prompts 8 --samples 8 --max-tokens 256 --steps 3 --kv-cache-gb 20 \
+  --engines tandem-triton
 
 
 part generate 120 generate.log "$PY" -m bench.generate --device cuda --dtype bfloat16 \

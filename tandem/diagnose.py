@@ -12,8 +12,8 @@ failed, where (rank, phase, step, innermost frames) and when:
     flight_recorder/         NCCL flight-recorder dumps, if any
 
 Exit status 0 when nothing failed (a preemption that left a checkpoint is not
-a failure), 1 when something did, 2 when the folder does not exist. A failure is reported as *earlier* and
-does not set the status when the run later logged steps past it (a torchrun
+a failure), 1 when something did, 2 when the folder does not exist. A failure is reported as
+*earlier* and does not set the status when the run later logged steps past it (a torchrun
 restart or a requeue recovered). It imports no torch, so it runs in well under
 a second on a login node; the checkpoint layout it reads is tandem/rl/core/checkpoint.py's.
 """
@@ -77,7 +77,8 @@ def _short(path: str) -> str:
 
 def _frames_line(frames: list[dict[str, Any]]) -> str:
     inner = list(reversed(frames))[:TOP_FRAMES]  # innermost first
-    return " <- ".join(f"{f['function']} ({_short(f['file'])}:{f['line']})" for f in inner) or "(no frames)"
+    return (" <- ".join(f"{f['function']} ({_short(f['file'])}:{f['line']})" for f in inner)
+            or "(no frames)")
 
 
 def _in_collective(frames: list[dict[str, Any]]) -> bool:
@@ -95,9 +96,10 @@ def read_hangs(dump: str) -> list[Finding]:
         frames = trainer["frames"] if trainer else []
         if frames and not _in_collective(frames):
             culprits.append(rank)
-        details.append(f"rank {rank} ({rec.get('host', '?')}, phase '{rec.get('phase')}', step {rec.get('last_step')}, "
-                       f"{_when(rec.get('time'))}): {_frames_line(frames)}")
-    details += [f"rank {r}: unreadable dump ({v['_unreadable']})" for r, v in recs.items() if r not in good]
+        details.append(f"rank {rank} ({rec.get('host', '?')}, phase '{rec.get('phase')}', step "
+                       f"{rec.get('last_step')}, {_when(rec.get('time'))}): {_frames_line(frames)}")
+    details += [f"rank {r}: unreadable dump ({v['_unreadable']})" for r, v in recs.items()
+                if r not in good]
     waiting = [r for r in good if r not in culprits]
     if culprits and waiting:
         details.append(f"likely cause: rank(s) {culprits} (not inside a torch.distributed call; "
@@ -106,9 +108,10 @@ def read_hangs(dump: str) -> list[Finding]:
     first = min(good.values(), key=lambda v: v.get("time", 0), default={})
     phases = sorted({str(v.get("phase")) for v in good.values()})
     steps = [v["last_step"] for v in good.values() if v.get("last_step") is not None]
-    summary = (f"hang on {len(recs)} rank(s) in phase {'/'.join(phases)} at step {max(steps) if steps else '?'}: "
-               f"{first.get('reason', 'no progress')}")
-    return [Finding("hang", True, summary, first.get("time"), max(steps) if steps else None, details)]
+    summary = (f"hang on {len(recs)} rank(s) in phase {'/'.join(phases)} at step "
+               f"{max(steps) if steps else '?'}: {first.get('reason', 'no progress')}")
+    return [Finding("hang", True, summary, first.get("time"), max(steps) if steps else None,
+                    details)]
 
 
 def read_nans(dump: str) -> list[Finding]:
@@ -117,11 +120,15 @@ def read_nans(dump: str) -> list[Finding]:
         return []
     rec = next((v for v in recs.values() if v.get("first")), next(iter(recs.values())))
     first = rec.get("first") or {}
-    what = ("loss" if first.get("where") == "loss" else f"gradient of {first.get('tensor')}") if first else "unknown tensor"
-    summary = f"non-finite ({first.get('kind', '?')}) {what} at step {rec.get('step')} on rank {first.get('rank', '?')}"
-    details = [f"ranks with non-finite values: {rec.get('offending_ranks')}; reports from ranks {sorted(recs)}"]
+    what = (("loss" if first.get("where") == "loss" else f"gradient of {first.get('tensor')}")
+            if first else "unknown tensor")
+    summary = (f"non-finite ({first.get('kind', '?')}) {what} at step {rec.get('step')} on rank "
+               f"{first.get('rank', '?')}")
+    details = [f"ranks with non-finite values: {rec.get('offending_ranks')}; reports from ranks "
+               f"{sorted(recs)}"]
     if first.get("nonfinite_grads"):
-        details.append(f"{first['nonfinite_grads']} non-finite gradient tensor(s) on rank {first.get('rank')}")
+        details.append(f"{first['nonfinite_grads']} non-finite gradient tensor(s) on rank "
+                       f"{first.get('rank')}")
     return [Finding("nan", True, summary, rec.get("time"), rec.get("step"), details)]
 
 
@@ -143,7 +150,8 @@ def read_checkpoints(dump: str, sub: str) -> tuple[int | None, Finding | None]:
              else "no committed checkpoint"]
     if partial:
         lines.append(f"incomplete (ignored on resume): {', '.join(sorted(partial))}")
-    summary = f"checkpoints: {len(committed)} committed" + (f", latest step-{latest}" if latest is not None else "")
+    summary = f"checkpoints: {len(committed)} committed" + (f", latest step-{latest}"
+                                                            if latest is not None else "")
     return latest, Finding("checkpoint", False, summary, details=lines)
 
 
@@ -156,14 +164,18 @@ def read_preempts(dump: str, latest_ckpt: int | None) -> list[Finding]:
     got = {r: v.get("signal") for r, v in recs.items() if v.get("signal")}
     when = min((v["received_at"] for v in recs.values() if v.get("received_at")), default=None)
     saved = step is not None and latest_ckpt is not None and latest_ckpt >= step
-    summary = f"preempted at step {step} ({', '.join(f'{s} on rank {r}' for r, s in sorted(got.items())) or 'signal'})"
+    summary = (f"preempted at step {step} "
+               f"({', '.join(f'{s} on rank {r}' for r, s in sorted(got.items())) or 'signal'})")
     summary += f"; checkpoint step-{latest_ckpt} covers it: resumable" if saved else \
-        f"; but the latest committed checkpoint is {latest_ckpt if latest_ckpt is not None else 'none'}: the save did not finish"
-    return [Finding("preempt", not saved, summary, when, step, [f"ranks that agreed to stop: {sorted(recs)}"])]
+        ("; but the latest committed checkpoint is "
+         f"{latest_ckpt if latest_ckpt is not None else 'none'}: the save did not finish")
+    return [Finding("preempt", not saved, summary, when, step,
+                    [f"ranks that agreed to stop: {sorted(recs)}"])]
 
 
 def _error_files(dump: str, extra: list[str], skip: str) -> list[str]:
-    """torchrun error files: the ones named, and any error.json up to 5 levels under the dump folder."""
+    """torchrun error files: the ones named, and any error.json up to 5 levels under the
+    dump folder."""
     found = [p for p in extra if p and os.path.isfile(p)]
     base = dump.rstrip(os.sep).count(os.sep)
     for root, dirs, files in os.walk(dump):
@@ -189,9 +201,11 @@ def read_errors(dump: str, extra: list[str], skip: str = "checkpoints") -> list[
         text = str(msg).strip().splitlines()
         stack = str(info.get("py_callstack", "")).strip().splitlines()
         ts = info.get("timestamp")
-        when = float(ts) if isinstance(ts, (int, float, str)) and str(ts).isdigit() else os.path.getmtime(path)
+        when = (float(ts) if isinstance(ts, (int, float, str)) and str(ts).isdigit()
+                else os.path.getmtime(path))
         details = [f"file: {path}"] + [f"  {line}" for line in stack[-6:]]
-        out.append(Finding("error", True, f"worker error: {text[-1] if text else '(empty message)'}", when,
+        out.append(Finding("error", True,
+                           f"worker error: {text[-1] if text else '(empty message)'}", when,
                            details=details))
     return out
 
@@ -211,7 +225,8 @@ def read_metrics(dump: str, tail: int) -> tuple[int | None, float | None, list[s
             continue
         last = rec.get("step", last)
         keys = [k for k in ("loss", "reward_mean", "grad_norm", "lr", "step_time_s") if k in rec]
-        shown.append(f"step {rec.get('step')}: " + " ".join(f"{k}={rec[k]:.4g}" if isinstance(rec[k], float)
+        shown.append(f"step {rec.get('step')}: "
+                     + " ".join(f"{k}={rec[k]:.4g}" if isinstance(rec[k], float)
                                                               else f"{k}={rec[k]}" for k in keys))
     return last, os.path.getmtime(path), shown
 
@@ -222,7 +237,8 @@ def diagnose(dump: str, *, checkpoint_folder: str = "checkpoints", tail: int = 3
     extra = list(error_files or []) + [os.environ.get("TORCHELASTIC_ERROR_FILE", "")]
     last_step, metrics_mtime, metric_lines = read_metrics(dump, tail)
     latest, ckpt = read_checkpoints(dump, checkpoint_folder)
-    findings = read_hangs(dump) + read_nans(dump) + read_preempts(dump, latest) + read_errors(dump, extra, checkpoint_folder)
+    findings = (read_hangs(dump) + read_nans(dump) + read_preempts(dump, latest)
+                + read_errors(dump, extra, checkpoint_folder))
     progress = max([s for s in (last_step, latest) if s is not None], default=None)
     for f in findings:
         if (f.failed and f.step is not None and progress is not None and progress > f.step
@@ -256,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dump_folder")
     p.add_argument("--checkpoint-folder", default="checkpoints", help="relative to the dump folder")
     p.add_argument("--tail", type=int, default=3, help="metrics.jsonl lines to show")
-    p.add_argument("--error-file", action="append", default=[], help="extra torchrun error.json files")
+    p.add_argument("--error-file", action="append", default=[],
+                   help="extra torchrun error.json files")
     a = p.parse_args(argv)
     if not os.path.isdir(a.dump_folder):
         print(f"error: {a.dump_folder}: not a folder", file=sys.stderr)

@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto")
+    ap.add_argument(
+        "--device", choices=("auto", "cpu"), default="auto", help="auto: the accelerator if any"
+    )
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(
         "--dtype",
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.rl.serve.engine import EngineSettings, ServingEngine
     from tandem.rl.serve.http import AgentServer, ServerSettings
 
-    device = pick_device(0, force_cpu=os.environ.get("TANDEM_FORCE_CPU") == "1")
+    device = pick_device(0, force_cpu=args.device == "cpu")
     try:
         tok, model = load(args, device)
         check_fits(

@@ -32,7 +32,8 @@ class _KeepUsr1:
 
     def __call__(self, signum: int, frame: object) -> None:
         self.received_at = self.received_at or time.time()
-        os.write(2, f"[pid {os.getpid()}] SIGUSR1 outside the training loop: kept, not fatal\n".encode())
+        os.write(2, f"[pid {os.getpid()}] SIGUSR1 outside the training loop: kept, "
+                    "not fatal\n".encode())
 
 
 def _fail(status: int, msg: str) -> int:
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     if info.is_main:
         for key in unused_settings(cfg):
-            print(f"warning: {key} is set but the {cfg.training.recipe!r} recipe does not read it", flush=True)
+            print(f"warning: {key} is set but the {cfg.training.recipe!r} recipe does not read it",
+                  flush=True)
     status = None
     try:
         status = run(cfg, info)
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     except BridgeMismatch as e:
         return _fail(errors.EXIT_WEIGHT_SYNC, str(e))
     except KeyboardInterrupt:
-        return _fail(errors.EXIT_INTERRUPTED, "interrupted (SIGINT); the checkpoints committed so far are kept")
+        return _fail(errors.EXIT_INTERRUPTED,
+                     "interrupted (SIGINT); the checkpoints committed so far are kept")
     finally:
         destroy_distributed(barrier=status == 0)
 

@@ -2,8 +2,8 @@
 
 They live in an importable module, not in a test file, because spawned pool
 workers unpickle episodes by reference and must import their classes. Importing
-this module registers "sleepy", "again" and "tool_pid" in ``ENVIRONMENTS``. It imports torch and the model
-code only inside the helpers that need them, so a worker that unpickles a sleepy
+this module registers "sleepy", "again" and "tool_pid" in ``ENVIRONMENTS``. It imports torch
+and the model code only inside the helpers that need them, so a worker that unpickles a sleepy
 episode starts in a fraction of a second.
 """
 
@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.rl.envs.base import ENVIRONMENTS, Environment, Episode, Message, StepResult, row_messages
+from tandem.rl.envs.base import (
+    ENVIRONMENTS,
+    Environment,
+    Episode,
+    Message,
+    StepResult,
+    row_messages,
+)
 from tandem.rl.envs.tool_env import ToolEnv, ToolEpisode
 
 
@@ -102,9 +109,9 @@ class AgainEpisode(Episode):
 
 
 class PidToolEnv(ToolEnv):
-    """The "tool" environment (tandem/rl/envs/tool_env.py) that also appends, per step, the pid of the
-    process that submitted it (the env worker's parent; the worker itself when run inline) to
-    the file ``log``: which trainer rank ran the tools, and how often."""
+    """The "tool" environment (tandem/rl/envs/tool_env.py) that also appends, per step, the
+    pid of the process that submitted it (the env worker's parent; the worker itself when run
+    inline) to the file ``log``: which trainer rank ran the tools, and how often."""
 
     name = "tool_pid"
 

@@ -56,8 +56,8 @@ LLAMA3_STYLE_TEMPLATE = (
     "    {%- if message['role'] not in ['user', 'assistant', 'tool'] %}\n"
     "        {{- raise_exception('unknown role ' + message['role']) }}\n"
     "    {%- endif %}\n"
-    "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + eos_token + '\\n' }}\n"
-    "{%- endfor %}\n"
+    "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + eos_token "
+    "+ '\\n' }}\n{%- endfor %}\n"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}\n"
 )
 
@@ -141,19 +141,24 @@ def tiny_vlm_config(tie: bool = False, **vision: Any):
     from tandem.models.vl_template import VL_SPECIAL_TOKENS
 
     first = 360  # build_vl_char_tokenizer: the vision tokens follow the character tokenizer's ids
-    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                    "video_token_id"),
                    range(first, first + len(VL_SPECIAL_TOKENS))))
-    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512, bos_token_id=None,
+    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512,
+                bos_token_id=None,
                 eos_token_id=[355, 353], rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                           "mrope_section": [2, 3, 3]})
-    tower = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
-                 spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
-                 tokens_per_second=2, **vision)
+    tower = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                 patch_size=14,
+                 spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                 fullatt_block_indexes=[1], tokens_per_second=2, **vision)
     return Qwen2_5_VLConfig(text_config=text, vision_config=tower, tie_word_embeddings=tie, **ids)
 
 
-def write_hf_vlm(path: str | Path, seed: int = 0, tie: bool = False, max_pixels: int = 28 * 28 * 24) -> Path:
+def write_hf_vlm(path: str | Path, seed: int = 0, tie: bool = False,
+                 max_pixels: int = 28 * 28 * 24) -> Path:
     """A random tiny Qwen2.5-VL folder (transformers' save_pretrained), the vision character
     tokenizer and a preprocessor_config.json (images of at most ``max_pixels``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -208,16 +213,18 @@ def trainer_unaffected() -> Iterator[None]:
     assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True).stdout == b"1\n"
 
 
-def launch_worker(worker: str | Path, nproc: int, out: str | Path, *args: str, timeout: float = 400) -> Any:
+def launch_worker(worker: str | Path, nproc: int, out: str | Path, *args: str,
+                  timeout: float = 400) -> Any:
     """Run a torchrun worker script on ``nproc`` CPU ranks (gloo) and load what it saved to ``out``
     (torch.save); a failing launch raises with the end of its output."""
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(worker),
-           "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(worker), "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                           f"\n{proc.stderr[-5000:]}")
     return torch.load(out, weights_only=False)
 
 
@@ -238,7 +245,8 @@ def train_run(config: str | Path, dump: str | Path, nproc: int, *extra: str,
     import json
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}",
            str(root / "train.py"), "--config", str(config), f"--job.dump_folder={dump}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

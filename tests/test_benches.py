@@ -27,7 +27,7 @@ BENCHES = sorted(
 )
 # what each bench's table must show (a row with its ratio); a bench not listed: any table row
 TABLES = {
-    "async_modes": r"^split S=1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+[\d.]+$",
+    "async_modes": r"^split S=1" + r"\s+[\d.]+" * 6 + r"\s+\d+\s+[\d.]+$",
     "checkpoint": r"quickstart\s+106,880 .*\d\.\d\d\s+[\d.]+\s+[\d.]+\s*$",
     "context_parallel": r"^\s+1024\s+2\s+ring\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+[\d.]+x",
     "decode_profile": r"step / floor = [\d.]+x",

@@ -20,7 +20,9 @@ tandem_resources() {
   local gpus=${SLURM_GPUS_ON_NODE:-0}
   local cpus=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}
   [[ "${gpus}" =~ ^[0-9]+$ ]] || gpus=0
-  NPROC=${TANDEM_NPROC_PER_NODE:-${TANDEM_GPUS_PER_NODE:-}}  # TANDEM_GPUS_PER_NODE: the old name
+  [ -z "${TANDEM_GPUS_PER_NODE:-}" ] ||
+    tandem_fail "TANDEM_GPUS_PER_NODE was renamed: set TANDEM_NPROC_PER_NODE"
+  NPROC=${TANDEM_NPROC_PER_NODE:-}
   if [ -z "${NPROC}" ]; then
     if [ "${gpus}" -gt 0 ]; then NPROC=${gpus}; else NPROC=1; fi
   fi

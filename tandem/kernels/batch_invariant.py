@@ -1,59 +1,13 @@
 """Batch-invariant numerics (``rl.exact``): a row's result never depends on its neighbours.
 
-The generator and the update run the same model code, but on different batches: a
-sequence is prefilled and decoded next to whichever sequences the scheduler admitted,
-and recomputed in packed micro-batches next to others. Any operation whose per-row
-reduction order depends on how many rows (tokens, keys) are processed together then
-gives the two phases log-probs that differ in the last bits. With `exact` on, the
-operations that reduce are replaced by forms whose order is fixed per row:
-
-- matmuls (every ``nn.Linear``: aten ``mm`` / ``addmm`` on the CPU) run in calls of
-  exactly ``TILE_ROWS`` rows, the last tile zero-padded: BLAS picks its kernel (gemv for
-  one row, other paths for a few) and its thread split from the shape, so every call has
-  the same shape. Measured on this project's CPU (docs/performance.md): a row's result
-  is the same in every position of a tile, fp32 and bf16; M = 1, 2, 3 and 7 rows each took
-  another path than M >= 16 before.
-- attention (`attention`): the scores' reduction over the head dimension and the
-  softmax's sums over key positions are `tree_sum`s, a fixed pairwise tree over a
-  zero-padded power-of-two length, in fp32. Trailing zeros leave such a tree's value
-  unchanged, so a query's output does not depend on how long its neighbours' contexts
-  are; prefill, decode and the training forward share this one function.
-- the log-normaliser over the vocabulary (`logsumexp`): a `tree_sum` too (PyTorch's
-  logsumexp splits one long row over threads when few rows are given: 26 of 130 rows
-  differed at V = 151936 with 2 threads).
-
-RMSNorm's reduction over the hidden size is left to PyTorch: measured per-row
-invariant for widths up to 32000 (its kernel splits a row over threads only past that).
-Elementwise operations are invariant by nature. The mode is process-wide, like
-``torch.use_deterministic_algorithms``: `enable` registers the matmul kernels with the
-dispatcher and the attention / log-prob call sites ask `enabled`.
-
-CUDA (written and tested under the Triton interpreter, and compiled for sm_90 by Triton and
-ptxas in the tests, but never run on a GPU: none was lent to the session that wrote it, and
-the recipe still refuses ``rl.exact`` off the CPU):
-
-- matmuls: `enable` registers the same ``mm`` / ``addmm`` override for CUDA too, and each
-  call takes the Triton kernel of `tandem.kernels.triton_batch_invariant` (fixed tiles per dtype,
-  one order over K, no split-K) where `tandem.kernels.dispatch.use_triton` says Triton: on CUDA, or
-  on the CPU with ``TANDEM_KERNELS=triton`` under ``TRITON_INTERPRET=1``; `tiled_mm`
-  otherwise (the CPU default, unchanged). The MoE grouped GEMM takes its per-expert loop of
-  these matmuls, and the log-prob kernel its chunked path (its Triton kernel splits the
-  vocabulary by the token count).
-- `logsumexp` needs no Triton form to be batch-invariant on CUDA: it is elementwise
-  operations (each element's value depends on its inputs alone, whatever the kernel's launch
-  shape), ``amax`` (exact in any order) and `tree_sum`, whose adds are elementwise between
-  fixed slices; nothing in it reduces in an order that the device chooses from the shape.
-  `attention_torch` is the same by construction, but materialises [T, H, C, D] products and
-  gathers K/V per query, so `attention` takes a fused Triton kernel where Triton is chosen
-  (`tandem.kernels.triton_batch_invariant.attention`: one program per query and KV head, the same
-  trees, the chunks' sums combined by a binary counter); its backward recomputes through
-  `attention_torch`. The kernel and `attention_torch` agree to ~1e-7, not bitwise (``exp``
-  differs), so both phases must take the same one: they do, as one dispatch rule picks.
-- RMSNorm: PyTorch's CUDA layer-norm kernels (which its rms_norm shares) reduce each row in
-  one thread block, in an order set by the width and the input's alignment, not the row
-  count; expected invariant (from reading them, not measured)
-  (tests/kernels/test_triton_batch_invariant.py checks it, with the tree logsumexp and
-  `attention_torch`, on whichever device runs it).
+The generator and the update run the same model on different batches, so any reduction
+whose order depends on how many rows are processed together gives the two phases log-probs
+that differ in the last bits. With `exact` on, the reducing operations take forms whose
+order is fixed per row: matmuls in calls of ``TILE_ROWS`` rows (`tiled_mm`, or the Triton
+kernel where `tandem.kernels.dispatch.use_triton` says Triton), attention and the
+vocabulary's log-normaliser as fixed pairwise trees (`tree_sum`). The mode is process-wide,
+like ``torch.use_deterministic_algorithms``. What each operation does on the CPU and CUDA,
+and what was measured: docs/exactness.md.
 """
 
 from __future__ import annotations
@@ -67,7 +21,8 @@ import torch
 from tandem.kernels.dispatch import use_triton
 
 TILE_ROWS = 16  # rows per matmul call (see the module docstring)
-KEY_CHUNK = 64  # key positions gathered at a time in `attention` (memory only; values do not depend on it)
+# key positions gathered at a time in `attention` (memory only; values do not depend on it)
+KEY_CHUNK = 64
 QUERY_BLOCK = 256  # queries at a time in `attention` (memory only)
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton matmul takes
@@ -131,7 +86,8 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_mm(a: torch.Tensor, b: torch.Tensor):  # noqa: ANN202 - module object or None
-    """The Triton matmul's module when it should take ``a @ b`` (see `tandem.kernels.dispatch`), else None."""
+    """The Triton matmul's module when it should take ``a @ b`` (see `tandem.kernels.dispatch`),
+    else None."""
     if a.dtype not in TRITON_DTYPES or b.dtype != a.dtype or not use_triton(a):
         return None
     from tandem.kernels import triton_batch_invariant  # Triton imported on first use
@@ -144,7 +100,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return tk.matmul(a, b) if tk is not None else tiled_mm(a, b)
 
 
-def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor:
     tk = _triton_mm(a, b)
     if tk is not None and bias.dtype == a.dtype:
         return tk.matmul(a, b, bias, alpha=alpha, beta=beta)  # bias added to the fp32 accumulator
@@ -214,7 +171,8 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, key_index, key_len = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
+        inputs = [t.detach().requires_grad_(need)
+                  for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
         with torch.enable_grad():
             out = attention_torch(*inputs, key_index, key_len, ctx.scale)
             wrt = [t for t in inputs if t.requires_grad]
@@ -230,13 +188,13 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index
     out = q.new_empty(t, hq, d)
     for s in range(0, t, QUERY_BLOCK):
         e = min(s + QUERY_BLOCK, t)
-        out[s:e] = _attend(q[s:e].float().view(e - s, hkv, hq // hkv, d), k, v, key_index[s:e], key_len[s:e],
-                           scale).reshape(e - s, hq, d).to(q.dtype)
+        out[s:e] = _attend(q[s:e].float().view(e - s, hkv, hq // hkv, d), k, v, key_index[s:e],
+                           key_len[s:e], scale).reshape(e - s, hq, d).to(q.dtype)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, length: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+            length: torch.Tensor, scale: float) -> torch.Tensor:
     """One block of queries: q [T, Hkv, G, D] fp32 -> [T, Hkv, G, D]."""
     t = q.shape[0]
     width = int(length.max()) if t else 0
@@ -254,14 +212,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
     parts = []
     for c, e in chunks:
         vc = v[index[:, c:e]].float().permute(0, 2, 1, 3)  # [T, Hkv, C, D]
-        pc = torch.nn.functional.pad(p[..., c:e], (0, KEY_CHUNK - (e - c)))  # [T, Hkv, G, KEY_CHUNK]
+        # [T, Hkv, G, KEY_CHUNK]
+        pc = torch.nn.functional.pad(p[..., c:e], (0, KEY_CHUNK - (e - c)))
         vc = torch.nn.functional.pad(vc, (0, 0, 0, KEY_CHUNK - (e - c)))
         parts.append(tree_sum(pc[..., None] * vc[:, :, None], dim=-2))  # [T, Hkv, G, D]
     num = tree_sum(torch.stack(parts, dim=-1), dim=-1)  # [T, Hkv, G, D]
     return num / tree_sum(p)[..., None]
 
 
-def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    context_lens: torch.Tensor,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key_index [T, L], key_len [T])`` of a paged step's queries into the flattened cache
     (``[NB * BS, Hkv, D]``): query i of sequence n (position ``ctx - q_len + i``) attends to
@@ -269,19 +229,25 @@ def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, cont
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()  # [N]
     seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)  # [T]
     first = (cu_seqlens_q[:-1].long())[seq]
-    pos = context_lens.long()[seq] - q_lens[seq] + (torch.arange(len(seq), device=seq.device) - first)  # [T]
+    # [T]
+    pos = context_lens.long()[seq] - q_lens[seq] + (torch.arange(len(seq), device=seq.device)
+                                                    - first)
     width = int(context_lens.max()) if len(context_lens) else 0
     j = torch.arange(width, device=seq.device)  # [L]
-    blocks = block_tables.long()[seq][:, (j // block_size).clamp(max=block_tables.shape[1] - 1)]  # [T, L]
+    # [T, L]
+    blocks = block_tables.long()[seq][:, (j // block_size).clamp(max=block_tables.shape[1] - 1)]
     index = blocks * block_size + j % block_size
     return index.masked_fill(j[None] > pos[:, None], 0), pos + 1
 
 
 def mask_key_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(key_index [B*S, S], key_len [B*S])`` from an attention mask ``[B, S, S]`` (query i of row b
-    attends to key j where True) into the flattened ``[B*S]`` key store, keys in row order."""
+    """``(key_index [B*S, S], key_len [B*S])`` from an attention mask ``[B, S, S]`` (query
+    i of row b attends to key j where True) into the flattened ``[B*S]`` key store, keys in
+    row order."""
     b, s, _ = mask.shape
     j = torch.arange(s, device=mask.device)
-    order = torch.where(mask, j, s + j).argsort(dim=-1)  # allowed keys first, each group in row order
-    index = (order.clamp(max=s - 1) + (torch.arange(b, device=mask.device) * s)[:, None, None]).reshape(b * s, s)
+    # allowed keys first, each group in row order
+    order = torch.where(mask, j, s + j).argsort(dim=-1)
+    index = (order.clamp(max=s - 1)
+             + (torch.arange(b, device=mask.device) * s)[:, None, None]).reshape(b * s, s)
     return index, mask.sum(-1).reshape(b * s)

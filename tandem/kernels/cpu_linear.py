@@ -46,7 +46,8 @@ def _plain(t: torch.Tensor) -> bool:
 class OneDNNLinear(nn.Linear):
     """``nn.Linear`` that runs oneDNN's matmul for gradient-free fp32 CPU calls."""
 
-    packed: tuple[torch.Tensor, int] | None = None  # (blocked copy of the weight, the weight's version then)
+    packed: tuple[torch.Tensor, int] | None = None  # (blocked copy of the weight, the weight's
+    # version then)
 
     def pack(self) -> None:
         """Keep a copy of the weight in oneDNN's blocked layout for the calls above."""

@@ -8,8 +8,7 @@ the caller's optional ``impl`` override.
 Precedence, most specific first:
 
 1. ``impl="triton" | "torch"`` passed to the kernel call;
-2. the environment variable ``TANDEM_KERNELS=triton | torch`` (read at call
-   time, so tests can set it with ``monkeypatch``);
+2. the process's choice, `set_kernels` (the trainer sets it from ``advanced.kernels``);
 3. Triton when the tensor is on CUDA and Triton is installed, else the reference.
 
 Forcing Triton on a CPU tensor only works under the Triton interpreter
@@ -28,7 +27,22 @@ import sys
 import torch
 
 IMPLS = ("triton", "torch")
-ENV_VAR = "TANDEM_KERNELS"
+_chosen: str | None = None  # set_kernels: the process's choice; None = by device
+
+
+def set_kernels(impl: str | None) -> None:
+    """Every kernel call of this process without an ``impl`` of its own takes ``impl``
+    ("triton" | "torch"); None (or "auto") goes back to choosing by device."""
+    global _chosen
+    impl = None if impl == "auto" else impl
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"kernels: {impl!r} is not one of auto, {', '.join(IMPLS)}")
+    _chosen = impl
+
+
+def chosen_kernels() -> str | None:
+    """The process's choice (`set_kernels`), None when it chooses by device."""
+    return _chosen
 
 
 @functools.cache
@@ -51,21 +65,18 @@ def triton_interpreting() -> bool:
 
 
 def requested_impl(impl: str | None) -> str | None:
-    """The forced implementation, from the argument or else the environment, or None."""
+    """The forced implementation, from the argument or else the process's choice, or None."""
     if impl is None:
-        impl = os.environ.get(ENV_VAR) or None
-        source = f"{ENV_VAR}={impl!r}"
-    else:
-        source = f"impl={impl!r}"
-    if impl is not None and impl not in IMPLS:
-        raise ValueError(f"{source}: expected one of {IMPLS}")
+        return _chosen
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     return impl
 
 
 def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
     """True when the Triton kernel should handle ``t``, False for the PyTorch reference.
 
-    See the module docstring for the precedence of ``impl``, ``TANDEM_KERNELS`` and
+    See the module docstring for the precedence of ``impl``, `set_kernels` and
     the device. Raises if Triton is forced but cannot run here.
     """
     forced = requested_impl(impl)

@@ -1,36 +1,12 @@
 """Grouped GEMM for mixture-of-experts layers, and token permute / unpermute.
 
-An MoE layer sends each token to ``k`` of ``E`` experts. Dropless dispatch sorts
-the ``T * k`` (token, expert) pairs by expert, so expert ``e`` owns one
-contiguous run of rows, ``x_sorted[offsets[e-1]:offsets[e]]`` (``offsets`` are
-the cumulative row counts, int32, ``offsets[-1] == rows``), and one grouped GEMM
-multiplies every run by its own expert's matrix::
-
-    y[r] = x[r] @ w[e(r)]          x [M, K], w [E, K, N] (any strides), y [M, N]
-
-`grouped_mm` is differentiable (an ``autograd.Function`` whose backward is
-another grouped GEMM for ``dx = dy @ w[e]^T`` and a per-expert reduction over
-the run for ``dw[e] = x_e^T @ dy_e``) and picks an implementation:
-
-* ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): the kernels in
-  `tandem.kernels.triton_grouped_gemm`; no host syncs.
-* ``"torch"``: ``torch._grouped_mm`` where it applies: on this repository's CPU
-  PyTorch (2.13) every float dtype (fp32, bf16 and fp16, forward and backward,
-  checked by the tests); on CUDA we take it only for bf16 on compute capability
-  >= 9.0 (an assumption about its CUDA support, not run here: no GPU was lent
-  to the session that wrote this).
-  No host syncs either. Elsewhere the per-expert loop below (one host sync).
-* with ``rl.exact``'s batch-invariant mode on (any device): the per-expert loop, whose
-  matmuls the mode makes batch-invariant, so each row's result is independent of its
-  expert's row count (one host sync; on CUDA not run yet).
-
-`grouped_mm_ref` is the oracle: a Python loop of plain matmuls over the runs,
-differentiable through autograd, so its gradients are independent of the
-hand-written backward. Choice of implementation follows `tandem.kernels.dispatch`.
-
-Finding: ``torch._grouped_mm`` on CPU needs a dense gradient in backward; the
-expanded ``[0, 0]``-stride gradient that ``y.sum().backward()`` produces raises
-"Invalid strides/sizes", so the Function makes the gradient contiguous first.
+Dropless MoE dispatch sorts the ``T * k`` (token, expert) pairs by expert, so each expert
+owns one contiguous run of rows (``offsets``: cumulative row counts, int32); one grouped
+GEMM multiplies every run by its own expert's matrix, ``y[r] = x[r] @ w[e(r)]``.
+`grouped_mm` is differentiable (its backward is another grouped GEMM and a per-expert
+reduction) and takes the Triton kernels, ``torch._grouped_mm`` or a per-expert loop as
+`tandem.kernels.dispatch` and ``rl.exact`` say; `grouped_mm_ref`, a loop of plain matmuls
+through autograd, is the oracle. Which path runs where: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -96,9 +72,11 @@ def unpermute_tokens(
 
 def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"expected x [M, K] and w [E, K, N]; got {tuple(x.shape)} and {tuple(w.shape)}")
+        raise ValueError(f"expected x [M, K] and w [E, K, N]; got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
     if offsets.dim() != 1 or offsets.shape[0] != w.shape[0] or offsets.dtype != torch.int32:
-        raise ValueError(f"offsets must be int32 [E={w.shape[0]}]; got {offsets.dtype} {tuple(offsets.shape)}")
+        raise ValueError(f"offsets must be int32 [E={w.shape[0]}]; got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
     if x.dtype != w.dtype or x.device != w.device or offsets.device != x.device:
         raise ValueError("x, w and offsets must share a device, and x and w a dtype")
 
@@ -117,8 +95,8 @@ def torch_grouped_mm_applies(x: torch.Tensor) -> bool:
 def _aligned(*ts: torch.Tensor) -> bool:
     """torch._grouped_mm's layout rule: every non-unit stride and the data a multiple of 16 bytes
     (a LoRA rank of 3 in fp32 gives 12-byte rows: those go through the loop)."""
-    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
-               for t in ts)
+    return all(t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in ts)
 
 
 def grouped_mm(
@@ -176,7 +154,8 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, triton: bo
         return grouped_mm_ref(x, w, offsets)
 
 
-def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, triton: bool) -> torch.Tensor:
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                 triton: bool) -> torch.Tensor:
     """``dw[e] = x_e^T @ dy_e`` over expert ``e``'s rows; zero for an expert with none."""
     if triton:
         return _triton_impl().grouped_weight_grad(x, dy, offsets)

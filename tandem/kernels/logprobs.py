@@ -1,65 +1,12 @@
-"""Per-token log-probs and entropy straight from hidden states, without full logits.
+"""Per-token log-probs and entropy straight from hidden states, without the ``[T, V]`` logits.
 
-RL losses need, per token ``t``, ``logp[t] = log_softmax(h[t] @ W.T)[target[t]]``
-and often the entropy ``H[t] = -sum_v p[t, v] log p[t, v]``. The obvious code
-materialises the ``[T, V]`` logits in fp32 and autograd then keeps several
-``[T, V]`` fp32 tensors alive until backward (the log-softmax output, ``p``,
-``p * log p`` ...). With ``T = 4096`` tokens and a ``V = 151936`` vocabulary one
-such tensor is ``T * V * 4 = 2.5 GB``, so the naive peak is a multiple of that.
-
-Here only ``O(T)`` floats are saved for backward (per-token logsumexp and
-entropy) next to the inputs ``hidden`` and ``weight`` that the matmul would save
-anyway; backward recomputes the logits. Peak extra memory:
-
-* ``impl="torch"``: tokens are processed ``chunk_tokens`` at a time, so the peak
-  is about ``2 * chunk_tokens * V * 4`` bytes (the chunk's fp32 logits plus one
-  softmax temporary; ops are in place where possible) instead of
-  ``k * T * V * 4`` for ``k`` live full-size tensors. Backward also holds an fp32
-  ``[V, D]`` accumulator for ``grad_weight`` (``V * D * 4``) when ``weight`` is
-  bf16/fp16.
-* ``impl="triton"``: the forward keeps logits in registers (no ``[*, V]`` tensor
-  at all). Backward writes one chunk's logit gradients ``[chunk_tokens, V]`` in
-  the input dtype (``chunk * V * 2`` bytes for bf16, a quarter of the torch
-  path's two fp32 buffers) and, when there is more than one chunk, an fp32
-  ``[V, D]`` accumulator for ``grad_weight`` as above.
-
-Gradients, for ``z`` the logits and ``p = softmax(z)``::
-
-    d logp / dz = onehot(target) - p
-    d H    / dz = -p * (log p + H)
-
-so ``dz = g_logp * onehot - p * (g_logp + g_H * (log p + H))``, then
-``grad_hidden = dz @ W`` and ``grad_weight = dz^T @ h``.
-
-Numerics: softmax math is fp32. The torch path computes ``(h @ W.T).float()``
-exactly like the naive reference (for bf16 inputs the matmul accumulates in fp32
-and rounds its output to bf16, as cuBLAS does); the Triton path keeps the fp32
-accumulator of ``tl.dot`` (no bf16 rounding of logits), so the two differ by bf16
-rounding for bf16 inputs and agree to fp32 rounding for fp32 inputs (fp32 dots
-use IEEE precision, not TF32).
-
-Triton design:
-
-* Forward: one program per (block of ``BLOCK_T`` tokens, vocabulary split) loops
-  over the split's vocab tiles of ``BLOCK_V``; each tile's logits come from
-  ``tl.dot`` over ``BLOCK_D`` slices of ``D``. It keeps an online max ``m``,
-  ``s = sum exp(z - m)``, the target logit and ``a = sum exp(z - m) * (z - m)``,
-  rescaling ``s`` and ``a`` when ``m`` grows, and writes them per split; the
-  splits (enough for about four programs per multiprocessor) are merged like
-  split-K decode attention. Then ``lse = m + log s`` and ``H = log s - a / s``;
-  the shifted form avoids the cancellation of ``lse - E[z]`` when logits are large.
-* Backward: one program per (token block, vocab tile) of a chunk recomputes its
-  logit tile, forms ``dz`` (the elementwise work fused into the product) and
-  stores it in the input dtype; ``grad_hidden = dz @ W`` and
-  ``grad_weight += dz^T @ h`` are then the library's matmuls (cuBLAS on CUDA).
-  An earlier version added every tile's products into fp32 buffers with atomics;
-  it ran 4x slower than the torch path on an H200.
-
-The Triton kernels sit in this file rather than being imported lazily:
-``triton.jit`` needs module-level functions (the interpreter re-executes a
-kernel's source in its module's globals), so importing this module imports Triton
-when it is installed. Set ``TRITON_INTERPRET=1`` before that first import to run
-the kernels on CPU.
+RL losses need ``log_softmax(h @ W.T)[target]`` and the entropy per token; the obvious code
+keeps several fp32 ``[T, V]`` tensors (2.5 GB each at T = 4096, V = 151936) alive until
+backward. Here only the per-token logsumexp and entropy are saved and backward recomputes
+the logits: chunked over tokens in PyTorch, or a Triton kernel that keeps them in registers.
+Memory, gradients, numerics and the kernels' design: docs/internals.md. The kernels sit in
+this module (``triton.jit`` needs module-level functions), so importing it imports Triton
+when installed; set ``TRITON_INTERPRET=1`` before that to run them on the CPU.
 """
 
 from __future__ import annotations
@@ -100,7 +47,7 @@ def token_logprobs_entropy(
         with_entropy: also return the entropy (else ``None``; slightly cheaper).
         chunk_tokens: tokens per chunk on the torch path (peak ~ 2 * chunk * V * 4 B).
         impl: ``"torch"`` or ``"triton"`` to force an implementation (or
-            ``TANDEM_KERNELS``, see `tandem.kernels.dispatch`); ``None`` takes Triton on CUDA
+            the process's `tandem.kernels.dispatch.set_kernels`); ``None`` takes Triton on CUDA
             and the chunked torch path elsewhere. On an H200 (T=4096, V=151936,
             D=2048, bf16, forward + backward) Triton took 23 ms at 2.1 GB peak, the
             chunked path 45 ms at 2.7 GB, naive full logits 31 ms at 11.9 GB.
@@ -162,7 +109,9 @@ def _chunk_logp_all(h: Tensor, weight: Tensor, lse: Tensor | None = None) -> tup
     """
     z = (h @ weight.T).to(_acc_dtype(h))  # [C, V]
     if lse is None:  # rl.exact: the sampler's batch-invariant normaliser
-        lse = batch_invariant.logsumexp(z) if batch_invariant.enabled() else torch.logsumexp(z, dim=-1)  # [C]
+        # [C]
+        lse = (batch_invariant.logsumexp(z) if batch_invariant.enabled()
+               else torch.logsumexp(z, dim=-1))
     return z.sub_(lse[:, None]), lse
 
 
@@ -392,8 +341,8 @@ class _TritonLogprobs(torch.autograd.Function):
         grid = (triton.cdiv(T, tiles["BLOCK_T"]), nsplit)
         if T:  # an empty micro-batch (kept so that ranks stay in step) launches nothing
             _fwd_kernel[grid](
-                hidden, weight, targets, part, hidden.stride(0), weight.stride(0), T, V, nsplit, nsplit * T,
-                D=D, WITH_ENTROPY=with_entropy, **tiles,
+                hidden, weight, targets, part, hidden.stride(0), weight.stride(0), T, V, nsplit,
+                nsplit * T, D=D, WITH_ENTROPY=with_entropy, **tiles,
             )  # fmt: skip
         logp, lse, entropy = _merge_splits(part, with_entropy)
         ctx.with_entropy, ctx.chunk_tokens = with_entropy, chunk_tokens

@@ -9,7 +9,7 @@ the one store. The backward is PyTorch's matmuls, from ``x`` and the ``s x A^T``
 kept (``[M, r]``).
 
 Not used by default yet: nothing here was timed on a GPU, and no GPU was at hand. `LoraLinear`
-takes it where ``TANDEM_KERNELS=triton`` (or ``impl="triton"``) is set, for plain tensors
+takes it where ``advanced.kernels = "triton"`` (or ``impl="triton"``) is set, for plain tensors
 (a TP-sharded DTensor input keeps the module path), so both forms can be timed on one
 workload; under the Triton interpreter it is compared with the PyTorch form in
 tests/kernels/test_lora_linear.py.
@@ -33,7 +33,8 @@ __all__ = ["lora_linear", "lora_linear_ref", "use_fused_lora"]
 
 def lora_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                     b: torch.Tensor, scale: float) -> torch.Tensor:
-    """x ``[..., K]``, w ``[N, K]``, a ``[r, K]``, b ``[N, r]`` -> ``[..., N]`` (LoraLinear's own ops)."""
+    """x ``[..., K]``, w ``[N, K]``, a ``[r, K]``, b ``[N, r]`` -> ``[..., N]``
+    (LoraLinear's own ops)."""
     return F.linear(x, w, bias) + F.linear(F.linear(x, a) * scale, b)
 
 
@@ -44,8 +45,8 @@ def use_fused_lora(x: torch.Tensor, impl: str | None = None) -> bool:
     return forced == "triton" and type(x) is torch.Tensor and use_triton(x, forced)
 
 
-def lora_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def lora_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                b: torch.Tensor, scale: float) -> torch.Tensor:
     """The fused form (see the module docstring); differentiable in x, w, bias, a and b."""
     return _FusedLora.apply(x, w, bias, a, b, scale)
 
@@ -74,8 +75,8 @@ class _FusedLora(torch.autograd.Function):
         return dx, dw, dbias, da, db, None
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+             b: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n, r = w.shape[0], a.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -87,7 +88,8 @@ def _forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: tor
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _lora_kernel[grid](x, w, bias if bias is not None else y, a, b, y, xa, m, n, k, r, float(scale),
                        x.stride(0), x.stride(1), w.stride(0), w.stride(1), a.stride(0), a.stride(1),
-                       b.stride(0), b.stride(1), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, BR=br)
+                       b.stride(0), b.stride(1), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
+                       BR=br)
     return y, xa
 
 
@@ -114,7 +116,8 @@ if triton is not None:
                          mask=(rr[None, :] < R) & (rk[:, None] < K), other=0.0)  # [BK, BR]
             acc += tl.dot(xk, wk)
             low += tl.dot(xk, ak)
-        low = (low * scale).to(x_ptr.dtype.element_ty)  # rounded like the PyTorch form's s * (x A^T)
+        # rounded like the PyTorch form's s * (x A^T)
+        low = (low * scale).to(x_ptr.dtype.element_ty)
         bt = tl.load(b_ptr + rn[None, :] * sbn + rr[:, None] * sbr,
                      mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)  # [BR, BN]
         acc += tl.dot(low, bt)
@@ -123,4 +126,5 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
         if pid_n == 0:  # the low-rank product, for the backward's gradient of B
-            tl.store(xa_ptr + rm[:, None] * R + rr[None, :], low, mask=(rm[:, None] < M) & (rr[None, :] < R))
+            tl.store(xa_ptr + rm[:, None] * R + rr[None, :], low,
+                     mask=(rm[:, None] < M) & (rr[None, :] < R))

@@ -202,7 +202,8 @@ def paged_attention(
     )
 
 
-def _paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def _paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -218,8 +219,10 @@ def _paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         used, block_tables = torch.unique(block_tables.long().clamp(min=0), return_inverse=True)
         k_cache = dequantize_pages(k_cache, k_scale, used)
         v_cache = dequantize_pages(v_cache, v_scale, used)
-    index, length = batch_invariant.paged_key_index(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1])
-    out[:t] = batch_invariant.attention(q[:t], k_cache.flatten(0, 1), v_cache.flatten(0, 1), index, length, scale)
+    index, length = batch_invariant.paged_key_index(block_tables, cu_seqlens_q, context_lens,
+                                                    k_cache.shape[1])
+    out[:t] = batch_invariant.attention(q[:t], k_cache.flatten(0, 1), v_cache.flatten(0, 1), index,
+                                        length, scale)
     return out
 
 
@@ -451,7 +454,8 @@ def plan_torch(
     num_tokens: int,
     max_q_len: int | None = None,
 ) -> TorchPlan:
-    """The `TorchPlan` of a step (one host sync for ``has_empty``, one more without ``max_q_len``)."""
+    """The `TorchPlan` of a step (one host sync for ``has_empty``, one more without
+    ``max_q_len``)."""
     n, mb = block_tables.shape
     dev = block_tables.device
     if max_q_len is None:
@@ -465,14 +469,17 @@ def plan_torch(
     q_pos = ctx[:, None] - q_lens[:, None] + offs[None, :]  # [N, Lq]
     k_pos = torch.arange(width, device=dev)  # [W]
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, Lq, W] (also < ctx)
-    bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))[:, None, None]
+    bias = (torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed,
+                                                                float("-inf"))[:, None, None])
     decode = max_q_len == 1 and num_tokens == n
     rows = valid_q = None
     if not decode:
         valid_q = offs[None, :] < q_lens[:, None]  # [N, Lq]
-        rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)  # [N, Lq] token index into q
+        # [N, Lq] token index into q
+        rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)
     has_empty = bool((ctx == 0).any()) if n > 0 else False
-    return TorchPlan(ids, max_q_len, bias, rows, valid_q, has_empty, allowed[:, None] if decode else None)
+    return TorchPlan(ids, max_q_len, bias, rows, valid_q, has_empty,
+                     allowed[:, None] if decode else None)
 
 
 def paged_attention_torch(
@@ -523,8 +530,8 @@ def paged_attention_torch(
         k = dequantize_pages(k_cache, k_scale, plan.ids).view(n, width, hkv, d)  # [N, W, Hkv, D]
         v = dequantize_pages(v_cache, v_scale, plan.ids).view(n, width, hkv, d)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, Hkv, W, D]
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=plan.allowed, scale=scale,
-                                             enable_gqa=group > 1)  # [N, Hq, 1, D]
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=plan.allowed,
+                                             scale=scale, enable_gqa=group > 1)  # [N, Hq, 1, D]
         return out[:, :, 0]
 
     def gather(cache: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:  # [N * Hkv, W, D]
@@ -537,15 +544,18 @@ def paged_attention_torch(
     if plan.rows is None:  # pure decode: token n is sequence n's only query
         qp = q.float().reshape(n * hkv, group, d)
     else:
-        qp = q.float()[plan.rows].view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n * hkv, group * lq, d)
-    scores = torch.bmm(qp, k.transpose(1, 2)).view(n, hkv, group, lq, width) * scale  # [N, Hkv, G, Lq, W]
+        qp = q.float()[plan.rows].view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
+            n * hkv, group * lq, d)
+    # [N, Hkv, G, Lq, W]
+    scores = torch.bmm(qp, k.transpose(1, 2)).view(n, hkv, group, lq, width) * scale
     probs = torch.softmax(scores + plan.bias, dim=-1)
     if plan.has_empty:
         probs = probs.nan_to_num(0.0)  # rows with no key (ctx 0) -> 0
     out = torch.bmm(probs.view(n * hkv, group * lq, width), v)  # [N * Hkv, G * Lq, D]
     if plan.rows is None:
         return out.view(n, hq, d).to(q.dtype)
-    out = out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)  # [N, Lq, Hq, D]
+    # [N, Lq, Hq, D]
+    out = out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)
     result = torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
     result[plan.rows[plan.valid_q]] = out[plan.valid_q].to(q.dtype)
     return result

@@ -12,10 +12,10 @@ the PyTorch form's masked int64 products; the integer part is bit-identical, and
 ``E`` is equal up to the last bit of the device's ``log``.
 
 It is not used by default yet: nothing here was timed on a GPU. The sampler takes
-it when ``TANDEM_KERNELS=triton`` is set (or ``impl="triton"``), so both forms can
+it under ``advanced.kernels = "triton"`` (or ``impl="triton"``), so both forms can
 be timed on one workload: ``python -m bench.sampler_noise`` for the noise alone,
-``TANDEM_KERNELS=triton python -m bench.grpo_step ...`` against the default for a
-whole step (the other kernels are Triton on CUDA either way).
+``python -m bench.grpo_step --engines tandem,tandem-triton ...`` for a whole step (the
+other kernels are Triton on CUDA either way).
 """
 
 from __future__ import annotations

@@ -2,36 +2,11 @@
 computed in an order that does not depend on how many rows there are, and the exact
 attention's fixed trees fused into one kernel (see the comment above `attention`).
 
-Called through `tandem.kernels.batch_invariant` (its aten ``mm`` / ``addmm`` override, and its
-`attention`), which chooses between these kernels and the PyTorch references
-`tandem.kernels.batch_invariant.tiled_mm` and `attention_torch`; see that module for why. Imports Triton at the top, so `tandem.kernels.batch_invariant` imports
-it lazily. Under ``TRITON_INTERPRET=1`` (set before Triton is first imported) it runs on
-the CPU.
-
-Why a matmul row's result is independent of the batch:
-
-* one program per ``BLOCK_M x BLOCK_N`` output tile, and the tile sizes are fixed per dtype
-  (`CONFIG`), never chosen from ``M``: cuBLAS picks its kernel, its tiles and a split of
-  ``K`` over thread blocks from the shape, so one row alone (decode) and the same row among
-  thousands (the update's packed micro-batch) are reduced in different orders;
-* no split-K, no stream-K, no atomics: each program walks ``K`` from 0 upwards in
-  ``BLOCK_K`` steps into one fp32 accumulator (``tl.dot`` with an fp32 ``acc``), so an
-  element's sum is the same sequence of operations wherever its row sits;
-* rows past ``M`` and columns past ``K`` load as zeros, which change no sum;
-* the bias is added in fp32 to the finished accumulator, then the result rounds once.
-
-fp32 inputs use IEEE products (``input_precision="ieee"``, no TF32), as PyTorch does by
-default. Under the interpreter the tile product is not ``tl.dot``: there ``tl.dot`` is
-``numpy.matmul`` (OpenBLAS), which rounds a row differently depending on its position in
-the tile (measured: 20 of 32 rows of a 32x32 @ 32x64 fp32 tile changed when moved to row 0;
-the other rows' values never mattered), and which cannot read bf16 (stored as uint16 there).
-So when interpreting, a tile's product is a broadcast multiply in fp32 and a ``tl.sum`` over
-``K`` (numpy adds the ``K`` slices in order, the same in every row): the same loop, tiles
-and masks, another inner product. On a GPU it is ``tl.dot`` on the tensor cores; that a
-row's result there does not depend on its position in the tile is what the tests check
-when run on CUDA (not yet done).
-Not run on a GPU yet (no GPU was lent to the session that wrote it): the tile sizes are
-a guess, and scripts/gpu_check.sh's part ``exact`` measures their cost.
+Called through `tandem.kernels.batch_invariant` (its aten ``mm`` / ``addmm`` override and
+its `attention`), which chooses between these kernels and the PyTorch references. Imports
+Triton at the top, so that module imports this one lazily; under ``TRITON_INTERPRET=1``
+it runs on the CPU. Why a row's result is independent of the batch (fixed tiles per dtype,
+no split-K) and what the interpreter changes: docs/exactness.md.
 """
 
 from __future__ import annotations
@@ -75,15 +50,17 @@ def _mm_kernel(
     for k0 in range(0, K, BLOCK_K):  # one fixed order over K: no split, whatever M is
         kk = k0 + rk
         k_ok = kk < K
-        a = tl.load(a_rows + kk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(b_cols + kk[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+        # [BM, BK]
+        a = tl.load(a_rows + kk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        # [BK, BN]
+        b = tl.load(b_cols + kk[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if INTERPRETED:  # the same order in every row (see the module docstring)
             acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)  # [BM, BN] fp32
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + rm.to(tl.int64)[:, None] * stride_biasm + rn[None, :] * stride_biasn,
-                       mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        bias = tl.load(bias_ptr + rm.to(tl.int64)[:, None] * stride_biasm
+                       + rn[None, :] * stride_biasn, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         acc = acc * alpha + bias.to(tl.float32) * beta
     c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -92,8 +69,8 @@ def _mm_kernel(
 # fmt: on
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, alpha: float = 1.0,
-           beta: float = 1.0) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+           alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` (any strides; ``b`` is ``w.T`` for a linear layer), plus
     ``beta * bias`` (broadcastable to ``[M, N]``) with the product scaled by ``alpha`` when
     ``bias`` is given; returns ``[M, N]`` in ``a``'s dtype. Arguments are checked by the caller
@@ -109,8 +86,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     # fmt: off
     _mm_kernel[grid](
         a, b, full, c, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), full.stride(0), full.stride(1), c.stride(0), c.stride(1),
-        float(alpha), float(beta),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), full.stride(0), full.stride(1),
+        c.stride(0), c.stride(1), float(alpha), float(beta),
         HAS_BIAS=bias is not None, INTERPRETED=triton_interpreting(),
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
@@ -120,8 +97,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
 
 
 # ---- attention --------------------------------------------------------------------------------
-# `tandem.kernels.batch_invariant.attention`'s trees, fused: one program per (query, KV head) walks the
-# query's own keys in KEY_CHUNK chunks, twice (the max, then the sums). Within a chunk the sums
+# `tandem.kernels.batch_invariant.attention`'s trees, fused: one program per (query, KV head) walks
+# the query's own keys in KEY_CHUNK chunks, twice (the max, then the sums). Within a chunk the sums
 # over the head dim and over key positions are adjacent-pair trees (`_tree2`, `_tree3`: split the
 # last axis into pairs and add them, log2(n) times), as in `tree_sum`; across chunks the sums are
 # combined by the same adjacent-pair tree, kept as a binary counter (`_push`, `_total`): a stack
@@ -158,8 +135,8 @@ def _chunk_scores(q, k_ptr, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok, 
     c = c0 + tl.arange(0, KC)
     ok = c < n_keys
     rows = tl.load(idx_row + c, mask=ok, other=0)  # [KC] int64 rows of the key store
-    k = tl.load(k_ptr + rows[:, None] * stride_kn + d[None, :] * stride_kd, mask=ok[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)  # [KC, D]
+    k = tl.load(k_ptr + rows[:, None] * stride_kn + d[None, :] * stride_kd,
+                mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [KC, D]
     s = _tree3(q[:, None, :] * k[None, :, :], LOG2_D) * scale  # [G, KC]
     return tl.where(ok[None, :], s, float("-inf")), rows, ok
 
@@ -212,8 +189,8 @@ def _total(stack_n, stack_d, n, levels, LEVELS: tl.constexpr):
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, out_ptr,
-    stride_qt, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd,
-    stride_it, stride_ot, stride_oh, stride_od,
+    stride_qt, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh,
+    stride_vd, stride_it, stride_ot, stride_oh, stride_od,
     scale, G, D,
     G_P: tl.constexpr, D_P: tl.constexpr, KC: tl.constexpr, LEVELS: tl.constexpr,
     LOG2_D: tl.constexpr, LOG2_KC: tl.constexpr,
@@ -226,49 +203,54 @@ def _attention_kernel(
     d_ok = d < D
     n_keys = tl.load(len_ptr + t).to(tl.int32)
     qm = g_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + t * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd, mask=qm,
-                other=0.0).to(tl.float32)  # [G, D]
+    q = tl.load(q_ptr + t * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=qm, other=0.0).to(tl.float32)  # [G, D]
     idx_row = idx_ptr + t * stride_it
     k_base = k_ptr + h * stride_kh
     m = tl.full((G_P,), float("-inf"), tl.float32)
     for c0 in range(0, n_keys, KC):  # the max over all the query's keys (exact in any order)
-        s, _, _ = _chunk_scores(q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok, scale, KC, LOG2_D)
+        s, _, _ = _chunk_scores(q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok,
+                                scale, KC, LOG2_D)
         m = tl.maximum(m, tl.max(s, axis=1))
     levels = tl.arange(0, LEVELS)
     stack_n = tl.zeros((LEVELS, G_P, D_P), tl.float32)
     stack_d = tl.zeros((LEVELS, G_P), tl.float32)
     i = n_keys * 0
     for c0 in range(0, n_keys, KC):
-        s, rows, ok = _chunk_scores(q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok, scale, KC, LOG2_D)
+        s, rows, ok = _chunk_scores(q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok,
+                                    scale, KC, LOG2_D)
         p = tl.exp(s - m[:, None])  # [G, KC]; 0 past the keys
         v = tl.load(v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :] * stride_vd,
                     mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [KC, D]
         pv = tl.permute(p[:, :, None] * v[None, :, :], (0, 2, 1))  # [G, D, KC]
-        stack_n, stack_d = _push(stack_n, stack_d, _tree3(pv, LOG2_KC), _tree2(p, LOG2_KC), i, levels, LEVELS)
+        stack_n, stack_d = _push(stack_n, stack_d, _tree3(pv, LOG2_KC), _tree2(p, LOG2_KC), i,
+                                 levels, LEVELS)
         i += 1
     num, den = _total(stack_n, stack_d, i, levels, LEVELS)
     out = num / den[:, None]  # [G, D]
-    tl.store(out_ptr + t * stride_ot + (h * G + g)[:, None] * stride_oh + d[None, :] * stride_od, out, mask=qm)
+    tl.store(out_ptr + t * stride_ot + (h * G + g)[:, None] * stride_oh + d[None, :] * stride_od,
+             out, mask=qm)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, key_len: torch.Tensor,
-              scale: float, chunk: int = KEY_CHUNK) -> torch.Tensor:
-    """`tandem.kernels.batch_invariant.attention`'s contract (q [T, Hq, D]; k, v [N, Hkv, D]; key_index
-    [T, L]; key_len [T]); returns [T, Hq, D] in fp32, the caller casts. Forward only. ``chunk``
-    (a power of two) changes the speed, not the values."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor,
+              key_len: torch.Tensor, scale: float, chunk: int = KEY_CHUNK) -> torch.Tensor:
+    """`tandem.kernels.batch_invariant.attention`'s contract (q [T, Hq, D]; k, v [N, Hkv,
+    D]; key_index [T, L]; key_len [T]); returns [T, Hq, D] in fp32, the caller casts. Forward
+    only. ``chunk`` (a power of two) changes the speed, not the values."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
     if t == 0:
         return out
     chunks = max(1, triton.cdiv(key_index.shape[1], chunk))
-    levels = triton.next_power_of_2(chunks.bit_length())  # the counter's depth: registers, not values
+    # the counter's depth: registers, not values
+    levels = triton.next_power_of_2(chunks.bit_length())
     d_p = triton.next_power_of_2(d)
     # fmt: off
     _attention_kernel[(t, hkv)](
         q, k, v, key_index, key_len, out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), key_index.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        v.stride(1), v.stride(2), key_index.stride(0), out.stride(0), out.stride(1), out.stride(2),
         float(scale), hq // hkv, d,
         G_P=triton.next_power_of_2(hq // hkv), D_P=d_p, KC=chunk, LEVELS=levels,
         LOG2_D=d_p.bit_length() - 1, LOG2_KC=chunk.bit_length() - 1, num_warps=ATTN_WARPS,

@@ -63,8 +63,10 @@ def _grouped_mm_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_ok = kk < K
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_base + kk[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_base + kk[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
+                        other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)  # [BM, BN]
         y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -145,8 +147,8 @@ def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
     # fmt: off
     _grouped_wgrad_kernel[grid](
         x, dy, dw, offsets.contiguous(),
-        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        k, n,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1),
+        dw.stride(2), k, n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=_precision(x.dtype), num_warps=4,
     )
     # fmt: on

@@ -1,37 +1,11 @@
 """Triton kernels for the paged KV cache: store, prefill/extend attention, decode attention.
 
-Called only through `tandem.kernels.paged_attention`, which checks arguments and picks
-between these kernels and the PyTorch reference; see that module for the
-semantics. This module imports Triton at the top, so `tandem.kernels.paged_attention`
-imports it lazily. Under ``TRITON_INTERPRET=1`` (set before this module is
-imported: ``triton.jit`` reads it at decoration time) the kernels run on CPU.
-
-Design notes:
-
-* KV positions are visited in tiles of ``BLOCK_N`` positions that need not match
-  the cache block size: each position looks up its block id in the block table,
-  so any block size (even 1 or 4, below ``tl.dot``'s 16 minimum) works and one
-  compiled kernel serves every batch.
-* Grouped-query heads are packed into the rows of one tile: a program owns one KV
-  head and the ``GROUP = Hq // Hkv`` query heads that read it, so each K/V tile is
-  loaded once per group rather than once per query head. Prefill rows are
-  ``(token, head-in-group)`` pairs; decode rows are the group's heads.
-* Softmax is online (flash-style) in fp32 and in base 2 (``log2(e)`` is folded
-  into the scale). Masked scores are ``-inf``; every live row sees position 0 in
-  its first tile, so no ``-inf - -inf`` arises.
-* Decode can split each sequence's KV range across ``num_splits`` programs
-  (split-K) when the batch alone cannot fill the GPU; a second kernel merges the
-  partial (max, sum, accumulator) triples. The split count is derived from shapes
-  only, never from device values, so decode stays free of host syncs (CUDA-graph
-  safe).
-* fp32 inputs use IEEE dot products (not TF32) so the kernels match the fp32
-  reference; bf16/fp16 use tensor cores with fp32 accumulation.
-* FP8 caches (``QUANT``: 1 one scale per KV head, 2 one per slot and head; see
-  `tandem.kernels.kv_quant`): the store multiplies by the inverse power-of-two scale,
-  clamps and rounds (per slot, the scale comes from the row's amax by the same bit
-  arithmetic as `tandem.kernels.kv_quant.scale_exponent`); attention loads FP8 tiles and
-  multiplies them by the scale in fp32 before the cast to the query's dtype, so it computes
-  what it would on a cache of the dequantized values.
+Called only through `tandem.kernels.paged_attention`, which checks arguments, picks between
+these kernels and the PyTorch reference, and holds the semantics. This module imports
+Triton at the top, so that one imports it lazily; under ``TRITON_INTERPRET=1`` (set before
+this module is imported) the kernels run on the CPU. Design (tiles independent of the
+block size, grouped-query heads packed per tile, online base-2 softmax, split-K decode
+without host syncs): docs/internals.md.
 """
 
 from __future__ import annotations

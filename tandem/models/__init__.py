@@ -11,7 +11,14 @@ from tandem.models.attention import (
     positions_from_doc_ids,
 )
 from tandem.models.flavors import FLAVORS, get_flavor
-from tandem.models.hf import hf_to_tandem, load_args, load_model, read_hf_state_dict, save_hf, tandem_to_hf
+from tandem.models.hf import (
+    hf_to_tandem,
+    load_args,
+    load_model,
+    read_hf_state_dict,
+    save_hf,
+    tandem_to_hf,
+)
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
 from tandem.models.transformer import Transformer
 

@@ -101,8 +101,8 @@ class ModelArgs:
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
-                    "set head_dim explicitly"
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                    f"{self.num_heads}; set head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_heads
         if self.qkv_bias is None:
@@ -126,8 +126,8 @@ class ModelArgs:
         want_bias, want_norm = self.family == "qwen2", self.family == "qwen3"
         if self.qkv_bias != want_bias or self.qk_norm != want_norm:
             raise ValueError(
-                f"model_type {self.model_type!r} requires qkv_bias={want_bias} and qk_norm={want_norm}, "
-                f"got qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}"
+                f"model_type {self.model_type!r} requires qkv_bias={want_bias} and "
+                f"qk_norm={want_norm}, got qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}"
             )
         rope_type(self.rope_scaling)  # raises on unsupported scaling
         self._validate_moe()
@@ -135,12 +135,14 @@ class ModelArgs:
 
     def _validate_vision(self) -> None:
         if (self.vision is not None) != self.is_vlm:
-            raise ValueError(f"model_type {self.model_type!r} {'needs' if self.is_vlm else 'takes no'} vision settings")
+            raise ValueError(f"model_type {self.model_type!r} "
+                             f"{'needs' if self.is_vlm else 'takes no'} vision settings")
         if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}")
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = "
+                             f"{self.head_dim // 2}")
         if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
-            raise ValueError(f"vision out_hidden_size {self.vision.out_hidden_size} must equal the LM's hidden_size "
-                             f"{self.hidden_size}")
+            raise ValueError(f"vision out_hidden_size {self.vision.out_hidden_size} must equal the "
+                             f"LM's hidden_size {self.hidden_size}")
 
     def _validate_moe(self) -> None:
         if not self.is_moe:
@@ -149,19 +151,21 @@ class ModelArgs:
                                  f"got {self.num_experts} (use {self.model_type}_moe)")
             return
         if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"{self.model_type} needs num_experts >= 1 and 1 <= num_experts_per_tok <= "
-                             f"num_experts; got {self.num_experts} and {self.num_experts_per_tok}")
+            raise ValueError(f"{self.model_type} needs num_experts >= 1 and 1 <= "
+                             f"num_experts_per_tok <= num_experts; got {self.num_experts} and "
+                             f"{self.num_experts_per_tok}")
         if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
             raise ValueError(f"moe_intermediate_size and decoder_sparse_step must be >= 1; got "
                              f"{self.moe_intermediate_size} and {self.decoder_sparse_step}")
         if self.moe_score_func not in SCORE_FUNCS:
-            raise ValueError(f"moe_score_func must be one of {SCORE_FUNCS}, got {self.moe_score_func!r}")
+            raise ValueError(f"moe_score_func must be one of {SCORE_FUNCS}, got "
+                             f"{self.moe_score_func!r}")
         if self.model_type == "qwen2_moe" and (
             self.shared_expert_intermediate_size < 1 or self.moe_score_func != "softmax"
         ):
-            raise ValueError("qwen2_moe has a gated shared expert (shared_expert_intermediate_size >= 1) "
-                             f"and softmax routing; got {self.shared_expert_intermediate_size}, "
-                             f"{self.moe_score_func!r}")
+            raise ValueError("qwen2_moe has a gated shared expert "
+                             "(shared_expert_intermediate_size >= 1) and softmax routing; got "
+                             f"{self.shared_expert_intermediate_size}, {self.moe_score_func!r}")
 
     # ------------------------------------------------------------------ MoE layout
     @property
@@ -208,8 +212,10 @@ class ModelArgs:
         _reject_unsupported_hf_features(config, model_type)
         mrope = _hf_mrope(config) if model_type in VLM_MODEL_TYPES else []
         theta, scaling = _hf_rope(config)
-        if scaling is not None and scaling.get("rope_type") == "mrope":  # transformers 4.x's name for it
-            scaling = {k: v for k, v in scaling.items() if k not in ("rope_type", "mrope_section")} or None
+        if scaling is not None and scaling.get("rope_type") == "mrope":
+            # transformers 4.x's name for it
+            scaling = ({k: v for k, v in scaling.items() if k not in ("rope_type", "mrope_section")}
+                       or None)
         eos = config.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -223,7 +229,8 @@ class ModelArgs:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(top.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(top.get("tie_word_embeddings",
+                                             config.get("tie_word_embeddings", False))),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=[] if eos is None else eos,
@@ -273,21 +280,24 @@ class ModelArgs:
         return cfg
 
     def _vlm_to_hf(self, text: dict[str, Any]) -> dict[str, Any]:
-        """The nested layout transformers 5 writes: ``text_config``, ``vision_config``, token ids."""
+        """The nested layout transformers 5 writes: ``text_config``, ``vision_config``,
+        token ids."""
         arch = text.pop("architectures")
         text.update(model_type="qwen2_5_vl_text", rope_parameters={
-            "rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": list(self.mrope_section)})
+            "rope_type": "default", "rope_theta": text.pop("rope_theta"),
+            "mrope_section": list(self.mrope_section)})
         text.pop("rope_scaling")
         return {"architectures": arch, "model_type": self.model_type, "text_config": text,
-                "vision_config": self.vision.to_hf(), "tie_word_embeddings": self.tie_word_embeddings,
-                **self.vision.token_ids()}
+                "vision_config": self.vision.to_hf(),
+                "tie_word_embeddings": self.tie_word_embeddings, **self.vision.token_ids()}
 
     def _moe_to_hf(self) -> dict[str, Any]:
         if self.model_type == "qwen3_moe" and (
-            self.shared_expert_intermediate_size or self.moe_score_func != "softmax" or self.moe_route_scale != 1.0
+            self.shared_expert_intermediate_size or self.moe_score_func != "softmax"
+            or self.moe_route_scale != 1.0
         ):
-            raise ValueError("qwen3_moe with a shared expert, sigmoid scores or moe_route_scale != 1 has no "
-                             "Hugging Face layout to export to")
+            raise ValueError("qwen3_moe with a shared expert, sigmoid scores or moe_route_scale "
+                             "!= 1 has no Hugging Face layout to export to")
         cfg: dict[str, Any] = {
             "num_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
@@ -338,7 +348,8 @@ class ModelArgs:
         convention and ignores the causal mask.
         """
         ffn = sum(self._ffn_matmul_params(i, active=True) for i in range(self.num_layers))
-        matmul = self.num_layers * self._attention_matmul_params() + ffn + self.vocab_size * self.hidden_size
+        matmul = (self.num_layers * self._attention_matmul_params() + ffn
+                  + self.vocab_size * self.hidden_size)
         attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return 6 * matmul + attn
 
@@ -352,7 +363,8 @@ class ModelArgs:
         if not self.is_moe_layer(layer_id):
             return 3 * d * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        shared = 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_gated else 0)
+        shared = (3 * d * self.shared_expert_intermediate_size
+                  + (d if self.shared_expert_gated else 0))
         return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + shared
 
 
@@ -407,7 +419,8 @@ def _hf_moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if model_type not in MOE_MODEL_TYPES:
         return {}
     fields = {
-        # transformers 5 writes Qwen3-MoE's count as num_local_experts; checkpoints have num_experts.
+        # transformers 5 writes Qwen3-MoE's count as num_local_experts; checkpoints have
+        # num_experts.
         "num_experts": config.get("num_experts") or config.get("num_local_experts") or 0,
         "num_experts_per_tok": config["num_experts_per_tok"],
         "moe_intermediate_size": config["moe_intermediate_size"],

@@ -126,7 +126,8 @@ class SegmentAttention:
     def __init__(self, gather: torch.Tensor, scatter: torch.Tensor) -> None:
         if gather.dim() != 2 or scatter.dim() != 1:
             raise ValueError(
-                f"gather must be [V, W] and scatter [B*S], got {tuple(gather.shape)} and {tuple(scatter.shape)}"
+                f"gather must be [V, W] and scatter [B*S], got {tuple(gather.shape)} and "
+                f"{tuple(scatter.shape)}"
             )
         self.gather, self.scatter = gather, scatter
 
@@ -151,14 +152,16 @@ class ExactAttention:
     bits in the training forward as in prefill or decode, whatever shares its batch."""
 
     def __init__(self, doc_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> None:
-        self.index, self.length = batch_invariant.mask_key_index(DocumentAttention(doc_ids, branch_ids).mask[:, 0])
+        self.index, self.length = batch_invariant.mask_key_index(
+            DocumentAttention(doc_ids, branch_ids).mask[:, 0])
 
     def __call__(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         b, s, hq, d = q.shape
         out = batch_invariant.attention(q.reshape(b * s, hq, d), k.reshape(b * s, k.shape[2], d),
-                                        v.reshape(b * s, v.shape[2], d), self.index, self.length, d**-0.5)
+                                        v.reshape(b * s, v.shape[2], d), self.index, self.length,
+                                        d**-0.5)
         return out.view(b, s, hq, d)
 
 

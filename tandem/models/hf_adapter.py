@@ -5,7 +5,8 @@ A folder holds ``adapter_config.json`` (``peft_type = "LORA"``, ``r``, ``lora_al
 ``base_model.model.<HF module>.lora_A.weight`` (``[r, in]``) and ``...lora_B.weight``
 (``[out, r]``), which is what ``peft.PeftModel.from_pretrained(hf_model, folder)`` reads.
 Tandem's adapter names map through the base weight's HF name (tandem/models/hf.py):
-``layers.3.attention.wq.lora_A.weight`` <-> ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``.
+``layers.3.attention.wq.lora_A.weight`` <->
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``.
 
 Adapters on grouped experts (3-D, one per expert) have no counterpart here: transformers
 5 stores experts as fused 3-D parameters that PEFT adapts differently, so `save_adapter`
@@ -29,8 +30,8 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 # Tandem target name -> the HF module names PEFT's target_modules matches (by suffix)
-HF_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-              "down": "down_proj"}
+HF_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+              "up": "up_proj", "down": "down_proj"}
 
 
 def _peft_key(name: str) -> str:
@@ -59,7 +60,8 @@ def save_adapter(adapters: dict[str, torch.Tensor], spec: LoraSpec, path: str | 
                  base_model: str | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write a PEFT LoRA folder from Tandem-named adapter tensors (CPU, full, unsharded)."""
     if "experts" in spec.targets:
-        raise ValueError("adapters on grouped experts have no PEFT counterpart here (the merged hf/ holds them)")
+        raise ValueError("adapters on grouped experts have no PEFT counterpart here (the merged "
+                         "hf/ holds them)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -70,26 +72,28 @@ def save_adapter(adapters: dict[str, torch.Tensor], spec: LoraSpec, path: str | 
     config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-        "target_modules": sorted(HF_TARGETS[t] for t in spec.targets), "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(HF_TARGETS[t] for t in spec.targets), "bias": "none",
+        "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
+        "alpha_pattern": {},
     }
     (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
 def read_adapter_config(path: str | Path) -> dict[str, Any]:
-    """``adapter_config.json`` of a PEFT folder, checked to be a plain LoRA Tandem can run: ValueError
-    (one line naming the file and field) for DoRA, rsLoRA, per-module ranks or alphas, biases,
-    layer subsets, fan-in-fan-out or target modules Tandem does not adapt."""
+    """``adapter_config.json`` of a PEFT folder, checked to be a plain LoRA Tandem can run:
+    ValueError (one line naming the file and field) for DoRA, rsLoRA, per-module ranks or
+    alphas, biases, layer subsets, fan-in-fan-out or target modules Tandem does not adapt."""
     file = Path(path) / CONFIG
     cfg = read_json_object(file)
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{file}: peft_type is {cfg.get('peft_type')!r}, not 'LORA'")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{file}: bias = {cfg['bias']!r} is not supported (plain LoRA only)")
-    for key in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform",
-                "modules_to_save", "target_parameters", "lora_bias"):
+    for key in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+                "layers_to_transform", "modules_to_save", "target_parameters", "lora_bias"):
         if cfg.get(key):  # absent, null, false or empty: plain LoRA
             raise ValueError(f"{file}: {key} = {cfg[key]!r} is not supported (plain LoRA only)")
     targets = cfg.get("target_modules")
@@ -98,7 +102,8 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     known = {v: k for k, v in HF_TARGETS.items()}
     odd = sorted(set(targets) - set(known))
     if odd:
-        raise ValueError(f"{file}: target_modules {odd} are not adapted by Tandem (known: {sorted(known)})")
+        raise ValueError(f"{file}: target_modules {odd} are not adapted by Tandem (known: "
+                         f"{sorted(known)})")
     cfg["tandem_targets"] = sorted(known[t] for t in targets)
     return cfg
 
@@ -117,7 +122,8 @@ def load_adapter(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> dict[s
         if name is None or name not in shapes:
             raise KeyError(f"{file}: {key} is not an adapter of this model")
         if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"{file}: {key} has shape {list(t.shape)}, the model's adapter {list(shapes[name])}")
+            raise ValueError(f"{file}: {key} has shape {list(t.shape)}, the model's adapter "
+                             f"{list(shapes[name])}")
         out[name] = t.float()
     missing = sorted(set(shapes) - set(out))
     if missing:
@@ -132,6 +138,8 @@ def spec_matches(cfg: dict[str, Any], spec: LoraSpec) -> str | None:
         return f"rank {spec.rank}, but the adapter has r = {cfg['r']}"
     if float(cfg["lora_alpha"]) != spec.alpha:
         return f"alpha {spec.alpha:g}, but the adapter has lora_alpha = {cfg['lora_alpha']}"
-    if sorted(set(spec.targets) & set(HF_TARGETS)) != cfg["tandem_targets"] or "experts" in spec.targets:
-        return f"targets {sorted(spec.targets)}, but the adapter's target_modules give {cfg['tandem_targets']}"
+    if sorted(set(spec.targets)
+              & set(HF_TARGETS)) != cfg["tandem_targets"] or "experts" in spec.targets:
+        return (f"targets {sorted(spec.targets)}, but the adapter's target_modules give "
+                f"{cfg['tandem_targets']}")
     return None

@@ -76,7 +76,8 @@ class LoraSpec:
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     trainable: tuple[str, ...] = ()
-    base_model: str | None = None  # where the base came from (recorded in an exported adapter's config)
+    base_model: str | None = None  # where the base came from (recorded in an exported adapter's
+    # config)
 
     @property
     def scale(self) -> float:
@@ -106,9 +107,11 @@ class LoraLinear(nn.Linear):
         if not self.lora_enabled:
             return F.linear(x, self.weight, self.bias)  # [..., out]
         if isinstance(self.lora_dropout, nn.Identity) and use_fused_lora(x):  # forced only, so far
-            return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scale)
+            return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight,
+                               self.scale)
         y = F.linear(x, self.weight, self.bias)  # [..., out]
-        return y + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scale)  # [..., r] -> [..., out]
+        # [..., r] -> [..., out]
+        return y + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scale)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scale={self.scale:g}"
@@ -140,7 +143,8 @@ class LoraGroupedExperts(GroupedExperts):
         return y + grouped_mm(low, b.transpose(1, 2), offsets)
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        gate, up = self._proj(x_sorted, "w1", offsets), self._proj(x_sorted, "w3", offsets)  # [R, I]
+        # [R, I]
+        gate, up = self._proj(x_sorted, "w1", offsets), self._proj(x_sorted, "w3", offsets)
         return self._proj(F.silu(gate) * up, "w2", offsets)  # [R, D]
 
 
@@ -203,7 +207,8 @@ def has_lora(model: nn.Module) -> bool:
 @contextmanager
 def adapters_disabled(models: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
     """Every adapter of ``models`` off inside the block: the frozen base computes alone."""
-    mods = [m for model in ([models] if isinstance(models, nn.Module) else models) for m in lora_modules(model)]
+    mods = [m for model in ([models] if isinstance(models, nn.Module) else models)
+            for m in lora_modules(model)]
     before = [m.lora_enabled for m in mods]
     for m in mods:
         m.lora_enabled = False

@@ -1,44 +1,12 @@
 """Mixture-of-experts feed-forward block (Qwen2-MoE, Qwen3-MoE, DeepSeek-V3-style routing).
 
 ``MoE`` replaces the dense SwiGLU `FeedForward` in the layers `ModelArgs.is_moe_layer`
-picks. Per token ``x`` (``D`` features) with ``E`` experts, ``k`` chosen:
-
-* router: ``logits = x @ gate^T`` ``[E]``; scores ``softmax(logits)`` (Qwen) or
-  ``sigmoid(logits)`` (DeepSeek-V3). The ``k`` experts with the largest
-  ``scores + expert_bias`` are chosen (the bias exists for sigmoid scores only; it
-  steers the choice and never the weights, as in DeepSeek-V3's auxiliary-loss-free
-  balancing; it is a persistent buffer that a trainer updates, zero at init). The
-  weights are the chosen, unbiased scores, renormalised to sum 1 when
-  ``norm_topk_prob``, times ``moe_route_scale``.
-* experts: SwiGLU each, weights stacked as 3-D parameters ``w1 [E, I, D]`` (gate),
-  ``w2 [E, D, I]`` (down), ``w3 [E, I, D]`` (up), so an expert-parallel plan
-  shards dim 0. Dispatch is dropless: the ``T * k`` (token, expert) pairs are
-  sorted by expert, each expert's run goes through `tandem.kernels.grouped_gemm.grouped_mm`,
-  and the outputs are put back in token order and summed with the weights.
-* shared expert (``shared_expert_intermediate_size > 0``): a SwiGLU every token
-  passes, scaled by ``sigmoid(x @ shared_expert_gate^T)`` in Qwen2-MoE.
-
-Each forward records, as attributes of the block (plain tensors, read by whoever
-wants them; the model knows nothing of who): ``last_routing`` ``[T, k]`` int64
-chosen expert ids (``T = B * S`` in row-major order), ``tokens_per_expert``
-``[E]`` int64, and the scalar losses ``aux_loss`` and ``z_loss`` (fp32; they
-carry gradients to the router while grad mode is on):
-
-* ``aux_loss = E * sum_e f_e * P_e`` with ``f_e`` = (times expert ``e`` is among
-  a token's ``k``) / ``T`` and ``P_e`` = mean over tokens of its score (softmax
-  probability; for sigmoid scores, the score over the token's score sum). This is
-  transformers' ``load_balancing_loss_func`` for one layer (Switch Transformer
-  eq. 4-6 with top-k counts). `router_loss` averages layers; transformers instead
-  pools counts and probabilities over layers before the product, which is the
-  same for one layer and differs for several.
-* ``z_loss = mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022).
-
-Padding tokens of a packed batch are routed like any other. A caller that knows
-which positions are real sets ``token_mask`` (``[B, S]`` bool, `set_token_mask`)
-before the forward and clears it after the backward (activation checkpointing
-replays the forward): ``tokens_per_expert`` and the two losses then count the real
-tokens only (``T`` their number), so padding neither pulls the router nor depends
-on how a layout pads (tensor parallelism pads sequences to a multiple of ``tp``).
+picks: a router chooses ``k`` experts per token (softmax or sigmoid scores, an optional
+DeepSeek-V3 selection bias), the experts are SwiGLUs stacked as 3-D parameters (dim 0
+shards under expert parallelism) run dropless through
+`tandem.kernels.grouped_gemm.grouped_mm`, plus an optional shared expert. Each forward
+records its routing, tokens per expert and the auxiliary and z losses as attributes of the
+block; ``token_mask`` keeps padding out of them. The formulas: docs/models.md.
 """
 
 from __future__ import annotations
@@ -62,7 +30,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up   [E, I, D]
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """x_sorted ``[R, D]`` grouped by expert (``offsets`` ``[E]`` int32 cumulative) -> ``[R, D]``."""
+        """x_sorted ``[R, D]`` grouped by expert (``offsets`` ``[E]`` int32 cumulative) ->
+        ``[R, D]``."""
         gate = grouped_mm(x_sorted, self.w1.transpose(1, 2), offsets)  # [R, I]
         up = grouped_mm(x_sorted, self.w3.transpose(1, 2), offsets)  # [R, I]
         return grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offsets)  # [R, D]
@@ -92,14 +61,17 @@ class MoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(d, 1, bias=False)
         bias = torch.zeros(e, dtype=torch.float32) if self.score_func == "sigmoid" else None
         self.register_buffer("expert_bias", bias)  # [E] fp32, or None (not in the state dict)
-        self.token_mask: torch.Tensor | None = None  # [B, S] bool, set by the caller: the real tokens
+        # [B, S] bool, set by the caller: the real tokens
+        self.token_mask: torch.Tensor | None = None
         self.last_routing: torch.Tensor | None = None  # [T, k] int64
         self.tokens_per_expert: torch.Tensor | None = None  # [E] int64
         self.aux_loss: torch.Tensor | None = None  # scalar fp32
         self.z_loss: torch.Tensor | None = None  # scalar fp32
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[T, D]`` -> (logits ``[T, E]``, scores ``[T, E]`` fp32, ids ``[T, k]``, weights ``[T, k]`` fp32)."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+        """x ``[T, D]`` -> (logits ``[T, E]``, scores ``[T, E]`` fp32, ids ``[T, k]``, weights ``[T,
+        k]`` fp32)."""
         logits = self.gate(x)  # [T, E]
         if self.score_func == "softmax":
             scores = torch.softmax(logits.float(), dim=-1)
@@ -143,8 +115,10 @@ class MoE(nn.Module):
             self.expert_bias.zero_()
 
 
-def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str) -> torch.Tensor:
-    """``E * sum_e (counts_e / T) * mean_t p[t, e]``; scores ``[T, E]``, counts ``[E]`` top-k hits."""
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor,
+                        score_func: str) -> torch.Tensor:
+    """``E * sum_e (counts_e / T) * mean_t p[t, e]``; scores ``[T, E]``, counts ``[E]``
+    top-k hits."""
     t, e = scores.shape
     probs = scores if score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
     f = counts.to(torch.float32) / max(t, 1)  # [E]
@@ -159,7 +133,8 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """The MoE blocks of a model by layer key ("0", "1", ...; those present on this stage)."""
     layers = getattr(model, "layers", None) or {}
-    return {key: layer.moe for key, layer in layers.items() if getattr(layer, "moe", None) is not None}
+    return {key: layer.moe for key, layer in layers.items()
+            if getattr(layer, "moe", None) is not None}
 
 
 def set_token_mask(model: nn.Module, mask: torch.Tensor | None) -> None:

@@ -126,7 +126,8 @@ def mrope_positions(token_ids: list[int], grids: list[tuple[int, int, int]], ima
         gh, gw = h // merge, w // merge
         count = t * gh * gw
         if token_ids[i:i + count] != [image_token_id] * count:
-            raise ValueError(f"image at index {i} needs {count} image tokens in a row ({t}x{h}x{w} patches)")
+            raise ValueError(f"image at index {i} needs {count} image tokens in a row "
+                             f"({t}x{h}x{w} patches)")
         out[0, i:i + count] = pos + torch.arange(t).repeat_interleave(gh * gw)
         out[1, i:i + count] = pos + torch.arange(gh).repeat_interleave(gw).repeat(t)
         out[2, i:i + count] = pos + torch.arange(gw).repeat(t * gh)

@@ -31,7 +31,8 @@ from typing import Any
 
 from tandem.models.tokenizer import Tokenizer
 
-PROBES = ("The answer is 42.\n\tx = y + 1;", "数学 答案：十二", "emoji 🙂👍🏽 ok", "  two  spaces\n\n")
+PROBES = ("The answer is 42.\n\tx = y + 1;", "数学 答案：十二", "emoji 🙂👍🏽 ok",
+          "  two  spaces\n\n")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -67,7 +68,8 @@ class TokenBytes:
         kinds = {s.get("type") for s in steps}
         unsupported = kinds - {"ByteLevel", "ByteFallback", "Fuse", "Replace", "Strip", "Metaspace"}
         if unsupported:
-            raise ValueError(f"tokenizer decoder {sorted(unsupported)} is not supported for byte alignment")
+            raise ValueError(f"tokenizer decoder {sorted(unsupported)} is not supported for "
+                             "byte alignment")
         replace: list[tuple[str, str]] = []
         for s in steps:
             if s.get("type") == "Replace" and "String" in s.get("pattern", {}):
@@ -84,8 +86,8 @@ class TokenBytes:
             if i in added or piece is None:
                 self.table.append((added.get(i) or "").encode())
             elif byte_level:
-                self.table.append(bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece)
-                                  else piece.encode())
+                self.table.append(bytes(alphabet[c] for c in piece)
+                                  if all(c in alphabet for c in piece) else piece.encode())
             elif byte_fallback and _BYTE_PIECE.fullmatch(piece):
                 self.table.append(bytes([int(piece[3:5], 16)]))
             else:
@@ -102,7 +104,8 @@ class TokenBytes:
         return [self.table[i] if 0 <= i < len(self.table) else b"" for i in ids]
 
     def encode(self, text: str) -> tuple[list[int], list[bytes]]:
-        """Ids of ``text`` and each one's bytes, the encoder's prefix (if any) dropped from the first."""
+        """Ids of ``text`` and each one's bytes, the encoder's prefix (if any) dropped from
+        the first."""
         ids = self.tok.encode(text)
         pieces = self.of(ids)
         if self.prefix and pieces and pieces[0].startswith(self.prefix):

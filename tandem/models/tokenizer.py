@@ -45,14 +45,15 @@ QWEN_CHAT_TEMPLATE = (
     "        {{- 'You are a helpful assistant.' }}\n"
     "    {%- endif %}\n"
     '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'
-    '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    '\\n\\nYou are provided with function signatures within <tools></tools> XML '
+    'tags:\\n<tools>" }}\n'
     "    {%- for tool in tools %}\n"
     '        {{- "\\n" }}\n'
     "        {{- tool | tojson }}\n"
     "    {%- endfor %}\n"
     '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and '
-    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
-    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": '
+    '<function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
     "{%- else %}\n"
     "    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
@@ -63,8 +64,8 @@ QWEN_CHAT_TEMPLATE = (
     "{%- for message in messages %}\n"
     "    {%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
     " or (message.role == 'assistant' and not message.tool_calls) %}\n"
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == 'assistant' %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' "
+    "+ '\\n' }}\n    {%- elif message.role == 'assistant' %}\n"
     "        {{- '<|im_start|>' + message.role }}\n"
     "        {%- if message.content %}\n"
     "            {{- '\\n' + message.content }}\n"
@@ -209,9 +210,12 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         try:
             raw = _RawTokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for a file it cannot parse)
-            raise ValueError(f"{path / 'tokenizer.json'}: not a readable tokenizer.json "
-                             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        except Exception as e:  # noqa: BLE001
+            # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(
+                f"{path / 'tokenizer.json'}: not a readable tokenizer.json ("
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                ")") from None
         config = _read_json(path / "tokenizer_config.json")
         eos: list[int] = []
         gen_eos = _read_json(path / "generation_config.json").get("eos_token_id")
@@ -352,7 +356,8 @@ def char_vocab(extra_chars: str = "") -> list[str]:
     return list(dict.fromkeys(chars))
 
 
-def build_char_tokenizer(path: str | Path, extra_chars: str = "", special_tokens: tuple[str, ...] = (),
+def build_char_tokenizer(path: str | Path, extra_chars: str = "",
+                         special_tokens: tuple[str, ...] = (),
                          chat_template: str = QWEN_CHAT_TEMPLATE) -> Tokenizer:
     """Write a character-level tokenizer folder and load it.
 

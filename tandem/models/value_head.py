@@ -146,7 +146,8 @@ def initial_scalar_state(args: ModelArgs, path: str | None, seed: int) -> dict[s
         loaded = scalar_state_from_hf(read_hf_state_dict(path), args)
         missing = sorted(set(state) - set(loaded) - set(HEAD_KEYS))
         if missing:
-            raise KeyError(f"tensors missing from {path}: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+            raise KeyError(f"tensors missing from {path}: {missing[:4]}"
+                           f"{' ...' if len(missing) > 4 else ''}")
         state.update(loaded)
     return state
 
@@ -158,7 +159,8 @@ def _hf_config(args: ModelArgs, tokenizer: Tokenizer | None) -> dict:
                                for a in config.get("architectures", [])]
     config["num_labels"] = 1
     if tokenizer is not None and tokenizer.pad_token_id is not None:
-        config["pad_token_id"] = tokenizer.pad_token_id  # transformers pools at the last non-pad token
+        # transformers pools at the last non-pad token
+        config["pad_token_id"] = tokenizer.pad_token_id
     return config
 
 
@@ -167,7 +169,8 @@ def save_scalar_model(state: dict[str, torch.Tensor], args: ModelArgs, path: str
     """Write a full (unsharded) `ScalarHeadModel` state dict as an HF-like folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in scalar_state_to_hf(state, args).items()}
+    tensors = {k: v.detach().to("cpu").contiguous()
+               for k, v in scalar_state_to_hf(state, args).items()}
     save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(_hf_config(args, tokenizer), indent=2) + "\n")
     if tokenizer is not None:

@@ -60,17 +60,20 @@ class VisionArgs:
         p = self.processor
         if (p.patch_size, p.temporal_patch_size, p.merge_size) != (
                 self.patch_size, self.temporal_patch_size, self.spatial_merge_size):
-            raise ValueError(f"the image processor's patch / temporal patch / merge sizes ({p.patch_size}, "
-                             f"{p.temporal_patch_size}, {p.merge_size}) differ from the vision tower's "
-                             f"({self.patch_size}, {self.temporal_patch_size}, {self.spatial_merge_size})")
+            raise ValueError("the image processor's patch / temporal patch / merge sizes "
+                             f"({p.patch_size}, {p.temporal_patch_size}, {p.merge_size}) differ "
+                             f"from the vision tower's ({self.patch_size}, "
+                             f"{self.temporal_patch_size}, {self.spatial_merge_size})")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(f"vision hidden_size {self.hidden_size} / num_heads {self.num_heads} must be a "
-                             "multiple of 4 (the 2-D RoPE splits each head in four)")
+            raise ValueError(f"vision hidden_size {self.hidden_size} / num_heads {self.num_heads}"
+                             " must be a multiple of 4 (the 2-D RoPE splits each head in four)")
         if self.window_size % (self.patch_size * self.spatial_merge_size):
-            raise ValueError(f"vision window_size {self.window_size} must be a multiple of patch_size x "
-                             f"spatial_merge_size ({self.patch_size * self.spatial_merge_size})")
+            raise ValueError(f"vision window_size {self.window_size} must be a multiple of "
+                             "patch_size x spatial_merge_size "
+                             f"({self.patch_size * self.spatial_merge_size})")
         if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-            raise ValueError(f"vision fullatt_block_indexes {self.fullatt_block_indexes} must lie in [0, {self.depth})")
+            raise ValueError(f"vision fullatt_block_indexes {self.fullatt_block_indexes} must lie "
+                             f"in [0, {self.depth})")
 
     @property
     def head_dim(self) -> int:
@@ -92,39 +95,50 @@ class VisionArgs:
         """From a ``vision_config`` dict and the folder's top-level config (token ids);
         ``processor`` None: the defaults at the tower's patch sizes."""
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported vision hidden_act {config.get('hidden_act')!r}; only 'silu'")
+            raise ValueError(f"unsupported vision hidden_act {config.get('hidden_act')!r}; "
+                             "only 'silu'")
         rope = config.get("rope_parameters") or {}
-        sizes = dict(patch_size=config.get("patch_size", 14), temporal_patch_size=config.get("temporal_patch_size", 2),
+        sizes = dict(patch_size=config.get("patch_size", 14),
+                     temporal_patch_size=config.get("temporal_patch_size", 2),
                      merge_size=config.get("spatial_merge_size", 2))
         return cls(processor=processor or ImageProcessor(**sizes),
-            depth=config["depth"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-            num_heads=config["num_heads"], in_channels=config.get("in_channels", config.get("in_chans", 3)),
-            patch_size=config.get("patch_size", 14), temporal_patch_size=config.get("temporal_patch_size", 2),
-            spatial_merge_size=config.get("spatial_merge_size", 2), window_size=config.get("window_size", 112),
-            out_hidden_size=config["out_hidden_size"], fullatt_block_indexes=list(config.get("fullatt_block_indexes", [])),
-            tokens_per_second=config.get("tokens_per_second", 2), rope_theta=float(rope.get("rope_theta", 10000.0)),
+            depth=config["depth"], hidden_size=config["hidden_size"],
+                   intermediate_size=config["intermediate_size"],
+            num_heads=config["num_heads"],
+                   in_channels=config.get("in_channels", config.get("in_chans", 3)),
+            patch_size=config.get("patch_size", 14),
+                   temporal_patch_size=config.get("temporal_patch_size", 2),
+            spatial_merge_size=config.get("spatial_merge_size", 2),
+                   window_size=config.get("window_size", 112),
+            out_hidden_size=config["out_hidden_size"],
+                   fullatt_block_indexes=list(config.get("fullatt_block_indexes", [])),
+            tokens_per_second=config.get("tokens_per_second", 2),
+                   rope_theta=float(rope.get("rope_theta", 10000.0)),
             **{k: int(top[k]) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                         "vision_end_token_id")},
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The ``vision_config`` dict (transformers 5 key names)."""
-        return {"model_type": "qwen2_5_vl_vision", "depth": self.depth, "hidden_size": self.hidden_size,
+        return {"model_type": "qwen2_5_vl_vision", "depth": self.depth,
+                "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "num_heads": self.num_heads,
                 "in_channels": self.in_channels, "patch_size": self.patch_size,
-                "temporal_patch_size": self.temporal_patch_size, "spatial_merge_size": self.spatial_merge_size,
+                "temporal_patch_size": self.temporal_patch_size,
+                "spatial_merge_size": self.spatial_merge_size,
                 "window_size": self.window_size, "out_hidden_size": self.out_hidden_size,
                 "fullatt_block_indexes": list(self.fullatt_block_indexes), "hidden_act": "silu",
                 "tokens_per_second": self.tokens_per_second, "initializer_range": INIT_STD,
                 "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
 
     def token_ids(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                              "vision_end_token_id")}
+        return {k: getattr(self, k) for k in ("image_token_id", "video_token_id",
+                                              "vision_start_token_id", "vision_end_token_id")}
 
     def num_params(self) -> int:
         d, m = self.hidden_size, self.hidden_size * self.merge_unit
-        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 3 * d * self.intermediate_size + 2 * self.intermediate_size + d
+        block = (2 * d + (3 * d * d + 3 * d) + (d * d + d) + 3 * d * self.intermediate_size
+                 + 2 * self.intermediate_size + d)
         merger = d + (m * m + m) + (m * self.out_hidden_size + self.out_hidden_size)
         return self.patch_dim * d + self.depth * block + merger
 
@@ -137,19 +151,22 @@ def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     for t, h, w in grid_thw.tolist():
         rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
         cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
-        rc = torch.stack([rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()], dim=-1)  # [h*w, 2]
+        # [h*w, 2]
+        rc = torch.stack([rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()], dim=-1)
         out.append(rc.repeat(t, 1))
     return torch.cat(out)
 
 
-def window_layout(grid_thw: torch.Tensor, args: VisionArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def window_layout(grid_thw: torch.Tensor,
+                  args: VisionArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Windowed attention's order of the merge blocks and the segments attention runs in.
 
     Returns ``order [M]`` (merge blocks of all images, window by window, row-major inside a
     window), ``window_ids [N]`` and ``image_ids [N]`` (per patch in that order: which window /
     which frame of which image it attends within). Edge windows are smaller, as in HF.
     """
-    merge, side = args.spatial_merge_size, args.window_size // (args.patch_size * args.spatial_merge_size)
+    merge, side = (args.spatial_merge_size,
+                   args.window_size // (args.patch_size * args.spatial_merge_size))
     order, windows, images = [], [], []
     start = n_windows = n_frames = 0
     for t, h, w in grid_thw.tolist():
@@ -182,7 +199,8 @@ class VisionRMSNorm(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """``[N, C*T*P*P]`` patches -> ``[N, D]``; the weight keeps HF's Conv3d shape ``[D, C, T, P, P]``."""
+    """``[N, C*T*P*P]`` patches -> ``[N, D]``; the weight keeps HF's Conv3d shape ``[D, C,
+    T, P, P]``."""
 
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
@@ -218,13 +236,15 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 plan: tuple[list[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        n = x.shape[0]  # x [N, D]; cos/sin [N, Dh] fp32; plan: `segment_plan` of the segments attended within
+        # x [N, D]; cos/sin [N, Dh] fp32; plan: `segment_plan` of the segments attended within
+        n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, Dh] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         groups, order = plan
-        outs = [F.scaled_dot_product_attention(q[idx].transpose(1, 2), k[idx].transpose(1, 2), v[idx].transpose(1, 2),
-                                               scale=self.head_dim**-0.5).transpose(1, 2).reshape(-1, self.num_heads,
-                                                                                                   self.head_dim)
+        outs = [F.scaled_dot_product_attention(q[idx].transpose(1, 2), k[idx].transpose(1, 2),
+                                               v[idx].transpose(1, 2),
+                                               scale=self.head_dim**-0.5).transpose(1, 2).reshape(
+                                                   -1, self.num_heads, self.head_dim)
                 for idx in groups]  # per segment length: [k * L, H, Dh]
         out = torch.cat(outs)[order]  # [N, H, Dh] back in order
         return self.proj(out.reshape(n, -1))
@@ -293,7 +313,8 @@ class VisionTransformer(nn.Module):
 
     def _inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         quarter = self.args.head_dim // 2  # each of row and column rotates half of the head
-        return 1.0 / (self.args.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter))
+        return 1.0 / (self.args.rope_theta ** (
+            torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter))
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE buffer (non-persistent), on ``device`` or where it is."""
@@ -309,13 +330,17 @@ class VisionTransformer(nn.Module):
         a = self.args
         grid_thw = grid_thw.cpu()
         order, windows, images = window_layout(grid_thw, a)
-        perm = (order[:, None] * a.merge_unit + torch.arange(a.merge_unit)).flatten().to(pixels.device)  # [N]
+        # [N]
+        perm = (order[:, None] * a.merge_unit + torch.arange(a.merge_unit)).flatten().to(
+            pixels.device)
         x = self.patch_embed(pixels)[perm]  # [N, D] in window order
         rc = patch_positions(grid_thw, a.spatial_merge_size).to(pixels.device)[perm]  # [N, 2]
-        freqs = (rc[..., None].float() * self.inv_freq).flatten(1)  # [N, Dh/2]: rows' then columns' angles
+        # [N, Dh/2]: rows' then columns' angles
+        freqs = (rc[..., None].float() * self.inv_freq).flatten(1)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        by_window, by_image = segment_plan(windows.to(pixels.device)), segment_plan(images.to(pixels.device))
+        by_window, by_image = (segment_plan(windows.to(pixels.device)),
+                               segment_plan(images.to(pixels.device)))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, by_image if i in a.fullatt_block_indexes else by_window)
         merged = self.merger(x)  # [M, out] in window order

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
 
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = ("<|vision_start|>", "<|vision_end|>",
+                                                  "<|image_pad|>", "<|video_pad|>")
 VL_SPECIAL_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 # ChatML with image parts (Qwen2-VL's format; "Picture N: " before each image with add_vision_id).
@@ -34,8 +35,8 @@ QWEN_VL_CHAT_TEMPLATE = (
     "        {%- for part in message['content'] %}\n"
     "            {%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}\n"
     "                {%- set ns.images = ns.images + 1 %}\n"
-    "                {%- if add_vision_id %}{{- 'Picture ' + ns.images | string + ': ' }}{%- endif %}\n"
-    "                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}\n"
+    "                {%- if add_vision_id %}{{- 'Picture ' + ns.images | string + ': ' "
+    "}}{%- endif %}\n                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}\n"
     "            {%- elif 'text' in part %}\n"
     "                {{- part['text'] }}\n"
     "            {%- endif %}\n"
@@ -55,7 +56,8 @@ def build_vl_char_tokenizer(path: str | Path, extra_chars: str = "") -> Tokenize
                                 chat_template=QWEN_VL_CHAT_TEMPLATE)
 
 
-def expand_image_tokens(ids: Sequence[int], counts: Sequence[int], image_token_id: int) -> list[int]:
+def expand_image_tokens(ids: Sequence[int], counts: Sequence[int],
+                        image_token_id: int) -> list[int]:
     """Each image token of ``ids`` (one per image, in order) repeated ``counts[i]`` times;
     ValueError when the number of image tokens is not ``len(counts)``."""
     n = sum(1 for t in ids if t == image_token_id)

@@ -80,10 +80,12 @@ class PromptImages:
     def pixels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixels ``[N, patch_dim]``, grid_thw ``[I, 3]``), decoded once until `release`."""
         if self._pixels is None:
-            with torch.inference_mode(False):  # kept for a later forward with autograd (the generator's is not)
+            with torch.inference_mode(False):
+                # kept for a later forward with autograd (the generator's is not)
                 pixels, grid = self.processor([open_image(s, self.base_dir) for s in self.sources])
             if grid.tolist() != [list(g) for g in self.grids]:
-                raise ValueError(f"an image changed size since the prompt was built: {grid.tolist()} != {self.grids}")
+                raise ValueError("an image changed size since the prompt was built: "
+                                 f"{grid.tolist()} != {self.grids}")
             self._pixels = (pixels, grid)
         return self._pixels
 
@@ -117,7 +119,8 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
     if not images:
         return pos3, None
     s = tokens.shape[1]
-    index, groups, take, first = [], [], [], {}  # first: id(PromptImages) -> its first row in the tower's output
+    # first: id(PromptImages) -> its first row in the tower's output
+    index, groups, take, first = [], [], [], {}
     computed = 0  # rows the tower will output for the groups so far
     for (row, doc), pi in sorted(images.items(), key=lambda kv: kv[0]):
         sel = (doc_ids[row] == doc).nonzero()[:, 0]  # [n] columns of this document
@@ -125,15 +128,18 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
         inside = positions[row, sel] < pi.positions.shape[1]
         cols = sel[(tokens[row, sel] == image_token_id) & inside]
         if cols.numel() != pi.num_rows:
-            raise ValueError(f"document {doc} of row {row} has {cols.numel()} image tokens for {pi.num_rows} image rows")
+            raise ValueError(f"document {doc} of row {row} has {cols.numel()} image tokens for "
+                             f"{pi.num_rows} image rows")
         index.append(row * s + cols)
-        if id(pi) not in first:  # the tower runs once per prompt, however many of its samples are here
+        if id(pi) not in first:
+            # the tower runs once per prompt, however many of its samples are here
             first[id(pi)], computed = computed, computed + pi.num_rows
             groups.append(pi.pixels())
         take.append(torch.arange(first[id(pi)], first[id(pi)] + pi.num_rows))
     picks = torch.cat(take)
     once = picks.numel() == computed  # every prompt once: the rows are in order already
-    return pos3, ImageInputs(torch.cat(index), groups, take=None if once else picks.to(tokens.device))
+    return pos3, ImageInputs(torch.cat(index), groups,
+                             take=None if once else picks.to(tokens.device))
 
 
 class VisionLanguageModel(Transformer):
@@ -165,7 +171,8 @@ class VisionLanguageModel(Transformer):
             if images.take is not None:
                 rows = rows[images.take]
             if rows.shape[0] != images.index.numel():
-                raise ValueError(f"{rows.shape[0]} image rows for {images.index.numel()} image tokens")
+                raise ValueError(f"{rows.shape[0]} image rows for {images.index.numel()} "
+                                 "image tokens")
             flat = h.reshape(-1, h.shape[-1]).index_copy(0, images.index, rows.to(h.dtype))
             return flat.view_as(h)
         if self._tower_trains():  # keep the tower's gradient collectives in step (module docstring)

@@ -29,17 +29,21 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(view).long() & mask
 
 
-def box_checksum(name: str, data: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
+def box_checksum(name: str, data: torch.Tensor, offset: tuple[int, ...],
+                 shape: tuple[int, ...]) -> int:
     """The checksum of ``data``, the region of global tensor ``name`` (of ``shape``) that starts at
     ``offset`` (``data.shape`` its size); an int in [0, MOD)."""
     if data.numel() == 0:
         return 0
-    index = torch.full((), zlib.crc32(name.encode()), dtype=torch.long, device=data.device)  # the name's salt
+    # the name's salt
+    index = torch.full((), zlib.crc32(name.encode()), dtype=torch.long, device=data.device)
     stride = 1
-    for d in reversed(range(len(shape))):  # + the global flat index of every element, by broadcasting
+    for d in reversed(range(len(shape))):
+        # + the global flat index of every element, by broadcasting
         pos = torch.arange(offset[d], offset[d] + data.shape[d], device=data.device).view(
             [-1 if i == d else 1 for i in range(len(shape))])
         index = index + pos * stride
         stride *= shape[d]
     w = ((index * _MIX) & _MASK31) | 1  # [*data.shape], odd, < 2**31
-    return int(((_bits(data) * w) & _MASK32).sum().item() % MOD)  # each product < 2**63; deliberate host sync
+    # each product < 2**63; deliberate host sync
+    return int(((_bits(data) * w) & _MASK32).sum().item() % MOD)

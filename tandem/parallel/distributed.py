@@ -29,6 +29,7 @@ class DistInfo:
     world_size: int
     device: torch.device
     backend: str
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -57,19 +58,23 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(local_rank, force_cpu=force_cpu or os.environ.get("TANDEM_FORCE_CPU") == "1")
+    device = pick_device(local_rank, force_cpu=force_cpu)
     backend = backend_for(device)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if world == 1 and "MASTER_ADDR" not in os.environ:
             # In-process store: no port is opened for a world of one.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
         else:
             kwargs = {"device_id": device} if device.type != "cpu" else {}
             if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-                kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]), world_size=world)
+                kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                              world_size=world)
             dist.init_process_group(backend, timeout=timeout, **kwargs)
-    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend,
+                    local_world)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
@@ -82,7 +87,8 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
     rank = int(os.environ["RANK"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]),
                           is_master=not agent_store and rank == 0, timeout=timeout,
                           **({} if agent_store else {"multi_tenant": True}))
     return dist.PrefixStore(f"tandem/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

@@ -1,39 +1,11 @@
 """Expert parallelism: an MoE layer's experts sharded over ranks, tokens moved to them.
 
-``apply_ep(model, mesh, ep)`` shards every `tandem.models.moe.GroupedExperts` over the
-data-parallel shard ranks (EP borrows the FSDP2 dimension: ``parallel.ep`` must
-divide ``dp_shard``). With ``ep`` all the data-parallel ranks (FSDP2, no HSDP) rank
-r keeps experts ``[r * E/ep, (r+1) * E/ep)`` as a DTensor ``Shard(0)`` on the mesh
-FSDP2 uses; otherwise the data-parallel ranks (HSDP's replicas too, replicate-major)
-are cut into groups of ``ep`` consecutive ranks (a 2-D mesh ``("ep_replicate",
-"ep")``, placements ``[Replicate(), Shard(0)]``; a group never spans two HSDP
-replicas): each group holds every expert once, and the groups are replicas of one
-another, so tokens stay within a group (a node, when ``ep`` is the node's size).
-Under tensor parallelism (``ep`` = dp_shard, no HSDP) each expert is also split by
-its hidden features over the TP ranks, on the ``(dp_shard, tp)`` mesh, and the
-dispatch is wrapped in tandem/parallel/moe_tp.py's two sums. Either way checkpoints (DCP)
-see the whole expert tensor and resume on any EP degree, and gradient clipping and
-AdamW see DTensors.
-FSDP2 leaves these parameters alone (`expert_params`, passed as
-``ignored_params``): they are not gathered before the forward; the tokens travel
-instead. Per layer and micro-batch (`ExpertParallelExperts.forward`):
-
-1. the tokens already sorted by expert (the MoE block's dispatch) are counted per
-   destination rank, the counts exchanged (an all-to-all of ``E`` integers);
-2. the rows go to their experts' ranks (``all_to_all_single``, differentiable);
-3. the received rows are regrouped by local expert and run through the grouped
-   GEMM with the local weights (cast to the rows' dtype: FSDP2's mixed precision
-   does not reach ignored parameters);
-4. the outputs go back the same way, in the original order.
-
-Gradients: an expert's weight gradient is the sum over its group's tokens routed
-to it, while FSDP2 *averages* the other gradients over the data-parallel ranks
-(the recipes scale each rank's loss by the data-parallel size, tandem/parallel/fsdp.py).
-So the expert gradients are divided by the data-parallel size and, with replica groups,
-summed over the replicas (an all-reduce in the backward, per micro-batch, as
-FSDP2 reduce-scatters the others); an update then equals the single-process one
-(tests/parallel/test_parallel_equivalence.py, layouts ``fsdp2_ep2_moe``,
-``fsdp4_ep4_moe``, ``fsdp4_ep2_moe`` and ``hsdp2x2_ep2_moe``).
+``apply_ep(model, mesh, ep)`` shards every `tandem.models.moe.GroupedExperts` over groups
+of ``ep`` data-parallel shard ranks (``parallel.ep`` divides ``dp_shard``); FSDP2 leaves
+these parameters alone and the tokens travel instead (all-to-alls per layer and
+micro-batch). Expert gradients are rescaled and summed over replica groups so an update
+equals the single-process one (tests/parallel/test_parallel_equivalence.py). Meshes,
+the dispatch's steps and the gradient rule: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -61,17 +33,19 @@ def validate_ep(args: object, ep: int, dp_shard: int, tp: int, pp: int, dp_repli
     if not experts:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model (this one is dense)")
     if dp_shard % ep:
-        raise ValueError(f"ep={ep} must divide dp_shard={dp_shard} (expert parallelism borrows the FSDP2 ranks)")
+        raise ValueError(f"ep={ep} must divide dp_shard={dp_shard} (expert parallelism borrows the "
+                         "FSDP2 ranks)")
     if pp > 1:
         raise ValueError(f"ep={ep} runs without pipeline stages so far (pp={pp})")
     if tp > 1 and (ep != dp_shard or dp_replicate > 1):
-        raise ValueError(f"ep={ep} with tp={tp} needs ep = dp_shard ({dp_shard}) and no HSDP (dp_replicate="
-                         f"{dp_replicate}) so far")
+        raise ValueError(f"ep={ep} with tp={tp} needs ep = dp_shard ({dp_shard}) and no HSDP "
+                         f"(dp_replicate={dp_replicate}) so far")
     if experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={experts}")
 
 
-def _scale_grad(t: torch.Tensor, scale: float, replicas: dist.ProcessGroup | None = None) -> torch.Tensor:
+def _scale_grad(t: torch.Tensor, scale: float,
+                replicas: dist.ProcessGroup | None = None) -> torch.Tensor:
     return _ScaleGrad.apply(t, scale, replicas)
 
 
@@ -80,7 +54,8 @@ class _ScaleGrad(torch.autograd.Function):
     (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, scale: float, replicas: dist.ProcessGroup | None) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, t: torch.Tensor, scale: float,  # noqa: ANN001
+                replicas: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.scale, ctx.replicas = scale, replicas
         return t.view_as(t)
 
@@ -106,9 +81,10 @@ class ExpertParallelExperts(GroupedExperts):
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
             return self._dispatch(x_sorted, offsets)
-        # TP (tandem/parallel/moe_tp.py): every TP rank sends the same rows to its EP peers of the same
-        # TP coordinate, which hold I / tp of each expert's hidden features: partial outputs
-        return sum_partials(self._dispatch(sum_gradients(x_sorted, self.tp_group), offsets), self.tp_group)
+        # TP (tandem/parallel/moe_tp.py): every TP rank sends the same rows to its EP peers of the
+        # same TP coordinate, which hold I / tp of each expert's hidden features: partial outputs
+        return sum_partials(self._dispatch(sum_gradients(x_sorted, self.tp_group), offsets),
+                            self.tp_group)
 
     def _dispatch(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ep, group = self.ep, self.group
@@ -116,38 +92,43 @@ class ExpertParallelExperts(GroupedExperts):
                                   self.replicas).to(x_sorted.dtype)
                       for w in (self.w1, self.w2, self.w3))
         local = w1.shape[0]
-        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # [E] rows per expert
+        # [E] rows per expert
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=group)  # [ep (source), local]
         send = counts.view(ep, local).sum(1).tolist()
         recv_by_src = recv_counts.view(ep, local)
         recv = recv_by_src.sum(1).tolist()
-        x_recv = all_to_all_single(x_sorted.new_empty(sum(recv), x_sorted.shape[1]), x_sorted, recv, send,
-                                   group=group)  # rows by source rank, then by local expert
+        x_recv = all_to_all_single(x_sorted.new_empty(sum(recv), x_sorted.shape[1]), x_sorted, recv,
+                                   send, group=group)  # rows by source rank, then by local expert
         order = _by_expert(recv_by_src)  # received row -> its place grouped by local expert
         local_offsets = recv_by_src.sum(0).cumsum(0).to(torch.int32)  # [local]
         x_local = x_recv[order]
         gate = grouped_mm(x_local, w1.transpose(1, 2), local_offsets)
         up = grouped_mm(x_local, w3.transpose(1, 2), local_offsets)
         y_local = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), local_offsets)
-        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local) if y_local.numel() else y_local
-        return all_to_all_single(x_sorted.new_empty(x_sorted.shape[0], y_recv.shape[1]), y_recv, send, recv,
-                                 group=group)
+        y_recv = (torch.empty_like(y_local).index_copy(0, order, y_local) if y_local.numel()
+                  else y_local)
+        return all_to_all_single(x_sorted.new_empty(x_sorted.shape[0], y_recv.shape[1]), y_recv,
+                                 send, recv, group=group)
 
 
 def _by_expert(recv_by_src: torch.Tensor) -> torch.Tensor:
     """Indices into the received rows (grouped by source, then local expert) that list them
     grouped by local expert, then source: the layout the grouped GEMM takes."""
     ep, local = recv_by_src.shape
-    starts = torch.cat([recv_by_src.new_zeros(1), recv_by_src.reshape(-1).cumsum(0)[:-1]]).view(ep, local)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_by_src[s, e]), device=recv_by_src.device)
+    starts = torch.cat([recv_by_src.new_zeros(1), recv_by_src.reshape(-1).cumsum(0)[:-1]]).view(
+        ep, local)
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_by_src[s, e]),
+                           device=recv_by_src.device)
               for e in range(local) for s in range(ep)]
     return torch.cat(pieces) if pieces else recv_by_src.new_zeros(0)
 
 
 def expert_params(model: nn.Module) -> set[nn.Parameter]:
     """The expert weights `apply_ep` sharded (FSDP2 must ignore them)."""
-    return {p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()}
+    return {p for m in model.modules() if isinstance(m, ExpertParallelExperts)
+            for p in m.parameters()}
 
 
 def ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -174,7 +155,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None, *,
     divides the shard ranks and defaults to all of them), in place, on the meta device or
     materialised; returns how many. ``ep_tp_mesh``, the 2-D ``(dp_shard, tp)`` mesh under
     tensor parallelism (``ep`` = dp_shard, no HSDP): each expert is also split by its hidden
-    features over ``tp`` (``w1``/``w3`` ``[Shard(0), Shard(1)]``, ``w2`` ``[Shard(0), Shard(2)]``)."""
+    features over ``tp`` (``w1``/``w3`` ``[Shard(0), Shard(1)]``, ``w2`` ``[Shard(0),
+    Shard(2)]``)."""
     dp_shard, dp = mesh.size(mesh.ndim - 1), mesh.size()
     ep = dp_shard if ep is None else ep
     if dp_shard % ep:
@@ -183,8 +165,10 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None, *,
     if ep_tp_mesh is not None:
         if ep != dp or ep_tp_mesh.size(0) != ep:
             raise ValueError(f"ep={ep} with tensor parallelism needs ep = dp_shard and no HSDP")
-        emesh, group, replicas, tp_group = ep_tp_mesh, ep_tp_mesh.get_group(0), None, ep_tp_mesh.get_group(1)
-        placements = {"w1": [Shard(0), Shard(1)], "w3": [Shard(0), Shard(1)], "w2": [Shard(0), Shard(2)]}
+        emesh, group, replicas, tp_group = (ep_tp_mesh, ep_tp_mesh.get_group(0), None,
+                                            ep_tp_mesh.get_group(1))
+        placements = {"w1": [Shard(0), Shard(1)], "w3": [Shard(0), Shard(1)],
+                      "w2": [Shard(0), Shard(2)]}
     else:
         emesh = ep_mesh(mesh, ep)
         one = [Shard(0)] if emesh is mesh else [Replicate(), Shard(0)]

@@ -23,7 +23,10 @@ parameter takes is `needed_box`, which the reshard (tandem/parallel/reshard.py) 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +35,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import batch_invariant
+from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 from tandem.models.args import ModelArgs
-from tandem.models.lora import LoraSpec, apply_lora
+from tandem.models.lora import LoraSpec, apply_lora, is_adapter
+from tandem.models.transformer import Transformer
 from tandem.models.vlm import make_model
+from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
-from tandem.parallel.reshard import Box
+from tandem.parallel.reshard import Box, Resharder, held
+
+HEADROOM = 0.9  # share of a device a phase may fill; the rest: allocator, CUDA context, NCCL
 
 # parameter-name pattern -> the dimension split over the group (None: whole on every rank)
 _RULES: list[tuple[re.Pattern[str], int | None]] = [
@@ -44,7 +53,8 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.attention\.wo\.weight$"), 1),
     (re.compile(r"layers\.\d+\.feed_forward\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.feed_forward\.w2\.weight$"), 1),
-    (re.compile(r"(layers\.\d+\.(attention_norm|ffn_norm|attention\.[qk]_norm)|norm)\.weight$"), None),
+    (re.compile(r"(layers\.\d+\.(attention_norm|ffn_norm|attention\.[qk]_norm)|norm)\.weight$"),
+     None),
     # mixture of experts: every expert split by its hidden features (TP inside the experts), the
     # router, the shared expert's gate and the routing bias whole; the block's output is summed
     (re.compile(r"layers\.\d+\.moe\.experts\.w[13]$"), 1),
@@ -52,12 +62,15 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
-    (re.compile(r"^visual\."), None),  # a vision-language model's tower: whole on every rank of a group
-    # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by its
-    # output rows, a row-parallel one's A split by its input features and B whole (its partial
+    # a vision-language model's tower: whole on every rank of a group
+    (re.compile(r"^visual\."), None),
+    # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by
+    # its output rows, a row-parallel one's A split by its input features and B whole (its partial
     # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
-    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
-    (re.compile(r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
+    (re.compile(
+        r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
+    (re.compile(
+        r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
     (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_A\.weight$"), 1),
     (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_B\.weight$"), None),
     (re.compile(r"\.moe\.experts\.w[13]_lora_A$"), None),
@@ -90,7 +103,8 @@ def make_layout(tp: int, vocab_parallel: bool = True) -> GenerationLayout:
         raise ValueError(f"a generation group of {tp} ranks does not divide the {world} ranks")
     me = dist.get_rank() if dist.is_initialized() else 0
     group = new_groups([list(range(i, i + tp)) for i in range(0, world, tp)]) if tp > 1 else None
-    return GenerationLayout(tp=tp, rank=me % tp, group=group, vocab_parallel=vocab_parallel, leader=me - me % tp)
+    return GenerationLayout(tp=tp, rank=me % tp, group=group, vocab_parallel=vocab_parallel,
+                            leader=me - me % tp)
 
 
 def from_leader(obj: Any, layout: GenerationLayout) -> Any:
@@ -148,7 +162,8 @@ def split_dim(name: str, layout: GenerationLayout) -> int | None:
     raise KeyError(f"no generation-layout rule for parameter {name!r}")
 
 
-def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> tuple[Box, tuple[int, ...]]:
+def needed_box(name: str, shape: tuple[int, ...],
+               layout: GenerationLayout) -> tuple[Box, tuple[int, ...]]:
     """The global region of ``name`` this rank's shard holds, and the shard's local shape."""
     dim = split_dim(name, layout) if layout.tp > 1 else None
     if dim is None:
@@ -163,8 +178,10 @@ def needed_box(name: str, shape: tuple[int, ...], layout: GenerationLayout) -> t
     return Box(offset, region), local
 
 
-def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None) -> int:
-    """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``, adapters too)."""
+def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype,
+                lora: LoraSpec | None = None) -> int:
+    """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``,
+    adapters too)."""
     with torch.device("meta"):
         model = make_model(args)
         if lora is not None:
@@ -246,5 +263,228 @@ def shard_modules(model: nn.Module, args: ModelArgs, layout: GenerationLayout) -
             block.feed_forward.w2 = RowParallel(block.feed_forward.w2, layout.group)
     if layout.splits_vocab:
         rows = vocab_rows(args, layout.tp)
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, layout.rank * rows, layout.group)
-        model.output = VocabParallelHead(model.output.weight, args.vocab_size, layout.group, layout.tp)
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight,
+                                                      layout.rank * rows, layout.group)
+        model.output = VocabParallelHead(model.output.weight, args.vocab_size, layout.group,
+                                         layout.tp)
+
+
+def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: int,
+            devices_per_node: int, device_bytes: float, resident_bytes: float,
+            kv_bytes: float) -> int:
+    """The generation degree ``rollout.tp = 0`` (auto) stands for, on one kind of device.
+
+    The smallest ``g`` that divides both ``world`` and ``devices_per_node`` and the model's
+    heads and MLP, whose shard (``shard_bytes_of(g)``), beside ``resident_bytes`` (what training
+    keeps on the device) and the ``kv_bytes`` pool, fits in `HEADROOM` of ``device_bytes``; the
+    largest such ``g`` when none fits. A group is ``g`` consecutive ranks, so ``g`` dividing
+    ``devices_per_node`` keeps it inside a node: its two all-reduces per layer never cross the
+    network. The run and the planner (``train.py --plan``) both call this."""
+    bound = math.gcd(world, devices_per_node)
+    degrees = [g for g in range(1, bound + 1)
+               if bound % g == 0 and check_divisible(args, g) is None]
+    room = HEADROOM * device_bytes - resident_bytes - kv_bytes
+    return next((g for g in degrees if shard_bytes_of(g) <= room), degrees[-1])
+
+
+class GenerationCopy:
+    """A model's copy in the generation layout, filled from its training shards.
+
+    ``module``: the trained parameters under the whole model's names (FSDP2 / TP DTensors, or
+    this rank's pipeline stages). `build` moves, bucket by bucket, only the regions this rank's
+    shard needs, in the generation dtype (tandem/parallel/reshard.py), so no rank holds the
+    whole model unless its shard is the whole model (``layout.tp = 1``). The move's plan is
+    made at the first build (collective) and kept: the layouts do not change during a run.
+    With LoRA adapters (``lora``) the copy runs them unmerged, like the update: its frozen base
+    moves once, at the first build, and stays; every later build moves only the adapters and
+    checks them against the trainer's by an exact checksum (a mismatch is an error).
+
+    ``keep``: name prefixes of parameters that never change during the run (a frozen vision
+    tower, ``"visual."``): the generation copy and the policy have the same names, so this
+    explicit map is all the reshard needs; they move at the first build only and their copies
+    are kept for the next rollouts (``reshard/kept_gb``; the only rollout memory the update
+    phase still holds), so later builds move only what training changed.
+    """
+
+    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout,
+                 device: torch.device,
+                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
+                 keep: tuple[str, ...] = (), cpu_onednn: bool = False,
+                 lora: LoraSpec | None = None) -> None:
+        self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
+        self.local = local_args(args, layout)
+        self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
+        with torch.device("meta"):
+            meta = make_model(args)
+            if lora is not None:
+                apply_lora(meta, lora)
+        # tied: counted once
+        self.shapes = {name: tuple(t.shape) for name, t in state_tensors(meta).items()}
+        first = next(iter(module.parameters()), None)
+        self.dtype = dtype or (first.dtype if first is not None else torch.float32)
+        self.bucket_bytes = bucket_bytes
+        self.keep = keep
+        # the kept names' copies, after the first build
+        self._kept_state: dict[str, torch.Tensor] = {}
+        # the first build's plan and, with ``keep``, the later builds'
+        self._plans: dict[bool, Resharder] = {}
+        self._adapter_plan: Resharder | None = None
+        # LoRA: the copy and its adapters
+        self._kept: tuple[Transformer, dict[str, torch.Tensor]] | None = None
+
+    def _moving(self) -> dict[str, tuple[int, ...]]:
+        """The names this build moves: all at first, then all but the kept ones."""
+        later = bool(self._kept_state)
+        return {n: shape for n, shape in self.shapes.items()
+                if not (later and n.startswith(self.keep))}
+
+    def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
+        out = {}
+        for name, p in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            name = clean_fqn(name)
+            if name in self.shapes:  # a pipeline rank's second copy of a tied head is not moved
+                out[name] = held(p.detach())
+        return out
+
+    def build(self, *, inference: bool = True,
+              probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
+        """Collective (every rank): this rank's generation shard as a runnable model.
+
+        ``inference``: the copy gets `inference_layout` (False: the training layout, for tests;
+        a copy with adapters keeps the training layout). ``probe()`` runs inside every reshard
+        collective (memory tests)."""
+        if self._kept is not None:
+            return self._refill(probe)
+        moving = self._moving()
+        later = bool(self._kept_state)
+        srcs = {n: src for n, src in self._held().items() if n in moving}
+        adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
+        state, stats = self._move(moving, srcs, None, probe)
+        del srcs
+        if self.keep and not later:
+            self._kept_state = {n: t for n, t in state.items() if n.startswith(self.keep)}
+        state.update(self._kept_state)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        kept_bytes = sum(t.numel() * t.element_size() for t in self._kept_state.values())
+        if self.args.tie_word_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        with torch.device("meta"):
+            gen = make_model(self.local)
+            if self.lora is not None:
+                apply_lora(gen, self.lora)
+        gen.load_state_dict(state, assign=True, strict=True)
+        gen.tie_weights()
+        gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
+        if hasattr(gen, "visual"):
+            gen.visual.reset_rope(self.device)
+        gen.requires_grad_(False).eval()
+        if inference and self.lora is None:  # fused projections would fold the adapters' inputs
+            inference_layout(gen, self.cpu_onednn)
+        metrics = _reshard_metrics(stats, nbytes, kept_bytes)
+        if self.lora is not None:  # before shard_modules renames
+            adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}
+            self._kept = (gen, adapters)
+            metrics.update(self._check(adapter_srcs, adapters))
+        gen.refill_views = gen.unfused_views()  # before the wrappers rename the shard's modules
+        shard_modules(gen, self.args, self.layout)
+        return gen, metrics
+
+    def refill(self, gen: Transformer, *,
+               probe: Callable[[], None] | None = None) -> dict[str, float]:
+        """Collective: the policy's current weights into ``gen`` (a model `build` made), in place:
+        its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay.
+        With adapters: the kept copy's adapters alone (`_refill`); kept names (``keep``) stay."""
+        if self._kept is not None:
+            return self._refill(probe)[1]
+        moving = self._moving()
+        srcs = {n: src for n, src in self._held().items() if n in moving}
+        state, stats = self._move(moving, srcs, gen.refill_views, probe)
+        for m in gen.modules():  # oneDNN's blocked copies are of the old weights
+            if isinstance(m, OneDNNLinear) and m.packed is not None:
+                m.pack()
+        kept = sum(t.numel() * t.element_size() for t in self._kept_state.values())
+        moved = sum(t.numel() * t.element_size() for t in state.values())
+        return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
+
+    def _move(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]],
+              into: dict[str, torch.Tensor] | None,
+              probe: Callable[[], None] | None) -> tuple[dict[str, torch.Tensor], Any]:
+        """Collective: the move of ``moving`` (planned at its first call: one plan for the first
+        build, one for the later ones without the kept names), into new tensors or ``into``'s."""
+        later = bool(self._kept_state)
+        if later not in self._plans:
+            self._plans[later] = self._make_plans(moving, srcs)
+        return self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype,
+                                      self.device, probe=probe, into=into)
+
+    def _make_plans(self, moving: dict[str, tuple[int, ...]],
+                    srcs: dict[str, tuple[torch.Tensor, Box]]) -> Resharder:
+        """The reshard plan of ``moving``; with adapters, also the plan of the adapters alone."""
+        needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.lora is not None:  # the adapters alone, for every later build
+            names = [n for n in moving if is_adapter(n)]
+            self._adapter_plan = Resharder({n: self.shapes[n] for n in names},
+                                           {n: srcs[n][1] for n in names if n in srcs},
+                                           {n: needs[n] for n in names}, elem,
+                                           bucket_bytes=self.bucket_bytes)
+        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                         bucket_bytes=self.bucket_bytes)
+
+    def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
+        """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
+        assert self._kept is not None and self._adapter_plan is not None
+        gen, adapters = self._kept
+        srcs = {n: t for n, (t, _) in self._held().items() if n in adapters}
+        state, stats = self._adapter_plan.run(srcs, self.dtype, self.device, probe=probe)
+        with torch.no_grad():
+            for n, t in state.items():
+                adapters[n].copy_(t)
+        metrics = _reshard_metrics(stats, sum(t.numel() * t.element_size() for t in state.values()))
+        del state
+        metrics.update(self._check(srcs, adapters))
+        return gen, metrics
+
+    def _check(self, srcs: dict[str, torch.Tensor],
+               adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if
+        any differ."""
+        assert self._adapter_plan is not None
+        t0 = time.monotonic()
+        total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
+        if wrong:
+            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's "
+                               f"after the refill ({len(wrong)} tensors; checksum)")
+        return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
+
+
+def _reshard_metrics(stats: Any, nbytes: int, kept_bytes: int = 0) -> dict[str, float]:
+    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
+            "reshard/kept_gb": kept_bytes / 1e9, "reshard/sent_gb": stats.bytes_sent / 1e9,
+            "reshard/collectives": float(stats.collectives),
+            "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+
+
+def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
+    """The generation copy's layout, in place; returns whether it changed anything.
+
+    On CUDA: q/k/v and gate/up fused into one product each (`Transformer.fuse_projections`;
+    measured faster, docs/performance.md). On the CPU the copy keeps the training layout unless
+    ``cpu_onednn`` (``rollout.cpu_onednn``): then, in fp32 where PyTorch has oneDNN, fused and
+    every linear on oneDNN with a prepacked weight (`tandem.kernels.cpu_linear`); it won on one
+    CPU and lost on another, and a timing-chosen path would make two runs of one config sample
+    differently, so it is a setting, off by default. Under `batch_invariant` (``rl.exact``) the
+    copy keeps the update's own unfused aten linears."""
+    weight = next(model.parameters(), None)
+    if weight is None or batch_invariant.enabled():
+        return False
+    if weight.is_cuda:
+        model.fuse_projections()
+        return True
+    if not cpu_onednn or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or not onednn_linear_available():
+        return False
+    model.fuse_projections()
+    use_onednn_linears(model)
+    return True

@@ -34,7 +34,8 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, *,
     if not parts:
         norm = torch.zeros((), device=grads[0].device if grads else "cpu")
     else:
-        norm = parts[0] if len(parts) == 1 else torch.stack([p.float() ** 2 for p in parts]).sum().sqrt()
+        norm = (parts[0] if len(parts) == 1
+                else torch.stack([p.float() ** 2 for p in parts]).sum().sqrt())
     if group is not None:
         sq = (norm.float() ** 2).reshape(1)
         dist.all_reduce(sq, group=group)

@@ -30,32 +30,40 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tandem.models.lora import LoraGroupedExperts, LoraLinear
 
 
-def _place(owner: nn.Module, name: str, mesh: Any, placement: Any, src_data_rank: int | None) -> None:
+def _place(owner: nn.Module, name: str, mesh: Any, placement: Any,
+           src_data_rank: int | None) -> None:
     p = getattr(owner, name)
     owner.register_parameter(name, nn.Parameter(
-        distribute_tensor(p, mesh, [placement], src_data_rank=src_data_rank), requires_grad=p.requires_grad))
+        distribute_tensor(p, mesh, [placement], src_data_rank=src_data_rank),
+        requires_grad=p.requires_grad))
 
 
 class LoraColwiseParallel(ColwiseParallel):
-    """`ColwiseParallel` for a `LoraLinear`: base and ``B`` split by output rows, ``A`` replicated."""
+    """`ColwiseParallel` for a `LoraLinear`: base and ``B`` split by output rows, ``A``
+    replicated."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        if not isinstance(module, LoraLinear):  # called for every submodule: the adapters are placed below
+        if not isinstance(module, LoraLinear):
+            # called for every submodule: the adapters are placed below
             return
         for owner, pname, placement in ((module, "weight", Shard(0)), (module, "bias", Shard(0)),
-                                        (module.lora_A, "weight", Replicate()), (module.lora_B, "weight", Shard(0))):
+                                        (module.lora_A, "weight", Replicate()),
+                                        (module.lora_B, "weight", Shard(0))):
             if getattr(owner, pname) is not None:
                 _place(owner, pname, device_mesh, placement, self.src_data_rank)
 
 
 class LoraRowwiseParallel(RowwiseParallel):
-    """`RowwiseParallel` for a `LoraLinear`: base and ``A`` split by input features, ``B`` replicated."""
+    """`RowwiseParallel` for a `LoraLinear`: base and ``A`` split by input features, ``B``
+    replicated."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        if not isinstance(module, LoraLinear):  # called for every submodule: the adapters are placed below
+        if not isinstance(module, LoraLinear):
+            # called for every submodule: the adapters are placed below
             return
         for owner, pname, placement in ((module, "weight", Shard(1)), (module, "bias", Replicate()),
-                                        (module.lora_A, "weight", Shard(1)), (module.lora_B, "weight", Replicate())):
+                                        (module.lora_A, "weight", Shard(1)),
+                                        (module.lora_B, "weight", Replicate())):
             if getattr(owner, pname) is not None:
                 _place(owner, pname, device_mesh, placement, self.src_data_rank)
 
@@ -69,10 +77,12 @@ def lora_plan(block: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
             module = block.get_submodule(path)
         except AttributeError:
             continue
-        if not isinstance(module, LoraLinear) or type(style) not in (ColwiseParallel, RowwiseParallel):
+        if not isinstance(module, LoraLinear) or type(style) not in (
+            ColwiseParallel, RowwiseParallel):
             continue
         new = copy.copy(style)
-        new.__class__ = LoraColwiseParallel if isinstance(style, ColwiseParallel) else LoraRowwiseParallel
+        new.__class__ = (LoraColwiseParallel if isinstance(style, ColwiseParallel)
+                         else LoraRowwiseParallel)
         out[path] = new
     return out
 

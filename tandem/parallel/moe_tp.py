@@ -50,8 +50,8 @@ from torch.distributed.tensor.parallel import (
 from tandem.kernels.grouped_gemm import grouped_mm
 from tandem.models.moe import GroupedExperts
 
-__all__ = ["TensorParallelExperts", "WholeOnEveryRank", "moe_block_plan", "shard_experts_tp", "sum_gradients",
-           "sum_partials"]
+__all__ = ["TensorParallelExperts", "WholeOnEveryRank", "moe_block_plan", "shard_experts_tp",
+           "sum_gradients", "sum_partials"]
 
 
 class WholeOnEveryRank(ParallelStyle):
@@ -61,7 +61,8 @@ class WholeOnEveryRank(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def wrap(mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
             return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+                         for t in inputs)
 
         def unwrap(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
             return outputs.to_local() if isinstance(outputs, DTensor) else outputs
@@ -115,11 +116,13 @@ class TensorParallelExperts(GroupedExperts):
     group: dist.ProcessGroup
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (self.w1, self.w2, self.w3))
         x = sum_gradients(x_sorted, self.group)
         gate = grouped_mm(x, w1.transpose(1, 2), offsets)  # [R, I/tp]
         up = grouped_mm(x, w3.transpose(1, 2), offsets)
-        partial = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offsets)  # [R, D], this rank's share
+        # [R, D], this rank's share
+        partial = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offsets)
         return sum_partials(partial, self.group)
 
 

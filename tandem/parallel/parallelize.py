@@ -75,7 +75,9 @@ def parallelize(
             shard_experts=ep == 1,
         )
     ignored = set()
-    if ep > 1:  # experts sharded over the FSDP2 ranks, left out of FSDP2 (tandem/parallel/expert_parallel.py)
+    if ep > 1:
+        # experts sharded over the FSDP2 ranks, left out of FSDP2
+        # (tandem/parallel/expert_parallel.py)
         apply_ep(model, dp_mesh(mesh), ep, ep_tp_mesh=mesh["dp_shard", "tp"] if tp else None)
         ignored = expert_params(model)
     apply_ac(model, ac)

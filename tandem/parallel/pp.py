@@ -1,39 +1,12 @@
 """Pipeline parallelism: split a Transformer by layers into stages and schedule them.
 
-`pipeline_split` assigns contiguous layer ranges to stages (as even as possible;
-earlier stages take the remainder). `build_pipeline` makes this rank's stage
-modules from a meta model (or a factory): each is a copy of the whole model with
-the other layers deleted, ``tok_embeddings`` set to None off the first stage and
-``norm`` / ``output`` set to None off the last; the caller's ``parallelize_fn``
-then applies TP / AC / compile / FSDP and materialises each stage, and the
-stages are wrapped in ``PipelineStage`` under one of three torch schedules:
-"1F1B", "GPipe" (one stage per rank) or "Interleaved1F1B" (two virtual stages per
-rank, looped: rank r holds stages r and r + pp).
-
-How targets reach the last stage: torch's ``schedule.step(*inputs, target=T,
-loss_kwargs=K)`` splits a *single tensor* ``T`` on dim 0 into microbatches and
-calls ``loss(output_mb, T_mb, **K)`` on the last stage; ``K`` is passed whole to
-every microbatch. RL losses need several per-token tensors (target ids, loss
-mask, advantages, old log-probs ...), so `Pipeline.step` packs a dict of
-``[B, ...]`` tensors into one float64 ``[B, S, K]`` tensor (ids below 2**53 are
-exact) and the wrapped loss unpacks each microbatch back into a dict before
-calling ``loss_fn(output, targets_dict, **loss_kwargs)``. Batch-global scalars
-(e.g. the global token count used for normalisation) belong in ``loss_kwargs``.
-
-Gradients are *summed* over microbatches (``scale_grads=False``): ``loss_fn``
-must return each microbatch's share of the global loss (e.g. divide a token sum
-by the global token count), so the accumulated gradient is that of the whole
-batch whatever ``n_microbatches`` is.
-
-Tied input/output embeddings (Qwen3-0.6B/1.7B) split across stages: the
-first stage keeps the embedding, the last a separate output weight with the
-same values; `Pipeline.sync_tied_grads` sums their gradients over the two end
-ranks of each pipeline after backward, so both copies take the same optimizer
-step and stay equal (what Megatron calls the embedding group).
-
-`Pipeline.forward_only` runs microbatches through the stages with no autograd
-and no schedule (old / reference log-probs): plain point-to-point sends in
-stage order, one microbatch after another.
+`pipeline_split` assigns contiguous layer ranges to stages; `build_pipeline` makes this
+rank's stage modules (the whole model less the other layers) and wraps them in torch's
+"1F1B", "GPipe" or "Interleaved1F1B" schedule. `Pipeline.step` packs the RL loss's
+per-token tensors into one tensor so the schedule can split them into micro-batches;
+gradients are summed over micro-batches; tied embeddings are kept as two copies whose
+gradients are summed (`Pipeline.sync_tied_grads`); `Pipeline.forward_only` scores without
+autograd. The details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -66,7 +39,8 @@ SCHEDULES: dict[str, tuple[type, int]] = {
 }
 
 LossFn = Callable[..., torch.Tensor]
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # activations sent between stages
+# activations sent between stages
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def _stages_per_rank(schedule_name: str) -> int:
@@ -92,7 +66,8 @@ def pipeline_split(
     if n_stages > n_layers:
         what = f"pp={pp}" if stages_per_rank == 1 else f"pp={pp} x {stages_per_rank} virtual stages"
         raise ValueError(
-            f"pipeline parallel {what} needs at least {n_stages} layers, model has num_layers={n_layers}"
+            f"pipeline parallel {what} needs at least {n_stages} layers, model has "
+            f"num_layers={n_layers}"
         )
     base, rem = divmod(n_layers, n_stages)
     out, start = [], 0
@@ -206,7 +181,8 @@ class Pipeline:
                     on_output(i, h)
                 elif nxt != me:
                     h = h.contiguous()
-                    head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long, device=device)
+                    head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long,
+                                        device=device)
                     dist.send(head, group_dst=nxt, group=self.group)
                     dist.send(h, group_dst=nxt, group=self.group)
 
@@ -306,7 +282,8 @@ def build_pipeline(
         has_last_stage=(n_stages - 1) in ids,
         n_stages=n_stages,
         group=group,
-        tied_group=_ends_group(pp_mesh) if pp > 1 and getattr(args, "tie_word_embeddings", False) else None,
+        tied_group=_ends_group(pp_mesh) if pp > 1 and getattr(args, "tie_word_embeddings", False)
+        else None,
     )
 
     def packed_loss(output: torch.Tensor, packed: torch.Tensor, **kw: Any) -> torch.Tensor:

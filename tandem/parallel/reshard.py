@@ -45,7 +45,8 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
-        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offset, self.size, other.offset, other.size))
+        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offset, self.size, other.offset,
+                                                           other.size))
         if any(h <= a for a, h in zip(lo, hi)):
             return None
         return Box(lo, tuple(h - a for a, h in zip(lo, hi)))
@@ -58,11 +59,13 @@ class Box:
 
     def index_in(self, outer: Box) -> tuple[slice, ...]:
         """Slices selecting this box out of a tensor that holds ``outer`` (this box inside it)."""
-        return tuple(slice(o - p, o - p + n) for o, n, p in zip(self.offset, self.size, outer.offset))
+        return tuple(slice(o - p, o - p + n) for o, n, p in zip(self.offset, self.size,
+                                                                outer.offset))
 
 
 def held(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
-    """The data this rank holds of ``t`` (a view, no copy) and where it sits in the global tensor."""
+    """The data this rank holds of ``t`` (a view, no copy) and where it sits in the
+    global tensor."""
     if isinstance(t, DTensor):
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()
@@ -104,8 +107,8 @@ class Resharder:
     """
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], holds: dict[str, Box],
-                 needs: dict[str, tuple[Box, tuple[int, ...]]], elem_bytes: int, *, bucket_bytes: int,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 needs: dict[str, tuple[Box, tuple[int, ...]]], elem_bytes: int, *,
+                 bucket_bytes: int, group: dist.ProcessGroup | None = None) -> None:
         self.shapes, self.group = dict(shapes), group
         self.needs = needs
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -116,12 +119,16 @@ class Resharder:
             all_holds, all_needs = [None] * self.world, [None] * self.world  # type: ignore[list-item]
             dist.all_gather_object(all_holds, holds, group=group)
             dist.all_gather_object(all_needs, {k: b for k, (b, _) in needs.items()}, group=group)
-        self._holders: dict[str, dict[Box, list[int]]] = {}  # per tensor: each distinct held box and its holders
-        self._needed = {name: sorted({n[name] for n in all_needs if name in n}, key=lambda b: (b.offset, b.size))
+        # per tensor: each distinct held box and its holders
+        self._holders: dict[str, dict[Box, list[int]]] = {}
+        self._needed = {name: sorted({n[name] for n in all_needs if name in n},
+                                     key=lambda b: (b.offset, b.size))
                         for name in self.shapes}  # per tensor: the distinct boxes some rank needs
-        self.collectives = _bucket(self._moves(all_holds, all_needs), self.world, elem_bytes, bucket_bytes)
+        self.collectives = _bucket(self._moves(all_holds, all_needs), self.world, elem_bytes,
+                                   bucket_bytes)
 
-    def _moves(self, all_holds: list[dict[str, Box]], all_needs: list[dict[str, Box]]) -> list[list[_Move]]:
+    def _moves(self, all_holds: list[dict[str, Box]],
+               all_needs: list[dict[str, Box]]) -> list[list[_Move]]:
         """Per tensor, in order: every region some rank needs, and who sends it."""
         out = []
         for name, shape in self.shapes.items():
@@ -132,8 +139,8 @@ class Resharder:
             self._holders[name] = holders
             total = sum(b.numel for b in holders)
             if total != math.prod(shape):
-                raise ValueError(f"{name}: the ranks hold {total} distinct elements of a {shape} tensor "
-                                 "(shards must tile it exactly once)")
+                raise ValueError(f"{name}: the ranks hold {total} distinct elements of a "
+                                 f"{shape} tensor (shards must tile it exactly once)")
             moves = []
             for q, need in enumerate(all_needs):
                 if name not in need:
@@ -212,7 +219,8 @@ class Resharder:
         wrong = sorted({keys[i][0] for i in bad.nonzero()[:, 0].tolist()})
         return int(expected.sum() % MOD), wrong
 
-    def _collective(self, moves: list[_Move], sources: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
+    def _collective(self, moves: list[_Move], sources: dict[str, torch.Tensor],
+                    out: dict[str, torch.Tensor],
                     dtype: torch.dtype, device: torch.device, stats: ReshardStats,
                     probe: Callable[[], None] | None) -> None:
         me = self.rank
@@ -222,7 +230,8 @@ class Resharder:
                 stats.bytes_kept += m.region.numel * out[m.name].element_size()
         sends = sorted((m for m in moves if m.src == me and m.dst != me), key=lambda m: m.dst)
         recvs = sorted((m for m in moves if m.dst == me and m.src != me), key=lambda m: m.src)
-        if self.world == 1 or all(m.src == m.dst for m in moves):  # every rank knows: nothing travels
+        if self.world == 1 or all(m.src == m.dst for m in moves):
+            # every rank knows: nothing travels
             return
         esize = torch.empty((), dtype=dtype).element_size()
         in_splits, out_splits = [0] * self.world, [0] * self.world
@@ -258,7 +267,8 @@ class Resharder:
 
 
 
-def _bucket(per_tensor: list[list[_Move]], world: int, elem_bytes: int, budget: int) -> list[list[_Move]]:
+def _bucket(per_tensor: list[list[_Move]], world: int, elem_bytes: int,
+            budget: int) -> list[list[_Move]]:
     """Group the moves into collectives whose send + receive bytes stay within ``budget`` on
     every rank (moves of one tensor split by rows where one alone would not fit). Every rank
     computes the same grouping from the same global plan."""
@@ -300,6 +310,7 @@ def _split_rows(moves: list[_Move], world: int, elem_bytes: int, budget: int) ->
     mid = (lo + hi) // 2
     halves = []
     for a, b in ((lo, mid), (mid, hi)):
-        part = [_Move(m.name, m.src, m.dst, r, m.src_box) for m in moves if (r := m.region.rows(a, b)) is not None]
+        part = [_Move(m.name, m.src, m.dst, r, m.src_box) for m in moves
+                if (r := m.region.rows(a, b)) is not None]
         halves += _split_rows(part, world, elem_bytes, budget)
     return halves

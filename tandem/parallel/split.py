@@ -12,7 +12,9 @@
 
 `side_mesh` lays a device mesh over the second side's ranks only, and `check_bridge` compares,
 by the exact checksum of tandem/parallel/checksum.py, what the receivers hold with what the
-senders hold (`BridgeMismatch` when any tensor differs). Nothing here knows what runs on
+senders hold (`BridgeMismatch` when any tensor differs). `BridgeCopy` is a generation copy
+(tandem/parallel/generation_layout.py) filled over the bridge: the second side's shards are
+the sources, the first side builds and refills whole copies. Nothing here knows what runs on
 either side.
 """
 
@@ -20,10 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout, needed_box
 from tandem.parallel.mesh import AXES, Degrees
 from tandem.parallel.reshard import Resharder
 
@@ -106,3 +113,44 @@ def check_bridge(plan: Resharder, sources: dict[str, torch.Tensor],
         raise BridgeMismatch(f"weight sync: {len(wrong)} tensor(s) differ between the senders and "
                              f"the receivers after the move (checksum), first {wrong[0]!r}")
     return total
+
+
+class BridgeCopy(GenerationCopy):
+    """A generation copy across a split world's bridge group: the second side's shards
+    (``module``) are the sources; the first side (an empty ``module``) builds a whole copy once
+    and refills it in place afterwards."""
+
+    def __init__(self, module: nn.Module, args: Any, device: torch.device, dtype: torch.dtype,
+                 *, world: SplitWorld, bucket_bytes: int) -> None:
+        super().__init__(module, args, GenerationLayout(), device, dtype, bucket_bytes=bucket_bytes)
+        self.world = world
+
+    def _make_plans(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, Any]) -> Resharder:
+        needs = ({n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
+                 if self.world.in_first else {})
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
+                         bucket_bytes=self.bucket_bytes, group=self.world.bridge)
+
+    def send(self) -> dict[str, float]:
+        """Collective over the bridge (a sender): this rank's shards out, then the checksum."""
+        moving = self._moving()
+        srcs = {n: s for n, s in self._held().items() if n in moving}
+        _, stats = self._move(moving, srcs, None, None)
+        t0 = time.monotonic()
+        total = check_bridge(self._plans[False], {n: t for n, (t, _) in srcs.items()}, {},
+                             self.dtype)
+        return {"split/sync_s": stats.seconds, "split/check_s": time.monotonic() - t0,
+                "split/sync_checksum": float(total)}
+
+    def receive(self, gen: Any) -> tuple[Any, dict[str, float]]:
+        """Collective over the bridge (a receiver): the senders' weights into ``gen`` (None:
+        build it), then the checksum against the senders'."""
+        if gen is None:
+            gen, metrics = self.build()
+        else:
+            metrics = self.refill(gen)
+        t0 = time.monotonic()
+        total = check_bridge(self._plans[False], {}, gen.refill_views, self.dtype)
+        return gen, {"split/sync_s": metrics["reshard/seconds"],
+                     "split/check_s": time.monotonic() - t0, "split/sync_checksum": float(total)}

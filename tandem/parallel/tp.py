@@ -1,32 +1,11 @@
 """Tensor parallelism (Megatron-style, with sequence parallel) applied from outside the model.
 
-Plan per block, for a TP group of size ``tp``:
-
-- ``wq``/``wk``/``wv``/``w1``/``w3`` are column-parallel (each rank owns ``H/tp``
-  heads and ``I/tp`` MLP columns; q/k/v biases shard with their weight), ``wo``/``w2``
-  are row-parallel. GQA stays consistent because q and kv heads are both split
-  into contiguous blocks: local q head j maps to local kv head ``j // group``.
-- Sequence parallel (default): the residual stream between blocks is a *local*
-  tensor holding ``S/tp`` positions; the norms run on that shard (their weights
-  are replicated DTensors, so their gradients are reduced over the TP group),
-  attention / MLP inputs are all-gathered and their outputs reduce-scattered.
-- q/k-norm (Qwen3) normalises each head over ``head_dim``; it runs on the local
-  heads, but its weight is shared by all heads, so it is planned as
-  ``SequenceParallel(sequence_dim=2)`` (heads dim): its gradient is summed over
-  the TP group like any other replicated norm.
-- A mixture-of-experts block (tandem/parallel/moe_tp.py): every rank routes all the block's
-  tokens; experts are split by hidden features like the MLP, the router stays whole.
-- Vocab parallel (default): the embedding is row-parallel (vocab rows split) and
-  the output head column-parallel with its output *kept* as a DTensor sharded on
-  the vocab dim (``Shard(-1)``); tandem/parallel/loss.py computes token log-probs and
-  entropy from that without ever gathering ``[B, S, V]``.
-
-Two things are handled from outside because the model is parallelism-agnostic:
-``Attention`` reshapes with ``self.num_heads`` / ``self.num_kv_heads``, so
-`apply_tp` sets those attributes to the local head counts (backends therefore
-receive local heads); and ``Transformer.forward`` derives default positions from
-the local sequence length, so under sequence parallel a root pre-hook supplies
-full-length positions (and checks ``S % tp == 0``).
+`apply_tp` plans each block: q/k/v and the MLP's gate/up column-parallel, the output
+projections row-parallel, norms sequence-parallel, MoE experts split by hidden features
+(tandem/parallel/moe_tp.py), and the embedding and head split by vocabulary rows so
+tandem/parallel/loss.py reads log-probs without gathering ``[B, S, V]``. The model knows
+nothing of it: `apply_tp` sets the attention's local head counts and a pre-hook supplies
+full-length positions under sequence parallel. The plan in full: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -90,7 +69,8 @@ def apply_tp(
     validate_tp(model.args, tp)
     if tp == 1:
         return model
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # e.g. a LoRA run's base
+    # e.g. a LoRA run's base
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     stream = Shard(1) if sequence_parallel else Replicate()  # residual stream between blocks
 
     root_plan: dict[str, Any] = {}
@@ -121,7 +101,8 @@ def apply_tp(
     if sequence_parallel:
         model.register_forward_pre_hook(_make_positions_hook(tp), with_kwargs=True)
     _retie(model)
-    for name, p in model.named_parameters():  # torch's SequenceParallel makes fresh (trainable) Parameters
+    for name, p in model.named_parameters():
+        # torch's SequenceParallel makes fresh (trainable) Parameters
         if name in frozen:
             p.requires_grad_(False)
     _register_grad_placement_hooks(model)
@@ -158,9 +139,11 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
         )
         if not hasattr(block, "moe"):
             plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_output=True
             )
-    return lora_plan(block, plan)  # adapted linears: their adapters split with them (tandem/parallel/lora.py)
+    # adapted linears: their adapters split with them (tandem/parallel/lora.py)
+    return lora_plan(block, plan)
 
 
 def _make_positions_hook(tp: int):

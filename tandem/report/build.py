@@ -1,4 +1,5 @@
-"""Build tandem-report's page: one figure per metric family with every run overlaid, then the samples.
+"""Build tandem-report's page: one figure per metric family with every run overlaid, then
+the samples.
 
 The panels follow the names the trainers log (metrics.jsonl); a panel appears
 when some run logged one of its keys, and every other numeric key is one
@@ -28,9 +29,11 @@ from tandem.report.runs import Run, StudyInfo, load
 # (title, which keys, y-axis title)
 PANELS: list[tuple[str, Callable[[str], bool], str]] = [
     ("Reward", lambda k: k == "reward/total", "mean reward"),
-    ("Reward per function", lambda k: re.fullmatch(r"reward/(?!total$)[^/]+/mean", k) is not None, "mean reward"),
+    ("Reward per function", lambda k: re.fullmatch(r"reward/(?!total$)[^/]+/mean", k) is not None,
+     "mean reward"),
     ("Held-out eval", lambda k: k.startswith(("eval/", "eval_")), ""),
-    ("Response length (tokens)", lambda k: k in ("response/length_mean", "response/length_max"), "tokens"),
+    ("Response length (tokens)", lambda k: k in ("response/length_mean", "response/length_max"),
+     "tokens"),
     ("Entropy", lambda k: k == "entropy", "nats/token"),
     ("KL to the reference", lambda k: k == "kl", ""),
     ("Clip fraction", lambda k: k == "clip_frac", "fraction of tokens"),
@@ -43,7 +46,8 @@ PANELS: list[tuple[str, Callable[[str], bool], str]] = [
     ("Peak memory per phase", lambda k: k.startswith("memory/"), "GB"),
 ]
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
-MARKERS_UP_TO = 300  # points per trace drawn as markers too (one SVG element each); more: lines only
+# points per trace drawn as markers too (one SVG element each); more: lines only
+MARKERS_UP_TO = 300
 
 
 def _colors() -> list[str]:
@@ -52,7 +56,8 @@ def _colors() -> list[str]:
     return list(qualitative.Plotly) + list(qualitative.D3)
 
 
-def line_figure(runs: list[Run], keys: list[str], title: str, ytitle: str, colors: list[str]) -> dict[str, Any] | None:
+def line_figure(runs: list[Run], keys: list[str], title: str, ytitle: str,
+                colors: list[str]) -> dict[str, Any] | None:
     """Every run's series of every key in one figure (a plain dict: {"data", "layout"})."""
     traces = []
     for i, run in enumerate(runs):
@@ -60,11 +65,13 @@ def line_figure(runs: list[Run], keys: list[str], title: str, ytitle: str, color
             steps, values = run.series(key)
             if not steps:
                 continue
-            traces.append({"type": "scatter", "x": steps, "y": values, "name": run.label if len(keys) == 1
+            traces.append({"type": "scatter", "x": steps, "y": values,
+                           "name": run.label if len(keys) == 1
                            else f"{run.label} · {key}", "legendgroup": str(i),
                            "mode": "lines+markers" if len(steps) <= MARKERS_UP_TO else "lines",
                            "marker": {"size": 4}, "line": {"color": colors[i % len(colors)],
-                                                          "dash": DASHES[j % len(DASHES)], "width": 1.5}})
+                                                          "dash": DASHES[j % len(DASHES)],
+                                                           "width": 1.5}})
     if not traces:
         return None
     return {"data": traces, "layout": _layout(title, "step", ytitle)}
@@ -73,8 +80,8 @@ def line_figure(runs: list[Run], keys: list[str], title: str, ytitle: str, color
 def _layout(title: str, xtitle: str, ytitle: str) -> dict[str, Any]:
     return {"title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
             "margin": {"l": 55, "r": 10, "t": 36, "b": 40},
-            "xaxis": {"title": {"text": xtitle}}, "yaxis": {"title": {"text": ytitle}}, "template": "plotly_white",
-            "legend": {"font": {"size": 10}}, "hovermode": "closest"}
+            "xaxis": {"title": {"text": xtitle}}, "yaxis": {"title": {"text": ytitle}},
+            "template": "plotly_white", "legend": {"font": {"size": 10}}, "hovermode": "closest"}
 
 
 def other_figure(runs: list[Run], keys: list[str], colors: list[str]) -> dict[str, Any] | None:
@@ -146,9 +153,11 @@ def _summary(runs: list[Run]) -> str:
         first_eval = evals[0] if evals else None
         rows.append([r.label, r.folder, last["step"], _num(_last(r, "reward/total")),
                      f"{first_eval} {_num(_last(r, first_eval))}" if first_eval else "-",
-                     sum(len(e["samples"]) for e in r.samples), *[_num(r.params.get(k)) for k in extra]])
-    return table(["run", "folder", "last step", "last reward/total", "last eval", "logged samples", *extra], rows,
-                 numeric={2, 3, 5})
+                     sum(len(e["samples"]) for e in r.samples),
+                     *[_num(r.params.get(k)) for k in extra]])
+    return table(
+        ["run", "folder", "last step", "last reward/total", "last eval", "logged samples", *extra],
+        rows, numeric={2, 3, 5})
 
 
 def _last(run: Run, key: str) -> float | None:
@@ -170,20 +179,24 @@ def _study_section(s: StudyInfo, figures: dict[str, Any], n: int) -> str:
     rows = []
     for t in s.study.get_trials(deepcopy=False):
         status = "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
-        note = t.user_attrs.get("error") or (f"retry of {t.user_attrs['retry_of']}" if "retry_of" in t.user_attrs else "")
+        note = t.user_attrs.get("error") or (f"retry of {t.user_attrs['retry_of']}"
+                                             if "retry_of" in t.user_attrs else "")
         rows.append([t.number, status, _num(t.value), *[_num(t.params.get(k)) for k in s.params],
                      t.user_attrs.get("folder", ""), t.user_attrs.get("command", ""), note])
     parts = [f"<h2>Study {esc(s.label)}</h2>",
-             f'<p class="note">{esc(s.folder)}: objective {esc(obj["metric"])} ({esc(obj["mode"])}, '
-             f'{esc(obj["direction"])}); each trial re-runs with its command.</p>',
-             table(["trial", "status", "objective", *s.params, "folder", "command", "note"], rows, numeric={0, 2})]
+             f'<p class="note">{esc(s.folder)}: objective {esc(obj["metric"])} '
+             f'({esc(obj["mode"])}, {esc(obj["direction"])}); each trial re-runs with its '
+             'command.</p>',
+             table(["trial", "status", "objective", *s.params, "folder", "command", "note"], rows,
+                   numeric={0, 2})]
     plots = [("history", vis.plot_optimization_history), ("importance", vis.plot_param_importances),
              ("slice", vis.plot_slice), ("intermediate", vis.plot_intermediate_values)]
     divs, missing = [], []
     for name, fn in plots:
         try:
             fig = fn(s.study)
-        except (ValueError, RuntimeError, ZeroDivisionError) as e:  # e.g. importance needs 2+ completed trials
+        except (ValueError, RuntimeError, ZeroDivisionError) as e:
+            # e.g. importance needs 2+ completed trials
             missing.append(f"{name}: {e}")
             continue
         fid = f"fig-study{n}-{name}"
@@ -219,7 +232,8 @@ def _check_metrics(runs: list[Run], metrics: list[str]) -> None:
     for m in metrics:
         if m not in known:
             near = difflib.get_close_matches(m, sorted(known), n=3)
-            hint = f"did you mean {', '.join(map(repr, near))}?" if near else f"{len(known)} keys were logged"
+            hint = (f"did you mean {', '.join(map(repr, near))}?" if near
+                    else f"{len(known)} keys were logged")
             raise ReportError(EXIT_METRIC, f"--metric {m!r}: no run logged it; {hint}")
 
 
@@ -238,7 +252,8 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
     from plotly.offline import get_plotlyjs
 
     colors, figures, sections = _colors(), {}, []
-    title = title or "Tandem report: " + ", ".join(os.path.basename(os.path.normpath(p)) or p for p in paths)
+    title = title or "Tandem report: " + ", ".join(os.path.basename(os.path.normpath(p)) or p
+                                                   for p in paths)
     if runs:
         sections += ["<h2>Runs</h2>", _summary(runs)]
     for n, s in enumerate(studies):
@@ -263,15 +278,19 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
             divs.append(menu_figure_div(fid) if "menu" in fig else plain_div)
     if divs:
         sections += ["<h2>Metrics</h2>", '<div class="grid">' + "".join(divs) + "</div>"]
-    sample_runs = [{"label": r.label, "steps": r.samples[-max_sample_steps:]} for r in runs if r.samples]
+    sample_runs = [{"label": r.label, "steps": r.samples[-max_sample_steps:]} for r in runs
+                   if r.samples]
     sections.append("<h2>Samples</h2>")
     if sample_runs:
         cut = [r.label for r in runs if len(r.samples) > max_sample_steps]
         note = f" (the last {max_sample_steps} logged steps of {', '.join(cut)})" if cut else ""
-        sections += [f'<p class="note">Per step, the logged prompts and completions with their rewards and '
-                     f"advantages (metrics.samples_per_step per step){esc(note)}.</p>", SAMPLE_BROWSER]
+        sections += ['<p class="note">Per step, the logged prompts and completions with their '
+                     'rewards and '
+                     f"advantages (metrics.samples_per_step per step){esc(note)}.</p>",
+                     SAMPLE_BROWSER]
     else:
-        sections.append('<p class="note">No run has a samples.jsonl (metrics.samples_per_step).</p>')
+        sections.append('<p class="note">No run has a samples.jsonl '
+                        '(metrics.samples_per_step).</p>')
     text = page(title, sections, figures, {"runs": sample_runs}, get_plotlyjs())
     try:
         with open(out, "w", encoding="utf-8") as f:

@@ -13,12 +13,16 @@ import json
 from typing import Any
 
 CSS = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 0 auto; max-width: 1400px; padding: 0 16px 40px; color: #222; }
-h1 { font-size: 22px; margin: 18px 0 4px; } h2 { font-size: 18px; margin: 26px 0 8px; border-bottom: 1px solid #ddd; }
-.note { color: #666; } .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr)); gap: 8px; }
+body { font: 14px/1.4 system-ui, sans-serif; margin: 0 auto; max-width: 1400px;
+  padding: 0 16px 40px; color: #222; }
+h1 { font-size: 22px; margin: 18px 0 4px; }
+h2 { font-size: 18px; margin: 26px 0 8px; border-bottom: 1px solid #ddd; }
+.note { color: #666; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr)); gap: 8px; }
 .fig { height: 340px; border: 1px solid #eee; } .fig.wide { height: 420px; }
-table { border-collapse: collapse; margin: 6px 0; } th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: left;
-  vertical-align: top; } th { background: #f5f5f5; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+table { border-collapse: collapse; margin: 6px 0; }
+th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: left; vertical-align: top; }
+th { background: #f5f5f5; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 #sb-body pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-width: 520px; }
 .controls { display: flex; gap: 10px; align-items: center; margin: 6px 0; flex-wrap: wrap; }
 .fig-box .fig { height: 310px; } .fig-menu { max-width: 100%; height: 28px; }
@@ -65,17 +69,23 @@ SCRIPT = """
   if (!runSel) return;
   const stepIn = document.getElementById('sb-step'), label = document.getElementById('sb-label');
   const body = document.getElementById('sb-body');
-  data.runs.forEach((r, i) => { const o = document.createElement('option'); o.value = i; o.textContent = r.label;
-                                runSel.appendChild(o); });
-  function fmt(v) { return v === null || v === undefined ? 'n/a' : (Number.isInteger(v) ? String(v) : v.toPrecision(4)); }
+  data.runs.forEach((r, i) => {
+    const o = document.createElement('option'); o.value = i; o.textContent = r.label;
+    runSel.appendChild(o); });
+  function fmt(v) {
+    return v === null || v === undefined ? 'n/a'
+      : (Number.isInteger(v) ? String(v) : v.toPrecision(4));
+  }
   function cell(tr, text, cls, pre) {
     const td = document.createElement('td'); if (cls) td.className = cls;
-    if (pre) { const p = document.createElement('pre'); p.textContent = text; td.appendChild(p); } else td.textContent = text;
+    if (pre) { const p = document.createElement('pre'); p.textContent = text; td.appendChild(p); }
+    else td.textContent = text;
     tr.appendChild(td);
   }
   function show() {
     const run = data.runs[Number(runSel.value)], idx = Number(stepIn.value), entry = run.steps[idx];
-    label.textContent = 'step ' + entry.step + ' (' + (idx + 1) + ' of ' + run.steps.length + ' logged steps)';
+    label.textContent = 'step ' + entry.step + ' (' + (idx + 1) + ' of ' + run.steps.length
+      + ' logged steps)';
     body.replaceChildren();
     entry.samples.forEach((s, i) => {
       const tr = document.createElement('tr');
@@ -95,7 +105,8 @@ SCRIPT = """
   }
   runSel.onchange = () => pick(null);
   stepIn.oninput = show;
-  document.getElementById('sb-prev').onclick = () => { stepIn.value = Math.max(0, Number(stepIn.value) - 1); show(); };
+  document.getElementById('sb-prev').onclick = () => {
+    stepIn.value = Math.max(0, Number(stepIn.value) - 1); show(); };
   document.getElementById('sb-next').onclick = () => {
     stepIn.value = Math.min(Number(stepIn.max), Number(stepIn.value) + 1); show(); };
   const want = new URLSearchParams(location.hash.slice(1));
@@ -111,7 +122,8 @@ SAMPLE_BROWSER = """
   <button id="sb-next">&rarr;</button><span id="sb-label"></span>
 </div>
 <table id="sb-table"><thead><tr><th>#</th><th>prompt</th><th>completion</th><th>reward</th>
-<th>per function</th><th>advantage</th><th>finish</th></tr></thead><tbody id="sb-body"></tbody></table>
+<th>per function</th><th>advantage</th><th>finish</th></tr></thead>
+<tbody id="sb-body"></tbody></table>
 """
 
 
@@ -120,7 +132,8 @@ def esc(value: Any) -> str:
 
 
 def script_json(value: Any) -> str:
-    """JSON that is safe inside <script>: every "<" escaped (a completion may contain "</script>")."""
+    """JSON that is safe inside <script>: every "<" escaped (a completion may contain
+    "</script>")."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
 
 
@@ -132,13 +145,16 @@ def menu_figure_div(fid: str) -> str:
 
 def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset()) -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' if i in numeric else f"<td>{esc(c)}</td>"
+    body = "".join("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' if i in numeric
+                                    else f"<td>{esc(c)}</td>"
                                     for i, c in enumerate(r)) + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def page(title: str, sections: list[str], figures: dict[str, Any], samples: dict[str, Any], plotly_js: str) -> str:
-    """The whole document. ``figures``: div id -> {"data", "layout"}; ``samples``: {"runs": [...]}"""
+def page(title: str, sections: list[str], figures: dict[str, Any], samples: dict[str, Any],
+         plotly_js: str) -> str:
+    """The whole document. ``figures``: div id -> {"data", "layout"}; ``samples``:
+    {"runs": [...]}"""
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{esc(title)}</title><style>{CSS}</style>",

@@ -1,4 +1,5 @@
-"""What tandem-report reads: runs (a dump folder each) and tandem-sweep studies (a folder of trial runs).
+"""What tandem-report reads: runs (a dump folder each) and tandem-sweep studies (a folder of
+trial runs).
 
 A run folder is recognised by ``metrics.jsonl``; a study folder by
 ``study.db`` (see tandem/sweep/study.py). Every path that is neither is an error
@@ -122,11 +123,13 @@ def load_run(folder: str, label: str | None = None) -> Run:
     if not os.path.exists(folder):
         raise ReportError(EXIT_NOT_A_RUN, f"{folder}: no such folder")
     if not os.path.isdir(folder):
-        raise ReportError(EXIT_NOT_A_RUN, f"{folder}: not a folder (give a run's job.dump_folder or a study folder)")
+        raise ReportError(EXIT_NOT_A_RUN, f"{folder}: not a folder (give a run's job.dump_folder "
+                                          "or a study folder)")
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.exists(path):
         what = "an empty folder" if not os.listdir(folder) else "no metrics.jsonl and no study.db"
-        raise ReportError(EXIT_NOT_A_RUN, f"{folder}: {what}: not a run's dump folder nor a tandem-sweep study")
+        raise ReportError(EXIT_NOT_A_RUN,
+                          f"{folder}: {what}: not a run's dump folder nor a tandem-sweep study")
     rows = read_metrics(path)
     if not rows:
         raise ReportError(EXIT_NOT_A_RUN, f"{path}: no complete rows (did the run log a step?)")
@@ -138,19 +141,23 @@ def load_study(folder: str) -> StudyInfo:
     """A study folder: its trials as runs (those that logged a row), in trial order."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.ERROR)  # "no complete trials" and such: the page says it
+    # "no complete trials" and such: the page says it
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     storage = f"sqlite:///{os.path.abspath(os.path.join(folder, 'study.db'))}"
     try:
         study = optuna.load_study(study_name="sweep", storage=storage)
     except KeyError:
-        raise ReportError(EXIT_NOT_A_RUN, f"{folder}: study.db holds no tandem-sweep study") from None
+        raise ReportError(EXIT_NOT_A_RUN,
+                          f"{folder}: study.db holds no tandem-sweep study") from None
     except Exception as e:  # not SQLite, or not Optuna's tables (SQLAlchemy's and Optuna's errors)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ReportError(EXIT_NOT_A_RUN,
                           f"{folder}/study.db: not a readable Optuna study ({first})") from None
-    objective = study.user_attrs.get("objective") or {"metric": "objective", "mode": "", "direction": ""}
+    objective = study.user_attrs.get("objective") or {"metric": "objective", "mode": "",
+                                                      "direction": ""}
     params = list(json.loads(study.user_attrs.get("space", "{}")).get("params", {}))
-    runs: dict[str, Run] = {}  # by folder: a retry shares the interrupted trial's folder and replaces it
+    runs: dict[str, Run] = {}  # by folder: a retry shares the interrupted trial's folder and
+    # replaces it
     for t in study.get_trials(deepcopy=False):
         sub = t.user_attrs.get("folder")
         trial_dir = os.path.join(folder, sub) if sub else ""
@@ -163,12 +170,14 @@ def load_study(folder: str) -> StudyInfo:
         runs[sub] = Run(f"trial {t.number} ({status})", trial_dir, rows,
                         read_sample_steps(trial_dir), status, dict(t.params), t.value, t.number)
     name = os.path.basename(os.path.normpath(folder)) or folder
-    return StudyInfo(name, folder, study, objective, params or sorted({k for r in runs.values() for k in r.params}),
+    return StudyInfo(name, folder, study, objective,
+                     params or sorted({k for r in runs.values() for k in r.params}),
                      sorted(runs.values(), key=lambda r: r.trial))
 
 
 def load(paths: list[str]) -> tuple[list[Run], list[StudyInfo]]:
-    """Runs and studies from the command line's paths, in order; runs with the same name get their path."""
+    """Runs and studies from the command line's paths, in order; runs with the same name get
+    their path."""
     runs: list[Run] = []
     studies: list[StudyInfo] = []
     for p in paths:

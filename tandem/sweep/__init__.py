@@ -37,11 +37,14 @@ Exit statuses (each error is one line on stderr; tandem-report uses the same num
 from __future__ import annotations
 
 EXIT_OK = 0
-EXIT_USAGE = 2  # bad command line, space file or config (nothing was started), or a study made with other files
-EXIT_METRIC = 4  # the objective metric is in no row of a finished trial's metrics.jsonl (unknown metric name)
+# bad command line, space file or config (nothing was started), or a study made with other files
+EXIT_USAGE = 2
+# the objective metric is in no row of a finished trial's metrics.jsonl (unknown metric name)
+EXIT_METRIC = 4
 EXIT_BUSY = 5  # another tandem-sweep holds the study folder
 EXIT_NO_TRIAL = 6  # the sweep ended and no trial completed (every one failed or was pruned)
-EXIT_INTERRUPTED = 75  # the sweep got SIGTERM/SIGINT: running trials checkpointed; rerun the same command
+# the sweep got SIGTERM/SIGINT: running trials checkpointed; rerun the same command
+EXIT_INTERRUPTED = 75
 
 
 class SweepError(Exception):

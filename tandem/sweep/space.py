@@ -67,14 +67,16 @@ class Param:
 @dataclass
 class Objective:
     metric: str
-    mode: str = "last"  # last: the value at the last logged step; best: the best over the logged steps
+    mode: str = "last"  # last: the value at the last logged step; best: the best over the logged
+    # steps
     direction: str = "maximize"
 
 
 @dataclass
 class PrunerSpec:
     name: str = "median"  # median | successive_halving | none
-    startup_trials: int = 5  # median: completed trials before any trial is pruned (Optuna's default)
+    startup_trials: int = 5  # median: completed trials before any trial is pruned (Optuna's
+    # default)
     warmup_steps: int = 0  # median: no pruning before this training step
     min_resource: int = 0  # successive_halving: first rung, in training steps; 0 = Optuna's "auto"
     reduction_factor: int = 3  # successive_halving
@@ -83,7 +85,8 @@ class PrunerSpec:
         from optuna import pruners
 
         if self.name == "median":
-            return pruners.MedianPruner(n_startup_trials=self.startup_trials, n_warmup_steps=self.warmup_steps)
+            return pruners.MedianPruner(n_startup_trials=self.startup_trials,
+                                        n_warmup_steps=self.warmup_steps)
         if self.name == "successive_halving":
             return pruners.SuccessiveHalvingPruner(min_resource=self.min_resource or "auto",
                                                    reduction_factor=self.reduction_factor)
@@ -122,10 +125,13 @@ class Space:
         return {k: p.distribution() for k, p in self.params.items()}
 
     def canonical(self) -> str:
-        """The whole space as one JSON text: a resumed study must have been made with the same one."""
+        """The whole space as one JSON text: a resumed study must have been made with
+        the same one."""
         return json.dumps({"params": {k: [p.kind, list(p.values)] for k, p in self.params.items()},
-                           "fixed": self.fixed, "objective": asdict(self.objective) if self.objective else None,
-                           "pruner": asdict(self.pruner), "sampler": asdict(self.sampler)}, sort_keys=True)
+                           "fixed": self.fixed,
+                           "objective": asdict(self.objective) if self.objective else None,
+                           "pruner": asdict(self.pruner), "sampler": asdict(self.sampler)},
+                          sort_keys=True)
 
 
 def override_text(value: Any) -> str:
@@ -165,7 +171,8 @@ def _param(path: str, key: str, spec: Any) -> Param:
             raise _fail(path, f"{where}: choice needs at least one value")
         bad = [v for v in values if not isinstance(v, (str, int, float, bool))]
         if bad:
-            raise _fail(path, f"{where}: choices must be strings, numbers or booleans, got {bad[0]!r}")
+            raise _fail(path,
+                        f"{where}: choices must be strings, numbers or booleans, got {bad[0]!r}")
         if len(set(map(repr, values))) != len(values):
             raise _fail(path, f"{where}: choice lists a value twice: {values!r}")
         return Param(key, kind, tuple(values))
@@ -175,7 +182,8 @@ def _param(path: str, key: str, spec: Any) -> Param:
     if kind == "int" and not all(isinstance(v, int) for v in values):
         raise _fail(path, f"{where}: int takes two integers, got {values!r}")
     if low >= high:
-        raise _fail(path, f"{where}: {kind} range {values!r} is inverted or empty; write [low, high] with low < high")
+        raise _fail(path, f"{where}: {kind} range {values!r} is inverted or empty; write [low, "
+                          "high] with low < high")
     if kind == "log_uniform" and low <= 0:
         raise _fail(path, f"{where}: log_uniform needs low > 0, got {values!r}")
     return Param(key, kind, (float(low), float(high)) if kind != "int" else (low, high))
@@ -188,8 +196,10 @@ def _is_spec(value: Any) -> bool:
     return any(k in KINDS for k in value) or not all(isinstance(v, dict) for v in value.values())
 
 
-def _flatten(table: dict[str, Any], leaf: Callable[[Any], bool], prefix: str = "") -> dict[str, Any]:
-    """Unquoted dotted keys (optimizer.lr = ...) parse as nested tables; make them "optimizer.lr" again."""
+def _flatten(table: dict[str, Any], leaf: Callable[[Any], bool],
+             prefix: str = "") -> dict[str, Any]:
+    """Unquoted dotted keys (optimizer.lr = ...) parse as nested tables; make them
+    "optimizer.lr" again."""
     out: dict[str, Any] = {}
     for key, value in table.items():
         if leaf(value):
@@ -199,7 +209,8 @@ def _flatten(table: dict[str, Any], leaf: Callable[[Any], bool], prefix: str = "
     return out
 
 
-def _table(path: str, data: dict[str, Any], name: str, allowed: dict[str, type | tuple]) -> dict[str, Any]:
+def _table(path: str, data: dict[str, Any], name: str,
+           allowed: dict[str, type | tuple]) -> dict[str, Any]:
     table = data.get(name, {})
     if not isinstance(table, dict):
         raise _fail(path, f"[{name}] must be a table")
@@ -209,14 +220,17 @@ def _table(path: str, data: dict[str, Any], name: str, allowed: dict[str, type |
         want = allowed[key]
         if isinstance(want, tuple) and all(isinstance(w, str) for w in want):
             if value not in want:
-                raise _fail(path, f"[{name}] {key} = {value!r}: choose one of {', '.join(map(repr, want))}")
+                raise _fail(path, f"[{name}] {key} = {value!r}: choose one of "
+                                  f"{', '.join(map(repr, want))}")
         elif not isinstance(value, want) or isinstance(value, bool) and want is not bool:
-            raise _fail(path, f"[{name}] {key}: expected {getattr(want, '__name__', want)}, got {value!r}")
+            raise _fail(path, f"[{name}] {key}: expected {getattr(want, '__name__', want)}, "
+                              f"got {value!r}")
     return table
 
 
 def load_space(path: str) -> Space:
-    """Parse and check the space file (the config keys themselves are checked by `check_configs`)."""
+    """Parse and check the space file (the config keys themselves are checked by
+    `check_configs`)."""
     try:
         data = read_toml(path)
     except ConfigError as e:
@@ -227,7 +241,8 @@ def load_space(path: str) -> Space:
             raise _fail(path, f"unknown table [{name}] (known: {', '.join(known)})")
     space = data.get("space", {})
     if not isinstance(space, dict) or not space:
-        raise _fail(path, '[space] is missing or empty; e.g. [space] "optimizer.lr" = { log_uniform = [1e-6, 1e-3] }')
+        raise _fail(path, '[space] is missing or empty; e.g. [space] "optimizer.lr" = { '
+                          'log_uniform = [1e-6, 1e-3] }')
     params = {key: _param(path, key, spec) for key, spec in _flatten(space, leaf=_is_spec).items()}
     fixed = data.get("fixed", {})
     if not isinstance(fixed, dict):
@@ -246,13 +261,15 @@ def load_space(path: str) -> Space:
         t = _table(path, data, "objective", {"metric": str, "mode": ("last", "best"),
                                              "direction": ("maximize", "minimize")})
         if not t.get("metric", "").strip():
-            raise _fail(path, "[objective] metric: required, a metrics.jsonl key such as \"eval/accuracy\"")
+            raise _fail(path, "[objective] metric: required, a metrics.jsonl key such as "
+                              "\"eval/accuracy\"")
         if "direction" not in t:
-            raise _fail(path, f"[objective] direction: required (\"maximize\" or \"minimize\") for {t['metric']!r}")
+            raise _fail(path, "[objective] direction: required (\"maximize\" or \"minimize\") for "
+                              f"{t['metric']!r}")
         objective = Objective(**t)
     pruner = PrunerSpec(**_table(path, data, "pruner", {
-        "name": ("median", "successive_halving", "none"), "startup_trials": int, "warmup_steps": int,
-        "min_resource": int, "reduction_factor": int}))
+        "name": ("median", "successive_halving", "none"), "startup_trials": int,
+        "warmup_steps": int, "min_resource": int, "reduction_factor": int}))
     for key in ("startup_trials", "warmup_steps", "min_resource"):
         if getattr(pruner, key) < 0:
             raise _fail(path, f"[pruner] {key}: must be >= 0, got {getattr(pruner, key)}")
@@ -278,15 +295,16 @@ def resolve_objective(space: Space, recipe: str, path: str) -> Objective:
 # ---------------------------------------------------------------- config checks
 
 
-def trial_config(config_path: str, space: Space, values: dict[str, Any], extra: list[str] = ()) -> Config:
+def trial_config(config_path: str, space: Space, values: dict[str, Any],
+                 extra: list[str] = ()) -> Config:
     """The validated config of one trial (raises ConfigError like train.py would)."""
     return load_config(config_path, [*space.overrides(values), *extra])
 
 
 def check_configs(config_path: str, space: Space, space_path: str) -> Config:
-    """Load the config with the fixed keys, then with each parameter at each of its edges (the others
-    at their first), then every parameter at its last edge; returns the first of these (the study's
-    base). Any ConfigError becomes one line naming the space entry."""
+    """Load the config with the fixed keys, then with each parameter at each of its edges
+    (the others at their first), then every parameter at its last edge; returns the first of these
+    (the study's base). Any ConfigError becomes one line naming the space entry."""
     if not os.path.isfile(config_path):
         raise SweepError(EXIT_USAGE, f"--config: no such file: {config_path}")
     first = {k: p.edges()[0] for k, p in space.params.items()}
@@ -301,7 +319,8 @@ def check_configs(config_path: str, space: Space, space_path: str) -> Config:
                                      "checkpoints; give a folder inside it (the default is "
                                      "\"checkpoints\")")
     tries = [(k, {**first, k: v}) for k, p in space.params.items() for v in p.edges()]
-    tries.append(("every parameter at its last value", {k: p.edges()[-1] for k, p in space.params.items()}))
+    tries.append(("every parameter at its last value",
+                  {k: p.edges()[-1] for k, p in space.params.items()}))
     for what, values in tries:
         try:
             trial_config(config_path, space, values)

@@ -51,7 +51,8 @@ class Slot:
         return env
 
     def describe(self) -> str:
-        cpus = f"cpus {self.cpus[0]}-{self.cpus[-1]}" if len(self.cpus) > 1 else f"cpu {self.cpus[0]}"
+        cpus = (f"cpus {self.cpus[0]}-{self.cpus[-1]}" if len(self.cpus) > 1
+                else f"cpu {self.cpus[0]}")
         return cpus + (f", gpus {','.join(self.gpus)}" if self.gpus else "")
 
 
@@ -63,19 +64,24 @@ def visible_gpus() -> list[str]:
     if count == 0:
         return []
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return [d.strip() for d in listed.split(",") if d.strip()][:count] if listed else [str(i) for i in range(count)]
+    return ([d.strip() for d in listed.split(",") if d.strip()][:count] if listed
+            else [str(i) for i in range(count)])
 
 
 def plan_slots(parallel: int, ranks: int, cpus: list[int], gpus: list[str]) -> list[Slot]:
-    """``parallel`` disjoint slots; one GPU per rank when there are GPUs. Too few: SweepError (2)."""
+    """``parallel`` disjoint slots; one GPU per rank when there are GPUs. Too few:
+    SweepError (2)."""
     if gpus and parallel * ranks > len(gpus):
         raise SweepError(EXIT_USAGE, f"--parallel {parallel} with {ranks} rank(s) per trial needs "
-                                     f"{parallel * ranks} GPUs; {len(gpus)} visible ({','.join(gpus)})")
+                                     f"{parallel * ranks} GPUs; {len(gpus)} visible "
+                                     f"({','.join(gpus)})")
     if parallel > len(cpus):
-        raise SweepError(EXIT_USAGE, f"--parallel {parallel} needs {parallel} CPU cores; this process may use "
+        raise SweepError(EXIT_USAGE,
+                         f"--parallel {parallel} needs {parallel} CPU cores; this process may use "
                                      f"{len(cpus)}")
     per = len(cpus) // parallel
-    return [Slot(i, tuple(cpus[i * per:(i + 1) * per]), tuple(gpus[i * ranks:(i + 1) * ranks]) if gpus else ())
+    return [Slot(i, tuple(cpus[i * per:(i + 1) * per]),
+                 tuple(gpus[i * ranks:(i + 1) * ranks]) if gpus else ())
             for i in range(parallel)]
 
 
@@ -87,25 +93,29 @@ def ranks_wanted(parallel_cfg: Any) -> int:
 
 
 def command(config_path: str, ranks: int) -> list[str]:
-    """The trial's launch: the installed package's entry point, so no repository checkout is needed."""
+    """The trial's launch: the installed package's entry point, so no repository checkout
+    is needed."""
     if ranks == 1:
         return [sys.executable, "-m", "tandem.train", "--config", config_path]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            "-m", "tandem.train", "--config", config_path]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ranks}", "-m", "tandem.train", "--config", config_path]
 
 
 def shown(cmd: list[str]) -> str:
-    """The command as a person would type it: ``python -m tandem.train ...`` / ``torchrun ... -m tandem.train ...``."""
+    """The command as a person would type it: ``python -m tandem.train ...`` / ``torchrun ... -m
+    tandem.train ...``."""
     out = list(cmd)
     if out[1:3] == ["-m", "torch.distributed.run"]:
         out = ["torchrun", *out[3:]]
-    elif shutil.which("python") and os.path.realpath(shutil.which("python")) == os.path.realpath(sys.executable):
+    elif shutil.which("python") and os.path.realpath(shutil.which("python")) == os.path.realpath(
+        sys.executable):
         out[0] = "python"
     return shlex.join(out)
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks (/proc/<pid>/stat field 22), to tell a reused pid apart."""
+    """The process's start time in clock ticks (/proc/<pid>/stat field 22), to tell a reused
+    pid apart."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
@@ -119,7 +129,8 @@ def alive(pid: int, ticks: int | None) -> bool:
 
 
 def wait_gone(pid: int, ticks: int | None, timeout_s: float) -> bool:
-    """Wait for a trial process of an earlier sweep to exit; SIGTERM, then SIGKILL, if it will not."""
+    """Wait for a trial process of an earlier sweep to exit; SIGTERM, then SIGKILL, if
+    it will not."""
     deadline = time.monotonic() + timeout_s
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         if sig is not None and alive(pid, ticks):
@@ -162,8 +173,10 @@ class TrialProcess:
             log.write(f"# tandem-sweep: {shown(cmd)}\n".encode())
             log.flush()
             parent = os.getpid()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True,  # a Ctrl-C at the sweep's terminal is ours to forward
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env,
+                                         # a Ctrl-C at the sweep's terminal is ours to forward
+                                         start_new_session=True,
                                          preexec_fn=lambda: _child_setup(slot.cpus, parent))
         self.pid = self.proc.pid
         self.ticks = _start_ticks(self.pid)
@@ -191,8 +204,8 @@ class TrialProcess:
 
 
 class MetricsTail:
-    """New complete rows of a growing metrics.jsonl; starts over when the file is replaced (a resumed
-    run truncates it to its checkpoint)."""
+    """New complete rows of a growing metrics.jsonl; starts over when the file is replaced
+    (a resumed run truncates it to its checkpoint)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -221,7 +234,8 @@ def read_rows(folder: str) -> list[dict[str, Any]]:
 
 
 def keep_rows(folder: str, last_step: int) -> list[dict[str, Any]]:
-    """Cut ``folder/metrics.jsonl`` to the rows with ``step <= last_step`` (atomically); returns them."""
+    """Cut ``folder/metrics.jsonl`` to the rows with ``step <= last_step`` (atomically);
+    returns them."""
     path = os.path.join(folder, "metrics.jsonl")
     rows = [r for r in read_rows(folder) if r["step"] <= last_step]
     if os.path.exists(path):
@@ -242,8 +256,10 @@ def metric_points(rows: list[dict[str, Any]], metric: str) -> list[tuple[int, fl
     return sorted(by_step.items())
 
 
-def objective_value(rows: list[dict[str, Any]], metric: str, mode: str, direction: str) -> float | None:
-    """The value at the last logged step (mode "last") or the best one (mode "best"); None if never logged."""
+def objective_value(rows: list[dict[str, Any]], metric: str, mode: str,
+                    direction: str) -> float | None:
+    """The value at the last logged step (mode "last") or the best one (mode "best"); None if
+    never logged."""
     points = metric_points(rows, metric)
     if not points:
         return None
@@ -267,5 +283,6 @@ def last_error(log_path: str) -> str:
 def latest_checkpoint(folder: str, sub: str = "checkpoints") -> str | None:
     """The name of the newest committed checkpoint (``step-N``) under ``folder/sub``, or None."""
     ckpts = os.path.join(folder, sub)
-    names = [n for n in os.listdir(ckpts) if n.startswith("step-") and n[5:].isdigit()] if os.path.isdir(ckpts) else []
+    names = ([n for n in os.listdir(ckpts) if n.startswith("step-") and n[5:].isdigit()]
+             if os.path.isdir(ckpts) else [])
     return max(names, key=lambda n: int(n[5:])) if names else None

@@ -31,6 +31,9 @@ from tandem.rl.algorithms import (
     reverse_kl_sampled,
     value_loss,
 )
+from tandem.rl.config.rl_schema import RLConfig
+from tandem.rl.config.schema import load_config
+from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.registry import RegistryError
 
 # 8 responses, 5 positions; right padding, row 6 has a hole (a tool-output token), row 7 is empty.
@@ -123,7 +126,8 @@ def test_dr_grpo_ignores_std():
     for i in range(N):
         xs = [SCORES[j].item() for j in members(i)]
         want.append(SCORES[i].item() - sum(xs) / len(xs))
-    out = ADVANTAGES.get("dr_grpo")(AdvantageInput(SCORES, MASK, GROUPS), AdvantageConfig(norm_by_std=True))
+    out = ADVANTAGES.get("dr_grpo")(AdvantageInput(SCORES, MASK, GROUPS),
+                                    AdvantageConfig(norm_by_std=True))
     assert_close(out.advantages, broadcast(want))
 
 
@@ -244,7 +248,8 @@ def policy_input(**kw):
     return logp, PolicyLossInput(logp, OLD_LOGP, ADV, MASK, **kw)
 
 
-@pytest.mark.parametrize("clip_low,clip_high,dual", [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0), (0.2, 0.2, 1.5)])
+@pytest.mark.parametrize("clip_low,clip_high,dual",
+                         [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0), (0.2, 0.2, 1.5)])
 def test_ppo_clip(clip_low, clip_high, dual):
     want_loss, want_grad, want_clip = torch.zeros(N, T), torch.zeros(N, T), torch.zeros(N, T)
     for i, ts in enumerate(rows()):
@@ -259,7 +264,8 @@ def test_ppo_clip(clip_low, clip_high, dual):
                 loss, grad, was_clipped = -a * dual, 0.0, True
             want_loss[i, t], want_grad[i, t], want_clip[i, t] = loss, grad, float(was_clipped)
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("ppo_clip")(inp, PolicyLossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual))
+    cfg = PolicyLossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual)
+    out = POLICY_LOSSES.get("ppo_clip")(inp, cfg)
     assert_close(out.loss, want_loss)
     assert_close(out.metrics["clipped"], want_clip)
     out.loss.sum().backward()
@@ -281,19 +287,23 @@ def test_gspo_token_form(lo, hi):
         unclipped, clipped = -a * s, -a * min(max(s, 1 - lo), 1 + hi)
         for t in ts:
             want_loss[i, t] = max(unclipped, clipped)
-            want_grad[i, t] = 0.0 if clipped > unclipped else -a * s  # token form: s_i * grad log p_t
+            # token form: s_i * grad log p_t
+            want_grad[i, t] = 0.0 if clipped > unclipped else -a * s
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi))
+    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi)
+    out = POLICY_LOSSES.get("gspo")(inp, cfg)
     assert_close(out.loss, want_loss)
     out.loss.sum().backward()
     assert_close(logp.grad, want_grad)
 
 
 def test_gspo_token_form_matches_sequence_objective():
-    """Sequence advantages + seq_mean_token_mean: gradient equals the paper's sequence-level objective."""
+    """Sequence advantages + seq_mean_token_mean: gradient equals the paper's sequence-level
+    objective."""
     lo, hi = 0.05, 0.1
     logp, inp = policy_input()
-    out = POLICY_LOSSES.get("gspo")(inp, PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi))
+    cfg = PolicyLossConfig(seq_clip_low=lo, seq_clip_high=hi)
+    out = POLICY_LOSSES.get("gspo")(inp, cfg)
     AGGREGATIONS.get("seq_mean_token_mean")(out.loss, MASK, make_norm(MASK)).backward()
 
     ref = LOGP.clone().requires_grad_(True)
@@ -323,28 +333,35 @@ def test_reinforce():
 def test_padding_cannot_poison_the_loss():
     logp = LOGP.masked_fill(MASK == 0, float("-inf"))
     for name in POLICY_LOSSES:
-        out = POLICY_LOSSES.get(name)(PolicyLossInput(logp, OLD_LOGP, ADV, MASK), PolicyLossConfig())
+        no_tis = PolicyLossConfig()
+        out = POLICY_LOSSES.get(name)(PolicyLossInput(logp, OLD_LOGP, ADV, MASK), no_tis)
         assert torch.isfinite(out.loss).all(), name
         assert all(torch.isfinite(v).all() for v in out.metrics.values()), name
 
 
 def test_policy_config_validation():
-    with pytest.raises(ValueError, match="dual_clip"):
+    """One check of the clip settings, here and for the [rl] section that extends the class."""
+    with pytest.raises(ConfigError, match=r"^rl.dual_clip: must be > 1, got 0.5$"):
         PolicyLossConfig(dual_clip=0.5)
-    with pytest.raises(ValueError, match="clip_low"):
+    with pytest.raises(ConfigError, match="rl.clip_low"):
         PolicyLossConfig(clip_low=-0.1)
+    with pytest.raises(ConfigError, match=r"^rl.tis_cap: must be > 0, got 0.0$"):
+        load_config("configs/quickstart.toml", ["--rl.tis_cap=0"])
+    assert issubclass(RLConfig, PolicyLossConfig) and RLConfig().clip_high == 0.2
 
 
 # ---------------------------------------------------------------- KL
 
-REF_LOGP = LOGP + torch.tensor([[0.3, -0.2, 15.0, 0.0, 0.0]]).expand(N, T)  # 15 exercises the k3 clamp
+# 15 exercises the k3 clamp
+REF_LOGP = LOGP + torch.tensor([[0.3, -0.2, 15.0, 0.0, 0.0]]).expand(N, T)
 
 
 def test_kl_estimators():
     fns = {
         "k1": lambda lp, rl: lp - rl,
         "k2": lambda lp, rl: 0.5 * (lp - rl) ** 2,
-        "k3": lambda lp, rl: math.exp(max(min(rl - lp, 10.0), -10.0)) - max(min(rl - lp, 10.0), -10.0) - 1,
+        "k3": lambda lp, rl: math.exp(max(min(rl - lp, 10.0), -10.0))
+        - max(min(rl - lp, 10.0), -10.0) - 1,
     }
     assert KL_ESTIMATORS.names() == sorted(fns)
     for name, ref in fns.items():
@@ -392,16 +409,19 @@ def aggregation_reference(mode):
     }[mode]
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                  "seq_mean_token_sum_norm"])
 def test_aggregation_full_batch(mode):
     got = AGGREGATIONS.get(mode)(LOSS, MASK, make_norm(MASK, constant=L_MAX))
     assert math.isclose(got.item(), aggregation_reference(mode), rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                  "seq_mean_token_sum_norm"])
 @pytest.mark.parametrize("sizes", [[8], [3, 1, 4], [1, 1, 2, 4], [5, 3]])
 def test_aggregation_is_layout_invariant(mode, sizes):
-    """Micro-batches of different sizes (each trimmed to its own padded length) sum to the full batch."""
+    """Micro-batches of different sizes (each trimmed to its own padded length) sum to the
+    full batch."""
     agg = AGGREGATIONS.get(mode)
     weights = torch.linspace(0.5, 1.5, N * T).reshape(N, T)  # a differentiable loss
 
@@ -458,7 +478,8 @@ def test_filter_groups():
         want.append(max(xs) != min(xs))
     assert keep.tolist() == want
     assert keep.tolist() == [False, False, False, False, False, True, True, False]
-    assert filter_groups(torch.tensor([1.0, 1.05, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), atol=0.1).tolist() == [
+    assert filter_groups(torch.tensor([1.0, 1.05, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]),
+                         atol=0.1).tolist() == [
         False, False, True, True]
 
 
@@ -498,10 +519,14 @@ def test_value_loss(clip):
 
 # ---------------------------------------------------------------- distillation
 
-STUDENT = torch.tensor([[[1.0, 0.0, -1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0], [3.0, -2.0, 0.1, 0.2, 0.3]],
-                        [[-1.0, 1.0, 0.0, 0.0, 0.5], [0.2, 0.4, 0.6, 0.8, 1.0], [9.0, 9.0, 9.0, 9.0, 9.0]]])
-TEACHER = torch.tensor([[[0.5, 0.5, 0.0, 0.0, 1.0], [1.0, -1.0, 0.0, 2.0, 0.0], [2.0, -1.0, 0.0, 0.0, 1.0]],
-                        [[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.8, 0.6, 0.4, 0.2], [0.0, 0.0, 0.0, 0.0, 0.0]]])
+STUDENT = torch.tensor([[[1.0, 0.0, -1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0],
+                         [3.0, -2.0, 0.1, 0.2, 0.3]],
+                        [[-1.0, 1.0, 0.0, 0.0, 0.5], [0.2, 0.4, 0.6, 0.8, 1.0],
+                         [9.0, 9.0, 9.0, 9.0, 9.0]]])
+TEACHER = torch.tensor([[[0.5, 0.5, 0.0, 0.0, 1.0], [1.0, -1.0, 0.0, 2.0, 0.0],
+                         [2.0, -1.0, 0.0, 0.0, 1.0]],
+                        [[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.8, 0.6, 0.4, 0.2],
+                         [0.0, 0.0, 0.0, 0.0, 0.0]]])
 DMASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
 
@@ -529,7 +554,8 @@ def test_reverse_kl_sampled_is_unbiased():
     assert torch.equal(reverse_kl_sampled(log_ps[..., 0], log_ps[..., 0]), torch.zeros(2, 3))
     gen = torch.Generator().manual_seed(0)
     draws = 40_000
-    tokens = torch.multinomial(log_ps.exp().reshape(6, 5), draws, replacement=True, generator=gen)  # [6, draws]
+    # [6, draws]
+    tokens = torch.multinomial(log_ps.exp().reshape(6, 5), draws, replacement=True, generator=gen)
     ls = log_ps.reshape(6, 5).gather(1, tokens)
     lt = log_pt.reshape(6, 5).gather(1, tokens)
     mc = reverse_kl_sampled(ls, lt).mean(1).reshape(2, 3) * DMASK
@@ -539,3 +565,21 @@ def test_reverse_kl_sampled_is_unbiased():
     keep[:, 1] = 0
     want = -(ls - lt) * keep
     assert_close(opd_advantages(ls, lt, keep), want)
+
+
+def test_gspo_clip_range_reaches_the_loss():
+    """A wider sequence clip range clips fewer tokens of the same batch."""
+    from tandem.rl.algorithms import PolicyLossInput
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
+    old = logp + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
+    inp = PolicyLossInput(logp=logp, old_logp=old, advantages=torch.ones(4, 5, dtype=torch.float64),
+                          mask=torch.ones(4, 5, dtype=torch.float64))
+    fracs = []
+    for lo, hi in ((3e-4, 4e-4), (0.5, 0.5)):
+        keys = ["--rl.policy_loss=gspo", f"--rl.seq_clip_low={lo}", f"--rl.seq_clip_high={hi}"]
+        cfg = load_config("configs/quickstart.toml", keys)
+        out = POLICY_LOSSES.get("gspo")(inp, cfg.rl)
+        fracs.append(out.metrics["clipped"].mean().item())
+    assert fracs[0] > 0 and fracs[1] == 0

@@ -13,6 +13,7 @@ from tandem.rl.algorithms import (
     PreferenceInput,
     bradley_terry_loss,
 )
+from tandem.rl.core.configlib import ConfigError
 
 PC = torch.tensor([-12.0, -30.5, -7.25, -50.0])  # policy chosen, summed log-probs
 PR = torch.tensor([-15.0, -28.0, -9.0, -49.0])  # policy rejected
@@ -35,7 +36,8 @@ def make_input(with_ref=True):
 
 
 def assert_close(got, want, tol=1e-5):
-    assert torch.allclose(got.detach(), torch.tensor(want, dtype=torch.float32), atol=tol, rtol=tol), (got, want)
+    assert (torch.allclose(got.detach(), torch.tensor(want, dtype=torch.float32), atol=tol,
+                           rtol=tol)), (got, want)
 
 
 @pytest.mark.parametrize("beta,ls", [(0.1, 0.0), (0.5, 0.0), (0.1, 0.2)])
@@ -83,7 +85,7 @@ def test_simpo_is_reference_free_and_length_normalised(beta, gamma, ls):
         want_c.append(c)
         want_r.append(r)
     _, _, inp = make_input(with_ref=False)
-    cfg = PreferenceConfig(beta=beta, gamma=gamma, label_smoothing=ls)
+    cfg = PreferenceConfig(beta=beta, margin=gamma, label_smoothing=ls)
     out = PREFERENCE_LOSSES.get("simpo")(inp, cfg)
     assert_close(out.loss, want)
     assert_close(out.chosen_rewards, want_c)
@@ -101,9 +103,10 @@ def test_reference_losses_need_reference():
 
 def test_config_validation_and_registry():
     assert PREFERENCE_LOSSES.names() == ["dpo", "ipo", "simpo"]
-    with pytest.raises(ValueError, match="beta"):
+    with pytest.raises(ConfigError, match=r"^preference.beta: must be > 0, got 0.0$"):
         PreferenceConfig(beta=0.0)
-    with pytest.raises(ValueError, match="label_smoothing"):
+    smoothing = r"^preference.label_smoothing: must be in \[0, 0.5\), got 0.5$"
+    with pytest.raises(ConfigError, match=smoothing):
         PreferenceConfig(label_smoothing=0.5)
 
 
@@ -119,4 +122,5 @@ def test_bradley_terry():
     rejected = torch.tensor([0.0, 0.5, -2.0, 0.0])
     want = [-log_sigmoid(c - r) for c, r in zip(chosen.tolist(), rejected.tolist(), strict=True)]
     assert_close(bradley_terry_loss(chosen, rejected), want)
-    assert math.isclose(bradley_terry_loss(torch.zeros(1), torch.zeros(1)).item(), math.log(2), rel_tol=1e-6)
+    assert math.isclose(bradley_terry_loss(torch.zeros(1), torch.zeros(1)).item(), math.log(2),
+                        rel_tol=1e-6)

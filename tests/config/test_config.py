@@ -1,4 +1,5 @@
-"""Tests for tandem/rl/config/schema.py and tandem/rl/core/configlib.py: TOML + CLI overrides, one-line errors, round trips."""
+"""Tests for tandem/rl/config/schema.py and tandem/rl/core/configlib.py: TOML + CLI overrides,
+one-line errors, round trips."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from tandem.rl.config.schema import (
     EXIT_CONFIG_ERROR,
+    AdvancedConfig,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -39,6 +41,7 @@ from tandem.rl.core.configlib import (
     read_toml,
     validate_fields,
 )
+from tandem.rl.recipes import unused_settings
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs"
@@ -72,24 +75,33 @@ def every_field_changed() -> Config:
     return Config(
         job=JobConfig(name='my "run" é\\x', dump_folder="/tmp/out dir", seed=7),
         model=ModelConfig(flavor=None, path="/hf/qwen", tokenizer="/hf/tok", train_vision=True),
-        data=DataConfig(path="data/x.parquet", format="parquet", max_length=512, pack=False, shuffle=False,
-                        on_bad_row="error", messages_field="conv", prompt_field="q", completion_field="a",
-                        eval_fraction=0.25, answer_field="gt", eval_path="data/heldout.jsonl", synthetic_rows=10),
+        data=DataConfig(path="data/x.parquet", format="parquet", max_length=512, pack=False,
+                        shuffle=False,
+                        on_bad_row="error", messages_field="conv", prompt_field="q",
+                        completion_field="a",
+                        eval_fraction=0.25, answer_field="gt", eval_path="data/heldout.jsonl",
+                        synthetic_rows=10),
         optimizer=OptimizerConfig(lr=3e-4, betas=[0.8, 0.99], eps=1e-6, weight_decay=0.1,
                                   max_grad_norm=0.0),
         lr_schedule=LRScheduleConfig(warmup_steps=5, decay="linear", min_lr_ratio=0.0),
-        training=TrainingConfig(recipe="rl", steps=20, batch_size=16, micro_batch_size=4, mixed_precision_param="float32",
+        training=TrainingConfig(recipe="rl", steps=20, batch_size=16, micro_batch_size=4,
+                                mixed_precision_param="float32",
                                 mixed_precision_reduce="bfloat16", eval_interval=3),
-        parallel=ParallelConfig(dp_replicate=2, dp_shard=4, tp=2, pp=2, pp_schedule="GPipe", pp_microbatches=8,
+        parallel=ParallelConfig(dp_replicate=2, dp_shard=4, tp=2, pp=2, pp_schedule="GPipe",
                                 activation_checkpoint="selective", compile=True, cpu_offload=True,
                                 ep=4, cp=2, cp_style="ring"),
-        checkpoint=CheckpointConfig(enable=False, interval=7, folder="ckpt", keep_last=5, resume=False,
-                                    export_hf_at_end=False, async_save=True, model_only=True, overwrite=True),
+        checkpoint=CheckpointConfig(enable=False, interval=7, folder="ckpt", keep_last=5,
+                                    resume=False,
+                                    export_hf_at_end=False, async_save=True, model_only=True,
+                                    overwrite=True),
         metrics=MetricsConfig(log_interval=10, loggers=[], jsonl=False, samples_per_step=2),
+        advanced=AdvancedConfig(kernels="torch", reshard_bucket_mb=64, logprob_chunk_tokens=256,
+                                share_prompts=False, pp_microbatches=8, dump_rollouts=True),
     )
 
 
-FOUNDATION = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint", "metrics")
+FOUNDATION = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel",
+              "checkpoint", "metrics", "advanced")
 
 
 @pytest.mark.parametrize("section", FOUNDATION)
@@ -98,7 +110,8 @@ def test_every_section_roundtrips(section: str, tmp_path: Path) -> None:
     changed.validate()
     defaults = getattr(Config(), section)
     ours = getattr(changed, section)
-    unchanged = [f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) == getattr(defaults, f.name)]
+    unchanged = [f.name for f in dataclasses.fields(ours) if getattr(ours, f.name)
+                 == getattr(defaults, f.name)]
     # model.flavor excludes model.path (flavor: see the next tests)
     assert unchanged == {"model": ["flavor"]}.get(section, [])
     back = roundtrip(changed, tmp_path)
@@ -158,7 +171,8 @@ def test_toml_unknown_key_section_and_type_name_the_file(tmp_path: Path) -> None
     msg = error_of(load_config, path, HF)
     assert "unknown section 'trainig'" in msg and "'training'" in msg
     path = write(tmp_path, '[training]\nsteps = "abc"\n')
-    assert error_of(load_config, path, HF) == f"training.steps: expected int, got str 'abc' (in {path})"
+    assert (error_of(load_config, path, HF)
+            == f"training.steps: expected int, got str 'abc' (in {path})")
     path = write(tmp_path, "[data]\npack = 1\n")  # no int -> bool coercion
     assert "data.pack: expected bool, got int 1" in error_of(load_config, path, HF)
     path = write(tmp_path, "training = 3\n")
@@ -201,11 +215,13 @@ def test_overrides_of_each_type() -> None:
     ])
     assert cfg.training.steps == 12
     assert cfg.optimizer.lr == 2.5e-4
-    assert cfg.data.pack is False and cfg.checkpoint.resume is False and cfg.parallel.compile is True
+    assert (cfg.data.pack is False and cfg.checkpoint.resume is False
+            and cfg.parallel.compile is True)
     assert cfg.optimizer.betas == [0.7, 0.8]
     assert cfg.model.tokenizer == "builtin:char" and cfg.data.path is None
     assert cfg.data.on_bad_row == "error"
-    cfg = load_config(None, HF + ["optimizer.betas=[0.1, 0.2]", "data.path=d.jsonl", "data.path=NULL",
+    cfg = load_config(None,
+                      HF + ["optimizer.betas=[0.1, 0.2]", "data.path=d.jsonl", "data.path=NULL",
                                   "job.name='none'", "training.steps=1_000"])
     assert cfg.optimizer.betas == [0.1, 0.2] and cfg.data.path is None  # last override wins
     assert cfg.job.name == "none" and cfg.training.steps == 1000  # quotes keep a literal "none"
@@ -215,13 +231,16 @@ def test_override_errors_are_one_line_with_hints() -> None:
     assert error_of(load_config, None, HF + ["training.stpes=3"]) == (
         "unknown key 'training.stpes'; did you mean 'training.steps'?")
     assert "did you mean 'optimizer.lr'?" in error_of(load_config, None, HF + ["training.lr=1"])
-    assert "unknown section 'trainig'; did you mean 'training'?" == error_of(load_config, None, ["trainig.steps=1"])
+    assert ("unknown section 'trainig'; did you mean 'training'?"
+            == error_of(load_config, None, ["trainig.steps=1"]))
     assert "valid here:" in error_of(load_config, None, ["metrics.zzzzzz=1"])
-    assert error_of(load_config, None, HF + ["training.steps=abc"]) == "training.steps: expected int, got 'abc'"
+    assert (error_of(load_config, None, HF + ["training.steps=abc"])
+            == "training.steps: expected int, got 'abc'")
     assert "expected int, got '1.5'" in error_of(load_config, None, HF + ["training.steps=1.5"])
     assert "expected float" in error_of(load_config, None, HF + ["optimizer.lr=fast"])
     assert "expected bool" in error_of(load_config, None, HF + ["data.pack=maybe"])
-    assert "optimizer.betas[1]: expected float, got 'x'" in error_of(load_config, None, HF + ["optimizer.betas=1,x"])
+    assert ("optimizer.betas[1]: expected "
+            "float, got 'x'" in error_of(load_config, None, HF + ["optimizer.betas=1,x"]))
     assert error_of(load_config, None, HF + ["data.on_bad_row=drop"]) == (
         "data.on_bad_row: 'drop' is not one of 'skip', 'error'")
     assert "missing value" in error_of(load_config, None, HF + ["job.seed"])
@@ -255,7 +274,8 @@ def test_model_choice_validation() -> None:
     assert "set model.flavor" in error_of(load_config, None, [])
     assert "model.tokenizer: required" in error_of(load_config, None, ["model.flavor=tiny-qwen3"])
     msg = error_of(load_config, None, ["model.flavor=tiny-qwen", "model.tokenizer=builtin:char"])
-    assert "unknown flavor 'tiny-qwen'" in msg and "did you mean 'tiny-qwen3'?" in msg and "tiny-llama3" in msg
+    assert ("unknown flavor 'tiny-qwen'" in msg and "did you mean 'tiny-qwen3'?" in msg
+            and "tiny-llama3" in msg)
 
 
 def test_validate_checks_types_of_python_built_configs() -> None:
@@ -290,7 +310,8 @@ def test_parse_args_forms(tmp_path: Path) -> None:
     cfg, args = parse_args(["--config", path, "--training.steps", "11", "--parallel.dp_shard", "-1",
                             "--parallel.compile", "--data.shuffle=false"])
     assert args.config == path and not args.print_config
-    assert args.overrides == ["training.steps=11", "parallel.dp_shard=-1", "parallel.compile", "data.shuffle=false"]
+    assert args.overrides == ["training.steps=11", "parallel.dp_shard=-1", "parallel.compile",
+                              "data.shuffle=false"]
     assert cfg.training.steps == 11 and cfg.parallel.compile is True and cfg.data.shuffle is False
     cfg, args = parse_args([f"--config={path}"])
     assert cfg.training.steps == 9 and args.overrides == []
@@ -309,7 +330,9 @@ def test_print_config_roundtrips(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert info.value.code == 0
     text = capsys.readouterr().out
     back = load_config(write(tmp_path, text))
-    assert back.training.steps == 3 and back == load_config(None, ["model.path=/hf/m", "training.steps=3"])
+    assert back.training.steps == 3 and back == load_config(None,
+                                                            ["model.path=/hf/m",
+                                                             "training.steps=3"])
 
 
 def test_help_lists_sections(capsys: pytest.CaptureFixture[str]) -> None:
@@ -331,8 +354,8 @@ def test_main_guard_exit_status_in_subprocess(overrides: list[str], needle: str)
         "print('unreachable')\n"
     )
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", script, *overrides], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script, *overrides], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=60)
     assert proc.returncode == EXIT_CONFIG_ERROR == 2
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
@@ -343,7 +366,7 @@ def test_config_error_is_one_line() -> None:
     assert str(ConfigError("a\n  b\nc")) == "a b c"
 
 
-# ------------------------------------------------------------ the generic mechanism on a deeper tree
+# ----------------------------------------------------------- the generic mechanism on a deeper tree
 
 
 @dataclass
@@ -388,7 +411,8 @@ def test_nested_sections_and_dict_fields(tmp_path: Path) -> None:
     apply_override(root, "rollout.sampling.top_k", "7")
     apply_override(root, "rollout.sampling.stop", "x,y")
     assert root.rollout.sampling.top_k == 7 and root.rollout.sampling.stop == ["x", "y"]
-    assert "set it in the TOML config file" in error_of(apply_override, root, "rollout.extra", "{a=1}")
+    assert "set it in the TOML config file" in error_of(apply_override, root, "rollout.extra",
+                                                        "{a=1}")
     assert "did you mean 'rollout.sampling.temperature'?" in error_of(
         apply_override, root, "rollout.sampling.temprature", "1")
     assert "rollout.weights.code: expected float" in error_of(
@@ -410,3 +434,32 @@ def test_repo_config_loads_and_validates(path: Path, tmp_path: Path) -> None:
     # The public interface every recipe honours.
     cfg = load_config(str(path), ["--training.steps=3", f"--job.dump_folder={tmp_path}"])
     assert cfg.training.steps == 3 and cfg.job.dump_folder == str(tmp_path)
+
+
+# ------------------------------------------------------------ moved keys, unread keys
+
+QUICKSTART = str(CONFIG_DIR / "quickstart.toml")
+SFT = str(CONFIG_DIR / "quickstart_sft.toml")
+
+
+@pytest.mark.parametrize("key,new", [("rl.eval_interval", "training.eval_interval"),
+                                     ("preference.eval_interval", "training.eval_interval"),
+                                     ("model.dtype", "training.mixed_precision_param"),
+                                     ("job.log_level", "never read"), ("optimizer.name", "AdamW"),
+                                     ("rollout.num_blocks", "rollout.kv_cache_gb"),
+                                     ("rollout.kernels", "advanced.kernels"),
+                                     ("rollout.reshard_bucket_mb", "advanced.reshard_bucket_mb"),
+                                     ("rl.logprob_chunk_tokens", "advanced.logprob_chunk_tokens"),
+                                     ("rl.share_prompts", "advanced.share_prompts"),
+                                     ("parallel.pp_microbatches", "advanced.pp_microbatches"),
+                                     ("preference.gamma", "preference.margin")])
+def test_moved_and_removed_keys_say_what_to_do(key, new):
+    with pytest.raises(ConfigError) as e:
+        load_config(QUICKSTART, [f"--{key}=1"])
+    assert str(e.value).startswith(f"{key}: ") and new in str(e.value)
+
+
+def test_keys_the_recipe_does_not_read_are_named():
+    cfg = load_config(SFT, ["--rl.kl_coef=0.1", "--preference.beta=0.5", "--training.steps=3"])
+    assert unused_settings(cfg) == ["rl.kl_coef", "preference.beta"]
+    assert unused_settings(load_config(QUICKSTART)) == []

@@ -6,7 +6,14 @@ import pytest
 
 from tandem.models.tokenizer import build_char_tokenizer
 from tandem.rl.data.loading import DataError, load_rows
-from tandem.rl.data.sft import IGNORE, StepSampler, build_sft_data, collate, example_to_row, tokenize_chat
+from tandem.rl.data.sft import (
+    IGNORE,
+    StepSampler,
+    build_sft_data,
+    collate,
+    example_to_row,
+    tokenize_chat,
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +90,11 @@ def test_tool_calling_transcript_renders_its_tools_and_trains_only_the_assistant
             {"role": "tool", "content": "408"}, {"role": "assistant", "content": "\\boxed{408}"}]
     ex = tokenize_chat(msgs, tok, tools)
     text = tok.decode(ex.input_ids)
-    assert text == tok.apply_chat_template(msgs, tools=tools) and '"name": "calculator"' in text.split(call)[0]
+    assert (text == tok.apply_chat_template(msgs, tools=tools)
+            and '"name": "calculator"' in text.split(call)[0])
     trained = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
-    assert trained == call + "<|im_end|>\n" + "\\boxed{408}<|im_end|>\n"  # the tool's result is context only
+    # the tool's result is context only
+    assert trained == call + "<|im_end|>\n" + "\\boxed{408}<|im_end|>\n"
     rows = [{"messages": msgs, "tools": tools}, {"messages": msgs, "tools": "calculator"}]
     data = build_sft_data(rows, tok, source="t.jsonl", max_length=4096, pack=False)
     assert data.num_examples == 1 and data.skipped["tools must be a list of JSON objects"] == 1
@@ -99,6 +108,8 @@ def test_trl_conversational_prompt_completion_trains_as_one_conversation(tok):
     completion = [{"role": "assistant", "content": "4"}]
     rows = [{"prompt": prompt, "completion": completion}, {"conv": {"turns": prompt + completion}}]
     data = build_sft_data(rows[:1], tok, source="mem", max_length=64, pack=False)
-    nested = build_sft_data(rows[1:], tok, source="mem", max_length=64, pack=False, messages_field="conv.turns")
-    ref = build_sft_data([{"messages": prompt + completion}], tok, source="mem", max_length=64, pack=False)
+    nested = build_sft_data(rows[1:], tok, source="mem", max_length=64, pack=False,
+                            messages_field="conv.turns")
+    ref = build_sft_data([{"messages": prompt + completion}], tok, source="mem", max_length=64,
+                         pack=False)
     assert data.rows[0] == ref.rows[0] == nested.rows[0] and not data.skipped

@@ -208,7 +208,8 @@ def test_loading_a_task_is_not_charged_to_its_step(monkeypatch: pytest.MonkeyPat
         p.wait_ready()
         t = p.submit(slow_import_task.square, 3)
         (out,) = p.poll(None)
-        assert (out.ticket, out.status, out.error) == (t, "timeout", "the worker did not load the task "
+        assert (out.ticket, out.status, out.error) == (t, "timeout",
+                                                       "the worker did not load the task "
                                                                      "in 0.5 s")
 
 
@@ -297,7 +298,8 @@ def test_load_agentic_jsonl(tmp_path) -> None:
         '{"answer": "1"}\n': r"bad\.jsonl:1: needs a non-empty 'prompt'",
         '{"prompt": "x"}\n': r"bad\.jsonl:1: tool rows need an 'answer'",
         '{"prompt": "x", "tests": []}\n': r"bad\.jsonl:1: code rows need 'tests'",
-        '{"prompt": "x", "tests": ["assert 1"], "entry_point": "a b"}\n': r"bad\.jsonl:1: 'entry_point'",
+        '{"prompt": "x", "tests": ["assert 1"], '
+        '"entry_point": "a b"}\n': r"bad\.jsonl:1: 'entry_point'",
         '{"prompt": "x", "answer": "1", "env": "web"}\n': r"bad\.jsonl:1: unknown 'env'",
         '{"messages": [{"role": "user"}], "answer": "1"}\n': r"bad\.jsonl:1: 'messages' must be",
     }

@@ -1,4 +1,5 @@
-"""Tests for tandem/rl/envs/tools.py: Hermes-style tool-call parsing, dispatch, and the shipped tools."""
+"""Tests for tandem/rl/envs/tools.py: Hermes-style tool-call parsing, dispatch, and the
+shipped tools."""
 
 from __future__ import annotations
 

@@ -20,12 +20,19 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+# the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tandem.rl.fault import EXIT_NONFINITE, NonFiniteError, PreemptionHandler, Watchdog, check_finite  # noqa: E402
+from tandem.rl.fault import (  # noqa: E402
+    EXIT_NONFINITE,
+    NonFiniteError,
+    PreemptionHandler,
+    Watchdog,
+    check_finite,
+)
 
 WATCHDOG_S = 1.5
 GLOO_TIMEOUT_S = 120  # must exceed WATCHDOG_S by far: the watchdog, not gloo, must end the hang

@@ -9,7 +9,7 @@ policy's ``kv_wrap``), which rounds K and V as the pool did:
 - without the wrapper the update computes the unquantized policy, and the gap it measures is
   the quantization's: equal, to float noise, to the difference between the update's own
   forwards with and without the rounding, and far above float noise;
-- the same on the Triton path (TANDEM_KERNELS=triton under the interpreter; small workload).
+- the same on the Triton path (advanced.kernels = triton under the interpreter; small workload).
 
 Also: a pool refuses to run FP8 with calibrated scales it was not given, and its capacity in
 sequences at a fixed kv_cache_gb is about twice bf16's.
@@ -206,9 +206,9 @@ ON_TRITON = pytest.mark.skipif(
 
 @ON_TRITON
 @pytest.mark.parametrize("per_token", [False, True], ids=["calibrated", "per_token"])
-def test_matching_update_gap_on_the_triton_path(models, monkeypatch, per_token):
+def test_matching_update_gap_on_the_triton_path(models, kernels, per_token):
     """The same with the generator's FP8 store and attention in their Triton kernels."""
-    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    kernels("triton")
     model = models[torch.float32]
     scales = _scales(model, per_token)
     samples, _ = _generate(

@@ -13,6 +13,7 @@ import torch
 
 from tandem.models.flavors import get_flavor
 from tandem.models.transformer import Transformer
+from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 from tandem.rl.generator.engine import GenerationSettings, Generator, stop_strings_check
 from tandem.rl.generator.sequence import SamplingParams
 
@@ -51,21 +52,24 @@ def assert_same_samples(ref, out, atol=1e-5):
     """Pairs of completions (or sequences): equal tokens, raw log-probs within ``atol``."""
     for a, b in zip(ref, out, strict=True):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(list(b.raw_logprobs)), torch.tensor(list(a.raw_logprobs)),
-                                   atol=atol, rtol=0)
+        torch.testing.assert_close(torch.tensor(list(b.raw_logprobs)),
+                                   torch.tensor(list(a.raw_logprobs)), atol=atol, rtol=0)
 
 
 def flat(groups):
     return [c for g in groups for c in g]
 
 
-PROMPTS = [[5, 9, 2], [7], list(range(10, 47)), [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [100, 200]]
+PROMPTS = [[5, 9, 2], [7], list(range(10, 47)), [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
+           [100, 200]]
 
 
 @pytest.mark.parametrize("sharing", [True, False])
-@pytest.mark.parametrize("block_size,num_blocks,budget", [(4, 512, 64), (16, 64, 2048), (4, 14, 16)])
+@pytest.mark.parametrize("block_size,num_blocks,budget",
+                         [(4, 512, 64), (16, 64, 2048), (4, 14, 16)])
 def test_greedy_equals_naive_loop(model, sharing, block_size, num_blocks, budget):
-    settings = GenerationSettings(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
+    settings = GenerationSettings(block_size=block_size, num_blocks=num_blocks,
+                                  max_num_batched_tokens=budget,
                                   prefix_sharing=sharing, max_model_len=96)
     gen = Generator(model, settings)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -81,7 +85,8 @@ def test_greedy_equals_naive_loop(model, sharing, block_size, num_blocks, budget
 
 
 def test_logprobs_match_training_forward(model):
-    gen = Generator(model, GenerationSettings(block_size=8, num_blocks=128, max_num_batched_tokens=32))
+    gen = Generator(model,
+                    GenerationSettings(block_size=8, num_blocks=128, max_num_batched_tokens=32))
     params = SamplingParams(temperature=1.0, max_tokens=20, seed=1234, ignore_eos=True)
     out = gen.generate(PROMPTS, params, n=2)
     worst = 0.0
@@ -97,10 +102,12 @@ def test_logprobs_match_training_forward(model):
 
 
 def test_seeded_sampling_independent_of_batch(model):
-    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=10, seed=77, ignore_eos=True)
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=10, seed=77,
+                            ignore_eos=True)
     alone = Generator(model, GenerationSettings(num_blocks=64)).generate([PROMPTS[0]], params)[0][0]
     others = SamplingParams(temperature=1.0, max_tokens=7, seed=5, ignore_eos=True)
-    gen = Generator(model, GenerationSettings(block_size=4, num_blocks=256, max_num_batched_tokens=16))
+    gen = Generator(model,
+                    GenerationSettings(block_size=4, num_blocks=256, max_num_batched_tokens=16))
     batch = gen.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [others, params, others])
     assert batch[1][0].token_ids == alone.token_ids
     assert batch[1][0].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
@@ -157,8 +164,8 @@ def test_multi_turn_pause_append_resume(model):
 
 
 def _graph_settings(**kw):
-    return GenerationSettings(block_size=4, num_blocks=kw.pop("num_blocks", 256), max_num_batched_tokens=24,
-                              max_model_len=96, **kw)
+    return GenerationSettings(block_size=4, num_blocks=kw.pop("num_blocks", 256),
+                              max_num_batched_tokens=24, max_model_len=96, **kw)
 
 
 @pytest.mark.parametrize("num_blocks", [256, 14])
@@ -173,7 +180,8 @@ def test_decode_graph_path_equals_eager(model, num_blocks):
               for i in range(len(PROMPTS))]
     eager = Generator(model, _graph_settings(num_blocks=num_blocks))
     ref = eager.generate(PROMPTS, params, n=3)
-    padded = Generator(model, _graph_settings(num_blocks=num_blocks, cuda_graphs=True, graphs_capture=False))
+    padded = Generator(model, _graph_settings(num_blocks=num_blocks, cuda_graphs=True,
+                                              graphs_capture=False))
     out = padded.generate(PROMPTS, params, n=3)
     graphs = padded.runner.graphs
     assert graphs is not None and len(graphs._buckets) >= 3  # several bucket sizes were used
@@ -190,7 +198,7 @@ def test_cuda_graphs_setting_is_eager_off_cuda(model):
 
 def test_graph_capture_needs_the_triton_attention_path(model):
     """A captured decode graph cannot hold the PyTorch attention path's host reads, so with
-    that path (kernels="torch", or TANDEM_KERNELS=torch) the runner does not capture; asking
+    that path (kernels="torch", or advanced.kernels = torch) the runner does not capture; asking
     for capture on the CPU here would otherwise try CUDA streams."""
     gen = Generator(model, _graph_settings(cuda_graphs=True, graphs_capture=True, kernels="torch"))
     assert gen.runner.graphs is None
@@ -201,9 +209,9 @@ def test_graph_capture_needs_the_triton_attention_path(model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_with_pytorch_attention_run_eagerly_on_gpu(model, monkeypatch):
-    """TANDEM_KERNELS=torch with cuda_graphs on: decode runs eagerly (it used to fail in capture)."""
-    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+def test_cuda_graphs_with_pytorch_attention_run_eagerly_on_gpu(model, kernels):
+    """The torch kernels with cuda_graphs on: decode runs eagerly (it used to fail in capture)."""
+    kernels("torch")
     m = Transformer(model.args).cuda()
     m.load_state_dict(model.state_dict())
     m.reset_rope()
@@ -212,7 +220,7 @@ def test_cuda_graphs_with_pytorch_attention_run_eagerly_on_gpu(model, monkeypatc
     gen = Generator(m, _graph_settings(cuda_graphs=True))
     assert gen.runner.graphs is None
     out = gen.generate(PROMPTS, params, n=2)
-    monkeypatch.delenv("TANDEM_KERNELS")
+    kernels(None)
     ref = Generator(m, _graph_settings()).generate(PROMPTS, params, n=2)
     assert_same_samples(flat(ref), flat(out), atol=1e-4)
 
@@ -236,16 +244,12 @@ def test_cuda_graph_decode_matches_eager_on_gpu(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_inference_layout_keeps_greedy_tokens(model):
-    """The CUDA rollout copy fuses q/k/v and gate/up (tandem.rl.rollout.generation.inference_layout); with decode
-    graphs its greedy tokens equal the training layout's (fp32)."""
-    from tandem.rl.rollout.generation import build_generation_model
-
-    class Policy:
-        state_module = copy.deepcopy(model).cuda()
-
+    """The CUDA rollout copy fuses q/k/v and gate/up (`inference_layout`); with decode graphs its
+    greedy tokens equal the training layout's (fp32)."""
     cuda = torch.device("cuda")
-    fused, _ = build_generation_model(Policy(), model.args, cuda)
-    plain, _ = build_generation_model(Policy(), model.args, cuda, layout=False)
+    copy_ = GenerationCopy(copy.deepcopy(model).cuda(), model.args, GenerationLayout(), cuda)
+    fused, _ = copy_.build()
+    plain, _ = copy_.build(inference=False)
     assert fused.layers["0"].attention.wqkv is not None and plain.layers["0"].attention.wqkv is None
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     out = Generator(fused, _graph_settings(cuda_graphs=True)).generate(PROMPTS, params, n=2)
@@ -255,8 +259,9 @@ def test_cuda_inference_layout_keeps_greedy_tokens(model):
 
 def test_generation_copy_takes_the_rollout_dtype(model):
     """rollout.dtype: the copy's floating tensors are cast (auto: the update's compute dtype on
-    CUDA, the parameters' own dtype elsewhere); its log-probs stay within bf16 rounding of the fp32 model's."""
-    from tandem.rl.rollout.generation import build_generation_model, generation_dtype
+    CUDA, the parameters' own dtype elsewhere); its log-probs stay within bf16 rounding of the
+    fp32 model's."""
+    from tandem.rl.rollout.sampling import generation_dtype
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert generation_dtype("auto", cuda, "bfloat16") is torch.bfloat16
@@ -264,44 +269,43 @@ def test_generation_copy_takes_the_rollout_dtype(model):
     assert generation_dtype("float32", cuda, "bfloat16") is torch.float32
     assert generation_dtype("bfloat16", cpu, "float32") is torch.bfloat16
 
-    class Policy:  # what build_generation_model reads of an tandem/rl/update/policy.py policy
-        state_module = model
-
-    gen_model, metrics = build_generation_model(Policy(), model.args, cpu, torch.bfloat16)
+    copy_ = GenerationCopy(model, model.args, GenerationLayout(), cpu, torch.bfloat16)
+    gen_model, metrics = copy_.build()
     assert {p.dtype for p in gen_model.parameters()} == {torch.bfloat16}
     assert metrics["reshard/gb"] > 0
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         ref = torch.log_softmax(model(ids)[0].float(), -1)
         out = torch.log_softmax(gen_model(ids)[0].float(), -1)
-    assert (out - ref).abs().max() < 0.02  # bf16 rounding (0.005 measured) of weights and activations
+    # bf16 rounding (0.005 measured) of weights and activations
+    assert (out - ref).abs().max() < 0.02
     assert (out - ref).abs().max() > 0  # the cast happened
 
 
 def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
     """The rollout copy's CPU layout: by default the training layout (plain linears, nothing
     fused); with ``rollout.cpu_onednn`` fused projections on oneDNN
-    (tandem/rl/rollout/generation.py), whose greedy tokens are the naive loop's on the training
-    model, sampled log-probs within 1e-5 of its training forward, and sampled tokens equal to
-    the plain copy's."""
+    (tandem/parallel/generation_layout.py), whose greedy tokens are the naive loop's on the
+    training model, sampled log-probs within 1e-5 of its training forward, and sampled tokens
+    equal to the plain copy's."""
     from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
-    from tandem.rl.rollout.generation import build_generation_model
-
-    class Policy:
-        state_module = model
 
     cpu = torch.device("cpu")
-    default, _ = build_generation_model(Policy(), model.args, cpu)
+    default, _ = GenerationCopy(model, model.args, GenerationLayout(), cpu).build()
     assert default.layers["0"].attention.wqkv is None
     assert not any(isinstance(m, OneDNNLinear) for m in default.modules())
-    fused, _ = build_generation_model(Policy(), model.args, cpu, cpu_onednn=True)
-    plain, _ = build_generation_model(Policy(), model.args, cpu, layout=False)
+    copy_ = GenerationCopy(model, model.args, GenerationLayout(), cpu, cpu_onednn=True)
+    fused, _ = copy_.build()
+    plain, _ = copy_.build(inference=False)
     assert plain.layers["0"].attention.wqkv is None
     if not onednn_linear_available():
         pytest.skip("this PyTorch build has no oneDNN linear: the layout does not apply")
-    assert fused.layers["0"].attention.wqkv is not None and isinstance(fused.layers["0"].feed_forward.w2, OneDNNLinear)
+    assert (fused.layers["0"].attention.wqkv is not None
+            and isinstance(fused.layers["0"].feed_forward.w2, OneDNNLinear))
     settings = GenerationSettings(block_size=4, num_blocks=256, max_model_len=96)
-    out = Generator(fused, settings).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    out = Generator(fused, settings).generate(PROMPTS,
+                                              SamplingParams(temperature=0.0, max_tokens=12,
+                                                             ignore_eos=True))
     for p, (c,) in zip(PROMPTS, out, strict=True):
         assert c.token_ids == naive_greedy(model, p, 12)
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
@@ -309,8 +313,8 @@ def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
     assert_same_samples(flat(Generator(plain, settings).generate(PROMPTS, params, n=2)), flat(out))
     for p, group in zip(PROMPTS, out, strict=True):
         for c in group:
-            torch.testing.assert_close(torch.tensor(list(c.raw_logprobs)), train_logprobs(model, p, c.token_ids),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(list(c.raw_logprobs)),
+                                       train_logprobs(model, p, c.token_ids), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("num_blocks", [256, 24])
@@ -324,7 +328,8 @@ def test_decode_mirror_equals_page_gather(model, num_blocks):
     """
     params = [SamplingParams(temperature=1.0, max_tokens=4 + 3 * i, seed=7 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    ref = Generator(model, _graph_settings(num_blocks=num_blocks, decode_mirror=False)).generate(PROMPTS, params, n=3)
+    ref = Generator(model, _graph_settings(num_blocks=num_blocks, decode_mirror=False)).generate(
+        PROMPTS, params, n=3)
     gen = Generator(model, _graph_settings(num_blocks=num_blocks))
     out = gen.generate(PROMPTS, params, n=3)
     mirror = gen.runner.mirror
@@ -343,13 +348,15 @@ def test_decode_mirror_random_workloads(model):
     used = 0
     for _ in range(24):
         bs = rng.choice([1, 2, 4, 8, 16])
-        prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 6))]
+        prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 40))]
+                   for _ in range(rng.randint(1, 6))]
         need = -(-(max(map(len, prompts)) + 40) // bs)
         kw = dict(block_size=bs, num_blocks=rng.choice([need + rng.randint(0, 3), 4 * need, 512]),
-                  max_num_batched_tokens=rng.choice([8, 16, 64, 2048]), prefix_sharing=rng.random() < 0.7,
-                  max_model_len=96)
+                  max_num_batched_tokens=rng.choice([8, 16, 64, 2048]),
+                  prefix_sharing=rng.random() < 0.7, max_model_len=96)
         params = [SamplingParams(temperature=rng.choice([0.0, 1.0, 0.7]), top_k=rng.choice([0, 20]),
-                                 max_tokens=rng.randint(1, 30), seed=rng.randrange(1000), ignore_eos=True)
+                                 max_tokens=rng.randint(1, 30), seed=rng.randrange(1000),
+                                 ignore_eos=True)
                   for _ in prompts]
         n, env = rng.randint(1, 4), [rng.randrange(1, 300) for _ in range(rng.randint(1, 5))]
         runs = []
@@ -357,8 +364,10 @@ def test_decode_mirror_random_workloads(model):
             gen = Generator(model, GenerationSettings(**kw, decode_mirror=mirror))
             out = gen.generate(prompts, params, n=n)
             # multi-turn: pause after 3 tokens, append an environment reply, finish
-            seq = gen.add(prompts[0], SamplingParams(temperature=1.0, max_tokens=8, seed=5, ignore_eos=True))[0]
-            other = gen.add(prompts[-1], SamplingParams(temperature=1.0, max_tokens=12, seed=6, ignore_eos=True))[0]
+            seq = (gen.add(prompts[0], SamplingParams(temperature=1.0, max_tokens=8, seed=5,
+                                                      ignore_eos=True))[0])
+            other = (gen.add(prompts[-1], SamplingParams(temperature=1.0, max_tokens=12, seed=6,
+                                                         ignore_eos=True))[0])
             while seq.num_generated < 3:
                 gen.step()
             gen.pause(seq)

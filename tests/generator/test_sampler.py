@@ -180,7 +180,8 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
 
     calls = []
     real = sampler_module.exponential_noise
-    monkeypatch.setattr(sampler_module, "exponential_noise", lambda keys, *a: calls.append(len(keys)) or real(keys, *a))
+    monkeypatch.setattr(sampler_module, "exponential_noise",
+                        lambda keys, *a: calls.append(len(keys)) or real(keys, *a))
     torch.manual_seed(3)
     steps = [[(s, i) for s in (5, 6, 7)] for i in range(10, 20)]
     steps[4] = steps[4] + [(9, 0)]  # joins
@@ -196,7 +197,8 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
         for g, w in zip(got, want):
             assert torch.equal(g, w)
     logits = torch.randn(3, 32)  # the same keys again, another vocabulary: a new block
-    for g, w in zip(ahead.sample(logits, params[:1] * 3, steps[-1]), single.sample(logits, params[:1] * 3, steps[-1])):
+    for g, w in zip(ahead.sample(logits, params[:1] * 3, steps[-1]),
+                    single.sample(logits, params[:1] * 3, steps[-1])):
         assert torch.equal(g, w)
     steps.append(steps[-1])
     ahead_calls = sum(1 for n in calls if n > len(steps[0]) + 1)  # the blocks computed ahead
@@ -218,7 +220,8 @@ def test_hash_matches_exact_integer_arithmetic() -> None:
         x = (x * 0x846CA68B) & 0xFFFFFFFF
         return x ^ (x >> 16)
 
-    xs = [0, 1, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF] + list(torch.randint(0, 2**32, (2000,)).tolist())
+    xs = ([0, 1, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF]
+          + list(torch.randint(0, 2**32, (2000,)).tolist()))
     got = _mix32(torch.tensor(xs, dtype=torch.int64)).tolist()
     assert got == [mix(x) for x in xs]
 
@@ -327,21 +330,21 @@ def test_one_pass_noise_matches_the_tensor_hash(vocab: int) -> None:
 
 
 @pytest.mark.skipif(not _triton_can_run(), reason="Triton cannot run here")
-def test_one_pass_noise_only_when_forced(monkeypatch) -> None:
+def test_one_pass_noise_only_when_forced(kernels) -> None:
     """The kernel is untimed, so unforced calls keep the tensor hash on every device;
-    TANDEM_KERNELS=triton routes the sampler's noise through it, with the same tokens."""
+    advanced.kernels = triton routes the sampler's noise through it, with the same tokens."""
     from tandem.kernels.sampling_noise import use_one_pass_noise
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     probe = torch.empty(0, device=device)
-    monkeypatch.delenv("TANDEM_KERNELS", raising=False)
+    kernels(None)
     assert not use_one_pass_noise(probe)
     torch.manual_seed(0)
     logits = (3 * torch.randn(6, 200)).to(device)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)] * 3
     keys = [(11, i) for i in range(6)]
     want = Sampler(ahead=1).sample(logits, params, keys)
-    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    kernels("triton")
     assert use_one_pass_noise(probe)
     got = Sampler(ahead=1).sample(logits, params, keys)
     assert torch.equal(got[0], want[0])

@@ -25,7 +25,8 @@ def test_tiled_mm_rows_do_not_depend_on_the_batch():
         alone = torch.cat([bi.tiled_mm(x[i:i + 1], w) for i in range(70)])
         for m in (2, 7, 16, 70):
             assert torch.equal(bi.tiled_mm(x[:m], w), alone[:m]), (dtype, m)
-        torch.testing.assert_close(alone.float(), (x.float() @ w.float()), atol=0.1 if dtype == torch.bfloat16 else 1e-4,
+        torch.testing.assert_close(alone.float(), (x.float() @ w.float()),
+                                   atol=0.1 if dtype == torch.bfloat16 else 1e-4,
                                    rtol=0.02 if dtype == torch.bfloat16 else 1e-5)
     with bi.exact_mode():  # the override routes nn.Linear through the tiles
         lin = torch.nn.Linear(96, 40, bias=True)

@@ -33,12 +33,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COUNTS = [0, 5, 40, 0, 3, 17, 1, 0]
 
 
-def _problem(counts: list[int], k: int, n: int, dtype=torch.float32, seed: int = 0, transposed: bool = True):
+def _problem(counts: list[int], k: int, n: int, dtype=torch.float32, seed: int = 0,
+             transposed: bool = True):
     g = torch.Generator().manual_seed(seed)
     m, e = sum(counts), len(counts)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     # The model passes w1.transpose(1, 2) views of [E, N, K] parameters: test that layout too.
-    w = torch.randn(e, n, k, generator=g).transpose(1, 2) if transposed else torch.randn(e, k, n, generator=g)
+    w = (torch.randn(e, n, k, generator=g).transpose(1, 2) if transposed
+         else torch.randn(e, k, n, generator=g))
     offsets = torch.tensor(counts).cumsum(0).to(DEVICE, torch.int32)
     return x, w.to(DEVICE, dtype), offsets
 
@@ -108,7 +110,8 @@ def test_argument_errors():
 def test_permute_unpermute_equal_a_loop():
     g = torch.Generator().manual_seed(3)
     t, k, e = 11, 3, 5
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, k] distinct per token
+    # [T, k] distinct per token
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     ids[0] = torch.tensor([4, 1, 0])
     order, offsets = permute_tokens(ids, e)
     flat = ids.reshape(-1).tolist()
@@ -140,8 +143,9 @@ def test_many_experts_few_rows(impl):
     assert (wa.grad - wr.grad).abs().max().item() <= 1e-5
 
 
-def test_moe_block_on_triton_equals_torch(monkeypatch):
-    """The model's MoE block (three grouped GEMMs per layer) through each path, forward and backward."""
+def test_moe_block_on_triton_equals_torch(kernels):
+    """The model's MoE block (three grouped GEMMs per layer) through each path, forward
+    and backward."""
     from tandem.models import get_flavor
     from tandem.models.moe import MoE
 
@@ -153,7 +157,7 @@ def test_moe_block_on_triton_equals_torch(monkeypatch):
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
     for impl in ("torch", "triton"):
-        monkeypatch.setenv("TANDEM_KERNELS", impl)
+        kernels(impl)
         block.zero_grad()
         y = block(x)
         y.square().sum().backward()

@@ -214,10 +214,10 @@ def test_saves_no_logits() -> None:
 
 
 def test_unforced_calls_take_triton_on_cuda_and_the_chunked_path_elsewhere(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, kernels,
 ) -> None:
     """Unforced calls take the Triton kernel on CUDA (it measured 2x faster than the chunked
-    path on an H200) and the chunked path on the CPU; TANDEM_KERNELS overrides either way."""
+    path on an H200) and the chunked path on the CPU; the process's choice overrides either way."""
     import tandem.kernels.logprobs as lp
 
     calls: list[str] = []
@@ -234,18 +234,19 @@ def test_unforced_calls_take_triton_on_cuda_and_the_chunked_path_elsewhere(
     for name in ("_ChunkedLogprobs", "_TritonLogprobs"):
         monkeypatch.setattr(getattr(lp, name), "apply", recording(name))
     h, w, tgt = _inputs(6, 11, 8)
-    monkeypatch.delenv("TANDEM_KERNELS", raising=False)
+    kernels(None)
     ref, _ = token_logprobs_entropy_reference(h, w, tgt)
     logp, _ = token_logprobs_entropy(h, w, tgt, chunk_tokens=4)
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
-    default = "_TritonLogprobs" if torch.cuda.is_available() and triton_available() else "_ChunkedLogprobs"
+    default = ("_TritonLogprobs" if torch.cuda.is_available() and triton_available()
+               else "_ChunkedLogprobs")
     assert calls == [default]
-    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+    kernels("torch")
     logp, _ = token_logprobs_entropy(h, w, tgt, chunk_tokens=4)
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
     assert calls == [default, "_ChunkedLogprobs"]
     if TRITON_OK:
-        monkeypatch.setenv("TANDEM_KERNELS", "triton")
+        kernels("triton")
         logp, _ = token_logprobs_entropy(h, w, tgt)
         torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
         assert calls == [default, "_ChunkedLogprobs", "_TritonLogprobs"]

@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 
 from tandem.kernels import paged_attention as pa  # noqa: E402
 from tandem.kernels.dispatch import (  # noqa: E402
-    ENV_VAR,
+    chosen_kernels,
     triton_available,
     triton_interpreting,
     use_triton,
@@ -213,18 +213,21 @@ def test_loop_reference_and_batched_fallback_match_naive(
     b = make_batch(MIXED, block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.context_lens, b.scale)
     naive = naive_attention(b)
-    torch.testing.assert_close(pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5,
+                               rtol=1e-5)
     monkeypatch.setattr(pa, "_BATCHED_SCORE_LIMIT", 0)
-    torch.testing.assert_close(pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size,hq,hkv,d", HEADS_AND_DIMS[:3])
 def test_torch_pure_decode_matches_naive(block_size: int, hq: int, hkv: int, d: int) -> None:
     """One query per sequence takes the fused-SDPA branch of the PyTorch path (fp32); a
     padded row (context 0) takes the masked-softmax branch and gives zeros."""
-    b = make_batch([(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
-    out = pa.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, b.scale,
-                                    impl="torch")
+    b = make_batch([(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d,
+                   impl="torch")
+    out = pa.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens,
+                                    b.scale, impl="torch")
     torch.testing.assert_close(out.double().cpu(), naive_attention(b), atol=1e-5, rtol=1e-5)
     ctx = torch.cat([b.context_lens, b.context_lens.new_zeros(1)])
     tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables[:1])])
@@ -247,7 +250,8 @@ def test_reference_store_kv_writes_only_valid_slots() -> None:
 
 @pytest.mark.parametrize("slots", [[9, -1, 2, 5], [3, 0, 11, 6]])
 def test_store_kv_slots_matches_reference(slots: list[int]) -> None:
-    """The generator's PyTorch store (slots resolved once per step) writes what the reference does."""
+    """The generator's PyTorch store (slots resolved once per step) writes what the
+    reference does."""
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
     mapping = torch.tensor(slots, dtype=torch.int32)
@@ -411,30 +415,30 @@ def test_bad_shapes_raise() -> None:
         pa.store_kv(b.q[:, :2], b.q[:, :2], b.k_cache, b.v_cache, b.cu_seqlens_q.float())
 
 
-def test_use_triton_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_use_triton_precedence(monkeypatch: pytest.MonkeyPatch, kernels) -> None:
     cpu = torch.zeros(1)
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    kernels(None)
     assert use_triton(cpu) is False  # CPU tensor: reference by default
     assert use_triton(cpu, "torch") is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if triton_interpreting():  # CPU runs: conftest set it before triton was first imported
         assert use_triton(cpu, "triton") is True
-        monkeypatch.setenv(ENV_VAR, "triton")
+        kernels("triton")
         assert use_triton(cpu) is True
     else:  # a CUDA machine: triton loaded compiled, so a CPU tensor cannot take the kernel
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             use_triton(cpu, "triton")
-        monkeypatch.setenv(ENV_VAR, "triton")
+        kernels("triton")
         assert use_triton(torch.zeros(1, device="cuda")) is True
-    assert use_triton(cpu, "torch") is False  # the argument beats the environment
-    monkeypatch.setenv(ENV_VAR, "torch")
+    assert use_triton(cpu, "torch") is False  # the argument beats the process's choice
+    kernels("torch")
     assert use_triton(cpu) is False
-    monkeypatch.setenv(ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match=ENV_VAR):
-        use_triton(cpu)
+    kernels("auto")
+    assert chosen_kernels() is None and use_triton(cpu) is False
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of auto, triton, torch"):
+        kernels("cuda")
     with pytest.raises(ValueError, match="impl"):
         use_triton(cpu, "tirton")
-    monkeypatch.delenv(ENV_VAR)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         use_triton(cpu, "triton")
@@ -453,9 +457,10 @@ def test_imports_and_runs_without_triton() -> None:
         "out = pa.paged_decode_attention(torch.randn(1, 2, 8), kc, vc,\n"
         "    torch.tensor([[0, 1]], dtype=torch.int32),\n"
         "    torch.tensor([3], dtype=torch.int32), 0.3)\n"
-        "assert out.shape == (1, 2, 8) and 'tandem.kernels.triton_paged_attention' not in sys.modules\n"
+        "assert out.shape == (1, 2, 8) and 'tandem.kernels.triton_paged_attention' not in "
+        "sys.modules\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120

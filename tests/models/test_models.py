@@ -56,11 +56,13 @@ def test_fused_projections_match_transformers(hf_folder):
     from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
 
     family, path = hf_folder
-    ref, ours = hf_reference(path), load_model(path).fuse_projections().fuse_projections()  # the second: no-op
+    # the second: no-op
+    ref, ours = hf_reference(path), load_model(path).fuse_projections().fuse_projections()
     converted = use_onednn_linears(ours)
     keys = set(ours.state_dict())
     assert "layers.0.attention.wqkv.weight" in keys and "layers.0.feed_forward.w13.weight" in keys
-    assert not any(k.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) for k in keys)
+    assert not any(k.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight"))
+                   for k in keys)
     assert ("layers.0.attention.wqkv.bias" in keys) == (family == "qwen2")
     if onednn_linear_available():
         assert converted == 4 * ours.args.num_layers + 1 and isinstance(ours.output, OneDNNLinear)
@@ -151,7 +153,8 @@ def test_document_attention_mask_and_batch():
 
 def _segments_of(doc_ids, branch_ids):
     """Reference segment lists from the labels: per (doc, branch > 0) the doc's branch-0 positions
-    then the branch's; a doc without branches is one segment. Built by brute force, not the packer."""
+    then the branch's; a doc without branches is one segment. Built by brute force, not
+    the packer."""
     flat_d, flat_b = doc_ids.reshape(-1).tolist(), branch_ids.reshape(-1).tolist()
     segs, src = [], {}
     for doc in sorted({d for d in flat_d if d >= 0}):
@@ -166,7 +169,8 @@ def _segments_of(doc_ids, branch_ids):
             segs.append(seg)
     w = max(map(len, segs))
     gather = torch.tensor([s + [s[0]] * (w - len(s)) for s in segs])
-    scatter = torch.tensor([src[i][0] * w + src[i][1] if i in src else 0 for i in range(len(flat_d))])
+    scatter = torch.tensor([src[i][0] * w + src[i][1] if i in src else 0
+                            for i in range(len(flat_d))])
     return gather, scatter
 
 
@@ -183,7 +187,8 @@ def test_segment_attention_equals_document_attention(kv_heads):
     real = (doc_ids >= 0)[..., None, None].float()
     weight = torch.randn(2, 10, 4, 8, generator=g) * real  # padding outputs are never read
     outs = []
-    for attn in (DocumentAttention(doc_ids, branch_ids), SegmentAttention(*_segments_of(doc_ids, branch_ids))):
+    for attn in (DocumentAttention(doc_ids, branch_ids),
+                 SegmentAttention(*_segments_of(doc_ids, branch_ids))):
         out = attn(0, q, k, v)
         grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
         outs.append((out * real, grads))
@@ -192,7 +197,8 @@ def test_segment_attention_equals_document_attention(kv_heads):
     for a, b in zip(got_g, want_g):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     # the reference is not trivially equal: dropping the branch structure changes the result
-    plain = SegmentAttention(*_segments_of(doc_ids, torch.zeros_like(branch_ids)))(0, q, k, v) * real
+    plain = (SegmentAttention(*_segments_of(doc_ids,
+                                            torch.zeros_like(branch_ids)))(0, q, k, v) * real)
     assert (plain - want).abs().max() > 1e-2
 
 

@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import ModelArgs, Transformer, get_flavor, load_model, read_hf_state_dict, save_hf
+from tandem.models import (
+    ModelArgs,
+    Transformer,
+    get_flavor,
+    load_model,
+    read_hf_state_dict,
+    save_hf,
+)
 from tandem.models.moe import MoE, moe_layers, router_loss, set_token_mask
 from tandem.models.tokenizer import build_char_tokenizer
 from tests.fixtures import TINY_VOCAB, hf_reference, randomize_
@@ -38,7 +45,8 @@ def tiny_moe_config(family: str, **overrides):
     if family == "qwen3_moe":
         kwargs, cls = dict(head_dim=32, norm_topk_prob=True, mlp_only_layers=[1]), Qwen3MoeConfig
     elif family == "qwen2_moe":
-        kwargs = dict(shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2)
+        kwargs = dict(shared_expert_intermediate_size=48, norm_topk_prob=False,
+                      decoder_sparse_step=2)
         cls = Qwen2MoeConfig
     else:
         raise KeyError(family)
@@ -73,7 +81,8 @@ def test_logits_and_routing_match_transformers(moe_folder):
     ref, ours = hf_reference(path), load_model(path)
     assert ours.args.model_type == family and ours.args.num_experts == 8
     moe_ids = sorted(int(k) for k in moe_layers(ours))
-    assert moe_ids == ([0, 2] if family == "qwen3_moe" else [1])  # mlp_only_layers / decoder_sparse_step
+    # mlp_only_layers / decoder_sparse_step
+    assert moe_ids == ([0, 2] if family == "qwen3_moe" else [1])
     assert all(hasattr(ours.layers[str(i)], "feed_forward") for i in range(3) if i not in moe_ids)
     x = _tokens(2, 40)
     out = ref(x, output_router_logits=True)
@@ -97,7 +106,8 @@ def test_fused_inference_layout_matches_transformers(moe_folder):
     ref, ours = hf_reference(path), load_model(path).fuse_projections()
     keys = set(ours.state_dict())
     assert ("layers.1.moe.shared_experts.w13.weight" in keys) == (family == "qwen2_moe")
-    assert "layers.0.attention.wqkv.weight" in keys and not any(k.endswith("w1.weight") for k in keys)
+    assert "layers.0.attention.wqkv.weight" in keys and not any(k.endswith("w1.weight")
+                                                                for k in keys)
     x = _tokens(2, 24, seed=7)
     assert (ours(x) - ref(x).logits).abs().max().item() <= TOL
 
@@ -105,7 +115,8 @@ def test_fused_inference_layout_matches_transformers(moe_folder):
 def test_export_reload_bit_exact_and_transformers_reads_it(moe_folder, tmp_path):
     family, path = moe_folder
     model = load_model(path)
-    assert model.layers[str(sorted(int(k) for k in moe_layers(model))[0])].moe.experts.w1.shape == (8, 32, 64)
+    assert (model.layers[str(sorted(int(k) for k in moe_layers(model))[0])].moe.experts.w1.shape
+            == (8, 32, 64))
     out = save_hf(model.state_dict(), model.args, tmp_path / "export", max_shard_bytes=200_000)
     original, exported = read_hf_state_dict(path), read_hf_state_dict(out)
     assert sorted(original) == sorted(exported)
@@ -134,22 +145,26 @@ def test_args_round_trip_and_errors():
     with pytest.raises(ValueError, match="no Hugging Face layout"):
         get_flavor("debug-dsv3-moe").to_hf()
     with pytest.raises(ValueError, match="num_experts_per_tok"):
-        ModelArgs(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8)
+        ModelArgs(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5,
+                  moe_intermediate_size=8)
     with pytest.raises(ValueError, match="dense"):
         ModelArgs(model_type="qwen3", num_experts=4)
     with pytest.raises(ValueError, match="shared expert"):
-        ModelArgs(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+        ModelArgs(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=8)
 
 
 def test_num_params_and_active_flops():
     args = get_flavor("debug-qwen3-moe")
     model = Transformer(args)
     assert args.num_params() == sum(p.numel() for p in model.parameters())
-    d, i, e, k = args.hidden_size, args.moe_intermediate_size, args.num_experts, args.num_experts_per_tok
+    d, i, e, k = (args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                  args.num_experts_per_tok)
     dense = args.replace(model_type="qwen3", num_experts=0, intermediate_size=k * i)
     # A token meets k experts and the router: the dense twin with k*I hidden units, plus D*E.
     per_layer_router = d * e
-    assert args.flops_per_token(64) == dense.flops_per_token(64) + 6 * args.num_layers * per_layer_router
+    assert (args.flops_per_token(64) == dense.flops_per_token(64)
+            + 6 * args.num_layers * per_layer_router)
 
 
 # ------------------------------------------------------------------ losses
@@ -184,12 +199,15 @@ def test_aux_and_z_loss_equal_the_formulas_and_transformers(moe_folder):
         assert moe.aux_loss.requires_grad and moe.z_loss.requires_grad
         hand = _hand_aux_loss(hf_logits, 2)
         assert abs(moe.aux_loss.item() - hand.item()) <= 1e-5, key
-        assert abs(moe.aux_loss.item() - load_balancing_loss_func((hf_logits,), 8, 2).item()) <= 1e-5
-        assert abs(moe.z_loss.item() - _hand_z_loss(hf_logits).item()) <= 1e-4 * _hand_z_loss(hf_logits).item()
+        assert (abs(moe.aux_loss.item() - load_balancing_loss_func((hf_logits,), 8, 2).item())
+                <= 1e-5)
+        assert (abs(moe.z_loss.item() - _hand_z_loss(hf_logits).item())
+                <= 1e-4 * _hand_z_loss(hf_logits).item())
         assert moe.tokens_per_expert.sum().item() == 64 * 2
     if len(layers) == 1:  # transformers pools layers first; equal for one layer
         assert abs(list(layers.values())[0].aux_loss.item() - out.aux_loss.item()) <= 1e-5
-    want = sum(0.01 * _hand_aux_loss(h, 2) + 0.5 * _hand_z_loss(h) for h in out.router_logits) / len(layers)
+    want = (sum(0.01 * _hand_aux_loss(h, 2) + 0.5 * _hand_z_loss(h)
+                for h in out.router_logits) / len(layers))
     total = router_loss(ours)
     assert abs(total.item() - want.item()) <= 1e-5 * want.item()
     total.backward()  # the losses reach the routers (and nothing past them needs them)
@@ -206,7 +224,8 @@ def test_router_losses_count_only_the_masked_in_tokens(moe_folder):
     ref, ours = hf_reference(path), load_model(path)
     x = _tokens(2, 32, seed=7)
     mask = torch.zeros(2, 32, dtype=torch.bool)
-    mask[0, :20], mask[1, :9] = True, True  # pads after the real tokens: causal attention never sees them
+    # pads after the real tokens: causal attention never sees them
+    mask[0, :20], mask[1, :9] = True, True
     with torch.no_grad():
         out = ref(x, output_router_logits=True)
     set_token_mask(ours, mask)
@@ -261,8 +280,8 @@ def _block(flavor: str, seed: int = 0, **changes) -> MoE:
 def test_dispatch_equals_a_per_token_loop(case):
     changes = {
         "qwen3": {},
-        "qwen2-shared": dict(model_type="qwen2_moe", qk_norm=None, qkv_bias=None, norm_topk_prob=False,
-                             shared_expert_intermediate_size=24),
+        "qwen2-shared": dict(model_type="qwen2_moe", qk_norm=None, qkv_bias=None,
+                             norm_topk_prob=False, shared_expert_intermediate_size=24),
         "k1-unnormalised": dict(num_experts_per_tok=1, norm_topk_prob=False),
     }[case]
     block = _block("debug-qwen3-moe", **changes)

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL against transformers: pixel values, token ids, M-RoPE positions, logits, grads, HF I/O.
+"""Qwen2.5-VL against transformers: pixel values, token ids, M-RoPE positions, logits,
+grads, HF I/O.
 
 The reference is transformers' ``Qwen2_5_VLForConditionalGeneration`` and its processor
 (``Qwen2VLImageProcessorPil``, the Pillow image processor, with the tokenizer) on tiny random
@@ -40,12 +41,14 @@ def noise_image(width: int, height: int, seed: int, mode: str = "RGB") -> Image.
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def folder(request, tmp_path_factory):
-    return write_hf_vlm(tmp_path_factory.mktemp(f"vlm-{request.param}"), seed=5, tie=request.param == "tied")
+    return write_hf_vlm(tmp_path_factory.mktemp(f"vlm-{request.param}"), seed=5,
+                        tie=request.param == "tied")
 
 
 @pytest.fixture(scope="module")
 def hf_processor(folder):
-    """transformers' Qwen2.5-VL processor for images and text (its video processor needs torchvision)."""
+    """transformers' Qwen2.5-VL processor for images and text (its video processor needs
+    torchvision)."""
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
@@ -62,16 +65,19 @@ def hf_processor(folder):
 
 
 def _prompt(tok: Tokenizer, images: list[Image.Image], question: str) -> str:
-    content = [{"type": "image", "image": f"img{i}"} for i in range(len(images))] + [{"type": "text", "text": question}]
+    content = ([{"type": "image", "image": f"img{i}"} for i in range(len(images))]
+               + [{"type": "text", "text": question}])
     if len(images) == 2:  # text between the two images
         content = [content[0], {"type": "text", "text": "and"}, content[1], content[2]]
-    return tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return tok.apply_chat_template([{"role": "user", "content": content}],
+                                   add_generation_prompt=True)
 
 
 def _ours(folder, tok: Tokenizer, proc: ImageProcessor, text: str, images: list[Image.Image]):
     """Token ids, M-RoPE positions [3, S] and image inputs the way Tandem builds them."""
     image_id = tok.token_to_id(IMAGE_PAD)
-    ids = expand_image_tokens(tok.encode(text), [proc.num_tokens(im.width, im.height) for im in images], image_id)
+    ids = expand_image_tokens(tok.encode(text),
+                              [proc.num_tokens(im.width, im.height) for im in images], image_id)
     groups = [proc(images)] if images else []
     grids = groups[0][1].tolist() if images else []
     positions, delta = mrope_positions(ids, grids, image_id, proc.merge_size)
@@ -102,7 +108,8 @@ def test_inputs_and_logits_match_transformers(folder, hf_processor, case):
     if images:
         assert torch.equal(inputs.groups[0][0], enc["pixel_values"])  # bit for bit
         assert torch.equal(inputs.groups[0][1], enc["image_grid_thw"])
-        hf_pos, hf_delta = ref.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"], enc["image_grid_thw"])
+        hf_pos, hf_delta = ref.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
+                                                    enc["image_grid_thw"])
         assert torch.equal(positions, hf_pos[:, 0]) and delta == hf_delta.item()
     expected = ref(**enc).logits
     got = ours(torch.tensor([ids]), positions=positions[:, None], images=inputs)
@@ -145,9 +152,11 @@ def test_gradients_match_transformers(folder, hf_processor):
     targets = torch.tensor([ids[1:] + [0]])
     ref.train()  # no dropout in either model
     torch.nn.functional.cross_entropy(ref(**enc).logits[0], targets[0]).backward()
-    torch.nn.functional.cross_entropy(ours(torch.tensor([ids]), positions=positions[:, None], images=inputs)[0],
+    torch.nn.functional.cross_entropy(
+        ours(torch.tensor([ids]), positions=positions[:, None], images=inputs)[0],
                                       targets[0]).backward()
-    ref_grads = hf_to_tandem({n: p.grad for n, p in ref.named_parameters() if p.grad is not None}, ours.args)
+    ref_grads = hf_to_tandem({n: p.grad for n, p in ref.named_parameters() if p.grad is not None},
+                             ours.args)
     got = dict(ours.named_parameters())
     checked = 0
     for name, g in ref_grads.items():
@@ -176,8 +185,10 @@ def test_hf_export_round_trip(folder, tmp_path):
     assert src.keys() == exp.keys() and all(torch.equal(src[k], exp[k]) for k in src)
     cfg = Qwen2_5_VLConfig.from_pretrained(out)
     assert cfg.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
-    assert cfg.vision_config.fullatt_block_indexes == [1] and cfg.image_token_id == args.vision.image_token_id
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert (cfg.vision_config.fullatt_block_indexes == [1] and cfg.image_token_id
+            == args.vision.image_token_id)
+    assert (json.loads((out / "config.json").read_text())["architectures"]
+            == ["Qwen2_5_VLForConditionalGeneration"])
 
 
 def test_flat_hub_config_loads(folder, tmp_path):
@@ -193,9 +204,11 @@ def test_flat_hub_config_loads(folder, tmp_path):
     vision["in_chans"] = vision.pop("in_channels")
     flat["vision_config"] = vision
     (tmp_path / "config.json").write_text(json.dumps(flat))
-    assert load_args(tmp_path).replace(vision=None, model_type="qwen2") == load_args(folder).replace(
+    assert load_args(tmp_path).replace(vision=None,
+                                       model_type="qwen2") == load_args(folder).replace(
         vision=None, model_type="qwen2")
-    (tmp_path / "preprocessor_config.json").write_text((folder / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(
+        (folder / "preprocessor_config.json").read_text())
     assert load_args(tmp_path) == load_args(folder)
 
 
@@ -225,9 +238,11 @@ def test_pixels_of_other_modes_match_transformers(folder, mode, tmp_path):
     file = tmp_path / ("x.jpg" if mode == "CMYK" else "x.png")
     image.save(file)
     decoded = open_image(str(file))
-    expected = Qwen2VLImageProcessorPil.from_pretrained(folder)(images=[decoded], return_tensors="pt")
+    expected = Qwen2VLImageProcessorPil.from_pretrained(folder)(images=[decoded],
+                                                                return_tensors="pt")
     pixels, grid = ImageProcessor.from_dir(folder)([decoded])
-    assert torch.equal(pixels, expected["pixel_values"]) and torch.equal(grid, expected["image_grid_thw"])
+    assert (torch.equal(pixels, expected["pixel_values"])
+            and torch.equal(grid, expected["image_grid_thw"]))
 
 
 @pytest.mark.parametrize("bad", ["missing", "truncated", "not an image", "bad base64"])

@@ -8,7 +8,8 @@ materialised and loaded with the reference weights. Rank 0 also runs the same
 steps on a plain single-process copy and writes ``{"reference": {family: ...},
 "layouts": {name: ...}}`` to ``F`` (torch.save): both losses, the full gradients of
 the update step, the full weights after it, the worst disagreement between
-ranks holding the same parameter, and the wall time of the update step (forward, backward, optimizer).
+ranks holding the same parameter, and the wall time of the update step (forward, backward,
+optimizer).
 
 Loss: ``-(adv * logp * mask).sum() / mask.sum()`` over the *global* batch (plus
 an optional entropy bonus), with ``logp`` from tandem/parallel/loss.py. Each
@@ -30,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+# the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tandem.models.args import ModelArgs  # noqa: E402
 from tandem.models.transformer import Transformer  # noqa: E402
@@ -148,17 +150,20 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_fsdp2": Layout(Degrees(pp=2, dp_shard=2), schedule="1F1B"),
     "hsdp2x2": Layout(Degrees(dp_replicate=2, dp_shard=2)),
     "pp2_tp2": Layout(Degrees(pp=2, tp=2), schedule="1F1B"),
-    # mixture of experts: FSDP2 gathering the experts, then experts sharded (EP) over the FSDP2 ranks
+    # mixture of experts: FSDP2 gathering the experts, then experts sharded (EP) over the FSDP2
+    # ranks
     "fsdp2_moe": Layout(Degrees(dp_shard=2), family="qwen3-moe"),
     "fsdp2_ep2_moe": Layout(Degrees(dp_shard=2), family="qwen3-moe", ep=2),
     "fsdp4_ep4_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=4),
     "fsdp4_ep2_moe": Layout(Degrees(dp_shard=4), family="qwen3-moe", ep=2),
     "hsdp2x2_ep2_moe": Layout(Degrees(dp_replicate=2, dp_shard=2), family="qwen3-moe", ep=2),
-    # MoE under TP (tandem/parallel/moe_tp.py): experts split by hidden features, every rank routing all tokens
+    # MoE under TP (tandem/parallel/moe_tp.py): experts split by hidden features, every rank routing
+    # all tokens
     "tp2_moe": Layout(Degrees(tp=2), family="qwen3-moe"),
     "tp2_qwen2_moe_nosp": Layout(Degrees(tp=2), family="qwen2-moe", sequence_parallel=False),
     "fsdp2_tp2_qwen2_moe": Layout(Degrees(dp_shard=2, tp=2), family="qwen2-moe"),
-    "fsdp2_tp2_ep2_qwen2_moe": Layout(Degrees(dp_shard=2, tp=2), family="qwen2-moe", ep=2),  # attention TP, experts EP x TP
+    # attention TP, experts EP x TP
+    "fsdp2_tp2_ep2_qwen2_moe": Layout(Degrees(dp_shard=2, tp=2), family="qwen2-moe", ep=2),
 }
 
 
@@ -198,7 +203,8 @@ def fixed_batch(vocab: int, seed: int = 1) -> dict[str, torch.Tensor]:
 def token_loss(
     output: torch.Tensor, t: dict[str, torch.Tensor], *, scale: float, entropy_coef: float = 0.0
 ) -> torch.Tensor:
-    """This shard's share of the global loss: ``scale * sum(...)`` with scale = dp / global tokens."""
+    """This shard's share of the global loss: ``scale * sum(...)`` with scale = dp /
+    global tokens."""
     logp = vocab_parallel_token_logprobs(output, t["targets"])  # [b, S]
     loss = -(t["adv"] * logp * t["mask"]).sum()
     if entropy_coef:
@@ -278,7 +284,8 @@ def run_layout(layout: Layout, device: torch.device, steps: int = STEPS) -> dict
     scale = dp / float(batch["mask"].sum())  # global token count, known to every rank
 
     def prepare(module: torch.nn.Module) -> torch.nn.Module:
-        parallelize(module, mesh, sequence_parallel=layout.sequence_parallel, ac=layout.ac, ep=layout.ep)
+        parallelize(module, mesh, sequence_parallel=layout.sequence_parallel, ac=layout.ac,
+                    ep=layout.ep)
         module.to_empty(device=device)
         load_full_weights(module, full)
         return module

@@ -264,9 +264,9 @@ def test_rl_settings_cp_cannot_run_yet(overrides: list[str], message: str) -> No
     from types import SimpleNamespace
 
     from tandem.rl.config.schema import ConfigError, load_config
-    from tandem.rl.recipes.rl import RLRecipe
+    from tandem.rl.recipes.rl_settings import check_rl_settings
 
     cfg = load_config(str(ROOT / "configs" / "quickstart.toml"), ["parallel.cp=2", *overrides])
-    fake = SimpleNamespace(cfg=cfg, info=SimpleNamespace(device=torch.device("cpu")))
+    info = SimpleNamespace(device=torch.device("cpu"), world_size=2)
     with pytest.raises(ConfigError, match=message):
-        RLRecipe._check_layout_settings(fake, needs_values=False)
+        check_rl_settings(cfg, info, needs_values=False)

@@ -48,8 +48,8 @@ LAYOUTS_2 = [
     "tp2_moe",
     "tp2_qwen2_moe_nosp",
 ]
-LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe", "fsdp4_ep2_moe", "hsdp2x2_ep2_moe",
-             "fsdp2_tp2_qwen2_moe", "fsdp2_tp2_ep2_qwen2_moe"]
+LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe", "fsdp4_ep2_moe",
+             "hsdp2x2_ep2_moe", "fsdp2_tp2_qwen2_moe", "fsdp2_tp2_ep2_qwen2_moe"]
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, errors: bool) -> dict:
@@ -67,7 +67,7 @@ def _launch(nproc: int, layouts: list[str], out: Path, errors: bool) -> dict:
     ]
     if errors:
         cmd.append("--errors")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FORCE_CPU": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -152,8 +152,10 @@ def test_validate_tp_one_line(tp: int, needle: str) -> None:
     (4, 2, (2, 1, 2, 1), "pp=2"),
 ])
 def test_validate_ep_one_line(experts: int, ep: int, sizes: tuple, needle: str) -> None:
-    """EP groups of any divisor of dp_shard (and the experts) are accepted; the rest get one line."""
-    moe = _args(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    """EP groups of any divisor of dp_shard (and the experts) are accepted; the rest
+    get one line."""
+    moe = _args(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16)
     args = moe if experts else _args()
     dp_shard, tp, pp, dp_replicate = sizes
     with pytest.raises(ValueError) as e:

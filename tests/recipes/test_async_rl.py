@@ -32,12 +32,12 @@ def _cmd(dump, steps, nproc=2):
             "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
             f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
             "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
-            "--reward.num_workers=0", "--checkpoint.export_hf_at_end=false"]
+            "--reward.num_workers=0", "--checkpoint.export_hf_at_end=false",
+            "--advanced.dump_rollouts=true"]
 
 
 def _env(env):
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TANDEM_DUMP_ROLLOUTS": "1",
-            **(env or {})}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
 
 
 def _run(dump, *extra, env=None, steps=4):

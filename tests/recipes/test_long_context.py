@@ -32,7 +32,8 @@ def _agree(rows: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
         assert a["reward/total"] == b["reward/total"]  # the same samples
         assert a["response/length_mean"] == b["response/length_mean"]
         assert a["update/cp_effective"] == 2.0
-        for k in keys:  # kl is a difference of log-probs near 1: its fp32 rounding is ~1e-8 absolute
+        for k in keys:
+            # kl is a difference of log-probs near 1: its fp32 rounding is ~1e-8 absolute
             assert abs(a[k] - b[k]) <= 1e-4 * abs(b[k]) + 1e-7, (k, a[k], b[k])
 
 

@@ -9,10 +9,10 @@ One module fixture runs the quickstart once; its step-60 checkpoint (experts sav
 * continued for one step (61) on 2 ranks EP = 2 (the reference), 1 rank and 2 ranks
   FSDP2 (ep = 1), and 4 ranks of HSDP (2 replicas of 2 FSDP2 shards) with an EP = 2 group
   in each replica (experts ``[Replicate, Shard(0)]`` on a 2 x 2 mesh), 2 ranks of TP
-  (experts split by hidden features, tandem/parallel/moe_tp.py) and 4 ranks of TP 2 x EP 2 (attention
-  TP, experts split both ways), each with one sample per micro-batch, so the router losses (a mean over
-  each micro-batch's tokens) see the same token sets on every layout: the step-61
-  weights and AdamW moments agree to float tolerance (a fresh optimizer would be O(1)
+  (experts split by hidden features, tandem/parallel/moe_tp.py) and 4 ranks of TP 2 x EP 2
+  (attention TP, experts split both ways), each with one sample per micro-batch, so the router
+  losses (a mean over each micro-batch's tokens) see the same token sets on every layout:
+  the step-61 weights and AdamW moments agree to float tolerance (a fresh optimizer would be O(1)
   off: Adam's first step is about ``lr * sign(g)``).
 """
 
@@ -33,25 +33,29 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "quickstart_moe.toml")
-# name -> (ranks, parallel.ep, parallel.dp_replicate, parallel.tp); the continuations of step 60 to 61
-CONTINUE = {"ep2": (2, 2, 1, 1), "one_rank": (1, 1, 1, 1), "fsdp2": (2, 1, 1, 1), "hsdp_ep2": (4, 2, 2, 1),
-            "tp2": (2, 1, 1, 2), "tp2_ep2": (4, 2, 1, 2)}
+# name -> (ranks, parallel.ep, parallel.dp_replicate, parallel.tp); the continuations of step 60 to
+# 61
+CONTINUE = {"ep2": (2, 2, 1, 1), "one_rank": (1, 1, 1, 1), "fsdp2": (2, 1, 1, 1),
+            "hsdp_ep2": (4, 2, 2, 1), "tp2": (2, 1, 1, 2), "tp2_ep2": (4, 2, 1, 2)}
 
 
 def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "train.py"), "--config", CONFIG, f"--job.dump_folder={dump}",
            "--metrics.loggers=[]", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     path = os.path.join(dump, "metrics.jsonl")  # none when a resumed run had no step left
-    return ([json.loads(line) for line in open(path)] if os.path.exists(path) else []), r.stdout + r.stderr
+    return (([json.loads(line) for line in open(path)] if os.path.exists(path) else []),
+            r.stdout + r.stderr)
 
 
 def _resume_from(base, name: str, step: int) -> str:
     dump = base / name
-    shutil.copytree(base / "quickstart" / "checkpoints" / f"step-{step}", dump / "checkpoints" / f"step-{step}")
+    shutil.copytree(base / "quickstart" / "checkpoints" / f"step-{step}",
+                    dump / "checkpoints" / f"step-{step}")
     return str(dump)
 
 
@@ -63,7 +67,8 @@ def runs(tmp_path_factory):
         out[name] = _run(_resume_from(base, name, 60), nproc, ("--parallel.ep=1",))
     for name, (nproc, ep, replicas, tp) in CONTINUE.items():
         out[name] = _run(_resume_from(base, name, 60), nproc, (
-            f"--parallel.ep={ep}", f"--parallel.dp_replicate={replicas}", f"--parallel.tp={tp}", "--training.steps=61", "--checkpoint.interval=1", "--rl.micro_batch_tokens=1"))
+            f"--parallel.ep={ep}", f"--parallel.dp_replicate={replicas}", f"--parallel.tp={tp}",
+            "--training.steps=61", "--checkpoint.interval=1", "--rl.micro_batch_tokens=1"))
     return base, out
 
 
@@ -103,9 +108,11 @@ def test_moe_quickstart_learns_with_exact_routing_parity(runs):
         for layer in ("0", "1"):  # 4 experts, 2 per token: the load ratio lies in [1, E / k]
             assert 1.0 <= r[f"moe/expert_load_max_over_mean/{layer}"] <= 2.0, r["step"]
         assert r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0, r["step"]
-    for name in CONTINUE:  # the continuations (1, 2 and 4 ranks, ep 1 and 2, HSDP, TP) compare routing too
+    for name in CONTINUE:
+        # the continuations (1, 2 and 4 ranks, ep 1 and 2, HSDP, TP) compare routing too
         (row,) = out[name][0]
-        assert row["step"] == 61 and row["moe/routing_mismatch"] == 0.0 and row["moe/routing_compared"] > 500, name
+        assert (row["step"] == 61 and row["moe/routing_mismatch"] == 0.0
+                and row["moe/routing_compared"] > 500), name
 
 
 @pytest.mark.slow
@@ -123,8 +130,10 @@ def test_ep2_checkpoint_continues_with_its_optimizer_state_on_other_layouts(runs
     base, out = runs
     ref = _checkpoint(base / "ep2", 61)
     saved = _checkpoint(base / "quickstart", 60)
-    key = "state.layers.1.moe.experts.w2.exp_avg"  # an expert tensor sharded over the EP ranks at save
-    assert _worst_rel({key: saved["optim"][key]}, {key: ref["optim"][key]})[0] > 1e-2  # step 61 moved it
+    # an expert tensor sharded over the EP ranks at save
+    key = "state.layers.1.moe.experts.w2.exp_avg"
+    # step 61 moved it
+    assert _worst_rel({key: saved["optim"][key]}, {key: ref["optim"][key]})[0] > 1e-2
     for name in ("one_rank", "fsdp2", "hsdp_ep2", "tp2", "tp2_ep2"):
         got = _checkpoint(base / name, 61)
         steps = {float(v) for k, v in got["optim"].items() if k.endswith(".step")}
@@ -133,5 +142,6 @@ def test_ep2_checkpoint_continues_with_its_optimizer_state_on_other_layouts(runs
         assert _worst_rel(ref["model"], got["model"])[0] < 1e-6, name
         assert _worst_rel(ref["optim"], got["optim"])[0] < 1e-4, name
         (a,), (b,) = out["ep2"][0], out[name][0]
-        assert a["reward/total"] == b["reward/total"], name  # the same samples from the loaded weights
+        # the same samples from the loaded weights
+        assert a["reward/total"] == b["reward/total"], name
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (name, a["loss"], b["loss"])

@@ -58,14 +58,16 @@ def _write(path, rows):
 
 
 def test_pairs_mask_only_the_response_and_share_the_context(tok, tmp_path):
-    ctx = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "2+2?"}]
+    ctx = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+           {"role": "user", "content": "2+2?"}]
     rows = [
         {"prompt": "2+2?", "chosen": "4", "rejected": "5"},
         # whole conversations stored in chosen/rejected: the repeated context is stripped
         {"messages": ctx, "chosen": ctx + [{"role": "assistant", "content": "4"}],
          "rejected": ctx + [{"role": "assistant", "content": "five"}]},
         # no context field: the common leading turns are the context
-        {"chosen": ctx + [{"role": "assistant", "content": "4"}], "rejected": ctx + [{"role": "assistant", "content": "3"}]},
+        {"chosen": ctx + [{"role": "assistant", "content": "4"}],
+         "rejected": ctx + [{"role": "assistant", "content": "3"}]},
     ]
     # (mixed row shapes in one list: `datasets` would refuse them in one file)
     pairs, skipped = build_preference_data(rows, tok, source="mem", max_length=512)
@@ -73,14 +75,17 @@ def test_pairs_mask_only_the_response_and_share_the_context(tok, tmp_path):
     for pair, reply in zip(pairs, ("4", "4", "4")):
         c = pair.chosen
         trained = tok.decode([t for t, m in zip(c.input_ids, c.loss_mask) if m])
-        assert trained == reply + "<|im_end|>\n"  # the earlier assistant turn "yo" is context, untrained
+        # the earlier assistant turn "yo" is context, untrained
+        assert trained == reply + "<|im_end|>\n"
         n_ctx = c.loss_mask.index(1)
         assert pair.rejected.input_ids[:n_ctx] == c.input_ids[:n_ctx]
     # the same tokens the reward-model scorer will build for this prompt and reply
     assert tokenize_response(ctx, "4", tok).input_ids == pairs[1].chosen.input_ids
     batch = collate_pairs(pairs[:2], tok.pad_token_id)
-    assert batch["tokens"].shape[0] == 4 and batch["lengths"].tolist()[0] == len(pairs[0].chosen.input_ids)
-    assert batch["lengths"].tolist()[2] == len(pairs[0].rejected.input_ids)  # chosen first, then rejected
+    assert (batch["tokens"].shape[0] == 4 and batch["lengths"].tolist()[0]
+            == len(pairs[0].chosen.input_ids))
+    # chosen first, then rejected
+    assert batch["lengths"].tolist()[2] == len(pairs[0].rejected.input_ids)
 
 
 def test_bad_rows_counted_or_named(tok, tmp_path):
@@ -102,14 +107,18 @@ def test_bad_rows_counted_or_named(tok, tmp_path):
     _write(path, rows[:1] * 9 + rows[1:2])
     held = load_preference_data(path, tok, max_length=128, eval_fraction=0.3, seed=1)
     assert len(held.train) + len(held.eval) == 9 and len(held.eval) >= 2
-    with pytest.raises(DataError, match=r"bad\.jsonl:10: "):  # held-out split still names the file's line
-        load_preference_data(path, tok, max_length=128, on_bad_row="error", eval_fraction=0.3, seed=1)
+    with pytest.raises(DataError, match=r"bad\.jsonl:10: "):
+        # held-out split still names the file's line
+        load_preference_data(path, tok, max_length=128, on_bad_row="error", eval_fraction=0.3,
+                             seed=1)
 
 
 def test_config_checks(tmp_path):
-    with pytest.raises(ConfigError, match="preference.loss: unknown preference loss 'dpx'; did you mean 'dpo'"):
+    with pytest.raises(ConfigError,
+                       match="preference.loss: unknown preference loss 'dpx'; did you mean 'dpo'"):
         load_config(DPO_TOML, ["--preference.loss=dpx"])
-    cfg = load_config(DPO_TOML, [*FAST, f"--job.dump_folder={tmp_path}", "--preference.reference=none"])
+    cfg = load_config(DPO_TOML,
+                      [*FAST, f"--job.dump_folder={tmp_path}", "--preference.reference=none"])
     with pytest.raises(ConfigError, match="loss 'dpo' needs reference log-probs"):
         run_recipe(cfg, init_distributed(force_cpu=True))
 
@@ -120,7 +129,8 @@ def test_dpo_learns_held_out_preferences(tmp_path, one_thread):
     first, last = rows[0], rows[-1]
     # policy == reference at step 1: every implicit reward is 0, a tie (accuracy 0.5, loss log 2)
     assert first["accuracy"] == 0.5 and abs(first["loss"] - math.log(2)) < 1e-6
-    # held-out lists (the task's test split) were never trained on; a sign-flipped loss reads ~0.03 here
+    # held-out lists (the task's test split) were never trained on; a sign-flipped loss reads ~0.03
+    # here
     assert last["eval/accuracy"] >= 0.85, last
     assert last["eval/margin"] > 0.1 and last["eval/loss"] < math.log(2) - 0.05, last
     assert last["eval/chosen_reward"] > 0 > last["eval/rejected_reward"]
@@ -129,8 +139,10 @@ def test_dpo_learns_held_out_preferences(tmp_path, one_thread):
 
 def test_precompute_reference_equals_online(tmp_path, one_thread):
     steps = ["--training.steps=3", "--lr_schedule.warmup_steps=0"]
-    pre = _run(tmp_path / "pre", *steps, "--preference.reference=precompute", "--training.eval_interval=1")
-    onl = _run(tmp_path / "onl", *steps, "--preference.reference=online", "--training.eval_interval=0")
+    pre = _run(tmp_path / "pre", *steps, "--preference.reference=precompute",
+               "--training.eval_interval=1")
+    onl = _run(tmp_path / "onl", *steps, "--preference.reference=online",
+               "--training.eval_interval=0")
     assert pre[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
     for a, b in zip(pre, onl):  # also: evaluating every step does not perturb training
         for key in ("loss", "margin", "chosen_reward", "rejected_reward", "grad_norm"):
@@ -140,7 +152,8 @@ def test_precompute_reference_equals_online(tmp_path, one_thread):
 
 
 @pytest.mark.parametrize("loss,extra", [("ipo", ["--preference.beta=0.5"]),
-                                        ("simpo", ["--preference.beta=2.0", "--preference.reference=none"])])
+                                        ("simpo",
+                                         ["--preference.beta=2.0", "--preference.reference=none"])])
 def test_other_losses_train(tmp_path, one_thread, loss, extra):
     rows = _run(tmp_path / loss, "--training.steps=6", f"--preference.loss={loss}", *extra)
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["eval/accuracy"] >= 0.75, rows[-1]
@@ -152,18 +165,19 @@ def test_two_ranks_then_resume_on_one(tmp_path, one_thread):
     two = str(tmp_path / "two")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "train.py"), "--config", DPO_TOML, *FAST, "--training.steps=4",
-           "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.export_hf_at_end=true",
-           f"--job.dump_folder={two}"]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                       text=True, timeout=300)
+           "--checkpoint.enable=true", "--checkpoint.interval=2",
+           "--checkpoint.export_hf_at_end=true", f"--job.dump_folder={two}"]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     ref = [json.loads(line) for line in open(os.path.join(two, "metrics.jsonl"))]
     resumed = str(tmp_path / "resumed")
     shutil.copytree(two, resumed)
     for p in ("checkpoints/step-4", "hf", "metrics.jsonl"):
-        shutil.rmtree(os.path.join(resumed, p)) if os.path.isdir(os.path.join(resumed, p)) else os.remove(os.path.join(resumed, p))
-    rows = _run(resumed, "--training.steps=4", "--checkpoint.enable=true", "--checkpoint.interval=2",
-                "--checkpoint.export_hf_at_end=true")
+        shutil.rmtree(os.path.join(resumed, p)) if os.path.isdir(
+            os.path.join(resumed, p)) else os.remove(os.path.join(resumed, p))
+    rows = _run(resumed, "--training.steps=4", "--checkpoint.enable=true",
+                "--checkpoint.interval=2", "--checkpoint.export_hf_at_end=true")
     assert [row["step"] for row in rows] == [3, 4]
     for a, b in zip(ref[2:], rows):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
@@ -176,8 +190,10 @@ def test_two_ranks_then_resume_on_one(tmp_path, one_thread):
 
 def test_dpo_toml_runs_through_train_py(tmp_path):
     dump = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", DPO_TOML, "--training.steps=2",
-                        f"--job.dump_folder={dump}"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", DPO_TOML,
+                        "--training.steps=2",
+                        f"--job.dump_folder={dump}"], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]

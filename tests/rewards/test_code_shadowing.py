@@ -3,8 +3,8 @@ resolves in the test runner (builtins, stdlib modules, the tests' own names); th
 supplies only the names the tests read that none of those provide (its functions and classes).
 
 Before the runner resolved names itself (the solution's top-level names were copied into the
-tests' namespace), each wrong solution in CASES scored 1.0, as did the forged message, and the all-builtins and modules tests failed; each
-honest solution scores 1.0."""
+tests' namespace), each wrong solution in CASES scored 1.0, as did the forged message, and the
+all-builtins and modules tests failed; each honest solution scores 1.0."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ CASES = {
 # name, and a helper the tests define.
 HELD_BEFORE = {
     "exception-class": ("ValueError = Exception\ndef check_age(n):\n    raise KeyError(n)",
-                        "def check_age(n):\n    if n < 0:\n        raise ValueError(n)\n    return n",
+                        "def check_age(n):\n    if n < 0:\n        raise ValueError(n)\n "
+                        "   return n",
                         {"tests": ["try:\n    check_age(-1)\nexcept ValueError:\n    pass\n"
                                    "else:\n    raise AssertionError('no ValueError')"]}),
     "test-helper": ("def is_sorted(xs):\n    return True\ndef sort_it(xs):\n    return xs",

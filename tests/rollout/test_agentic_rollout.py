@@ -86,7 +86,8 @@ def test_masks_logprobs_and_rendering(model, tok, pool) -> None:
     for s in samples:
         assert s.finish_reason == "stop" and s.env_reward == 3.0 and s.info["turns"] == 3
         assert len(s.loss_mask) == len(s.completion_ids) == len(s.gen_logprobs)
-        # environment tokens: masked out, log-prob 0; sampled tokens: the training forward's log-probs
+        # environment tokens: masked out, log-prob 0; sampled tokens: the training forward's
+        # log-probs
         mask = torch.tensor(s.loss_mask)
         ref = train_logprobs(model, s.prompt_ids, s.completion_ids)
         got = torch.tensor(s.gen_logprobs)
@@ -125,7 +126,7 @@ def test_turn_and_token_limits(model, tok, pool) -> None:
         max_total_tokens=1000,
         pool=pool,
     )
-    assert all(
+    assert len(samples) == 6 and all(
         s.info["turns"] == 2
         and s.finish_reason == "length"
         and s.info["truncated"] == 1
@@ -147,6 +148,7 @@ def test_turn_and_token_limits(model, tok, pool) -> None:
         max_total_tokens=limit,
         pool=pool,
     )
+    assert len(samples) == 6
     for s in samples:
         assert len(s.prompt_ids) + len(s.completion_ids) <= limit
         assert s.finish_reason == "length" and s.info["token_limit"] == 1 and s.info["turns"] > 1
@@ -177,6 +179,7 @@ def test_max_turn_tokens_end_turns_without_eot(tok, pool) -> None:
         pool=pool,
         max_turn_tokens=5,
     )
+    assert len(samples) == 2
     for s in samples:
         assert [(v, b - a) for v, a, b in runs(s.loss_mask)][::2] == [(True, 5), (True, 5)]
         env_part = tok.decode([t for t, m in zip(s.completion_ids, s.loss_mask) if not m])
@@ -208,7 +211,7 @@ def test_malformed_tool_calls_in_a_rollout(tok, pool) -> None:
         max_total_tokens=2000,
         pool=pool,
     )
-    assert m["env/tool_errors_per_episode"] >= 1
+    assert m["env/tool_errors_per_episode"] >= 1 and len(samples) == 3
     for s in samples:
         assert s.info["turns"] <= 3
         if s.info["tool_errors"]:
@@ -263,13 +266,14 @@ def test_env_steps_overlap_with_decoding(model, tok, pool) -> None:
         pool=pool,
     )
     total_sleep = 16 * 3 * 0.1
-    assert all(s.info["turns"] == 3 and s.env_reward == 3.0 for s in samples)
+    assert len(samples) == 16 and all(s.info["turns"] == 3 and s.env_reward == 3.0 for s in samples)
     assert m["env/env_time_s"] >= total_sleep
     assert m["env/elapsed_s"] < 0.5 * total_sleep, m
     assert m["env/device_wait_s"] < m["env/env_time_s"]
     print(
-        f"\noverlap: elapsed {m['env/elapsed_s']:.2f} s for {m['env/env_time_s']:.2f} s of env time; "
-        f"device waited {m['env/device_wait_s']:.2f} s; overlap {m['env/overlap']:.2f}; pid {os.getpid()}"
+        f"\noverlap: elapsed {m['env/elapsed_s']:.2f} s for {m['env/env_time_s']:.2f} s "
+        f"of env time; device waited {m['env/device_wait_s']:.2f} s; overlap {m['env/overlap']:.2f}"
+        f"; pid {os.getpid()}"
     )
 
 

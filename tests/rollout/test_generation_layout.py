@@ -1,4 +1,5 @@
-"""The generation layout (tandem/parallel/generation_layout.py) and the reshard into it (tandem/parallel/reshard.py).
+"""The generation layout (tandem/parallel/generation_layout.py) and the reshard into it
+(tandem/parallel/reshard.py).
 
 Two torchrun launches (2 and 4 CPU ranks, gloo) run tests/rollout/generation_worker.py
 once per module: for each training layout (FSDP2, TP, PP, FSDP2 x TP, a tied
@@ -30,7 +31,8 @@ from tests.fixtures import launch_worker
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "rollout" / "generation_worker.py"
 BUCKET = 256 << 10  # tests/rollout/generation_worker.py BUCKET
-LEFTOVER = 16 << 10  # bytes allowed to outlive a rollout that are not the samples' (see the memory test)
+# bytes allowed to outlive a rollout that are not the samples' (see the memory test)
+LEFTOVER = 16 << 10
 
 
 def _launch(nproc: int, layouts: list[str], out: Path) -> dict:
@@ -42,12 +44,14 @@ def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("genlayout")
     two = _launch(2, ["fsdp2", "tp2", "pp2", "tp2_tied", "fsdp2_ep2_moe"], tmp / "two.pt")
     four = _launch(4, ["fsdp2_tp2"], tmp / "four.pt")
-    return {"layouts": {**two["layouts"], **four["layouts"]}, "reference": {**two["reference"], **four["reference"]}}
+    return {"layouts": {**two["layouts"], **four["layouts"]},
+            "reference": {**two["reference"], **four["reference"]}}
 
 
-CASES = [("fsdp2", 1, True), ("fsdp2", 2, True), ("tp2", 1, True), ("tp2", 2, True), ("tp2", 2, False),
-         ("pp2", 1, True), ("pp2", 2, True), ("tp2_tied", 2, True), ("fsdp2_tp2", 1, True), ("fsdp2_tp2", 2, True),
-         ("fsdp2_ep2_moe", 1, True), ("fsdp2_ep2_moe", 2, True)]
+CASES = [("fsdp2", 1, True), ("fsdp2", 2, True), ("tp2", 1, True), ("tp2", 2, True),
+         ("tp2", 2, False),
+         ("pp2", 1, True), ("pp2", 2, True), ("tp2_tied", 2, True), ("fsdp2_tp2", 1, True),
+         ("fsdp2_tp2", 2, True), ("fsdp2_ep2_moe", 1, True), ("fsdp2_ep2_moe", 2, True)]
 
 
 @pytest.mark.parametrize("layout,g,vocab_parallel", CASES)
@@ -55,7 +59,8 @@ def test_generation_layout_greedy_tokens_and_logprobs(results, layout, g, vocab_
     """Greedy tokens from every generation degree equal the plain generator's on the same weights,
     and the rollout's sampled-token log-probs equal the update layout's recomputation."""
     recs = results["layouts"][layout][(g, vocab_parallel)]
-    ref = results["reference"]["qwen3-tied" if "tied" in layout else "qwen3-moe" if "moe" in layout else "qwen3"]
+    ref = results["reference"]["qwen3-tied" if "tied" in layout else "qwen3-moe" if "moe" in layout
+                               else "qwen3"]
     seen = {}
     for rec in recs:
         for pid, toks in rec["greedy"].items():
@@ -75,14 +80,15 @@ def test_reshard_stays_within_shard_plus_bucket(results, layout, g, vocab_parall
     for rec in results["layouts"][layout][(g, vocab_parallel)]:
         assert rec["over"] <= rec["shard"] + BUCKET, rec
         # 0 to 4152 bytes left besides the samples' own data, run to run, never in a launch of one
-        # layout: below LEFTOVER, two orders under any shard or KV pool here (>= 0.5 MB), which a leak
-        # would leave. Fewer bytes than before is no leak (CI once saw -24048: a buffer held from
-        # before the step was freed during it), so only the upper bound is the check.
+        # layout: below LEFTOVER, two orders under any shard or KV pool here (>= 0.5 MB), which a
+        # leak would leave. Fewer bytes than before is no leak (CI once saw -24048: a buffer held
+        # from before the step was freed during it), so only the upper bound is the check.
         assert rec["after_minus_before"] - rec["samples_bytes"] <= LEFTOVER, rec
         assert rec["buffer_peak"] <= BUCKET
     if g == 2 and "moe" not in layout:
         full = shard_bytes(_ARGS, GenerationLayout(), torch.float32)
-        assert all(rec["shard"] + BUCKET < full for rec in results["layouts"][layout][(g, vocab_parallel)])
+        assert all(rec["shard"] + BUCKET < full
+                   for rec in results["layouts"][layout][(g, vocab_parallel)])
 
 
 def test_reshard_moves_only_what_is_needed(results):
@@ -95,8 +101,8 @@ def test_reshard_moves_only_what_is_needed(results):
         assert abs(rec["sent"] - half) <= 0.01 * half
 
 
-_ARGS = ModelArgs(model_type="qwen3", vocab_size=1001, hidden_size=128, intermediate_size=384, num_layers=4,
-                  num_heads=4, num_kv_heads=2, head_dim=32)
+_ARGS = ModelArgs(model_type="qwen3", vocab_size=1001, hidden_size=128, intermediate_size=384,
+                  num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
 
 
 def test_layout_rules_and_local_sizes():
@@ -138,4 +144,5 @@ def test_buckets_split_big_tensors_by_rows():
 
 def test_shards_must_tile_the_tensor():
     with pytest.raises(ValueError, match="shards must tile it exactly once"):
-        Resharder({"w": (4, 4)}, {"w": Box((0, 0), (2, 4))}, {"w": (Box.whole((4, 4)), (4, 4))}, 4, bucket_bytes=64)
+        Resharder({"w": (4, 4)}, {"w": Box((0, 0), (2, 4))}, {"w": (Box.whole((4, 4)), (4, 4))}, 4,
+                  bucket_bytes=64)

@@ -22,7 +22,7 @@ from tandem.rl.config.rl_schema import RolloutConfig
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.rl.rollout.generation import GenerationCopy
+from tandem.parallel.generation_layout import GenerationCopy
 from tandem.rl.rollout.inflight import Flight
 from tandem.rl.rollout.streaming import StreamingGenerator
 

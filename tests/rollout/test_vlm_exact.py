@@ -31,30 +31,40 @@ from tests.models.test_vlm import noise_image
 def setup(tmp_path_factory):
     folder = write_hf_vlm(tmp_path_factory.mktemp("vlm"), seed=6)
     d = tmp_path_factory.mktemp("img")
-    sizes = [(130, 90), (60, 150), (112, 84), (90, 90), (90, 90)]  # the last two: equal token ids, other pixels
+    # the last two: equal token ids, other pixels
+    sizes = [(130, 90), (60, 150), (112, 84), (90, 90), (90, 90)]
     for i, (w, h) in enumerate(sizes):
         noise_image(w, h, 40 + i).save(d / f"{i}.png")
 
     def row(*names, text="Describe."):
-        parts = [{"type": "image", "image": f"{n}.png"} for n in names] + [{"type": "text", "text": text}]
+        parts = ([{"type": "image", "image": f"{n}.png"} for n in names]
+                 + [{"type": "text", "text": text}])
         return {"messages": [{"role": "user", "content": parts}], "answer": ""}
 
-    rows = [row(0), row(1, 2, text="Compare."), {"prompt": "Text only.", "answer": ""}, row(3), row(4)]
-    prompts, _ = encode_prompts(rows, Tokenizer.from_dir(folder), source=str(d / "x.jsonl"), prompt_field="prompt",
-                                messages_field="messages", answer_field="answer", max_prompt_tokens=400,
+    rows = [row(0), row(1, 2, text="Compare."), {"prompt": "Text only.", "answer": ""}, row(3),
+            row(4)]
+    prompts, _ = encode_prompts(rows, Tokenizer.from_dir(folder), source=str(d / "x.jsonl"),
+                                prompt_field="prompt",
+                                messages_field="messages", answer_field="answer",
+                                max_prompt_tokens=400,
                                 vision=VisionData.for_model(load_args(folder), str(d / "x.jsonl")))
     assert prompts[3].token_ids == prompts[4].token_ids and len(prompts) == 5
     return load_model(folder).eval(), prompts
 
 
 def _rollout(model, prompts, *, num_blocks=512, budget=64):
-    gen = Generator(model, GenerationSettings(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                              max_model_len=400))
-    params = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=100 * i) for i in range(len(prompts))]
-    out = gen.generate([p.token_ids for p in prompts], params, n=3, images=[p.images for p in prompts])
-    samples = [RolloutSample(group=g, prompt_ids=p.token_ids, completion_ids=c.token_ids, loss_mask=c.sampled_mask,
-                             gen_logprobs=list(c.raw_logprobs), finish_reason=c.finish_reason, text="", row={},
-                             images=p.images) for g, (p, comps) in enumerate(zip(prompts, out)) for c in comps]
+    gen = Generator(model, GenerationSettings(block_size=4, num_blocks=num_blocks,
+                                              max_num_batched_tokens=budget, max_model_len=400))
+    params = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=100 * i)
+              for i in range(len(prompts))]
+    out = gen.generate([p.token_ids for p in prompts], params, n=3,
+                       images=[p.images for p in prompts])
+    samples = [RolloutSample(group=g, prompt_ids=p.token_ids, completion_ids=c.token_ids,
+                             loss_mask=c.sampled_mask,
+                             gen_logprobs=list(c.raw_logprobs), finish_reason=c.finish_reason,
+                             text="", row={},
+                             images=p.images) for g, (p, comps) in enumerate(zip(prompts, out))
+               for c in comps]
     runs, preempted = gen.stats.extra["vision_tower_runs"], gen.stats.preemptions
     gen.close()
     return samples, runs, preempted
@@ -62,7 +72,8 @@ def _rollout(model, prompts, *, num_blocks=512, budget=64):
 
 def _gap(model, samples, budget, share):
     mask, gen_logp, width = completion_tensors(samples, torch.device("cpu"))
-    mbs = pack_micro_batches(samples, list(range(len(samples))), budget, torch.device("cpu"), share_prompts=share)
+    mbs = pack_micro_batches(samples, list(range(len(samples))), budget, torch.device("cpu"),
+                             share_prompts=share)
     mbs = [attach_images(mb, samples, model.args.vision.image_token_id) for mb in mbs]
     calls = []
     real = model.visual.forward
@@ -82,11 +93,13 @@ def test_exact_gap_is_zero_with_images(setup, case):
     with batch_invariant.exact_mode():
         samples, runs, preempted = _rollout(model, prompts, **kw)
         gap, differ, tokens, mbs, tower = _gap(model, samples, 400, share=case == "shared_prompts")
-    assert runs == 4  # the four prompts with images, once each (three samples apiece, preemptions or not)
+    # the four prompts with images, once each (three samples apiece, preemptions or not)
+    assert runs == 4
     assert tokens == 150 and len(mbs) > 1
     if case == "preemption":
         assert preempted > 0
-    if case == "shared_prompts":  # a unit per prompt: the two prompts with equal token ids stay apart
+    if case == "shared_prompts":
+        # a unit per prompt: the two prompts with equal token ids stay apart
         assert sum(mb.images.take is None for mb in mbs if mb.images is not None) == len(
             [mb for mb in mbs if mb.images is not None])
     assert tower == sum(1 for mb in mbs if mb.images is not None for _ in mb.images.groups)

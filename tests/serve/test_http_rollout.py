@@ -4,7 +4,7 @@ One ``train.py`` process (``rl.exact``: the batch-invariant kernels, so the upda
 recomputation must equal the rollout's log-probs bit for bit), the quickstart policy and
 task, one step. The harness in this test plays two-turn episodes, records what the endpoint
 returned, aborts one episode, walks away from another mid-stream and sends malformed
-requests. The references: the trained samples (``TANDEM_DUMP_ROLLOUTS``) must be exactly the
+requests. The references: the trained samples (``advanced.dump_rollouts``) must be exactly the
 harness's turns (the returned ids, the ids of its appended messages between them, the
 returned log-probs at the sampled positions and 0 elsewhere), and the update's gap metric 0.
 """
@@ -165,8 +165,9 @@ def http_run(tmp_path_factory):
         "--rl.exact=true",
         "--metrics.loggers=[]",
         "--checkpoint.enable=false",
+        "--advanced.dump_rollouts=true",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TANDEM_DUMP_ROLLOUTS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     harness = Harness(f"http://127.0.0.1:{port}")
     thread = threading.Thread(target=harness.run, daemon=True)
     thread.start()  # before the trainer: either order works

@@ -39,6 +39,8 @@ def _start(folder, *flags: str) -> tuple[subprocess.Popen, str]:
             "0",
             "--kv-cache-gb",
             "0.01",
+            "--device",
+            "cpu",  # the transformers reference runs on the CPU
             *flags,
         ],
         cwd=ROOT,
@@ -138,3 +140,7 @@ def test_bad_flags_are_one_line_and_status_2(tmp_path, capsys, monkeypatch):
     assert main(["--model", str(tmp_path)]) == 4  # no model there
     err = capsys.readouterr().err
     assert err.startswith("error: --model") and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path), "--device", "tpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--device" in err and len(err.strip().splitlines()) == 1

@@ -50,16 +50,19 @@ def _samples() -> list[RolloutSample]:
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(8):
-        p, c = int(torch.randint(5, 15, (1,), generator=g)), int(torch.randint(3, 9, (1,), generator=g))
-        out.append(RolloutSample(group=i // 4, prompt_ids=torch.randint(3, 500, (p,), generator=g).tolist(),
+        p, c = (int(torch.randint(5, 15, (1,), generator=g)),
+                int(torch.randint(3, 9, (1,), generator=g)))
+        out.append(RolloutSample(group=i // 4,
+                                 prompt_ids=torch.randint(3, 500, (p,), generator=g).tolist(),
                                  completion_ids=torch.randint(3, 500, (c,), generator=g).tolist(),
-                                 loss_mask=[True] * c, gen_logprobs=[-6.0] * c, finish_reason="length",
-                                 text="", row={}))
+                                 loss_mask=[True] * c, gen_logprobs=[-6.0] * c,
+                                 finish_reason="length", text="", row={}))
     return out
 
 
 def _hand_router_loss(logits: torch.Tensor, k: int, aux_coef: float, z_coef: float) -> torch.Tensor:
-    """aux_coef * aux + z_coef * z of one layer from its router logits [T, E] (see the module docstring)."""
+    """aux_coef * aux + z_coef * z of one layer from its router logits [T, E] (see the module
+    docstring)."""
     t, e = logits.shape
     m = logits.max(-1, keepdim=True).values.detach()
     ex = torch.exp(logits - m)
@@ -82,7 +85,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("aux_coef, z_coef", [(0.1, 0.0), (0.0, 0.1)], ids=["aux", "z"])
 def test_router_losses_reach_the_gradient(one_rank, aux_coef, z_coef):
-    args = get_flavor("debug-qwen3-moe").replace(router_aux_loss_coef=aux_coef, router_z_loss_coef=z_coef)
+    args = get_flavor("debug-qwen3-moe").replace(router_aux_loss_coef=aux_coef,
+                                                 router_z_loss_coef=z_coef)
     policy = FlatPolicy(args, one_rank, CPU, path=None, seed=0, spec=BuildSpec(), is_main=True,
                         micro_batch_tokens=BUDGET, chunk_tokens=16)
     ref = Transformer(args)
@@ -91,13 +95,15 @@ def test_router_losses_reach_the_gradient(one_rank, aux_coef, z_coef):
     rows = list(range(len(samples)))
     mask, gen_logp, width = completion_tensors(samples, CPU)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
-    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"), policy_cfg=PolicyLossConfig(),
-                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0, entropy_coef=0.0)
+    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"),
+                    policy_cfg=PolicyLossConfig(),
+                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0,
+                    entropy_coef=0.0)
     norm = make_norm(mask)
 
     def inputs() -> LossInputs:
-        return LossInputs(mask=mask, old_logp=None, advantages=adv, gen_logp=gen_logp, ref_logp=None,
-                          seen_logp=torch.zeros_like(mask))
+        return LossInputs(mask=mask, old_logp=None, advantages=adv, gen_logp=gen_logp,
+                          ref_logp=None, seen_logp=torch.zeros_like(mask))
 
     policy.train()
     policy.accumulate(samples, rows, inputs(), spec, norm, width)
@@ -118,12 +124,15 @@ def test_router_losses_reach_the_gradient(one_rank, aux_coef, z_coef):
         router_in.clear()
         loss, _ = micro_batch_loss(ref, mb, inp, spec, norm, width)
         gates = [layer.moe.gate.weight for layer in ref.layers.values()]
-        real = (mb.doc_ids >= 0).reshape(-1)  # the padding of a packed row is not routed into the losses
+        # the padding of a packed row is not routed into the losses
+        real = (mb.doc_ids >= 0).reshape(-1)
         padded += int(not real.all())
-        router = torch.stack([_hand_router_loss(x[real] @ w.T, args.num_experts_per_tok, aux_coef, z_coef)
+        router = torch.stack([_hand_router_loss(x[real] @ w.T, args.num_experts_per_tok, aux_coef,
+                                                z_coef)
                               for x, w in zip(router_in, gates, strict=True)]).mean() / len(mbs)
         for acc, term in ((pol, loss), (rtr, router)):
-            grads = torch.autograd.grad(term, list(params.values()), retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(term, list(params.values()), retain_graph=True,
+                                        allow_unused=True)
             for n, g in zip(params, grads, strict=True):
                 if g is not None:
                     acc[n] += g

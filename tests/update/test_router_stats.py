@@ -47,19 +47,24 @@ def model() -> Transformer:
 
 def _rollout(model: Transformer, settings: dict) -> tuple[list[RolloutSample], int]:
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 500, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+    prompts = [
+        torch.randint(3, 500, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
                for _ in range(6)]
-    gen = Generator(model, GenerationSettings(block_size=4, max_num_seqs=32, max_model_len=64, **settings))
-    params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=100 * i) for i in range(6)]
+    gen = Generator(model,
+                    GenerationSettings(block_size=4, max_num_seqs=32, max_model_len=64, **settings))
+    params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=100 * i)
+              for i in range(6)]
     out = gen.generate(prompts, params, n=4)
-    samples = [RolloutSample(group=i, prompt_ids=p, completion_ids=c.token_ids, loss_mask=c.sampled_mask,
-                             gen_logprobs=c.raw_logprobs, finish_reason=c.finish_reason, text="", row={},
-                             routing=c.routing)
+    samples = [RolloutSample(group=i, prompt_ids=p, completion_ids=c.token_ids,
+                             loss_mask=c.sampled_mask,
+                             gen_logprobs=c.raw_logprobs, finish_reason=c.finish_reason, text="",
+                             row={}, routing=c.routing)
                for i, (p, comps) in enumerate(zip(prompts, out)) for c in comps]
     return samples, gen.stats.preemptions
 
 
-def _check(model: Transformer, samples: list[RolloutSample], share: bool) -> tuple[dict, int, float]:
+def _check(model: Transformer, samples: list[RolloutSample],
+           share: bool) -> tuple[dict, int, float]:
     """RoutingCheck's metrics over the update's recomputation, its micro-batches, and the
     largest log-prob difference between the phases."""
     check = RoutingCheck()
@@ -72,7 +77,8 @@ def _check(model: Transformer, samples: list[RolloutSample], share: bool) -> tup
 
 
 def _recorded_pairs(samples: list[RolloutSample]) -> int:
-    """(token, layer) pairs the rollout recorded (rows of -1: computed once for another group member)."""
+    """(token, layer) pairs the rollout recorded (rows of -1: computed once for another
+    group member)."""
     return sum(int((s.routing[..., 0] >= 0).sum()) for s in samples)
 
 
@@ -83,7 +89,8 @@ def test_rollout_and_update_route_every_token_alike(model, case, exact):
     with batch_invariant.exact_mode() if exact else contextlib.nullcontext():
         samples, preempted = _rollout(model, settings)
         got, n_mb, gap = _check(model, samples, share)
-    assert all(s.routing.shape == (len(s.completion_ids), 2, 2) and s.routing.dtype == torch.int16 for s in samples)
+    assert all(s.routing.shape == (len(s.completion_ids), 2, 2) and s.routing.dtype == torch.int16
+               for s in samples)
     assert n_mb > 2 and (preempted > 0) == (case == "preemption")
     # every sample's every input recorded (the last prompt token runs once per group member):
     # 6 prompts x 4 samples x 12 tokens x 2 layers
@@ -100,7 +107,8 @@ def test_altered_recorded_experts_are_counted_one_by_one(model):
     for s, token, layer in ((samples[0], 0, 0), (samples[5], 3, 1), (samples[17], 7, 0)):
         row = s.routing[token, layer]
         unused = next(e for e in range(8) if e not in row.tolist())
-        s.routing[token, layer] = torch.sort(torch.tensor([row[0].item(), unused], dtype=torch.int16)).values
+        s.routing[token, layer] = (torch.sort(torch.tensor([row[0].item(), unused],
+                                                           dtype=torch.int16)).values)
     got = _check(model, samples, share=False)[0]
     assert got == {"moe/routing_mismatch": 3 / pairs, "moe/routing_compared": float(pairs)}
 

@@ -1,4 +1,5 @@
-"""Cross-tokenizer alignment (tandem/rl/update/xtok_alignment.py, tandem/models/token_bytes.py) on hand-written cases.
+"""Cross-tokenizer alignment (tandem/rl/update/xtok_alignment.py, tandem/models/token_bytes.py) on
+hand-written cases.
 
 Tokenizers are built here: the student's built-in character tokenizer (byte
 fallback for characters outside it), a byte-level BPE trained on a few lines
@@ -23,15 +24,15 @@ from tandem.rl.update.xtok_alignment import END, CrossTokenizer, align
 LLAMA_TEMPLATE = (
     "{{- '<|begin_of_text|>' }}{%- for m in messages %}{%- if m['role'] == 'tool' %}"
     "{{- raise_exception('no tool role') }}{%- endif %}"
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- endif %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + "
+    "'<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}{{- "
+    "'<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 # Qwen3-style: the last assistant turn opens with an empty think block the student never writes.
 THINK_TEMPLATE = QWEN_CHAT_TEMPLATE.replace(
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}",
-    "{{- '<|im_start|>' + message.role + '\\n' + ('<think>\\n\\n</think>\\n\\n' if message.role == 'assistant'"
-    " else '') + message.content + '<|im_end|>' + '\\n' }}")
+    "{{- '<|im_start|>' + message.role + '\\n' + ('<think>\\n\\n</think>\\n\\n' if message.role == "
+    "'assistant' else '') + message.content + '<|im_end|>' + '\\n' }}")
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +40,19 @@ def student(tmp_path_factory):
     return build_char_tokenizer(tmp_path_factory.mktemp("char"))
 
 
-def _byte_bpe(template=LLAMA_TEMPLATE, specials=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+def _byte_bpe(template=LLAMA_TEMPLATE,
+              specials=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                                  "<|eot_id|>")):
     raw = Raw(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
+    trainer = trainers.BpeTrainer(vocab_size=400,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[AddedToken(t, special=True, normalized=False)
+                                                  for t in specials],
                                   show_progress=False)
-    raw.train_from_iterator(["hello world", "12+7=19", "你好 世界", "🙂 ok", "the answer is 19"] * 20, trainer)
+    raw.train_from_iterator(
+        ["hello world", "12+7=19", "你好 世界", "🙂 ok", "the answer is 19"] * 20, trainer)
     eos = [raw.token_to_id(specials[-1])]
     return Tokenizer(raw, {"eos_token": specials[-1]}, template, eos)
 
@@ -58,21 +63,24 @@ def teacher():
 
 
 def _sentencepiece():
-    """Llama-2 style: "▁" for spaces, a dummy prefix, <0xHH> byte fallback, merges for a few words."""
+    """Llama-2 style: "▁" for spaces, a dummy prefix, <0xHH> byte fallback, merges for a
+    few words."""
     vocab = {"<unk>": 0, "</s>": 1}
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁he", "▁hel", "▁hell", "▁hello", "▁w", "▁wo",
-                  "▁wor", "▁worl", "▁world", "1", "9", "▁1", "▁19", "a", "▁a"]:
+    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁he", "▁hel", "▁hell", "▁hello",
+                  "▁w", "▁wo", "▁wor", "▁worl", "▁world", "1", "9", "▁1", "▁19", "a", "▁a"]:
         vocab[piece] = len(vocab)
-    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o"), ("▁", "w"), ("▁w", "o"),
+    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o"), ("▁", "w"),
+              ("▁w", "o"),
               ("▁wo", "r"), ("▁wor", "l"), ("▁worl", "d"), ("▁", "1"), ("▁1", "9"), ("▁", "a")]
     raw = Raw(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
     raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     raw.add_special_tokens([AddedToken("</s>", special=True)])
-    return Tokenizer(raw, {"eos_token": "</s>"}, "{% for m in messages %}{{ m['content'] }}{% endfor %}", [1])
+    return Tokenizer(raw, {"eos_token": "</s>"},
+                     "{% for m in messages %}{{ m['content'] }}{% endfor %}", [1])
 
 
 def _pieces(tok, ids, eos=()):
@@ -115,7 +123,8 @@ def test_ascii_chunks_and_sums(student, teacher):
     d = chunk_reverse_kl(s_logp, t_chunk, s_ids_t)
     assert d[0, :2].tolist() == [-15.0 + 2.5, -51.0 + 40.0]
     adv = chunk_opd_advantages(s_logp, t_chunk, s_ids_t, torch.ones(1, 11))
-    assert adv[0].tolist() == [12.5] * 5 + [11.0] * 6  # every token of a chunk carries the chunk's estimate
+    # every token of a chunk carries the chunk's estimate
+    assert adv[0].tolist() == [12.5] * 5 + [11.0] * 6
 
 
 def test_multibyte_cjk_and_emoji(student, teacher, tmp_path):
@@ -131,13 +140,15 @@ def test_multibyte_cjk_and_emoji(student, teacher, tmp_path):
     assert all(c >= 0 for c in a.student_chunk + a.teacher_chunk)
     # chunk edges are where the teacher cuts (byte-level pieces may split the emoji in two)
     assert a.num_chunks == len(t_ids) and a.teacher_chunk == list(range(len(t_ids)))
-    # a student that knows the characters: one token per character, the emoji's pieces merge into one chunk
+    # a student that knows the characters: one token per character, the emoji's pieces merge into
+    # one chunk
     wide = build_char_tokenizer(tmp_path / "wide", extra_chars="你好🙂")
     w_ids = wide.encode(text)
     assert len(w_ids) == 3
     a = align(_pieces(wide, w_ids), t_bytes)
     _check_same_text(a, _pieces(wide, w_ids), t_bytes)
-    emoji_pieces = [k for k, b in enumerate(t_bytes) if b and b[0] >= 0xF0 or (b and 0x80 <= b[0] < 0xC0)]
+    emoji_pieces = [k for k, b in enumerate(t_bytes) if b and b[0] >= 0xF0
+                    or (b and 0x80 <= b[0] < 0xC0)]
     assert a.student_chunk[2] == a.teacher_chunk[emoji_pieces[-1]]
 
 
@@ -148,13 +159,15 @@ def test_byte_fallback_pieces_and_dummy_prefix(student):
     ids, pieces = tb.encode("hello 你 19")
     toks = [sp.id_to_token(i) for i in ids]
     assert toks == ["▁hello", "▁", "<0xE4>", "<0xBD>", "<0xA0>", "▁19"]
-    assert pieces == [b"hello", b" ", b"\xe4", b"\xbd", b"\xa0", b" 19"]  # the dummy prefix left out
+    # the dummy prefix left out
+    assert pieces == [b"hello", b" ", b"\xe4", b"\xbd", b"\xa0", b" 19"]
     s_ids = student.encode("hello 你 19")
     s_pieces = _pieces(student, s_ids)
     a = align(s_pieces, pieces)
     _check_same_text(a, s_pieces, pieces)
     # hello | " " | 3 bytes one by one on both sides | " 19"
-    assert a.teacher_chunk == [0, 1, 2, 3, 4, 5] and a.student_chunk == [0] * 5 + [1, 2, 3, 4, 5, 5, 5]
+    assert (a.teacher_chunk == [0, 1, 2, 3, 4, 5] and a.student_chunk == [0] * 5
+            + [1, 2, 3, 4, 5, 5, 5])
 
 
 def test_special_tokens_and_end_of_turn(student, teacher):
@@ -165,9 +178,11 @@ def test_special_tokens_and_end_of_turn(student, teacher):
     t_pieces = [END if i in teacher.eos_token_ids else b for i, b in zip(t_ids, t_bytes)]
     a = align(s_pieces, t_pieces)
     _check_same_text(a, s_pieces, t_pieces)
-    # the teacher has no <think> token: the student's one token is one chunk with the teacher's pieces of it
+    # the teacher has no <think> token: the student's one token is one chunk with the teacher's
+    # pieces of it
     n_think = sum(1 for c in a.teacher_chunk if c == a.student_chunk[0])
-    assert n_think >= 2 and a.student_chunk[-1] == a.teacher_chunk[-1] == a.num_chunks - 1  # END <-> <|eot_id|>
+    # END <-> <|eot_id|>
+    assert n_think >= 2 and a.student_chunk[-1] == a.teacher_chunk[-1] == a.num_chunks - 1
 
 
 def test_end_of_turn_strings_differ_but_align(student, teacher):
@@ -176,13 +191,15 @@ def test_end_of_turn_strings_differ_but_align(student, teacher):
     v = x.view(msgs, student.encode("19") + [student.token_to_id("<|im_end|>")])
     assert [teacher.id_to_token(i) for i in v.completion_ids][-1] == "<|eot_id|>"
     assert v.alignment.student_chunk[-1] == v.alignment.teacher_chunk[-1] >= 0
-    assert teacher.decode(v.prompt_ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert "12+7=" in teacher.decode(v.prompt_ids) and "<|im_start|>" not in teacher.decode(v.prompt_ids)
+    assert teacher.decode(v.prompt_ids).endswith(
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert ("12+7=" in teacher.decode(v.prompt_ids)
+            and "<|im_start|>" not in teacher.decode(v.prompt_ids))
 
 
 def test_completion_cut_mid_character(student, teacher):
-    """Truncated after two of the three bytes of 你: the student's text ends in half a character; the
-    teacher can only be given U+FFFD there. Those bytes are masked, the rest still aligns."""
+    """Truncated after two of the three bytes of 你: the student's text ends in half a character;
+    the teacher can only be given U+FFFD there. Those bytes are masked, the rest still aligns."""
     x = CrossTokenizer(student, teacher)
     ids = student.encode("hello 你")[:-1]  # ... <0xE4> <0xBD>, no EOS (finish_reason "length")
     v = x.view([{"role": "user", "content": "hi"}], ids)
@@ -190,9 +207,11 @@ def test_completion_cut_mid_character(student, teacher):
     assert a.student_chunk[-2:] == [-1, -1]  # the half character: no signal
     assert all(c >= 0 for c in a.student_chunk[:-2])
     assert "\ufffd" in teacher.decode(v.completion_ids)
-    # the other way round: the teacher's pieces cut the emoji mid-character, the student's bytes do not
+    # the other way round: the teacher's pieces cut the emoji mid-character, the student's bytes do
+    # not
     t_ids, t_bytes = TokenBytes(teacher).encode("👍")  # not in the BPE's corpus: byte pieces
-    assert t_bytes[0] == b"\xf0\x9f" and b"".join(t_bytes) == "👍".encode()  # the first piece is half an emoji
+    # the first piece is half an emoji
+    assert t_bytes[0] == b"\xf0\x9f" and b"".join(t_bytes) == "👍".encode()
     s_pieces = _pieces(student, student.encode("👍"))  # four byte-fallback tokens
     a = align(s_pieces, t_bytes)
     _check_same_text(a, s_pieces, t_bytes)
@@ -202,18 +221,23 @@ def test_completion_cut_mid_character(student, teacher):
 def test_templates_that_trim_and_add_text(student, teacher):
     msgs = [{"role": "user", "content": "12+7="}]
     eos = [student.token_to_id("<|im_end|>")]
-    # the Llama-style template trims the reply: the spaces the student wrote are masked, "19" and the end align
+    # the Llama-style template trims the reply: the spaces the student wrote are masked, "19" and
+    # the end align
     a = CrossTokenizer(student, teacher).view(msgs, student.encode(" 19 ") + eos).alignment
-    assert a.student_chunk[0] == a.student_chunk[3] == -1 and min(a.student_chunk[1:3] + a.student_chunk[4:]) >= 0
-    # a Qwen3-style template puts an empty think block before the reply: teacher-only text is context
+    assert (a.student_chunk[0] == a.student_chunk[3] == -1
+            and min(a.student_chunk[1:3] + a.student_chunk[4:]) >= 0)
+    # a Qwen3-style template puts an empty think block before the reply: teacher-only text is
+    # context
     think = _byte_bpe(THINK_TEMPLATE, specials=("<|im_start|>", "<|im_end|>"))
     v = CrossTokenizer(student, think).view(msgs, student.encode("19") + eos)
     text = think.decode(v.completion_ids)
     assert text.startswith("<think>\n\n</think>\n\n19") and text.endswith("<|im_end|>")
     assert min(v.alignment.student_chunk) >= 0  # every student token aligned
     pieces = TokenBytes(think).of(v.completion_ids)
-    n_lead = next(k for k in range(len(pieces)) if b"".join(pieces[:k]) == b"<think>\n\n</think>\n\n")
-    assert n_lead > 0 and v.alignment.teacher_chunk[:n_lead] == [-1] * n_lead  # scored, never compared
+    n_lead = next(k for k in range(len(pieces)) if b"".join(pieces[:k])
+                  == b"<think>\n\n</think>\n\n")
+    # scored, never compared
+    assert n_lead > 0 and v.alignment.teacher_chunk[:n_lead] == [-1] * n_lead
     assert min(v.alignment.teacher_chunk[n_lead:]) >= 0
 
 
@@ -233,14 +257,16 @@ def test_same_tokenizer_is_token_by_token_and_bitwise_today(student, tmp_path):
     ids = student.encode("8 apples") + [student.token_to_id("<|im_end|>")]
     v = x.view(msgs, ids)
     assert v.completion_ids == ids  # re-encoding a canonical completion gives the sampled ids
-    assert v.prompt_ids == student.encode(student.apply_chat_template(msgs, add_generation_prompt=True))
+    assert (v.prompt_ids
+            == student.encode(student.apply_chat_template(msgs, add_generation_prompt=True)))
     assert v.alignment.student_chunk == v.alignment.teacher_chunk == list(range(len(ids)))
     # chunks of one token: the chunk advantages are today's per-token OPD advantages, bit for bit
     g = torch.Generator().manual_seed(0)
     s, t = -torch.rand(6, 9, generator=g) * 5, -torch.rand(6, 9, generator=g) * 5
     t[0, 0] = s[0, 0] = -0.0
     mask = (torch.rand(6, 9, generator=g) > 0.2).float()
-    ids_t = torch.where(torch.arange(9) < torch.tensor([9, 9, 5, 7, 1, 9])[:, None], torch.arange(9), -1)
+    ids_t = torch.where(torch.arange(9) < torch.tensor([9, 9, 5, 7, 1, 9])[:, None],
+                        torch.arange(9), -1)
     mask = mask * (ids_t >= 0)
     want = opd_advantages(s, t, mask)
     got = chunk_opd_advantages(s, chunk_sums(t, ids_t, 9), ids_t, mask)

@@ -87,7 +87,8 @@ class AdvantageConfig:
 @dataclass
 class AdvantageOutput:
     advantages: Tensor  # [N, T], zero outside the mask
-    returns: Tensor | None  # [N, T] value targets (gae) or token returns (reinforce_pp); None otherwise
+    # [N, T] value targets (gae) or token returns (reinforce_pp); None otherwise
+    returns: Tensor | None
 
 
 AdvantageFn = Callable[[AdvantageInput, AdvantageConfig], AdvantageOutput]

@@ -1,43 +1,11 @@
 """Loss aggregation: per-token losses ``[N, T]`` to the scalar that is back-propagated.
 
 Registry ``AGGREGATIONS``; every entry has the signature
-``fn(loss [N, T], mask [N, T], norm: AggregationNorm) -> scalar``.
-
-Why a global denominator makes the loss invariant to the parallel layout
------------------------------------------------------------------------
-An optimizer step consumes one batch, split over data-parallel ranks and, on each
-rank, over gradient-accumulation micro-batches. A "mean" computed per micro-batch
-and then averaged weights a token by ``1 / (tokens in its micro-batch)``, so the
-update changes when the same batch is split differently (a short-response
-micro-batch counts more per token than a long one). Here every mode is written as
-
-    step_loss = sum over tokens t of  w_t * loss_t,   w_t = c_seq(t) / D
-
-where ``D`` is a GLOBAL denominator (tokens or sequences of the whole optimizer
-step, counted by `make_norm` before the first micro-batch) and ``c_seq(t)``
-depends only on the sequence that holds token ``t`` (1, or 1 / its length for
-``seq_mean_token_mean``). A sequence is never split across micro-batches, so each
-micro-batch can compute its part ``sum_{t in mb} w_t loss_t`` exactly, and the
-SUM of the parts over micro-batches and ranks is the full-batch value, for any
-split. Gradients are linear in these parts, so accumulated gradients match too.
-
-Data parallel: DDP and FSDP *average* gradients over ranks; to obtain the sum,
-the caller multiplies the loss it back-propagates by the data-parallel size (as
-tandem/rl/recipes/sft.py does) or configures the reduction as a sum. That factor is deliberately
-not part of `AggregationNorm`: the functions here return the true loss value.
-
-Modes (G = sequences in the step, |o_i| = response tokens of sequence i):
-- ``token_mean``: sum_i sum_t l_it / sum_i |o_i| (DAPO's token-level loss,
-  arXiv 2503.14476).
-- ``seq_mean_token_mean``: (1/G) sum_i (1/|o_i|) sum_t l_it (the original GRPO
-  objective, arXiv 2402.03300; GSPO, arXiv 2507.18071).
-- ``seq_mean_token_sum``: (1/G) sum_i sum_t l_it.
-- ``seq_mean_token_sum_norm``: (1/G) sum_i sum_t l_it / L (Dr. GRPO, arXiv
-  2503.20783, with L a constant such as the maximum response length, so no
-  length bias enters through the normaliser).
-
-G counts only sequences with at least one masked token: a sequence removed by a
-filter (mask all zero) neither contributes nor dilutes the mean.
+``fn(loss [N, T], mask [N, T], norm: AggregationNorm) -> scalar``. Every mode weights a
+token by a factor of its own sequence over a GLOBAL denominator (`make_norm`, counted over
+the whole optimizer step), so the summed micro-batch losses equal the full batch's for any
+split over micro-batches and ranks. The modes' formulas and the argument:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -161,7 +129,8 @@ def aggregate(name: str, loss: Tensor, mask: Tensor, norm: AggregationNorm) -> T
     return AGGREGATIONS.get(name)(loss, mask, norm)
 
 
-def entropy_loss(entropy: Tensor, mask: Tensor, agg: str, norm: AggregationNorm, coef: float) -> Tensor:
+def entropy_loss(entropy: Tensor, mask: Tensor, agg: str, norm: AggregationNorm,
+                 coef: float) -> Tensor:
     """Entropy bonus as a loss term: ``-coef * aggregate(agg, entropy)``.
 
     entropy: ``[N, T]`` per-token entropy of the current policy (with grad).

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_opd_advantages", "chunk_reverse_kl", "chunk_sums", "opd_advantages", "reverse_kl_full",
-           "reverse_kl_sampled"]
+__all__ = ["chunk_opd_advantages", "chunk_reverse_kl", "chunk_sums", "opd_advantages",
+           "reverse_kl_full", "reverse_kl_sampled"]
 
 
 def reverse_kl_full(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor) -> Tensor:
@@ -47,7 +47,8 @@ def reverse_kl_sampled(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
 
 
 def opd_advantages(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tensor:
-    """Per-token OPD advantage ``-(log p_s - log p_t)``, detached, zero outside the mask; ``[N, T]``."""
+    """Per-token OPD advantage ``-(log p_s - log p_t)``, detached, zero outside the mask;
+    ``[N, T]``."""
     adv = -reverse_kl_sampled(student_logp.detach(), teacher_logp.detach())
     return torch.where(mask.bool(), adv, 0.0)
 
@@ -74,8 +75,8 @@ def chunk_reverse_kl(student_logp: Tensor, teacher_chunk_logp: Tensor, chunk_ids
 
 def chunk_opd_advantages(student_logp: Tensor, teacher_chunk_logp: Tensor, chunk_ids: Tensor,
                          mask: Tensor) -> Tensor:
-    """Per-token OPD advantage ``-(log p_s(chunk) - log p_t(chunk))`` of each token's chunk; ``[N, T]``,
-    zero outside the mask and on tokens in no chunk."""
+    """Per-token OPD advantage ``-(log p_s(chunk) - log p_t(chunk))`` of each token's chunk;
+    ``[N, T]``, zero outside the mask and on tokens in no chunk."""
     d = chunk_reverse_kl(student_logp, teacher_chunk_logp, chunk_ids)  # [N, C]
     per_token = d.gather(1, chunk_ids.clamp(min=0))  # [N, T]
     return torch.where(mask.bool() & (chunk_ids >= 0), -per_token, 0.0)

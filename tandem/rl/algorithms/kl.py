@@ -68,7 +68,8 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def kl_penalty_rewards(
     logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
 ) -> Tensor:
-    """Reward-penalty mode: ``-beta * kl`` per token, detached, zero outside the mask; ``[N, T]``."""
+    """Reward-penalty mode: ``-beta * kl`` per token, detached, zero outside the mask;
+    ``[N, T]``."""
     kl = KL_ESTIMATORS.get(estimator)(logp.detach(), ref_logp.detach())
     return -beta * kl * mask.to(kl.dtype)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from tandem.rl.core.configlib import require
 from tandem.rl.core.registry import Registry
 
 __all__ = [
@@ -51,26 +52,30 @@ class PolicyLossInput:
 
 @dataclass
 class PolicyLossConfig:
-    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
-    clip_high: float = 0.2  # ... and above at 1 + clip_high (DAPO clip-higher: 0.28)
-    dual_clip: float | None = None  # c > 1: bound the loss of negative advantages by c * |A|
-    seq_clip_low: float = 3e-4  # GSPO sequence-ratio clip range
-    seq_clip_high: float = 4e-4
+    """The policy losses' clip settings, defined and checked
+    here once. The ``[rl]`` config section extends this class (tandem/rl/config/rl_schema.py
+    `RLConfig`), so they are set as ``rl.<key>``; a loss declares the clip keys it reads
+    (``uses``)."""
+
+    clip_low: float = 0.2  # ppo_clip: token ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # ppo_clip: ... and above at 1 + clip_high (DAPO clip-higher: 0.28)
+    dual_clip: float | None = None  # ppo_clip: c > 1 bounds the loss of a token with advantage A <
+    # 0 by -c x A (arXiv 1912.09729 uses 3); none = off
+    seq_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - seq_clip_low
+    seq_clip_high: float = 4e-4  # gspo: ... and above at 1 + seq_clip_high
 
     def __post_init__(self) -> None:
-        self.validate()
+        PolicyLossConfig.validate(self)
 
     def validate(self) -> None:
-        for name in ("clip_low", "clip_high", "seq_clip_low", "seq_clip_high"):
-            value = getattr(self, name)
-            if not value >= 0:
-                raise ValueError(f"policy loss {name} must be >= 0, got {value}")
-        if self.clip_low >= 1 or self.seq_clip_low >= 1:
-            raise ValueError("policy loss clip_low and seq_clip_low must be < 1 (the ratio is positive)")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(
-                f"policy loss dual_clip must be > 1 (arXiv 1912.09729 uses 3), got {self.dual_clip}"
-            )
+        require(0 <= self.clip_low < 1 and self.clip_high >= 0,
+                f"rl.clip_low / rl.clip_high: need 0 <= clip_low < 1 and clip_high >= 0, "
+                f"got {self.clip_low} / {self.clip_high}")
+        require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
+                f"rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1 and "
+                f"seq_clip_high >= 0, got {self.seq_clip_low} / {self.seq_clip_high}")
+        require(self.dual_clip is None or self.dual_clip > 1,
+                f"rl.dual_clip: must be > 1, got {self.dual_clip}")
 
 
 @dataclass
@@ -127,7 +132,8 @@ def ppo_clip(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
         dual = (a < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
         clipped = clipped | dual
-    metrics = {"clipped": clipped.to(loss.dtype), "ratio": ratio, "approx_kl": _approx_kl(log_ratio)}
+    metrics = {"clipped": clipped.to(loss.dtype), "ratio": ratio,
+               "approx_kl": _approx_kl(log_ratio)}
     return _finish(loss, inp, cfg, metrics)
 
 

@@ -7,7 +7,7 @@ SUMMED over each response's tokens; losses that want a per-token average divide
 by the lengths themselves. ``chosen_rewards`` / ``rejected_rewards`` are the
 detached implicit rewards, for metrics (reward margin, accuracy).
 
-Config defaults (beta=0.1, gamma=0.5) are DPO's beta and SimPO's gamma. SimPO's
+Config defaults (beta=0.1, margin=0.5) are DPO's beta and SimPO's gamma. SimPO's
 beta is on a length-normalised log-prob, a much smaller scale, so the SimPO paper
 uses beta around 2.0-2.5; a SimPO run must set beta itself.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor
 
+from tandem.rl.core.configlib import require
 from tandem.rl.core.registry import Registry
 
 __all__ = [
@@ -44,18 +45,20 @@ class PreferenceInput:
 
 @dataclass
 class PreferenceConfig:
+    """The preference losses' settings, defined and checked here once. The ``[preference]``
+    config section extends this class (tandem/rl/config/schema.py `PreferenceTrainConfig`)."""
+
     beta: float = 0.1  # DPO ~0.1; IPO's tau; SimPO ~2.0
     label_smoothing: float = 0.0  # conservative DPO (cDPO): assumed probability a label is flipped
-    gamma: float = 0.5  # SimPO target reward margin
+    margin: float = 0.5  # simpo: target reward margin (the paper's gamma)
 
     def __post_init__(self) -> None:
-        self.validate()
+        PreferenceConfig.validate(self)
 
     def validate(self) -> None:
-        if not self.beta > 0:
-            raise ValueError(f"preference beta must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"preference label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        require(self.beta > 0, f"preference.beta: must be > 0, got {self.beta}")
+        require(0.0 <= self.label_smoothing < 0.5,
+                f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
 
 
 @dataclass
@@ -116,14 +119,14 @@ def ipo(inp: PreferenceInput, cfg: PreferenceConfig) -> PreferenceOutput:
 def simpo(inp: PreferenceInput, cfg: PreferenceConfig) -> PreferenceOutput:
     """SimPO (arXiv 2405.14734): reference-free, length-normalised rewards with a target margin.
 
-    r = beta * logp / |y|; loss = -log sigmoid(r_chosen - r_rejected - gamma).
+    r = beta * logp / |y|; loss = -log sigmoid(r_chosen - r_rejected - margin) (the paper's gamma).
     Departure: ``label_smoothing`` > 0 applies the cDPO smoothing (the paper
     has none; the default 0 is the paper's loss). Reference log-probs are ignored.
     """
     dtype = inp.policy_chosen_logps.dtype
     chosen = cfg.beta * inp.policy_chosen_logps / inp.chosen_lengths.clamp(min=1).to(dtype)  # [B]
     rejected = cfg.beta * inp.policy_rejected_logps / inp.rejected_lengths.clamp(min=1).to(dtype)
-    loss = _smoothed_logistic(chosen - rejected - cfg.gamma, cfg.label_smoothing)
+    loss = _smoothed_logistic(chosen - rejected - cfg.margin, cfg.label_smoothing)
     return PreferenceOutput(loss, chosen.detach(), rejected.detach())
 
 

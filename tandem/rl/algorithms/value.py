@@ -16,7 +16,8 @@ __all__ = ["value_loss"]
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None
 ) -> Tensor:
-    """Clipped value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)``; ``[N, T]``, zero outside the mask.
+    """Clipped value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)``; ``[N, T]``, zero
+    outside the mask.
 
     v_clip = old_values + clamp(values - old_values, -clip, clip) keeps the new
     value estimate within ``clip`` of the one the advantages were computed with.

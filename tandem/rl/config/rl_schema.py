@@ -6,9 +6,10 @@ against the registries, so a typo names the nearest registered piece.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from tandem.rl.algorithms.policy_loss import PolicyLossConfig
 from tandem.rl.core.configlib import ConfigError, is_loopback, require
 
 
@@ -22,63 +23,67 @@ def _check_name(key: str, registry_path: str, name: str) -> None:
 
 
 @dataclass
-class RLConfig:
-    """What one RL step does: group size, advantage, loss, KL, filters, update schedule."""
+class RLConfig(PolicyLossConfig):
+    """What one RL step does: group size, advantage, loss, KL, filters, update schedule.
+
+    The policy loss's clip and importance-sampling keys are `PolicyLossConfig`'s
+    (tandem/rl/algorithms/policy_loss.py), defined and checked there; the losses take this
+    section as their config."""
 
     num_samples: int = 8  # completions per prompt (the GRPO group)
     prompts_per_step: int = 16  # prompts per step, global over data-parallel ranks
-    advantage: str = "grpo"  # tandem/rl/algorithms/advantages.py: grpo, dr_grpo, rloo, reinforce_pp, gae
+    advantage: str = "grpo"  # tandem/rl/algorithms/advantages.py: grpo, dr_grpo, rloo,
+    # reinforce_pp, gae
     norm_by_std: bool = True  # grpo: divide by the group std
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount of later token rewards (reinforce_pp, gae), in [0, 1]
+    lam: float = 1.0  # gae: GAE's lambda, in [0, 1]
     policy_loss: str = "ppo_clip"  # tandem/rl/algorithms/policy_loss.py: ppo_clip, gspo, reinforce
-    clip_low: float = 0.2  # ppo_clip: token ratio clipped below at 1 - clip_low
-    clip_high: float = 0.2  # ppo_clip: ... and above at 1 + clip_high (DAPO clip-higher: 0.28)
-    dual_clip: float | None = None  # ppo_clip, e.g. 3.0
-    seq_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - seq_clip_low
-    seq_clip_high: float = 4e-4  # gspo: ... and above at 1 + seq_clip_high
     aggregation: str = "token_mean"  # tandem/rl/algorithms/aggregation.py
-    loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default rollout.max_tokens
+    loss_constant: float | None = None  # seq_mean_token_sum_norm (Dr. GRPO); default
+    # rollout.max_tokens
     kl_coef: float = 0.0  # 0 = no reference model
     kl_estimator: str = "k3"  # k1, k2, k3
-    kl_mode: Literal["loss", "reward"] = "loss"
-    entropy_coef: float = 0.0
+    kl_mode: Literal["loss", "reward"] = "loss"  # loss: kl_coef x the estimator added to the loss;
+    # reward: subtracted from each token's reward before the advantages
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x each token's entropy;
+    # 0 = off
     tis_cap: float | None = 2.0  # C: the importance weight's cap (tis truncates at it, mis drops
-        # tokens above it, decoupled truncates at it; none: no cap, decoupled only)
+    # tokens above it, decoupled truncates at it; none: no cap, decoupled only)
     offpolicy_correction: str = "tis"  # how the behaviour policy (the generator's log-probs) is
-        # corrected for: none, tis, mis, decoupled, m2po (tandem/rl/algorithms/offpolicy.py)
+    # corrected for: none, tis, mis, decoupled, m2po (tandem/rl/algorithms/offpolicy.py)
     offpolicy_level: Literal["token", "sequence"] = "token"  # tis, mis: one importance ratio
-        # per token, or the product over each sequence's tokens
+    # per token, or the product over each sequence's tokens
     proximal: Literal["recompute", "loglinear"] = "recompute"  # decoupled, m2po: the proximal
-        # policy's log-probs recomputed before the update, or interpolated by versions (no forward)
+    # policy's log-probs recomputed before the update, or interpolated by versions (no forward)
     m2_threshold: float = 0.04  # m2po: tokens with the largest (prox - behav)^2 are dropped
-        # until the mean of the rest is below this
-    exact: bool = False  # batch-invariant kernels in rollout and update (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
+    # until the mean of the rest is below this
+    exact: bool = False  # batch-invariant kernels in rollout and update
+    # (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's
+    # recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
-    share_prompts: bool | None = None  # each prompt once per micro-batch, its completions as branches: same gradients, fewer tokens; none: on unless parallel.pp > 1 (true there is an error)
-    logprob_chunk_tokens: int = 1024  # completion tokens per vocab-projection chunk of the log-probs (peak ~ 2 x chunk x vocab x 4 B on the CPU; on CUDA the Triton backward's chunk x vocab in the compute dtype)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
-    max_refill_rounds: int = 3
+    max_refill_rounds: int = 3  # dynamic_sampling: at most this many more rollouts per step; the
+    # last round's groups are all kept
     overlong_filter: bool = False  # mask out truncated completions
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = 1.0  # the overlong_buffer penalty's size: 0 at max_tokens -
+    # overlong_buffer tokens, -overlong_penalty at max_tokens
     offload_optimizer: bool = False  # move optimizer state to CPU during rollout
     eval_prompts: int = 64  # held-out prompts per evaluation
-    eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one greedy completion
+    eval_samples: int = 4  # completions per held-out prompt, sampled like the rollout; 0 = one
+    # greedy completion
 
     def validate(self) -> None:
-        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches", "micro_batch_tokens", "logprob_chunk_tokens",
-                    "eval_prompts"):
+        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches",
+                    "micro_batch_tokens", "eval_prompts"):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
-        require(self.eval_samples >= 0, f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}")
-        require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / rl.clip_high: need 0 <= clip_low < 1, clip_high >= 0")
-        require(self.dual_clip is None or self.dual_clip > 1, f"rl.dual_clip: must be > 1, got {self.dual_clip}")
-        require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
-                "rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1, seq_clip_high >= 0")
+        require(self.eval_samples >= 0, "rl.eval_samples: must be >= 0 (0 = one greedy "
+                                        f"completion), got {self.eval_samples}")
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
-        require(self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}")
+        require(self.tis_cap is None or self.tis_cap > 0,
+                f"rl.tis_cap: must be > 0, got {self.tis_cap}")
         require(self.m2_threshold > 0, f"rl.m2_threshold: must be > 0, got {self.m2_threshold}")
         _check_name("rl.offpolicy_correction", "tandem.rl.algorithms.OFFPOLICY_CORRECTIONS",
                     self.offpolicy_correction)
@@ -89,10 +94,13 @@ class RLConfig:
         _check_name("rl.kl_estimator", "tandem.rl.algorithms.KL_ESTIMATORS", self.kl_estimator)
         from tandem.rl.algorithms import ADVANTAGES
 
-        require(self.num_samples >= 2 or not ADVANTAGES.cap(self.advantage, "group_relative", False),
-                f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = {self.advantage!r}, "
-                "which compares the completions of a prompt: every advantage would be 0 and nothing learned; "
-                "set rl.num_samples >= 2 or a per-sample advantage (reinforce_pp, gae)")
+        require(self.num_samples >= 2 or not ADVANTAGES.cap(self.advantage, "group_relative",
+                                                            False),
+                f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = "
+                f"{self.advantage!r}, which compares the completions of a prompt: every advantage "
+                "would be 0 and nothing learned; set rl.num_samples >= 2 or a per-sample advantage "
+                "(reinforce_pp, gae)")
+        super().validate()
         self._check_clip_keys()
 
     def _check_clip_keys(self) -> None:
@@ -100,11 +108,12 @@ class RLConfig:
         from tandem.rl.algorithms import POLICY_LOSSES
 
         uses = POLICY_LOSSES.cap(self.policy_loss, "uses", ())
-        default = RLConfig()
-        for key in ("clip_low", "clip_high", "dual_clip", "seq_clip_low", "seq_clip_high"):
+        default = PolicyLossConfig()
+        for key in (f.name for f in fields(PolicyLossConfig) if f.name != "tis_cap"):  # all read it
             if key not in uses and getattr(self, key) != getattr(default, key):
                 reads = ", ".join(f"rl.{k}" for k in uses) or "no clip setting"
-                raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} (it reads {reads})")
+                raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} "
+                                  f"(it reads {reads})")
 
     def _check_correction_keys(self) -> None:
         """A correction setting the chosen correction does not read is an error, and tis / mis
@@ -129,47 +138,47 @@ class RLConfig:
         return CorrectionConfig(cap=self.tis_cap, level=self.offpolicy_level,
                                 proximal=self.proximal, m2_threshold=self.m2_threshold)
 
-    def policy_loss_config(self):  # -> tandem.rl.algorithms.PolicyLossConfig (imported lazily)
-        from tandem.rl.algorithms import PolicyLossConfig
-
-        return PolicyLossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                                seq_clip_low=self.seq_clip_low, seq_clip_high=self.seq_clip_high)
-
 
 @dataclass
 class RolloutConfig:
     """Sampling settings and the in-house generator's sizes."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus: sample among the fewest tokens holding this probability; 1 = off
+    top_k: int = 0  # sample among the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
     max_tokens: int = 256  # new tokens per completion
     stop: list[str] = field(default_factory=list)  # stop strings (EOS ids always stop)
     block_size: int = 16  # KV block size (tokens)
-    kv_cache_gb: float = 1.0  # KV pool budget, carved at rollout start (at most what max_num_seqs full-length sequences need; ignored when num_blocks > 0); off CUDA in fp32, decode steps also keep contiguous K/V rows of at most the pool's size
-    num_blocks: int = 0
-    max_num_seqs: int = 256
+    kv_cache_gb: float = 1.0  # KV pool budget per generator, carved at rollout start: as many
+    # blocks as fit, at most what max_num_seqs full-length sequences need; off CUDA in fp32, decode
+    # steps also keep contiguous K/V rows of at most the pool's size
+    max_num_seqs: int = 256  # sequences one generator runs at once (its KV pool is sized for at
+    # most this many)
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
     prefix_sharing: bool = True  # the n samples of a prompt share its KV blocks
-    kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, PyTorch elsewhere, unless the environment sets TANDEM_KERNELS to triton or torch (which also picks the update's log-prob kernel)
-    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA with the Triton attention kernels; eager elsewhere)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto: training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
-    tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest degree whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
-    vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary rows over the group (false: whole on every rank)
+    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (CUDA with the Triton
+    # attention kernels; eager elsewhere)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # generation copy's dtype; auto:
+    # training.mixed_precision_param on CUDA, the parameters' dtype elsewhere
+    tp: int = 0  # the generation layout's tensor-parallel degree (groups of tp consecutive ranks
+    # run one generator over sharded weights; independent of parallel.*); 0: auto, the smallest
+    # degree within a node whose shard plus kv_cache_gb fits beside the training state (1 off CUDA)
+    vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary
+    # rows over the group (false: whole on every rank)
     cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
-    reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this many MB of send + receive buffers per rank at a time
+
     mode: Literal["sync", "colocated_async", "split"] = "sync"  # sync: each step samples its
-        # prompts to the end, then trains; colocated_async: generation stops once a step's groups
-        # are complete, the other sequences are suspended through the update and resumed; split:
-        # rollout.gen_ranks ranks generate while the others train (docs/async.md)
+    # prompts to the end, then trains; colocated_async: generation stops once a step's groups are
+    # complete, the other sequences are suspended through the update and resumed; split:
+    # rollout.gen_ranks ranks generate while the others train (docs/async.md)
     gen_ranks: int = 0  # split mode: the first gen_ranks ranks generate, the rest train (0 with
-        # the other modes)
+    # the other modes)
     max_staleness: int = 0  # S: a sample trains at most S policy versions after its first
-        # token was sampled (0: synchronous); a prompt group starts only if it can train within S
+    # token was sampled (0: synchronous); a prompt group starts only if it can train within S
     suspended_kv: Literal["keep", "offload", "recompute"] = "keep"  # colocated_async: a
-        # suspended sequence's KV stays in device memory through the update (keep), goes to host
-        # memory and back (offload), or is freed and recomputed with the new weights (recompute)
+    # suspended sequence's KV stays in device memory through the update (keep), goes to host
+    # memory and back (offload), or is freed and recomputed with the new weights (recompute)
     # FP8 KV pool (docs/fp8-kv.md)
     kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the
         # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
@@ -192,14 +201,13 @@ class RolloutConfig:
         require(0 <= self.min_p < 1, f"rollout.min_p: must be in [0, 1), got {self.min_p}")
         require(self.max_tokens >= 1, f"rollout.max_tokens: must be >= 1, got {self.max_tokens}")
         require(self.block_size >= 1, f"rollout.block_size: must be >= 1, got {self.block_size}")
-        require(self.num_blocks > 0 or self.kv_cache_gb > 0, "rollout.kv_cache_gb: must be > 0 when num_blocks = 0")
-        require(self.num_blocks >= 0, f"rollout.num_blocks: must be >= 0 (0 = from kv_cache_gb), got {self.num_blocks}")
-        require(self.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        require(self.kv_cache_gb > 0, f"rollout.kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
+        require(self.max_num_seqs >= 1,
+                f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1,
                 f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
         require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
-        require(self.reshard_bucket_mb >= 1, f"rollout.reshard_bucket_mb: must be >= 1, got {self.reshard_bucket_mb}")
         require(self.max_staleness >= 0,
                 f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
         require(self.max_staleness == 0 or self.mode != "sync",
@@ -217,7 +225,7 @@ class RolloutConfig:
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``
-        (ModelArgs) in ``dtype``; a no-op when ``num_blocks`` is set."""
+        (ModelArgs) in ``dtype``."""
         import torch
 
         from tandem.rl.generator.kv_cache import KVCache
@@ -225,11 +233,10 @@ class RolloutConfig:
         fmt = self.kv_quant_format()
         per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype), fmt)
         what = dtype if self.kv_dtype == "auto" else self.kv_dtype
-        require(self.num_blocks > 0 or self.kv_cache_gb * 1e9 >= per_block,
+        require(self.kv_cache_gb * 1e9 >= per_block,
                 f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model "
                 f"(one block of {self.block_size} tokens takes {per_block / 1e9:.3g} GB "
-                f"in {what}); "
-                "raise it or set rollout.num_blocks")
+                f"in {what}); raise it")
 
     def kv_quant_format(self) -> Any:
         """The pool's FP8 format for sizing (tandem/rl/generator/kv_cache.py KVQuant, without
@@ -247,14 +254,19 @@ class RolloutConfig:
 class RewardConfig:
     """Reward functions (tandem/rl/rewards registry), their weights, and the CPU worker pool."""
 
-    functions: list[str] = field(default_factory=lambda: ["math"])
-    modules: list[str] = field(default_factory=list)  # your modules that @register_reward more functions
+    functions: list[str] = field(default_factory=lambda: ["math"])  # names in the tandem/rl/rewards
+    # registry, summed with reward.weights
+    modules: list[str] = field(default_factory=list)  # your modules that @register_reward more
+    # functions
     weights: list[float] = field(default_factory=list)  # default: 1.0 each
-    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
+    kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a
+    # TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
     num_workers: int = 2  # 0 = score in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
-    memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an error; 0 = no cap
-    reward_model: str | None = None  # a reward_model recipe's output folder, scored on the rollout ranks
+    memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an
+    # error; 0 = no cap
+    reward_model: str | None = None  # a reward_model recipe's output folder, scored on the rollout
+    # ranks
     reward_model_weight: float = 1.0  # its weight in the total, beside the functions
 
     def validate(self) -> None:
@@ -262,7 +274,8 @@ class RewardConfig:
                 f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
         require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
-        require(self.memory_mb >= 0, f"reward.memory_mb: must be >= 0 (0 = no cap), got {self.memory_mb}")
+        require(self.memory_mb >= 0,
+                f"reward.memory_mb: must be >= 0 (0 = no cap), got {self.memory_mb}")
         import importlib
 
         import tandem.rl.rewards  # noqa: F401  (registers the built-in reward functions)
@@ -278,8 +291,10 @@ class RewardConfig:
         from tandem.rl.rewards.registry import get_reward
 
         for name, kw in self.kwargs.items():
-            require(name in self.functions, f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
-            require(isinstance(kw, dict), f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
+            require(name in self.functions,
+                    f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
+            require(isinstance(kw, dict),
+                    f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
             try:
                 get_reward(name, **kw)
             except TypeError as e:
@@ -288,24 +303,31 @@ class RewardConfig:
 
 @dataclass
 class CriticConfig:
-    """PPO's value model (used when rl.advantage = "gae"): same architecture and mesh as the policy."""
+    """PPO's value model (used when rl.advantage = "gae"): same architecture and mesh as
+    the policy."""
 
-    path: str | None = None  # HF folder (policy or reward model); default: the policy's starting weights
-    lr: float = 1e-5
-    value_clip: float | None = 0.2  # clip the new value within this of the old; none = unclipped loss
+    path: str | None = None  # HF folder (policy or reward model); default: the policy's starting
+    # weights
+    lr: float = 1e-5  # the critic's own AdamW learning rate (betas, eps, weight decay from
+    # [optimizer])
+    value_clip: float | None = 0.2  # clip the new value within this of the old; none = unclipped
+    # loss
     coef: float = 1.0  # scale of the value loss (the critic has its own optimizer)
     warmup_steps: int = 0  # RL steps at the start where only the critic learns
 
     def validate(self) -> None:
         require(self.lr > 0, f"critic.lr: must be > 0, got {self.lr}")
-        require(self.value_clip is None or self.value_clip > 0, f"critic.value_clip: must be > 0, got {self.value_clip}")
+        require(self.value_clip is None or self.value_clip > 0,
+                f"critic.value_clip: must be > 0, got {self.value_clip}")
         require(self.coef > 0, f"critic.coef: must be > 0, got {self.coef}")
-        require(self.warmup_steps >= 0, f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        require(self.warmup_steps >= 0,
+                f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass
 class DistillConfig:
-    """On-policy distillation: teachers score the student's samples; the sampled reverse KL is the signal.
+    """On-policy distillation: teachers score the student's samples; the sampled reverse KL is
+    the signal.
 
     One teacher is OPD; several are multi-teacher OPD, each prompt routed to the
     teacher named by its ``route_field`` value (``names[i]`` names ``teachers[i]``).
@@ -315,10 +337,12 @@ class DistillConfig:
     """
 
     teachers: list[str] = field(default_factory=list)  # HF folders (any tokenizer); empty = off
-    names: list[str] = field(default_factory=list)  # route values, one per teacher; default: folder names
+    names: list[str] = field(default_factory=list)  # route values, one per teacher; default: folder
+    # names
     route_field: str | None = None  # data field naming each prompt's teacher (needed with several)
     coef: float = 1.0  # weight of the distillation advantage
-    reward_weight: float = 0.0  # weight of the reward advantage (rl.advantage) added to it; 0 = pure OPD
+    reward_weight: float = 0.0  # weight of the reward advantage (rl.advantage) added to it; 0 =
+    # pure OPD
 
     def validate(self) -> None:
         if not self.teachers:
@@ -326,8 +350,10 @@ class DistillConfig:
         require(not self.names or len(self.names) == len(self.teachers),
                 f"distill.names: {len(self.names)} names for {len(self.teachers)} teachers")
         require(len(self.teachers) == 1 or self.route_field is not None,
-                f"distill.route_field: {len(self.teachers)} teachers need a data field that routes each prompt")
-        require(len(set(self.teacher_names())) == len(self.teachers), "distill.names: teacher names must be distinct")
+                f"distill.route_field: {len(self.teachers)} teachers need a data field that routes "
+                "each prompt")
+        require(len(set(self.teacher_names())) == len(self.teachers),
+                "distill.names: teacher names must be distinct")
 
     def teacher_names(self) -> list[str]:
         import os
@@ -344,7 +370,8 @@ class EnvConfig:
     added to the score (next to any ``reward.functions``). See tandem/rl/rollout/agentic.py.
     """
 
-    name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code" (hidden unit tests); none = single turn
+    name: str | None = None  # tandem/rl/envs: "tool" (python + calculator, scored answer) or "code"
+    # (hidden unit tests); none = single turn
     kind: Literal["local", "http"] = "local"  # http: a harness plays episodes (docs/serving.md)
     host: str = "127.0.0.1"  # http: address to bind (not loopback: needs a key)
     port: int = 8000  # http: the endpoint's port
@@ -352,11 +379,14 @@ class EnvConfig:
     episode_timeout_s: float = 300.0  # http: open this long after its claim: dropped
     claim_timeout_s: float = 0.0  # http: unclaimed this long: dropped; 0 = wait
     max_request_mb: float = 4.0  # http: larger request bodies get 413
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table), e.g. tools, reward
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's settings (TOML table),
+    # e.g. tools, reward
     max_turns: int = 4  # assistant turns per episode
     max_total_tokens: int = 1024  # prompt + completion (all turns) per episode
-    max_turn_tokens: int | None = None  # sampled tokens per turn; none = up to rollout.max_tokens in all
-    num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes (on each generation group's first rank only)
+    max_turn_tokens: int | None = None  # sampled tokens per turn; none = up to rollout.max_tokens
+    # in all
+    num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes
+    # (on each generation group's first rank only)
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
 
     def validate(self) -> None:
@@ -373,9 +403,11 @@ class EnvConfig:
             raise ConfigError(f"env.kwargs: {e}") from None
         for key in ("max_turns", "max_total_tokens"):
             require(getattr(self, key) >= 1, f"env.{key}: must be >= 1, got {getattr(self, key)}")
-        require(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "env.max_turn_tokens: must be >= 1")
+        require(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
+                "env.max_turn_tokens: must be >= 1")
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
-        require(self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
+        require(self.step_timeout_s > 0,
+                f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
 
     def _check_server(self) -> None:
         require(self.name is None, f"env.name: {self.name!r} plays episodes in-process; with "

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from tandem.rl.algorithms.preference import PreferenceConfig
 from tandem.rl.core.configlib import (
     EXIT_CONFIG_ERROR,
     CliArgs,
@@ -39,6 +40,7 @@ from tandem.rl.core.configlib import (
 
 __all__ = [
     "EXIT_CONFIG_ERROR",
+    "AdvancedConfig",
     "CheckpointConfig",
     "CliArgs",
     "Config",
@@ -79,7 +81,8 @@ Dtype = Literal["float32", "bfloat16"]
 class JobConfig:
     """Run identity: name, output folder, seed."""
 
-    name: str = "tandem"  # the run's label: the start-up line, config.toml in the dump folder, reports
+    name: str = "tandem"  # the run's label: the start-up line, config.toml in the dump folder,
+    # reports
     dump_folder: str = "outputs/run"  # metrics.jsonl, tb/, checkpoints/, HF exports
     seed: int = 0  # in [0, 2**32)
 
@@ -102,11 +105,13 @@ def check_writable_folder(key: str, path: str) -> None:
         what = "is a file" if here == os.path.abspath(path) else f"is under {here}, a file"
         raise ConfigError(f"{key}: {path} {what}, not a folder")
     if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: {path}: cannot write in {here} (no write permission, or a read-only file system)")
+        raise ConfigError(f"{key}: {path}: cannot write in {here} (no write permission, or a "
+                          "read-only file system)")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".tandem-write-check-", dir=here))
     except OSError as e:
-        raise ConfigError(f"{key}: {path}: cannot make a folder in {here} ({e.strerror or e})") from None
+        raise ConfigError(f"{key}: {path}: cannot make a folder in {here} "
+                          f"({e.strerror or e})") from None
 
 
 def _known_flavors() -> list[str] | None:
@@ -120,50 +125,63 @@ def _known_flavors() -> list[str] | None:
 
 @dataclass
 class ModelConfig:
-    """Which weights to train: a from-scratch flavor or an HF folder (exactly one), and the tokenizer."""
+    """Which weights to train: a from-scratch flavor or an HF folder (exactly one), and the
+    tokenizer."""
 
     flavor: str | None = None  # a from-scratch size from tandem/models/flavors.py
     path: str | None = None  # an HF-format folder (config.json + safetensors)
-    tokenizer: str | None = None  # a tokenizer folder, "builtin:char", or "builtin:vl-char" (with the image tokens, for a from-scratch vision-language flavor); default: model.path
-    train_vision: bool = False  # vision-language models: train the vision tower too (false: frozen, only the LM trains)
+    tokenizer: str | None = None  # a tokenizer folder, "builtin:char", or "builtin:vl-char" (with
+    # the image tokens, for a from-scratch vision-language flavor); default: model.path
+    train_vision: bool = False  # vision-language models: train the vision tower too (false: frozen,
+    # only the LM trains)
 
     def validate(self) -> None:
         if self.flavor is not None and self.path is not None:
-            raise ConfigError("model: set only one of model.flavor (from scratch) and model.path (an HF folder)")
+            raise ConfigError("model: set only one of model.flavor (from scratch) and model.path "
+                              "(an HF folder)")
         if self.flavor is None and self.path is None:
-            raise ConfigError("model: set model.flavor (a from-scratch size) or model.path (an HF folder)")
+            raise ConfigError("model: set model.flavor (a from-scratch size) or model.path "
+                              "(an HF folder)")
         if self.flavor is None:
             return
         flavors = _known_flavors()
         if flavors is not None and self.flavor not in flavors:
             near = difflib.get_close_matches(self.flavor, flavors, n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"model.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: {', '.join(flavors)})")
+            raise ConfigError(f"model.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: "
+                              f"{', '.join(flavors)})")
         require(self.tokenizer is not None,
-                "model.tokenizer: required with model.flavor (a tokenizer folder or 'builtin:char')")
+                "model.tokenizer: required with model.flavor (a tokenizer folder or "
+                "'builtin:char')")
 
 
 @dataclass
 class DataConfig:
     """The training data file and how rows become token sequences."""
 
-    path: str | None = None  # a .jsonl / .json / .jsonl.gz / .parquet file, or a folder of them (its files in name order; not subfolders)
+    path: str | None = None  # a .jsonl / .json / .jsonl.gz / .parquet file, or a folder of them
+    # (its files in name order; not subfolders)
     format: Literal["auto", "jsonl", "parquet"] = "auto"  # auto: by file extension
     max_length: int = 2048  # tokens per sequence (and per packed row)
     pack: bool = True  # pack several sequences into one row of max_length
-    shuffle: bool = True
-    on_bad_row: Literal["skip", "error"] = "skip"  # a row with a missing or wrong-typed field: skip (counted and reported) or error (exit 3 naming file:line)
-    messages_field: str = "messages"  # chat rows (sft: assistant turns trained; a "tools" list of schemas is rendered by the template)
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
+    shuffle: bool = True  # a new seeded permutation of the rows every epoch; false: file order
+    on_bad_row: Literal["skip", "error"] = "skip"  # a row with a missing or wrong-typed field: skip
+    # (counted and reported) or error (exit 3 naming file:line)
+    messages_field: str = "messages"  # chat rows (sft: assistant turns trained; a "tools" list of
+    # schemas is rendered by the template)
+    prompt_field: str = "prompt"  # a row's prompt as plain text, read when it has no messages_field
+    completion_field: str = "completion"  # sft: the text trained after a prompt_field prompt (rows
+    # without messages)
     answer_field: str = "answer"  # ground truth for rule-based rewards (rl recipe)
     eval_fraction: float = 0.0  # share of rows held out for evaluation
-    eval_path: str | None = None  # held-out prompts (rl recipe); synthetic:<task> uses its test split
+    eval_path: str | None = None  # held-out prompts (rl recipe); synthetic:<task> uses its test
+    # split
     synthetic_rows: int = 2000  # rows generated for a synthetic:<task> path
 
     def validate(self) -> None:
         require(self.max_length > 0, f"data.max_length: must be > 0, got {self.max_length}")
-        require(0.0 <= self.eval_fraction < 1.0, f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
+        require(0.0 <= self.eval_fraction < 1.0,
+                f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
         for key in ("messages_field", "prompt_field", "completion_field"):
             require(bool(getattr(self, key)), f"data.{key}: must not be empty")
 
@@ -173,18 +191,22 @@ class OptimizerConfig:
     """The optimizer and gradient clipping."""
 
     lr: float = 1e-5  # peak learning rate (AdamW)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's [beta1, beta2]
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # 0 disables clipping
 
     def validate(self) -> None:
         require(self.lr > 0, f"optimizer.lr: must be > 0, got {self.lr}")
-        require(len(self.betas) == 2, f"optimizer.betas: expected 2 values [beta1, beta2], got {len(self.betas)}")
-        require(all(0.0 <= b < 1.0 for b in self.betas), f"optimizer.betas: each must be in [0, 1), got {self.betas}")
+        require(len(self.betas) == 2,
+                f"optimizer.betas: expected 2 values [beta1, beta2], got {len(self.betas)}")
+        require(all(0.0 <= b < 1.0 for b in self.betas),
+                f"optimizer.betas: each must be in [0, 1), got {self.betas}")
         require(self.eps > 0, f"optimizer.eps: must be > 0, got {self.eps}")
-        require(self.weight_decay >= 0, f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
-        require(self.max_grad_norm >= 0, f"optimizer.max_grad_norm: must be >= 0 (0 disables), got {self.max_grad_norm}")
+        require(self.weight_decay >= 0,
+                f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
+        require(self.max_grad_norm >= 0,
+                f"optimizer.max_grad_norm: must be >= 0 (0 disables), got {self.max_grad_norm}")
 
 
 @dataclass
@@ -192,33 +214,42 @@ class LRScheduleConfig:
     """Learning-rate warm-up and decay over training.steps."""
 
     warmup_steps: int = 0  # linear warm-up from 0 to optimizer.lr
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # after the warm-up, from
+    # optimizer.lr down to min_lr_ratio x lr at the last step; constant: no decay
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optimizer.lr
 
     def validate(self) -> None:
-        require(self.warmup_steps >= 0, f"lr_schedule.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        require(0.0 <= self.min_lr_ratio <= 1.0, f"lr_schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.warmup_steps >= 0,
+                f"lr_schedule.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        require(0.0 <= self.min_lr_ratio <= 1.0,
+                f"lr_schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass
 class TrainingConfig:
     """Step count, batch sizes and FSDP2 mixed precision."""
 
-    recipe: Literal["sft", "rl", "dpo", "reward_model"] = "sft"  # which trainer loop runs (tandem/rl/recipes/__init__.py)
+    recipe: Literal["sft", "rl", "dpo", "reward_model"] = "sft"  # which trainer loop runs
+    # (tandem/rl/recipes/__init__.py)
     steps: int = 100  # optimizer steps
-    batch_size: int = 8  # sequences (or packed rows) per optimizer step, global over data-parallel ranks
+    batch_size: int = 8  # sequences (or packed rows) per optimizer step, global over data-parallel
+    # ranks
     micro_batch_size: int = 1  # per rank per forward/backward
     mixed_precision_param: Dtype = "bfloat16"  # FSDP2 compute dtype (GPU only; CPU stays float32)
     mixed_precision_reduce: Dtype = "float32"  # FSDP2 gradient reduce dtype (GPU only)
-    eval_interval: int = 0  # steps between held-out evaluations (besides the start and the end); 0 = start and end only
+    eval_interval: int = 0  # steps between held-out evaluations (besides the start and the end); 0
+    # = start and end only
 
     def validate(self) -> None:
         require(self.steps > 0, f"training.steps: must be > 0, got {self.steps}")
-        require(self.eval_interval >= 0, f"training.eval_interval: must be >= 0, got {self.eval_interval}")
+        require(self.eval_interval >= 0,
+                f"training.eval_interval: must be >= 0, got {self.eval_interval}")
         require(self.batch_size > 0, f"training.batch_size: must be > 0, got {self.batch_size}")
-        require(self.micro_batch_size > 0, f"training.micro_batch_size: must be > 0, got {self.micro_batch_size}")
+        require(self.micro_batch_size > 0,
+                f"training.micro_batch_size: must be > 0, got {self.micro_batch_size}")
         require(self.micro_batch_size <= self.batch_size,
-                f"training.micro_batch_size: {self.micro_batch_size} is larger than training.batch_size {self.batch_size}")
+                f"training.micro_batch_size: {self.micro_batch_size} is larger than "
+                f"training.batch_size {self.batch_size}")
 
 
 @dataclass
@@ -227,25 +258,31 @@ class ParallelConfig:
 
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards; -1 = the rest of the world
-    tp: int = 1  # tensor parallel (sequence parallel norms, vocab-parallel head); must divide the heads
+    tp: int = 1  # tensor parallel (sequence parallel norms, vocab-parallel head); must divide the
+    # heads
     pp: int = 1  # pipeline stages (layers split evenly; rl recipe only)
-    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"  # Interleaved1F1B: 2 stages per rank
-    pp_microbatches: int = 0  # 0 = the pp degree
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # per block; selective: matmul/attention outputs kept, elementwise recomputed
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"  # Interleaved1F1B: 2 stages
+    # per rank
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # per block; selective:
+    # matmul/attention outputs kept, elementwise recomputed
     compile: bool = False  # torch.compile per block
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters and gradients
-    ep: int = 1  # expert parallelism (MoE models): experts sharded over groups of ep consecutive FSDP2 ranks (ep divides dp_shard; ep < dp_shard: the groups are replicas, e.g. one per node), tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
-    cp: int = 1  # context parallelism (rl recipe): each packed row split over cp ranks, each holding rl.micro_batch_tokens of it; with FSDP2 / HSDP, not yet tp, pp, ep or MoE (docs/long-context.md)
-    cp_style: Literal["ulysses", "ring"] = "ulysses"  # ulysses: q/k/v all-to-all over heads (cp divides the query heads); ring: zig-zag chunks, K/V passed around
+    ep: int = 1  # expert parallelism (MoE models): experts sharded over groups of ep consecutive
+    # FSDP2 ranks (ep divides dp_shard; ep < dp_shard: the groups are replicas, e.g. one per node),
+    # tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
+    cp: int = 1  # context parallelism (rl recipe): each packed row split over cp ranks, each
+    # holding rl.micro_batch_tokens of it; with FSDP2 / HSDP, not yet tp, pp, ep or MoE
+    # (docs/long-context.md)
+    cp_style: Literal["ulysses", "ring"] = "ulysses"  # ulysses: q/k/v all-to-all over heads (cp
+    # divides the query heads); ring: zig-zag chunks, K/V passed around
 
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "ep", "cp"):
             value = getattr(self, key)
             require(value >= 1, f"parallel.{key}: must be >= 1, got {value}")
         require(self.dp_shard == -1 or self.dp_shard >= 1,
-                f"parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
-        require(self.pp_microbatches >= 0,
-                f"parallel.pp_microbatches: must be >= 0 (0 = the pp degree), got {self.pp_microbatches}")
+                "parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got "
+                f"{self.dp_shard}")
 
     def resolve(self, world_size: int) -> dict[str, int]:
         """Mesh degrees {pp, dp_replicate, dp_shard, tp, cp} whose product is ``world_size``."""
@@ -255,30 +292,36 @@ class ParallelConfig:
         named += f" * cp={self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
             if world_size % fixed:
-                raise ConfigError(f"parallel: world size {world_size} is not divisible by {named} = {fixed} "
-                                  "(dp_shard=-1 takes the rest)")
+                raise ConfigError(f"parallel: world size {world_size} is not divisible by "
+                                  f"{named} = {fixed} (dp_shard=-1 takes the rest)")
             dp_shard = world_size // fixed
         else:
             dp_shard = self.dp_shard
             if fixed * dp_shard != world_size:
-                raise ConfigError(f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} does not equal "
-                                  f"the world size {world_size} (set parallel.dp_shard=-1 to fill the rest)")
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp,
-                "cp": self.cp}
+                raise ConfigError(f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} "
+                                  f"does not equal the world size {world_size} (set "
+                                  "parallel.dp_shard=-1 to fill the rest)")
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard,
+                "tp": self.tp, "cp": self.cp}
 
 
 @dataclass
 class CheckpointConfig:
     """DCP checkpoints under job.dump_folder, resume, and the final HF export."""
 
-    enable: bool = True
+    enable: bool = True  # write checkpoints (every interval steps and at the end); false: none, so
+    # nothing to resume
     interval: int = 50  # steps between saves (the last step always saves)
     folder: str = "checkpoints"  # relative to job.dump_folder
-    keep_last: int = 2
-    async_save: bool = False  # write in a background thread while training goes on; committed when every rank is done
-    model_only: bool = False  # weights + trainer state only, no optimizer state (resuming restarts the optimizer)
-    resume: bool = True  # resume from the newest checkpoint in folder whose files match its SHA256SUMS, if any
-    overwrite: bool = False  # allow starting at step 0 over an earlier run's checkpoints (resume = false, or none verifies): they are deleted first; false: such a start exits 8
+    keep_last: int = 2  # committed checkpoints kept; older ones are deleted after each save
+    async_save: bool = False  # write in a background thread while training goes on; committed when
+    # every rank is done
+    model_only: bool = False  # weights + trainer state only, no optimizer state (resuming restarts
+    # the optimizer)
+    resume: bool = True  # resume from the newest checkpoint in folder whose files match its
+    # SHA256SUMS, if any
+    overwrite: bool = False  # allow starting at step 0 over an earlier run's checkpoints (resume =
+    # false, or none verifies): they are deleted first; false: such a start exits 8
     export_hf_at_end: bool = True  # write an HF-format folder after the last step
 
     def validate(self) -> None:
@@ -291,12 +334,16 @@ class CheckpointConfig:
 class FaultConfig:
     """Hang watchdog, NaN/Inf policy and preemption (see docs/fault-tolerance.md)."""
 
-    hang_timeout_s: float = 900.0  # no step progress for this long: dump every rank's stacks, exit 6; 0 = off
-    on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/Inf loss or grad: skip the step (counted) or stop (exit 7)
-    flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA only)
+    hang_timeout_s: float = 900.0  # no step progress for this long: dump every rank's stacks, exit
+    # 6; 0 = off
+    on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/Inf loss or grad: skip the step (counted)
+    # or stop (exit 7)
+    flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA
+    # only)
 
     def validate(self) -> None:
-        require(self.hang_timeout_s >= 0, f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}")
+        require(self.hang_timeout_s >= 0,
+                f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}")
 
 
 @dataclass
@@ -304,14 +351,21 @@ class MetricsConfig:
     """Where and how often step metrics are written."""
 
     log_interval: int = 1  # steps between metric rows
-    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] / [mlflow]); [] for none
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(  # besides metrics.jsonl:
+        # tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] /
+        # [mlflow]); [] for none
+        default_factory=lambda: ["tensorboard"])
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
-    samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off
+    samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by
+    # tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off
 
     def validate(self) -> None:
-        require(self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}")
-        require(self.samples_per_step >= 0, f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
-        require(len(set(self.loggers)) == len(self.loggers), f"metrics.loggers: {self.loggers} names one twice")
+        require(self.log_interval >= 1,
+                f"metrics.log_interval: must be >= 1, got {self.log_interval}")
+        require(self.samples_per_step >= 0,
+                f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
+        require(len(set(self.loggers)) == len(self.loggers),
+                f"metrics.loggers: {self.loggers} names one twice")
         from tandem.rl.core.loggers import missing_package
 
         for name in self.loggers:
@@ -319,60 +373,89 @@ class MetricsConfig:
 
 
 @dataclass
-class PreferenceTrainConfig:
+class PreferenceTrainConfig(PreferenceConfig):
     """The [preference] section: pairwise recipes (dpo: DPO/IPO/SimPO; reward_model: Bradley-Terry).
 
-    ``loss``/``beta``/``label_smoothing``/``gamma`` become the algorithm's
-    ``tandem.rl.algorithms.preference.PreferenceConfig`` (`loss_config`). ``reference``:
-    "precompute" scores every pair once with the initial policy before training
-    (no second model in memory), "online" keeps a frozen sharded copy and scores
-    each micro-batch, "none" is for reference-free losses (simpo).
+    ``beta`` / ``label_smoothing`` / ``margin`` are the loss's own `PreferenceConfig`
+    (tandem/rl/algorithms/preference.py), defined and checked there; the loss takes this
+    section as its config. ``reference``: "precompute" scores every pair once with the initial
+    policy before training (no second model in memory), "online" keeps a frozen sharded copy
+    and scores each micro-batch, "none" is for reference-free losses (simpo).
     """
 
     loss: str = "dpo"  # a name in tandem.rl.algorithms.preference.PREFERENCE_LOSSES (dpo recipe)
-    beta: float = 0.1  # DPO ~0.1; IPO's tau; SimPO ~2.0
-    label_smoothing: float = 0.0  # cDPO: assumed label-flip probability
-    gamma: float = 0.5  # SimPO target reward margin
-    reference: Literal["precompute", "online", "none"] = "precompute"
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
+    reference: Literal["precompute", "online", "none"] = "precompute"  # the dpo recipe's reference
+    # log-probs: precompute (scored once before training), online (a frozen copy scores each
+    # micro-batch), none (reference-free losses: simpo)
+    chosen_field: str = "chosen"  # data field of the preferred reply (text or assistant messages)
+    rejected_field: str = "rejected"  # data field of the dispreferred reply
 
     def validate(self) -> None:
         from tandem.rl.algorithms.preference import PREFERENCE_LOSSES
 
-        require(self.loss in PREFERENCE_LOSSES, f"preference.loss: {PREFERENCE_LOSSES.unknown_message(self.loss)}")
-        require(self.beta > 0, f"preference.beta: must be > 0, got {self.beta}")
-        require(0.0 <= self.label_smoothing < 0.5,
-                f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+        require(self.loss in PREFERENCE_LOSSES,
+                f"preference.loss: {PREFERENCE_LOSSES.unknown_message(self.loss)}")
+        super().validate()
         for key in ("chosen_field", "rejected_field"):
             require(bool(getattr(self, key)), f"preference.{key}: must not be empty")
-
-    def loss_config(self):  # -> tandem.rl.algorithms.preference.PreferenceConfig (imported lazily)
-        from tandem.rl.algorithms.preference import PreferenceConfig
-
-        return PreferenceConfig(beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
 
 
 @dataclass
 class PlanConfig:
-    """The target cluster of ``train.py --config X --plan`` (per-rank memory of each phase; see tandem/rl/plan/planner.py)."""
+    """The target cluster of ``train.py --config X --plan`` (per-rank memory of each phase; see
+    tandem/rl/plan/planner.py)."""
 
     nodes: int = 0  # 0: one node
-    devices_per_node: int = 0  # 0: the config's own layout (parallel.dp_shard = -1: this machine's GPUs)
+    devices_per_node: int = 0  # 0: the config's own layout (parallel.dp_shard = -1: this machine's
+    # GPUs)
     device_memory_gb: float = 0.0  # 0: this machine's GPU, else 80
-    flavor: str | None = None  # the architecture of model.path for planning before it is downloaded (a tandem/models/flavors.py name); read only when model.path has no config.json here
+    flavor: str | None = None  # the architecture of model.path for planning before it is downloaded
+    # (a tandem/models/flavors.py name); read only when model.path has no config.json here
 
     def validate(self) -> None:
-        for key, most in (("nodes", 100_000), ("devices_per_node", 1024)):  # bounds: the search's size
+        for key, most in (("nodes", 100_000), ("devices_per_node", 1024)):
+            # bounds: the search's size
             value = getattr(self, key)
-            require(0 <= value <= most, f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}")
-        require(0 <= self.device_memory_gb <= 1e6, "plan.device_memory_gb: must be in [0, 1e6] (0 = this "
-                                                   f"machine's GPU or 80), got {self.device_memory_gb}")
+            require(0 <= value <= most,
+                    f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}")
+        require(0 <= self.device_memory_gb <= 1e6,
+                "plan.device_memory_gb: must be in [0, 1e6] (0 = this "
+                                                   "machine's GPU or 80), got "
+                                                   f"{self.device_memory_gb}")
         flavors = _known_flavors()
         if self.flavor is not None and flavors is not None and self.flavor not in flavors:
             near = difflib.get_close_matches(self.flavor, flavors, n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"plan.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: {', '.join(flavors)})")
+            raise ConfigError(f"plan.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: "
+                              f"{', '.join(flavors)})")
+
+
+@dataclass
+class AdvancedConfig:
+    """Performance and debugging settings the program picks itself; set one to measure or debug."""
+
+    kernels: Literal["auto", "torch", "triton"] = "auto"  # every kernel of both phases (paged
+    # attention, sampling noise, log-probs, grouped GEMM, rl.exact matmuls): auto = Triton on CUDA,
+    # PyTorch elsewhere; triton off CUDA runs under TRITON_INTERPRET=1 only
+    reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this
+    # many MB of send + receive buffers per rank at a time
+    logprob_chunk_tokens: int = 1024  # completion tokens per vocabulary-projection chunk of the
+    # update's log-probs (peak about 2 x chunk x vocab x 4 B on the CPU; on CUDA the Triton
+    # backward's chunk x vocab in the compute dtype)
+    share_prompts: bool | None = None  # rl: each prompt packed once per micro-batch, its
+    # completions as branches (same gradients, fewer tokens); none = on unless parallel.pp > 1 (true
+    # there is an error)
+    pp_microbatches: int = 0  # micro-batches per pipeline schedule; 0 = the pp degree
+    dump_rollouts: bool = False  # rl: every rank appends each step's samples (prompt, completion
+    # ids, generator log-probs) to job.dump_folder/rollouts/rank-N.jsonl
+
+    def validate(self) -> None:
+        for key in ("reshard_bucket_mb", "logprob_chunk_tokens"):
+            value = getattr(self, key)
+            require(value >= 1, f"advanced.{key}: must be >= 1, got {value}")
+        require(self.pp_microbatches >= 0,
+                f"advanced.pp_microbatches: must be >= 0 (0 = the pp degree), "
+                f"got {self.pp_microbatches}")
 
 
 @dataclass
@@ -398,17 +481,31 @@ class Config:
     preference: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.
     MOVED = {
-        "rl.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
-        "preference.eval_interval": "renamed: set training.eval_interval (every recipe's evaluation cadence)",
-        "metrics.tensorboard": "moved: list the loggers in metrics.loggers (tensorboard, wandb, mlflow; [] for none)",
+        "rl.eval_interval": "renamed: set training.eval_interval (every recipe's "
+                            "evaluation cadence)",
+        "preference.eval_interval": "renamed: set training.eval_interval (every recipe's "
+                                    "evaluation cadence)",
+        "metrics.tensorboard": "moved: list the loggers in metrics.loggers (tensorboard, wandb, "
+                               "mlflow; [] for none)",
         "job.log_level": "removed: it was never read; the console prints one line per logged step",
         "optimizer.name": "removed: the optimizer is AdamW; it was never read",
-        "model.dtype": "removed: it was never read; the GPU compute dtype is training.mixed_precision_param",
-        "rl.sample_log_interval": "removed: metrics.samples_per_step samples of every step go to samples.jsonl "
-                                  "and tensorboard",
+        "model.dtype": "removed: it was never read; the GPU compute dtype is "
+                       "training.mixed_precision_param",
+        "rl.sample_log_interval": "removed: metrics.samples_per_step samples of every step go to "
+                                  "samples.jsonl and tensorboard",
+        "rollout.num_blocks": "removed: the KV pool's blocks come from rollout.kv_cache_gb",
+        "rollout.kernels": "moved: set advanced.kernels (it picks the kernels of both phases; the "
+                           "TANDEM_KERNELS variable is gone too)",
+        "rollout.reshard_bucket_mb": "moved: set advanced.reshard_bucket_mb",
+        "rl.logprob_chunk_tokens": "moved: set advanced.logprob_chunk_tokens",
+        "rl.share_prompts": "moved: set advanced.share_prompts",
+        "parallel.pp_microbatches": "moved: set advanced.pp_microbatches",
+        "preference.gamma": "renamed: set preference.margin (SimPO's target reward margin; "
+                            "rl.gamma is GAE's discount)",
     }
 
     def validate(self) -> None:
@@ -428,10 +525,11 @@ class Config:
                 "reward.functions: list at least one reward function (or set reward.reward_model, "
                 "env.name or env.kind = \"http\")")
         require(self.env.kind != "http" or self.rollout.kv_dtype == "auto",
-                f"rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = \"http\" is not supported "
-                "yet (the endpoint's engine does not take the FP8 scales); use \"auto\"")
+                f"rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = \"http\" is "
+                "not supported yet (the endpoint's engine does not take the FP8 scales); "
+                "use \"auto\"")
         self._check_async_settings()
-        if self.training.recipe == "rl" and self.rollout.num_blocks == 0:
+        if self.training.recipe == "rl":
             args = _model_args_if_known(self.model)
             if args is not None:
                 self.rollout.check_kv_budget(args, self._generation_dtype())
@@ -456,12 +554,14 @@ class Config:
         return args is not None and getattr(args, "vision", None) is not None
 
     def _generation_dtype(self) -> str:
-        """rollout.dtype as tandem/rl/rollout/generation.py resolves it (auto: the compute dtype on CUDA)."""
+        """rollout.dtype as tandem/rl/rollout/sampling.py resolves it (auto: the compute dtype on
+        CUDA)."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
         import torch
 
-        return self.training.mixed_precision_param if torch.cuda.is_available() else "float32"  # CPU: fp32 weights
+        # CPU: fp32 weights
+        return self.training.mixed_precision_param if torch.cuda.is_available() else "float32"
 
 
 def _model_args_if_known(model: ModelConfig) -> Any:

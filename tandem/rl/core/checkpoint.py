@@ -1,39 +1,11 @@
 """DCP checkpoints that cannot be half-written, and exact resume.
 
-Layout under ``<dump_folder>/<checkpoint.folder>/``::
-
-    step-120/            committed checkpoint (DCP shards + .metadata)
-      COMMITTED          marker, written last, before the rename; holds the sha256 of SHA256SUMS
-      SHA256SUMS         sha256 of every other file (``sha256sum -c SHA256SUMS`` format)
-      trainer.json       step, data position, and other trainer state (rank 0)
-      rng/rank-0.pt      per-rank RNG states (torch.save; not sharded)
-    step-180.partial/    a save in progress or interrupted: ignored
-
-A save writes into ``step-N.partial``, every rank finishes, then rank 0 writes
-the marker and renames the folder: a crash at any moment leaves either the
-old set of committed checkpoints or the new one. The loader only considers
-folders with the marker. DCP reshards model and optimizer state on load, so a
-checkpoint written by N ranks loads on M ranks and another layout.
-
-Asynchronous saves (``async_save=True``): the state is copied to CPU memory
-while the step loop waits (the blocking part), then written by a background
-thread over a gloo group of its own while training continues. The loop calls
-``poll()`` once per step: when every rank's write has finished, the save is
-committed as above (so a checkpoint is committed at most one step after its
-write ends). ``wait()`` finishes and commits a pending save (the last step,
-preemption); a new save first finishes the previous one.
-
-Integrity: each rank hashes the files it wrote right after writing them (in the
-background thread for asynchronous saves), rank 0 merges the sums into
-SHA256SUMS at commit, and the marker records that file's own hash. `verify`
-re-hashes a checkpoint (the ranks split its files) and names the first file
-that differs; `load` verifies before it reads, `resume_step` falls back to the
-newest checkpoint that verifies, and pruning never deletes a checkpoint while
-the newest one is not known good. A save refuses to commit non-finite weights.
-
-Model-only checkpoints (``model_only=True``) hold the weights, trainer state
-and RNG but no optimizer state (about 40 % of the bytes with AdamW); a resume
-from one starts the optimizer afresh (the marker says so; ``load`` reports it).
+A save writes ``step-N.partial``; when every rank is done, rank 0 writes the COMMITTED
+marker (with the hash of SHA256SUMS, every file's sha256) and renames the folder, so a
+crash leaves either the old set of committed checkpoints or the new one. Loads verify the
+sums first and fall back to the newest checkpoint that verifies; DCP reshards on load, so a
+checkpoint resumes on another world size or layout. Asynchronous and model-only saves, and
+the folder layout: docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
@@ -76,9 +48,9 @@ if TYPE_CHECKING:
 MARKER = "COMMITTED"
 SUMS = "SHA256SUMS"
 _SUMS_DIR = "_sums"  # per-rank sums while a save is staged; merged into SUMS at commit
-# Optimizer state keyed by parameter name ("state.layers.0.x.exp_avg", "param_groups.layers.0.x.lr"):
-# every rank's own entries, so pipeline stages (different parameters per rank) save and
-# load their hyperparameters too, and a checkpoint moves between layouts.
+# Optimizer state keyed by parameter name ("state.layers.0.x.exp_avg",
+# "param_groups.layers.0.x.lr"): every rank's own entries, so pipeline stages (different parameters
+# per rank) save and load their hyperparameters too, and a checkpoint moves between layouts.
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _HASH_CHUNK = 16 << 20
@@ -111,11 +83,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def committed_steps(folder: str) -> list[int]:
     """Steps of committed checkpoints under ``folder`` (marker present; not verified), ascending."""
-    return [s for s in step_folders(folder) if os.path.exists(os.path.join(folder, f"step-{s}", MARKER))]
+    return [s for s in step_folders(folder)
+            if os.path.exists(os.path.join(folder, f"step-{s}", MARKER))]
 
 
 def step_folders(folder: str) -> list[int]:
-    """Steps of every ``step-N`` folder under ``folder``, committed or not (``.partial`` excluded), ascending."""
+    """Steps of every ``step-N`` folder under ``folder``, committed or not (``.partial`` excluded),
+    ascending."""
     if not os.path.isdir(folder):
         return []
     steps = []
@@ -130,7 +104,8 @@ class Checkpointer:
     """Save and load policy + optimizer + trainer state with DCP."""
 
     def __init__(self, folder: str, *, keep_last: int = 2, async_save: bool = False,
-                 model_only: bool = False, before_commit: Callable[[int], None] | None = None) -> None:
+                 model_only: bool = False,
+                 before_commit: Callable[[int], None] | None = None) -> None:
         """``before_commit(step)`` runs on every rank after a step's shards are written and
         before its commit (the shell's fault drill kills a rank there)."""
         self.folder = folder
@@ -155,7 +130,8 @@ class Checkpointer:
         return os.path.join(self.folder, f"step-{step}")
 
     def latest_step(self) -> int | None:
-        """The newest committed step (not verified: `resume_step` picks the newest that verifies)."""
+        """The newest committed step (not verified: `resume_step` picks the newest that
+        verifies)."""
         steps = committed_steps(self.folder)
         return steps[-1] if steps else None
 
@@ -183,7 +159,8 @@ class Checkpointer:
         writer = _HashingWriter(staging)
         try:
             if self.async_save:
-                pending.future = dcp.async_save(state, storage_writer=writer, process_group=self._write_pg)
+                pending.future = dcp.async_save(state, storage_writer=writer,
+                                                process_group=self._write_pg)
                 self._pending = pending
             else:
                 dcp.save(state, storage_writer=writer)
@@ -240,7 +217,8 @@ class Checkpointer:
                 f.write(pending.trainer_json)
             sums_hash = _write_sums(staging)
             with open(os.path.join(staging, MARKER), "w") as f:
-                f.write(f"step={step} world={self.world} model_only={int(self.model_only)} sha256sums={sums_hash}\n")
+                f.write(f"step={step} world={self.world} model_only={int(self.model_only)} "
+                        f"sha256sums={sums_hash}\n")
                 f.flush()
                 os.fsync(f.fileno())
             if os.path.exists(final):  # only a damaged one (resume_step passed it over) can be here
@@ -280,7 +258,8 @@ class Checkpointer:
         first_bad = _all_min(first_bad if reason is None else -1)
         if reason is None and first_bad < len(files):
             name = files[first_bad][0]
-            what = "is missing" if not os.path.isfile(os.path.join(path, name)) else "differs from its sha256 at commit"
+            what = ("is missing" if not os.path.isfile(os.path.join(path, name))
+                    else "differs from its sha256 at commit")
             reason = f"{name} {what}"
         elif reason is None and first_bad < 0:
             reason = "a rank could not read its manifest"  # file system not the same on every rank
@@ -305,9 +284,10 @@ class Checkpointer:
         state = _state(model, None if model_only else optimizer, extras, model_only)
         other = _model_difference(path, state)
         if other is not None:
-            raise CheckpointError(f"checkpoint {path} was written by another model: {other}; resume it with "
-                                  "that model, or start over with checkpoint.resume=false "
-                                  "checkpoint.overwrite=true (or another job.dump_folder)")
+            raise CheckpointError(f"checkpoint {path} was written by another model: {other}; "
+                                  "resume it with that model, or start over with "
+                                  "checkpoint.resume=false checkpoint.overwrite=true (or another "
+                                  "job.dump_folder)")
         try:
             dcp.load(state, checkpoint_id=path)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -354,12 +334,14 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
             reason = ckpt.verify(step)
             if reason is None:
                 if damaged and is_main:
-                    print(f"warning: passed over {len(damaged)} damaged checkpoint(s): {'; '.join(damaged)}; "
-                          f"resuming from {ckpt.path(step)}, the newest that verifies", file=sys.stderr, flush=True)
+                    print(f"warning: passed over {len(damaged)} damaged checkpoint(s): "
+                          f"{'; '.join(damaged)}; resuming from {ckpt.path(step)}, the newest "
+                          "that verifies", file=sys.stderr, flush=True)
                 if step > total_steps:
-                    raise ConfigError(f"training.steps: {total_steps} is below the step of the checkpoint to resume "
-                                      f"({ckpt.path(step)}); raise training.steps, or start over with "
-                                      "checkpoint.resume=false checkpoint.overwrite=true")
+                    raise ConfigError(f"training.steps: {total_steps} is below the step of the "
+                                      f"checkpoint to resume ({ckpt.path(step)}); raise "
+                                      "training.steps, or start over with checkpoint.resume=false "
+                                      "checkpoint.overwrite=true")
                 if is_main:
                     for log in logs:
                         truncate_jsonl(log, step)
@@ -371,9 +353,10 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
     if not cfg.overwrite:
         why = (f"none verifies ({'; '.join(damaged)})" if cfg.resume
                else "checkpoint.resume = false")
-        raise CheckpointError(f"{ckpt.folder} holds checkpoints of an earlier run ({names}) and {why}; refusing "
-                              "to start at step 0 over them: set checkpoint.overwrite=true to delete them and "
-                              "start over, or choose another job.dump_folder")
+        raise CheckpointError(f"{ckpt.folder} holds checkpoints of an earlier run ({names}) and "
+                              f"{why}; refusing to start at step 0 over them: set "
+                              "checkpoint.overwrite=true to delete them and start over, or choose "
+                              "another job.dump_folder")
     if is_main:
         for s in existing:  # a step-N that is a symbolic link goes, never what it points to
             path = ckpt.path(s)
@@ -383,8 +366,8 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
                 shutil.rmtree(path)
         for log in logs:
             truncate_jsonl(log, 0)
-        print(f"checkpoint.overwrite: deleted the earlier run's checkpoints ({names}) under {ckpt.folder}; "
-              "starting at step 0", file=sys.stderr, flush=True)
+        print(f"checkpoint.overwrite: deleted the earlier run's checkpoints ({names}) under "
+              f"{ckpt.folder}; starting at step 0", file=sys.stderr, flush=True)
     _barrier()
     return None
 
@@ -486,21 +469,24 @@ def _check_finite_weights(step: int, models: list[nn.Module], rank: int) -> None
     values can overflow a norm), one host sync per part and one all-reduce."""
     bad_name = None
     for model in models:
-        named = [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in model.state_dict().items()]
+        named = [(n, t.to_local() if isinstance(t, DTensor) else t)
+                 for n, t in model.state_dict().items()]
         named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
         if not named:
             continue
-        norms = torch.stack([x.float().to(named[0][1].device) for x in torch._foreach_norm([t for _, t in named])])
+        norms = torch.stack([x.float().to(named[0][1].device)
+                             for x in torch._foreach_norm([t for _, t in named])])
         flagged = (~torch.isfinite(norms)).nonzero().flatten().tolist()  # one host sync
-        bad_name = next((named[i][0] for i in flagged if not bool(torch.isfinite(named[i][1]).all())), None)
+        bad_name = next(
+            (named[i][0] for i in flagged if not bool(torch.isfinite(named[i][1]).all())), None)
         if bad_name is not None:
             break
     first_bad_rank = _all_min(rank if bad_name is not None else 1 << 62)
     if first_bad_rank == 1 << 62:
         return
     where = f"{bad_name} on rank {rank}" if bad_name is not None else f"rank {first_bad_rank}"
-    raise NonFiniteError(f"checkpoint step-{step}: refusing to save non-finite weights ({where}); nothing was "
-                         "written and the committed checkpoints are kept",
+    raise NonFiniteError(f"checkpoint step-{step}: refusing to save non-finite weights ({where}); "
+                         "nothing was written and the committed checkpoints are kept",
                          {"step": step, "rank": rank, "tensor": bad_name, "phase": "checkpoint"})
 
 
@@ -530,7 +516,8 @@ class _HashingWriter(dcp.FileSystemWriter):
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201  (DCP's signature)
         fut = super().write_data(plan, planner)
         names = {r.storage_data.relative_path for r in fut.wait()}  # written: the future is done
-        _record_sums(str(self.path), sorted(names), f"shards-{dist.get_rank() if dist.is_initialized() else 0}")
+        _record_sums(str(self.path), sorted(names),
+                     f"shards-{dist.get_rank() if dist.is_initialized() else 0}")
         return fut
 
     def finish(self, metadata, results) -> None:  # noqa: ANN001  (coordinator only, after every write)
@@ -560,7 +547,8 @@ def _read_marker(path: str, step: int) -> dict[str, str]:
     try:
         with open(os.path.join(path, MARKER), encoding="utf-8") as f:
             fields = dict(kv.split("=", 1) for kv in f.read().split())
-        ok = (fields["step"] == str(step) and fields["world"].isdigit() and fields["model_only"] in ("0", "1")
+        ok = (fields["step"] == str(step) and fields["world"].isdigit()
+              and fields["model_only"] in ("0", "1")
               and re.fullmatch(r"[0-9a-f]{64}", fields["sha256sums"]) is not None)
     except (OSError, UnicodeDecodeError, ValueError, KeyError):
         ok = False

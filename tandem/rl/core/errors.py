@@ -15,15 +15,20 @@ EXIT_DATA = 3  # bad data file or rows
 EXIT_MODEL = 4  # model / tokenizer folder that cannot be used as configured
 EXIT_SHORT_RUN = 5  # the run ended with fewer steps than asked, or trained a prompt twice
 EXIT_HANG = 6  # the watchdog saw no progress: stacks dumped under dump_folder/hang/
-EXIT_NONFINITE = 7  # NaN/Inf in the loss or gradients with fault.on_nonfinite = "stop", or in weights about to be checkpointed
+# NaN/Inf in the loss or gradients with fault.on_nonfinite = "stop", or in weights about to be
+# checkpointed
+EXIT_NONFINITE = 7
 # checkpoints: none verifies, an earlier run's are in the way of a fresh start, the one to
 # resume was written by another model, or DCP failed to write or read one
 EXIT_CHECKPOINT = 8
-EXIT_PLAN = 9  # train.py --plan: the configured layout does not fit in device memory (one line says where; the plan is printed)
+# train.py --plan: the configured layout does not fit in device memory (one line says where; the
+# plan is printed)
+EXIT_PLAN = 9
 # split mode: the generators' weights differ from the trainers' after a sync (checksum)
 EXIT_WEIGHT_SYNC = 10
 EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
-EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)
+# SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)
+EXIT_INTERRUPTED = 130
 
 
 class NonFiniteError(RuntimeError):

@@ -26,7 +26,14 @@ from torch import nn
 from tandem.models.args import ModelArgs
 from tandem.models.hf import save_hf
 from tandem.models.hf_adapter import load_adapter, read_adapter_config, save_adapter, spec_matches
-from tandem.models.lora import TARGETS, LoraSpec, has_lora, init_adapter_state, is_adapter, merge_state
+from tandem.models.lora import (
+    TARGETS,
+    LoraSpec,
+    has_lora,
+    init_adapter_state,
+    is_adapter,
+    merge_state,
+)
 from tandem.parallel.ac import clean_fqn
 from tandem.rl.core.configlib import ConfigError, require
 
@@ -35,13 +42,19 @@ ADAPTER_DIR = "hf-adapter"  # beside the hf/ export
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters on the trained model (every recipe): a frozen base, small trainable low-rank adapters."""
+    """LoRA adapters on the trained model (every recipe): a frozen base, small trainable
+    low-rank adapters."""
 
     rank: int = 0  # adapter rank r; 0 = off (every weight trains)
     alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input in training forwards (sft, dpo, reward_model; the rl recipe needs 0)
-    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])  # adapted in every block: q, k, v, o (attention), gate, up, down (MLP and shared expert), experts (each routed expert)
-    adapter_path: str | None = None  # a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to continue training from; its r, lora_alpha and target_modules must equal rank, alpha and targets
+    dropout: float = 0.0  # dropout on the adapters' input in training forwards (sft, dpo,
+    # reward_model; the rl recipe needs 0)
+    targets: list[str] = field(  # adapted in every block: q, k, v, o (attention), gate, up, down
+        # (MLP and shared expert), experts (each routed expert)
+        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+    adapter_path: str | None = None  # a PEFT LoRA folder (adapter_config.json +
+    # adapter_model.safetensors) to continue training from; its r, lora_alpha and target_modules
+    # must equal rank, alpha and targets
 
     def validate(self) -> None:
         require(self.rank >= 0, f"lora.rank: must be >= 0 (0 = off), got {self.rank}")
@@ -62,18 +75,20 @@ class LoraConfig:
         require(why is None, f"lora.adapter_path: lora has {why} ({self.adapter_path})")
 
     def check_layout(self, parallel: Any) -> None:
-        """ConfigError where ``[parallel]`` cannot split the adapters yet (tandem/parallel/lora.py)."""
+        """ConfigError where ``[parallel]`` cannot split the adapters yet
+        (tandem/parallel/lora.py)."""
         if self.enabled and "experts" in self.targets and (parallel.tp > 1 or parallel.ep > 1):
-            raise ConfigError(f"lora.targets: adapters on routed experts run with parallel.tp = ep = 1 so far "
-                              f"(tp={parallel.tp}, ep={parallel.ep}); adapt q, k, v, o (and shared experts) instead")
+            raise ConfigError("lora.targets: adapters on routed experts run with parallel.tp = ep "
+                              f"= 1 so far (tp={parallel.tp}, ep={parallel.ep}); adapt q, k, v, o "
+                              "(and shared experts) instead")
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
 
     def spec(self, *, trainable: tuple[str, ...] = (), base_model: str | None = None) -> LoraSpec:
-        return LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets),
-                        trainable=trainable, base_model=base_model)
+        return LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                        targets=tuple(self.targets), trainable=trainable, base_model=base_model)
 
     def setup(self, seed: int, *, base_model: str | None = None, trainable: tuple[str, ...] = (),
               sampled: bool = False) -> LoraSetup | None:
@@ -82,9 +97,11 @@ class LoraConfig:
         if not self.enabled:
             return None
         if sampled and self.dropout > 0:
-            raise ConfigError(f"lora.dropout: the rl recipe needs 0 (got {self.dropout}): the generator samples "
-                              "without dropout, so the update's log-probs would not be the rollout's")
-        return LoraSetup(self.spec(trainable=trainable, base_model=base_model), seed, self.adapter_path)
+            raise ConfigError(f"lora.dropout: the rl recipe needs 0 (got {self.dropout}): the "
+                              "generator samples without dropout, so the update's log-probs would "
+                              "not be the rollout's")
+        return LoraSetup(self.spec(trainable=trainable, base_model=base_model), seed,
+                         self.adapter_path)
 
 
 @dataclass(frozen=True)
@@ -96,8 +113,11 @@ class LoraSetup:
     adapter_path: str | None = None
 
     def keeping(self, *modules: str) -> LoraSetup:
-        """The same adapters, with ``modules`` (e.g. a new score head) trained in full beside them."""
-        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, trainable=self.spec.trainable + modules))
+        """The same adapters, with ``modules`` (e.g. a new score head) trained in full
+        beside them."""
+        return dataclasses.replace(self,
+                                   spec=dataclasses.replace(self.spec, trainable=self.spec.trainable
+                                                            + modules))
 
     def initial(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """The adapters' first values (CPU, fp32, full): read from ``adapter_path`` or fresh."""
@@ -142,5 +162,6 @@ def save_exports(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, 
     save_hf(merge_state(state, spec.scale), args, out_dir, tokenizer=tokenizer)
     if "experts" not in spec.targets:
         adapters = {k: v for k, v in state.items() if is_adapter(k)}
-        save_adapter(adapters, spec, os.path.join(os.path.dirname(os.path.abspath(out_dir)), ADAPTER_DIR),
+        save_adapter(adapters, spec,
+                     os.path.join(os.path.dirname(os.path.abspath(out_dir)), ADAPTER_DIR),
                      base_model=spec.base_model)

@@ -14,7 +14,8 @@ from tandem.rl.core.loggers import Sink, finite_scalars, open_sinks
 
 
 def parse_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """metrics.jsonl rows: the lines holding a JSON object with an integer ``step`` (others skipped)."""
+    """metrics.jsonl rows: the lines holding a JSON object with an integer ``step``
+    (others skipped)."""
     rows = []
     for line in lines:
         try:
@@ -175,13 +176,15 @@ class MetricsLogger:
             for sink in self._sinks:
                 sink.log(step, scalars)
         keys = self.console_keys or tuple(clean)
-        parts = [f"{k}={_fmt(clean[k])}" for k in keys if k in clean and not isinstance(clean[k], str)]
+        parts = [f"{k}={_fmt(clean[k])}" for k in keys if k in clean
+                 and not isinstance(clean[k], str)]
         eta = ""
         if total_steps:
             elapsed = time.monotonic() - self._t0
             done = max(step, 1)
             eta = f" eta={max(total_steps - step, 0) * elapsed / done:.0f}s"
-        print(f"step {step}" + (f"/{total_steps}" if total_steps else "") + " " + " ".join(parts) + eta, flush=True)
+        print(f"step {step}" + (f"/{total_steps}" if total_steps else "") + " " + " ".join(parts)
+              + eta, flush=True)
 
     def text(self, tag: str, text: str, step: int) -> None:
         for sink in self._sinks:

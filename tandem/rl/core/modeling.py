@@ -42,12 +42,15 @@ def build_tokenizer(tokenizer: str | None, model_path: str | None, cache_dir: st
     """``builtin:char`` builds the self-contained character tokenizer into cache_dir."""
     src = tokenizer or model_path
     if src is None:
-        raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or 'builtin:char')")
+        raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or "
+                              "'builtin:char')")
     if src in ("builtin:char", "builtin:vl-char"):
-        # One folder per rank: ranks build it at the same time and must not read a half-written file.
+        # One folder per rank: ranks build it at the same time and must not read a half-written
+        # file.
         rank_dir = os.path.join(cache_dir, f"rank-{os.environ.get('RANK', '0')}")
         os.makedirs(rank_dir, exist_ok=True)
-        return build_char_tokenizer(rank_dir) if src == "builtin:char" else build_vl_char_tokenizer(rank_dir)
+        return (build_char_tokenizer(rank_dir) if src == "builtin:char"
+                else build_vl_char_tokenizer(rank_dir))
     key = "model.tokenizer" if tokenizer else "model.path"
     try:
         return Tokenizer.from_dir(src)
@@ -64,10 +67,12 @@ def model_args(flavor: str | None, path: str | None, tokenizer: Tokenizer) -> Mo
     try:
         args = load_args(path) if path else get_flavor(flavor)  # type: ignore[arg-type]
     except (OSError, ValueError, KeyError) as e:
-        raise ModelSetupError(f"{'model.path' if path else 'model.flavor'}: {_one_line(e)}") from None
+        raise ModelSetupError(f"{'model.path' if path else 'model.flavor'}: "
+                              f"{_one_line(e)}") from None
     if tokenizer.vocab_size > args.vocab_size:
         key = "model.path" if path else "model.flavor"
-        raise ModelSetupError(f"{key}: vocab_size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+        raise ModelSetupError(f"{key}: vocab_size {args.vocab_size} is smaller than the "
+                              f"tokenizer's {tokenizer.vocab_size}")
     return args
 
 
@@ -127,7 +132,8 @@ def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=opts)
 
 
-def export_hf(model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, out_dir: str, rank: int) -> None:
+def export_hf(model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, out_dir: str,
+              rank: int) -> None:
     """Collective: write the model as an HF folder (rank 0 writes); with LoRA adapters, merged,
     and the adapters alone in PEFT's format beside it (tandem/rl/core/lora.py)."""
     state = gather_full_state(model)
@@ -146,13 +152,16 @@ class BuildSpec:
     compile: bool = False
     ep: int = 1  # expert parallelism over the FSDP2 shard ranks (MoE models)
     train_vision: bool = False  # vision-language models: the tower trains too (model.train_vision)
-    lora: LoraSetup | None = None  # adapters on a trained model (set by a recipe for the model it trains)
+    lora: LoraSetup | None = None  # adapters on a trained model (set by a recipe for the model it
+    # trains)
 
     @classmethod
     def from_config(cls, training: Any, parallel: Any, model: Any = None,
                     lora: LoraSetup | None = None) -> BuildSpec:
-        return cls(param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
-                   cpu_offload=parallel.cpu_offload, activation_checkpoint=parallel.activation_checkpoint,
+        return cls(param_dtype=training.mixed_precision_param,
+                   reduce_dtype=training.mixed_precision_reduce,
+                   cpu_offload=parallel.cpu_offload,
+                   activation_checkpoint=parallel.activation_checkpoint,
                    compile=parallel.compile, ep=parallel.ep, lora=lora,
                    train_vision=bool(getattr(model, "train_vision", False)))
 
@@ -165,8 +174,8 @@ def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
     from tandem.rl.core.configlib import ConfigError
 
     if getattr(args, "num_experts", 0) and sizes["pp"] > 1:
-        raise ConfigError(f"parallel: a mixture-of-experts model runs with pp = 1 so far (pp={sizes['pp']}); "
-                          "use parallel.tp or parallel.ep")
+        raise ConfigError("parallel: a mixture-of-experts model runs with pp = 1 so far "
+                          f"(pp={sizes['pp']}); use parallel.tp or parallel.ep")
     try:
         validate_ep(args, ep, **{a: sizes[a] for a in ("dp_shard", "tp", "pp", "dp_replicate")})
     except ValueError as e:
@@ -181,15 +190,18 @@ def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: B
     from tandem.parallel.parallelize import parallelize
 
     check_moe_layout(getattr(model, "args", None), spec.ep, {a: mesh[a].size() for a in
-                                                             ("dp_shard", "tp", "pp", "dp_replicate")})
+                                                             ("dp_shard", "tp", "pp",
+                                                              "dp_replicate")})
     on_gpu = device.type != "cpu"
-    return parallelize(model, mesh, tp_enabled=tp, ac=spec.activation_checkpoint if trainable else "none",
+    return parallelize(model, mesh, tp_enabled=tp,
+                       ac=spec.activation_checkpoint if trainable else "none",
                        compile=spec.compile, param_dtype=spec.param_dtype if on_gpu else "float32",
-                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32", cpu_offload=spec.cpu_offload,
-                       ep=spec.ep)
+                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32",
+                       cpu_offload=spec.cpu_offload, ep=spec.ep)
 
 
-def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[str, torch.Tensor]], mesh: Any,
+def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[str, torch.Tensor]],
+                mesh: Any,
                 device: torch.device, spec: BuildSpec, *, is_main: bool, trainable: bool = True,
                 tp: bool = True) -> nn.Module:
     """The one model builder (policy, reference, critic, reward model, teachers): ``make()``
@@ -214,7 +226,8 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     if not trainable:
         model.requires_grad_(False).eval()
     elif hasattr(model, "visual") and not spec.train_vision:
-        model.visual.requires_grad_(False)  # a frozen tower: the same on every rank, never in a gradient collective
+        # a frozen tower: the same on every rank, never in a gradient collective
+        model.visual.requires_grad_(False)
     return model
 
 
@@ -240,11 +253,12 @@ def lora_shapes(args: ModelArgs, lora: LoraSetup) -> dict[str, tuple[int, ...]]:
 def build_transformer(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
                       spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
     """A causal LM (policy, reference, teacher) from an HF folder or a seeded from-scratch init."""
-    return build_model(lambda: make_model(args), lambda: full_initial_state(args, path, seed), mesh, device,
-                       spec, is_main=is_main, trainable=trainable)
+    return build_model(lambda: make_model(args), lambda: full_initial_state(args, path, seed), mesh,
+                       device, spec, is_main=is_main, trainable=trainable)
 
 
-def build_scalar_model(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
+def build_scalar_model(args: ModelArgs, path: str | None, seed: int, mesh: Any,
+                       device: torch.device,
                        spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
     """A transformer trunk with a scalar head (reward model, critic); no TP (its recipes check)."""
     from tandem.models.value_head import ScalarHeadModel, initial_scalar_state

@@ -9,7 +9,8 @@ step count, never with the batch size::
                     text_sink=logger.text)          # tensorboard text summaries too
     log.truncate(resumed_step)                      # on resume, like metrics.jsonl
     log.log(step, [{"prompt": ..., "completion": ..., "reward": 1.0,
-                    "rewards": {"exact_match": 1.0}, "advantage": 0.5, "finish_reason": "stop"}, ...])
+                    "rewards": {"exact_match": 1.0}, "advantage": 0.5,
+                    "finish_reason": "stop"}, ...])
 
 One JSON line per step: ``{"step": S, "samples": [record, ...]}``. A record
 needs the six keys above; other JSON-serialisable keys (a prompt id, token
@@ -42,13 +43,16 @@ def _number(value: Any) -> float | None:
 
 
 def clean_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record with its required keys checked and typed; a missing key is a ValueError naming it."""
+    """The record with its required keys checked and typed; a missing key is a ValueError
+    naming it."""
     missing = [k for k in REQUIRED if k not in record]
     if missing:
-        raise ValueError(f"sample record: missing {', '.join(missing)} (has {', '.join(sorted(record))})")
+        raise ValueError(f"sample record: missing {', '.join(missing)} (has "
+                         f"{', '.join(sorted(record))})")
     rewards = record["rewards"]
     if not isinstance(rewards, Mapping):
-        raise ValueError(f"sample record: 'rewards' must map reward names to floats, got {type(rewards).__name__}")
+        raise ValueError("sample record: 'rewards' must map reward names to floats, got "
+                         f"{type(rewards).__name__}")
     out = dict(record)
     out.update(prompt=str(record["prompt"]), completion=str(record["completion"]),
                reward=_number(record["reward"]), advantage=_number(record["advantage"]),
@@ -61,11 +65,15 @@ def _markdown(records: list[dict[str, Any]]) -> str:
     """Records as tensorboard markdown: a header line each, prompt and completion as code blocks."""
     parts = []
     for i, r in enumerate(records):
-        per_fn = ", ".join(f"{k} {v:.3g}" if v is not None else f"{k} n/a" for k, v in r["rewards"].items())
+        per_fn = ", ".join(f"{k} {v:.3g}" if v is not None else f"{k} n/a"
+                           for k, v in r["rewards"].items())
         reward = f"{r['reward']:.3g}" if r["reward"] is not None else "n/a"
         adv = f"{r['advantage']:.3g}" if r["advantage"] is not None else "n/a"
-        head = f"**{i}** reward {reward}" + (f" ({per_fn})" if per_fn else "") + f", advantage {adv}, {r['finish_reason']}"
-        block = "\n".join("    " + line for line in (r["prompt"] + "\n--- completion ---\n" + r["completion"]).splitlines())
+        head = (f"**{i}** reward {reward}" + (f" ({per_fn})" if per_fn else "")
+                + f", advantage {adv}, {r['finish_reason']}")
+        block = "\n".join("    " + line
+                          for line in (r["prompt"] + "\n--- completion ---\n"
+                                       + r["completion"]).splitlines())
         parts.append(head + "\n\n" + block)
     return "\n\n".join(parts)
 
@@ -89,7 +97,8 @@ class SampleLog:
         self.text_sink = text_sink
 
     def log(self, step: int, records: Sequence[Mapping[str, Any]]) -> int:
-        """Write the first ``per_step`` of ``records`` as step ``step``; returns how many were written."""
+        """Write the first ``per_step`` of ``records`` as step ``step``; returns how many
+        were written."""
         if not self.enabled or not records:
             return 0
         kept = [clean_record(r) for r in records[: self.per_step]]
@@ -101,7 +110,8 @@ class SampleLog:
         return len(kept)
 
     def truncate(self, step: int) -> None:
-        """Keep the steps ``<= step`` (a resumed run drops what a crashed one logged past its checkpoint)."""
+        """Keep the steps ``<= step`` (a resumed run drops what a crashed one logged past its
+        checkpoint)."""
         if not self.enabled or not os.path.exists(self.path):
             return
         with open(self.path, encoding="utf-8") as f:
@@ -131,14 +141,12 @@ def read_samples(dump_folder: str) -> list[dict[str, Any]]:
 
 
 def dump_rollouts(dump_folder: str, step: int, rank: int, samples: Sequence[Any]) -> None:
-    """With ``TANDEM_DUMP_ROLLOUTS=1`` (a debugging aid, used by the layout tests): every sample
-    of this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens,
-    generator log-probs, policy versions), so runs on different layouts can be compared
-    sample by sample."""
-    if os.environ.get("TANDEM_DUMP_ROLLOUTS") != "1":
-        return
+    """``advanced.dump_rollouts`` (a debugging aid, used by the layout tests): every sample of
+    this rank as one line of ``rollouts/rank-R.jsonl`` (step, prompt position, tokens, generator
+    log-probs, policy versions), so runs on different layouts can be compared sample by sample."""
     os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
     with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
         for s in samples:
-            f.write(json.dumps({"step": step + 1, "prompt": s.group, "completion_ids": s.completion_ids,
+            f.write(json.dumps({"step": step + 1, "prompt": s.group,
+                                "completion_ids": s.completion_ids,
                                 "gen_logprobs": s.gen_logprobs, "versions": s.versions}) + "\n")

@@ -188,7 +188,8 @@ _FAMILIES: dict[str, tuple[str, str, str, Callable[[random.Random], tuple]]] = {
         "f(xs: list) -> list",
         "returns xs rotated left by {a} positions (xs[{a} % len(xs):] + ...; "
         "an empty list stays empty)",
-        "def f(xs):\n    if not xs:\n        return []\n    k = {a} % len(xs)\n    return xs[k:] + xs[:k]\n",
+        "def f(xs):\n    if not xs:\n        return []\n    k = {a} % len(xs)\n    return "
+        "xs[k:] + xs[:k]\n",
         lambda r: ([r.randint(0, 9) for _ in range(r.randint(0, 6))],),
     ),
 }

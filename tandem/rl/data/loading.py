@@ -58,7 +58,8 @@ IMAGE_KEYS = ("image", "image_url")
 
 
 def is_image_part(part: dict[str, Any]) -> bool:
-    """A content part that holds an image (``{"type": "image", "image": ...}`` or an ``image_url``)."""
+    """A content part that holds an image (``{"type": "image", "image": ...}`` or an
+    ``image_url``)."""
     return part.get("type") == "image" or any(part.get(k) is not None for k in IMAGE_KEYS)
 
 
@@ -66,8 +67,10 @@ def _parts_problem(content: list[Any]) -> str | None:
     for p in content:
         if not isinstance(p, dict):
             return f"a content part must be an object, got {type(p).__name__}"
-        if not is_image_part(p) and (p.get("type", "text") != "text" or not isinstance(p.get("text"), str)):
-            return f"a content part must be {{'type': 'text', 'text': ...}} or an image, got keys {sorted(p)}"
+        if not is_image_part(p) and (p.get("type", "text") != "text"
+                                     or not isinstance(p.get("text"), str)):
+            return (f"a content part must be {{'type': 'text', 'text': ...}} or an image, got keys "
+                    f"{sorted(p)}")
     return None
 
 
@@ -98,7 +101,8 @@ def _infer_format(path: str, fmt: str) -> str:
         return "jsonl"
     if path.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    raise DataError(f"{path}: cannot tell the format from the extension; set data.format to jsonl or parquet")
+    raise DataError(f"{path}: cannot tell the format from the extension; set data.format to "
+                    "jsonl or parquet")
 
 
 def _open_binary(path: str) -> Any:
@@ -112,8 +116,8 @@ def _decode(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
-                        "data files must be UTF-8") from None
+        raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
+                        "of the line); data files must be UTF-8") from None
 
 
 def _parse_object(text: str, where: str) -> dict[str, Any]:
@@ -201,15 +205,18 @@ def _load_file(path: str, fmt: str) -> Rows:
 def data_files(folder: str, fmt: str = "auto") -> list[str]:
     """The data files directly in ``folder`` (not its subfolders), sorted by name: those
     with a jsonl / parquet extension (``fmt="auto"``), or those of ``fmt``."""
-    suffixes = {"auto": JSONL_SUFFIXES + PARQUET_SUFFIXES, "jsonl": JSONL_SUFFIXES, "parquet": PARQUET_SUFFIXES}[fmt]
+    suffixes = ({"auto": JSONL_SUFFIXES + PARQUET_SUFFIXES, "jsonl": JSONL_SUFFIXES,
+                 "parquet": PARQUET_SUFFIXES}[fmt])
     try:
         names = sorted(os.listdir(folder))
     except OSError as e:
         raise DataError(f"{folder}: {e.strerror}") from None
     files = [os.path.join(folder, n) for n in names
-             if n.endswith(suffixes) and not n.startswith(".") and os.path.isfile(os.path.join(folder, n))]
+             if n.endswith(suffixes) and not n.startswith(".")
+             and os.path.isfile(os.path.join(folder, n))]
     if not files:
-        raise DataError(f"{folder}: a folder with no data files ({', '.join('*' + s for s in suffixes)})")
+        raise DataError(f"{folder}: a folder with no data files "
+                        f"({', '.join('*' + s for s in suffixes)})")
     return files
 
 
@@ -226,3 +233,27 @@ def load_rows(path: str, fmt: str = "auto") -> Rows:
         rows.extend(part)
         rows.where.extend(part.where)
     return rows
+
+
+class EpochOrder:
+    """An endless chain of the row numbers ``0 .. num_rows - 1``, one permutation per epoch (the
+    identity without ``shuffle``): position g is row ``perm(g // num_rows)[g % num_rows]``, a pure
+    function of (seed, g), so a resumed run reads the rows the uninterrupted one would."""
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True) -> None:
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            if self.shuffle:
+                import torch  # torch's seeded permutation: the row order of every run so far
+
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()
+            else:
+                self._perms[epoch] = list(range(self.num_rows))
+        return self._perms[epoch]
+
+    def row(self, position: int) -> int:
+        return self._perm(position // self.num_rows)[position % self.num_rows]

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from tandem.rl.core.fields import get_field
-from tandem.rl.data.images import VisionData, prepare_messages, with_images
+from tandem.rl.data.images import VisionData
 from tandem.rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
-from tandem.rl.data.sft import BadRow, Example
+from tandem.rl.data.sft import BadRow, Example, tokenize_turns
 from tandem.rl.data.tasks import make_task_rows
 from tandem.rl.core.registry import Registry
 
@@ -55,7 +55,8 @@ def _check_messages(messages: Any, what: str) -> Messages:
     if isinstance(messages, list) and not messages:
         raise BadRow(f"empty {what}")
     if not isinstance(messages, list):
-        raise BadRow(f"{what} must be a string or a list of messages, got {type(messages).__name__}")
+        raise BadRow(f"{what} must be a string or a list of messages, got "
+                     f"{type(messages).__name__}")
     if (problem := message_problem(messages)) is not None:
         raise BadRow(f"{what}: {problem}")
     return messages
@@ -83,43 +84,6 @@ def _as_reply(reply: Any, context: Messages, what: str, allow_empty: bool = Fals
     return turns
 
 
-def _tokenize_turns(messages: Messages, first: int, tokenizer: Any, vision: VisionData | None = None) -> Example:
-    """Tokens of ``messages``; assistant turns at index >= ``first`` are the response.
-
-    The template is rendered turn by turn so the mask follows the rendered text,
-    whatever the template adds around each turn; it must be prefix-stable. ``vision``: a
-    vision-language policy's image settings (image parts become their image tokens).
-    """
-    try:
-        messages = prepare_messages(messages, vision)
-    except ValueError as e:
-        raise BadRow(str(e)) from None
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""  # text already tokenized
-    for i in range(first, len(messages)):
-        if messages[i]["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True)
-        after = tokenizer.apply_chat_template(messages[: i + 1])
-        if not before.startswith(done) or not after.startswith(before):
-            raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
-        for text, trained in ((before[len(done):], 0), (after[len(before):], 1)):
-            piece = tokenizer.encode(text)
-            ids += piece
-            mask += [trained] * len(piece)
-        done = after
-    full = tokenizer.apply_chat_template(messages)
-    if not full.startswith(done):
-        raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
-    tail = tokenizer.encode(full[len(done):])
-    try:
-        ids, images, (mask,) = with_images(messages, ids + tail, vision, mask + [0] * len(tail))
-    except ValueError as e:
-        raise BadRow(str(e)) from None
-    return Example(ids, mask, images)
-
-
 def tokenize_response(context: str | Messages, response: str | Messages, tokenizer: Any) -> Example:
     """One side of a pair (or one reward-model query): context + response through the
     chat template, ``loss_mask`` on the response's assistant tokens.
@@ -130,7 +94,7 @@ def tokenize_response(context: str | Messages, response: str | Messages, tokeniz
     """
     ctx = _as_context(context)
     reply = _as_reply(response, ctx, "response", allow_empty=True)
-    return _tokenize_turns(ctx + reply, len(ctx), tokenizer)
+    return tokenize_turns(ctx + reply, tokenizer, first=len(ctx))
 
 
 def _row_sides(rec: dict[str, Any], fields: dict[str, str]) -> tuple[Messages, Messages, Messages]:
@@ -204,17 +168,20 @@ def build_preference_data(
         try:
             ctx, c, r = _row_sides(rec, fields)
             n = len(ctx)
-            sides = [_tokenize_turns(ctx + reply, n, tokenizer, vision) for reply in (c, r)]
+            sides = [tokenize_turns(ctx + reply, tokenizer, first=n, vision=vision)
+                     for reply in (c, r)]
             for ex in sides:
                 if len(ex.input_ids) > max_length:
-                    raise BadRow(f"longer than max_length ({len(ex.input_ids)} > {max_length} tokens)")
+                    raise BadRow(f"longer than max_length ({len(ex.input_ids)} > "
+                                 f"{max_length} tokens)")
                 if sum(ex.loss_mask[1:]) == 0:
                     raise BadRow("no response token")
         except BadRow as e:
             if on_bad_row == "error":
-                where = (row_where(records, i, source) if row_numbers is None or isinstance(records, Rows)
-                         else f"{source}: row {row_numbers[i]}")
-                raise DataError(f"{where}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                where = (row_where(records, i, source) if row_numbers is None
+                         or isinstance(records, Rows) else f"{source}: row {row_numbers[i]}")
+                raise DataError(f"{where}: {e} (set data.on_bad_row=skip to "
+                                "skip such rows)") from None
             skipped[str(e).split(" (")[0]] += 1
             continue
         pairs.append(PreferencePair(sides[0], sides[1], len(pairs)))
@@ -265,7 +232,8 @@ def sorting_pairs(n: int, seed: int, split: str) -> list[dict[str, Any]]:
             wrong = items[:]
             while wrong == items:
                 rng.shuffle(wrong)
-            out.append({"prompt": row["prompt"], "chosen": row["answer"], "rejected": " ".join(wrong)})
+            out.append({"prompt": row["prompt"], "chosen": row["answer"],
+                        "rejected": " ".join(wrong)})
         draw += 1
     return out
 
@@ -302,8 +270,8 @@ def load_preference_data(
     Held-out pairs: all rows of ``eval_source`` when given, else the synthetic
     source's test split, else a seeded ``eval_fraction`` of the file's rows.
     """
-    fields = dict(messages_field=messages_field, prompt_field=prompt_field, chosen_field=chosen_field,
-                  rejected_field=rejected_field)
+    fields = dict(messages_field=messages_field, prompt_field=prompt_field,
+                  chosen_field=chosen_field, rejected_field=rejected_field)
     train_nums: list[int] | None = None
     eval_nums: list[int] | None = None
     eval_name = source
@@ -312,18 +280,22 @@ def load_preference_data(
         if name not in SYNTHETIC_PAIRS:
             raise DataError(f"{source}: {SYNTHETIC_PAIRS.unknown_message(name)}")
         gen = SYNTHETIC_PAIRS.get(name)
-        train_rows, eval_rows = gen(synthetic_rows, seed, "train"), gen(SYNTHETIC_EVAL_ROWS, seed, "test")
-        fields = {k: k.removesuffix("_field") for k in fields}  # generated rows use the default names
+        train_rows, eval_rows = (gen(synthetic_rows, seed, "train"),
+                                 gen(SYNTHETIC_EVAL_ROWS, seed, "test"))
+        # generated rows use the default names
+        fields = {k: k.removesuffix("_field") for k in fields}
     else:
         rows = load_rows(source, fmt)
         held = set() if eval_source is not None else _held_out(len(rows), eval_fraction, seed)
         train_nums = [i for i in range(len(rows)) if i not in held]
         eval_nums = sorted(held)
-        train_rows, eval_rows = ([Rows([rows[i] for i in nums], [row_where(rows, i, source) for i in nums])
+        train_rows, eval_rows = ([Rows([rows[i] for i in nums],
+                                       [row_where(rows, i, source) for i in nums])
                                   for nums in (train_nums, eval_nums)])
     if eval_source is not None:
         eval_rows, eval_nums, eval_name = load_rows(eval_source, fmt), None, eval_source
-    kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, vision=vision, **fields)
+    kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, vision=vision,
+              **fields)
     train, skipped = build_preference_data(train_rows, source=source, row_numbers=train_nums, **kw)  # type: ignore[arg-type]
     evals, skipped = build_preference_data(eval_rows, source=eval_name, row_numbers=eval_nums,  # type: ignore[arg-type]
                                            skipped=skipped, **kw)

@@ -21,24 +21,25 @@ import struct
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 
 from tandem.rl.core.fields import get_field
 from tandem.rl.data.images import VisionData, prepare_messages, with_images
-from tandem.rl.data.loading import DataError, load_rows, message_problem, row_where
+from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 SYNTHETIC = "synthetic:"
 T = TypeVar("T")
 
 
-def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int, n_synthetic: int) -> list[dict[str, Any]]:
+def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int,
+                     n_synthetic: int) -> list[dict[str, Any]]:
     if path.startswith(SYNTHETIC):
         from tandem.rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
         name, knobs = parse_synthetic(path[len(SYNTHETIC):])
         from tandem.rl.data.agentic_tasks import AGENTIC_TASKS, make_agentic_rows
 
-        if name in AGENTIC_TASKS:  # multi-turn tasks (env.name): code rows carry hidden tests, not an answer
+        if name in AGENTIC_TASKS:
+            # multi-turn tasks (env.name): code rows carry hidden tests, not an answer
             try:
                 rows = make_agentic_rows(name, n_synthetic, seed, split, **knobs)  # type: ignore[arg-type]
             except ValueError as e:
@@ -58,10 +59,12 @@ class Prompt:
     index: int  # row index in its dataset
     token_ids: list[int]
     row: dict[str, Any]
-    images: Any = None  # tandem.models.vlm.PromptImages of a row with images (vision-language policies)
+    images: Any = None  # tandem.models.vlm.PromptImages of a row with images (vision-language
+    # policies)
 
 
-def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str) -> list[dict[str, Any]]:
+def prompt_messages(row: dict[str, Any], prompt_field: str,
+                    messages_field: str) -> list[dict[str, Any]]:
     """The conversation a row's prompt is rendered from: its messages field, or its prompt
     field, which holds either text (one user turn) or a list of {role, content} messages (as in
     verl's and TRL's conversational prompt datasets). ValueError (one line) if neither."""
@@ -74,17 +77,20 @@ def prompt_messages(row: dict[str, Any], prompt_field: str, messages_field: str)
         if isinstance(q, str):
             return [{"role": "user", "content": q}]
         if not isinstance(q, list):
-            raise ValueError(f"field {prompt_field!r} must be text or a list of {{role, content}} messages, "
-                             f"got {type(q).__name__} (data.prompt_field / data.messages_field name the fields)")
+            raise ValueError(f"field {prompt_field!r} must be text or a list of {{role, "
+                             f"content}} messages, got {type(q).__name__} (data.prompt_field / "
+                             "data.messages_field name the fields)")
         msgs = q
     if (problem := message_problem(msgs)) is not None:
-        raise ValueError(f"field {field!r}: {problem} (data.messages_field names the messages field)")
+        raise ValueError(f"field {field!r}: {problem} (data.messages_field names the "
+                         "messages field)")
     return msgs
 
 
 def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
                    messages_field: str, answer_field: str, max_prompt_tokens: int,
-                   on_bad_row: str = "skip", vision: VisionData | None = None) -> tuple[list[Prompt], dict[str, int]]:
+                   on_bad_row: str = "skip",
+                   vision: VisionData | None = None) -> tuple[list[Prompt], dict[str, int]]:
     """Chat-template and tokenize; bad rows (a missing field, or one of the wrong type, or an
     unreadable image) are counted (or raise DataError naming the file and line). ``vision``:
     a vision-language policy's image settings (tandem/rl/data/images.py); image tokens are
@@ -98,17 +104,20 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
             if answer is None:
                 raise ValueError(f"missing field {answer_field!r} (data.answer_field names it)")
             if not isinstance(answer, str):
-                raise ValueError(f"field {answer_field!r} must be a string, got {type(answer).__name__}")
+                raise ValueError(f"field {answer_field!r} must be a string, got "
+                                 f"{type(answer).__name__}")
             msgs = prepare_messages(prompt_messages(row, prompt_field, messages_field), vision)
             if not has_template and not isinstance(msgs[-1]["content"], str):
                 raise ValueError("a prompt with images needs a tokenizer with a chat template")
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template else msgs[-1]["content"]
+            text = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template
+                    else msgs[-1]["content"])
             ids, images, _ = with_images(msgs, tokenizer.encode(text), vision)
             if len(ids) > max_prompt_tokens:
                 raise ValueError(f"prompt longer than {max_prompt_tokens} tokens")
         except ValueError as e:
             if on_bad_row == "error":
-                raise DataError(f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                raise DataError(f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to "
+                                "skip such rows)") from None
             reason = str(e).split(" (")[0]  # counted without the hint
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
@@ -126,19 +135,10 @@ class PromptStream:
     """
 
     def __init__(self, num_rows: int, seed: int, shuffle: bool = True, cursor: int = 0) -> None:
-        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.num_rows = num_rows
         self.cursor = cursor  # how many positions of the global chain have been taken
+        self.order = EpochOrder(num_rows, seed * 7_919, shuffle)
         self.requeued: list[int] = []  # positions taken but given back untrained: taken again first
-        self._perms: dict[int, list[int]] = {}
-
-    def _perm(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
-                self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()
-            else:
-                self._perms[epoch] = list(range(self.num_rows))
-        return self._perms[epoch]
 
     def take(self, n: int) -> list[tuple[int, int]]:
         """The next n (position, row index) pairs: given-back positions first (lowest first),
@@ -150,7 +150,7 @@ class PromptStream:
             else:
                 g = self.cursor
                 self.cursor += 1
-            out.append((g, self._perm(g // self.num_rows)[g % self.num_rows]))
+            out.append((g, self.order.row(g)))
         return out
 
     def requeue(self, positions: list[int]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from tandem.rl.core.fields import get_field
 from tandem.rl.data.images import VisionData, prepare_messages, with_images
-from tandem.rl.data.loading import DataError, load_rows, message_problem, row_where
+from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
 
 IGNORE = -100  # target id that takes no loss
 
@@ -30,14 +30,16 @@ IGNORE = -100  # target id that takes no loss
 class Example:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token is trained (an assistant token)
-    images: Any = None  # tandem.models.vlm.PromptImages of a chat with images (M-RoPE positions of all its tokens)
+    images: Any = None  # tandem.models.vlm.PromptImages of a chat with images (M-RoPE positions of
+    # all its tokens)
 
 
 class BadRow(ValueError):
     """A row that cannot become a training example; str() says why."""
 
 
-def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None, vision: VisionData | None = None) -> Example:
+def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None,
+                  vision: VisionData | None = None) -> Example:
     """Token ids and loss mask of a chat: assistant turns trained, the rest context.
 
     ``tools`` (a list of JSON tool schemas, the row's ``tools`` field) is rendered
@@ -47,22 +49,32 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None, vision: Visi
     policy's image settings; image parts become their images' tokens (never trained)."""
     if (problem := message_problem(messages)) is not None:
         raise BadRow(problem)
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise BadRow("tools must be a list of JSON objects (tool schemas)")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no assistant message to train on")
+    return tokenize_turns(messages, tokenizer, tools=tools, vision=vision)
+
+
+def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int = 0,
+                   tools: Any = None, vision: VisionData | None = None) -> Example:
+    """Tokens of ``messages`` through the chat template; the assistant turns at index >= ``first``
+    are trained (mask 1). The template is rendered turn by turn so the mask follows the rendered
+    text, whatever the template adds around each turn; it must be prefix-stable. ``vision``: a
+    vision-language policy's image settings (image parts become their images' tokens)."""
     try:
         messages = prepare_messages(messages, vision)
     except ValueError as e:
         raise BadRow(str(e)) from None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise BadRow("tools must be a list of JSON objects (tool schemas)")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRow("no assistant message to train on")
-    full = tokenizer.apply_chat_template(messages, tools=tools)
     ids: list[int] = []
     mask: list[int] = []
     done = ""  # text already tokenized
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+    for i in range(first, len(messages)):
+        if messages[i]["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True)
+        before = tokenizer.apply_chat_template(messages[:i], tools=tools,
+                                               add_generation_prompt=True)
         after = tokenizer.apply_chat_template(messages[: i + 1], tools=tools)
         if not before.startswith(done) or not after.startswith(before):
             raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
@@ -71,13 +83,12 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None, vision: Visi
             ids += piece
             mask += [trained] * len(piece)
         done = after
+    full = tokenizer.apply_chat_template(messages, tools=tools)
     if not full.startswith(done):
         raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
     tail = tokenizer.encode(full[len(done):])
-    ids += tail
-    mask += [0] * len(tail)
     try:
-        ids, images, (mask,) = with_images(messages, ids, vision, mask)
+        ids, images, (mask,) = with_images(messages, ids + tail, vision, mask + [0] * len(tail))
     except ValueError as e:
         raise BadRow(str(e)) from None
     return Example(ids, mask, images)
@@ -163,19 +174,23 @@ def build_sft_data(
             prompt, completion = get_field(rec, prompt_field), get_field(rec, completion_field)
             if messages is not None:
                 ex = tokenize_chat(messages, tokenizer, rec.get("tools"), vision)
-            elif isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational form
+            elif isinstance(prompt, list) and isinstance(completion, list):
+                # TRL's conversational form
                 ex = tokenize_chat(prompt + completion, tokenizer, rec.get("tools"), vision)
             elif prompt is not None or completion is not None:
                 ex = tokenize_prompt_completion(prompt, completion, tokenizer)
             else:
-                raise BadRow(f"missing field: neither {messages_field!r} nor {prompt_field!r}/{completion_field!r}")
+                raise BadRow(f"missing field: neither {messages_field!r} nor {prompt_field!r}"
+                             f"/{completion_field!r}")
             if len(ex.input_ids) - 1 > max_length:
-                raise BadRow(f"longer than max_length ({len(ex.input_ids) - 1} > {max_length} tokens)")
+                raise BadRow(f"longer than max_length ({len(ex.input_ids) - 1} > "
+                             f"{max_length} tokens)")
             if sum(ex.loss_mask[1:]) == 0:
                 raise BadRow("no trained token")
         except BadRow as e:
             if on_bad_row == "error":
-                raise DataError(f"{row_where(records, i, source)}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+                raise DataError(f"{row_where(records, i, source)}: {e} (set data.on_bad_row=skip "
+                                "to skip such rows)") from None
             out.skipped[str(e).split(" (")[0]] += 1
             continue
         singles.append(example_to_row(ex))
@@ -210,21 +225,12 @@ class StepSampler:
     """
 
     def __init__(self, num_rows: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
-        self.num_rows, self.batch_size, self.seed, self.shuffle = num_rows, batch_size, seed, shuffle
-        self._perms: dict[int, list[int]] = {}
-
-    def _perm(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                self._perms[epoch] = torch.randperm(self.num_rows, generator=g).tolist()
-            else:
-                self._perms[epoch] = list(range(self.num_rows))
-        return self._perms[epoch]
+        self.num_rows, self.batch_size = num_rows, batch_size
+        self.order = EpochOrder(num_rows, seed * 1_000_003, shuffle)
 
     def global_batch(self, step: int) -> list[int]:
         start = step * self.batch_size
-        return [self._perm(i // self.num_rows)[i % self.num_rows] for i in range(start, start + self.batch_size)]
+        return [self.order.row(i) for i in range(start, start + self.batch_size)]
 
     def epoch_of(self, step: int) -> int:
         return step * self.batch_size // self.num_rows
@@ -255,5 +261,6 @@ def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> lis
         rows = make_task_rows(name, n_synthetic, seed, "train", **knobs)
     except ValueError as e:
         raise DataError(f"data.path: {path}: {e}") from None
-    return [{"messages": r["messages"] + [{"role": "assistant", "content": r.get("sft_reply", r["answer"])}]}
+    return [{"messages": r["messages"] + [{"role": "assistant",
+                                           "content": r.get("sft_reply", r["answer"])}]}
             for r in rows]

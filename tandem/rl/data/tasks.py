@@ -185,7 +185,8 @@ def addition_small(rng: random.Random, *, max_value: int = 9, stray: float = 0.0
         raise ValueError(f"addition_small: need 0 <= stray <= 1, got {stray}")
     a, b = rng.randint(0, max_value), rng.randint(0, max_value)
     reply = f"{a + b}!" if stray and rng.random() < stray else str(a + b)
-    return Problem(key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b), extra={"sft_reply": reply})
+    return Problem(key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b),
+                   extra={"sft_reply": reply})
 
 
 @_task("needle", reward="exact_match")
@@ -212,7 +213,8 @@ def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_leng
 
 
 @_task("shapes", reward="exact_match")
-def shapes(rng: random.Random, *, stray: float = 0.0, canvas: int = 56, ask: str = "both") -> Problem:
+def shapes(rng: random.Random, *, stray: float = 0.0, canvas: int = 56,
+           ask: str = "both") -> Problem:
     """A picture of one coloured shape (Pillow); the question asks its colour or its shape.
 
     For vision-language policies: the row's ``messages`` hold the picture (a PNG ``data:``
@@ -224,8 +226,8 @@ def shapes(rng: random.Random, *, stray: float = 0.0, canvas: int = 56, ask: str
     from tandem.rl.data.shapes import COLOURS, SHAPES, data_uri, draw
 
     if ask not in ("both", "colour", "shape") or not 0.0 <= stray <= 1.0 or canvas < 28:
-        raise ValueError(f"shapes: need ask in both/colour/shape, 0 <= stray <= 1, canvas >= 28; got {ask!r}, "
-                         f"{stray}, {canvas}")
+        raise ValueError("shapes: need ask in both/colour/shape, 0 <= stray <= 1, canvas >= 28; "
+                         f"got {ask!r}, {stray}, {canvas}")
     shape, colour = rng.choice(SHAPES), rng.choice(sorted(COLOURS))
     size = rng.randint(canvas * 2 // 5, canvas * 3 // 4)
     cx, cy = (rng.randint(size // 2 + 1, canvas - size // 2 - 1) for _ in range(2))
@@ -310,7 +312,8 @@ def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str])
 
 
 def parse_synthetic(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"addition_small?max_value=19"`` -> ("addition_small", {"max_value": 19}); values as ints/floats/strs."""
+    """``"addition_small?max_value=19"`` -> ("addition_small", {"max_value": 19}); values as
+    ints/floats/strs."""
     name, _, query = spec.partition("?")
     knobs: dict[str, Any] = {}
     for part in filter(None, query.split("&")):

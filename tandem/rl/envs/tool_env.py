@@ -33,7 +33,14 @@ from tandem.rl.envs.base import (
     StepResult,
     row_messages,
 )
-from tandem.rl.envs.tools import TOOLS, Tool, ToolCallError, dispatch, make_python_tool, parse_tool_calls
+from tandem.rl.envs.tools import (
+    TOOLS,
+    Tool,
+    ToolCallError,
+    dispatch,
+    make_python_tool,
+    parse_tool_calls,
+)
 from tandem.rl.rewards.registry import RewardFn, get_reward
 from tandem.rl.sandbox import SandboxLimits
 

@@ -39,7 +39,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _clean(name: str) -> str:
-    from tandem.parallel.ac import clean_fqn  # lazy: keeps this module importable without the model stack
+    # lazy: keeps this module importable without the model stack
+    from tandem.parallel.ac import clean_fqn
 
     return clean_fqn(name)
 
@@ -75,7 +76,8 @@ def _finite_flags(tensors: list[torch.Tensor], exact: bool) -> torch.Tensor:
 
 def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool) -> bool:
     """Whether any rank of ``group`` has a False flag (one all-reduce, one host sync)."""
-    any_bad = (~flags).any().to(torch.int32).reshape(1) if flags.numel() else torch.zeros(1, dtype=torch.int32)
+    any_bad = (~flags).any().to(torch.int32).reshape(1) if flags.numel() else torch.zeros(
+        1, dtype=torch.int32)
     if distributed:
         if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
             any_bad = any_bad.to(torch.device("cuda", torch.cuda.current_device()))
@@ -98,11 +100,12 @@ def _local_finding(loss: torch.Tensor | None, grads: list[tuple[str, torch.Tenso
         i = bad.index(True) - (1 if loss is not None else 0)
         name, g = grads[i]
         where, kind = "grad", _kind(g)
-    return {"rank": rank, "where": where, "tensor": name, "kind": kind, "nonfinite_grads": n_grads_bad}
+    return {"rank": rank, "where": where, "tensor": name, "kind": kind,
+            "nonfinite_grads": n_grads_bad}
 
 
-def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Module], step: int, rank: int,
-                 policy: Policy = "stop", *, dump_folder: str | None = None,
+def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Module], step: int,
+                 rank: int, policy: Policy = "stop", *, dump_folder: str | None = None,
                  group: dist.ProcessGroup | None = None) -> bool:
     """True if the loss and all gradients are finite on every rank of ``group``.
 
@@ -115,7 +118,8 @@ def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Modul
     if policy not in ("skip", "stop"):
         raise ValueError(f"check_finite: policy must be 'skip' or 'stop', got {policy!r}")
     grads = _named_grads(model)
-    tensors = ([_local(loss).detach().reshape(1)] if loss is not None else []) + [g for _, g in grads]
+    tensors = (([_local(loss).detach().reshape(1)] if loss is not None else [])
+               + [g for _, g in grads])
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if not _any_bad(_finite_flags(tensors, exact=False), group, distributed):
         return True
@@ -129,8 +133,9 @@ def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Modul
         findings = [None] * dist.get_world_size(group)
         dist.all_gather_object(findings, mine, group=group)
     first = next((f for f in findings if f is not None), None)
-    where = (f"{first['kind']} in the {'loss' if first['where'] == 'loss' else 'gradient of ' + first['tensor']} "
-             f"on rank {first['rank']}") if first else "non-finite value in an unknown tensor"
+    where = (f"{first['kind']} in the "
+             f"{'loss' if first['where'] == 'loss' else 'gradient of ' + first['tensor']} on rank "
+             f"{first['rank']}") if first else "non-finite value in an unknown tensor"
     if policy == "skip":
         if first is not None and first["rank"] == rank:
             print(f"[rank {rank}] step {step}: {where}: step skipped", flush=True)

@@ -42,7 +42,8 @@ DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def _say(line: str) -> None:
-    """One line to stderr with os.write: a print() here could re-enter a buffered write in progress."""
+    """One line to stderr with os.write: a print() here could re-enter a buffered write
+    in progress."""
     try:
         os.write(sys.stderr.fileno(), (line + "\n").encode())
     except (OSError, ValueError, AttributeError):
@@ -73,7 +74,8 @@ class PreemptionHandler:
         received now, and its ``received_at`` is cleared.
         """
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("PreemptionHandler.install: signal handlers can only be installed from the main thread")
+            raise RuntimeError("PreemptionHandler.install: signal handlers can only be installed "
+                               "from the main thread")
         for sig in self.signals:
             if sig not in self._previous:
                 prev = self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -106,7 +108,8 @@ class PreemptionHandler:
             self.received_at = time.time()
             _say(f"[rank {self.rank}] {name}: will checkpoint and stop at the end of this step")
         else:
-            _say(f"[rank {self.rank}] {name} again: already stopping; ignored so the checkpoint can finish")
+            _say(f"[rank {self.rank}] {name} again: already stopping; ignored so the "
+                 "checkpoint can finish")
 
     # ---- queries ------------------------------------------------------------------
     def request(self, reason: str = "request") -> None:
@@ -134,7 +137,8 @@ class PreemptionHandler:
             if device is None:
                 backend = str(dist.get_backend(group))
                 device = (torch.device("cuda", torch.cuda.current_device())
-                          if "nccl" in backend and torch.cuda.is_available() else torch.device("cpu"))
+                          if "nccl" in backend and torch.cuda.is_available()
+                          else torch.device("cpu"))
             flag = torch.tensor([1 if self._requested else 0], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             agreed = bool(flag.item())  # deliberate host sync: we branch on it
@@ -149,7 +153,8 @@ class PreemptionHandler:
         folder = os.path.join(self.dump_folder, "preempt")
         os.makedirs(folder, exist_ok=True)
         now = time.time()
-        record = {"rank": self.rank, "step": step, "signal": self.signal_name,  # None: a peer got it
+        # None: a peer got it
+        record = {"rank": self.rank, "step": step, "signal": self.signal_name,
                   "received_at": self.received_at, "agreed_at": now, "pid": os.getpid(),
                   "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
         tmp = os.path.join(folder, f".rank-{self.rank}.json.tmp")

@@ -1,32 +1,12 @@
 """Hang detection: a per-rank watchdog thread that dumps every Python stack and exits.
 
-A hang in a collective hangs every rank, and NCCL's own timeout (minutes) only
-says *which collective* stalled, not *what the Python code was doing*. So each
-rank runs its own `Watchdog`: the trainer calls `beat(step)` as steps progress
-and `phase(name)` as it moves between rollout / update / checkpoint; a daemon
-thread wakes every ``poll_s`` and, if nothing has beaten for the current
-phase's timeout, writes
-
-    <dump>/hang/rank-<r>.txt   header + faulthandler dump of all threads +
-                               the same stacks formatted from sys._current_frames()
-    <dump>/hang/rank-<r>.json  rank, phase, last step, times, stacks as data
-
-and ends the process with `EXIT_HANG` through ``os._exit`` (a hung collective
-cannot be unwound by an exception). Ranks detect independently: the stuck rank
-shows where it is stuck, its peers show the collective they wait in. Because
-the launcher kills the survivors as soon as one rank exits, and ranks' last
-beats can be a phase apart, a rank whose watchdog fired waits a short grace
-before exiting, and every watchdog also dumps (and exits) as soon as it sees
-a fresh ``hang/rank-<k>.json`` of a peer in the shared dump folder (one
-``stat`` per poll). ``tandem-diagnose DUMP`` reads these files.
-
-The watchdog needs the GIL: a C call that blocks while holding it would stall
-the watchdog too. torch's collectives and kernels release the GIL while they
-wait, which is the case that matters here.
-
-`enable_flight_recorder` sets the NCCL flight-recorder variables before
-``init_process_group`` so a NCCL timeout also leaves a per-rank trace of the
-last collectives; on CPU/gloo it only sets environment variables.
+NCCL's own timeout says which collective stalled, not what the Python code was doing. Each
+rank's `Watchdog` thread expects `beat(step)` within the current `phase(name)`'s timeout;
+when none comes it writes ``<dump>/hang/rank-<r>.txt`` / ``.json`` (every thread's stack)
+and ends the process with `EXIT_HANG`; its peers dump too when they see that file, so
+``tandem-diagnose DUMP`` shows the stuck rank and the collective the others wait in.
+`enable_flight_recorder` sets the NCCL flight-recorder variables. Details:
+docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
@@ -78,7 +58,8 @@ def enable_flight_recorder(dump_folder: str, buffer_size: int = 2000) -> dict[st
 
 
 def _iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc).isoformat(
+        timespec="seconds")
 
 
 def _frames(frame: FrameType | None) -> list[dict[str, Any]]:
@@ -123,7 +104,8 @@ class Watchdog:
 
     # ---- trainer side -------------------------------------------------------------
     def beat(self, step: int | None = None) -> None:
-        """Record progress (cheap: two clock reads). ``step`` is the last step completed or begun."""
+        """Record progress (cheap: two clock reads). ``step`` is the last step
+        completed or begun."""
         if step is not None:
             self.last_step = step
         self._last_beat = time.monotonic()
@@ -159,7 +141,8 @@ class Watchdog:
         self.beat()
         self._started_wall = time.time()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=f"tandem-watchdog-rank{self.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"tandem-watchdog-rank{self.rank}",
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -191,7 +174,8 @@ class Watchdog:
         self.fired_count += 1
         try:
             path = self.dump(idle, reason=reason)
-            msg = f"[rank {self.rank}] hang: {reason} (last step {self.last_step}); stacks in {path}"
+            msg = (f"[rank {self.rank}] hang: {reason} (last step {self.last_step}); "
+                   f"stacks in {path}")
         except Exception as e:  # a full disk must not keep a hung job alive
             msg = f"[rank {self.rank}] hang: {reason}; writing the dump failed: {e!r}"
         print(msg, file=sys.stderr, flush=True)
@@ -204,7 +188,8 @@ class Watchdog:
             os._exit(self.exit_status)
 
     def _peer_dump(self) -> int | None:
-        """A rank whose hang dump is newer than our start (one stat per poll while there is none)."""
+        """A rank whose hang dump is newer than our start (one stat per poll while
+        there is none)."""
         folder = os.path.join(self.dump_folder, "hang")
         try:
             if os.stat(folder).st_mtime < self._started_wall - _CLOCK_SLACK_S:
@@ -221,7 +206,8 @@ class Watchdog:
                     rec = json.load(f)
             except (OSError, ValueError):
                 continue
-            if rec.get("time", 0) >= self._started_wall - _CLOCK_SLACK_S and rec.get("reason", "").startswith("no progress"):
+            if rec.get("time", 0) >= self._started_wall - _CLOCK_SLACK_S and rec.get(
+                "reason", "").startswith("no progress"):
                 self._peers_seen.add(name)
                 return int(m.group(1))
         return None
@@ -250,11 +236,11 @@ class Watchdog:
         }
         txt = os.path.join(folder, f"rank-{self.rank}.txt")
         with open(txt, "w", encoding="utf-8") as f:
-            f.write(f"rank {self.rank} pid {record['pid']} host {record['host']} restart {record['restart']}\n"
-                    f"reason: {reason}\nphase: {self.current_phase}\nlast step: {self.last_step}\n"
-                    f"no progress for {idle_s:.1f}s (timeout {self.current_timeout():g}s)\n"
-                    f"time: {record['time_iso']} (last beat {record['last_beat_iso']})\n\n"
-                    "== faulthandler (all threads) ==\n")
+            f.write(f"rank {self.rank} pid {record['pid']} host {record['host']} restart "
+                    f"{record['restart']}\nreason: {reason}\nphase: {self.current_phase}\nlast "
+                    f"step: {self.last_step}\nno progress for {idle_s:.1f}s (timeout "
+                    f"{self.current_timeout():g}s)\ntime: {record['time_iso']} (last beat "
+                    f"{record['last_beat_iso']})\n\n== faulthandler (all threads) ==\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.write("\n== Python stacks (sys._current_frames) ==\n")
@@ -274,7 +260,8 @@ class Watchdog:
 
     def _dump_flight_recorder(self, folder: str) -> str | None:
         """Best effort: write torch's flight-recorder ring, when one is being kept."""
-        if int(os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
+        if int(os.environ.get("TORCH_FR_BUFFER_SIZE",
+                              os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
             return None
         out: list[bytes] = []
 

@@ -46,11 +46,15 @@ class DecodeMirror:
     def __init__(self, cache: KVCache, max_len: int) -> None:
         self.cache, self.max_len = cache, max_len
         layers, _, _, _, self.kv_heads, self.head_dim = cache.data.shape
-        self.rows = cache.data.new_empty(layers, 2, 0, self.kv_heads, 0, self.head_dim)  # [L, 2, R, Hkv, W, D]
-        self.budget_tokens = cache.num_blocks * cache.block_size  # rows x width may not exceed the pool
+        # [L, 2, R, Hkv, W, D]
+        self.rows = cache.data.new_empty(layers, 2, 0, self.kv_heads, 0, self.head_dim)
+        # rows x width may not exceed the pool
+        self.budget_tokens = cache.num_blocks * cache.block_size
         self.seq_ids: list[int] = []  # the sequence of row i
-        self.lengths: list[int] = []  # positions of row i that hold the pool's values; -1: forgotten
-        self.steps = self.moved = self.refilled = self.too_big = 0  # steps served, rows moved / refilled, steps refused
+        # positions of row i that hold the pool's values; -1: forgotten
+        self.lengths: list[int] = []
+        # steps served, rows moved / refilled, steps refused
+        self.steps = self.moved = self.refilled = self.too_big = 0
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         """These sequences got tokens another way: their rows no longer match the pool."""
@@ -67,11 +71,13 @@ class DecodeMirror:
             self.seq_ids, self.lengths = [], []
             self.too_big += 1
             return None
-        where = {s: r for r, (s, length) in enumerate(zip(self.seq_ids, self.lengths)) if length >= 0}
+        where = {s: r for r, (s, length) in enumerate(zip(self.seq_ids, self.lengths)) if length
+                 >= 0}
         src, dst, refill = [], [], []
         for i, c in enumerate(chunks):
             r = where.get(c.seq.seq_id)
-            if r is not None and self.lengths[r] == c.start:  # holds every position before the new token
+            if r is not None and self.lengths[r] == c.start:
+                # holds every position before the new token
                 if r != i:
                     src.append(r)
                     dst.append(i)
@@ -83,18 +89,21 @@ class DecodeMirror:
         if refill:
             self._refill(refill, chunks)
         self.moved, self.refilled = self.moved + len(src), self.refilled + len(refill)
-        self.seq_ids, self.lengths = [c.seq.seq_id for c in chunks], ctx  # once the step has written its tokens
+        # once the step has written its tokens
+        self.seq_ids, self.lengths = [c.seq.seq_id for c in chunks], ctx
         self.steps += 1
 
         dev = self.rows.device
-        tokens = torch.tensor([c.seq.token_ids[c.start] for c in chunks], dtype=torch.long, device=dev)
+        tokens = torch.tensor([c.seq.token_ids[c.start] for c in chunks], dtype=torch.long,
+                              device=dev)
         positions = torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev)
         slots = torch.tensor([c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
                              dtype=torch.int64, device=dev)
         lens = torch.tensor(ctx, device=dev)
         bias = torch.zeros(n, width, dtype=self.rows.dtype, device=dev)
         bias.masked_fill_(torch.arange(width, device=dev)[None, :] >= lens[:, None], float("-inf"))
-        bias = bias[:, None, None, :].expand(n, self.kv_heads, 1, width).reshape(n * self.kv_heads, 1, width)
+        bias = bias[:, None, None, :].expand(n, self.kv_heads, 1, width).reshape(
+            n * self.kv_heads, 1, width)
         return MirrorStep(tokens, positions, slots, bias, width)
 
     def _reserve(self, n: int, width: int) -> bool:
@@ -109,7 +118,8 @@ class DecodeMirror:
         new_cap = min(max(width, cap), fits)
         if width > cap:  # double the width, as far as the pool's size and the model length allow
             new_cap = max(width, min(2 * cap, self.max_len, fits))
-        grown = self.rows.new_zeros(*self.rows.shape[:2], new_rows, self.kv_heads, new_cap, self.head_dim)
+        grown = self.rows.new_zeros(*self.rows.shape[:2], new_rows, self.kv_heads, new_cap,
+                                    self.head_dim)
         keep = min(cap, new_cap)
         grown[:, :, :rows, :, :keep] = self.rows[:, :, :, :, :keep]
         self.lengths = [length if length <= keep else -1 for length in self.lengths]
@@ -124,7 +134,8 @@ class DecodeMirror:
             return
         nb = -(-w // bs)
         tables = [chunks[i].seq.block_table[:nb] for i in rows]
-        ids = torch.tensor([t + [0] * (nb - len(t)) for t in tables], device=self.rows.device)  # [n, nb]
+        # [n, nb]
+        ids = torch.tensor([t + [0] * (nb - len(t)) for t in tables], device=self.rows.device)
         pages = self.cache.data.index_select(2, ids.reshape(-1))  # [L, 2, n * nb, BS, Hkv, D]
         layers = pages.shape[0]
         pages = pages.view(layers, 2, len(rows), nb * bs, self.kv_heads, self.head_dim)[:, :, :, :w]
@@ -139,16 +150,20 @@ class MirrorAttention:
         self.mirror, self.step, self.scale = mirror, step, scale
         self.index = torch.arange(step.tokens.shape[0], device=step.tokens.device)  # [N]
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         # q [1, N, Hq, D], k/v [1, N, Hkv, D]
         s, pool, rows = self.step, self.mirror.cache.data, self.mirror.rows
         _, n, hq, d = q.shape
         hkv = k.shape[2]
         for i, new in enumerate((k[0], v[0])):
             pool[layer_id, i].view(-1, hkv, d).index_copy_(0, s.slots, new)
-            rows[layer_id, i][self.index, :, s.positions] = new  # [N, Hkv, D] at row i, position ctx - 1
+            # [N, Hkv, D] at row i, position ctx - 1
+            rows[layer_id, i][self.index, :, s.positions] = new
         keys = rows[layer_id, 0, :n, :, : s.width].flatten(0, 1)  # [N * Hkv, W, D], a view
         values = rows[layer_id, 1, :n, :, : s.width].flatten(0, 1)
-        scores = torch.baddbmm(s.bias, q[0].reshape(n * hkv, hq // hkv, d), keys.transpose(1, 2), alpha=self.scale)
-        out = torch.bmm(scores.softmax(dim=-1), values)  # [N * Hkv, G, D]; query head h reads KV head h // G
+        scores = torch.baddbmm(s.bias, q[0].reshape(n * hkv, hq // hkv, d), keys.transpose(1, 2),
+                               alpha=self.scale)
+        # [N * Hkv, G, D]; query head h reads KV head h // G
+        out = torch.bmm(scores.softmax(dim=-1), values)
         return out.view(1, n, hq, d)

@@ -39,8 +39,10 @@ class GenerationSettings:
     kernels: str | None = None  # None: Triton on CUDA, PyTorch elsewhere; "torch" | "triton" force
     seed: int = 0
     cuda_graphs: bool = False  # decode steps replay captured graphs (CUDA only; eager elsewhere)
-    graphs_capture: bool | None = None  # None: capture on CUDA; False: padded path without capture (tests)
-    decode_mirror: bool = True  # PyTorch attention path: decode steps read contiguous rows, not gathered pages
+    graphs_capture: bool | None = None  # None: capture on CUDA; False: padded path without capture
+    # (tests)
+    decode_mirror: bool = True  # PyTorch attention path: decode steps read contiguous rows, not
+    # gathered pages
     step_delay_s: float = 0.0  # sleep after every step (a slow generator, for drills)
     kv_dtype: str = "auto"  # "auto": pages in the model's dtype; "fp8_e4m3" | "fp8_e5m2": FP8 pages
     kv_scales: str = "calibrated"  # FP8: "calibrated" (the Generator's kv_scales) | "per_token"
@@ -57,7 +59,8 @@ class Completion:
     raw_logprobs: list[float]  # per sampled token, temperature 1, no truncation
     finish_reason: str
     text: str | None = None
-    routing: torch.Tensor | None = None  # MoE: [C, L, k] experts of the inputs producing each completion token
+    routing: torch.Tensor | None = None  # MoE: [C, L, k] experts of the inputs producing each
+    # completion token
 
 
 @dataclass
@@ -72,13 +75,15 @@ class GenerationStats:
 
 
 def _to_completion(seq: Sequence, prompt_index: int, sample_index: int) -> Completion:
-    return Completion(prompt_index, sample_index, seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids,
+    return Completion(prompt_index, sample_index, seq.token_ids[: seq.num_prompt_tokens],
+                      seq.completion_token_ids,
                       seq.completion_sampled_mask, list(seq.logprobs), list(seq.raw_logprobs),
                       seq.finish_reason or "abort")
 
 
 class Generator:
-    def __init__(self, model: Transformer, settings: GenerationSettings, *, eos_token_ids: Seq[int] = (),
+    def __init__(self, model: Transformer, settings: GenerationSettings, *,
+                 eos_token_ids: Seq[int] = (),
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
                  agree: Callable[..., tuple[torch.Tensor, ...]] | None = None,
                  kv_scales: torch.Tensor | None = None) -> None:
@@ -99,16 +104,18 @@ class Generator:
             # sequences of max_len tokens could hold at once (a small rollout
             # then zeroes megabytes, not the whole budget).
             most = settings.max_num_seqs * -(-max_len // settings.block_size)
-            cache = KVCache.from_budget(model.args, int(settings.kv_cache_gb * 1e9), settings.block_size, dtype,
+            cache = KVCache.from_budget(model.args, int(settings.kv_cache_gb * 1e9),
+                                        settings.block_size, dtype,
                                         device, max_blocks=most, quant=quant)
         self.cache = cache
-        self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size), settings.max_num_seqs,
+        self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size),
+                                   settings.max_num_seqs,
                                    settings.max_num_batched_tokens, settings.prefix_sharing,
                                    max_model_len=max_len, eos_token_ids=eos_token_ids)
         self.runner = ModelRunner(model, cache, default_seed=settings.seed, impl=settings.kernels,
                                   cuda_graphs=settings.cuda_graphs, max_model_len=max_len,
-                                  graphs_capture=settings.graphs_capture, decode_mirror=settings.decode_mirror,
-                                  agree=agree)
+                                  graphs_capture=settings.graphs_capture,
+                                  decode_mirror=settings.decode_mirror, agree=agree)
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
         self._kv_home = cache.data.device  # where the pool lives when not offloaded
         self._kv_shape = (tuple(cache.data.shape), cache.data.dtype)
@@ -118,7 +125,8 @@ class Generator:
     # ---- step-level API (multi-turn) -----------------------------------------------------
 
     def add(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-            stop_check: Callable[[Sequence], bool] | None = None, images: object = None) -> list[Sequence]:
+            stop_check: Callable[[Sequence], bool] | None = None,
+            images: object = None) -> list[Sequence]:
         """Queue n samples of one prompt (a group sharing the prompt's KV blocks); ``images``:
         the prompt's `tandem.models.vlm.PromptImages` (a vision-language model's image prompt)."""
         seqs = []
@@ -211,8 +219,8 @@ class Generator:
 
     # ---- batch API ---------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], n: int = 1,
-                 stop_check: Callable[[Sequence], bool] | None = None,
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 n: int = 1, stop_check: Callable[[Sequence], bool] | None = None,
                  images: list[object] | None = None) -> list[list[Completion]]:
         """Generate n completions per prompt; result[i][j] is sample j of prompt i; ``images``:
         per prompt, its PromptImages or None."""
@@ -222,7 +230,8 @@ class Generator:
         groups = [self.add(p, sp, n, stop_check, im) for p, sp, im in zip(prompts, plist, ilist)]
         while self.scheduler.has_unfinished():
             if not self.scheduler.has_schedulable():
-                raise RuntimeError("generate: paused sequences remain; use the step API for multi-turn")
+                raise RuntimeError("generate: paused sequences remain; use the step API "
+                                   "for multi-turn")
             self.step()
         self.stats.seconds += time.monotonic() - t0
         if self.runner.vision is not None:
@@ -236,7 +245,8 @@ class Generator:
     def routing(self, seq: Sequence) -> torch.Tensor | None:
         """MoE models: the experts of the inputs that produced ``seq``'s completion tokens
         (tandem/rl/generator/routing.py); None for a dense model. Read once per sequence."""
-        return self.runner.routing.completion(seq.seq_id, seq.num_prompt_tokens, len(seq.completion_token_ids))
+        return self.runner.routing.completion(seq.seq_id, seq.num_prompt_tokens,
+                                              len(seq.completion_token_ids))
 
     def pool_is_free(self) -> bool:
         """No block leaked: every block is back in the free list."""
@@ -254,11 +264,13 @@ class Generator:
             self.runner.vision.release()
 
 
-def stop_strings_check(decode: Callable[[list[int]], str], stops: Seq[str]) -> Callable[[Sequence], bool]:
+def stop_strings_check(decode: Callable[[list[int]], str],
+                       stops: Seq[str]) -> Callable[[Sequence], bool]:
     """A stop check that fires when a completion's text contains one of ``stops``."""
     if not stops:
         return lambda seq: False
-    window = 4 * max(len(s) for s in stops) + 8  # tokens: enough for any stop string to appear whole
+    # tokens: enough for any stop string to appear whole
+    window = 4 * max(len(s) for s in stops) + 8
 
     def check(seq: Sequence) -> bool:
         tail = decode(seq.completion_token_ids[-window:])

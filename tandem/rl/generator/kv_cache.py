@@ -155,12 +155,15 @@ class PagedMeta:
 class PagedAttention:
     """Attention backend for the model's seam: store new K/V, attend over the pages."""
 
-    def __init__(self, cache: KVCache, meta: PagedMeta, scale: float, impl: str | None = None) -> None:
+    def __init__(self, cache: KVCache, meta: PagedMeta, scale: float,
+                 impl: str | None = None) -> None:
         self.cache, self.meta, self.scale, self.impl = cache, meta, scale, impl
         self._plan: TorchPlan | None = None  # the PyTorch path's step metadata, built at layer 0
-        self._slots: tuple[torch.Tensor, torch.Tensor | None] | None = None  # likewise, for the K/V stores
+        # likewise, for the K/V stores
+        self._slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         # q [1, T, Hq, D], k/v [1, T, Hkv, D]: the step's tokens of all sequences, flattened.
         kc, vc = self.cache.data[layer_id, 0], self.cache.data[layer_id, 1]
         ks, vs = self.cache.layer_scales(layer_id)
@@ -175,7 +178,7 @@ class PagedAttention:
             if self._plan is None and m.context_lens.numel():
                 self._plan = plan_torch(m.block_tables, m.cu_seqlens_q, m.context_lens, kc.shape[1],
                                         q.shape[1], m.max_q_len)
-        out = paged_attention(q[0], kc, vc, m.block_tables, m.cu_seqlens_q, m.context_lens, self.scale,
-                              impl=self.impl, max_q_len=m.max_q_len, plan=self._plan,
+        out = paged_attention(q[0], kc, vc, m.block_tables, m.cu_seqlens_q, m.context_lens,
+                              self.scale, impl=self.impl, max_q_len=m.max_q_len, plan=self._plan,
                               k_scale=ks, v_scale=vs)
         return out.unsqueeze(0)  # [1, T, Hq, D]

@@ -36,12 +36,14 @@ class RoutingRecorder:
         """The last forward's tokens were ``seq_positions`` (seq_id, position) in row order."""
         if not self.blocks or not seq_positions:
             return
-        ids = torch.stack([b.last_routing[: len(seq_positions)] for b in self.blocks], dim=1)  # [T, L, k]
+        # [T, L, k]
+        ids = torch.stack([b.last_routing[: len(seq_positions)] for b in self.blocks], dim=1)
         ids = ids.sort(dim=-1).values.to(torch.int16).cpu()
         for row, (seq, pos) in enumerate(seq_positions):
             self.by_seq.setdefault(seq, {})[pos] = ids[row]
 
-    def completion(self, seq_id: int, num_prompt_tokens: int, num_completion_tokens: int) -> torch.Tensor | None:
+    def completion(self, seq_id: int, num_prompt_tokens: int,
+                   num_completion_tokens: int) -> torch.Tensor | None:
         """``[C, L, k]`` int16 experts of the inputs at positions ``P-1 .. P+C-2``, -1 in the rows
         never computed for this sequence (a prompt token its group computed once, for another
         member); None for a dense model."""

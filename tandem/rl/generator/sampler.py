@@ -106,7 +106,7 @@ def exponential_noise(
 ) -> torch.Tensor:
     """E ~ Exp(1) i.i.d. per (row, token), a pure function of (seed, index, token). [N, V] fp32.
 
-    ``impl="triton"`` (or ``TANDEM_KERNELS=triton``) computes it with
+    ``impl="triton"`` (or ``advanced.kernels = "triton"``) computes it with
     `tandem.kernels.sampling_noise.noise_in_one_pass` instead (not yet timed on a GPU).
     """
     keys = torch.tensor(_row_keys(step_keys), dtype=torch.int64, device=device).reshape(
@@ -143,7 +143,8 @@ class Sampler:
         self._row_of: dict[tuple[int, int], int] = {}  # key -> its row in the current block
         self._block: torch.Tensor | None = None  # [rows, V] noise of the current block
 
-    def _noise(self, step_keys: list[tuple[int, int]], v: int, device: torch.device) -> torch.Tensor:
+    def _noise(self, step_keys: list[tuple[int, int]], v: int,
+               device: torch.device) -> torch.Tensor:
         """Exp(1) noise [N, V] for these keys (see `exponential_noise`), a new tensor."""
         ahead = min(self.ahead, self.budget // max(len(step_keys) * v, 1))
         if ahead < 2:
@@ -151,10 +152,12 @@ class Sampler:
         block = self._block
         if (block is None or block.shape[1] != v or block.device != device
                 or any(k not in self._row_of for k in step_keys)):
-            keys = [(seed, index + j) for seed, index in dict.fromkeys(step_keys) for j in range(ahead)]
+            keys = [(seed, index + j) for seed, index in dict.fromkeys(step_keys)
+                    for j in range(ahead)]
             self._block = block = exponential_noise(keys, v, device)
             self._row_of = {k: i for i, k in enumerate(keys)}
-        return block.index_select(0, torch.tensor([self._row_of[k] for k in step_keys], device=device))
+        return block.index_select(0,
+                                  torch.tensor([self._row_of[k] for k in step_keys], device=device))
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], step_keys: list[tuple[int, int]]
@@ -174,7 +177,8 @@ class Sampler:
             )
         device = logits.device
         logits = logits.float()
-        lse = batch_invariant.logsumexp if batch_invariant.enabled() else _logsumexp  # rl.exact: per-row fixed order
+        # rl.exact: per-row fixed order
+        lse = batch_invariant.logsumexp if batch_invariant.enabled() else _logsumexp
         raw_logprobs = logits - lse(logits)[:, None]  # [N, V]
         greedy_rows = [p.temperature == 0 for p in params]
         if all(greedy_rows):

@@ -1,31 +1,12 @@
 """Continuous-batching scheduler: which tokens of which sequences to compute each step.
 
-Every step `schedule` returns an explicit `SchedulerOutput`: the (sequence,
-start, num_tokens) chunks to run, the copy-on-write block copies to perform
-first, and the sequences preempted to make room. The runner computes the
-chunks, samples where a chunk says so, and hands the tokens to `postprocess`.
-
-Policy, in order of priority within the per-step token budget:
-1. decodes (running sequences with one uncomputed token),
-2. continuing prefills of running sequences (chunked by the budget),
-3. admissions from the waiting queue, first come first served.
-
-Memory: when a running sequence needs blocks that are not free, sequences are
-preempted by recompute (blocks freed, ``num_computed_tokens = 0``, back to the
-front of the queue, tokens kept): first paused ones, then waiting ones holding
-blocks, then the most recently admitted running one (possibly the requester
-itself). Admission never preempts running sequences. A sequence that could not
-fit in the whole pool is rejected when it is added, so generation never fails
-for lack of blocks.
-
-Prefix sharing (GRPO groups): the leader alone computes prompt[:-1]; then the
-other members are forked from it (sharing its blocks, the partial last one
-copied on write) and every member computes the last prompt token itself, so
-each gets its own logits for its first sample. A group of n with prompt length
-P thus holds floor((P-1)/bs) + n blocks after prefill instead of n*ceil(P/bs).
-
-Pure Python, no torch. Call `pause`, `append_tokens`, `resume` and `abort`
-between `postprocess` and the next `schedule`.
+Every step `schedule` returns an explicit `SchedulerOutput` (the chunks to run, the
+copy-on-write block copies, the sequences preempted) within a token budget: decodes first,
+then continuing prefills, then admissions first come first served. Running out of blocks
+preempts by recompute, never fails; the n samples of a prompt share its KV blocks. Pure
+Python, no torch; call `pause`, `append_tokens`, `resume` and `abort` between
+`postprocess` and the next `schedule`. Policy, preemption order and prefix sharing:
+docs/internals.md.
 """
 
 from __future__ import annotations

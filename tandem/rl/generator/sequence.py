@@ -125,7 +125,8 @@ class Sequence:
         self.group_id = group_id
         self.params = params if params is not None else SamplingParams()
         self.arrival = -1  # set by the scheduler: order of add_group calls, then group order
-        self.images = images  # the prompt's PromptImages (vision-language models), shared by its group
+        # the prompt's PromptImages (vision-language models), shared by its group
+        self.images = images
 
     def __len__(self) -> int:
         return len(self.token_ids)

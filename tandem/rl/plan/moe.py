@@ -1,29 +1,11 @@
 """The memory planner's mixture-of-experts terms (tandem/rl/plan/planner.py uses them).
 
-An MoE layer (tandem/models/moe.py) routes each of ``T`` tokens to ``k`` of ``E`` experts
-(``moe_intermediate_size`` ``I`` each), so its feed-forward runs on ``T * k`` *routed rows*.
-With expert parallelism (tandem/parallel/expert_parallel.py, ``ep`` dividing dp_shard) a rank holds
-``E / ep`` whole experts, left out of FSDP2: no unsharded-layer transient for them; the rows
-travel to the experts instead. With ``ep = 1`` FSDP2 shards the stacked expert tensors by
-their first dimension like any weight and gathers them per block.
-
-What is counted here (per token unless said; ``c`` the compute dtype's bytes, ``D`` hidden):
-
-* saved for backward, no checkpointing (`ffn_saved_per_token`; replaces the dense SwiGLU's
-  ``4 c I``): the router's fp32 scores (softmax or sigmoid output) and the fp32 logits the
-  z-loss's log-sum-exp reads (``8 E``) with its result; the chosen ids (int64), the chosen
-  weights (fp32; with ``norm_topk_prob`` also the unnormalised ones and their sum); per routed
-  row the gather / scatter indices (int64; EP one more for the local regrouping), the rows the
-  grouped GEMMs read (``c D``; under EP the received copy: the sent rows are not kept), the
-  gate, up, silu and product intermediates (``4 c I``) and the fp32 expert outputs the
-  weighted sum multiplies (``4 D``); a shared expert's SwiGLU (``4 c I_s``, and with its gate
-  the ``c D`` output it scales).
-* full checkpointing keeps, beside the block input, each MoE block's routing ids (``8 k``:
-  ``last_routing``, read by the routing check); selective keeps the router's logits (an mm).
-* under EP with a compute dtype below fp32, each layer's grouped GEMMs save the local experts
-  cast to it (``3 E/ep I D c`` per layer, not per token: FSDP2's mixed precision does not
-  reach ignored parameters).
-* `dispatch_transient`: one layer's rows in flight, not saved (counted once, as a transient).
+An MoE layer runs its feed-forward on ``T * k`` routed rows instead of ``T`` tokens; with
+expert parallelism a rank holds ``E / ep`` whole experts outside FSDP2 and the rows travel
+to them. `ffn_saved_per_token` counts what such a layer saves for backward (router scores
+and logits, indices, the rows and the experts' intermediates, a shared expert), under each
+activation-checkpointing mode and EP; `dispatch_transient` one layer's rows in flight. Each
+term and why: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -41,11 +23,14 @@ def moe_layer_count(args: ModelArgs, layers: list[int] | range) -> int:
 
 
 def ffn_saved_per_token(args: ModelArgs, c: int, ac: str, tp: int = 1, ep: int = 1) -> float:
-    """Bytes one MoE layer's feed-forward saves for backward per token (see the module docstring)."""
-    e, k, d, i = args.num_experts, args.num_experts_per_tok, args.hidden_size, args.moe_intermediate_size
+    """Bytes one MoE layer's feed-forward saves for backward per token (see the module
+    docstring)."""
+    e, k, d, i = (args.num_experts, args.num_experts_per_tok, args.hidden_size,
+                  args.moe_intermediate_size)
     if ac == "full":
         return 8 * k  # routing ids the block keeps (the block input is the dense formula's)
-    if ac == "selective":  # matmul outputs only: the router's logits; the grouped GEMMs are recomputed
+    if ac == "selective":
+        # matmul outputs only: the router's logits; the grouped GEMMs are recomputed
         return c * e
     router = 8 * e + 4 + 12 * k + (4 * k + 4 if args.norm_topk_prob else 0)
     row = 8 + c * d + 4 * c * i + 8 + 4 * d + (8 if ep > 1 else 0)

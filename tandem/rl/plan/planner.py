@@ -1,21 +1,16 @@
-"""The memory planner: ``train.py --config X --plan``, per-rank bytes of each phase, before any launch.
+"""The memory planner: ``train.py --config X --plan``, per-rank bytes of each phase, before
+any launch.
 
-Nothing is allocated: the parameter shapes come from a `Transformer` built on the meta
-device, each rank's share of them from the same rules the trainer uses (TP splits as
-tandem/parallel/tp.py, the generation shard as tandem/parallel/generation_layout.py, FSDP2's dim-0
-chunks, pipeline stages as tandem/parallel/pp.py), and the KV pool from the generator's own
-sizing rule (tandem/rl/generator/engine.py). Activations are a closed-form count of the tensors
-the model saves for backward (per layer and token, by compute dtype, activation
-checkpointing and TP), checked against a CPU run's saved tensors in tests/plan/test_plan.py.
+Nothing is allocated: shapes come from a meta-device `Transformer`, each rank's share from the
+trainer's own rules (tandem/parallel/tp.py, generation_layout.py, FSDP2's dim-0 chunks, pp.py),
+the KV pool from the generator's sizing rule, activations from a closed-form count of what the
+model saves for backward (checked against a CPU run in tests/plan/test_plan.py).
 
-Two phases share each device (DESIGN.md): the *update* (parameters, gradients, AdamW's two
-fp32 moments, FSDP2's unsharded transient, activations) and the *rollout* (what training
-keeps resident, the generation shard, the reshard buffers and the KV pool). With LoRA
-(``[lora]``) gradients and moments are the adapters' alone, the reference model is the
-base with its adapters off (no copy), and the generation shard stays between rollouts
-(its frozen base moves once), so the update phase holds it too. A layout fits
-when the larger phase of its busiest rank is at most `USABLE` of the device, the headroom
-the auto ``rollout.tp`` rule also keeps for the allocator, the CUDA context and NCCL.
+Two phases share each device (DESIGN.md): the *update* (parameters, gradients, AdamW's moments,
+FSDP2's unsharded transient, activations) and the *rollout* (the resident training state, the
+generation shard, the reshard buffers, the KV pool); with LoRA the adapters alone train and the
+kept generation copy counts in the update too (docs/lora.md). A layout fits when the larger phase
+of its busiest rank is at most `USABLE` of the device (generation_layout.py `HEADROOM`).
 """
 
 from __future__ import annotations
@@ -32,7 +27,9 @@ import torch
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter
 from tandem.parallel.generation_layout import (
+    HEADROOM,
     GenerationLayout,
+    auto_tp,
     check_divisible,
     local_args,
     needed_box,
@@ -44,6 +41,7 @@ from tandem.rl.generator.kv_cache import KVCache
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.plan import long_context as lc
 from tandem.rl.plan.async_modes import async_plans
+from tandem.rl.rollout.sampling import resident_bytes
 from tandem.rl.plan.moe import (
     dispatch_transient,
     ep_cast_bytes,
@@ -53,15 +51,15 @@ from tandem.rl.plan.moe import (
 )
 
 GB = 1e9
-USABLE = 0.9  # share of a device a plan may fill (choose_rollout_tp keeps the same)
+USABLE = HEADROOM  # share of a device a plan may fill
 DEFAULT_DEVICE_GB = 80.0
 LINEAR_NODES = 16  # `Planner.smallest` tries each whole-node count up to this, then doubles
 
 
 @dataclass(frozen=True)
 class Layout(Degrees):
-    """The update's mesh degrees (tandem/parallel/mesh.py), the expert-parallel degree (1, or dp_shard
-    for an MoE model) and the generation layout's degree."""
+    """The update's mesh degrees (tandem/parallel/mesh.py), the expert-parallel degree (1,
+    or dp_shard for an MoE model) and the generation layout's degree."""
 
     rollout_tp: int = 1
     ep: int = 1
@@ -71,7 +69,8 @@ class Layout(Degrees):
         return self.world_size
 
     def describe(self) -> str:
-        dp = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1 else f"dp_shard={self.dp_shard}"
+        dp = (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1
+              else f"dp_shard={self.dp_shard}")
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         rollout = f"rollout.tp={self.rollout_tp}"
@@ -82,8 +81,9 @@ class Layout(Degrees):
         ``--parallel.cp`` where it is split)."""
         ep = f" --parallel.ep={self.ep}" if moe or self.ep > 1 else ""
         cp = f" --parallel.cp={self.cp}" if self.cp > 1 else ""
-        return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} --parallel.dp_shard={self.dp_shard} "
-                f"--parallel.tp={self.tp}{ep}{cp} --rollout.tp={self.rollout_tp}")
+        return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} "
+                f"--parallel.dp_shard={self.dp_shard} --parallel.tp={self.tp}{ep}{cp} "
+                f"--rollout.tp={self.rollout_tp}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Settings:
     tokens: int = 4096  # per micro-batch and rank
     ac: str = "none"
     pp_schedule: str = "1F1B"
-    pp_microbatches: int = 0
+    pp_microbatches: int = 0  # advanced.pp_microbatches
     seq_len: int = 2048  # pipeline rows
     offload_optimizer: bool = False
     cpu_offload: bool = False
@@ -105,7 +105,6 @@ class Settings:
     critic: bool = False
     kv_cache_gb: float = 1.0
     kv_quant: Any = None  # rollout.kv_dtype's FP8 format (a KVQuant); None: gen_dtype
-    num_blocks: int = 0
     block_size: int = 16
     max_num_seqs: int = 256
     max_len: int = 2048  # the generator's max_model_len
@@ -119,12 +118,14 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
-        t, p, r, ro = cfg.training, cfg.parallel, cfg.rl, cfg.rollout
+        t, p, r, ro, a = cfg.training, cfg.parallel, cfg.rl, cfg.rollout, cfg.advanced
         rl = t.recipe == "rl"
         if rl:
             tokens = r.micro_batch_tokens
-        else:  # packed rows of data.max_length; dpo / reward_model score chosen and rejected together
-            tokens = t.micro_batch_size * cfg.data.max_length * (2 if t.recipe in ("dpo", "reward_model") else 1)
+        else:
+            # packed rows of data.max_length; dpo / reward_model score chosen and rejected together
+            tokens = t.micro_batch_size * cfg.data.max_length * (
+                2 if t.recipe in ("dpo", "reward_model") else 1)
         gen = t.mixed_precision_param if ro.dtype == "auto" else ro.dtype
         from tandem.rl.algorithms import ADVANTAGES
 
@@ -132,24 +133,31 @@ class Settings:
 
         return cls(
             recipe=t.recipe, compute_dtype=getattr(torch, t.mixed_precision_param),
-            reduce_dtype=getattr(torch, t.mixed_precision_reduce), gen_dtype=getattr(torch, gen), tokens=tokens,
-            ac=p.activation_checkpoint, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
-            seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer, cpu_offload=p.cpu_offload,
-            reference=lora is None and ((rl and r.kl_coef > 0) or (t.recipe == "dpo" and cfg.preference.reference == "online")),
+            reduce_dtype=getattr(torch, t.mixed_precision_reduce), gen_dtype=getattr(torch, gen),
+            tokens=tokens, ac=p.activation_checkpoint, pp_schedule=p.pp_schedule,
+            pp_microbatches=a.pp_microbatches,
+            seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer,
+            cpu_offload=p.cpu_offload,
+            reference=lora is None
+            and ((rl and r.kl_coef > 0)
+                 or (t.recipe == "dpo" and cfg.preference.reference == "online")),
             critic=rl and ADVANTAGES.cap(r.advantage, "needs_values", False),
-            kv_cache_gb=ro.kv_cache_gb, kv_quant=ro.kv_quant_format(), num_blocks=ro.num_blocks,
-            block_size=ro.block_size,
-            max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1, prompts_per_step=r.prompts_per_step,
-            num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel, bucket_bytes=ro.reshard_bucket_mb << 20,
-            chunk_tokens=r.logprob_chunk_tokens, cp_style=p.cp_style, lora=lora)
+            kv_cache_gb=ro.kv_cache_gb, kv_quant=ro.kv_quant_format(), block_size=ro.block_size,
+            max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1,
+            prompts_per_step=r.prompts_per_step,
+            num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel,
+            bucket_bytes=a.reshard_bucket_mb << 20,
+            chunk_tokens=a.logprob_chunk_tokens, cp_style=p.cp_style, lora=lora)
 
 
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def param_shapes(args: ModelArgs, lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of the whole model, a tied head listed once (adapters too)."""
+def param_shapes(args: ModelArgs,
+                 lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the whole model, a tied head listed once
+    (adapters too)."""
     from tandem.models.vlm import make_model
 
     with torch.device("meta"):
@@ -163,7 +171,8 @@ def _layer(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
-def _held_names(shapes: list[tuple[str, tuple[int, ...]]], args: ModelArgs, stages: list[list[int]] | None,
+def _held_names(shapes: list[tuple[str, tuple[int, ...]]], args: ModelArgs,
+                stages: list[list[int]] | None,
                 ) -> list[tuple[str, tuple[int, ...]]]:
     """The parameters one rank holds: all of them, or those of its pipeline ``stages`` (layer
     lists; the first stage owns the embedding, the last the final norm and the head, a tied
@@ -183,7 +192,8 @@ def _held_names(shapes: list[tuple[str, tuple[int, ...]]], args: ModelArgs, stag
 def _local_numel(name: str, shape: tuple[int, ...], tp: int, fsdp: int) -> int:
     """Elements of rank 0's share of a parameter: TP as tandem/parallel/tp.py splits it (column /
     row / vocabulary), then FSDP2's dim-0 chunk (the first rank's chunk is the largest)."""
-    _, local = needed_box(name, shape, GenerationLayout(tp=tp, vocab_parallel=True)) if tp > 1 else (None, shape)
+    _, local = (needed_box(name, shape, GenerationLayout(tp=tp, vocab_parallel=True)) if tp > 1
+                else (None, shape))
     rows = -(-local[0] // fsdp)
     n = rows
     for s in local[1:]:
@@ -208,8 +218,10 @@ class RankPlan:
         return "update" if sum(self.update.values()) >= sum(self.rollout.values()) else "rollout"
 
 
-def rank_kinds(args: ModelArgs, layout: Layout, schedule: str) -> list[tuple[str, list[list[int]] | None]]:
-    """The distinct kinds of rank: one without pipelining; else the first stage, a middle one, the last."""
+def rank_kinds(args: ModelArgs, layout: Layout,
+               schedule: str) -> list[tuple[str, list[list[int]] | None]]:
+    """The distinct kinds of rank: one without pipelining; else the first stage, a middle
+    one, the last."""
     if layout.pp == 1:
         return [("every rank", None)]
     per = SCHEDULES[schedule][1]
@@ -219,7 +231,8 @@ def rank_kinds(args: ModelArgs, layout: Layout, schedule: str) -> list[tuple[str
     return [(name, [split[s] for s in stage_ids_for_rank(r, layout.pp, per)]) for name, r in kinds]
 
 
-def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dtype, ac: str, tp: int = 1, *,
+def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dtype, ac: str,
+                     tp: int = 1, *,
                      first: bool = True, last: bool = True, vocab_parallel_head: bool | None = None,
                      moe_layers: int | None = None, ep: int = 1) -> float:
     """Bytes saved for backward by one micro-batch of ``tokens`` through ``layers`` blocks.
@@ -250,20 +263,24 @@ def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dty
         if tp > 1:
             per_layer += 2 * c * d / tp  # the reduce-scatter outputs, kept too
     else:
-        per_layer, ffn = 2 * (norm(d) / sp + c * d) + c * (q + 2 * k) + 2 * c * q + 4 * hq, 4 * c * i
+        per_layer, ffn = (2 * (norm(d) / sp + c * d) + c * (q + 2 * k) + 2 * c * q + 4 * hq,
+                          4 * c * i)
         if args.qk_norm:
             per_layer += norm(q, hq) + norm(k, hk)
     n_moe = moe_layer_count(args, range(layers)) if moe_layers is None else moe_layers
     moe = ffn_saved_per_token(args, c, ac, tp, ep) if n_moe else 0.0
-    total = layers * per_layer + (layers - n_moe) * ffn + n_moe * moe + 2 * c * hd  # + rope cos / sin
+    # + rope cos / sin
+    total = layers * per_layer + (layers - n_moe) * ffn + n_moe * moe + 2 * c * hd
     if first:
         total += 8  # token ids (embedding)
     if last:
         if vocab_parallel_head if vocab_parallel_head is not None else tp > 1:
             v = -(-args.vocab_size // tp)
-            total += norm(d) / sp + c * d + (c + 4) * v  # gathered hidden, logits shard, fp32 log-softmax
+            # gathered hidden, logits shard, fp32 log-softmax
+            total += norm(d) / sp + c * d + (c + 4) * v
         else:
-            total += norm(d) / sp + c * d + 24  # completion hidden states (all tokens, at most), index, targets, stats
+            # completion hidden states (all tokens, at most), index, targets, stats
+            total += norm(d) / sp + c * d + 24
     return tokens * total + (n_moe * ep_cast_bytes(args, c, ep) if ac == "none" else 0)
 
 
@@ -289,7 +306,8 @@ class Planner:
         ``trained``: those with gradients and AdamW moments (with LoRA, the adapters)."""
         fsdp = layout.dp_shard * layout.cp if self.fsdp_applied(layout) else 1
         held = _held_names(self.shapes, self.args, stages)
-        return 4 * sum(_local_numel(n, s, layout.tp, layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
+        return 4 * sum(_local_numel(n, s, layout.tp,
+                                    layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
                        for n, s in held if not (skip and n.startswith(skip))
                        and not (trained and self.s.lora is not None and not is_adapter(n)))
 
@@ -297,11 +315,13 @@ class Planner:
         """FSDP2's gathered copies while computing: the root's (embedding, head) for the whole
         forward, two blocks (the one computing and the one prefetched) and one block's
         unsharded gradients before their reduce-scatter. Under EP the experts are not FSDP2's
-        (the tokens travel to them: `plan_moe.dispatch_transient`); with ep = 1 they are gathered."""
+        (the tokens travel to them: `plan_moe.dispatch_transient`); with ep = 1 they
+        are gathered."""
         if not self.fsdp_applied(layout):
             return 0
         c, red = _elem(self.s.compute_dtype), _elem(self.s.reduce_dtype)
-        held = [(n, s) for n, s in _held_names(self.shapes, self.args, stages) if not (layout.ep > 1 and is_expert(n))]
+        held = [(n, s) for n, s in _held_names(self.shapes, self.args, stages)
+                if not (layout.ep > 1 and is_expert(n))]
         root = sum(_local_numel(n, s, layout.tp, 1) for n, s in held if _layer(n) is None)
         blocks: dict[int, int] = {}
         grads: dict[int, int] = {}  # the unsharded gradients of a block: its trained parameters'
@@ -316,31 +336,33 @@ class Planner:
     def generation_shard(self, g: int) -> int:
         key = (g, self.s.vocab_parallel)
         if key not in self._shards:
-            self._shards[key] = shard_bytes(self.args, GenerationLayout(tp=g, vocab_parallel=self.s.vocab_parallel),
+            self._shards[key] = shard_bytes(self.args,
+                                            GenerationLayout(tp=g,
+                                                             vocab_parallel=self.s.vocab_parallel),
                                             self.s.gen_dtype, self.s.lora)
         return self._shards[key]
 
     def kv_pool(self, layout: Layout) -> tuple[int, int]:
         """(bytes, full-length sequences) of one generator's KV pool on one rank, by the
-        generator's rule: as many blocks as rollout.kv_cache_gb holds (or rollout.num_blocks),
-        at most what the rollout's sequences of max_model_len tokens need at once."""
+        generator's rule: as many blocks as rollout.kv_cache_gb holds, at most what the
+        rollout's sequences of max_model_len tokens need at once."""
         s = self.s
-        local = local_args(self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
+        local = local_args(self.args,
+                           GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
         per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype, s.kv_quant)
         blocks_per_seq = -(-s.max_len // s.block_size)
-        if s.num_blocks:
-            blocks = s.num_blocks
-        else:
-            prompts = -(-s.prompts_per_step // layout.world) * layout.rollout_tp  # a generation group pools its ranks'
-            seqs = min(s.max_num_seqs, max(1, prompts * s.num_samples))
-            blocks = min(int(s.kv_cache_gb * GB) // per_block, seqs * blocks_per_seq)
+        # a generation group pools its ranks' prompts
+        prompts = -(-s.prompts_per_step // layout.world) * layout.rollout_tp
+        seqs = min(s.max_num_seqs, max(1, prompts * s.num_samples))
+        blocks = min(int(s.kv_cache_gb * GB) // per_block, seqs * blocks_per_seq)
         return blocks * per_block, blocks // blocks_per_seq
 
     def micro_batch(self, layout: Layout) -> tuple[int, int]:
         """(tokens per micro-batch and rank, micro-batches in flight on the first stage)."""
         if layout.pp == 1:  # rl: the longest sequence gets a micro-batch of its own, split over cp
             s = self.s
-            return (lc.tokens_per_rank(s.tokens, s.seq_len, layout.cp) if s.recipe == "rl" else s.tokens), 1
+            return ((lc.tokens_per_rank(s.tokens, s.seq_len,
+                                        layout.cp) if s.recipe == "rl" else s.tokens), 1)
         seq = -(-self.s.seq_len // layout.tp) * layout.tp
         rows = max(1, self.s.tokens // seq)
         n_mb = self.s.pp_microbatches or layout.pp
@@ -351,23 +373,28 @@ class Planner:
     def rank(self, layout: Layout, kind: str, stages: list[list[int]] | None) -> RankPlan:
         s, args = self.s, self.args
         params = self.param_bytes(layout, stages)
-        on_device = 0 if s.cpu_offload else params  # FSDP2 CPU offload: shards and steps on the host
-        trained = 0 if s.cpu_offload else self.param_bytes(layout, stages, trained=True)  # = on_device without LoRA
+        # FSDP2 CPU offload: shards and steps on the host
+        on_device = 0 if s.cpu_offload else params
+        # = on_device without LoRA
+        trained = 0 if s.cpu_offload else self.param_bytes(layout, stages, trained=True)
         mine = list(range(args.num_layers)) if stages is None else [i for x in stages for i in x]
         n_moe = moe_layer_count(args, mine)
         first, last = 0 in mine, args.num_layers - 1 in mine
         tokens, in_flight = self.micro_batch(layout)
-        act = activation_bytes(args, tokens, len(mine), s.compute_dtype, s.ac, layout.tp, first=first, last=last,
-                               vocab_parallel_head=layout.tp > 1 or layout.pp > 1, moe_layers=n_moe, ep=layout.ep)
+        act = activation_bytes(args, tokens, len(mine), s.compute_dtype, s.ac, layout.tp,
+                               first=first, last=last,
+                               vocab_parallel_head=layout.tp > 1 or layout.pp > 1, moe_layers=n_moe,
+                               ep=layout.ep)
         update = {"parameters": on_device, "gradients": trained, "optimizer state": 2 * trained,
                   "FSDP2 unsharded (transient)": self.unsharded_transient(layout, stages),
                   "activations": act * in_flight}
         if s.ac != "none":  # backward recomputes one block with nothing checkpointed
-            one = activation_bytes(args, tokens, 1, s.compute_dtype, "none", layout.tp, first=False, last=False,
-                                   moe_layers=min(1, n_moe), ep=layout.ep)
+            one = activation_bytes(args, tokens, 1, s.compute_dtype, "none", layout.tp, first=False,
+                                   last=False, moe_layers=min(1, n_moe), ep=layout.ep)
             update["recomputed block (transient)"] = one
         if n_moe:
-            update["MoE dispatch (transient)"] = dispatch_transient(args, tokens, _elem(s.compute_dtype), layout.ep)
+            update["MoE dispatch (transient)"] = dispatch_transient(
+                args, tokens, _elem(s.compute_dtype), layout.ep)
         if layout.cp > 1:
             ring = lc.cp_transient(args, tokens, _elem(s.compute_dtype), layout.cp, s.cp_style)
             update["cp attention (transient)"] = ring
@@ -381,40 +408,47 @@ class Planner:
             extra += 4 * critic  # its parameters, gradients and moments; value head not counted
         if extra:
             update["reference / critic"] = extra
-        resident = on_device + (0 if s.offload_optimizer else 2 * trained) + (on_device if s.reference else 0)
-        if s.critic:
-            resident += 3 * (0 if s.cpu_offload else self.param_bytes(layout, stages, skip="output"))
+        resident = self.resident(layout, stages)
         rollout: dict[str, float] = {}
         kv_seqs = 0
         if s.recipe == "rl":
             kv, kv_seqs = self.kv_pool(layout)
-            rollout = {"resident training state": resident, "generation shard": self.generation_shard(layout.rollout_tp),
-                       "reshard buffers (at most)": min(s.bucket_bytes, self.generation_shard(layout.rollout_tp)),
+            rollout = {"resident training state": resident,
+                       "generation shard": self.generation_shard(layout.rollout_tp),
+                       "reshard buffers (at most)": min(s.bucket_bytes,
+                                                        self.generation_shard(layout.rollout_tp)),
                        "KV pool": kv}
-            if s.lora is not None:  # the generation copy's base stays for the next rollout (tandem/rl/rollout/generation.py)
+            if s.lora is not None:  # the generation copy's base stays for the next rollout
                 update["generation copy (kept, LoRA)"] = self.generation_shard(layout.rollout_tp)
         return RankPlan(kind, update, rollout, kv_seqs)
 
     def plan(self, layout: Layout) -> list[RankPlan]:
-        return [self.rank(layout, kind, stages) for kind, stages in rank_kinds(self.args, layout, self.s.pp_schedule)]
+        return [self.rank(layout, kind, stages)
+                for kind, stages in rank_kinds(self.args, layout, self.s.pp_schedule)]
 
     # ---- layouts ---------------------------------------------------------------------
 
-    def resident_bytes(self, layout: Layout) -> int:
-        """What the auto rollout.tp rule counts as staying during the rollout (busiest rank)."""
+    def resident(self, layout: Layout, stages: list[list[int]] | None) -> float:
+        """What the update keeps on a rank of ``stages`` through the rollout, counted as the run
+        counts it (`tandem.rl.rollout.sampling.resident_bytes`): the on-device shards only."""
+        if self.s.cpu_offload:  # FSDP2 CPU offload: the shards live on the host
+            return 0
+        params = self.param_bytes(layout, stages)
+        head = params - self.param_bytes(layout, stages, skip="output")
+        return resident_bytes(params, head, offload_optimizer=self.s.offload_optimizer,
+                              reference=self.s.reference, critic=self.s.critic,
+                              trained_bytes=self.param_bytes(layout, stages, trained=True))
+
+    def resident_bytes(self, layout: Layout) -> float:
+        """`resident` of the busiest rank: what the auto rollout.tp rule counts."""
         kinds = rank_kinds(self.args, layout, self.s.pp_schedule)
-        return max(self.param_bytes(layout, st) + (0 if self.s.offload_optimizer else
-                                                   2 * self.param_bytes(layout, st, trained=True)) for _, st in kinds)
+        return max(self.resident(layout, stages) for _, stages in kinds)
 
     def auto_rollout_tp(self, layout: Layout, device_bytes: float, devices_per_node: int) -> int:
-        """choose_rollout_tp's rule (tandem/rl/rollout/generation.py) on the target device."""
-        room = USABLE * device_bytes - self.resident_bytes(layout) - self.s.kv_cache_gb * GB
-        fits = [g for g in range(1, min(layout.world, devices_per_node) + 1)
-                if layout.world % g == 0 and check_divisible(self.args, g) is None]
-        for g in fits:
-            if self.generation_shard(g) <= room:
-                return g
-        return fits[-1]
+        """The run's rule (`tandem.parallel.generation_layout.auto_tp`) on the target device."""
+        return auto_tp(self.args, self.generation_shard, world=layout.world,
+                       devices_per_node=devices_per_node, device_bytes=device_bytes,
+                       resident_bytes=self.resident_bytes(layout), kv_bytes=self.s.kv_cache_gb * GB)
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl
@@ -423,13 +457,15 @@ class Planner:
         within nodes), then ep = dp_shard, where ep divides the ranks and the experts; under TP
         only ep = dp_shard (tandem/parallel/expert_parallel.py's rules)."""
         tps = [tp for tp in range(1, min(world, devices_per_node) + 1)
-               if world % tp == 0 and check_divisible(self.args, tp) is None and (tp == 1 or self.s.recipe == "rl")]
+               if world % tp == 0 and check_divisible(self.args, tp) is None
+               and (tp == 1 or self.s.recipe == "rl")]
         if self.args.is_moe:
             out = []
             for tp in tps:
                 dp = world // tp
                 sizes = (devices_per_node, dp) if tp == 1 else (dp,)
-                eps = sorted({e for e in sizes if 1 < e <= dp and dp % e == 0 and self.args.num_experts % e == 0})
+                eps = sorted({e for e in sizes if 1 < e <= dp and dp % e == 0
+                              and self.args.num_experts % e == 0})
                 out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
             return out
         per = SCHEDULES[self.s.pp_schedule][1]
@@ -448,17 +484,22 @@ class Planner:
         long = self.s.seq_len > self.s.tokens
         return sorted(out, key=lambda x: (x.tp * x.pp * x.cp, (x.cp == 1) == long, x.pp))
 
-    def best(self, world: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
-        """The first layout of `candidates` that fits, with its rollout.tp chosen by the auto rule; None when none does."""
+    def best(self, world: int, devices_per_node: int,
+             device_bytes: float) -> tuple[Layout, float] | None:
+        """The first layout of `candidates` that fits, with its rollout.tp chosen by the auto rule;
+        None when none does."""
         for lay in self.candidates(world, devices_per_node):
-            lay = dataclasses.replace(lay, rollout_tp=self.auto_rollout_tp(lay, device_bytes, devices_per_node)
+            lay = dataclasses.replace(lay,
+                                      rollout_tp=self.auto_rollout_tp(
+                                          lay, device_bytes, devices_per_node)
                                       if self.s.recipe == "rl" else 1)
             peak = max(r.peak for r in self.plan(lay))
             if peak <= USABLE * device_bytes:
                 return lay, peak
         return None
 
-    def smallest(self, nodes: int, devices_per_node: int, device_bytes: float) -> tuple[Layout, float] | None:
+    def smallest(self, nodes: int, devices_per_node: int,
+                 device_bytes: float) -> tuple[Layout, float] | None:
         """The fewest ranks (1, 2, 4, ... up to a node, then whole nodes: each count up to
         LINEAR_NODES, then doubling, then the whole cluster) on which some layout fits. The
         doubling keeps a cluster of many nodes to a few dozen searches."""
@@ -490,11 +531,14 @@ def plan_args(cfg: Any) -> tuple[ModelArgs, str]:
         try:
             return load_args(m.path), f"{m.path}/config.json"
         except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"model.path: {m.path}/config.json: {str(e).strip().splitlines()[0]}") from None
+            raise ConfigError(f"model.path: {m.path}/config.json: "
+                              f"{str(e).strip().splitlines()[0]}") from None
     if cfg.plan.flavor is None:
-        raise ConfigError(f"plan.flavor: model.path {m.path} has no config.json on this machine; name its "
-                          "architecture with --plan.flavor (a flavor of tandem/models/flavors.py)")
-    return get_flavor(cfg.plan.flavor), f"plan.flavor {cfg.plan.flavor!r} (model.path {m.path} is not here)"
+        raise ConfigError(f"plan.flavor: model.path {m.path} has no config.json on this "
+                          "machine; name its architecture with --plan.flavor (a flavor of "
+                          "tandem/models/flavors.py)")
+    return (get_flavor(cfg.plan.flavor),
+            f"plan.flavor {cfg.plan.flavor!r} (model.path {m.path} is not here)")
 
 
 def target(cfg: Any) -> tuple[int, int, float]:
@@ -528,7 +572,8 @@ def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: fl
     check_layout(planner.args, Degrees(**d), par.pp_schedule, par.cp_style, par.ep)
     check_moe_layout(planner.args, cfg.parallel.ep, d)
     lay = Layout(ep=par.ep, **d)
-    g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1)
+    g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl"
+                           else 1)
     if world % g:
         raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")
     reason = check_divisible(planner.args, g)
@@ -548,17 +593,22 @@ def format_plan(plans: list[RankPlan], mem: float) -> str:
             continue
         lines.append(phase)
         for k in keys:
-            lines.append(f"  {k:<{width - 2}}" + "".join(f"{getattr(p, phase).get(k, 0) / GB:>16.2f}" for p in plans))
-        lines.append(f"  {'total':<{width - 2}}" + "".join(f"{sum(getattr(p, phase).values()) / GB:>16.2f}" for p in plans))
+            lines.append(f"  {k:<{width - 2}}"
+                         + "".join(f"{getattr(p, phase).get(k, 0) / GB:>16.2f}" for p in plans))
+        lines.append(f"  {'total':<{width - 2}}"
+                     + "".join(f"{sum(getattr(p, phase).values()) / GB:>16.2f}" for p in plans))
         if phase == "rollout":
-            lines.append(f"  {'full-length sequences in the pool':<{width - 2}}" + "".join(f"{p.kv_sequences:>16d}" for p in plans))
+            lines.append(f"  {'full-length sequences in the pool':<{width - 2}}"
+                         + "".join(f"{p.kv_sequences:>16d}" for p in plans))
     lines.append(f"{'peak':<{width}}" + "".join(f"{p.peak / GB:>16.2f}" for p in plans))
-    lines.append(f"{'share of the device':<{width}}" + "".join(f"{p.peak / mem:>15.0%} " for p in plans))
+    lines.append(f"{'share of the device':<{width}}"
+                 + "".join(f"{p.peak / mem:>15.0%} " for p in plans))
     return "\n".join(lines)
 
 
 def run_plan(cfg: Any) -> int:
-    """``train.py --plan``: print the plan; the exit status says whether the config's layout fits."""
+    """``train.py --plan``: print the plan; the exit status says whether the config's
+    layout fits."""
     from tandem.rl.core import errors
 
     args, source = plan_args(cfg)
@@ -571,13 +621,16 @@ def run_plan(cfg: Any) -> int:
     print(f"model: {args.model_type}, {args.num_params() / 1e9:.2f} B parameters ({source})")
     if s.lora is not None:
         n = sum(math.prod(shape) for name, shape in planner.shapes if is_adapter(name))
-        print(f"LoRA: rank {s.lora.rank} on {', '.join(s.lora.targets)}: {n / 1e6:.1f} M trained parameters "
-              f"({n / args.num_params():.2%}); the reference is the base with the adapters off")
-    print(f"target: {nodes} node(s) x {per_node} devices, {mem / GB:.1f} GB each; a layout fits when its peak is at "
-          f"most {USABLE:.0%} ({USABLE * mem / GB:.1f} GB)")
-    print(f"layout: {lay.describe()}{' (auto)' if not cfg.rollout.tp and s.recipe == 'rl' else ''}; compute "
-          f"{str(s.compute_dtype).removeprefix('torch.')}, generation {str(s.gen_dtype).removeprefix('torch.')}, "
-          f"{planner.micro_batch(lay)[0]} tokens per micro-batch, activation_checkpoint={s.ac}")
+        print(f"LoRA: rank {s.lora.rank} on {', '.join(s.lora.targets)}: {n / 1e6:.1f} M trained "
+              f"parameters ({n / args.num_params():.2%}); the reference is the base with the "
+              "adapters off")
+    print(f"target: {nodes} node(s) x {per_node} devices, {mem / GB:.1f} GB each; a layout fits "
+          f"when its peak is at most {USABLE:.0%} ({USABLE * mem / GB:.1f} GB)")
+    print(f"layout: {lay.describe()}"
+          f"{' (auto)' if not cfg.rollout.tp and s.recipe == 'rl' else ''}; compute "
+          f"{str(s.compute_dtype).removeprefix('torch.')}, generation "
+          f"{str(s.gen_dtype).removeprefix('torch.')}, {planner.micro_batch(lay)[0]} tokens per "
+          f"micro-batch, activation_checkpoint={s.ac}")
     print(format_plan(plans, mem))
     if s.recipe == "rl" and not cfg.rollout.gen_ranks:  # split mode: the generators' pool is set
         kinds = rank_kinds(planner.args, lay, s.pp_schedule)
@@ -588,14 +641,16 @@ def run_plan(cfg: Any) -> int:
     smallest, best = ((planner.smallest(nodes, per_node, mem), planner.best(world, per_node, mem))
                       if not cfg.rollout.gen_ranks else (None, None))  # colocated layouts only
     if smallest:
-        print(f"smallest layout that fits: {smallest[0].describe()} (peak {smallest[1] / GB:.1f} GB)")
+        print(f"smallest layout that fits: {smallest[0].describe()} (peak "
+              f"{smallest[1] / GB:.1f} GB)")
     if best:
-        print(f"least model parallelism that fits on {world} ranks: {best[0].describe()} (peak {best[1] / GB:.1f} GB)"
-              f"\n  {best[0].overrides(moe=args.is_moe)}")
+        print(f"least model parallelism that fits on {world} ranks: {best[0].describe()} (peak "
+              f"{best[1] / GB:.1f} GB)\n  {best[0].overrides(moe=args.is_moe)}")
     if fits:
         print(f"fits: peak {worst.peak / GB:.1f} GB ({worst.kind}, {worst.peak_phase()} phase)")
         return errors.EXIT_OK
-    hint = f"; smallest layout that fits: {smallest[0].describe()}" if smallest else "; no layout of this cluster fits"
-    print(f"error: plan: {worst.peak / GB:.1f} GB per rank ({worst.kind}, {worst.peak_phase()} phase) is over "
-          f"{USABLE:.0%} of {mem / GB:.0f} GB{hint}", file=sys.stderr, flush=True)
+    hint = (f"; smallest layout that fits: {smallest[0].describe()}" if smallest
+            else "; no layout of this cluster fits")
+    print(f"error: plan: {worst.peak / GB:.1f} GB per rank ({worst.kind}, {worst.peak_phase()} "
+          f"phase) is over {USABLE:.0%} of {mem / GB:.0f} GB{hint}", file=sys.stderr, flush=True)
     return errors.EXIT_PLAN

@@ -10,7 +10,8 @@ warning naming it (see `unused_settings`).
     sft.py           supervised fine-tuning (packed chat data)
     pairwise.py      the pairwise step shared by dpo.py (DPO, IPO, SimPO) and reward_model.py
     rl.py            rollout then update (GRPO, PPO, DAPO, GSPO, RLOO, REINFORCE++, OPD, agentic)
-    loop.py          the shell: resume, checkpoints, preemption, watchdog, NaN policy, metrics, eval, export
+    loop.py          the shell: resume, checkpoints, preemption, watchdog, NaN policy, metrics,
+                     eval, export
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from typing import Any
 
 from tandem.rl.core.registry import Registry
 
-SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel", "checkpoint",
-                   "metrics", "fault", "plan", "lora")
+SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel",
+                   "checkpoint", "metrics", "fault", "plan", "lora", "advanced")
 
 
 @dataclass(frozen=True)
 class RecipeEntry:
     factory: str  # "module:function" making the recipe from (cfg, Runtime); imported when chosen
     sections: tuple[str, ...]  # config sections read beyond SHARED_SECTIONS
-    objective: tuple[str, str]  # the held-out metric and its direction (tandem-sweep's default objective)
+    # the held-out metric and its direction (tandem-sweep's default objective)
+    objective: tuple[str, str]
 
     def make(self) -> Any:
         module, name = self.factory.split(":")
@@ -38,11 +40,13 @@ class RecipeEntry:
 
 RECIPES: Registry[RecipeEntry] = Registry("training recipe")
 _ACCURACY = ("eval/accuracy", "maximize")
-RECIPES.register("sft")(RecipeEntry("tandem.rl.recipes.sft:make_sft", (), ("eval/loss", "minimize")))
+RECIPES.register("sft")(RecipeEntry("tandem.rl.recipes.sft:make_sft", (),
+                                    ("eval/loss", "minimize")))
 RECIPES.register("dpo")(RecipeEntry("tandem.rl.recipes.dpo:make_dpo", ("preference",), _ACCURACY))
-RECIPES.register("reward_model")(RecipeEntry("tandem.rl.recipes.reward_model:make_reward_model", ("preference",),
-                                             _ACCURACY))
-RECIPES.register("rl")(RecipeEntry("tandem.rl.recipes.rl:make_rl", ("rl", "rollout", "reward", "critic", "distill", "env"),
+RECIPES.register("reward_model")(RecipeEntry("tandem.rl.recipes.reward_model:make_reward_model",
+                                             ("preference",), _ACCURACY))
+RECIPES.register("rl")(RecipeEntry("tandem.rl.recipes.rl:make_rl",
+                                   ("rl", "rollout", "reward", "critic", "distill", "env"),
                                    _ACCURACY))
 
 
@@ -64,7 +68,14 @@ def unused_settings(cfg: Any) -> list[str]:
 
 
 def run(cfg: Any, info: Any) -> int:
-    """Run the configured recipe in the shell; returns the exit status."""
+    """Run the configured recipe in the shell, every kernel as ``advanced.kernels`` picks;
+    returns the exit status."""
+    from tandem.kernels.dispatch import chosen_kernels, set_kernels
     from tandem.rl.recipes.loop import run_recipe
 
-    return run_recipe(RECIPES.get(cfg.training.recipe).make(), cfg, info)
+    before = chosen_kernels()
+    set_kernels(cfg.advanced.kernels)
+    try:
+        return run_recipe(RECIPES.get(cfg.training.recipe).make(), cfg, info)
+    finally:
+        set_kernels(before)

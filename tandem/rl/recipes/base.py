@@ -24,6 +24,7 @@ schedule of the rest of the run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,13 +32,19 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from tandem.models.args import ModelArgs
+from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
+from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
 from tandem.parallel.split import side_group
+from tandem.rl.config.schema import ConfigError, FaultConfig
+from tandem.rl.core.metrics import MetricsLogger
+from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
-from tandem.rl.config.schema import FaultConfig
 from tandem.rl.core.lora import checkpoint_module
-from tandem.rl.core.metrics import MetricsLogger
 from tandem.rl.core.optim import Learner
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
@@ -52,7 +59,8 @@ class CheckpointParts:
     optimizer: torch.optim.Optimizer | None
     extras: Extras = field(default_factory=dict)
 
-    def __post_init__(self) -> None:  # LoRA: the trainable parameters alone (the base is rebuilt at start)
+    def __post_init__(self) -> None:
+        # LoRA: the trainable parameters alone (the base is rebuilt at start)
         self.model = checkpoint_module(self.model)
         self.extras = {k: (checkpoint_module(m), o) for k, (m, o) in self.extras.items()}
 
@@ -76,6 +84,45 @@ class Runtime:
     dump_folder: str
     watchdog: Watchdog  # recipes mark their own phases (rollout, update) inside the shell's "step"
     logger: MetricsLogger  # for text summaries; step rows are the shell's
+
+
+@dataclass
+class Setup:
+    """What every recipe builds first: the training mesh and this rank's data-parallel place in
+    it, the tokenizer and the model's architecture."""
+
+    degrees: Degrees
+    mesh: DeviceMesh
+    dp: int  # data-parallel ranks
+    rank_dp: int  # this rank's index among them
+    tokenizer: Tokenizer
+    args: ModelArgs
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+
+def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int],
+          fsdp_only: bool = True) -> Setup:
+    """The set-up every recipe shares, its config checks first (one ConfigError line each):
+    the layout (``fsdp_only``: this recipe shards with FSDP2 alone), ``data.path`` and the
+    global ``batch`` (key, value) dividing over the data-parallel ranks."""
+    degrees = Degrees(**cfg.parallel.resolve(rt.info.world_size))
+    if fsdp_only and (degrees.tp > 1 or degrees.pp > 1):
+        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only "
+                          "so far; set tp = pp = 1")
+    if cfg.data.path is None:
+        raise ConfigError(f"data.path: required by the {recipe} recipe (a jsonl/parquet file or "
+                          "folder, or synthetic:<task>)")
+    key, size = batch
+    if size % degrees.dp:
+        raise ConfigError(f"{key}: {size} is not divisible by the {degrees.dp} data-parallel ranks")
+    mesh = build_mesh(degrees, rt.info.device)
+    m = cfg.model
+    tokenizer = build_tokenizer(m.tokenizer, m.path, os.path.join(rt.dump_folder, "tokenizer"))
+    args = model_args(m.flavor, m.path, tokenizer)
+    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh), tokenizer, args)
 
 
 class Recipe(Protocol):
@@ -159,8 +206,10 @@ class SingleModelTraining:
 
         o, s = cfg.optimizer, cfg.lr_schedule
         self.model = model
-        self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
+        self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps,
+                                         weight_decay=o.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps,
+                                         warmup_steps=s.warmup_steps,
                                          decay=s.decay, min_lr_ratio=s.min_lr_ratio)
         learner = Learner("model", [model], self.optimizer,
                           lambda max_norm: clip_grad_norm(model.parameters(), max_norm),

@@ -54,12 +54,12 @@ class DPOHead:
     def __init__(self, cfg: Any, info: DistInfo, setup: PairSetup, spec: BuildSpec) -> None:
         pcfg = cfg.preference
         self.info, self.setup = info, setup
-        self.loss_fn, self.loss_cfg = PREFERENCE_LOSSES.get(pcfg.loss), pcfg.loss_config()
+        self.loss_fn, self.loss_cfg = PREFERENCE_LOSSES.get(pcfg.loss), pcfg
         reference = pcfg.reference
         if PREFERENCE_LOSSES.cap(pcfg.loss, "needs_reference", True):
             if reference == "none":
-                raise ConfigError(f"preference.reference: loss {pcfg.loss!r} needs reference log-probs; "
-                                  "set 'precompute' or 'online'")
+                raise ConfigError(f"preference.reference: loss {pcfg.loss!r} needs reference "
+                                  "log-probs; set 'precompute' or 'online'")
         elif reference != "none":
             if info.is_main:
                 print(f"note: loss {pcfg.loss!r} does not use a reference; preference.reference="
@@ -68,11 +68,14 @@ class DPOHead:
         build = dict(mesh=setup.mesh, device=info.device, spec=spec, is_main=info.is_main)
         self.model = build_transformer(setup.args, cfg.model.path, cfg.job.seed, **build)
         self.ref_model = None
-        self.base_reference = reference == "online" and has_lora(self.model)  # the policy, adapters off
+        # the policy, adapters off
+        self.base_reference = reference == "online" and has_lora(self.model)
         self.table: dict[str, Tensor] = {}
         if reference == "online" and not self.base_reference:
-            self.ref_model = build_transformer(setup.args, cfg.model.path, cfg.job.seed, trainable=False, **build)
-        elif reference == "precompute":  # before any checkpoint is loaded: the policy is the reference now
+            self.ref_model = build_transformer(setup.args, cfg.model.path, cfg.job.seed,
+                                               trainable=False, **build)
+        elif reference == "precompute":
+            # before any checkpoint is loaded: the policy is the reference now
             t0 = time.monotonic()
             kw = dict(micro=cfg.training.micro_batch_size, pad_id=setup.pad_id, device=info.device,
                       rank=setup.rank_dp, dp=setup.dp)
@@ -81,14 +84,16 @@ class DPOHead:
                               "eval": precompute_reference(self.model, setup.data.eval, **kw)}
             if info.is_main:
                 n = len(setup.data.train) + len(setup.data.eval)
-                print(f"reference log-probs of {n} pairs precomputed in {time.monotonic() - t0:.1f}s", flush=True)
+                print(f"reference log-probs of {n} pairs precomputed in "
+                      f"{time.monotonic() - t0:.1f}s", flush=True)
 
     def micro(self, pairs: list[PreferencePair], split: str) -> tuple[Tensor, dict[str, Tensor]]:
         dev = self.info.device
         batch = {k: v.to(dev) for k, v in collate_pairs(pairs, self.setup.pad_id).items()}
         b = len(pairs)
         images = pair_images(pairs)
-        logps, lengths = sequence_logps(self.model, batch, images)  # [2B] each: chosen then rejected
+        # [2B] each: chosen then rejected
+        logps, lengths = sequence_logps(self.model, batch, images)
         ref_c = ref_r = None
         if self.ref_model is not None or self.base_reference:
             ref_model = self.ref_model if self.ref_model is not None else self.model
@@ -99,12 +104,14 @@ class DPOHead:
         elif self.table:
             rows = self.table[split][torch.tensor([p.index for p in pairs], device=dev)]  # [B, 2]
             ref_c, ref_r = rows[:, 0], rows[:, 1]
-        out = self.loss_fn(PreferenceInput(logps[:b], logps[b:], ref_c, ref_r, lengths[:b], lengths[b:]),
+        out = self.loss_fn(PreferenceInput(logps[:b], logps[b:], ref_c, ref_r, lengths[:b],
+                                           lengths[b:]),
                            self.loss_cfg)
         c, r = out.chosen_rewards, out.rejected_rewards
-        return out.loss, {"loss": out.loss.detach(), "accuracy": pair_accuracy(c, r), "margin": c - r,
-                          "chosen_reward": c, "rejected_reward": r, "chosen_logp": logps[:b].detach(),
-                          "rejected_logp": logps[b:].detach()}
+        return out.loss, {"loss": out.loss.detach(), "accuracy": pair_accuracy(c, r),
+                          "margin": c - r,
+                          "chosen_reward": c, "rejected_reward": r,
+                          "chosen_logp": logps[:b].detach(), "rejected_logp": logps[b:].detach()}
 
     def export(self, dump_folder: str) -> str:
         out = os.path.join(dump_folder, "hf")

@@ -61,7 +61,8 @@ class Shell:
         c = cfg.checkpoint
         self.ckpt = Checkpointer(os.path.join(self.dump, c.folder), keep_last=c.keep_last,
                                  async_save=c.async_save, model_only=c.model_only,
-                                 before_commit=lambda step: maybe_kill(step, info.rank, self.dump, in_save=True))
+                                 before_commit=lambda step: maybe_kill(
+                                     step, info.rank, self.dump, in_save=True))
         self.logger: MetricsLogger | None = None
         self.recipe: Recipe | None = None
         self.step = 0
@@ -75,11 +76,14 @@ class Shell:
         try:
             self._announce()
             m = self.cfg.metrics
-            self.logger = MetricsLogger(self.dump, enabled=self.info.is_main, jsonl=m.jsonl, loggers=m.loggers,
-                                        run_name=self.cfg.job.name, config=dataclasses.asdict(self.cfg))
+            self.logger = MetricsLogger(self.dump, enabled=self.info.is_main, jsonl=m.jsonl,
+                                        loggers=m.loggers,
+                                        run_name=self.cfg.job.name,
+                                        config=dataclasses.asdict(self.cfg))
             self.watchdog.start()
             with self.watchdog.phase("build"):
-                self.recipe = make(self.cfg, Runtime(self.info, self.dump, self.watchdog, self.logger))
+                self.recipe = make(self.cfg,
+                                   Runtime(self.info, self.dump, self.watchdog, self.logger))
             self.logger.console_keys = self.recipe.console_keys
             return self._run()
         finally:
@@ -125,7 +129,8 @@ class Shell:
                 out = recipe.step(self.step)
                 self._write_ledger(out.ids, out.positions)
             self.step += 1
-            maybe_kill(self.step, self.info.rank, self.dump)  # fault drills only (TANDEM_INJECT_KILL)
+            # fault drills only (TANDEM_INJECT_KILL)
+            maybe_kill(self.step, self.info.rank, self.dump)
             wd.beat(self.step)
             metrics = {**out.metrics, **self._shell_metrics(out.metrics, t0)}
             self._poll_checkpoint()  # commits an asynchronous save whose write has finished
@@ -160,13 +165,15 @@ class Shell:
     # ---- metrics ---------------------------------------------------------------------
 
     def _shell_metrics(self, metrics: dict[str, float], t0: float) -> dict[str, float]:
-        phase_peaks = [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("peak_gb")]
+        phase_peaks = [v for k, v in metrics.items() if k.startswith("memory/")
+                       and k.endswith("peak_gb")]
         updater = self.recipe.updater
         return {"time/step_s": time.monotonic() - t0,
                 "memory/peak_gb": max([peak_memory_gb(self.info.device), *phase_peaks]),
                 "lr": updater.last_lr, "fault/skipped_updates": float(updater.skipped)}
 
-    def _say_eval(self, values: dict[str, float], form: str, start: dict[str, float] | None = None) -> None:
+    def _say_eval(self, values: dict[str, float], form: str,
+                  start: dict[str, float] | None = None) -> None:
         if not self.info.is_main:
             return
         for key, value in values.items():
@@ -185,7 +192,8 @@ class Shell:
         per-step logs back to its step; a start at step 0 cuts them to nothing (what an
         attempt logged before its first checkpoint is redone)."""
         recipe, logs = self.recipe, [os.path.join(self.dump, name) for name in STEP_LOGS]
-        last = resume_step(self.ckpt, self.cfg.checkpoint, self.cfg.training.steps, self.info.is_main, logs=logs)
+        last = resume_step(self.ckpt, self.cfg.checkpoint, self.cfg.training.steps,
+                           self.info.is_main, logs=logs)
         if last is None:
             if self.info.is_main:
                 for log in logs:
@@ -200,9 +208,11 @@ class Shell:
         model_only = state.pop("_model_only")
         recipe.load_state_dict(state, saved_world=saved_world)
         if not os.path.exists(os.path.join(self.dump, "ledger.jsonl")):
-            self.ledger_from = self.step + 1  # a checkpoint brought from elsewhere: its history is not here
+            # a checkpoint brought from elsewhere: its history is not here
+            self.ledger_from = self.step + 1
         if self.info.is_main:
-            note = resume_note({"_saved_world": saved_world, "_model_only": model_only}, self.info.world_size)
+            note = resume_note({"_saved_world": saved_world, "_model_only": model_only},
+                               self.info.world_size)
             print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}; "
                   f"loaded in {self.ckpt_metrics['checkpoint/load_s']:.2f}s", flush=True)
 
@@ -211,7 +221,8 @@ class Shell:
 
     def _save(self, *, finish: bool = False) -> None:
         """Checkpoint this step; ``finish`` waits for an asynchronous write to commit."""
-        self._poll_checkpoint(wait=True)  # a previous write still pending: commit (and log) it first
+        # a previous write still pending: commit (and log) it first
+        self._poll_checkpoint(wait=True)
         parts = self.recipe.checkpoint_parts()
         state = self._trainer_state()
         with self.watchdog.phase("checkpoint"):
@@ -220,7 +231,8 @@ class Shell:
         if self.ckpt.pending_step is None:
             self._committed(self.step, secs)
         elif self.info.is_main:
-            print(f"checkpoint step-{self.step}: staged in {secs:.2f}s, writing in the background", flush=True)
+            print(f"checkpoint step-{self.step}: staged in {secs:.2f}s, writing in the background",
+                  flush=True)
         if finish:
             self._poll_checkpoint(wait=True)
 
@@ -240,7 +252,8 @@ class Shell:
 
     def _preempted(self) -> int:
         if self.info.is_main:
-            print(f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED} to requeue",
+            print(f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED}"
+                  " to requeue",
                   flush=True)
         return errors.EXIT_PREEMPTED
 

@@ -15,10 +15,9 @@ counts a tie as half a win, so an untrained model reads 0.5, chance, not 0.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -26,25 +25,27 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from tandem.models.args import ModelArgs
-from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
-from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
 from tandem.models.vlm import vision_batch
 from tandem.rl.data.images import VisionData
-from tandem.rl.data.preference import PreferenceData, PreferencePair, collate_pairs, load_preference_data
+from tandem.rl.data.preference import (
+    PreferenceData,
+    PreferencePair,
+    collate_pairs,
+    load_preference_data,
+)
 from tandem.rl.data.sft import StepSampler
 from tandem.rl.recipes.base import (
     Runtime,
+    Setup,
     SingleModelRecipe,
     SingleModelTraining,
     StepOutput,
+    setup,
 )
-from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, build_tokenizer, model_args
+from tandem.rl.core.modeling import BuildSpec
 
 __all__ = [
     "PairHead",
@@ -85,7 +86,8 @@ def _image_inputs(model: nn.Module, tokens: Tensor, images: list[Any] | None) ->
     n, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).expand(n, s)
     docs = {(row, 0): im for row, im in enumerate(images or []) if im is not None}
-    positions, inputs = vision_batch(tokens, positions, torch.zeros_like(tokens), docs, vision.image_token_id)
+    positions, inputs = vision_batch(tokens, positions, torch.zeros_like(tokens), docs,
+                                     vision.image_token_id)
     for im in docs.values():
         im.release()
     return {"positions": positions, "images": None if inputs is None else inputs.to(tokens.device)}
@@ -117,7 +119,8 @@ def pair_accuracy(chosen: Tensor, rejected: Tensor) -> Tensor:
 
 def rank_indices(n: int, rank: int, dp: int) -> tuple[list[int], list[bool]]:
     """This rank's share of ``n`` items (rank, rank+dp, ...), padded to ceil(n/dp) so every
-    rank runs the same number of (collective) FSDP forwards; padding repeats item 0, flagged False."""
+    rank runs the same number of (collective) FSDP forwards; padding repeats item 0,
+    flagged False."""
     per_rank = -(-n // dp)
     idx = [rank + k * dp for k in range(per_rank)]
     return [i if i < n else 0 for i in idx], [i < n for i in idx]
@@ -136,7 +139,8 @@ def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro
     parts = []
     for m0 in range(0, len(idx), micro):
         sub = [pairs[i] for i in idx[m0:m0 + micro]]
-        logps, _ = sequence_logps(model, {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
+        logps, _ = sequence_logps(model,
+                                  {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
                                   pair_images(sub))
         parts.append(torch.stack(logps.float().chunk(2), dim=1))  # [b, 2]
     local = torch.cat(parts)  # [per_rank, 2]
@@ -150,44 +154,28 @@ def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro
 
 # ---------------------------------------------------------------------- data
 @dataclass
-class PairSetup:
-    mesh: DeviceMesh
-    dp: int
-    rank_dp: int
-    tokenizer: Tokenizer
-    args: ModelArgs
+class PairSetup(Setup):
+    """The recipes' shared `Setup` and the preference pairs."""
+
     data: PreferenceData
 
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id or 0
 
-
-def setup_pairs(cfg: Any, info: DistInfo, recipe: str) -> PairSetup:
+def setup_pairs(cfg: Any, rt: Runtime, recipe: str) -> PairSetup:
     """Mesh, tokenizer, model args and preference pairs for a pairwise recipe."""
-    degrees = Degrees(**cfg.parallel.resolve(info.world_size))
-    if degrees.tp > 1 or degrees.pp > 1:
-        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only so far; set tp = pp = 1")
-    if cfg.training.batch_size % degrees.dp:
-        raise ConfigError(f"training.batch_size: {cfg.training.batch_size} is not divisible by the "
-                          f"{degrees.dp} data-parallel ranks")
-    if cfg.data.path is None:
-        raise ConfigError(f"data.path: required by the {recipe} recipe (a file or synthetic:<name>)")
-    mesh = build_mesh(degrees, info.device)
-    torch.manual_seed(cfg.job.seed + info.rank)
-    tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(cfg.job.dump_folder, "tokenizer"))
-    args = model_args(cfg.model.flavor, cfg.model.path, tokenizer)
+    base = setup(cfg, rt, recipe, batch=("training.batch_size", cfg.training.batch_size))
+    torch.manual_seed(cfg.job.seed + rt.info.rank)
+    d, p = cfg.data, cfg.preference
     data = load_preference_data(
-        cfg.data.path, tokenizer, fmt=cfg.data.format, max_length=cfg.data.max_length,
-        on_bad_row=cfg.data.on_bad_row, eval_fraction=cfg.data.eval_fraction, eval_source=cfg.data.eval_path,
-        seed=cfg.job.seed, synthetic_rows=cfg.data.synthetic_rows, messages_field=cfg.data.messages_field,
-        prompt_field=cfg.data.prompt_field, chosen_field=cfg.preference.chosen_field,
-        rejected_field=cfg.preference.rejected_field, vision=VisionData.for_model(args, cfg.data.path),
+        d.path, base.tokenizer, fmt=d.format, max_length=d.max_length, on_bad_row=d.on_bad_row,
+        eval_fraction=d.eval_fraction, eval_source=d.eval_path, seed=cfg.job.seed,
+        synthetic_rows=d.synthetic_rows, messages_field=d.messages_field,
+        prompt_field=d.prompt_field, chosen_field=p.chosen_field, rejected_field=p.rejected_field,
+        vision=VisionData.for_model(base.args, d.path),
     )
-    if info.is_main:
+    if rt.info.is_main:
         print(f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "
               f"{sum(data.skipped.values())} {dict(data.skipped)}", flush=True)
-    return PairSetup(mesh, degrees.dp, dp_rank(mesh), tokenizer, args, data)
+    return PairSetup(**{f.name: getattr(base, f.name) for f in fields(Setup)}, data=data)
 
 
 # ---------------------------------------------------------------------- the recipe
@@ -197,7 +185,8 @@ class PairHead(Protocol):
 
     model: nn.Module
 
-    def micro(self, pairs: list[PreferencePair], split: str) -> tuple[Tensor, dict[str, Tensor]]: ...
+    def micro(self, pairs: list[PreferencePair],
+              split: str) -> tuple[Tensor, dict[str, Tensor]]: ...
 
     def export(self, dump_folder: str) -> str: ...
 
@@ -210,15 +199,15 @@ class PairwiseRecipe(SingleModelRecipe):
 
     def __init__(self, cfg: Any, rt: Runtime, name: str, make_head: HeadFactory) -> None:
         self.cfg, self.info = cfg, rt.info
-        self.setup = setup_pairs(cfg, rt.info, name)
+        self.setup = setup_pairs(cfg, rt, name)
         lora = cfg.lora.setup(cfg.job.seed, base_model=cfg.model.path)
         spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model, lora)
         self.head = make_head(cfg, rt.info, self.setup, spec)
         self.model = self.head.model
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater
-        self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size, cfg.job.seed,
-                                   cfg.data.shuffle)
+        self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size,
+                                   cfg.job.seed, cfg.data.shuffle)
         self.model.train()
 
     def step(self, step: int) -> StepOutput:
@@ -231,7 +220,8 @@ class PairwiseRecipe(SingleModelRecipe):
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for m0 in range(0, len(pairs), micro):
             loss, metrics = self.head.micro(pairs[m0:m0 + micro], "train")
-            # FSDP averages gradients over dp ranks: this makes the result the mean over the global batch.
+            # FSDP averages gradients over dp ranks: this makes the result the mean over the global
+            # batch.
             (loss.sum() * (s.dp / batch)).backward()
             loss_sum += loss.detach().double().sum()
             for k, v in metrics.items():
@@ -239,19 +229,22 @@ class PairwiseRecipe(SingleModelRecipe):
         grad_norm = self.updater.apply(loss_sum, step).get("model")
         names = list(sums)
         tokens = sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in pairs)
-        total = torch.stack([sums[k] for k in names] + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])
+        total = torch.stack([sums[k] for k in names]
+                            + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])
         dist.all_reduce(total)  # one host sync per step, for the metrics row
         values = total.tolist()
         dt = time.monotonic() - t0
         row = {k: v / batch for k, v in zip(names, values)}
         row.update({"grad_norm": grad_norm if grad_norm is not None else float("nan"),
-                    "throughput/pairs_per_s": batch / dt, "throughput/tokens_per_s": values[-1] / dt,
-                    "epoch": self.sampler.epoch_of(step), "data/skipped_rows": sum(s.data.skipped.values())})
+                    "throughput/pairs_per_s": batch / dt,
+                    "throughput/tokens_per_s": values[-1] / dt,
+                    "epoch": self.sampler.epoch_of(step),
+                    "data/skipped_rows": sum(s.data.skipped.values())})
         return StepOutput(row, [f"pair-{i}" for i in local])
 
     def evaluate(self) -> dict[str, float]:
-        return _evaluate(self.model, self.head.micro, self.setup, self.cfg.training.micro_batch_size,
-                         self.info.device)
+        return _evaluate(self.model, self.head.micro, self.setup,
+                         self.cfg.training.micro_batch_size, self.info.device)
 
     def export(self, dump_folder: str) -> str:
         return self.head.export(dump_folder)
@@ -260,7 +253,8 @@ class PairwiseRecipe(SingleModelRecipe):
         pass
 
 
-def _evaluate(model: nn.Module, micro_fn: Callable[[list[PreferencePair], str], tuple[Tensor, dict[str, Tensor]]],
+def _evaluate(model: nn.Module,
+              micro_fn: Callable[[list[PreferencePair], str], tuple[Tensor, dict[str, Tensor]]],
               setup: PairSetup, micro: int,
                   device: torch.device) -> dict[str, float]:
     """Mean of every per-pair metric over the held-out pairs ("eval/" + name)."""

@@ -48,13 +48,14 @@ class RewardModelHead:
     def __init__(self, cfg: Any, info: DistInfo, setup: PairSetup, spec: BuildSpec) -> None:
         self.info, self.setup = info, setup
         if setup.args.vision is not None:
-            raise ConfigError("model: the reward_model recipe trains text models only so far (this folder is a "
-                              "vision-language model)")
-        self.model = build_scalar_model(setup.args, cfg.model.path, cfg.job.seed, setup.mesh, info.device, spec,
-                                        is_main=info.is_main)
+            raise ConfigError("model: the reward_model recipe trains text models only so far (this "
+                              "folder is a vision-language model)")
+        self.model = build_scalar_model(setup.args, cfg.model.path, cfg.job.seed, setup.mesh,
+                                        info.device, spec, is_main=info.is_main)
 
     def micro(self, pairs: list[PreferencePair], split: str) -> tuple[Tensor, dict[str, Tensor]]:
-        batch = {k: v.to(self.info.device) for k, v in collate_pairs(pairs, self.setup.pad_id).items()}
+        batch = {k: v.to(self.info.device)
+                 for k, v in collate_pairs(pairs, self.setup.pad_id).items()}
         scores = pair_scores(self.model, batch)
         c, r = scores[: len(pairs)], scores[len(pairs):]
         loss = bradley_terry_loss(c, r)  # [B]

@@ -18,20 +18,20 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.kernels import batch_invariant
-from tandem.parallel.mesh import Degrees, build_mesh, dp_rank, subgroup
+from tandem.parallel.mesh import subgroup
 from tandem.rl.algorithms import ADVANTAGES
 from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, build_tokenizer, model_args
+from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
-from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
-from tandem.rl.rollout.generation import generation_copy, generation_dtype
+from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
+from tandem.rl.recipes.rl_settings import check_rl_settings, episode_server
 from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
+from tandem.rl.rollout.sampling import generation_copy, generation_dtype
 from tandem.rl.rollout.types import RolloutBatch
-from tandem.rl.update.cp_batch import check_cp_settings
 from tandem.rl.update.critic import Critic
 from tandem.rl.update.kv_scales import KVScales
 from tandem.rl.update.learners import CriticTrainer, PolicyTrainer
@@ -43,40 +43,34 @@ from tandem.rl.update.vision import check_vision_policy
 
 
 class RLRecipe:
-    console_keys = ("reward/total", "accuracy", "response/length_mean", "kl", "entropy", "clip_frac", "grad_norm",
-                    "gap/abs_mean", "time/rollout_s", "time/update_s")
+    console_keys = ("reward/total", "accuracy", "response/length_mean", "kl", "entropy",
+                    "clip_frac", "grad_norm", "gap/abs_mean", "time/rollout_s", "time/update_s")
 
     def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info, self.rt = cfg, rt.info, rt
         info = rt.info
-        degrees = Degrees(**cfg.parallel.resolve(info.world_size))
-        r = cfg.rl
+        r, advanced = cfg.rl, cfg.advanced
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
-        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
-        if http:
-            from tandem.rl.serve import episodes as http_episodes
-            http_episodes.one_generation_group(cfg.rollout, info.world_size)
-        self.server = None  # the endpoint (env.kind = http), for the whole run
-        self._check_layout_settings(needs_values)
+        check_rl_settings(cfg, info, needs_values)
+        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step),
+                  fsdp_only=False)
+        degrees = s.degrees
+        self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
-        self.mesh = build_mesh(degrees, info.device)
-        self.dp = degrees.dp
+        self.mesh, self.dp, self.tok, self.args = s.mesh, s.dp, s.tokenizer, s.args
         dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
         mp_group = subgroup(self.mesh, ("pp", "cp", "tp"))
         mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
-        if r.prompts_per_step % self.dp:
-            raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the {self.dp} data-parallel ranks")
         dump = rt.dump_folder
-        self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path, os.path.join(dump, "tokenizer"))
-        self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
         check_vision_policy(cfg, self.args, self.mp)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style,
                      cfg.parallel.ep)
         self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
         if self.max_prompt < 1:
-            raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts after rollout.max_tokens {cfg.rollout.max_tokens}")
+            raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts "
+                              f"after rollout.max_tokens {cfg.rollout.max_tokens}")
         train_prompts, eval_prompts = self._load_data()
         self.train_prompts = train_prompts
         seq_len = cfg.data.max_length
@@ -84,16 +78,19 @@ class RLRecipe:
             seq_len = self.max_prompt + cfg.env.max_total_tokens
         spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
         kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
-                  pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches, seq_len=seq_len,
-                  micro_batch_tokens=r.micro_batch_tokens, chunk_tokens=r.logprob_chunk_tokens,
-                  share_prompts=degrees.pp == 1 if r.share_prompts is None else r.share_prompts,
-                  cp_style=cfg.parallel.cp_style)
+                  pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=advanced.pp_microbatches,
+                  seq_len=seq_len, micro_batch_tokens=r.micro_batch_tokens,
+                  chunk_tokens=advanced.logprob_chunk_tokens,
+                  share_prompts=degrees.pp == 1 if advanced.share_prompts is None
+                  else advanced.share_prompts, cp_style=cfg.parallel.cp_style)
         self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
         gen_dtype = generation_dtype(cfg.rollout.dtype, info.device,
                                      cfg.training.mixed_precision_param)
-        gen_copy = generation_copy(self.policy, self.args, cfg.rollout, info, gen_dtype,
-                                   offload_optimizer=r.offload_optimizer)
+        gen_copy = generation_copy(
+            self.policy, self.args, cfg.rollout, info, gen_dtype,
+            offload_optimizer=r.offload_optimizer, reference=r.kl_coef > 0 and not cfg.lora.enabled,
+            critic=needs_values, bucket_bytes=advanced.reshard_bucket_mb << 20)
         ref = None
         if r.kl_coef > 0:  # LoRA: the policy with its adapters off
             ref = frozen_reference(self.policy, lambda: build_policy(
@@ -101,9 +98,10 @@ class RLRecipe:
         self.kv = KVScales.create(cfg.rollout, self.args, self.policy, ref)  # FP8 KV or None
         self.step_index = 0  # the step being taken (the shell's count)
         o = cfg.optimizer
-        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec, policy_path=cfg.model.path,
-                             seed=cfg.job.seed, is_main=info.is_main,
+        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps,
+                                   weight_decay=o.weight_decay)
+        self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec,
+                             policy_path=cfg.model.path, seed=cfg.job.seed, is_main=info.is_main,
                              cp=self.policy.split) if needs_values else None
         warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         teachers = None
@@ -113,24 +111,24 @@ class RLRecipe:
         self.updater = Updater([t.learner for t in trainers], fault=cfg.fault, dump_folder=dump,
                                rank=info.rank)
         self.rollout = self._rollout_phase(gen_copy, train_prompts, eval_prompts, http,
-                                           dp=(self.dp, dp_rank(self.mesh), dp_group),
+                                           dp=(self.dp, s.rank_dp, dp_group),
                                            mp=(self.mp, mp_rank, mp_group))
         n_log = cfg.metrics.samples_per_step if info.is_main else 0
         self.update = UpdatePhase(rl=r, max_tokens=cfg.rollout.max_tokens, distill=cfg.distill,
                                   policy=self.policy, ref=ref, trainers=trainers,
                                   updater=self.updater, teachers=teachers, dp=(self.dp, dp_group),
-                                  device=info.device, samples_to_log=n_log, kv=self.kv)
-        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text)
+                                  device=info.device, samples_to_log=n_log, kv=self.kv,
+                                  chunk_tokens=advanced.logprob_chunk_tokens)
+        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main,
+                                    text_sink=rt.logger.text)
 
     def _rollout_phase(self, gen_copy: Any, train: list[Any], evals: list[Any], http: bool, *,
                        dp: tuple[int, int, Any], mp: tuple[int, int, Any]) -> Any:
         """The rollout phase in ``rollout.mode``; with ``env.kind = "http"`` the endpoint starts
         (rank 0) and plays the episodes."""
         cfg, info = self.cfg, self.info
-        if http and info.rank == 0:
-            from tandem.rl.serve.episodes import start_server
-
-            self.server = start_server(cfg.env, cfg.job.name, self.tok.vocab_size)
+        # env.kind = "http": the endpoint, or None
+        self.server = episode_server(cfg, info, self.tok)
         self.gen_layout = gen_copy.layout
         mode = cfg.rollout.mode
         if ROLLOUT_MODES.cap(mode, "streams") and gen_copy.layout.tp > 1:
@@ -140,7 +138,7 @@ class RLRecipe:
             rl=cfg.rl, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
             seed=cfg.job.seed, info=info, tok=self.tok, train=train, evals=evals,
             gen_copy=gen_copy, dp=dp, mp=mp, max_prompt=self.max_prompt,
-            dump_folder=self.rt.dump_folder,
+            rollout_dumps=self.rt.dump_folder if cfg.advanced.dump_rollouts else None,
             optimizer=self.opt if cfg.rl.offload_optimizer else None, kv=self.kv,
             kv_ready=self._kv_ready, episodes=self._serve if http else None))
 
@@ -173,38 +171,13 @@ class RLRecipe:
                                           dp=self.dp))
         return trainers
 
-    def _check_layout_settings(self, needs_values: bool) -> None:
-        """One ConfigError line for settings the layout cannot run yet."""
-        cfg, r, device = self.cfg, self.cfg.rl, self.info.device
-        tp_pp = cfg.parallel.tp * cfg.parallel.pp
-        check_cp_settings(cfg)
-        if tp_pp > 1 and (needs_values or cfg.distill.teachers):
-            what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
-            raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; set tp = pp = 1")
-        if r.exact and (device.type != "cpu" or tp_pp > 1):
-            raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with parallel.tp = pp = 1 only "
-                              "so far (the CUDA path, tandem/kernels/triton_batch_invariant.py, passes its tests under the "
-                              "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part 'exact') "
-                              f"(device {device.type}, tp x pp = {tp_pp}); set rl.exact = false")
-        if ROLLOUT_MODES.cap(cfg.rollout.mode, "streams"):
-            what = [k for k, bad in (("env.name", cfg.env.name),
-                                     ("rl.dynamic_sampling", r.dynamic_sampling),
-                                     ("parallel.tp / parallel.pp", tp_pp > 1)) if bad]
-            if what:
-                raise ConfigError(f"rollout.mode: {cfg.rollout.mode!r} runs single-turn rollouts "
-                                  "without dynamic sampling on parallel.tp = pp = 1 so far; unset "
-                                  + ", ".join(what))
-        if r.exact and cfg.rollout.tp > 1:
-            raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like the update's "
-                              f"(rollout.tp = the training tp = 1), got rollout.tp = {cfg.rollout.tp}")
-
     def _load_data(self):
         d = self.cfg.data
-        if d.path is None:
-            raise ConfigError("data.path: required by the rl recipe (a jsonl/parquet file or synthetic:<task>)")
-        kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field,
+        kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field,
+                  answer_field=d.answer_field,
                   max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
-        rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows)
+        rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed,
+                                n_synthetic=d.synthetic_rows)
         train, skipped = encode_prompts(rows, self.tok, source=d.path,
                                         vision=VisionData.for_model(self.args, d.path), **kw)
         eval_path = d.eval_path or (d.path if d.path.startswith("synthetic:") else None)
@@ -215,11 +188,13 @@ class RLRecipe:
             evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path,
                                       vision=VisionData.for_model(self.args, eval_path), **kw)
         if self.info.is_main:
-            print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped {sum(skipped.values())} {skipped}", flush=True)
+            print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped "
+                  f"{sum(skipped.values())} {skipped}", flush=True)
         return train, evals
 
     def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chat turns a row's prompt was rendered from (what another tokenizer's teacher renders)."""
+        """The chat turns a row's prompt was rendered from (what another tokenizer's
+        teacher renders)."""
         return prompt_messages(row, self.cfg.data.prompt_field, self.cfg.data.messages_field)
 
     # ---- the recipe protocol (tandem/rl/recipes/base.py) -------------------------------------
@@ -260,14 +235,16 @@ class RLRecipe:
             self.kv.load_state_dict(state["kv_scales"])
         if "cursor" in state:
             self.rollout.stream.cursor = state["cursor"]
-        else:  # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
+        else:
+            # a checkpoint from before the global stream: per-rank cursors over dp interleaved ranks
             self.rollout.stream.cursor = max(state["cursors"]) * state["dp"]
         self.rollout.stream.requeued = list(state.get("requeued", []))
         self.rollout.load_state_dict(state.get("rollout") or {})
 
     def _sample_records(self, batch: RolloutBatch, advantages: list[float]) -> list[dict[str, Any]]:
         """The first ``metrics.samples_per_step`` samples of this rank as samples.jsonl records
-        (rank 0 writes its own: the first prompts' groups, whose advantages are relative to each other)."""
+        (the writing rank writes its own: the first prompts' groups, whose advantages are
+        relative to each other)."""
         n = (min(self.cfg.metrics.samples_per_step, len(batch.samples))
              if self.sample_log.enabled else 0)
         return [{"prompt": self.tok.decode(s.prompt_ids), "completion": s.text,

@@ -26,7 +26,7 @@ from torch import nn
 
 from tandem.kernels import batch_invariant
 from tandem.parallel.mesh import Degrees, dp_rank, subgroup
-from tandem.parallel.split import set_side_group, side_mesh, split_world
+from tandem.parallel.split import BridgeCopy, set_side_group, side_mesh, split_world
 from tandem.rl.algorithms import ADVANTAGES
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec, build_tokenizer, model_args
@@ -34,10 +34,10 @@ from tandem.rl.core.optim import build_optimizer
 from tandem.rl.core.samples import SampleLog, dump_rollouts
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from tandem.rl.recipes.rl import RLRecipe
-from tandem.rl.rollout.generation import generation_dtype
+from tandem.rl.recipes.rl_settings import check_rl_settings
+from tandem.rl.rollout.sampling import generation_dtype
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.split import (
-    BridgeCopy,
     SplitGenerator,
     evaluate_split,
     receive_groups,
@@ -85,6 +85,7 @@ class SplitRLRecipe(RLRecipe):
         self.cfg, self.info, self.rt = cfg, rt.info, rt
         info, r = rt.info, cfg.rl
         check_split_settings(cfg, info.world_size)
+        check_rl_settings(cfg, info, False)
         self.world = world = split_world(cfg.rollout.gen_ranks)
         self.server, self.kv, self.critic = None, None, None
         degrees = Degrees(**cfg.parallel.resolve(world.second))
@@ -109,7 +110,7 @@ class SplitRLRecipe(RLRecipe):
         self.train_prompts, self.eval_prompts = self._load_data()
         dtype = generation_dtype(cfg.rollout.dtype, info.device,
                                  cfg.training.mixed_precision_param) or torch.float32
-        bucket = cfg.rollout.reshard_bucket_mb << 20
+        bucket = cfg.advanced.reshard_bucket_mb << 20
         self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.rank == world.first,
                                     text_sink=rt.logger.text)
         self.step_index = 0
@@ -129,7 +130,7 @@ class SplitRLRecipe(RLRecipe):
             rl=cfg.rl, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
             seed=cfg.job.seed, info=info, tok=self.tok, train=self.train_prompts,
             evals=self.eval_prompts, gen_copy=bridge, dp=(w.first, w.side_rank, w.first_group),
-            mp=(1, 0, None), max_prompt=self.max_prompt, dump_folder=self.rt.dump_folder)
+            mp=(1, 0, None), max_prompt=self.max_prompt, rollout_dumps=None)
         self.rollout = SplitGenerator(base, w, bridge)
 
     def _build_trainer(self, degrees: Degrees, dp_group: Any, dtype: torch.dtype,
@@ -139,9 +140,10 @@ class SplitRLRecipe(RLRecipe):
         self.policy = build_policy(
             self.args, self.mesh, info.device, lora=cfg.lora, path=cfg.model.path,
             seed=cfg.job.seed, spec=spec, is_main=True,  # every trainer reads the weights
-            pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches,
+            pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.advanced.pp_microbatches,
             seq_len=cfg.data.max_length, micro_batch_tokens=r.micro_batch_tokens,
-            chunk_tokens=r.logprob_chunk_tokens, share_prompts=True, cp_style=cfg.parallel.cp_style)
+            chunk_tokens=cfg.advanced.logprob_chunk_tokens, share_prompts=True,
+            cp_style=cfg.parallel.cp_style)
         self.model = self.policy.state_module
         o = cfg.optimizer
         self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps,
@@ -156,7 +158,8 @@ class SplitRLRecipe(RLRecipe):
         self.update = UpdatePhase(rl=r, max_tokens=cfg.rollout.max_tokens, distill=cfg.distill,
                                   policy=self.policy, ref=None, trainers=trainers,
                                   updater=self.updater, teachers=None, dp=(self.dp, dp_group),
-                                  device=info.device, samples_to_log=n_log, kv=None)
+                                  device=info.device, samples_to_log=n_log, kv=None,
+                                  chunk_tokens=cfg.advanced.logprob_chunk_tokens)
         self.dp_rank = dp_rank(self.mesh)
 
     def _first_sync(self) -> dict[str, float]:
@@ -183,7 +186,8 @@ class SplitRLRecipe(RLRecipe):
             waited = time.monotonic() - t0
             samples = [s for _, group, _ in groups for s in group]
             scores = torch.tensor([v for _, _, sc in groups for v in sc], dtype=torch.float32)
-            dump_rollouts(self.rt.dump_folder, step, w.side_rank, samples)
+            if self.cfg.advanced.dump_rollouts:  # the trainers' samples, by trainer index
+                dump_rollouts(self.rt.dump_folder, step, w.side_rank, samples)
             ids = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples})
             batch = RolloutBatch(samples, scores, step, {}, ids, sorted({s.group for s in samples}))
             with wd.phase("update"):

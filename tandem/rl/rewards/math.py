@@ -1,37 +1,12 @@
 """The "math" reward: extract a final answer and check it against the ground truth.
 
-Extraction (``extract_answer``), in order of preference, from the text after the
-last ``</think>`` when there is one:
-
-1. the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces, so nested braces work);
-2. the content of the last ``<answer>...</answer>``;
-3. the rest of the line after the last "answer is X" / "Answer: X" / "#### X";
-4. optionally (``fallback_last_number``) the last number in the text.
-
-Verification (``verify``, the default ``verifier="math_verify"``): Hugging Face's
-``math-verify`` (the verifier most RLVR trainers use) compares the two answers, each
-wrapped in ``$...$`` and parsed as LaTeX only (``LatexExtractionConfig``: ANTLR grammar to
-sympy objects; its plain-expression extractor, which goes through sympy's
-``parse_expr``/``eval``, is not used). When it says "not equal" and the prediction is
-plain text (no backslash), our own ``is_equiv`` gets a second say: on the hand-labelled
-pairs in tests/rewards/math_answer_pairs.jsonl it is right where math-verify is not only on
-such answers ("5 dollars", "1e3", "10.", "x**2"), and it had no false positive there.
-math-verify's own SIGALRM timeouts are switched off (they would cancel ``RewardPool``'s
-timer); huge powers or factorials in an answer can still take unbounded time and memory,
-so score in ``RewardPool`` workers, whose timeout and memory cap bound each call.
-
-Our own equivalence (``is_equiv``, also ``verifier="own"``) after normalising both sides
-(``normalize_answer``): exact string, then exact rational equality of numbers (ints,
-decimals, ``a/b``, ``\\frac{a}{b}``, percentages, thousands separators), then
-element-wise for tuples, then symbolic equality with sympy (``simplify(a - b) == 0``).
-
-The LaTeX -> sympy conversion is a small recursive-descent parser written here
-that builds sympy objects directly: completions are untrusted text, so nothing is
-passed to ``sympify``/``eval``. It covers numbers, single-letter variables,
-``+ - * / ^``, implicit multiplication, ``\\frac``, ``\\sqrt``, ``\\sqrt[n]``,
-``\\cdot``, ``\\times``, ``\\div``, ``\\pi`` and a few functions; anything else
-makes the symbolic check answer "not equal". Huge powers are refused; ``simplify``
-itself can still be slow, so a time limit comes from ``RewardPool``.
+`extract_answer` takes the last ``\\boxed{...}``, ``<answer>``, "answer is X" line or
+(optionally) last number, after any ``</think>``. `verify` asks Hugging Face's
+``math-verify`` (LaTeX only) and, for a plain-text prediction it calls unequal, our own
+`is_equiv` (normalised strings, exact rationals, tuples, sympy built by a small LaTeX
+parser here, since completions are untrusted and never reach ``sympify``/``eval``). Calls
+can still be slow on huge expressions: score in ``RewardPool`` workers, whose timeout and
+memory cap bound each call. The rules in full: docs/rewards.md.
 """
 
 from __future__ import annotations

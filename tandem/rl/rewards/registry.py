@@ -18,9 +18,9 @@ A reward function scores one completion against its dataset row::
   imported by the worker before it takes work.
 
 Built-in rewards live in ``tandem.rl.rewards.math``, ``tandem.rl.rewards.basic`` and
-``tandem.rl.rewards.code`` and are registered by importing ``tandem.rl.rewards``. A new built-in module is added to the
-imports in ``tandem/rl/rewards/__init__.py``; user modules can be loaded by dotted path
-with ``load_reward_modules``.
+``tandem.rl.rewards.code`` and are registered by importing ``tandem.rl.rewards``. A new built-in
+module is added to the imports in ``tandem/rl/rewards/__init__.py``; user modules can be loaded by
+dotted path with ``load_reward_modules``.
 """
 
 from __future__ import annotations

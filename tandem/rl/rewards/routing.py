@@ -43,5 +43,6 @@ def by_source(completion: str, sample: Mapping[str, Any], *, field: str = "data_
     name = route(source, routes)
     if name is None or name == "by_source":
         raise ValueError(f"{field}={source!r} names no reward function: add it to "
-                         f"[reward.kwargs.by_source] routes (e.g. routes = {{{source!r} = \"math\"}})")
+                         f"[reward.kwargs.by_source] routes (e.g. routes = {{{source!r} = "
+                         f"\"math\"}})")
     return float(REWARDS.get(name)(completion, sample))

@@ -1,57 +1,12 @@
 """Multi-turn (agentic) rollouts: the generator decodes while environments step elsewhere.
 
-`run_agentic_rollout` plays ``n_samples`` episodes per dataset row against a
-registered environment (tandem/rl/envs/) and returns one `RolloutSample` per episode,
-the same record single-turn rollouts produce, so rewards, advantages and the
-update never know the difference.
-
-One sequence per episode holds the whole conversation. Each assistant turn is
-sampled by the policy (loss mask True, with its generation log-probs); when it
-ends the sequence is *paused* (it keeps its KV blocks), the turn's text goes to a
-worker of the `EnvPool`, and the other sequences keep decoding. When the
-environment's observation returns, its tokens are appended to the sequence as
-context (mask False, log-prob 0) and the sequence resumes. The device waits for
-environments only when no sequence is schedulable; that time is measured
-(``env/device_wait_s``) next to the total environment time (``env/env_time_s``).
-
-Turn boundaries. The scheduler finishes a sequence (and frees its KV) on an eos
-id or a ``stop_token_ids`` hit, so the end-of-turn token (``<|im_end|>`` in
-ChatML) must be neither: the driver samples with ``ignore_eos=True`` and stops on
-the other eos ids, and after every `Generator.step` it pauses each sequence whose
-newest token is a sampled end-of-turn token. `Generator.step` returns only the
-finished sequences, so the driver scans the sequences it is generating (cheap:
-one comparison each). ``max_turn_tokens`` optionally ends a turn after that many
-sampled tokens; the template's end-of-turn text then arrives as context.
-
-Rendering observations. After a turn, the conversation (initial messages, the
-assistant turns as text, the observations) is rendered with the chat template and
-``add_generation_prompt=True``. If that text starts with the text of the tokens
-already in the sequence (prefix-stable), the remainder is tokenized and appended:
-exactly the tokens the template would give. Templates that re-render history
-differently (Qwen3 drops old reasoning, some strip whitespace) are not
-prefix-stable; then the driver falls back to *anchored suffix rendering*: it
-renders the initial messages plus a placeholder assistant turn, with and without
-the new observation messages, and appends what the template puts after the
-placeholder's end-of-turn marker. The sequence keeps the tokens the policy
-actually saw, so training sees the same context as sampling (the invariant that
-matters); counted as ``env/render_fallbacks``.
-
-Limits (enforced here, not by environments): after ``max_turns`` assistant turns,
-or when the next observation would not fit in ``max_total_tokens`` (prompt and
-completion together; sampling stops there too), the episode ends with
-``finish_reason="length"`` and ``info["truncated"] = 1``. The environment still
-steps on the last turn, so a final answer given in it is scored.
-
-Generation groups (``rollout.tp > 1``, tandem/parallel/generation_layout.py): every rank of a
-group runs the same generator steps, so all must take the same decisions. Only the
-leader resets episodes, submits steps and polls its pool; after each poll it broadcasts
-the outcomes that arrived, in order, and every rank applies them (`_GroupSteps`).
-The other ranks run no environment code and need no pool.
-
-Failures: an environment step that raises, hangs past the pool's timeout, or
-kills its worker becomes an error observation (``role: user``) for the policy and
-is counted (``env/env_errors``, ``env/env_timeouts``, ``env/env_crashes``); the
-episode continues from its state before that step.
+`run_agentic_rollout` plays ``n_samples`` episodes per dataset row against a registered
+environment (tandem/rl/envs/) and returns one `RolloutSample` per episode, the record
+single-turn rollouts produce, so rewards, advantages and the update never know the
+difference. One sequence per episode holds the conversation; at the end of a turn it is
+paused (keeping its KV blocks) while an `EnvPool` worker steps the environment, and the
+others keep decoding. Turn boundaries, observation rendering, limits, generation groups
+and failures: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -170,7 +125,8 @@ class _Ep:
 
 
 class _Steps:
-    """The environment steps of one rollout, on this rank's pool; outcomes keyed by episode index."""
+    """The environment steps of one rollout, on this rank's pool; outcomes keyed by
+    episode index."""
 
     def __init__(self, pool: EnvPool | None) -> None:
         self.pool = pool
@@ -186,9 +142,11 @@ class _Steps:
         self.tickets[self.pool.submit(step_episode, episode, content)] = index
 
     def poll(self, timeout: float | None) -> list[tuple[int, EnvOutcome]]:
-        """Finished steps of this rollout, in arrival order (others' tickets on a shared pool are dropped)."""
+        """Finished steps of this rollout, in arrival order (others' tickets on a shared pool
+        are dropped)."""
         assert self.pool is not None
-        return [(self.tickets.pop(o.ticket), o) for o in self.pool.poll(timeout) if o.ticket in self.tickets]
+        return [(self.tickets.pop(o.ticket), o) for o in self.pool.poll(timeout)
+                if o.ticket in self.tickets]
 
 
 class _GroupSteps(_Steps):
@@ -449,7 +407,8 @@ def _metrics(r: _Rollout, elapsed: float) -> dict[str, float]:
 
 
 def _nth(params: SamplingParams, i: int) -> SamplingParams:
-    """The params of a group's i-th sample added on its own (``Generator.add`` with n > 1 does this)."""
+    """The params of a group's i-th sample added on its own (``Generator.add`` with n > 1
+    does this)."""
     return params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
 
 
@@ -461,7 +420,8 @@ def _start_episodes(
     gen, renderer, tokenizer = r.gen, r.renderer, r.renderer.tok
     fresh = None
     if r.steps.runs_env:
-        fresh = [[(ep, ep.reset(row)) for ep in [env.new_episode() for _ in range(n_samples)]] for row in rows]
+        fresh = [[(ep, ep.reset(row)) for ep in [env.new_episode() for _ in range(n_samples)]]
+                 for row in rows]
     started = r.steps.shared(fresh)  # [row][sample] -> (episode, initial messages)
     for g, (row, pairs) in enumerate(zip(rows, started)):
         initial = [m for _, m in pairs]
@@ -471,8 +431,10 @@ def _start_episodes(
             for i, (episode, _) in enumerate(pairs)
         ]
         r.eps += eps
-        base = sampling_params if seeds is None else dataclasses.replace(sampling_params, seed=seeds[g])
-        params = _turn_params(base, gen, tokenizer, renderer.eot_id, 0 if seeds is not None else g * n_samples)
+        base = (sampling_params if seeds is None
+                else dataclasses.replace(sampling_params, seed=seeds[g]))
+        params = _turn_params(base, gen, tokenizer, renderer.eot_id,
+                              0 if seeds is not None else g * n_samples)
         if len(ids) + 1 > r.token_limit:
             for ep in eps:  # a counted skip: no tokens to train on, never silently truncated
                 ep.prompt_ids = ids

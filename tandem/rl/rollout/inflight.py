@@ -10,8 +10,8 @@ new groups until P are running again, within that capacity, so the generator doe
 idle through a long tail. A workload without stragglers thus runs like the synchronous
 one (every sample fresh); a long tail trains its stragglers and the groups started
 beside them up to S versions late. `choose` picks a step's P among the complete ones by
-earliest deadline, only when the rest can still meet theirs: with ``c(d)`` the groups due by version ``d``,
-the P chosen must include at least ``c(d) - P (d - t)`` of them for every ``d`` in
+earliest deadline, only when the rest can still meet theirs: with ``c(d)`` the groups due by
+version ``d``, the P chosen must include at least ``c(d) - P (d - t)`` of them for every ``d`` in
 ``t .. t + S`` (the later steps train P each). S = 0 is the synchronous schedule: the
 capacity is P and every admitted group must be complete. Pure Python and identical on
 every rank (every rank takes the same decisions from the same global completion vector)."""

@@ -30,7 +30,8 @@ from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.data.images import release_images
 from tandem.rl.data.prompts import Prompt, PromptStream, deal, rollout_seed
-from tandem.rl.rollout.generation import GenerationCopy, generate_episodes, generate_samples
+from tandem.parallel.generation_layout import GenerationCopy
+from tandem.rl.rollout.sampling import sample_completions, sample_episodes
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
 
 
@@ -44,7 +45,7 @@ class RolloutPhase:
     def __init__(self, *, rl: Any, rollout: Any, reward: Any, env: Any, data: Any, seed: int,
                  info: Any, tok: Any, train: list[Prompt], evals: list[Prompt],
                  gen_copy: GenerationCopy, dp: tuple[int, int, Any], mp: tuple[int, int, Any],
-                 max_prompt: int, dump_folder: str,
+                 max_prompt: int, rollout_dumps: str | None,
                  optimizer: torch.optim.Optimizer | None = None, kv: Any = None,
                  kv_ready: Callable[[], dict[str, float]] | None = None,
                  episodes: Callable[..., Any] | None = None) -> None:
@@ -55,7 +56,7 @@ class RolloutPhase:
         self.gen_copy = gen_copy
         self.dp, self.dp_rank, self.dp_group = dp
         self.mp, self.mp_rank, self.mp_group = mp
-        self.max_prompt, self.dump_folder = max_prompt, dump_folder
+        self.max_prompt, self.rollout_dumps = max_prompt, rollout_dumps
         self.optimizer = optimizer  # moved to CPU while the rollout runs (rl.offload_optimizer)
         self.kv, self.kv_ready, self.episodes = kv, kv_ready or dict, episodes
         self.stream = PromptStream(len(train), seed, data.shuffle)
@@ -140,12 +141,12 @@ class RolloutPhase:
         layout = self.gen_copy.layout
         kv = self.kv.for_heads(layout.tp, layout.rank) if self.kv is not None else None
         if self.env_cfg.name:
-            return generate_episodes(gen_model, self.tok, prompts, n, self.rcfg, self.env_cfg,
-                                     self.env_pool, seed=0, greedy=greedy, seeds=seeds,
-                                     layout=layout, kv_scales=kv)
-        return generate_samples(gen_model, self.tok, prompts, n, self.rcfg, seed=0,
-                                max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                layout=layout, kv_scales=kv)
+            return sample_episodes(gen_model, self.tok, prompts, n, self.rcfg, self.env_cfg,
+                                   self.env_pool, seed=0, greedy=greedy, seeds=seeds,
+                                   layout=layout, kv_scales=kv)
+        return sample_completions(gen_model, self.tok, prompts, n, self.rcfg, seed=0,
+                                  max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
+                                  layout=layout, kv_scales=kv)
 
     def _generate_shared(self, gen_model: Any, prompts: list[Prompt], n: int, seeds: list[int],
                          ) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float], Tally]:
@@ -228,7 +229,8 @@ class RolloutPhase:
         metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
                         "time/rollout_s": time.monotonic() - t0,
                         "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
-        dump_rollouts(self.dump_folder, step, self.info.rank, samples)
+        if self.rollout_dumps:  # advanced.dump_rollouts
+            dump_rollouts(self.rollout_dumps, step, self.info.rank, samples)
         scores_t = torch.stack(scores) if scores else torch.zeros(0)
         return RolloutBatch(samples, scores_t, step, metrics, self.ids(samples),
                             self.positions(samples))

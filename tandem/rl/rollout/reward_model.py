@@ -27,8 +27,8 @@ class RewardModelScorer:
     trainer's data used, so a pair scored here gets the trainer's numbers.
     """
 
-    def __init__(self, folder: str, device: torch.device | str = "cpu", *, dtype: torch.dtype = torch.float32,
-                 batch_size: int = 16) -> None:
+    def __init__(self, folder: str, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype = torch.float32, batch_size: int = 16) -> None:
         self.tokenizer = Tokenizer.from_dir(folder)
         self.model = load_scalar_model(folder, device, dtype).eval()
         self.device = torch.device(device)
@@ -41,7 +41,8 @@ class RewardModelScorer:
         little padding is computed; right padding never changes a score (causal attention)."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-        seqs = [tokenize_response(p, c, self.tokenizer).input_ids for p, c in zip(prompts, completions)]
+        seqs = [tokenize_response(p, c, self.tokenizer).input_ids
+                for p, c in zip(prompts, completions)]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         out = [0.0] * len(seqs)
         for b0 in range(0, len(order), self.batch_size):

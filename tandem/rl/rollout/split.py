@@ -14,7 +14,8 @@ in one torchrun program (the groups: tandem/parallel/split.py). A generator's st
 3. while the trainers update, keeps decoding (with ``S >= 1`` it first admits the next step's
    groups, version ``t``), and between two decode steps takes the trainers' weights of
    version ``t + 1`` when their request arrives: every trainer sends its own shard over the
-   bridge group, in buckets, by the plan made at the first sync (`BridgeCopy`), and the
+   bridge group, in buckets, by the plan made at the first sync
+   (`tandem.parallel.split.BridgeCopy`), and the
    checksum of what the generators then hold is compared with the trainers'
    (`tandem.parallel.split.BridgeMismatch`, exit 10, on any difference).
 
@@ -30,60 +31,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from tandem.parallel.generation_layout import GenerationLayout, needed_box
-from tandem.parallel.reshard import Resharder
-from tandem.parallel.split import SplitWorld, check_bridge
+from tandem.parallel.split import BridgeCopy, SplitWorld
 from tandem.rl.core.metrics import Tally
-from tandem.rl.rollout.generation import GenerationCopy
 from tandem.rl.rollout.inflight import Flight
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.streaming import ColocatedAsyncRollout
 from tandem.rl.rollout.types import RolloutSample
 
 _SYNC_TAG, _SAMPLES_TAG = 36, 37
-
-
-class BridgeCopy(GenerationCopy):
-    """The generation copy across a split world's bridge group: the trainers' policy shards
-    (``module``) are the sources, the generators (an empty ``module``, ``receives``) build a
-    whole copy (``rollout.tp = 1``) once and refill it in place afterwards."""
-
-    def __init__(self, module: nn.Module, args: Any, device: torch.device, dtype: torch.dtype,
-                 *, world: SplitWorld, bucket_bytes: int) -> None:
-        super().__init__(module, args, GenerationLayout(), device, dtype, bucket_bytes=bucket_bytes)
-        self.world = world
-
-    def _make_plans(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, Any]) -> Resharder:
-        needs = ({n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
-                 if self.world.in_first else {})
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                         bucket_bytes=self.bucket_bytes, group=self.world.bridge)
-
-    def send(self) -> dict[str, float]:
-        """Collective over the bridge (a trainer): this rank's shards out, then the checksum."""
-        moving = self._moving()
-        srcs = {n: s for n, s in self._held().items() if n in moving}
-        _, stats = self._move(moving, srcs, None, None)
-        t0 = time.monotonic()
-        total = check_bridge(self._plans[False], {n: t for n, (t, _) in srcs.items()}, {},
-                             self.dtype)
-        return {"split/sync_s": stats.seconds, "split/check_s": time.monotonic() - t0,
-                "split/sync_checksum": float(total)}
-
-    def receive(self, gen: Any) -> tuple[Any, dict[str, float]]:
-        """Collective over the bridge (a generator): the trainers' weights into ``gen`` (None:
-        build it), then the checksum against the trainers'."""
-        if gen is None:
-            gen, metrics = self.build()
-        else:
-            metrics = self.refill(gen)
-        t0 = time.monotonic()
-        total = check_bridge(self._plans[False], {}, gen.refill_views, self.dtype)
-        return gen, {"split/sync_s": metrics["reshard/seconds"],
-                     "split/check_s": time.monotonic() - t0, "split/sync_checksum": float(total)}
 
 
 def request_sync(world: SplitWorld, version: int) -> None:

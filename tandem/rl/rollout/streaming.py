@@ -32,7 +32,7 @@ from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import Generator, stop_strings_check
 from tandem.rl.generator.sequence import Sequence, SequenceStatus
-from tandem.rl.rollout.generation import generation_settings, group_params, sampling_params
+from tandem.rl.rollout.sampling import generator_settings, group_params, sampling_params
 from tandem.rl.rollout.inflight import Admission, Flight
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
@@ -73,7 +73,7 @@ class StreamingGenerator:
         """Start of a phase: the generator (made at the first phase), its KV back, restored
         groups in."""
         if self.gen is None:
-            settings = generation_settings(self.rcfg, self.max_prompt, 0)
+            settings = generator_settings(self.rcfg, self.max_prompt, 0)
             settings.max_num_seqs = min(settings.max_num_seqs, max(1, self.max_seqs))
             # captured graphs hold the pool's address, which offload and recompute change
             settings.cuda_graphs = settings.cuda_graphs and self.rcfg.suspended_kv == "keep"
@@ -260,7 +260,8 @@ class ColocatedAsyncRollout:
         metrics.update({"async/inflight": float(len(self.admission.flights)),
                         "time/rollout_s": time.monotonic() - t0,
                         "memory/rollout_peak_gb": peak_memory_gb(b.info.device)})
-        dump_rollouts(b.dump_folder, step, b.info.rank, samples)
+        if b.rollout_dumps:  # advanced.dump_rollouts
+            dump_rollouts(b.rollout_dumps, step, b.info.rank, samples)
         return RolloutBatch(samples, scores, version, metrics, b.ids(samples), b.positions(samples))
 
     def _generate(self, version: int) -> list[Flight]:

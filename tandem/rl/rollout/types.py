@@ -21,13 +21,16 @@ class RolloutSample:
     prompt_ids: list[int]
     completion_ids: list[int]  # sampled and environment tokens, in order
     loss_mask: list[bool]  # per completion token: True where the policy sampled it
-    gen_logprobs: list[float]  # per completion token: generator raw log-prob (0.0 where not sampled)
+    # per completion token: generator raw log-prob (0.0 where not sampled)
+    gen_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     text: str  # decoded completion
     row: dict[str, Any]  # the dataset row (ground truth, task, id, ...)
     env_reward: float | None = None  # reward an environment gave at the end of an episode
-    info: dict[str, float] = field(default_factory=dict)  # per-episode metrics (turns, tool calls, ...)
-    routing: Any = None  # MoE: [C, L, k] int16 experts the rollout chose for the inputs of each completion token
+    info: dict[str, float] = field(default_factory=dict)  # per-episode metrics (turns, tool calls,
+    # ...)
+    routing: Any = None  # MoE: [C, L, k] int16 experts the rollout chose for the inputs of each
+    # completion token
     # per completion token: the policy version that sampled it (environment tokens: the
     # version when they were appended); empty when not recorded
     versions: list[int] = field(default_factory=list)

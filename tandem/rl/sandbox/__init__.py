@@ -1,69 +1,14 @@
 """Run untrusted Python (model completions, tool calls) in a limited child process.
 
-What it is for: the code reward and the ``python`` tool execute text a policy wrote.
-One call to :func:`run_python` starts one fresh interpreter and returns its output;
-nothing is reused between runs. docs/fault-tolerance.md, "What the sandbox bounds",
-lists what is bounded with and without root, namespaces and cgroups. This module is
-the entry point (the probe, :func:`run_python`, :func:`start_python`); the run itself
-is tandem/rl/sandbox/run.py, the limits, results and plan types and the host checks
-are tandem/rl/sandbox/plan.py.
-
-Security model (what holds, checked by tests/sandbox/test_sandbox.py,
-test_sandbox_isolation.py and test_sandbox_lifecycle.py):
-
-* Each run has a trusted supervisor (tandem/rl/sandbox/supervisor.py, started with
-  ``python -I -S`` in a session of its own; no ``preexec_fn``, so starting a run is safe
-  from a trainer that has threads). It forks the program's process, which sets up the
-  isolation below and ``execve``s the interpreter on the program, and it holds the
-  wall-clock deadline itself: when the caller dies (an env worker killed for a slow
-  step, a reward call cut by its timeout) the control pipe reaches EOF and the run is
-  killed and cleaned at once.
-* rlimits: ``RLIMIT_CPU`` (SIGXCPU, then SIGKILL a second later), ``RLIMIT_AS`` and
-  ``RLIMIT_DATA`` (allocation beyond them raises MemoryError), ``RLIMIT_NPROC``,
-  ``RLIMIT_FSIZE`` (a bigger write fails with EFBIG; Python ignores SIGXFSZ),
-  ``RLIMIT_MSGQUEUE`` (POSIX message-queue bytes), ``RLIMIT_CORE = 0``.
-* Run as root (as trainers are), the child drops to a *per-run* uid/gid drawn from
-  ``_UID_BASE + [0, 2**24)`` with no supplementary groups, so ``RLIMIT_NPROC`` counts
-  only that run's processes, and concurrent runs cannot signal or ptrace one another or
-  the trainer. After the run every process of that uid is killed (also one that
-  escaped the process group with ``setsid``).
-* Namespaces, each used when the probe found it works here (root directly, otherwise
-  inside a new user namespace that maps the caller's uid to itself):
-  - network: a new, empty network namespace (only a down loopback);
-  - IPC: SysV shared memory, message queues, semaphores and POSIX message queues made
-    in the run die with it; as root its SysV shared memory is capped at ``memory_mb``;
-  - mount: the program sees a minimal root on a tmpfs of ``memory_mb`` (``/usr`` and
-    the interpreter's directories read-only, ``/dev/{null,zero,full,random,urandom}``,
-    private ``/tmp`` and ``/dev/shm``, its files in ``/work``), not the trainer's files,
-    sockets or ``/proc``. Everything it writes lives in that tmpfs and dies with it.
-* Memory cgroup (as root, where this process's cgroup lets it make a child with a memory
-  limit, v1 or v2): the run's processes are charged there, page cache, tmpfs and memfd
-  pages included, and the cgroup's OOM killer stops them at ``memory_mb``.
-* Without a mount namespace, files the run's uid left at the top of ``/tmp``,
-  ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` are removed; without an IPC namespace,
-  SysV objects the uid owns are removed.
-* ``PR_SET_NO_NEW_PRIVS`` is set, so setuid binaries cannot regain privileges.
-* Environment: only ``PATH``, ``HOME`` and ``TMPDIR`` (the work dir) and ``LANG``;
-  interpreter flags ``-E -s -B -u`` (no ``PYTHON*`` variables, no user site-packages).
-  A step that the probe found working and that then fails aborts the run with
-  :class:`SandboxError` (fail closed, never silently open).
-
-Limits, honestly:
-
-* Without a mount namespace the child can *read* every world-readable file and list
-  processes. Without a memory cgroup, ``memfd`` pages are not bounded (RLIMIT_AS only
-  counts what is mapped). There is no PID namespace and no seccomp filter.
-* Without root the uid is the trainer's own: ``RLIMIT_NPROC`` then counts the
-  trainer's processes too (outside a user namespace), the child can signal the
-  trainer, processes that call ``setsid`` can outlive the run, and files in /tmp are
-  not swept. If neither root nor a user namespace is available the network is NOT
-  isolated (``sandbox_capabilities().network_isolated`` is False).
-* ``limit_hit`` for "memory", "nproc" and "fsize" is inferred from the exception
-  text on stderr, which the child controls (a cgroup OOM kill is counted by the
-  kernel); it is a diagnostic, never a reward.
-* The child runs a world-executable interpreter: ``sys.executable`` when the sandbox
-  uid can run it, else ``/usr/bin/python3`` (may be another version; see
-  ``sandbox_capabilities().interpreter``).
+The code reward and the ``python`` tool execute text a policy wrote. One call to
+:func:`run_python` starts one fresh interpreter under a supervisor of its own
+(tandem/rl/sandbox/supervisor.py) and returns its output; nothing is reused between runs.
+Each run gets rlimits, a per-run uid when root, and network, IPC and mount namespaces and a
+memory cgroup where the probe found them working; a step that was found working and then
+fails aborts the run (fail closed). This module is the entry point (the probe,
+:func:`run_python`, :func:`start_python`); the run itself is tandem/rl/sandbox/run.py, the
+types and host checks tandem/rl/sandbox/plan.py. The security model and its limits:
+docs/fault-tolerance.md.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from tandem.parallel.generation_layout import GenerationLayout, from_leader
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.rollout.agentic import end_of_turn_id
-from tandem.rl.rollout.generation import _with_generator, generation_settings, pool_prompts
+from tandem.rl.rollout.sampling import _with_generator, generator_settings, pool_prompts
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.serve.engine import EngineSettings, ServingEngine
 from tandem.rl.serve.http import AgentServer, ServerSettings
@@ -103,7 +103,7 @@ def serve_episodes(
     )
     if not pooled:
         return [], {}
-    settings = generation_settings(
+    settings = generator_settings(
         rcfg, ecfg.max_total_tokens - rcfg.max_tokens, 0
     )  # max_model_len: the episode cap
     tag = uuid.uuid4().hex[:8]

@@ -35,12 +35,15 @@ from tandem.rl.update.loss import MicroBatch, scatter_completions
 
 
 class Critic:
-    def __init__(self, c: CriticConfig, o: OptimizerConfig, args: ModelArgs, mesh: Any, device: torch.device,
+    def __init__(self, c: CriticConfig, o: OptimizerConfig, args: ModelArgs, mesh: Any,
+                 device: torch.device,
                  spec: BuildSpec, *, policy_path: str | None, seed: int, is_main: bool,
                  cp: Any = None) -> None:
         self.cfg, self.cp = c, cp  # cp: the policy's split (a ContextParallel) or None
-        self.model = build_scalar_model(args, c.path or policy_path, seed + 17, mesh, device, spec, is_main=is_main)
-        self.opt = build_optimizer(self.model, lr=c.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.model = build_scalar_model(args, c.path or policy_path, seed + 17, mesh, device, spec,
+                                        is_main=is_main)
+        self.opt = build_optimizer(self.model, lr=c.lr, betas=o.betas, eps=o.eps,
+                                   weight_decay=o.weight_decay)
         self.aggregation = AGGREGATIONS.get("token_mean")
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
@@ -52,7 +55,8 @@ class Critic:
         return v.index_select(0, mb.comp_index)
 
     @torch.no_grad()
-    def values(self, mbs: list[MicroBatch], n: int, width: int, device: torch.device) -> torch.Tensor:
+    def values(self, mbs: list[MicroBatch], n: int, width: int,
+               device: torch.device) -> torch.Tensor:
         """V(s_t) of every completion token [N, width], before this phase's updates."""
         self.model.eval()
         out = torch.zeros(n, width, device=device)
@@ -63,7 +67,8 @@ class Critic:
         self.model.train()
         return out
 
-    def micro_batch_loss(self, mb: MicroBatch, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+    def micro_batch_loss(self, mb: MicroBatch, old_values: torch.Tensor, returns: torch.Tensor,
+                         mask: torch.Tensor,
                          norm: Any, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(aggregated clipped value loss of one micro-batch, its sum of squared errors)."""
         v_l = self._values(mb)

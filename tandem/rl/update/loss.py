@@ -52,7 +52,8 @@ class MicroBatch:
     positions: torch.Tensor  # [B, S] per-document positions
     doc_ids: torch.Tensor  # [B, S] document per token, -1 on padding
     targets: torch.Tensor  # [B, S] next-token ids (0 where unused; see comp_targets)
-    offsets: list[tuple[int, int]]  # per sample: (first logit position of its completion in the flat [B*S], length)
+    # per sample: (first logit position of its completion in the flat [B*S], length)
+    offsets: list[tuple[int, int]]
     # The completion tokens only, K of them in sample order: where they sit in
     # the flat [B*S] layout and where they go in the [len(rows), width] layout.
     comp_index: torch.Tensor | None = None  # [K] flat positions
@@ -91,7 +92,8 @@ class MicroBatch:
         return backend if self.kv_wrap is None or not wrapped else self.kv_wrap(backend)
 
     def _attention(self) -> AttentionBackend:
-        if batch_invariant.enabled():  # rl.exact: the generator's attention function, whatever the packing
+        if batch_invariant.enabled():
+            # rl.exact: the generator's attention function, whatever the packing
             return ExactAttention(self.doc_ids, self.branch_ids)
         if self.one_per_row:
             return CausalAttention()
@@ -106,15 +108,18 @@ class MicroBatch:
         return self.targets.reshape(-1)[self.comp_index]
 
 
-def _units(samples: list[RolloutSample], indices: list[int], share: bool, budget: int) -> list[list[int]]:
+def _units(samples: list[RolloutSample], indices: list[int], share: bool,
+           budget: int) -> list[list[int]]:
     """Samples grouped into packing units: one sample each, or (``share``) the samples
-    of one prompt (equal ``prompt_ids`` and the same images), split where a unit would pass ``budget``."""
+    of one prompt (equal ``prompt_ids`` and the same images), split where a unit would pass
+    ``budget``."""
     if not share:
         return [[i] for i in indices]
     by_prompt: dict[tuple[tuple[int, ...], int], list[list[int]]] = {}
     for i in indices:
         s = samples[i]
-        units = by_prompt.setdefault((tuple(s.prompt_ids), id(s.images)), [[]])  # equal ids, other pictures: apart
+        # equal ids, other pictures: apart
+        units = by_prompt.setdefault((tuple(s.prompt_ids), id(s.images)), [[]])
         if units[-1] and _unit_len(samples, units[-1] + [i]) > budget:
             units.append([])
         units[-1].append(i)
@@ -123,13 +128,15 @@ def _units(samples: list[RolloutSample], indices: list[int], share: bool, budget
 
 def _unit_len(samples: list[RolloutSample], unit: list[int]) -> int:
     """Input tokens of a unit: the prompt once, then each completion but its last token."""
-    return len(samples[unit[0]].prompt_ids) + sum(max(len(samples[i].completion_ids) - 1, 0) for i in unit)
+    return len(samples[unit[0]].prompt_ids) + sum(max(len(samples[i].completion_ids) - 1, 0)
+                                                  for i in unit)
 
 
 def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget: int,
                        device: torch.device, multiple: int = 1,
                        share_prompts: bool = False) -> list[MicroBatch]:
-    """Greedy grouping in order by a token budget; a sequence longer than the budget gets a micro-batch of its own.
+    """Greedy grouping in order by a token budget; a sequence longer than the budget gets a
+    micro-batch of its own.
 
     ``multiple``: row length rounded up to it (sequence-parallel TP splits rows into ``tp`` pieces).
     ``share_prompts``: the samples of one prompt share one copy of it (see `MicroBatch`):
@@ -180,13 +187,15 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
     # of its completion, w long at most; scatter: per packed position, the flat
     # segment position whose output it takes (a prompt's from its first segment).
     segments: list[list[int]] = []
-    w = max(len(samples[u[0]].prompt_ids) + max(max(len(samples[i].completion_ids) - 1, 0) for i in u) for u in units)
+    w = max(len(samples[u[0]].prompt_ids)
+            + max(max(len(samples[i].completion_ids) - 1, 0) for i in u) for u in units)
     scatter = [0] * (b * width)  # padding takes any output: nothing reads it
     for d, (unit, (r, at)) in enumerate(zip(units, place)):
         prompt = samples[unit[0]].prompt_ids
         p = len(prompt)
         flat_prompt = list(range(r * width + at, r * width + at + p))
-        scatter[flat_prompt[0]:flat_prompt[-1] + 1] = range(len(segments) * w, len(segments) * w + p)
+        scatter[flat_prompt[0]:flat_prompt[-1] + 1] = range(len(segments) * w,
+                                                            len(segments) * w + p)
         toks[r][at:at + p] = prompt
         tgts[r][at:at + p - 1] = prompt[1:]
         pos[r][at:at + p] = range(p)
@@ -202,7 +211,8 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
                 segments.append(flat_prompt)
                 continue
             c = len(comp) - 1  # input tokens of this branch
-            scatter[r * width + at:r * width + at + c] = range(len(segments) * w + p, len(segments) * w + p + c)
+            scatter[r * width + at:r * width + at + c] = range(len(segments) * w + p,
+                                                               len(segments) * w + p + c)
             segments.append(flat_prompt + list(range(r * width + at, r * width + at + c)))
             tgts[r][last_col] = comp[0]  # exact when unshared; comp_targets otherwise
             toks[r][at:at + c] = comp[:-1]
@@ -220,11 +230,13 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
     row = [k for k, (_, n) in enumerate(offsets) for _ in range(n)]
     col = [j for _, n in offsets for j in range(n)]
     mb = MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col),
-                    branch_ids=t(branch) if shared else None, comp_targets=t(comp_targets) if shared else None)
+                    branch_ids=t(branch) if shared else None,
+                    comp_targets=t(comp_targets) if shared else None)
     if one_per_row:
         mb.one_per_row = True  # right-padded rows of one sample each: plain causal attention
     elif segments:
-        mb.seg_gather = t([seg + [seg[-1]] * (w - len(seg)) for seg in segments])  # padded last: never attended
+        # padded last: never attended
+        mb.seg_gather = t([seg + [seg[-1]] * (w - len(seg)) for seg in segments])
         mb.seg_scatter = t(scatter)
     return mb
 
@@ -235,7 +247,8 @@ def empty_micro_batch(device: torch.device, width: int = 1) -> MicroBatch:
     return MicroBatch([], z, z, z, z, [], z[0], z[0][:0], z[0][:0])
 
 
-def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device, width: int = 1) -> list[MicroBatch]:
+def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device,
+                           width: int = 1) -> list[MicroBatch]:
     n = torch.tensor([len(mbs)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=side_group())
     return mbs + [empty_micro_batch(device, width) for _ in range(int(n.item()) - len(mbs))]
@@ -270,7 +283,8 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
-        return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+        return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy,
+                                      chunk_tokens=chunk_tokens)
 
     return model(mb.tokens, attn=mb.attention(), head=head, **mb.model_inputs())
 
@@ -283,7 +297,8 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
 
 
 @torch.no_grad()
-def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch], width: int,
+def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch],
+                       width: int,
                        device: torch.device, chunk_tokens: int = 1024, vocab_parallel: bool = False,
                        after: Callable[[MicroBatch], None] | None = None,
                        cp: Any = None) -> torch.Tensor:
@@ -309,7 +324,8 @@ def completion_versions(samples: list[RolloutSample], width: int,
     return out.to(device)
 
 
-def completion_tensors(samples: list[RolloutSample], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def completion_tensors(samples: list[RolloutSample],
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(loss mask [N, T] float, generator log-probs [N, T], T) right-padded."""
     width = max([len(s.completion_ids) for s in samples] + [1])
     mask = torch.zeros(len(samples), width, device=device)
@@ -334,7 +350,8 @@ class LossInputs:
     advantages: torch.Tensor  # [N, T]
     gen_logp: torch.Tensor  # [N, T] generator log-probs (truncated IS)
     ref_logp: torch.Tensor | None  # [N, T] reference policy (KL)
-    seen_logp: torch.Tensor | None = None  # [N, T] filled with the training forward's log-probs when old_logp is None
+    seen_logp: torch.Tensor | None = None  # [N, T] filled with the training forward's log-probs
+    # when old_logp is None
     values: torch.Tensor | None = None  # [N, T] critic values before this update (PPO)
     returns: torch.Tensor | None = None  # [N, T] the critic's targets (GAE returns)
     versions: torch.Tensor | None = None  # [N, T] long: the version that sampled each token
@@ -438,13 +455,16 @@ def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: Lo
     return completion_loss(logp_l, ent_l, mb, inp, spec, norm, width)
 
 
-def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, inp: LossInputs, spec: LossSpec,
+def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, inp: LossInputs,
+                    spec: LossSpec,
                     norm: Any, width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of a micro-batch from its ``[K]`` completion log-probs / entropies (``mb.comp_*`` order)."""
+    """The loss of a micro-batch from its ``[K]`` completion log-probs / entropies
+    (``mb.comp_*`` order)."""
     if not mb.rows:  # padding micro-batch: keeps collectives in step, no gradient signal
         return logp_l.sum() * 0.0, {}
     rows = mb.rows
-    logp, ent = scatter_completions(logp_l, mb, width), scatter_completions(ent_l, mb, width)  # [n, T]
+    # [n, T]
+    logp, ent = scatter_completions(logp_l, mb, width), scatter_completions(ent_l, mb, width)
     m = inp.mask[rows]
     if inp.old_logp is None:
         old = logp.detach()

@@ -65,12 +65,14 @@ class UpdatePhase:
 
     def __init__(self, *, rl: Any, max_tokens: int, distill: Any, policy: Any, ref: Any,
                  trainers: list[Any], updater: Any, teachers: Any, dp: tuple[int, Any],
-                 device: torch.device, samples_to_log: int, kv: Any = None) -> None:
+                 device: torch.device, samples_to_log: int, kv: Any = None,
+                 chunk_tokens: int = 0) -> None:
         self.rl, self.max_tokens, self.distill = rl, max_tokens, distill
         self.policy, self.ref, self.trainers = policy, ref, trainers
         self.updater, self.teachers, self.kv = updater, teachers, kv
         self.dp, self.dp_group = dp
         self.device, self.samples_to_log = device, samples_to_log
+        self.chunk_tokens = chunk_tokens  # advanced.logprob_chunk_tokens
         self.kl_in_loss = ref is not None and KL_MODES.cap(rl.kl_mode, "in_loss")
         corr = rl.offpolicy_correction
         early = (any(t.needs_old_logp for t in trainers)
@@ -111,10 +113,10 @@ class UpdatePhase:
         m_log = mask[:n_log]  # the sample log's advantage: the mean over the sampled tokens
         logged = ((adv[:n_log] * m_log).sum(-1) / m_log.sum(-1).clamp(min=1)).tolist()
         spec = LossSpec(
-            policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r.policy_loss_config(),
+            policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r,
             aggregation=AGGREGATIONS.get(r.aggregation),
             kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if self.kl_in_loss else None,
-            kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=r.logprob_chunk_tokens,
+            kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=self.chunk_tokens,
             vocab_parallel=self.policy.vocab_parallel,
             correction=OFFPOLICY_CORRECTIONS.get(r.offpolicy_correction),
             correction_cfg=r.correction_config())

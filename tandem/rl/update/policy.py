@@ -79,7 +79,8 @@ from tandem.rl.update.vision import attach_images
 class FlatPolicy:
     """One model: FSDP2 over the data-parallel ranks, TP over ``mesh["tp"]``."""
 
-    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None, seed: int,
+    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None,
+                 seed: int,
                  spec: BuildSpec, is_main: bool, trainable: bool = True, micro_batch_tokens: int,
                  chunk_tokens: int, share_prompts: bool = False, cp_style: str = "ulysses") -> None:
         self.cp = context_parallel(mesh, cp_style)
@@ -89,7 +90,8 @@ class FlatPolicy:
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
         self.dp_rank = dp_rank(mesh)  # TP ranks of one replica share it (and their samples)
-        self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main, trainable=trainable)
+        self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main,
+                                       trainable=trainable)
         self.modules = [self.model]
         self.state_module = self.model
         self.tp_rank = mesh["tp"].get_local_rank()
@@ -114,11 +116,13 @@ class FlatPolicy:
         self.model.eval()
 
     def micro_batches(self, samples: list[RolloutSample], rows: list[int]) -> list[MicroBatch]:
-        """Packed micro-batches of ``rows``, as many on every rank (FSDP2's collectives must match)."""
+        """Packed micro-batches of ``rows``, as many on every rank (FSDP2's collectives
+        must match)."""
         multiple = self.tp * self.cp.granularity  # TP's sequence-parallel pieces; cp's chunks
         mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=multiple,
                                  share_prompts=self.share_prompts)
-        if self.image_token_id is not None:  # a vision-language policy: M-RoPE positions, image rows
+        if self.image_token_id is not None:
+            # a vision-language policy: M-RoPE positions, image rows
             mbs = [attach_images(mb, samples, self.image_token_id) for mb in mbs]
         return sync_micro_batch_count(mbs, self.device, width=multiple)
 
@@ -211,10 +215,13 @@ class _StageUnion(nn.Module):
 class PipelinePolicy:
     """This rank's pipeline stages (tandem/parallel/pp.py), each also TP- and FSDP2-parallel."""
 
-    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None, seed: int,
+    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None,
+                 seed: int,
                  spec: BuildSpec, trainable: bool = True, schedule: str, microbatches: int,
-                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int = 1024, is_main: bool = False) -> None:
-        del chunk_tokens, is_main  # the last stage holds whole logits rows; every rank reads its own weights
+                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int = 1024,
+                 is_main: bool = False) -> None:
+        # the last stage holds whole logits rows; every rank reads its own weights
+        del chunk_tokens, is_main
         self.device, self.args = device, args
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
@@ -222,7 +229,8 @@ class PipelinePolicy:
         self.n_mb = microbatches or mesh["pp"].size()
         self.rows_per_mb = max(1, micro_batch_tokens // self.seq_len)
         self.batch_rows = self.n_mb * self.rows_per_mb
-        full = full_initial_state(args, path, seed)  # each rank reads it: stages load different keys
+        # each rank reads it: stages load different keys
+        full = full_initial_state(args, path, seed)
         lora = spec.lora if trainable else None
         if lora is not None:  # LoRA: every stage's adapters, drawn for the whole model as one
             full = with_adapters(full, lora, lora_shapes(args, lora))
@@ -234,7 +242,8 @@ class PipelinePolicy:
             stage.to_empty(device=device)
             stage.reset_rope()
             own = {k: full[k] for k in get_model_state_dict(stage)}
-            set_model_state_dict(stage, own, options=StateDictOptions(full_state_dict=True, strict=True))
+            set_model_state_dict(stage, own,
+                                 options=StateDictOptions(full_state_dict=True, strict=True))
             return stage
 
         with torch.device("meta"):
@@ -278,7 +287,8 @@ class PipelinePolicy:
 
     # ---- batches: one sample per row, [batch_rows, seq_len] ----------------------------
 
-    def _batches(self, samples: list[RolloutSample], rows: list[int]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    def _batches(self, samples: list[RolloutSample],
+                 rows: list[int]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """(tokens, targets) per pipeline step; targets hold per position the next token, the
         sample index (``row``, -1 on padding) and the completion column (``col``, -1 elsewhere)."""
         per = self.batch_rows
@@ -298,13 +308,15 @@ class PipelinePolicy:
                 seq = s.prompt_ids + s.completion_ids
                 n_in, p = len(seq) - 1, len(s.prompt_ids)
                 if n_in > self.seq_len:
-                    raise ValueError(f"a sequence of {n_in + 1} tokens exceeds the pipeline row length {self.seq_len}")
+                    raise ValueError(f"a sequence of {n_in + 1} tokens exceeds the pipeline row "
+                                     f"length {self.seq_len}")
                 tok[r, :n_in] = torch.tensor(seq[:-1])
                 tgt[r, :n_in] = torch.tensor(seq[1:])
                 row[r, p - 1:n_in] = i
                 col[r, p - 1:n_in] = torch.arange(len(s.completion_ids))
             dev = self.device
-            out.append((tok.to(dev), {"targets": tgt.to(dev), "row": row.to(dev), "col": col.to(dev)}))
+            out.append((tok.to(dev),
+                        {"targets": tgt.to(dev), "row": row.to(dev), "col": col.to(dev)}))
         return out
 
     @staticmethod
@@ -322,7 +334,8 @@ class PipelinePolicy:
     def _loss(self, logits: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
         c = self._ctx
         mb = self._completions(t)
-        logp, ent = token_logprobs_at(logits, mb.comp_index, t["targets"].reshape(-1)[mb.comp_index], with_entropy=True)
+        logp, ent = token_logprobs_at(logits, mb.comp_index,
+                                      t["targets"].reshape(-1)[mb.comp_index], with_entropy=True)
         if not c:  # the warm-up step
             return logp.sum() * 0.0
         loss, st = completion_loss(logp, ent, mb, c["inp"], c["spec"], c["norm"], c["width"])
@@ -344,12 +357,14 @@ class PipelinePolicy:
         """Forward only through the stages; computed on the last stage, broadcast to the others."""
         out = torch.zeros(len(samples), width, device=self.device)
         for tokens, targets in self._batches(samples, list(range(len(samples)))):
-            mbs = [{k: v[i * self.rows_per_mb:(i + 1) * self.rows_per_mb] for k, v in targets.items()}
+            mbs = [{k: v[i * self.rows_per_mb:(i + 1) * self.rows_per_mb]
+                    for k, v in targets.items()}
                    for i in range(self.n_mb)]
 
             def record(i: int, logits: torch.Tensor, mbs=mbs) -> None:
                 mb = self._completions(mbs[i])
-                logp, _ = token_logprobs_at(logits, mb.comp_index, mbs[i]["targets"].reshape(-1)[mb.comp_index],
+                logp, _ = token_logprobs_at(logits, mb.comp_index,
+                                            mbs[i]["targets"].reshape(-1)[mb.comp_index],
                                             with_entropy=False)
                 if mb.rows:
                     out[mb.rows] = scatter_completions(logp, mb, width)
@@ -370,7 +385,8 @@ class PipelinePolicy:
         """Collective: the policy as an HF folder (rank 0 writes)."""
         full = self.full_state()
         if rank == 0:
-            save_exports({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer, lora_spec_of(self.modules[0]))
+            save_exports({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer,
+                         lora_spec_of(self.modules[0]))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model on every rank (stages gathered over FSDP / TP, then
@@ -380,12 +396,14 @@ class PipelinePolicy:
             local.update(get_model_state_dict(m, options=StateDictOptions(full_state_dict=True)))
         group = self.pipe.group
         metas: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()], group=group)
+        dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()],
+                               group=group)
         me = dist.get_rank(group)
         full: dict[str, torch.Tensor] = {}
         for src, keys in enumerate(metas):
             for k, shape, dtype in keys:
-                t = local[k].contiguous() if src == me else torch.empty(shape, dtype=dtype, device=self.device)
+                t = (local[k].contiguous() if src == me
+                     else torch.empty(shape, dtype=dtype, device=self.device))
                 dist.broadcast(t, group_src=src, group=group)
                 full[k] = t
         return full
@@ -413,7 +431,8 @@ def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: 
                               f"over cp = {degrees.cp} ranks, which must divide them; set "
                               "parallel.cp_style = 'ring'")
     try:
-        pipeline_split(args, degrees.pp, stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1)
+        pipeline_split(args, degrees.pp,
+                       stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1)
     except ValueError as e:
         raise ConfigError(f"parallel.pp: {e}") from None
 
@@ -433,21 +452,26 @@ def cp_metrics(cp: ContextParallel | None, device: torch.device) -> dict[str, fl
     return {"update/cp_effective": t.item()}
 
 
-def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str, pp_microbatches: int,
-                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int, share_prompts: bool = False,
+def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str,
+                 pp_microbatches: int,
+                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int,
+                 share_prompts: bool = False,
                  lora: LoraConfig | None = None, cp_style: str = "ulysses",
                  **build: Any) -> FlatPolicy | PipelinePolicy:
     """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`; with ``lora``
     (the ``[lora]`` section, rank > 0) a frozen base with adapters (tandem/rl/core/lora.py)."""
-    if lora is not None and lora.enabled:  # the generator samples this model: no dropout (`LoraConfig.setup`)
+    if lora is not None and lora.enabled:
+        # the generator samples this model: no dropout (`LoraConfig.setup`)
         setup = lora.setup(build["seed"], base_model=build.get("path"), sampled=True)
         build["spec"] = dataclasses.replace(build["spec"], lora=setup)
     if mesh["pp"].size() > 1:
         if share_prompts:
-            raise ConfigError("rl.share_prompts: not supported with parallel.pp > 1 "
+            raise ConfigError("advanced.share_prompts: not supported with parallel.pp > 1 "
                               "(pipeline micro-batches are fixed-length rows of one sequence)")
-        return PipelinePolicy(args, mesh, device, schedule=pp_schedule, microbatches=pp_microbatches,
-                              seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
-                              **build)
-    return FlatPolicy(args, mesh, device, micro_batch_tokens=micro_batch_tokens, chunk_tokens=chunk_tokens,
+        return PipelinePolicy(args, mesh, device, schedule=pp_schedule,
+                              microbatches=pp_microbatches,
+                              seq_len=seq_len, micro_batch_tokens=micro_batch_tokens,
+                              chunk_tokens=chunk_tokens, **build)
+    return FlatPolicy(args, mesh, device, micro_batch_tokens=micro_batch_tokens,
+                      chunk_tokens=chunk_tokens,
                       share_prompts=share_prompts, cp_style=cp_style, **build)

@@ -34,14 +34,16 @@ class RouterStats:
                 continue
             c = moe.tokens_per_expert.detach().double().cpu()
             self.counts[key] = self.counts[key] + c if key in self.counts else c
-            self.losses += torch.tensor([float(moe.aux_loss), float(moe.z_loss), 1.0], dtype=torch.float64)
+            self.losses += torch.tensor([float(moe.aux_loss), float(moe.z_loss), 1.0],
+                                        dtype=torch.float64)
 
     def metrics(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
         """Collective over ``group`` (every rank of it calls, each with the same layers)."""
         if not self.counts:
             return {}
         keys = sorted(self.counts, key=int)
-        flat = torch.cat([torch.stack([self.counts[k] for k in keys]).reshape(-1), self.losses]).to(device)
+        flat = torch.cat([torch.stack([self.counts[k] for k in keys]).reshape(-1), self.losses]).to(
+            device)
         if dist.is_initialized():
             dist.all_reduce(flat, group=group)
         n = len(keys) * self.counts[keys[0]].numel()
@@ -82,7 +84,9 @@ class RoutingCheck:
         layers = list(moe_layers(model).values())
         if not layers:
             return
-        upd = torch.stack([m.last_routing for m in layers], dim=1)[mb.comp_index].sort(dim=-1).values.cpu()  # [K, L, k]
+        # [K, L, k]
+        upd = (torch.stack([m.last_routing for m in layers],
+                           dim=1)[mb.comp_index].sort(dim=-1).values.cpu())
         gen = torch.full_like(upd, -1)
         rows, cols = mb.comp_row.cpu(), mb.comp_col.cpu()
         for r, j in enumerate(mb.rows):
@@ -102,4 +106,5 @@ class RoutingCheck:
             dist.all_reduce(t, group=group)
         self.stats = torch.zeros(2, dtype=torch.float64)
         differ, compared = t.tolist()
-        return {"moe/routing_mismatch": differ / compared, "moe/routing_compared": compared} if compared else {}
+        return ({"moe/routing_mismatch": differ / compared, "moe/routing_compared": compared}
+                if compared else {})

@@ -45,9 +45,10 @@ def check_vision_policy(cfg: Any, args: Any, mp: int) -> None:
                    (cfg.lora.enabled, "lora"),
                    (ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
                     f"rl.advantage = {cfg.rl.advantage!r} (a critic)"),
-                   (bool(cfg.distill.teachers), "distill.teachers"), (bool(cfg.env.name), "env.name"),
+                   (bool(cfg.distill.teachers), "distill.teachers"),
+                   (bool(cfg.env.name), "env.name"),
                    (bool(cfg.reward.reward_model), "reward.reward_model")]
     what = [w for bad, w in unsupported if bad]
     if what:
-        raise ConfigError(f"model: a vision-language policy trains with FSDP2, rollout.tp = 1 and rule-based rewards "
-                          f"so far; not with {', '.join(what)}")
+        raise ConfigError("model: a vision-language policy trains with FSDP2, rollout.tp = 1 and "
+                          f"rule-based rewards so far; not with {', '.join(what)}")

@@ -42,7 +42,8 @@ from tandem.models.tokenizer import Tokenizer
 END = None  # the end-of-turn symbol in a piece list (a token's bytes otherwise)
 _END_CHAR = "\u0100"  # END in the latin-1 string form of a byte stream (bytes are U+0000..U+00FF)
 MIN_RUN = 4  # shortest equal run accepted next to a replaced region
-MAX_DIFF_CELLS = 1 << 22  # |a| * |b| above which a differing middle is masked whole (difflib is quadratic)
+# |a| * |b| above which a differing middle is masked whole (difflib is quadratic)
+MAX_DIFF_CELLS = 1 << 22
 
 
 @dataclass
@@ -63,7 +64,8 @@ def _stream(pieces: Sequence[bytes | None]) -> tuple[str, list[int]]:
 
 
 def _equal_runs(a: str, b: str) -> list[tuple[int, int, int]]:
-    """(i, j, n) with a[i:i+n] == b[j:j+n]: the common prefix, runs in the middle, the common suffix."""
+    """(i, j, n) with a[i:i+n] == b[j:j+n]: the common prefix, runs in the middle, the
+    common suffix."""
     p = len(os.path.commonprefix([a, b]))
     q = len(os.path.commonprefix([a[p:][::-1], b[p:][::-1]]))
     if q and not a.endswith(_END_CHAR) and q < MIN_RUN:
@@ -73,7 +75,8 @@ def _equal_runs(a: str, b: str) -> list[tuple[int, int, int]]:
     if mid_a and mid_b and len(mid_a) * len(mid_b) <= MAX_DIFF_CELLS:
         ops = difflib.SequenceMatcher(None, mid_a, mid_b, autojunk=False).get_opcodes()
         for k, (tag, i1, i2, j1, _) in enumerate(ops):
-            beside_replace = any(0 <= m < len(ops) and ops[m][0] == "replace" for m in (k - 1, k + 1))
+            beside_replace = any(0 <= m < len(ops) and ops[m][0] == "replace"
+                                 for m in (k - 1, k + 1))
             if tag == "equal" and (i2 - i1 >= MIN_RUN or not beside_replace):
                 runs.append((p + i1, p + j1, i2 - i1))
     if q:
@@ -114,7 +117,8 @@ def _first_token_at(ends: list[int]) -> dict[int, int]:
 
 
 def _label(chunk: list[int], k: int, ends: list[int], stop: int, c: int) -> None:
-    """Tokens from index k up to the one ending at ``stop`` join chunk c (zero-width ones stay out)."""
+    """Tokens from index k up to the one ending at ``stop`` join chunk c (zero-width ones
+    stay out)."""
     start = ends[k - 1] if k else 0
     while k < len(ends) and ends[k] <= stop:
         if ends[k] > start:
@@ -162,18 +166,22 @@ class CrossTokenizer:
     def check(self, messages: list[dict[str, Any]]) -> None:
         """ValueError (one line) when the template cannot render this conversation and a reply."""
         if self.t_tok.chat_template is None:
-            raise ValueError("it has no chat template, so it cannot render the student's conversations")
+            raise ValueError("it has no chat template, so it cannot render the student's "
+                             "conversations")
         probe = "Tandem probe 12345"
         roles = [m.get("role") for m in messages]
         try:
             _, tail = self._render(messages, probe)
         except Exception as e:  # jinja's raise_exception, a missing key, a role it refuses
-            raise ValueError(f"its chat template cannot render roles {roles} + assistant: "
-                             f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+            raise ValueError(
+                f"its chat template cannot render roles {roles} + assistant: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            ) from None
         if probe not in tail:
             raise ValueError(f"its chat template drops the assistant reply after roles {roles}")
         if not any(e in tail[tail.index(probe):] for e in self.t_eos_text):
-            raise ValueError(f"its chat template ends an assistant turn with none of its EOS tokens {self.t_eos_text}")
+            raise ValueError("its chat template ends an assistant turn with none of its EOS "
+                             f"tokens {self.t_eos_text}")
 
     def view(self, messages: list[dict[str, Any]], completion_ids: Sequence[int]) -> TeacherView:
         s_pieces = self.student_pieces(completion_ids)

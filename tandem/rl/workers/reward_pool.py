@@ -1,38 +1,11 @@
 """Score batches of completions with registered reward functions in worker processes.
 
-``RewardPool`` is a small process pool written for untrusted, slow or crashing
-reward code: one duplex pipe per worker, so the parent always knows which item
-each worker holds. ``concurrent.futures.ProcessPoolExecutor`` is not used because
-a single dead worker breaks that whole pool.
-
-Misbehaving reward calls never make ``score`` raise; they score 0 and are counted:
-
-* an exception (or a non-finite value)  -> ``errors``;
-* a call longer than ``timeout_s``      -> ``timeouts``. The worker first interrupts
-  the call itself with SIGALRM (the worker survives, which is cheap); if the call is
-  still running ``kill_grace_s`` later (C code that ignores signals, SIGALRM
-  blocked) the worker is killed and replaced;
-* a worker that dies (``os._exit``, segfault, ``kill -9``) -> ``crashes`` for the
-  item it was running; the items queued behind it are re-run on other workers, and
-  it is replaced.
-
-Workers are started with "spawn" (or "forkserver"), never "fork": the parent holds
-torch/OpenMP threads. They start at construction, import the modules of all
-rewards registered at that moment, and take work only once ready, so start-up and
-import time is not charged to the first call. Reward functions are sent by
-reference (module + name, or a ``functools.partial`` of one), so they must be
-top-level functions in importable modules, and they must not use SIGALRM
-themselves (use subprocess timeouts instead).
-
-Each worker's memory is capped (``memory_mb``, default 2048 MB) with the soft
-``RLIMIT_DATA`` (heap and private writable mappings, not address-space reservations):
-an allocation beyond it raises MemoryError inside the call, which scores as an error,
-and the worker lives on.
-
-``num_workers=0`` runs inline in the calling process (for debugging): the timeout
-is a SIGALRM interval timer, which only works in the main thread on POSIX and only
-interrupts Python code; elsewhere calls run unbounded, and memory is not capped. A
-hard crash takes the caller down with it.
+``RewardPool`` is a small process pool for untrusted, slow or crashing reward code: one
+duplex pipe per worker, so the parent always knows which item each worker holds
+(``concurrent.futures.ProcessPoolExecutor`` breaks whole when one worker dies). A call
+that raises, runs past ``timeout_s`` or kills its worker scores 0 and is counted
+(``errors``, ``timeouts``, ``crashes``); dead workers are replaced. Start methods, memory
+caps, how functions are sent and the inline mode: docs/rewards.md.
 """
 
 from __future__ import annotations
