@@ -6,10 +6,10 @@
 
 The quickstart (16 prompts x 8 samples a step) with every prompt group's completion length
 drawn from a Pareto(1.2) above 2 tokens, capped at ``--max-tokens`` (TANDEM_INJECT_LENGTHS,
-EOS ignored: a few groups run to the cap, most stop early), and every generator slowed by
-``--delay`` seconds per decode step (TANDEM_INJECT_GEN_DELAY, a decode step's cost). sync and
-colocated_async run on ``--nproc`` ranks that all generate and train; split on the same
-number of ranks, rank 0 generating and the others training. Each mode trains the same
+EOS ignored: a few groups run to the cap, most stop early), and a generator slowed by
+``--delay`` seconds per decode step (TANDEM_INJECT_GEN_DELAY): the last rank's in sync and
+colocated_async, which run on ``--nproc`` ranks that all generate and train; in split, on
+the same number of ranks, rank 0's, the one generator (the others train). Each mode trains the same
 prompts; the table gives the mean step time (steps 2 on: the first builds the generation
 copy), steps per minute, the share of a step the generators have nothing to decode (sync and
 colocated: the update; split: waiting for the weights) and the trainers wait (sync and
@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def launch(dump: str, steps: int, nproc: int, max_tokens: int, delay: float,
            extra: list[str]) -> list[dict[str, float]]:
+    slow = 0 if "--rollout.mode=split" in extra else nproc - 1  # a generator's rank
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(ROOT, "train.py"),
            "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
@@ -42,7 +43,7 @@ def launch(dump: str, steps: int, nproc: int, max_tokens: int, delay: float,
            "--checkpoint.export_hf_at_end=false", f"--rollout.max_tokens={max_tokens}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "TANDEM_INJECT_LENGTHS": f"1.2:2:{max_tokens}",
-           "TANDEM_INJECT_GEN_DELAY": f"*:{delay}"}
+           "TANDEM_INJECT_GEN_DELAY": f"{slow}:{delay}"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -90,7 +91,7 @@ def main() -> None:
                                        args.max_tokens, args.delay, extra))
     ref = out["sync"]["step_s"]
     print(f"{args.nproc} ranks, {args.steps} steps, 16 prompts x 8 samples, lengths Pareto(1.2) "
-          f"in [2, {args.max_tokens}], every generator +{args.delay}s per decode step")
+          f"in [2, {args.max_tokens}], one generator +{args.delay}s per decode step")
     print(f"{'mode':<22} {'step s':>7} {'steps/min':>9} {'gen wait':>8} {'train wait':>10} "
           f"{'idle slots':>10} {'stale mean':>10} {'stale max':>9} {'vs sync':>7}")
     for name, s in out.items():

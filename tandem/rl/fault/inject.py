@@ -50,14 +50,13 @@ def forced_length(seed: int) -> int | None:
 
 
 def generator_delay(rank: int) -> float:
-    """Seconds the drill makes ``rank``'s generator sleep after each step (0: none); the rank
-    ``*`` is every rank."""
+    """Seconds the drill makes ``rank``'s generator sleep after each step (0: none)."""
     spec = os.environ.get(ENV_GEN_DELAY)
     if not spec:
         return 0.0
     try:
         at, secs = spec.split(":")
-        return float(secs) if at == "*" or int(at) == rank else 0.0
+        return float(secs) if int(at) == rank else 0.0
     except ValueError:
         raise ValueError(f"{ENV_GEN_DELAY}={spec!r}: expected <rank>:<seconds>") from None
 
