@@ -256,6 +256,50 @@ def train_run(config: str | Path, dump: str | Path, nproc: int, *extra: str,
     return rows, r.stdout + r.stderr
 
 
+def quickstart_cmd(dump: str | Path, steps: int, nproc: int = 2, restarts: int = 4) -> list[str]:
+    """configs/quickstart.toml shrunk for the asynchronous-mode tests (16 prompts a step, 8 eval
+    prompts, rollouts dumped), under torchrun with ``restarts`` (``nproc`` 0: one process)."""
+    root = Path(__file__).resolve().parents[1]
+    launch = [sys.executable]
+    if nproc:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   f"--max-restarts={restarts}"]
+    return [*launch, str(root / "train.py"), "--config", str(root / "configs" / "quickstart.toml"),
+            f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
+            "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
+            "--reward.num_workers=0", "--checkpoint.export_hf_at_end=false",
+            "--advanced.dump_rollouts=true"]
+
+
+def rollout_dumps(dump: str | Path, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
+    """Every sample a run dumped (``advanced.dump_rollouts``) on ``ranks``, each with its rank."""
+    import json
+
+    out = []
+    for rank in ranks:
+        with open(os.path.join(dump, "rollouts", f"rank-{rank}.jsonl")) as f:
+            out += [dict(json.loads(line), rank=rank) for line in f]
+    return out
+
+
+def assert_same_as_synchronous(sync: tuple[Path, list[dict]], other: tuple[Path, list[dict]],
+                               samples: int, keys: tuple[str, ...]) -> None:
+    """Two runs' (dump folder, metrics rows) sampled the same tokens with the same log-probs,
+    every token of the version its step trains (``samples`` in all), and logged the same
+    ``keys`` bit for bit, with nothing stale."""
+    key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
+    a, b = sorted(rollout_dumps(sync[0]), key=key), sorted(rollout_dumps(other[0]), key=key)
+    assert len(a) == len(b) == samples
+    for x, y in zip(a, b):
+        assert (x["step"], x["rank"], x["prompt"], x["completion_ids"]) == \
+               (y["step"], y["rank"], y["prompt"], y["completion_ids"])
+        assert x["gen_logprobs"] == y["gen_logprobs"]
+        assert x["versions"] == y["versions"] == [y["step"] - 1] * len(y["versions"])
+    for k in keys:
+        assert [r[k] for r in sync[1]] == [r[k] for r in other[1]], k
+    assert all(r["async/staleness_max"] == 0 for r in other[1])
+
+
 def hf_weights(dump: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the HF folder a run exported (``dump/hf/*.safetensors``)."""
     from safetensors.torch import load_file

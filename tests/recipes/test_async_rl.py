@@ -19,21 +19,19 @@ import sys
 import pytest
 import torch
 
-from tests.fixtures import sigterm_at
+from tests.fixtures import (
+    assert_same_as_synchronous,
+    quickstart_cmd,
+    rollout_dumps,
+    sigterm_at,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG_TAIL = {"TANDEM_INJECT_LENGTHS": "1.2:2:40", "TANDEM_INJECT_GEN_DELAY": "1:0.003"}
 
 
 def _cmd(dump, steps, nproc=2):
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-              f"--nproc-per-node={nproc}", "--max-restarts=4"] if nproc else [sys.executable]
-    return [*launch, os.path.join(ROOT, "train.py"),
-            "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
-            f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
-            "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
-            "--reward.num_workers=0", "--checkpoint.export_hf_at_end=false",
-            "--advanced.dump_rollouts=true"]
+    return quickstart_cmd(dump, steps, nproc)
 
 
 def _env(env):
@@ -45,14 +43,6 @@ def _run(dump, *extra, env=None, steps=4):
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
-
-
-def _rollouts(dump):
-    out = []
-    for rank in (0, 1):
-        with open(os.path.join(dump, "rollouts", f"rank-{rank}.jsonl")) as f:
-            out += [dict(json.loads(line), rank=rank) for line in f]
-    return out
 
 
 STALE_1 = ("--rollout.mode=colocated_async", "--rollout.max_staleness=1",
@@ -74,25 +64,15 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_staleness_zero_reproduces_the_synchronous_run(runs):
-    (sync_dump, sync_rows), (s0_dump, s0_rows) = runs["sync"], runs["s0"]
-    key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
-    a, b = sorted(_rollouts(sync_dump), key=key), sorted(_rollouts(s0_dump), key=key)
-    assert len(a) == len(b) == 4 * 16 * 8
-    for x, y in zip(a, b):
-        assert (x["step"], x["rank"], x["prompt"], x["completion_ids"]) == \
-               (y["step"], y["rank"], y["prompt"], y["completion_ids"])
-        assert x["gen_logprobs"] == y["gen_logprobs"]
-        assert x["versions"] == y["versions"] == [y["step"] - 1] * len(y["versions"])
-    for k in ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean"):
-        assert [r[k] for r in sync_rows] == [r[k] for r in s0_rows], k
-    assert all(r["async/staleness_max"] == 0 for r in s0_rows)
+    assert_same_as_synchronous(runs["sync"], runs["s0"], 4 * 16 * 8,
+                               ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("s", [1, 2])
 def test_the_staleness_bound_holds_on_a_long_tail_with_a_slow_generator(runs, s):
     dump, rows = runs[f"s{s}"]
-    samples = _rollouts(dump)
+    samples = rollout_dumps(dump)
     assert len(samples) == 6 * 16 * 8
     stale = [r["step"] - 1 - min(r["versions"]) for r in samples]  # the version trained is step - 1
     assert max(stale) <= s and max(stale) > 0, max(stale)  # the bound held, and was used

@@ -129,12 +129,7 @@ class SplitGenerator(ColocatedAsyncRollout):
         order = sorted(f.position for f in chosen)
         target = {pos: i % trainers for i, pos in enumerate(order)}
         parts: list[list[Any]] = [[] for _ in range(trainers)]
-        for pos in order:
-            if self.owner(pos) != b.dp_rank:
-                continue
-            group = self.gen.take(pos)
-            sc, t = b.score(group)
-            tally.merge(t)
+        for pos, group, sc in self._scored(order, tally):
             for s in group:
                 stale = version - s.first_version
                 tally.max("async/staleness_max", stale).mean("async/staleness_mean", stale)
@@ -144,7 +139,7 @@ class SplitGenerator(ColocatedAsyncRollout):
                 tally.max("response/length_max", len(s.completion_ids))
                 tally.mean("response/clipped_frac", float(s.finish_reason == "length"))
                 tally.mean("accuracy", s.info.get("accuracy", 0.0))
-            parts[target[pos]].append((pos, group, sc.tolist()))
+            parts[target[pos]].append((pos, group, sc))
         for j, part in enumerate(parts):
             dist.send_object_list([part], dst=self.world.first + j, group=self.world.control)
 

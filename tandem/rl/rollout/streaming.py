@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,9 +33,9 @@ from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import Generator, stop_strings_check
 from tandem.rl.generator.sequence import Sequence, SequenceStatus
-from tandem.rl.rollout.sampling import generator_settings, group_params, sampling_params
 from tandem.rl.rollout.inflight import Admission, Flight
 from tandem.rl.rollout.phase import RolloutPhase
+from tandem.rl.rollout.sampling import generator_settings, group_params, sampling_params
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
 
 
@@ -302,16 +303,11 @@ class ColocatedAsyncRollout:
         keep: dict[int, tuple[list[RolloutSample], list[float]]] = {}
         send: list[tuple[int, list[RolloutSample], list[float]]] = []
         rewards = Tally()
-        for pos in order:
-            if self.owner(pos) != b.dp_rank:
-                continue
-            group = self.gen.take(pos)
-            sc, t = b.score(group)
-            rewards.merge(t)
+        for pos, group, sc in self._scored(order, rewards):
             if target[pos] == b.dp_rank:
-                keep[pos] = (group, sc.tolist())
+                keep[pos] = (group, sc)
             else:
-                send.append((pos, group, sc.tolist()))
+                send.append((pos, group, sc))
         if b.dp > 1:
             parts: list[Any] = [None] * b.dp
             dist.all_gather_object(parts, send, group=b.dp_group)
@@ -322,6 +318,18 @@ class ColocatedAsyncRollout:
         samples = [s for pos in sorted(keep) for s in keep[pos][0]]
         scores = [v for pos in sorted(keep) for v in keep[pos][1]]
         return samples, torch.tensor(scores, dtype=torch.float32), rewards
+
+    def _scored(self, order: list[int], tally: Tally,
+                ) -> Iterator[tuple[int, list[RolloutSample], list[float]]]:
+        """This rank's groups among the complete ``order``, taken from the generator and scored
+        (their reward metrics into ``tally``)."""
+        for pos in order:
+            if self.owner(pos) != self.base.dp_rank:
+                continue
+            group = self.gen.take(pos)
+            sc, t = self.base.score(group)
+            tally.merge(t)
+            yield pos, group, sc.tolist()
 
     def evaluate(self) -> dict[str, float]:
         return self.base.evaluate()
