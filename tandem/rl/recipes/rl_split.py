@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.kernels import batch_invariant
-from tandem.parallel.mesh import Degrees, dp_rank, subgroup
+from tandem.parallel.mesh import Degrees, dp_rank
 from tandem.parallel.split import BridgeCopy, set_side_group, side_mesh, split_world
 from tandem.rl.algorithms import ADVANTAGES
 from tandem.rl.config.schema import ConfigError
@@ -35,8 +35,8 @@ from tandem.rl.core.samples import SampleLog, dump_rollouts
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
 from tandem.rl.recipes.rl import RLRecipe
 from tandem.rl.recipes.rl_settings import check_rl_settings
-from tandem.rl.rollout.sampling import generation_dtype
 from tandem.rl.rollout.phase import RolloutPhase
+from tandem.rl.rollout.sampling import generation_dtype
 from tandem.rl.rollout.split import (
     SplitGenerator,
     evaluate_split,
@@ -81,7 +81,7 @@ class _Relay:
 class SplitRLRecipe(RLRecipe):
     """``rollout.mode = "split"`` (the recipe protocol of tandem/rl/recipes/base.py)."""
 
-    def __init__(self, cfg: Any, rt: Runtime) -> None:  # noqa: PLR0915  (one set-up, both sides)
+    def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info, self.rt = cfg, rt.info, rt
         info, r = rt.info, cfg.rl
         check_split_settings(cfg, info.world_size)
@@ -96,8 +96,6 @@ class SplitRLRecipe(RLRecipe):
             batch_invariant.enable()
         # collective over the world (new groups): every rank makes the trainers' mesh and groups
         self.mesh = side_mesh(degrees, info.device, world.first)
-        subgroup(self.mesh, ("dp_replicate", "dp_shard"))  # (collective; dp_shard alone: the
-        # trainers' group, which the update takes, a group even of one trainer, never the world)
         self.dp, self.mp = degrees.dp, 1
         dump = rt.dump_folder
         self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path,
@@ -118,6 +116,8 @@ class SplitRLRecipe(RLRecipe):
             self._build_generator(dtype, bucket)
         else:
             set_side_group(world.second_group)
+            # dp_shard alone: the data-parallel group is the trainers' (a group even of one
+            # trainer, so no collective of the update reaches the generators)
             self._build_trainer(degrees, world.second_group, dtype, bucket)
         self._first_sync()
 
