@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, cli = parse_args(argv)  # --print-config / --help print and exit here
         if cli.plan:
-            from tandem.rl.plan.planner import run_plan
+            from tandem.rl.plan.cli import run_plan
 
             return run_plan(cfg)  # one process, nothing allocated: no launcher, GPU or weights
     except ConfigError as e:

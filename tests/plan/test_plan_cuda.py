@@ -24,7 +24,8 @@ import torch
 
 from bench import grpo_step
 from tandem.rl.config.schema import parse_args as parse_train_args
-from tandem.rl.plan.planner import Layout, Planner, Settings, plan_args
+from tandem.rl.plan.cli import plan_args
+from tandem.rl.plan.planner import Layout, Planner, Settings
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,6 @@ one; see tandem/rl/core/configlib.py for the mechanism and the supported field t
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 import tempfile
@@ -72,6 +71,14 @@ from tandem.rl.config.rl_schema import (  # noqa: E402  (sections of rl recipes)
     RLConfig,
     RolloutConfig,
 )
+from tandem.rl.config.run_schema import (  # noqa: E402  (how a job runs, every recipe)
+    AdvancedConfig,
+    CheckpointConfig,
+    FaultConfig,
+    MetricsConfig,
+    PlanConfig,
+    check_flavor,
+)
 from tandem.rl.core.lora import LoraConfig  # noqa: E402  (the [lora] section, every recipe)
 
 Dtype = Literal["float32", "bfloat16"]
@@ -114,15 +121,6 @@ def check_writable_folder(key: str, path: str) -> None:
                           f"({e.strerror or e})") from None
 
 
-def _known_flavors() -> list[str] | None:
-    """Names in tandem.models.flavors.FLAVORS, or None while that module cannot be imported."""
-    try:
-        from tandem.models.flavors import FLAVORS
-    except ImportError:
-        return None
-    return sorted(FLAVORS)
-
-
 @dataclass
 class ModelConfig:
     """Which weights to train: a from-scratch flavor or an HF folder (exactly one), and the
@@ -144,12 +142,7 @@ class ModelConfig:
                               "(an HF folder)")
         if self.flavor is None:
             return
-        flavors = _known_flavors()
-        if flavors is not None and self.flavor not in flavors:
-            near = difflib.get_close_matches(self.flavor, flavors, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"model.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: "
-                              f"{', '.join(flavors)})")
+        check_flavor("model.flavor", self.flavor)
         require(self.tokenizer is not None,
                 "model.tokenizer: required with model.flavor (a tokenizer folder or "
                 "'builtin:char')")
@@ -306,73 +299,6 @@ class ParallelConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """DCP checkpoints under job.dump_folder, resume, and the final HF export."""
-
-    enable: bool = True  # write checkpoints (every interval steps and at the end); false: none, so
-    # nothing to resume
-    interval: int = 50  # steps between saves (the last step always saves)
-    folder: str = "checkpoints"  # relative to job.dump_folder
-    keep_last: int = 2  # committed checkpoints kept; older ones are deleted after each save
-    async_save: bool = False  # write in a background thread while training goes on; committed when
-    # every rank is done
-    model_only: bool = False  # weights + trainer state only, no optimizer state (resuming restarts
-    # the optimizer)
-    resume: bool = True  # resume from the newest checkpoint in folder whose files match its
-    # SHA256SUMS, if any
-    overwrite: bool = False  # allow starting at step 0 over an earlier run's checkpoints (resume =
-    # false, or none verifies): they are deleted first; false: such a start exits 8
-    export_hf_at_end: bool = True  # write an HF-format folder after the last step
-
-    def validate(self) -> None:
-        require(self.interval > 0, f"checkpoint.interval: must be > 0, got {self.interval}")
-        require(self.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
-        require(bool(self.folder.strip()), "checkpoint.folder: must not be empty")
-
-
-@dataclass
-class FaultConfig:
-    """Hang watchdog, NaN/Inf policy and preemption (see docs/fault-tolerance.md)."""
-
-    hang_timeout_s: float = 900.0  # no step progress for this long: dump every rank's stacks, exit
-    # 6; 0 = off
-    on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/Inf loss or grad: skip the step (counted)
-    # or stop (exit 7)
-    flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA
-    # only)
-
-    def validate(self) -> None:
-        require(self.hang_timeout_s >= 0,
-                f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}")
-
-
-@dataclass
-class MetricsConfig:
-    """Where and how often step metrics are written."""
-
-    log_interval: int = 1  # steps between metric rows
-    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(  # besides metrics.jsonl:
-        # tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] /
-        # [mlflow]); [] for none
-        default_factory=lambda: ["tensorboard"])
-    jsonl: bool = True  # job.dump_folder/metrics.jsonl
-    samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by
-    # tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off
-
-    def validate(self) -> None:
-        require(self.log_interval >= 1,
-                f"metrics.log_interval: must be >= 1, got {self.log_interval}")
-        require(self.samples_per_step >= 0,
-                f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
-        require(len(set(self.loggers)) == len(self.loggers),
-                f"metrics.loggers: {self.loggers} names one twice")
-        from tandem.rl.core.loggers import missing_package
-
-        for name in self.loggers:
-            require((problem := missing_package(name)) is None, f"metrics.loggers: {problem}")
-
-
-@dataclass
 class PreferenceTrainConfig(PreferenceConfig):
     """The [preference] section: pairwise recipes (dpo: DPO/IPO/SimPO; reward_model: Bradley-Terry).
 
@@ -398,64 +324,6 @@ class PreferenceTrainConfig(PreferenceConfig):
         super().validate()
         for key in ("chosen_field", "rejected_field"):
             require(bool(getattr(self, key)), f"preference.{key}: must not be empty")
-
-
-@dataclass
-class PlanConfig:
-    """The target cluster of ``train.py --config X --plan`` (per-rank memory of each phase; see
-    tandem/rl/plan/planner.py)."""
-
-    nodes: int = 0  # 0: one node
-    devices_per_node: int = 0  # 0: the config's own layout (parallel.dp_shard = -1: this machine's
-    # GPUs)
-    device_memory_gb: float = 0.0  # 0: this machine's GPU, else 80
-    flavor: str | None = None  # the architecture of model.path for planning before it is downloaded
-    # (a tandem/models/flavors.py name); read only when model.path has no config.json here
-
-    def validate(self) -> None:
-        for key, most in (("nodes", 100_000), ("devices_per_node", 1024)):
-            # bounds: the search's size
-            value = getattr(self, key)
-            require(0 <= value <= most,
-                    f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}")
-        require(0 <= self.device_memory_gb <= 1e6,
-                "plan.device_memory_gb: must be in [0, 1e6] (0 = this "
-                                                   "machine's GPU or 80), got "
-                                                   f"{self.device_memory_gb}")
-        flavors = _known_flavors()
-        if self.flavor is not None and flavors is not None and self.flavor not in flavors:
-            near = difflib.get_close_matches(self.flavor, flavors, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"plan.flavor: unknown flavor {self.flavor!r}; {hint}(choose from: "
-                              f"{', '.join(flavors)})")
-
-
-@dataclass
-class AdvancedConfig:
-    """Performance and debugging settings the program picks itself; set one to measure or debug."""
-
-    kernels: Literal["auto", "torch", "triton"] = "auto"  # every kernel of both phases (paged
-    # attention, sampling noise, log-probs, grouped GEMM, rl.exact matmuls): auto = Triton on CUDA,
-    # PyTorch elsewhere; triton off CUDA runs under TRITON_INTERPRET=1 only
-    reshard_bucket_mb: int = 256  # moving the policy into the generation layout: at most this
-    # many MB of send + receive buffers per rank at a time
-    logprob_chunk_tokens: int = 1024  # completion tokens per vocabulary-projection chunk of the
-    # update's log-probs (peak about 2 x chunk x vocab x 4 B on the CPU; on CUDA the Triton
-    # backward's chunk x vocab in the compute dtype)
-    share_prompts: bool | None = None  # rl: each prompt packed once per micro-batch, its
-    # completions as branches (same gradients, fewer tokens); none = on unless parallel.pp > 1 (true
-    # there is an error)
-    pp_microbatches: int = 0  # micro-batches per pipeline schedule; 0 = the pp degree
-    dump_rollouts: bool = False  # rl: every rank appends each step's samples (prompt, completion
-    # ids, generator log-probs) to job.dump_folder/rollouts/rank-N.jsonl
-
-    def validate(self) -> None:
-        for key in ("reshard_bucket_mb", "logprob_chunk_tokens"):
-            value = getattr(self, key)
-            require(value >= 1, f"advanced.{key}: must be >= 1, got {value}")
-        require(self.pp_microbatches >= 0,
-                f"advanced.pp_microbatches: must be >= 0 (0 = the pp degree), "
-                f"got {self.pp_microbatches}")
 
 
 @dataclass
