@@ -86,7 +86,7 @@ def _phase(*, epochs=1, minibatches=1, kl_mode="loss", ref=False, trainers=(), t
     return UpdatePhase(rl=rl, max_tokens=8, distill=None, policy=None,
                        ref=object() if ref else None, trainers=trainers, updater=None,
                        teachers=teachers, dp=(1, None),
-                       device=torch.device("cpu"), samples_to_log=0)
+                       device=torch.device("cpu"), samples_to_log=0, chunk_tokens=1024)
 
 
 def test_the_old_log_probs_get_a_forward_only_when_something_needs_them():

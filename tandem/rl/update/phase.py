@@ -65,8 +65,8 @@ class UpdatePhase:
 
     def __init__(self, *, rl: Any, max_tokens: int, distill: Any, policy: Any, ref: Any,
                  trainers: list[Any], updater: Any, teachers: Any, dp: tuple[int, Any],
-                 device: torch.device, samples_to_log: int, kv: Any = None,
-                 chunk_tokens: int = 0) -> None:
+                 device: torch.device, samples_to_log: int, chunk_tokens: int,
+                 kv: Any = None) -> None:
         self.rl, self.max_tokens, self.distill = rl, max_tokens, distill
         self.policy, self.ref, self.trainers = policy, ref, trainers
         self.updater, self.teachers, self.kv = updater, teachers, kv
