@@ -31,21 +31,20 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
-
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.models.args import ModelArgs
 from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
 from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
-from tandem.parallel.split import side_group
+from tandem.parallel.split import side_group, side_mesh
 from tandem.rl.config.schema import ConfigError, FaultConfig
+from tandem.rl.core.lora import checkpoint_module
 from tandem.rl.core.metrics import MetricsLogger
 from tandem.rl.core.modeling import build_tokenizer, model_args
+from tandem.rl.core.optim import Learner
 from tandem.rl.fault import Watchdog, check_finite
 from tandem.rl.fault.inject import nan_at
-from tandem.rl.core.lora import checkpoint_module
-from tandem.rl.core.optim import Learner
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -104,11 +103,16 @@ class Setup:
 
 
 def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int],
-          fsdp_only: bool = True) -> Setup:
+          fsdp_only: bool = True, ranks: tuple[int, int] | None = None) -> Setup:
     """The set-up every recipe shares, its config checks first (one ConfigError line each):
     the layout (``fsdp_only``: this recipe shards with FSDP2 alone), ``data.path`` and the
-    global ``batch`` (key, value) dividing over the data-parallel ranks."""
-    degrees = Degrees(**cfg.parallel.resolve(rt.info.world_size))
+    global ``batch`` (key, value) dividing over the data-parallel ranks.
+
+    ``ranks`` (first, count): the training mesh covers global ranks ``first .. first + count - 1``
+    only (split mode's trainers; collective over the world all the same); by default the whole
+    world. A rank outside the mesh gets ``rank_dp`` 0."""
+    first, count = ranks or (0, rt.info.world_size)
+    degrees = Degrees(**cfg.parallel.resolve(count))
     if fsdp_only and (degrees.tp > 1 or degrees.pp > 1):
         raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only "
                           "so far; set tp = pp = 1")
@@ -118,11 +122,15 @@ def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int],
     key, size = batch
     if size % degrees.dp:
         raise ConfigError(f"{key}: {size} is not divisible by the {degrees.dp} data-parallel ranks")
-    mesh = build_mesh(degrees, rt.info.device)
+    if ranks is None:
+        mesh = build_mesh(degrees, rt.info.device)
+    else:
+        mesh = side_mesh(degrees, rt.info.device, first)
+    inside = first <= rt.info.rank < first + count
     m = cfg.model
     tokenizer = build_tokenizer(m.tokenizer, m.path, os.path.join(rt.dump_folder, "tokenizer"))
     args = model_args(m.flavor, m.path, tokenizer)
-    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh), tokenizer, args)
+    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh) if inside else 0, tokenizer, args)
 
 
 class Recipe(Protocol):

@@ -27,7 +27,7 @@ from tandem.rl.core.samples import SampleLog
 from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
-from tandem.rl.recipes.rl_settings import check_rl_settings, episode_server
+from tandem.rl.recipes.rl_settings import check_rl_settings, prompt_room, episode_server
 from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.sampling import generation_copy, generation_dtype
@@ -67,10 +67,7 @@ class RLRecipe:
         check_vision_policy(cfg, self.args, self.mp)
         check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style,
                      cfg.parallel.ep)
-        self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
-        if self.max_prompt < 1:
-            raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts "
-                              f"after rollout.max_tokens {cfg.rollout.max_tokens}")
+        self.max_prompt = prompt_room(cfg)
         train_prompts, eval_prompts = self._load_data()
         self.train_prompts = train_prompts
         seq_len = cfg.data.max_length

@@ -11,6 +11,16 @@ from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.update.cp_batch import check_cp_settings
 
 
+def prompt_room(cfg: Any) -> int:
+    """The longest prompt in tokens: ``data.max_length`` less ``rollout.max_tokens`` (a
+    ConfigError line when nothing is left)."""
+    room = cfg.data.max_length - cfg.rollout.max_tokens
+    if room < 1:
+        raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts "
+                          f"after rollout.max_tokens {cfg.rollout.max_tokens}")
+    return room
+
+
 def check_rl_settings(cfg: Any, info: DistInfo, needs_values: bool) -> None:
     """One ConfigError line for settings the layout cannot run yet (before any model is built);
     ``needs_values``: the advantage needs a critic."""

@@ -25,16 +25,15 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.kernels import batch_invariant
-from tandem.parallel.mesh import Degrees, dp_rank
-from tandem.parallel.split import BridgeCopy, set_side_group, side_mesh, split_world
+from tandem.parallel.split import BridgeCopy, set_side_group, split_world
 from tandem.rl.algorithms import ADVANTAGES
 from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, build_tokenizer, model_args
+from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.core.optim import build_optimizer
 from tandem.rl.core.samples import SampleLog, dump_rollouts
-from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater
+from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
 from tandem.rl.recipes.rl import RLRecipe
-from tandem.rl.recipes.rl_settings import check_rl_settings
+from tandem.rl.recipes.rl_settings import check_rl_settings, prompt_room
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.sampling import generation_dtype
 from tandem.rl.rollout.split import (
@@ -88,23 +87,15 @@ class SplitRLRecipe(RLRecipe):
         check_rl_settings(cfg, info, False)
         self.world = world = split_world(cfg.rollout.gen_ranks)
         self.server, self.kv, self.critic = None, None, None
-        degrees = Degrees(**cfg.parallel.resolve(world.second))
-        if r.prompts_per_step % degrees.dp:
-            raise ConfigError(f"rl.prompts_per_step: {r.prompts_per_step} is not divisible by the "
-                              f"{degrees.dp} trainer ranks")
         if r.exact:
             batch_invariant.enable()
         # collective over the world (new groups): every rank makes the trainers' mesh and groups
-        self.mesh = side_mesh(degrees, info.device, world.first)
-        self.dp, self.mp = degrees.dp, 1
+        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step),
+                  ranks=(world.first, world.second))
+        self.mesh, self.dp, self.mp = s.mesh, s.dp, 1
+        self.tok, self.args, self.dp_rank = s.tokenizer, s.args, s.rank_dp
         dump = rt.dump_folder
-        self.tok = build_tokenizer(cfg.model.tokenizer, cfg.model.path,
-                                   os.path.join(dump, "tokenizer"))
-        self.args = model_args(cfg.model.flavor, cfg.model.path, self.tok)
-        self.max_prompt = cfg.data.max_length - cfg.rollout.max_tokens
-        if self.max_prompt < 1:
-            raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts "
-                              f"after rollout.max_tokens {cfg.rollout.max_tokens}")
+        self.max_prompt = prompt_room(cfg)
         self.train_prompts, self.eval_prompts = self._load_data()
         dtype = generation_dtype(cfg.rollout.dtype, info.device,
                                  cfg.training.mixed_precision_param) or torch.float32
@@ -118,7 +109,7 @@ class SplitRLRecipe(RLRecipe):
             set_side_group(world.second_group)
             # dp_shard alone: the data-parallel group is the trainers' (a group even of one
             # trainer, so no collective of the update reaches the generators)
-            self._build_trainer(degrees, world.second_group, dtype, bucket)
+            self._build_trainer(world.second_group, dtype, bucket)
         self._first_sync()
 
     def _build_generator(self, dtype: torch.dtype, bucket: int) -> None:
@@ -133,8 +124,7 @@ class SplitRLRecipe(RLRecipe):
             mp=(1, 0, None), max_prompt=self.max_prompt, rollout_dumps=None)
         self.rollout = SplitGenerator(base, w, bridge)
 
-    def _build_trainer(self, degrees: Degrees, dp_group: Any, dtype: torch.dtype,
-                       bucket: int) -> None:
+    def _build_trainer(self, dp_group: Any, dtype: torch.dtype, bucket: int) -> None:
         cfg, info, r = self.cfg, self.info, self.cfg.rl
         spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
         self.policy = build_policy(
@@ -160,7 +150,6 @@ class SplitRLRecipe(RLRecipe):
                                   updater=self.updater, teachers=None, dp=(self.dp, dp_group),
                                   device=info.device, samples_to_log=n_log, kv=None,
                                   chunk_tokens=cfg.advanced.logprob_chunk_tokens)
-        self.dp_rank = dp_rank(self.mesh)
 
     def _first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generators' copy of the trainers' current weights."""
