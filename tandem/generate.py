@@ -231,8 +231,11 @@ def fit_prompt(ids: list[int], row: dict[str, Any], args: argparse.Namespace,
 
 
 def generate_rows(args: argparse.Namespace, model: Any, tok: Any,
-                  prompts: list[tuple[int, dict[str, Any]]]
+                  prompts: list[tuple[int, dict[str, Any]]], announce: str = ""
                   ) -> tuple[list[dict[str, Any]], int]:
+    """This rank's ``prompts`` (index, row), checked, then sampled: one row per sample, and
+    the tokens generated. ``announce`` (the main rank: "N prompts"): a line on stderr once every
+    prompt is checked and sampling starts."""
     context = model.args.max_position_embeddings
     vision = VisionData.for_model(model.args, args.input)
     ids, images = [], []
@@ -252,6 +255,8 @@ def generate_rows(args: argparse.Namespace, model: Any, tok: Any,
                              max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                              seed=(args.seed + index) * 1_000_003) for index, _ in prompts]
     check = stop_strings_check(tok.decode, args.stop) if args.stop else None
+    if announce:
+        print(f"generating {announce} x {args.n} samples", file=sys.stderr, flush=True)
     out = gen.generate(ids, params, n=args.n, stop_check=check, images=images) if prompts else []
     gen.close()
     rows, generated = [], 0
@@ -294,7 +299,8 @@ def _run(args: argparse.Namespace, info: Any) -> int:
         tok, model = load(args, info.device)
         check_fits(args, model)
         mine = [(i, prompts[i]) for i in range(info.rank, len(prompts), info.world_size)]
-        rows, generated = generate_rows(args, model, tok, mine)
+        rows, generated = generate_rows(args, model, tok, mine,
+                                        announce=f"{len(prompts)} prompts" if info.is_main else "")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return errors.EXIT_CONFIG

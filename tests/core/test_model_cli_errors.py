@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -158,10 +159,10 @@ def test_sigint_during_generation_exits_130_and_writes_nothing(tmp_path):
            "--n", "8", "--max-tokens", "1500", "--ignore-eos"]  # 384k tokens: minutes on a CPU
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, preexec_fn=sigint_default)
-    try:
-        p.wait(timeout=10)  # past start-up: generating
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGINT)
+    first = p.stderr.readline()  # the model is loaded: generating (a busy machine: any time)
+    assert first == "generating 32 prompts x 8 samples\n", first
+    time.sleep(1)
+    p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert (p.returncode, err) == (130, "error: interrupted (SIGINT); no output written\n")
     assert not (tmp_path / "out").exists()
