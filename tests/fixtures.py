@@ -256,6 +256,14 @@ def train_run(config: str | Path, dump: str | Path, nproc: int, *extra: str,
     return rows, r.stdout + r.stderr
 
 
+def held_out_end(out: str, start: str) -> float:
+    """The end of the line "eval accuracy: start START -> end END" that a run's output holds
+    (failing unless it starts at ``start``, the starting policy's figure)."""
+    line = f"eval accuracy: start {start} -> end"
+    assert line in out, out[-2000:]
+    return float(out.split(line)[1].split()[0])
+
+
 def quickstart_cmd(dump: str | Path, steps: int, nproc: int = 2, restarts: int = 4) -> list[str]:
     """configs/quickstart.toml shrunk for the asynchronous-mode tests (16 prompts a step, 8 eval
     prompts, rollouts dumped), under torchrun with ``restarts`` (``nproc`` 0: one process)."""

@@ -14,16 +14,17 @@
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.fixtures import (
     assert_same_as_synchronous,
+    held_out_end,
     quickstart_cmd,
     rollout_dumps,
     sigterm_at,
+    train_run,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,15 +159,9 @@ def test_sigterm_checkpoints_the_flight_and_the_next_launch_trains_every_prompt_
 def test_quickstart_async_learns(tmp_path):
     """configs/quickstart_async.toml as shipped (60 steps, S = 1): held-out accuracy from 0.527
     to at least 0.95 (the synchronous quickstart reaches 0.975), with stale samples trained."""
-    dump = tmp_path / "qa"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart_async.toml"), f"--job.dump_folder={dump}"]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env({}), capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "eval accuracy: start 0.527 -> end" in r.stdout, r.stdout[-2000:]
-    end = float(r.stdout.split("eval accuracy: start 0.527 -> end")[1].split()[0])
+    rows, out = train_run(os.path.join(ROOT, "configs", "quickstart_async.toml"), tmp_path / "qa",
+                          2, timeout=1200)
+    end = held_out_end(out, "0.527")
     assert end >= 0.95, end
-    rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
     assert max(row["async/staleness_max"] for row in rows) == 1
     assert sum(row["async/staleness_1"] for row in rows) > 0

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -26,7 +25,13 @@ import torch
 from tandem.parallel.checksum import MOD, box_checksum
 from tandem.rl.config.schema import ConfigError, load_config
 from tandem.rl.recipes.rl_split import check_split_settings
-from tests.fixtures import assert_same_as_synchronous, quickstart_cmd, rollout_dumps
+from tests.fixtures import (
+    assert_same_as_synchronous,
+    held_out_end,
+    quickstart_cmd,
+    rollout_dumps,
+    train_run,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG_TAIL = {"TANDEM_INJECT_LENGTHS": "1.2:2:40", "TANDEM_INJECT_GEN_DELAY": "0:0.003"}
@@ -218,16 +223,10 @@ def test_quickstart_split_learns(tmp_path):
     The timing of each sync decides which tokens a version samples, so runs differ: 0.93 to
     0.978 in nine runs (docs/async.md). S = 0 is the synchronous run bit for bit (the test
     above), so its learning needs no run of its own."""
-    dump = tmp_path / "qs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart_split.toml"), f"--job.dump_folder={dump}"]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env({}), capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "eval accuracy: start 0.527 -> end" in r.stdout, r.stdout[-2000:]
-    end = float(r.stdout.split("eval accuracy: start 0.527 -> end")[1].split()[0])
+    rows, out = train_run(os.path.join(ROOT, "configs", "quickstart_split.toml"), tmp_path / "qs",
+                          3, timeout=1200)
+    end = held_out_end(out, "0.527")
     assert end >= 0.9, end
-    rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
     assert max(row["async/staleness_max"] for row in rows) == 1
     stale = sum(row["async/staleness_1"] for row in rows)
     fresh = sum(row["async/staleness_0"] for row in rows)
