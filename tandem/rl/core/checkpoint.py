@@ -396,7 +396,8 @@ class _Pending:
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extras: Extras | None,
            model_only: bool = False) -> dict[str, Any]:
     # a rank that holds none of the model (a split run's generator) saves and loads nothing
-    state: dict[str, Any] = {"model": get_model_state_dict(model) if model.state_dict() else {}}
+    holds = any(True for _ in model.parameters()) or any(True for _ in model.buffers())
+    state: dict[str, Any] = {"model": get_model_state_dict(model) if holds else {}}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
     for name, (m, o) in (extras or {}).items():

@@ -27,7 +27,7 @@ from tandem.rl.core.samples import SampleLog
 from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
-from tandem.rl.recipes.rl_settings import check_rl_settings, prompt_room, episode_server
+from tandem.rl.recipes.rl_settings import check_rl_settings, episode_server, prompt_room
 from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.sampling import generation_copy, generation_dtype

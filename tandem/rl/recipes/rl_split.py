@@ -18,6 +18,7 @@ sampling (`check_split_settings`: one ConfigError line each).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -160,8 +161,6 @@ class SplitRLRecipe(RLRecipe):
     # ---- the recipe protocol ---------------------------------------------------------
 
     def step(self, step: int) -> StepOutput:
-        import time
-
         self.step_index = step
         wd, w = self.rt.watchdog, self.world
         out = StepOutput({})
