@@ -31,19 +31,38 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch(dump: str, steps: int, nproc: int, max_tokens: int, delay: float,
-           extra: list[str]) -> list[dict[str, float]]:
+def launch(
+    dump: str, steps: int, nproc: int, max_tokens: int, delay: float, extra: list[str]
+) -> list[dict[str, float]]:
     slow = 0 if "--rollout.mode=split" in extra else nproc - 1  # a generator's rank
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(ROOT, "train.py"),
-           "--config", os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
-           "--reward.num_workers=0", "--checkpoint.interval=1000",
-           "--checkpoint.export_hf_at_end=false", f"--rollout.max_tokens={max_tokens}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
-           "TANDEM_INJECT_LENGTHS": f"1.2:2:{max_tokens}",
-           "TANDEM_INJECT_GEN_DELAY": f"{slow}:{delay}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        "--checkpoint.interval=1000",
+        "--checkpoint.export_hf_at_end=false",
+        f"--rollout.max_tokens={max_tokens}",
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": ROOT,
+        "TANDEM_INJECT_LENGTHS": f"1.2:2:{max_tokens}",
+        "TANDEM_INJECT_GEN_DELAY": f"{slow}:{delay}",
+    }
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -56,12 +75,14 @@ def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in later)  # noqa: E731
     split = "split/train_wait_s" in later[0]
     step = mean("time/step_s")
-    return {"step_s": step,
-            "gen_wait": mean("split/gen_wait_s" if split else "time/update_s") / step,
-            "train_wait": mean("split/train_wait_s" if split else "time/rollout_s") / step,
-            "idle": mean("async/gen_idle_frac") if "async/gen_idle_frac" in later[0] else None,
-            "stale_mean": mean("async/staleness_mean"),
-            "stale_max": max(r.get("async/staleness_max", 0.0) for r in rows)}
+    return {
+        "step_s": step,
+        "gen_wait": mean("split/gen_wait_s" if split else "time/update_s") / step,
+        "train_wait": mean("split/train_wait_s" if split else "time/rollout_s") / step,
+        "idle": mean("async/gen_idle_frac") if "async/gen_idle_frac" in later[0] else None,
+        "stale_mean": mean("async/staleness_mean"),
+        "stale_max": max(r.get("async/staleness_max", 0.0) for r in rows),
+    }
 
 
 def main() -> None:
@@ -79,26 +100,49 @@ def main() -> None:
 
     print_header("bench.async_modes")
     modes = [("sync", [])]
-    modes += [(f"colocated_async S={s}",
-               ["--rollout.mode=colocated_async", f"--rollout.max_staleness={s}"])
-              for s in args.staleness]
-    modes += [(f"split S={s}", ["--rollout.mode=split", "--rollout.gen_ranks=1",
-                                f"--rollout.max_staleness={s}"]) for s in [0, *args.staleness]]
+    modes += [
+        (
+            f"colocated_async S={s}",
+            ["--rollout.mode=colocated_async", f"--rollout.max_staleness={s}"],
+        )
+        for s in args.staleness
+    ]
+    modes += [
+        (
+            f"split S={s}",
+            ["--rollout.mode=split", "--rollout.gen_ranks=1", f"--rollout.max_staleness={s}"],
+        )
+        for s in [0, *args.staleness]
+    ]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(modes):
-            out[name] = summary(launch(os.path.join(tmp, str(i)), args.steps, args.nproc,
-                                       args.max_tokens, args.delay, extra))
+            out[name] = summary(
+                launch(
+                    os.path.join(tmp, str(i)),
+                    args.steps,
+                    args.nproc,
+                    args.max_tokens,
+                    args.delay,
+                    extra,
+                )
+            )
     ref = out["sync"]["step_s"]
-    print(f"{args.nproc} ranks, {args.steps} steps, 16 prompts x 8 samples, lengths Pareto(1.2) "
-          f"in [2, {args.max_tokens}], one generator +{args.delay}s per decode step")
-    print(f"{'mode':<22} {'step s':>7} {'steps/min':>9} {'gen wait':>8} {'train wait':>10} "
-          f"{'idle slots':>10} {'stale mean':>10} {'stale max':>9} {'vs sync':>7}")
+    print(
+        f"{args.nproc} ranks, {args.steps} steps, 16 prompts x 8 samples, lengths Pareto(1.2) "
+        f"in [2, {args.max_tokens}], one generator +{args.delay}s per decode step"
+    )
+    print(
+        f"{'mode':<22} {'step s':>7} {'steps/min':>9} {'gen wait':>8} {'train wait':>10} "
+        f"{'idle slots':>10} {'stale mean':>10} {'stale max':>9} {'vs sync':>7}"
+    )
     for name, s in out.items():
         idle = "-" if s["idle"] is None else f"{s['idle']:.2f}"
-        print(f"{name:<22} {s['step_s']:>7.2f} {60 / s['step_s']:>9.1f} {s['gen_wait']:>8.2f} "
-              f"{s['train_wait']:>10.2f} {idle:>10} {s['stale_mean']:>10.2f} "
-              f"{s['stale_max']:>9.0f} {s['step_s'] / ref:>7.2f}")
+        print(
+            f"{name:<22} {s['step_s']:>7.2f} {60 / s['step_s']:>9.1f} {s['gen_wait']:>8.2f} "
+            f"{s['train_wait']:>10.2f} {idle:>10} {s['stale_mean']:>10.2f} "
+            f"{s['stale_max']:>9.0f} {s['step_s'] / ref:>7.2f}"
+        )
 
 
 if __name__ == "__main__":

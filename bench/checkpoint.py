@@ -43,15 +43,23 @@ from tandem.rl.core.optim import build_optimizer
 def sizes(name: str) -> ModelArgs:
     if name == "quickstart":
         return get_flavor("debug-qwen3")
-    return dataclasses.replace(get_flavor("tiny-qwen3"), hidden_size=768, intermediate_size=2048,
-                               num_layers=12,
-                               num_heads=12, num_kv_heads=4, head_dim=64, vocab_size=32000)
+    return dataclasses.replace(
+        get_flavor("tiny-qwen3"),
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+    )
 
 
 def one(name: str, folder: str, info) -> dict[str, float]:  # noqa: ANN001
     args = sizes(name)
-    mesh = build_mesh(Degrees(**{"dp_replicate": 1, "dp_shard": info.world_size, "tp": 1, "pp": 1}),
-                      info.device)
+    mesh = build_mesh(
+        Degrees(**{"dp_replicate": 1, "dp_shard": info.world_size, "tp": 1, "pp": 1}), info.device
+    )
 
     def build():
         m = build_transformer(args, None, 0, mesh, info.device, BuildSpec(), is_main=info.is_main)
@@ -62,8 +70,9 @@ def one(name: str, folder: str, info) -> dict[str, float]:  # noqa: ANN001
         return m, opt
 
     def disk(ck: Checkpointer) -> int:
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ck.path(1))
-                   for f in fs)
+        return sum(
+            os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ck.path(1)) for f in fs
+        )
 
     model, opt = build()
     out: dict[str, float] = {"params": sum(p.numel() for p in model.parameters())}
@@ -113,19 +122,25 @@ def main() -> None:
     try:
         if info.is_main:
             print_header("bench.checkpoint", device=info.device.type)
-            print(f"{info.world_size} rank(s) on {info.device.type}; checkpoint = weights + AdamW "
-                  "state, fp32")
-            print(f"{'model':<12}{'params':>12}{'disk MB':>9}{'save s':>8}{'async blocking s':>18}"
-                  f"{'async total s':>15}{'ratio':>7}{'model-only MB':>15}{'model-only s':>14}"
-                  f"{'verify s':>10}{'load s':>8}")
+            print(
+                f"{info.world_size} rank(s) on {info.device.type}; checkpoint = weights + AdamW "
+                "state, fp32"
+            )
+            print(
+                f"{'model':<12}{'params':>12}{'disk MB':>9}{'save s':>8}{'async blocking s':>18}"
+                f"{'async total s':>15}{'ratio':>7}{'model-only MB':>15}{'model-only s':>14}"
+                f"{'verify s':>10}{'load s':>8}"
+            )
         for name in a.models.split(","):
             r = one(name, os.path.join(root, name), info)
             if info.is_main:
-                print(f"{name:<12}{int(r['params']):>12,}{r['bytes'] / 2**20:>9.1f}"
-                      f"{r['save_s']:>8.2f}{r['async_blocking_s']:>18.2f}"
-                      f"{r['async_total_s']:>15.2f}{r['async_blocking_s'] / r['save_s']:>7.2f}"
-                      f"{r['model_only_bytes'] / 2**20:>15.1f}{r['model_only_s']:>14.2f}"
-                      f"{r['verify_s']:>10.2f}{r['load_s']:>8.2f}")
+                print(
+                    f"{name:<12}{int(r['params']):>12,}{r['bytes'] / 2**20:>9.1f}"
+                    f"{r['save_s']:>8.2f}{r['async_blocking_s']:>18.2f}"
+                    f"{r['async_total_s']:>15.2f}{r['async_blocking_s'] / r['save_s']:>7.2f}"
+                    f"{r['model_only_bytes'] / 2**20:>15.1f}{r['model_only_s']:>14.2f}"
+                    f"{r['verify_s']:>10.2f}{r['load_s']:>8.2f}"
+                )
     finally:
         dist.barrier()
         if info.is_main:

@@ -37,30 +37,70 @@ from torch.profiler import ProfilerActivity, profile
 from bench.header import print_header
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
+from tandem.parallel.generation_layout import inference_layout
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.parallel.generation_layout import inference_layout
 
 SHAPES = {
-    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
-                 num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                       num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                     num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 # kernel / operator name fragments -> class (first match wins)
 CLASSES = (
     ("attention", ("attention", "attn", "paged", "sdpa", "flash")),
-    ("sampling", ("sort", "topk", "softmax", "multinomial", "argmax", "exponential", "noise",
-                  "cumsum", "gather")),
+    (
+        "sampling",
+        (
+            "sort",
+            "topk",
+            "softmax",
+            "multinomial",
+            "argmax",
+            "exponential",
+            "noise",
+            "cumsum",
+            "gather",
+        ),
+    ),
     ("norm", ("norm", "rsqrt")),
     ("rope", ("rope", "rotary")),
-    ("matmul",
-     ("gemm", "matmul", "mm", "linear", "cublas", "cutlass", "sm90_xmma", "addmm", "onednn")),
+    (
+        "matmul",
+        ("gemm", "matmul", "mm", "linear", "cublas", "cutlass", "sm90_xmma", "addmm", "onednn"),
+    ),
     ("copy", ("copy", "memcpy", "memset", "cat", "index_put", "scatter", "fill")),
-    ("elementwise",
-     ("elementwise", "mul", "add", "silu", "sigmoid", "exp", "neg", "where", "pow", "div")),
+    (
+        "elementwise",
+        ("elementwise", "mul", "add", "silu", "sigmoid", "exp", "neg", "where", "pow", "div"),
+    ),
 )
 
 
@@ -73,8 +113,9 @@ def classify(name: str) -> str:
 
 
 def build(args: argparse.Namespace) -> Transformer:
-    margs = ModelArgs(model_type="qwen3", rope_theta=1e6, max_position_embeddings=8192,
-                      **SHAPES[args.shape])
+    margs = ModelArgs(
+        model_type="qwen3", rope_theta=1e6, max_position_embeddings=8192, **SHAPES[args.shape]
+    )
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     with torch.device(device):
         model = Transformer(margs)
@@ -89,14 +130,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def floor_bytes(model: Transformer, batch: int, context: int,
-                dtype: torch.dtype) -> tuple[float, float]:
+def floor_bytes(
+    model: Transformer, batch: int, context: int, dtype: torch.dtype
+) -> tuple[float, float]:
     """(weight bytes, KV bytes) one decode step must read: every weight once, every
     sequence's K/V."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     a = model.args
-    kv = (2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.empty(
-        (), dtype=dtype).element_size() * batch * context)
+    kv = (
+        2
+        * a.num_layers
+        * a.num_kv_heads
+        * a.head_dim
+        * torch.empty((), dtype=dtype).element_size()
+        * batch
+        * context
+    )
     return float(weights), float(kv)
 
 
@@ -110,10 +159,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     ap.add_argument("--cuda-graphs", action="store_true")
-    ap.add_argument("--kv-cache-gb", type=float, default=None,
-                    help="default: enough for every sequence")
-    ap.add_argument("--bandwidth-gbs", type=float, default=4800.0,
-                    help="memory bandwidth of the floor (H200: 4800)")
+    ap.add_argument(
+        "--kv-cache-gb", type=float, default=None, help="default: enough for every sequence"
+    )
+    ap.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=4800.0,
+        help="memory bandwidth of the floor (H200: 4800)",
+    )
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shape, batch 4, 2 steps (the test suite's run)"
     )
@@ -124,17 +178,24 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = build(args)
     a = model.args
-    per_token_kv = (2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.empty(
-        (), dtype=dtype).element_size())
+    per_token_kv = (
+        2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.empty((), dtype=dtype).element_size()
+    )
     total_tokens = args.batch * (args.prompt + args.warmup + args.steps + 32)
     kv_gb = args.kv_cache_gb or max(per_token_kv * total_tokens * 1.25 / 2**30, 0.01)
-    settings = GenerationSettings(block_size=16, kv_cache_gb=kv_gb, max_num_seqs=max(args.batch, 1),
-                                  max_num_batched_tokens=max(args.prompt * args.batch, 2048),
-                                  seed=0, cuda_graphs=args.cuda_graphs)
+    settings = GenerationSettings(
+        block_size=16,
+        kv_cache_gb=kv_gb,
+        max_num_seqs=max(args.batch, 1),
+        max_num_batched_tokens=max(args.prompt * args.batch, 2048),
+        seed=0,
+        cuda_graphs=args.cuda_graphs,
+    )
     gen = Generator(model, settings)
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0, max_tokens=args.warmup + args.steps + 16,
-                            ignore_eos=True, seed=1)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=args.warmup + args.steps + 16, ignore_eos=True, seed=1
+    )
     for _ in range(args.batch):
         gen.add(torch.randint(4, a.vocab_size, (args.prompt,), generator=g).tolist(), params)
     while gen.scheduler.waiting or any(s.num_generated == 0 for s in gen.scheduler.running):
@@ -162,29 +223,39 @@ def main(argv: list[str] | None = None) -> None:
         per_class[cls][1] += ev.count
     step_ms = 1e3 * sorted(walls)[len(walls) // 2]
     device_ms = sum(v[0] for v in per_class.values()) / args.steps
-    w_bytes, kv_bytes = floor_bytes(model, args.batch, args.prompt + args.warmup + args.steps // 2,
-                                    dtype)
+    w_bytes, kv_bytes = floor_bytes(
+        model, args.batch, args.prompt + args.warmup + args.steps // 2, dtype
+    )
     floor_ms = 1e3 * (w_bytes + kv_bytes) / (args.bandwidth_gbs * 1e9)
-    print(f"decode step, {args.shape}, batch {args.batch}, context "
-          f"~{args.prompt + args.warmup + args.steps // 2}, {args.dtype} on {device.type}"
-          f"{' with CUDA graphs' if args.cuda_graphs else ''}")
+    print(
+        f"decode step, {args.shape}, batch {args.batch}, context "
+        f"~{args.prompt + args.warmup + args.steps // 2}, {args.dtype} on {device.type}"
+        f"{' with CUDA graphs' if args.cuda_graphs else ''}"
+    )
     print(f"{'':14}{'ms/step':>10}{'tandem/kernels/step':>14}{'share':>8}")
     for cls, (ms, n) in sorted(per_class.items(), key=lambda kv: -kv[1][0]):
-        print(f"{cls:14}{ms / args.steps:>10.3f}{n / args.steps:>14.1f}"
-              f"{ms / args.steps / max(device_ms, 1e-9):>8.1%}")
+        print(
+            f"{cls:14}{ms / args.steps:>10.3f}{n / args.steps:>14.1f}"
+            f"{ms / args.steps / max(device_ms, 1e-9):>8.1%}"
+        )
     print(f"{'device total':14}{device_ms:>10.3f}")
     if use_cuda:
-        print(f"{'host / gaps':14}{max(step_ms - device_ms, 0.0):>10.3f}   (wall minus "
-              "device time)")
+        print(
+            f"{'host / gaps':14}{max(step_ms - device_ms, 0.0):>10.3f}   (wall minus device time)"
+        )
     else:
         # operator self-times under the profiler include its per-op overhead: shares, not a wall
         # split
-        print("(CPU: operator self-times under the profiler, which adds per-operator overhead; "
-              "read the shares)")
+        print(
+            "(CPU: operator self-times under the profiler, which adds per-operator overhead; "
+            "read the shares)"
+        )
     print(f"{'wall (median)':14}{step_ms:>10.3f}")
-    print(f"floor: {w_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.3f} GB KV at "
-          f"{args.bandwidth_gbs:.0f} GB/s = {floor_ms:.3f} ms; step / floor = "
-          f"{step_ms / max(floor_ms, 1e-9):.1f}x")
+    print(
+        f"floor: {w_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.3f} GB KV at "
+        f"{args.bandwidth_gbs:.0f} GB/s = {floor_ms:.3f} ms; step / floor = "
+        f"{step_ms / max(floor_ms, 1e-9):.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -36,21 +36,28 @@ from tandem.kernels import batch_invariant as bi
 
 # (name, N, K) of Qwen3-1.7B's linears: hidden 2048, 16 q / 8 kv heads of 128, MLP 6144, vocab
 # 151936
-SHAPES_17B = [("qkv", 4096, 2048), ("o", 2048, 2048), ("gate_up", 12288, 2048),
-              ("down", 2048, 6144), ("lm_head", 151936, 2048)]
+SHAPES_17B = [
+    ("qkv", 4096, 2048),
+    ("o", 2048, 2048),
+    ("gate_up", 12288, 2048),
+    ("down", 2048, 6144),
+    ("lm_head", 151936, 2048),
+]
 SHAPES_SMALL = [("qkv", 256, 128), ("down", 128, 384), ("lm_head", 4096, 128)]
 
 
 def _rows_differ(fn, x: torch.Tensor, rows: int = 8) -> int:  # noqa: ANN001
     """How many of the first ``rows`` rows of ``fn(x)`` change when computed alone."""
     full = fn(x)
-    return sum(int(not torch.equal(fn(x[i:i + 1]), full[i:i + 1])) for i in range(rows))
+    return sum(int(not torch.equal(fn(x[i : i + 1]), full[i : i + 1])) for i in range(rows))
 
 
 def bench_mm(shapes, ms: list[int], device: str, dtype: torch.dtype, reps: int) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(0)
-    print(f"{'case':28s} {'default':>9s} {'exact':>9s} {'ratio':>6s} {'differ':>7s} "
-          f"{'exact differ':>12s}")
+    print(
+        f"{'case':28s} {'default':>9s} {'exact':>9s} {'ratio':>6s} {'differ':>7s} "
+        f"{'exact differ':>12s}"
+    )
     for name, n, k in shapes:
         w = (torch.randn(n, k, generator=g) * k**-0.5).to(device, dtype)
         for m in ms:
@@ -60,8 +67,10 @@ def bench_mm(shapes, ms: list[int], device: str, dtype: torch.dtype, reps: int) 
             with bi.exact_mode():
                 exact = time_ms(lambda x=x, w=w: x @ w.T, device, reps)
                 still = _rows_differ(lambda t, w=w: t @ w.T, x)
-            print(f"{'mm ' + name + f' {m},{n},{k}':28s} {base:9.3f} {exact:9.3f} "
-                  f"{exact / base:6.2f} {bad:7d} {still:12d}")
+            print(
+                f"{'mm ' + name + f' {m},{n},{k}':28s} {base:9.3f} {exact:9.3f} "
+                f"{exact / base:6.2f} {bad:7d} {still:12d}"
+            )
 
 
 def bench_reductions(
@@ -78,8 +87,10 @@ def bench_reductions(
         base = time_ms(lambda z=z: torch.logsumexp(z, -1), device, reps)
         exact = time_ms(lambda z=z: bi.logsumexp(z), device, reps)
         bad = _rows_differ(lambda t: torch.logsumexp(t, -1), z)
-        print(f"{f'lse {n},{vocab}':28s} {base:9.3f} {exact:9.3f} {exact / base:6.2f} {bad:7d} "
-              f"{_rows_differ(bi.logsumexp, z):12d}")
+        print(
+            f"{f'lse {n},{vocab}':28s} {base:9.3f} {exact:9.3f} {exact / base:6.2f} {bad:7d} "
+            f"{_rows_differ(bi.logsumexp, z):12d}"
+        )
     hq, hkv, d = heads
     for t, length in ((1, 128),) if smoke else ((1, 1024), (64, 1024), (512, 512)):
         q = torch.randn(t, hq, d, generator=g).to(device, dtype)
@@ -89,15 +100,29 @@ def bench_reductions(
         mask = torch.arange(length, device=device)[None] <= pos[:, None]  # [T, L]
         # [H, T, D], [Hkv, L, D]
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        base = time_ms(lambda qh=qh, kh=kh, vh=vh, mask=mask: F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, enable_gqa=True), device, reps)
-        exact = time_ms(lambda q=q, k=k, v=v, index=index, pos=pos: bi.attention(
-            q, k, v, index, pos + 1, d**-0.5),
-                        device, reps)
+        base = time_ms(
+            lambda qh=qh, kh=kh, vh=vh, mask=mask: F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, enable_gqa=True
+            ),
+            device,
+            reps,
+        )
+        exact = time_ms(
+            lambda q=q, k=k, v=v, index=index, pos=pos: bi.attention(
+                q, k, v, index, pos + 1, d**-0.5
+            ),
+            device,
+            reps,
+        )
         print(f"{f'attn {t},{length}':28s} {base:9.3f} {exact:9.3f} {exact / base:6.2f}")
         if device == "cuda":  # the PyTorch form too, which the Triton kernel replaces there
-            ref = time_ms(lambda q=q, k=k, v=v, index=index, pos=pos: bi.attention_torch(
-                q, k, v, index, pos + 1, d**-0.5), device, reps)
+            ref = time_ms(
+                lambda q=q, k=k, v=v, index=index, pos=pos: bi.attention_torch(
+                    q, k, v, index, pos + 1, d**-0.5
+                ),
+                device,
+                reps,
+            )
             print(f"{f'attn-torch {t},{length}':28s} {base:9.3f} {ref:9.3f} {ref / base:6.2f}")
 
 
@@ -113,8 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     print_header("bench.exact_kernels", argv, a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     big = a.device == "cuda"
-    print(f"device {a.device} dtype {a.dtype}"
-          + (f" ({torch.cuda.get_device_name()})" if big else ""))
+    print(
+        f"device {a.device} dtype {a.dtype}" + (f" ({torch.cuda.get_device_name()})" if big else "")
+    )
     ms = [16] if a.smoke else [64, 4096] if big else [16, 256]
     bench_mm(
         SHAPES_SMALL if a.smoke else SHAPES_17B if big else SHAPES_SMALL,
@@ -123,8 +149,14 @@ def main(argv: list[str] | None = None) -> None:
         dtype,
         a.repeats,
     )
-    bench_reductions(a.device, dtype, a.repeats, 1024 if a.smoke else 151936 if big else 8192,
-                     (16, 8, 128) if big else (4, 2, 32), a.smoke)
+    bench_reductions(
+        a.device,
+        dtype,
+        a.repeats,
+        1024 if a.smoke else 151936 if big else 8192,
+        (16, 8, 128) if big else (4, 2, 32),
+        a.smoke,
+    )
 
 
 if __name__ == "__main__":

@@ -47,10 +47,10 @@ from tandem.kernels import kv_quant as kvq
 from tandem.models.args import ModelArgs
 from tandem.models.attention import CausalAttention
 from tandem.models.transformer import Transformer
+from tandem.parallel.generation_layout import inference_layout
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.kv_cache import KVCache, KVQuant
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.parallel.generation_layout import inference_layout
 
 PROMPT = 64
 FORMATS = {
@@ -227,8 +227,9 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="only a quickstart policy's held-out answers (default: the shipped one)",
     )
-    ap.add_argument("--smoke", action="store_true",
-                    help="2 layers, 32-token completions, 2 sequences")
+    ap.add_argument(
+        "--smoke", action="store_true", help="2 layers, 32-token completions, 2 sequences"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.lengths, args.seqs = 2, [32], 2

@@ -36,9 +36,9 @@ import torch
 
 from bench.header import print_header
 from tandem.models.hf import load_model
+from tandem.parallel.generation_layout import inference_layout
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.parallel.generation_layout import inference_layout
 
 
 def write_model(path: str, args: argparse.Namespace) -> None:
@@ -47,12 +47,19 @@ def write_model(path: str, args: argparse.Namespace) -> None:
 
     hf_logging.disable_progress_bar()  # keep the table readable
 
-    cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=3 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                      num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
-                      max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    cfg = Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger-than-init weights: peaked distributions, stable greedy argmax
@@ -64,13 +71,20 @@ def write_model(path: str, args: argparse.Namespace) -> None:
 
 def workload(args: argparse.Namespace) -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(4, args.vocab)
-             for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-            for _ in range(args.prompts)]
+    return [
+        [rng.randrange(4, args.vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.prompts)
+    ]
 
 
-def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, variant: str,
-               lengths: list[int], other_layout: bool = False) -> tuple[float, list[list[int]]]:
+def run_tandem(
+    path: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    variant: str,
+    lengths: list[int],
+    other_layout: bool = False,
+) -> tuple[float, list[list[int]]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = load_model(path, device=device, dtype=dtype).eval().requires_grad_(False)
     cuda = device.type == "cuda"
@@ -78,13 +92,19 @@ def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, va
         cuda != other_layout
     ):  # the trainer's rollout copy: fused on CUDA; on the CPU oneDNN is the other one
         inference_layout(model, cpu_onednn=other_layout)
-    settings = GenerationSettings(block_size=16, kv_cache_gb=args.kv_cache_gb, max_num_seqs=256,
-                                  max_num_batched_tokens=args.batched_tokens, seed=0,
-                                  cuda_graphs=args.cuda_graphs)
+    settings = GenerationSettings(
+        block_size=16,
+        kv_cache_gb=args.kv_cache_gb,
+        max_num_seqs=256,
+        max_num_batched_tokens=args.batched_tokens,
+        seed=0,
+        cuda_graphs=args.cuda_graphs,
+    )
     greedy = variant == "greedy"
     n = 1 if greedy else args.n
-    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=args.max_tokens,
-                            ignore_eos=True, seed=1)
+    params = SamplingParams(
+        temperature=0.0 if greedy else 1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=1
+    )
     gen = Generator(model, settings)
     check = None
     if variant == "grpo":  # seq ids are assigned in order: prompt-major, sample-minor
@@ -100,13 +120,17 @@ def run_tandem(path: str, prompts: list[list[int]], args: argparse.Namespace, va
 
 
 @torch.inference_mode()
-def run_hf(path: str, prompts: list[list[int]], args: argparse.Namespace, variant: str,
-           lengths: list[int]) -> tuple[float, list[list[int]]]:
+def run_hf(
+    path: str, prompts: list[list[int]], args: argparse.Namespace, variant: str, lengths: list[int]
+) -> tuple[float, list[list[int]]]:
     from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device)
-    model = (AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(
-        device).eval())
+    model = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+        .to(device)
+        .eval()
+    )
     new = max(lengths) if variant == "grpo" else args.max_tokens
     kw = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
     outs: list[list[int]] = []
@@ -118,8 +142,16 @@ def run_hf(path: str, prompts: list[list[int]], args: argparse.Namespace, varian
     if variant == "greedy":
         o = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
     else:  # n samples per prompt
-        o = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                           top_p=1.0, num_return_sequences=args.n, **kw)
+        o = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=args.n,
+            **kw,
+        )
     outs = [row[width:].tolist() for row in o]
     if variant == "grpo":  # computed to the longest; each sample is its own length
         outs = [row[:n] for row, n in zip(outs, lengths)]
@@ -146,16 +178,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-gb", type=float, default=0.5)
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="replay CUDA graphs for decode steps (CUDA only)")
+    ap.add_argument(
+        "--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps (CUDA only)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: leave as is)")
     ap.add_argument(
         "--variants", default="fixed,greedy,grpo", help="comma-separated: fixed, greedy, grpo"
     )
-    ap.add_argument("--warmup", type=int, default=1,
-                    help="untimed runs first: Tandem on the whole workload of the first "
-                         "variant (Triton compiles), transformers on 2 prompts x 16 tokens; 0 "
-                         "times the cold first run")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed runs first: Tandem on the whole workload of the first "
+        "variant (Triton compiles), transformers on 2 prompts x 16 tokens; 0 "
+        "times the cold first run",
+    )
     ap.add_argument(
         "--layout-row",
         action="store_true",
@@ -178,8 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     print_header("bench.generate", argv, args.device)
     prompts = workload(args)
     rng = random.Random(1)
-    lengths = [rng.randint(max(1, args.max_tokens // 4), args.max_tokens)
-               for _ in range(len(prompts) * args.n)]
+    lengths = [
+        rng.randint(max(1, args.max_tokens // 4), args.max_tokens)
+        for _ in range(len(prompts) * args.n)
+    ]
     rows, layout_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         write_model(tmp, args)
@@ -196,34 +235,47 @@ def main(argv: list[str] | None = None) -> None:
                 layout_rows.append((variant, t_tandem, t_again, t_other, same, len(out_t)))
             t_hf, out_h = run_hf(tmp, prompts, args, variant, lengths)
             n_tok = sum(map(len, out_t))
-            assert n_tok == sum(map(len, out_h)), ("both engines must generate the same "
-                                                   "number of tokens")
+            assert n_tok == sum(map(len, out_h)), (
+                "both engines must generate the same number of tokens"
+            )
             hf_computed = len(out_h) * max(map(len, out_h))  # every row runs to the longest
             same = sum(a == b for a, b in zip(out_t, out_h)) if variant == "greedy" else None
             rows.append((variant, len(out_t), n_tok, hf_computed, t_tandem, t_hf, same))
     n_seqs = args.prompts * args.n
-    print(f"device={args.device} dtype={args.dtype} model: hidden={args.hidden} "
-          f"layers={args.layers} vocab={args.vocab}; {args.prompts} prompts x n={args.n}, prompt "
-          f"{args.min_prompt}-{args.max_prompt} tokens, up to {args.max_tokens} new tokens, "
-          f"threads={torch.get_num_threads()}; both engines take the whole batch ({n_seqs} "
-          f"sequences, greedy {args.prompts}); ratio = hf s / tandem s")
-    print(f"{'variant':<8} {'seqs':>5} {'tokens':>7} {'hf computed':>12} {'tandem s':>9} "
-          f"{'tandem tok/s':>13} {'hf s':>8} {'hf tok/s':>9} {'ratio':>6} {'identical':>10}")
+    print(
+        f"device={args.device} dtype={args.dtype} model: hidden={args.hidden} "
+        f"layers={args.layers} vocab={args.vocab}; {args.prompts} prompts x n={args.n}, prompt "
+        f"{args.min_prompt}-{args.max_prompt} tokens, up to {args.max_tokens} new tokens, "
+        f"threads={torch.get_num_threads()}; both engines take the whole batch ({n_seqs} "
+        f"sequences, greedy {args.prompts}); ratio = hf s / tandem s"
+    )
+    print(
+        f"{'variant':<8} {'seqs':>5} {'tokens':>7} {'hf computed':>12} {'tandem s':>9} "
+        f"{'tandem tok/s':>13} {'hf s':>8} {'hf tok/s':>9} {'ratio':>6} {'identical':>10}"
+    )
     for name, seqs, n_tok, hf_tok, tt, th, same in rows:
         ident = f"{same}/{seqs}" if same is not None else "-"
         label = name if name != "grpo" else "grpo*"
-        print(f"{label:<8} {seqs:>5} {n_tok:>7} {hf_tok:>12} {tt:>9.2f} {n_tok / tt:>13.1f} "
-              f"{th:>8.2f} {n_tok / th:>9.1f} {th / tt:>5.2f}x {ident:>10}")
+        print(
+            f"{label:<8} {seqs:>5} {n_tok:>7} {hf_tok:>12} {tt:>9.2f} {n_tok / tt:>13.1f} "
+            f"{th:>8.2f} {n_tok / th:>9.1f} {th / tt:>5.2f}x {ident:>10}"
+        )
     if any(r[0] == "grpo" for r in rows):
-        print("* not like for like: the same samples, each engine's own work (generate computes "
-              "every row to the longest; tok/s counts the samples' tokens)")
+        print(
+            "* not like for like: the same samples, each engine's own work (generate computes "
+            "every row to the longest; tok/s counts the samples' tokens)"
+        )
     if layout_rows:
         other = "plain" if args.device == "cuda" else "oneDNN"
-        print(f"{'variant':<8} {'default s':>16} {other + ' s':>9} {other + '/default':>16} "
-              f"{'same tokens':>12}")
+        print(
+            f"{'variant':<8} {'default s':>16} {other + ' s':>9} {other + '/default':>16} "
+            f"{'same tokens':>12}"
+        )
         for name, t1, t2, to, same, total in layout_rows:  # default runs before and after
-            print(f"{name:<8} {t1:>7.2f}, {t2:>6.2f} {to:>9.2f} {to / ((t1 + t2) / 2):>15.2f}x "
-                  f"{f'{same}/{total}':>12}")
+            print(
+                f"{name:<8} {t1:>7.2f}, {t2:>6.2f} {to:>9.2f} {to / ((t1 + t2) / 2):>15.2f}x "
+                f"{f'{same}/{total}':>12}"
+            )
 
 
 if __name__ == "__main__":

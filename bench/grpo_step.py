@@ -59,15 +59,31 @@ def write_workload(folder: str, args: argparse.Namespace) -> tuple[str, str]:
     vocab = args.vocab or json.load(open(os.path.join(TOKENIZER, "config.json")))["vocab_size"]
     if args.shape == "qwen3-1.7b":
         # Qwen3-1.7B's shapes (random weights; the char tokenizer's ids are a subset)
-        shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                     num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+        shape = dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
     else:
-        shape = dict(hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                     num_hidden_layers=args.layers,
-                     num_attention_heads=args.hidden // 64,
-                     num_key_value_heads=max(1, args.hidden // 128), head_dim=64)
-    cfg = Qwen3Config(vocab_size=vocab, **shape, max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+        shape = dict(
+            hidden_size=args.hidden,
+            intermediate_size=3 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=max(1, args.hidden // 128),
+            head_dim=64,
+        )
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        **shape,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     with torch.device(args.device):
         # random init of a 1.7B model is minutes on a CPU, seconds on a GPU
@@ -111,8 +127,9 @@ def _mean(xs: list[float]) -> float:
 # ---- Tandem -------------------------------------------------------------------------
 
 
-def tandem_argv(model_dir: str, data: str, dump: str, args: argparse.Namespace,
-                extra: tuple[str, ...] = ()) -> list[str]:
+def tandem_argv(
+    model_dir: str, data: str, dump: str, args: argparse.Namespace, extra: tuple[str, ...] = ()
+) -> list[str]:
     """``train.py``'s arguments for the workload (the settings `trl_settings` matches)."""
     return [
         "--config",
@@ -149,8 +166,14 @@ def tandem_argv(model_dir: str, data: str, dump: str, args: argparse.Namespace,
     ]
 
 
-def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace, name: str,
-               extra: tuple[str, ...] = ()) -> dict[str, float]:
+def run_tandem(
+    model_dir: str,
+    data: str,
+    folder: str,
+    args: argparse.Namespace,
+    name: str,
+    extra: tuple[str, ...] = (),
+) -> dict[str, float]:
     dump = os.path.join(folder, name)
     cmd = [
         sys.executable,
@@ -166,9 +189,13 @@ def run_tandem(model_dir: str, data: str, folder: str, args: argparse.Namespace,
     step = [x["time/step_s"] for x in rows]
     gen = [x["time/rollout_s"] for x in rows]
     logp = [x["time/logprobs_s"] for x in rows]
-    return {"step_s": _mean(step), "generate_s": _mean(gen), "logprobs_s": _mean(logp),
-            "update_s": _mean(step) - _mean(gen) - _mean(logp),
-            "completion_len": _mean([x["response/length_mean"] for x in rows])}
+    return {
+        "step_s": _mean(step),
+        "generate_s": _mean(gen),
+        "logprobs_s": _mean(logp),
+        "update_s": _mean(step) - _mean(gen) - _mean(logp),
+        "completion_len": _mean([x["response/length_mean"] for x in rows]),
+    }
 
 
 # ---- TRL (worker mode, in the interpreter that has trl) ------------------------------
@@ -250,8 +277,9 @@ def trl_resolved(config, model=None) -> dict:  # noqa: ANN001 - a GRPOConfig, th
     }
 
 
-def trl_worker(model_dir: str, data: str, folder: str,
-               args: argparse.Namespace) -> dict[str, float]:
+def trl_worker(
+    model_dir: str, data: str, folder: str, args: argparse.Namespace
+) -> dict[str, float]:
     import torch
     from datasets import load_dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -264,9 +292,13 @@ def trl_worker(model_dir: str, data: str, folder: str,
         return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
 
     config = GRPOConfig(**trl_settings(args, folder, default_checkpointing=args.trl_default))
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[exact_match], args=config,
-                          train_dataset=load_dataset("json", data_files=data, split="train"),
-                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[exact_match],
+        args=config,
+        train_dataset=load_dataset("json", data_files=data, split="train"),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
     timers = {"generate": 0.0, "logprobs": 0.0}
 
     def timed(name: str, fn, only_no_grad: bool = False):  # noqa: ANN001, ANN202
@@ -277,12 +309,13 @@ def trl_worker(model_dir: str, data: str, folder: str,
             out = fn(*a, **k)
             timers[name] += time.perf_counter() - t0
             return out
+
         return wrapper
 
     trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
-    trainer._get_per_token_logps_and_entropies = timed("logprobs",
-                                                       trainer._get_per_token_logps_and_entropies,
-                                                       True)
+    trainer._get_per_token_logps_and_entropies = timed(
+        "logprobs", trainer._get_per_token_logps_and_entropies, True
+    )
     steps: list[dict[str, float]] = []
     lengths: list[float] = []
 
@@ -291,11 +324,22 @@ def trl_worker(model_dir: str, data: str, folder: str,
             timers.update(generate=0.0, logprobs=0.0, t0=time.perf_counter())
 
         def on_step_end(self, *_: object, **__: object) -> None:
-            steps.append({"step_s": time.perf_counter() - timers["t0"],
-                          "generate_s": timers["generate"], "logprobs_s": timers["logprobs"]})
+            steps.append(
+                {
+                    "step_s": time.perf_counter() - timers["t0"],
+                    "generate_s": timers["generate"],
+                    "logprobs_s": timers["logprobs"],
+                }
+            )
 
-        def on_log(self, _args: object, _state: object, _control: object, logs: dict | None = None,
-                   **__: object) -> None:
+        def on_log(
+            self,
+            _args: object,
+            _state: object,
+            _control: object,
+            logs: dict | None = None,
+            **__: object,
+        ) -> None:
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
@@ -310,12 +354,23 @@ def trl_worker(model_dir: str, data: str, folder: str,
     rows = steps[1:]  # drop the warm-up step
     step = _mean([x["step_s"] for x in rows])
     gen, logp = _mean([x["generate_s"] for x in rows]), _mean([x["logprobs_s"] for x in rows])
-    return {"step_s": step, "generate_s": gen, "logprobs_s": logp, "update_s": step - gen - logp,
-            "completion_len": _mean(lengths[1:]), "settings": settings}
+    return {
+        "step_s": step,
+        "generate_s": gen,
+        "logprobs_s": logp,
+        "update_s": step - gen - logp,
+        "completion_len": _mean(lengths[1:]),
+        "settings": settings,
+    }
 
 
-def run_trl(model_dir: str, data: str, folder: str, args: argparse.Namespace,
-            default_checkpointing: bool = False) -> dict | str:
+def run_trl(
+    model_dir: str,
+    data: str,
+    folder: str,
+    args: argparse.Namespace,
+    default_checkpointing: bool = False,
+) -> dict | str:
     python = args.trl_python or sys.executable
     env = _child_env(args)
     if args.trl_python_path:
@@ -355,8 +410,7 @@ def tandem_settings(cfg, device: str) -> dict:  # noqa: ANN001 - a tandem.rl.con
     }
 
 
-def _tandem_config(model_dir: str, data: str, folder: str,
-                   args: argparse.Namespace):  # noqa: ANN202
+def _tandem_config(model_dir: str, data: str, folder: str, args: argparse.Namespace):  # noqa: ANN202
     from tandem.rl.config.schema import parse_args as parse_train_args
 
     return parse_train_args(tandem_argv(model_dir, data, os.path.join(folder, "settings"), args))[0]
@@ -371,18 +425,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds of all engines, alternating; the ratio is "
-                                                           "the median of the rounds' TRL / "
-                                                           "engine ratios")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of all engines, alternating; the ratio is "
+        "the median of the rounds' TRL / "
+        "engine ratios",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
-    ap.add_argument("--device", default=None, choices=("cpu", "cuda"),
-                    help="default: cuda when available (Tandem picks the device itself; TRL "
-                         "follows this)")
-    ap.add_argument("--shape", default="small", choices=("small", "qwen3-1.7b"),
-                    help="small: --hidden x --layers; qwen3-1.7b: Qwen3-1.7B's shapes")
-    ap.add_argument("--vocab", type=int, default=0,
-                    help="model vocabulary (default: the tokenizer's)")
+    ap.add_argument(
+        "--device",
+        default=None,
+        choices=("cpu", "cuda"),
+        help="default: cuda when available (Tandem picks the device itself; TRL follows this)",
+    )
+    ap.add_argument(
+        "--shape",
+        default="small",
+        choices=("small", "qwen3-1.7b"),
+        help="small: --hidden x --layers; qwen3-1.7b: Qwen3-1.7B's shapes",
+    )
+    ap.add_argument(
+        "--vocab", type=int, default=0, help="model vocabulary (default: the tokenizer's)"
+    )
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="Tandem's KV pool budget")
     ap.add_argument(
         "--activation-checkpoint",
@@ -391,22 +457,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="in both trainers: Tandem's parallel.activation_checkpoint, TRL's "
         "gradient_checkpointing",
     )
-    ap.add_argument("--trl-python", default=None,
-                    help="interpreter that has trl (default: this one)")
+    ap.add_argument(
+        "--trl-python", default=None, help="interpreter that has trl (default: this one)"
+    )
     ap.add_argument(
         "--trl-python-path",
         default=None,
         help="a folder with trl, added to the TRL worker's PYTHONPATH",
     )
-    ap.add_argument("--engines", default="tandem,trl",
-                    help="tandem-unshared: advanced.share_prompts = false (each sample packs "
-                         "its own prompt copy); "
-                         "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem "
-                         "elsewhere); tandem-exact: rl.exact = true (batch-invariant kernels); "
-                         "tandem-onednn: rollout.cpu_onednn = true (CPU); "
-                         "tandem-triton: advanced.kernels = triton (every kernel's Triton form); "
-                         "trl-default: TRL with its "
-                         "default gradient checkpointing (on in TRL 1.16: not like for like)")
+    ap.add_argument(
+        "--engines",
+        default="tandem,trl",
+        help="tandem-unshared: advanced.share_prompts = false (each sample packs "
+        "its own prompt copy); "
+        "tandem-eager: rollout.cuda_graphs = false (CUDA; the same as tandem "
+        "elsewhere); tandem-exact: rl.exact = true (batch-invariant kernels); "
+        "tandem-onednn: rollout.cpu_onednn = true (CPU); "
+        "tandem-triton: advanced.kernels = triton (every kernel's Triton form); "
+        "trl-default: TRL with its "
+        "default gradient checkpointing (on in TRL 1.16: not like for like)",
+    )
     ap.add_argument(
         "--smoke", action="store_true", help="the smallest workload (the test suite's run)"
     )
@@ -435,8 +505,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 TRL_ROWS = ("trl", "trl-default")
 
 
-def run_engine(engine: str, model_dir: str, data: str, folder: str, args: argparse.Namespace,
-               rnd: int) -> dict | str:
+def run_engine(
+    engine: str, model_dir: str, data: str, folder: str, args: argparse.Namespace, rnd: int
+) -> dict | str:
     if engine in TRL_ROWS:
         return run_trl(model_dir, data, folder, args, default_checkpointing=engine == "trl-default")
     return run_tandem(model_dir, data, folder, args, f"{engine}-{rnd}", TANDEM_ROWS[engine])
@@ -449,12 +520,15 @@ def print_ratios(rounds: list[dict[str, dict]], engines: list[str]) -> None:
     pairs = [(ref, e) for ref in engines if ref in TRL_ROWS for e in ours]
     pairs += [(e, ours[0]) for e in ours[1:]]
     for ref, engine in pairs:
-        ratios = [rr[ref]["step_s"] / rr[engine]["step_s"]
-                  for rr in rounds if ref in rr and engine in rr]
+        ratios = [
+            rr[ref]["step_s"] / rr[engine]["step_s"] for rr in rounds if ref in rr and engine in rr
+        ]
         if ratios:
             each = ", ".join(f"{x:.2f}" for x in ratios)
-            print(f"{ref} / {engine} seconds per step: median {statistics.median(ratios):.2f}x "
-                  f"(rounds: {each})")
+            print(
+                f"{ref} / {engine} seconds per step: median {statistics.median(ratios):.2f}x "
+                f"(rounds: {each})"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -471,14 +545,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model_dir, data = write_workload(folder, args)
         ours = tandem_settings(_tandem_config(model_dir, data, folder, args), args.device)
-        what = ("Qwen3-1.7B shapes" if args.shape == "qwen3-1.7b"
-                else f"Qwen3 hidden {args.hidden} x {args.layers} layers")
+        what = (
+            "Qwen3-1.7B shapes"
+            if args.shape == "qwen3-1.7b"
+            else f"Qwen3 hidden {args.hidden} x {args.layers} layers"
+        )
         where = "CUDA" if args.device == "cuda" else f"CPU, {args.threads} threads"
-        print(f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new "
-              f"tokens, {what}, {where}, mean of steps 2..{args.steps}")
+        print(
+            f"{args.prompts} prompts x {args.samples} samples, <= {args.max_tokens} new "
+            f"tokens, {what}, {where}, mean of steps 2..{args.steps}"
+        )
         print("settings, both trainers: " + ", ".join(f"{k} {v}" for k, v in ours.items()))
-        print(f"{'engine':<15}{'round':>6}{'step s':>9}{'generate':>10}{'logprobs':>10}"
-              f"{'update':>9}{'compl len':>11}")
+        print(
+            f"{'engine':<15}{'round':>6}{'step s':>9}{'generate':>10}{'logprobs':>10}"
+            f"{'update':>9}{'compl len':>11}"
+        )
         rounds: list[dict[str, dict]] = []
         for rnd in range(1, args.repeats + 1):
             # engines alternate, so a slow spell of the machine hits all of them
@@ -489,9 +570,11 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{engine:<15} {r}")
                     continue
                 results[engine] = r
-                print(f"{engine:<15}{rnd:>6}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}"
-                      f"{r['logprobs_s']:>10.2f}{r['update_s']:>9.2f}{r['completion_len']:>11.1f}",
-                      flush=True)
+                print(
+                    f"{engine:<15}{rnd:>6}{r['step_s']:>9.2f}{r['generate_s']:>10.2f}"
+                    f"{r['logprobs_s']:>10.2f}{r['update_s']:>9.2f}{r['completion_len']:>11.1f}",
+                    flush=True,
+                )
                 theirs = r.get("settings", {})
                 differ = {k: v for k, v in theirs.items() if ours.get(k) != v}
                 if differ:  # only the trl-default row may differ (its gradient checkpointing)

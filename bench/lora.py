@@ -40,10 +40,18 @@ from tandem.models.args import ModelArgs  # noqa: E402
 
 SIZES = {  # name -> ModelArgs kwargs (None: the quickstart's HF folder)
     "quickstart": None,
-    "100m": dict(model_type="qwen3", vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                 num_layers=12,
-                 num_heads=12, num_kv_heads=4, head_dim=64, tie_word_embeddings=True,
-                 rope_theta=1e6),
+    "100m": dict(
+        model_type="qwen3",
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
 }
 
 
@@ -62,10 +70,18 @@ def _samples(vocab: int, n: int, prompt: int, completion: int):
     for i in range(n):
         p = torch.randint(1, vocab, (prompt,), generator=g).tolist()
         c = torch.randint(1, vocab, (completion,), generator=g).tolist()
-        out.append(RolloutSample(group=i // 4, prompt_ids=p, completion_ids=c,
-                                 loss_mask=[True] * completion,
-                                 gen_logprobs=[-1.0] * completion, finish_reason="stop", text="",
-                                 row={"id": i}))
+        out.append(
+            RolloutSample(
+                group=i // 4,
+                prompt_ids=p,
+                completion_ids=c,
+                loss_mask=[True] * completion,
+                gen_logprobs=[-1.0] * completion,
+                finish_reason="stop",
+                text="",
+                row={"id": i},
+            )
+        )
     return out
 
 
@@ -118,17 +134,29 @@ class _Update:
         )
 
         self.model, _ = _model(args, rank)
-        self.opt = build_optimizer(self.model, lr=1e-4, betas=[0.9, 0.95], eps=1e-8,
-                                   weight_decay=0.0)
+        self.opt = build_optimizer(
+            self.model, lr=1e-4, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0
+        )
         dev = torch.device("cpu")
         mask, gen_logp, self.width = completion_tensors(samples, dev)
         adv = torch.linspace(-1, 1, len(samples))[:, None].expand_as(mask).contiguous()
         r = RLConfig()
-        self.spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"), policy_cfg=r,
-                             aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None,
-                             kl_coef=0.0, entropy_coef=0.0)
-        self.inp = LossInputs(mask=mask, old_logp=None, advantages=adv, gen_logp=gen_logp,
-                              ref_logp=None, seen_logp=torch.zeros_like(mask))
+        self.spec = LossSpec(
+            policy_loss=POLICY_LOSSES.get("ppo_clip"),
+            policy_cfg=r,
+            aggregation=AGGREGATIONS.get("token_mean"),
+            kl_estimator=None,
+            kl_coef=0.0,
+            entropy_coef=0.0,
+        )
+        self.inp = LossInputs(
+            mask=mask,
+            old_logp=None,
+            advantages=adv,
+            gen_logp=gen_logp,
+            ref_logp=None,
+            seen_logp=torch.zeros_like(mask),
+        )
         self.norm = make_norm(mask)
         self.mbs = pack_micro_batches(samples, list(range(len(samples))), 1024, dev)
         self.kept = 0
@@ -145,17 +173,23 @@ class _Update:
         self.opt.step()
         dt = time.perf_counter() - t0
         m, opt = self.model, self.opt
-        self.kept = _bytes(m.parameters()) + _bytes(p.grad for p in m.parameters()
-                                                    if p.grad is not None) + \
-            _bytes(v for st in opt.state.values() for v in st.values() if v.dim() > 0)
+        self.kept = (
+            _bytes(m.parameters())
+            + _bytes(p.grad for p in m.parameters() if p.grad is not None)
+            + _bytes(v for st in opt.state.values() for v in st.values() if v.dim() > 0)
+        )
         opt.zero_grad(set_to_none=True)
         return dt
 
     def report(self, times: list[float]) -> dict[str, float]:
         saved = _saved_bytes(self.model, lambda: self._loss(self.mbs[0]))
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return {"step_s": statistics.median(times), "kept_mb": self.kept / 1e6,
-                "saved_mb": saved / 1e6, "trained_m": trained / 1e6}
+        return {
+            "step_s": statistics.median(times),
+            "kept_mb": self.kept / 1e6,
+            "saved_mb": saved / 1e6,
+            "trained_m": trained / 1e6,
+        }
 
 
 class _Refill:
@@ -163,12 +197,12 @@ class _Refill:
     its seconds)."""
 
     def __init__(self, args: ModelArgs, rank: int) -> None:
-        from tandem.parallel.generation_layout import GenerationLayout
-        from tandem.parallel.generation_layout import GenerationCopy
+        from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 
         self.model, spec = _model(args, rank)
-        self.copy = GenerationCopy(self.model, args, GenerationLayout(), torch.device("cpu"),
-                                   lora=spec)
+        self.copy = GenerationCopy(
+            self.model, args, GenerationLayout(), torch.device("cpu"), lora=spec
+        )
         self.moved = 0.0
         self.check: list[float] = []  # of each build, the seconds of the adapters' checksum
 
@@ -200,10 +234,15 @@ def measure(args: ModelArgs, rank: int, repeat: int, samples) -> dict[str, dict[
             if i:
                 steps[k].append(dt)
                 builds[k].append(bt)
-    return {k: {**updates[k].report(steps[k]), "refill_s": statistics.median(builds[k]),
-                "check_s": statistics.median(refills[k].check[1:]),
-                "refill_mb": refills[k].moved / 1e6}
-            for k in updates}
+    return {
+        k: {
+            **updates[k].report(steps[k]),
+            "refill_s": statistics.median(builds[k]),
+            "check_s": statistics.median(refills[k].check[1:]),
+            "refill_mb": refills[k].moved / 1e6,
+        }
+        for k in updates
+    }
 
 
 def main() -> None:
@@ -214,10 +253,15 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--completion", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (2 on a shared 2-core box spin-waited: 10x slower)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="the quickstart size, 2 repeats, 4 samples")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (2 on a shared 2-core box spin-waited: 10x slower)",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="the quickstart size, 2 repeats, 4 samples"
+    )
     opts = ap.parse_args()
     if opts.smoke:
         opts.sizes, opts.repeat, opts.samples = "quickstart", 2, 4
@@ -226,11 +270,15 @@ def main() -> None:
     print_header("bench.lora")
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {opts.samples} "
-          f"samples of {opts.prompt} + {opts.completion} tokens; LoRA rank {opts.rank} on q, k, v, "
-          "o, gate, up, down")
-    head = (f"{'model':<11}{'weights':<8}{'trained M':>10}{'step s':>9}{'kept MB':>10}"
-            f"{'saved MB':>10}{'refill s':>10}{'check s':>9}{'refill MB':>11}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {opts.samples} "
+        f"samples of {opts.prompt} + {opts.completion} tokens; LoRA rank {opts.rank} on q, k, v, "
+        "o, gate, up, down"
+    )
+    head = (
+        f"{'model':<11}{'weights':<8}{'trained M':>10}{'step s':>9}{'kept MB':>10}"
+        f"{'saved MB':>10}{'refill s':>10}{'check s':>9}{'refill MB':>11}"
+    )
     print(head)
     ratios = []
     for size in opts.sizes.split(","):
@@ -238,15 +286,19 @@ def main() -> None:
         samples = _samples(min(args.vocab_size, 1000), opts.samples, opts.prompt, opts.completion)
         rows = measure(args, opts.rank, opts.repeat, samples)
         for name, r in rows.items():
-            print(f"{size:<11}{name:<8}{r['trained_m']:>10.3f}{r['step_s']:>9.4f}"
-                  f"{r['kept_mb']:>10.2f}{r['saved_mb']:>10.2f}{r['refill_s']:>10.5f}"
-                  f"{r['check_s']:>9.5f}{r['refill_mb']:>11.3f}")
+            print(
+                f"{size:<11}{name:<8}{r['trained_m']:>10.3f}{r['step_s']:>9.4f}"
+                f"{r['kept_mb']:>10.2f}{r['saved_mb']:>10.2f}{r['refill_s']:>10.5f}"
+                f"{r['check_s']:>9.5f}{r['refill_mb']:>11.3f}"
+            )
         f, lo = rows["full"], rows["lora"]
-        ratios.append(f"{size}: step time {lo['step_s'] / f['step_s']:.2f}x, kept bytes "
-                      f"{lo['kept_mb'] / f['kept_mb']:.2f}x, saved activations "
-                      f"{lo['saved_mb'] / f['saved_mb']:.2f}x, refill time "
-                      f"{lo['refill_s'] / f['refill_s']:.3f}x, refill bytes "
-                      f"{lo['refill_mb'] / f['refill_mb']:.3f}x")
+        ratios.append(
+            f"{size}: step time {lo['step_s'] / f['step_s']:.2f}x, kept bytes "
+            f"{lo['kept_mb'] / f['kept_mb']:.2f}x, saved activations "
+            f"{lo['saved_mb'] / f['saved_mb']:.2f}x, refill time "
+            f"{lo['refill_s'] / f['refill_s']:.3f}x, refill bytes "
+            f"{lo['refill_mb'] / f['refill_mb']:.3f}x"
+        )
     print("ratio LoRA / full (same process, same batch):")
     for line in ratios:
         print("  " + line)

@@ -80,8 +80,9 @@ def _fwd_bwd(fn, inputs: list[torch.Tensor]):  # noqa: ANN001, ANN202
     return run
 
 
-def bench_shape(t: int, d: int, i: int, e: int, k: int, device: torch.device, dtype: torch.dtype,
-                repeats: int) -> list[tuple[str, str, float, float, float | None]]:
+def bench_shape(
+    t: int, d: int, i: int, e: int, k: int, device: torch.device, dtype: torch.dtype, repeats: int
+) -> list[tuple[str, str, float, float, float | None]]:
     """(what, reference, reference ms, Tandem ms, Tandem TFLOP/s on CUDA) rows of one shape."""
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)  # [T, k]
@@ -94,9 +95,15 @@ def bench_shape(t: int, d: int, i: int, e: int, k: int, device: torch.device, dt
     grouped = _time(_fwd_bwd(lambda: grouped_mm(x, w, offsets), [x, w]), device, repeats)
     rows = [("gemm", "loop (split)", loop, grouped, gemm_flops / grouped / 1e9 if cuda else None)]
 
-    args = ModelArgs(model_type="qwen3_moe", hidden_size=d, num_heads=max(1, d // 64),
-                     num_experts=e,
-                     num_experts_per_tok=k, moe_intermediate_size=i, norm_topk_prob=True)
+    args = ModelArgs(
+        model_type="qwen3_moe",
+        hidden_size=d,
+        num_heads=max(1, d // 64),
+        num_experts=e,
+        num_experts_per_tok=k,
+        moe_intermediate_size=i,
+        norm_topk_prob=True,
+    )
     torch.manual_seed(0)
     block = MoE(args).to(device, dtype)
     block.init_weights(0.05)
@@ -129,10 +136,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="T,D,I,E,k each")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None,
-                    help="float32 (CPU default) or bfloat16 (CUDA default)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (1 is steadiest on a shared box)")
+    ap.add_argument(
+        "--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (1 is steadiest on a shared box)",
+    )
     ap.add_argument(
         "--smoke", action="store_true", help="one tiny shape, one repeat (the test suite's run)"
     )
@@ -144,10 +156,14 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(opts.device)
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     print_header("bench.moe", argv, opts.device)
-    print(f"{device} {dtype}, {torch.get_num_threads()} threads; ms, median of {opts.repeats}; "
-          "ratio = reference / Tandem")
-    print(f"{'T,D,I,E,k':>20}{'what':>7}  {'reference':<26}{'ref ms':>9}{'tandem ms':>11}"
-          f"{'ratio':>8}{'TFLOP/s':>9}")
+    print(
+        f"{device} {dtype}, {torch.get_num_threads()} threads; ms, median of {opts.repeats}; "
+        "ratio = reference / Tandem"
+    )
+    print(
+        f"{'T,D,I,E,k':>20}{'what':>7}  {'reference':<26}{'ref ms':>9}{'tandem ms':>11}"
+        f"{'ratio':>8}{'TFLOP/s':>9}"
+    )
     for shape in opts.shapes:
         t, d, i, e, k = (int(v) for v in shape.split(","))
         for what, name, ref, ours, tf in bench_shape(t, d, i, e, k, device, dtype, opts.repeats):

@@ -110,8 +110,10 @@ def main() -> None:
     for name, n, _, ms, *_ in rows:
         first.setdefault(n, (name, ms))
     print("ratio: the step time of the first layout of the same world size / this layout's")
-    print(f"{'layout':20s} {'ranks':>5s} {'family':>10s} {'step ms':>9s} {'tok/s/rank':>11s} "
-          f"{'MFU':>7s} {'ratio':>16s}  device")
+    print(
+        f"{'layout':20s} {'ranks':>5s} {'family':>10s} {'step ms':>9s} {'tok/s/rank':>11s} "
+        f"{'MFU':>7s} {'ratio':>16s}  device"
+    )
     for name, n, fam, ms, tps, mfu, dev in rows:
         mfu_s = f"{100 * mfu:6.2f}%" if mfu is not None else "     -"
         ref, ref_ms = first[n]

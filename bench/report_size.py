@@ -23,11 +23,13 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The peak is VmHWM, this process's own high-water mark: ru_maxrss would also count the
 # parent's pages when the child was forked from a big process (pytest with torch loaded).
-_CHILD = ("import re, resource, sys\nfrom tandem.report.__main__ import main\n"
-          "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
-          "status = main(sys.argv[1:])\n"
-          "print(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))\n"
-          "sys.exit(status)\n")
+_CHILD = (
+    "import re, resource, sys\nfrom tandem.report.__main__ import main\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+    "status = main(sys.argv[1:])\n"
+    "print(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))\n"
+    "sys.exit(status)\n"
+)
 
 
 def measure(keys: int, folder: str) -> tuple[int, int]:
@@ -37,15 +39,25 @@ def measure(keys: int, folder: str) -> tuple[int, int]:
     os.makedirs(run)
     with open(os.path.join(run, "metrics.jsonl"), "w") as f:
         for s in (1, 2, 3):
-            row = {"step": s, "loss": 1 / s,
-                   **{f"custom/k{i:05d}": i * s * 1e-3 for i in range(keys)}}
+            row = {
+                "step": s,
+                "loss": 1 / s,
+                **{f"custom/k{i:05d}": i * s * 1e-3 for i in range(keys)},
+            }
             f.write(json.dumps(row) + "\n")
     out = os.path.join(folder, f"k{keys}.html")
-    r = subprocess.run([sys.executable, "-c", _CHILD, run, "--out", out], capture_output=True,
-                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, run, "--out", out],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=600,
+    )
     if r.returncode != 0:
-        raise RuntimeError(f"tandem-report at {keys} keys exited {r.returncode}: "
-                           f"{r.stderr[-1000:]}")
+        raise RuntimeError(
+            f"tandem-report at {keys} keys exited {r.returncode}: {r.stderr[-1000:]}"
+        )
     return os.path.getsize(out), int(r.stdout.split()[-1]) * 1024
 
 
@@ -68,8 +80,10 @@ def main() -> None:
         for keys in args.keys:
             page, rss = measure(keys, tmp)
             first = first or (page - base, rss)
-            print(f"{keys:>8} {page / 1e6:>8.2f} {(page - base) / 1e6:>8.2f} {rss / 2**20:>8.0f} "
-                  f"{(page - base) / first[0]:>7.1f} {rss / first[1]:>7.2f}")
+            print(
+                f"{keys:>8} {page / 1e6:>8.2f} {(page - base) / 1e6:>8.2f} {rss / 2**20:>8.0f} "
+                f"{(page - base) / first[0]:>7.1f} {rss / first[1]:>7.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -32,19 +32,36 @@ sys.path.insert(0, str(ROOT))
 
 SIZES = {  # name -> ModelArgs kwargs (the quickstart's HF folder, Qwen3-0.6B / 1.7B shapes)
     "quickstart": None,
-    "0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_layers=28,
-                 num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True,
-                 rope_theta=1e6),
-    "1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                 num_layers=28,
-                 num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True,
-                 rope_theta=1e6),
+    "0.6b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
+    "1.7b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
 }
-LAYOUTS = {1: [("single", {}, [1])],
-           2: [("fsdp2", {"dp_shard": 2}, [1, 2]), ("tp2", {"tp": 2}, [1, 2]),
-               ("pp2", {"pp": 2}, [1, 2])],
-           4: [("fsdp2_tp2", {"dp_shard": 2, "tp": 2}, [1, 2, 4])]}
+LAYOUTS = {
+    1: [("single", {}, [1])],
+    2: [("fsdp2", {"dp_shard": 2}, [1, 2]), ("tp2", {"tp": 2}, [1, 2]), ("pp2", {"pp": 2}, [1, 2])],
+    4: [("fsdp2_tp2", {"dp_shard": 2, "tp": 2}, [1, 2, 4])],
+}
 
 
 def _args(size: str):
@@ -70,14 +87,31 @@ def worker(opts: argparse.Namespace) -> None:
     rows = []
     for name, degrees, gens in LAYOUTS[info.world_size]:
         mesh = build_mesh(Degrees(**degrees), dev)
-        policy = build_policy(args, mesh, dev, pp_schedule="1F1B", pp_microbatches=0, seq_len=64,
-                              micro_batch_tokens=64, chunk_tokens=64, path=None, seed=0,
-                              spec=BuildSpec(), is_main=info.is_main)
+        policy = build_policy(
+            args,
+            mesh,
+            dev,
+            pp_schedule="1F1B",
+            pp_microbatches=0,
+            seq_len=64,
+            micro_batch_tokens=64,
+            chunk_tokens=64,
+            path=None,
+            seed=0,
+            spec=BuildSpec(),
+            is_main=info.is_main,
+        )
         for g in gens:
             if check_divisible(args, g):
                 continue
-            copy = GenerationCopy(policy.state_module, args, make_layout(g), dev, dtype,
-                                  bucket_bytes=opts.bucket_mb << 20)
+            copy = GenerationCopy(
+                policy.state_module,
+                args,
+                make_layout(g),
+                dev,
+                dtype,
+                bucket_bytes=opts.bucket_mb << 20,
+            )
             times, metrics = [], {}
             for _ in range(opts.repeat + 1):  # the first build also makes the plan
                 _sync(dev)
@@ -95,9 +129,18 @@ def worker(opts: argparse.Namespace) -> None:
                 ref.append(time.perf_counter() - t0)
                 ref_bytes = sum(v.numel() * v.element_size() for v in full.values())
                 del full
-            rows.append((name, g, statistics.median(times[1:]), times[0],
-                         metrics["reshard/sent_gb"] * 1e3,
-                         metrics["reshard/gb"] * 1e3, statistics.median(ref), ref_bytes / 1e6))
+            rows.append(
+                (
+                    name,
+                    g,
+                    statistics.median(times[1:]),
+                    times[0],
+                    metrics["reshard/sent_gb"] * 1e3,
+                    metrics["reshard/gb"] * 1e3,
+                    statistics.median(ref),
+                    ref_bytes / 1e6,
+                )
+            )
         del policy
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, rows)
@@ -112,8 +155,9 @@ def _sync(dev: torch.device) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", default="quickstart", choices=sorted(SIZES))
     ap.add_argument("--nproc", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -135,28 +179,53 @@ def main() -> None:
     from bench.header import print_header
 
     print_header("bench.reshard", device=opts.device)
-    print(f"model {opts.size}, generation dtype {opts.dtype}, bucket {opts.bucket_mb} MB, device "
-          f"{opts.device}")
-    print(f"{'ranks':>5} {'training':>10} {'gen tp':>6} {'reshard s':>10} {'first s':>8} "
-          f"{'sent MB/rank':>12} {'shard MB':>9} {'gather s':>9} {'gather MB':>9} "
-          f"{'gather/reshard':>14}")
+    print(
+        f"model {opts.size}, generation dtype {opts.dtype}, bucket {opts.bucket_mb} MB, device "
+        f"{opts.device}"
+    )
+    print(
+        f"{'ranks':>5} {'training':>10} {'gen tp':>6} {'reshard s':>10} {'first s':>8} "
+        f"{'sent MB/rank':>12} {'shard MB':>9} {'gather s':>9} {'gather MB':>9} "
+        f"{'gather/reshard':>14}"
+    )
     for n in opts.nproc:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.pt")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={n}", __file__,
-                   "--worker", "--out", out, "--size", opts.size, "--device", opts.device,
-                   "--dtype", opts.dtype,
-                   "--bucket-mb", str(opts.bucket_mb), "--repeat", str(opts.repeat)]
-            env = {**os.environ, "PYTHONPATH": str(ROOT),
-                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                __file__,
+                "--worker",
+                "--out",
+                out,
+                "--size",
+                opts.size,
+                "--device",
+                opts.device,
+                "--dtype",
+                opts.dtype,
+                "--bucket-mb",
+                str(opts.bucket_mb),
+                "--repeat",
+                str(opts.repeat),
+            ]
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            }
             subprocess.run(cmd, cwd=ROOT, env=env, check=True)
             per_rank = torch.load(out, weights_only=False)
         for i, row in enumerate(per_rank[0]):
             name, g, t, first, _, shard, ref_t, ref_mb = row
             sent = max(r[i][4] for r in per_rank)  # the busiest rank
-            print(f"{n:>5} {name:>10} {g:>6} {t:>10.3f} {first:>8.3f} {sent:>12.1f} {shard:>9.1f} "
-                  f"{ref_t:>9.3f} {ref_mb:>9.1f} {ref_t / t:>14.2f}")
+            print(
+                f"{n:>5} {name:>10} {g:>6} {t:>10.3f} {first:>8.3f} {sent:>12.1f} {shard:>9.1f} "
+                f"{ref_t:>9.3f} {ref_mb:>9.1f} {ref_t / t:>14.2f}"
+            )
 
 
 if __name__ == "__main__":

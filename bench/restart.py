@@ -51,20 +51,37 @@ def model_folder(name: str, root: str) -> str:
 
 
 def launch(path: str, dump: str, steps: int, nproc: int) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--model.path={path}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
-           "--checkpoint.interval=1", "--rl.prompts_per_step=4", "--rl.num_samples=2",
-           "--rl.eval_prompts=1", "--rl.eval_samples=0",
-           "--training.eval_interval=0", "--metrics.loggers=[]", "--reward.num_workers=0",
-           "--checkpoint.export_hf_at_end=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)),
-           "PYTHONPATH": ROOT}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--model.path={path}",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--checkpoint.interval=1",
+        "--rl.prompts_per_step=4",
+        "--rl.num_samples=2",
+        "--rl.eval_prompts=1",
+        "--rl.eval_samples=0",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        "--checkpoint.export_hf_at_end=false",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)),
+        "PYTHONPATH": ROOT,
+    }
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     out: dict[str, float] = {}
     lines = []
     assert p.stdout is not None
@@ -99,16 +116,21 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tandem-restart-bench-")
     try:
         print(f"{a.nproc} rank(s), CPU; wall seconds from launch")
-        print(f"{'model':<12}{'fresh: first step':>19}{'restart: resumed':>18}{'load':>7}"
-              f"{'restart: first step':>21}{'ratio':>7}")
+        print(
+            f"{'model':<12}{'fresh: first step':>19}{'restart: resumed':>18}{'load':>7}"
+            f"{'restart: first step':>21}{'ratio':>7}"
+        )
         for name in a.models.split(","):
             path = model_folder(name, root)
             dump = os.path.join(root, f"run-{name}")
             fresh = launch(path, dump, 1, a.nproc)
             again = launch(path, dump, 2, a.nproc)
-            print(f"{name:<12}{fresh['first_step_s']:>19.1f}{again['resumed_s']:>18.1f}"
-                  f"{again['load_s']:>7.2f}{again['first_step_s']:>21.1f}"
-                  f"{again['first_step_s'] / fresh['first_step_s']:>7.2f}", flush=True)
+            print(
+                f"{name:<12}{fresh['first_step_s']:>19.1f}{again['resumed_s']:>18.1f}"
+                f"{again['load_s']:>7.2f}{again['first_step_s']:>21.1f}"
+                f"{again['first_step_s'] / fresh['first_step_s']:>7.2f}",
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -58,17 +58,24 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'rows':>6}{'torch ms':>10}{'triton ms':>11}{'ratio':>8}{'same bits':>11}")
     for n in args.rows:
         keys = [(1234, i) for i in range(n)]
-        t_torch = _time(lambda k=keys: exponential_noise(k, args.vocab, device, impl="torch"),
-                        device, args.repeats)
+        t_torch = _time(
+            lambda k=keys: exponential_noise(k, args.vocab, device, impl="torch"),
+            device,
+            args.repeats,
+        )
         if not triton:
             print(f"{n:>6}{t_torch:>10.3f}{'-':>11}{'-':>8}{'-':>11}")
             continue
-        t_triton = _time(lambda k=keys: exponential_noise(k, args.vocab, device, impl="triton"),
-                         device, args.repeats)
+        t_triton = _time(
+            lambda k=keys: exponential_noise(k, args.vocab, device, impl="triton"),
+            device,
+            args.repeats,
+        )
         a = exponential_noise(keys, args.vocab, device, impl="torch").double()
         b = exponential_noise(keys, args.vocab, device, impl="triton").double()
-        same = torch.equal(torch.round(torch.exp(-a) * 2**23 - 0.5),
-                           torch.round(torch.exp(-b) * 2**23 - 0.5))
+        same = torch.equal(
+            torch.round(torch.exp(-a) * 2**23 - 0.5), torch.round(torch.exp(-b) * 2**23 - 0.5)
+        )
         print(f"{n:>6}{t_torch:>10.3f}{t_triton:>11.3f}{t_torch / t_triton:>7.1f}x{str(same):>11}")
 
 

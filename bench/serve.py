@@ -126,8 +126,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--turn-tokens", type=int, default=8)
     ap.add_argument("--episodes", type=int, default=64, help="path rows")
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 64], help="sessions rows")
-    ap.add_argument("--smoke", action="store_true", help="1 s rows of 1 and 2 sessions, 4 episodes "
-                                                          "(the test suite's run)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="1 s rows of 1 and 2 sessions, 4 episodes (the test suite's run)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.seconds, args.episodes, args.sessions = 1.0, 4, [1, 2]
@@ -199,21 +202,36 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.monotonic()
     with torch.inference_mode():
         samples, _ = run_agentic_rollout(
-            gen, tok, "bench_two_turns", {}, rows, 1,
-            SamplingParams(max_tokens=2 * args.turn_tokens), max_turns=2,
-            max_total_tokens=256, pool=pool, max_turn_tokens=args.turn_tokens)
+            gen,
+            tok,
+            "bench_two_turns",
+            {},
+            rows,
+            1,
+            SamplingParams(max_tokens=2 * args.turn_tokens),
+            max_turns=2,
+            max_total_tokens=256,
+            pool=pool,
+            max_turn_tokens=args.turn_tokens,
+        )
     local = time.monotonic() - t0
     gen.close()
     turns = sum(int(s.info["turns"]) for s in samples)
     sampled = sum(s.num_sampled for s in samples)  # a turn ends early on an end-of-turn token
-    print(f"{'path: in-process':<22}{args.episodes:>9}{turns:>7}{turns / local:>9.1f}{'':>18}"
-          f"{local:>9.1f}   {sampled} sampled tokens, {sampled / local:.1f}/s")
+    print(
+        f"{'path: in-process':<22}{args.episodes:>9}{turns:>7}{turns / local:>9.1f}{'':>18}"
+        f"{local:>9.1f}   {sampled} sampled tokens, {sampled / local:.1f}/s"
+    )
     lat, wall, http_sampled = over_http(args.episodes, 1e9, args.episodes)
-    print(f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}{'':>18}"
-          f"{wall:>9.1f}   {http_sampled} sampled tokens, {http_sampled / wall:.1f}/s")
-    print(f"the same {args.episodes} episodes: HTTP / in-process seconds {wall / local:.2f}x; "
-          "in-process / HTTP sampled tokens per second "
-          f"{sampled / local / (http_sampled / wall):.2f}x")
+    print(
+        f"{'path: HTTP':<22}{args.episodes:>9}{len(lat):>7}{len(lat) / wall:>9.1f}{'':>18}"
+        f"{wall:>9.1f}   {http_sampled} sampled tokens, {http_sampled / wall:.1f}/s"
+    )
+    print(
+        f"the same {args.episodes} episodes: HTTP / in-process seconds {wall / local:.2f}x; "
+        "in-process / HTTP sampled tokens per second "
+        f"{sampled / local / (http_sampled / wall):.2f}x"
+    )
 
 
 if __name__ == "__main__":

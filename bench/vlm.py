@@ -70,62 +70,87 @@ def bench_step(path: str, prompts: int, samples: int, repeats: int) -> None:
 
     tok, args = Tokenizer.from_dir(path), load_args(path)
     rows = make_task_rows("shapes", prompts * (repeats + 1), 0, "train")
-    encoded, _ = encode_prompts(rows, tok, source="bench", prompt_field="prompt",
-                                messages_field="messages",
-                                answer_field="answer", max_prompt_tokens=120,
-                                vision=VisionData.for_model(args, None))
+    encoded, _ = encode_prompts(
+        rows,
+        tok,
+        source="bench",
+        prompt_field="prompt",
+        messages_field="messages",
+        answer_field="answer",
+        max_prompt_tokens=120,
+        vision=VisionData.for_model(args, None),
+    )
     model = load_model(path)
     clock = TowerClock(model.visual)
-    times: dict[str, list[float]] = {k: [] for k in ("rollout", "rollout tower", "update",
-                                                     "update tower")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("rollout", "rollout tower", "update", "update tower")
+    }
     for r in range(repeats + 1):
-        batch = encoded[r * prompts:(r + 1) * prompts]
+        batch = encoded[r * prompts : (r + 1) * prompts]
         model.eval()
         clock.seconds, t0 = 0.0, time.perf_counter()
-        gen = Generator(model, GenerationSettings(block_size=16, num_blocks=512, max_model_len=128,
-                                                  seed=r),
-                        eos_token_ids=tok.eos_token_ids)
-        out = gen.generate([p.token_ids for p in batch],
-                           SamplingParams(temperature=1.0, max_tokens=8), n=samples,
-                           images=[p.images for p in batch])
+        gen = Generator(
+            model,
+            GenerationSettings(block_size=16, num_blocks=512, max_model_len=128, seed=r),
+            eos_token_ids=tok.eos_token_ids,
+        )
+        out = gen.generate(
+            [p.token_ids for p in batch],
+            SamplingParams(temperature=1.0, max_tokens=8),
+            n=samples,
+            images=[p.images for p in batch],
+        )
         gen.close()
         rollout, rollout_tower = time.perf_counter() - t0, clock.seconds
-        rs = [RolloutSample(group=g, prompt_ids=p.token_ids, completion_ids=c.token_ids,
-                            loss_mask=c.sampled_mask,
-                            gen_logprobs=list(c.raw_logprobs), finish_reason=c.finish_reason,
-                            text="", row={},
-                            images=p.images) for g, (p, comps) in enumerate(zip(batch, out))
-              for c in comps]
+        rs = [
+            RolloutSample(
+                group=g,
+                prompt_ids=p.token_ids,
+                completion_ids=c.token_ids,
+                loss_mask=c.sampled_mask,
+                gen_logprobs=list(c.raw_logprobs),
+                finish_reason=c.finish_reason,
+                text="",
+                row={},
+                images=p.images,
+            )
+            for g, (p, comps) in enumerate(zip(batch, out))
+            for c in comps
+        ]
         model.train()
         clock.seconds, t0 = 0.0, time.perf_counter()
-        for mb in pack_micro_batches(rs, list(range(len(rs))), 2048, torch.device("cpu"),
-                                     share_prompts=True):
+        for mb in pack_micro_batches(
+            rs, list(range(len(rs))), 2048, torch.device("cpu"), share_prompts=True
+        ):
             attach_images(mb, rs, args.vision.image_token_id)
             for pixels, _ in mb.images.groups:  # the tower's backward then ends with its input's
-                pixels.requires_grad_(True)     # gradient, where the backward hook reads the clock
+                pixels.requires_grad_(True)  # gradient, where the backward hook reads the clock
             logp, _ = token_logprobs(model, mb, with_entropy=True)
             logp.sum().backward()
         model.zero_grad(set_to_none=True)
         for p in batch:
             p.images.release()
         if r:  # the first step warms up
-            for k, v in zip(times,
-                            (rollout, rollout_tower, time.perf_counter() - t0, clock.seconds)):
+            for k, v in zip(
+                times, (rollout, rollout_tower, time.perf_counter() - t0, clock.seconds)
+            ):
                 times[k].append(v * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     total, tower = med["rollout"] + med["update"], med["rollout tower"] + med["update tower"]
     print(f"VLM quickstart step ({prompts} prompts x {samples} samples, {path}):")
     print(f"{'phase':<10}{'ms':>10}{'tower ms':>10}{'share':>8}")
     for phase in ("rollout", "update"):
-        print(f"{phase:<10}{med[phase]:>10.1f}{med[phase + ' tower']:>10.1f}"
-              f"{med[phase + ' tower'] / med[phase]:>8.3f}")
+        print(
+            f"{phase:<10}{med[phase]:>10.1f}{med[phase + ' tower']:>10.1f}"
+            f"{med[phase + ' tower'] / med[phase]:>8.3f}"
+        )
     print(f"{'step':<10}{total:>10.1f}{tower:>10.1f}{tower / total:>8.3f}")
 
 
 def _images(kind: str, n: int) -> list[Image.Image]:
     if kind == "quickstart":
-        from tandem.rl.data.tasks import make_task_rows
         from tandem.models.image_processor import open_image
+        from tandem.rl.data.tasks import make_task_rows
 
         rows = make_task_rows("shapes", n, 0, "train")
         return [open_image(r["messages"][0]["content"][0]["image"]) for r in rows]
@@ -139,14 +164,18 @@ def bench_preprocess(repeats: int) -> None:
     from tandem.models.image_processor import ImageProcessor
 
     print(f"{'images':<28}{'ours img/s':>12}{'hf img/s':>12}{'ratio':>8}")
-    for kind, pixels, n in (("quickstart", (56 * 56, 56 * 56), 256),
-                            ("640x480", (56 * 56, 28 * 28 * 1280), 16)):
+    for kind, pixels, n in (
+        ("quickstart", (56 * 56, 56 * 56), 256),
+        ("640x480", (56 * 56, 28 * 28 * 1280), 16),
+    ):
         ours = ImageProcessor(min_pixels=pixels[0], max_pixels=pixels[1])
         hf = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1])
         images = _images(kind, n)
         rates = {}
-        for name, fn in (("ours", lambda: ours(images)),
-                         ("hf", lambda: hf(images=images, return_tensors="pt"))):
+        for name, fn in (
+            ("ours", lambda: ours(images)),
+            ("hf", lambda: hf(images=images, return_tensors="pt")),
+        ):
             fn()
             runs = []
             for _ in range(repeats):
@@ -155,8 +184,10 @@ def bench_preprocess(repeats: int) -> None:
                 runs.append(time.perf_counter() - t0)
             rates[name] = n / statistics.median(runs)
         label = f"{kind} ({n}, max {pixels[1]} px)"
-        print(f"{label:<28}{rates['ours']:>12.1f}{rates['hf']:>12.1f}"
-              f"{rates['ours'] / rates['hf']:>8.2f}")
+        print(
+            f"{label:<28}{rates['ours']:>12.1f}{rates['hf']:>12.1f}"
+            f"{rates['ours'] / rates['hf']:>8.2f}"
+        )
 
 
 def main() -> None:

@@ -57,8 +57,9 @@ def undescribed() -> list[str]:
     for section in dataclasses.fields(Config):
         cls = section.default_factory  # type: ignore[misc]
         notes = _comments(cls)
-        out += [f"{section.name}.{f.name}" for f in dataclasses.fields(cls)
-                if not notes.get(f.name)]
+        out += [
+            f"{section.name}.{f.name}" for f in dataclasses.fields(cls) if not notes.get(f.name)
+        ]
     return out
 
 
@@ -71,16 +72,22 @@ def reference() -> str:
     for section in dataclasses.fields(Config):
         cls = section.default_factory  # type: ignore[misc]
         doc = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())  # first paragraph
-        lines += [f"**[{section.name}]** {doc}", "", "| key | type | default | meaning |",
-                  "|---|---|---|---|"]
+        lines += [
+            f"**[{section.name}]** {doc}",
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         notes = _comments(cls)
         for f in dataclasses.fields(cls):
             default = defaults[section.name][f.name]
-            shown = ("none" if default is None
-                     else repr(default).replace("'", '"').replace("|", "\\|"))
+            shown = (
+                "none" if default is None else repr(default).replace("'", '"').replace("|", "\\|")
+            )
             tp = str(f.type).replace("|", "or")
-            lines.append(f"| `{f.name}` | {tp} | `{shown}` | "
-                         f"{notes.get(f.name, '').replace('|', '/')} |")
+            lines.append(
+                f"| `{f.name}` | {tp} | `{shown}` | {notes.get(f.name, '').replace('|', '/')} |"
+            )
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

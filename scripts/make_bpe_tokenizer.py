@@ -21,8 +21,13 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as RawTokenizer
 
-SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>")
+SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
 TEMPLATE = (
     "{{- bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' %}\n"
@@ -58,25 +63,39 @@ def build(out: str | Path, vocab_size: int = 320) -> Path:
     raw = RawTokenizer(models.BPE())
     # digits one by one (as Qwen2's and DeepSeek-V3's pre-tokenizers split them), words with their
     # space
-    raw.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                Regex(r"\p{N}| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+"), behavior="isolated"
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[AddedToken(t, special=True, normalized=False)
-                                                  for t in SPECIALS],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIALS],
+        show_progress=False,
+    )
     raw.train_from_iterator(corpus(), trainer)
     raw.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-              "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>",
-              "clean_up_tokenization_spaces": False,
-              "model_max_length": 2048, "chat_template": TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "pad_token": "<|end_of_text|>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": TEMPLATE,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     eos = [raw.token_to_id("<|eot_id|>"), raw.token_to_id("<|end_of_text|>")]
-    gen = {"bos_token_id": raw.token_to_id("<|begin_of_text|>"), "eos_token_id": eos,
-           "pad_token_id": eos[1]}
+    gen = {
+        "bos_token_id": raw.token_to_id("<|begin_of_text|>"),
+        "eos_token_id": eos,
+        "pad_token_id": eos[1],
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
 

@@ -30,18 +30,31 @@ def find_chromium() -> str | None:
     return None
 
 
-def _run(html_path: str, fragment: str, extra: list[str],
-         timeout_s: float) -> subprocess.CompletedProcess:
+def _run(
+    html_path: str, fragment: str, extra: list[str], timeout_s: float
+) -> subprocess.CompletedProcess:
     exe = find_chromium()
     if exe is None:
-        raise FileNotFoundError("no Chromium found (" + ", ".join(NAMES)
-                                + "); on Debian: apt-get install chromium")
+        raise FileNotFoundError(
+            "no Chromium found (" + ", ".join(NAMES) + "); on Debian: apt-get install chromium"
+        )
     url = "file://" + os.path.abspath(html_path) + (f"#{fragment}" if fragment else "")
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
         # no shared profile lock
-        cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-               "--no-first-run", f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-               "--virtual-time-budget=15000", *extra, url]
+        cmd = [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=15000",
+            *extra,
+            url,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -58,12 +71,21 @@ def dump_dom(html_path: str, fragment: str = "", timeout_s: float = 120) -> tupl
     return r.stdout, console_lines(r.stderr)
 
 
-def screenshot(html_path: str, png_path: str, width: int = 1400, height: int = 1600,
-               fragment: str = "", timeout_s: float = 120) -> list[str]:
+def screenshot(
+    html_path: str,
+    png_path: str,
+    width: int = 1400,
+    height: int = 1600,
+    fragment: str = "",
+    timeout_s: float = 120,
+) -> list[str]:
     """Write a PNG of the page's first ``height`` pixels; returns the console messages."""
-    r = _run(html_path, fragment,
-             [f"--screenshot={os.path.abspath(png_path)}", f"--window-size={width},{height}"],
-             timeout_s)
+    r = _run(
+        html_path,
+        fragment,
+        [f"--screenshot={os.path.abspath(png_path)}", f"--window-size={width},{height}"],
+        timeout_s,
+    )
     if r.returncode != 0 or not os.path.exists(png_path):
         raise RuntimeError(f"chromium exited {r.returncode} without {png_path}: {r.stderr[-2000:]}")
     return console_lines(r.stderr)
@@ -75,8 +97,9 @@ def main() -> int:
     p.add_argument("png")
     p.add_argument("--width", type=int, default=1400)
     p.add_argument("--height", type=int, default=1600)
-    p.add_argument("--fragment", default="",
-                   help="e.g. run=0&step=12: the sample browser's run and step")
+    p.add_argument(
+        "--fragment", default="", help="e.g. run=0&step=12: the sample browser's run and step"
+    )
     args = p.parse_args()
     try:
         console = screenshot(args.html, args.png, args.width, args.height, args.fragment)

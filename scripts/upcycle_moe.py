@@ -27,16 +27,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.models.hf import hf_to_tandem, load_args, read_hf_state_dict, save_hf  # noqa: E402
 
 
-def upcycle(src: Path, dst: Path, experts: int, per_token: int, router_std: float, aux_coef: float,
-            seed: int) -> None:
+def upcycle(
+    src: Path,
+    dst: Path,
+    experts: int,
+    per_token: int,
+    router_std: float,
+    aux_coef: float,
+    seed: int,
+) -> None:
     dense = load_args(src)
     if dense.model_type != "qwen3":
-        raise SystemExit(f"error: {src}: upcycling writes Qwen3-MoE from a qwen3 model, got "
-                         f"{dense.model_type}")
-    args = dataclasses.replace(dense, model_type="qwen3_moe", num_experts=experts,
-                               num_experts_per_tok=per_token,
-                               moe_intermediate_size=dense.intermediate_size, norm_topk_prob=True,
-                               router_aux_loss_coef=aux_coef)
+        raise SystemExit(
+            f"error: {src}: upcycling writes Qwen3-MoE from a qwen3 model, got {dense.model_type}"
+        )
+    args = dataclasses.replace(
+        dense,
+        model_type="qwen3_moe",
+        num_experts=experts,
+        num_experts_per_tok=per_token,
+        moe_intermediate_size=dense.intermediate_size,
+        norm_topk_prob=True,
+        router_aux_loss_coef=aux_coef,
+    )
     sd = hf_to_tandem(read_hf_state_dict(src), dense)
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -48,18 +61,21 @@ def upcycle(src: Path, dst: Path, experts: int, per_token: int, router_std: floa
         w = w.removesuffix(".weight")  # w1 [I, D], w2 [D, I], w3 [I, D]
         out[f"{prefix}.moe.experts.{w}"] = t.unsqueeze(0).repeat(experts, 1, 1).contiguous()
         if w == "w1":
-            out[f"{prefix}.moe.gate.weight"] = (torch.randn(experts, dense.hidden_size,
-                                                            generator=gen) * router_std)
+            out[f"{prefix}.moe.gate.weight"] = (
+                torch.randn(experts, dense.hidden_size, generator=gen) * router_std
+            )
     save_hf(out, args, dst)
     for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template",
-                              "generation_config")):
+        if f.name.startswith(
+            ("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "generation_config")
+        ):
             shutil.copy(f, dst / f.name)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
     ap.add_argument("--experts", type=int, default=4)

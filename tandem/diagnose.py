@@ -77,8 +77,10 @@ def _short(path: str) -> str:
 
 def _frames_line(frames: list[dict[str, Any]]) -> str:
     inner = list(reversed(frames))[:TOP_FRAMES]  # innermost first
-    return (" <- ".join(f"{f['function']} ({_short(f['file'])}:{f['line']})" for f in inner)
-            or "(no frames)")
+    return (
+        " <- ".join(f"{f['function']} ({_short(f['file'])}:{f['line']})" for f in inner)
+        or "(no frames)"
+    )
 
 
 def _in_collective(frames: list[dict[str, Any]]) -> bool:
@@ -96,22 +98,30 @@ def read_hangs(dump: str) -> list[Finding]:
         frames = trainer["frames"] if trainer else []
         if frames and not _in_collective(frames):
             culprits.append(rank)
-        details.append(f"rank {rank} ({rec.get('host', '?')}, phase '{rec.get('phase')}', step "
-                       f"{rec.get('last_step')}, {_when(rec.get('time'))}): {_frames_line(frames)}")
-    details += [f"rank {r}: unreadable dump ({v['_unreadable']})" for r, v in recs.items()
-                if r not in good]
+        details.append(
+            f"rank {rank} ({rec.get('host', '?')}, phase '{rec.get('phase')}', step "
+            f"{rec.get('last_step')}, {_when(rec.get('time'))}): {_frames_line(frames)}"
+        )
+    details += [
+        f"rank {r}: unreadable dump ({v['_unreadable']})" for r, v in recs.items() if r not in good
+    ]
     waiting = [r for r in good if r not in culprits]
     if culprits and waiting:
-        details.append(f"likely cause: rank(s) {culprits} (not inside a torch.distributed call; "
-                       f"rank(s) {waiting} wait in one)")
+        details.append(
+            f"likely cause: rank(s) {culprits} (not inside a torch.distributed call; "
+            f"rank(s) {waiting} wait in one)"
+        )
     details.append(f"full stacks: {os.path.join(dump, 'hang', 'rank-<r>.txt')}")
     first = min(good.values(), key=lambda v: v.get("time", 0), default={})
     phases = sorted({str(v.get("phase")) for v in good.values()})
     steps = [v["last_step"] for v in good.values() if v.get("last_step") is not None]
-    summary = (f"hang on {len(recs)} rank(s) in phase {'/'.join(phases)} at step "
-               f"{max(steps) if steps else '?'}: {first.get('reason', 'no progress')}")
-    return [Finding("hang", True, summary, first.get("time"), max(steps) if steps else None,
-                    details)]
+    summary = (
+        f"hang on {len(recs)} rank(s) in phase {'/'.join(phases)} at step "
+        f"{max(steps) if steps else '?'}: {first.get('reason', 'no progress')}"
+    )
+    return [
+        Finding("hang", True, summary, first.get("time"), max(steps) if steps else None, details)
+    ]
 
 
 def read_nans(dump: str) -> list[Finding]:
@@ -120,15 +130,23 @@ def read_nans(dump: str) -> list[Finding]:
         return []
     rec = next((v for v in recs.values() if v.get("first")), next(iter(recs.values())))
     first = rec.get("first") or {}
-    what = (("loss" if first.get("where") == "loss" else f"gradient of {first.get('tensor')}")
-            if first else "unknown tensor")
-    summary = (f"non-finite ({first.get('kind', '?')}) {what} at step {rec.get('step')} on rank "
-               f"{first.get('rank', '?')}")
-    details = [f"ranks with non-finite values: {rec.get('offending_ranks')}; reports from ranks "
-               f"{sorted(recs)}"]
+    what = (
+        ("loss" if first.get("where") == "loss" else f"gradient of {first.get('tensor')}")
+        if first
+        else "unknown tensor"
+    )
+    summary = (
+        f"non-finite ({first.get('kind', '?')}) {what} at step {rec.get('step')} on rank "
+        f"{first.get('rank', '?')}"
+    )
+    details = [
+        f"ranks with non-finite values: {rec.get('offending_ranks')}; reports from ranks "
+        f"{sorted(recs)}"
+    ]
     if first.get("nonfinite_grads"):
-        details.append(f"{first['nonfinite_grads']} non-finite gradient tensor(s) on rank "
-                       f"{first.get('rank')}")
+        details.append(
+            f"{first['nonfinite_grads']} non-finite gradient tensor(s) on rank {first.get('rank')}"
+        )
     return [Finding("nan", True, summary, rec.get("time"), rec.get("step"), details)]
 
 
@@ -146,12 +164,16 @@ def read_checkpoints(dump: str, sub: str) -> tuple[int | None, Finding | None]:
         else:
             committed.append(int(m.group(1)))
     latest = max(committed) if committed else None
-    lines = [f"latest committed: {os.path.join(folder, f'step-{latest}')}" if latest is not None
-             else "no committed checkpoint"]
+    lines = [
+        f"latest committed: {os.path.join(folder, f'step-{latest}')}"
+        if latest is not None
+        else "no committed checkpoint"
+    ]
     if partial:
         lines.append(f"incomplete (ignored on resume): {', '.join(sorted(partial))}")
-    summary = f"checkpoints: {len(committed)} committed" + (f", latest step-{latest}"
-                                                            if latest is not None else "")
+    summary = f"checkpoints: {len(committed)} committed" + (
+        f", latest step-{latest}" if latest is not None else ""
+    )
     return latest, Finding("checkpoint", False, summary, details=lines)
 
 
@@ -164,13 +186,28 @@ def read_preempts(dump: str, latest_ckpt: int | None) -> list[Finding]:
     got = {r: v.get("signal") for r, v in recs.items() if v.get("signal")}
     when = min((v["received_at"] for v in recs.values() if v.get("received_at")), default=None)
     saved = step is not None and latest_ckpt is not None and latest_ckpt >= step
-    summary = (f"preempted at step {step} "
-               f"({', '.join(f'{s} on rank {r}' for r, s in sorted(got.items())) or 'signal'})")
-    summary += f"; checkpoint step-{latest_ckpt} covers it: resumable" if saved else \
-        ("; but the latest committed checkpoint is "
-         f"{latest_ckpt if latest_ckpt is not None else 'none'}: the save did not finish")
-    return [Finding("preempt", not saved, summary, when, step,
-                    [f"ranks that agreed to stop: {sorted(recs)}"])]
+    summary = (
+        f"preempted at step {step} "
+        f"({', '.join(f'{s} on rank {r}' for r, s in sorted(got.items())) or 'signal'})"
+    )
+    summary += (
+        f"; checkpoint step-{latest_ckpt} covers it: resumable"
+        if saved
+        else (
+            "; but the latest committed checkpoint is "
+            f"{latest_ckpt if latest_ckpt is not None else 'none'}: the save did not finish"
+        )
+    )
+    return [
+        Finding(
+            "preempt",
+            not saved,
+            summary,
+            when,
+            step,
+            [f"ranks that agreed to stop: {sorted(recs)}"],
+        )
+    ]
 
 
 def _error_files(dump: str, extra: list[str], skip: str) -> list[str]:
@@ -201,12 +238,21 @@ def read_errors(dump: str, extra: list[str], skip: str = "checkpoints") -> list[
         text = str(msg).strip().splitlines()
         stack = str(info.get("py_callstack", "")).strip().splitlines()
         ts = info.get("timestamp")
-        when = (float(ts) if isinstance(ts, (int, float, str)) and str(ts).isdigit()
-                else os.path.getmtime(path))
+        when = (
+            float(ts)
+            if isinstance(ts, (int, float, str)) and str(ts).isdigit()
+            else os.path.getmtime(path)
+        )
         details = [f"file: {path}"] + [f"  {line}" for line in stack[-6:]]
-        out.append(Finding("error", True,
-                           f"worker error: {text[-1] if text else '(empty message)'}", when,
-                           details=details))
+        out.append(
+            Finding(
+                "error",
+                True,
+                f"worker error: {text[-1] if text else '(empty message)'}",
+                when,
+                details=details,
+            )
+        )
     return out
 
 
@@ -225,24 +271,43 @@ def read_metrics(dump: str, tail: int) -> tuple[int | None, float | None, list[s
             continue
         last = rec.get("step", last)
         keys = [k for k in ("loss", "reward_mean", "grad_norm", "lr", "step_time_s") if k in rec]
-        shown.append(f"step {rec.get('step')}: "
-                     + " ".join(f"{k}={rec[k]:.4g}" if isinstance(rec[k], float)
-                                                              else f"{k}={rec[k]}" for k in keys))
+        shown.append(
+            f"step {rec.get('step')}: "
+            + " ".join(
+                f"{k}={rec[k]:.4g}" if isinstance(rec[k], float) else f"{k}={rec[k]}" for k in keys
+            )
+        )
     return last, os.path.getmtime(path), shown
 
 
-def diagnose(dump: str, *, checkpoint_folder: str = "checkpoints", tail: int = 3,
-             error_files: list[str] | None = None) -> tuple[list[str], bool]:
+def diagnose(
+    dump: str,
+    *,
+    checkpoint_folder: str = "checkpoints",
+    tail: int = 3,
+    error_files: list[str] | None = None,
+) -> tuple[list[str], bool]:
     """Report lines and whether something failed (and was not recovered from)."""
     extra = list(error_files or []) + [os.environ.get("TORCHELASTIC_ERROR_FILE", "")]
     last_step, metrics_mtime, metric_lines = read_metrics(dump, tail)
     latest, ckpt = read_checkpoints(dump, checkpoint_folder)
-    findings = (read_hangs(dump) + read_nans(dump) + read_preempts(dump, latest)
-                + read_errors(dump, extra, checkpoint_folder))
+    findings = (
+        read_hangs(dump)
+        + read_nans(dump)
+        + read_preempts(dump, latest)
+        + read_errors(dump, extra, checkpoint_folder)
+    )
     progress = max([s for s in (last_step, latest) if s is not None], default=None)
     for f in findings:
-        if (f.failed and f.step is not None and progress is not None and progress > f.step
-                and metrics_mtime is not None and f.when is not None and metrics_mtime > f.when):
+        if (
+            f.failed
+            and f.step is not None
+            and progress is not None
+            and progress > f.step
+            and metrics_mtime is not None
+            and f.when is not None
+            and metrics_mtime > f.when
+        ):
             f.earlier = True
     failed = [f for f in findings if f.failed and not f.earlier]
     lines = [f"dump folder: {dump}"]
@@ -260,10 +325,18 @@ def diagnose(dump: str, *, checkpoint_folder: str = "checkpoints", tail: int = 3
         lines += [f"    {m}" for m in metric_lines]
     fr = os.path.join(dump, "flight_recorder")
     if os.path.isdir(fr) and os.listdir(fr):
-        lines.append(f"flight recorder: {len(os.listdir(fr))} dump(s) in {fr}; read them with "
-                     f"python -m torch.distributed.flight_recorder.fr_trace {fr} --prefix rank-")
-    lines.append("verdict: " + ("FAILED: " + ", ".join(sorted({f.kind for f in failed})) if failed
-                                else "no failure found"))
+        lines.append(
+            f"flight recorder: {len(os.listdir(fr))} dump(s) in {fr}; read them with "
+            f"python -m torch.distributed.flight_recorder.fr_trace {fr} --prefix rank-"
+        )
+    lines.append(
+        "verdict: "
+        + (
+            "FAILED: " + ", ".join(sorted({f.kind for f in failed}))
+            if failed
+            else "no failure found"
+        )
+    )
     return lines, bool(failed)
 
 
@@ -272,14 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dump_folder")
     p.add_argument("--checkpoint-folder", default="checkpoints", help="relative to the dump folder")
     p.add_argument("--tail", type=int, default=3, help="metrics.jsonl lines to show")
-    p.add_argument("--error-file", action="append", default=[],
-                   help="extra torchrun error.json files")
+    p.add_argument(
+        "--error-file", action="append", default=[], help="extra torchrun error.json files"
+    )
     a = p.parse_args(argv)
     if not os.path.isdir(a.dump_folder):
         print(f"error: {a.dump_folder}: not a folder", file=sys.stderr)
         return 2
-    lines, failed = diagnose(a.dump_folder, checkpoint_folder=a.checkpoint_folder, tail=a.tail,
-                             error_files=a.error_file)
+    lines, failed = diagnose(
+        a.dump_folder, checkpoint_folder=a.checkpoint_folder, tail=a.tail, error_files=a.error_file
+    )
     print("\n".join(lines))
     return 1 if failed else 0
 

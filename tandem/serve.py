@@ -142,14 +142,25 @@ def main(argv: list[str] | None = None) -> int:
         return errors.EXIT_CONFIG
     context = model.args.max_position_embeddings
     max_len = min(args.max_model_len or context, context)
-    gen = Generator(model, GenerationSettings(
-        block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len, seed=args.seed,
-        kernels=None if args.kernels == "auto" else args.kernels,
-        cuda_graphs=args.cuda_graphs and not getattr(model.args, "num_experts", 0)),
-        eos_token_ids=tok.eos_token_ids)
-    limits = EngineSettings(eot_id=end_of_turn_id(tok), max_model_len=max_len,
-                            max_tokens=min(args.max_tokens, max_len - 1))
+    gen = Generator(
+        model,
+        GenerationSettings(
+            block_size=args.block_size,
+            kv_cache_gb=args.kv_cache_gb,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+            seed=args.seed,
+            kernels=None if args.kernels == "auto" else args.kernels,
+            cuda_graphs=args.cuda_graphs and not getattr(model.args, "num_experts", 0),
+        ),
+        eos_token_ids=tok.eos_token_ids,
+    )
+    limits = EngineSettings(
+        eot_id=end_of_turn_id(tok),
+        max_model_len=max_len,
+        max_tokens=min(args.max_tokens, max_len - 1),
+    )
     engine = ServingEngine(gen, tok, limits)
     server = AgentServer(_settings(args, ServerSettings), tok.vocab_size)  # type: ignore[arg-type]
     server.engine = engine

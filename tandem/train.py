@@ -32,8 +32,9 @@ class _KeepUsr1:
 
     def __call__(self, signum: int, frame: object) -> None:
         self.received_at = self.received_at or time.time()
-        os.write(2, f"[pid {os.getpid()}] SIGUSR1 outside the training loop: kept, "
-                    "not fatal\n".encode())
+        os.write(
+            2, f"[pid {os.getpid()}] SIGUSR1 outside the training loop: kept, not fatal\n".encode()
+        )
 
 
 def _fail(status: int, msg: str) -> int:
@@ -61,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from tandem.parallel.distributed import destroy_distributed, init_distributed
     from tandem.parallel.split import BridgeMismatch
+    from tandem.rl.core.checkpoint import CheckpointError
+    from tandem.rl.core.modeling import ModelSetupError
     from tandem.rl.data.loading import DataError
     from tandem.rl.fault import NonFiniteError, enable_flight_recorder
     from tandem.rl.recipes import run, unused_settings
-    from tandem.rl.core.checkpoint import CheckpointError
-    from tandem.rl.core.modeling import ModelSetupError
 
     if cfg.fault.flight_recorder and torch.cuda.is_available():
         # NCCL only: on gloo the recorder's entries can outlive the interpreter
@@ -74,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     if info.is_main:
         for key in unused_settings(cfg):
-            print(f"warning: {key} is set but the {cfg.training.recipe!r} recipe does not read it",
-                  flush=True)
+            print(
+                f"warning: {key} is set but the {cfg.training.recipe!r} recipe does not read it",
+                flush=True,
+            )
     status = None
     try:
         status = run(cfg, info)
@@ -93,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     except BridgeMismatch as e:
         return _fail(errors.EXIT_WEIGHT_SYNC, str(e))
     except KeyboardInterrupt:
-        return _fail(errors.EXIT_INTERRUPTED,
-                     "interrupted (SIGINT); the checkpoints committed so far are kept")
+        return _fail(
+            errors.EXIT_INTERRUPTED,
+            "interrupted (SIGINT); the checkpoints committed so far are kept",
+        )
     finally:
         destroy_distributed(barrier=status == 0)
 

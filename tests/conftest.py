@@ -15,9 +15,12 @@ if not torch.cuda.is_available():
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--slurm", action="store_true", default=False,
-                     help="run the tests marked slurm: they start a one-node Slurm on this "
-                          "machine (minutes)")
+    parser.addoption(
+        "--slurm",
+        action="store_true",
+        default=False,
+        help="run the tests marked slurm: they start a one-node Slurm on this machine (minutes)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -141,24 +141,45 @@ def tiny_vlm_config(tie: bool = False, **vision: Any):
     from tandem.models.vl_template import VL_SPECIAL_TOKENS
 
     first = 360  # build_vl_char_tokenizer: the vision tokens follow the character tokenizer's ids
-    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
-                    "video_token_id"),
-                   range(first, first + len(VL_SPECIAL_TOKENS))))
-    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512,
-                bos_token_id=None,
-                eos_token_id=[355, 353], rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                          "mrope_section": [2, 3, 3]})
-    tower = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                 patch_size=14,
-                 spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                 fullatt_block_indexes=[1], tokens_per_second=2, **vision)
+    ids = dict(
+        zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+            range(first, first + len(VL_SPECIAL_TOKENS)),
+        )
+    )
+    text = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=[355, 353],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+    )
+    tower = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+        tokens_per_second=2,
+        **vision,
+    )
     return Qwen2_5_VLConfig(text_config=text, vision_config=tower, tie_word_embeddings=tie, **ids)
 
 
-def write_hf_vlm(path: str | Path, seed: int = 0, tie: bool = False,
-                 max_pixels: int = 28 * 28 * 24) -> Path:
+def write_hf_vlm(
+    path: str | Path, seed: int = 0, tie: bool = False, max_pixels: int = 28 * 28 * 24
+) -> Path:
     """A random tiny Qwen2.5-VL folder (transformers' save_pretrained), the vision character
     tokenizer and a preprocessor_config.json (images of at most ``max_pixels``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -182,8 +203,9 @@ def hf_vlm_reference(path: str | Path):
     """The transformers Qwen2.5-VL model stored in ``path`` (fp32, eager attention), eval mode."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def hf_reference(path: str | Path):
@@ -200,12 +222,20 @@ def hf_reference(path: str | Path):
 def trainer_unaffected() -> Iterator[None]:
     """The parent (this pytest process) keeps its cwd, environment and rlimits and can still
     start processes: sandboxed runs must leave the trainer as it was."""
+
     def environ() -> dict[str, str]:
         return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
     cwd, env = os.getcwd(), environ()
-    limits = {r: resource.getrlimit(r) for r in (resource.RLIMIT_CPU, resource.RLIMIT_AS,
-                                                   resource.RLIMIT_NPROC, resource.RLIMIT_FSIZE)}
+    limits = {
+        r: resource.getrlimit(r)
+        for r in (
+            resource.RLIMIT_CPU,
+            resource.RLIMIT_AS,
+            resource.RLIMIT_NPROC,
+            resource.RLIMIT_FSIZE,
+        )
+    }
     yield
     assert os.getcwd() == cwd
     assert environ() == env
@@ -213,18 +243,29 @@ def trainer_unaffected() -> Iterator[None]:
     assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True).stdout == b"1\n"
 
 
-def launch_worker(worker: str | Path, nproc: int, out: str | Path, *args: str,
-                  timeout: float = 400) -> Any:
+def launch_worker(
+    worker: str | Path, nproc: int, out: str | Path, *args: str, timeout: float = 400
+) -> Any:
     """Run a torchrun worker script on ``nproc`` CPU ranks (gloo) and load what it saved to ``out``
     (torch.save); a failing launch raises with the end of its output."""
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(worker), "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(worker),
+        "--out",
+        str(out),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
-                           f"\n{proc.stderr[-5000:]}")
+        raise RuntimeError(
+            f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return torch.load(out, weights_only=False)
 
 
@@ -237,17 +278,27 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
-def train_run(config: str | Path, dump: str | Path, nproc: int, *extra: str,
-              timeout: float = 900) -> tuple[list[dict], str]:
+def train_run(
+    config: str | Path, dump: str | Path, nproc: int, *extra: str, timeout: float = 900
+) -> tuple[list[dict], str]:
     """``train.py --config CONFIG`` under torchrun on ``nproc`` CPU ranks (gloo): the rows of its
     metrics.jsonl (none when a resumed run had no step left) and its output; a failing run raises
     with the end of its output."""
     import json
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}",
-           str(root / "train.py"), "--config", str(config), f"--job.dump_folder={dump}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(root / "train.py"),
+        "--config",
+        str(config),
+        f"--job.dump_folder={dump}",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -270,13 +321,28 @@ def quickstart_cmd(dump: str | Path, steps: int, nproc: int = 2, restarts: int =
     root = Path(__file__).resolve().parents[1]
     launch = [sys.executable]
     if nproc:
-        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   f"--max-restarts={restarts}"]
-    return [*launch, str(root / "train.py"), "--config", str(root / "configs" / "quickstart.toml"),
-            f"--job.dump_folder={dump}", f"--training.steps={steps}", "--rl.prompts_per_step=16",
-            "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
-            "--reward.num_workers=0", "--checkpoint.export_hf_at_end=false",
-            "--advanced.dump_rollouts=true"]
+        launch += [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}",
+        ]
+    return [
+        *launch,
+        str(root / "train.py"),
+        "--config",
+        str(root / "configs" / "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        "--checkpoint.export_hf_at_end=false",
+        "--advanced.dump_rollouts=true",
+    ]
 
 
 def rollout_dumps(dump: str | Path, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
@@ -290,8 +356,12 @@ def rollout_dumps(dump: str | Path, ranks: tuple[int, ...] = (0, 1)) -> list[dic
     return out
 
 
-def assert_same_as_synchronous(sync: tuple[Path, list[dict]], other: tuple[Path, list[dict]],
-                               samples: int, keys: tuple[str, ...]) -> None:
+def assert_same_as_synchronous(
+    sync: tuple[Path, list[dict]],
+    other: tuple[Path, list[dict]],
+    samples: int,
+    keys: tuple[str, ...],
+) -> None:
     """Two runs' (dump folder, metrics rows) sampled the same tokens with the same log-probs,
     every token of the version its step trains (``samples`` in all), and logged the same
     ``keys`` bit for bit, with nothing stale."""
@@ -299,8 +369,12 @@ def assert_same_as_synchronous(sync: tuple[Path, list[dict]], other: tuple[Path,
     a, b = sorted(rollout_dumps(sync[0]), key=key), sorted(rollout_dumps(other[0]), key=key)
     assert len(a) == len(b) == samples
     for x, y in zip(a, b):
-        assert (x["step"], x["rank"], x["prompt"], x["completion_ids"]) == \
-               (y["step"], y["rank"], y["prompt"], y["completion_ids"])
+        assert (x["step"], x["rank"], x["prompt"], x["completion_ids"]) == (
+            y["step"],
+            y["rank"],
+            y["prompt"],
+            y["completion_ids"],
+        )
         assert x["gen_logprobs"] == y["gen_logprobs"]
         assert x["versions"] == y["versions"] == [y["step"] - 1] * len(y["versions"])
     for k in keys:

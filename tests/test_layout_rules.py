@@ -9,7 +9,8 @@
   here with the reason;
 - the recipes never compare an algorithm's name: what a loop must build for an
   algorithm is a capability declared at registration (tandem/rl/core/registry.py);
-- no line of Python over 100 characters (ruff's E501, line-length in pyproject.toml).
+- no line of Python over 100 characters (ruff's E501, line-length in pyproject.toml);
+- one formatter and one import order: `ruff format` and ruff's isort rules (I).
 
 Imports are read from the code, every one of them (inside functions too), except those
 under ``if TYPE_CHECKING:``, which never run.
@@ -18,9 +19,9 @@ under ``if TYPE_CHECKING:``, which never run.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
-import re
 from functools import cache
 from pathlib import Path
 
@@ -28,10 +29,27 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "tandem"
 SOURCES = [p for d in (PKG, ROOT / "bench", ROOT / "scripts") for p in d.rglob("*.py")]
 SOURCES += [ROOT / "train.py"]
-LONG_FILES: dict[str, str] = {}  # path -> why it may exceed 600 lines (none now)
+# ruff format's one-item-per-line wrapping pushed these past the limit; each is split in a
+# later commit of its own, which removes its row here.
+_FORMAT = "grew past the limit under ruff format's wrapping alone (to be split)"
+LONG_FILES: dict[str, str] = {  # path -> why it may exceed 600 lines
+    "tandem/kernels/paged_attention.py": _FORMAT,
+    "tandem/rl/plan/planner.py": _FORMAT,
+    "tandem/rl/update/loss.py": _FORMAT,
+    "tandem/rl/rewards/code_harness.py": _FORMAT,
+    "tandem/rl/core/checkpoint.py": _FORMAT,
+}
 LONG_FUNCTIONS: dict[str, str] = {  # "path:function" -> why it may exceed 80 lines
     "tandem/rl/update/loss.py:_build": "lays out every field of a micro-batch in one pass",
     "bench/decode_profile.py:main": "one linear bench script: flags, run, table",
+    "tandem/kernels/paged_attention.py:paged_attention_torch": _FORMAT,
+    "tandem/rl/recipes/rl.py:__init__": _FORMAT,
+    "tandem/rl/serve/episodes.py:serve_episodes": _FORMAT,
+    "tandem/rl/update/phase.py:run": _FORMAT,
+    "bench/vlm.py:bench_step": _FORMAT,
+    "bench/grpo_step.py:trl_worker": _FORMAT,
+    "bench/grpo_step.py:parse_args": _FORMAT,
+    "bench/serve.py:main": _FORMAT,
 }
 
 
@@ -47,9 +65,12 @@ MODULES = {_module(p): p for p in PKG.rglob("*.py")}
 def _imports(path: Path) -> frozenset[str]:
     """Every module ``path`` imports (``from a import b`` names ``a.b`` where that is a module)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     out = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -127,21 +148,33 @@ def test_one_import_root():
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert packages == {"tandem", "tests"}, packages
     old = ("rl", "models", "parallel", "kernels")
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in SOURCES
-           + list((ROOT / "tests").rglob("*.py"))
-           for m in _imports(p) if any(_within(m, o) for o in old)]
+    bad = [
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in SOURCES + list((ROOT / "tests").rglob("*.py"))
+        for m in _imports(p)
+        if any(_within(m, o) for o in old)
+    ]
     assert not bad, bad
 
 
 def test_models_parallel_and_kernels_never_import_rl():
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for folder in ("models", "parallel", "kernels")
-           for p in _files(folder) for m in _imports(p) if _within(m, "tandem.rl")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports {m}"
+        for folder in ("models", "parallel", "kernels")
+        for p in _files(folder)
+        for m in _imports(p)
+        if _within(m, "tandem.rl")
+    ]
     assert not bad, bad
 
 
 def test_models_never_import_parallel():
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in _files("models")
-           for m in _imports(p) if _within(m, "tandem.parallel")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in _files("models")
+        for m in _imports(p)
+        if _within(m, "tandem.parallel")
+    ]
     assert not bad, bad
 
 
@@ -154,19 +187,33 @@ def test_no_import_cycles_between_folders_or_modules():
 
 
 def test_the_ground_floor_imports_nothing_above_it():
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in _files("rl/core")
-           for m in _imports(p) if _within(m, "tandem.rl") and not _within(m, "tandem.rl.core")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in _files("rl/core")
+        for m in _imports(p)
+        if _within(m, "tandem.rl") and not _within(m, "tandem.rl.core")
+    ]
     assert not bad, bad
 
 
 def test_only_entry_points_reach_the_recipes():
     """tandem/train.py runs them; tandem-sweep asks the registry for a recipe's held-out metric.
     Inside rl/ only the recipes themselves import rl/recipes/."""
-    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in _files("rl")
-           if "recipes" not in p.parts for m in _imports(p) if _within(m, "tandem.rl.recipes")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in _files("rl")
+        if "recipes" not in p.parts
+        for m in _imports(p)
+        if _within(m, "tandem.rl.recipes")
+    ]
     assert not bad, bad
-    users = {_folder(_module(p)) for p in PKG.rglob("*.py") if "recipes" not in p.parts
-             for m in _imports(p) if _within(m, "tandem.rl.recipes")}
+    users = {
+        _folder(_module(p))
+        for p in PKG.rglob("*.py")
+        if "recipes" not in p.parts
+        for m in _imports(p)
+        if _within(m, "tandem.rl.recipes")
+    }
     assert users <= {"tandem.train", "tandem.sweep"}, users
 
 
@@ -176,12 +223,16 @@ def test_worker_side_packages_do_not_import_torch_at_module_level():
     bad = []
     for folder in ("rl/rewards", "rl/envs", "rl/workers", "rl/sandbox"):
         for path in _files(folder):
-            top = [n for n in ast.parse(path.read_text()).body
-                   if isinstance(n, (ast.Import, ast.ImportFrom))]
+            top = [
+                n
+                for n in ast.parse(path.read_text()).body
+                if isinstance(n, (ast.Import, ast.ImportFrom))
+            ]
             names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
             names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
-            bad += [f"{path.relative_to(ROOT)} imports {m}" for m in names if m.split(".")[0]
-                    == "torch"]
+            bad += [
+                f"{path.relative_to(ROOT)} imports {m}" for m in names if m.split(".")[0] == "torch"
+            ]
     assert not bad, bad
 
 
@@ -212,12 +263,33 @@ def test_recipes_never_compare_algorithm_names():
     assert not bad, bad
 
 
+def _ruff(*args: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, "-m", "ruff", *args, "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert "No module named ruff" not in r.stderr, "ruff is missing: pip install -e '.[test]'"
+    return r
+
+
 def test_no_line_over_100_characters():
     """ruff's E501 over every Python file of the repository, with pyproject.toml's line-length."""
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "E501", "--no-cache",
-                        "--output-format", "concise", "."], cwd=ROOT, capture_output=True,
-                       text=True)
-    assert "No module named ruff" not in r.stderr, "ruff is missing: pip install -e '.[test]'"
+    r = _ruff("check", "--select", "E501", "--output-format", "concise")
     long = [line for line in r.stdout.splitlines() if "E501" in line]
     assert r.returncode == 0 and not long, "lines over 100 characters (file:line):\n" + "\n".join(
-        long or [r.stdout + r.stderr])
+        long or [r.stdout + r.stderr]
+    )
+
+
+def test_one_formatter():
+    """Every Python file is as ``ruff format`` writes it (run it to fix what this names)."""
+    r = _ruff("format", "--check")
+    assert r.returncode == 0, "run `ruff format .`:\n" + r.stdout + r.stderr
+
+
+def test_one_import_order():
+    """Imports sorted as ruff's isort rules (I001) sort them (``ruff check --select I --fix .``)."""
+    r = _ruff("check", "--select", "I", "--output-format", "concise")
+    assert r.returncode == 0, "run `ruff check --select I --fix .`:\n" + r.stdout + r.stderr

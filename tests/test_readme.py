@@ -34,9 +34,13 @@ def test_readme_commands_name_existing_files():
 
 
 def test_print_config_exits_zero():
-    r = subprocess.run([sys.executable, "train.py", "--config", "configs/quickstart.toml",
-                        "--print-config"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/quickstart.toml", "--print-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "[rl]" in r.stdout and 'recipe = "rl"' in r.stdout
 

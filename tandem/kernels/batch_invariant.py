@@ -77,7 +77,7 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = a.new_empty(-(-m // TILE_ROWS) * TILE_ROWS, b.shape[1])  # [M', N]
     full = m - m % TILE_ROWS
     for s in range(0, full, TILE_ROWS):
-        torch.ops.aten.mm.out(a[s:s + TILE_ROWS], b, out=out[s:s + TILE_ROWS])
+        torch.ops.aten.mm.out(a[s : s + TILE_ROWS], b, out=out[s : s + TILE_ROWS])
     if full < m:
         tail = a.new_zeros(TILE_ROWS, a.shape[1])
         tail[: m - full] = a[full:]
@@ -100,8 +100,9 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return tk.matmul(a, b) if tk is not None else tiled_mm(a, b)
 
 
-def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
-           alpha: float = 1) -> torch.Tensor:
+def _addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
     tk = _triton_mm(a, b)
     if tk is not None and bias.dtype == a.dtype:
         return tk.matmul(a, b, bias, alpha=alpha, beta=beta)  # bias added to the fp32 accumulator
@@ -133,14 +134,20 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
     z = z.float()
     m = z.amax(-1, keepdim=True)  # a max is exact in any order
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return (tree_sum((z - m).exp_()).log_() + m[..., 0])
+    return tree_sum((z - m).exp_()).log_() + m[..., 0]
 
 
 # ---- attention ------------------------------------------------------------------------
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor,
-              key_len: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_index: torch.Tensor,
+    key_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Each query over its own keys, in a fixed order that does not depend on the batch.
 
     q ``[T, Hq, D]``; k, v ``[N, Hkv, D]`` a store of key/value rows (a packed training
@@ -171,8 +178,10 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, key_index, key_len = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need)
-                  for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
+        inputs = [
+            t.detach().requires_grad_(need)
+            for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)
+        ]
         with torch.enable_grad():
             out = attention_torch(*inputs, key_index, key_len, ctx.scale)
             wrt = [t for t in inputs if t.requires_grad]
@@ -180,21 +189,43 @@ class _TritonAttention(torch.autograd.Function):
         return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
 
 
-def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor,
-                    key_len: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_index: torch.Tensor,
+    key_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """`attention` in PyTorch: tree sums of gathered key chunks (any device)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     out = q.new_empty(t, hq, d)
     for s in range(0, t, QUERY_BLOCK):
         e = min(s + QUERY_BLOCK, t)
-        out[s:e] = _attend(q[s:e].float().view(e - s, hkv, hq // hkv, d), k, v, key_index[s:e],
-                           key_len[s:e], scale).reshape(e - s, hq, d).to(q.dtype)
+        out[s:e] = (
+            _attend(
+                q[s:e].float().view(e - s, hkv, hq // hkv, d),
+                k,
+                v,
+                key_index[s:e],
+                key_len[s:e],
+                scale,
+            )
+            .reshape(e - s, hq, d)
+            .to(q.dtype)
+        )
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-            length: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: torch.Tensor,
+    length: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One block of queries: q [T, Hkv, G, D] fp32 -> [T, Hkv, G, D]."""
     t = q.shape[0]
     width = int(length.max()) if t else 0
@@ -220,9 +251,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
     return num / tree_sum(p)[..., None]
 
 
-def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    context_lens: torch.Tensor,
-                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_key_index(
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key_index [T, L], key_len [T])`` of a paged step's queries into the flattened cache
     (``[NB * BS, Hkv, D]``): query i of sequence n (position ``ctx - q_len + i``) attends to
     that sequence's slots 0..its position, in order."""
@@ -230,8 +264,9 @@ def paged_key_index(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)  # [T]
     first = (cu_seqlens_q[:-1].long())[seq]
     # [T]
-    pos = context_lens.long()[seq] - q_lens[seq] + (torch.arange(len(seq), device=seq.device)
-                                                    - first)
+    pos = (
+        context_lens.long()[seq] - q_lens[seq] + (torch.arange(len(seq), device=seq.device) - first)
+    )
     width = int(context_lens.max()) if len(context_lens) else 0
     j = torch.arange(width, device=seq.device)  # [L]
     # [T, L]
@@ -248,6 +283,7 @@ def mask_key_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     j = torch.arange(s, device=mask.device)
     # allowed keys first, each group in row order
     order = torch.where(mask, j, s + j).argsort(dim=-1)
-    index = (order.clamp(max=s - 1)
-             + (torch.arange(b, device=mask.device) * s)[:, None, None]).reshape(b * s, s)
+    index = (
+        order.clamp(max=s - 1) + (torch.arange(b, device=mask.device) * s)[:, None, None]
+    ).reshape(b * s, s)
     return index, mask.sum(-1).reshape(b * s)

@@ -60,7 +60,8 @@ class OneDNNLinear(nn.Linear):
         if (
             x.device.type == "cpu"
             and x.dtype == w.dtype == torch.float32
-            and _plain(x) and _plain(w)
+            and _plain(x)
+            and _plain(w)
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
             if self.packed is not None and self.packed[1] == w._version:

@@ -72,11 +72,13 @@ def unpermute_tokens(
 
 def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"expected x [M, K] and w [E, K, N]; got {tuple(x.shape)} and "
-                         f"{tuple(w.shape)}")
+        raise ValueError(
+            f"expected x [M, K] and w [E, K, N]; got {tuple(x.shape)} and {tuple(w.shape)}"
+        )
     if offsets.dim() != 1 or offsets.shape[0] != w.shape[0] or offsets.dtype != torch.int32:
-        raise ValueError(f"offsets must be int32 [E={w.shape[0]}]; got {offsets.dtype} "
-                         f"{tuple(offsets.shape)}")
+        raise ValueError(
+            f"offsets must be int32 [E={w.shape[0]}]; got {offsets.dtype} {tuple(offsets.shape)}"
+        )
     if x.dtype != w.dtype or x.device != w.device or offsets.device != x.device:
         raise ValueError("x, w and offsets must share a device, and x and w a dtype")
 
@@ -95,8 +97,10 @@ def torch_grouped_mm_applies(x: torch.Tensor) -> bool:
 def _aligned(*ts: torch.Tensor) -> bool:
     """torch._grouped_mm's layout rule: every non-unit stride and the data a multiple of 16 bytes
     (a LoRA rank of 3 in fp32 gives 12-byte rows: those go through the loop)."""
-    return all(t.data_ptr() % 16 == 0
-               and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in ts)
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+        for t in ts
+    )
 
 
 def grouped_mm(
@@ -154,8 +158,9 @@ def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, triton: bo
         return grouped_mm_ref(x, w, offsets)
 
 
-def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
-                 triton: bool) -> torch.Tensor:
+def _weight_grad(
+    x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, triton: bool
+) -> torch.Tensor:
     """``dw[e] = x_e^T @ dy_e`` over expert ``e``'s rows; zero for an expert with none."""
     if triton:
         return _triton_impl().grouped_weight_grad(x, dy, offsets)

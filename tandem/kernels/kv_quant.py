@@ -154,8 +154,9 @@ class KVAmaxObserver:
     ``offset .. offset + local heads`` (a tensor-parallel rank holds a block of the heads),
     then calls the wrapped backend. ``mask [B, S]``: the positions that count (not padding)."""
 
-    def __init__(self, inner: Backend, amax: torch.Tensor, offset: int = 0,
-                 mask: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, inner: Backend, amax: torch.Tensor, offset: int = 0, mask: torch.Tensor | None = None
+    ) -> None:
         self.inner, self.amax, self.offset, self.mask = inner, amax, offset, mask
 
     def _amax(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H, D] -> [H]

@@ -110,8 +110,11 @@ def _chunk_logp_all(h: Tensor, weight: Tensor, lse: Tensor | None = None) -> tup
     z = (h @ weight.T).to(_acc_dtype(h))  # [C, V]
     if lse is None:  # rl.exact: the sampler's batch-invariant normaliser
         # [C]
-        lse = (batch_invariant.logsumexp(z) if batch_invariant.enabled()
-               else torch.logsumexp(z, dim=-1))
+        lse = (
+            batch_invariant.logsumexp(z)
+            if batch_invariant.enabled()
+            else torch.logsumexp(z, dim=-1)
+        )
     return z.sub_(lse[:, None]), lse
 
 

@@ -31,8 +31,14 @@ except ImportError:  # the PyTorch form needs no Triton
 __all__ = ["lora_linear", "lora_linear_ref", "use_fused_lora"]
 
 
-def lora_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                    b: torch.Tensor, scale: float) -> torch.Tensor:
+def lora_linear_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """x ``[..., K]``, w ``[N, K]``, a ``[r, K]``, b ``[N, r]`` -> ``[..., N]``
     (LoraLinear's own ops)."""
     return F.linear(x, w, bias) + F.linear(F.linear(x, a) * scale, b)
@@ -45,8 +51,14 @@ def use_fused_lora(x: torch.Tensor, impl: str | None = None) -> bool:
     return forced == "triton" and type(x) is torch.Tensor and use_triton(x, forced)
 
 
-def lora_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                b: torch.Tensor, scale: float) -> torch.Tensor:
+def lora_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The fused form (see the module docstring); differentiable in x, w, bias, a and b."""
     return _FusedLora.apply(x, w, bias, a, b, scale)
 
@@ -75,8 +87,14 @@ class _FusedLora(torch.autograd.Function):
         return dx, dw, dbias, da, db, None
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-             b: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n, r = w.shape[0], a.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -86,20 +104,66 @@ def _forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: tor
     bm, bn, bk = (64, 64, 32) if x.is_cuda else (16, 16, 16)
     br = max(16, triton.next_power_of_2(r))  # tl.dot needs every dimension >= 16
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _lora_kernel[grid](x, w, bias if bias is not None else y, a, b, y, xa, m, n, k, r, float(scale),
-                       x.stride(0), x.stride(1), w.stride(0), w.stride(1), a.stride(0), a.stride(1),
-                       b.stride(0), b.stride(1), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-                       BR=br)
+    _lora_kernel[grid](
+        x,
+        w,
+        bias if bias is not None else y,
+        a,
+        b,
+        y,
+        xa,
+        m,
+        n,
+        k,
+        r,
+        float(scale),
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        HAS_BIAS=bias is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        BR=br,
+    )
     return y, xa
 
 
 if triton is not None:
 
     @triton.jit
-    def _lora_kernel(x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, y_ptr, xa_ptr, M, N, K, R, scale,
-                     sxm, sxk, swn, swk, sar, sak, sbn, sbr,
-                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     BR: tl.constexpr):
+    def _lora_kernel(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        a_ptr,
+        b_ptr,
+        y_ptr,
+        xa_ptr,
+        M,
+        N,
+        K,
+        R,
+        scale,
+        sxm,
+        sxk,
+        swn,
+        swk,
+        sar,
+        sak,
+        sbn,
+        sbr,
+        HAS_BIAS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BR: tl.constexpr,
+    ):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -108,23 +172,41 @@ if triton is not None:
         low = tl.zeros((BM, BR), dtype=tl.float32)  # x A^T
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            xk = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk,
-                         mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # [BM, BK]
-            wk = tl.load(w_ptr + rn[None, :] * swn + rk[:, None] * swk,
-                         mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)  # [BK, BN]
-            ak = tl.load(a_ptr + rr[None, :] * sar + rk[:, None] * sak,
-                         mask=(rr[None, :] < R) & (rk[:, None] < K), other=0.0)  # [BK, BR]
+            xk = tl.load(
+                x_ptr + rm[:, None] * sxm + rk[None, :] * sxk,
+                mask=(rm[:, None] < M) & (rk[None, :] < K),
+                other=0.0,
+            )  # [BM, BK]
+            wk = tl.load(
+                w_ptr + rn[None, :] * swn + rk[:, None] * swk,
+                mask=(rn[None, :] < N) & (rk[:, None] < K),
+                other=0.0,
+            )  # [BK, BN]
+            ak = tl.load(
+                a_ptr + rr[None, :] * sar + rk[:, None] * sak,
+                mask=(rr[None, :] < R) & (rk[:, None] < K),
+                other=0.0,
+            )  # [BK, BR]
             acc += tl.dot(xk, wk)
             low += tl.dot(xk, ak)
         # rounded like the PyTorch form's s * (x A^T)
         low = (low * scale).to(x_ptr.dtype.element_ty)
-        bt = tl.load(b_ptr + rn[None, :] * sbn + rr[:, None] * sbr,
-                     mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)  # [BR, BN]
+        bt = tl.load(
+            b_ptr + rn[None, :] * sbn + rr[:, None] * sbr,
+            mask=(rn[None, :] < N) & (rr[:, None] < R),
+            other=0.0,
+        )  # [BR, BN]
         acc += tl.dot(low, bt)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(
+            y_ptr + rm[:, None] * N + rn[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
         if pid_n == 0:  # the low-rank product, for the backward's gradient of B
-            tl.store(xa_ptr + rm[:, None] * R + rr[None, :], low,
-                     mask=(rm[:, None] < M) & (rr[None, :] < R))
+            tl.store(
+                xa_ptr + rm[:, None] * R + rr[None, :],
+                low,
+                mask=(rm[:, None] < M) & (rr[None, :] < R),
+            )

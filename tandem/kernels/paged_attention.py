@@ -186,27 +186,51 @@ def paged_attention(
         )
     if not use_triton(q, impl):
         return paged_attention_torch(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len, plan,
-            k_scale=k_scale, v_scale=v_scale,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q,
+            context_lens,
+            scale,
+            max_q_len,
+            plan,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     tk = _triton_impl()
     if max_q_len == 1 and q.shape[0] == n:
-        return tk.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                         k_scale=k_scale, v_scale=v_scale)
+        return tk.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=k_scale, v_scale=v_scale
+        )
     if max_q_len is None:
         # Deliberate host sync: the grid needs the longest query run.
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n > 0 else 0
     return tk.paged_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len,
-        k_scale, v_scale,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        scale,
+        max_q_len,
+        k_scale,
+        v_scale,
     )
 
 
-def _paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+def _paged_attention_exact(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`paged_attention` through `tandem.kernels.batch_invariant.attention` (rows past the step's
     queries are zero); one host sync for the query count. An FP8 cache's blocks that the step
     reads are dequantized into a compact store first (the same values, fewer of them)."""
@@ -219,10 +243,12 @@ def _paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         used, block_tables = torch.unique(block_tables.long().clamp(min=0), return_inverse=True)
         k_cache = dequantize_pages(k_cache, k_scale, used)
         v_cache = dequantize_pages(v_cache, v_scale, used)
-    index, length = batch_invariant.paged_key_index(block_tables, cu_seqlens_q, context_lens,
-                                                    k_cache.shape[1])
-    out[:t] = batch_invariant.attention(q[:t], k_cache.flatten(0, 1), v_cache.flatten(0, 1), index,
-                                        length, scale)
+    index, length = batch_invariant.paged_key_index(
+        block_tables, cu_seqlens_q, context_lens, k_cache.shape[1]
+    )
+    out[:t] = batch_invariant.attention(
+        q[:t], k_cache.flatten(0, 1), v_cache.flatten(0, 1), index, length, scale
+    )
     return out
 
 
@@ -271,12 +297,29 @@ def paged_decode_attention(
         )
     if use_triton(q, impl):
         return _triton_impl().paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits,
-            k_scale=k_scale, v_scale=v_scale,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            num_splits=num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     cu = torch.arange(n + 1, dtype=torch.int32, device=q.device)  # [N + 1]
-    return paged_attention_torch(q, k_cache, v_cache, block_tables, cu, context_lens, scale, 1,
-                                 k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_torch(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu,
+        context_lens,
+        scale,
+        1,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -469,8 +512,9 @@ def plan_torch(
     q_pos = ctx[:, None] - q_lens[:, None] + offs[None, :]  # [N, Lq]
     k_pos = torch.arange(width, device=dev)  # [W]
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, Lq, W] (also < ctx)
-    bias = (torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed,
-                                                                float("-inf"))[:, None, None])
+    bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))[
+        :, None, None
+    ]
     decode = max_q_len == 1 and num_tokens == n
     rows = valid_q = None
     if not decode:
@@ -478,8 +522,9 @@ def plan_torch(
         # [N, Lq] token index into q
         rows = torch.where(valid_q, starts[:, None] + offs[None, :], 0)
     has_empty = bool((ctx == 0).any()) if n > 0 else False
-    return TorchPlan(ids, max_q_len, bias, rows, valid_q, has_empty,
-                     allowed[:, None] if decode else None)
+    return TorchPlan(
+        ids, max_q_len, bias, rows, valid_q, has_empty, allowed[:, None] if decode else None
+    )
 
 
 def paged_attention_torch(
@@ -530,8 +575,9 @@ def paged_attention_torch(
         k = dequantize_pages(k_cache, k_scale, plan.ids).view(n, width, hkv, d)  # [N, W, Hkv, D]
         v = dequantize_pages(v_cache, v_scale, plan.ids).view(n, width, hkv, d)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, Hkv, W, D]
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=plan.allowed,
-                                             scale=scale, enable_gqa=group > 1)  # [N, Hq, 1, D]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], k, v, attn_mask=plan.allowed, scale=scale, enable_gqa=group > 1
+        )  # [N, Hq, 1, D]
         return out[:, :, 0]
 
     def gather(cache: torch.Tensor, sc: torch.Tensor | None) -> torch.Tensor:  # [N * Hkv, W, D]
@@ -544,8 +590,12 @@ def paged_attention_torch(
     if plan.rows is None:  # pure decode: token n is sequence n's only query
         qp = q.float().reshape(n * hkv, group, d)
     else:
-        qp = q.float()[plan.rows].view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
-            n * hkv, group * lq, d)
+        qp = (
+            q.float()[plan.rows]
+            .view(n, lq, hkv, group, d)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(n * hkv, group * lq, d)
+        )
     # [N, Hkv, G, Lq, W]
     scores = torch.bmm(qp, k.transpose(1, 2)).view(n, hkv, group, lq, width) * scale
     probs = torch.softmax(scores + plan.bias, dim=-1)

@@ -69,8 +69,14 @@ def _mm_kernel(
 # fmt: on
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
-           alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` (any strides; ``b`` is ``w.T`` for a linear layer), plus
     ``beta * bias`` (broadcastable to ``[M, N]``) with the product scaled by ``alpha`` when
     ``bias`` is given; returns ``[M, N]`` in ``a``'s dtype. Arguments are checked by the caller
@@ -129,14 +135,29 @@ def _tree3(x, LOG2: tl.constexpr):
 
 
 @triton.jit
-def _chunk_scores(q, k_ptr, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok, scale,
-                  KC: tl.constexpr, LOG2_D: tl.constexpr):
+def _chunk_scores(
+    q,
+    k_ptr,
+    idx_row,
+    c0,
+    n_keys,
+    stride_kn,
+    stride_kd,
+    d,
+    d_ok,
+    scale,
+    KC: tl.constexpr,
+    LOG2_D: tl.constexpr,
+):
     """Scores [G, KC] of the query's heads against keys c0..c0+KC (-inf past its keys)."""
     c = c0 + tl.arange(0, KC)
     ok = c < n_keys
     rows = tl.load(idx_row + c, mask=ok, other=0)  # [KC] int64 rows of the key store
-    k = tl.load(k_ptr + rows[:, None] * stride_kn + d[None, :] * stride_kd,
-                mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [KC, D]
+    k = tl.load(
+        k_ptr + rows[:, None] * stride_kn + d[None, :] * stride_kd,
+        mask=ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [KC, D]
     s = _tree3(q[:, None, :] * k[None, :, :], LOG2_D) * scale  # [G, KC]
     return tl.where(ok[None, :], s, float("-inf")), rows, ok
 
@@ -188,12 +209,34 @@ def _total(stack_n, stack_d, n, levels, LEVELS: tl.constexpr):
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, out_ptr,
-    stride_qt, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh,
-    stride_vd, stride_it, stride_ot, stride_oh, stride_od,
-    scale, G, D,
-    G_P: tl.constexpr, D_P: tl.constexpr, KC: tl.constexpr, LEVELS: tl.constexpr,
-    LOG2_D: tl.constexpr, LOG2_KC: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    len_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    scale,
+    G,
+    D,
+    G_P: tl.constexpr,
+    D_P: tl.constexpr,
+    KC: tl.constexpr,
+    LEVELS: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    LOG2_KC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -203,37 +246,56 @@ def _attention_kernel(
     d_ok = d < D
     n_keys = tl.load(len_ptr + t).to(tl.int32)
     qm = g_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + t * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=qm, other=0.0).to(tl.float32)  # [G, D]
+    q = tl.load(
+        q_ptr + t * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=qm,
+        other=0.0,
+    ).to(tl.float32)  # [G, D]
     idx_row = idx_ptr + t * stride_it
     k_base = k_ptr + h * stride_kh
     m = tl.full((G_P,), float("-inf"), tl.float32)
     for c0 in range(0, n_keys, KC):  # the max over all the query's keys (exact in any order)
-        s, _, _ = _chunk_scores(q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok,
-                                scale, KC, LOG2_D)
+        s, _, _ = _chunk_scores(
+            q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok, scale, KC, LOG2_D
+        )
         m = tl.maximum(m, tl.max(s, axis=1))
     levels = tl.arange(0, LEVELS)
     stack_n = tl.zeros((LEVELS, G_P, D_P), tl.float32)
     stack_d = tl.zeros((LEVELS, G_P), tl.float32)
     i = n_keys * 0
     for c0 in range(0, n_keys, KC):
-        s, rows, ok = _chunk_scores(q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok,
-                                    scale, KC, LOG2_D)
+        s, rows, ok = _chunk_scores(
+            q, k_base, idx_row, c0, n_keys, stride_kn, stride_kd, d, d_ok, scale, KC, LOG2_D
+        )
         p = tl.exp(s - m[:, None])  # [G, KC]; 0 past the keys
-        v = tl.load(v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :] * stride_vd,
-                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [KC, D]
+        v = tl.load(
+            v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :] * stride_vd,
+            mask=ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [KC, D]
         pv = tl.permute(p[:, :, None] * v[None, :, :], (0, 2, 1))  # [G, D, KC]
-        stack_n, stack_d = _push(stack_n, stack_d, _tree3(pv, LOG2_KC), _tree2(p, LOG2_KC), i,
-                                 levels, LEVELS)
+        stack_n, stack_d = _push(
+            stack_n, stack_d, _tree3(pv, LOG2_KC), _tree2(p, LOG2_KC), i, levels, LEVELS
+        )
         i += 1
     num, den = _total(stack_n, stack_d, i, levels, LEVELS)
     out = num / den[:, None]  # [G, D]
-    tl.store(out_ptr + t * stride_ot + (h * G + g)[:, None] * stride_oh + d[None, :] * stride_od,
-             out, mask=qm)
+    tl.store(
+        out_ptr + t * stride_ot + (h * G + g)[:, None] * stride_oh + d[None, :] * stride_od,
+        out,
+        mask=qm,
+    )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor,
-              key_len: torch.Tensor, scale: float, chunk: int = KEY_CHUNK) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_index: torch.Tensor,
+    key_len: torch.Tensor,
+    scale: float,
+    chunk: int = KEY_CHUNK,
+) -> torch.Tensor:
     """`tandem.kernels.batch_invariant.attention`'s contract (q [T, Hq, D]; k, v [N, Hkv,
     D]; key_index [T, L]; key_len [T]); returns [T, Hq, D] in fp32, the caller casts. Forward
     only. ``chunk`` (a power of two) changes the speed, not the values."""

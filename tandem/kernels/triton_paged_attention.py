@@ -321,8 +321,9 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _quant_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                v_scale: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+def _quant_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(QUANT, k scales, v scales) for the kernels: 0 and placeholders for an unquantized
     cache, 1 and the per-head scales, 2 and the per-slot scales (made contiguous)."""
     if k_scale is None:
@@ -342,8 +343,13 @@ def _fp8_constants(dtype: torch.dtype) -> dict[str, object]:
     m = kvq.fp8_max(dtype)
     bits = kvq.fp32_bits(m)
     emin = (kvq.fp32_bits(torch.finfo(dtype).smallest_normal) >> 23) & 0xFF
-    return {"FP8_MAX": m, "M_EXP": (bits >> 23) & 0xFF, "M_MANT": bits & 0x7FFFFF,
-            "MANT": kvq.MANTISSA_BITS[dtype], "EMIN": emin}
+    return {
+        "FP8_MAX": m,
+        "M_EXP": (bits >> 23) & 0xFF,
+        "M_MANT": bits & 0x7FFFFF,
+        "MANT": kvq.MANTISSA_BITS[dtype],
+        "EMIN": emin,
+    }
 
 
 @functools.cache

@@ -135,37 +135,52 @@ class ModelArgs:
 
     def _validate_vision(self) -> None:
         if (self.vision is not None) != self.is_vlm:
-            raise ValueError(f"model_type {self.model_type!r} "
-                             f"{'needs' if self.is_vlm else 'takes no'} vision settings")
+            raise ValueError(
+                f"model_type {self.model_type!r} "
+                f"{'needs' if self.is_vlm else 'takes no'} vision settings"
+            )
         if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = "
-                             f"{self.head_dim // 2}")
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must sum to head_dim / 2 = "
+                f"{self.head_dim // 2}"
+            )
         if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
-            raise ValueError(f"vision out_hidden_size {self.vision.out_hidden_size} must equal the "
-                             f"LM's hidden_size {self.hidden_size}")
+            raise ValueError(
+                f"vision out_hidden_size {self.vision.out_hidden_size} must equal the "
+                f"LM's hidden_size {self.hidden_size}"
+            )
 
     def _validate_moe(self) -> None:
         if not self.is_moe:
             if self.num_experts:
-                raise ValueError(f"model_type {self.model_type!r} is dense; num_experts must be 0, "
-                                 f"got {self.num_experts} (use {self.model_type}_moe)")
+                raise ValueError(
+                    f"model_type {self.model_type!r} is dense; num_experts must be 0, "
+                    f"got {self.num_experts} (use {self.model_type}_moe)"
+                )
             return
         if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"{self.model_type} needs num_experts >= 1 and 1 <= "
-                             f"num_experts_per_tok <= num_experts; got {self.num_experts} and "
-                             f"{self.num_experts_per_tok}")
+            raise ValueError(
+                f"{self.model_type} needs num_experts >= 1 and 1 <= "
+                f"num_experts_per_tok <= num_experts; got {self.num_experts} and "
+                f"{self.num_experts_per_tok}"
+            )
         if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
-            raise ValueError(f"moe_intermediate_size and decoder_sparse_step must be >= 1; got "
-                             f"{self.moe_intermediate_size} and {self.decoder_sparse_step}")
+            raise ValueError(
+                f"moe_intermediate_size and decoder_sparse_step must be >= 1; got "
+                f"{self.moe_intermediate_size} and {self.decoder_sparse_step}"
+            )
         if self.moe_score_func not in SCORE_FUNCS:
-            raise ValueError(f"moe_score_func must be one of {SCORE_FUNCS}, got "
-                             f"{self.moe_score_func!r}")
+            raise ValueError(
+                f"moe_score_func must be one of {SCORE_FUNCS}, got {self.moe_score_func!r}"
+            )
         if self.model_type == "qwen2_moe" and (
             self.shared_expert_intermediate_size < 1 or self.moe_score_func != "softmax"
         ):
-            raise ValueError("qwen2_moe has a gated shared expert "
-                             "(shared_expert_intermediate_size >= 1) and softmax routing; got "
-                             f"{self.shared_expert_intermediate_size}, {self.moe_score_func!r}")
+            raise ValueError(
+                "qwen2_moe has a gated shared expert "
+                "(shared_expert_intermediate_size >= 1) and softmax routing; got "
+                f"{self.shared_expert_intermediate_size}, {self.moe_score_func!r}"
+            )
 
     # ------------------------------------------------------------------ MoE layout
     @property
@@ -214,8 +229,9 @@ class ModelArgs:
         theta, scaling = _hf_rope(config)
         if scaling is not None and scaling.get("rope_type") == "mrope":
             # transformers 4.x's name for it
-            scaling = ({k: v for k, v in scaling.items() if k not in ("rope_type", "mrope_section")}
-                       or None)
+            scaling = {
+                k: v for k, v in scaling.items() if k not in ("rope_type", "mrope_section")
+            } or None
         eos = config.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -229,8 +245,9 @@ class ModelArgs:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(top.get("tie_word_embeddings",
-                                             config.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(
+                top.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+            ),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=[] if eos is None else eos,
@@ -283,21 +300,34 @@ class ModelArgs:
         """The nested layout transformers 5 writes: ``text_config``, ``vision_config``,
         token ids."""
         arch = text.pop("architectures")
-        text.update(model_type="qwen2_5_vl_text", rope_parameters={
-            "rope_type": "default", "rope_theta": text.pop("rope_theta"),
-            "mrope_section": list(self.mrope_section)})
+        text.update(
+            model_type="qwen2_5_vl_text",
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": text.pop("rope_theta"),
+                "mrope_section": list(self.mrope_section),
+            },
+        )
         text.pop("rope_scaling")
-        return {"architectures": arch, "model_type": self.model_type, "text_config": text,
-                "vision_config": self.vision.to_hf(),
-                "tie_word_embeddings": self.tie_word_embeddings, **self.vision.token_ids()}
+        return {
+            "architectures": arch,
+            "model_type": self.model_type,
+            "text_config": text,
+            "vision_config": self.vision.to_hf(),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            **self.vision.token_ids(),
+        }
 
     def _moe_to_hf(self) -> dict[str, Any]:
         if self.model_type == "qwen3_moe" and (
-            self.shared_expert_intermediate_size or self.moe_score_func != "softmax"
+            self.shared_expert_intermediate_size
+            or self.moe_score_func != "softmax"
             or self.moe_route_scale != 1.0
         ):
-            raise ValueError("qwen3_moe with a shared expert, sigmoid scores or moe_route_scale "
-                             "!= 1 has no Hugging Face layout to export to")
+            raise ValueError(
+                "qwen3_moe with a shared expert, sigmoid scores or moe_route_scale "
+                "!= 1 has no Hugging Face layout to export to"
+            )
         cfg: dict[str, Any] = {
             "num_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
@@ -348,8 +378,11 @@ class ModelArgs:
         convention and ignores the causal mask.
         """
         ffn = sum(self._ffn_matmul_params(i, active=True) for i in range(self.num_layers))
-        matmul = (self.num_layers * self._attention_matmul_params() + ffn
-                  + self.vocab_size * self.hidden_size)
+        matmul = (
+            self.num_layers * self._attention_matmul_params()
+            + ffn
+            + self.vocab_size * self.hidden_size
+        )
         attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return 6 * matmul + attn
 
@@ -363,8 +396,9 @@ class ModelArgs:
         if not self.is_moe_layer(layer_id):
             return 3 * d * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        shared = (3 * d * self.shared_expert_intermediate_size
-                  + (d if self.shared_expert_gated else 0))
+        shared = 3 * d * self.shared_expert_intermediate_size + (
+            d if self.shared_expert_gated else 0
+        )
         return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + shared
 
 

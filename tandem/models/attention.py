@@ -153,15 +153,21 @@ class ExactAttention:
 
     def __init__(self, doc_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> None:
         self.index, self.length = batch_invariant.mask_key_index(
-            DocumentAttention(doc_ids, branch_ids).mask[:, 0])
+            DocumentAttention(doc_ids, branch_ids).mask[:, 0]
+        )
 
     def __call__(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         b, s, hq, d = q.shape
-        out = batch_invariant.attention(q.reshape(b * s, hq, d), k.reshape(b * s, k.shape[2], d),
-                                        v.reshape(b * s, v.shape[2], d), self.index, self.length,
-                                        d**-0.5)
+        out = batch_invariant.attention(
+            q.reshape(b * s, hq, d),
+            k.reshape(b * s, k.shape[2], d),
+            v.reshape(b * s, v.shape[2], d),
+            self.index,
+            self.length,
+            d**-0.5,
+        )
         return out.view(b, s, hq, d)
 
 

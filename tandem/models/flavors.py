@@ -34,26 +34,43 @@ _DEBUG_QWEN3 = ModelArgs(
 )
 # debug-qwen3 with 8 experts of width 32, 2 per token, in every layer.
 _DEBUG_MOE = _DEBUG_QWEN3.replace(
-    model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-    norm_topk_prob=True
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
 )
 
 # The special ids of tandem.models.vl_template.build_vl_char_tokenizer ("builtin:vl-char"):
 # <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|> follow the character ids.
-_VL_CHAR_IDS = dict(vision_start_token_id=360, vision_end_token_id=361, image_token_id=362,
-                    video_token_id=363)
+_VL_CHAR_IDS = dict(
+    vision_start_token_id=360, vision_end_token_id=361, image_token_id=362, video_token_id=363
+)
 # A Qwen2.5-VL of debug-qwen3's LM size (Qwen2 attention, M-RoPE) and a 2-block tower whose one
 # window covers a 56 x 56 image; images are resized to 56 x 56 (2 x 2 LM rows).
 _DEBUG_VL = ModelArgs(
-    model_type="qwen2_5_vl", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+    model_type="qwen2_5_vl",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
     num_heads=4,
-    num_kv_heads=2, rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=2048,
+    num_kv_heads=2,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
     mrope_section=[2, 3, 3],
-    vision=VisionArgs(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=56,
-                      out_hidden_size=64,
-                      fullatt_block_indexes=[1],
-                      processor=ImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
-                      **_VL_CHAR_IDS),
+    vision=VisionArgs(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        window_size=56,
+        out_hidden_size=64,
+        fullatt_block_indexes=[1],
+        processor=ImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
+        **_VL_CHAR_IDS,
+    ),
 )
 
 FLAVORS: dict[str, ModelArgs] = {
@@ -128,11 +145,21 @@ FLAVORS: dict[str, ModelArgs] = {
     # tokenizer).
     "debug-qwen2_5_vl": _DEBUG_VL,
     "tiny-qwen2_5_vl": _DEBUG_VL.replace(
-        hidden_size=128, intermediate_size=256, head_dim=32, mrope_section=[4, 6, 6],
-        vision=VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=4,
-                          window_size=56, out_hidden_size=128, fullatt_block_indexes=[1],
-                          processor=ImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
-                          **_VL_CHAR_IDS),
+        hidden_size=128,
+        intermediate_size=256,
+        head_dim=32,
+        mrope_section=[4, 6, 6],
+        vision=VisionArgs(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            window_size=56,
+            out_hidden_size=128,
+            fullatt_block_indexes=[1],
+            processor=ImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
+            **_VL_CHAR_IDS,
+        ),
     ),
     # Published sizes, for planning (train.py --plan) before a download; from-scratch training at
     # these sizes is possible but not what they are for. Qwen3-8B: the Qwen3-8B model card (36
@@ -216,12 +243,20 @@ FLAVORS: dict[str, ModelArgs] = {
         max_position_embeddings=128000,
         mrope_section=[16, 24, 24],
         eos_token_id=[151645],
-        vision=VisionArgs(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                          window_size=112,
-                          out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31],
-                          tokens_per_second=2,
-                          vision_start_token_id=151652, vision_end_token_id=151653,
-                          image_token_id=151655, video_token_id=151656),
+        vision=VisionArgs(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            window_size=112,
+            out_hidden_size=3584,
+            fullatt_block_indexes=[7, 15, 23, 31],
+            tokens_per_second=2,
+            vision_start_token_id=151652,
+            vision_end_token_id=151653,
+            image_token_id=151655,
+            video_token_id=151656,
+        ),
     ),
 }
 

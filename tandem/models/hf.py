@@ -55,12 +55,18 @@ _NAME_PAIRS = [
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
     ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.gate.weight"),
-    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight",
-     "layers.{i}.moe.shared_experts.w1.weight"),
-    ("model.layers.{i}.mlp.shared_expert.down_proj.weight",
-     "layers.{i}.moe.shared_experts.w2.weight"),
-    ("model.layers.{i}.mlp.shared_expert.up_proj.weight",
-     "layers.{i}.moe.shared_experts.w3.weight"),
+    (
+        "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+        "layers.{i}.moe.shared_experts.w1.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+        "layers.{i}.moe.shared_experts.w2.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+        "layers.{i}.moe.shared_experts.w3.weight",
+    ),
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.moe.shared_expert_gate.weight"),
 ] + [
     (f"model.layers.{{i}}.self_attn.{p}_proj.{kind}", f"layers.{{i}}.attention.w{p}.{kind}")
@@ -79,7 +85,8 @@ _TANDEM_TO_HF = [(_compile(t), h) for h, t in _NAME_PAIRS]
 # One expert's projection on disk <-> a slice of the stacked parameter.
 _EXPERT_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _HF_EXPERT = re.compile(
-    r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.(?P<e>\d+)\.(?P<p>gate|down|up)_proj\.weight$")
+    r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.(?P<e>\d+)\.(?P<p>gate|down|up)_proj\.weight$"
+)
 _TANDEM_EXPERTS = re.compile(r"layers\.(?P<i>\d+)\.moe\.experts\.(?P<w>w[123])$")
 
 
@@ -100,7 +107,7 @@ def canonical_hf_name(name: str) -> str:
     prefixes dropped."""
     for old, new in _HF_PREFIXES:
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
@@ -131,8 +138,10 @@ def _stack_experts(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
         if sorted(experts) != list(range(args.num_experts)):
             missing = sorted(set(range(args.num_experts)) - set(experts))
             extra = sorted(set(experts) - set(range(args.num_experts)))
-            raise KeyError(f"{target}: experts {missing} missing, {extra} unexpected "
-                           f"(config num_experts={args.num_experts})")
+            raise KeyError(
+                f"{target}: experts {missing} missing, {extra} unexpected "
+                f"(config num_experts={args.num_experts})"
+            )
         stacked[target] = torch.stack([experts[e] for e in range(args.num_experts)])
     return stacked
 
@@ -228,8 +237,9 @@ def _open_safetensors(file: Path) -> Any:
     try:
         return safe_open(file, framework="pt")
     except SafetensorError as e:
-        raise ValueError(f"{file}: not a readable safetensors file "
-                         f"({str(e).strip().splitlines()[0]})") from None
+        raise ValueError(
+            f"{file}: not a readable safetensors file ({str(e).strip().splitlines()[0]})"
+        ) from None
 
 
 def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
@@ -249,8 +259,10 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
                 shape = list(f.get_slice(name).get_shape())
                 name = canonical_hf_name(name)
                 if name in expected and shape != expected[name]:
-                    raise ValueError(f"{path / fname}: {name} has shape {shape}, but "
-                                     f"config.json makes it {expected[name]}")
+                    raise ValueError(
+                        f"{path / fname}: {name} has shape {shape}, but "
+                        f"config.json makes it {expected[name]}"
+                    )
 
 
 def read_hf_state_dict(

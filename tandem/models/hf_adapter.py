@@ -30,8 +30,15 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 # Tandem target name -> the HF module names PEFT's target_modules matches (by suffix)
-HF_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
-              "up": "up_proj", "down": "down_proj"}
+HF_TARGETS = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
 
 
 def _peft_key(name: str) -> str:
@@ -56,12 +63,18 @@ def _tandem_key(key: str) -> str | None:
     return None
 
 
-def save_adapter(adapters: dict[str, torch.Tensor], spec: LoraSpec, path: str | Path,
-                 base_model: str | None = None, dtype: torch.dtype | None = None) -> Path:
+def save_adapter(
+    adapters: dict[str, torch.Tensor],
+    spec: LoraSpec,
+    path: str | Path,
+    base_model: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write a PEFT LoRA folder from Tandem-named adapter tensors (CPU, full, unsharded)."""
     if "experts" in spec.targets:
-        raise ValueError("adapters on grouped experts have no PEFT counterpart here (the merged "
-                         "hf/ holds them)")
+        raise ValueError(
+            "adapters on grouped experts have no PEFT counterpart here (the merged hf/ holds them)"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -70,12 +83,22 @@ def save_adapter(adapters: dict[str, torch.Tensor], spec: LoraSpec, path: str | 
         tensors[_peft_key(name)] = (t.to(dtype) if dtype is not None else t).contiguous()
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
     config: dict[str, Any] = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-        "target_modules": sorted(HF_TARGETS[t] for t in spec.targets), "bias": "none",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(HF_TARGETS[t] for t in spec.targets),
+        "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
         "alpha_pattern": {},
     }
     (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -92,8 +115,17 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{file}: peft_type is {cfg.get('peft_type')!r}, not 'LORA'")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{file}: bias = {cfg['bias']!r} is not supported (plain LoRA only)")
-    for key in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
-                "layers_to_transform", "modules_to_save", "target_parameters", "lora_bias"):
+    for key in (
+        "use_dora",
+        "use_rslora",
+        "fan_in_fan_out",
+        "rank_pattern",
+        "alpha_pattern",
+        "layers_to_transform",
+        "modules_to_save",
+        "target_parameters",
+        "lora_bias",
+    ):
         if cfg.get(key):  # absent, null, false or empty: plain LoRA
             raise ValueError(f"{file}: {key} = {cfg[key]!r} is not supported (plain LoRA only)")
     targets = cfg.get("target_modules")
@@ -102,8 +134,9 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     known = {v: k for k, v in HF_TARGETS.items()}
     odd = sorted(set(targets) - set(known))
     if odd:
-        raise ValueError(f"{file}: target_modules {odd} are not adapted by Tandem (known: "
-                         f"{sorted(known)})")
+        raise ValueError(
+            f"{file}: target_modules {odd} are not adapted by Tandem (known: {sorted(known)})"
+        )
     cfg["tandem_targets"] = sorted(known[t] for t in targets)
     return cfg
 
@@ -122,13 +155,16 @@ def load_adapter(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> dict[s
         if name is None or name not in shapes:
             raise KeyError(f"{file}: {key} is not an adapter of this model")
         if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"{file}: {key} has shape {list(t.shape)}, the model's adapter "
-                             f"{list(shapes[name])}")
+            raise ValueError(
+                f"{file}: {key} has shape {list(t.shape)}, the model's adapter {list(shapes[name])}"
+            )
         out[name] = t.float()
     missing = sorted(set(shapes) - set(out))
     if missing:
-        raise KeyError(f"{file}: no tensor for the model's adapters {missing[:3]}"
-                       f"{' ...' if len(missing) > 3 else ''} ({len(missing)} of {len(shapes)})")
+        raise KeyError(
+            f"{file}: no tensor for the model's adapters {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''} ({len(missing)} of {len(shapes)})"
+        )
     return out
 
 
@@ -138,8 +174,12 @@ def spec_matches(cfg: dict[str, Any], spec: LoraSpec) -> str | None:
         return f"rank {spec.rank}, but the adapter has r = {cfg['r']}"
     if float(cfg["lora_alpha"]) != spec.alpha:
         return f"alpha {spec.alpha:g}, but the adapter has lora_alpha = {cfg['lora_alpha']}"
-    if sorted(set(spec.targets)
-              & set(HF_TARGETS)) != cfg["tandem_targets"] or "experts" in spec.targets:
-        return (f"targets {sorted(spec.targets)}, but the adapter's target_modules give "
-                f"{cfg['tandem_targets']}")
+    if (
+        sorted(set(spec.targets) & set(HF_TARGETS)) != cfg["tandem_targets"]
+        or "experts" in spec.targets
+    ):
+        return (
+            f"targets {sorted(spec.targets)}, but the adapter's target_modules give "
+            f"{cfg['tandem_targets']}"
+        )
     return None

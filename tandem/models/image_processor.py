@@ -33,8 +33,9 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int,
-                 max_pixels: int) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
     """The resized (height, width): multiples of ``factor``, area within the bounds."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"image of {width}x{height} pixels: aspect ratio over 200")
@@ -68,8 +69,9 @@ class ImageProcessor:
         """Read ``preprocessor_config.json`` (ValueError naming the file when unusable)."""
         file = Path(path) / CONFIG_FILE
         if not file.is_file():
-            raise FileNotFoundError(f"no {CONFIG_FILE} in {path} (a vision-language "
-                                    "folder needs one)")
+            raise FileNotFoundError(
+                f"no {CONFIG_FILE} in {path} (a vision-language folder needs one)"
+            )
         try:
             cfg = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -78,23 +80,30 @@ class ImageProcessor:
             if cfg.get(key) is False:
                 raise ValueError(f"{file}: {key} = false is not supported")
         size = cfg.get("size") or {}
-        return cls(patch_size=cfg.get("patch_size", 14),
-                   temporal_patch_size=cfg.get("temporal_patch_size", 2),
-                   merge_size=cfg.get("merge_size", 2),
-                   min_pixels=cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
-                   max_pixels=cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280,
-                   image_mean=list(cfg.get("image_mean", CLIP_MEAN)),
-                   image_std=list(cfg.get("image_std", CLIP_STD)),
-                   rescale_factor=cfg.get("rescale_factor", 1 / 255),
-                   resample=int(cfg.get("resample", 3)))
+        return cls(
+            patch_size=cfg.get("patch_size", 14),
+            temporal_patch_size=cfg.get("temporal_patch_size", 2),
+            merge_size=cfg.get("merge_size", 2),
+            min_pixels=cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
+            max_pixels=cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280,
+            image_mean=list(cfg.get("image_mean", CLIP_MEAN)),
+            image_std=list(cfg.get("image_std", CLIP_STD)),
+            rescale_factor=cfg.get("rescale_factor", 1 / 255),
+            resample=int(cfg.get("resample", 3)),
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write ``preprocessor_config.json`` (what transformers' processor reads too)."""
-        cfg = {**asdict(self),
-               "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
-               "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-               "image_processor_type": "Qwen2VLImageProcessor",
-               "processor_class": "Qwen2_5_VLProcessor"}
+        cfg = {
+            **asdict(self),
+            "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            "do_resize": True,
+            "do_rescale": True,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5_VLProcessor",
+        }
         (Path(path) / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
 
     @property
@@ -140,16 +149,18 @@ class ImageProcessor:
     def __call__(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """Several images -> (pixels ``[N, patch_dim]``, grid_thw ``[I, 3]``), in order."""
         parts = [self.preprocess(im) for im in images]
-        return torch.cat([p for p, _ in parts]), torch.tensor([g for _, g in parts],
-                                                              dtype=torch.long)
+        return torch.cat([p for p, _ in parts]), torch.tensor(
+            [g for _, g in parts], dtype=torch.long
+        )
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB; an image with transparency is composited on white first (as HF's processor does)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
-        return (Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)),
-                                      rgba).convert("RGB"))
+        return Image.alpha_composite(
+            Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba
+        ).convert("RGB")
     return image.convert("RGB")
 
 
@@ -171,8 +182,9 @@ def open_image(source: Any, base_dir: str | None = None) -> Image.Image:
             raise ValueError("a data: URI image whose base64 does not decode") from None
         what = "a data: URI"
     elif isinstance(source, str) and source:
-        path = (source if os.path.isabs(source) or base_dir is None
-                else os.path.join(base_dir, source))
+        path = (
+            source if os.path.isabs(source) or base_dir is None else os.path.join(base_dir, source)
+        )
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -180,8 +192,9 @@ def open_image(source: Any, base_dir: str | None = None) -> Image.Image:
             raise ValueError(f"image {path}: {e.strerror}") from None
         what = f"image {path}"
     else:
-        raise ValueError("an image must be a path, a data: URI or bytes, got "
-                         f"{type(source).__name__}")
+        raise ValueError(
+            f"an image must be a path, a data: URI or bytes, got {type(source).__name__}"
+        )
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
@@ -189,5 +202,6 @@ def open_image(source: Any, base_dir: str | None = None) -> Image.Image:
         raise ValueError(
             f"{what}: not a decodable image ("
             f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-            ")") from None
+            ")"
+        ) from None
     return image

@@ -107,8 +107,9 @@ class LoraLinear(nn.Linear):
         if not self.lora_enabled:
             return F.linear(x, self.weight, self.bias)  # [..., out]
         if isinstance(self.lora_dropout, nn.Identity) and use_fused_lora(x):  # forced only, so far
-            return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight,
-                               self.scale)
+            return lora_linear(
+                x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scale
+            )
         y = F.linear(x, self.weight, self.bias)  # [..., out]
         # [..., r] -> [..., out]
         return y + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scale)
@@ -207,8 +208,11 @@ def has_lora(model: nn.Module) -> bool:
 @contextmanager
 def adapters_disabled(models: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
     """Every adapter of ``models`` off inside the block: the frozen base computes alone."""
-    mods = [m for model in ([models] if isinstance(models, nn.Module) else models)
-            for m in lora_modules(model)]
+    mods = [
+        m
+        for model in ([models] if isinstance(models, nn.Module) else models)
+        for m in lora_modules(model)
+    ]
     before = [m.lora_enabled for m in mods]
     for m in mods:
         m.lora_enabled = False

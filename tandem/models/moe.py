@@ -68,8 +68,9 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None  # scalar fp32
         self.z_loss: torch.Tensor | None = None  # scalar fp32
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                              torch.Tensor]:
+    def route(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[T, D]`` -> (logits ``[T, E]``, scores ``[T, E]`` fp32, ids ``[T, k]``, weights ``[T,
         k]`` fp32)."""
         logits = self.gate(x)  # [T, E]
@@ -115,8 +116,9 @@ class MoE(nn.Module):
             self.expert_bias.zero_()
 
 
-def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor,
-                        score_func: str) -> torch.Tensor:
+def load_balancing_loss(
+    scores: torch.Tensor, counts: torch.Tensor, score_func: str
+) -> torch.Tensor:
     """``E * sum_e (counts_e / T) * mean_t p[t, e]``; scores ``[T, E]``, counts ``[E]``
     top-k hits."""
     t, e = scores.shape
@@ -133,8 +135,9 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """The MoE blocks of a model by layer key ("0", "1", ...; those present on this stage)."""
     layers = getattr(model, "layers", None) or {}
-    return {key: layer.moe for key, layer in layers.items()
-            if getattr(layer, "moe", None) is not None}
+    return {
+        key: layer.moe for key, layer in layers.items() if getattr(layer, "moe", None) is not None
+    }
 
 
 def set_token_mask(model: nn.Module, mask: torch.Tensor | None) -> None:

@@ -100,8 +100,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def mrope_positions(token_ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int,
-                    merge: int) -> tuple[torch.Tensor, int]:
+def mrope_positions(
+    token_ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int, merge: int
+) -> tuple[torch.Tensor, int]:
     """M-RoPE positions ``[3, P]`` of a prompt, and its ``delta``: a later token at index
     ``i`` sits at ``i + delta`` on every axis.
 
@@ -125,12 +126,13 @@ def mrope_positions(token_ids: list[int], grids: list[tuple[int, int, int]], ima
         t, h, w = left.pop(0)
         gh, gw = h // merge, w // merge
         count = t * gh * gw
-        if token_ids[i:i + count] != [image_token_id] * count:
-            raise ValueError(f"image at index {i} needs {count} image tokens in a row "
-                             f"({t}x{h}x{w} patches)")
-        out[0, i:i + count] = pos + torch.arange(t).repeat_interleave(gh * gw)
-        out[1, i:i + count] = pos + torch.arange(gh).repeat_interleave(gw).repeat(t)
-        out[2, i:i + count] = pos + torch.arange(gw).repeat(t * gh)
+        if token_ids[i : i + count] != [image_token_id] * count:
+            raise ValueError(
+                f"image at index {i} needs {count} image tokens in a row ({t}x{h}x{w} patches)"
+            )
+        out[0, i : i + count] = pos + torch.arange(t).repeat_interleave(gh * gw)
+        out[1, i : i + count] = pos + torch.arange(gh).repeat_interleave(gw).repeat(t)
+        out[2, i : i + count] = pos + torch.arange(gw).repeat(t * gh)
         i, pos = i + count, pos + max(gh, gw)
     if left:
         raise ValueError(f"{len(left)} image(s) left without image tokens")

@@ -31,8 +31,12 @@ from typing import Any
 
 from tandem.models.tokenizer import Tokenizer
 
-PROBES = ("The answer is 42.\n\tx = y + 1;", "数学 答案：十二", "emoji 🙂👍🏽 ok",
-          "  two  spaces\n\n")
+PROBES = (
+    "The answer is 42.\n\tx = y + 1;",
+    "数学 答案：十二",
+    "emoji 🙂👍🏽 ok",
+    "  two  spaces\n\n",
+)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -68,8 +72,9 @@ class TokenBytes:
         kinds = {s.get("type") for s in steps}
         unsupported = kinds - {"ByteLevel", "ByteFallback", "Fuse", "Replace", "Strip", "Metaspace"}
         if unsupported:
-            raise ValueError(f"tokenizer decoder {sorted(unsupported)} is not supported for "
-                             "byte alignment")
+            raise ValueError(
+                f"tokenizer decoder {sorted(unsupported)} is not supported for byte alignment"
+            )
         replace: list[tuple[str, str]] = []
         for s in steps:
             if s.get("type") == "Replace" and "String" in s.get("pattern", {}):
@@ -86,8 +91,11 @@ class TokenBytes:
             if i in added or piece is None:
                 self.table.append((added.get(i) or "").encode())
             elif byte_level:
-                self.table.append(bytes(alphabet[c] for c in piece)
-                                  if all(c in alphabet for c in piece) else piece.encode())
+                self.table.append(
+                    bytes(alphabet[c] for c in piece)
+                    if all(c in alphabet for c in piece)
+                    else piece.encode()
+                )
             elif byte_fallback and _BYTE_PIECE.fullmatch(piece):
                 self.table.append(bytes([int(piece[3:5], 16)]))
             else:
@@ -111,7 +119,7 @@ class TokenBytes:
         if self.prefix and pieces and pieces[0].startswith(self.prefix):
             want, got = text.encode(), b"".join(pieces)
             if got == self.prefix + want or not want.startswith(self.prefix):
-                pieces[0] = pieces[0][len(self.prefix):]
+                pieces[0] = pieces[0][len(self.prefix) :]
         return ids, pieces
 
     def check(self) -> None:
@@ -119,5 +127,7 @@ class TokenBytes:
         for text in PROBES:
             got = b"".join(self.encode(text)[1])
             if got != text.encode():
-                raise ValueError(f"encoding {text!r} gives back {got.decode(errors='replace')!r}: "
-                                 "its tokenizer rewrites text, so byte spans cannot be aligned")
+                raise ValueError(
+                    f"encoding {text!r} gives back {got.decode(errors='replace')!r}: "
+                    "its tokenizer rewrites text, so byte spans cannot be aligned"
+                )

@@ -45,7 +45,7 @@ QWEN_CHAT_TEMPLATE = (
     "        {{- 'You are a helpful assistant.' }}\n"
     "    {%- endif %}\n"
     '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'
-    '\\n\\nYou are provided with function signatures within <tools></tools> XML '
+    "\\n\\nYou are provided with function signatures within <tools></tools> XML "
     'tags:\\n<tools>" }}\n'
     "    {%- for tool in tools %}\n"
     '        {{- "\\n" }}\n'
@@ -215,7 +215,8 @@ class Tokenizer:
             raise ValueError(
                 f"{path / 'tokenizer.json'}: not a readable tokenizer.json ("
                 f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-                ")") from None
+                ")"
+            ) from None
         config = _read_json(path / "tokenizer_config.json")
         eos: list[int] = []
         gen_eos = _read_json(path / "generation_config.json").get("eos_token_id")
@@ -356,9 +357,12 @@ def char_vocab(extra_chars: str = "") -> list[str]:
     return list(dict.fromkeys(chars))
 
 
-def build_char_tokenizer(path: str | Path, extra_chars: str = "",
-                         special_tokens: tuple[str, ...] = (),
-                         chat_template: str = QWEN_CHAT_TEMPLATE) -> Tokenizer:
+def build_char_tokenizer(
+    path: str | Path,
+    extra_chars: str = "",
+    special_tokens: tuple[str, ...] = (),
+    chat_template: str = QWEN_CHAT_TEMPLATE,
+) -> Tokenizer:
     """Write a character-level tokenizer folder and load it.
 
     One id per character (printable ASCII + newline + tab + ``extra_chars``),

@@ -111,7 +111,7 @@ def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 # ---------------------------------------------------------------------- state dicts
 def scalar_state_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Tandem names (``trunk.*``, ``score.*``) -> HF names (``model.*``, ``score.*``)."""
-    trunk = {k[len(_TRUNK):]: v for k, v in sd.items() if k.startswith(_TRUNK)}
+    trunk = {k[len(_TRUNK) :]: v for k, v in sd.items() if k.startswith(_TRUNK)}
     head = {k: v for k, v in sd.items() if not k.startswith(_TRUNK)}
     unknown = sorted(set(head) - set(HEAD_KEYS))
     if unknown:
@@ -146,8 +146,9 @@ def initial_scalar_state(args: ModelArgs, path: str | None, seed: int) -> dict[s
         loaded = scalar_state_from_hf(read_hf_state_dict(path), args)
         missing = sorted(set(state) - set(loaded) - set(HEAD_KEYS))
         if missing:
-            raise KeyError(f"tensors missing from {path}: {missing[:4]}"
-                           f"{' ...' if len(missing) > 4 else ''}")
+            raise KeyError(
+                f"tensors missing from {path}: {missing[:4]}{' ...' if len(missing) > 4 else ''}"
+            )
         state.update(loaded)
     return state
 
@@ -155,8 +156,10 @@ def initial_scalar_state(args: ModelArgs, path: str | None, seed: int) -> dict[s
 # ---------------------------------------------------------------------- folders
 def _hf_config(args: ModelArgs, tokenizer: Tokenizer | None) -> dict:
     config = args.to_hf()
-    config["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification")
-                               for a in config.get("architectures", [])]
+    config["architectures"] = [
+        a.replace("ForCausalLM", "ForSequenceClassification")
+        for a in config.get("architectures", [])
+    ]
     config["num_labels"] = 1
     if tokenizer is not None and tokenizer.pad_token_id is not None:
         # transformers pools at the last non-pad token
@@ -164,13 +167,18 @@ def _hf_config(args: ModelArgs, tokenizer: Tokenizer | None) -> dict:
     return config
 
 
-def save_scalar_model(state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path,
-                      tokenizer: Tokenizer | None = None) -> Path:
+def save_scalar_model(
+    state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    path: str | Path,
+    tokenizer: Tokenizer | None = None,
+) -> Path:
     """Write a full (unsharded) `ScalarHeadModel` state dict as an HF-like folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous()
-               for k, v in scalar_state_to_hf(state, args).items()}
+    tensors = {
+        k: v.detach().to("cpu").contiguous() for k, v in scalar_state_to_hf(state, args).items()
+    }
     save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(_hf_config(args, tokenizer), indent=2) + "\n")
     if tokenizer is not None:
@@ -178,8 +186,9 @@ def save_scalar_model(state: dict[str, torch.Tensor], args: ModelArgs, path: str
     return path
 
 
-def load_scalar_model(path: str | Path, device: torch.device | str = "cpu",
-                      dtype: torch.dtype = torch.float32) -> ScalarHeadModel:
+def load_scalar_model(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> ScalarHeadModel:
     """A `ScalarHeadModel` from a folder `save_scalar_model` wrote (head required)."""
     args = load_args(path)
     sd = scalar_state_from_hf(read_hf_state_dict(path), args)

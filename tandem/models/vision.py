@@ -59,21 +59,32 @@ class VisionArgs:
         self.fullatt_block_indexes = sorted(int(i) for i in self.fullatt_block_indexes)
         p = self.processor
         if (p.patch_size, p.temporal_patch_size, p.merge_size) != (
-                self.patch_size, self.temporal_patch_size, self.spatial_merge_size):
-            raise ValueError("the image processor's patch / temporal patch / merge sizes "
-                             f"({p.patch_size}, {p.temporal_patch_size}, {p.merge_size}) differ "
-                             f"from the vision tower's ({self.patch_size}, "
-                             f"{self.temporal_patch_size}, {self.spatial_merge_size})")
+            self.patch_size,
+            self.temporal_patch_size,
+            self.spatial_merge_size,
+        ):
+            raise ValueError(
+                "the image processor's patch / temporal patch / merge sizes "
+                f"({p.patch_size}, {p.temporal_patch_size}, {p.merge_size}) differ "
+                f"from the vision tower's ({self.patch_size}, "
+                f"{self.temporal_patch_size}, {self.spatial_merge_size})"
+            )
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(f"vision hidden_size {self.hidden_size} / num_heads {self.num_heads}"
-                             " must be a multiple of 4 (the 2-D RoPE splits each head in four)")
+            raise ValueError(
+                f"vision hidden_size {self.hidden_size} / num_heads {self.num_heads}"
+                " must be a multiple of 4 (the 2-D RoPE splits each head in four)"
+            )
         if self.window_size % (self.patch_size * self.spatial_merge_size):
-            raise ValueError(f"vision window_size {self.window_size} must be a multiple of "
-                             "patch_size x spatial_merge_size "
-                             f"({self.patch_size * self.spatial_merge_size})")
+            raise ValueError(
+                f"vision window_size {self.window_size} must be a multiple of "
+                "patch_size x spatial_merge_size "
+                f"({self.patch_size * self.spatial_merge_size})"
+            )
         if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-            raise ValueError(f"vision fullatt_block_indexes {self.fullatt_block_indexes} must lie "
-                             f"in [0, {self.depth})")
+            raise ValueError(
+                f"vision fullatt_block_indexes {self.fullatt_block_indexes} must lie "
+                f"in [0, {self.depth})"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -90,55 +101,89 @@ class VisionArgs:
         return self.spatial_merge_size**2
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any], top: dict[str, Any],
-                processor: ImageProcessor | None = None) -> VisionArgs:
+    def from_hf(
+        cls, config: dict[str, Any], top: dict[str, Any], processor: ImageProcessor | None = None
+    ) -> VisionArgs:
         """From a ``vision_config`` dict and the folder's top-level config (token ids);
         ``processor`` None: the defaults at the tower's patch sizes."""
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported vision hidden_act {config.get('hidden_act')!r}; "
-                             "only 'silu'")
+            raise ValueError(
+                f"unsupported vision hidden_act {config.get('hidden_act')!r}; only 'silu'"
+            )
         rope = config.get("rope_parameters") or {}
-        sizes = dict(patch_size=config.get("patch_size", 14),
-                     temporal_patch_size=config.get("temporal_patch_size", 2),
-                     merge_size=config.get("spatial_merge_size", 2))
-        return cls(processor=processor or ImageProcessor(**sizes),
-            depth=config["depth"], hidden_size=config["hidden_size"],
-                   intermediate_size=config["intermediate_size"],
-            num_heads=config["num_heads"],
-                   in_channels=config.get("in_channels", config.get("in_chans", 3)),
+        sizes = dict(
             patch_size=config.get("patch_size", 14),
-                   temporal_patch_size=config.get("temporal_patch_size", 2),
+            temporal_patch_size=config.get("temporal_patch_size", 2),
+            merge_size=config.get("spatial_merge_size", 2),
+        )
+        return cls(
+            processor=processor or ImageProcessor(**sizes),
+            depth=config["depth"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_heads=config["num_heads"],
+            in_channels=config.get("in_channels", config.get("in_chans", 3)),
+            patch_size=config.get("patch_size", 14),
+            temporal_patch_size=config.get("temporal_patch_size", 2),
             spatial_merge_size=config.get("spatial_merge_size", 2),
-                   window_size=config.get("window_size", 112),
+            window_size=config.get("window_size", 112),
             out_hidden_size=config["out_hidden_size"],
-                   fullatt_block_indexes=list(config.get("fullatt_block_indexes", [])),
+            fullatt_block_indexes=list(config.get("fullatt_block_indexes", [])),
             tokens_per_second=config.get("tokens_per_second", 2),
-                   rope_theta=float(rope.get("rope_theta", 10000.0)),
-            **{k: int(top[k]) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                        "vision_end_token_id")},
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            **{
+                k: int(top[k])
+                for k in (
+                    "image_token_id",
+                    "video_token_id",
+                    "vision_start_token_id",
+                    "vision_end_token_id",
+                )
+            },
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The ``vision_config`` dict (transformers 5 key names)."""
-        return {"model_type": "qwen2_5_vl_vision", "depth": self.depth,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size, "num_heads": self.num_heads,
-                "in_channels": self.in_channels, "patch_size": self.patch_size,
-                "temporal_patch_size": self.temporal_patch_size,
-                "spatial_merge_size": self.spatial_merge_size,
-                "window_size": self.window_size, "out_hidden_size": self.out_hidden_size,
-                "fullatt_block_indexes": list(self.fullatt_block_indexes), "hidden_act": "silu",
-                "tokens_per_second": self.tokens_per_second, "initializer_range": INIT_STD,
-                "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
+        return {
+            "model_type": "qwen2_5_vl_vision",
+            "depth": self.depth,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads,
+            "in_channels": self.in_channels,
+            "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "spatial_merge_size": self.spatial_merge_size,
+            "window_size": self.window_size,
+            "out_hidden_size": self.out_hidden_size,
+            "fullatt_block_indexes": list(self.fullatt_block_indexes),
+            "hidden_act": "silu",
+            "tokens_per_second": self.tokens_per_second,
+            "initializer_range": INIT_STD,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+        }
 
     def token_ids(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in ("image_token_id", "video_token_id",
-                                              "vision_start_token_id", "vision_end_token_id")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "image_token_id",
+                "video_token_id",
+                "vision_start_token_id",
+                "vision_end_token_id",
+            )
+        }
 
     def num_params(self) -> int:
         d, m = self.hidden_size, self.hidden_size * self.merge_unit
-        block = (2 * d + (3 * d * d + 3 * d) + (d * d + d) + 3 * d * self.intermediate_size
-                 + 2 * self.intermediate_size + d)
+        block = (
+            2 * d
+            + (3 * d * d + 3 * d)
+            + (d * d + d)
+            + 3 * d * self.intermediate_size
+            + 2 * self.intermediate_size
+            + d
+        )
         merger = d + (m * m + m) + (m * self.out_hidden_size + self.out_hidden_size)
         return self.patch_dim * d + self.depth * block + merger
 
@@ -157,16 +202,19 @@ def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def window_layout(grid_thw: torch.Tensor,
-                  args: VisionArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def window_layout(
+    grid_thw: torch.Tensor, args: VisionArgs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Windowed attention's order of the merge blocks and the segments attention runs in.
 
     Returns ``order [M]`` (merge blocks of all images, window by window, row-major inside a
     window), ``window_ids [N]`` and ``image_ids [N]`` (per patch in that order: which window /
     which frame of which image it attends within). Edge windows are smaller, as in HF.
     """
-    merge, side = (args.spatial_merge_size,
-                   args.window_size // (args.patch_size * args.spatial_merge_size))
+    merge, side = (
+        args.spatial_merge_size,
+        args.window_size // (args.patch_size * args.spatial_merge_size),
+    )
     order, windows, images = [], [], []
     start = n_windows = n_frames = 0
     for t, h, w in grid_thw.tolist():
@@ -175,7 +223,7 @@ def window_layout(grid_thw: torch.Tensor,
         for f in range(t):
             for r0 in range(0, gh, side):
                 for c0 in range(0, gw, side):
-                    block = idx[f, r0:r0 + side, c0:c0 + side].flatten()
+                    block = idx[f, r0 : r0 + side, c0 : c0 + side].flatten()
                     order.append(block + start)
                     windows.append(torch.full((block.numel() * args.merge_unit,), n_windows))
                     n_windows += 1
@@ -222,8 +270,10 @@ def segment_plan(ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     cut = (ids[1:] != ids[:-1]).nonzero()[:, 0] + 1
     starts = torch.cat([cut.new_zeros(1), cut])
     lengths = torch.cat([cut, cut.new_tensor([n])]) - starts
-    groups = [starts[lengths == size][:, None] + torch.arange(size, device=ids.device)
-              for size in lengths.unique().tolist()]
+    groups = [
+        starts[lengths == size][:, None] + torch.arange(size, device=ids.device)
+        for size in lengths.unique().tolist()
+    ]
     return groups, torch.argsort(torch.cat([g.flatten() for g in groups]))
 
 
@@ -234,18 +284,29 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                plan: tuple[list[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: tuple[list[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         # x [N, D]; cos/sin [N, Dh] fp32; plan: `segment_plan` of the segments attended within
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, Dh] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         groups, order = plan
-        outs = [F.scaled_dot_product_attention(q[idx].transpose(1, 2), k[idx].transpose(1, 2),
-                                               v[idx].transpose(1, 2),
-                                               scale=self.head_dim**-0.5).transpose(1, 2).reshape(
-                                                   -1, self.num_heads, self.head_dim)
-                for idx in groups]  # per segment length: [k * L, H, Dh]
+        outs = [
+            F.scaled_dot_product_attention(
+                q[idx].transpose(1, 2),
+                k[idx].transpose(1, 2),
+                v[idx].transpose(1, 2),
+                scale=self.head_dim**-0.5,
+            )
+            .transpose(1, 2)
+            .reshape(-1, self.num_heads, self.head_dim)
+            for idx in groups
+        ]  # per segment length: [k * L, H, Dh]
         out = torch.cat(outs)[order]  # [N, H, Dh] back in order
         return self.proj(out.reshape(n, -1))
 
@@ -279,8 +340,13 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(args)
         self.mlp = VisionMLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                plan: tuple[list[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: tuple[list[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, plan)
         return x + self.mlp(self.norm2(x))
 
@@ -292,8 +358,11 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.width = args.hidden_size * args.merge_unit
         self.ln_q = VisionRMSNorm(args.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(),
-                                 nn.Linear(self.width, args.out_hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(self.width, self.width),
+            nn.GELU(),
+            nn.Linear(self.width, args.out_hidden_size),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.width))
@@ -313,8 +382,10 @@ class VisionTransformer(nn.Module):
 
     def _inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         quarter = self.args.head_dim // 2  # each of row and column rotates half of the head
-        return 1.0 / (self.args.rope_theta ** (
-            torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter))
+        return 1.0 / (
+            self.args.rope_theta
+            ** (torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter)
+        )
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE buffer (non-persistent), on ``device`` or where it is."""
@@ -331,16 +402,19 @@ class VisionTransformer(nn.Module):
         grid_thw = grid_thw.cpu()
         order, windows, images = window_layout(grid_thw, a)
         # [N]
-        perm = (order[:, None] * a.merge_unit + torch.arange(a.merge_unit)).flatten().to(
-            pixels.device)
+        perm = (
+            (order[:, None] * a.merge_unit + torch.arange(a.merge_unit)).flatten().to(pixels.device)
+        )
         x = self.patch_embed(pixels)[perm]  # [N, D] in window order
         rc = patch_positions(grid_thw, a.spatial_merge_size).to(pixels.device)[perm]  # [N, 2]
         # [N, Dh/2]: rows' then columns' angles
         freqs = (rc[..., None].float() * self.inv_freq).flatten(1)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        by_window, by_image = (segment_plan(windows.to(pixels.device)),
-                               segment_plan(images.to(pixels.device)))
+        by_window, by_image = (
+            segment_plan(windows.to(pixels.device)),
+            segment_plan(images.to(pixels.device)),
+        )
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, by_image if i in a.fullatt_block_indexes else by_window)
         merged = self.merger(x)  # [M, out] in window order

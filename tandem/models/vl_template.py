@@ -17,8 +17,12 @@ from pathlib import Path
 
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
 
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = ("<|vision_start|>", "<|vision_end|>",
-                                                  "<|image_pad|>", "<|video_pad|>")
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 VL_SPECIAL_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 # ChatML with image parts (Qwen2-VL's format; "Picture N: " before each image with add_vision_id).
@@ -52,12 +56,14 @@ QWEN_VL_CHAT_TEMPLATE = (
 
 def build_vl_char_tokenizer(path: str | Path, extra_chars: str = "") -> Tokenizer:
     """The character tokenizer (tandem/models/tokenizer.py) plus the vision tokens and template."""
-    return build_char_tokenizer(path, extra_chars, special_tokens=VL_SPECIAL_TOKENS,
-                                chat_template=QWEN_VL_CHAT_TEMPLATE)
+    return build_char_tokenizer(
+        path, extra_chars, special_tokens=VL_SPECIAL_TOKENS, chat_template=QWEN_VL_CHAT_TEMPLATE
+    )
 
 
-def expand_image_tokens(ids: Sequence[int], counts: Sequence[int],
-                        image_token_id: int) -> list[int]:
+def expand_image_tokens(
+    ids: Sequence[int], counts: Sequence[int], image_token_id: int
+) -> list[int]:
     """Each image token of ``ids`` (one per image, in order) repeated ``counts[i]`` times;
     ValueError when the number of image tokens is not ``len(counts)``."""
     n = sum(1 for t in ids if t == image_token_id)

@@ -46,9 +46,12 @@ class ImageInputs:
     take: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ImageInputs:
-        return ImageInputs(self.index.to(device), [(p.to(device), g) for p, g in self.groups],
-                           None if self.embeds is None else self.embeds.to(device),
-                           None if self.take is None else self.take.to(device))
+        return ImageInputs(
+            self.index.to(device),
+            [(p.to(device), g) for p, g in self.groups],
+            None if self.embeds is None else self.embeds.to(device),
+            None if self.take is None else self.take.to(device),
+        )
 
 
 @dataclass(eq=False)
@@ -84,8 +87,10 @@ class PromptImages:
                 # kept for a later forward with autograd (the generator's is not)
                 pixels, grid = self.processor([open_image(s, self.base_dir) for s in self.sources])
             if grid.tolist() != [list(g) for g in self.grids]:
-                raise ValueError("an image changed size since the prompt was built: "
-                                 f"{grid.tolist()} != {self.grids}")
+                raise ValueError(
+                    "an image changed size since the prompt was built: "
+                    f"{grid.tolist()} != {self.grids}"
+                )
             self._pixels = (pixels, grid)
         return self._pixels
 
@@ -104,9 +109,13 @@ class PromptImages:
         return {**self.__dict__, "rows": None, "_pixels": None}
 
 
-def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor,
-                 images: dict[tuple[int, int], PromptImages], image_token_id: int,
-                 ) -> tuple[torch.Tensor, ImageInputs | None]:
+def vision_batch(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    doc_ids: torch.Tensor,
+    images: dict[tuple[int, int], PromptImages],
+    image_token_id: int,
+) -> tuple[torch.Tensor, ImageInputs | None]:
     """M-RoPE positions ``[3, B, S]`` and the `ImageInputs` of a packed batch.
 
     ``tokens``, ``positions`` (per-document token indices) and ``doc_ids`` are ``[B, S]``;
@@ -128,8 +137,10 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
         inside = positions[row, sel] < pi.positions.shape[1]
         cols = sel[(tokens[row, sel] == image_token_id) & inside]
         if cols.numel() != pi.num_rows:
-            raise ValueError(f"document {doc} of row {row} has {cols.numel()} image tokens for "
-                             f"{pi.num_rows} image rows")
+            raise ValueError(
+                f"document {doc} of row {row} has {cols.numel()} image tokens for "
+                f"{pi.num_rows} image rows"
+            )
         index.append(row * s + cols)
         if id(pi) not in first:
             # the tower runs once per prompt, however many of its samples are here
@@ -138,8 +149,9 @@ def vision_batch(tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.T
         take.append(torch.arange(first[id(pi)], first[id(pi)] + pi.num_rows))
     picks = torch.cat(take)
     once = picks.numel() == computed  # every prompt once: the rows are in order already
-    return pos3, ImageInputs(torch.cat(index), groups,
-                             take=None if once else picks.to(tokens.device))
+    return pos3, ImageInputs(
+        torch.cat(index), groups, take=None if once else picks.to(tokens.device)
+    )
 
 
 class VisionLanguageModel(Transformer):
@@ -171,8 +183,9 @@ class VisionLanguageModel(Transformer):
             if images.take is not None:
                 rows = rows[images.take]
             if rows.shape[0] != images.index.numel():
-                raise ValueError(f"{rows.shape[0]} image rows for {images.index.numel()} "
-                                 "image tokens")
+                raise ValueError(
+                    f"{rows.shape[0]} image rows for {images.index.numel()} image tokens"
+                )
             flat = h.reshape(-1, h.shape[-1]).index_copy(0, images.index, rows.to(h.dtype))
             return flat.view_as(h)
         if self._tower_trains():  # keep the tower's gradient collectives in step (module docstring)

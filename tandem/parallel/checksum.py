@@ -29,8 +29,9 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(view).long() & mask
 
 
-def box_checksum(name: str, data: torch.Tensor, offset: tuple[int, ...],
-                 shape: tuple[int, ...]) -> int:
+def box_checksum(
+    name: str, data: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> int:
     """The checksum of ``data``, the region of global tensor ``name`` (of ``shape``) that starts at
     ``offset`` (``data.shape`` its size); an int in [0, MOD)."""
     if data.numel() == 0:
@@ -41,7 +42,8 @@ def box_checksum(name: str, data: torch.Tensor, offset: tuple[int, ...],
     for d in reversed(range(len(shape))):
         # + the global flat index of every element, by broadcasting
         pos = torch.arange(offset[d], offset[d] + data.shape[d], device=data.device).view(
-            [-1 if i == d else 1 for i in range(len(shape))])
+            [-1 if i == d else 1 for i in range(len(shape))]
+        )
         index = index + pos * stride
         stride *= shape[d]
     w = ((index * _MIX) & _MASK31) | 1  # [*data.shape], odd, < 2**31

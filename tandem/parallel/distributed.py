@@ -18,8 +18,13 @@ import torch.distributed as dist
 # worlds also get gloo for CPU tensors: metrics, ledgers and counters are reduced
 # on the host (an NCCL-only group refuses them: "No backend type associated with
 # device type cpu", seen on an H200).
-BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "xpu": "cpu:gloo,xpu:xccl", "npu": "cpu:gloo,npu:hccl",
-            "hpu": "cpu:gloo,hpu:hccl", "cpu": "gloo"}
+BACKENDS = {
+    "cuda": "cpu:gloo,cuda:nccl",
+    "xpu": "cpu:gloo,xpu:xccl",
+    "npu": "cpu:gloo,npu:hccl",
+    "hpu": "cpu:gloo,hpu:hccl",
+    "cpu": "gloo",
+}
 
 
 @dataclass(frozen=True)
@@ -64,17 +69,20 @@ def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistI
         timeout = datetime.timedelta(seconds=timeout_s)
         if world == 1 and "MASTER_ADDR" not in os.environ:
             # In-process store: no port is opened for a world of one.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
         else:
             kwargs = {"device_id": device} if device.type != "cpu" else {}
             if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-                kwargs.update(store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
-                              world_size=world)
+                kwargs.update(
+                    store=_attempt_store(timeout), rank=int(os.environ["RANK"]), world_size=world
+                )
             dist.init_process_group(backend, timeout=timeout, **kwargs)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
-    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend,
-                    local_world)
+    return DistInfo(
+        dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world
+    )
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
@@ -87,10 +95,14 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
     rank = int(os.environ["RANK"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]),
-                          is_master=not agent_store and rank == 0, timeout=timeout,
-                          **({} if agent_store else {"multi_tenant": True}))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        **({} if agent_store else {"multi_tenant": True}),
+    )
     return dist.PrefixStore(f"tandem/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 

@@ -33,19 +33,23 @@ def validate_ep(args: object, ep: int, dp_shard: int, tp: int, pp: int, dp_repli
     if not experts:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model (this one is dense)")
     if dp_shard % ep:
-        raise ValueError(f"ep={ep} must divide dp_shard={dp_shard} (expert parallelism borrows the "
-                         "FSDP2 ranks)")
+        raise ValueError(
+            f"ep={ep} must divide dp_shard={dp_shard} (expert parallelism borrows the FSDP2 ranks)"
+        )
     if pp > 1:
         raise ValueError(f"ep={ep} runs without pipeline stages so far (pp={pp})")
     if tp > 1 and (ep != dp_shard or dp_replicate > 1):
-        raise ValueError(f"ep={ep} with tp={tp} needs ep = dp_shard ({dp_shard}) and no HSDP "
-                         f"(dp_replicate={dp_replicate}) so far")
+        raise ValueError(
+            f"ep={ep} with tp={tp} needs ep = dp_shard ({dp_shard}) and no HSDP "
+            f"(dp_replicate={dp_replicate}) so far"
+        )
     if experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={experts}")
 
 
-def _scale_grad(t: torch.Tensor, scale: float,
-                replicas: dist.ProcessGroup | None = None) -> torch.Tensor:
+def _scale_grad(
+    t: torch.Tensor, scale: float, replicas: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     return _ScaleGrad.apply(t, scale, replicas)
 
 
@@ -54,8 +58,12 @@ class _ScaleGrad(torch.autograd.Function):
     (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, scale: float,  # noqa: ANN001
-                replicas: dist.ProcessGroup | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        t: torch.Tensor,
+        scale: float,  # noqa: ANN001
+        replicas: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         ctx.scale, ctx.replicas = scale, replicas
         return t.view_as(t)
 
@@ -83,14 +91,18 @@ class ExpertParallelExperts(GroupedExperts):
             return self._dispatch(x_sorted, offsets)
         # TP (tandem/parallel/moe_tp.py): every TP rank sends the same rows to its EP peers of the
         # same TP coordinate, which hold I / tp of each expert's hidden features: partial outputs
-        return sum_partials(self._dispatch(sum_gradients(x_sorted, self.tp_group), offsets),
-                            self.tp_group)
+        return sum_partials(
+            self._dispatch(sum_gradients(x_sorted, self.tp_group), offsets), self.tp_group
+        )
 
     def _dispatch(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ep, group = self.ep, self.group
-        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, 1.0 / self.dp,
-                                  self.replicas).to(x_sorted.dtype)
-                      for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (
+            _scale_grad(
+                w.to_local() if isinstance(w, DTensor) else w, 1.0 / self.dp, self.replicas
+            ).to(x_sorted.dtype)
+            for w in (self.w1, self.w2, self.w3)
+        )
         local = w1.shape[0]
         # [E] rows per expert
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
@@ -99,18 +111,21 @@ class ExpertParallelExperts(GroupedExperts):
         send = counts.view(ep, local).sum(1).tolist()
         recv_by_src = recv_counts.view(ep, local)
         recv = recv_by_src.sum(1).tolist()
-        x_recv = all_to_all_single(x_sorted.new_empty(sum(recv), x_sorted.shape[1]), x_sorted, recv,
-                                   send, group=group)  # rows by source rank, then by local expert
+        x_recv = all_to_all_single(
+            x_sorted.new_empty(sum(recv), x_sorted.shape[1]), x_sorted, recv, send, group=group
+        )  # rows by source rank, then by local expert
         order = _by_expert(recv_by_src)  # received row -> its place grouped by local expert
         local_offsets = recv_by_src.sum(0).cumsum(0).to(torch.int32)  # [local]
         x_local = x_recv[order]
         gate = grouped_mm(x_local, w1.transpose(1, 2), local_offsets)
         up = grouped_mm(x_local, w3.transpose(1, 2), local_offsets)
         y_local = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), local_offsets)
-        y_recv = (torch.empty_like(y_local).index_copy(0, order, y_local) if y_local.numel()
-                  else y_local)
-        return all_to_all_single(x_sorted.new_empty(x_sorted.shape[0], y_recv.shape[1]), y_recv,
-                                 send, recv, group=group)
+        y_recv = (
+            torch.empty_like(y_local).index_copy(0, order, y_local) if y_local.numel() else y_local
+        )
+        return all_to_all_single(
+            x_sorted.new_empty(x_sorted.shape[0], y_recv.shape[1]), y_recv, send, recv, group=group
+        )
 
 
 def _by_expert(recv_by_src: torch.Tensor) -> torch.Tensor:
@@ -118,17 +133,23 @@ def _by_expert(recv_by_src: torch.Tensor) -> torch.Tensor:
     grouped by local expert, then source: the layout the grouped GEMM takes."""
     ep, local = recv_by_src.shape
     starts = torch.cat([recv_by_src.new_zeros(1), recv_by_src.reshape(-1).cumsum(0)[:-1]]).view(
-        ep, local)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_by_src[s, e]),
-                           device=recv_by_src.device)
-              for e in range(local) for s in range(ep)]
+        ep, local
+    )
+    pieces = [
+        torch.arange(
+            int(starts[s, e]), int(starts[s, e] + recv_by_src[s, e]), device=recv_by_src.device
+        )
+        for e in range(local)
+        for s in range(ep)
+    ]
     return torch.cat(pieces) if pieces else recv_by_src.new_zeros(0)
 
 
 def expert_params(model: nn.Module) -> set[nn.Parameter]:
     """The expert weights `apply_ep` sharded (FSDP2 must ignore them)."""
-    return {p for m in model.modules() if isinstance(m, ExpertParallelExperts)
-            for p in m.parameters()}
+    return {
+        p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()
+    }
 
 
 def ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -148,8 +169,13 @@ def ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return cache[key]
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None, *,
-             ep_tp_mesh: DeviceMesh | None = None) -> int:
+def apply_ep(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    ep: int | None = None,
+    *,
+    ep_tp_mesh: DeviceMesh | None = None,
+) -> int:
     """Shard every `GroupedExperts` of ``model`` over ``ep`` of the ranks of ``mesh`` (the
     data-parallel mesh: 1-D FSDP2 shard ranks, or 2-D HSDP ``(dp_replicate, dp_shard)``; ``ep``
     divides the shard ranks and defaults to all of them), in place, on the meta device or
@@ -165,10 +191,17 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None, *,
     if ep_tp_mesh is not None:
         if ep != dp or ep_tp_mesh.size(0) != ep:
             raise ValueError(f"ep={ep} with tensor parallelism needs ep = dp_shard and no HSDP")
-        emesh, group, replicas, tp_group = (ep_tp_mesh, ep_tp_mesh.get_group(0), None,
-                                            ep_tp_mesh.get_group(1))
-        placements = {"w1": [Shard(0), Shard(1)], "w3": [Shard(0), Shard(1)],
-                      "w2": [Shard(0), Shard(2)]}
+        emesh, group, replicas, tp_group = (
+            ep_tp_mesh,
+            ep_tp_mesh.get_group(0),
+            None,
+            ep_tp_mesh.get_group(1),
+        )
+        placements = {
+            "w1": [Shard(0), Shard(1)],
+            "w3": [Shard(0), Shard(1)],
+            "w2": [Shard(0), Shard(2)],
+        }
     else:
         emesh = ep_mesh(mesh, ep)
         one = [Shard(0)] if emesh is mesh else [Replicate(), Shard(0)]
@@ -180,8 +213,14 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, ep: int | None = None, *,
         if type(m) is GroupedExperts:
             for name in ("w1", "w2", "w3"):
                 p = getattr(m, name)
-                setattr(m, name, nn.Parameter(distribute_tensor(p.data, emesh, placements[name]),
-                                              requires_grad=p.requires_grad))
+                setattr(
+                    m,
+                    name,
+                    nn.Parameter(
+                        distribute_tensor(p.data, emesh, placements[name]),
+                        requires_grad=p.requires_grad,
+                    ),
+                )
             m.__class__ = ExpertParallelExperts
             m.group, m.ep, m.replicas, m.dp, m.tp_group = group, ep, replicas, dp, tp_group
             n += 1

@@ -37,8 +37,11 @@ def apply_fsdp(
     kwargs: dict = {"mesh": mesh, "mp_policy": mp, "ignored_params": ignored_params or None}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    blocks = (list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict)
-              else list(model.layers))
+    blocks = (
+        list(model.layers.values())
+        if isinstance(model.layers, nn.ModuleDict)
+        else list(model.layers)
+    )
     for block in blocks:
         # Every block reshards after forward, the last one too: keeping it unsharded
         # would save one all-gather per step, but a forward with no backward (old or

@@ -53,8 +53,10 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.attention\.wo\.weight$"), 1),
     (re.compile(r"layers\.\d+\.feed_forward\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.feed_forward\.w2\.weight$"), 1),
-    (re.compile(r"(layers\.\d+\.(attention_norm|ffn_norm|attention\.[qk]_norm)|norm)\.weight$"),
-     None),
+    (
+        re.compile(r"(layers\.\d+\.(attention_norm|ffn_norm|attention\.[qk]_norm)|norm)\.weight$"),
+        None,
+    ),
     # mixture of experts: every expert split by its hidden features (TP inside the experts), the
     # router, the shared expert's gate and the routing bias whole; the block's output is summed
     (re.compile(r"layers\.\d+\.moe\.experts\.w[13]$"), 1),
@@ -67,10 +69,18 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by
     # its output rows, a row-parallel one's A split by its input features and B whole (its partial
     # sums join the base's before the group's all-reduce); an expert's likewise on its hidden dim
-    (re.compile(
-        r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"), None),
-    (re.compile(
-        r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"), 0),
+    (
+        re.compile(
+            r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_A\.weight$"
+        ),
+        None,
+    ),
+    (
+        re.compile(
+            r"\.(attention\.w[qkv]|feed_forward\.w[13]|shared_experts\.w[13])\.lora_B\.weight$"
+        ),
+        0,
+    ),
     (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_A\.weight$"), 1),
     (re.compile(r"\.(attention\.wo|feed_forward\.w2|shared_experts\.w2)\.lora_B\.weight$"), None),
     (re.compile(r"\.moe\.experts\.w[13]_lora_A$"), None),
@@ -103,8 +113,9 @@ def make_layout(tp: int, vocab_parallel: bool = True) -> GenerationLayout:
         raise ValueError(f"a generation group of {tp} ranks does not divide the {world} ranks")
     me = dist.get_rank() if dist.is_initialized() else 0
     group = new_groups([list(range(i, i + tp)) for i in range(0, world, tp)]) if tp > 1 else None
-    return GenerationLayout(tp=tp, rank=me % tp, group=group, vocab_parallel=vocab_parallel,
-                            leader=me - me % tp)
+    return GenerationLayout(
+        tp=tp, rank=me % tp, group=group, vocab_parallel=vocab_parallel, leader=me - me % tp
+    )
 
 
 def from_leader(obj: Any, layout: GenerationLayout) -> Any:
@@ -119,11 +130,16 @@ def from_leader(obj: Any, layout: GenerationLayout) -> Any:
 
 def check_divisible(args: ModelArgs, tp: int) -> str | None:
     """Why ``args`` cannot be split ``tp`` ways (None: it can)."""
-    sizes = [("num_heads", args.num_heads), ("num_kv_heads", args.num_kv_heads),
-             ("intermediate_size", args.intermediate_size)]
+    sizes = [
+        ("num_heads", args.num_heads),
+        ("num_kv_heads", args.num_kv_heads),
+        ("intermediate_size", args.intermediate_size),
+    ]
     if getattr(args, "num_experts", 0):
-        sizes += [("moe_intermediate_size", args.moe_intermediate_size),
-                  ("shared_expert_intermediate_size", args.shared_expert_intermediate_size)]
+        sizes += [
+            ("moe_intermediate_size", args.moe_intermediate_size),
+            ("shared_expert_intermediate_size", args.shared_expert_intermediate_size),
+        ]
     for what, n in sizes:
         if n % tp:
             return f"the model's {what} {n} is not divisible by {tp}"
@@ -144,12 +160,19 @@ def local_args(args: ModelArgs, layout: GenerationLayout) -> ModelArgs:
         raise ValueError(reason)
     moe = {}
     if getattr(args, "num_experts", 0):
-        moe = {"moe_intermediate_size": args.moe_intermediate_size // layout.tp,
-               "shared_expert_intermediate_size": args.shared_expert_intermediate_size // layout.tp}
+        moe = {
+            "moe_intermediate_size": args.moe_intermediate_size // layout.tp,
+            "shared_expert_intermediate_size": args.shared_expert_intermediate_size // layout.tp,
+        }
     return dataclasses.replace(
-        args, num_heads=args.num_heads // layout.tp, num_kv_heads=args.num_kv_heads // layout.tp,
-        head_dim=args.head_dim, intermediate_size=args.intermediate_size // layout.tp,
-        vocab_size=vocab_rows(args, layout.tp) if layout.splits_vocab else args.vocab_size, **moe)
+        args,
+        num_heads=args.num_heads // layout.tp,
+        num_kv_heads=args.num_kv_heads // layout.tp,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size // layout.tp,
+        vocab_size=vocab_rows(args, layout.tp) if layout.splits_vocab else args.vocab_size,
+        **moe,
+    )
 
 
 def split_dim(name: str, layout: GenerationLayout) -> int | None:
@@ -162,8 +185,9 @@ def split_dim(name: str, layout: GenerationLayout) -> int | None:
     raise KeyError(f"no generation-layout rule for parameter {name!r}")
 
 
-def needed_box(name: str, shape: tuple[int, ...],
-               layout: GenerationLayout) -> tuple[Box, tuple[int, ...]]:
+def needed_box(
+    name: str, shape: tuple[int, ...], layout: GenerationLayout
+) -> tuple[Box, tuple[int, ...]]:
     """The global region of ``name`` this rank's shard holds, and the shard's local shape."""
     dim = split_dim(name, layout) if layout.tp > 1 else None
     if dim is None:
@@ -178,8 +202,9 @@ def needed_box(name: str, shape: tuple[int, ...],
     return Box(offset, region), local
 
 
-def shard_bytes(args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype,
-                lora: LoraSpec | None = None) -> int:
+def shard_bytes(
+    args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None
+) -> int:
     """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``,
     adapters too)."""
     with torch.device("meta"):
@@ -263,15 +288,24 @@ def shard_modules(model: nn.Module, args: ModelArgs, layout: GenerationLayout) -
             block.feed_forward.w2 = RowParallel(block.feed_forward.w2, layout.group)
     if layout.splits_vocab:
         rows = vocab_rows(args, layout.tp)
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight,
-                                                      layout.rank * rows, layout.group)
-        model.output = VocabParallelHead(model.output.weight, args.vocab_size, layout.group,
-                                         layout.tp)
+        model.tok_embeddings = VocabParallelEmbedding(
+            model.tok_embeddings.weight, layout.rank * rows, layout.group
+        )
+        model.output = VocabParallelHead(
+            model.output.weight, args.vocab_size, layout.group, layout.tp
+        )
 
 
-def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: int,
-            devices_per_node: int, device_bytes: float, resident_bytes: float,
-            kv_bytes: float) -> int:
+def auto_tp(
+    args: ModelArgs,
+    shard_bytes_of: Callable[[int], float],
+    *,
+    world: int,
+    devices_per_node: int,
+    device_bytes: float,
+    resident_bytes: float,
+    kv_bytes: float,
+) -> int:
     """The generation degree ``rollout.tp = 0`` (auto) stands for, on one kind of device.
 
     The smallest ``g`` that divides both ``world`` and ``devices_per_node`` and the model's
@@ -281,8 +315,9 @@ def auto_tp(args: ModelArgs, shard_bytes_of: Callable[[int], float], *, world: i
     ``devices_per_node`` keeps it inside a node: its two all-reduces per layer never cross the
     network. The run and the planner (``train.py --plan``) both call this."""
     bound = math.gcd(world, devices_per_node)
-    degrees = [g for g in range(1, bound + 1)
-               if bound % g == 0 and check_divisible(args, g) is None]
+    degrees = [
+        g for g in range(1, bound + 1) if bound % g == 0 and check_divisible(args, g) is None
+    ]
     room = HEADROOM * device_bytes - resident_bytes - kv_bytes
     return next((g for g in degrees if shard_bytes_of(g) <= room), degrees[-1])
 
@@ -306,11 +341,19 @@ class GenerationCopy:
     phase still holds), so later builds move only what training changed.
     """
 
-    def __init__(self, module: nn.Module, args: ModelArgs, layout: GenerationLayout,
-                 device: torch.device,
-                 dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
-                 keep: tuple[str, ...] = (), cpu_onednn: bool = False,
-                 lora: LoraSpec | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        args: ModelArgs,
+        layout: GenerationLayout,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        *,
+        bucket_bytes: int = 256 << 20,
+        keep: tuple[str, ...] = (),
+        cpu_onednn: bool = False,
+        lora: LoraSpec | None = None,
+    ) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
         self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
@@ -336,8 +379,9 @@ class GenerationCopy:
     def _moving(self) -> dict[str, tuple[int, ...]]:
         """The names this build moves: all at first, then all but the kept ones."""
         later = bool(self._kept_state)
-        return {n: shape for n, shape in self.shapes.items()
-                if not (later and n.startswith(self.keep))}
+        return {
+            n: shape for n, shape in self.shapes.items() if not (later and n.startswith(self.keep))
+        }
 
     def _held(self) -> dict[str, tuple[torch.Tensor, Box]]:
         out = {}
@@ -347,8 +391,9 @@ class GenerationCopy:
                 out[name] = held(p.detach())
         return out
 
-    def build(self, *, inference: bool = True,
-              probe: Callable[[], None] | None = None) -> tuple[Transformer, dict[str, float]]:
+    def build(
+        self, *, inference: bool = True, probe: Callable[[], None] | None = None
+    ) -> tuple[Transformer, dict[str, float]]:
         """Collective (every rank): this rank's generation shard as a runnable model.
 
         ``inference``: the copy gets `inference_layout` (False: the training layout, for tests;
@@ -390,8 +435,9 @@ class GenerationCopy:
         shard_modules(gen, self.args, self.layout)
         return gen, metrics
 
-    def refill(self, gen: Transformer, *,
-               probe: Callable[[], None] | None = None) -> dict[str, float]:
+    def refill(
+        self, gen: Transformer, *, probe: Callable[[], None] | None = None
+    ) -> dict[str, float]:
         """Collective: the policy's current weights into ``gen`` (a model `build` made), in place:
         its tensors, and whatever holds them (a generator's captured graphs, its hooks), stay.
         With adapters: the kept copy's adapters alone (`_refill`); kept names (``keep``) stay."""
@@ -407,30 +453,44 @@ class GenerationCopy:
         moved = sum(t.numel() * t.element_size() for t in state.values())
         return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
 
-    def _move(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]],
-              into: dict[str, torch.Tensor] | None,
-              probe: Callable[[], None] | None) -> tuple[dict[str, torch.Tensor], Any]:
+    def _move(
+        self,
+        moving: dict[str, tuple[int, ...]],
+        srcs: dict[str, tuple[torch.Tensor, Box]],
+        into: dict[str, torch.Tensor] | None,
+        probe: Callable[[], None] | None,
+    ) -> tuple[dict[str, torch.Tensor], Any]:
         """Collective: the move of ``moving`` (planned at its first call: one plan for the first
         build, one for the later ones without the kept names), into new tensors or ``into``'s."""
         later = bool(self._kept_state)
         if later not in self._plans:
             self._plans[later] = self._make_plans(moving, srcs)
-        return self._plans[later].run({n: t for n, (t, _) in srcs.items()}, self.dtype,
-                                      self.device, probe=probe, into=into)
+        return self._plans[later].run(
+            {n: t for n, (t, _) in srcs.items()}, self.dtype, self.device, probe=probe, into=into
+        )
 
-    def _make_plans(self, moving: dict[str, tuple[int, ...]],
-                    srcs: dict[str, tuple[torch.Tensor, Box]]) -> Resharder:
+    def _make_plans(
+        self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]]
+    ) -> Resharder:
         """The reshard plan of ``moving``; with adapters, also the plan of the adapters alone."""
         needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
         elem = torch.empty((), dtype=self.dtype).element_size()
         if self.lora is not None:  # the adapters alone, for every later build
             names = [n for n in moving if is_adapter(n)]
-            self._adapter_plan = Resharder({n: self.shapes[n] for n in names},
-                                           {n: srcs[n][1] for n in names if n in srcs},
-                                           {n: needs[n] for n in names}, elem,
-                                           bucket_bytes=self.bucket_bytes)
-        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                         bucket_bytes=self.bucket_bytes)
+            self._adapter_plan = Resharder(
+                {n: self.shapes[n] for n in names},
+                {n: srcs[n][1] for n in names if n in srcs},
+                {n: needs[n] for n in names},
+                elem,
+                bucket_bytes=self.bucket_bytes,
+            )
+        return Resharder(
+            moving,
+            {n: b for n, (_, b) in srcs.items()},
+            needs,
+            elem,
+            bucket_bytes=self.bucket_bytes,
+        )
 
     def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
         """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""
@@ -446,24 +506,31 @@ class GenerationCopy:
         metrics.update(self._check(srcs, adapters))
         return gen, metrics
 
-    def _check(self, srcs: dict[str, torch.Tensor],
-               adapters: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _check(
+        self, srcs: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
         """Collective: the copy's adapters against the trainer's (exact checksum); RuntimeError if
         any differ."""
         assert self._adapter_plan is not None
         t0 = time.monotonic()
         total, wrong = self._adapter_plan.verify(srcs, adapters, self.dtype)
         if wrong:
-            raise RuntimeError(f"generation copy: adapters {wrong[:3]} differ from the trainer's "
-                               f"after the refill ({len(wrong)} tensors; checksum)")
+            raise RuntimeError(
+                f"generation copy: adapters {wrong[:3]} differ from the trainer's "
+                f"after the refill ({len(wrong)} tensors; checksum)"
+            )
         return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
 
 
 def _reshard_metrics(stats: Any, nbytes: int, kept_bytes: int = 0) -> dict[str, float]:
-    return {"reshard/seconds": stats.seconds, "reshard/gb": nbytes / 1e9,
-            "reshard/kept_gb": kept_bytes / 1e9, "reshard/sent_gb": stats.bytes_sent / 1e9,
-            "reshard/collectives": float(stats.collectives),
-            "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9}
+    return {
+        "reshard/seconds": stats.seconds,
+        "reshard/gb": nbytes / 1e9,
+        "reshard/kept_gb": kept_bytes / 1e9,
+        "reshard/sent_gb": stats.bytes_sent / 1e9,
+        "reshard/collectives": float(stats.collectives),
+        "reshard/buffer_peak_gb": stats.peak_buffer_bytes / 1e9,
+    }
 
 
 def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
@@ -482,8 +549,12 @@ def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
     if weight.is_cuda:
         model.fuse_projections()
         return True
-    if not cpu_onednn or weight.device.type != "cpu" or weight.dtype != torch.float32 \
-            or not onednn_linear_available():
+    if (
+        not cpu_onednn
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or not onednn_linear_available()
+    ):
         return False
     model.fuse_projections()
     use_onednn_linears(model)

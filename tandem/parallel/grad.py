@@ -9,9 +9,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, *,
-                   group: dist.ProcessGroup | None = None,
-                   duplicates: Iterable[torch.nn.Parameter] = ()) -> float:
+def clip_grad_norm(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    duplicates: Iterable[torch.nn.Parameter] = (),
+) -> float:
     """Clip to ``max_norm`` (0 = only measure); returns the total norm before clipping.
 
     DTensor gradients are reduced over their own mesh (FSDP / TP shards, EP groups).
@@ -34,8 +38,11 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, *,
     if not parts:
         norm = torch.zeros((), device=grads[0].device if grads else "cpu")
     else:
-        norm = (parts[0] if len(parts) == 1
-                else torch.stack([p.float() ** 2 for p in parts]).sum().sqrt())
+        norm = (
+            parts[0]
+            if len(parts) == 1
+            else torch.stack([p.float() ** 2 for p in parts]).sum().sqrt()
+        )
     if group is not None:
         sq = (norm.float() ** 2).reshape(1)
         dist.all_reduce(sq, group=group)

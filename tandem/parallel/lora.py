@@ -30,12 +30,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tandem.models.lora import LoraGroupedExperts, LoraLinear
 
 
-def _place(owner: nn.Module, name: str, mesh: Any, placement: Any,
-           src_data_rank: int | None) -> None:
+def _place(
+    owner: nn.Module, name: str, mesh: Any, placement: Any, src_data_rank: int | None
+) -> None:
     p = getattr(owner, name)
-    owner.register_parameter(name, nn.Parameter(
-        distribute_tensor(p, mesh, [placement], src_data_rank=src_data_rank),
-        requires_grad=p.requires_grad))
+    owner.register_parameter(
+        name,
+        nn.Parameter(
+            distribute_tensor(p, mesh, [placement], src_data_rank=src_data_rank),
+            requires_grad=p.requires_grad,
+        ),
+    )
 
 
 class LoraColwiseParallel(ColwiseParallel):
@@ -46,9 +51,12 @@ class LoraColwiseParallel(ColwiseParallel):
         if not isinstance(module, LoraLinear):
             # called for every submodule: the adapters are placed below
             return
-        for owner, pname, placement in ((module, "weight", Shard(0)), (module, "bias", Shard(0)),
-                                        (module.lora_A, "weight", Replicate()),
-                                        (module.lora_B, "weight", Shard(0))):
+        for owner, pname, placement in (
+            (module, "weight", Shard(0)),
+            (module, "bias", Shard(0)),
+            (module.lora_A, "weight", Replicate()),
+            (module.lora_B, "weight", Shard(0)),
+        ):
             if getattr(owner, pname) is not None:
                 _place(owner, pname, device_mesh, placement, self.src_data_rank)
 
@@ -61,9 +69,12 @@ class LoraRowwiseParallel(RowwiseParallel):
         if not isinstance(module, LoraLinear):
             # called for every submodule: the adapters are placed below
             return
-        for owner, pname, placement in ((module, "weight", Shard(1)), (module, "bias", Replicate()),
-                                        (module.lora_A, "weight", Shard(1)),
-                                        (module.lora_B, "weight", Replicate())):
+        for owner, pname, placement in (
+            (module, "weight", Shard(1)),
+            (module, "bias", Replicate()),
+            (module.lora_A, "weight", Shard(1)),
+            (module.lora_B, "weight", Replicate()),
+        ):
             if getattr(owner, pname) is not None:
                 _place(owner, pname, device_mesh, placement, self.src_data_rank)
 
@@ -78,11 +89,14 @@ def lora_plan(block: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
         except AttributeError:
             continue
         if not isinstance(module, LoraLinear) or type(style) not in (
-            ColwiseParallel, RowwiseParallel):
+            ColwiseParallel,
+            RowwiseParallel,
+        ):
             continue
         new = copy.copy(style)
-        new.__class__ = (LoraColwiseParallel if isinstance(style, ColwiseParallel)
-                         else LoraRowwiseParallel)
+        new.__class__ = (
+            LoraColwiseParallel if isinstance(style, ColwiseParallel) else LoraRowwiseParallel
+        )
         out[path] = new
     return out
 
@@ -90,5 +104,7 @@ def lora_plan(block: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
 def check_lora_layout(model: nn.Module, *, tp: int, ep: int) -> None:
     """ValueError (one line) when adapters sit where the layout cannot split them yet."""
     if (tp > 1 or ep > 1) and any(isinstance(m, LoraGroupedExperts) for m in model.modules()):
-        raise ValueError(f"LoRA on routed experts runs with tp = ep = 1 so far (tp={tp}, ep={ep}); "
-                         "adapt attention / shared-expert projections instead")
+        raise ValueError(
+            f"LoRA on routed experts runs with tp = ep = 1 so far (tp={tp}, ep={ep}); "
+            "adapt attention / shared-expert projections instead"
+        )

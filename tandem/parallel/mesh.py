@@ -71,8 +71,10 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def dp_rank(mesh: DeviceMesh) -> int:
     """This rank's index among the data-parallel ranks (replicate-major)."""
-    return (mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size()
-            + mesh["dp_shard"].get_local_rank())
+    return (
+        mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size()
+        + mesh["dp_shard"].get_local_rank()
+    )
 
 
 def mesh_lines(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[list[int]]:

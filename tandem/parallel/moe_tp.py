@@ -50,8 +50,14 @@ from torch.distributed.tensor.parallel import (
 from tandem.kernels.grouped_gemm import grouped_mm
 from tandem.models.moe import GroupedExperts
 
-__all__ = ["TensorParallelExperts", "WholeOnEveryRank", "moe_block_plan", "shard_experts_tp",
-           "sum_gradients", "sum_partials"]
+__all__ = [
+    "TensorParallelExperts",
+    "WholeOnEveryRank",
+    "moe_block_plan",
+    "shard_experts_tp",
+    "sum_gradients",
+    "sum_partials",
+]
 
 
 class WholeOnEveryRank(ParallelStyle):
@@ -60,9 +66,12 @@ class WholeOnEveryRank(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def wrap(mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
-            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
-                         for t in inputs)
+            return tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                else t
+                for t in inputs
+            )
 
         def unwrap(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
             return outputs.to_local() if isinstance(outputs, DTensor) else outputs
@@ -116,8 +125,9 @@ class TensorParallelExperts(GroupedExperts):
     group: dist.ProcessGroup
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
-                      for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)
+        )
         x = sum_gradients(x_sorted, self.group)
         gate = grouped_mm(x, w1.transpose(1, 2), offsets)  # [R, I/tp]
         up = grouped_mm(x, w3.transpose(1, 2), offsets)
@@ -130,8 +140,13 @@ def shard_experts_tp(experts: GroupedExperts, tp_mesh: DeviceMesh) -> None:
     """Split ``experts`` by hidden features over ``tp_mesh`` in place (meta or materialised)."""
     for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
         p = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Shard(dim)]),
-                                            requires_grad=p.requires_grad))
+        setattr(
+            experts,
+            name,
+            nn.Parameter(
+                distribute_tensor(p.data, tp_mesh, [Shard(dim)]), requires_grad=p.requires_grad
+            ),
+        )
     experts.__class__ = TensorParallelExperts
     experts.group = tp_mesh.get_group()
 
@@ -142,8 +157,13 @@ def moe_block_plan(block: nn.Module, stream: Placement) -> dict[str, Any]:
     The experts themselves are split by `shard_experts_tp` (no ParallelStyle fits them)."""
     plan: dict[str, Any] = {
         "moe": PrepareModuleInputOutput(
-            input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True),
+            input_layouts=(stream,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(stream,),
+            use_local_output=True,
+        ),
     }
     plan["moe.gate"] = WholeOnEveryRank()
     if block.moe.shared_expert_gate is not None:

@@ -71,7 +71,10 @@ def parallelize(
     check_lora_layout(model, tp=mesh["tp"].size() if tp else 1, ep=ep)
     if tp:  # with EP the experts are split by apply_ep below, over (dp_shard, tp)
         apply_tp(
-            model, mesh["tp"], sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+            model,
+            mesh["tp"],
+            sequence_parallel=sequence_parallel,
+            vocab_parallel=vocab_parallel,
             shard_experts=ep == 1,
         )
     ignored = set()

@@ -181,8 +181,9 @@ class Pipeline:
                     on_output(i, h)
                 elif nxt != me:
                     h = h.contiguous()
-                    head = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long,
-                                        device=device)
+                    head = torch.tensor(
+                        [*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long, device=device
+                    )
                     dist.send(head, group_dst=nxt, group=self.group)
                     dist.send(h, group_dst=nxt, group=self.group)
 
@@ -282,7 +283,8 @@ def build_pipeline(
         has_last_stage=(n_stages - 1) in ids,
         n_stages=n_stages,
         group=group,
-        tied_group=_ends_group(pp_mesh) if pp > 1 and getattr(args, "tie_word_embeddings", False)
+        tied_group=_ends_group(pp_mesh)
+        if pp > 1 and getattr(args, "tie_word_embeddings", False)
         else None,
     )
 

@@ -45,8 +45,10 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
-        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offset, self.size, other.offset,
-                                                           other.size))
+        hi = tuple(
+            min(a + n, b + m)
+            for a, n, b, m in zip(self.offset, self.size, other.offset, other.size)
+        )
         if any(h <= a for a, h in zip(lo, hi)):
             return None
         return Box(lo, tuple(h - a for a, h in zip(lo, hi)))
@@ -59,8 +61,9 @@ class Box:
 
     def index_in(self, outer: Box) -> tuple[slice, ...]:
         """Slices selecting this box out of a tensor that holds ``outer`` (this box inside it)."""
-        return tuple(slice(o - p, o - p + n) for o, n, p in zip(self.offset, self.size,
-                                                                outer.offset))
+        return tuple(
+            slice(o - p, o - p + n) for o, n, p in zip(self.offset, self.size, outer.offset)
+        )
 
 
 def held(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
@@ -106,9 +109,16 @@ class Resharder:
     moves in slices of its first dimension.
     """
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], holds: dict[str, Box],
-                 needs: dict[str, tuple[Box, tuple[int, ...]]], elem_bytes: int, *,
-                 bucket_bytes: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        holds: dict[str, Box],
+        needs: dict[str, tuple[Box, tuple[int, ...]]],
+        elem_bytes: int,
+        *,
+        bucket_bytes: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.shapes, self.group = dict(shapes), group
         self.needs = needs
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -121,14 +131,19 @@ class Resharder:
             dist.all_gather_object(all_needs, {k: b for k, (b, _) in needs.items()}, group=group)
         # per tensor: each distinct held box and its holders
         self._holders: dict[str, dict[Box, list[int]]] = {}
-        self._needed = {name: sorted({n[name] for n in all_needs if name in n},
-                                     key=lambda b: (b.offset, b.size))
-                        for name in self.shapes}  # per tensor: the distinct boxes some rank needs
-        self.collectives = _bucket(self._moves(all_holds, all_needs), self.world, elem_bytes,
-                                   bucket_bytes)
+        self._needed = {
+            name: sorted(
+                {n[name] for n in all_needs if name in n}, key=lambda b: (b.offset, b.size)
+            )
+            for name in self.shapes
+        }  # per tensor: the distinct boxes some rank needs
+        self.collectives = _bucket(
+            self._moves(all_holds, all_needs), self.world, elem_bytes, bucket_bytes
+        )
 
-    def _moves(self, all_holds: list[dict[str, Box]],
-               all_needs: list[dict[str, Box]]) -> list[list[_Move]]:
+    def _moves(
+        self, all_holds: list[dict[str, Box]], all_needs: list[dict[str, Box]]
+    ) -> list[list[_Move]]:
         """Per tensor, in order: every region some rank needs, and who sends it."""
         out = []
         for name, shape in self.shapes.items():
@@ -139,8 +154,10 @@ class Resharder:
             self._holders[name] = holders
             total = sum(b.numel for b in holders)
             if total != math.prod(shape):
-                raise ValueError(f"{name}: the ranks hold {total} distinct elements of a "
-                                 f"{shape} tensor (shards must tile it exactly once)")
+                raise ValueError(
+                    f"{name}: the ranks hold {total} distinct elements of a "
+                    f"{shape} tensor (shards must tile it exactly once)"
+                )
             moves = []
             for q, need in enumerate(all_needs):
                 if name not in need:
@@ -153,9 +170,15 @@ class Resharder:
             out.append(moves)
         return out
 
-    def run(self, sources: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, *,
-            probe: Callable[[], None] | None = None, into: dict[str, torch.Tensor] | None = None,
-            ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
+    def run(
+        self,
+        sources: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        probe: Callable[[], None] | None = None,
+        into: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
         """Collective: this rank's needed tensors (``dtype``, on ``device``), and what it cost.
         ``dtype`` must have the ``elem_bytes`` the plan was bucketed with.
 
@@ -176,8 +199,9 @@ class Resharder:
                         out[m.name] = into[m.name]
                         have = tuple(out[m.name].shape)
                         if have != tuple(local_shape):
-                            raise ValueError(f"reshard into {m.name}: shape {have}, "
-                                             f"need {tuple(local_shape)}")
+                            raise ValueError(
+                                f"reshard into {m.name}: shape {have}, need {tuple(local_shape)}"
+                            )
                     else:
                         out[m.name] = torch.zeros(local_shape, dtype=dtype, device=device)
             self._collective(moves, sources, out, dtype, device, stats, probe)
@@ -187,8 +211,9 @@ class Resharder:
         stats.seconds = time.monotonic() - t0
         return out, stats
 
-    def verify(self, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
-               dtype: torch.dtype) -> tuple[int, list[str]]:
+    def verify(
+        self, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[int, list[str]]:
         """Collective: compare what every rank holds in ``targets`` (its needed box of each tensor,
         at index 0 of a possibly padded tensor) with the ``sources`` it was moved from, cast to
         ``dtype``, by the exact checksum of tandem/parallel/checksum.py. Each needed box's checksum
@@ -219,10 +244,16 @@ class Resharder:
         wrong = sorted({keys[i][0] for i in bad.nonzero()[:, 0].tolist()})
         return int(expected.sum() % MOD), wrong
 
-    def _collective(self, moves: list[_Move], sources: dict[str, torch.Tensor],
-                    out: dict[str, torch.Tensor],
-                    dtype: torch.dtype, device: torch.device, stats: ReshardStats,
-                    probe: Callable[[], None] | None) -> None:
+    def _collective(
+        self,
+        moves: list[_Move],
+        sources: dict[str, torch.Tensor],
+        out: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        stats: ReshardStats,
+        probe: Callable[[], None] | None,
+    ) -> None:
         me = self.rank
         for m in moves:  # own copies first: no buffer
             if m.src == me and m.dst == me:
@@ -245,7 +276,7 @@ class Resharder:
         for m in sends:
             src = sources[m.name][m.region.index_in(m.src_box)]
             n = m.region.numel * esize
-            send[at:at + n].view(dtype).view(m.region.size).copy_(src)
+            send[at : at + n].view(dtype).view(m.region.size).copy_(src)
             at += n
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, send.numel() + recv.numel())
         stats.bytes_sent += send.numel()
@@ -258,7 +289,7 @@ class Resharder:
         for m in recvs:
             t = out[m.name]
             n = m.region.numel * t.element_size()
-            self._place(out, m, recv[at:at + n].view(t.dtype).view(m.region.size))
+            self._place(out, m, recv[at : at + n].view(t.dtype).view(m.region.size))
             at += n
 
     def _place(self, out: dict[str, torch.Tensor], m: _Move, data: torch.Tensor) -> None:
@@ -266,9 +297,9 @@ class Resharder:
         out[m.name][m.region.index_in(need)].copy_(data)
 
 
-
-def _bucket(per_tensor: list[list[_Move]], world: int, elem_bytes: int,
-            budget: int) -> list[list[_Move]]:
+def _bucket(
+    per_tensor: list[list[_Move]], world: int, elem_bytes: int, budget: int
+) -> list[list[_Move]]:
     """Group the moves into collectives whose send + receive bytes stay within ``budget`` on
     every rank (moves of one tensor split by rows where one alone would not fit). Every rank
     computes the same grouping from the same global plan."""
@@ -310,7 +341,10 @@ def _split_rows(moves: list[_Move], world: int, elem_bytes: int, budget: int) ->
     mid = (lo + hi) // 2
     halves = []
     for a, b in ((lo, mid), (mid, hi)):
-        part = [_Move(m.name, m.src, m.dst, r, m.src_box) for m in moves
-                if (r := m.region.rows(a, b)) is not None]
+        part = [
+            _Move(m.name, m.src, m.dst, r, m.src_box)
+            for m in moves
+            if (r := m.region.rows(a, b)) is not None
+        ]
         halves += _split_rows(part, world, elem_bytes, budget)
     return halves

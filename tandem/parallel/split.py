@@ -20,9 +20,8 @@ either side.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,15 +102,21 @@ def side_mesh(degrees: Degrees, device: torch.device, first_rank: int) -> Device
     return DeviceMesh(device.type, ranks, mesh_dim_names=AXES)
 
 
-def check_bridge(plan: Resharder, sources: dict[str, torch.Tensor],
-                 targets: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+def check_bridge(
+    plan: Resharder,
+    sources: dict[str, torch.Tensor],
+    targets: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+) -> int:
     """Collective over the plan's group: the checksum of everything moved (the same on every
     rank); `BridgeMismatch` on every rank when what some receiver holds in ``targets`` differs
     from the senders' ``sources`` (cast to ``dtype``)."""
     total, wrong = plan.verify(sources, targets, dtype)
     if wrong:
-        raise BridgeMismatch(f"weight sync: {len(wrong)} tensor(s) differ between the senders and "
-                             f"the receivers after the move (checksum), first {wrong[0]!r}")
+        raise BridgeMismatch(
+            f"weight sync: {len(wrong)} tensor(s) differ between the senders and "
+            f"the receivers after the move (checksum), first {wrong[0]!r}"
+        )
     return total
 
 
@@ -120,17 +125,34 @@ class BridgeCopy(GenerationCopy):
     (``module``) are the sources; the first side (an empty ``module``) builds a whole copy once
     and refills it in place afterwards."""
 
-    def __init__(self, module: nn.Module, args: Any, device: torch.device, dtype: torch.dtype,
-                 *, world: SplitWorld, bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        args: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        world: SplitWorld,
+        bucket_bytes: int,
+    ) -> None:
         super().__init__(module, args, GenerationLayout(), device, dtype, bucket_bytes=bucket_bytes)
         self.world = world
 
     def _make_plans(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, Any]) -> Resharder:
-        needs = ({n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
-                 if self.world.in_first else {})
+        needs = (
+            {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
+            if self.world.in_first
+            else {}
+        )
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return Resharder(moving, {n: b for n, (_, b) in srcs.items()}, needs, elem,
-                         bucket_bytes=self.bucket_bytes, group=self.world.bridge)
+        return Resharder(
+            moving,
+            {n: b for n, (_, b) in srcs.items()},
+            needs,
+            elem,
+            bucket_bytes=self.bucket_bytes,
+            group=self.world.bridge,
+        )
 
     def send(self) -> dict[str, float]:
         """Collective over the bridge (a sender): this rank's shards out, then the checksum."""
@@ -138,10 +160,14 @@ class BridgeCopy(GenerationCopy):
         srcs = {n: s for n, s in self._held().items() if n in moving}
         _, stats = self._move(moving, srcs, None, None)
         t0 = time.monotonic()
-        total = check_bridge(self._plans[False], {n: t for n, (t, _) in srcs.items()}, {},
-                             self.dtype)
-        return {"split/sync_s": stats.seconds, "split/check_s": time.monotonic() - t0,
-                "split/sync_checksum": float(total)}
+        total = check_bridge(
+            self._plans[False], {n: t for n, (t, _) in srcs.items()}, {}, self.dtype
+        )
+        return {
+            "split/sync_s": stats.seconds,
+            "split/check_s": time.monotonic() - t0,
+            "split/sync_checksum": float(total),
+        }
 
     def receive(self, gen: Any) -> tuple[Any, dict[str, float]]:
         """Collective over the bridge (a receiver): the senders' weights into ``gen`` (None:
@@ -152,5 +178,8 @@ class BridgeCopy(GenerationCopy):
             metrics = self.refill(gen)
         t0 = time.monotonic()
         total = check_bridge(self._plans[False], {}, gen.refill_views, self.dtype)
-        return gen, {"split/sync_s": metrics["reshard/seconds"],
-                     "split/check_s": time.monotonic() - t0, "split/sync_checksum": float(total)}
+        return gen, {
+            "split/sync_s": metrics["reshard/seconds"],
+            "split/check_s": time.monotonic() - t0,
+            "split/sync_checksum": float(total),
+        }

@@ -139,8 +139,9 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
         )
         if not hasattr(block, "moe"):
             plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_output=True
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
             )
     # adapted linears: their adapters split with them (tandem/parallel/lora.py)
     return lora_plan(block, plan)

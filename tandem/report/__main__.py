@@ -21,19 +21,29 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="tandem-report", description="One self-contained HTML page of several runs.")
-    p.add_argument("paths", nargs="*", metavar="DUMP",
-                   help="run dump folders or tandem-sweep study folders")
+    p.add_argument(
+        "paths", nargs="*", metavar="DUMP", help="run dump folders or tandem-sweep study folders"
+    )
     p.add_argument("--out", required=True, help="the HTML file to write")
-    p.add_argument("--metric", action="append", default=[],
-                   help="also plot this metrics.jsonl key (repeatable)")
+    p.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        help="also plot this metrics.jsonl key (repeatable)",
+    )
     p.add_argument("--title", default=None)
-    p.add_argument("--max-sample-steps", type=int, default=200,
-                   help="logged steps per run in the sample browser")
+    p.add_argument(
+        "--max-sample-steps",
+        type=int,
+        default=200,
+        help="logged steps per run in the sample browser",
+    )
     try:
         args = p.parse_args(argv)
         if args.max_sample_steps < 1:
-            raise ReportError(EXIT_USAGE,
-                              f"--max-sample-steps: must be >= 1, got {args.max_sample_steps}")
+            raise ReportError(
+                EXIT_USAGE, f"--max-sample-steps: must be >= 1, got {args.max_sample_steps}"
+            )
         from tandem.report.build import build_report
 
         out = build_report(args.paths, args.out, args.metric, args.title, args.max_sample_steps)

@@ -29,11 +29,17 @@ from tandem.report.runs import Run, StudyInfo, load
 # (title, which keys, y-axis title)
 PANELS: list[tuple[str, Callable[[str], bool], str]] = [
     ("Reward", lambda k: k == "reward/total", "mean reward"),
-    ("Reward per function", lambda k: re.fullmatch(r"reward/(?!total$)[^/]+/mean", k) is not None,
-     "mean reward"),
+    (
+        "Reward per function",
+        lambda k: re.fullmatch(r"reward/(?!total$)[^/]+/mean", k) is not None,
+        "mean reward",
+    ),
     ("Held-out eval", lambda k: k.startswith(("eval/", "eval_")), ""),
-    ("Response length (tokens)", lambda k: k in ("response/length_mean", "response/length_max"),
-     "tokens"),
+    (
+        "Response length (tokens)",
+        lambda k: k in ("response/length_mean", "response/length_max"),
+        "tokens",
+    ),
     ("Entropy", lambda k: k == "entropy", "nats/token"),
     ("KL to the reference", lambda k: k == "kl", ""),
     ("Clip fraction", lambda k: k == "clip_frac", "fraction of tokens"),
@@ -56,8 +62,9 @@ def _colors() -> list[str]:
     return list(qualitative.Plotly) + list(qualitative.D3)
 
 
-def line_figure(runs: list[Run], keys: list[str], title: str, ytitle: str,
-                colors: list[str]) -> dict[str, Any] | None:
+def line_figure(
+    runs: list[Run], keys: list[str], title: str, ytitle: str, colors: list[str]
+) -> dict[str, Any] | None:
     """Every run's series of every key in one figure (a plain dict: {"data", "layout"})."""
     traces = []
     for i, run in enumerate(runs):
@@ -65,23 +72,37 @@ def line_figure(runs: list[Run], keys: list[str], title: str, ytitle: str,
             steps, values = run.series(key)
             if not steps:
                 continue
-            traces.append({"type": "scatter", "x": steps, "y": values,
-                           "name": run.label if len(keys) == 1
-                           else f"{run.label} · {key}", "legendgroup": str(i),
-                           "mode": "lines+markers" if len(steps) <= MARKERS_UP_TO else "lines",
-                           "marker": {"size": 4}, "line": {"color": colors[i % len(colors)],
-                                                          "dash": DASHES[j % len(DASHES)],
-                                                           "width": 1.5}})
+            traces.append(
+                {
+                    "type": "scatter",
+                    "x": steps,
+                    "y": values,
+                    "name": run.label if len(keys) == 1 else f"{run.label} · {key}",
+                    "legendgroup": str(i),
+                    "mode": "lines+markers" if len(steps) <= MARKERS_UP_TO else "lines",
+                    "marker": {"size": 4},
+                    "line": {
+                        "color": colors[i % len(colors)],
+                        "dash": DASHES[j % len(DASHES)],
+                        "width": 1.5,
+                    },
+                }
+            )
     if not traces:
         return None
     return {"data": traces, "layout": _layout(title, "step", ytitle)}
 
 
 def _layout(title: str, xtitle: str, ytitle: str) -> dict[str, Any]:
-    return {"title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
-            "margin": {"l": 55, "r": 10, "t": 36, "b": 40},
-            "xaxis": {"title": {"text": xtitle}}, "yaxis": {"title": {"text": ytitle}},
-            "template": "plotly_white", "legend": {"font": {"size": 10}}, "hovermode": "closest"}
+    return {
+        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
+        "margin": {"l": 55, "r": 10, "t": 36, "b": 40},
+        "xaxis": {"title": {"text": xtitle}},
+        "yaxis": {"title": {"text": ytitle}},
+        "template": "plotly_white",
+        "legend": {"font": {"size": 10}},
+        "hovermode": "closest",
+    }
 
 
 def other_figure(runs: list[Run], keys: list[str], colors: list[str]) -> dict[str, Any] | None:
@@ -113,8 +134,15 @@ def length_histogram(runs: list[Run], colors: list[str]) -> dict[str, Any] | Non
             lengths, unit = [s["completion_tokens"] for s in recs], "tokens"
         else:
             lengths = [len(s.get("completion", "")) for s in recs]
-        traces.append({"type": "histogram", "x": lengths, "name": run.label, "opacity": 0.6,
-                       "marker": {"color": colors[i % len(colors)]}})
+        traces.append(
+            {
+                "type": "histogram",
+                "x": lengths,
+                "name": run.label,
+                "opacity": 0.6,
+                "marker": {"color": colors[i % len(colors)]},
+            }
+        )
     if not traces:
         return None
     layout = _layout("Response length distribution (logged samples)", unit, "samples")
@@ -128,18 +156,28 @@ def staleness_histogram(runs: list[Run], colors: list[str]) -> dict[str, Any] | 
     ``async/staleness_<k>`` counts."""
     traces = []
     for i, run in enumerate(runs):
-        ks = sorted(int(k.rsplit("_", 1)[1]) for k in run.keys()
-                    if re.fullmatch(r"async/staleness_\d+", k))
+        ks = sorted(
+            int(k.rsplit("_", 1)[1]) for k in run.keys() if re.fullmatch(r"async/staleness_\d+", k)
+        )
         if not ks:
             continue
-        counts = [sum(v for v in run.series(f"async/staleness_{k}")[1] if v is not None)
-                  for k in ks]
-        traces.append({"type": "bar", "x": ks, "y": counts, "name": run.label,
-                       "marker": {"color": colors[i % len(colors)]}})
+        counts = [
+            sum(v for v in run.series(f"async/staleness_{k}")[1] if v is not None) for k in ks
+        ]
+        traces.append(
+            {
+                "type": "bar",
+                "x": ks,
+                "y": counts,
+                "name": run.label,
+                "marker": {"color": colors[i % len(colors)]},
+            }
+        )
     if not traces:
         return None
-    layout = _layout("Staleness of the trained samples (logged steps)", "policy versions behind",
-                     "samples")
+    layout = _layout(
+        "Staleness of the trained samples (logged steps)", "policy versions behind", "samples"
+    )
     layout["barmode"] = "group"
     return {"data": traces, "layout": layout}
 
@@ -151,13 +189,22 @@ def _summary(runs: list[Run]) -> str:
         last = r.rows[-1]
         evals = sorted(k for k in r.keys() if k.startswith(("eval/", "eval_")))
         first_eval = evals[0] if evals else None
-        rows.append([r.label, r.folder, last["step"], _num(_last(r, "reward/total")),
-                     f"{first_eval} {_num(_last(r, first_eval))}" if first_eval else "-",
-                     sum(len(e["samples"]) for e in r.samples),
-                     *[_num(r.params.get(k)) for k in extra]])
+        rows.append(
+            [
+                r.label,
+                r.folder,
+                last["step"],
+                _num(_last(r, "reward/total")),
+                f"{first_eval} {_num(_last(r, first_eval))}" if first_eval else "-",
+                sum(len(e["samples"]) for e in r.samples),
+                *[_num(r.params.get(k)) for k in extra],
+            ]
+        )
     return table(
         ["run", "folder", "last step", "last reward/total", "last eval", "logged samples", *extra],
-        rows, numeric={2, 3, 5})
+        rows,
+        numeric={2, 3, 5},
+    )
 
 
 def _last(run: Run, key: str) -> float | None:
@@ -179,18 +226,37 @@ def _study_section(s: StudyInfo, figures: dict[str, Any], n: int) -> str:
     rows = []
     for t in s.study.get_trials(deepcopy=False):
         status = "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
-        note = t.user_attrs.get("error") or (f"retry of {t.user_attrs['retry_of']}"
-                                             if "retry_of" in t.user_attrs else "")
-        rows.append([t.number, status, _num(t.value), *[_num(t.params.get(k)) for k in s.params],
-                     t.user_attrs.get("folder", ""), t.user_attrs.get("command", ""), note])
-    parts = [f"<h2>Study {esc(s.label)}</h2>",
-             f'<p class="note">{esc(s.folder)}: objective {esc(obj["metric"])} '
-             f'({esc(obj["mode"])}, {esc(obj["direction"])}); each trial re-runs with its '
-             'command.</p>',
-             table(["trial", "status", "objective", *s.params, "folder", "command", "note"], rows,
-                   numeric={0, 2})]
-    plots = [("history", vis.plot_optimization_history), ("importance", vis.plot_param_importances),
-             ("slice", vis.plot_slice), ("intermediate", vis.plot_intermediate_values)]
+        note = t.user_attrs.get("error") or (
+            f"retry of {t.user_attrs['retry_of']}" if "retry_of" in t.user_attrs else ""
+        )
+        rows.append(
+            [
+                t.number,
+                status,
+                _num(t.value),
+                *[_num(t.params.get(k)) for k in s.params],
+                t.user_attrs.get("folder", ""),
+                t.user_attrs.get("command", ""),
+                note,
+            ]
+        )
+    parts = [
+        f"<h2>Study {esc(s.label)}</h2>",
+        f'<p class="note">{esc(s.folder)}: objective {esc(obj["metric"])} '
+        f"({esc(obj['mode'])}, {esc(obj['direction'])}); each trial re-runs with its "
+        "command.</p>",
+        table(
+            ["trial", "status", "objective", *s.params, "folder", "command", "note"],
+            rows,
+            numeric={0, 2},
+        ),
+    ]
+    plots = [
+        ("history", vis.plot_optimization_history),
+        ("importance", vis.plot_param_importances),
+        ("slice", vis.plot_slice),
+        ("intermediate", vis.plot_intermediate_values),
+    ]
     divs, missing = [], []
     for name, fn in plots:
         try:
@@ -232,13 +298,21 @@ def _check_metrics(runs: list[Run], metrics: list[str]) -> None:
     for m in metrics:
         if m not in known:
             near = difflib.get_close_matches(m, sorted(known), n=3)
-            hint = (f"did you mean {', '.join(map(repr, near))}?" if near
-                    else f"{len(known)} keys were logged")
+            hint = (
+                f"did you mean {', '.join(map(repr, near))}?"
+                if near
+                else f"{len(known)} keys were logged"
+            )
             raise ReportError(EXIT_METRIC, f"--metric {m!r}: no run logged it; {hint}")
 
 
-def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str | None = None,
-                 max_sample_steps: int = 200) -> str:
+def build_report(
+    paths: list[str],
+    out: str,
+    metrics: list[str] = (),
+    title: str | None = None,
+    max_sample_steps: int = 200,
+) -> str:
     """Write the page for ``paths`` (run or study folders) to ``out``; returns ``out``."""
     if not paths:
         raise ReportError(EXIT_USAGE, "give at least one run or study folder")
@@ -252,8 +326,9 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
     from plotly.offline import get_plotlyjs
 
     colors, figures, sections = _colors(), {}, []
-    title = title or "Tandem report: " + ", ".join(os.path.basename(os.path.normpath(p)) or p
-                                                   for p in paths)
+    title = title or "Tandem report: " + ", ".join(
+        os.path.basename(os.path.normpath(p)) or p for p in paths
+    )
     if runs:
         sections += ["<h2>Runs</h2>", _summary(runs)]
     for n, s in enumerate(studies):
@@ -269,28 +344,34 @@ def build_report(paths: list[str], out: str, metrics: list[str] = (), title: str
         if fig and fid not in figures:
             figures[fid] = _plain(fig)
             divs.append(f'<div class="fig" id="{fid}"></div>')
-    for fid, fig in (("fig-length-distribution", length_histogram(runs, colors)),
-                     ("fig-staleness", staleness_histogram(runs, colors)),
-                     ("fig-other", other_figure(runs, [k for k in keys if k not in used], colors))):
+    for fid, fig in (
+        ("fig-length-distribution", length_histogram(runs, colors)),
+        ("fig-staleness", staleness_histogram(runs, colors)),
+        ("fig-other", other_figure(runs, [k for k in keys if k not in used], colors)),
+    ):
         if fig:
             figures[fid] = _plain(fig)
             plain_div = f'<div class="fig" id="{fid}"></div>'
             divs.append(menu_figure_div(fid) if "menu" in fig else plain_div)
     if divs:
         sections += ["<h2>Metrics</h2>", '<div class="grid">' + "".join(divs) + "</div>"]
-    sample_runs = [{"label": r.label, "steps": r.samples[-max_sample_steps:]} for r in runs
-                   if r.samples]
+    sample_runs = [
+        {"label": r.label, "steps": r.samples[-max_sample_steps:]} for r in runs if r.samples
+    ]
     sections.append("<h2>Samples</h2>")
     if sample_runs:
         cut = [r.label for r in runs if len(r.samples) > max_sample_steps]
         note = f" (the last {max_sample_steps} logged steps of {', '.join(cut)})" if cut else ""
-        sections += ['<p class="note">Per step, the logged prompts and completions with their '
-                     'rewards and '
-                     f"advantages (metrics.samples_per_step per step){esc(note)}.</p>",
-                     SAMPLE_BROWSER]
+        sections += [
+            '<p class="note">Per step, the logged prompts and completions with their '
+            "rewards and "
+            f"advantages (metrics.samples_per_step per step){esc(note)}.</p>",
+            SAMPLE_BROWSER,
+        ]
     else:
-        sections.append('<p class="note">No run has a samples.jsonl '
-                        '(metrics.samples_per_step).</p>')
+        sections.append(
+            '<p class="note">No run has a samples.jsonl (metrics.samples_per_step).</p>'
+        )
     text = page(title, sections, figures, {"runs": sample_runs}, get_plotlyjs())
     try:
         with open(out, "w", encoding="utf-8") as f:

@@ -139,27 +139,46 @@ def script_json(value: Any) -> str:
 
 def menu_figure_div(fid: str) -> str:
     """The grid cell of a figure with a key menu (see SCRIPT)."""
-    return (f'<div class="fig-box"><select class="fig-menu" id="{fid}-menu"></select>'
-            f'<div class="fig" id="{fid}"></div></div>')
+    return (
+        f'<div class="fig-box"><select class="fig-menu" id="{fid}-menu"></select>'
+        f'<div class="fig" id="{fid}"></div></div>'
+    )
 
 
 def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset()) -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' if i in numeric
-                                    else f"<td>{esc(c)}</td>"
-                                    for i, c in enumerate(r)) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="num">{esc(c)}</td>' if i in numeric else f"<td>{esc(c)}</td>"
+            for i, c in enumerate(r)
+        )
+        + "</tr>"
+        for r in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def page(title: str, sections: list[str], figures: dict[str, Any], samples: dict[str, Any],
-         plotly_js: str) -> str:
+def page(
+    title: str,
+    sections: list[str],
+    figures: dict[str, Any],
+    samples: dict[str, Any],
+    plotly_js: str,
+) -> str:
     """The whole document. ``figures``: div id -> {"data", "layout"}; ``samples``:
     {"runs": [...]}"""
-    return "\n".join([
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{esc(title)}</title><style>{CSS}</style>",
-        f"<script>{plotly_js}</script></head><body>",
-        f"<h1>{esc(title)}</h1>", *sections,
-        f'<script type="application/json" id="figures-data">{script_json(figures)}</script>',
-        f'<script type="application/json" id="samples-data">{script_json(samples)}</script>',
-        f"<script>{SCRIPT}</script>", "</body></html>"])
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            f"<title>{esc(title)}</title><style>{CSS}</style>",
+            f"<script>{plotly_js}</script></head><body>",
+            f"<h1>{esc(title)}</h1>",
+            *sections,
+            f'<script type="application/json" id="figures-data">{script_json(figures)}</script>',
+            f'<script type="application/json" id="samples-data">{script_json(samples)}</script>',
+            f"<script>{SCRIPT}</script>",
+            "</body></html>",
+        ]
+    )

@@ -63,7 +63,6 @@ class StudyInfo:
     runs: list[Run]
 
 
-
 def _jsonl(path: str) -> list[tuple[int, Any]]:
     """(line number, value) of each complete, non-blank line; ReportError (3) at the first
     that is not JSON (deep nesting included) or the file that cannot be read."""
@@ -92,8 +91,10 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     rows = []
     for n, row in _jsonl(path):
         if not isinstance(row, dict) or not _is_step(row.get("step")):
-            raise ReportError(EXIT_NOT_A_RUN, f"{path}:{n}: not a metrics row (a JSON object "
-                                              "with an integer \"step\")")
+            raise ReportError(
+                EXIT_NOT_A_RUN,
+                f'{path}:{n}: not a metrics row (a JSON object with an integer "step")',
+            )
         rows.append(row)
     return rows
 
@@ -107,13 +108,19 @@ def read_sample_steps(folder: str) -> list[dict[str, Any]]:
     steps = []
     for n, entry in _jsonl(path):
         recs = entry.get("samples") if isinstance(entry, dict) else None
-        ok = (isinstance(entry, dict) and _is_step(entry.get("step")) and isinstance(recs, list)
-              and all(isinstance(r, dict) and isinstance(r.get("completion", ""), str)
-                      for r in recs))
+        ok = (
+            isinstance(entry, dict)
+            and _is_step(entry.get("step"))
+            and isinstance(recs, list)
+            and all(isinstance(r, dict) and isinstance(r.get("completion", ""), str) for r in recs)
+        )
         if not ok:
-            raise ReportError(EXIT_NOT_A_RUN, f"{path}:{n}: not a samples step (a JSON object "
-                                              "with an integer \"step\" and a list \"samples\" "
-                                              "of objects)")
+            raise ReportError(
+                EXIT_NOT_A_RUN,
+                f"{path}:{n}: not a samples step (a JSON object "
+                'with an integer "step" and a list "samples" '
+                "of objects)",
+            )
         steps.append(entry)
     return steps
 
@@ -123,18 +130,25 @@ def load_run(folder: str, label: str | None = None) -> Run:
     if not os.path.exists(folder):
         raise ReportError(EXIT_NOT_A_RUN, f"{folder}: no such folder")
     if not os.path.isdir(folder):
-        raise ReportError(EXIT_NOT_A_RUN, f"{folder}: not a folder (give a run's job.dump_folder "
-                                          "or a study folder)")
+        raise ReportError(
+            EXIT_NOT_A_RUN,
+            f"{folder}: not a folder (give a run's job.dump_folder or a study folder)",
+        )
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.exists(path):
         what = "an empty folder" if not os.listdir(folder) else "no metrics.jsonl and no study.db"
-        raise ReportError(EXIT_NOT_A_RUN,
-                          f"{folder}: {what}: not a run's dump folder nor a tandem-sweep study")
+        raise ReportError(
+            EXIT_NOT_A_RUN, f"{folder}: {what}: not a run's dump folder nor a tandem-sweep study"
+        )
     rows = read_metrics(path)
     if not rows:
         raise ReportError(EXIT_NOT_A_RUN, f"{path}: no complete rows (did the run log a step?)")
-    return Run(label or os.path.basename(os.path.normpath(folder)) or folder, folder, rows,
-               read_sample_steps(folder))
+    return Run(
+        label or os.path.basename(os.path.normpath(folder)) or folder,
+        folder,
+        rows,
+        read_sample_steps(folder),
+    )
 
 
 def load_study(folder: str) -> StudyInfo:
@@ -147,14 +161,19 @@ def load_study(folder: str) -> StudyInfo:
     try:
         study = optuna.load_study(study_name="sweep", storage=storage)
     except KeyError:
-        raise ReportError(EXIT_NOT_A_RUN,
-                          f"{folder}: study.db holds no tandem-sweep study") from None
+        raise ReportError(
+            EXIT_NOT_A_RUN, f"{folder}: study.db holds no tandem-sweep study"
+        ) from None
     except Exception as e:  # not SQLite, or not Optuna's tables (SQLAlchemy's and Optuna's errors)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ReportError(EXIT_NOT_A_RUN,
-                          f"{folder}/study.db: not a readable Optuna study ({first})") from None
-    objective = study.user_attrs.get("objective") or {"metric": "objective", "mode": "",
-                                                      "direction": ""}
+        raise ReportError(
+            EXIT_NOT_A_RUN, f"{folder}/study.db: not a readable Optuna study ({first})"
+        ) from None
+    objective = study.user_attrs.get("objective") or {
+        "metric": "objective",
+        "mode": "",
+        "direction": "",
+    }
     params = list(json.loads(study.user_attrs.get("space", "{}")).get("params", {}))
     runs: dict[str, Run] = {}  # by folder: a retry shares the interrupted trial's folder and
     # replaces it
@@ -167,12 +186,25 @@ def load_study(folder: str) -> StudyInfo:
         if not rows:
             continue
         status = "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
-        runs[sub] = Run(f"trial {t.number} ({status})", trial_dir, rows,
-                        read_sample_steps(trial_dir), status, dict(t.params), t.value, t.number)
+        runs[sub] = Run(
+            f"trial {t.number} ({status})",
+            trial_dir,
+            rows,
+            read_sample_steps(trial_dir),
+            status,
+            dict(t.params),
+            t.value,
+            t.number,
+        )
     name = os.path.basename(os.path.normpath(folder)) or folder
-    return StudyInfo(name, folder, study, objective,
-                     params or sorted({k for r in runs.values() for k in r.params}),
-                     sorted(runs.values(), key=lambda r: r.trial))
+    return StudyInfo(
+        name,
+        folder,
+        study,
+        objective,
+        params or sorted({k for r in runs.values() for k in r.params}),
+        sorted(runs.values(), key=lambda r: r.trial),
+    )
 
 
 def load(paths: list[str]) -> tuple[list[Run], list[StudyInfo]]:

@@ -26,17 +26,25 @@ class _Parser(argparse.ArgumentParser):
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = _Parser(prog="tandem-sweep", description="Hyperparameter search over train.py config keys.")
     p.add_argument("--config", required=True, help="the train.py config every trial starts from")
-    p.add_argument("--space", required=True,
-                   help="the search-space TOML ([space], [fixed], [objective], ...)")
-    p.add_argument("--trials", type=int, required=True,
-                   help="finished trials the study should end with")
-    p.add_argument("--parallel", type=int, default=1,
-                   help="trials at once, on disjoint CPU cores / GPUs")
-    p.add_argument("--study", default=None,
-                   help="study folder (default: outputs/sweeps/<config name>)")
-    p.add_argument("--nproc-per-trial", type=int, default=0,
-                   help="ranks per trial, launched with torchrun when > 1 (default: what the "
-                        "config's mesh asks)")
+    p.add_argument(
+        "--space", required=True, help="the search-space TOML ([space], [fixed], [objective], ...)"
+    )
+    p.add_argument(
+        "--trials", type=int, required=True, help="finished trials the study should end with"
+    )
+    p.add_argument(
+        "--parallel", type=int, default=1, help="trials at once, on disjoint CPU cores / GPUs"
+    )
+    p.add_argument(
+        "--study", default=None, help="study folder (default: outputs/sweeps/<config name>)"
+    )
+    p.add_argument(
+        "--nproc-per-trial",
+        type=int,
+        default=0,
+        help="ranks per trial, launched with torchrun when > 1 (default: what the "
+        "config's mesh asks)",
+    )
     args = p.parse_args(argv)
     for name in ("trials", "parallel"):
         if getattr(args, name) < 1:
@@ -44,8 +52,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.nproc_per_trial < 0:
         raise SweepError(EXIT_USAGE, f"--nproc-per-trial: must be >= 1, got {args.nproc_per_trial}")
     if args.study is None:
-        args.study = os.path.join("outputs", "sweeps",
-                                  os.path.splitext(os.path.basename(args.config))[0])
+        args.study = os.path.join(
+            "outputs", "sweeps", os.path.splitext(os.path.basename(args.config))[0]
+        )
     if os.path.exists(args.study) and not os.path.isdir(args.study):
         raise SweepError(EXIT_USAGE, f"--study {args.study}: a file; give a study folder")
     return args
@@ -65,9 +74,12 @@ def run(argv: list[str] | None = None) -> int:
     lock = lock_study(args.study)
     try:
         sweep = Sweep(args.study, args.config, space, objective, base, args.trials, slots, ranks)
-        print(f"study {args.study}: {len(sweep.finished())} of {args.trials} trials "
-              f"finished so far; objective {objective.metric} ({objective.mode}, "
-              f"{objective.direction})", flush=True)
+        print(
+            f"study {args.study}: {len(sweep.finished())} of {args.trials} trials "
+            f"finished so far; objective {objective.metric} ({objective.mode}, "
+            f"{objective.direction})",
+            flush=True,
+        )
         status = sweep.run()
         if status in (EXIT_OK, EXIT_NO_TRIAL):  # the end of a sweep: table, best.toml, report
             sweep.write_outputs()

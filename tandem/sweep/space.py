@@ -42,6 +42,7 @@ KINDS = ("uniform", "log_uniform", "int", "choice")
 # set per trial by the sweep; shared, trials would resume each other's checkpoints
 PER_TRIAL = ("job.dump_folder", "checkpoint.folder")
 
+
 @dataclass(frozen=True)
 class Param:
     """One searched config key: a range (uniform, log_uniform, int) or a list of choices."""
@@ -85,11 +86,13 @@ class PrunerSpec:
         from optuna import pruners
 
         if self.name == "median":
-            return pruners.MedianPruner(n_startup_trials=self.startup_trials,
-                                        n_warmup_steps=self.warmup_steps)
+            return pruners.MedianPruner(
+                n_startup_trials=self.startup_trials, n_warmup_steps=self.warmup_steps
+            )
         if self.name == "successive_halving":
-            return pruners.SuccessiveHalvingPruner(min_resource=self.min_resource or "auto",
-                                                   reduction_factor=self.reduction_factor)
+            return pruners.SuccessiveHalvingPruner(
+                min_resource=self.min_resource or "auto", reduction_factor=self.reduction_factor
+            )
         return pruners.NopPruner()
 
 
@@ -127,11 +130,16 @@ class Space:
     def canonical(self) -> str:
         """The whole space as one JSON text: a resumed study must have been made with
         the same one."""
-        return json.dumps({"params": {k: [p.kind, list(p.values)] for k, p in self.params.items()},
-                           "fixed": self.fixed,
-                           "objective": asdict(self.objective) if self.objective else None,
-                           "pruner": asdict(self.pruner), "sampler": asdict(self.sampler)},
-                          sort_keys=True)
+        return json.dumps(
+            {
+                "params": {k: [p.kind, list(p.values)] for k, p in self.params.items()},
+                "fixed": self.fixed,
+                "objective": asdict(self.objective) if self.objective else None,
+                "pruner": asdict(self.pruner),
+                "sampler": asdict(self.sampler),
+            },
+            sort_keys=True,
+        )
 
 
 def override_text(value: Any) -> str:
@@ -161,8 +169,11 @@ def _number(x: Any) -> bool:
 def _param(path: str, key: str, spec: Any) -> Param:
     where = f'[space] "{key}"'
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
-        raise _fail(path, f"{where}: give exactly one of {', '.join(KINDS)}, e.g. "
-                          f'{{ log_uniform = [1e-6, 1e-3] }} (got {spec!r})')
+        raise _fail(
+            path,
+            f"{where}: give exactly one of {', '.join(KINDS)}, e.g. "
+            f"{{ log_uniform = [1e-6, 1e-3] }} (got {spec!r})",
+        )
     kind, values = next(iter(spec.items()))
     if not isinstance(values, list):
         raise _fail(path, f"{where}: {kind} takes a list, got {values!r}")
@@ -171,8 +182,9 @@ def _param(path: str, key: str, spec: Any) -> Param:
             raise _fail(path, f"{where}: choice needs at least one value")
         bad = [v for v in values if not isinstance(v, (str, int, float, bool))]
         if bad:
-            raise _fail(path,
-                        f"{where}: choices must be strings, numbers or booleans, got {bad[0]!r}")
+            raise _fail(
+                path, f"{where}: choices must be strings, numbers or booleans, got {bad[0]!r}"
+            )
         if len(set(map(repr, values))) != len(values):
             raise _fail(path, f"{where}: choice lists a value twice: {values!r}")
         return Param(key, kind, tuple(values))
@@ -182,8 +194,11 @@ def _param(path: str, key: str, spec: Any) -> Param:
     if kind == "int" and not all(isinstance(v, int) for v in values):
         raise _fail(path, f"{where}: int takes two integers, got {values!r}")
     if low >= high:
-        raise _fail(path, f"{where}: {kind} range {values!r} is inverted or empty; write [low, "
-                          "high] with low < high")
+        raise _fail(
+            path,
+            f"{where}: {kind} range {values!r} is inverted or empty; write [low, "
+            "high] with low < high",
+        )
     if kind == "log_uniform" and low <= 0:
         raise _fail(path, f"{where}: log_uniform needs low > 0, got {values!r}")
     return Param(key, kind, (float(low), float(high)) if kind != "int" else (low, high))
@@ -196,8 +211,9 @@ def _is_spec(value: Any) -> bool:
     return any(k in KINDS for k in value) or not all(isinstance(v, dict) for v in value.values())
 
 
-def _flatten(table: dict[str, Any], leaf: Callable[[Any], bool],
-             prefix: str = "") -> dict[str, Any]:
+def _flatten(
+    table: dict[str, Any], leaf: Callable[[Any], bool], prefix: str = ""
+) -> dict[str, Any]:
     """Unquoted dotted keys (optimizer.lr = ...) parse as nested tables; make them
     "optimizer.lr" again."""
     out: dict[str, Any] = {}
@@ -209,8 +225,9 @@ def _flatten(table: dict[str, Any], leaf: Callable[[Any], bool],
     return out
 
 
-def _table(path: str, data: dict[str, Any], name: str,
-           allowed: dict[str, type | tuple]) -> dict[str, Any]:
+def _table(
+    path: str, data: dict[str, Any], name: str, allowed: dict[str, type | tuple]
+) -> dict[str, Any]:
     table = data.get(name, {})
     if not isinstance(table, dict):
         raise _fail(path, f"[{name}] must be a table")
@@ -220,11 +237,13 @@ def _table(path: str, data: dict[str, Any], name: str,
         want = allowed[key]
         if isinstance(want, tuple) and all(isinstance(w, str) for w in want):
             if value not in want:
-                raise _fail(path, f"[{name}] {key} = {value!r}: choose one of "
-                                  f"{', '.join(map(repr, want))}")
+                raise _fail(
+                    path, f"[{name}] {key} = {value!r}: choose one of {', '.join(map(repr, want))}"
+                )
         elif not isinstance(value, want) or isinstance(value, bool) and want is not bool:
-            raise _fail(path, f"[{name}] {key}: expected {getattr(want, '__name__', want)}, "
-                              f"got {value!r}")
+            raise _fail(
+                path, f"[{name}] {key}: expected {getattr(want, '__name__', want)}, got {value!r}"
+            )
     return table
 
 
@@ -241,8 +260,11 @@ def load_space(path: str) -> Space:
             raise _fail(path, f"unknown table [{name}] (known: {', '.join(known)})")
     space = data.get("space", {})
     if not isinstance(space, dict) or not space:
-        raise _fail(path, '[space] is missing or empty; e.g. [space] "optimizer.lr" = { '
-                          'log_uniform = [1e-6, 1e-3] }')
+        raise _fail(
+            path,
+            '[space] is missing or empty; e.g. [space] "optimizer.lr" = { '
+            "log_uniform = [1e-6, 1e-3] }",
+        )
     params = {key: _param(path, key, spec) for key, spec in _flatten(space, leaf=_is_spec).items()}
     fixed = data.get("fixed", {})
     if not isinstance(fixed, dict):
@@ -253,30 +275,54 @@ def load_space(path: str) -> Space:
         raise _fail(path, f'"{both[0]}" is both searched ([space]) and fixed ([fixed])')
     for table, keys in (("space", params), ("fixed", fixed)):
         for key in sorted(set(keys) & set(PER_TRIAL)):
-            raise _fail(path, f'[{table}] "{key}": each trial keeps its checkpoints in its own '
-                              "dump folder under the study, which the sweep sets; a space file "
-                              "may not")
+            raise _fail(
+                path,
+                f'[{table}] "{key}": each trial keeps its checkpoints in its own '
+                "dump folder under the study, which the sweep sets; a space file "
+                "may not",
+            )
     objective = None
     if "objective" in data:
-        t = _table(path, data, "objective", {"metric": str, "mode": ("last", "best"),
-                                             "direction": ("maximize", "minimize")})
+        t = _table(
+            path,
+            data,
+            "objective",
+            {"metric": str, "mode": ("last", "best"), "direction": ("maximize", "minimize")},
+        )
         if not t.get("metric", "").strip():
-            raise _fail(path, "[objective] metric: required, a metrics.jsonl key such as "
-                              "\"eval/accuracy\"")
+            raise _fail(
+                path, '[objective] metric: required, a metrics.jsonl key such as "eval/accuracy"'
+            )
         if "direction" not in t:
-            raise _fail(path, "[objective] direction: required (\"maximize\" or \"minimize\") for "
-                              f"{t['metric']!r}")
+            raise _fail(
+                path,
+                f'[objective] direction: required ("maximize" or "minimize") for {t["metric"]!r}',
+            )
         objective = Objective(**t)
-    pruner = PrunerSpec(**_table(path, data, "pruner", {
-        "name": ("median", "successive_halving", "none"), "startup_trials": int,
-        "warmup_steps": int, "min_resource": int, "reduction_factor": int}))
+    pruner = PrunerSpec(
+        **_table(
+            path,
+            data,
+            "pruner",
+            {
+                "name": ("median", "successive_halving", "none"),
+                "startup_trials": int,
+                "warmup_steps": int,
+                "min_resource": int,
+                "reduction_factor": int,
+            },
+        )
+    )
     for key in ("startup_trials", "warmup_steps", "min_resource"):
         if getattr(pruner, key) < 0:
             raise _fail(path, f"[pruner] {key}: must be >= 0, got {getattr(pruner, key)}")
     if pruner.reduction_factor < 2:
         raise _fail(path, f"[pruner] reduction_factor: must be >= 2, got {pruner.reduction_factor}")
-    sampler = SamplerSpec(**_table(path, data, "sampler", {"name": ("tpe", "random"), "seed": int,
-                                                           "startup_trials": int}))
+    sampler = SamplerSpec(
+        **_table(
+            path, data, "sampler", {"name": ("tpe", "random"), "seed": int, "startup_trials": int}
+        )
+    )
     if sampler.seed < 0 or sampler.startup_trials < 0:
         raise _fail(path, "[sampler] seed and startup_trials must be >= 0")
     return Space(params, fixed, objective, pruner, sampler)
@@ -295,8 +341,9 @@ def resolve_objective(space: Space, recipe: str, path: str) -> Objective:
 # ---------------------------------------------------------------- config checks
 
 
-def trial_config(config_path: str, space: Space, values: dict[str, Any],
-                 extra: list[str] = ()) -> Config:
+def trial_config(
+    config_path: str, space: Space, values: dict[str, Any], extra: list[str] = ()
+) -> Config:
     """The validated config of one trial (raises ConfigError like train.py would)."""
     return load_config(config_path, [*space.overrides(values), *extra])
 
@@ -314,18 +361,26 @@ def check_configs(config_path: str, space: Space, space_path: str) -> Config:
         raise _fail(space_path, f"[fixed]: {e}") from None
     folder = base.checkpoint.folder
     if os.path.isabs(folder) or os.path.normpath(folder).split(os.sep)[0] == "..":
-        raise SweepError(EXIT_USAGE, f"--config {config_path}: checkpoint.folder = {folder!r} is "
-                                     "outside the trial's dump folder, so trials would share "
-                                     "checkpoints; give a folder inside it (the default is "
-                                     "\"checkpoints\")")
+        raise SweepError(
+            EXIT_USAGE,
+            f"--config {config_path}: checkpoint.folder = {folder!r} is "
+            "outside the trial's dump folder, so trials would share "
+            "checkpoints; give a folder inside it (the default is "
+            '"checkpoints")',
+        )
     tries = [(k, {**first, k: v}) for k, p in space.params.items() for v in p.edges()]
-    tries.append(("every parameter at its last value",
-                  {k: p.edges()[-1] for k, p in space.params.items()}))
+    tries.append(
+        ("every parameter at its last value", {k: p.edges()[-1] for k, p in space.params.items()})
+    )
     for what, values in tries:
         try:
             trial_config(config_path, space, values)
         except ConfigError as e:
             shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-            raise _fail(space_path, f'[space] "{what}": {e} (at {shown})' if what in space.params
-                        else f"[space] {what}: {e} (at {shown})") from None
+            raise _fail(
+                space_path,
+                f'[space] "{what}": {e} (at {shown})'
+                if what in space.params
+                else f"[space] {what}: {e} (at {shown})",
+            ) from None
     return base

@@ -51,8 +51,9 @@ class Slot:
         return env
 
     def describe(self) -> str:
-        cpus = (f"cpus {self.cpus[0]}-{self.cpus[-1]}" if len(self.cpus) > 1
-                else f"cpu {self.cpus[0]}")
+        cpus = (
+            f"cpus {self.cpus[0]}-{self.cpus[-1]}" if len(self.cpus) > 1 else f"cpu {self.cpus[0]}"
+        )
         return cpus + (f", gpus {','.join(self.gpus)}" if self.gpus else "")
 
 
@@ -64,25 +65,37 @@ def visible_gpus() -> list[str]:
     if count == 0:
         return []
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return ([d.strip() for d in listed.split(",") if d.strip()][:count] if listed
-            else [str(i) for i in range(count)])
+    return (
+        [d.strip() for d in listed.split(",") if d.strip()][:count]
+        if listed
+        else [str(i) for i in range(count)]
+    )
 
 
 def plan_slots(parallel: int, ranks: int, cpus: list[int], gpus: list[str]) -> list[Slot]:
     """``parallel`` disjoint slots; one GPU per rank when there are GPUs. Too few:
     SweepError (2)."""
     if gpus and parallel * ranks > len(gpus):
-        raise SweepError(EXIT_USAGE, f"--parallel {parallel} with {ranks} rank(s) per trial needs "
-                                     f"{parallel * ranks} GPUs; {len(gpus)} visible "
-                                     f"({','.join(gpus)})")
+        raise SweepError(
+            EXIT_USAGE,
+            f"--parallel {parallel} with {ranks} rank(s) per trial needs "
+            f"{parallel * ranks} GPUs; {len(gpus)} visible "
+            f"({','.join(gpus)})",
+        )
     if parallel > len(cpus):
-        raise SweepError(EXIT_USAGE,
-                         f"--parallel {parallel} needs {parallel} CPU cores; this process may use "
-                                     f"{len(cpus)}")
+        raise SweepError(
+            EXIT_USAGE,
+            f"--parallel {parallel} needs {parallel} CPU cores; this process may use {len(cpus)}",
+        )
     per = len(cpus) // parallel
-    return [Slot(i, tuple(cpus[i * per:(i + 1) * per]),
-                 tuple(gpus[i * ranks:(i + 1) * ranks]) if gpus else ())
-            for i in range(parallel)]
+    return [
+        Slot(
+            i,
+            tuple(cpus[i * per : (i + 1) * per]),
+            tuple(gpus[i * ranks : (i + 1) * ranks]) if gpus else (),
+        )
+        for i in range(parallel)
+    ]
 
 
 def ranks_wanted(parallel_cfg: Any) -> int:
@@ -97,8 +110,17 @@ def command(config_path: str, ranks: int) -> list[str]:
     is needed."""
     if ranks == 1:
         return [sys.executable, "-m", "tandem.train", "--config", config_path]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ranks}", "-m", "tandem.train", "--config", config_path]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "tandem.train",
+        "--config",
+        config_path,
+    ]
 
 
 def shown(cmd: list[str]) -> str:
@@ -108,7 +130,8 @@ def shown(cmd: list[str]) -> str:
     if out[1:3] == ["-m", "torch.distributed.run"]:
         out = ["torchrun", *out[3:]]
     elif shutil.which("python") and os.path.realpath(shutil.which("python")) == os.path.realpath(
-        sys.executable):
+        sys.executable
+    ):
         out[0] = "python"
     return shlex.join(out)
 
@@ -173,11 +196,16 @@ class TrialProcess:
             log.write(f"# tandem-sweep: {shown(cmd)}\n".encode())
             log.flush()
             parent = os.getpid()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         # a Ctrl-C at the sweep's terminal is ours to forward
-                                         start_new_session=True,
-                                         preexec_fn=lambda: _child_setup(slot.cpus, parent))
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                # a Ctrl-C at the sweep's terminal is ours to forward
+                start_new_session=True,
+                preexec_fn=lambda: _child_setup(slot.cpus, parent),
+            )
         self.pid = self.proc.pid
         self.ticks = _start_ticks(self.pid)
         self.stop_reason: str | None = None  # "prune" | "interrupt" once we sent SIGTERM
@@ -227,7 +255,6 @@ class MetricsTail:
         return parse_rows(data[:done].decode("utf-8", "replace").splitlines())
 
 
-
 def read_rows(folder: str) -> list[dict[str, Any]]:
     """The complete rows of a run folder's metrics.jsonl."""
     return metric_rows(os.path.join(folder, "metrics.jsonl"))
@@ -256,8 +283,9 @@ def metric_points(rows: list[dict[str, Any]], metric: str) -> list[tuple[int, fl
     return sorted(by_step.items())
 
 
-def objective_value(rows: list[dict[str, Any]], metric: str, mode: str,
-                    direction: str) -> float | None:
+def objective_value(
+    rows: list[dict[str, Any]], metric: str, mode: str, direction: str
+) -> float | None:
     """The value at the last logged step (mode "last") or the best one (mode "best"); None if
     never logged."""
     points = metric_points(rows, metric)
@@ -283,6 +311,9 @@ def last_error(log_path: str) -> str:
 def latest_checkpoint(folder: str, sub: str = "checkpoints") -> str | None:
     """The name of the newest committed checkpoint (``step-N``) under ``folder/sub``, or None."""
     ckpts = os.path.join(folder, sub)
-    names = ([n for n in os.listdir(ckpts) if n.startswith("step-") and n[5:].isdigit()]
-             if os.path.isdir(ckpts) else [])
+    names = (
+        [n for n in os.listdir(ckpts) if n.startswith("step-") and n[5:].isdigit()]
+        if os.path.isdir(ckpts)
+        else []
+    )
     return max(names, key=lambda n: int(n[5:])) if names else None

@@ -37,38 +37,45 @@ from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.registry import RegistryError
 
 # 8 responses, 5 positions; right padding, row 6 has a hole (a tool-output token), row 7 is empty.
-MASK = torch.tensor([
-    [1, 1, 1, 0, 0],
-    [1, 1, 1, 1, 1],
-    [1, 0, 0, 0, 0],
-    [1, 1, 1, 1, 0],
-    [1, 1, 0, 0, 0],
-    [1, 1, 1, 1, 1],
-    [1, 0, 1, 1, 0],
-    [0, 0, 0, 0, 0],
-], dtype=torch.float32)
+MASK = torch.tensor(
+    [
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0],
+    ],
+    dtype=torch.float32,
+)
 SCORES = torch.tensor([1.0, 0.0, 1.0, 0.5, 2.0, 2.0, -1.0, 3.0])
 GROUPS = torch.tensor([0, 1, 0, 1, 0, 2, 2, 3])  # interleaved; group 3 has one member
-TOKEN_REWARDS = torch.tensor([
-    [0.1, -0.2, 0.05, 9.0, 9.0],
-    [0.0, 0.1, 0.1, -0.1, 0.2],
-    [-0.3, 9.0, 9.0, 9.0, 9.0],
-    [0.2, 0.0, -0.1, 0.1, 9.0],
-    [0.05, 0.05, 9.0, 9.0, 9.0],
-    [0.1, 0.1, 0.1, 0.1, 0.1],
-    [0.2, 9.0, -0.2, 0.3, 9.0],
-    [9.0, 9.0, 9.0, 9.0, 9.0],
-])  # 9.0 sits on masked-out positions and must never count
-VALUES = torch.tensor([
-    [0.5, 0.4, 0.3, 7.0, 7.0],
-    [0.1, 0.2, 0.3, 0.4, 0.5],
-    [0.9, 7.0, 7.0, 7.0, 7.0],
-    [0.0, -0.1, 0.2, 0.3, 7.0],
-    [1.0, 1.5, 7.0, 7.0, 7.0],
-    [0.2, 0.2, 0.2, 0.2, 0.2],
-    [-0.5, 7.0, 0.1, 0.4, 7.0],
-    [7.0, 7.0, 7.0, 7.0, 7.0],
-])
+TOKEN_REWARDS = torch.tensor(
+    [
+        [0.1, -0.2, 0.05, 9.0, 9.0],
+        [0.0, 0.1, 0.1, -0.1, 0.2],
+        [-0.3, 9.0, 9.0, 9.0, 9.0],
+        [0.2, 0.0, -0.1, 0.1, 9.0],
+        [0.05, 0.05, 9.0, 9.0, 9.0],
+        [0.1, 0.1, 0.1, 0.1, 0.1],
+        [0.2, 9.0, -0.2, 0.3, 9.0],
+        [9.0, 9.0, 9.0, 9.0, 9.0],
+    ]
+)  # 9.0 sits on masked-out positions and must never count
+VALUES = torch.tensor(
+    [
+        [0.5, 0.4, 0.3, 7.0, 7.0],
+        [0.1, 0.2, 0.3, 0.4, 0.5],
+        [0.9, 7.0, 7.0, 7.0, 7.0],
+        [0.0, -0.1, 0.2, 0.3, 7.0],
+        [1.0, 1.5, 7.0, 7.0, 7.0],
+        [0.2, 0.2, 0.2, 0.2, 0.2],
+        [-0.5, 7.0, 0.1, 0.4, 7.0],
+        [7.0, 7.0, 7.0, 7.0, 7.0],
+    ]
+)
 N, T = MASK.shape
 
 
@@ -104,6 +111,7 @@ def members(i):
 
 # ---------------------------------------------------------------- advantages
 
+
 @pytest.mark.parametrize("norm_by_std", [True, False])
 @pytest.mark.parametrize("with_tokens", [False, True])
 def test_grpo(norm_by_std, with_tokens):
@@ -126,8 +134,9 @@ def test_dr_grpo_ignores_std():
     for i in range(N):
         xs = [SCORES[j].item() for j in members(i)]
         want.append(SCORES[i].item() - sum(xs) / len(xs))
-    out = ADVANTAGES.get("dr_grpo")(AdvantageInput(SCORES, MASK, GROUPS),
-                                    AdvantageConfig(norm_by_std=True))
+    out = ADVANTAGES.get("dr_grpo")(
+        AdvantageInput(SCORES, MASK, GROUPS), AdvantageConfig(norm_by_std=True)
+    )
     assert_close(out.advantages, broadcast(want))
 
 
@@ -219,26 +228,30 @@ def test_advantage_errors():
 
 # ---------------------------------------------------------------- policy losses
 
-LOGP = torch.tensor([
-    [-1.0, -0.5, -2.0, -3.0, -3.0],
-    [-0.2, -0.9, -1.1, -0.4, -0.7],
-    [-0.1, -1.0, -1.0, -1.0, -1.0],
-    [-2.5, -0.3, -0.8, -1.2, -1.0],
-    [-0.6, -0.6, -1.0, -1.0, -1.0],
-    [-1.5, -0.05, -0.3, -2.2, -0.9],
-    [-0.4, -1.0, -0.2, -1.3, -1.0],
-    [-1.0, -1.0, -1.0, -1.0, -1.0],
-])
-OLD_LOGP = LOGP + torch.tensor([
-    [0.0, 0.5, -0.4, 0.0, 0.0],
-    [0.1, -0.1, 0.3, -1.5, 0.02],
-    [-1.2, 0.0, 0.0, 0.0, 0.0],
-    [0.05, -0.25, 0.9, 0.0, 0.0],
-    [0.2, -0.2, 0.0, 0.0, 0.0],
-    [-0.01, 0.01, 0.15, -0.15, 0.3],
-    [0.4, 0.0, -0.3, 0.1, 0.0],
-    [0.0, 0.0, 0.0, 0.0, 0.0],
-])  # log(old/new) per token; ratios range over both clip edges
+LOGP = torch.tensor(
+    [
+        [-1.0, -0.5, -2.0, -3.0, -3.0],
+        [-0.2, -0.9, -1.1, -0.4, -0.7],
+        [-0.1, -1.0, -1.0, -1.0, -1.0],
+        [-2.5, -0.3, -0.8, -1.2, -1.0],
+        [-0.6, -0.6, -1.0, -1.0, -1.0],
+        [-1.5, -0.05, -0.3, -2.2, -0.9],
+        [-0.4, -1.0, -0.2, -1.3, -1.0],
+        [-1.0, -1.0, -1.0, -1.0, -1.0],
+    ]
+)
+OLD_LOGP = LOGP + torch.tensor(
+    [
+        [0.0, 0.5, -0.4, 0.0, 0.0],
+        [0.1, -0.1, 0.3, -1.5, 0.02],
+        [-1.2, 0.0, 0.0, 0.0, 0.0],
+        [0.05, -0.25, 0.9, 0.0, 0.0],
+        [0.2, -0.2, 0.0, 0.0, 0.0],
+        [-0.01, 0.01, 0.15, -0.15, 0.3],
+        [0.4, 0.0, -0.3, 0.1, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+)  # log(old/new) per token; ratios range over both clip edges
 ADV_SEQ = [1.0, -1.0, 0.5, -2.0, 2.0, 0.3, -0.7, 0.0]
 ADV = broadcast(ADV_SEQ)
 
@@ -248,8 +261,10 @@ def policy_input(**kw):
     return logp, PolicyLossInput(logp, OLD_LOGP, ADV, MASK, **kw)
 
 
-@pytest.mark.parametrize("clip_low,clip_high,dual",
-                         [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0), (0.2, 0.2, 1.5)])
+@pytest.mark.parametrize(
+    "clip_low,clip_high,dual",
+    [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0), (0.2, 0.2, 1.5)],
+)
 def test_ppo_clip(clip_low, clip_high, dual):
     want_loss, want_grad, want_clip = torch.zeros(N, T), torch.zeros(N, T), torch.zeros(N, T)
     for i, ts in enumerate(rows()):
@@ -270,7 +285,7 @@ def test_ppo_clip(clip_low, clip_high, dual):
     assert_close(out.metrics["clipped"], want_clip)
     out.loss.sum().backward()
     assert_close(logp.grad, want_grad)
-    ratio = ((LOGP - OLD_LOGP).exp() * MASK)
+    ratio = (LOGP - OLD_LOGP).exp() * MASK
     assert_close(out.metrics["ratio"], ratio)
     assert_close(out.metrics["approx_kl"], (ratio - 1 - (LOGP - OLD_LOGP)) * MASK)
     assert (out.metrics["approx_kl"] >= 0).all()
@@ -360,8 +375,9 @@ def test_kl_estimators():
     fns = {
         "k1": lambda lp, rl: lp - rl,
         "k2": lambda lp, rl: 0.5 * (lp - rl) ** 2,
-        "k3": lambda lp, rl: math.exp(max(min(rl - lp, 10.0), -10.0))
-        - max(min(rl - lp, 10.0), -10.0) - 1,
+        "k3": lambda lp, rl: (
+            math.exp(max(min(rl - lp, 10.0), -10.0)) - max(min(rl - lp, 10.0), -10.0) - 1
+        ),
     }
     assert KL_ESTIMATORS.names() == sorted(fns)
     for name, ref in fns.items():
@@ -384,16 +400,18 @@ def test_kl_modes():
 
 # ---------------------------------------------------------------- aggregation
 
-LOSS = torch.tensor([
-    [0.5, -1.0, 2.0, 9.0, 9.0],
-    [0.1, 0.2, 0.3, 0.4, 0.5],
-    [-3.0, 9.0, 9.0, 9.0, 9.0],
-    [1.0, 1.0, -2.0, 0.5, 9.0],
-    [0.7, -0.7, 9.0, 9.0, 9.0],
-    [0.0, 0.25, 0.5, 0.75, 1.0],
-    [2.0, 9.0, -1.0, 0.5, 9.0],
-    [9.0, 9.0, 9.0, 9.0, 9.0],
-])
+LOSS = torch.tensor(
+    [
+        [0.5, -1.0, 2.0, 9.0, 9.0],
+        [0.1, 0.2, 0.3, 0.4, 0.5],
+        [-3.0, 9.0, 9.0, 9.0, 9.0],
+        [1.0, 1.0, -2.0, 0.5, 9.0],
+        [0.7, -0.7, 9.0, 9.0, 9.0],
+        [0.0, 0.25, 0.5, 0.75, 1.0],
+        [2.0, 9.0, -1.0, 0.5, 9.0],
+        [9.0, 9.0, 9.0, 9.0, 9.0],
+    ]
+)
 L_MAX = 6.0
 
 
@@ -409,15 +427,17 @@ def aggregation_reference(mode):
     }[mode]
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
-                                  "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
 def test_aggregation_full_batch(mode):
     got = AGGREGATIONS.get(mode)(LOSS, MASK, make_norm(MASK, constant=L_MAX))
     assert math.isclose(got.item(), aggregation_reference(mode), rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
-                                  "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
 @pytest.mark.parametrize("sizes", [[8], [3, 1, 4], [1, 1, 2, 4], [5, 3]])
 def test_aggregation_is_layout_invariant(mode, sizes):
     """Micro-batches of different sizes (each trimmed to its own padded length) sum to the
@@ -433,7 +453,7 @@ def test_aggregation_is_layout_invariant(mode, sizes):
     chunks = []
     start = 0
     for n in sizes:
-        m = MASK[start:start + n]
+        m = MASK[start : start + n]
         used = m.sum(0).nonzero()
         width = int(used.max()) + 1 if len(used) else 1
         chunks.append((slice(start, start + n), width))
@@ -455,8 +475,10 @@ def test_make_norm_counts_and_constant():
     with pytest.raises(ValueError, match="constant"):
         AGGREGATIONS.get("seq_mean_token_sum_norm")(LOSS, MASK, norm)
     plain = AggregationNorm(global_tokens=float(MASK.sum()), global_seqs=7.0)
-    assert torch.allclose(AGGREGATIONS.get("token_mean")(LOSS, MASK, plain),
-                          AGGREGATIONS.get("token_mean")(LOSS, MASK, norm))
+    assert torch.allclose(
+        AGGREGATIONS.get("token_mean")(LOSS, MASK, plain),
+        AGGREGATIONS.get("token_mean")(LOSS, MASK, norm),
+    )
 
 
 def test_entropy_loss():
@@ -469,6 +491,7 @@ def test_entropy_loss():
 
 # ---------------------------------------------------------------- filters, value
 
+
 def test_filter_groups():
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 2.5, 3.0])
     keep = filter_groups(scores, GROUPS)
@@ -478,9 +501,9 @@ def test_filter_groups():
         want.append(max(xs) != min(xs))
     assert keep.tolist() == want
     assert keep.tolist() == [False, False, False, False, False, True, True, False]
-    assert filter_groups(torch.tensor([1.0, 1.05, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]),
-                         atol=0.1).tolist() == [
-        False, False, True, True]
+    assert filter_groups(
+        torch.tensor([1.0, 1.05, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), atol=0.1
+    ).tolist() == [False, False, True, True]
 
 
 def test_overlong():
@@ -519,14 +542,18 @@ def test_value_loss(clip):
 
 # ---------------------------------------------------------------- distillation
 
-STUDENT = torch.tensor([[[1.0, 0.0, -1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0],
-                         [3.0, -2.0, 0.1, 0.2, 0.3]],
-                        [[-1.0, 1.0, 0.0, 0.0, 0.5], [0.2, 0.4, 0.6, 0.8, 1.0],
-                         [9.0, 9.0, 9.0, 9.0, 9.0]]])
-TEACHER = torch.tensor([[[0.5, 0.5, 0.0, 0.0, 1.0], [1.0, -1.0, 0.0, 2.0, 0.0],
-                         [2.0, -1.0, 0.0, 0.0, 1.0]],
-                        [[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.8, 0.6, 0.4, 0.2],
-                         [0.0, 0.0, 0.0, 0.0, 0.0]]])
+STUDENT = torch.tensor(
+    [
+        [[1.0, 0.0, -1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0], [3.0, -2.0, 0.1, 0.2, 0.3]],
+        [[-1.0, 1.0, 0.0, 0.0, 0.5], [0.2, 0.4, 0.6, 0.8, 1.0], [9.0, 9.0, 9.0, 9.0, 9.0]],
+    ]
+)
+TEACHER = torch.tensor(
+    [
+        [[0.5, 0.5, 0.0, 0.0, 1.0], [1.0, -1.0, 0.0, 2.0, 0.0], [2.0, -1.0, 0.0, 0.0, 1.0]],
+        [[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.8, 0.6, 0.4, 0.2], [0.0, 0.0, 0.0, 0.0, 0.0]],
+    ]
+)
 DMASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
 
@@ -574,8 +601,12 @@ def test_gspo_clip_range_reaches_the_loss():
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
     old = logp + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.01
-    inp = PolicyLossInput(logp=logp, old_logp=old, advantages=torch.ones(4, 5, dtype=torch.float64),
-                          mask=torch.ones(4, 5, dtype=torch.float64))
+    inp = PolicyLossInput(
+        logp=logp,
+        old_logp=old,
+        advantages=torch.ones(4, 5, dtype=torch.float64),
+        mask=torch.ones(4, 5, dtype=torch.float64),
+    )
     fracs = []
     for lo, hi in ((3e-4, 4e-4), (0.5, 0.5)):
         keys = ["--rl.policy_loss=gspo", f"--rl.seq_clip_low={lo}", f"--rl.seq_clip_high={hi}"]

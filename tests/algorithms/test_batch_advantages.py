@@ -24,8 +24,13 @@ def _batch(seed: int = 0, n: int = 8, t: int = 6):
 
 
 def _advantages(name: str, scores, mask, values, reduce_sum=None):
-    inp = AdvantageInput(scores=scores, mask=mask, values=values, reduce_sum=reduce_sum,
-                         group_index=torch.arange(len(scores)) // 2)
+    inp = AdvantageInput(
+        scores=scores,
+        mask=mask,
+        values=values,
+        reduce_sum=reduce_sum,
+        group_index=torch.arange(len(scores)) // 2,
+    )
     return ADVANTAGES.get(name)(inp, AdvantageConfig(gamma=0.9, lam=0.8)).advantages
 
 
@@ -59,8 +64,9 @@ def test_batch_wide_advantages_do_not_depend_on_the_number_of_ranks(tmp_path):
         split = torch.cat([torch.load(tmp_path / f"{name}-{r}.pt") for r in range(2)])
         torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-12)
         # and not what each half alone would give (the test would pass trivially otherwise)
-        alone = torch.cat([_advantages(name, scores[h], mask[h], values[h])
-                           for h in (slice(0, 4), slice(4, 8))])
+        alone = torch.cat(
+            [_advantages(name, scores[h], mask[h], values[h]) for h in (slice(0, 4), slice(4, 8))]
+        )
         assert not torch.allclose(alone, whole)
 
 

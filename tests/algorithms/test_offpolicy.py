@@ -28,8 +28,9 @@ LIVE = [(i, t) for i in range(2) for t in range(4) if MASK[i, t]]
 
 
 def _inp(**kw):
-    return CorrectionInput(logp=CUR, prox_logp=PROX, behav_logp=BEHAV, mask=MASK, versions=VERSIONS,
-                           version=5, **kw)
+    return CorrectionInput(
+        logp=CUR, prox_logp=PROX, behav_logp=BEHAV, mask=MASK, versions=VERSIONS, version=5, **kw
+    )
 
 
 def _weights(name, **cfg):
@@ -110,8 +111,9 @@ def test_tis_in_the_loss_equals_the_truncated_ppo_loss_written_out():
     per token ``max(-A r, -A clip(r)) * min(exp(old - gen), C)``, ``r = exp(cur - old)``."""
     adv = torch.tensor([[1.0, -1.0, 0.5, 2.0], [-0.5, 1.0, -2.0, 0.0]])
     corr = OFFPOLICY_CORRECTIONS.get("tis")(_inp(), CorrectionConfig(cap=1.2))
-    out = POLICY_LOSSES.get("ppo_clip")(PolicyLossInput(CUR, corr.old_logp, adv, MASK),
-                                        PolicyLossConfig())
+    out = POLICY_LOSSES.get("ppo_clip")(
+        PolicyLossInput(CUR, corr.old_logp, adv, MASK), PolicyLossConfig()
+    )
     loss = out.loss * corr.weight
     for i, t in LIVE:
         r = math.exp(CUR[i, t].item() - PROX[i, t].item())
@@ -120,16 +122,26 @@ def test_tis_in_the_loss_equals_the_truncated_ppo_loss_written_out():
         assert math.isclose(loss[i, t].item(), want, rel_tol=1e-6, abs_tol=1e-9), (i, t)
 
 
-@pytest.mark.parametrize("override, message", [
-    (["rl.proximal=loglinear"], "rl.proximal: not used by rl.offpolicy_correction = 'tis' "
-                                "(it reads rl.tis_cap, rl.offpolicy_level)"),
-    (["rl.offpolicy_correction=m2po", "rl.offpolicy_level=sequence"],
-     "rl.offpolicy_level: not used by rl.offpolicy_correction = 'm2po' "
-     "(it reads rl.proximal, rl.m2_threshold)"),
-    (["rl.offpolicy_correction=mis", "rl.tis_cap=none"],
-     "rl.tis_cap: none, but rl.offpolicy_correction = 'mis' needs a cap "
-     "(set rl.offpolicy_correction = 'none' for no correction)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            ["rl.proximal=loglinear"],
+            "rl.proximal: not used by rl.offpolicy_correction = 'tis' "
+            "(it reads rl.tis_cap, rl.offpolicy_level)",
+        ),
+        (
+            ["rl.offpolicy_correction=m2po", "rl.offpolicy_level=sequence"],
+            "rl.offpolicy_level: not used by rl.offpolicy_correction = 'm2po' "
+            "(it reads rl.proximal, rl.m2_threshold)",
+        ),
+        (
+            ["rl.offpolicy_correction=mis", "rl.tis_cap=none"],
+            "rl.tis_cap: none, but rl.offpolicy_correction = 'mis' needs a cap "
+            "(set rl.offpolicy_correction = 'none' for no correction)",
+        ),
+    ],
+)
 def test_a_correction_setting_the_correction_does_not_read_is_one_config_line(override, message):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with pytest.raises(ConfigError) as e:

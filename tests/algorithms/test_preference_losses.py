@@ -36,8 +36,9 @@ def make_input(with_ref=True):
 
 
 def assert_close(got, want, tol=1e-5):
-    assert (torch.allclose(got.detach(), torch.tensor(want, dtype=torch.float32), atol=tol,
-                           rtol=tol)), (got, want)
+    assert torch.allclose(
+        got.detach(), torch.tensor(want, dtype=torch.float32), atol=tol, rtol=tol
+    ), (got, want)
 
 
 @pytest.mark.parametrize("beta,ls", [(0.1, 0.0), (0.5, 0.0), (0.1, 0.2)])
@@ -122,5 +123,6 @@ def test_bradley_terry():
     rejected = torch.tensor([0.0, 0.5, -2.0, 0.0])
     want = [-log_sigmoid(c - r) for c, r in zip(chosen.tolist(), rejected.tolist(), strict=True)]
     assert_close(bradley_terry_loss(chosen, rejected), want)
-    assert math.isclose(bradley_terry_loss(torch.zeros(1), torch.zeros(1)).item(), math.log(2),
-                        rel_tol=1e-6)
+    assert math.isclose(
+        bradley_terry_loss(torch.zeros(1), torch.zeros(1)).item(), math.log(2), rel_tol=1e-6
+    )

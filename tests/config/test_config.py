@@ -75,33 +75,82 @@ def every_field_changed() -> Config:
     return Config(
         job=JobConfig(name='my "run" é\\x', dump_folder="/tmp/out dir", seed=7),
         model=ModelConfig(flavor=None, path="/hf/qwen", tokenizer="/hf/tok", train_vision=True),
-        data=DataConfig(path="data/x.parquet", format="parquet", max_length=512, pack=False,
-                        shuffle=False,
-                        on_bad_row="error", messages_field="conv", prompt_field="q",
-                        completion_field="a",
-                        eval_fraction=0.25, answer_field="gt", eval_path="data/heldout.jsonl",
-                        synthetic_rows=10),
-        optimizer=OptimizerConfig(lr=3e-4, betas=[0.8, 0.99], eps=1e-6, weight_decay=0.1,
-                                  max_grad_norm=0.0),
+        data=DataConfig(
+            path="data/x.parquet",
+            format="parquet",
+            max_length=512,
+            pack=False,
+            shuffle=False,
+            on_bad_row="error",
+            messages_field="conv",
+            prompt_field="q",
+            completion_field="a",
+            eval_fraction=0.25,
+            answer_field="gt",
+            eval_path="data/heldout.jsonl",
+            synthetic_rows=10,
+        ),
+        optimizer=OptimizerConfig(
+            lr=3e-4, betas=[0.8, 0.99], eps=1e-6, weight_decay=0.1, max_grad_norm=0.0
+        ),
         lr_schedule=LRScheduleConfig(warmup_steps=5, decay="linear", min_lr_ratio=0.0),
-        training=TrainingConfig(recipe="rl", steps=20, batch_size=16, micro_batch_size=4,
-                                mixed_precision_param="float32",
-                                mixed_precision_reduce="bfloat16", eval_interval=3),
-        parallel=ParallelConfig(dp_replicate=2, dp_shard=4, tp=2, pp=2, pp_schedule="GPipe",
-                                activation_checkpoint="selective", compile=True, cpu_offload=True,
-                                ep=4, cp=2, cp_style="ring"),
-        checkpoint=CheckpointConfig(enable=False, interval=7, folder="ckpt", keep_last=5,
-                                    resume=False,
-                                    export_hf_at_end=False, async_save=True, model_only=True,
-                                    overwrite=True),
+        training=TrainingConfig(
+            recipe="rl",
+            steps=20,
+            batch_size=16,
+            micro_batch_size=4,
+            mixed_precision_param="float32",
+            mixed_precision_reduce="bfloat16",
+            eval_interval=3,
+        ),
+        parallel=ParallelConfig(
+            dp_replicate=2,
+            dp_shard=4,
+            tp=2,
+            pp=2,
+            pp_schedule="GPipe",
+            activation_checkpoint="selective",
+            compile=True,
+            cpu_offload=True,
+            ep=4,
+            cp=2,
+            cp_style="ring",
+        ),
+        checkpoint=CheckpointConfig(
+            enable=False,
+            interval=7,
+            folder="ckpt",
+            keep_last=5,
+            resume=False,
+            export_hf_at_end=False,
+            async_save=True,
+            model_only=True,
+            overwrite=True,
+        ),
         metrics=MetricsConfig(log_interval=10, loggers=[], jsonl=False, samples_per_step=2),
-        advanced=AdvancedConfig(kernels="torch", reshard_bucket_mb=64, logprob_chunk_tokens=256,
-                                share_prompts=False, pp_microbatches=8, dump_rollouts=True),
+        advanced=AdvancedConfig(
+            kernels="torch",
+            reshard_bucket_mb=64,
+            logprob_chunk_tokens=256,
+            share_prompts=False,
+            pp_microbatches=8,
+            dump_rollouts=True,
+        ),
     )
 
 
-FOUNDATION = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel",
-              "checkpoint", "metrics", "advanced")
+FOUNDATION = (
+    "job",
+    "model",
+    "data",
+    "optimizer",
+    "lr_schedule",
+    "training",
+    "parallel",
+    "checkpoint",
+    "metrics",
+    "advanced",
+)
 
 
 @pytest.mark.parametrize("section", FOUNDATION)
@@ -110,8 +159,11 @@ def test_every_section_roundtrips(section: str, tmp_path: Path) -> None:
     changed.validate()
     defaults = getattr(Config(), section)
     ours = getattr(changed, section)
-    unchanged = [f.name for f in dataclasses.fields(ours) if getattr(ours, f.name)
-                 == getattr(defaults, f.name)]
+    unchanged = [
+        f.name
+        for f in dataclasses.fields(ours)
+        if getattr(ours, f.name) == getattr(defaults, f.name)
+    ]
     # model.flavor excludes model.path (flavor: see the next tests)
     assert unchanged == {"model": ["flavor"]}.get(section, [])
     back = roundtrip(changed, tmp_path)
@@ -144,7 +196,9 @@ def test_default_config_roundtrips_with_flavor(tmp_path: Path) -> None:
 
 
 def test_toml_then_overrides_then_validate(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [model]
         path = "/hf/m"
         [training]
@@ -153,7 +207,8 @@ def test_toml_then_overrides_then_validate(tmp_path: Path) -> None:
         [optimizer]
         lr = 1          # an int is accepted for a float key
         betas = [0.5, 0.6]
-    """)
+    """,
+    )
     cfg = load_config(path, ["--training.steps=40"])
     assert cfg.training.steps == 40 and cfg.training.batch_size == 4
     assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
@@ -171,8 +226,10 @@ def test_toml_unknown_key_section_and_type_name_the_file(tmp_path: Path) -> None
     msg = error_of(load_config, path, HF)
     assert "unknown section 'trainig'" in msg and "'training'" in msg
     path = write(tmp_path, '[training]\nsteps = "abc"\n')
-    assert (error_of(load_config, path, HF)
-            == f"training.steps: expected int, got str 'abc' (in {path})")
+    assert (
+        error_of(load_config, path, HF)
+        == f"training.steps: expected int, got str 'abc' (in {path})"
+    )
     path = write(tmp_path, "[data]\npack = 1\n")  # no int -> bool coercion
     assert "data.pack: expected bool, got int 1" in error_of(load_config, path, HF)
     path = write(tmp_path, "training = 3\n")
@@ -201,48 +258,67 @@ def test_missing_file_and_syntax_error(tmp_path: Path) -> None:
 
 
 def test_overrides_of_each_type() -> None:
-    cfg = load_config(None, HF + [
-        "training.steps=12",               # int
-        "optimizer.lr=2.5e-4",             # float
-        "data.pack=no",                    # bool word
-        "parallel.compile",                # bare bool flag
-        "checkpoint.resume=0",             # bool digit
-        "optimizer.betas=0.7, 0.8",        # comma list
-        "model.tokenizer=builtin:char",    # str
-        "data.path=none",                  # optional -> None
-        "data.on_bad_row=error",           # enum
-        "parallel.dp_shard=-1",
-    ])
+    cfg = load_config(
+        None,
+        HF
+        + [
+            "training.steps=12",  # int
+            "optimizer.lr=2.5e-4",  # float
+            "data.pack=no",  # bool word
+            "parallel.compile",  # bare bool flag
+            "checkpoint.resume=0",  # bool digit
+            "optimizer.betas=0.7, 0.8",  # comma list
+            "model.tokenizer=builtin:char",  # str
+            "data.path=none",  # optional -> None
+            "data.on_bad_row=error",  # enum
+            "parallel.dp_shard=-1",
+        ],
+    )
     assert cfg.training.steps == 12
     assert cfg.optimizer.lr == 2.5e-4
-    assert (cfg.data.pack is False and cfg.checkpoint.resume is False
-            and cfg.parallel.compile is True)
+    assert (
+        cfg.data.pack is False and cfg.checkpoint.resume is False and cfg.parallel.compile is True
+    )
     assert cfg.optimizer.betas == [0.7, 0.8]
     assert cfg.model.tokenizer == "builtin:char" and cfg.data.path is None
     assert cfg.data.on_bad_row == "error"
-    cfg = load_config(None,
-                      HF + ["optimizer.betas=[0.1, 0.2]", "data.path=d.jsonl", "data.path=NULL",
-                                  "job.name='none'", "training.steps=1_000"])
+    cfg = load_config(
+        None,
+        HF
+        + [
+            "optimizer.betas=[0.1, 0.2]",
+            "data.path=d.jsonl",
+            "data.path=NULL",
+            "job.name='none'",
+            "training.steps=1_000",
+        ],
+    )
     assert cfg.optimizer.betas == [0.1, 0.2] and cfg.data.path is None  # last override wins
     assert cfg.job.name == "none" and cfg.training.steps == 1000  # quotes keep a literal "none"
 
 
 def test_override_errors_are_one_line_with_hints() -> None:
     assert error_of(load_config, None, HF + ["training.stpes=3"]) == (
-        "unknown key 'training.stpes'; did you mean 'training.steps'?")
+        "unknown key 'training.stpes'; did you mean 'training.steps'?"
+    )
     assert "did you mean 'optimizer.lr'?" in error_of(load_config, None, HF + ["training.lr=1"])
-    assert ("unknown section 'trainig'; did you mean 'training'?"
-            == error_of(load_config, None, ["trainig.steps=1"]))
+    assert "unknown section 'trainig'; did you mean 'training'?" == error_of(
+        load_config, None, ["trainig.steps=1"]
+    )
     assert "valid here:" in error_of(load_config, None, ["metrics.zzzzzz=1"])
-    assert (error_of(load_config, None, HF + ["training.steps=abc"])
-            == "training.steps: expected int, got 'abc'")
+    assert (
+        error_of(load_config, None, HF + ["training.steps=abc"])
+        == "training.steps: expected int, got 'abc'"
+    )
     assert "expected int, got '1.5'" in error_of(load_config, None, HF + ["training.steps=1.5"])
     assert "expected float" in error_of(load_config, None, HF + ["optimizer.lr=fast"])
     assert "expected bool" in error_of(load_config, None, HF + ["data.pack=maybe"])
-    assert ("optimizer.betas[1]: expected "
-            "float, got 'x'" in error_of(load_config, None, HF + ["optimizer.betas=1,x"]))
+    assert "optimizer.betas[1]: expected float, got 'x'" in error_of(
+        load_config, None, HF + ["optimizer.betas=1,x"]
+    )
     assert error_of(load_config, None, HF + ["data.on_bad_row=drop"]) == (
-        "data.on_bad_row: 'drop' is not one of 'skip', 'error'")
+        "data.on_bad_row: 'drop' is not one of 'skip', 'error'"
+    )
     assert "missing value" in error_of(load_config, None, HF + ["job.seed"])
     assert "is a section" in error_of(load_config, None, HF + ["training=3"])
     assert "not a section" in error_of(load_config, None, HF + ["training.steps.x=1"])
@@ -251,21 +327,24 @@ def test_override_errors_are_one_line_with_hints() -> None:
 # ------------------------------------------------------------ validation
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["optimizer.lr=0"], "optimizer.lr: must be > 0"),
-    (["optimizer.betas=0.9"], "optimizer.betas: expected 2 values"),
-    (["optimizer.betas=0.9,1.0"], "optimizer.betas: each must be in [0, 1)"),
-    (["optimizer.max_grad_norm=-1"], "optimizer.max_grad_norm"),
-    (["training.steps=0"], "training.steps: must be > 0"),
-    (["training.micro_batch_size=16"], "training.micro_batch_size: 16 is larger"),
-    (["data.eval_fraction=1.0"], "data.eval_fraction"),
-    (["lr_schedule.min_lr_ratio=2"], "lr_schedule.min_lr_ratio"),
-    (["parallel.dp_shard=0"], "parallel.dp_shard: must be >= 1 or -1"),
-    (["parallel.tp=0"], "parallel.tp: must be >= 1"),
-    (["checkpoint.keep_last=0"], "checkpoint.keep_last"),
-    (["metrics.log_interval=0"], "metrics.log_interval"),
-    (["model.flavor=tiny-qwen3"], "set only one of model.flavor"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["optimizer.lr=0"], "optimizer.lr: must be > 0"),
+        (["optimizer.betas=0.9"], "optimizer.betas: expected 2 values"),
+        (["optimizer.betas=0.9,1.0"], "optimizer.betas: each must be in [0, 1)"),
+        (["optimizer.max_grad_norm=-1"], "optimizer.max_grad_norm"),
+        (["training.steps=0"], "training.steps: must be > 0"),
+        (["training.micro_batch_size=16"], "training.micro_batch_size: 16 is larger"),
+        (["data.eval_fraction=1.0"], "data.eval_fraction"),
+        (["lr_schedule.min_lr_ratio=2"], "lr_schedule.min_lr_ratio"),
+        (["parallel.dp_shard=0"], "parallel.dp_shard: must be >= 1 or -1"),
+        (["parallel.tp=0"], "parallel.tp: must be >= 1"),
+        (["checkpoint.keep_last=0"], "checkpoint.keep_last"),
+        (["metrics.log_interval=0"], "metrics.log_interval"),
+        (["model.flavor=tiny-qwen3"], "set only one of model.flavor"),
+    ],
+)
 def test_section_validation(overrides: list[str], needle: str) -> None:
     assert needle in error_of(load_config, None, HF + overrides)
 
@@ -274,8 +353,11 @@ def test_model_choice_validation() -> None:
     assert "set model.flavor" in error_of(load_config, None, [])
     assert "model.tokenizer: required" in error_of(load_config, None, ["model.flavor=tiny-qwen3"])
     msg = error_of(load_config, None, ["model.flavor=tiny-qwen", "model.tokenizer=builtin:char"])
-    assert ("unknown flavor 'tiny-qwen'" in msg and "did you mean 'tiny-qwen3'?" in msg
-            and "tiny-llama3" in msg)
+    assert (
+        "unknown flavor 'tiny-qwen'" in msg
+        and "did you mean 'tiny-qwen3'?" in msg
+        and "tiny-llama3" in msg
+    )
 
 
 def test_validate_checks_types_of_python_built_configs() -> None:
@@ -307,11 +389,25 @@ def test_parallel_resolve() -> None:
 
 def test_parse_args_forms(tmp_path: Path) -> None:
     path = write(tmp_path, '[model]\npath = "/hf/m"\n[training]\nsteps = 9\n')
-    cfg, args = parse_args(["--config", path, "--training.steps", "11", "--parallel.dp_shard", "-1",
-                            "--parallel.compile", "--data.shuffle=false"])
+    cfg, args = parse_args(
+        [
+            "--config",
+            path,
+            "--training.steps",
+            "11",
+            "--parallel.dp_shard",
+            "-1",
+            "--parallel.compile",
+            "--data.shuffle=false",
+        ]
+    )
     assert args.config == path and not args.print_config
-    assert args.overrides == ["training.steps=11", "parallel.dp_shard=-1", "parallel.compile",
-                              "data.shuffle=false"]
+    assert args.overrides == [
+        "training.steps=11",
+        "parallel.dp_shard=-1",
+        "parallel.compile",
+        "data.shuffle=false",
+    ]
     assert cfg.training.steps == 11 and cfg.parallel.compile is True and cfg.data.shuffle is False
     cfg, args = parse_args([f"--config={path}"])
     assert cfg.training.steps == 9 and args.overrides == []
@@ -330,9 +426,9 @@ def test_print_config_roundtrips(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert info.value.code == 0
     text = capsys.readouterr().out
     back = load_config(write(tmp_path, text))
-    assert back.training.steps == 3 and back == load_config(None,
-                                                            ["model.path=/hf/m",
-                                                             "training.steps=3"])
+    assert back.training.steps == 3 and back == load_config(
+        None, ["model.path=/hf/m", "training.steps=3"]
+    )
 
 
 def test_help_lists_sections(capsys: pytest.CaptureFixture[str]) -> None:
@@ -342,10 +438,13 @@ def test_help_lists_sections(capsys: pytest.CaptureFixture[str]) -> None:
     assert "sections: job, model, data, optimizer, lr_schedule" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["training.stpes=3"], "training.stpes"),
-    (["--config", "/no/such/file.toml"], "/no/such/file.toml"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["training.stpes=3"], "training.stpes"),
+        (["--config", "/no/such/file.toml"], "/no/such/file.toml"),
+    ],
+)
 def test_main_guard_exit_status_in_subprocess(overrides: list[str], needle: str) -> None:
     script = (
         "import sys\n"
@@ -354,8 +453,14 @@ def test_main_guard_exit_status_in_subprocess(overrides: list[str], needle: str)
         "print('unreachable')\n"
     )
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", script, *overrides], capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *overrides],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == EXIT_CONFIG_ERROR == 2
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
@@ -390,7 +495,9 @@ class Root:
 
 
 def test_nested_sections_and_dict_fields(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [rollout]
         mode = "async"
         extra = { a = 1, b = { c = [1, 2], "d e" = "x" } }
@@ -399,7 +506,8 @@ def test_nested_sections_and_dict_fields(tmp_path: Path) -> None:
         temperature = 0.7
         stop = ["</s>", "a,b"]
         top_k = "none"
-    """)
+    """,
+    )
     root = Root()
     apply_table(root, read_toml(path))
     assert root.rollout.extra == {"a": 1, "b": {"c": [1, 2], "d e": "x"}}
@@ -411,12 +519,15 @@ def test_nested_sections_and_dict_fields(tmp_path: Path) -> None:
     apply_override(root, "rollout.sampling.top_k", "7")
     apply_override(root, "rollout.sampling.stop", "x,y")
     assert root.rollout.sampling.top_k == 7 and root.rollout.sampling.stop == ["x", "y"]
-    assert "set it in the TOML config file" in error_of(apply_override, root, "rollout.extra",
-                                                        "{a=1}")
+    assert "set it in the TOML config file" in error_of(
+        apply_override, root, "rollout.extra", "{a=1}"
+    )
     assert "did you mean 'rollout.sampling.temperature'?" in error_of(
-        apply_override, root, "rollout.sampling.temprature", "1")
+        apply_override, root, "rollout.sampling.temprature", "1"
+    )
     assert "rollout.weights.code: expected float" in error_of(
-        apply_table, Root(), {"rollout": {"weights": {"code": "high"}}})
+        apply_table, Root(), {"rollout": {"weights": {"code": "high"}}}
+    )
     validate_fields(root)
 
 
@@ -425,9 +536,12 @@ def test_glob_of_repo_configs_ran() -> None:
     assert all(p.suffix == ".toml" and p.parent == CONFIG_DIR for p in REPO_CONFIGS)
 
 
-@pytest.mark.parametrize("path", REPO_CONFIGS or [
-    pytest.param(None, marks=pytest.mark.skip(reason="no configs/*.toml in the repo yet"))
-], ids=lambda p: p.name if p else "none")
+@pytest.mark.parametrize(
+    "path",
+    REPO_CONFIGS
+    or [pytest.param(None, marks=pytest.mark.skip(reason="no configs/*.toml in the repo yet"))],
+    ids=lambda p: p.name if p else "none",
+)
 def test_repo_config_loads_and_validates(path: Path, tmp_path: Path) -> None:
     cfg = load_config(str(path))
     assert roundtrip(cfg, tmp_path) == cfg
@@ -442,17 +556,23 @@ QUICKSTART = str(CONFIG_DIR / "quickstart.toml")
 SFT = str(CONFIG_DIR / "quickstart_sft.toml")
 
 
-@pytest.mark.parametrize("key,new", [("rl.eval_interval", "training.eval_interval"),
-                                     ("preference.eval_interval", "training.eval_interval"),
-                                     ("model.dtype", "training.mixed_precision_param"),
-                                     ("job.log_level", "never read"), ("optimizer.name", "AdamW"),
-                                     ("rollout.num_blocks", "rollout.kv_cache_gb"),
-                                     ("rollout.kernels", "advanced.kernels"),
-                                     ("rollout.reshard_bucket_mb", "advanced.reshard_bucket_mb"),
-                                     ("rl.logprob_chunk_tokens", "advanced.logprob_chunk_tokens"),
-                                     ("rl.share_prompts", "advanced.share_prompts"),
-                                     ("parallel.pp_microbatches", "advanced.pp_microbatches"),
-                                     ("preference.gamma", "preference.margin")])
+@pytest.mark.parametrize(
+    "key,new",
+    [
+        ("rl.eval_interval", "training.eval_interval"),
+        ("preference.eval_interval", "training.eval_interval"),
+        ("model.dtype", "training.mixed_precision_param"),
+        ("job.log_level", "never read"),
+        ("optimizer.name", "AdamW"),
+        ("rollout.num_blocks", "rollout.kv_cache_gb"),
+        ("rollout.kernels", "advanced.kernels"),
+        ("rollout.reshard_bucket_mb", "advanced.reshard_bucket_mb"),
+        ("rl.logprob_chunk_tokens", "advanced.logprob_chunk_tokens"),
+        ("rl.share_prompts", "advanced.share_prompts"),
+        ("parallel.pp_microbatches", "advanced.pp_microbatches"),
+        ("preference.gamma", "preference.margin"),
+    ],
+)
 def test_moved_and_removed_keys_say_what_to_do(key, new):
     with pytest.raises(ConfigError) as e:
         load_config(QUICKSTART, [f"--{key}=1"])

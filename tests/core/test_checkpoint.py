@@ -86,20 +86,28 @@ def test_async_save_commits_when_written_and_keeps_the_state_of_its_step(tmp_pat
 
 def test_model_only_checkpoint_holds_weights_and_leaves_the_optimizer(tmp_path):
     init_distributed(force_cpu=True)
-    full, light = (Checkpointer(str(tmp_path / "full")),
-                   Checkpointer(str(tmp_path / "light"), model_only=True))
+    full, light = (
+        Checkpointer(str(tmp_path / "full")),
+        Checkpointer(str(tmp_path / "light"), model_only=True),
+    )
     m, opt = _model_and_opt(0)
     full.save(1, m, opt, {"step": 1})
     light.save(1, m, opt, {"step": 1})
 
     def size(p):
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs
-                   if f.startswith("__"))
+        return sum(
+            os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(p)
+            for f in fs
+            if f.startswith("__")
+        )
 
     assert size(light.path(1)) < size(full.path(1)) / 2  # AdamW keeps two tensors per parameter
     m2, opt2 = _model_and_opt(1)
-    before = {k: {n: torch.as_tensor(t).clone() for n, t in v.items()}
-              for k, v in opt2.state_dict()["state"].items()}
+    before = {
+        k: {n: torch.as_tensor(t).clone() for n, t in v.items()}
+        for k, v in opt2.state_dict()["state"].items()
+    }
     state = light.load(1, m2, opt2)
     assert state["_model_only"] is True and full.load(1, *_model_and_opt(2))["_model_only"] is False
     for a, b in zip(m.state_dict().values(), m2.state_dict().values()):

@@ -33,12 +33,17 @@ def _model(*sizes, seed=0):
     return m, torch.optim.AdamW(m.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("sizes, message", [
-    ((64, 32, 2), "model.0.bias is [64] there and [32] here (2 more parameters differ)"),
-    ((64, 64), "the checkpoint's model.1.bias is not in this model (1 more parameters differ)"),
-    ((64, 64, 2, 2),
-     "model.2.bias of this model is not in the checkpoint (1 more parameters differ)"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        ((64, 32, 2), "model.0.bias is [64] there and [32] here (2 more parameters differ)"),
+        ((64, 64), "the checkpoint's model.1.bias is not in this model (1 more parameters differ)"),
+        (
+            (64, 64, 2, 2),
+            "model.2.bias of this model is not in the checkpoint (1 more parameters differ)",
+        ),
+    ],
+)
 def test_load_of_another_model_names_the_difference_and_loads_nothing(tmp_path, sizes, message):
     init_distributed(force_cpu=True)
     ck = Checkpointer(str(tmp_path))
@@ -47,8 +52,9 @@ def test_load_of_another_model_names_the_difference_and_loads_nothing(tmp_path, 
     before = {k: v.clone() for k, v in m.state_dict().items()}
     with pytest.raises(CheckpointError) as e:
         Checkpointer(str(tmp_path)).load(2, m, opt)
-    assert str(e.value).startswith(f"checkpoint {tmp_path / 'step-2'} was written by another "
-                                   f"model: {message}; ")
+    assert str(e.value).startswith(
+        f"checkpoint {tmp_path / 'step-2'} was written by another model: {message}; "
+    )
     assert e.value.exit_status == 8 and "\n" not in str(e.value)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
     # an extra part (a critic) is compared too
@@ -60,7 +66,8 @@ def test_load_of_another_model_names_the_difference_and_loads_nothing(tmp_path, 
 
 
 def test_dcp_exceptions_are_one_line_and_sigint_in_a_save_is_keyboard_interrupt(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     init_distributed(force_cpu=True)
     ck = Checkpointer(str(tmp_path))
     m, opt = _model(64, 64, 2)
@@ -69,10 +76,12 @@ def test_dcp_exceptions_are_one_line_and_sigint_in_a_save_is_keyboard_interrupt(
     sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     m(torch.randn(3, 64)).sum().backward()
     sgd.step()
-    with pytest.raises(CheckpointError,
-                       match=r"^checkpoint .*step-2: cannot be loaded into this model: "
-                                              r"RuntimeError: Missing key in checkpoint "
-                                              r"state_dict: optim"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpoint .*step-2: cannot be loaded into this model: "
+        r"RuntimeError: Missing key in checkpoint "
+        r"state_dict: optim",
+    ):
         Checkpointer(str(tmp_path)).load(2, m, sgd)
     real = ckpt_mod._HashingWriter.write_data
 
@@ -82,12 +91,15 @@ def test_dcp_exceptions_are_one_line_and_sigint_in_a_save_is_keyboard_interrupt(
             if error is KeyboardInterrupt:
                 os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt here
             raise error("disk on fire")
+
         return write_data
 
     monkeypatch.setattr(ckpt_mod._HashingWriter, "write_data", write_then(OSError))
-    with pytest.raises(CheckpointError,
-                       match=r"^checkpoint step-4: writing failed; .*step-4.partial is left "
-                                              r"uncommitted: OSError: disk on fire$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpoint step-4: writing failed; .*step-4.partial is left "
+        r"uncommitted: OSError: disk on fire$",
+    ):
         ck.save(4, m, opt, {"step": 4})
     monkeypatch.setattr(ckpt_mod._HashingWriter, "write_data", write_then(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
@@ -96,33 +108,55 @@ def test_dcp_exceptions_are_one_line_and_sigint_in_a_save_is_keyboard_interrupt(
 
 
 def _train(dump, flavor, steps, *extra):
-    cmd = [sys.executable, "train.py", f"--model.flavor={flavor}", "--model.tokenizer=builtin:char",
-           "--data.path=synthetic:addition_small", "--data.synthetic_rows=64",
-           "--data.max_length=64",
-           f"--training.steps={steps}", "--training.batch_size=4", "--checkpoint.interval=2",
-           "--metrics.loggers=[]", f"--job.dump_folder={dump}", *extra]
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"--model.flavor={flavor}",
+        "--model.tokenizer=builtin:char",
+        "--data.path=synthetic:addition_small",
+        "--data.synthetic_rows=64",
+        "--data.max_length=64",
+        f"--training.steps={steps}",
+        "--training.batch_size=4",
+        "--checkpoint.interval=2",
+        "--metrics.loggers=[]",
+        f"--job.dump_folder={dump}",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
 
 
 # debug-llama3 is debug-qwen3 without the q/k norms: a subset of its parameter names
-@pytest.mark.parametrize("first, second, difference", [
-    ("debug-qwen3", "debug-llama3",
-     "the checkpoint's model.layers.0.attention.k_norm.weight is not in this model"),
-    ("debug-llama3", "debug-qwen3",
-     "model.layers.0.attention.k_norm.weight of this model is not in the checkpoint"),
-])
+@pytest.mark.parametrize(
+    "first, second, difference",
+    [
+        (
+            "debug-qwen3",
+            "debug-llama3",
+            "the checkpoint's model.layers.0.attention.k_norm.weight is not in this model",
+        ),
+        (
+            "debug-llama3",
+            "debug-qwen3",
+            "model.layers.0.attention.k_norm.weight of this model is not in the checkpoint",
+        ),
+    ],
+)
 def test_train_refuses_to_resume_another_models_checkpoint_and_prunes_nothing(
-    tmp_path, first, second, difference):
+    tmp_path, first, second, difference
+):
     dump = tmp_path / "run"
     assert _train(dump, first, 4).returncode == 0
     sums = {n: (dump / "checkpoints" / n / SUMS).read_text() for n in ("step-2", "step-4")}
     metrics = (dump / "metrics.jsonl").read_text()
     r = _train(dump, second, 8)
     assert r.returncode == 8, r.stderr[-2000:]
-    assert r.stderr == (f"error: checkpoint {dump / 'checkpoints' / 'step-4'} was written by "
-                        f"another model: {difference} (3 more parameters differ); resume it with "
-                        "that model, or start over with checkpoint.resume=false "
-                        "checkpoint.overwrite=true (or another job.dump_folder)\n")
+    assert r.stderr == (
+        f"error: checkpoint {dump / 'checkpoints' / 'step-4'} was written by "
+        f"another model: {difference} (3 more parameters differ); resume it with "
+        "that model, or start over with checkpoint.resume=false "
+        "checkpoint.overwrite=true (or another job.dump_folder)\n"
+    )
     assert {n: (dump / "checkpoints" / n / SUMS).read_text() for n in sums} == sums
     assert sorted(os.listdir(dump / "checkpoints")) == ["step-2", "step-4"]
     assert (dump / "metrics.jsonl").read_text() == metrics
@@ -146,16 +180,34 @@ DRIVER = textwrap.dedent("""
 
 def test_sigint_during_a_save_exits_130_with_one_line(tmp_path):
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-c", DRIVER, "--model.flavor=debug-qwen3",
-           "--model.tokenizer=builtin:char",
-           "--data.path=synthetic:addition_small", "--data.synthetic_rows=64",
-           "--data.max_length=64",
-           "--training.steps=6", "--training.batch_size=4", "--checkpoint.interval=2",
-           "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
-    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
-                       preexec_fn=sigint_default)
-    assert (r.returncode, r.stderr) == (130, "error: interrupted (SIGINT); the checkpoints "
-                                             "committed so far are kept\n")
+    cmd = [
+        sys.executable,
+        "-c",
+        DRIVER,
+        "--model.flavor=debug-qwen3",
+        "--model.tokenizer=builtin:char",
+        "--data.path=synthetic:addition_small",
+        "--data.synthetic_rows=64",
+        "--data.max_length=64",
+        "--training.steps=6",
+        "--training.batch_size=4",
+        "--checkpoint.interval=2",
+        "--metrics.loggers=[]",
+        f"--job.dump_folder={dump}",
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=sigint_default,
+    )
+    assert (r.returncode, r.stderr) == (
+        130,
+        "error: interrupted (SIGINT); the checkpoints committed so far are kept\n",
+    )
     assert committed_steps(str(dump / "checkpoints")) == [2]
     assert Checkpointer(str(dump / "checkpoints")).verify(2) is None
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from tandem.parallel.distributed import init_distributed
-from tandem.rl.fault import NonFiniteError
+from tandem.rl.config.schema import CheckpointConfig, ConfigError
 from tandem.rl.core.checkpoint import (
     MARKER,
     SUMS,
@@ -26,8 +26,8 @@ from tandem.rl.core.checkpoint import (
     committed_steps,
     resume_step,
 )
-from tandem.rl.config.schema import CheckpointConfig, ConfigError
 from tandem.rl.core.errors import EXIT_CHECKPOINT
+from tandem.rl.fault import NonFiniteError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -74,8 +74,9 @@ DAMAGE = {
     "marker_garbage": lambda d: open(os.path.join(d, MARKER), "wb").write(b"\x00\x01garbage"),
     "rng_garbage": lambda d: open(os.path.join(d, "rng", "rank-0.pt"), "wb").write(b"garbage"),
     "sums_missing": lambda d: os.remove(os.path.join(d, SUMS)),
-    "empty_but_committed": lambda d: [os.remove(os.path.join(r, f)) for r, _, fs in os.walk(d)
-                                      for f in fs if f != MARKER],
+    "empty_but_committed": lambda d: [
+        os.remove(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs if f != MARKER
+    ],
 }
 
 
@@ -86,8 +87,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damage,
     ck = Checkpointer(str(tmp_path), keep_last=2)
     assert resume_step(ck, CheckpointConfig(), total_steps=10, is_main=True) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert (len(err) == 1 and "step-4" in err[0] and "resuming from" in err[0]
-            and "step-2" in err[0]), err
+    assert (
+        len(err) == 1 and "step-4" in err[0] and "resuming from" in err[0] and "step-2" in err[0]
+    ), err
     with pytest.raises(CheckpointError, match="step-4"):
         Checkpointer(str(tmp_path)).load(4, *_model_and_opt(1))
     m, opt = _model_and_opt(1)
@@ -119,11 +121,13 @@ def test_corrupt_newest_is_named_and_good_older_is_never_pruned(tmp_path, capsys
 
 def test_sums_file_is_sha256sum_format(tmp_path):
     _two_checkpoints(tmp_path)
-    r = subprocess.run(["sha256sum", "-c", SUMS], cwd=tmp_path / "step-4", capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        ["sha256sum", "-c", SUMS], cwd=tmp_path / "step-4", capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    listed = sorted(line.split("  ", 1)[1]
-                    for line in (tmp_path / "step-4" / SUMS).read_text().splitlines())
+    listed = sorted(
+        line.split("  ", 1)[1] for line in (tmp_path / "step-4" / SUMS).read_text().splitlines()
+    )
     assert listed == [".metadata", "__0_0.distcp", "rng/rank-0.pt", "trainer.json"]
 
 
@@ -132,8 +136,11 @@ def test_no_marker_anywhere_refuses_a_fresh_start_unless_overwrite(tmp_path):
     for s in (2, 4):
         os.remove(tmp_path / f"step-{s}" / MARKER)
     ck = Checkpointer(str(tmp_path))
-    with pytest.raises(CheckpointError, match=r"step-2, step-4\) and none verifies "
-                                              r".*checkpoint.overwrite=true") as e:
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-2, step-4\) and none verifies "
+        r".*checkpoint.overwrite=true",
+    ) as e:
         resume_step(ck, CheckpointConfig(), total_steps=10, is_main=True)
     assert e.value.exit_status == EXIT_CHECKPOINT == 8
     assert "\n" not in str(e.value)
@@ -143,18 +150,23 @@ def test_no_marker_anywhere_refuses_a_fresh_start_unless_overwrite(tmp_path):
 
 
 def test_resume_false_over_existing_checkpoints_refuses_and_overwrite_empties_the_logs(
-    tmp_path, capsys):
+    tmp_path, capsys
+):
     _two_checkpoints(tmp_path / "ck")
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)))
     ck = Checkpointer(str(tmp_path / "ck"))
     with pytest.raises(CheckpointError, match="checkpoint.resume = false"):
-        resume_step(ck, CheckpointConfig(resume=False), total_steps=10, is_main=True,
-                    logs=[str(log)])
-    assert (committed_steps(str(tmp_path / "ck")) == [2, 4] and len(log.read_text().splitlines())
-            == 4)
-    assert (resume_step(ck, CheckpointConfig(resume=False, overwrite=True), 10, True,
-                        logs=[str(log)]) is None)
+        resume_step(
+            ck, CheckpointConfig(resume=False), total_steps=10, is_main=True, logs=[str(log)]
+        )
+    assert (
+        committed_steps(str(tmp_path / "ck")) == [2, 4] and len(log.read_text().splitlines()) == 4
+    )
+    assert (
+        resume_step(ck, CheckpointConfig(resume=False, overwrite=True), 10, True, logs=[str(log)])
+        is None
+    )
     assert committed_steps(str(tmp_path / "ck")) == [] and log.read_text() == ""
     assert "deleted the earlier run's checkpoints (step-2, step-4)" in capsys.readouterr().err
     # an interrupted first save (a torchrun restart finds only step-N.partial) is no earlier run
@@ -177,8 +189,11 @@ def test_resume_cuts_logs_back_and_a_disabled_checkpoint_touches_nothing(tmp_pat
 def test_training_steps_below_the_checkpoint_is_a_config_error(tmp_path):
     _two_checkpoints(tmp_path)
     ck = Checkpointer(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"training.steps: 3 is below the step of the checkpoint "
-                                          r"to resume .*step-4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.steps: 3 is below the step of the checkpoint "
+        r"to resume .*step-4",
+    ):
         resume_step(ck, CheckpointConfig(), total_steps=3, is_main=True)
     # a finished run, launched again
     assert resume_step(ck, CheckpointConfig(), total_steps=4, is_main=True) == 4
@@ -191,8 +206,11 @@ def test_save_refuses_non_finite_weights_and_keeps_what_was_committed(tmp_path, 
     m, opt = _model_and_opt(0)
     with torch.no_grad():
         m[1].weight[0, 3] = bad
-    with pytest.raises(NonFiniteError, match=r"checkpoint step-6: refusing to save non-finite "
-                                             r"weights \(1.weight on rank 0\)"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"checkpoint step-6: refusing to save non-finite "
+        r"weights \(1.weight on rank 0\)",
+    ):
         ck.save(6, m, opt, {"step": 6})
     assert sorted(os.listdir(tmp_path)) == ["step-2", "step-4"]
     assert ck.verify(2) is None and ck.verify(4) is None
@@ -203,12 +221,22 @@ def test_save_refuses_non_finite_weights_and_keeps_what_was_committed(tmp_path, 
 
 
 def _train(dump, *extra):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3",
-           "--model.tokenizer=builtin:char",
-           "--data.path=synthetic:addition_small", "--data.synthetic_rows=64",
-           "--data.max_length=64",
-           "--training.steps=4", "--training.batch_size=4", "--checkpoint.interval=2",
-           "--metrics.loggers=[]", "--optimizer.lr=1e-3", f"--job.dump_folder={dump}", *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--model.flavor=debug-qwen3",
+        "--model.tokenizer=builtin:char",
+        "--data.path=synthetic:addition_small",
+        "--data.synthetic_rows=64",
+        "--data.max_length=64",
+        "--training.steps=4",
+        "--training.batch_size=4",
+        "--checkpoint.interval=2",
+        "--metrics.loggers=[]",
+        "--optimizer.lr=1e-3",
+        f"--job.dump_folder={dump}",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -235,12 +263,16 @@ def test_train_refuses_to_start_over_existing_checkpoints(tmp_path):
     r = _train(dump, "--checkpoint.resume=false")
     assert r.returncode == 8, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
-    assert (len(lines) == 1 and "checkpoint.overwrite=true" in lines[0]
-            and "Traceback" not in r.stderr)
+    assert (
+        len(lines) == 1 and "checkpoint.overwrite=true" in lines[0] and "Traceback" not in r.stderr
+    )
     assert {n: (dump / "checkpoints" / n / SUMS).read_text() for n in before} == before
-    r = _train(dump, "--checkpoint.resume=false", "--checkpoint.overwrite=true",
-               "--training.steps=2")
+    r = _train(
+        dump, "--checkpoint.resume=false", "--checkpoint.overwrite=true", "--training.steps=2"
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(os.listdir(dump / "checkpoints")) == ["step-2"]
-    assert ([json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
-            == [1, 2])
+    assert [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+    ]

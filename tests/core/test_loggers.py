@@ -24,12 +24,27 @@ STEPS = 2
 
 
 def _train(dump: Path, loggers: str, **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "--config", QUICKSTART, f"--job.dump_folder={dump}",
-           f"--training.steps={STEPS}",
-           "--rl.prompts_per_step=8", "--rl.num_samples=4", "--rl.eval_prompts=4",
-           "--reward.num_workers=0", "--checkpoint.enable=false", f"--metrics.loggers={loggers}"]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-                "WANDB_SILENT": "true", **env}
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config",
+        QUICKSTART,
+        f"--job.dump_folder={dump}",
+        f"--training.steps={STEPS}",
+        "--rl.prompts_per_step=8",
+        "--rl.num_samples=4",
+        "--rl.eval_prompts=4",
+        "--reward.num_workers=0",
+        "--checkpoint.enable=false",
+        f"--metrics.loggers={loggers}",
+    ]
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        **env,
+    }
     full_env.pop("MLFLOW_TRACKING_URI", None)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300)
@@ -45,11 +60,11 @@ def wandb_records(path: str) -> list:
     pos, chunk, out = 7, b"", []
     while pos + 7 <= len(data):
         left = block - pos % block
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7]) if left >= 7 else (0, 0)
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7]) if left >= 7 else (0, 0)
         if left < 7 or (length, kind) == (0, 0):  # the rest of the block is padding
             pos += left
             continue
-        chunk += data[pos + 7:pos + 7 + length]
+        chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
             record = pb.Record()
@@ -78,8 +93,10 @@ def test_an_offline_wandb_run_holds_every_step_and_the_config(logged):
     history = {}
     for r in records:
         if r.WhichOneof("record_type") == "history":
-            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                   for item in r.history.item}
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in r.history.item
+            }
             history[r.history.step.num] = row
     rows = read_rows(str(logged / "metrics.jsonl"))
     assert sorted(history) == [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -87,8 +104,10 @@ def test_an_offline_wandb_run_holds_every_step_and_the_config(logged):
         for key, value in _numbers(row).items():
             assert history[row["step"]][key] == pytest.approx(value, rel=1e-12, abs=0), key
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    config = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-              for item in run.config.update}
+    config = {
+        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+        for item in run.config.update
+    }
     assert config["rl"]["num_samples"] == 4 and config["training"]["steps"] == STEPS
     assert config["job"]["dump_folder"] == str(logged) and run.display_name == "quickstart"
     assert json.loads((logged / "loggers.json").read_text())["wandb"] == run.run_id
@@ -105,8 +124,9 @@ def test_a_local_mlflow_run_holds_every_step_and_the_config(logged):
     rows = read_rows(str(logged / "metrics.jsonl"))
     for key in _numbers(rows[0]):
         history = {m.step: m.value for m in client.get_metric_history(run_id, key)}
-        assert (history == pytest.approx({r["step"]: r[key] for r in rows if key in r}, rel=1e-12,
-                                         abs=0)), key
+        assert history == pytest.approx(
+            {r["step"]: r[key] for r in rows if key in r}, rel=1e-12, abs=0
+        ), key
     params = run.data.params
     assert params["rl.num_samples"] == "4" and params["training.steps"] == str(STEPS)
     assert params["metrics.loggers"] == str(["tensorboard", "wandb", "mlflow"])
@@ -117,8 +137,9 @@ def test_tensorboard_alone_needs_neither_package(tmp_path):
     blocked = tmp_path / "blocked"
     for name in ("wandb", "mlflow"):
         (blocked / name).mkdir(parents=True)
-        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not "
-                                                    "installed here')\n")
+        (blocked / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not installed here')\n"
+        )
     r = _train(tmp_path / "dump", "tensorboard", PYTHONPATH=str(blocked))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "dump" / "tb").is_dir() and not (tmp_path / "dump" / "loggers.json").exists()
@@ -126,12 +147,16 @@ def test_tensorboard_alone_needs_neither_package(tmp_path):
 
 def test_a_logger_whose_package_is_missing_is_one_config_line(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a)
+    )
     with pytest.raises(ConfigError) as e:
         load_config(QUICKSTART, ["metrics.loggers=tensorboard,mlflow"])
-    assert (str(e.value)
-            == "metrics.loggers: 'mlflow' needs the mlflow package: pip install tandem-rl[mlflow]")
-    with pytest.raises(ConfigError,
-                       match=r"metrics.tensorboard: moved: list the loggers in metrics.loggers"):
+    assert (
+        str(e.value)
+        == "metrics.loggers: 'mlflow' needs the mlflow package: pip install tandem-rl[mlflow]"
+    )
+    with pytest.raises(
+        ConfigError, match=r"metrics.tensorboard: moved: list the loggers in metrics.loggers"
+    ):
         load_config(QUICKSTART, ["metrics.tensorboard=false"])

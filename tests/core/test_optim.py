@@ -16,5 +16,6 @@ def test_warmup_then_cosine():
 
 def test_linear_and_constant():
     assert math.isclose(
-        lr_factor(5, total_steps=10, warmup_steps=0, decay="linear", min_lr_ratio=0.0), 0.5)
+        lr_factor(5, total_steps=10, warmup_steps=0, decay="linear", min_lr_ratio=0.0), 0.5
+    )
     assert lr_factor(7, total_steps=10, warmup_steps=0, decay="constant", min_lr_ratio=0.0) == 1.0

@@ -11,8 +11,14 @@ from tandem.rl.core.samples import SampleLog, read_samples
 
 
 def _rec(i, **over):
-    r = {"prompt": f"What is {i}+1?", "completion": f"{i + 1}!", "reward": i / 10,
-         "rewards": {"exact_match": i / 10}, "advantage": 0.5 - i, "finish_reason": "stop"}
+    r = {
+        "prompt": f"What is {i}+1?",
+        "completion": f"{i + 1}!",
+        "reward": i / 10,
+        "rewards": {"exact_match": i / 10},
+        "advantage": 0.5 - i,
+        "finish_reason": "stop",
+    }
     r.update(over)
     return r
 
@@ -25,9 +31,14 @@ def test_keeps_the_first_per_step_records_and_extra_keys(tmp_path):
     assert [x["step"] for x in lines] == [1, 2]
     assert [s["completion"] for s in lines[0]["samples"]] == ["1!", "2!"]
     assert lines[0]["samples"][0]["prompt_id"] == "p0"
-    assert lines[0]["samples"][1] == {"prompt": "What is 1+1?", "completion": "2!", "reward": 0.1,
-                                      "rewards": {"exact_match": 0.1}, "advantage": -0.5,
-                                      "finish_reason": "stop"}
+    assert lines[0]["samples"][1] == {
+        "prompt": "What is 1+1?",
+        "completion": "2!",
+        "reward": 0.1,
+        "rewards": {"exact_match": 0.1},
+        "advantage": -0.5,
+        "finish_reason": "stop",
+    }
     assert read_samples(str(tmp_path)) == lines
 
 
@@ -38,8 +49,12 @@ def test_truncate_drops_steps_after_a_checkpoint(tmp_path):
     log.truncate(3)
     assert [x["step"] for x in read_samples(str(tmp_path))] == [1, 2, 3]
     log.log(4, [_rec(40)])  # the resumed run appends after step 3
-    assert ([x["samples"][0]["completion"] for x in read_samples(str(tmp_path))]
-            == ["2!", "3!", "4!", "41!"])
+    assert [x["samples"][0]["completion"] for x in read_samples(str(tmp_path))] == [
+        "2!",
+        "3!",
+        "4!",
+        "41!",
+    ]
 
 
 def test_disabled_and_zero_write_nothing(tmp_path):
@@ -70,8 +85,9 @@ def test_text_sink_gets_markdown(tmp_path):
 
 
 def test_a_cut_last_line_is_skipped(tmp_path):
-    (tmp_path / "samples.jsonl").write_text(json.dumps({"step": 1, "samples": []}) + "\n"
-                                            + '{"step": 2, "sam')
+    (tmp_path / "samples.jsonl").write_text(
+        json.dumps({"step": 1, "samples": []}) + "\n" + '{"step": 2, "sam'
+    )
     assert read_samples(str(tmp_path)) == [{"step": 1, "samples": []}]
 
 

@@ -52,17 +52,25 @@ def _uri(image: Image.Image) -> str:
 
 
 def _row(*images, question="Which colour?", answer="red"):
-    content = ([{"type": "image", "image": im} for im in images]
-               + [{"type": "text", "text": question}])
+    content = [{"type": "image", "image": im} for im in images] + [
+        {"type": "text", "text": question}
+    ]
     return {"messages": [{"role": "user", "content": content}], "answer": answer}
 
 
 def _encode(rows, folder, source, on_bad_row="skip", max_prompt_tokens=512):
     args = load_args(folder)
-    return encode_prompts(rows, Tokenizer.from_dir(folder), source=source, prompt_field="prompt",
-                          messages_field="messages", answer_field="answer",
-                          max_prompt_tokens=max_prompt_tokens,
-                          on_bad_row=on_bad_row, vision=VisionData.for_model(args, source))
+    return encode_prompts(
+        rows,
+        Tokenizer.from_dir(folder),
+        source=source,
+        prompt_field="prompt",
+        messages_field="messages",
+        answer_field="answer",
+        max_prompt_tokens=max_prompt_tokens,
+        on_bad_row=on_bad_row,
+        vision=VisionData.for_model(args, source),
+    )
 
 
 def _reference(folder, row, base_dir, generation_prompt=True):
@@ -80,18 +88,27 @@ def _reference(folder, row, base_dir, generation_prompt=True):
             self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    proc = ImageTextProcessor(Qwen2VLImageProcessorPil.from_pretrained(folder),
-                              PreTrainedTokenizerFast.from_pretrained(folder))
+    proc = ImageTextProcessor(
+        Qwen2VLImageProcessorPil.from_pretrained(folder),
+        PreTrainedTokenizerFast.from_pretrained(folder),
+    )
     tok = Tokenizer.from_dir(folder)
-    images = [open_image(p["image"], str(base_dir)) for m in row["messages"] for p in m["content"]
-              if "image" in p]
+    images = [
+        open_image(p["image"], str(base_dir))
+        for m in row["messages"]
+        for p in m["content"]
+        if "image" in p
+    ]
     text = tok.apply_chat_template(row["messages"], add_generation_prompt=generation_prompt)
     return proc(text=[text], images=images, return_tensors="pt")
 
 
 def test_jsonl_rows_with_paths_and_data_uris_equal_the_processor(folder, data_dir):
-    rows = [_row("img/a.png"), _row(_uri(noise_image(70, 70, 5)), "img/b.png", question="Compare."),
-            {"prompt": "No picture here.", "answer": "x"}]
+    rows = [
+        _row("img/a.png"),
+        _row(_uri(noise_image(70, 70, 5)), "img/b.png", question="Compare."),
+        {"prompt": "No picture here.", "answer": "x"},
+    ]
     path = data_dir / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prompts, skipped = _encode(load_rows(str(path)), folder, str(path))
@@ -102,8 +119,9 @@ def test_jsonl_rows_with_paths_and_data_uris_equal_the_processor(folder, data_di
         assert p.token_ids == enc["input_ids"][0].tolist()
         pixels, grid = p.images.pixels()
         assert torch.equal(pixels, enc["pixel_values"]) and torch.equal(grid, enc["image_grid_thw"])
-        expected, delta = ref.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
-                                                   enc["image_grid_thw"])
+        expected, delta = ref.model.get_rope_index(
+            enc["input_ids"], enc["mm_token_type_ids"], enc["image_grid_thw"]
+        )
         assert torch.equal(p.images.positions, expected[:, 0]) and p.images.delta == delta.item()
 
 
@@ -113,14 +131,25 @@ def test_parquet_rows_with_image_bytes(folder, data_dir, tmp_path):
     png = (data_dir / "img" / "a.png").read_bytes()
     part = pa.struct([("type", pa.string()), ("text", pa.string()), ("image", pa.binary())])
     msg = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
-    table = pa.table({
-        "messages": pa.array([[{"role": "user",
-                                "content": [{"type": "image", "text": None, "image": png},
-                                                            {"type": "text",
-                                                             "text": "Which colour?",
-                                                             "image": None}]}]],
-                             type=pa.list_(msg)),
-        "answer": ["red"]})
+    table = pa.table(
+        {
+            "messages": pa.array(
+                [
+                    [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image", "text": None, "image": png},
+                                {"type": "text", "text": "Which colour?", "image": None},
+                            ],
+                        }
+                    ]
+                ],
+                type=pa.list_(msg),
+            ),
+            "answer": ["red"],
+        }
+    )
     path = tmp_path / "train.parquet"
     pq.write_table(table, path)
     rows = load_rows(str(path))
@@ -131,11 +160,17 @@ def test_parquet_rows_with_image_bytes(folder, data_dir, tmp_path):
     assert torch.equal(prompts[0].images.pixels()[0], enc["pixel_values"])
 
 
-@pytest.mark.parametrize("bad, reason", [
-    ("img/missing.png", "image 1 of 1: image {d}/img/missing.png: No such file or directory"),
-    ("data:image/png;base64,AAAA", "image 1 of 1: a data: URI: not a decodable image"),
-    ("data:image/png;base64,@@", "image 1 of 1: a data: URI image whose base64 does not decode"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("img/missing.png", "image 1 of 1: image {d}/img/missing.png: No such file or directory"),
+        ("data:image/png;base64,AAAA", "image 1 of 1: a data: URI: not a decodable image"),
+        (
+            "data:image/png;base64,@@",
+            "image 1 of 1: a data: URI image whose base64 does not decode",
+        ),
+    ],
+)
 def test_a_bad_image_is_one_bad_row_named_by_file_and_line(folder, data_dir, tmp_path, bad, reason):
     reason = reason.format(d=data_dir)
     path = data_dir / f"bad-{abs(hash(bad))}.jsonl"
@@ -150,15 +185,22 @@ def test_a_bad_image_is_one_bad_row_named_by_file_and_line(folder, data_dir, tmp
 def test_a_truncated_png_and_a_text_model_are_bad_rows(folder, data_dir, tmp_path):
     cut = tmp_path / "cut.png"
     cut.write_bytes((data_dir / "img" / "a.png").read_bytes()[:200])
-    prompts, skipped = _encode([_row(str(cut)), _row("img/a.png")], folder,
-                               str(data_dir / "x.jsonl"))
-    assert len(prompts) == 1 and next(iter(skipped)).startswith(f"image 1 of 1: image {cut}: not a "
-                                                                "decodable image")
+    prompts, skipped = _encode(
+        [_row(str(cut)), _row("img/a.png")], folder, str(data_dir / "x.jsonl")
+    )
+    assert len(prompts) == 1 and next(iter(skipped)).startswith(
+        f"image 1 of 1: image {cut}: not a decodable image"
+    )
     text_tok = build_char_tokenizer(tmp_path / "tok")
-    prompts, skipped = encode_prompts([_row("img/a.png"), {"prompt": "hi", "answer": "x"}],
-                                      text_tok, source="s",
-                                      prompt_field="prompt", messages_field="messages",
-                                      answer_field="answer", max_prompt_tokens=64)
+    prompts, skipped = encode_prompts(
+        [_row("img/a.png"), {"prompt": "hi", "answer": "x"}],
+        text_tok,
+        source="s",
+        prompt_field="prompt",
+        messages_field="messages",
+        answer_field="answer",
+        max_prompt_tokens=64,
+    )
     # counted sans hint
     assert len(prompts) == 1 and skipped == {"image parts need a vision-language model": 1}
 
@@ -167,25 +209,29 @@ def test_sft_rows_with_images_train_the_reply_only(folder, data_dir):
     tok = Tokenizer.from_dir(folder)
     row = _row("img/a.png")
     row["messages"].append({"role": "assistant", "content": "red"})
-    data = build_sft_data([row, {"prompt": "1+1=", "completion": "2"}], tok,
-                          source=str(data_dir / "s.jsonl"),
-                          max_length=256,
-                          vision=VisionData.for_model(load_args(folder), str(data_dir / "s.jsonl")))
+    data = build_sft_data(
+        [row, {"prompt": "1+1=", "completion": "2"}],
+        tok,
+        source=str(data_dir / "s.jsonl"),
+        max_length=256,
+        vision=VisionData.for_model(load_args(folder), str(data_dir / "s.jsonl")),
+    )
     (packed,) = data.rows
     image = tok.token_to_id("<|image_pad|>")
     assert packed.doc_ids.count(0) > packed.images[0].num_rows and packed.images[1] is None
     # 130 x 90 -> 6 x 10 patches -> 15 rows
     assert packed.tokens.count(image) == packed.images[0].num_rows == 15
-    trained = tok.decode([t for t, g in zip(packed.tokens[1:] + [0], packed.targets) if g
-                          != IGNORE])
+    trained = tok.decode(
+        [t for t, g in zip(packed.tokens[1:] + [0], packed.targets) if g != IGNORE]
+    )
     assert trained.startswith("red<|im_end|>") and "<|image_pad|>" not in trained
     # the whole chat, as transformers lays it out
     enc = _reference(folder, row, data_dir, generation_prompt=False)
     n = packed.doc_ids.count(0)
     assert packed.tokens[:n] == enc["input_ids"][0, :-1].tolist()
-    expected = hf_vlm_reference(folder).model.get_rope_index(enc["input_ids"],
-                                                             enc["mm_token_type_ids"],
-                                                             enc["image_grid_thw"])[0][:, 0]
+    expected = hf_vlm_reference(folder).model.get_rope_index(
+        enc["input_ids"], enc["mm_token_type_ids"], enc["image_grid_thw"]
+    )[0][:, 0]
     # every token's, the last (a target only) too
     assert torch.equal(packed.images[0].positions, expected)
 
@@ -195,14 +241,30 @@ def test_train_exits_3_naming_a_missing_image(folder, data_dir, tmp_path):
     row["messages"].append({"role": "assistant", "content": "red"})
     path = data_dir / "sft-bad.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--model.path={folder}",
-           f"--data.path={path}",
-           "--data.max_length=256", "--training.steps=1", "--training.batch_size=1",
-           "--data.on_bad_row=error", "--metrics.loggers=[]", "--checkpoint.enable=false",
-           f"--job.dump_folder={tmp_path / 'run'}"]
-    r = subprocess.run(cmd, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
-                       capture_output=True, text=True, timeout=300)
-    assert (r.returncode, r.stderr) == (3, f"error: {path}:1: image 1 of 1: image {data_dir}"
-                                           "/img/nothere.png: No such file or directory (set "
-                                           "data.on_bad_row=skip to skip such rows)\n")
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        f"--model.path={folder}",
+        f"--data.path={path}",
+        "--data.max_length=256",
+        "--training.steps=1",
+        "--training.batch_size=1",
+        "--data.on_bad_row=error",
+        "--metrics.loggers=[]",
+        "--checkpoint.enable=false",
+        f"--job.dump_folder={tmp_path / 'run'}",
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (r.returncode, r.stderr) == (
+        3,
+        f"error: {path}:1: image 1 of 1: image {data_dir}"
+        "/img/nothere.png: No such file or directory (set "
+        "data.on_bad_row=skip to skip such rows)\n",
+    )

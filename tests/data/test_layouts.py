@@ -44,17 +44,29 @@ def _user(q: str) -> list[dict[str, str]]:
 
 # each layout: (how a row is written, the train.py flags its docs give)
 LAYOUTS = {
-    "verl": (lambda i, q, a: {"data_source": "openai/gsm8k", "prompt": _user(q), "ability": "math",
-                              "reward_model": {"style": "rule", "ground_truth": a},
-                              "extra_info": {"split": "train", "index": i}},
-             ["--data.answer_field=reward_model.ground_truth", "--reward.functions=by_source"]),
+    "verl": (
+        lambda i, q, a: {
+            "data_source": "openai/gsm8k",
+            "prompt": _user(q),
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": a},
+            "extra_info": {"split": "train", "index": i},
+        },
+        ["--data.answer_field=reward_model.ground_truth", "--reward.functions=by_source"],
+    ),
     "flattened": (lambda i, q, a: {"prompt": q, "answer": a}, ["--reward.functions=math"]),
-    "trl_prompt_only": (lambda i, q, a: {"prompt": q, "solution": a},
-                        ["--data.answer_field=solution"]),
-    "trl_conversational": (lambda i, q, a: {"prompt": _user(q), "solution": a},
-                           ["--data.answer_field=solution"]),
-    "openrlhf": (lambda i, q, a: {"input": q, "label": a},
-                 ["--data.prompt_field=input", "--data.answer_field=label"]),
+    "trl_prompt_only": (
+        lambda i, q, a: {"prompt": q, "solution": a},
+        ["--data.answer_field=solution"],
+    ),
+    "trl_conversational": (
+        lambda i, q, a: {"prompt": _user(q), "solution": a},
+        ["--data.answer_field=solution"],
+    ),
+    "openrlhf": (
+        lambda i, q, a: {"input": q, "label": a},
+        ["--data.prompt_field=input", "--data.answer_field=label"],
+    ),
 }
 PARQUET = {"verl"}
 
@@ -72,12 +84,25 @@ def _write(folder: Path, name: str, split: str, n: int) -> str:
 
 
 def _train(dump: Path, data: str, evals: str, flags: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "--config", QUICKSTART, f"--data.path={data}",
-           f"--data.eval_path={evals}",
-           f"--job.dump_folder={dump}", f"--training.steps={STEPS}", "--rl.prompts_per_step=8",
-           "--rl.num_samples=4", "--rl.eval_prompts=8", "--rl.eval_samples=1",
-           "--reward.num_workers=0",
-           "--checkpoint.enable=false", "--metrics.loggers=[]", "--data.on_bad_row=error", *flags]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config",
+        QUICKSTART,
+        f"--data.path={data}",
+        f"--data.eval_path={evals}",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={STEPS}",
+        "--rl.prompts_per_step=8",
+        "--rl.num_samples=4",
+        "--rl.eval_prompts=8",
+        "--rl.eval_samples=1",
+        "--reward.num_workers=0",
+        "--checkpoint.enable=false",
+        "--metrics.loggers=[]",
+        "--data.on_bad_row=error",
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -87,8 +112,12 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     out = {}
     for name, (_, flags) in LAYOUTS.items():
         folder = tmp_path_factory.mktemp(name)
-        r = _train(folder / "dump", _write(folder, name, "train", 64),
-                   _write(folder, name, "test", 8), flags)
+        r = _train(
+            folder / "dump",
+            _write(folder, name, "train", 64),
+            _write(folder, name, "test", 8),
+            flags,
+        )
         assert r.returncode == 0, (name, r.stdout[-2000:], r.stderr[-3000:])
         out[name] = read_rows(str(folder / "dump" / "metrics.jsonl"))
     return out
@@ -114,8 +143,13 @@ def test_a_verl_file_scores_like_its_rows_flattened_by_hand(runs):
 
 
 def test_fields_by_dotted_path():
-    row = {"reward_model": {"ground_truth": "7", "style": "rule"}, "extra_info": {"index": 3},
-           "a.b": "literal", "a": {"b": "nested"}, "turns": [{"content": "hi"}]}
+    row = {
+        "reward_model": {"ground_truth": "7", "style": "rule"},
+        "extra_info": {"index": 3},
+        "a.b": "literal",
+        "a": {"b": "nested"},
+        "turns": [{"content": "hi"}],
+    }
     assert get_field(row, "reward_model.ground_truth") == "7"
     assert get_field(row, "extra_info.index") == 3
     assert get_field(row, "a.b") == "literal"  # a key that holds the dots wins
@@ -129,17 +163,31 @@ def test_a_nested_field_read_from_parquet_and_jsonl_alike(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps(rows[0]) + "\n")
     tok = build_char_tokenizer(str(tmp_path / "tok"))
     for path in (tmp_path / "a.parquet", tmp_path / "a.jsonl"):
-        prompts, skipped = encode_prompts(load_rows(str(path)), tok, source=str(path),
-                                          prompt_field="prompt",
-                                          messages_field="messages",
-                                          answer_field="reward_model.ground_truth",
-                                          max_prompt_tokens=64)
+        prompts, skipped = encode_prompts(
+            load_rows(str(path)),
+            tok,
+            source=str(path),
+            prompt_field="prompt",
+            messages_field="messages",
+            answer_field="reward_model.ground_truth",
+            max_prompt_tokens=64,
+        )
         assert (prompts[0].row["answer"], skipped) == ("2", {})
-    with pytest.raises(DataError, match=r":1: missing field 'reward_model.truth' "
-                                        r"\(data.answer_field names it\)"):
-        encode_prompts(load_rows(str(tmp_path / "a.jsonl")), tok, source="a", prompt_field="prompt",
-                       messages_field="messages", answer_field="reward_model.truth",
-                       max_prompt_tokens=64, on_bad_row="error")
+    with pytest.raises(
+        DataError,
+        match=r":1: missing field 'reward_model.truth' "
+        r"\(data.answer_field names it\)",
+    ):
+        encode_prompts(
+            load_rows(str(tmp_path / "a.jsonl")),
+            tok,
+            source="a",
+            prompt_field="prompt",
+            messages_field="messages",
+            answer_field="reward_model.truth",
+            max_prompt_tokens=64,
+            on_bad_row="error",
+        )
 
 
 def test_a_prompt_is_text_or_messages_and_a_wrong_type_names_the_setting():
@@ -149,24 +197,34 @@ def test_a_prompt_is_text_or_messages_and_a_wrong_type_names_the_setting():
     assert prompt_messages({"prompt": system}, "prompt", "messages") == system
     with pytest.raises(ValueError) as e:
         prompt_messages({"prompt": {"text": "2+2="}}, "prompt", "messages")
-    assert str(e.value) == ("field 'prompt' must be text or a list of {role, content} "
-                            "messages, got dict (data.prompt_field / data.messages_field name "
-                            "the fields)")
-    with pytest.raises(ValueError, match=r"field 'prompt': each message needs 'role' and 'content' "
-                                         r"\(data.messages_field names the messages field\)"):
+    assert str(e.value) == (
+        "field 'prompt' must be text or a list of {role, content} "
+        "messages, got dict (data.prompt_field / data.messages_field name "
+        "the fields)"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"field 'prompt': each message needs 'role' and 'content' "
+        r"\(data.messages_field names the messages field\)",
+    ):
         prompt_messages({"prompt": [{"text": "2+2="}]}, "prompt", "messages")
 
 
 def test_a_wrong_typed_prompt_stops_train_with_one_line_naming_messages_field(tmp_path):
     data = tmp_path / "bad.jsonl"
-    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
-                    + json.dumps({"prompt": 7, "answer": "7"}) + "\n")
+    data.write_text(
+        json.dumps({"prompt": "1+1=", "answer": "2"})
+        + "\n"
+        + json.dumps({"prompt": 7, "answer": "7"})
+        + "\n"
+    )
     r = _train(tmp_path / "dump", str(data), str(data), [])
     assert r.returncode == 3, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [
         f"error: {data}:2: field 'prompt' must be text or a list of {{role, content}} "
         "messages, got int (data.prompt_field / data.messages_field name the fields) (set "
-        "data.on_bad_row=skip to skip such rows)"]
+        "data.on_bad_row=skip to skip such rows)"
+    ]
 
 
 def test_data_source_routes_through_the_reward_registry():
@@ -176,11 +234,20 @@ def test_data_source_routes_through_the_reward_registry():
     row = {"data_source": "openai/gsm8k", "answer": "18"}
     assert by_source("The answer is \\boxed{18}.", row) == 1.0
     assert by_source("18!", {**row, "data_source": "mine"}, routes={"mine": "exact_match"}) == 0.0
-    assert by_source("18", {"src": {"name": "mine"}, "answer": "18"}, field="src.name",
-                     routes={"mine": "exact_match"}) == 1.0
-    with pytest.raises(ValueError,
-                       match=r"data_source='unknown/source' names no reward function: add it to "
-                                         r"\[reward.kwargs.by_source\] routes"):
+    assert (
+        by_source(
+            "18",
+            {"src": {"name": "mine"}, "answer": "18"},
+            field="src.name",
+            routes={"mine": "exact_match"},
+        )
+        == 1.0
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"data_source='unknown/source' names no reward function: add it to "
+        r"\[reward.kwargs.by_source\] routes",
+    ):
         by_source("18", {**row, "data_source": "unknown/source"})
 
 
@@ -195,6 +262,7 @@ def test_reward_kwargs_are_checked_against_the_function(tmp_path):
     assert cfg.reward.kwargs == {"by_source": {"routes": {"a/b": "math"}}}
     with pytest.raises(ConfigError, match=r"reward.kwargs.math: 'math' is not in reward.functions"):
         load_config(config("[reward.kwargs.math]\nstrict = true\n"), base)
-    with pytest.raises(ConfigError,
-                       match=r"reward.kwargs.by_source: reward function 'by_source': bad config"):
+    with pytest.raises(
+        ConfigError, match=r"reward.kwargs.by_source: reward function 'by_source': bad config"
+    ):
         load_config(config("[reward.kwargs.by_source]\nrootes = 1\n"), base)

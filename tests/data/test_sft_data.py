@@ -22,8 +22,12 @@ def tok(tmp_path_factory):
 
 
 def test_chat_mask_covers_exactly_the_assistant_replies(tok):
-    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
-            {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+    msgs = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
     ex = tokenize_chat(msgs, tok)
     assert tok.decode(ex.input_ids) == tok.apply_chat_template(msgs)
     trained = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
@@ -49,8 +53,12 @@ def test_packing_targets_and_doc_boundaries(tok):
 
 
 def test_bad_rows_are_counted_or_rejected(tok):
-    rows = [{"messages": []}, {"other": 1}, {"prompt": "a" * 100, "completion": "b"},
-            {"prompt": "q", "completion": "ok"}]
+    rows = [
+        {"messages": []},
+        {"other": 1},
+        {"prompt": "a" * 100, "completion": "b"},
+        {"prompt": "q", "completion": "ok"},
+    ]
     data = build_sft_data(rows, tok, source="f.jsonl", max_length=32)
     assert data.num_examples == 1
     assert sum(data.skipped.values()) == 3
@@ -86,12 +94,18 @@ def test_tool_calling_transcript_renders_its_tools_and_trains_only_the_assistant
 
     tools = [TOOLS.get("calculator").schema()]
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
-    msgs = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": call},
-            {"role": "tool", "content": "408"}, {"role": "assistant", "content": "\\boxed{408}"}]
+    msgs = [
+        {"role": "user", "content": "What is 12*34?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "\\boxed{408}"},
+    ]
     ex = tokenize_chat(msgs, tok, tools)
     text = tok.decode(ex.input_ids)
-    assert (text == tok.apply_chat_template(msgs, tools=tools)
-            and '"name": "calculator"' in text.split(call)[0])
+    assert (
+        text == tok.apply_chat_template(msgs, tools=tools)
+        and '"name": "calculator"' in text.split(call)[0]
+    )
     trained = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
     # the tool's result is context only
     assert trained == call + "<|im_end|>\n" + "\\boxed{408}<|im_end|>\n"
@@ -108,8 +122,10 @@ def test_trl_conversational_prompt_completion_trains_as_one_conversation(tok):
     completion = [{"role": "assistant", "content": "4"}]
     rows = [{"prompt": prompt, "completion": completion}, {"conv": {"turns": prompt + completion}}]
     data = build_sft_data(rows[:1], tok, source="mem", max_length=64, pack=False)
-    nested = build_sft_data(rows[1:], tok, source="mem", max_length=64, pack=False,
-                            messages_field="conv.turns")
-    ref = build_sft_data([{"messages": prompt + completion}], tok, source="mem", max_length=64,
-                         pack=False)
+    nested = build_sft_data(
+        rows[1:], tok, source="mem", max_length=64, pack=False, messages_field="conv.turns"
+    )
+    ref = build_sft_data(
+        [{"messages": prompt + completion}], tok, source="mem", max_length=64, pack=False
+    )
     assert data.rows[0] == ref.rows[0] == nested.rows[0] and not data.skipped

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from tandem.rl.core.registry import RegistryError
 from tandem.rl.data.loading import load_rows
 from tandem.rl.data.tasks import TASK_REWARD, TASKS, make_task_rows, split_of, write_jsonl
 from tandem.rl.rewards import REWARDS
-from tandem.rl.core.registry import RegistryError
 
 ALL_TASKS = ["arithmetic", "countdown", "sorting", "addition_small"]  # text tasks
 IMAGE_TASKS = ["shapes"]  # rows with a picture (configs/quickstart_vlm*.toml, their tests)
@@ -173,10 +173,13 @@ def test_addition_small_stray_habit_only_changes_the_sft_reply() -> None:
     assert all(r["sft_reply"] == r["answer"] + "!" for r in habit)
     assert 0.4 < len(habit) / len(rows) < 0.6
     assert all(r["answer"] == str(eval(r["prompt"][:-1])) for r in rows)  # ground truth unchanged
-    assert (exact_match(habit[0]["sft_reply"], habit[0]) == 0.0
-            and exact_match(habit[0]["answer"], habit[0]) == 1.0)
-    records = load_sft_records("synthetic:addition_small?max_value=19&stray=0.5", "auto", seed=0,
-                               n_synthetic=400)
+    assert (
+        exact_match(habit[0]["sft_reply"], habit[0]) == 0.0
+        and exact_match(habit[0]["answer"], habit[0]) == 1.0
+    )
+    records = load_sft_records(
+        "synthetic:addition_small?max_value=19&stray=0.5", "auto", seed=0, n_synthetic=400
+    )
     assert [r["messages"][-1]["content"] for r in records] == [r["sft_reply"] for r in rows]
     with pytest.raises(ValueError, match="stray"):
         make_task_rows("addition_small", 1, seed=0, split="train", stray=1.5)

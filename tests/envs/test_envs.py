@@ -9,6 +9,7 @@ import time
 import pytest
 
 import tests.env_helpers  # noqa: F401  (registers "sleepy")
+from tandem.rl.core.registry import RegistryError
 from tandem.rl.data.agentic_tasks import (
     AGENTIC_TASKS,
     load_agentic_jsonl,
@@ -18,7 +19,6 @@ from tandem.rl.data.agentic_tasks import (
 from tandem.rl.data.loading import DataError
 from tandem.rl.envs import ENVIRONMENTS, StepResult, make_env, step_episode
 from tandem.rl.rewards import get_reward
-from tandem.rl.core.registry import RegistryError
 from tandem.rl.workers.env_pool import EnvPool
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
@@ -208,9 +208,11 @@ def test_loading_a_task_is_not_charged_to_its_step(monkeypatch: pytest.MonkeyPat
         p.wait_ready()
         t = p.submit(slow_import_task.square, 3)
         (out,) = p.poll(None)
-        assert (out.ticket, out.status, out.error) == (t, "timeout",
-                                                       "the worker did not load the task "
-                                                                     "in 0.5 s")
+        assert (out.ticket, out.status, out.error) == (
+            t,
+            "timeout",
+            "the worker did not load the task in 0.5 s",
+        )
 
 
 def test_inline_pool() -> None:

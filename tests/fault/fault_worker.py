@@ -1,15 +1,15 @@
 """Scenarios for tests/fault/test_fault.py, run as a plain process or under torchrun (gloo, CPU).
 
-    python tests/fault/fault_worker.py hang --dump D
-        world of one; the watchdog fires while the step sleeps in a fake collective.
-    torchrun --standalone --nproc-per-node 2 tests/fault/fault_worker.py hang-dist --dump D
-        rank 1 stalls before an all_reduce that rank 0 is already waiting in;
-        both ranks' watchdogs dump (the gloo timeout is far longer than theirs).
-    torchrun ... tests/fault/fault_worker.py preempt --dump D
-        a step loop that asks `should_stop_all` every step; each rank writes its
-        pid to D/pid-<r> and, when it stops, the step to D/stopped-<r>, then exits 75.
-    torchrun ... tests/fault/fault_worker.py nan --dump D
-        rank 1 injects a NaN gradient; both ranks must skip, then both must stop.
+python tests/fault/fault_worker.py hang --dump D
+    world of one; the watchdog fires while the step sleeps in a fake collective.
+torchrun --standalone --nproc-per-node 2 tests/fault/fault_worker.py hang-dist --dump D
+    rank 1 stalls before an all_reduce that rank 0 is already waiting in;
+    both ranks' watchdogs dump (the gloo timeout is far longer than theirs).
+torchrun ... tests/fault/fault_worker.py preempt --dump D
+    a step loop that asks `should_stop_all` every step; each rank writes its
+    pid to D/pid-<r> and, when it stops, the step to D/stopped-<r>, then exits 75.
+torchrun ... tests/fault/fault_worker.py nan --dump D
+    rank 1 injects a NaN gradient; both ranks must skip, then both must stop.
 """
 
 from __future__ import annotations

@@ -36,15 +36,30 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def _torchrun(scenario: str, dump: Path, timeout: float = 90) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), scenario, "--dump", str(dump)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        scenario,
+        "--dump",
+        str(dump),
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 # ---- watchdog ---------------------------------------------------------------------------
 def test_watchdog_fires_dumps_stack_and_exits_with_hang_status(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, str(WORKER), "hang", "--dump", str(tmp_path)], cwd=ROOT,
-                       env=ENV, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(WORKER), "hang", "--dump", str(tmp_path)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == EXIT_HANG, r.stderr
     assert "hang: no progress" in r.stderr
     text = (tmp_path / "hang" / "rank-0.txt").read_text()
@@ -58,8 +73,14 @@ def test_watchdog_fires_dumps_stack_and_exits_with_hang_status(tmp_path: Path) -
 
 
 def test_watchdog_in_process_phase_timeouts_and_no_exit(tmp_path: Path) -> None:
-    wd = Watchdog(str(tmp_path), 0.3, rank=3, phase_timeouts={"checkpoint": 30.0},
-                  exit_on_hang=False, poll_s=0.05)
+    wd = Watchdog(
+        str(tmp_path),
+        0.3,
+        rank=3,
+        phase_timeouts={"checkpoint": 30.0},
+        exit_on_hang=False,
+        poll_s=0.05,
+    )
     with wd:
         with wd.phase("checkpoint"):
             time.sleep(0.5)  # long, but within the checkpoint phase's own limit
@@ -79,14 +100,17 @@ def test_watchdog_dumps_when_a_peer_reports_a_hang(tmp_path: Path) -> None:
     try:
         (tmp_path / "hang").mkdir()
         (tmp_path / "hang" / "rank-1.json").write_text(
-            json.dumps({"time": time.time(), "reason": "no progress"}))
+            json.dumps({"time": time.time(), "reason": "no progress"})
+        )
         deadline = time.time() + 5
         while wd.fired_count == 0 and time.time() < deadline:
             time.sleep(0.05)
     finally:
         wd.stop()
-    assert (json.loads((tmp_path / "hang" / "rank-0.json").read_text())["reason"]
-            == "rank 1 reported a hang")
+    assert (
+        json.loads((tmp_path / "hang" / "rank-0.json").read_text())["reason"]
+        == "rank 1 reported a hang"
+    )
 
 
 def test_both_ranks_dump_when_one_blocks_before_all_reduce(tmp_path: Path) -> None:
@@ -98,15 +122,26 @@ def test_both_ranks_dump_when_one_blocks_before_all_reduce(tmp_path: Path) -> No
     assert "stuck_before_all_reduce" in text1 and "phase: update" in text1
     for rank in (0, 1):
         assert json.loads((tmp_path / "hang" / f"rank-{rank}.json").read_text())["rank"] == rank
-    out = subprocess.run([sys.executable, "-m", "tandem.diagnose", str(tmp_path)], cwd=ROOT,
-                         env=ENV, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.diagnose", str(tmp_path)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 1
     assert "likely cause: rank(s) [1]" in out.stdout and "stuck_before_all_reduce" in out.stdout
 
 
 def test_enable_flight_recorder_sets_env_without_overriding(tmp_path: Path, monkeypatch) -> None:
-    for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-              "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    for k in (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "64")
     env = enable_flight_recorder(str(tmp_path))
@@ -160,8 +195,12 @@ def test_preemption_handler_adopts_a_signal_kept_before_install(tmp_path: Path) 
         sent_at = keep.received_at
         assert sent_at is not None
         h = PreemptionHandler(str(tmp_path), rank=0).install()
-        assert (h.should_stop() and h.signal_name == "SIGUSR1" and h.received_at == sent_at
-                and h.count == 1)
+        assert (
+            h.should_stop()
+            and h.signal_name == "SIGUSR1"
+            and h.received_at == sent_at
+            and h.count == 1
+        )
         assert keep.received_at is None  # handed over once
         h.uninstall()
         assert signal.getsignal(signal.SIGUSR1) is keep
@@ -173,12 +212,23 @@ def test_preemption_handler_adopts_a_signal_kept_before_install(tmp_path: Path) 
 def test_train_py_usr1_during_startup_checkpoints_after_the_first_step(tmp_path: Path) -> None:
     """SIGUSR1 while train.py still imports torch: kept, then step 1, a checkpoint, exit 75."""
     dump = tmp_path / "dump"
-    proc = subprocess.Popen([sys.executable, "train.py", "--config", "configs/quickstart.toml",
-                             "--training.steps=5",
-                             f"--job.dump_folder={dump}", "--metrics.loggers=[]",
-                             "--rl.eval_prompts=4"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/quickstart.toml",
+            "--training.steps=5",
+            f"--job.dump_folder={dump}",
+            "--metrics.loggers=[]",
+            "--rl.eval_prompts=4",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 10
         while not _catches_usr1(proc.pid):  # the handler comes before the slow imports
@@ -197,10 +247,20 @@ def test_train_py_usr1_during_startup_checkpoints_after_the_first_step(tmp_path:
 
 
 def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), "preempt", "--dump", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        "preempt",
+        "--dump",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.time() + 60
         while not all((tmp_path / f"pid-{r}").exists() for r in (0, 1)) and time.time() < deadline:
@@ -238,7 +298,12 @@ def test_check_finite_skip_and_stop(tmp_path: Path) -> None:
     assert str(e.value) == "step 5: nan in the gradient of 2.bias on rank 0"
     rep = json.loads((tmp_path / "nan" / "rank-0.json").read_text())
     assert (rep["step"], rep["rank"], rep["tensor"], rep["kind"], rep["where"]) == (
-        5, 0, "2.bias", "nan", "grad")
+        5,
+        0,
+        "2.bias",
+        "nan",
+        "grad",
+    )
 
     model[0].weight.grad[1, 1] = float("inf")  # the first offending parameter in order is named
     with pytest.raises(NonFiniteError, match=r"inf in the gradient of 0\.weight"):
@@ -285,11 +350,13 @@ def test_check_finite_reads_dtensor_local_shards() -> None:
 
 def test_nan_on_one_rank_all_ranks_agree(tmp_path: Path) -> None:
     r = _torchrun("nan", tmp_path)
-    assert ([(tmp_path / f"skip-{k}").read_text() for k in (0, 1)]
-            == ["False", "False"]), r.stdout + r.stderr
+    assert [(tmp_path / f"skip-{k}").read_text() for k in (0, 1)] == ["False", "False"], (
+        r.stdout + r.stderr
+    )
     assert f"exitcode  : {EXIT_NONFINITE}" in r.stderr
-    assert ("rank 0: step 2: nan in the gradient of 1.weight on rank 1 (seen "
-            "from rank 0)" in r.stdout)
+    assert (
+        "rank 0: step 2: nan in the gradient of 1.weight on rank 1 (seen from rank 0)" in r.stdout
+    )
     for k in (0, 1):
         assert json.loads((tmp_path / "nan" / f"rank-{k}.json").read_text())["tensor"] == "1.weight"
 
@@ -305,8 +372,10 @@ def _frames(*names: str, file: str = "tandem/rl/rollout/sampling.py") -> list[di
 
 
 def _clean_run(d: Path) -> None:
-    _write(d / "metrics.jsonl",
-           "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
+    _write(
+        d / "metrics.jsonl",
+        "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)),
+    )
     _write(d / "checkpoints" / "step-2" / "COMMITTED", "step=2 world=2\n")
     _write(d / "checkpoints" / "step-3.partial" / "x", "")
 
@@ -315,23 +384,51 @@ def test_diagnose_clean_folder_exits_0(tmp_path: Path, capsys) -> None:
     _clean_run(tmp_path)
     assert diagnose.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert ("no failure found" in out and "step-2" in out and "step-3.partial" in out
-            and "last step 3" in out)
+    assert (
+        "no failure found" in out
+        and "step-2" in out
+        and "step-3.partial" in out
+        and "last step 3" in out
+    )
 
 
 def test_diagnose_reports_hang_rank_phase_step_and_function(tmp_path: Path, capsys) -> None:
     _clean_run(tmp_path)
     t = time.time() + 5  # after the metrics were written: not recovered
-    _write(tmp_path / "hang" / "rank-0.json", {
-        "rank": 0, "host": "n0", "phase": "update", "last_step": 3, "time": t,
-        "reason": "no progress for 60s", "threads": [{"name": "MainThread", "trainer": True,
-                     "frames": _frames("main", "all_reduce",
-                                       file="torch/distributed/distributed_c10d.py")}]})
-    _write(tmp_path / "hang" / "rank-1.json", {
-        "rank": 1, "host": "n1", "phase": "update", "last_step": 3, "time": t,
-        "reason": "no progress for 60s",
-        "threads": [{"name": "MainThread", "trainer": True,
-                     "frames": _frames("main", "score_rewards")}]})
+    _write(
+        tmp_path / "hang" / "rank-0.json",
+        {
+            "rank": 0,
+            "host": "n0",
+            "phase": "update",
+            "last_step": 3,
+            "time": t,
+            "reason": "no progress for 60s",
+            "threads": [
+                {
+                    "name": "MainThread",
+                    "trainer": True,
+                    "frames": _frames(
+                        "main", "all_reduce", file="torch/distributed/distributed_c10d.py"
+                    ),
+                }
+            ],
+        },
+    )
+    _write(
+        tmp_path / "hang" / "rank-1.json",
+        {
+            "rank": 1,
+            "host": "n1",
+            "phase": "update",
+            "last_step": 3,
+            "time": t,
+            "reason": "no progress for 60s",
+            "threads": [
+                {"name": "MainThread", "trainer": True, "frames": _frames("main", "score_rewards")}
+            ],
+        },
+    )
     assert diagnose.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "[FAILED] hang" in out and "phase update at step 3" in out
@@ -345,23 +442,38 @@ def test_diagnose_nan_preempt_errors_and_recovery(tmp_path: Path, capsys) -> Non
     old = time.time() - 100
     os.utime(tmp_path / "metrics.jsonl")
     # A NaN stop at step 1, long before the run logged step 3: recovered (restart), status 0.
-    _write(tmp_path / "nan" / "rank-0.json",
-           {"step": 1, "rank": 0, "time": old, "offending_ranks": [0],
-                                              "first": {"rank": 0, "where": "grad", "tensor": "w",
-                                                        "kind": "inf"}})
+    _write(
+        tmp_path / "nan" / "rank-0.json",
+        {
+            "step": 1,
+            "rank": 0,
+            "time": old,
+            "offending_ranks": [0],
+            "first": {"rank": 0, "where": "grad", "tensor": "w", "kind": "inf"},
+        },
+    )
     # Preempted after step 2 with step-2 committed: resumable, not a failure.
-    _write(tmp_path / "preempt" / "rank-0.json",
-           {"rank": 0, "step": 2, "signal": "SIGUSR1", "received_at": old})
+    _write(
+        tmp_path / "preempt" / "rank-0.json",
+        {"rank": 0, "step": 2, "signal": "SIGUSR1", "received_at": old},
+    )
     assert diagnose.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "[earlier] nan: non-finite (inf) gradient of w at step 1 on rank 0" in out
     assert "preempted at step 2 (SIGUSR1 on rank 0); checkpoint step-2 covers it" in out
     # A torchrun error file from a crash after the last metrics line: a failure.
-    _write(tmp_path / "torchrun" / "run_x" / "attempt_0" / "1" / "error.json",
-           {"message": {"message": "RuntimeError: boom",
-                        "extraInfo": {"py_callstack": "Traceback\n  f()",
-                                                                       "timestamp": str(
-                                                                           int(time.time()) + 5)}}})
+    _write(
+        tmp_path / "torchrun" / "run_x" / "attempt_0" / "1" / "error.json",
+        {
+            "message": {
+                "message": "RuntimeError: boom",
+                "extraInfo": {
+                    "py_callstack": "Traceback\n  f()",
+                    "timestamp": str(int(time.time()) + 5),
+                },
+            }
+        },
+    )
     assert diagnose.main([str(tmp_path)]) == 1
     assert "worker error: RuntimeError: boom" in capsys.readouterr().out
 
@@ -372,8 +484,10 @@ def test_diagnose_missing_folder_exits_2(tmp_path: Path) -> None:
 
 # ---- launch scripts ---------------------------------------------------------------------
 # Run with stub srun/scontrol/torchrun; tests/fault/test_slurm.py runs them on a real Slurm.
-SCRIPTS = [ROOT / "scripts" / "slurm" / "train.sbatch",
-           ROOT / "scripts" / "slurm" / "train_single_node.sbatch"]
+SCRIPTS = [
+    ROOT / "scripts" / "slurm" / "train.sbatch",
+    ROOT / "scripts" / "slurm" / "train_single_node.sbatch",
+]
 COMMON = ROOT / "scripts" / "slurm" / "common.sh"
 
 
@@ -382,16 +496,25 @@ def test_sbatch_syntax_and_directives(script: Path) -> None:
     for path in (script, COMMON, ROOT / "scripts" / "slurm" / "node.sh"):
         subprocess.run(["bash", "-n", str(path)], check=True)
     text = script.read_text()
-    for needle in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@120", "--max-restarts",
-                   "tandem_batch_traps",
-                   "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                   "bash scripts/slurm/node.sh torchrun", "tandem_finish"):
+    for needle in (
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@120",
+        "--max-restarts",
+        "tandem_batch_traps",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "bash scripts/slurm/node.sh torchrun",
+        "tandem_finish",
+    ):
         assert needle in text, needle
     for needle in ("trap on_usr1 USR1", "scontrol requeue", "Reason=TimeLimit", "PreemptTime="):
         assert needle in COMMON.read_text(), needle
     if script.name == "train.sbatch":
-        for needle in ("--rdzv-backend=c10d", '--rdzv-id="${SLURM_JOB_ID}"',
-                       '--nnodes="${SLURM_NNODES}"', "#SBATCH --ntasks-per-node=1"):
+        for needle in (
+            "--rdzv-backend=c10d",
+            '--rdzv-id="${SLURM_JOB_ID}"',
+            '--nnodes="${SLURM_NNODES}"',
+            "#SBATCH --ntasks-per-node=1",
+        ):
             assert needle in text, needle
     else:
         assert "--standalone" in text
@@ -403,10 +526,14 @@ def _stub(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def _launch(script: Path, tmp_path: Path, *,
-            job_line: str = "JobId=123 JobState=RUNNING Reason=None Restarts=0",
-            trap_delay: float = 0.0,
-            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+def _launch(
+    script: Path,
+    tmp_path: Path,
+    *,
+    job_line: str = "JobId=123 JobState=RUNNING Reason=None Restarts=0",
+    trap_delay: float = 0.0,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, Path]:
     """Start ``script`` with stubs: scontrol answers ``show job`` with ``job_line``; the
     torchrun stand-in notes its arguments and OMP_NUM_THREADS, says it started, handles
     USR1 and TERM only after ``trap_delay`` s (as torchrun does once its workers start),
@@ -415,24 +542,49 @@ def _launch(script: Path, tmp_path: Path, *,
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
     dump = tmp_path / "dump"
-    _stub(bin_dir, "scontrol", f'echo "scontrol $*" >> {log}\n'
-          f'case "$1 $2" in "show hostnames") echo node-a;; "show job") echo "{job_line}";; '
-          'esac\nexit 0\n')
-    _stub(bin_dir, "srun",
-          f'echo "srun $*" >> {log}\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
-    stop = (f'echo got-$1 >> {log}; mkdir -p {dump}/preempt; echo {{}} > '
-            f'{dump}/preempt/rank-0.json; exit 1')
-    _stub(bin_dir, "torchrun", f'echo "torchrun $* OMP_NUM_THREADS=$OMP_NUM_THREADS" >> {log}\n'
-          f'touch {tmp_path}/started\nsleep {trap_delay}\n'
-          f"trap '{stop.replace('$1', 'usr1')}' USR1\ntrap '{stop.replace('$1', 'term')}' TERM\n"
-          f'touch {tmp_path}/ready\nwhile true; do sleep 0.05; done\n')
-    full_env = {**ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "123",
-                "SLURM_NNODES": "1",
-                "SLURM_JOB_NODELIST": "node-a", "SLURM_GPUS_ON_NODE": "2",
-                "SLURM_CPUS_PER_TASK": "8", "TANDEM_DUMP_FOLDER": str(dump), **(env or {})}
-    proc = subprocess.Popen(["bash", str(script), "configs/grpo.toml", "--training.steps=9"],
-                            cwd=ROOT, env=full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _stub(
+        bin_dir,
+        "scontrol",
+        f'echo "scontrol $*" >> {log}\n'
+        f'case "$1 $2" in "show hostnames") echo node-a;; "show job") echo "{job_line}";; '
+        "esac\nexit 0\n",
+    )
+    _stub(
+        bin_dir,
+        "srun",
+        f'echo "srun $*" >> {log}\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+    )
+    stop = (
+        f"echo got-$1 >> {log}; mkdir -p {dump}/preempt; echo {{}} > "
+        f"{dump}/preempt/rank-0.json; exit 1"
+    )
+    _stub(
+        bin_dir,
+        "torchrun",
+        f'echo "torchrun $* OMP_NUM_THREADS=$OMP_NUM_THREADS" >> {log}\n'
+        f"touch {tmp_path}/started\nsleep {trap_delay}\n"
+        f"trap '{stop.replace('$1', 'usr1')}' USR1\ntrap '{stop.replace('$1', 'term')}' TERM\n"
+        f"touch {tmp_path}/ready\nwhile true; do sleep 0.05; done\n",
+    )
+    full_env = {
+        **ENV,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "123",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "node-a",
+        "SLURM_GPUS_ON_NODE": "2",
+        "SLURM_CPUS_PER_TASK": "8",
+        "TANDEM_DUMP_FOLDER": str(dump),
+        **(env or {}),
+    }
+    proc = subprocess.Popen(
+        ["bash", str(script), "configs/grpo.toml", "--training.steps=9"],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, log
 
 
@@ -475,18 +627,23 @@ def test_sbatch_usr1_reaches_torchrun_and_requeues(script: Path, tmp_path: Path)
     calls = log.read_text()
     assert proc.returncode == 75, out
     assert "got-usr1" in calls and "scontrol requeue 123" in calls
-    assert (f"--config configs/grpo.toml --job.dump_folder={tmp_path / 'dump'} "
-            "--training.steps=9" in calls)
+    assert (
+        f"--config configs/grpo.toml --job.dump_folder={tmp_path / 'dump'} "
+        "--training.steps=9" in calls
+    )
     assert "--nproc-per-node=2 " in calls and "OMP_NUM_THREADS=4" in calls  # 8 CPUs / 2 GPUs
     assert "processes on 2 GPUs, OMP_NUM_THREADS=4" in out
     if script.name == "train.sbatch":
-        assert ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=8 bash "
-                "scripts/slurm/node.sh" in calls)
+        assert (
+            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=8 bash "
+            "scripts/slurm/node.sh" in calls
+        )
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_sbatch_usr1_during_torchrun_startup_waits_for_its_handler(
-    script: Path, tmp_path: Path) -> None:
+    script: Path, tmp_path: Path
+) -> None:
     """A USR1 before torchrun can take one (it would die: status 138) is held, then sent."""
     proc, log = _launch(script, tmp_path, trap_delay=2.0)
     _wait_for(tmp_path / "started")
@@ -512,26 +669,33 @@ def test_sbatch_usr1_before_torchrun_starts_is_kept(script: Path, tmp_path: Path
     assert "got-usr1" in log.read_text()
 
 
-@pytest.mark.parametrize(("job_line", "then"), [
-    # scancel
-    ("JobState=COMPLETING Reason=None Restarts=0 PreemptTime=None", "cancelled"),
-    ("JobState=CANCELLED Reason=None Restarts=0", "cancelled"),
-    # time limit
-    ("JobState=COMPLETING Reason=TimeLimit Restarts=0", "requeue"),
-    # preemption
-    ("JobState=COMPLETING Reason=None Restarts=0 PreemptTime=2026-01-01T00:00:00", "requeue"),
-    # a TERM, no cancel
-    ("JobState=RUNNING Reason=None Restarts=0", "requeue"),
-    # scontrol requeue
-    ("JobState=COMPLETING Reason=None Restarts=1", "slurm"),
-], ids=["scancel", "cancelled", "time-limit", "preempted", "running", "scontrol-requeue"])
+@pytest.mark.parametrize(
+    ("job_line", "then"),
+    [
+        # scancel
+        ("JobState=COMPLETING Reason=None Restarts=0 PreemptTime=None", "cancelled"),
+        ("JobState=CANCELLED Reason=None Restarts=0", "cancelled"),
+        # time limit
+        ("JobState=COMPLETING Reason=TimeLimit Restarts=0", "requeue"),
+        # preemption
+        ("JobState=COMPLETING Reason=None Restarts=0 PreemptTime=2026-01-01T00:00:00", "requeue"),
+        # a TERM, no cancel
+        ("JobState=RUNNING Reason=None Restarts=0", "requeue"),
+        # scontrol requeue
+        ("JobState=COMPLETING Reason=None Restarts=1", "slurm"),
+    ],
+    ids=["scancel", "cancelled", "time-limit", "preempted", "running", "scontrol-requeue"],
+)
 def test_sbatch_term_requeues_unless_cancelled(job_line: str, then: str, tmp_path: Path) -> None:
     proc, log = _launch(SCRIPTS[1], tmp_path, job_line=f"JobId=123 {job_line}")
     _wait_for(tmp_path / "ready")
     # Slurm signals every process of the job: the batch shell, node.sh and torchrun
     stub = str(tmp_path / "bin" / "torchrun").encode()
-    pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
-            and _cmdline(d).startswith(b"/bin/bash\0" + stub)]
+    pids = [
+        int(d.name)
+        for d in Path("/proc").iterdir()
+        if d.name.isdigit() and _cmdline(d).startswith(b"/bin/bash\0" + stub)
+    ]
     assert len(pids) == 1
     proc.send_signal(signal.SIGTERM)
     os.kill(pids[0], signal.SIGTERM)
@@ -555,22 +719,48 @@ def test_sbatch_cpu_node_threads_follow_the_allocation(tmp_path: Path) -> None:
     assert "2 processes on CPU, OMP_NUM_THREADS=3" in out and "GPU" not in out
 
 
-@pytest.mark.parametrize(("env", "cwd", "message"), [
-    ({"TANDEM_NPROC_PER_NODE": "two"}, ROOT,
-     "error: TANDEM_NPROC_PER_NODE must be a positive integer, got 'two'"),
-    ({"TANDEM_THREADS_PER_PROC": "0"}, ROOT,
-     "error: TANDEM_THREADS_PER_PROC must be a positive integer, got '0'"),
-    ({"TANDEM_GPUS_PER_NODE": "2"}, ROOT,
-     "error: TANDEM_GPUS_PER_NODE was renamed: set TANDEM_NPROC_PER_NODE"),
-    ({}, Path("/"), "error: submit from the Tandem repository root"),
-], ids=["nproc", "threads", "old-name", "not-repo-root"])
+@pytest.mark.parametrize(
+    ("env", "cwd", "message"),
+    [
+        (
+            {"TANDEM_NPROC_PER_NODE": "two"},
+            ROOT,
+            "error: TANDEM_NPROC_PER_NODE must be a positive integer, got 'two'",
+        ),
+        (
+            {"TANDEM_THREADS_PER_PROC": "0"},
+            ROOT,
+            "error: TANDEM_THREADS_PER_PROC must be a positive integer, got '0'",
+        ),
+        (
+            {"TANDEM_GPUS_PER_NODE": "2"},
+            ROOT,
+            "error: TANDEM_GPUS_PER_NODE was renamed: set TANDEM_NPROC_PER_NODE",
+        ),
+        ({}, Path("/"), "error: submit from the Tandem repository root"),
+    ],
+    ids=["nproc", "threads", "old-name", "not-repo-root"],
+)
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_sbatch_bad_setup_is_one_line_and_exit_2(script: Path, env: dict[str, str], cwd: Path,
-                                                 message: str, tmp_path: Path) -> None:
-    full_env = {**ENV, "SLURM_JOB_ID": "5", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node-a",
-                "TANDEM_DUMP_FOLDER": str(tmp_path / "dump"), **env}
-    r = subprocess.run(["bash", str(script), "configs/grpo.toml"], cwd=cwd, env=full_env,
-                       capture_output=True, text=True, timeout=30)
+def test_sbatch_bad_setup_is_one_line_and_exit_2(
+    script: Path, env: dict[str, str], cwd: Path, message: str, tmp_path: Path
+) -> None:
+    full_env = {
+        **ENV,
+        "SLURM_JOB_ID": "5",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "node-a",
+        "TANDEM_DUMP_FOLDER": str(tmp_path / "dump"),
+        **env,
+    }
+    r = subprocess.run(
+        ["bash", str(script), "configs/grpo.toml"],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2
     assert r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "dump").exists()
@@ -578,9 +768,14 @@ def test_sbatch_bad_setup_is_one_line_and_exit_2(script: Path, env: dict[str, st
 
 def test_pytorchjob_manifest_fields() -> None:
     text = (ROOT / "scripts" / "k8s" / "pytorchjob.yaml").read_text()
-    for needle in ("kind: PyTorchJob", "elasticPolicy:", "rdzvBackend: c10d",
-                   "restartPolicy: OnFailure",
-                   "maxRestarts: 3", "terminationGracePeriodSeconds", "--job.dump_folder="):
+    for needle in (
+        "kind: PyTorchJob",
+        "elasticPolicy:",
+        "rdzvBackend: c10d",
+        "restartPolicy: OnFailure",
+        "maxRestarts: 3",
+        "terminationGracePeriodSeconds",
+        "--job.dump_folder=",
+    ):
         assert needle in text, needle
     assert "\t" not in text  # YAML forbids tabs for indentation
-

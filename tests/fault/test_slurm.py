@@ -65,22 +65,31 @@ class Cluster:
         self.env.update(SLURM_CONF=str(home / "slurm.conf"), PYTHONPATH=str(ROOT))
         self.cpus = 0
 
-    def _run(self, *cmd: str, check: bool = True,
-             timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout,
-                              check=check)
+    def _run(
+        self, *cmd: str, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, timeout=timeout, check=check
+        )
 
     def start(self) -> None:
         h = self.home
         (h / "munge.key").write_bytes(os.urandom(1024))
         (h / "munge.key").chmod(0o600)
-        r = self._run("munged", "--force", f"--socket={h / 'munge.sock'}",
-                      f"--key-file={h / 'munge.key'}",
-                      f"--log-file={h / 'munged.log'}", f"--pid-file={h / 'munged.pid'}",
-                      f"--seed-file={h / 'munged.seed'}", check=False)
+        r = self._run(
+            "munged",
+            "--force",
+            f"--socket={h / 'munge.sock'}",
+            f"--key-file={h / 'munge.key'}",
+            f"--log-file={h / 'munged.log'}",
+            f"--pid-file={h / 'munged.pid'}",
+            f"--seed-file={h / 'munged.seed'}",
+            check=False,
+        )
         if r.returncode != 0:
-            raise RuntimeError("munged did not start: "
-                               f"{r.stderr.strip() or _tail(h / 'munged.log')}")
+            raise RuntimeError(
+                f"munged did not start: {r.stderr.strip() or _tail(h / 'munged.log')}"
+            )
         # NodeName=... CPUs=... RealMemory=...
         node = self._run("slurmd", "-C").stdout.splitlines()[0]
         fields = dict(kv.split("=", 1) for kv in node.split())
@@ -95,17 +104,17 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={h / 'munge.sock'},cred_expire={CRED_EXPIRE_S}
+AuthInfo=socket={h / "munge.sock"},cred_expire={CRED_EXPIRE_S}
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 ReturnToService=2
-SlurmctldPidFile={h / 'slurmctld.pid'}
-SlurmdPidFile={h / 'slurmd.pid'}
-StateSaveLocation={h / 'state'}
-SlurmdSpoolDir={h / 'spool'}
-SlurmctldLogFile={h / 'slurmctld.log'}
-SlurmdLogFile={h / 'slurmd.log'}
+SlurmctldPidFile={h / "slurmctld.pid"}
+SlurmdPidFile={h / "slurmd.pid"}
+StateSaveLocation={h / "state"}
+SlurmdSpoolDir={h / "spool"}
+SlurmctldLogFile={h / "slurmctld.log"}
+SlurmdLogFile={h / "slurmd.log"}
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
@@ -113,7 +122,7 @@ SelectTypeParameters=CR_Core
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt
-JobCompLoc={h / 'jobcomp.log'}
+JobCompLoc={h / "jobcomp.log"}
 MinJobAge=3600
 KillWait=30
 JobRequeue=1
@@ -123,13 +132,16 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         for daemon, args in (("slurmctld", ("-i",)), ("slurmd", ())):
             r = self._run(daemon, *args, check=False)
             if r.returncode != 0:
-                raise RuntimeError(f"{daemon} did not start: "
-                                   f"{r.stderr.strip() or _tail(h / f'{daemon}.log')}")
+                raise RuntimeError(
+                    f"{daemon} did not start: {r.stderr.strip() or _tail(h / f'{daemon}.log')}"
+                )
         deadline = time.time() + 60
         while self._run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip() != "idle":
             if time.time() > deadline:
-                raise RuntimeError(f"the node never became idle:\n{_tail(h / 'slurmctld.log')}"
-                                   f"\n{_tail(h / 'slurmd.log')}")
+                raise RuntimeError(
+                    f"the node never became idle:\n{_tail(h / 'slurmctld.log')}"
+                    f"\n{_tail(h / 'slurmd.log')}"
+                )
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -150,16 +162,26 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                 os.kill(pid, signal.SIGKILL)
 
     # ---- jobs -------------------------------------------------------------------------
-    def submit(self, script: str, name: str, *overrides: str,
-               dump: Path | None = None) -> tuple[str, Path, Path]:
+    def submit(
+        self, script: str, name: str, *overrides: str, dump: Path | None = None
+    ) -> tuple[str, Path, Path]:
         """The CPU form of the README: -> (job id, its output file, its dump folder)."""
         out, dump = self.home / f"{name}.out", dump or self.home / f"dump-{name}"
-        r = self._run("sbatch", "--parsable", f"--job-name={name}", f"--chdir={ROOT}",
-                      f"--output={out}",
-                      "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={self.cpus}",
-                      f"--export=ALL,TANDEM_NPROC_PER_NODE=2,TANDEM_DUMP_FOLDER={dump},"
-                      f"TANDEM_RDZV_PORT={_free_port()}",
-                      str(SCRIPTS / script), "configs/quickstart.toml", *overrides)
+        r = self._run(
+            "sbatch",
+            "--parsable",
+            f"--job-name={name}",
+            f"--chdir={ROOT}",
+            f"--output={out}",
+            "--nodes=1",
+            "--gpus-per-node=0",
+            f"--cpus-per-task={self.cpus}",
+            f"--export=ALL,TANDEM_NPROC_PER_NODE=2,TANDEM_DUMP_FOLDER={dump},"
+            f"TANDEM_RDZV_PORT={_free_port()}",
+            str(SCRIPTS / script),
+            "configs/quickstart.toml",
+            *overrides,
+        )
         return r.stdout.strip().split(";")[0], out, dump
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -178,8 +200,15 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def wait_done(self, job_id: str) -> dict[str, str]:
         """Until the job has ended for good: a final state, nothing left to kill or requeue."""
-        final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                 "OUT_OF_MEMORY")
+        final = (
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "PREEMPTED",
+            "OUT_OF_MEMORY",
+        )
         return self.wait(job_id, lambda j: j["JobState"] in final, "the end")
 
     def scancel(self, *args: str) -> None:
@@ -193,11 +222,16 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if not sys.platform.startswith("linux"):
         pytest.skip("the local Slurm needs Linux")
-    missing = [t for t in DAEMONS + CLIENTS if shutil.which(t) is None
-               and not Path("/usr/sbin", t).exists()]
+    missing = [
+        t
+        for t in DAEMONS + CLIENTS
+        if shutil.which(t) is None and not Path("/usr/sbin", t).exists()
+    ]
     if missing:
-        pytest.skip(f"Slurm/MUNGE not installed (missing {', '.join(missing)}): apt-get install "
-                    "slurm-wlm munge")
+        pytest.skip(
+            f"Slurm/MUNGE not installed (missing {', '.join(missing)}): apt-get install "
+            "slurm-wlm munge"
+        )
     if os.geteuid() != 0:
         pytest.skip("the local Slurm needs root: slurmd starts jobs as their user")
     home = tmp_path_factory.mktemp("slurm")
@@ -238,8 +272,9 @@ def _assert_same_run(dump: Path, ref: Path) -> None:
     """Bit-identical final weights, and the same per-step rewards and gradient norms."""
     got, want = _weights(dump), _weights(ref)
     assert sorted(got) == sorted(want)
-    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want
-                                                             if not torch.equal(got[k], want[k])]
+    assert all(torch.equal(got[k], want[k]) for k in want), [
+        k for k in want if not torch.equal(got[k], want[k])
+    ]
     rows, ref_rows = _rows(dump), _rows(ref)
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == list(range(1, 61))
     for key in ("reward/total", "loss", "grad_norm", "reward/exact_match/crashes"):
@@ -253,8 +288,9 @@ def reference(cluster: Cluster) -> Path:
     job, out, dump = cluster.submit("train_single_node.sbatch", "reference")
     info = cluster.wait_done(job)
     log = out.read_text()
-    assert (info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"]
-            == "0"), log[-3000:]
+    assert (
+        info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0"
+    ), log[-3000:]
     assert "1 node, 2 processes on CPU, OMP_NUM_THREADS=1" in _banner(log, job), log[:3000]
     assert re.search(r"eval accuracy: start 0\.\d+ -> end 0\.\d+", log), log[-3000:]
     return dump
@@ -275,7 +311,8 @@ def test_multi_node_script_completes_with_accuracy(cluster: Cluster, reference: 
 
 
 def test_usr1_mid_run_checkpoints_requeues_and_ends_like_the_reference(
-    cluster: Cluster, reference: Path) -> None:
+    cluster: Cluster, reference: Path
+) -> None:
     """The srun path: batch shell -> stop file -> node.sh -> torchrun -> workers."""
     job, out, dump = cluster.submit("train.sbatch", "usr1")
     cluster.wait(job, lambda j: _steps_done(dump) >= 15, "step 15", timeout=600)
@@ -291,13 +328,15 @@ def test_usr1_mid_run_checkpoints_requeues_and_ends_like_the_reference(
     _assert_same_run(dump, reference)
 
 
-def test_usr1_while_torchrun_starts_requeues_and_ends_like_the_reference(cluster: Cluster,
-                                                                         reference: Path) -> None:
+def test_usr1_while_torchrun_starts_requeues_and_ends_like_the_reference(
+    cluster: Cluster, reference: Path
+) -> None:
     """The warning comes right after the script printed its banner: torchrun is still
     importing, far from installing its signal handlers."""
     job, out, dump = cluster.submit("train_single_node.sbatch", "startup")
-    cluster.wait(job, lambda j: out.exists() and "(requeue 0)" in out.read_text(), "the banner",
-                 timeout=600)
+    cluster.wait(
+        job, lambda j: out.exists() and "(requeue 0)" in out.read_text(), "the banner", timeout=600
+    )
     cluster.scancel("--signal=USR1", "--batch", job)
     info = cluster.wait_done(job)
     log = out.read_text()
@@ -317,17 +356,20 @@ def test_scontrol_requeue_resumes_like_the_reference(cluster: Cluster, reference
     info = cluster.wait_done(job)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-4000:]
-    assert (f"Slurm is requeueing job {job} itself" in log
-            and "was cancelled" not in log), log[-4000:]
+    assert f"Slurm is requeueing job {job} itself" in log and "was cancelled" not in log, log[
+        -4000:
+    ]
     stopped = re.search(r"preempted: checkpointed step (\d+)", log)
-    assert (stopped
-            and f"resumed from {dump}/checkpoints/step-{stopped.group(1)}" in log), log[-4000:]
+    assert stopped and f"resumed from {dump}/checkpoints/step-{stopped.group(1)}" in log, log[
+        -4000:
+    ]
     _assert_same_run(dump, reference)
 
 
 @pytest.mark.parametrize("script", ["train_single_node.sbatch", "train.sbatch"])
-def test_plain_scancel_ends_the_job_for_good(cluster: Cluster, reference: Path,
-                                             script: str) -> None:
+def test_plain_scancel_ends_the_job_for_good(
+    cluster: Cluster, reference: Path, script: str
+) -> None:
     """The job checkpoints (SIGTERM), ends CANCELLED and stays so; a new job given its
     dump folder resumes it and ends like the reference."""
     job, out, dump = cluster.submit(script, f"cancel-{script.split('.')[0]}")
@@ -339,8 +381,9 @@ def test_plain_scancel_ends_the_job_for_good(cluster: Cluster, reference: Path,
     info = cluster.job(job)
     log = out.read_text()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", log[-3000:]
-    assert (f"job {job} was cancelled: not requeueing" in log
-            and "requeueing job" not in log), log[-3000:]
+    assert f"job {job} was cancelled: not requeueing" in log and "requeueing job" not in log, log[
+        -3000:
+    ]
     assert "(requeue 1)" not in log
     stopped = re.search(r"preempted: checkpointed step (\d+)", log)
     assert stopped, log[-3000:]

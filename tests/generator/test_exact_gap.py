@@ -43,36 +43,55 @@ def exact():
 
 def _prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (int(torch.randint(lo, hi, (1,), generator=g)),),
-                          generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(
+            3, 500, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
 
 
-def _generate(model, prompts, n, *, num_blocks=256, sharing=True, budget=64, max_tokens=12,
-              seeds=None):
-    settings = GenerationSettings(block_size=4, num_blocks=num_blocks,
-                                  max_num_batched_tokens=budget,
-                                  max_num_seqs=32, prefix_sharing=sharing, max_model_len=64)
+def _generate(
+    model, prompts, n, *, num_blocks=256, sharing=True, budget=64, max_tokens=12, seeds=None
+):
+    settings = GenerationSettings(
+        block_size=4,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=32,
+        prefix_sharing=sharing,
+        max_model_len=64,
+    )
     gen = Generator(model, settings)
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=s)
-              for s in (seeds or [1000 * i for i in range(len(prompts))])]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=s)
+        for s in (seeds or [1000 * i for i in range(len(prompts))])
+    ]
     out = gen.generate(prompts, params, n=n)
     samples = []
     for group, (p, comps) in enumerate(zip(prompts, out)):
         for c in comps:
             lp = iter(c.raw_logprobs)
-            samples.append(RolloutSample(group=group, prompt_ids=p, completion_ids=c.token_ids,
-                                         loss_mask=c.sampled_mask,
-                                         gen_logprobs=[next(lp) if m else 0.0
-                                                       for m in c.sampled_mask],
-                                         finish_reason=c.finish_reason, text="", row={}))
+            samples.append(
+                RolloutSample(
+                    group=group,
+                    prompt_ids=p,
+                    completion_ids=c.token_ids,
+                    loss_mask=c.sampled_mask,
+                    gen_logprobs=[next(lp) if m else 0.0 for m in c.sampled_mask],
+                    finish_reason=c.finish_reason,
+                    text="",
+                    row={},
+                )
+            )
     return samples, gen.stats.preemptions
 
 
 def _gap(model, samples, budget, share):
     mask, gen_logp, width = completion_tensors(samples, torch.device("cpu"))
-    mbs = pack_micro_batches(samples, list(range(len(samples))), budget, torch.device("cpu"),
-                             share_prompts=share)
+    mbs = pack_micro_batches(
+        samples, list(range(len(samples))), budget, torch.device("cpu"), share_prompts=share
+    )
     logp = recompute_logprobs(model, samples, mbs, width, torch.device("cpu"), chunk_tokens=7)
     diff = (logp - gen_logp).abs() * mask
     return float(diff.max()), int((diff > 0).sum()), int(mask.sum()), len(mbs)
@@ -113,11 +132,18 @@ def test_one_sequence_alone_or_with_neighbours(models, dtype, exact):
         others = _prompts(k, seed=k)
         # generation: the target's prompt prefilled and its tokens decoded among k other sequences
         seeds = [1000 * (i + 1) for i in range(k)]
-        batch, _ = _generate(model, others[: k // 2] + target + others[k // 2:], 1, budget=256,
-                             max_tokens=10, seeds=seeds[: k // 2] + [5] + seeds[k // 2:])
+        batch, _ = _generate(
+            model,
+            others[: k // 2] + target + others[k // 2 :],
+            1,
+            budget=256,
+            max_tokens=10,
+            seeds=seeds[: k // 2] + [5] + seeds[k // 2 :],
+        )
         mine = batch[k // 2]
-        assert (mine.completion_ids == ref.completion_ids and mine.gen_logprobs
-                == ref.gen_logprobs), k
+        assert (
+            mine.completion_ids == ref.completion_ids and mine.gen_logprobs == ref.gen_logprobs
+        ), k
         # training forward: one packed micro-batch, and one row per sequence
         for budget in (10_000, 1):
             rows = [ref] + [s for i, s in enumerate(batch) if i != k // 2]
@@ -125,16 +151,21 @@ def test_one_sequence_alone_or_with_neighbours(models, dtype, exact):
             mbs = pack_micro_batches(rows, list(range(len(rows))), budget, torch.device("cpu"))
             logp = recompute_logprobs(model, rows, mbs, w, torch.device("cpu"), chunk_tokens=5)
             assert torch.equal(logp[0, :width] * mask[0], gen_logp[0, :width] * mask[0]), (
-                k, budget)
+                k,
+                budget,
+            )
 
 
-ON_TRITON = pytest.mark.skipif(not triton_interpreting(),
-                               reason="the Triton path on CPU tensors needs "
-                               "TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)")
+ON_TRITON = pytest.mark.skipif(
+    not triton_interpreting(),
+    reason="the Triton path on CPU tensors needs "
+    "TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)",
+)
 
 
-def _triton_gap(model, monkeypatch, kernels, share: bool,
-                exact: bool) -> tuple[float, int, int, int, int]:
+def _triton_gap(
+    model, monkeypatch, kernels, share: bool, exact: bool
+) -> tuple[float, int, int, int, int]:
     """`_gap` on a small workload with every kernel on its Triton form (advanced.kernels = triton,
     under the interpreter, which is slow), and the fewer of the Triton matmul's and the Triton
     exact attention's call counts."""
@@ -144,9 +175,13 @@ def _triton_gap(model, monkeypatch, kernels, share: bool,
     calls = {"matmul": 0, "attention": 0}
     for name in calls:
         real = getattr(triton_batch_invariant, name)
-        monkeypatch.setattr(triton_batch_invariant, name,
-                            lambda *a, _name=name, _real=real, **kw: calls.__setitem__(
-                                _name, calls[_name] + 1) or _real(*a, **kw))
+        monkeypatch.setattr(
+            triton_batch_invariant,
+            name,
+            lambda *a, _name=name, _real=real, **kw: (
+                calls.__setitem__(_name, calls[_name] + 1) or _real(*a, **kw)
+            ),
+        )
     with batch_invariant.exact_mode(exact):
         samples, _ = _generate(model, _prompts(3, seed=2, hi=16), 2, max_tokens=6, budget=24)
         return (*_gap(model, samples, 30, share=share), min(calls.values()))
@@ -157,8 +192,9 @@ def _triton_gap(model, monkeypatch, kernels, share: bool,
 def test_exact_gap_is_zero_on_the_triton_path(models, monkeypatch, kernels, share):
     """The same property with the kernels in their Triton forms: the Triton batch-invariant
     matmul and exact attention, K/V stores and sampling noise in their Triton kernels."""
-    gap, differ, tokens, n_mb, calls = _triton_gap(models[torch.float32], monkeypatch, kernels,
-                                                   share, exact=True)
+    gap, differ, tokens, n_mb, calls = _triton_gap(
+        models[torch.float32], monkeypatch, kernels, share, exact=True
+    )
     assert tokens == 36 and n_mb > 1 and calls > 20
     assert gap == 0.0 and differ == 0, (gap, differ, tokens)
 
@@ -166,6 +202,7 @@ def test_exact_gap_is_zero_on_the_triton_path(models, monkeypatch, kernels, shar
 @ON_TRITON
 def test_without_exact_the_triton_path_differs(models, monkeypatch, kernels):
     """Its control: the Triton paged attention and log-prob kernels, no exact kernels, a gap."""
-    gap, differ, _, _, calls = _triton_gap(models[torch.float32], monkeypatch, kernels, False,
-                                           exact=False)
+    gap, differ, _, _, calls = _triton_gap(
+        models[torch.float32], monkeypatch, kernels, False, exact=False
+    )
     assert 0 < gap < 1e-4 and differ > 0 and calls == 0

@@ -36,7 +36,7 @@ def naive_greedy(model, prompt, max_tokens, eos=()):
             ids.append(tok)
             if tok in eos:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def train_logprobs(model, prompt, completion):
@@ -52,25 +52,39 @@ def assert_same_samples(ref, out, atol=1e-5):
     """Pairs of completions (or sequences): equal tokens, raw log-probs within ``atol``."""
     for a, b in zip(ref, out, strict=True):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(list(b.raw_logprobs)),
-                                   torch.tensor(list(a.raw_logprobs)), atol=atol, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(list(b.raw_logprobs)),
+            torch.tensor(list(a.raw_logprobs)),
+            atol=atol,
+            rtol=0,
+        )
 
 
 def flat(groups):
     return [c for g in groups for c in g]
 
 
-PROMPTS = [[5, 9, 2], [7], list(range(10, 47)), [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
-           [100, 200]]
+PROMPTS = [
+    [5, 9, 2],
+    [7],
+    list(range(10, 47)),
+    [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
+    [100, 200],
+]
 
 
 @pytest.mark.parametrize("sharing", [True, False])
-@pytest.mark.parametrize("block_size,num_blocks,budget",
-                         [(4, 512, 64), (16, 64, 2048), (4, 14, 16)])
+@pytest.mark.parametrize(
+    "block_size,num_blocks,budget", [(4, 512, 64), (16, 64, 2048), (4, 14, 16)]
+)
 def test_greedy_equals_naive_loop(model, sharing, block_size, num_blocks, budget):
-    settings = GenerationSettings(block_size=block_size, num_blocks=num_blocks,
-                                  max_num_batched_tokens=budget,
-                                  prefix_sharing=sharing, max_model_len=96)
+    settings = GenerationSettings(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        prefix_sharing=sharing,
+        max_model_len=96,
+    )
     gen = Generator(model, settings)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     out = gen.generate(PROMPTS, params, n=3)
@@ -85,8 +99,9 @@ def test_greedy_equals_naive_loop(model, sharing, block_size, num_blocks, budget
 
 
 def test_logprobs_match_training_forward(model):
-    gen = Generator(model,
-                    GenerationSettings(block_size=8, num_blocks=128, max_num_batched_tokens=32))
+    gen = Generator(
+        model, GenerationSettings(block_size=8, num_blocks=128, max_num_batched_tokens=32)
+    )
     params = SamplingParams(temperature=1.0, max_tokens=20, seed=1234, ignore_eos=True)
     out = gen.generate(PROMPTS, params, n=2)
     worst = 0.0
@@ -102,12 +117,14 @@ def test_logprobs_match_training_forward(model):
 
 
 def test_seeded_sampling_independent_of_batch(model):
-    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=10, seed=77,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.9, top_k=50, top_p=0.95, max_tokens=10, seed=77, ignore_eos=True
+    )
     alone = Generator(model, GenerationSettings(num_blocks=64)).generate([PROMPTS[0]], params)[0][0]
     others = SamplingParams(temperature=1.0, max_tokens=7, seed=5, ignore_eos=True)
-    gen = Generator(model,
-                    GenerationSettings(block_size=4, num_blocks=256, max_num_batched_tokens=16))
+    gen = Generator(
+        model, GenerationSettings(block_size=4, num_blocks=256, max_num_batched_tokens=16)
+    )
     batch = gen.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [others, params, others])
     assert batch[1][0].token_ids == alone.token_ids
     assert batch[1][0].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
@@ -123,8 +140,11 @@ def test_eos_and_stop_strings(model):
     decode = lambda ids: "".join(chr(65 + (t % 26)) for t in ids)  # noqa: E731
     target = decode(ref[1:3])
     gen = Generator(model, GenerationSettings(num_blocks=64))
-    c = gen.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                     stop_check=stop_strings_check(decode, [target]))[0][0]
+    c = gen.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        stop_check=stop_strings_check(decode, [target]),
+    )[0][0]
     assert target in decode(c.token_ids) and c.finish_reason == "stop"
     assert len(c.token_ids) <= ref.index(ref[2]) + 1 + 2
     assert gen.pool_is_free()
@@ -148,10 +168,10 @@ def test_multi_turn_pause_append_resume(model):
     gen.resume(a)
     while not a.is_finished:
         gen.step()
-    first3 = a.token_ids[len(PROMPTS[0]):len(PROMPTS[0]) + 3]
+    first3 = a.token_ids[len(PROMPTS[0]) : len(PROMPTS[0]) + 3]
     assert first3 == naive_greedy(model, PROMPTS[0], 3)
     ctx = PROMPTS[0] + first3 + env
-    assert a.token_ids[len(ctx):] == naive_greedy(model, ctx, 3)
+    assert a.token_ids[len(ctx) :] == naive_greedy(model, ctx, 3)
     assert a.completion_sampled_mask == [True] * 3 + [False] * 3 + [True] * 3
     # log-probs across the turn still match the training forward on the whole context
     comp = a.completion_token_ids
@@ -164,8 +184,13 @@ def test_multi_turn_pause_append_resume(model):
 
 
 def _graph_settings(**kw):
-    return GenerationSettings(block_size=4, num_blocks=kw.pop("num_blocks", 256),
-                              max_num_batched_tokens=24, max_model_len=96, **kw)
+    return GenerationSettings(
+        block_size=4,
+        num_blocks=kw.pop("num_blocks", 256),
+        max_num_batched_tokens=24,
+        max_model_len=96,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("num_blocks", [256, 14])
@@ -176,12 +201,15 @@ def test_decode_graph_path_equals_eager(model, num_blocks):
     (max_tokens per prompt), so later steps use smaller buckets; 14 blocks force
     preemption, so decode batches shrink and grow again.
     """
-    params = [SamplingParams(temperature=1.0, max_tokens=4 + 3 * i, seed=7 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=4 + 3 * i, seed=7 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     eager = Generator(model, _graph_settings(num_blocks=num_blocks))
     ref = eager.generate(PROMPTS, params, n=3)
-    padded = Generator(model, _graph_settings(num_blocks=num_blocks, cuda_graphs=True,
-                                              graphs_capture=False))
+    padded = Generator(
+        model, _graph_settings(num_blocks=num_blocks, cuda_graphs=True, graphs_capture=False)
+    )
     out = padded.generate(PROMPTS, params, n=3)
     graphs = padded.runner.graphs
     assert graphs is not None and len(graphs._buckets) >= 3  # several bucket sizes were used
@@ -300,12 +328,13 @@ def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
     assert plain.layers["0"].attention.wqkv is None
     if not onednn_linear_available():
         pytest.skip("this PyTorch build has no oneDNN linear: the layout does not apply")
-    assert (fused.layers["0"].attention.wqkv is not None
-            and isinstance(fused.layers["0"].feed_forward.w2, OneDNNLinear))
+    assert fused.layers["0"].attention.wqkv is not None and isinstance(
+        fused.layers["0"].feed_forward.w2, OneDNNLinear
+    )
     settings = GenerationSettings(block_size=4, num_blocks=256, max_model_len=96)
-    out = Generator(fused, settings).generate(PROMPTS,
-                                              SamplingParams(temperature=0.0, max_tokens=12,
-                                                             ignore_eos=True))
+    out = Generator(fused, settings).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     for p, (c,) in zip(PROMPTS, out, strict=True):
         assert c.token_ids == naive_greedy(model, p, 12)
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
@@ -313,8 +342,12 @@ def test_cpu_inference_layout_keeps_tokens_and_logprobs(model):
     assert_same_samples(flat(Generator(plain, settings).generate(PROMPTS, params, n=2)), flat(out))
     for p, group in zip(PROMPTS, out, strict=True):
         for c in group:
-            torch.testing.assert_close(torch.tensor(list(c.raw_logprobs)),
-                                       train_logprobs(model, p, c.token_ids), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(list(c.raw_logprobs)),
+                train_logprobs(model, p, c.token_ids),
+                atol=1e-5,
+                rtol=0,
+            )
 
 
 @pytest.mark.parametrize("num_blocks", [256, 24])
@@ -326,10 +359,13 @@ def test_decode_mirror_equals_page_gather(model, num_blocks):
     (recomputed sequences are refilled) and leave the mirror too big for some steps
     (those run on the page gather).
     """
-    params = [SamplingParams(temperature=1.0, max_tokens=4 + 3 * i, seed=7 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=4 + 3 * i, seed=7 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     ref = Generator(model, _graph_settings(num_blocks=num_blocks, decode_mirror=False)).generate(
-        PROMPTS, params, n=3)
+        PROMPTS, params, n=3
+    )
     gen = Generator(model, _graph_settings(num_blocks=num_blocks))
     out = gen.generate(PROMPTS, params, n=3)
     mirror = gen.runner.mirror
@@ -348,26 +384,40 @@ def test_decode_mirror_random_workloads(model):
     used = 0
     for _ in range(24):
         bs = rng.choice([1, 2, 4, 8, 16])
-        prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 40))]
-                   for _ in range(rng.randint(1, 6))]
+        prompts = [
+            [rng.randrange(1, 300) for _ in range(rng.randint(1, 40))]
+            for _ in range(rng.randint(1, 6))
+        ]
         need = -(-(max(map(len, prompts)) + 40) // bs)
-        kw = dict(block_size=bs, num_blocks=rng.choice([need + rng.randint(0, 3), 4 * need, 512]),
-                  max_num_batched_tokens=rng.choice([8, 16, 64, 2048]),
-                  prefix_sharing=rng.random() < 0.7, max_model_len=96)
-        params = [SamplingParams(temperature=rng.choice([0.0, 1.0, 0.7]), top_k=rng.choice([0, 20]),
-                                 max_tokens=rng.randint(1, 30), seed=rng.randrange(1000),
-                                 ignore_eos=True)
-                  for _ in prompts]
+        kw = dict(
+            block_size=bs,
+            num_blocks=rng.choice([need + rng.randint(0, 3), 4 * need, 512]),
+            max_num_batched_tokens=rng.choice([8, 16, 64, 2048]),
+            prefix_sharing=rng.random() < 0.7,
+            max_model_len=96,
+        )
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0.0, 1.0, 0.7]),
+                top_k=rng.choice([0, 20]),
+                max_tokens=rng.randint(1, 30),
+                seed=rng.randrange(1000),
+                ignore_eos=True,
+            )
+            for _ in prompts
+        ]
         n, env = rng.randint(1, 4), [rng.randrange(1, 300) for _ in range(rng.randint(1, 5))]
         runs = []
         for mirror in (False, True):
             gen = Generator(model, GenerationSettings(**kw, decode_mirror=mirror))
             out = gen.generate(prompts, params, n=n)
             # multi-turn: pause after 3 tokens, append an environment reply, finish
-            seq = (gen.add(prompts[0], SamplingParams(temperature=1.0, max_tokens=8, seed=5,
-                                                      ignore_eos=True))[0])
-            other = (gen.add(prompts[-1], SamplingParams(temperature=1.0, max_tokens=12, seed=6,
-                                                         ignore_eos=True))[0])
+            seq = gen.add(
+                prompts[0], SamplingParams(temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
+            )[0]
+            other = gen.add(
+                prompts[-1], SamplingParams(temperature=1.0, max_tokens=12, seed=6, ignore_eos=True)
+            )[0]
             while seq.num_generated < 3:
                 gen.step()
             gen.pause(seq)

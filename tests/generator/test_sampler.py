@@ -180,8 +180,11 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
 
     calls = []
     real = sampler_module.exponential_noise
-    monkeypatch.setattr(sampler_module, "exponential_noise",
-                        lambda keys, *a: calls.append(len(keys)) or real(keys, *a))
+    monkeypatch.setattr(
+        sampler_module,
+        "exponential_noise",
+        lambda keys, *a: calls.append(len(keys)) or real(keys, *a),
+    )
     torch.manual_seed(3)
     steps = [[(s, i) for s in (5, 6, 7)] for i in range(10, 20)]
     steps[4] = steps[4] + [(9, 0)]  # joins
@@ -197,8 +200,10 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
         for g, w in zip(got, want):
             assert torch.equal(g, w)
     logits = torch.randn(3, 32)  # the same keys again, another vocabulary: a new block
-    for g, w in zip(ahead.sample(logits, params[:1] * 3, steps[-1]),
-                    single.sample(logits, params[:1] * 3, steps[-1])):
+    for g, w in zip(
+        ahead.sample(logits, params[:1] * 3, steps[-1]),
+        single.sample(logits, params[:1] * 3, steps[-1]),
+    ):
         assert torch.equal(g, w)
     steps.append(steps[-1])
     ahead_calls = sum(1 for n in calls if n > len(steps[0]) + 1)  # the blocks computed ahead
@@ -220,8 +225,9 @@ def test_hash_matches_exact_integer_arithmetic() -> None:
         x = (x * 0x846CA68B) & 0xFFFFFFFF
         return x ^ (x >> 16)
 
-    xs = ([0, 1, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF]
-          + list(torch.randint(0, 2**32, (2000,)).tolist()))
+    xs = [0, 1, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF] + list(
+        torch.randint(0, 2**32, (2000,)).tolist()
+    )
     got = _mix32(torch.tensor(xs, dtype=torch.int64)).tolist()
     assert got == [mix(x) for x in xs]
 

@@ -14,11 +14,11 @@ import torch
 
 from tandem.models.hf import load_args, load_model
 from tandem.models.tokenizer import Tokenizer
+from tandem.parallel.generation_layout import inference_layout
 from tandem.rl.data.images import VisionData
 from tandem.rl.data.prompts import encode_prompts
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.parallel.generation_layout import inference_layout
 from tests.fixtures import hf_vlm_reference, write_hf_vlm
 from tests.models.test_vlm import noise_image
 
@@ -33,18 +33,36 @@ def setup(tmp_path_factory):
         noise_image(w, h, 20 + i).save(d / f"{i}.png")
 
     def user(*parts):
-        return {"messages": [{"role": "user", "content": [
-            {"type": "image", "image": str(d / p)} if p.endswith(".png")
-            else {"type": "text", "text": p} for p in parts]}], "answer": ""}
+        return {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": str(d / p)}
+                        if p.endswith(".png")
+                        else {"type": "text", "text": p}
+                        for p in parts
+                    ],
+                }
+            ],
+            "answer": "",
+        }
 
-    rows = [user("0.png", "Describe."), user("1.png", "and", "2.png", "Compare them."),
-            {"prompt": "Hi!", "answer": ""}]
-    prompts, skipped = encode_prompts(rows, Tokenizer.from_dir(folder), source=str(d / "x.jsonl"),
-                                      prompt_field="prompt",
-                                      messages_field="messages", answer_field="answer",
-                                      max_prompt_tokens=400,
-                                      vision=VisionData.for_model(
-                                          load_args(folder), str(d / "x.jsonl")))
+    rows = [
+        user("0.png", "Describe."),
+        user("1.png", "and", "2.png", "Compare them."),
+        {"prompt": "Hi!", "answer": ""},
+    ]
+    prompts, skipped = encode_prompts(
+        rows,
+        Tokenizer.from_dir(folder),
+        source=str(d / "x.jsonl"),
+        prompt_field="prompt",
+        messages_field="messages",
+        answer_field="answer",
+        max_prompt_tokens=400,
+        vision=VisionData.for_model(load_args(folder), str(d / "x.jsonl")),
+    )
     assert not skipped
     return folder, prompts
 
@@ -58,30 +76,46 @@ def _hf_greedy(folder, prompts) -> list[list[int]]:
         kw = {}
         if p.images is not None:
             pixels, grid = p.images.pixels()
-            kw = dict(pixel_values=pixels, image_grid_thw=grid,
-                      mm_token_type_ids=(ids == ref.config.image_token_id).int())
-        seq = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           max_new_tokens=MAX_TOKENS, do_sample=False, **kw)
-        out.append(seq[0, ids.shape[1]:].tolist())
+            kw = dict(
+                pixel_values=pixels,
+                image_grid_thw=grid,
+                mm_token_type_ids=(ids == ref.config.image_token_id).int(),
+            )
+        seq = ref.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            **kw,
+        )
+        out.append(seq[0, ids.shape[1] :].tolist())
     return out
 
 
 @pytest.mark.parametrize("layout", ["plain", "inference", "no mirror"])
-@pytest.mark.parametrize("block_size,num_blocks,budget",
-                         [(4, 512, 2048), (4, 512, 16), (4, 40, 24)])
+@pytest.mark.parametrize(
+    "block_size,num_blocks,budget", [(4, 512, 2048), (4, 512, 16), (4, 40, 24)]
+)
 def test_greedy_equals_transformers(setup, layout, block_size, num_blocks, budget):
     folder, prompts = setup
     model = load_model(folder).eval()
     if layout == "inference":
         inference_layout(model)
-    settings = GenerationSettings(block_size=block_size, num_blocks=num_blocks,
-                                  max_num_batched_tokens=budget,
-                                  max_model_len=400, decode_mirror=layout != "no mirror")
+    settings = GenerationSettings(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_model_len=400,
+        decode_mirror=layout != "no mirror",
+    )
     eos = load_args(folder).eos_token_id
     gen = Generator(model, settings, eos_token_ids=eos)
-    out = gen.generate([p.token_ids for p in prompts],
-                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), n=3,
-                       images=[p.images for p in prompts])
+    out = gen.generate(
+        [p.token_ids for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        n=3,
+        images=[p.images for p in prompts],
+    )
     expected = _hf_greedy(folder, prompts)
     for group, ref in zip(out, expected):
         for c in group:
@@ -103,11 +137,15 @@ def test_sampled_logprobs_equal_a_full_forward(setup):
 
     folder, prompts = setup
     model = load_model(folder).eval()
-    gen = Generator(model,
-                    GenerationSettings(block_size=4, num_blocks=512, max_model_len=400, seed=3))
-    out = gen.generate([p.token_ids for p in prompts],
-                       SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
-                       n=2, images=[p.images for p in prompts])
+    gen = Generator(
+        model, GenerationSettings(block_size=4, num_blocks=512, max_model_len=400, seed=3)
+    )
+    out = gen.generate(
+        [p.token_ids for p in prompts],
+        SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
+        n=2,
+        images=[p.images for p in prompts],
+    )
     image_id = model.args.vision.image_token_id
     for p, group in zip(prompts, out):
         for c in group:
@@ -132,20 +170,51 @@ def test_tandem_generate_with_image_rows(setup, tmp_path, capsys):
     folder, prompts = setup
     for path in {s for p in prompts if p.images is not None for s in p.images.sources}:
         shutil.copy(path, tmp_path)
-    rows = [{"id": "one",
-             "messages": [{"role": "user", "content": [{"type": "image", "image": "0.png"},
-                                                                    {"type": "text",
-                                                                     "text": "Describe."}]}]},
-            {"messages": [{"role": "user", "content": [{"type": "image", "image": "1.png"},
-                                                       {"type": "text", "text": "and"},
-                                                       {"type": "image", "image": "2.png"},
-                                                       {"type": "text",
-                                                        "text": "Compare them."}]}]},
-            {"prompt": "Hi!"}]
+    rows = [
+        {
+            "id": "one",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": "0.png"},
+                        {"type": "text", "text": "Describe."},
+                    ],
+                }
+            ],
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": "1.png"},
+                        {"type": "text", "text": "and"},
+                        {"type": "image", "image": "2.png"},
+                        {"type": "text", "text": "Compare them."},
+                    ],
+                }
+            ]
+        },
+        {"prompt": "Hi!"},
+    ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    flags = ["--model", str(folder), "--input", str(inp), "--output", str(out), "--kv-cache-gb",
-             "0.01", "--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--chat-template"]
+    flags = [
+        "--model",
+        str(folder),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--kv-cache-gb",
+        "0.01",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--chat-template",
+    ]
     assert main(flags) == 0
     got = [json.loads(line) for line in open(out)]
     assert [r["token_ids"] for r in got] == _hf_greedy(folder, prompts)
@@ -154,5 +223,6 @@ def test_tandem_generate_with_image_rows(setup, tmp_path, capsys):
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     capsys.readouterr()
     assert main(flags) == 3
-    assert capsys.readouterr().err == (f"error: {inp}:2: image 2 of 2: image {tmp_path}/gone.png: "
-                                       "No such file or directory\n")
+    assert capsys.readouterr().err == (
+        f"error: {inp}:2: image 2 of 2: image {tmp_path}/gone.png: No such file or directory\n"
+    )

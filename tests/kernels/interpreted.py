@@ -20,8 +20,9 @@ import torch
 from tandem.kernels.dispatch import triton_available, triton_interpreting
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIP_REASON = ("triton was imported before TRITON_INTERPRET was set; covered by "
-               "test_all_in_clean_subprocess")
+SKIP_REASON = (
+    "triton was imported before TRITON_INTERPRET was set; covered by test_all_in_clean_subprocess"
+)
 
 
 def in_process() -> bool:
@@ -36,9 +37,14 @@ def rerun_in_clean_subprocess(test_file: str) -> None:
     with its output if any test there fails."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-p",
-                           "no:cacheprovider"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 

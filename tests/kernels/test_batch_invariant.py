@@ -22,12 +22,15 @@ def test_tiled_mm_rows_do_not_depend_on_the_batch():
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(96, 200, generator=g).to(dtype)
         x = torch.randn(70, 96, generator=g).to(dtype)
-        alone = torch.cat([bi.tiled_mm(x[i:i + 1], w) for i in range(70)])
+        alone = torch.cat([bi.tiled_mm(x[i : i + 1], w) for i in range(70)])
         for m in (2, 7, 16, 70):
             assert torch.equal(bi.tiled_mm(x[:m], w), alone[:m]), (dtype, m)
-        torch.testing.assert_close(alone.float(), (x.float() @ w.float()),
-                                   atol=0.1 if dtype == torch.bfloat16 else 1e-4,
-                                   rtol=0.02 if dtype == torch.bfloat16 else 1e-5)
+        torch.testing.assert_close(
+            alone.float(),
+            (x.float() @ w.float()),
+            atol=0.1 if dtype == torch.bfloat16 else 1e-4,
+            rtol=0.02 if dtype == torch.bfloat16 else 1e-5,
+        )
     with bi.exact_mode():  # the override routes nn.Linear through the tiles
         lin = torch.nn.Linear(96, 40, bias=True)
         one = lin(x[:1].float())

@@ -9,8 +9,9 @@ from torch import nn
 
 import tandem.kernels.cpu_linear as cl
 
-pytestmark = pytest.mark.skipif(not cl.onednn_linear_available(),
-                                reason="this PyTorch build has no oneDNN linear")
+pytestmark = pytest.mark.skipif(
+    not cl.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear"
+)
 
 
 @pytest.fixture
@@ -52,8 +53,9 @@ def test_onednn_linear_equals_f_linear(calls, bias, pack):
     with torch.no_grad():
         for x in _inputs():
             got, expected = lin(x), ref(x)
-            exact = F.linear(x.double(), ref.weight.double(),
-                             None if ref.bias is None else ref.bias.double())
+            exact = F.linear(
+                x.double(), ref.weight.double(), None if ref.bias is None else ref.bias.double()
+            )
             assert got.shape == expected.shape and got.dtype == torch.float32
             # as close to the float64 result as MKL's own fp32 answer is (a few ulps of K=256 sums)
             assert _err(got, exact) <= max(2 * _err(expected, exact), 1e-5)
@@ -101,6 +103,9 @@ def test_use_onednn_linears_converts_plain_linears_only():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Head(4, 4), nn.Sequential(nn.Linear(4, 2)))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert cl.use_onednn_linears(model) == 2
-    assert ([type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)]
-            == ["OneDNNLinear", "Head", "OneDNNLinear"])
+    assert [type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)] == [
+        "OneDNNLinear",
+        "Head",
+        "OneDNNLinear",
+    ]
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())

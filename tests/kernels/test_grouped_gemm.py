@@ -33,14 +33,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COUNTS = [0, 5, 40, 0, 3, 17, 1, 0]
 
 
-def _problem(counts: list[int], k: int, n: int, dtype=torch.float32, seed: int = 0,
-             transposed: bool = True):
+def _problem(
+    counts: list[int], k: int, n: int, dtype=torch.float32, seed: int = 0, transposed: bool = True
+):
     g = torch.Generator().manual_seed(seed)
     m, e = sum(counts), len(counts)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     # The model passes w1.transpose(1, 2) views of [E, N, K] parameters: test that layout too.
-    w = (torch.randn(e, n, k, generator=g).transpose(1, 2) if transposed
-         else torch.randn(e, k, n, generator=g))
+    w = (
+        torch.randn(e, n, k, generator=g).transpose(1, 2)
+        if transposed
+        else torch.randn(e, k, n, generator=g)
+    )
     offsets = torch.tensor(counts).cumsum(0).to(DEVICE, torch.int32)
     return x, w.to(DEVICE, dtype), offsets
 
@@ -64,7 +68,8 @@ def test_forward_and_gradients_equal_the_loop(impl, transposed):
 
 # The Triton interpreter has no bf16 (as in the other kernel tests): fp16 there.
 HALF = [("torch", torch.bfloat16), ("torch", torch.float16), ("triton", torch.float16)] + (
-    [("triton", torch.bfloat16)] if torch.cuda.is_available() else [])
+    [("triton", torch.bfloat16)] if torch.cuda.is_available() else []
+)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

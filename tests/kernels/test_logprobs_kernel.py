@@ -214,7 +214,8 @@ def test_saves_no_logits() -> None:
 
 
 def test_unforced_calls_take_triton_on_cuda_and_the_chunked_path_elsewhere(
-    monkeypatch: pytest.MonkeyPatch, kernels,
+    monkeypatch: pytest.MonkeyPatch,
+    kernels,
 ) -> None:
     """Unforced calls take the Triton kernel on CUDA (it measured 2x faster than the chunked
     path on an H200) and the chunked path on the CPU; the process's choice overrides either way."""
@@ -238,8 +239,11 @@ def test_unforced_calls_take_triton_on_cuda_and_the_chunked_path_elsewhere(
     ref, _ = token_logprobs_entropy_reference(h, w, tgt)
     logp, _ = token_logprobs_entropy(h, w, tgt, chunk_tokens=4)
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
-    default = ("_TritonLogprobs" if torch.cuda.is_available() and triton_available()
-               else "_ChunkedLogprobs")
+    default = (
+        "_TritonLogprobs"
+        if torch.cuda.is_available() and triton_available()
+        else "_ChunkedLogprobs"
+    )
     assert calls == [default]
     kernels("torch")
     logp, _ = token_logprobs_entropy(h, w, tgt, chunk_tokens=4)

@@ -23,13 +23,16 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _inputs(m: int, n: int, k: int, r: int, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     t = [torch.randn(*s, generator=g) * 0.3 for s in ((2, m, k), (n, k), (n,), (r, k), (n, r))]
-    return [x.to(DEV).requires_grad_() for x in t[:2]] + [t[2].to(DEV).requires_grad_() if bias
-                                                          else None] + \
-        [x.to(DEV).requires_grad_() for x in t[3:]]
+    return (
+        [x.to(DEV).requires_grad_() for x in t[:2]]
+        + [t[2].to(DEV).requires_grad_() if bias else None]
+        + [x.to(DEV).requires_grad_() for x in t[3:]]
+    )
 
 
-@pytest.mark.parametrize("m,n,k,r,bias",
-                         [(7, 40, 24, 4, True), (33, 70, 50, 16, False), (1, 16, 16, 3, True)])
+@pytest.mark.parametrize(
+    "m,n,k,r,bias", [(7, 40, 24, 4, True), (33, 70, 50, 16, False), (1, 16, 16, 3, True)]
+)
 def test_triton_lora_linear_equals_the_torch_form(m, n, k, r, bias):
     x, w, b0, a, b = _inputs(m, n, k, r, bias)
     want = lora_linear_ref(x, w, b0, a, b, 0.7)

@@ -213,21 +213,25 @@ def test_loop_reference_and_batched_fallback_match_naive(
     b = make_batch(MIXED, block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch")
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.context_lens, b.scale)
     naive = naive_attention(b)
-    torch.testing.assert_close(pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5
+    )
     monkeypatch.setattr(pa, "_BATCHED_SCORE_LIMIT", 0)
-    torch.testing.assert_close(pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("block_size,hq,hkv,d", HEADS_AND_DIMS[:3])
 def test_torch_pure_decode_matches_naive(block_size: int, hq: int, hkv: int, d: int) -> None:
     """One query per sequence takes the fused-SDPA branch of the PyTorch path (fp32); a
     padded row (context 0) takes the masked-softmax branch and gives zeros."""
-    b = make_batch([(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d,
-                   impl="torch")
-    out = pa.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens,
-                                    b.scale, impl="torch")
+    b = make_batch(
+        [(9, 1), (3, 1), (17, 1), (1, 1)], block_size=block_size, hq=hq, hkv=hkv, d=d, impl="torch"
+    )
+    out = pa.paged_decode_attention(
+        b.q, b.k_cache, b.v_cache, b.block_tables, b.context_lens, b.scale, impl="torch"
+    )
     torch.testing.assert_close(out.double().cpu(), naive_attention(b), atol=1e-5, rtol=1e-5)
     ctx = torch.cat([b.context_lens, b.context_lens.new_zeros(1)])
     tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables[:1])])

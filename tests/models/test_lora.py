@@ -39,8 +39,9 @@ def _peft_adapter(base_dir, out_dir, seed: int, r: int = 4, alpha: int = 8, targ
     """A PEFT LoRA folder with random (non-zero) A and B, written by peft itself."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(hf_reference(base_dir),
-                           LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
+    model = get_peft_model(
+        hf_reference(base_dir), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets)
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,8 +78,11 @@ def test_adapters_equal_peft_and_round_trip(tmp_path, family):
     adapters = {k: v for k, v in ours.state_dict().items() if "lora_" in k}
     save_adapter(adapters, spec, tmp_path / "ours", base_model=str(base))
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
-    assert (config["r"] == 4 and config["lora_alpha"] == 8 and sorted(config["target_modules"])
-            == sorted(PEFT_TARGETS))
+    assert (
+        config["r"] == 4
+        and config["lora_alpha"] == 8
+        and sorted(config["target_modules"]) == sorted(PEFT_TARGETS)
+    )
     with torch.no_grad():
         again = PeftModel.from_pretrained(hf_reference(base), tmp_path / "ours").eval()(x).logits
     assert (again - want).abs().max() <= 1e-5 * scale
@@ -99,14 +103,25 @@ def test_an_adapter_of_another_model_is_refused(tmp_path):
         load_adapter(folder, adapter_shapes(ours))
     ours = load_model(base)
     apply_lora(ours, LoraSpec(rank=2, alpha=8, targets=("q", "v")))
-    with pytest.raises(ValueError, match=r"q_proj.lora_A.weight has shape \[4, 64\], the model's "
-                                         r"adapter \[2, 64\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"q_proj.lora_A.weight has shape \[4, 64\], the model's "
+        r"adapter \[2, 64\]",
+    ):
         load_adapter(folder, adapter_shapes(ours))
 
 
 def test_fresh_adapters_start_as_the_base_and_only_they_train():
-    args = ModelArgs(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    args = ModelArgs(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     model = Transformer(args)
     model.init_weights(0)
     x = torch.randint(0, 64, (2, 10))
@@ -139,18 +154,21 @@ def test_grouped_expert_adapters_equal_a_loop_over_experts():
     got = lora(x, offsets)
     want, at = [], 0
     for k, n in enumerate(counts):
-        w = {p: getattr(lora, p)[k]
-             + scale * getattr(lora, f"{p}_lora_B")[k] @ getattr(lora, f"{p}_lora_A")[k]
-             for p in ("w1", "w2", "w3")}
-        xe = x[at:at + n]
+        w = {
+            p: getattr(lora, p)[k]
+            + scale * getattr(lora, f"{p}_lora_B")[k] @ getattr(lora, f"{p}_lora_A")[k]
+            for p in ("w1", "w2", "w3")
+        }
+        xe = x[at : at + n]
         want.append((torch.nn.functional.silu(xe @ w["w1"].T) * (xe @ w["w3"].T)) @ w["w2"].T)
         at += n
     torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-6)
     state = {f"experts.{k}": v for k, v in lora.state_dict().items()}
     merged = merge_state(state, scale)
     assert sorted(merged) == ["experts.w1", "experts.w2", "experts.w3"]
-    torch.testing.assert_close(merged["experts.w2"][2],
-                               lora.w2[2] + scale * lora.w2_lora_B[2] @ lora.w2_lora_A[2])
+    torch.testing.assert_close(
+        merged["experts.w2"][2], lora.w2[2] + scale * lora.w2_lora_B[2] @ lora.w2_lora_A[2]
+    )
 
 
 def test_checksum_is_tiling_free_and_sees_one_flipped_bit():

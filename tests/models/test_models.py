@@ -61,8 +61,9 @@ def test_fused_projections_match_transformers(hf_folder):
     converted = use_onednn_linears(ours)
     keys = set(ours.state_dict())
     assert "layers.0.attention.wqkv.weight" in keys and "layers.0.feed_forward.w13.weight" in keys
-    assert not any(k.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight"))
-                   for k in keys)
+    assert not any(
+        k.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) for k in keys
+    )
     assert ("layers.0.attention.wqkv.bias" in keys) == (family == "qwen2")
     if onednn_linear_available():
         assert converted == 4 * ours.args.num_layers + 1 and isinstance(ours.output, OneDNNLinear)
@@ -169,8 +170,9 @@ def _segments_of(doc_ids, branch_ids):
             segs.append(seg)
     w = max(map(len, segs))
     gather = torch.tensor([s + [s[0]] * (w - len(s)) for s in segs])
-    scatter = torch.tensor([src[i][0] * w + src[i][1] if i in src else 0
-                            for i in range(len(flat_d))])
+    scatter = torch.tensor(
+        [src[i][0] * w + src[i][1] if i in src else 0 for i in range(len(flat_d))]
+    )
     return gather, scatter
 
 
@@ -187,8 +189,10 @@ def test_segment_attention_equals_document_attention(kv_heads):
     real = (doc_ids >= 0)[..., None, None].float()
     weight = torch.randn(2, 10, 4, 8, generator=g) * real  # padding outputs are never read
     outs = []
-    for attn in (DocumentAttention(doc_ids, branch_ids),
-                 SegmentAttention(*_segments_of(doc_ids, branch_ids))):
+    for attn in (
+        DocumentAttention(doc_ids, branch_ids),
+        SegmentAttention(*_segments_of(doc_ids, branch_ids)),
+    ):
         out = attn(0, q, k, v)
         grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
         outs.append((out * real, grads))
@@ -197,8 +201,9 @@ def test_segment_attention_equals_document_attention(kv_heads):
     for a, b in zip(got_g, want_g):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     # the reference is not trivially equal: dropping the branch structure changes the result
-    plain = (SegmentAttention(*_segments_of(doc_ids,
-                                            torch.zeros_like(branch_ids)))(0, q, k, v) * real)
+    plain = (
+        SegmentAttention(*_segments_of(doc_ids, torch.zeros_like(branch_ids)))(0, q, k, v) * real
+    )
     assert (plain - want).abs().max() > 1e-2
 
 

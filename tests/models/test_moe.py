@@ -37,16 +37,29 @@ def tiny_moe_config(family: str, **overrides):
     from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        max_position_embeddings=256, rope_theta=1e6, bos_token_id=None, eos_token_id=[355, 353],
-        tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_theta=1e6,
+        bos_token_id=None,
+        eos_token_id=[355, 353],
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.01,
     )
     if family == "qwen3_moe":
         kwargs, cls = dict(head_dim=32, norm_topk_prob=True, mlp_only_layers=[1]), Qwen3MoeConfig
     elif family == "qwen2_moe":
-        kwargs = dict(shared_expert_intermediate_size=48, norm_topk_prob=False,
-                      decoder_sparse_step=2)
+        kwargs = dict(
+            shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2
+        )
         cls = Qwen2MoeConfig
     else:
         raise KeyError(family)
@@ -106,8 +119,9 @@ def test_fused_inference_layout_matches_transformers(moe_folder):
     ref, ours = hf_reference(path), load_model(path).fuse_projections()
     keys = set(ours.state_dict())
     assert ("layers.1.moe.shared_experts.w13.weight" in keys) == (family == "qwen2_moe")
-    assert "layers.0.attention.wqkv.weight" in keys and not any(k.endswith("w1.weight")
-                                                                for k in keys)
+    assert "layers.0.attention.wqkv.weight" in keys and not any(
+        k.endswith("w1.weight") for k in keys
+    )
     x = _tokens(2, 24, seed=7)
     assert (ours(x) - ref(x).logits).abs().max().item() <= TOL
 
@@ -115,8 +129,11 @@ def test_fused_inference_layout_matches_transformers(moe_folder):
 def test_export_reload_bit_exact_and_transformers_reads_it(moe_folder, tmp_path):
     family, path = moe_folder
     model = load_model(path)
-    assert (model.layers[str(sorted(int(k) for k in moe_layers(model))[0])].moe.experts.w1.shape
-            == (8, 32, 64))
+    assert model.layers[str(sorted(int(k) for k in moe_layers(model))[0])].moe.experts.w1.shape == (
+        8,
+        32,
+        64,
+    )
     out = save_hf(model.state_dict(), model.args, tmp_path / "export", max_shard_bytes=200_000)
     original, exported = read_hf_state_dict(path), read_hf_state_dict(out)
     assert sorted(original) == sorted(exported)
@@ -145,26 +162,34 @@ def test_args_round_trip_and_errors():
     with pytest.raises(ValueError, match="no Hugging Face layout"):
         get_flavor("debug-dsv3-moe").to_hf()
     with pytest.raises(ValueError, match="num_experts_per_tok"):
-        ModelArgs(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5,
-                  moe_intermediate_size=8)
+        ModelArgs(
+            model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8
+        )
     with pytest.raises(ValueError, match="dense"):
         ModelArgs(model_type="qwen3", num_experts=4)
     with pytest.raises(ValueError, match="shared expert"):
-        ModelArgs(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=8)
+        ModelArgs(
+            model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
+        )
 
 
 def test_num_params_and_active_flops():
     args = get_flavor("debug-qwen3-moe")
     model = Transformer(args)
     assert args.num_params() == sum(p.numel() for p in model.parameters())
-    d, i, e, k = (args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                  args.num_experts_per_tok)
+    d, i, e, k = (
+        args.hidden_size,
+        args.moe_intermediate_size,
+        args.num_experts,
+        args.num_experts_per_tok,
+    )
     dense = args.replace(model_type="qwen3", num_experts=0, intermediate_size=k * i)
     # A token meets k experts and the router: the dense twin with k*I hidden units, plus D*E.
     per_layer_router = d * e
-    assert (args.flops_per_token(64) == dense.flops_per_token(64)
-            + 6 * args.num_layers * per_layer_router)
+    assert (
+        args.flops_per_token(64)
+        == dense.flops_per_token(64) + 6 * args.num_layers * per_layer_router
+    )
 
 
 # ------------------------------------------------------------------ losses
@@ -199,15 +224,19 @@ def test_aux_and_z_loss_equal_the_formulas_and_transformers(moe_folder):
         assert moe.aux_loss.requires_grad and moe.z_loss.requires_grad
         hand = _hand_aux_loss(hf_logits, 2)
         assert abs(moe.aux_loss.item() - hand.item()) <= 1e-5, key
-        assert (abs(moe.aux_loss.item() - load_balancing_loss_func((hf_logits,), 8, 2).item())
-                <= 1e-5)
-        assert (abs(moe.z_loss.item() - _hand_z_loss(hf_logits).item())
-                <= 1e-4 * _hand_z_loss(hf_logits).item())
+        assert (
+            abs(moe.aux_loss.item() - load_balancing_loss_func((hf_logits,), 8, 2).item()) <= 1e-5
+        )
+        assert (
+            abs(moe.z_loss.item() - _hand_z_loss(hf_logits).item())
+            <= 1e-4 * _hand_z_loss(hf_logits).item()
+        )
         assert moe.tokens_per_expert.sum().item() == 64 * 2
     if len(layers) == 1:  # transformers pools layers first; equal for one layer
         assert abs(list(layers.values())[0].aux_loss.item() - out.aux_loss.item()) <= 1e-5
-    want = (sum(0.01 * _hand_aux_loss(h, 2) + 0.5 * _hand_z_loss(h)
-                for h in out.router_logits) / len(layers))
+    want = sum(
+        0.01 * _hand_aux_loss(h, 2) + 0.5 * _hand_z_loss(h) for h in out.router_logits
+    ) / len(layers)
     total = router_loss(ours)
     assert abs(total.item() - want.item()) <= 1e-5 * want.item()
     total.backward()  # the losses reach the routers (and nothing past them needs them)
@@ -242,8 +271,15 @@ def test_router_losses_count_only_the_masked_in_tokens(moe_folder):
 
 
 # ------------------------------------------------------------------ dispatch
-def _naive_moe(block: MoE, x: torch.Tensor, scores_fn, bias: torch.Tensor | None, k: int,
-               norm: bool, scale: float) -> torch.Tensor:
+def _naive_moe(
+    block: MoE,
+    x: torch.Tensor,
+    scores_fn,
+    bias: torch.Tensor | None,
+    k: int,
+    norm: bool,
+    scale: float,
+) -> torch.Tensor:
     """Per token, per chosen expert, in plain Python: route, run the expert, weight, add."""
     out = []
     for xt in x:  # [D]
@@ -280,16 +316,22 @@ def _block(flavor: str, seed: int = 0, **changes) -> MoE:
 def test_dispatch_equals_a_per_token_loop(case):
     changes = {
         "qwen3": {},
-        "qwen2-shared": dict(model_type="qwen2_moe", qk_norm=None, qkv_bias=None,
-                             norm_topk_prob=False, shared_expert_intermediate_size=24),
+        "qwen2-shared": dict(
+            model_type="qwen2_moe",
+            qk_norm=None,
+            qkv_bias=None,
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=24,
+        ),
         "k1-unnormalised": dict(num_experts_per_tok=1, norm_topk_prob=False),
     }[case]
     block = _block("debug-qwen3-moe", **changes)
     k = block.top_k
     x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     got = block(x)
-    want = _naive_moe(block, x.reshape(-1, 64), lambda z: torch.softmax(z, -1), None, k,
-                      block.norm_topk_prob, 1.0).view(3, 7, 64)
+    want = _naive_moe(
+        block, x.reshape(-1, 64), lambda z: torch.softmax(z, -1), None, k, block.norm_topk_prob, 1.0
+    ).view(3, 7, 64)
     assert (got - want).abs().max().item() <= 1e-5
     assert block.last_routing.shape == (21, k)
     params = [x, *block.parameters()]

@@ -41,8 +41,9 @@ def noise_image(width: int, height: int, seed: int, mode: str = "RGB") -> Image.
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def folder(request, tmp_path_factory):
-    return write_hf_vlm(tmp_path_factory.mktemp(f"vlm-{request.param}"), seed=5,
-                        tie=request.param == "tied")
+    return write_hf_vlm(
+        tmp_path_factory.mktemp(f"vlm-{request.param}"), seed=5, tie=request.param == "tied"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +61,29 @@ def hf_processor(folder):
             self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    return ImageTextProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
-                              tokenizer=PreTrainedTokenizerFast.from_pretrained(folder))
+    return ImageTextProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+        tokenizer=PreTrainedTokenizerFast.from_pretrained(folder),
+    )
 
 
 def _prompt(tok: Tokenizer, images: list[Image.Image], question: str) -> str:
-    content = ([{"type": "image", "image": f"img{i}"} for i in range(len(images))]
-               + [{"type": "text", "text": question}])
+    content = [{"type": "image", "image": f"img{i}"} for i in range(len(images))] + [
+        {"type": "text", "text": question}
+    ]
     if len(images) == 2:  # text between the two images
         content = [content[0], {"type": "text", "text": "and"}, content[1], content[2]]
-    return tok.apply_chat_template([{"role": "user", "content": content}],
-                                   add_generation_prompt=True)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
 
 
 def _ours(folder, tok: Tokenizer, proc: ImageProcessor, text: str, images: list[Image.Image]):
     """Token ids, M-RoPE positions [3, S] and image inputs the way Tandem builds them."""
     image_id = tok.token_to_id(IMAGE_PAD)
-    ids = expand_image_tokens(tok.encode(text),
-                              [proc.num_tokens(im.width, im.height) for im in images], image_id)
+    ids = expand_image_tokens(
+        tok.encode(text), [proc.num_tokens(im.width, im.height) for im in images], image_id
+    )
     groups = [proc(images)] if images else []
     grids = groups[0][1].tolist() if images else []
     positions, delta = mrope_positions(ids, grids, image_id, proc.merge_size)
@@ -108,8 +114,9 @@ def test_inputs_and_logits_match_transformers(folder, hf_processor, case):
     if images:
         assert torch.equal(inputs.groups[0][0], enc["pixel_values"])  # bit for bit
         assert torch.equal(inputs.groups[0][1], enc["image_grid_thw"])
-        hf_pos, hf_delta = ref.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
-                                                    enc["image_grid_thw"])
+        hf_pos, hf_delta = ref.model.get_rope_index(
+            enc["input_ids"], enc["mm_token_type_ids"], enc["image_grid_thw"]
+        )
         assert torch.equal(positions, hf_pos[:, 0]) and delta == hf_delta.item()
     expected = ref(**enc).logits
     got = ours(torch.tensor([ids]), positions=positions[:, None], images=inputs)
@@ -130,12 +137,12 @@ def test_batch_of_prompts_with_and_without_images(folder):
     tokens = torch.zeros(2, s, dtype=torch.long)
     positions = torch.zeros(3, 2, s, dtype=torch.long)
     for row, (ids, pos, _, _) in enumerate((a, b)):
-        tokens[row, :len(ids)] = torch.tensor(ids)
-        positions[:, row, :len(ids)] = pos
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        positions[:, row, : len(ids)] = pos
     batch = model(tokens, positions=positions, images=a[3])  # row 0's flat positions are its own
     for row, (ids, pos, _, inputs) in enumerate((a, b)):
         alone = model(torch.tensor([ids]), positions=pos[:, None], images=inputs)[0]
-        assert (batch[row, :len(ids)] - alone).abs().max().item() <= 1e-5
+        assert (batch[row, : len(ids)] - alone).abs().max().item() <= 1e-5
 
 
 def test_gradients_match_transformers(folder, hf_processor):
@@ -153,10 +160,11 @@ def test_gradients_match_transformers(folder, hf_processor):
     ref.train()  # no dropout in either model
     torch.nn.functional.cross_entropy(ref(**enc).logits[0], targets[0]).backward()
     torch.nn.functional.cross_entropy(
-        ours(torch.tensor([ids]), positions=positions[:, None], images=inputs)[0],
-                                      targets[0]).backward()
-    ref_grads = hf_to_tandem({n: p.grad for n, p in ref.named_parameters() if p.grad is not None},
-                             ours.args)
+        ours(torch.tensor([ids]), positions=positions[:, None], images=inputs)[0], targets[0]
+    ).backward()
+    ref_grads = hf_to_tandem(
+        {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}, ours.args
+    )
     got = dict(ours.named_parameters())
     checked = 0
     for name, g in ref_grads.items():
@@ -185,10 +193,13 @@ def test_hf_export_round_trip(folder, tmp_path):
     assert src.keys() == exp.keys() and all(torch.equal(src[k], exp[k]) for k in src)
     cfg = Qwen2_5_VLConfig.from_pretrained(out)
     assert cfg.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
-    assert (cfg.vision_config.fullatt_block_indexes == [1] and cfg.image_token_id
-            == args.vision.image_token_id)
-    assert (json.loads((out / "config.json").read_text())["architectures"]
-            == ["Qwen2_5_VLForConditionalGeneration"])
+    assert (
+        cfg.vision_config.fullatt_block_indexes == [1]
+        and cfg.image_token_id == args.vision.image_token_id
+    )
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "Qwen2_5_VLForConditionalGeneration"
+    ]
 
 
 def test_flat_hub_config_loads(folder, tmp_path):
@@ -198,17 +209,22 @@ def test_flat_hub_config_loads(folder, tmp_path):
     flat = {k: v for k, v in nested.items() if k != "text_config"}
     text = dict(nested["text_config"])
     rope = text.pop("rope_parameters")
-    flat.update(text, model_type="qwen2_5_vl", rope_theta=rope["rope_theta"],
-                rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    flat.update(
+        text,
+        model_type="qwen2_5_vl",
+        rope_theta=rope["rope_theta"],
+        rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+    )
     vision = dict(flat["vision_config"])
     vision["in_chans"] = vision.pop("in_channels")
     flat["vision_config"] = vision
     (tmp_path / "config.json").write_text(json.dumps(flat))
-    assert load_args(tmp_path).replace(vision=None,
-                                       model_type="qwen2") == load_args(folder).replace(
-        vision=None, model_type="qwen2")
+    assert load_args(tmp_path).replace(vision=None, model_type="qwen2") == load_args(
+        folder
+    ).replace(vision=None, model_type="qwen2")
     (tmp_path / "preprocessor_config.json").write_text(
-        (folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").read_text()
+    )
     assert load_args(tmp_path) == load_args(folder)
 
 
@@ -220,9 +236,11 @@ def test_mrope_positions_match_get_rope_index(folder, layout):
     grids = [(1, 4, 6), (1, 8, 2)]
     first, second = [image] * 6, [image] * 4
     start, end = ref.config.vision_start_token_id, ref.config.vision_end_token_id
-    ids = {"start": first + [5, 6, start] + second + [end, 7],
-           "end": [5, 6, start] + first + [end, start] + second,
-           "adjacent": [5, start] + first + [end, start] + second + [end, 9, 9]}[layout]
+    ids = {
+        "start": first + [5, 6, start] + second + [end, 7],
+        "end": [5, 6, start] + first + [end, start] + second,
+        "adjacent": [5, start] + first + [end, start] + second + [end, 9, 9],
+    }[layout]
     positions, delta = mrope_positions(ids, grids, image, 2)
     types = (torch.tensor([ids]) == image).int()
     expected, hf_delta = ref.model.get_rope_index(torch.tensor([ids]), types, torch.tensor(grids))
@@ -238,19 +256,25 @@ def test_pixels_of_other_modes_match_transformers(folder, mode, tmp_path):
     file = tmp_path / ("x.jpg" if mode == "CMYK" else "x.png")
     image.save(file)
     decoded = open_image(str(file))
-    expected = Qwen2VLImageProcessorPil.from_pretrained(folder)(images=[decoded],
-                                                                return_tensors="pt")
+    expected = Qwen2VLImageProcessorPil.from_pretrained(folder)(
+        images=[decoded], return_tensors="pt"
+    )
     pixels, grid = ImageProcessor.from_dir(folder)([decoded])
-    assert (torch.equal(pixels, expected["pixel_values"])
-            and torch.equal(grid, expected["image_grid_thw"]))
+    assert torch.equal(pixels, expected["pixel_values"]) and torch.equal(
+        grid, expected["image_grid_thw"]
+    )
 
 
 @pytest.mark.parametrize("bad", ["missing", "truncated", "not an image", "bad base64"])
 def test_unreadable_images_are_named(tmp_path, bad):
     good = tmp_path / "ok.png"
     noise_image(30, 30, 0).save(good)
-    source = {"missing": str(tmp_path / "nope.png"), "truncated": good.read_bytes()[:60],
-              "not an image": b"hello world", "bad base64": "data:image/png;base64,@@@@"}[bad]
+    source = {
+        "missing": str(tmp_path / "nope.png"),
+        "truncated": good.read_bytes()[:60],
+        "not an image": b"hello world",
+        "bad base64": "data:image/png;base64,@@@@",
+    }[bad]
     with pytest.raises(ValueError) as e:
         open_image(source)
     assert "\n" not in str(e.value) and ("nope.png" in str(e.value) or "image" in str(e.value))

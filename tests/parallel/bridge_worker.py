@@ -28,16 +28,23 @@ if w.in_first:
 else:
     for k, t in full.items():
         local = t.chunk(2)[w.side_rank].clone()
-        d = DTensor.from_local(local, mesh["dp_shard"], [Shard(0)], run_check=False,
-                               shape=t.shape, stride=t.stride())
+        d = DTensor.from_local(
+            local, mesh["dp_shard"], [Shard(0)], run_check=False, shape=t.shape, stride=t.stride()
+        )
         sources[k], holds[k] = held(d)
 plan = Resharder(shapes, holds, needs, 4, bucket_bytes=64, group=w.bridge)
 moved, stats = plan.run(sources, torch.float32, torch.device("cpu"))
-found = {"rank": w.rank, "collectives": stats.collectives, "sent": stats.bytes_sent,
-         "equal": all(torch.equal(moved[k], full[k]) for k in moved), "got": sorted(moved)}
+found = {
+    "rank": w.rank,
+    "collectives": stats.collectives,
+    "sent": stats.bytes_sent,
+    "equal": all(torch.equal(moved[k], full[k]) for k in moved),
+    "got": sorted(moved),
+}
 found["checksum"] = check_bridge(plan, sources, moved, torch.float32)
-found["reference"] = sum(box_checksum(k, t, (0,) * t.dim(), tuple(t.shape))
-                         for k, t in full.items()) % MOD
+found["reference"] = (
+    sum(box_checksum(k, t, (0,) * t.dim(), tuple(t.shape)) for k, t in full.items()) % MOD
+)
 if w.in_first:
     moved["a.weight"].view(torch.int32)[1, 1] ^= 1  # one bit of one element
 try:

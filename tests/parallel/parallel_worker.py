@@ -116,8 +116,13 @@ FAMILIES: dict[str, ModelArgs] = {
 }
 # qwen2 with 4 experts (2 per token), a gated shared expert, and layer 1 dense (mixed blocks)
 FAMILIES["qwen2-moe"] = FAMILIES["qwen2"].replace(
-    model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    model_type="qwen2_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    mlp_only_layers=[1],
+)
 
 
 @dataclass(frozen=True)
@@ -284,8 +289,9 @@ def run_layout(layout: Layout, device: torch.device, steps: int = STEPS) -> dict
     scale = dp / float(batch["mask"].sum())  # global token count, known to every rank
 
     def prepare(module: torch.nn.Module) -> torch.nn.Module:
-        parallelize(module, mesh, sequence_parallel=layout.sequence_parallel, ac=layout.ac,
-                    ep=layout.ep)
+        parallelize(
+            module, mesh, sequence_parallel=layout.sequence_parallel, ac=layout.ac, ep=layout.ep
+        )
         module.to_empty(device=device)
         load_full_weights(module, full)
         return module

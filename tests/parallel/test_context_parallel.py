@@ -256,8 +256,10 @@ def test_ring_takes_any_head_count_and_other_recipes_refuse_cp() -> None:
         ),
         (["lora.rank=4"], "parallel.cp: lora runs with cp = 1 only so far"),
         (["env.kind=http"], "parallel.cp: env.kind = http runs with cp = 1 only so far"),
-        (["rollout.kv_dtype=fp8_e4m3"],
-         "parallel.cp: rollout.kv_dtype = 'fp8_e4m3' runs with cp = 1 only so far"),
+        (
+            ["rollout.kv_dtype=fp8_e4m3"],
+            "parallel.cp: rollout.kv_dtype = 'fp8_e4m3' runs with cp = 1 only so far",
+        ),
     ],
 )
 def test_rl_settings_cp_cannot_run_yet(overrides: list[str], message: str) -> None:

@@ -48,8 +48,17 @@ LAYOUTS_2 = [
     "tp2_moe",
     "tp2_qwen2_moe_nosp",
 ]
-LAYOUTS_4 = ["fsdp2_tp2", "pp2_fsdp2", "hsdp2x2", "pp2_tp2", "fsdp4_ep4_moe", "fsdp4_ep2_moe",
-             "hsdp2x2_ep2_moe", "fsdp2_tp2_qwen2_moe", "fsdp2_tp2_ep2_qwen2_moe"]
+LAYOUTS_4 = [
+    "fsdp2_tp2",
+    "pp2_fsdp2",
+    "hsdp2x2",
+    "pp2_tp2",
+    "fsdp4_ep4_moe",
+    "fsdp4_ep2_moe",
+    "hsdp2x2_ep2_moe",
+    "fsdp2_tp2_qwen2_moe",
+    "fsdp2_tp2_ep2_qwen2_moe",
+]
 
 
 def _launch(nproc: int, layouts: list[str], out: Path, errors: bool) -> dict:
@@ -143,19 +152,23 @@ def test_validate_tp_one_line(tp: int, needle: str) -> None:
     validate_tp(_args(), 2)
 
 
-@pytest.mark.parametrize("experts, ep, sizes, needle", [
-    (0, 2, (2, 1, 1, 1), "dense"),
-    (4, 3, (6, 1, 1, 1), "ep=3 must divide num_experts=4"),
-    (4, 4, (6, 1, 1, 1), "ep=4 must divide dp_shard=6"),
-    (4, 2, (4, 2, 1, 1), "ep=2 with tp=2 needs ep = dp_shard (4)"),
-    (4, 2, (2, 2, 1, 2), "no HSDP (dp_replicate=2)"),
-    (4, 2, (2, 1, 2, 1), "pp=2"),
-])
+@pytest.mark.parametrize(
+    "experts, ep, sizes, needle",
+    [
+        (0, 2, (2, 1, 1, 1), "dense"),
+        (4, 3, (6, 1, 1, 1), "ep=3 must divide num_experts=4"),
+        (4, 4, (6, 1, 1, 1), "ep=4 must divide dp_shard=6"),
+        (4, 2, (4, 2, 1, 1), "ep=2 with tp=2 needs ep = dp_shard (4)"),
+        (4, 2, (2, 2, 1, 2), "no HSDP (dp_replicate=2)"),
+        (4, 2, (2, 1, 2, 1), "pp=2"),
+    ],
+)
 def test_validate_ep_one_line(experts: int, ep: int, sizes: tuple, needle: str) -> None:
     """EP groups of any divisor of dp_shard (and the experts) are accepted; the rest
     get one line."""
-    moe = _args(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                moe_intermediate_size=16)
+    moe = _args(
+        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+    )
     args = moe if experts else _args()
     dp_shard, tp, pp, dp_replicate = sizes
     with pytest.raises(ValueError) as e:

@@ -19,5 +19,7 @@ def test_the_bridge_moves_every_shard_bit_for_bit_and_the_checksum_catches_one_b
     assert receiver["sent"] == 0
     assert {r["checksum"] for r in every} == {receiver["reference"]}
     for r in every:
-        assert r["mismatch"] == ("weight sync: 1 tensor(s) differ between the senders and the "
-                                 "receivers after the move (checksum), first 'a.weight'")
+        assert r["mismatch"] == (
+            "weight sync: 1 tensor(s) differ between the senders and the "
+            "receivers after the move (checksum), first 'a.weight'"
+        )

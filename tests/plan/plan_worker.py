@@ -28,27 +28,38 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tandem.models.args import ModelArgs  # noqa: E402
 from tandem.parallel.distributed import init_distributed  # noqa: E402
-from tandem.parallel.generation_layout import make_layout  # noqa: E402
+from tandem.parallel.generation_layout import (
+    GenerationCopy,  # noqa: E402
+    make_layout,  # noqa: E402
+)
 from tandem.parallel.mesh import Degrees, build_mesh  # noqa: E402
 from tandem.parallel.reshard import held  # noqa: E402
 from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, make_norm  # noqa: E402
+from tandem.rl.config.rl_schema import RLConfig, RolloutConfig  # noqa: E402
+from tandem.rl.core.modeling import BuildSpec  # noqa: E402
+from tandem.rl.core.optim import build_optimizer  # noqa: E402
 from tandem.rl.generator.engine import Generator  # noqa: E402
-from tandem.parallel.generation_layout import GenerationCopy  # noqa: E402
 from tandem.rl.rollout.sampling import (  # noqa: E402
     choose_rollout_tp,
     generator_settings,
     rank_resident_bytes,
 )
 from tandem.rl.rollout.types import RolloutSample  # noqa: E402
-from tandem.rl.core.modeling import BuildSpec  # noqa: E402
-from tandem.rl.core.optim import build_optimizer  # noqa: E402
-from tandem.rl.config.rl_schema import RLConfig, RolloutConfig  # noqa: E402
 from tandem.rl.update.loss import LossInputs, LossSpec, completion_tensors, token_logprobs  # noqa: E402
 from tandem.rl.update.policy import build_policy  # noqa: E402
 
 # ~4.2 MB of fp32 weights; vocabulary 1001 (uneven over 2 ranks)
-ARGS = ModelArgs(model_type="qwen3", vocab_size=1001, hidden_size=128, intermediate_size=384,
-                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e6)
+ARGS = ModelArgs(
+    model_type="qwen3",
+    vocab_size=1001,
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=1e6,
+)
 LAYOUTS = {  # name -> (training degrees, activation checkpointing)
     "fsdp2": (Degrees(dp_shard=2), "none"),
     "fsdp2_full": (Degrees(dp_shard=2), "full"),
@@ -56,8 +67,14 @@ LAYOUTS = {  # name -> (training degrees, activation checkpointing)
     "pp2": (Degrees(pp=2), "none"),
 }
 # a Qwen3-MoE of about the same size: 8 experts (2 per token) in layers 1-3, layer 0 dense
-MOE_ARGS = ARGS.replace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                        moe_intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[0])
+MOE_ARGS = ARGS.replace(
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+)
 MOE_LAYOUTS = {  # name -> (training degrees, activation checkpointing, parallel.ep)
     "moe_ep2_full": (Degrees(dp_shard=2), "full", 2),
     "moe_fsdp2": (Degrees(dp_shard=2), "none", 1),
@@ -71,8 +88,11 @@ MICRO_BATCH_TOKENS, SEQ_LEN = 256, 48
 KV_CASES = [(0.0005, 64, 24), (1.0, 6, 24)]
 PROMPTS_PER_STEP, NUM_SAMPLES, MAX_PROMPT = 8, 2, 16
 # what the run counts as staying through the rollout, with these models beside the policy
-RESIDENT_CASES = {"policy": {}, "offloaded": {"offload_optimizer": True},
-                  "ref_critic": {"reference": True, "critic": True}}
+RESIDENT_CASES = {
+    "policy": {},
+    "offloaded": {"offload_optimizer": True},
+    "ref_critic": {"reference": True, "critic": True},
+}
 # the auto rollout.tp the run chooses (2 ranks, 1 or 2 per node) on devices of these sizes,
 # KV pool budget 0.5 MB
 DEVICE_BYTES, AUTO_KV_GB = (8e6, 11e6, 14e6, 20e6, 1e9), 0.0005
@@ -85,10 +105,18 @@ def samples() -> list[RolloutSample]:
     for i in range(8):
         p = torch.randint(1, 1000, (6 + i,), generator=g).tolist()
         c = torch.randint(1, 1000, (20 + 2 * i,), generator=g).tolist()
-        out.append(RolloutSample(group=i // 2, prompt_ids=p, completion_ids=c,
-                                 loss_mask=[True] * len(c),
-                                 gen_logprobs=[-1.0] * len(c), finish_reason="stop", text="",
-                                 row={"id": i}))
+        out.append(
+            RolloutSample(
+                group=i // 2,
+                prompt_ids=p,
+                completion_ids=c,
+                loss_mask=[True] * len(c),
+                gen_logprobs=[-1.0] * len(c),
+                finish_reason="stop",
+                text="",
+                row={"id": i},
+            )
+        )
     return out
 
 
@@ -137,11 +165,23 @@ def _loss_inputs(batch: list[RolloutSample], policy) -> tuple[LossInputs, LossSp
     mask, gen_logp, width = completion_tensors(batch, torch.device("cpu"))
     adv = torch.linspace(-1, 1, len(batch))[:, None].expand_as(mask).contiguous()
     r = RLConfig()
-    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"), policy_cfg=r,
-                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0,
-                    entropy_coef=0.0, vocab_parallel=policy.vocab_parallel)
-    inp = LossInputs(mask=mask, old_logp=None, advantages=adv, gen_logp=gen_logp, ref_logp=None,
-                     seen_logp=torch.zeros_like(mask))
+    spec = LossSpec(
+        policy_loss=POLICY_LOSSES.get("ppo_clip"),
+        policy_cfg=r,
+        aggregation=AGGREGATIONS.get("token_mean"),
+        kl_estimator=None,
+        kl_coef=0.0,
+        entropy_coef=0.0,
+        vocab_parallel=policy.vocab_parallel,
+    )
+    inp = LossInputs(
+        mask=mask,
+        old_logp=None,
+        advantages=adv,
+        gen_logp=gen_logp,
+        ref_logp=None,
+        seen_logp=torch.zeros_like(mask),
+    )
     return inp, spec, make_norm(mask), width
 
 
@@ -156,48 +196,82 @@ def run_layout(name: str) -> dict:
     args, degrees, ac, ep = layout_spec(name)
     dev = torch.device("cpu")
     mesh = build_mesh(degrees, dev)
-    policy = build_policy(args, mesh, dev, pp_schedule="1F1B", pp_microbatches=0, seq_len=SEQ_LEN,
-                          micro_batch_tokens=MICRO_BATCH_TOKENS, chunk_tokens=64, path=None, seed=5,
-                          spec=BuildSpec(activation_checkpoint=ac, ep=ep),
-                          is_main=dist.get_rank() == 0)
+    policy = build_policy(
+        args,
+        mesh,
+        dev,
+        pp_schedule="1F1B",
+        pp_microbatches=0,
+        seq_len=SEQ_LEN,
+        micro_batch_tokens=MICRO_BATCH_TOKENS,
+        chunk_tokens=64,
+        path=None,
+        seed=5,
+        spec=BuildSpec(activation_checkpoint=ac, ep=ep),
+        is_main=dist.get_rank() == 0,
+    )
     batch = samples()
     rec: dict = {"params": sum(held(p)[0].numel() * 4 for p in policy.parameters())}
     if degrees.pp == 1:  # the flat policy: one packed micro-batch through the training forward
         mb = policy.micro_batches(batch, list(range(len(batch))))[0]
         policy.train()
         rec["act_tokens"] = mb.tokens.numel()
-        rec["activations"] = saved_bytes(policy.model, lambda: token_logprobs(
-            policy.model, mb, with_entropy=True, chunk_tokens=64,
-            vocab_parallel=policy.vocab_parallel))
+        rec["activations"] = saved_bytes(
+            policy.model,
+            lambda: token_logprobs(
+                policy.model,
+                mb,
+                with_entropy=True,
+                chunk_tokens=64,
+                vocab_parallel=policy.vocab_parallel,
+            ),
+        )
         gc.collect()
-    opt = build_optimizer(policy.state_module, lr=1e-3, betas=[0.9, 0.95], eps=1e-8,
-                          weight_decay=0.0)
+    opt = build_optimizer(
+        policy.state_module, lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0
+    )
     inp, spec, norm, width = _loss_inputs(batch, policy)
     policy.train()
     policy.accumulate(batch, list(range(len(batch))), inp, spec, norm, width)
-    rec["grads"] = sum(held(p.grad)[0].numel() * 4 for p in policy.parameters()
-                       if p.grad is not None)
+    rec["grads"] = sum(
+        held(p.grad)[0].numel() * 4 for p in policy.parameters() if p.grad is not None
+    )
     opt.step()
-    rec["optimizer"] = sum(held(v)[0].numel() * v.element_size() for st in opt.state.values()
-                           for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    rec["optimizer"] = sum(
+        held(v)[0].numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     opt.zero_grad(set_to_none=True)
     for case, flags in RESIDENT_CASES.items():
         rec[f"resident_{case}"] = rank_resident_bytes(policy, dev, **flags)
     for per_node in (1, 2):
         for mem in DEVICE_BYTES:
             rec[f"auto_tp_{per_node}_{mem:.0f}"] = choose_rollout_tp(
-                RolloutConfig(kv_cache_gb=AUTO_KV_GB), args, torch.float32,
-                world=dist.get_world_size(), devices_per_node=per_node, device_bytes=mem,
-                resident=rec["resident_policy"])
+                RolloutConfig(kv_cache_gb=AUTO_KV_GB),
+                args,
+                torch.float32,
+                world=dist.get_world_size(),
+                devices_per_node=per_node,
+                device_bytes=mem,
+                resident=rec["resident_policy"],
+            )
     policy.eval()
     for g in (1, 2):
         layout = make_layout(g, True)
         gen_model, metrics = GenerationCopy(policy.state_module, args, layout, dev).build(
-            inference=False)
+            inference=False
+        )
         rec[f"shard_{g}"] = metrics["reshard/gb"] * 1e9
         for j, (kv_gb, seqs, max_tokens) in enumerate(KV_CASES):
-            rcfg = RolloutConfig(kv_cache_gb=kv_gb, max_num_seqs=seqs, max_tokens=max_tokens,
-                                 block_size=4, cuda_graphs=False)
+            rcfg = RolloutConfig(
+                kv_cache_gb=kv_gb,
+                max_num_seqs=seqs,
+                max_tokens=max_tokens,
+                block_size=4,
+                cuda_graphs=False,
+            )
             settings = generator_settings(rcfg, MAX_PROMPT, seed=0)
             pooled = PROMPTS_PER_STEP // dist.get_world_size() * g  # as _with_generator sizes it
             settings.max_num_seqs = min(settings.max_num_seqs, pooled * NUM_SAMPLES)

@@ -30,8 +30,8 @@ from tandem.rl.core import errors
 from tandem.rl.plan.planner import Layout, Planner, Settings, activation_bytes
 from tandem.rl.rollout.sampling import choose_rollout_tp
 from tandem.rl.update.loss import pack_micro_batches, token_logprobs
-from tests.plan import plan_worker as W
 from tests.fixtures import launch_worker
+from tests.plan import plan_worker as W
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT, ACT = 0.05, 0.25
@@ -39,22 +39,37 @@ EXACT, ACT = 0.05, 0.25
 
 def _settings(ac: str = "none", **kw) -> Settings:
     """The worker's run, as planner settings (CPU: fp32 compute and generation)."""
-    return Settings(compute_dtype=torch.float32, reduce_dtype=torch.float32,
-                    gen_dtype=torch.float32,
-                    tokens=W.MICRO_BATCH_TOKENS, ac=ac, seq_len=W.SEQ_LEN, block_size=4,
-                    prompts_per_step=W.PROMPTS_PER_STEP, num_samples=W.NUM_SAMPLES, **kw)
+    return Settings(
+        compute_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        gen_dtype=torch.float32,
+        tokens=W.MICRO_BATCH_TOKENS,
+        ac=ac,
+        seq_len=W.SEQ_LEN,
+        block_size=4,
+        prompts_per_step=W.PROMPTS_PER_STEP,
+        num_samples=W.NUM_SAMPLES,
+        **kw,
+    )
 
 
 def _close(planned: float, measured: float, tol: float, what: str) -> None:
     assert measured > 0, what
-    assert abs(planned - measured) <= tol * measured, (f"{what}: planned {planned:.0f}, measured "
-                                                       f"{measured:.0f}")
+    assert abs(planned - measured) <= tol * measured, (
+        f"{what}: planned {planned:.0f}, measured {measured:.0f}"
+    )
 
 
 def run_worker(out: Path, layouts: list[str]) -> dict:
     """tests/plan/plan_worker.py's records of ``layouts`` (one torchrun launch, 2 CPU ranks)."""
-    return launch_worker(ROOT / "tests" / "plan" / "plan_worker.py", 2, out, "--layouts",
-                         ",".join(layouts), timeout=240)
+    return launch_worker(
+        ROOT / "tests" / "plan" / "plan_worker.py",
+        2,
+        out,
+        "--layouts",
+        ",".join(layouts),
+        timeout=240,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +87,18 @@ def test_state_bytes_match_a_cpu_run(measured, name):
         rec = measured[name][rank]
         _close(plan.update["parameters"], rec["params"], EXACT, f"{name} rank {rank} parameters")
         _close(plan.update["gradients"], rec["grads"], EXACT, f"{name} rank {rank} gradients")
-        _close(plan.update["optimizer state"], rec["optimizer"], EXACT,
-               f"{name} rank {rank} optimizer")
+        _close(
+            plan.update["optimizer state"], rec["optimizer"], EXACT, f"{name} rank {rank} optimizer"
+        )
 
 
 @pytest.mark.parametrize("name", [n for n, (d, _) in W.LAYOUTS.items() if d.pp == 1])
 def test_activations_match_saved_tensors(measured, name):
     degrees, ac = W.LAYOUTS[name]
     rec = measured[name][0]
-    planned = activation_bytes(W.ARGS, rec["act_tokens"], W.ARGS.num_layers, torch.float32, ac,
-                               degrees.tp)
+    planned = activation_bytes(
+        W.ARGS, rec["act_tokens"], W.ARGS.num_layers, torch.float32, ac, degrees.tp
+    )
     _close(planned, rec["activations"], ACT, f"{name} activations")
 
 
@@ -89,14 +106,26 @@ def test_activations_match_saved_tensors(measured, name):
 def test_generation_shard_and_kv_pool_match(measured, g):
     for name in W.LAYOUTS:
         for j, (kv_gb, seqs, max_tokens) in enumerate(W.KV_CASES):
-            p = Planner(W.ARGS, _settings(kv_cache_gb=kv_gb, max_num_seqs=seqs,
-                                          max_len=W.MAX_PROMPT + max_tokens + 1))
+            p = Planner(
+                W.ARGS,
+                _settings(
+                    kv_cache_gb=kv_gb, max_num_seqs=seqs, max_len=W.MAX_PROMPT + max_tokens + 1
+                ),
+            )
             lay = Layout(dp_shard=2, rollout_tp=g)
             rec = measured[name][0]
-            _close(p.generation_shard(g), rec[f"shard_{g}"], EXACT,
-                   f"{name} generation shard, rollout.tp={g}")
-            _close(p.kv_pool(lay)[0], rec[f"kv_{g}_{j}"], EXACT,
-                   f"{name} KV pool, rollout.tp={g}, case {j}")
+            _close(
+                p.generation_shard(g),
+                rec[f"shard_{g}"],
+                EXACT,
+                f"{name} generation shard, rollout.tp={g}",
+            )
+            _close(
+                p.kv_pool(lay)[0],
+                rec[f"kv_{g}_{j}"],
+                EXACT,
+                f"{name} KV pool, rollout.tp={g}, case {j}",
+            )
 
 
 def _layout(name: str) -> tuple[Layout, str]:
@@ -147,9 +176,15 @@ def test_planner_and_run_choose_the_same_rollout_tp_on_a_table_of_clusters():
                 lay = Layout(dp_shard=per_node * nodes)
                 for mem in (40e9, 80e9, 141e9):
                     g = planner.auto_rollout_tp(lay, mem, per_node)
-                    run = choose_rollout_tp(RolloutConfig(kv_cache_gb=4.0), args, torch.bfloat16,
-                                            world=lay.world, devices_per_node=per_node,
-                                            device_bytes=mem, resident=planner.resident_bytes(lay))
+                    run = choose_rollout_tp(
+                        RolloutConfig(kv_cache_gb=4.0),
+                        args,
+                        torch.bfloat16,
+                        world=lay.world,
+                        devices_per_node=per_node,
+                        device_bytes=mem,
+                        resident=planner.resident_bytes(lay),
+                    )
                     assert g == run and per_node % g == 0, (flavor, per_node, nodes, mem, g, run)
                     seen.add(g)
     assert seen == {1, 2, 4, 8}, seen
@@ -158,8 +193,11 @@ def test_planner_and_run_choose_the_same_rollout_tp_on_a_table_of_clusters():
     lay = Layout(dp_shard=16)
     room = 0.9 * 80e9 - planner.resident_bytes(lay) - 4e9
     assert abs(room - 15.1e9) < 0.1e9
-    assert shard_bytes(args, GenerationLayout(tp=16), torch.bfloat16) < room < shard_bytes(
-        args, GenerationLayout(tp=8), torch.bfloat16)
+    assert (
+        shard_bytes(args, GenerationLayout(tp=16), torch.bfloat16)
+        < room
+        < shard_bytes(args, GenerationLayout(tp=8), torch.bfloat16)
+    )
     assert planner.auto_rollout_tp(lay, 80e9, devices_per_node=8) == 8
 
 
@@ -172,23 +210,33 @@ def test_one_rank_matches_a_plain_run():
     plan = Planner(W.ARGS, _settings()).plan(Layout())[0]
     params = sum(p.numel() * 4 for p in model.parameters())
     batch = W.samples()
-    mb = (pack_micro_batches(batch, list(range(len(batch))), W.MICRO_BATCH_TOKENS,
-                             torch.device("cpu"))[0])
-    act = W.saved_bytes(model,
-                        lambda: token_logprobs(model, mb, with_entropy=True, chunk_tokens=64))
+    mb = pack_micro_batches(
+        batch, list(range(len(batch))), W.MICRO_BATCH_TOKENS, torch.device("cpu")
+    )[0]
+    act = W.saved_bytes(
+        model, lambda: token_logprobs(model, mb, with_entropy=True, chunk_tokens=64)
+    )
     opt = build_optimizer(model, lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0)
     lp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=64)
     lp.sum().backward()
     grads = sum(p.grad.numel() * 4 for p in model.parameters())
     opt.step()
-    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                if v.dim() > 0)
+    state = sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if v.dim() > 0
+    )
     _close(plan.update["parameters"], params, EXACT, "parameters")
     _close(plan.update["gradients"], grads, EXACT, "gradients")
     _close(plan.update["optimizer state"], state, EXACT, "optimizer")
     _close(plan.rollout["generation shard"], params, EXACT, "generation shard (the whole model)")
-    _close(activation_bytes(W.ARGS, mb.tokens.numel(), W.ARGS.num_layers, torch.float32, "none"),
-           act, ACT, "activations")
+    _close(
+        activation_bytes(W.ARGS, mb.tokens.numel(), W.ARGS.num_layers, torch.float32, "none"),
+        act,
+        ACT,
+        "activations",
+    )
 
 
 # ---- the command line -------------------------------------------------------------------
@@ -204,20 +252,28 @@ def test_plan_that_does_not_fit_exits_9_with_one_line():
     r = _plan("--plan.devices_per_node=8", "--plan.device_memory_gb=24")
     assert r.returncode == errors.EXIT_PLAN == 9, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert (len(lines) == 1 and lines[0].startswith("error: plan: ")
-            and "over 90% of 24 GB" in lines[0]), r.stderr
+    assert (
+        len(lines) == 1 and lines[0].startswith("error: plan: ") and "over 90% of 24 GB" in lines[0]
+    ), r.stderr
     assert "rollout" in r.stdout and "KV pool" in r.stdout
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--plan.devices_per_node=1000000000000000000", "plan.devices_per_node: must be in [0, 1024]"),
-    ("--plan.nodes=1000000000000000000", "plan.nodes: must be in [0, 100000]"),
-])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (
+            "--plan.devices_per_node=1000000000000000000",
+            "plan.devices_per_node: must be in [0, 1024]",
+        ),
+        ("--plan.nodes=1000000000000000000", "plan.nodes: must be in [0, 100000]"),
+    ],
+)
 def test_plan_bounds_its_inputs(flag, message):
     """Before: devices_per_node = 10**18 searched range(10**18) (a hang); now one line, exit 2."""
     r = _plan(flag)
-    assert (r.returncode == errors.EXIT_CONFIG
-            and r.stderr.startswith(f"error: {message} ")), r.stderr
+    assert r.returncode == errors.EXIT_CONFIG and r.stderr.startswith(f"error: {message} "), (
+        r.stderr
+    )
     assert r.stderr.count("\n") == 1, r.stderr
 
 
@@ -229,12 +285,24 @@ def test_plan_of_the_largest_cluster_ends():
 
 
 def test_plan_without_the_weights_names_the_key():
-    r = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.toml", "--plan",
-                        "--plan.flavor=none"],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                       text=True, timeout=120)
-    assert (r.returncode == errors.EXIT_CONFIG
-            and r.stderr.strip().startswith("error: plan.flavor: ")), r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/grpo.toml",
+            "--plan",
+            "--plan.flavor=none",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == errors.EXIT_CONFIG and r.stderr.strip().startswith(
+        "error: plan.flavor: "
+    ), r.stderr
 
 
 def test_smallest_layout_is_the_hand_count():
@@ -253,11 +321,23 @@ def test_smallest_layout_is_the_hand_count():
     two = p.plan(Layout(dp_shard=2, rollout_tp=1))[0]
     assert 72e9 < two.peak < 80e9 and two.peak_phase() == "update"
     state = 16 * get_flavor("qwen3-8b").num_params() / 4
-    assert abs(sum(v for k, v in p.plan(lay)[0].update.items()
-                   if k in ("parameters", "gradients", "optimizer state"))
-               - state) < 0.01 * state
+    assert (
+        abs(
+            sum(
+                v
+                for k, v in p.plan(lay)[0].update.items()
+                if k in ("parameters", "gradients", "optimizer state")
+            )
+            - state
+        )
+        < 0.01 * state
+    )
     # the rl recipe may take TP and PP; the others shard with FSDP2 alone (they refuse tp / pp > 1)
     assert {(x.tp > 1, x.pp > 1) for x in p.candidates(8, 8)} == {
-        (False, False), (True, False), (False, True), (True, True)}
+        (False, False),
+        (True, False),
+        (False, True),
+        (True, True),
+    }
     sft = Planner(get_flavor("qwen3-8b"), dataclasses.replace(s, recipe="sft"))
     assert [(x.tp, x.pp, x.dp_shard) for x in sft.candidates(8, 8)] == [(1, 1, 8)]

@@ -30,8 +30,15 @@ GB = 1e9
 
 
 def _planner(**kw):
-    base = dict(gen_dtype=torch.bfloat16, kv_cache_gb=30.0, max_len=9217, prompts_per_step=32,
-                num_samples=8, max_num_seqs=4096, block_size=16)
+    base = dict(
+        gen_dtype=torch.bfloat16,
+        kv_cache_gb=30.0,
+        max_len=9217,
+        prompts_per_step=32,
+        num_samples=8,
+        max_num_seqs=4096,
+        block_size=16,
+    )
     return Planner(ARGS, Settings(**{**base, **kw}))
 
 
@@ -57,8 +64,9 @@ def test_colocated_async_prices_the_flight_and_the_suspended_kv(kv, s):
 def test_split_prices_a_generator_and_a_trainer():
     planner, trainers = _planner(), Layout(dp_shard=6)
     ro = SimpleNamespace(mode="split", max_staleness=1, suspended_kv="keep", gen_ranks=2)
-    gen, trainer = async_plans(SimpleNamespace(rollout=ro), planner, trainers,
-                               planner.plan(trainers))
+    gen, trainer = async_plans(
+        SimpleNamespace(rollout=ro), planner, trainers, planner.plan(trainers)
+    )
     n = sum(p.numel() for p in _meta_params())
     assert gen.kind == "generator" and sum(gen.update.values()) == 0
     assert gen.rollout["generation copy (whole)"] == 2 * n  # bf16, tied weights once
@@ -77,12 +85,18 @@ def _meta_params():
         return list(make_model(ARGS).parameters())
 
 
-@pytest.mark.parametrize("config, needle", [("grpo_8b_async", "suspended KV (keep)"),
-                                            ("grpo_8b_split", "generator         trainer")])
+@pytest.mark.parametrize(
+    "config, needle",
+    [("grpo_8b_async", "suspended KV (keep)"), ("grpo_8b_split", "generator         trainer")],
+)
 def test_the_8b_configs_plan(config, needle):
-    r = subprocess.run([sys.executable, "train.py", "--config", f"configs/{config}.toml", "--plan"],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                      "CUDA_VISIBLE_DEVICES": ""},
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "train.py", "--config", f"configs/{config}.toml", "--plan"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert needle in r.stdout and "fits: peak" in r.stdout

@@ -33,8 +33,20 @@ pytestmark = [
 ]
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 0.25
-WORKLOAD = dict(shape="small", hidden=1024, layers=28, vocab=151936, device="cuda", prompts=8,
-                samples=8, max_tokens=128, steps=2, kv_cache_gb=4.0, lr=1e-6, threads=2)
+WORKLOAD = dict(
+    shape="small",
+    hidden=1024,
+    layers=28,
+    vocab=151936,
+    device="cuda",
+    prompts=8,
+    samples=8,
+    max_tokens=128,
+    steps=2,
+    kv_cache_gb=4.0,
+    lr=1e-6,
+    threads=2,
+)
 
 
 @pytest.fixture(scope="module")

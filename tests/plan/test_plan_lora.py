@@ -25,12 +25,14 @@ def test_8b_rank_16_hand_count():
     full = Planner(args, Settings(reference=True)).plan(lay)[0].update
     lora = Planner(args, Settings(lora=LORA)).plan(lay)[0].update
     assert lora["gradients"] == 4 * adapters / 8 and lora["optimizer state"] == 8 * adapters / 8
-    assert (abs(lora["parameters"] - full["parameters"] - 4 * adapters / 8)
-            <= 1e-6 * full["parameters"])
+    assert (
+        abs(lora["parameters"] - full["parameters"] - 4 * adapters / 8) <= 1e-6 * full["parameters"]
+    )
     # the base with adapters off
     assert "reference / critic" in full and "reference / critic" not in lora
-    saved = (full["gradients"] + full["optimizer state"] - lora["gradients"]
-             - lora["optimizer state"])
+    saved = (
+        full["gradients"] + full["optimizer state"] - lora["gradients"] - lora["optimizer state"]
+    )
     assert saved > 12e9  # of 16.4 GB per rank for fp32 gradients and moments of 8.19 B parameters
     # the price: the bf16 copy stays between rollouts
     assert lora["generation copy (kept, LoRA)"] > 16e9
@@ -50,19 +52,31 @@ def test_state_bytes_match_a_cpu_run():
     model(x).float().square().mean().backward()
     opt.step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                if p.grad is not None)
-    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                if v.dim() > 0)
-    plan = (Planner(args, Settings(compute_dtype=torch.float32, gen_dtype=torch.float32,
-                                   lora=LORA)).plan(Layout())[0])
-    for what, planned, got in (("parameters", plan.update["parameters"], params),
-                               ("gradients", plan.update["gradients"], grads),
-                               ("optimizer state", plan.update["optimizer state"], state)):
+    grads = sum(
+        p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
+    )
+    state = sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if v.dim() > 0
+    )
+    plan = Planner(
+        args, Settings(compute_dtype=torch.float32, gen_dtype=torch.float32, lora=LORA)
+    ).plan(Layout())[0]
+    for what, planned, got in (
+        ("parameters", plan.update["parameters"], params),
+        ("gradients", plan.update["gradients"], grads),
+        ("optimizer state", plan.update["optimizer state"], state),
+    ):
         assert abs(planned - got) <= 0.05 * got, (what, planned, got)
     base = 4 * args.num_params()
     assert grads == params - base and state == 2 * grads  # adapters only
-    d, q, kv, i = (args.hidden_size, args.num_heads * args.head_dim,
-                   args.num_kv_heads * args.head_dim, args.intermediate_size)
+    d, q, kv, i = (
+        args.hidden_size,
+        args.num_heads * args.head_dim,
+        args.num_kv_heads * args.head_dim,
+        args.intermediate_size,
+    )
     # the hand count
     assert grads == 4 * args.num_layers * 16 * ((d + q) * 2 + (d + kv) * 2 + (d + i) * 3)

@@ -38,16 +38,25 @@ def measured(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", list(W.MOE_LAYOUTS))
 def test_moe_state_and_activations_match_a_cpu_run(measured, name):
     degrees, ac, ep = W.MOE_LAYOUTS[name]
-    plan = (Planner(W.MOE_ARGS,
-                    _settings(ac)).plan(Layout(dp_shard=degrees.dp_shard, tp=degrees.tp, ep=ep))[0])
+    plan = Planner(W.MOE_ARGS, _settings(ac)).plan(
+        Layout(dp_shard=degrees.dp_shard, tp=degrees.tp, ep=ep)
+    )[0]
     for rank, rec in enumerate(measured[name]):
         _close(plan.update["parameters"], rec["params"], EXACT, f"{name} rank {rank} parameters")
         _close(plan.update["gradients"], rec["grads"], EXACT, f"{name} rank {rank} gradients")
-        _close(plan.update["optimizer state"], rec["optimizer"], EXACT,
-               f"{name} rank {rank} optimizer")
+        _close(
+            plan.update["optimizer state"], rec["optimizer"], EXACT, f"{name} rank {rank} optimizer"
+        )
         if ac == "none":  # see the module docstring
-            planned = activation_bytes(W.MOE_ARGS, rec["act_tokens"], W.MOE_ARGS.num_layers,
-                                       torch.float32, ac, degrees.tp, ep=ep)
+            planned = activation_bytes(
+                W.MOE_ARGS,
+                rec["act_tokens"],
+                W.MOE_ARGS.num_layers,
+                torch.float32,
+                ac,
+                degrees.tp,
+                ep=ep,
+            )
             _close(planned, rec["activations"], ACT, f"{name} rank {rank} activations")
 
 
@@ -55,13 +64,25 @@ def test_moe_state_and_activations_match_a_cpu_run(measured, name):
 def test_moe_generation_shard_and_kv_pool_match(measured, g):
     for name in W.MOE_LAYOUTS:
         for j, (kv_gb, seqs, max_tokens) in enumerate(W.KV_CASES):
-            p = Planner(W.MOE_ARGS, _settings(kv_cache_gb=kv_gb, max_num_seqs=seqs,
-                                              max_len=W.MAX_PROMPT + max_tokens + 1))
+            p = Planner(
+                W.MOE_ARGS,
+                _settings(
+                    kv_cache_gb=kv_gb, max_num_seqs=seqs, max_len=W.MAX_PROMPT + max_tokens + 1
+                ),
+            )
             rec = measured[name][0]
-            _close(p.generation_shard(g), rec[f"shard_{g}"], EXACT,
-                   f"{name} generation shard, rollout.tp={g}")
-            _close(p.kv_pool(Layout(dp_shard=2, rollout_tp=g))[0], rec[f"kv_{g}_{j}"], EXACT,
-                   f"{name} KV pool, rollout.tp={g}, case {j}")
+            _close(
+                p.generation_shard(g),
+                rec[f"shard_{g}"],
+                EXACT,
+                f"{name} generation shard, rollout.tp={g}",
+            )
+            _close(
+                p.kv_pool(Layout(dp_shard=2, rollout_tp=g))[0],
+                rec[f"kv_{g}_{j}"],
+                EXACT,
+                f"{name} KV pool, rollout.tp={g}, case {j}",
+            )
 
 
 def test_moe_layouts_and_the_ep_transient_by_hand():
@@ -72,11 +93,18 @@ def test_moe_layouts_and_the_ep_transient_by_hand():
     blocks and one block's fp32 gradients, 8 B x 604 M = 4.83 GB."""
     args = get_flavor("qwen3-30b-a3b")
     assert abs(args.num_params() - 30.53e9) < 0.01e9
-    p = Planner(args, Settings(tokens=8192, ac="full", kv_cache_gb=8.0, max_len=4097,
-                               prompts_per_step=128))
+    p = Planner(
+        args, Settings(tokens=8192, ac="full", kv_cache_gb=8.0, max_len=4097, prompts_per_step=128)
+    )
     # 4 KV heads: TP 2 or 4 within the node, each without EP and with EP over its dp_shard ranks
     assert [(x.tp, x.pp, x.dp_shard, x.ep) for x in p.candidates(8, 8)] == [
-        (1, 1, 8, 1), (1, 1, 8, 8), (2, 1, 4, 1), (2, 1, 4, 4), (4, 1, 2, 1), (4, 1, 2, 2)]
+        (1, 1, 8, 1),
+        (1, 1, 8, 8),
+        (2, 1, 4, 1),
+        (2, 1, 4, 4),
+        (4, 1, 2, 1),
+        (4, 1, 2, 2),
+    ]
     # 6, 3 do not divide 128 experts
     assert [(x.tp, x.ep) for x in p.candidates(6, 8)] == [(1, 1), (2, 1)]
     # EP within a node, then over all
@@ -90,8 +118,9 @@ def test_moe_layouts_and_the_ep_transient_by_hand():
     assert (lay.world, lay.ep, lay.rollout_tp) == (8, 8, 4) and ep1.peak > 72e9 > peak
     # two nodes, EP groups of one node: each rank keeps E/8 experts, not E/16 (fp32, 48 layers)
     node, both = (p.plan(Layout(dp_shard=16, ep=e, rollout_tp=4))[0] for e in (8, 16))
-    assert (node.update["parameters"] - both.update["parameters"]
-            == 4 * 48 * experts * (1 / 8 - 1 / 16))
+    assert node.update["parameters"] - both.update["parameters"] == 4 * 48 * experts * (
+        1 / 8 - 1 / 16
+    )
 
 
 def test_moe_config_plans_and_names_ep():

@@ -31,15 +31,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_multi_turn_rl_learns_with_env_tokens_masked(tmp_path):
     dump = tmp_path / "agentic"
     samples = 16 * 8
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--job.dump_folder={dump}", "--training.steps=8", "--env.name=again",
-           "--env.max_turns=2",
-           "--env.max_total_tokens=128", "--rollout.max_tokens=12", "--reward.functions=",
-           "--reward.modules=tests.env_helpers", "--rl.prompts_per_step=16", "--rl.eval_prompts=8",
-           "--optimizer.lr=1e-3", "--lr_schedule.warmup_steps=2", "--metrics.loggers=[]",
-           "--checkpoint.enable=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        "--training.steps=8",
+        "--env.name=again",
+        "--env.max_turns=2",
+        "--env.max_total_tokens=128",
+        "--rollout.max_tokens=12",
+        "--reward.functions=",
+        "--reward.modules=tests.env_helpers",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--optimizer.lr=1e-3",
+        "--lr_schedule.warmup_steps=2",
+        "--metrics.loggers=[]",
+        "--checkpoint.enable=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -64,11 +79,21 @@ def test_multi_turn_rl_learns_with_env_tokens_masked(tmp_path):
 def test_tool_use_raises_reward_with_the_python_tool(tmp_path):
     dump = tmp_path / "tools"
     steps = 14
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart_agentic.toml"),
-           f"--job.dump_folder={dump}", f"--training.steps={steps}", "--optimizer.lr=7e-4",
-           "--rl.eval_prompts=8", "--metrics.loggers=[]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart_agentic.toml"),
+        f"--job.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--optimizer.lr=7e-4",
+        "--rl.eval_prompts=8",
+        "--metrics.loggers=[]",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -93,11 +118,22 @@ def quickstart_tp(tmp_path_factory) -> dict[int, tuple[str, list[dict]]]:
     out = {}
     for tp in (1, 2):
         dump = tmp_path_factory.mktemp(f"agentic_tp{tp}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               os.path.join(ROOT, "train.py"), "--config",
-               os.path.join(ROOT, "configs", "quickstart_agentic.toml"),
-               f"--job.dump_folder={dump}", "--training.steps=3", f"--rollout.tp={tp}",
-               "--rl.eval_prompts=4", "--metrics.loggers=[]", "--checkpoint.enable=false"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            os.path.join(ROOT, "train.py"),
+            "--config",
+            os.path.join(ROOT, "configs", "quickstart_agentic.toml"),
+            f"--job.dump_folder={dump}",
+            "--training.steps=3",
+            f"--rollout.tp={tp}",
+            "--rl.eval_prompts=4",
+            "--metrics.loggers=[]",
+            "--checkpoint.enable=false",
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -117,7 +153,9 @@ def test_quickstart_agentic_in_a_generation_group(quickstart_tp):
     # the same episodes as rollout.tp = 1 (measured: equal rewards and lengths, grad norms to 2e-6
     # relative)
     for a, b in zip(quickstart_tp[1][1], rows):
-        assert (a["reward/total"] == b["reward/total"] and a["response/length_mean"]
-                == b["response/length_mean"])
+        assert (
+            a["reward/total"] == b["reward/total"]
+            and a["response/length_mean"] == b["response/length_mean"]
+        )
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
     assert sum(row["env/tool_calls_per_episode"] for row in rows) > 0  # the tool ran

@@ -40,33 +40,58 @@ def _env(env):
 
 
 def _run(dump, *extra, env=None, steps=4):
-    r = subprocess.run([*_cmd(dump, steps), *extra], cwd=ROOT, env=_env(env), capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run(
+        [*_cmd(dump, steps), *extra],
+        cwd=ROOT,
+        env=_env(env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
 
 
-STALE_1 = ("--rollout.mode=colocated_async", "--rollout.max_staleness=1",
-           "--rollout.max_tokens=40", "--rollout.suspended_kv=recompute",
-           "--checkpoint.interval=2", "--checkpoint.keep_last=3")
+STALE_1 = (
+    "--rollout.mode=colocated_async",
+    "--rollout.max_staleness=1",
+    "--rollout.max_tokens=40",
+    "--rollout.suspended_kv=recompute",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep_last=3",
+)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("async")
-    out = {"sync": (base / "sync", _run(base / "sync")),
-           "s0": (base / "s0", _run(base / "s0", "--rollout.mode=colocated_async")),
-           "s1": (base / "s1", _run(base / "s1", *STALE_1, env=LONG_TAIL, steps=6)),
-           "s2": (base / "s2", _run(base / "s2", "--rollout.mode=colocated_async",
-                                    "--rollout.max_staleness=2", "--rollout.max_tokens=40",
-                                    env=LONG_TAIL, steps=6))}
+    out = {
+        "sync": (base / "sync", _run(base / "sync")),
+        "s0": (base / "s0", _run(base / "s0", "--rollout.mode=colocated_async")),
+        "s1": (base / "s1", _run(base / "s1", *STALE_1, env=LONG_TAIL, steps=6)),
+        "s2": (
+            base / "s2",
+            _run(
+                base / "s2",
+                "--rollout.mode=colocated_async",
+                "--rollout.max_staleness=2",
+                "--rollout.max_tokens=40",
+                env=LONG_TAIL,
+                steps=6,
+            ),
+        ),
+    }
     return out
 
 
 @pytest.mark.slow
 def test_staleness_zero_reproduces_the_synchronous_run(runs):
-    assert_same_as_synchronous(runs["sync"], runs["s0"], 4 * 16 * 8,
-                               ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean"))
+    assert_same_as_synchronous(
+        runs["sync"],
+        runs["s0"],
+        4 * 16 * 8,
+        ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean"),
+    )
 
 
 @pytest.mark.slow
@@ -112,15 +137,24 @@ def _ledger_once(dump, steps):
 def test_kill_minus_9_resumes_the_groups_in_flight_and_ends_like_the_uninterrupted(runs, tmp_path):
     clean, _ = runs["s1"]
     crashed = tmp_path / "crashed"
-    r = subprocess.run([*_cmd(crashed, 6), *STALE_1], cwd=ROOT,
-                       env=_env({**LONG_TAIL, "TANDEM_INJECT_KILL": "5:1"}),
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [*_cmd(crashed, 6), *STALE_1],
+        cwd=ROOT,
+        env=_env({**LONG_TAIL, "TANDEM_INJECT_KILL": "5:1"}),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (crashed / "fault" / "killed-step-5-rank-1").is_file(), r.stdout[-2000:]
     assert "at step 4" in r.stdout, r.stdout[-2000:]
     saved = json.load(open(crashed / "checkpoints" / "step-4" / "trainer.json"))["rollout"]
-    partial = [s for g in saved["groups"] for s in g["samples"]
-               if s["finish_reason"] is None and s["tokens"]]
+    partial = [
+        s
+        for g in saved["groups"]
+        for s in g["samples"]
+        if s["finish_reason"] is None and s["tokens"]
+    ]
     assert saved["admission"]["flights"] and partial  # it resumed with partial completions
     for step in (4, 6):  # 4: before the kill; 6: after the resume
         a = _flat(str(clean / "checkpoints" / f"step-{step}"))
@@ -128,8 +162,9 @@ def test_kill_minus_9_resumes_the_groups_in_flight_and_ends_like_the_uninterrupt
         assert a.keys() == b.keys()
         for k in a["model"]:
             assert torch.equal(a["model"][k], b["model"][k]), (step, k)
-        assert json.load(open(clean / "checkpoints" / f"step-{step}" / "trainer.json")) == \
-               json.load(open(crashed / "checkpoints" / f"step-{step}" / "trainer.json"))
+        assert json.load(
+            open(clean / "checkpoints" / f"step-{step}" / "trainer.json")
+        ) == json.load(open(crashed / "checkpoints" / f"step-{step}" / "trainer.json"))
     assert _ledger_once(crashed, 6) == _ledger_once(clean, 6)
     assert _max_staleness(crashed) <= 1
 
@@ -137,19 +172,30 @@ def test_kill_minus_9_resumes_the_groups_in_flight_and_ends_like_the_uninterrupt
 @pytest.mark.slow
 def test_sigterm_checkpoints_the_flight_and_the_next_launch_trains_every_prompt_once(tmp_path):
     dump = tmp_path / "pre"
-    cmd = [*_cmd(dump, 8, nproc=0), "--rollout.mode=colocated_async", "--rollout.max_staleness=2",
-           "--rollout.max_tokens=40", "--checkpoint.interval=100"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(LONG_TAIL), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT,
-                         text=True)
+    cmd = [
+        *_cmd(dump, 8, nproc=0),
+        "--rollout.mode=colocated_async",
+        "--rollout.max_staleness=2",
+        "--rollout.max_tokens=40",
+        "--checkpoint.interval=100",
+    ]
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(LONG_TAIL),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = sigterm_at(p, "step 2/8")
     assert p.returncode == 75, out[-2000:]
     saved = sorted(os.listdir(dump / "checkpoints"))
     assert len(saved) == 1, saved
     state = json.load(open(dump / "checkpoints" / saved[0] / "trainer.json"))
     assert state["rollout"]["admission"]["flights"]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(LONG_TAIL), capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        cmd, cwd=ROOT, env=_env(LONG_TAIL), capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0 and f"at step {saved[0].split('-')[1]}" in r.stdout, r.stdout[-2000:]
     _ledger_once(dump, 8)
     assert _max_staleness(dump) <= 2
@@ -159,8 +205,9 @@ def test_sigterm_checkpoints_the_flight_and_the_next_launch_trains_every_prompt_
 def test_quickstart_async_learns(tmp_path):
     """configs/quickstart_async.toml as shipped (60 steps, S = 1): held-out accuracy from 0.527
     to at least 0.95 (the synchronous quickstart reaches 0.975), with stale samples trained."""
-    rows, out = train_run(os.path.join(ROOT, "configs", "quickstart_async.toml"), tmp_path / "qa",
-                          2, timeout=1200)
+    rows, out = train_run(
+        os.path.join(ROOT, "configs", "quickstart_async.toml"), tmp_path / "qa", 2, timeout=1200
+    )
     end = held_out_end(out, "0.527")
     assert end >= 0.95, end
     assert max(row["async/staleness_max"] for row in rows) == 1

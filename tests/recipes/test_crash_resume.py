@@ -27,14 +27,26 @@ def _run(dump, extra_env=None, *extra, nproc=2):
     # Restarts to spare: under heavy load a restarted attempt has been seen to fail
     # gloo's full-mesh connect once ("Connection refused"); torchrun's next attempt
     # absorbs that, and the assertions below still demand the exact end result.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "--max-restarts=4",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--job.dump_folder={dump}", "--training.steps=6", "--checkpoint.interval=2",
-           "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
-           "--reward.num_workers=0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=4",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        "--training.steps=6",
+        "--checkpoint.interval=2",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -74,7 +86,8 @@ def clean(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_minus_9_under_torchrun_restarts_and_matches_an_uninterrupted_run(
-    tmp_path, clean, mode):
+    tmp_path, clean, mode
+):
     crashed = tmp_path / "crashed"
     if mode == "sync":
         r = _run(crashed, {"TANDEM_INJECT_KILL": "3:1"})
@@ -88,8 +101,10 @@ def test_kill_minus_9_under_torchrun_restarts_and_matches_an_uninterrupted_run(
         assert "writing in the background" in r.stdout, r.stdout[-2000:]
     assert (crashed / "fault" / f"killed-step-{killed}-rank-1").is_file()  # it really died once
     assert "at step 2" in r.stdout, r.stdout[-2000:]  # and resumed from the step-2 checkpoint
-    a, b = (_flat(str(clean / "checkpoints" / "step-6")),
-            _flat(str(crashed / "checkpoints" / "step-6")))
+    a, b = (
+        _flat(str(clean / "checkpoints" / "step-6")),
+        _flat(str(crashed / "checkpoints" / "step-6")),
+    )
     _same(a, b)
     ledger = [json.loads(line) for line in open(clean / "ledger.jsonl")]
     assert [row["step"] for row in ledger] == [1, 2, 3, 4, 5, 6]
@@ -102,14 +117,24 @@ def test_kill_minus_9_under_torchrun_restarts_and_matches_an_uninterrupted_run(
 
 
 def _single(dump, *extra, **popen):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--job.dump_folder={dump}", "--checkpoint.interval=2", "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8",
-           "--training.eval_interval=0", "--metrics.loggers=[]", "--reward.num_workers=0", *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        "--checkpoint.interval=2",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **popen)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
 
 
 @pytest.mark.slow
@@ -191,15 +216,30 @@ def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path):
 @pytest.mark.slow
 def test_kill_during_save_keeps_the_previous_checkpoint_and_ignores_the_partial(tmp_path):
     dump = tmp_path / "save"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--job.dump_folder={dump}", "--training.steps=6", "--checkpoint.interval=2",
-           "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8", "--training.eval_interval=0", "--metrics.loggers=[]",
-           "--reward.num_workers=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
-           "TANDEM_INJECT_KILL_SAVE": "4:1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        "--training.steps=6",
+        "--checkpoint.interval=2",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": ROOT,
+        "TANDEM_INJECT_KILL_SAVE": "4:1",
+    }
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode != 0  # no restarts allowed: the job died in the middle of writing step-4
     names = sorted(os.listdir(dump / "checkpoints"))
@@ -221,8 +261,9 @@ def test_a_run_whose_ledger_lacks_steps_exits_5(tmp_path):
     p = _single(dump, "--training.steps=2")  # resumes at step 2: nothing to train, the check fails
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 5, out[-2000:]  # tandem/rl/core/errors.py EXIT_SHORT_RUN
-    assert (f"the run ended with fewer steps than asked: {ledger}: steps 1 "
-            "missing (of 1..2)" in out), out[-2000:]
+    assert (
+        f"the run ended with fewer steps than asked: {ledger}: steps 1 missing (of 1..2)" in out
+    ), out[-2000:]
 
 
 @pytest.mark.slow
@@ -233,15 +274,18 @@ def test_kill_on_an_epoch_boundary_trains_every_prompt_once_per_epoch(tmp_path):
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     _run(clean, None, *small)
     r = _run(crashed, {"TANDEM_INJECT_KILL": "3:1"}, *small)
-    assert ((crashed / "fault" / "killed-step-3-rank-1").is_file()
-            and "at step 2" in r.stdout), r.stdout[-2000:]
-    _same(_flat(str(clean / "checkpoints" / "step-6")),
-          _flat(str(crashed / "checkpoints" / "step-6")))
+    assert (crashed / "fault" / "killed-step-3-rank-1").is_file() and "at step 2" in r.stdout, (
+        r.stdout[-2000:]
+    )
+    _same(
+        _flat(str(clean / "checkpoints" / "step-6")), _flat(str(crashed / "checkpoints" / "step-6"))
+    )
     ledger = [json.loads(line) for line in open(clean / "ledger.jsonl")]
     assert ledger == [json.loads(line) for line in open(crashed / "ledger.jsonl")]
     counts = Counter(i for row in ledger for i in row["ids"])
     # 96 prompts = two whole epochs of 40 + 16 of the third: each id twice, 16 of them three times
-    assert (len(counts) == 40 and sorted(Counter(counts.values()).items())
-            == [(2, 24), (3, 16)]), counts
+    assert len(counts) == 40 and sorted(Counter(counts.values()).items()) == [(2, 24), (3, 16)], (
+        counts
+    )
     first_epoch = [i for row in ledger[:2] for i in row["ids"]]
     assert len(set(first_epoch)) == 32  # no repeats inside an epoch

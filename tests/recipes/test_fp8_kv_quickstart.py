@@ -32,8 +32,9 @@ FP8 = ("--rollout.kv_dtype=fp8_e4m3",)
 
 
 def _run(dump: str, *extra: str) -> tuple[list[dict], str]:
-    return train_run(os.path.join(ROOT, "configs", "quickstart.toml"), dump, 2,
-                     "--metrics.loggers=[]", *extra)
+    return train_run(
+        os.path.join(ROOT, "configs", "quickstart.toml"), dump, 2, "--metrics.loggers=[]", *extra
+    )
 
 
 @pytest.fixture(scope="module")

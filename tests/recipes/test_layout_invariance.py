@@ -27,14 +27,27 @@ STEPS = 5
 
 
 def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--model.path={POLICY}", f"--job.dump_folder={dump}", f"--training.steps={STEPS}",
-           "--rl.prompts_per_step=8", "--rl.eval_prompts=8", "--training.eval_interval=0",
-           "--metrics.loggers=[]", "--checkpoint.interval=2", "--checkpoint.keep_last=5",
-           "--advanced.dump_rollouts=true", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--model.path={POLICY}",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={STEPS}",
+        "--rl.prompts_per_step=8",
+        "--rl.eval_prompts=8",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_last=5",
+        "--advanced.dump_rollouts=true",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -58,8 +71,9 @@ def runs(tmp_path_factory):
     out = {"one": _run(str(base / "one"), 1), "two": _run(str(base / "two"), 2)}
     # the same 2 ranks generating as one group over sharded weights (rollout.tp = 2,
     # tandem/parallel/generation_layout.py)
-    out["two_gen_tp2"] = _run(str(base / "two_gen_tp2"), 2,
-                              ("--rollout.tp=2", "--checkpoint.enable=false"))
+    out["two_gen_tp2"] = _run(
+        str(base / "two_gen_tp2"), 2, ("--rollout.tp=2", "--checkpoint.enable=false")
+    )
     resumed = base / "resumed"  # the 2-rank run's step-2 checkpoint, continued on 1 rank
     shutil.copytree(base / "two" / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
     out["resumed"] = _run(str(resumed), 1)
@@ -67,11 +81,22 @@ def runs(tmp_path_factory):
         out[name] = _run(str(base / name), n, ("--rl.exact=true",))
     # multi-turn agentic episodes (tests/env_helpers.py's "again" env), two epochs: the old
     # log-probs are recomputed in the update layout
-    out["agentic_exact"] = _run(str(base / "agentic_exact"), 2, (
-        "--rl.exact=true", "--rl.epochs=2", "--env.name=again", "--env.max_turns=2",
-        "--env.max_total_tokens=128",
-        "--rollout.max_tokens=12", "--reward.functions=", "--reward.modules=tests.env_helpers",
-        "--checkpoint.enable=false", "--training.steps=2"))
+    out["agentic_exact"] = _run(
+        str(base / "agentic_exact"),
+        2,
+        (
+            "--rl.exact=true",
+            "--rl.epochs=2",
+            "--env.name=again",
+            "--env.max_turns=2",
+            "--env.max_total_tokens=128",
+            "--rollout.max_tokens=12",
+            "--reward.functions=",
+            "--reward.modules=tests.env_helpers",
+            "--checkpoint.enable=false",
+            "--training.steps=2",
+        ),
+    )
     return base, out
 
 
@@ -90,7 +115,9 @@ def test_one_and_two_ranks_sample_the_same_completions(runs):
         # 5 steps; not bitwise: the gradient sums over ranks follow another reduction tree
         assert abs(a["loss"] - b["loss"]) <= 5e-6 * abs(b["loss"]), (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-6 * b["grad_norm"], (
-            a["grad_norm"], b["grad_norm"])
+            a["grad_norm"],
+            b["grad_norm"],
+        )
 
 
 @pytest.mark.slow
@@ -153,12 +180,17 @@ def test_exact_mode_is_bitwise_on_policy_on_any_layout(runs):
     assert max(r["env/turns_mean"] for r in rows["agentic_exact"]) > 1
     one, two = _rollouts(str(base / "one_exact")), _rollouts(str(base / "two_exact"))
     assert one == two == _rollouts(str(base / "one"))  # the same completions with exact on or off
-    lp1, lp2 = (_rollouts(str(base / "one_exact"), "gen_logprobs"),
-                _rollouts(str(base / "two_exact"), "gen_logprobs"))
-    assert {k: v for k, v in lp1.items() if k[0] == 1} == {k: v for k, v in lp2.items() if k[0]
-                                                           == 1}
+    lp1, lp2 = (
+        _rollouts(str(base / "one_exact"), "gen_logprobs"),
+        _rollouts(str(base / "two_exact"), "gen_logprobs"),
+    )
+    assert {k: v for k, v in lp1.items() if k[0] == 1} == {
+        k: v for k, v in lp2.items() if k[0] == 1
+    }
     for a, b in zip(rows["one_exact"], rows["two_exact"], strict=True):
         # measured: loss within 9e-8 and grad norm within 1.6e-7 relative (bitwise at some steps)
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * b["grad_norm"], (
-            a["grad_norm"], b["grad_norm"])
+            a["grad_norm"],
+            b["grad_norm"],
+        )

@@ -23,8 +23,14 @@ SHORT = ["--training.steps=2", "--rl.prompts_per_step=16", "--rl.eval_prompts=16
 
 
 def _train(config: str, dump: str, *extra: str, timeout: int = 900) -> tuple[list[dict], str]:
-    return train_run(os.path.join(ROOT, "configs", config), dump, 2, "--metrics.loggers=[]", *extra,
-                     timeout=timeout)
+    return train_run(
+        os.path.join(ROOT, "configs", config),
+        dump,
+        2,
+        "--metrics.loggers=[]",
+        *extra,
+        timeout=timeout,
+    )
 
 
 def _agree(rows: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:

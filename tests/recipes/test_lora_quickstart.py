@@ -33,8 +33,13 @@ CONFIG = os.path.join(ROOT, "configs", "quickstart_lora.toml")
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 SHORT = ("--rl.eval_prompts=8", "--rl.eval_samples=0")
 # name -> (ranks, extra overrides) of the continuations of step 30
-CONTINUE = {"one_rank": (1, ()), "fsdp2": (2, ()), "tp2": (2, ("--parallel.tp=2",)),
-            "pp2": (2, ("--parallel.pp=2",)), "rollout_tp2": (2, ("--rollout.tp=2",))}
+CONTINUE = {
+    "one_rank": (1, ()),
+    "fsdp2": (2, ()),
+    "tp2": (2, ("--parallel.tp=2",)),
+    "pp2": (2, ("--parallel.pp=2",)),
+    "rollout_tp2": (2, ("--rollout.tp=2",)),
+}
 
 
 def _run(dump, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
@@ -43,23 +48,32 @@ def _run(dump, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str
 
 def _from(base, name: str, step: int) -> str:
     dump = base / name
-    shutil.copytree(base / "main" / "checkpoints" / f"step-{step}",
-                    dump / "checkpoints" / f"step-{step}")
+    shutil.copytree(
+        base / "main" / "checkpoints" / f"step-{step}", dump / "checkpoints" / f"step-{step}"
+    )
     return str(dump)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora")
-    out = {"main": _run(base / "main", 2, ("--training.steps=30", "--training.eval_interval=0",
-                                            "--checkpoint.interval=10"))}
-    out["resumed"] = _run(_from(base, "resumed", 20), 2,
-                          ("--training.steps=30", "--training.eval_interval=0",
-                                                           "--checkpoint.interval=10"))
+    out = {
+        "main": _run(
+            base / "main",
+            2,
+            ("--training.steps=30", "--training.eval_interval=0", "--checkpoint.interval=10"),
+        )
+    }
+    out["resumed"] = _run(
+        _from(base, "resumed", 20),
+        2,
+        ("--training.steps=30", "--training.eval_interval=0", "--checkpoint.interval=10"),
+    )
     for name, (nproc, extra) in CONTINUE.items():
         out[name] = _run(_from(base, name, 30), nproc, ("--training.steps=31", *SHORT, *extra))
-    out["exact"] = _run(_from(base, "exact", 30), 2,
-                        ("--training.steps=32", "--rl.exact=true", *SHORT))
+    out["exact"] = _run(
+        _from(base, "exact", 30), 2, ("--training.steps=32", "--rl.exact=true", *SHORT)
+    )
     return base, out
 
 
@@ -90,8 +104,12 @@ def test_lora_quickstart_learns_moving_only_the_adapters(runs):
     assert end - start >= 0.3, (start, end)
     # rank 16 on q, k, v, o, gate, up, down: r * (in + out) each, fp32 on the CPU
     args = load_args(POLICY)
-    q, kv, d, i = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim,
-                   args.hidden_size, args.intermediate_size)
+    q, kv, d, i = (
+        args.num_heads * args.head_dim,
+        args.num_kv_heads * args.head_dim,
+        args.hidden_size,
+        args.intermediate_size,
+    )
     adapter_bytes = 4 * 16 * args.num_layers * ((d + q) * 2 + 2 * (d + kv) + 3 * (d + i))
     assert adapter_bytes == sum(t.numel() * 4 for t in _adapter(base / "main").values())
     for r in rows:  # the first copy was the start's evaluation; every step moved the adapters alone
@@ -109,8 +127,9 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(runs):
     saved = _checkpoint(base, 30)
     names = set(saved["model"])
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)  # no frozen base weight
-    assert ({k.rsplit(".", 1)[0].removeprefix("state.") for k in saved["optim"]
-             if k.startswith("state.")} == names)
+    assert {
+        k.rsplit(".", 1)[0].removeprefix("state.") for k in saved["optim"] if k.startswith("state.")
+    } == names
     rows, log = out["resumed"]
     assert "resumed from" in log and [r["step"] for r in rows] == list(range(21, 31))
     main = {r["step"]: r for r in out["main"][0]}
@@ -130,8 +149,9 @@ def test_one_lora_step_agrees_on_one_rank_fsdp2_and_tp2(runs):
     for name in ("one_rank", "tp2", "pp2", "rollout_tp2"):
         (row,) = out[name][0]
         assert row["step"] == 31 and row["reward/total"] == ref_rows[0]["reward/total"], name
-        assert (abs(row["grad_norm"] - ref_rows[0]["grad_norm"])
-                <= 1e-4 * ref_rows[0]["grad_norm"]), name
+        assert (
+            abs(row["grad_norm"] - ref_rows[0]["grad_norm"]) <= 1e-4 * ref_rows[0]["grad_norm"]
+        ), name
         assert _worst_rel(_adapter(base / name), ref) < 1e-4, name
 
 
@@ -159,8 +179,9 @@ def test_peft_loads_the_adapter_and_hf_is_the_merged_model(runs):
     ours = load_model(POLICY)
     apply_lora(ours, LoraSpec(rank=16, alpha=32))
     ours.load_state_dict(saved["model"], strict=False)
-    hf = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32,
-                                              attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(
+        POLICY, dtype=torch.float32, attn_implementation="eager"
+    )
     peft = PeftModel.from_pretrained(hf, os.path.join(dump, "hf-adapter")).eval()
     x = torch.randint(0, ours.args.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -35,27 +35,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIG = os.path.join(ROOT, "configs", "quickstart_moe.toml")
 # name -> (ranks, parallel.ep, parallel.dp_replicate, parallel.tp); the continuations of step 60 to
 # 61
-CONTINUE = {"ep2": (2, 2, 1, 1), "one_rank": (1, 1, 1, 1), "fsdp2": (2, 1, 1, 1),
-            "hsdp_ep2": (4, 2, 2, 1), "tp2": (2, 1, 1, 2), "tp2_ep2": (4, 2, 1, 2)}
+CONTINUE = {
+    "ep2": (2, 2, 1, 1),
+    "one_rank": (1, 1, 1, 1),
+    "fsdp2": (2, 1, 1, 1),
+    "hsdp_ep2": (4, 2, 2, 1),
+    "tp2": (2, 1, 1, 2),
+    "tp2_ep2": (4, 2, 1, 2),
+}
 
 
 def _run(dump: str, nproc: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "train.py"), "--config", CONFIG, f"--job.dump_folder={dump}",
-           "--metrics.loggers=[]", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        CONFIG,
+        f"--job.dump_folder={dump}",
+        "--metrics.loggers=[]",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     path = os.path.join(dump, "metrics.jsonl")  # none when a resumed run had no step left
-    return (([json.loads(line) for line in open(path)] if os.path.exists(path) else []),
-            r.stdout + r.stderr)
+    return (
+        ([json.loads(line) for line in open(path)] if os.path.exists(path) else []),
+        r.stdout + r.stderr,
+    )
 
 
 def _resume_from(base, name: str, step: int) -> str:
     dump = base / name
-    shutil.copytree(base / "quickstart" / "checkpoints" / f"step-{step}",
-                    dump / "checkpoints" / f"step-{step}")
+    shutil.copytree(
+        base / "quickstart" / "checkpoints" / f"step-{step}", dump / "checkpoints" / f"step-{step}"
+    )
     return str(dump)
 
 
@@ -66,9 +84,18 @@ def runs(tmp_path_factory):
     for name, nproc in (("load_one_rank", 1), ("load_fsdp2", 2)):
         out[name] = _run(_resume_from(base, name, 60), nproc, ("--parallel.ep=1",))
     for name, (nproc, ep, replicas, tp) in CONTINUE.items():
-        out[name] = _run(_resume_from(base, name, 60), nproc, (
-            f"--parallel.ep={ep}", f"--parallel.dp_replicate={replicas}", f"--parallel.tp={tp}",
-            "--training.steps=61", "--checkpoint.interval=1", "--rl.micro_batch_tokens=1"))
+        out[name] = _run(
+            _resume_from(base, name, 60),
+            nproc,
+            (
+                f"--parallel.ep={ep}",
+                f"--parallel.dp_replicate={replicas}",
+                f"--parallel.tp={tp}",
+                "--training.steps=61",
+                "--checkpoint.interval=1",
+                "--rl.micro_batch_tokens=1",
+            ),
+        )
     return base, out
 
 
@@ -88,8 +115,11 @@ def _checkpoint(dump, step: int) -> dict:
 
 def _worst_rel(a: dict, b: dict) -> tuple[float, str]:
     assert a.keys() == b.keys()
-    return max((float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)), k)
-               for k in a if torch.is_tensor(a[k]) and a[k].is_floating_point())
+    return max(
+        (float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)), k)
+        for k in a
+        if torch.is_tensor(a[k]) and a[k].is_floating_point()
+    )
 
 
 @pytest.mark.slow
@@ -111,8 +141,11 @@ def test_moe_quickstart_learns_with_exact_routing_parity(runs):
     for name in CONTINUE:
         # the continuations (1, 2 and 4 ranks, ep 1 and 2, HSDP, TP) compare routing too
         (row,) = out[name][0]
-        assert (row["step"] == 61 and row["moe/routing_mismatch"] == 0.0
-                and row["moe/routing_compared"] > 500), name
+        assert (
+            row["step"] == 61
+            and row["moe/routing_mismatch"] == 0.0
+            and row["moe/routing_compared"] > 500
+        ), name
 
 
 @pytest.mark.slow

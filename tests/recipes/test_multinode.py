@@ -26,15 +26,30 @@ def _free_port() -> int:
 def test_quickstart_learns_on_two_nodes_with_a_two_rank_generation_layout(tmp_path):
     dump = tmp_path / "run"
     port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-           "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=tandem-two-nodes", "train.py",
-           "--config", "configs/quickstart.toml", f"--job.dump_folder={dump}", "--rollout.tp=2",
-           "--metrics.loggers=[]", "--checkpoint.interval=100"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{port}",
+        "--rdzv-id=tandem-two-nodes",
+        "train.py",
+        "--config",
+        "configs/quickstart.toml",
+        f"--job.dump_folder={dump}",
+        "--rollout.tp=2",
+        "--metrics.loggers=[]",
+        "--checkpoint.interval=100",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]
+    agents = [
+        subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [a.communicate(timeout=900)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert any("generation layout: 1 group(s) of 2 ranks" in o for o in outs)

@@ -29,13 +29,25 @@ POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 
 
 def _run(dump, steps, *extra, policy=POLICY, check=True, torchrun=True):
-    launch = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if torchrun
-              else [])
-    cmd = [sys.executable, *launch, os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--model.path={policy}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
-           "--rl.prompts_per_step=16", "--rl.eval_prompts=8", "--lr_schedule.warmup_steps=2",
-           "--metrics.loggers=[]", "--reward.num_workers=0", *extra]
+    launch = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if torchrun else []
+    )
+    cmd = [
+        sys.executable,
+        *launch,
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--model.path={policy}",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--lr_schedule.warmup_steps=2",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check:
@@ -63,8 +75,14 @@ def _perturbed(folder, scale, seed=0):
     return str(folder)
 
 
-PPO = ("--rl.advantage=gae", "--critic.lr=1e-3", "--critic.warmup_steps=2", "--optimizer.lr=5e-4",
-       "--reward.functions=exact_match", "--checkpoint.interval=4")
+PPO = (
+    "--rl.advantage=gae",
+    "--critic.lr=1e-3",
+    "--critic.warmup_steps=2",
+    "--optimizer.lr=5e-4",
+    "--reward.functions=exact_match",
+    "--checkpoint.interval=4",
+)
 
 
 @pytest.mark.slow
@@ -86,8 +104,10 @@ def test_ppo_with_critic_learns_and_resumes_exactly(tmp_path):
     rows2, out = _run(resumed, 8, *PPO)
     assert "at step 4" in out
     assert [r["critic/value_mse"] for r in rows2[4:]] == mse[4:]
-    a, b = (_flat(os.path.join(full, "checkpoints", "step-8")),
-            _flat(os.path.join(resumed, "checkpoints", "step-8")))
+    a, b = (
+        _flat(os.path.join(full, "checkpoints", "step-8")),
+        _flat(os.path.join(resumed, "checkpoints", "step-8")),
+    )
     critic_keys = [k for k in a if k.startswith("critic")]
     assert critic_keys and a.keys() == b.keys()
     for k in a:
@@ -95,15 +115,21 @@ def test_ppo_with_critic_learns_and_resumes_exactly(tmp_path):
             assert torch.equal(a[k], b[k]), k
 
 
-OPD = ("--rl.advantage=grpo", "--reward.functions=exact_match", "--optimizer.lr=3e-4",
-       "--checkpoint.enable=false", "--rollout.max_tokens=6")
+OPD = (
+    "--rl.advantage=grpo",
+    "--reward.functions=exact_match",
+    "--optimizer.lr=3e-4",
+    "--checkpoint.enable=false",
+    "--rollout.max_tokens=6",
+)
 
 
 @pytest.mark.slow
 def test_opd_signal_is_zero_for_self_and_pulls_a_student_to_its_teacher(tmp_path):
     rows, _ = _run(str(tmp_path / "self"), 2, *OPD, f"--distill.teachers={POLICY}")
     assert all(abs(r["distill/reverse_kl"]) < 1e-5 for r in rows), [
-        r["distill/reverse_kl"] for r in rows]
+        r["distill/reverse_kl"] for r in rows
+    ]
     student = _perturbed(tmp_path / "student", 0.15)
     rows, _ = _run(str(tmp_path / "opd"), 8, *OPD, f"--distill.teachers={POLICY}", policy=student)
     kl = [r["distill/reverse_kl"] for r in rows]
@@ -116,12 +142,27 @@ def test_mopd_routes_each_prompt_to_its_teacher(tmp_path):
     with open(data, "w") as f:
         for i in range(64):
             a, b = i % 10, (i * 7) % 10
-            f.write(json.dumps({"id": f"p{i}", "prompt": f"{a}+{b}=", "answer": str(a + b),
-                                "domain": "same" if i % 2 else "other"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"p{i}",
+                        "prompt": f"{a}+{b}=",
+                        "answer": str(a + b),
+                        "domain": "same" if i % 2 else "other",
+                    }
+                )
+                + "\n"
+            )
     other = _perturbed(tmp_path / "other", 0.6)
-    args = (*OPD, f"--data.path={data}", "--data.eval_path=",
-            f"--distill.teachers={POLICY},{other}",
-            "--distill.names=same,other", "--distill.route_field=domain", "--rl.prompts_per_step=8")
+    args = (
+        *OPD,
+        f"--data.path={data}",
+        "--data.eval_path=",
+        f"--distill.teachers={POLICY},{other}",
+        "--distill.names=same,other",
+        "--distill.route_field=domain",
+        "--rl.prompts_per_step=8",
+    )
     rows, _ = _run(str(tmp_path / "mopd"), 1, *args)
     r = rows[0]
     assert abs(r["distill/same/reverse_kl"]) < 1e-5 and r["distill/other/reverse_kl"] > 0.05, r
@@ -129,7 +170,15 @@ def test_mopd_routes_each_prompt_to_its_teacher(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(data.read_text().replace('"domain": "other"', '"domain": "typo"', 1))
     # one process, so the exit status is train.py's own (torchrun reports any failure as 1)
-    proc = _run(str(tmp_path / "bad"), 1, *args[:-5], f"--data.path={bad}", *args[-4:], check=False,
-                torchrun=False)
-    assert (proc.returncode == 2 and "domain='typo'" in proc.stderr
-            + proc.stdout), proc.stderr[-2000:]
+    proc = _run(
+        str(tmp_path / "bad"),
+        1,
+        *args[:-5],
+        f"--data.path={bad}",
+        *args[-4:],
+        check=False,
+        torchrun=False,
+    )
+    assert proc.returncode == 2 and "domain='typo'" in proc.stderr + proc.stdout, proc.stderr[
+        -2000:
+    ]

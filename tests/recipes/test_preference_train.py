@@ -13,6 +13,7 @@ import torch
 
 from tandem.models.tokenizer import build_char_tokenizer
 from tandem.parallel.distributed import init_distributed
+from tandem.rl.config.schema import ConfigError, load_config
 from tandem.rl.data.loading import DataError
 from tandem.rl.data.preference import (
     build_preference_data,
@@ -21,13 +22,20 @@ from tandem.rl.data.preference import (
     tokenize_response,
 )
 from tandem.rl.recipes import run as run_recipe
-from tandem.rl.config.schema import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DPO_TOML = os.path.join(ROOT, "configs", "dpo.toml")
-FAST = ["--data.path=synthetic:sorting", "--data.synthetic_rows=128", "--training.batch_size=32",
-        "--training.micro_batch_size=16", "--optimizer.lr=3e-3", "--lr_schedule.warmup_steps=2",
-        "--metrics.loggers=[]", "--checkpoint.enable=false", "--checkpoint.export_hf_at_end=false"]
+FAST = [
+    "--data.path=synthetic:sorting",
+    "--data.synthetic_rows=128",
+    "--training.batch_size=32",
+    "--training.micro_batch_size=16",
+    "--optimizer.lr=3e-3",
+    "--lr_schedule.warmup_steps=2",
+    "--metrics.loggers=[]",
+    "--checkpoint.enable=false",
+    "--checkpoint.export_hf_at_end=false",
+]
 
 
 @pytest.fixture
@@ -58,16 +66,24 @@ def _write(path, rows):
 
 
 def test_pairs_mask_only_the_response_and_share_the_context(tok, tmp_path):
-    ctx = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
-           {"role": "user", "content": "2+2?"}]
+    ctx = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "2+2?"},
+    ]
     rows = [
         {"prompt": "2+2?", "chosen": "4", "rejected": "5"},
         # whole conversations stored in chosen/rejected: the repeated context is stripped
-        {"messages": ctx, "chosen": ctx + [{"role": "assistant", "content": "4"}],
-         "rejected": ctx + [{"role": "assistant", "content": "five"}]},
+        {
+            "messages": ctx,
+            "chosen": ctx + [{"role": "assistant", "content": "4"}],
+            "rejected": ctx + [{"role": "assistant", "content": "five"}],
+        },
         # no context field: the common leading turns are the context
-        {"chosen": ctx + [{"role": "assistant", "content": "4"}],
-         "rejected": ctx + [{"role": "assistant", "content": "3"}]},
+        {
+            "chosen": ctx + [{"role": "assistant", "content": "4"}],
+            "rejected": ctx + [{"role": "assistant", "content": "3"}],
+        },
     ]
     # (mixed row shapes in one list: `datasets` would refuse them in one file)
     pairs, skipped = build_preference_data(rows, tok, source="mem", max_length=512)
@@ -82,26 +98,33 @@ def test_pairs_mask_only_the_response_and_share_the_context(tok, tmp_path):
     # the same tokens the reward-model scorer will build for this prompt and reply
     assert tokenize_response(ctx, "4", tok).input_ids == pairs[1].chosen.input_ids
     batch = collate_pairs(pairs[:2], tok.pad_token_id)
-    assert (batch["tokens"].shape[0] == 4 and batch["lengths"].tolist()[0]
-            == len(pairs[0].chosen.input_ids))
+    assert batch["tokens"].shape[0] == 4 and batch["lengths"].tolist()[0] == len(
+        pairs[0].chosen.input_ids
+    )
     # chosen first, then rejected
     assert batch["lengths"].tolist()[2] == len(pairs[0].rejected.input_ids)
 
 
 def test_bad_rows_counted_or_named(tok, tmp_path):
-    rows = [{"prompt": "a", "chosen": "x", "rejected": "y"},
-            {"prompt": "a", "chosen": "x", "rejected": None},
-            {"prompt": "a", "chosen": "same", "rejected": "same"},
-            {"prompt": None, "chosen": "x", "rejected": "y"},
-            {"prompt": "a", "chosen": "x" * 400, "rejected": "y"},
-            {"prompt": "b", "chosen": "", "rejected": "y"}]
+    rows = [
+        {"prompt": "a", "chosen": "x", "rejected": "y"},
+        {"prompt": "a", "chosen": "x", "rejected": None},
+        {"prompt": "a", "chosen": "same", "rejected": "same"},
+        {"prompt": None, "chosen": "x", "rejected": "y"},
+        {"prompt": "a", "chosen": "x" * 400, "rejected": "y"},
+        {"prompt": "b", "chosen": "", "rejected": "y"},
+    ]
     path = str(tmp_path / "bad.jsonl")
     _write(path, rows)
     data = load_preference_data(path, tok, max_length=128)
     assert len(data.train) == 1
-    assert dict(data.skipped) == {"missing field 'rejected'": 1, "chosen equals rejected": 1,
-                                  "missing field: neither 'messages' nor 'prompt'": 1,
-                                  "longer than max_length": 1, "empty chosen": 1}
+    assert dict(data.skipped) == {
+        "missing field 'rejected'": 1,
+        "chosen equals rejected": 1,
+        "missing field: neither 'messages' nor 'prompt'": 1,
+        "longer than max_length": 1,
+        "empty chosen": 1,
+    }
     with pytest.raises(DataError, match=r"bad\.jsonl:2: missing field 'rejected'"):  # file:line
         load_preference_data(path, tok, max_length=128, on_bad_row="error")
     _write(path, rows[:1] * 9 + rows[1:2])
@@ -109,16 +132,19 @@ def test_bad_rows_counted_or_named(tok, tmp_path):
     assert len(held.train) + len(held.eval) == 9 and len(held.eval) >= 2
     with pytest.raises(DataError, match=r"bad\.jsonl:10: "):
         # held-out split still names the file's line
-        load_preference_data(path, tok, max_length=128, on_bad_row="error", eval_fraction=0.3,
-                             seed=1)
+        load_preference_data(
+            path, tok, max_length=128, on_bad_row="error", eval_fraction=0.3, seed=1
+        )
 
 
 def test_config_checks(tmp_path):
-    with pytest.raises(ConfigError,
-                       match="preference.loss: unknown preference loss 'dpx'; did you mean 'dpo'"):
+    with pytest.raises(
+        ConfigError, match="preference.loss: unknown preference loss 'dpx'; did you mean 'dpo'"
+    ):
         load_config(DPO_TOML, ["--preference.loss=dpx"])
-    cfg = load_config(DPO_TOML,
-                      [*FAST, f"--job.dump_folder={tmp_path}", "--preference.reference=none"])
+    cfg = load_config(
+        DPO_TOML, [*FAST, f"--job.dump_folder={tmp_path}", "--preference.reference=none"]
+    )
     with pytest.raises(ConfigError, match="loss 'dpo' needs reference log-probs"):
         run_recipe(cfg, init_distributed(force_cpu=True))
 
@@ -139,10 +165,12 @@ def test_dpo_learns_held_out_preferences(tmp_path, one_thread):
 
 def test_precompute_reference_equals_online(tmp_path, one_thread):
     steps = ["--training.steps=3", "--lr_schedule.warmup_steps=0"]
-    pre = _run(tmp_path / "pre", *steps, "--preference.reference=precompute",
-               "--training.eval_interval=1")
-    onl = _run(tmp_path / "onl", *steps, "--preference.reference=online",
-               "--training.eval_interval=0")
+    pre = _run(
+        tmp_path / "pre", *steps, "--preference.reference=precompute", "--training.eval_interval=1"
+    )
+    onl = _run(
+        tmp_path / "onl", *steps, "--preference.reference=online", "--training.eval_interval=0"
+    )
     assert pre[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
     for a, b in zip(pre, onl):  # also: evaluating every step does not perturb training
         for key in ("loss", "margin", "chosen_reward", "rejected_reward", "grad_norm"):
@@ -151,9 +179,13 @@ def test_precompute_reference_equals_online(tmp_path, one_thread):
     assert pre[-1]["eval/loss"] == pytest.approx(onl[-1]["eval/loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("loss,extra", [("ipo", ["--preference.beta=0.5"]),
-                                        ("simpo",
-                                         ["--preference.beta=2.0", "--preference.reference=none"])])
+@pytest.mark.parametrize(
+    "loss,extra",
+    [
+        ("ipo", ["--preference.beta=0.5"]),
+        ("simpo", ["--preference.beta=2.0", "--preference.reference=none"]),
+    ],
+)
 def test_other_losses_train(tmp_path, one_thread, loss, extra):
     rows = _run(tmp_path / loss, "--training.steps=6", f"--preference.loss={loss}", *extra)
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["eval/accuracy"] >= 0.75, rows[-1]
@@ -163,21 +195,45 @@ def test_other_losses_train(tmp_path, one_thread, loss, extra):
 def test_two_ranks_then_resume_on_one(tmp_path, one_thread):
     """The same run on 2 ranks and on 1 rank agrees; a 2-rank checkpoint resumes on 1 rank."""
     two = str(tmp_path / "two")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config", DPO_TOML, *FAST, "--training.steps=4",
-           "--checkpoint.enable=true", "--checkpoint.interval=2",
-           "--checkpoint.export_hf_at_end=true", f"--job.dump_folder={two}"]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        DPO_TOML,
+        *FAST,
+        "--training.steps=4",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--checkpoint.export_hf_at_end=true",
+        f"--job.dump_folder={two}",
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     ref = [json.loads(line) for line in open(os.path.join(two, "metrics.jsonl"))]
     resumed = str(tmp_path / "resumed")
     shutil.copytree(two, resumed)
     for p in ("checkpoints/step-4", "hf", "metrics.jsonl"):
         shutil.rmtree(os.path.join(resumed, p)) if os.path.isdir(
-            os.path.join(resumed, p)) else os.remove(os.path.join(resumed, p))
-    rows = _run(resumed, "--training.steps=4", "--checkpoint.enable=true",
-                "--checkpoint.interval=2", "--checkpoint.export_hf_at_end=true")
+            os.path.join(resumed, p)
+        ) else os.remove(os.path.join(resumed, p))
+    rows = _run(
+        resumed,
+        "--training.steps=4",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--checkpoint.export_hf_at_end=true",
+    )
     assert [row["step"] for row in rows] == [3, 4]
     for a, b in zip(ref[2:], rows):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
@@ -190,11 +246,21 @@ def test_two_ranks_then_resume_on_one(tmp_path, one_thread):
 
 def test_dpo_toml_runs_through_train_py(tmp_path):
     dump = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", DPO_TOML,
-                        "--training.steps=2",
-                        f"--job.dump_folder={dump}"], cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--config",
+            DPO_TOML,
+            "--training.steps=2",
+            f"--job.dump_folder={dump}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     assert [row["step"] for row in rows] == [1, 2] and "eval/accuracy" in rows[-1]

@@ -25,37 +25,80 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["--training.steps=4", "--training.eval_interval=0", "--metrics.loggers=[]",
-          "--metrics.log_interval=1", "--checkpoint.export_hf_at_end=false"]
+COMMON = [
+    "--training.steps=4",
+    "--training.eval_interval=0",
+    "--metrics.loggers=[]",
+    "--metrics.log_interval=1",
+    "--checkpoint.export_hf_at_end=false",
+]
 RECIPES = {
-    "sft": ("quickstart_sft.toml",
-            ["--data.synthetic_rows=64", "--data.max_length=96", "--training.batch_size=4",
-                                    "--training.micro_batch_size=2", "--data.eval_fraction=0.1"]),
-    "dpo": ("dpo.toml", ["--data.synthetic_rows=64", "--training.batch_size=8",
-                         "--training.micro_batch_size=4"]),
-    "reward_model": ("reward_model.toml", ["--data.synthetic_rows=64", "--training.batch_size=8",
-                                           "--training.micro_batch_size=4"]),
-    "rl": ("quickstart.toml",
-           ["--rl.prompts_per_step=4", "--rl.num_samples=4", "--rl.eval_prompts=4",
-                               "--reward.num_workers=0"]),
+    "sft": (
+        "quickstart_sft.toml",
+        [
+            "--data.synthetic_rows=64",
+            "--data.max_length=96",
+            "--training.batch_size=4",
+            "--training.micro_batch_size=2",
+            "--data.eval_fraction=0.1",
+        ],
+    ),
+    "dpo": (
+        "dpo.toml",
+        ["--data.synthetic_rows=64", "--training.batch_size=8", "--training.micro_batch_size=4"],
+    ),
+    "reward_model": (
+        "reward_model.toml",
+        ["--data.synthetic_rows=64", "--training.batch_size=8", "--training.micro_batch_size=4"],
+    ),
+    "rl": (
+        "quickstart.toml",
+        [
+            "--rl.prompts_per_step=4",
+            "--rl.num_samples=4",
+            "--rl.eval_prompts=4",
+            "--reward.num_workers=0",
+        ],
+    ),
 }
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def _cmd(recipe: str, dump: Path, *extra: str, nproc: int = 1, restarts: int = 0) -> list[str]:
     config, fast = RECIPES[recipe]
-    args = [str(ROOT / "train.py"), "--config", str(ROOT / "configs" / config),
-            f"--job.dump_folder={dump}", *COMMON, *fast, *extra]
+    args = [
+        str(ROOT / "train.py"),
+        "--config",
+        str(ROOT / "configs" / config),
+        f"--job.dump_folder={dump}",
+        *COMMON,
+        *fast,
+        *extra,
+    ]
     if nproc == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        *args,
+    ]
 
 
-def _run(recipe: str, dump: Path, *extra: str, env: dict | None = None, status: int = 0,
-         **kw) -> str:
-    r = subprocess.run(_cmd(recipe, dump, *extra, **kw), cwd=ROOT, env={**ENV, **(env or {})},
-                       capture_output=True, text=True, timeout=600)
+def _run(
+    recipe: str, dump: Path, *extra: str, env: dict | None = None, status: int = 0, **kw
+) -> str:
+    r = subprocess.run(
+        _cmd(recipe, dump, *extra, **kw),
+        cwd=ROOT,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == status, out[-3000:]
     return out
@@ -82,8 +125,9 @@ def _same(a, b, key=""):  # noqa: ANN001
 def _same_end(a: Path, b: Path) -> None:
     """The step-4 checkpoints hold the same tensors and the same trainer state."""
     _same(_flat(a / "checkpoints" / "step-4"), _flat(b / "checkpoints" / "step-4"))
-    ta, tb = (json.loads((d / "checkpoints" / "step-4" / "trainer.json").read_text())
-              for d in (a, b))
+    ta, tb = (
+        json.loads((d / "checkpoints" / "step-4" / "trainer.json").read_text()) for d in (a, b)
+    )
     assert ta == tb
 
 
@@ -110,8 +154,14 @@ def clean(tmp_path_factory):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_sigterm_checkpoints_exits_75_and_resumes_to_the_same_end(recipe, tmp_path, clean):
     dump = tmp_path / "run"
-    p = subprocess.Popen(_cmd(recipe, dump, "--checkpoint.interval=2"), cwd=ROOT, env=ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        _cmd(recipe, dump, "--checkpoint.interval=2"),
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     for line in p.stdout:
         lines.append(line)
@@ -133,20 +183,28 @@ def test_sigterm_checkpoints_exits_75_and_resumes_to_the_same_end(recipe, tmp_pa
         logged = _rows(dump, "samples.jsonl")
         assert [r["step"] for r in logged] == [1, 2, 3, 4]
         for rec in (x for r in logged for x in r["samples"]):
-            assert (rec["reward"] == rec["rewards"]["exact_match"]
-                    and rec["prompt"].endswith("<|im_start|>assistant\n"))
+            assert rec["reward"] == rec["rewards"]["exact_match"] and rec["prompt"].endswith(
+                "<|im_start|>assistant\n"
+            )
         first = logged[0]["samples"]  # one GRPO group: above-mean rewards get positive advantages
         mean = sum(x["reward"] for x in first) / len(first)
-        assert all((x["advantage"] > 0) == (x["reward"] > mean) for x in first if x["reward"]
-                   != mean)
+        assert all(
+            (x["advantage"] > 0) == (x["reward"] > mean) for x in first if x["reward"] != mean
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_kill_9_under_torchrun_restarts_and_ends_bit_exact(recipe, tmp_path, clean):
     dump = tmp_path / "run"
-    out = _run(recipe, dump, "--checkpoint.interval=2", nproc=2, restarts=2,
-               env={"TANDEM_INJECT_KILL": "3:1"})
+    out = _run(
+        recipe,
+        dump,
+        "--checkpoint.interval=2",
+        nproc=2,
+        restarts=2,
+        env={"TANDEM_INJECT_KILL": "3:1"},
+    )
     assert (dump / "fault" / "killed-step-3-rank-1").is_file()  # it really died once
     assert "at step 2" in out, out[-2000:]  # and resumed from the step-2 checkpoint
     ref = clean(recipe, 2)
@@ -160,13 +218,23 @@ def test_kill_9_under_torchrun_restarts_and_ends_bit_exact(recipe, tmp_path, cle
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_nan_skip_keeps_the_lr_schedule_and_stop_exits_7(recipe, tmp_path, clean):
     dump = tmp_path / "skip"
-    _run(recipe, dump, "--fault.on_nonfinite=skip", "--checkpoint.enable=false",
-         env={"TANDEM_INJECT_NAN": "2"})
+    _run(
+        recipe,
+        dump,
+        "--fault.on_nonfinite=skip",
+        "--checkpoint.enable=false",
+        env={"TANDEM_INJECT_NAN": "2"},
+    )
     rows, ref = _rows(dump), _rows(clean(recipe, 1))
     assert [r["fault/skipped_updates"] for r in rows] == [0, 1, 1, 1]
     assert [r["lr"] for r in rows] == [r["lr"] for r in ref]  # the same schedule, step for step
     # step 2 really changed nothing
     assert rows[0]["loss"] == ref[0]["loss"] and rows[2]["loss"] != ref[2]["loss"]
-    out = _run(recipe, tmp_path / "stop", "--checkpoint.enable=false",
-               env={"TANDEM_INJECT_NAN": "2"}, status=7)
+    out = _run(
+        recipe,
+        tmp_path / "stop",
+        "--checkpoint.enable=false",
+        env={"TANDEM_INJECT_NAN": "2"},
+        status=7,
+    )
     assert "error:" in out and "step 2" in out, out[-2000:]

@@ -30,14 +30,29 @@ LAYOUTS = {"fsdp2": [], "tp2": ["--parallel.tp=2"], "pp2": ["--parallel.pp=2"]}
 
 
 def _run(dump: str, steps: int, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--model.path={POLICY}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
-           "--rl.prompts_per_step=16", "--rl.eval_prompts=16", "--rl.eval_samples=0",
-           "--training.eval_interval=0",
-           "--rl.epochs=2", "--rl.kl_coef=0.01", "--rl.kl_mode=reward", "--metrics.loggers=[]",
-           "--checkpoint.interval=100", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--model.path={POLICY}",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=16",
+        "--rl.eval_samples=0",
+        "--training.eval_interval=0",
+        "--rl.epochs=2",
+        "--rl.kl_coef=0.01",
+        "--rl.kl_mode=reward",
+        "--metrics.loggers=[]",
+        "--checkpoint.interval=100",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -59,7 +74,10 @@ def test_layouts_agree_and_checkpoints_move_between_them(tmp_path):
             # the same samples (rewards equal exactly), the same update up to reduction order
             assert a["reward/total"] == b["reward/total"], name
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (
-                name, a["grad_norm"], b["grad_norm"])
+                name,
+                a["grad_norm"],
+                b["grad_norm"],
+            )
             assert abs(a["kl"] - b["kl"]) <= 1e-3 * b["kl"] + 1e-9, (name, a["kl"], b["kl"])
             # generation copy == update layout (fp32): float noise on average; the max is one
             # rare token's rounding, which moves with the CPU's kernels
@@ -69,8 +87,9 @@ def test_layouts_agree_and_checkpoints_move_between_them(tmp_path):
         # out of each layout's updated shards: the same answers on every layout
         assert rows[-1]["eval/accuracy"] == ref[-1]["eval/accuracy"], name
         assert rows[-1]["reshard/gb"] > 0, name  # the gather into the generation copy is measured
-        assert (_worst_rel(_weights(str(tmp_path / name)),
-                           _weights(str(tmp_path / "fsdp2"))) < 1e-4), name
+        assert (
+            _worst_rel(_weights(str(tmp_path / name)), _weights(str(tmp_path / "fsdp2"))) < 1e-4
+        ), name
 
     # fsdp2's step-2 checkpoint loaded on tp2 / pp2 (nothing left to train): the same weights, bit
     # for bit
@@ -87,24 +106,47 @@ def test_layouts_agree_and_checkpoints_move_between_them(tmp_path):
         shutil.copytree(tmp_path / "pp2" / "checkpoints", dump / "checkpoints")
         cont[name] = _run(str(dump), 3, LAYOUTS[name])
         assert [r["step"] for r in cont[name]] == [3]
-    assert (_worst_rel(_weights(str(tmp_path / "from-pp2-fsdp2")),
-                       _weights(str(tmp_path / "from-pp2-pp2"))) < 1e-4)
+    assert (
+        _worst_rel(
+            _weights(str(tmp_path / "from-pp2-fsdp2")), _weights(str(tmp_path / "from-pp2-pp2"))
+        )
+        < 1e-4
+    )
 
 
 def _args(**kw) -> ModelArgs:
-    base = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
-                num_layers=2, num_heads=4, num_kv_heads=2)
+    base = dict(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
     return ModelArgs(**{**base, **kw})
 
 
-@pytest.mark.parametrize("degrees, schedule, needle", [
-    (Degrees(tp=4, dp_shard=1), "1F1B",
-     "parallel.tp: tensor parallel degree tp=4 must divide num_kv_heads=2"),
-    (Degrees(pp=4), "1F1B",
-     "parallel.pp: pipeline parallel pp=4 needs at least 4 layers, model has num_layers=2"),
-    (Degrees(pp=2), "Interleaved1F1B",
-     "parallel.pp: pipeline parallel pp=2 x 2 virtual stages needs at least 4 layers"),
-])
+@pytest.mark.parametrize(
+    "degrees, schedule, needle",
+    [
+        (
+            Degrees(tp=4, dp_shard=1),
+            "1F1B",
+            "parallel.tp: tensor parallel degree tp=4 must divide num_kv_heads=2",
+        ),
+        (
+            Degrees(pp=4),
+            "1F1B",
+            "parallel.pp: pipeline parallel pp=4 needs at least 4 layers, model has num_layers=2",
+        ),
+        (
+            Degrees(pp=2),
+            "Interleaved1F1B",
+            "parallel.pp: pipeline parallel pp=2 x 2 virtual stages needs at least 4 layers",
+        ),
+    ],
+)
 def test_bad_layout_is_one_config_error_line(degrees, schedule, needle):
     with pytest.raises(ConfigError) as e:
         check_layout(_args(), degrees, schedule)

@@ -37,30 +37,51 @@ def _samples(n=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        p = (torch.randint(0, 300, (int(torch.randint(3, 12, (1,), generator=g)),),
-                           generator=g).tolist())
-        c = (torch.randint(0, 300, (int(torch.randint(1, 9, (1,), generator=g)),),
-                           generator=g).tolist())
+        p = torch.randint(
+            0, 300, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g
+        ).tolist()
+        c = torch.randint(
+            0, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g
+        ).tolist()
         mask = [bool(x) for x in torch.rand(len(c), generator=g).lt(0.8).tolist()]
-        out.append(RolloutSample(group=i // 2, prompt_ids=p, completion_ids=c, loss_mask=mask,
-                                 gen_logprobs=[-1.0] * len(c), finish_reason="stop", text="",
-                                 row={}))
+        out.append(
+            RolloutSample(
+                group=i // 2,
+                prompt_ids=p,
+                completion_ids=c,
+                loss_mask=mask,
+                gen_logprobs=[-1.0] * len(c),
+                finish_reason="stop",
+                text="",
+                row={},
+            )
+        )
     return out
 
 
-@pytest.mark.parametrize("aggregation",
-                         ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
 def test_micro_batch_split_gives_same_gradients(aggregation):
     model = load_model(POLICY)
     samples = _samples()
     mask, gen, width = completion_tensors(samples, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
-    inp = LossInputs(mask=mask, old_logp=-torch.rand(mask.shape, generator=g),
-                     advantages=torch.randn(mask.shape, generator=g), gen_logp=gen, ref_logp=None)
-    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"),
-                    policy_cfg=PolicyLossConfig(),
-                    aggregation=AGGREGATIONS.get(aggregation), kl_estimator=None, kl_coef=0.0,
-                    entropy_coef=0.01)
+    inp = LossInputs(
+        mask=mask,
+        old_logp=-torch.rand(mask.shape, generator=g),
+        advantages=torch.randn(mask.shape, generator=g),
+        gen_logp=gen,
+        ref_logp=None,
+    )
+    spec = LossSpec(
+        policy_loss=POLICY_LOSSES.get("ppo_clip"),
+        policy_cfg=PolicyLossConfig(),
+        aggregation=AGGREGATIONS.get(aggregation),
+        kl_estimator=None,
+        kl_coef=0.0,
+        entropy_coef=0.01,
+    )
     norm = make_norm(mask, constant=8.0)
     grads = []
     for budget in (10_000, 25, 1):  # one micro-batch, a few, one sequence each
@@ -84,16 +105,29 @@ def _group_samples(prompts=3, n=4, seed=3):
     g = torch.Generator().manual_seed(seed)
     out = []
     for k in range(prompts):
-        p = (torch.randint(0, 300, (int(torch.randint(3, 30, (1,), generator=g)),),
-                           generator=g).tolist())
+        p = torch.randint(
+            0, 300, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g
+        ).tolist()
         for j in range(n):
-            c = torch.randint(0, 300,
-                              (1 if j == 0 else int(torch.randint(2, 10, (1,), generator=g)),),
-                              generator=g).tolist()
+            c = torch.randint(
+                0,
+                300,
+                (1 if j == 0 else int(torch.randint(2, 10, (1,), generator=g)),),
+                generator=g,
+            ).tolist()
             mask = [bool(x) for x in torch.rand(len(c), generator=g).lt(0.8).tolist()]
-            out.append(RolloutSample(group=k, prompt_ids=p, completion_ids=c, loss_mask=mask,
-                                     gen_logprobs=[-1.0] * len(c), finish_reason="stop", text="",
-                                     row={}))
+            out.append(
+                RolloutSample(
+                    group=k,
+                    prompt_ids=p,
+                    completion_ids=c,
+                    loss_mask=mask,
+                    gen_logprobs=[-1.0] * len(c),
+                    finish_reason="stop",
+                    text="",
+                    row={},
+                )
+            )
     return out
 
 
@@ -105,12 +139,21 @@ def test_shared_prompt_packing_gives_same_logprobs_and_gradients():
     order = [5, 0, 9, 3, 11, 1, 6, 2, 10, 4, 8, 7]  # groups interleaved: the packer regroups them
     mask, gen, width = completion_tensors(samples, torch.device("cpu"))
     g = torch.Generator().manual_seed(4)
-    inp = LossInputs(mask=mask, old_logp=-torch.rand(mask.shape, generator=g),
-                     advantages=torch.randn(mask.shape, generator=g), gen_logp=gen, ref_logp=None)
-    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"),
-                    policy_cfg=PolicyLossConfig(),
-                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0,
-                    entropy_coef=0.01)
+    inp = LossInputs(
+        mask=mask,
+        old_logp=-torch.rand(mask.shape, generator=g),
+        advantages=torch.randn(mask.shape, generator=g),
+        gen_logp=gen,
+        ref_logp=None,
+    )
+    spec = LossSpec(
+        policy_loss=POLICY_LOSSES.get("ppo_clip"),
+        policy_cfg=PolicyLossConfig(),
+        aggregation=AGGREGATIONS.get("token_mean"),
+        kl_estimator=None,
+        kl_coef=0.0,
+        entropy_coef=0.01,
+    )
     norm = make_norm(mask, constant=8.0)
     results = []
     for share, budget in ((False, 10_000), (True, 10_000), (True, 40)):
@@ -126,8 +169,15 @@ def test_shared_prompt_packing_gives_same_logprobs_and_gradients():
                 lp, _ = token_logprobs(model, mb, with_entropy=False)
                 logp[mb.rows] = scatter_completions(lp, mb, width)
         tokens = sum(int((mb.doc_ids >= 0).sum()) for mb in mbs)
-        results.append((total, logp, torch.cat([p.grad.flatten() for p in model.parameters()]),
-                        tokens, len(mbs)))
+        results.append(
+            (
+                total,
+                logp,
+                torch.cat([p.grad.flatten() for p in model.parameters()]),
+                tokens,
+                len(mbs),
+            )
+        )
     (l0, lp0, g0, t0, _), (l1, lp1, g1, t1, n1), (l2, lp2, g2, t2, n2) = results
     prompt_tokens = sum(len(s.prompt_ids) for s in samples[::4])
     assert t1 == t0 - 3 * prompt_tokens  # each group of 4 holds its prompt once instead of 4 times
@@ -142,21 +192,40 @@ def test_packing_layouts_have_no_padding_where_segments_attend():
     """Units that share rows are laid end to end in one row (its length their total, rounded up
     to ``multiple``); unshared units that each need a row of their own stay padded causal rows."""
     samples = _group_samples()
-    units = [len(samples[4 * k].prompt_ids)
-             + sum(len(s.completion_ids) - 1 for s in samples[4 * k:4 * k + 4]) for k in range(3)]
+    units = [
+        len(samples[4 * k].prompt_ids)
+        + sum(len(s.completion_ids) - 1 for s in samples[4 * k : 4 * k + 4])
+        for k in range(3)
+    ]
     # rows as long as the longest unit would need two or three
     assert sum(sorted(units)[:2]) > max(units)
     total = sum(units)
     for multiple in (1, 4):
-        (mb,) = pack_micro_batches(samples, list(range(12)), 10_000, torch.device("cpu"),
-                                   multiple=multiple, share_prompts=True)
-        assert (mb.tokens.shape == (1, -(-total // multiple) * multiple)
-                and mb.seg_gather is not None)
+        (mb,) = pack_micro_batches(
+            samples,
+            list(range(12)),
+            10_000,
+            torch.device("cpu"),
+            multiple=multiple,
+            share_prompts=True,
+        )
+        assert (
+            mb.tokens.shape == (1, -(-total // multiple) * multiple) and mb.seg_gather is not None
+        )
         assert int((mb.doc_ids >= 0).sum()) == total and bool((mb.doc_ids[0, :total] >= 0).all())
-    long = [RolloutSample(group=i, prompt_ids=[7] * (5 + i), completion_ids=[3] * 6,
-                          loss_mask=[True] * 6,
-                          gen_logprobs=[-1.0] * 6, finish_reason="stop", text="", row={})
-            for i in range(3)]
+    long = [
+        RolloutSample(
+            group=i,
+            prompt_ids=[7] * (5 + i),
+            completion_ids=[3] * 6,
+            loss_mask=[True] * 6,
+            gen_logprobs=[-1.0] * 6,
+            finish_reason="stop",
+            text="",
+            row={},
+        )
+        for i in range(3)
+    ]
     # no two fit in a 12-token row
     (mb,) = pack_micro_batches(long, [0, 1, 2], 10_000, torch.device("cpu"))
     assert mb.one_per_row and mb.tokens.shape == (3, 12) and mb.seg_gather is None
@@ -175,8 +244,10 @@ def test_token_logprobs_match_full_logits_with_gradients():
     g = torch.Generator().manual_seed(2)
     for mb in mbs:
         width = max(len(samples[i].completion_ids) for i in mb.rows)
-        a, b = (torch.randn(len(mb.rows), width, generator=g),
-                torch.randn(len(mb.rows), width, generator=g))
+        a, b = (
+            torch.randn(len(mb.rows), width, generator=g),
+            torch.randn(len(mb.rows), width, generator=g),
+        )
         model.zero_grad()
         logp, ent = token_logprobs(model, mb, with_entropy=True, chunk_tokens=3)
         logp, ent = scatter_completions(logp, mb, width), scatter_completions(ent, mb, width)
@@ -185,34 +256,53 @@ def test_token_logprobs_match_full_logits_with_gradients():
 
         model.zero_grad()
         # [B*S, V]
-        logits = (model(mb.tokens, positions=mb.positions,
-                        attn=DocumentAttention(mb.doc_ids)).flatten(0, 1))
+        logits = model(
+            mb.tokens, positions=mb.positions, attn=DocumentAttention(mb.doc_ids)
+        ).flatten(0, 1)
         full = torch.log_softmax(logits, dim=-1)
         want_lp, want_ent = torch.zeros(len(mb.rows), width), torch.zeros(len(mb.rows), width)
         for r, (start, n) in enumerate(mb.offsets):
             i = samples[mb.rows[r]]
-            want_lp[r, :n] = (full[start:start
-                                   + n].gather(-1, torch.tensor(i.completion_ids)[:, None])[:, 0])
-            want_ent[r, :n] = -(full[start:start + n].exp() * full[start:start + n]).sum(-1)
+            want_lp[r, :n] = full[start : start + n].gather(
+                -1, torch.tensor(i.completion_ids)[:, None]
+            )[:, 0]
+            want_ent[r, :n] = -(full[start : start + n].exp() * full[start : start + n]).sum(-1)
         ((a * want_lp).sum() + (b * want_ent).sum()).backward()
         torch.testing.assert_close(logp, want_lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
         for (name, p), gp in zip(model.named_parameters(), got):
             # fp32 sums in another order: 1e-4 of the norm
             assert (gp - p.grad).norm() <= 1e-4 * p.grad.norm(), (
-                name, (gp - p.grad).norm() / p.grad.norm())
+                name,
+                (gp - p.grad).norm() / p.grad.norm(),
+            )
 
 
 def _run(dump, steps, extra=()):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "quickstart.toml"),
-           f"--model.path={POLICY}", f"--job.dump_folder={dump}", f"--training.steps={steps}",
-           "--reward.functions=exact_match,test_raise", "--reward.weights=1,0",
-           "--reward.modules=tests.reward_helpers", "--rl.prompts_per_step=16",
-           "--rl.eval_prompts=8",
-           "--optimizer.lr=5e-4", "--lr_schedule.warmup_steps=2", "--checkpoint.interval=4",
-           "--metrics.loggers=[]", "--training.eval_interval=0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.toml"),
+        f"--model.path={POLICY}",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--reward.functions=exact_match,test_raise",
+        "--reward.weights=1,0",
+        "--reward.modules=tests.reward_helpers",
+        "--rl.prompts_per_step=16",
+        "--rl.eval_prompts=8",
+        "--optimizer.lr=5e-4",
+        "--lr_schedule.warmup_steps=2",
+        "--checkpoint.interval=4",
+        "--metrics.loggers=[]",
+        "--training.eval_interval=0",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

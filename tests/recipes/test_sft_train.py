@@ -19,21 +19,36 @@ def _write_data(path):
     with open(path, "w") as f:
         for _ in range(48):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            msgs = [{"role": "user", "content": f"{a}+{b}="},
-                    {"role": "assistant", "content": str(a + b)}]
+            msgs = [
+                {"role": "user", "content": f"{a}+{b}="},
+                {"role": "assistant", "content": str(a + b)},
+            ]
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
 def _train(dump, data, nproc=2, extra=()):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "train.py"), "--model.flavor=debug-qwen3",
-           "--model.tokenizer=builtin:char",
-           f"--data.path={data}", "--data.max_length=128", "--training.steps=6",
-           "--training.batch_size=4",
-           "--training.micro_batch_size=1", "--optimizer.lr=3e-3", "--lr_schedule.warmup_steps=2",
-           "--checkpoint.interval=3", "--checkpoint.keep_last=2", "--metrics.loggers=[]",
-           f"--job.dump_folder={dump}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(ROOT, "train.py"),
+        "--model.flavor=debug-qwen3",
+        "--model.tokenizer=builtin:char",
+        f"--data.path={data}",
+        "--data.max_length=128",
+        "--training.steps=6",
+        "--training.batch_size=4",
+        "--training.micro_batch_size=1",
+        "--optimizer.lr=3e-3",
+        "--lr_schedule.warmup_steps=2",
+        "--checkpoint.interval=3",
+        "--checkpoint.keep_last=2",
+        "--metrics.loggers=[]",
+        f"--job.dump_folder={dump}",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]

@@ -36,8 +36,12 @@ from tests.fixtures import (
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG_TAIL = {"TANDEM_INJECT_LENGTHS": "1.2:2:40", "TANDEM_INJECT_GEN_DELAY": "0:0.003"}
 SPLIT = ("--rollout.mode=split", "--rollout.gen_ranks=1")
-STALE = ("--rollout.max_tokens=40", "--rollout.suspended_kv=recompute",
-         "--checkpoint.interval=2", "--checkpoint.keep_last=3")
+STALE = (
+    "--rollout.max_tokens=40",
+    "--rollout.suspended_kv=recompute",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep_last=3",
+)
 
 
 def _cmd(dump, steps, nproc, restarts=4):
@@ -49,8 +53,14 @@ def _env(env):
 
 
 def _run(dump, *extra, env=None, steps=4, nproc=3):
-    r = subprocess.run([*_cmd(dump, steps, nproc), *extra], cwd=ROOT, env=_env(env),
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [*_cmd(dump, steps, nproc), *extra],
+        cwd=ROOT,
+        env=_env(env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
 
@@ -58,19 +68,28 @@ def _run(dump, *extra, env=None, steps=4, nproc=3):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("split")
-    return {"sync": (base / "sync", _run(base / "sync", "--rl.exact=true", nproc=2)),
-            "s0": (base / "s0", _run(base / "s0", "--rl.exact=true", *SPLIT)),
-            "s1": (base / "s1", _run(base / "s1", *SPLIT, "--rollout.max_staleness=1", *STALE,
-                                     env=LONG_TAIL, steps=6)),
-            "s2": (base / "s2", _run(base / "s2", *SPLIT, "--rollout.max_staleness=2", *STALE,
-                                     env=LONG_TAIL, steps=6))}
+    return {
+        "sync": (base / "sync", _run(base / "sync", "--rl.exact=true", nproc=2)),
+        "s0": (base / "s0", _run(base / "s0", "--rl.exact=true", *SPLIT)),
+        "s1": (
+            base / "s1",
+            _run(base / "s1", *SPLIT, "--rollout.max_staleness=1", *STALE, env=LONG_TAIL, steps=6),
+        ),
+        "s2": (
+            base / "s2",
+            _run(base / "s2", *SPLIT, "--rollout.max_staleness=2", *STALE, env=LONG_TAIL, steps=6),
+        ),
+    }
 
 
 @pytest.mark.slow
 def test_staleness_zero_split_reproduces_the_synchronous_run(runs):
-    assert_same_as_synchronous(runs["sync"], runs["s0"], 4 * 16 * 8,
-                               ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean",
-                                "accuracy"))
+    assert_same_as_synchronous(
+        runs["sync"],
+        runs["s0"],
+        4 * 16 * 8,
+        ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean", "accuracy"),
+    )
 
 
 def _bound_held(dump, s, steps):
@@ -114,7 +133,8 @@ def test_after_every_sync_the_generator_holds_the_trainers_weights(runs):
     dump, rows = runs["s1"]
     for step in (2, 4, 6):  # the weights each checkpoint saved are those the step's sync sent
         assert rows[step - 1]["split/sync_checksum"] == _checksum(
-            str(dump / "checkpoints" / f"step-{step}"))
+            str(dump / "checkpoints" / f"step-{step}")
+        )
     assert len({r["split/sync_checksum"] for r in rows}) == 6  # a new version every step
 
 
@@ -122,9 +142,14 @@ def test_after_every_sync_the_generator_holds_the_trainers_weights(runs):
 @pytest.mark.parametrize("rank", [0, 2])  # the generator, a trainer
 def test_kill_minus_9_of_either_side_trains_every_prompt_once(tmp_path, rank):
     dump = tmp_path / "killed"
-    r = subprocess.run([*_cmd(dump, 6, 3), *SPLIT, "--rollout.max_staleness=1", *STALE],
-                       cwd=ROOT, env=_env({**LONG_TAIL, "TANDEM_INJECT_KILL": f"5:{rank}"}),
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [*_cmd(dump, 6, 3), *SPLIT, "--rollout.max_staleness=1", *STALE],
+        cwd=ROOT,
+        env=_env({**LONG_TAIL, "TANDEM_INJECT_KILL": f"5:{rank}"}),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (dump / "fault" / f"killed-step-5-rank-{rank}").is_file(), r.stdout[-2000:]
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout[-2000:]
@@ -152,9 +177,14 @@ def test_a_hung_generator_fails_within_the_watchdog_limit(tmp_path):
     trainers' watchdogs end the run within fault.hang_timeout_s, long before the process
     groups' 600 s timeout."""
     dump = tmp_path / "hung"
-    p = subprocess.Popen([*_cmd(dump, 8, 3, restarts=0), *SPLIT, "--fault.hang_timeout_s=15"],
-                         cwd=ROOT, env=_env({}), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [*_cmd(dump, 8, 3, restarts=0), *SPLIT, "--fault.hang_timeout_s=15"],
+        cwd=ROOT,
+        env=_env({}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     stopped = None
     try:
         for line in p.stdout:
@@ -190,16 +220,19 @@ def _config(*overrides):
     return load_config(path, ["rollout.mode=split", "rollout.gen_ranks=1", *overrides])
 
 
-@pytest.mark.parametrize("override, line", [
-    ("parallel.tp=2", "parallel.tp: 2 with rollout.mode = 'split' has not run yet"),
-    ("parallel.pp=2", "parallel.pp: 2 with rollout.mode = 'split' has not run yet"),
-    ("parallel.dp_replicate=2", "parallel.dp_replicate: 2 with rollout.mode = 'split'"),
-    ("rollout.tp=2", "rollout.tp: 2 with rollout.mode = 'split' has not run yet"),
-    ("rl.kl_coef=0.1", "rl.kl_coef (a reference model): rollout.mode = 'split' has not run"),
-    ("rl.advantage=gae", "rl.advantage (a critic): rollout.mode = 'split' has not run"),
-    ("rl.dynamic_sampling=true", "rl.dynamic_sampling: rollout.mode = 'split' has not run"),
-    ("rollout.gen_ranks=3", "rollout.gen_ranks: 3 leaves no trainer rank of the 3"),
-])
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("parallel.tp=2", "parallel.tp: 2 with rollout.mode = 'split' has not run yet"),
+        ("parallel.pp=2", "parallel.pp: 2 with rollout.mode = 'split' has not run yet"),
+        ("parallel.dp_replicate=2", "parallel.dp_replicate: 2 with rollout.mode = 'split'"),
+        ("rollout.tp=2", "rollout.tp: 2 with rollout.mode = 'split' has not run yet"),
+        ("rl.kl_coef=0.1", "rl.kl_coef (a reference model): rollout.mode = 'split' has not run"),
+        ("rl.advantage=gae", "rl.advantage (a critic): rollout.mode = 'split' has not run"),
+        ("rl.dynamic_sampling=true", "rl.dynamic_sampling: rollout.mode = 'split' has not run"),
+        ("rollout.gen_ranks=3", "rollout.gen_ranks: 3 leaves no trainer rank of the 3"),
+    ],
+)
 def test_split_mode_refuses_what_it_has_not_run_in_one_line(override, line):
     with pytest.raises(ConfigError) as e:
         check_split_settings(_config(override), 3)
@@ -223,8 +256,9 @@ def test_quickstart_split_learns(tmp_path):
     The timing of each sync decides which tokens a version samples, so runs differ: 0.93 to
     0.978 in nine runs (docs/async.md). S = 0 is the synchronous run bit for bit (the test
     above), so its learning needs no run of its own."""
-    rows, out = train_run(os.path.join(ROOT, "configs", "quickstart_split.toml"), tmp_path / "qs",
-                          3, timeout=1200)
+    rows, out = train_run(
+        os.path.join(ROOT, "configs", "quickstart_split.toml"), tmp_path / "qs", 3, timeout=1200
+    )
     end = held_out_end(out, "0.527")
     assert end >= 0.9, end
     assert max(row["async/staleness_max"] for row in rows) == 1

@@ -19,23 +19,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _train(dump, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args, "--training.steps=1",
-           "--checkpoint.enable=false", "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        *args,
+        "--training.steps=1",
+        "--checkpoint.enable=false",
+        "--metrics.loggers=[]",
+        f"--job.dump_folder={dump}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_sft_refuses_lora_on_a_vision_language_model(tmp_path):
     folder = write_hf_vlm(tmp_path / "vlm", seed=3)
-    r = _train(tmp_path / "run", "--training.recipe=sft", f"--model.path={folder}",
-               "--data.path=synthetic:shapes", "--lora.rank=4")
+    r = _train(
+        tmp_path / "run",
+        "--training.recipe=sft",
+        f"--model.path={folder}",
+        "--data.path=synthetic:shapes",
+        "--lora.rank=4",
+    )
     assert r.returncode == errors.EXIT_CONFIG, r.stdout[-2000:] + r.stderr[-3000:]
     assert "lora: a vision-language model trains without LoRA adapters" in r.stderr + r.stdout
 
 
 def test_rl_refuses_lora_and_fp8_kv_on_a_vision_language_policy(tmp_path):
-    r = _train(tmp_path / "run", "--config", os.path.join(ROOT, "configs", "quickstart_vlm.toml"),
-               "--lora.rank=4", "--rollout.kv_dtype=fp8_e4m3")
+    r = _train(
+        tmp_path / "run",
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart_vlm.toml"),
+        "--lora.rank=4",
+        "--rollout.kv_dtype=fp8_e4m3",
+    )
     assert r.returncode == errors.EXIT_CONFIG, r.stdout[-2000:] + r.stderr[-3000:]
     assert "a vision-language policy trains with FSDP2" in r.stderr + r.stdout
     assert "not with rollout.kv_dtype = 'fp8_e4m3', lora" in r.stderr + r.stdout

@@ -45,19 +45,38 @@ def test_vlm_rl_two_ranks_images_on_one_exact(tmp_path, train_vision):
     train.write_text("".join(json.dumps(r) + "\n" for r in _rows(tmp_path, 8)))
     evals.write_text("".join(json.dumps(r) + "\n" for r in _rows(tmp_path, 4)))
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "train.py"), "--training.recipe=rl", f"--model.path={folder}",
-           f"--model.train_vision={str(train_vision).lower()}",
-           f"--data.path={train}", f"--data.eval_path={evals}", "--data.shuffle=false",
-           "--data.max_length=192",
-           "--training.steps=3", "--training.eval_interval=0", "--rl.prompts_per_step=2",
-           "--rl.num_samples=3",
-           "--rl.eval_prompts=4", "--rl.eval_samples=1", "--rl.exact=true",
-           "--rollout.max_tokens=5",
-           "--rollout.kv_cache_gb=0.01", "--reward.functions=test_len",
-           "--reward.modules=tests.reward_helpers", "--reward.num_workers=1",
-           "--optimizer.lr=1e-2", "--lr_schedule.warmup_steps=0", "--checkpoint.enable=false",
-           "--metrics.loggers=[]", f"--job.dump_folder={dump}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "train.py"),
+        "--training.recipe=rl",
+        f"--model.path={folder}",
+        f"--model.train_vision={str(train_vision).lower()}",
+        f"--data.path={train}",
+        f"--data.eval_path={evals}",
+        "--data.shuffle=false",
+        "--data.max_length=192",
+        "--training.steps=3",
+        "--training.eval_interval=0",
+        "--rl.prompts_per_step=2",
+        "--rl.num_samples=3",
+        "--rl.eval_prompts=4",
+        "--rl.eval_samples=1",
+        "--rl.exact=true",
+        "--rollout.max_tokens=5",
+        "--rollout.kv_cache_gb=0.01",
+        "--reward.functions=test_len",
+        "--reward.modules=tests.reward_helpers",
+        "--reward.num_workers=1",
+        "--optimizer.lr=1e-2",
+        "--lr_schedule.warmup_steps=0",
+        "--checkpoint.enable=false",
+        "--metrics.loggers=[]",
+        f"--job.dump_folder={dump}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -76,6 +95,7 @@ def test_vlm_rl_two_ranks_images_on_one_exact(tmp_path, train_vision):
     src, got = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
     tower = [k for k in src if k.startswith("visual.")]
     assert all(torch.equal(src[k], got[k]) for k in tower) != train_vision
-    assert not torch.equal(src["model.layers.0.mlp.up_proj.weight"],
-                           got["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        src["model.layers.0.mlp.up_proj.weight"], got["model.layers.0.mlp.up_proj.weight"]
+    )
     hf_vlm_reference(out)  # transformers loads the export

@@ -27,22 +27,43 @@ def _run(folder, steps, evals, lr):
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for s in range(1, steps + 1):
-            row = {"step": s, "reward/total": s / 10, "reward/exact_match/mean": s / 10,
-                   "entropy": 1 / s, "lr": lr,
-                   "kl": 0.01 * s, "clip_frac": 0.0, "grad_norm": 2.0, "gap/abs_mean": 1e-7,
-                   "loss": 0.1,
-                   "response/length_mean": 3.0, "response/length_max": 5.0, "time/rollout_s": 0.1,
-                   "update/tokens_per_s": 900.0, "memory/update_peak_gb": 0.5,
-                   "dynamic/rounds": 1.0}
+            row = {
+                "step": s,
+                "reward/total": s / 10,
+                "reward/exact_match/mean": s / 10,
+                "entropy": 1 / s,
+                "lr": lr,
+                "kl": 0.01 * s,
+                "clip_frac": 0.0,
+                "grad_norm": 2.0,
+                "gap/abs_mean": 1e-7,
+                "loss": 0.1,
+                "response/length_mean": 3.0,
+                "response/length_max": 5.0,
+                "time/rollout_s": 0.1,
+                "update/tokens_per_s": 900.0,
+                "memory/update_peak_gb": 0.5,
+                "dynamic/rounds": 1.0,
+            }
             if s in evals:
                 row["eval/accuracy"] = 0.5 + s / 100
             f.write(json.dumps(row) + "\n")
     log = SampleLog(folder, per_step=3, enabled=True)
     for s in range(1, steps + 1):
-        log.log(s,
-                [{"prompt": f"{s}+{i}=", "completion": KNOWN if (s, i) == (6, 2) else f"{s + i}!",
-                     "reward": float(i % 2), "rewards": {"exact_match": float(i % 2)},
-                  "advantage": i - 1.0, "finish_reason": "stop"} for i in range(3)])
+        log.log(
+            s,
+            [
+                {
+                    "prompt": f"{s}+{i}=",
+                    "completion": KNOWN if (s, i) == (6, 2) else f"{s + i}!",
+                    "reward": float(i % 2),
+                    "rewards": {"exact_match": float(i % 2)},
+                    "advantage": i - 1.0,
+                    "finish_reason": "stop",
+                }
+                for i in range(3)
+            ],
+        )
 
 
 @pytest.fixture
@@ -53,8 +74,9 @@ def two_runs(tmp_path):
 
 
 def _figures(page: str) -> dict:
-    blob = (re.search(r'<script type="application/json" id="figures-data">(.*?)</script>', page,
-                      re.S).group(1))
+    blob = re.search(
+        r'<script type="application/json" id="figures-data">(.*?)</script>', page, re.S
+    ).group(1)
     return json.loads(blob)
 
 
@@ -64,25 +86,42 @@ def test_page_holds_every_run_and_panel(two_runs, capsys):
     page = out.read_text()
     figs = _figures(page)
     ev = figs["fig-held-out-eval"]["data"]
-    assert [(t["name"], t["x"], t["y"]) for t in ev] == [("alpha", [3, 6, 9], [0.53, 0.56, 0.59]),
-                                                         ("beta", [3, 6], [0.53, 0.56])]
-    for fid in ("fig-reward", "fig-reward-per-function", "fig-response-length-tokens",
-                "fig-entropy",
-                "fig-kl-to-the-reference", "fig-clip-fraction", "fig-train-generation-log-prob-gap",
-                "fig-grad-norm",
-                "fig-learning-rate", "fig-loss", "fig-phase-times", "fig-throughput",
-                "fig-peak-memory-per-phase", "fig-length-distribution", "fig-other"):
+    assert [(t["name"], t["x"], t["y"]) for t in ev] == [
+        ("alpha", [3, 6, 9], [0.53, 0.56, 0.59]),
+        ("beta", [3, 6], [0.53, 0.56]),
+    ]
+    for fid in (
+        "fig-reward",
+        "fig-reward-per-function",
+        "fig-response-length-tokens",
+        "fig-entropy",
+        "fig-kl-to-the-reference",
+        "fig-clip-fraction",
+        "fig-train-generation-log-prob-gap",
+        "fig-grad-norm",
+        "fig-learning-rate",
+        "fig-loss",
+        "fig-phase-times",
+        "fig-throughput",
+        "fig-peak-memory-per-phase",
+        "fig-length-distribution",
+        "fig-other",
+    ):
         assert fid in figs and f'id="{fid}"' in page, fid
     assert figs["fig-learning-rate"]["data"][1]["y"] == [1e-3] * 6
     menu = figs["fig-other"]["menu"]  # dynamic/rounds, in the menu the page's script builds
-    assert (menu["keys"] == ["dynamic/rounds"] and [r["name"] for r in menu["runs"]]
-            == ["alpha", "beta"])
-    assert [(j, i, x, y) for j, i, x, y in menu["series"]] == [(0, 0, list(range(1, 10)),
-                                                                [1.0] * 9),
-                                                               (0, 1, list(range(1, 7)), [1.0] * 6)]
+    assert menu["keys"] == ["dynamic/rounds"] and [r["name"] for r in menu["runs"]] == [
+        "alpha",
+        "beta",
+    ]
+    assert [(j, i, x, y) for j, i, x, y in menu["series"]] == [
+        (0, 0, list(range(1, 10)), [1.0] * 9),
+        (0, 1, list(range(1, 7)), [1.0] * 6),
+    ]
     # self-contained: no script, style sheet or image is fetched
-    assert (not re.search(r"<(script|img|iframe)[^>]+src=", page)
-            and not re.search(r"<link[^>]+href=", page))
+    assert not re.search(r"<(script|img|iframe)[^>]+src=", page) and not re.search(
+        r"<link[^>]+href=", page
+    )
     # the sample text is JSON inside a script, "<" escaped, never raw markup
     assert KNOWN not in page
     assert 'The answer is \\u003c/script>\\u003c!-- \\u003c42> & \\"done\\"' in page
@@ -90,45 +129,72 @@ def test_page_holds_every_run_and_panel(two_runs, capsys):
 
 def test_metric_option_adds_a_panel(two_runs):
     out = two_runs / "r.html"
-    assert (report_main([str(two_runs / "alpha"), "--metric", "dynamic/rounds", "--out", str(out)])
-            == 0)
+    assert (
+        report_main([str(two_runs / "alpha"), "--metric", "dynamic/rounds", "--out", str(out)]) == 0
+    )
     assert _figures(out.read_text())["fig-dynamic-rounds"]["data"][0]["y"] == [1.0] * 9
 
 
 ROW = json.dumps({"step": 1, "loss": 1.0}) + "\n"
 BAD_FILES = {  # case -> (file, its text, the message after "error: <folder>/<file>")
-    "metrics_not_json": ("metrics.jsonl", ROW + "not json\n" + ROW,
-                         ":2: not JSON (Expecting value"),
-    "metrics_deep": ("metrics.jsonl", "[" * 100_000 + "]" * 100_000 + "\n",
-                     ":1: JSON nested too deeply"),
-    "metrics_no_step": ("metrics.jsonl", ROW + '{"step": true}\n',
-                        ':2: not a metrics row (a JSON object ' 'with an integer "step")'),
+    "metrics_not_json": (
+        "metrics.jsonl",
+        ROW + "not json\n" + ROW,
+        ":2: not JSON (Expecting value",
+    ),
+    "metrics_deep": (
+        "metrics.jsonl",
+        "[" * 100_000 + "]" * 100_000 + "\n",
+        ":1: JSON nested too deeply",
+    ),
+    "metrics_no_step": (
+        "metrics.jsonl",
+        ROW + '{"step": true}\n',
+        ':2: not a metrics row (a JSON object with an integer "step")',
+    ),
     "samples_not_json": ("samples.jsonl", "garbage\n", ":1: not JSON (Expecting value"),
-    "samples_shape": ("samples.jsonl", '{"step": 1, "samples": [{"completion": 3}]}\n',
-                      ':1: not a samples step (a JSON object with an integer "step" and a '
-                      'list "samples" of objects)'),
+    "samples_shape": (
+        "samples.jsonl",
+        '{"step": 1, "samples": [{"completion": 3}]}\n',
+        ':1: not a samples step (a JSON object with an integer "step" and a '
+        'list "samples" of objects)',
+    ),
     "study_garbage": ("study.db", "not a database " * 100, ": not a readable Optuna study ("),
 }
 
 
-@pytest.mark.parametrize("case, status, message", [
-    ("empty", 3, "an empty folder: not a run's dump folder nor a tandem-sweep study"),
-    ("missing", 3, "no such folder"),
-    ("no_metrics", 3, "no metrics.jsonl and no study.db"),
-    ("unknown_metric", 4, "--metric 'eval/acc': no run logged it; did you mean 'eval/accuracy'?"),
-    ("no_paths", 2, "give at least one run or study folder"),
-    ("out_folder", 2, "r.html: a folder; give the HTML file's path"),
-    ("out_proc", 2,
-     "--out /proc/tandem-report.html: cannot be written (No such file or directory)"),
-    *[(case, 3, message) for case, (_, _, message) in BAD_FILES.items()],
-])
+@pytest.mark.parametrize(
+    "case, status, message",
+    [
+        ("empty", 3, "an empty folder: not a run's dump folder nor a tandem-sweep study"),
+        ("missing", 3, "no such folder"),
+        ("no_metrics", 3, "no metrics.jsonl and no study.db"),
+        (
+            "unknown_metric",
+            4,
+            "--metric 'eval/acc': no run logged it; did you mean 'eval/accuracy'?",
+        ),
+        ("no_paths", 2, "give at least one run or study folder"),
+        ("out_folder", 2, "r.html: a folder; give the HTML file's path"),
+        (
+            "out_proc",
+            2,
+            "--out /proc/tandem-report.html: cannot be written (No such file or directory)",
+        ),
+        *[(case, 3, message) for case, (_, _, message) in BAD_FILES.items()],
+    ],
+)
 def test_bad_inputs_one_line_and_status(two_runs, capsys, case, status, message):
     (two_runs / "empty").mkdir()
     (two_runs / "no_metrics").mkdir()
     (two_runs / "no_metrics" / "train.log").write_text("x")
-    args = {"empty": [str(two_runs / "empty")], "missing": [str(two_runs / "nope")],
-            "no_metrics": [str(two_runs / "no_metrics")], "no_paths": [],
-            "unknown_metric": [str(two_runs / "alpha"), "--metric", "eval/acc"]}.get(case, [])
+    args = {
+        "empty": [str(two_runs / "empty")],
+        "missing": [str(two_runs / "nope")],
+        "no_metrics": [str(two_runs / "no_metrics")],
+        "no_paths": [],
+        "unknown_metric": [str(two_runs / "alpha"), "--metric", "eval/acc"],
+    }.get(case, [])
     out = two_runs / "r.html"
     if case == "out_folder":
         out.mkdir()
@@ -166,14 +232,17 @@ def test_metric_names_and_run_names_are_text_in_plotly(tmp_path):
     assert figs["fig-eval-b-acc-b"]["layout"]["title"]["text"] == "eval/&lt;b&gt;acc&lt;/b&gt;"
     assert figs["fig-other"]["menu"]["keys"] == [MARKUP_KEY]  # raw: the script sets it as text
     if report_screenshot.find_chromium() is None:
-        pytest.skip("Chromium is not installed (Debian: apt-get install chromium); the page "
-                    "was not opened")
+        pytest.skip(
+            "Chromium is not installed (Debian: apt-get install chromium); the page was not opened"
+        )
     dom, console = report_screenshot.dump_dom(str(out))
     assert console == [], console
     assert not re.search(r"<a\b[^>]*evil\.example", dom)  # no live link anywhere
-    assert re.search(r'>Other metrics: custom/&lt;a '
-                     r'href="https://evil.example/"&gt;click&lt;/a&gt;</text>',
-                     dom)  # the menu's figure title, drawn by the script
+    assert re.search(
+        r">Other metrics: custom/&lt;a "
+        r'href="https://evil.example/"&gt;click&lt;/a&gt;</text>',
+        dom,
+    )  # the menu's figure title, drawn by the script
     assert re.search(r">eval/&lt;b&gt;acc&lt;/b&gt;</text>", dom)  # the --metric panel's title
     # no <b>, <i> drawn
     assert not re.search(r"<tspan[^>]*font-(weight:\s*bold|style:\s*italic)", dom)
@@ -196,15 +265,16 @@ def _points_per_trace(dom: str, fig_id: str) -> list[int]:
     """Marker elements Plotly drew in each trace of the figure div ``fig_id``."""
     start = dom.index(f'id="{fig_id}"')
     nxt = re.compile(r'<div class="fig[^"]*" id=').search(dom, start + 1)
-    chunk = dom[start:nxt.start() if nxt else len(dom)]
+    chunk = dom[start : nxt.start() if nxt else len(dom)]
     traces = re.split(r'<g class="trace scatter', chunk)[1:]
     return [len(re.findall(r'<path class="point"', t)) for t in traces]
 
 
 def test_page_renders_in_headless_chromium(two_runs, tmp_path):
     if report_screenshot.find_chromium() is None:
-        pytest.skip("Chromium is not installed (Debian: apt-get install chromium); the page "
-                    "was not opened")
+        pytest.skip(
+            "Chromium is not installed (Debian: apt-get install chromium); the page was not opened"
+        )
     out = two_runs / "r.html"
     assert report_main([str(two_runs / "alpha"), str(two_runs / "beta"), "--out", str(out)]) == 0
     dom, console = report_screenshot.dump_dom(str(out), fragment="run=0&step=6")
@@ -214,8 +284,10 @@ def test_page_renders_in_headless_chromium(two_runs, tmp_path):
     assert _points_per_trace(dom, "fig-reward") == [9, 6]
     assert _points_per_trace(dom, "fig-response-length-tokens") == [9, 9, 6, 6]
     table = re.search(r'<tbody id="sb-body">(.*?)</tbody>', dom, re.S).group(1)
-    cells = [html.unescape(re.sub(r"<[^>]+>", "", c))
-             for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.S)]
+    cells = [
+        html.unescape(re.sub(r"<[^>]+>", "", c))
+        for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.S)
+    ]
     assert cells[:7] == ["0", "6+0=", "6!", "0", "exact_match 0", "-1", "stop"]
     assert KNOWN in cells and cells[cells.index(KNOWN) - 1] == "6+2="
     shot = tmp_path / "report.png"
@@ -232,10 +304,21 @@ def test_staleness_histogram_of_an_asynchronous_run(tmp_path):
     counts = [(128, 0, 0), (80, 48, 0), (60, 50, 18)]
     with open(folder / "metrics.jsonl", "w") as f:
         for s, (c0, c1, c2) in enumerate(counts, 1):
-            f.write(json.dumps({"step": s, "reward/total": 0.5, "async/staleness_0": c0,
-                                "async/staleness_1": c1, "async/staleness_2": c2}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": s,
+                        "reward/total": 0.5,
+                        "async/staleness_0": c0,
+                        "async/staleness_1": c1,
+                        "async/staleness_2": c2,
+                    }
+                )
+                + "\n"
+            )
     out = tmp_path / "r.html"
     assert report_main([str(tmp_path / "sync"), str(folder), "--out", str(out)]) == 0
     fig = _figures(out.read_text())["fig-staleness"]
-    assert [(t["name"], t["x"], t["y"]) for t in fig["data"]] == [("async", [0, 1, 2],
-                                                                   [268, 98, 18])]
+    assert [(t["name"], t["x"], t["y"]) for t in fig["data"]] == [
+        ("async", [0, 1, 2], [268, 98, 18])
+    ]

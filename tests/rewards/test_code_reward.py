@@ -12,8 +12,14 @@ from tests.fixtures import trainer_unaffected  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("trainer_unaffected")  # tests/fixtures.py
 
-ADD_TESTS = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4",
-                       "assert add(-1, 1) == 0", "assert add(0, 5) == 5"]}
+ADD_TESTS = {
+    "tests": [
+        "assert add(1, 2) == 3",
+        "assert add(2, 2) == 4",
+        "assert add(-1, 1) == 0",
+        "assert add(0, 5) == 5",
+    ]
+}
 
 
 def fenced(code: str) -> str:
@@ -39,9 +45,15 @@ def test_reward_wrong_or_broken_code_scores_zero() -> None:
     assert code_unit_tests("no code at all", ADD_TESTS) == 0.0
 
 
-@pytest.mark.parametrize("exit_code", ["import sys\nsys.exit(0)", "import os\nos._exit(0)",
-                                       "raise SystemExit(0)", "import os, signal\n"
-                                       "os.kill(os.getpid(), signal.SIGKILL)"])
+@pytest.mark.parametrize(
+    "exit_code",
+    [
+        "import sys\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        "raise SystemExit(0)",
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    ],
+)
 def test_reward_exit_before_tests_scores_zero(exit_code: str) -> None:
     assert code_unit_tests(fenced(exit_code), ADD_TESTS) == 0.0
 
@@ -94,19 +106,23 @@ def test_reward_solution_cannot_read_the_tests() -> None:
 
 
 def test_reward_values_cross_as_data_so_eq_cannot_lie() -> None:
-    code = ("class Liar:\n    def __eq__(self, other):\n        return True\n"
-            "    __hash__ = object.__hash__\n"
-            "def add(a, b):\n    return Liar()\n")
+    code = (
+        "class Liar:\n    def __eq__(self, other):\n        return True\n"
+        "    __hash__ = object.__hash__\n"
+        "def add(a, b):\n    return Liar()\n"
+    )
     assert code_unit_tests(fenced(code), ADD_TESTS) == 0.0
     # honest values, objects, generators and exceptions still work across the two runs
-    tests = {"tests": [
-        "assert pair(2) == (2, [2.5, {'k': {2}}], b'x', None, True)",
-        "s = Stack(); s.push(3); s.push(4); assert s.pop() == 4 and len(s) == 1",
-        "assert list(countdown(3)) == [3, 2, 1] and 3 in Stack.of(3)",
-        "import math\nassert math.isclose(root(2.0), 2 ** 0.5) and big() == 7 ** 99",
-        "try:\n    pair(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
-        "else:\n    raise AssertionError",
-    ]}
+    tests = {
+        "tests": [
+            "assert pair(2) == (2, [2.5, {'k': {2}}], b'x', None, True)",
+            "s = Stack(); s.push(3); s.push(4); assert s.pop() == 4 and len(s) == 1",
+            "assert list(countdown(3)) == [3, 2, 1] and 3 in Stack.of(3)",
+            "import math\nassert math.isclose(root(2.0), 2 ** 0.5) and big() == 7 ** 99",
+            "try:\n    pair(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+            "else:\n    raise AssertionError",
+        ]
+    }
     code = (
         "import math\n"
         "def pair(n):\n"
@@ -153,8 +169,9 @@ class TestMore(unittest.TestCase):
 GUARD = '\nif __name__ == "__main__":\n    unittest.main()\n'
 
 
-@pytest.mark.parametrize("tail", ["", GUARD, "\nunittest.main()\n"],
-                         ids=["no-guard", "guard", "unguarded-main"])
+@pytest.mark.parametrize(
+    "tail", ["", GUARD, "\nunittest.main()\n"], ids=["no-guard", "guard", "unguarded-main"]
+)
 def test_reward_unittest_modules_are_run(tail: str) -> None:
     tests = {"tests": UNITTEST_ADD + tail}
     assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), tests) == 1.0
@@ -197,8 +214,11 @@ def test_reward_slow_test_times_out_alone() -> None:
 def test_reward_string_tests_and_entry_point() -> None:
     asserts = {"tests": "assert add(1, 2) == 3\nassert add(2, 2) == 5\n"}
     assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), asserts) == 0.5
-    humaneval = {"tests": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
-                          "    assert candidate(0, 0) == 0\n", "entry_point": "add"}
+    humaneval = {
+        "tests": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+        "    assert candidate(0, 0) == 0\n",
+        "entry_point": "add",
+    }
     assert code_unit_tests(fenced("def add(a, b):\n    return a + b"), humaneval) == 1.0
     assert code_unit_tests(fenced("def plus(a, b):\n    return a + b"), humaneval) == 0.0
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 import tests.reward_helpers  # noqa: F401  (registers the test_* rewards)
+from tandem.rl.core.registry import RegistryError
 from tandem.rl.rewards import REWARDS, get_reward
 from tandem.rl.rewards.basic import (
     countdown_reward,
@@ -19,7 +20,6 @@ from tandem.rl.rewards.basic import (
     sequence_match,
 )
 from tandem.rl.rewards.math import extract_answer, is_equiv, math_reward, normalize_answer, to_sympy
-from tandem.rl.core.registry import RegistryError
 from tandem.rl.workers.reward_pool import RewardPool
 
 # ---------------------------------------------------------------------------- extraction
@@ -152,12 +152,16 @@ def test_math_reward() -> None:
 DATA = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("right, wrong, answer", [
-    (r"\boxed{3\frac{1}{2}}", r"\boxed{3\frac{1}{3}}", r"\frac{7}{2}"),  # mixed number
-    (r"\boxed{-3\frac{1}{2}}", r"\boxed{-2\frac{1}{2}}", r"-\frac{7}{2}"),
-    (r"\boxed{\log_2 8}", r"\boxed{\log_2 16}", "3"),  # logarithm
-    (r"\boxed{3, 2}", r"\boxed{3, 4}", "2, 3"),  # unordered solutions
-], ids=["mixed", "negative-mixed", "log", "unordered"])
+@pytest.mark.parametrize(
+    "right, wrong, answer",
+    [
+        (r"\boxed{3\frac{1}{2}}", r"\boxed{3\frac{1}{3}}", r"\frac{7}{2}"),  # mixed number
+        (r"\boxed{-3\frac{1}{2}}", r"\boxed{-2\frac{1}{2}}", r"-\frac{7}{2}"),
+        (r"\boxed{\log_2 8}", r"\boxed{\log_2 16}", "3"),  # logarithm
+        (r"\boxed{3, 2}", r"\boxed{3, 4}", "2, 3"),  # unordered solutions
+    ],
+    ids=["mixed", "negative-mixed", "log", "unordered"],
+)
 def test_math_reward_uses_math_verify(right: str, wrong: str, answer: str) -> None:
     assert math_reward(f"so {right}", {"answer": answer}) == 1.0
     assert math_reward(f"so {wrong}", {"answer": answer}) == 0.0
@@ -177,8 +181,11 @@ def test_math_verify_never_evaluates_the_answer(tmp_path) -> None:
     ]
     for payload in payloads:
         assert not verify("5", payload, "math_verify") and not verify(payload, "5", "math_verify")
-        for completion in (f"\\boxed{{{payload}}}", f"The final answer is {payload}",
-                           f"<answer>{payload}</answer>"):
+        for completion in (
+            f"\\boxed{{{payload}}}",
+            f"The final answer is {payload}",
+            f"<answer>{payload}</answer>",
+        ):
             assert math_reward(completion, {"answer": "5"}) == 0.0
         assert math_reward("\\boxed{5}", {"answer": payload}) == 0.0
     assert not marker.exists()
@@ -188,8 +195,10 @@ def test_math_verifier_on_hand_labelled_pairs() -> None:
     from tandem.rl.rewards.math import verify
 
     rows = [json.loads(line) for line in open(os.path.join(DATA, "math_answer_pairs.jsonl"))]
-    right = {v: sum(verify(r["gold"], r["pred"], v) == r["equal"] for r in rows)
-             for v in ("math_verify", "own")}
+    right = {
+        v: sum(verify(r["gold"], r["pred"], v) == r["equal"] for r in rows)
+        for v in ("math_verify", "own")
+    }
     false_pos = sum(verify(r["gold"], r["pred"]) and not r["equal"] for r in rows)
     assert len(rows) == 116 and false_pos == 0
     assert right == {"math_verify": 116, "own": 98}, right  # the table in docs/rewards.md
@@ -200,8 +209,11 @@ def test_math_reward_pool_bounds_explosive_answers() -> None:
     # SIGALRM cannot reach): the pool's timeout and worker kill are what bound it.
     with RewardPool(1, timeout_s=1.0, kill_grace_s=1.0, rewards=["math"]) as p:
         start = time.monotonic()
-        res = p.score([("math", 1.0)], [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{5}"],
-                      [{"answer": "5"}, {"answer": "5"}])
+        res = p.score(
+            [("math", 1.0)],
+            [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{5}"],
+            [{"answer": "5"}, {"answer": "5"}],
+        )
         assert time.monotonic() - start < 15.0
     assert res.scores["math"] == [0.0, 1.0]
     assert res.timeouts["math"] == 1
@@ -234,10 +246,15 @@ def test_format_reward() -> None:
     assert boxed("so 3", s) == 0.0
 
 
-@pytest.mark.parametrize("text", [
-    "<think>a</think>answer <think>more", "<think>a</think><think>", "<think>a</think>x</think>",
-    "<think>a</think> </think>",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<think>a</think>answer <think>more",
+        "<think>a</think><think>",
+        "<think>a</think>x</think>",
+        "<think>a</think> </think>",
+    ],
+)
 def test_format_reward_refuses_extra_think_tags(text: str) -> None:
     assert format_reward(text, {}) == 0.0
 

@@ -33,11 +33,14 @@ import tests.env_helpers  # noqa: E402,F401  (registers "tool_pid")
 from tandem.models.hf import load_model  # noqa: E402
 from tandem.models.tokenizer import Tokenizer  # noqa: E402
 from tandem.parallel.distributed import init_distributed  # noqa: E402
-from tandem.parallel.generation_layout import GenerationLayout, make_layout  # noqa: E402
-from tandem.rl.data.prompts import Prompt, load_prompt_rows  # noqa: E402
-from tandem.parallel.generation_layout import GenerationCopy  # noqa: E402
-from tandem.rl.rollout.sampling import sample_episodes  # noqa: E402
+from tandem.parallel.generation_layout import (  # noqa: E402
+    GenerationCopy,  # noqa: E402
+    GenerationLayout,
+    make_layout,
+)
 from tandem.rl.config.rl_schema import EnvConfig, RolloutConfig  # noqa: E402
+from tandem.rl.data.prompts import Prompt, load_prompt_rows  # noqa: E402
+from tandem.rl.rollout.sampling import sample_episodes  # noqa: E402
 from tandem.rl.workers.env_pool import EnvPool  # noqa: E402
 
 POLICY = "assets/agentic-policy"
@@ -47,10 +50,18 @@ N = 2  # episodes per prompt
 
 
 def _episode(s) -> dict:
-    return {"prompt": s.prompt_ids, "completion": s.completion_ids, "mask": s.loss_mask,
-            "logprobs": s.gen_logprobs,
-            "turns": s.info["turns"], "tool_calls": s.info["tool_calls"], "reward": s.env_reward,
-            "finish": s.finish_reason, "group": s.group, "row": s.row["id"]}
+    return {
+        "prompt": s.prompt_ids,
+        "completion": s.completion_ids,
+        "mask": s.loss_mask,
+        "logprobs": s.gen_logprobs,
+        "turns": s.info["turns"],
+        "tool_calls": s.info["tool_calls"],
+        "reward": s.env_reward,
+        "finish": s.finish_reason,
+        "group": s.group,
+        "row": s.row["id"],
+    }
 
 
 def main() -> None:
@@ -71,32 +82,63 @@ def main() -> None:
     out: dict = {"pid": os.getpid(), "world": info.world_size}
 
     def ecfg(phase: str) -> EnvConfig:
-        kwargs = {"log": os.path.join(a.log_dir, f"{phase}.log"), "tools": ["python"],
-                  "reward": "math", "schemas_in_prompt": False}
+        kwargs = {
+            "log": os.path.join(a.log_dir, f"{phase}.log"),
+            "tools": ["python"],
+            "reward": "math",
+            "schemas_in_prompt": False,
+        }
         return EnvConfig(name="tool_pid", kwargs=kwargs, max_turns=3, max_total_tokens=512)
 
-    def play(phase: str, layout: GenerationLayout, pool: EnvPool | None, prompts, seeds,
-             greedy=False) -> None:
+    def play(
+        phase: str, layout: GenerationLayout, pool: EnvPool | None, prompts, seeds, greedy=False
+    ) -> None:
         gen_model, _ = GenerationCopy(model, model.args, layout, dev).build()
         t0 = time.perf_counter()
-        samples, metrics = sample_episodes(gen_model, tok, prompts, N, rcfg, ecfg(phase), pool,
-                                           seed=0, greedy=greedy, seeds=seeds, layout=layout)
-        out[phase] = {"episodes": [_episode(s) for s in samples], "metrics": metrics,
-                      "seconds": time.perf_counter() - t0}
+        samples, metrics = sample_episodes(
+            gen_model,
+            tok,
+            prompts,
+            N,
+            rcfg,
+            ecfg(phase),
+            pool,
+            seed=0,
+            greedy=greedy,
+            seeds=seeds,
+            layout=layout,
+        )
+        out[phase] = {
+            "episodes": [_episode(s) for s in samples],
+            "metrics": metrics,
+            "seconds": time.perf_counter() - t0,
+        }
 
     with EnvPool(2) as pool:
         pool.wait_ready()
         play("tp1", GenerationLayout(), pool, mine, seeds)
-        play("greedy_tp1", GenerationLayout(), pool, mine if rank == 0 else [],
-             seeds if rank == 0 else [], True)
+        play(
+            "greedy_tp1",
+            GenerationLayout(),
+            pool,
+            mine if rank == 0 else [],
+            seeds if rank == 0 else [],
+            True,
+        )
     group = make_layout(2)
     # as the recipe: only the leader steps environments
     leader_pool = EnvPool(2) if group.rank == 0 else None
     if leader_pool is not None:
         leader_pool.wait_ready()
     play("tp2", group, leader_pool, mine, seeds)
-    play("greedy_tp2", group, leader_pool, mine if rank == 0 else [], seeds if rank == 0 else [],
-         True)
+    play(
+        "greedy_tp2",
+        group,
+        leader_pool,
+        mine if rank == 0 else [],
+        seeds if rank == 0 else [],
+        True,
+    )
     out["pool_steps"] = None if leader_pool is None else leader_pool.submitted
     if leader_pool is not None:
         leader_pool.close()

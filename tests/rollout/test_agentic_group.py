@@ -32,18 +32,32 @@ SAME = ("prompt", "completion", "mask", "turns", "tool_calls", "reward", "finish
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("agentic_group")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), "--out", str(tmp / "out.pt"), "--log-dir", str(tmp)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        "--out",
+        str(tmp / "out.pt"),
+        "--log-dir",
+        str(tmp),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
-                           f"\n{proc.stderr[-5000:]}")
+        raise RuntimeError(
+            f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     logs = {}
     for phase in ("tp1", "tp2", "greedy_tp1", "greedy_tp2"):
         path = tmp / f"{phase}.log"
-        logs[phase] = ([int(line.split()[0]) for line in path.read_text().splitlines()]
-                       if path.exists() else [])
+        logs[phase] = (
+            [int(line.split()[0]) for line in path.read_text().splitlines()]
+            if path.exists()
+            else []
+        )
     return {"ranks": torch.load(tmp / "out.pt", weights_only=False), "logs": logs}
 
 
@@ -57,8 +71,9 @@ def test_group_plays_the_same_episodes_as_tp1(run):
         assert len(got) == len(ref) > 0
         for a, b in zip(ref, got):
             assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}
-            assert torch.allclose(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]),
-                                  atol=1e-4, rtol=0)
+            assert torch.allclose(
+                torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-4, rtol=0
+            )
             if a["turns"] > 1:
                 # a tool turn: its result is context (mask False) between sampled turns
                 multi_turn += 1
@@ -72,14 +87,17 @@ def test_tools_ran_once_per_group_on_the_leader(run):
     leader, other = run["ranks"]
     steps = int(sum(e["turns"] for rank in run["ranks"] for e in rank["tp1"]["episodes"]))
     assert run["logs"]["tp2"] == [leader["pid"]] * steps
-    assert (leader["tp2"]["metrics"]["env/env_steps"] == other["tp2"]["metrics"]["env/env_steps"]
-            == steps)
+    assert (
+        leader["tp2"]["metrics"]["env/env_steps"]
+        == other["tp2"]["metrics"]["env/env_steps"]
+        == steps
+    )
     assert other["pool_steps"] is None
     assert leader["pool_steps"] == steps + len(run["logs"]["greedy_tp2"])
     # tp = 1: each rank stepped its own episodes
-    assert Counter(run["logs"]["tp1"]) == {rank["pid"]: sum(e["turns"]
-                                                            for e in rank["tp1"]["episodes"])
-                                           for rank in run["ranks"]}
+    assert Counter(run["logs"]["tp1"]) == {
+        rank["pid"]: sum(e["turns"] for e in rank["tp1"]["episodes"]) for rank in run["ranks"]
+    }
 
 
 def test_a_group_member_without_prompts(run):

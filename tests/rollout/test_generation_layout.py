@@ -44,14 +44,26 @@ def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("genlayout")
     two = _launch(2, ["fsdp2", "tp2", "pp2", "tp2_tied", "fsdp2_ep2_moe"], tmp / "two.pt")
     four = _launch(4, ["fsdp2_tp2"], tmp / "four.pt")
-    return {"layouts": {**two["layouts"], **four["layouts"]},
-            "reference": {**two["reference"], **four["reference"]}}
+    return {
+        "layouts": {**two["layouts"], **four["layouts"]},
+        "reference": {**two["reference"], **four["reference"]},
+    }
 
 
-CASES = [("fsdp2", 1, True), ("fsdp2", 2, True), ("tp2", 1, True), ("tp2", 2, True),
-         ("tp2", 2, False),
-         ("pp2", 1, True), ("pp2", 2, True), ("tp2_tied", 2, True), ("fsdp2_tp2", 1, True),
-         ("fsdp2_tp2", 2, True), ("fsdp2_ep2_moe", 1, True), ("fsdp2_ep2_moe", 2, True)]
+CASES = [
+    ("fsdp2", 1, True),
+    ("fsdp2", 2, True),
+    ("tp2", 1, True),
+    ("tp2", 2, True),
+    ("tp2", 2, False),
+    ("pp2", 1, True),
+    ("pp2", 2, True),
+    ("tp2_tied", 2, True),
+    ("fsdp2_tp2", 1, True),
+    ("fsdp2_tp2", 2, True),
+    ("fsdp2_ep2_moe", 1, True),
+    ("fsdp2_ep2_moe", 2, True),
+]
 
 
 @pytest.mark.parametrize("layout,g,vocab_parallel", CASES)
@@ -59,8 +71,9 @@ def test_generation_layout_greedy_tokens_and_logprobs(results, layout, g, vocab_
     """Greedy tokens from every generation degree equal the plain generator's on the same weights,
     and the rollout's sampled-token log-probs equal the update layout's recomputation."""
     recs = results["layouts"][layout][(g, vocab_parallel)]
-    ref = results["reference"]["qwen3-tied" if "tied" in layout else "qwen3-moe" if "moe" in layout
-                               else "qwen3"]
+    ref = results["reference"][
+        "qwen3-tied" if "tied" in layout else "qwen3-moe" if "moe" in layout else "qwen3"
+    ]
     seen = {}
     for rec in recs:
         for pid, toks in rec["greedy"].items():
@@ -87,8 +100,9 @@ def test_reshard_stays_within_shard_plus_bucket(results, layout, g, vocab_parall
         assert rec["buffer_peak"] <= BUCKET
     if g == 2 and "moe" not in layout:
         full = shard_bytes(_ARGS, GenerationLayout(), torch.float32)
-        assert all(rec["shard"] + BUCKET < full
-                   for rec in results["layouts"][layout][(g, vocab_parallel)])
+        assert all(
+            rec["shard"] + BUCKET < full for rec in results["layouts"][layout][(g, vocab_parallel)]
+        )
 
 
 def test_reshard_moves_only_what_is_needed(results):
@@ -101,8 +115,16 @@ def test_reshard_moves_only_what_is_needed(results):
         assert abs(rec["sent"] - half) <= 0.01 * half
 
 
-_ARGS = ModelArgs(model_type="qwen3", vocab_size=1001, hidden_size=128, intermediate_size=384,
-                  num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+_ARGS = ModelArgs(
+    model_type="qwen3",
+    vocab_size=1001,
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
 
 
 def test_layout_rules_and_local_sizes():
@@ -127,8 +149,10 @@ def test_layout_rules_and_local_sizes():
 def test_buckets_split_big_tensors_by_rows():
     """A tensor whose move exceeds the budget travels in row slices; moves are grouped so no
     rank's send + receive bytes pass the budget, and together they cover every region once."""
-    moves = [_Move("w", 0, 1, Box((0, 0), (100, 10)), Box((0, 0), (100, 10))),
-             _Move("w", 1, 0, Box((100, 0), (100, 10)), Box((100, 0), (100, 10)))]
+    moves = [
+        _Move("w", 0, 1, Box((0, 0), (100, 10)), Box((0, 0), (100, 10))),
+        _Move("w", 1, 0, Box((100, 0), (100, 10)), Box((100, 0), (100, 10))),
+    ]
     cols = _bucket([moves], world=2, elem_bytes=4, budget=2000)
     for c in cols:
         load = [0, 0]
@@ -144,5 +168,10 @@ def test_buckets_split_big_tensors_by_rows():
 
 def test_shards_must_tile_the_tensor():
     with pytest.raises(ValueError, match="shards must tile it exactly once"):
-        Resharder({"w": (4, 4)}, {"w": Box((0, 0), (2, 4))}, {"w": (Box.whole((4, 4)), (4, 4))}, 4,
-                  bucket_bytes=64)
+        Resharder(
+            {"w": (4, 4)},
+            {"w": Box((0, 0), (2, 4))},
+            {"w": (Box.whole((4, 4)), (4, 4))},
+            4,
+            bucket_bytes=64,
+        )

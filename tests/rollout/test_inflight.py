@@ -124,20 +124,29 @@ def test_a_staleness_bound_needs_an_asynchronous_mode():
     with pytest.raises(ConfigError) as e:
         load_config(path, ["rollout.max_staleness=1"])
     assert str(e.value).startswith(
-        "rollout.max_staleness: 1 needs rollout.mode = 'colocated_async'")
+        "rollout.max_staleness: 1 needs rollout.mode = 'colocated_async'"
+    )
     cfg = load_config(path, ["rollout.mode=colocated_async", "rollout.max_staleness=1"])
     assert (cfg.rollout.mode, cfg.rollout.max_staleness) == ("colocated_async", 1)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("lora.rank=4", "lora.rank"), ("rollout.kv_dtype=fp8_e4m3", "rollout.kv_dtype"),
-    ("parallel.cp=2", "parallel.cp"), ("env.kind=http", 'env.kind = "http"'),
-    ("model.path=assets/quickstart-vlm-policy", "a vision-language model")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("lora.rank=4", "lora.rank"),
+        ("rollout.kv_dtype=fp8_e4m3", "rollout.kv_dtype"),
+        ("parallel.cp=2", "parallel.cp"),
+        ("env.kind=http", 'env.kind = "http"'),
+        ("model.path=assets/quickstart-vlm-policy", "a vision-language model"),
+    ],
+)
 def test_colocated_async_refuses_what_it_has_not_run_with(override, key):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "configs", "quickstart_async.toml")
     with pytest.raises(ConfigError) as e:
         load_config(path, [override])
-    assert str(e.value) == (f"rollout.mode: 'colocated_async' has not run with {key} yet; set "
-                            'rollout.mode = "sync" or leave them at their defaults')
+    assert str(e.value) == (
+        f"rollout.mode: 'colocated_async' has not run with {key} yet; set "
+        'rollout.mode = "sync" or leave them at their defaults'
+    )
     load_config(path, [override, "rollout.mode=sync", "rollout.max_staleness=0"])  # sync: fine

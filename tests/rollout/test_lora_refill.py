@@ -11,11 +11,18 @@ import torch
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, adapters_disabled, apply_lora, is_adapter
 from tandem.models.transformer import Transformer
-from tandem.parallel.generation_layout import GenerationLayout
-from tandem.parallel.generation_layout import GenerationCopy
+from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 
-ARGS = ModelArgs(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
-                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+ARGS = ModelArgs(
+    model_type="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 SPEC = LoraSpec(rank=4, alpha=8)
 
 
@@ -57,6 +64,7 @@ def test_refill_moves_only_the_adapters_and_checks_them():
     srcs = {n: p.detach() for n, p in policy.named_parameters() if is_adapter(n)}
     with torch.no_grad():
         adapters["layers.1.feed_forward.w2.lora_B.weight"].view(-1)[3] += 1e-6  # a copy gone wrong
-    with pytest.raises(RuntimeError,
-                       match=r"adapters \['layers.1.feed_forward.w2.lora_B.weight'\] differ"):
+    with pytest.raises(
+        RuntimeError, match=r"adapters \['layers.1.feed_forward.w2.lora_B.weight'\] differ"
+    ):
         copy._check(srcs, adapters)

@@ -17,12 +17,11 @@ import torch
 from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available
 from tandem.models.flavors import get_flavor
 from tandem.models.transformer import Transformer
-from tandem.parallel.generation_layout import GenerationLayout
+from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 from tandem.rl.config.rl_schema import RolloutConfig
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
-from tandem.parallel.generation_layout import GenerationCopy
 from tandem.rl.rollout.inflight import Flight
 from tandem.rl.rollout.streaming import StreamingGenerator
 
@@ -43,8 +42,9 @@ def _prompts(n=3, seed=0):
 @pytest.mark.parametrize("onednn", [False, True])
 def test_refill_in_place_equals_a_fresh_build(onednn):
     policy = _model(0)
-    copy = GenerationCopy(policy, policy.args, GenerationLayout(), torch.device("cpu"),
-                          cpu_onednn=onednn)
+    copy = GenerationCopy(
+        policy, policy.args, GenerationLayout(), torch.device("cpu"), cpu_onednn=onednn
+    )
     gen, _ = copy.build()
     ptrs = {k: v.data_ptr() for k, v in gen.state_dict().items()}
     with torch.no_grad():
@@ -68,8 +68,9 @@ def _generate(model, prompts, pause_after=None, how=None):
     settings = GenerationSettings(num_blocks=64, block_size=4, max_num_seqs=16, max_model_len=64)
     gen = Generator(model, settings)
     params = SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True)
-    groups = [gen.add(p, dataclasses.replace(params, seed=100 + i), n=2)
-              for i, p in enumerate(prompts)]
+    groups = [
+        gen.add(p, dataclasses.replace(params, seed=100 + i), n=2) for i, p in enumerate(prompts)
+    ]
     steps = 0
     while gen.scheduler.has_unfinished():
         gen.step()
@@ -94,13 +95,15 @@ def test_suspended_kv_continues_the_same_samples(how):
         if how == "offload":  # the same K/V values back: bit for bit
             assert a.raw_logprobs == b.raw_logprobs
         else:  # recomputed K/V (a prefill instead of decode steps): float noise
-            torch.testing.assert_close(torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs), atol=1e-5, rtol=0
+            )
 
 
 def _rcfg(kv):
-    return RolloutConfig(temperature=1.0, max_tokens=14, block_size=4, kv_cache_gb=0.01,
-                         suspended_kv=kv)
+    return RolloutConfig(
+        temperature=1.0, max_tokens=14, block_size=4, kv_cache_gb=0.01, suspended_kv=kv
+    )
 
 
 def _phases(kv, seeds, steps_per_phase, restore_at=None):
@@ -132,8 +135,9 @@ def _phases(kv, seeds, steps_per_phase, restore_at=None):
             if sg.busy():
                 sg.step()
         sg.suspend(v)
-        counts.append({(p, j): s.num_generated for p, g in sg.groups.items()
-                       for j, s in enumerate(g.seqs)})
+        counts.append(
+            {(p, j): s.num_generated for p, g in sg.groups.items() for j, s in enumerate(g.seqs)}
+        )
     return {p: sg.take(p) for p in sorted(sg.complete())}, counts
 
 
@@ -178,5 +182,6 @@ def test_a_group_restored_from_a_checkpoint_samples_on_like_one_that_stayed():
     for p in stayed:
         for a, b in zip(stayed[p], restored[p], strict=True):
             assert a.completion_ids == b.completion_ids and a.versions == b.versions
-            torch.testing.assert_close(torch.tensor(b.gen_logprobs), torch.tensor(a.gen_logprobs),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(b.gen_logprobs), torch.tensor(a.gen_logprobs), atol=1e-5, rtol=0
+            )

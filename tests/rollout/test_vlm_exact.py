@@ -37,34 +37,61 @@ def setup(tmp_path_factory):
         noise_image(w, h, 40 + i).save(d / f"{i}.png")
 
     def row(*names, text="Describe."):
-        parts = ([{"type": "image", "image": f"{n}.png"} for n in names]
-                 + [{"type": "text", "text": text}])
+        parts = [{"type": "image", "image": f"{n}.png"} for n in names] + [
+            {"type": "text", "text": text}
+        ]
         return {"messages": [{"role": "user", "content": parts}], "answer": ""}
 
-    rows = [row(0), row(1, 2, text="Compare."), {"prompt": "Text only.", "answer": ""}, row(3),
-            row(4)]
-    prompts, _ = encode_prompts(rows, Tokenizer.from_dir(folder), source=str(d / "x.jsonl"),
-                                prompt_field="prompt",
-                                messages_field="messages", answer_field="answer",
-                                max_prompt_tokens=400,
-                                vision=VisionData.for_model(load_args(folder), str(d / "x.jsonl")))
+    rows = [
+        row(0),
+        row(1, 2, text="Compare."),
+        {"prompt": "Text only.", "answer": ""},
+        row(3),
+        row(4),
+    ]
+    prompts, _ = encode_prompts(
+        rows,
+        Tokenizer.from_dir(folder),
+        source=str(d / "x.jsonl"),
+        prompt_field="prompt",
+        messages_field="messages",
+        answer_field="answer",
+        max_prompt_tokens=400,
+        vision=VisionData.for_model(load_args(folder), str(d / "x.jsonl")),
+    )
     assert prompts[3].token_ids == prompts[4].token_ids and len(prompts) == 5
     return load_model(folder).eval(), prompts
 
 
 def _rollout(model, prompts, *, num_blocks=512, budget=64):
-    gen = Generator(model, GenerationSettings(block_size=4, num_blocks=num_blocks,
-                                              max_num_batched_tokens=budget, max_model_len=400))
-    params = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=100 * i)
-              for i in range(len(prompts))]
-    out = gen.generate([p.token_ids for p in prompts], params, n=3,
-                       images=[p.images for p in prompts])
-    samples = [RolloutSample(group=g, prompt_ids=p.token_ids, completion_ids=c.token_ids,
-                             loss_mask=c.sampled_mask,
-                             gen_logprobs=list(c.raw_logprobs), finish_reason=c.finish_reason,
-                             text="", row={},
-                             images=p.images) for g, (p, comps) in enumerate(zip(prompts, out))
-               for c in comps]
+    gen = Generator(
+        model,
+        GenerationSettings(
+            block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, max_model_len=400
+        ),
+    )
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=100 * i)
+        for i in range(len(prompts))
+    ]
+    out = gen.generate(
+        [p.token_ids for p in prompts], params, n=3, images=[p.images for p in prompts]
+    )
+    samples = [
+        RolloutSample(
+            group=g,
+            prompt_ids=p.token_ids,
+            completion_ids=c.token_ids,
+            loss_mask=c.sampled_mask,
+            gen_logprobs=list(c.raw_logprobs),
+            finish_reason=c.finish_reason,
+            text="",
+            row={},
+            images=p.images,
+        )
+        for g, (p, comps) in enumerate(zip(prompts, out))
+        for c in comps
+    ]
     runs, preempted = gen.stats.extra["vision_tower_runs"], gen.stats.preemptions
     gen.close()
     return samples, runs, preempted
@@ -72,8 +99,9 @@ def _rollout(model, prompts, *, num_blocks=512, budget=64):
 
 def _gap(model, samples, budget, share):
     mask, gen_logp, width = completion_tensors(samples, torch.device("cpu"))
-    mbs = pack_micro_batches(samples, list(range(len(samples))), budget, torch.device("cpu"),
-                             share_prompts=share)
+    mbs = pack_micro_batches(
+        samples, list(range(len(samples))), budget, torch.device("cpu"), share_prompts=share
+    )
     mbs = [attach_images(mb, samples, model.args.vision.image_token_id) for mb in mbs]
     calls = []
     real = model.visual.forward
@@ -101,7 +129,8 @@ def test_exact_gap_is_zero_with_images(setup, case):
     if case == "shared_prompts":
         # a unit per prompt: the two prompts with equal token ids stay apart
         assert sum(mb.images.take is None for mb in mbs if mb.images is not None) == len(
-            [mb for mb in mbs if mb.images is not None])
+            [mb for mb in mbs if mb.images is not None]
+        )
     assert tower == sum(1 for mb in mbs if mb.images is not None for _ in mb.images.groups)
     assert gap == 0.0 and differ == 0, (gap, differ)
 
@@ -125,6 +154,8 @@ def test_update_uses_the_rollouts_positions_and_one_tower_pass_per_prompt(setup)
         s, p = samples[i], len(samples[i].prompt_ids)
         row, last = divmod(mb.offsets[k][0], mb.tokens.shape[1])
         start = last - p + 1
-        assert torch.equal(mb.positions[:, row, start:start + p], s.images.positions)
-        assert torch.equal(mb.positions[:, row, start + p:start + p + 3],
-                           (torch.arange(p, p + 3) + s.images.delta).expand(3, -1))
+        assert torch.equal(mb.positions[:, row, start : start + p], s.images.positions)
+        assert torch.equal(
+            mb.positions[:, row, start + p : start + p + 3],
+            (torch.arange(p, p + 3) + s.images.delta).expand(3, -1),
+        )

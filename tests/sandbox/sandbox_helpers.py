@@ -30,8 +30,7 @@ def _assert_no_processes_left(res: SandboxResult) -> None:
 # What each plan leaves out: "no-namespaces" is the fallback of a machine that refuses
 # namespaces and cgroups (uid, rlimits and sweeps only), "no-cgroup" one without a
 # memory cgroup it may create.
-PLANS = {"default": (), "no-cgroup": ("cgroup",),
-         "no-namespaces": ("cgroup", "ipc", "mount")}
+PLANS = {"default": (), "no-cgroup": ("cgroup",), "no-namespaces": ("cgroup", "ipc", "mount")}
 
 
 def _run(code: str, plan: str, **kwargs) -> SandboxResult:

@@ -39,9 +39,11 @@ def test_stdin_is_given_and_otherwise_empty(temp_root: str) -> None:
 
 
 def test_files_are_written_and_importable(temp_root: str) -> None:
-    res = run_python("import helper\nprint(helper.X, open('data/in.txt').read())",
-                     files={"helper.py": "X = 5\n", "data/in.txt": "payload"},
-                     temp_dir=temp_root)
+    res = run_python(
+        "import helper\nprint(helper.X, open('data/in.txt').read())",
+        files={"helper.py": "X = 5\n", "data/in.txt": "payload"},
+        temp_dir=temp_root,
+    )
     assert res.stdout == "5 payload\n", res
 
 
@@ -61,8 +63,7 @@ def test_infinite_loop_is_stopped(temp_root: str) -> None:
 
 def test_sleeping_program_hits_wall_time(temp_root: str) -> None:
     limits = SandboxLimits(cpu_time_s=5, wall_time_s=1.0)
-    res = run_python(PRINT_UID + "import time\ntime.sleep(60)", limits=limits,
-                     temp_dir=temp_root)
+    res = run_python(PRINT_UID + "import time\ntime.sleep(60)", limits=limits, temp_dir=temp_root)
     assert res.timed_out and res.limit_hit == "wall"
     assert res.stdout.startswith("uid ")  # output before the kill is kept
     assert 1.0 <= res.duration_s < 3.0
@@ -70,10 +71,11 @@ def test_sleeping_program_hits_wall_time(temp_root: str) -> None:
 
 
 def test_ignoring_sigxcpu_still_ends_at_hard_cpu_limit(temp_root: str) -> None:
-    code = PRINT_UID + "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" \
+    code = (
+        PRINT_UID + "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
         "while True:\n    pass"
-    res = run_python(code, limits=SandboxLimits(cpu_time_s=1, wall_time_s=6.0),
-                     temp_dir=temp_root)
+    )
+    res = run_python(code, limits=SandboxLimits(cpu_time_s=1, wall_time_s=6.0), temp_dir=temp_root)
     assert res.limit_hit == "cpu" and res.exit_code == -9
     assert res.duration_s < 4
 
@@ -82,26 +84,29 @@ def test_fork_bomb_is_contained(temp_root: str) -> None:
     if not sandbox_capabilities().privilege_drop:
         pytest.skip("not root: RLIMIT_NPROC would count this user's own processes too")
     limits = SandboxLimits(cpu_time_s=2, wall_time_s=4.0, max_processes=16)
-    res = run_python(PRINT_UID + "while True:\n    os.fork()", limits=limits,
-                     temp_dir=temp_root)
+    res = run_python(PRINT_UID + "while True:\n    os.fork()", limits=limits, temp_dir=temp_root)
     assert res.limit_hit in ("nproc", "wall", "cpu"), res
     assert res.duration_s < limits.wall_time_s + 2
     _assert_no_processes_left(res)
 
 
 def test_memory_bomb_hits_memory_limit(temp_root: str) -> None:
-    res = run_python(PRINT_UID + "x = bytearray(10 * 1024**3)\nprint('allocated')",
-                     limits=FAST, temp_dir=temp_root)
+    res = run_python(
+        PRINT_UID + "x = bytearray(10 * 1024**3)\nprint('allocated')",
+        limits=FAST,
+        temp_dir=temp_root,
+    )
     assert res.limit_hit == "memory", res
     assert "MemoryError" in res.stderr and "allocated" not in res.stdout
     _assert_no_processes_left(res)
 
 
 def test_huge_file_hits_fsize(temp_root: str) -> None:
-    code = PRINT_UID + "with open('big', 'wb') as f:\n    while True:\n" \
+    code = (
+        PRINT_UID + "with open('big', 'wb') as f:\n    while True:\n"
         "        f.write(b'x' * 1024 * 1024)"
-    res = run_python(code, limits=SandboxLimits(max_file_mb=2, wall_time_s=5.0),
-                     temp_dir=temp_root)
+    )
+    res = run_python(code, limits=SandboxLimits(max_file_mb=2, wall_time_s=5.0), temp_dir=temp_root)
     assert res.limit_hit == "fsize", res
     assert "File too large" in res.stderr
 
@@ -116,8 +121,11 @@ def test_output_flood_is_truncated(temp_root: str) -> None:
 
 def test_stderr_flood_is_truncated(temp_root: str) -> None:
     limits = SandboxLimits(max_output_bytes=1000, wall_time_s=5.0)
-    res = run_python("import sys\nwhile True:\n    sys.stderr.write('e' * 100)",
-                     limits=limits, temp_dir=temp_root)
+    res = run_python(
+        "import sys\nwhile True:\n    sys.stderr.write('e' * 100)",
+        limits=limits,
+        temp_dir=temp_root,
+    )
     assert res.limit_hit == "output" and len(res.stderr) == 1000
 
 
@@ -125,8 +133,7 @@ def test_concurrent_runs_from_threads(temp_root: str) -> None:
     results: list[SandboxResult] = []
 
     def work(i: int) -> None:
-        results.append(run_python(PRINT_UID + f"print({i} * 2)", limits=FAST,
-                                  temp_dir=temp_root))
+        results.append(run_python(PRINT_UID + f"print({i} * 2)", limits=FAST, temp_dir=temp_root))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
@@ -140,8 +147,9 @@ def test_concurrent_runs_from_threads(temp_root: str) -> None:
 
 @pytest.mark.parametrize("plan", ["default", "no-namespaces"])
 @pytest.mark.parametrize("numbers", ["low", "swapped"])
-def test_extra_fds_reach_the_program_at_their_numbers(temp_root: str, plan: str,
-                                                      numbers: str) -> None:
+def test_extra_fds_reach_the_program_at_their_numbers(
+    temp_root: str, plan: str, numbers: str
+) -> None:
     to_child_r, to_child_w = os.pipe()
     from_child_r, from_child_w = os.pipe()
     os.write(to_child_w, b"ping")
@@ -151,8 +159,9 @@ def test_extra_fds_reach_the_program_at_their_numbers(temp_root: str, plan: str,
     out_fd, in_fd = (3, 4) if numbers == "low" else (to_child_r, from_child_w)
     assert max(out_fd, in_fd) < 64
     code = f"import os\nos.write({out_fd}, os.read({in_fd}, 10).upper())"
-    res = _run(code, plan, limits=FAST, temp_dir=temp_root,
-               fds={out_fd: from_child_w, in_fd: to_child_r})
+    res = _run(
+        code, plan, limits=FAST, temp_dir=temp_root, fds={out_fd: from_child_w, in_fd: to_child_r}
+    )
     os.close(from_child_w)
     os.close(to_child_r)
     assert os.read(from_child_r, 10) == b"PING", res
@@ -195,7 +204,8 @@ _FILL_KINDS = {
         "        raise OSError(ctypes.get_errno(), 'shmget')\n"
         "    addr = libc.shmat(sid, None, 0)\n"
         "    ctypes.memmove(addr, chunk, len(chunk))\n"
-        "    libc.shmdt(ctypes.c_void_p(addr))\n"),
+        "    libc.shmdt(ctypes.c_void_p(addr))\n"
+    ),
 }
 
 

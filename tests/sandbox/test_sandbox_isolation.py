@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_cannot_write_outside_work_dir(temp_root: str) -> None:
     if not sandbox_capabilities().privilege_drop:
-        pytest.skip("not root: the child runs as the trainer's own uid and may write "
-                    "where the trainer may")
-    targets = [os.getcwd(), str(REPO), str(REPO / "tandem"), "/root", "/etc", "/usr/lib",
-               temp_root]
+        pytest.skip(
+            "not root: the child runs as the trainer's own uid and may write where the trainer may"
+        )
+    targets = [os.getcwd(), str(REPO), str(REPO / "tandem"), "/root", "/etc", "/usr/lib", temp_root]
     code = (
         "import os, sys\n"
         f"targets = {targets!r}\n"
@@ -46,8 +46,7 @@ def test_cannot_write_outside_work_dir(temp_root: str) -> None:
         assert not os.path.exists(os.path.join(d, "tandem_sandbox_escape.txt"))
 
 
-def test_parent_environment_is_not_visible(temp_root: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parent_environment_is_not_visible(temp_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_TEST_SECRET", "hunter2-do-not-leak")
     code = (
         "import os\n"
@@ -122,7 +121,6 @@ def test_unreachable_temp_dir_is_refused(tmp_path: Path) -> None:
     if sandbox_capabilities().mount_namespace:  # the program never sees the staging dir
         assert run_python("print(6 * 7)", temp_dir=str(hidden)).stdout == "42\n"
     assert os.listdir(hidden) == []
-
 
 
 def test_trainer_unix_socket_is_not_reachable(temp_root: str) -> None:

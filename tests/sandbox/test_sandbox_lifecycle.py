@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.rl.workers.env_pool import EnvPool
 from tandem.rl.sandbox import SandboxLimits, run_python, sandbox_capabilities
+from tandem.rl.workers.env_pool import EnvPool
 from tests.fixtures import trainer_unaffected  # noqa: F401  (a fixture)
 from tests.sandbox.sandbox_helpers import FAST, PRINT_UID, _assert_no_processes_left, _run
 
@@ -43,9 +43,12 @@ def test_setsid_escapee_is_killed(temp_root: str) -> None:
 def test_files_left_in_tmp_are_swept(temp_root: str) -> None:
     if not sandbox_capabilities().privilege_drop:
         pytest.skip("not root: files in /tmp cannot be told apart from the trainer's")
-    res = run_python(PRINT_UID + "import os\nname = f'/tmp/tandem-litter-{os.getuid()}'\n"
-                     "open(name, 'w').write('x')\nos.mkdir(name + '.d')\nprint(name)",
-                     limits=FAST, temp_dir=temp_root)
+    res = run_python(
+        PRINT_UID + "import os\nname = f'/tmp/tandem-litter-{os.getuid()}'\n"
+        "open(name, 'w').write('x')\nos.mkdir(name + '.d')\nprint(name)",
+        limits=FAST,
+        temp_dir=temp_root,
+    )
     name = res.stdout.split()[-1]
     assert name.startswith("/tmp/tandem-litter-")
     assert not os.path.exists(name) and not os.path.exists(name + ".d")
@@ -72,8 +75,7 @@ def test_ipc_objects_and_lock_files_do_not_outlive_the_run(temp_root: str, plan:
     key = secrets.randbelow(1 << 30) + 1
     tag = secrets.token_hex(6)
     mq, lock = f"/tandem-test-{tag}", f"/run/lock/tandem-test-{tag}"
-    res = _run(_IPC_LITTER.format(key=key, mq=mq, lock=lock), plan, limits=FAST,
-               temp_dir=temp_root)
+    res = _run(_IPC_LITTER.format(key=key, mq=mq, lock=lock), plan, limits=FAST, temp_dir=temp_root)
     assert int(res.stdout.split("shm ")[1].split()[0]) >= 0, res  # the run did make them
     assert int(res.stdout.split("mq ")[1].split()[0]) >= 0, res
     left = []
@@ -132,13 +134,20 @@ def _start_long_run_and_report(report: str, temp_root: str) -> None:
     """An env-pool task: start a 600 s run, write its processes' pids, then wait on it."""
     limits = SandboxLimits(cpu_time_s=5, wall_time_s=120.0)
     sandbox_capabilities()  # the probe's runs are over before the run to watch starts
-    threading.Thread(target=run_python, args=("import time\ntime.sleep(600)",),
-                     kwargs={"limits": limits, "temp_dir": temp_root}, daemon=True).start()
+    threading.Thread(
+        target=run_python,
+        args=("import time\ntime.sleep(600)",),
+        kwargs={"limits": limits, "temp_dir": temp_root},
+        daemon=True,
+    ).start()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         procs = _descendants(os.getpid())
-        if any(os.stat(f"/proc/{p}").st_uid >= 1_600_000_000 for p in procs
-               if os.path.exists(f"/proc/{p}")):
+        if any(
+            os.stat(f"/proc/{p}").st_uid >= 1_600_000_000
+            for p in procs
+            if os.path.exists(f"/proc/{p}")
+        ):
             with open(report, "w") as f:
                 json.dump(procs, f)
             break
@@ -146,8 +155,7 @@ def _start_long_run_and_report(report: str, temp_root: str) -> None:
     time.sleep(600)
 
 
-def test_run_ends_when_the_env_worker_running_it_is_killed(temp_root: str,
-                                                           tmp_path: Path) -> None:
+def test_run_ends_when_the_env_worker_running_it_is_killed(temp_root: str, tmp_path: Path) -> None:
     if not sandbox_capabilities().privilege_drop:
         pytest.skip("not root: the test finds the run by its uid")
     report = tmp_path / "pids.json"
@@ -216,16 +224,19 @@ def test_rmtree_is_iterative(tmp_path: Path) -> None:
 
 
 # The program and a child of its own report their pids on fd 3, then sleep past any deadline.
-_SLEEPER = ("import os, time\n"
-            "child = os.fork()\n"
-            "if child == 0:\n    time.sleep(60)\n    os._exit(0)\n"
-            "os.write(3, f'{os.getpid()} {child}\\n'.encode())\n"
-            "time.sleep(60)\n")
+_SLEEPER = (
+    "import os, time\n"
+    "child = os.fork()\n"
+    "if child == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+    "os.write(3, f'{os.getpid()} {child}\\n'.encode())\n"
+    "time.sleep(60)\n"
+)
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
-def test_a_killed_or_frozen_supervisor_leaves_nothing(temp_root: str, how: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_killed_or_frozen_supervisor_leaves_nothing(
+    temp_root: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGKILL of the supervisor (as the OOM killer would): its program dies with it
     (PR_SET_PDEATHSIG) and the caller, whose status pipe closed without a status, kills the
     run's uid and removes the work dir and the cgroup; no process, work dir or cgroup is left
@@ -242,13 +253,20 @@ def test_a_killed_or_frozen_supervisor_leaves_nothing(temp_root: str, how: str,
     plan = sandbox._machine_plan
 
     def cgroups() -> set[str]:
-        return set() if plan.cgroup is None else \
-            {e.path for e in os.scandir(plan.cgroup[1]) if e.name.startswith("tandem-sbx-")}
+        return (
+            set()
+            if plan.cgroup is None
+            else {e.path for e in os.scandir(plan.cgroup[1]) if e.name.startswith("tandem-sbx-")}
+        )
 
     before = cgroups()
     r, w = os.pipe()
-    run = start_python(_SLEEPER, limits=SandboxLimits(cpu_time_s=5, wall_time_s=wall),
-                       temp_dir=temp_root, fds={3: w})
+    run = start_python(
+        _SLEEPER,
+        limits=SandboxLimits(cpu_time_s=5, wall_time_s=wall),
+        temp_dir=temp_root,
+        fds={3: w},
+    )
     os.close(w)
     pids = [int(p) for p in os.read(r, 100).split()]  # the program and its child are running
     os.close(r)
@@ -269,9 +287,11 @@ def test_a_killed_or_frozen_supervisor_leaves_nothing(temp_root: str, how: str,
         t0 = time.monotonic()
     left: list[str] = []
     while time.monotonic() < t0 + 1.0:
-        left = ([f"pid {p}" for p in _alive(starts)] + [f"uid process {p}" for p in
-                                                        processes_of_uid(run._uid)]
-                + [p for p in [run._workdir, *ours] if os.path.exists(p)])
+        left = (
+            [f"pid {p}" for p in _alive(starts)]
+            + [f"uid process {p}" for p in processes_of_uid(run._uid)]
+            + [p for p in [run._workdir, *ours] if os.path.exists(p)]
+        )
         if not left:
             break
         time.sleep(0.02)

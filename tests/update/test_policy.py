@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from tandem.models import Transformer, get_flavor
 from tandem.parallel.mesh import Degrees, build_mesh
 from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
-from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.core.modeling import BuildSpec
+from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -50,13 +50,22 @@ def _samples() -> list[RolloutSample]:
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(8):
-        p, c = (int(torch.randint(5, 15, (1,), generator=g)),
-                int(torch.randint(3, 9, (1,), generator=g)))
-        out.append(RolloutSample(group=i // 4,
-                                 prompt_ids=torch.randint(3, 500, (p,), generator=g).tolist(),
-                                 completion_ids=torch.randint(3, 500, (c,), generator=g).tolist(),
-                                 loss_mask=[True] * c, gen_logprobs=[-6.0] * c,
-                                 finish_reason="length", text="", row={}))
+        p, c = (
+            int(torch.randint(5, 15, (1,), generator=g)),
+            int(torch.randint(3, 9, (1,), generator=g)),
+        )
+        out.append(
+            RolloutSample(
+                group=i // 4,
+                prompt_ids=torch.randint(3, 500, (p,), generator=g).tolist(),
+                completion_ids=torch.randint(3, 500, (c,), generator=g).tolist(),
+                loss_mask=[True] * c,
+                gen_logprobs=[-6.0] * c,
+                finish_reason="length",
+                text="",
+                row={},
+            )
+        )
     return out
 
 
@@ -72,7 +81,7 @@ def _hand_router_loss(logits: torch.Tensor, k: int, aux_coef: float, z_coef: flo
         hits[row.topk(k).indices] += 1
     aux = e * ((hits / t) * p.mean(0)).sum()
     lse = torch.log(ex.sum(-1)) + m[:, 0]  # [T]
-    return aux_coef * aux + z_coef * (lse ** 2).mean()
+    return aux_coef * aux + z_coef * (lse**2).mean()
 
 
 def _full(g: torch.Tensor) -> torch.Tensor:
@@ -85,25 +94,45 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("aux_coef, z_coef", [(0.1, 0.0), (0.0, 0.1)], ids=["aux", "z"])
 def test_router_losses_reach_the_gradient(one_rank, aux_coef, z_coef):
-    args = get_flavor("debug-qwen3-moe").replace(router_aux_loss_coef=aux_coef,
-                                                 router_z_loss_coef=z_coef)
-    policy = FlatPolicy(args, one_rank, CPU, path=None, seed=0, spec=BuildSpec(), is_main=True,
-                        micro_batch_tokens=BUDGET, chunk_tokens=16)
+    args = get_flavor("debug-qwen3-moe").replace(
+        router_aux_loss_coef=aux_coef, router_z_loss_coef=z_coef
+    )
+    policy = FlatPolicy(
+        args,
+        one_rank,
+        CPU,
+        path=None,
+        seed=0,
+        spec=BuildSpec(),
+        is_main=True,
+        micro_batch_tokens=BUDGET,
+        chunk_tokens=16,
+    )
     ref = Transformer(args)
     ref.load_state_dict(policy.full_state())
     samples = _samples()
     rows = list(range(len(samples)))
     mask, gen_logp, width = completion_tensors(samples, CPU)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
-    spec = LossSpec(policy_loss=POLICY_LOSSES.get("ppo_clip"),
-                    policy_cfg=PolicyLossConfig(),
-                    aggregation=AGGREGATIONS.get("token_mean"), kl_estimator=None, kl_coef=0.0,
-                    entropy_coef=0.0)
+    spec = LossSpec(
+        policy_loss=POLICY_LOSSES.get("ppo_clip"),
+        policy_cfg=PolicyLossConfig(),
+        aggregation=AGGREGATIONS.get("token_mean"),
+        kl_estimator=None,
+        kl_coef=0.0,
+        entropy_coef=0.0,
+    )
     norm = make_norm(mask)
 
     def inputs() -> LossInputs:
-        return LossInputs(mask=mask, old_logp=None, advantages=adv, gen_logp=gen_logp,
-                          ref_logp=None, seen_logp=torch.zeros_like(mask))
+        return LossInputs(
+            mask=mask,
+            old_logp=None,
+            advantages=adv,
+            gen_logp=gen_logp,
+            ref_logp=None,
+            seen_logp=torch.zeros_like(mask),
+        )
 
     policy.train()
     policy.accumulate(samples, rows, inputs(), spec, norm, width)
@@ -127,12 +156,16 @@ def test_router_losses_reach_the_gradient(one_rank, aux_coef, z_coef):
         # the padding of a packed row is not routed into the losses
         real = (mb.doc_ids >= 0).reshape(-1)
         padded += int(not real.all())
-        router = torch.stack([_hand_router_loss(x[real] @ w.T, args.num_experts_per_tok, aux_coef,
-                                                z_coef)
-                              for x, w in zip(router_in, gates, strict=True)]).mean() / len(mbs)
+        router = torch.stack(
+            [
+                _hand_router_loss(x[real] @ w.T, args.num_experts_per_tok, aux_coef, z_coef)
+                for x, w in zip(router_in, gates, strict=True)
+            ]
+        ).mean() / len(mbs)
         for acc, term in ((pol, loss), (rtr, router)):
-            grads = torch.autograd.grad(term, list(params.values()), retain_graph=True,
-                                        allow_unused=True)
+            grads = torch.autograd.grad(
+                term, list(params.values()), retain_graph=True, allow_unused=True
+            )
             for n, g in zip(params, grads, strict=True):
                 if g is not None:
                     acc[n] += g

@@ -16,8 +16,17 @@ from tandem.rl.update.phase import UpdatePhase
 
 def test_update_sums_add_by_name_in_float64():
     s = UpdateSums.zeros(torch.device("cpu"))
-    names = ("clipped", "entropy", "kl", "tokens", "is_weight", "is_weight_sq", "dropped",
-             "kl_behav", "kl_prox")
+    names = (
+        "clipped",
+        "entropy",
+        "kl",
+        "tokens",
+        "is_weight",
+        "is_weight_sq",
+        "dropped",
+        "kl_behav",
+        "kl_prox",
+    )
     s.add_loss(torch.tensor(0.5), {k: torch.tensor(float(i + 2)) for i, k in enumerate(names)})
     part = UpdateSums.zeros(torch.device("cpu"))
     part.add_value(torch.tensor(1.5), 4)
@@ -25,8 +34,13 @@ def test_update_sums_add_by_name_in_float64():
     s.steps = s.steps + 1
     assert s.flat().dtype == torch.float64
     assert s.flat().tolist() == [0.5, 2.0, 3.0, 4.0, 5.0, 1.0, 1.5, 4.0, 6.0, 7.0, 8.0, 9.0, 10.0]
-    named = (s.loss.item(), s.tokens.item(), s.value_sq_err.item(), s.value_tokens.item(),
-             s.kl_prox.item())
+    named = (
+        s.loss.item(),
+        s.tokens.item(),
+        s.value_sq_err.item(),
+        s.value_tokens.item(),
+        s.kl_prox.item(),
+    )
     assert named == (0.5, 5.0, 1.5, 4.0, 10.0)
 
 
@@ -35,8 +49,9 @@ def _learner(name, lr=0.1, schedule=True):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     sched = None
     if schedule:
-        sched = build_scheduler(opt, total_steps=10, warmup_steps=4, decay="constant",
-                                min_lr_ratio=0.0)
+        sched = build_scheduler(
+            opt, total_steps=10, warmup_steps=4, decay="constant", min_lr_ratio=0.0
+        )
 
     def clip(max_norm):
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
@@ -52,8 +67,9 @@ def _grads(*models):
 def test_updater_steps_the_chosen_learners_and_drops_everyones_gradients_on_nan(tmp_path):
     policy, lp = _learner("policy")
     critic, lc = _learner("critic", schedule=False)
-    up = Updater([lp, lc], fault=FaultConfig(on_nonfinite="skip"), dump_folder=str(tmp_path),
-                 rank=0)
+    up = Updater(
+        [lp, lc], fault=FaultConfig(on_nonfinite="skip"), dump_folder=str(tmp_path), rank=0
+    )
     w_policy, w_critic = policy.weight.detach().clone(), critic.weight.detach().clone()
 
     _grads(policy, critic)  # a critic warm-up update: only the critic steps, the policy waits
@@ -78,15 +94,39 @@ def test_updater_steps_the_chosen_learners_and_drops_everyones_gradients_on_nan(
     assert set(norms) == {"policy", "critic"} and not torch.equal(policy.weight, w_policy)
 
 
-def _phase(*, epochs=1, minibatches=1, kl_mode="loss", ref=False, trainers=(), teachers=None,
-           correction="tis", proximal="recompute"):
-    rl = SimpleNamespace(epochs=epochs, minibatches=minibatches, kl_mode=kl_mode,
-                         offpolicy_correction=correction, proximal=proximal)
+def _phase(
+    *,
+    epochs=1,
+    minibatches=1,
+    kl_mode="loss",
+    ref=False,
+    trainers=(),
+    teachers=None,
+    correction="tis",
+    proximal="recompute",
+):
+    rl = SimpleNamespace(
+        epochs=epochs,
+        minibatches=minibatches,
+        kl_mode=kl_mode,
+        offpolicy_correction=correction,
+        proximal=proximal,
+    )
     trainers = [SimpleNamespace(needs_old_logp=False), *trainers]
-    return UpdatePhase(rl=rl, max_tokens=8, distill=None, policy=None,
-                       ref=object() if ref else None, trainers=trainers, updater=None,
-                       teachers=teachers, dp=(1, None),
-                       device=torch.device("cpu"), samples_to_log=0, chunk_tokens=1024)
+    return UpdatePhase(
+        rl=rl,
+        max_tokens=8,
+        distill=None,
+        policy=None,
+        ref=object() if ref else None,
+        trainers=trainers,
+        updater=None,
+        teachers=teachers,
+        dp=(1, None),
+        device=torch.device("cpu"),
+        samples_to_log=0,
+        chunk_tokens=1024,
+    )
 
 
 def test_the_old_log_probs_get_a_forward_only_when_something_needs_them():

@@ -32,7 +32,8 @@ LLAMA_TEMPLATE = (
 THINK_TEMPLATE = QWEN_CHAT_TEMPLATE.replace(
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}",
     "{{- '<|im_start|>' + message.role + '\\n' + ('<think>\\n\\n</think>\\n\\n' if message.role == "
-    "'assistant' else '') + message.content + '<|im_end|>' + '\\n' }}")
+    "'assistant' else '') + message.content + '<|im_end|>' + '\\n' }}",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +41,22 @@ def student(tmp_path_factory):
     return build_char_tokenizer(tmp_path_factory.mktemp("char"))
 
 
-def _byte_bpe(template=LLAMA_TEMPLATE,
-              specials=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                                                 "<|eot_id|>")):
+def _byte_bpe(
+    template=LLAMA_TEMPLATE,
+    specials=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+):
     raw = Raw(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[AddedToken(t, special=True, normalized=False)
-                                                  for t in specials],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
+        show_progress=False,
+    )
     raw.train_from_iterator(
-        ["hello world", "12+7=19", "你好 世界", "🙂 ok", "the answer is 19"] * 20, trainer)
+        ["hello world", "12+7=19", "你好 世界", "🙂 ok", "the answer is 19"] * 20, trainer
+    )
     eos = [raw.token_to_id(specials[-1])]
     return Tokenizer(raw, {"eos_token": specials[-1]}, template, eos)
 
@@ -68,19 +72,62 @@ def _sentencepiece():
     vocab = {"<unk>": 0, "</s>": 1}
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁he", "▁hel", "▁hell", "▁hello",
-                  "▁w", "▁wo", "▁wor", "▁worl", "▁world", "1", "9", "▁1", "▁19", "a", "▁a"]:
+    for piece in [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "▁h",
+        "▁he",
+        "▁hel",
+        "▁hell",
+        "▁hello",
+        "▁w",
+        "▁wo",
+        "▁wor",
+        "▁worl",
+        "▁world",
+        "1",
+        "9",
+        "▁1",
+        "▁19",
+        "a",
+        "▁a",
+    ]:
         vocab[piece] = len(vocab)
-    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o"), ("▁", "w"),
-              ("▁w", "o"),
-              ("▁wo", "r"), ("▁wor", "l"), ("▁worl", "d"), ("▁", "1"), ("▁1", "9"), ("▁", "a")]
+    merges = [
+        ("▁", "h"),
+        ("▁h", "e"),
+        ("▁he", "l"),
+        ("▁hel", "l"),
+        ("▁hell", "o"),
+        ("▁", "w"),
+        ("▁w", "o"),
+        ("▁wo", "r"),
+        ("▁wor", "l"),
+        ("▁worl", "d"),
+        ("▁", "1"),
+        ("▁1", "9"),
+        ("▁", "a"),
+    ]
     raw = Raw(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
     raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    raw.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     raw.add_special_tokens([AddedToken("</s>", special=True)])
-    return Tokenizer(raw, {"eos_token": "</s>"},
-                     "{% for m in messages %}{{ m['content'] }}{% endfor %}", [1])
+    return Tokenizer(
+        raw, {"eos_token": "</s>"}, "{% for m in messages %}{{ m['content'] }}{% endfor %}", [1]
+    )
 
 
 def _pieces(tok, ids, eos=()):
@@ -147,8 +194,9 @@ def test_multibyte_cjk_and_emoji(student, teacher, tmp_path):
     assert len(w_ids) == 3
     a = align(_pieces(wide, w_ids), t_bytes)
     _check_same_text(a, _pieces(wide, w_ids), t_bytes)
-    emoji_pieces = [k for k, b in enumerate(t_bytes) if b and b[0] >= 0xF0
-                    or (b and 0x80 <= b[0] < 0xC0)]
+    emoji_pieces = [
+        k for k, b in enumerate(t_bytes) if b and b[0] >= 0xF0 or (b and 0x80 <= b[0] < 0xC0)
+    ]
     assert a.student_chunk[2] == a.teacher_chunk[emoji_pieces[-1]]
 
 
@@ -166,8 +214,15 @@ def test_byte_fallback_pieces_and_dummy_prefix(student):
     a = align(s_pieces, pieces)
     _check_same_text(a, s_pieces, pieces)
     # hello | " " | 3 bytes one by one on both sides | " 19"
-    assert (a.teacher_chunk == [0, 1, 2, 3, 4, 5] and a.student_chunk == [0] * 5
-            + [1, 2, 3, 4, 5, 5, 5])
+    assert a.teacher_chunk == [0, 1, 2, 3, 4, 5] and a.student_chunk == [0] * 5 + [
+        1,
+        2,
+        3,
+        4,
+        5,
+        5,
+        5,
+    ]
 
 
 def test_special_tokens_and_end_of_turn(student, teacher):
@@ -192,9 +247,11 @@ def test_end_of_turn_strings_differ_but_align(student, teacher):
     assert [teacher.id_to_token(i) for i in v.completion_ids][-1] == "<|eot_id|>"
     assert v.alignment.student_chunk[-1] == v.alignment.teacher_chunk[-1] >= 0
     assert teacher.decode(v.prompt_ids).endswith(
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert ("12+7=" in teacher.decode(v.prompt_ids)
-            and "<|im_start|>" not in teacher.decode(v.prompt_ids))
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert "12+7=" in teacher.decode(v.prompt_ids) and "<|im_start|>" not in teacher.decode(
+        v.prompt_ids
+    )
 
 
 def test_completion_cut_mid_character(student, teacher):
@@ -224,8 +281,10 @@ def test_templates_that_trim_and_add_text(student, teacher):
     # the Llama-style template trims the reply: the spaces the student wrote are masked, "19" and
     # the end align
     a = CrossTokenizer(student, teacher).view(msgs, student.encode(" 19 ") + eos).alignment
-    assert (a.student_chunk[0] == a.student_chunk[3] == -1
-            and min(a.student_chunk[1:3] + a.student_chunk[4:]) >= 0)
+    assert (
+        a.student_chunk[0] == a.student_chunk[3] == -1
+        and min(a.student_chunk[1:3] + a.student_chunk[4:]) >= 0
+    )
     # a Qwen3-style template puts an empty think block before the reply: teacher-only text is
     # context
     think = _byte_bpe(THINK_TEMPLATE, specials=("<|im_start|>", "<|im_end|>"))
@@ -234,8 +293,9 @@ def test_templates_that_trim_and_add_text(student, teacher):
     assert text.startswith("<think>\n\n</think>\n\n19") and text.endswith("<|im_end|>")
     assert min(v.alignment.student_chunk) >= 0  # every student token aligned
     pieces = TokenBytes(think).of(v.completion_ids)
-    n_lead = next(k for k in range(len(pieces)) if b"".join(pieces[:k])
-                  == b"<think>\n\n</think>\n\n")
+    n_lead = next(
+        k for k in range(len(pieces)) if b"".join(pieces[:k]) == b"<think>\n\n</think>\n\n"
+    )
     # scored, never compared
     assert n_lead > 0 and v.alignment.teacher_chunk[:n_lead] == [-1] * n_lead
     assert min(v.alignment.teacher_chunk[n_lead:]) >= 0
@@ -257,16 +317,18 @@ def test_same_tokenizer_is_token_by_token_and_bitwise_today(student, tmp_path):
     ids = student.encode("8 apples") + [student.token_to_id("<|im_end|>")]
     v = x.view(msgs, ids)
     assert v.completion_ids == ids  # re-encoding a canonical completion gives the sampled ids
-    assert (v.prompt_ids
-            == student.encode(student.apply_chat_template(msgs, add_generation_prompt=True)))
+    assert v.prompt_ids == student.encode(
+        student.apply_chat_template(msgs, add_generation_prompt=True)
+    )
     assert v.alignment.student_chunk == v.alignment.teacher_chunk == list(range(len(ids)))
     # chunks of one token: the chunk advantages are today's per-token OPD advantages, bit for bit
     g = torch.Generator().manual_seed(0)
     s, t = -torch.rand(6, 9, generator=g) * 5, -torch.rand(6, 9, generator=g) * 5
     t[0, 0] = s[0, 0] = -0.0
     mask = (torch.rand(6, 9, generator=g) > 0.2).float()
-    ids_t = torch.where(torch.arange(9) < torch.tensor([9, 9, 5, 7, 1, 9])[:, None],
-                        torch.arange(9), -1)
+    ids_t = torch.where(
+        torch.arange(9) < torch.tensor([9, 9, 5, 7, 1, 9])[:, None], torch.arange(9), -1
+    )
     mask = mask * (ids_t >= 0)
     want = opd_advantages(s, t, mask)
     got = chunk_opd_advantages(s, chunk_sums(t, ids_t, 9), ids_t, mask)

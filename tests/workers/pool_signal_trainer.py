@@ -38,8 +38,11 @@ def main() -> int:
         outcomes += envs.poll(None)
     out = {
         "total": res.total,
-        "failures": [res.errors["test_slow_len"], res.timeouts["test_slow_len"],
-                     res.crashes["test_slow_len"]],
+        "failures": [
+            res.errors["test_slow_len"],
+            res.timeouts["test_slow_len"],
+            res.crashes["test_slow_len"],
+        ],
         "reward_pids_kept": rewards.worker_pids() == reward_pids,
         "env": sorted((o.ticket, o.status, o.value, o.attempts) for o in outcomes),
         "env_counts": envs.counts,

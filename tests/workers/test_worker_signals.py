@@ -36,10 +36,15 @@ def test_pool_workers_survive_signals_to_the_trainers_process_group(tmp_path: Pa
     and every score and environment result is right."""
     err_path = tmp_path / "stderr.txt"  # a line per signal: a pipe nobody reads would fill up
     with open(err_path, "w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.workers.pool_signal_trainer"],
-                                cwd=ROOT, env=ENV,
-                                stdout=subprocess.PIPE, stderr=err_file, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.workers.pool_signal_trainer"],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=err_file,
+            text=True,
+            start_new_session=True,
+        )
     stop = threading.Event()
     sent = [0]
 
@@ -73,7 +78,11 @@ def test_pool_workers_survive_signals_to_the_trainers_process_group(tmp_path: Pa
     assert out["total"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
     assert out["failures"] == [0, 0, 0]  # errors, timeouts, crashes
     assert out["reward_pids_kept"] and out["env_pids_kept"]
-    assert out["env"] == [[0, "ok", 1.0, 1], [1, "ok", 2.0, 1], [2, "ok", 3.0, 1],
-                          [3, "ok", 4.0, 1]]
+    assert out["env"] == [
+        [0, "ok", 1.0, 1],
+        [1, "ok", 2.0, 1],
+        [2, "ok", 3.0, 1],
+        [3, "ok", 4.0, 1],
+    ]
     assert out["env_counts"] == {"crashes": 0, "timeouts": 0, "errors": 0, "restarts": 0}
     assert "died unexpectedly" not in err  # multiprocessing's resource tracker survived too

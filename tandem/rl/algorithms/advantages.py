@@ -98,6 +98,7 @@ ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 # ---------------------------------------------------------------------------
 # helpers
 
+
 def _float(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
@@ -154,8 +155,13 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return out * m
 
 
-def masked_whiten(x: Tensor, mask: Tensor, eps: float, scale: bool = True,
-                  reduce_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    eps: float,
+    scale: bool = True,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """(x - mean) / (std + eps) over the masked entries (unbiased std); zero outside the mask.
 
     With ``reduce_sum`` the mean and std are those of the masked entries of every
@@ -167,7 +173,7 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float, scale: bool = True,
     mean = total[0] / total[1].clamp(min=1)
     out = (x - mean) * m
     if scale:
-        sq = (out ** 2).sum()
+        sq = (out**2).sum()
         if reduce_sum is not None:
             sq = reduce_sum(sq)
         var = sq / (total[1] - 1).clamp(min=1)
@@ -195,6 +201,7 @@ def _broadcast(adv_seq: Tensor, mask: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------
 # critic-free, sequence-level
+
 
 @ADVANTAGES.register("grpo", group_relative=True)
 def grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
@@ -239,6 +246,7 @@ def rloo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
 
 # ---------------------------------------------------------------------------
 # token-level
+
 
 @ADVANTAGES.register("reinforce_pp")
 def reinforce_pp(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:

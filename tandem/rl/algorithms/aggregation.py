@@ -119,8 +119,10 @@ def seq_mean_token_mean(loss: Tensor, mask: Tensor, norm: AggregationNorm) -> Te
 def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, norm: AggregationNorm) -> Tensor:
     """sum(loss * mask) / (global_seqs * constant) (Dr. GRPO, arXiv 2503.20783)."""
     if norm.constant is None or norm.constant <= 0:
-        raise ValueError("seq_mean_token_sum_norm needs AggregationNorm.constant > 0 "
-                         "(e.g. the maximum response length)")
+        raise ValueError(
+            "seq_mean_token_sum_norm needs AggregationNorm.constant > 0 "
+            "(e.g. the maximum response length)"
+        )
     return masked_sum(loss, mask) / (_denominator(norm.global_seqs, loss) * float(norm.constant))
 
 
@@ -129,8 +131,9 @@ def aggregate(name: str, loss: Tensor, mask: Tensor, norm: AggregationNorm) -> T
     return AGGREGATIONS.get(name)(loss, mask, norm)
 
 
-def entropy_loss(entropy: Tensor, mask: Tensor, agg: str, norm: AggregationNorm,
-                 coef: float) -> Tensor:
+def entropy_loss(
+    entropy: Tensor, mask: Tensor, agg: str, norm: AggregationNorm, coef: float
+) -> Tensor:
     """Entropy bonus as a loss term: ``-coef * aggregate(agg, entropy)``.
 
     entropy: ``[N, T]`` per-token entropy of the current policy (with grad).

@@ -26,8 +26,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_opd_advantages", "chunk_reverse_kl", "chunk_sums", "opd_advantages",
-           "reverse_kl_full", "reverse_kl_sampled"]
+__all__ = [
+    "chunk_opd_advantages",
+    "chunk_reverse_kl",
+    "chunk_sums",
+    "opd_advantages",
+    "reverse_kl_full",
+    "reverse_kl_sampled",
+]
 
 
 def reverse_kl_full(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor) -> Tensor:
@@ -73,8 +79,9 @@ def chunk_reverse_kl(student_logp: Tensor, teacher_chunk_logp: Tensor, chunk_ids
     return s - teacher_chunk_logp.detach()
 
 
-def chunk_opd_advantages(student_logp: Tensor, teacher_chunk_logp: Tensor, chunk_ids: Tensor,
-                         mask: Tensor) -> Tensor:
+def chunk_opd_advantages(
+    student_logp: Tensor, teacher_chunk_logp: Tensor, chunk_ids: Tensor, mask: Tensor
+) -> Tensor:
     """Per-token OPD advantage ``-(log p_s(chunk) - log p_t(chunk))`` of each token's chunk;
     ``[N, T]``, zero outside the mask and on tokens in no chunk."""
     d = chunk_reverse_kl(student_logp, teacher_chunk_logp, chunk_ids)  # [N, C]

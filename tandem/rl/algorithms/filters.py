@@ -39,8 +39,9 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: flo
     ``len = max_len``, and ``-factor`` beyond. DAPO's formula is the case factor = 1.
     """
     if not 0 < buffer_len <= max_len:
-        raise ValueError(f"overlong_penalty: need 0 < buffer_len <= max_len, got {buffer_len}"
-                         f", {max_len}")
+        raise ValueError(
+            f"overlong_penalty: need 0 < buffer_len <= max_len, got {buffer_len}, {max_len}"
+        )
     over = (lengths.float() - (max_len - buffer_len)) / buffer_len  # [N]
     return -factor * over.clamp(0.0, 1.0)
 

@@ -126,8 +126,9 @@ def decoupled(inp: CorrectionInput, cfg: CorrectionConfig) -> CorrectionOutput:
     return CorrectionOutput(prox, rho if cfg.cap is None else rho.clamp(max=cfg.cap))
 
 
-@OFFPOLICY_CORRECTIONS.register("m2po", uses=("proximal", "m2_threshold"), needs_old_logp=True,
-                                batch_keep=True)
+@OFFPOLICY_CORRECTIONS.register(
+    "m2po", uses=("proximal", "m2_threshold"), needs_old_logp=True, batch_keep=True
+)
 def m2po(inp: CorrectionInput, cfg: CorrectionConfig) -> CorrectionOutput:
     """M2PO: decoupled PPO without the cap, on the tokens `m2po_keep` kept."""
     if inp.keep is None:
@@ -137,8 +138,9 @@ def m2po(inp: CorrectionInput, cfg: CorrectionConfig) -> CorrectionOutput:
     return CorrectionOutput(prox, torch.where(inp.keep, rho, 0.0))
 
 
-def m2po_keep(m2: Tensor, mask: Tensor, threshold: float,
-              gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def m2po_keep(
+    m2: Tensor, mask: Tensor, threshold: float, gather: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
     """M2PO's tokens: drop the largest second moments ``m2 = (prox - behav)^2`` [N, T] until the
     mean of the kept ones is below ``threshold`` (at least one token kept), over the tokens
     of every rank (``gather`` concatenates a 1-D tensor over the data-parallel ranks).

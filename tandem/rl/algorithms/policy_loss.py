@@ -68,14 +68,20 @@ class PolicyLossConfig:
         PolicyLossConfig.validate(self)
 
     def validate(self) -> None:
-        require(0 <= self.clip_low < 1 and self.clip_high >= 0,
-                f"rl.clip_low / rl.clip_high: need 0 <= clip_low < 1 and clip_high >= 0, "
-                f"got {self.clip_low} / {self.clip_high}")
-        require(0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
-                f"rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1 and "
-                f"seq_clip_high >= 0, got {self.seq_clip_low} / {self.seq_clip_high}")
-        require(self.dual_clip is None or self.dual_clip > 1,
-                f"rl.dual_clip: must be > 1, got {self.dual_clip}")
+        require(
+            0 <= self.clip_low < 1 and self.clip_high >= 0,
+            f"rl.clip_low / rl.clip_high: need 0 <= clip_low < 1 and clip_high >= 0, "
+            f"got {self.clip_low} / {self.clip_high}",
+        )
+        require(
+            0 <= self.seq_clip_low < 1 and self.seq_clip_high >= 0,
+            f"rl.seq_clip_low / rl.seq_clip_high: need 0 <= seq_clip_low < 1 and "
+            f"seq_clip_high >= 0, got {self.seq_clip_low} / {self.seq_clip_high}",
+        )
+        require(
+            self.dual_clip is None or self.dual_clip > 1,
+            f"rl.dual_clip: must be > 1, got {self.dual_clip}",
+        )
 
 
 @dataclass
@@ -132,8 +138,11 @@ def ppo_clip(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
         dual = (a < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
         clipped = clipped | dual
-    metrics = {"clipped": clipped.to(loss.dtype), "ratio": ratio,
-               "approx_kl": _approx_kl(log_ratio)}
+    metrics = {
+        "clipped": clipped.to(loss.dtype),
+        "ratio": ratio,
+        "approx_kl": _approx_kl(log_ratio),
+    }
     return _finish(loss, inp, cfg, metrics)
 
 

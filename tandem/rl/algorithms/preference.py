@@ -57,8 +57,10 @@ class PreferenceConfig:
 
     def validate(self) -> None:
         require(self.beta > 0, f"preference.beta: must be > 0, got {self.beta}")
-        require(0.0 <= self.label_smoothing < 0.5,
-                f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+        require(
+            0.0 <= self.label_smoothing < 0.5,
+            f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}",
+        )
 
 
 @dataclass
@@ -79,8 +81,10 @@ def _log_ratios(inp: PreferenceInput, name: str) -> tuple[Tensor, Tensor]:
             f"preference loss {name!r} needs the reference log-probs "
             "(ref_chosen_logps, ref_rejected_logps)"
         )
-    return (inp.policy_chosen_logps - inp.ref_chosen_logps.detach(),
-            inp.policy_rejected_logps - inp.ref_rejected_logps.detach())
+    return (
+        inp.policy_chosen_logps - inp.ref_chosen_logps.detach(),
+        inp.policy_rejected_logps - inp.ref_rejected_logps.detach(),
+    )
 
 
 def _smoothed_logistic(z: Tensor, label_smoothing: float) -> Tensor:

@@ -76,17 +76,29 @@ class RLConfig(PolicyLossConfig):
     # greedy completion
 
     def validate(self) -> None:
-        for key in ("num_samples", "prompts_per_step", "epochs", "minibatches",
-                    "micro_batch_tokens", "eval_prompts"):
+        for key in (
+            "num_samples",
+            "prompts_per_step",
+            "epochs",
+            "minibatches",
+            "micro_batch_tokens",
+            "eval_prompts",
+        ):
             require(getattr(self, key) >= 1, f"rl.{key}: must be >= 1, got {getattr(self, key)}")
-        require(self.eval_samples >= 0, "rl.eval_samples: must be >= 0 (0 = one greedy "
-                                        f"completion), got {self.eval_samples}")
+        require(
+            self.eval_samples >= 0,
+            f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}",
+        )
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
-        require(self.tis_cap is None or self.tis_cap > 0,
-                f"rl.tis_cap: must be > 0, got {self.tis_cap}")
+        require(
+            self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}"
+        )
         require(self.m2_threshold > 0, f"rl.m2_threshold: must be > 0, got {self.m2_threshold}")
-        _check_name("rl.offpolicy_correction", "tandem.rl.algorithms.OFFPOLICY_CORRECTIONS",
-                    self.offpolicy_correction)
+        _check_name(
+            "rl.offpolicy_correction",
+            "tandem.rl.algorithms.OFFPOLICY_CORRECTIONS",
+            self.offpolicy_correction,
+        )
         self._check_correction_keys()
         _check_name("rl.advantage", "tandem.rl.algorithms.ADVANTAGES", self.advantage)
         _check_name("rl.policy_loss", "tandem.rl.algorithms.POLICY_LOSSES", self.policy_loss)
@@ -94,12 +106,13 @@ class RLConfig(PolicyLossConfig):
         _check_name("rl.kl_estimator", "tandem.rl.algorithms.KL_ESTIMATORS", self.kl_estimator)
         from tandem.rl.algorithms import ADVANTAGES
 
-        require(self.num_samples >= 2 or not ADVANTAGES.cap(self.advantage, "group_relative",
-                                                            False),
-                f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = "
-                f"{self.advantage!r}, which compares the completions of a prompt: every advantage "
-                "would be 0 and nothing learned; set rl.num_samples >= 2 or a per-sample advantage "
-                "(reinforce_pp, gae)")
+        require(
+            self.num_samples >= 2 or not ADVANTAGES.cap(self.advantage, "group_relative", False),
+            f"rl.num_samples: {self.num_samples} completion per prompt under rl.advantage = "
+            f"{self.advantage!r}, which compares the completions of a prompt: every advantage "
+            "would be 0 and nothing learned; set rl.num_samples >= 2 or a per-sample advantage "
+            "(reinforce_pp, gae)",
+        )
         super().validate()
         self._check_clip_keys()
 
@@ -112,8 +125,10 @@ class RLConfig(PolicyLossConfig):
         for key in (f.name for f in fields(PolicyLossConfig) if f.name != "tis_cap"):  # all read it
             if key not in uses and getattr(self, key) != getattr(default, key):
                 reads = ", ".join(f"rl.{k}" for k in uses) or "no clip setting"
-                raise ConfigError(f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} "
-                                  f"(it reads {reads})")
+                raise ConfigError(
+                    f"rl.{key}: not used by rl.policy_loss = {self.policy_loss!r} "
+                    f"(it reads {reads})"
+                )
 
     def _check_correction_keys(self) -> None:
         """A correction setting the chosen correction does not read is an error, and tis / mis
@@ -126,17 +141,24 @@ class RLConfig(PolicyLossConfig):
         for key in ("tis_cap", "offpolicy_level", "proximal", "m2_threshold"):
             if key not in uses and getattr(self, key) != getattr(default, key):
                 reads = ", ".join(f"rl.{k}" for k in uses) or "no other setting"
-                raise ConfigError(f"rl.{key}: not used by rl.offpolicy_correction = {name!r} "
-                                  f"(it reads {reads})")
-        require(self.tis_cap is not None or not OFFPOLICY_CORRECTIONS.cap(name, "needs_cap", False),
-                f"rl.tis_cap: none, but rl.offpolicy_correction = {name!r} needs a cap "
-                "(set rl.offpolicy_correction = 'none' for no correction)")
+                raise ConfigError(
+                    f"rl.{key}: not used by rl.offpolicy_correction = {name!r} (it reads {reads})"
+                )
+        require(
+            self.tis_cap is not None or not OFFPOLICY_CORRECTIONS.cap(name, "needs_cap", False),
+            f"rl.tis_cap: none, but rl.offpolicy_correction = {name!r} needs a cap "
+            "(set rl.offpolicy_correction = 'none' for no correction)",
+        )
 
     def correction_config(self):  # -> tandem.rl.algorithms.CorrectionConfig (imported lazily)
         from tandem.rl.algorithms import CorrectionConfig
 
-        return CorrectionConfig(cap=self.tis_cap, level=self.offpolicy_level,
-                                proximal=self.proximal, m2_threshold=self.m2_threshold)
+        return CorrectionConfig(
+            cap=self.tis_cap,
+            level=self.offpolicy_level,
+            proximal=self.proximal,
+            m2_threshold=self.m2_threshold,
+        )
 
 
 @dataclass
@@ -181,18 +203,18 @@ class RolloutConfig:
     # memory and back (offload), or is freed and recomputed with the new weights (recompute)
     # FP8 KV pool (docs/fp8-kv.md)
     kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the
-        # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
-        # of bf16 (four times fp32's)
+    # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
+    # of bf16 (four times fp32's)
     kv_scales: Literal["calibrated", "per_token"] = "calibrated"  # fp8 kv_dtype: one power-of-two
-        # scale per (layer, KV head) from the trainer's forward after each update (calibrated),
-        # or one per token and KV head from the entry itself as it is written (per_token)
+    # scale per (layer, KV head) from the trainer's forward after each update (calibrated),
+    # or one per token and KV head from the entry itself as it is written (per_token)
     kv_scale_decay: float = 0.9  # calibrated scales: the amax high-water mark is
-        # max(decay x the previous one, the new calibration's amax)
+    # max(decay x the previous one, the new calibration's amax)
     kv_calibration_tokens: int = 4096  # calibrated scales: tokens per rank of the step's
-        # samples (prompt + completion) that the calibration forward reads after each update
+    # samples (prompt + completion) that the calibration forward reads after each update
     kv_quantize_update: bool = True  # fp8 kv_dtype: the update's (and the reference's)
-        # attention rounds K and V as the pool does, with the rollout's scales, so its log-probs
-        # match the rollout's
+    # attention rounds K and V as the pool does, with the rollout's scales, so its log-probs
+    # match the rollout's
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"rollout.temperature: must be >= 0, got {self.temperature}")
@@ -202,26 +224,39 @@ class RolloutConfig:
         require(self.max_tokens >= 1, f"rollout.max_tokens: must be >= 1, got {self.max_tokens}")
         require(self.block_size >= 1, f"rollout.block_size: must be >= 1, got {self.block_size}")
         require(self.kv_cache_gb > 0, f"rollout.kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
-        require(self.max_num_seqs >= 1,
-                f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        require(self.max_num_batched_tokens >= 1,
-                f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        require(
+            self.max_num_seqs >= 1, f"rollout.max_num_seqs: must be >= 1, got {self.max_num_seqs}"
+        )
+        require(
+            self.max_num_batched_tokens >= 1,
+            f"rollout.max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}",
+        )
         require(all(self.stop), f"rollout.stop: stop strings must not be empty, got {self.stop}")
         require(self.tp >= 0, f"rollout.tp: must be >= 0 (0 = auto), got {self.tp}")
-        require(self.max_staleness >= 0,
-                f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
-        require(self.max_staleness == 0 or self.mode != "sync",
-                f"rollout.max_staleness: {self.max_staleness} needs rollout.mode = "
-                "'colocated_async' or 'split' (a synchronous step trains every sample at the "
-                "version that sampled it)")
+        require(
+            self.max_staleness >= 0,
+            f"rollout.max_staleness: must be >= 0, got {self.max_staleness}",
+        )
+        require(
+            self.max_staleness == 0 or self.mode != "sync",
+            f"rollout.max_staleness: {self.max_staleness} needs rollout.mode = "
+            "'colocated_async' or 'split' (a synchronous step trains every sample at the "
+            "version that sampled it)",
+        )
         require(self.gen_ranks >= 0, f"rollout.gen_ranks: must be >= 0, got {self.gen_ranks}")
-        require((self.gen_ranks > 0) == (self.mode == "split"),
-                f"rollout.gen_ranks: {self.gen_ranks} with rollout.mode = {self.mode!r} (split "
-                "mode needs gen_ranks >= 1; the other modes generate on every rank: 0)")
-        require(0 <= self.kv_scale_decay <= 1,
-                f"rollout.kv_scale_decay: must be in [0, 1], got {self.kv_scale_decay}")
-        require(self.kv_calibration_tokens >= 1,
-                f"rollout.kv_calibration_tokens: must be >= 1, got {self.kv_calibration_tokens}")
+        require(
+            (self.gen_ranks > 0) == (self.mode == "split"),
+            f"rollout.gen_ranks: {self.gen_ranks} with rollout.mode = {self.mode!r} (split "
+            "mode needs gen_ranks >= 1; the other modes generate on every rank: 0)",
+        )
+        require(
+            0 <= self.kv_scale_decay <= 1,
+            f"rollout.kv_scale_decay: must be in [0, 1], got {self.kv_scale_decay}",
+        )
+        require(
+            self.kv_calibration_tokens >= 1,
+            f"rollout.kv_calibration_tokens: must be >= 1, got {self.kv_calibration_tokens}",
+        )
 
     def check_kv_budget(self, args: Any, dtype: str) -> None:
         """ConfigError unless the KV pool holds at least one block of the model ``args``
@@ -233,10 +268,12 @@ class RolloutConfig:
         fmt = self.kv_quant_format()
         per_block = KVCache.bytes_per_block(args, self.block_size, getattr(torch, dtype), fmt)
         what = dtype if self.kv_dtype == "auto" else self.kv_dtype
-        require(self.kv_cache_gb * 1e9 >= per_block,
-                f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model "
-                f"(one block of {self.block_size} tokens takes {per_block / 1e9:.3g} GB "
-                f"in {what}); raise it")
+        require(
+            self.kv_cache_gb * 1e9 >= per_block,
+            f"rollout.kv_cache_gb: {self.kv_cache_gb} GB holds no KV block of this model "
+            f"(one block of {self.block_size} tokens takes {per_block / 1e9:.3g} GB "
+            f"in {what}); raise it",
+        )
 
     def kv_quant_format(self) -> Any:
         """The pool's FP8 format for sizing (tandem/rl/generator/kv_cache.py KVQuant, without
@@ -270,12 +307,16 @@ class RewardConfig:
     reward_model_weight: float = 1.0  # its weight in the total, beside the functions
 
     def validate(self) -> None:
-        require(not self.weights or len(self.weights) == len(self.functions),
-                f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions")
+        require(
+            not self.weights or len(self.weights) == len(self.functions),
+            f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions",
+        )
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
         require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
-        require(self.memory_mb >= 0,
-                f"reward.memory_mb: must be >= 0 (0 = no cap), got {self.memory_mb}")
+        require(
+            self.memory_mb >= 0,
+            f"reward.memory_mb: must be >= 0 (0 = no cap), got {self.memory_mb}",
+        )
         import importlib
 
         import tandem.rl.rewards  # noqa: F401  (registers the built-in reward functions)
@@ -291,10 +332,14 @@ class RewardConfig:
         from tandem.rl.rewards.registry import get_reward
 
         for name, kw in self.kwargs.items():
-            require(name in self.functions,
-                    f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}")
-            require(isinstance(kw, dict),
-                    f"reward.kwargs.{name}: expected a table of settings, got {kw!r}")
+            require(
+                name in self.functions,
+                f"reward.kwargs.{name}: {name!r} is not in reward.functions {self.functions}",
+            )
+            require(
+                isinstance(kw, dict),
+                f"reward.kwargs.{name}: expected a table of settings, got {kw!r}",
+            )
             try:
                 get_reward(name, **kw)
             except TypeError as e:
@@ -317,11 +362,14 @@ class CriticConfig:
 
     def validate(self) -> None:
         require(self.lr > 0, f"critic.lr: must be > 0, got {self.lr}")
-        require(self.value_clip is None or self.value_clip > 0,
-                f"critic.value_clip: must be > 0, got {self.value_clip}")
+        require(
+            self.value_clip is None or self.value_clip > 0,
+            f"critic.value_clip: must be > 0, got {self.value_clip}",
+        )
         require(self.coef > 0, f"critic.coef: must be > 0, got {self.coef}")
-        require(self.warmup_steps >= 0,
-                f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        require(
+            self.warmup_steps >= 0, f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}"
+        )
 
 
 @dataclass
@@ -347,13 +395,19 @@ class DistillConfig:
     def validate(self) -> None:
         if not self.teachers:
             return
-        require(not self.names or len(self.names) == len(self.teachers),
-                f"distill.names: {len(self.names)} names for {len(self.teachers)} teachers")
-        require(len(self.teachers) == 1 or self.route_field is not None,
-                f"distill.route_field: {len(self.teachers)} teachers need a data field that routes "
-                "each prompt")
-        require(len(set(self.teacher_names())) == len(self.teachers),
-                "distill.names: teacher names must be distinct")
+        require(
+            not self.names or len(self.names) == len(self.teachers),
+            f"distill.names: {len(self.names)} names for {len(self.teachers)} teachers",
+        )
+        require(
+            len(self.teachers) == 1 or self.route_field is not None,
+            f"distill.route_field: {len(self.teachers)} teachers need a data field that routes "
+            "each prompt",
+        )
+        require(
+            len(set(self.teacher_names())) == len(self.teachers),
+            "distill.names: teacher names must be distinct",
+        )
 
     def teacher_names(self) -> list[str]:
         import os
@@ -403,27 +457,42 @@ class EnvConfig:
             raise ConfigError(f"env.kwargs: {e}") from None
         for key in ("max_turns", "max_total_tokens"):
             require(getattr(self, key) >= 1, f"env.{key}: must be >= 1, got {getattr(self, key)}")
-        require(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
-                "env.max_turn_tokens: must be >= 1")
+        require(
+            self.max_turn_tokens is None or self.max_turn_tokens >= 1,
+            "env.max_turn_tokens: must be >= 1",
+        )
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
-        require(self.step_timeout_s > 0,
-                f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}")
+        require(
+            self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}"
+        )
 
     def _check_server(self) -> None:
-        require(self.name is None, f"env.name: {self.name!r} plays episodes in-process; with "
-                                   "env.kind = \"http\" a harness plays them (unset env.name)")
-        require(self.episode_timeout_s > 0,
-                f"env.episode_timeout_s: must be > 0, got {self.episode_timeout_s}")
-        require(self.claim_timeout_s >= 0,
-                f"env.claim_timeout_s: must be >= 0 (0 = wait), got {self.claim_timeout_s}")
-        require(self.max_total_tokens >= 2,
-                f"env.max_total_tokens: must be >= 2, got {self.max_total_tokens}")
+        require(
+            self.name is None,
+            f"env.name: {self.name!r} plays episodes in-process; with "
+            'env.kind = "http" a harness plays them (unset env.name)',
+        )
+        require(
+            self.episode_timeout_s > 0,
+            f"env.episode_timeout_s: must be > 0, got {self.episode_timeout_s}",
+        )
+        require(
+            self.claim_timeout_s >= 0,
+            f"env.claim_timeout_s: must be >= 0 (0 = wait), got {self.claim_timeout_s}",
+        )
+        require(
+            self.max_total_tokens >= 2,
+            f"env.max_total_tokens: must be >= 2, got {self.max_total_tokens}",
+        )
         require(0 <= self.port < 65536, f"env.port: must be in [0, 65536), got {self.port}")
-        require(self.max_request_mb > 0,
-                f"env.max_request_mb: must be > 0, got {self.max_request_mb}")
-        require(bool(self.bearer_key()) or is_loopback(self.host),
-                f"env.host: {self.host!r} is not a loopback address; serving there needs a "
-                "bearer key (set env.api_key or TANDEM_API_KEY)")
+        require(
+            self.max_request_mb > 0, f"env.max_request_mb: must be > 0, got {self.max_request_mb}"
+        )
+        require(
+            bool(self.bearer_key()) or is_loopback(self.host),
+            f"env.host: {self.host!r} is not a loopback address; serving there needs a "
+            "bearer key (set env.api_key or TANDEM_API_KEY)",
+        )
 
     def bearer_key(self) -> str | None:
         """``kind = "http"``: the key requests must send (``api_key``, else $TANDEM_API_KEY)."""

@@ -26,8 +26,9 @@ def check_flavor(key: str, name: str) -> None:
     if flavors is not None and name not in flavors:
         near = difflib.get_close_matches(name, flavors, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"{key}: unknown flavor {name!r}; {hint}(choose from: "
-                          f"{', '.join(flavors)})")
+        raise ConfigError(
+            f"{key}: unknown flavor {name!r}; {hint}(choose from: {', '.join(flavors)})"
+        )
 
 
 @dataclass
@@ -67,8 +68,10 @@ class FaultConfig:
     # only)
 
     def validate(self) -> None:
-        require(self.hang_timeout_s >= 0,
-                f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}")
+        require(
+            self.hang_timeout_s >= 0,
+            f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}",
+        )
 
 
 @dataclass
@@ -79,18 +82,24 @@ class MetricsConfig:
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(  # besides metrics.jsonl:
         # tensorboard (job.dump_folder/tb/), wandb, mlflow (pip install tandem-rl[wandb] /
         # [mlflow]); [] for none
-        default_factory=lambda: ["tensorboard"])
+        default_factory=lambda: ["tensorboard"]
+    )
     jsonl: bool = True  # job.dump_folder/metrics.jsonl
     samples_per_step: int = 4  # records per step kept in job.dump_folder/samples.jsonl by
     # tandem.rl.core.samples.SampleLog (read by tandem-report); 0 = off
 
     def validate(self) -> None:
-        require(self.log_interval >= 1,
-                f"metrics.log_interval: must be >= 1, got {self.log_interval}")
-        require(self.samples_per_step >= 0,
-                f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}")
-        require(len(set(self.loggers)) == len(self.loggers),
-                f"metrics.loggers: {self.loggers} names one twice")
+        require(
+            self.log_interval >= 1, f"metrics.log_interval: must be >= 1, got {self.log_interval}"
+        )
+        require(
+            self.samples_per_step >= 0,
+            f"metrics.samples_per_step: must be >= 0 (0 = off), got {self.samples_per_step}",
+        )
+        require(
+            len(set(self.loggers)) == len(self.loggers),
+            f"metrics.loggers: {self.loggers} names one twice",
+        )
         from tandem.rl.core.loggers import missing_package
 
         for name in self.loggers:
@@ -113,11 +122,15 @@ class PlanConfig:
         for key, most in (("nodes", 100_000), ("devices_per_node", 1024)):
             # bounds: the search's size
             value = getattr(self, key)
-            require(0 <= value <= most,
-                    f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}")
-        require(0 <= self.device_memory_gb <= 1e6,
-                "plan.device_memory_gb: must be in [0, 1e6] (0 = this machine's GPU or 80), "
-                f"got {self.device_memory_gb}")
+            require(
+                0 <= value <= most,
+                f"plan.{key}: must be in [0, {most}] (0 = from the config), got {value}",
+            )
+        require(
+            0 <= self.device_memory_gb <= 1e6,
+            "plan.device_memory_gb: must be in [0, 1e6] (0 = this machine's GPU or 80), "
+            f"got {self.device_memory_gb}",
+        )
         if self.flavor is not None:
             check_flavor("plan.flavor", self.flavor)
 
@@ -145,6 +158,8 @@ class AdvancedConfig:
         for key in ("reshard_bucket_mb", "logprob_chunk_tokens"):
             value = getattr(self, key)
             require(value >= 1, f"advanced.{key}: must be >= 1, got {value}")
-        require(self.pp_microbatches >= 0,
-                f"advanced.pp_microbatches: must be >= 0 (0 = the pp degree), "
-                f"got {self.pp_microbatches}")
+        require(
+            self.pp_microbatches >= 0,
+            f"advanced.pp_microbatches: must be >= 0 (0 = the pp degree), "
+            f"got {self.pp_microbatches}",
+        )

@@ -112,13 +112,16 @@ def check_writable_folder(key: str, path: str) -> None:
         what = "is a file" if here == os.path.abspath(path) else f"is under {here}, a file"
         raise ConfigError(f"{key}: {path} {what}, not a folder")
     if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: {path}: cannot write in {here} (no write permission, or a "
-                          "read-only file system)")
+        raise ConfigError(
+            f"{key}: {path}: cannot write in {here} (no write permission, or a "
+            "read-only file system)"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".tandem-write-check-", dir=here))
     except OSError as e:
-        raise ConfigError(f"{key}: {path}: cannot make a folder in {here} "
-                          f"({e.strerror or e})") from None
+        raise ConfigError(
+            f"{key}: {path}: cannot make a folder in {here} ({e.strerror or e})"
+        ) from None
 
 
 @dataclass
@@ -135,17 +138,20 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.flavor is not None and self.path is not None:
-            raise ConfigError("model: set only one of model.flavor (from scratch) and model.path "
-                              "(an HF folder)")
+            raise ConfigError(
+                "model: set only one of model.flavor (from scratch) and model.path (an HF folder)"
+            )
         if self.flavor is None and self.path is None:
-            raise ConfigError("model: set model.flavor (a from-scratch size) or model.path "
-                              "(an HF folder)")
+            raise ConfigError(
+                "model: set model.flavor (a from-scratch size) or model.path (an HF folder)"
+            )
         if self.flavor is None:
             return
         check_flavor("model.flavor", self.flavor)
-        require(self.tokenizer is not None,
-                "model.tokenizer: required with model.flavor (a tokenizer folder or "
-                "'builtin:char')")
+        require(
+            self.tokenizer is not None,
+            "model.tokenizer: required with model.flavor (a tokenizer folder or 'builtin:char')",
+        )
 
 
 @dataclass
@@ -173,8 +179,10 @@ class DataConfig:
 
     def validate(self) -> None:
         require(self.max_length > 0, f"data.max_length: must be > 0, got {self.max_length}")
-        require(0.0 <= self.eval_fraction < 1.0,
-                f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
+        require(
+            0.0 <= self.eval_fraction < 1.0,
+            f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}",
+        )
         for key in ("messages_field", "prompt_field", "completion_field"):
             require(bool(getattr(self, key)), f"data.{key}: must not be empty")
 
@@ -191,15 +199,22 @@ class OptimizerConfig:
 
     def validate(self) -> None:
         require(self.lr > 0, f"optimizer.lr: must be > 0, got {self.lr}")
-        require(len(self.betas) == 2,
-                f"optimizer.betas: expected 2 values [beta1, beta2], got {len(self.betas)}")
-        require(all(0.0 <= b < 1.0 for b in self.betas),
-                f"optimizer.betas: each must be in [0, 1), got {self.betas}")
+        require(
+            len(self.betas) == 2,
+            f"optimizer.betas: expected 2 values [beta1, beta2], got {len(self.betas)}",
+        )
+        require(
+            all(0.0 <= b < 1.0 for b in self.betas),
+            f"optimizer.betas: each must be in [0, 1), got {self.betas}",
+        )
         require(self.eps > 0, f"optimizer.eps: must be > 0, got {self.eps}")
-        require(self.weight_decay >= 0,
-                f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
-        require(self.max_grad_norm >= 0,
-                f"optimizer.max_grad_norm: must be >= 0 (0 disables), got {self.max_grad_norm}")
+        require(
+            self.weight_decay >= 0, f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}"
+        )
+        require(
+            self.max_grad_norm >= 0,
+            f"optimizer.max_grad_norm: must be >= 0 (0 disables), got {self.max_grad_norm}",
+        )
 
 
 @dataclass
@@ -212,10 +227,14 @@ class LRScheduleConfig:
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optimizer.lr
 
     def validate(self) -> None:
-        require(self.warmup_steps >= 0,
-                f"lr_schedule.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        require(0.0 <= self.min_lr_ratio <= 1.0,
-                f"lr_schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        require(
+            self.warmup_steps >= 0,
+            f"lr_schedule.warmup_steps: must be >= 0, got {self.warmup_steps}",
+        )
+        require(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            f"lr_schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}",
+        )
 
 
 @dataclass
@@ -235,14 +254,20 @@ class TrainingConfig:
 
     def validate(self) -> None:
         require(self.steps > 0, f"training.steps: must be > 0, got {self.steps}")
-        require(self.eval_interval >= 0,
-                f"training.eval_interval: must be >= 0, got {self.eval_interval}")
+        require(
+            self.eval_interval >= 0,
+            f"training.eval_interval: must be >= 0, got {self.eval_interval}",
+        )
         require(self.batch_size > 0, f"training.batch_size: must be > 0, got {self.batch_size}")
-        require(self.micro_batch_size > 0,
-                f"training.micro_batch_size: must be > 0, got {self.micro_batch_size}")
-        require(self.micro_batch_size <= self.batch_size,
-                f"training.micro_batch_size: {self.micro_batch_size} is larger than "
-                f"training.batch_size {self.batch_size}")
+        require(
+            self.micro_batch_size > 0,
+            f"training.micro_batch_size: must be > 0, got {self.micro_batch_size}",
+        )
+        require(
+            self.micro_batch_size <= self.batch_size,
+            f"training.micro_batch_size: {self.micro_batch_size} is larger than "
+            f"training.batch_size {self.batch_size}",
+        )
 
 
 @dataclass
@@ -273,9 +298,10 @@ class ParallelConfig:
         for key in ("dp_replicate", "tp", "pp", "ep", "cp"):
             value = getattr(self, key)
             require(value >= 1, f"parallel.{key}: must be >= 1, got {value}")
-        require(self.dp_shard == -1 or self.dp_shard >= 1,
-                "parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got "
-                f"{self.dp_shard}")
+        require(
+            self.dp_shard == -1 or self.dp_shard >= 1,
+            f"parallel.dp_shard: must be >= 1 or -1 (the rest of the world), got {self.dp_shard}",
+        )
 
     def resolve(self, world_size: int) -> dict[str, int]:
         """Mesh degrees {pp, dp_replicate, dp_shard, tp, cp} whose product is ``world_size``."""
@@ -285,17 +311,26 @@ class ParallelConfig:
         named += f" * cp={self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
             if world_size % fixed:
-                raise ConfigError(f"parallel: world size {world_size} is not divisible by "
-                                  f"{named} = {fixed} (dp_shard=-1 takes the rest)")
+                raise ConfigError(
+                    f"parallel: world size {world_size} is not divisible by "
+                    f"{named} = {fixed} (dp_shard=-1 takes the rest)"
+                )
             dp_shard = world_size // fixed
         else:
             dp_shard = self.dp_shard
             if fixed * dp_shard != world_size:
-                raise ConfigError(f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} "
-                                  f"does not equal the world size {world_size} (set "
-                                  "parallel.dp_shard=-1 to fill the rest)")
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard,
-                "tp": self.tp, "cp": self.cp}
+                raise ConfigError(
+                    f"parallel: {named} * dp_shard={dp_shard} = {fixed * dp_shard} "
+                    f"does not equal the world size {world_size} (set "
+                    "parallel.dp_shard=-1 to fill the rest)"
+                )
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": dp_shard,
+            "tp": self.tp,
+            "cp": self.cp,
+        }
 
 
 @dataclass
@@ -319,8 +354,10 @@ class PreferenceTrainConfig(PreferenceConfig):
     def validate(self) -> None:
         from tandem.rl.algorithms.preference import PREFERENCE_LOSSES
 
-        require(self.loss in PREFERENCE_LOSSES,
-                f"preference.loss: {PREFERENCE_LOSSES.unknown_message(self.loss)}")
+        require(
+            self.loss in PREFERENCE_LOSSES,
+            f"preference.loss: {PREFERENCE_LOSSES.unknown_message(self.loss)}",
+        )
         super().validate()
         for key in ("chosen_field", "rejected_field"):
             require(bool(getattr(self, key)), f"preference.{key}: must not be empty")
@@ -354,26 +391,26 @@ class Config:
     # Keys that moved or went away: setting one is an error that says what to do instead.
     MOVED = {
         "rl.eval_interval": "renamed: set training.eval_interval (every recipe's "
-                            "evaluation cadence)",
+        "evaluation cadence)",
         "preference.eval_interval": "renamed: set training.eval_interval (every recipe's "
-                                    "evaluation cadence)",
+        "evaluation cadence)",
         "metrics.tensorboard": "moved: list the loggers in metrics.loggers (tensorboard, wandb, "
-                               "mlflow; [] for none)",
+        "mlflow; [] for none)",
         "job.log_level": "removed: it was never read; the console prints one line per logged step",
         "optimizer.name": "removed: the optimizer is AdamW; it was never read",
         "model.dtype": "removed: it was never read; the GPU compute dtype is "
-                       "training.mixed_precision_param",
+        "training.mixed_precision_param",
         "rl.sample_log_interval": "removed: metrics.samples_per_step samples of every step go to "
-                                  "samples.jsonl and tensorboard",
+        "samples.jsonl and tensorboard",
         "rollout.num_blocks": "removed: the KV pool's blocks come from rollout.kv_cache_gb",
         "rollout.kernels": "moved: set advanced.kernels (it picks the kernels of both phases; the "
-                           "TANDEM_KERNELS variable is gone too)",
+        "TANDEM_KERNELS variable is gone too)",
         "rollout.reshard_bucket_mb": "moved: set advanced.reshard_bucket_mb",
         "rl.logprob_chunk_tokens": "moved: set advanced.logprob_chunk_tokens",
         "rl.share_prompts": "moved: set advanced.share_prompts",
         "parallel.pp_microbatches": "moved: set advanced.pp_microbatches",
         "preference.gamma": "renamed: set preference.margin (SimPO's target reward margin; "
-                            "rl.gamma is GAE's discount)",
+        "rl.gamma is GAE's discount)",
     }
 
     def validate(self) -> None:
@@ -383,19 +420,25 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
-        require(self.parallel.cp == 1 or self.training.recipe == "rl",
-                f"parallel.cp: context parallelism runs in the rl recipe only so far, not "
-                f"training.recipe = {self.training.recipe!r}; set parallel.cp = 1")
+        require(
+            self.parallel.cp == 1 or self.training.recipe == "rl",
+            f"parallel.cp: context parallelism runs in the rl recipe only so far, not "
+            f"training.recipe = {self.training.recipe!r}; set parallel.cp = 1",
+        )
         self.lora.check_layout(self.parallel)
         r = self.reward
         scored = r.functions or r.reward_model is not None or self.env.name is not None
-        require(bool(scored) or self.env.kind == "http",
-                "reward.functions: list at least one reward function (or set reward.reward_model, "
-                "env.name or env.kind = \"http\")")
-        require(self.env.kind != "http" or self.rollout.kv_dtype == "auto",
-                f"rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = \"http\" is "
-                "not supported yet (the endpoint's engine does not take the FP8 scales); "
-                "use \"auto\"")
+        require(
+            bool(scored) or self.env.kind == "http",
+            "reward.functions: list at least one reward function (or set reward.reward_model, "
+            'env.name or env.kind = "http")',
+        )
+        require(
+            self.env.kind != "http" or self.rollout.kv_dtype == "auto",
+            f'rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = "http" is '
+            "not supported yet (the endpoint's engine does not take the FP8 scales); "
+            'use "auto"',
+        )
         self._check_async_settings()
         if self.training.recipe == "rl":
             args = _model_args_if_known(self.model)
@@ -406,14 +449,22 @@ class Config:
         """One line for what an asynchronous rollout.mode has not run with yet (docs/async.md)."""
         if self.rollout.mode == "sync":
             return
-        untried = [k for k, on in (("lora.rank", self.lora.enabled),
-                                   ("rollout.kv_dtype", self.rollout.kv_dtype != "auto"),
-                                   ("parallel.cp", self.parallel.cp > 1),
-                                   ("env.kind = \"http\"", self.env.kind == "http"),
-                                   ("a vision-language model", self._vision_language())) if on]
-        require(not untried,
-                f"rollout.mode: {self.rollout.mode!r} has not run with {', '.join(untried)} yet; "
-                "set rollout.mode = \"sync\" or leave them at their defaults")
+        untried = [
+            k
+            for k, on in (
+                ("lora.rank", self.lora.enabled),
+                ("rollout.kv_dtype", self.rollout.kv_dtype != "auto"),
+                ("parallel.cp", self.parallel.cp > 1),
+                ('env.kind = "http"', self.env.kind == "http"),
+                ("a vision-language model", self._vision_language()),
+            )
+            if on
+        ]
+        require(
+            not untried,
+            f"rollout.mode: {self.rollout.mode!r} has not run with {', '.join(untried)} yet; "
+            'set rollout.mode = "sync" or leave them at their defaults',
+        )
 
     def _vision_language(self) -> bool:
         """Whether model.flavor / model.path names a vision-language model (a folder that does

@@ -83,8 +83,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def committed_steps(folder: str) -> list[int]:
     """Steps of committed checkpoints under ``folder`` (marker present; not verified), ascending."""
-    return [s for s in step_folders(folder)
-            if os.path.exists(os.path.join(folder, f"step-{s}", MARKER))]
+    return [
+        s for s in step_folders(folder) if os.path.exists(os.path.join(folder, f"step-{s}", MARKER))
+    ]
 
 
 def step_folders(folder: str) -> list[int]:
@@ -103,9 +104,15 @@ def step_folders(folder: str) -> list[int]:
 class Checkpointer:
     """Save and load policy + optimizer + trainer state with DCP."""
 
-    def __init__(self, folder: str, *, keep_last: int = 2, async_save: bool = False,
-                 model_only: bool = False,
-                 before_commit: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        folder: str,
+        *,
+        keep_last: int = 2,
+        async_save: bool = False,
+        model_only: bool = False,
+        before_commit: Callable[[int], None] | None = None,
+    ) -> None:
         """``before_commit(step)`` runs on every rank after a step's shards are written and
         before its commit (the shell's fault drill kills a rank there)."""
         self.folder = folder
@@ -135,8 +142,14 @@ class Checkpointer:
         steps = committed_steps(self.folder)
         return steps[-1] if steps else None
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             trainer_state: dict[str, Any], extras: Extras | None = None) -> float:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        trainer_state: dict[str, Any],
+        extras: Extras | None = None,
+    ) -> float:
         """Write ``step-N`` (committed now, or by ``poll``/``wait`` when asynchronous);
         returns the seconds the caller was blocked. ``extras`` are more (model,
         optimizer) pairs saved under their names (e.g. a PPO critic).
@@ -159,14 +172,16 @@ class Checkpointer:
         writer = _HashingWriter(staging)
         try:
             if self.async_save:
-                pending.future = dcp.async_save(state, storage_writer=writer,
-                                                process_group=self._write_pg)
+                pending.future = dcp.async_save(
+                    state, storage_writer=writer, process_group=self._write_pg
+                )
                 self._pending = pending
             else:
                 dcp.save(state, storage_writer=writer)
         except CheckpointException as e:  # a BaseException: what DCP wraps (SIGINT included)
-            raise _dcp_error(e, f"checkpoint step-{step}: writing failed; {staging} is left "
-                                "uncommitted") from None
+            raise _dcp_error(
+                e, f"checkpoint step-{step}: writing failed; {staging} is left uncommitted"
+            ) from None
         if not self.async_save:
             self._commit(pending)
         return time.monotonic() - t0
@@ -200,8 +215,10 @@ class Checkpointer:
             dist.all_reduce(failed, group=self._sync_pg)
         if failed.item():
             where = "on another rank" if error is None else f"on this rank ({self.rank})"
-            msg = (f"checkpoint step-{pending.step}: the asynchronous write failed {where}; "
-                   f"{self.path(pending.step)}.partial is left uncommitted")
+            msg = (
+                f"checkpoint step-{pending.step}: the asynchronous write failed {where}; "
+                f"{self.path(pending.step)}.partial is left uncommitted"
+            )
             raise _dcp_error(error, msg) if error is not None else CheckpointError(msg)
         self._commit(pending)
         return time.monotonic() - pending.t0
@@ -217,8 +234,10 @@ class Checkpointer:
                 f.write(pending.trainer_json)
             sums_hash = _write_sums(staging)
             with open(os.path.join(staging, MARKER), "w") as f:
-                f.write(f"step={step} world={self.world} model_only={int(self.model_only)} "
-                        f"sha256sums={sums_hash}\n")
+                f.write(
+                    f"step={step} world={self.world} model_only={int(self.model_only)} "
+                    f"sha256sums={sums_hash}\n"
+                )
                 f.flush()
                 os.fsync(f.fileno())
             if os.path.exists(final):  # only a damaged one (resume_step passed it over) can be here
@@ -235,7 +254,7 @@ class Checkpointer:
         ones. Nothing is deleted while the newest committed one is not known good."""
         steps = committed_steps(self.folder)
         if steps and steps[-1] in self._good:
-            keep = [s for s in steps if s not in self._bad][-self.keep_last:]
+            keep = [s for s in steps if s not in self._bad][-self.keep_last :]
             for s in steps:
                 if s < keep[0]:
                     shutil.rmtree(self.path(s), ignore_errors=True)
@@ -258,8 +277,11 @@ class Checkpointer:
         first_bad = _all_min(first_bad if reason is None else -1)
         if reason is None and first_bad < len(files):
             name = files[first_bad][0]
-            what = ("is missing" if not os.path.isfile(os.path.join(path, name))
-                    else "differs from its sha256 at commit")
+            what = (
+                "is missing"
+                if not os.path.isfile(os.path.join(path, name))
+                else "differs from its sha256 at commit"
+            )
             reason = f"{name} {what}"
         elif reason is None and first_bad < 0:
             reason = "a rank could not read its manifest"  # file system not the same on every rank
@@ -267,8 +289,13 @@ class Checkpointer:
         (self._good if reason else self._bad).discard(step)
         return f"{path}: {reason}" if reason else None
 
-    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             extras: Extras | None = None) -> dict[str, Any]:
+    def load(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extras: Extras | None = None,
+    ) -> dict[str, Any]:
         """Load ``step-N`` into model/optimizer (and ``extras``), resharding as needed;
         return trainer state (with ``_saved_world`` and ``_model_only`` added). A
         model-only checkpoint leaves the optimizers as they are. The checkpoint is
@@ -284,10 +311,12 @@ class Checkpointer:
         state = _state(model, None if model_only else optimizer, extras, model_only)
         other = _model_difference(path, state)
         if other is not None:
-            raise CheckpointError(f"checkpoint {path} was written by another model: {other}; "
-                                  "resume it with that model, or start over with "
-                                  "checkpoint.resume=false checkpoint.overwrite=true (or another "
-                                  "job.dump_folder)")
+            raise CheckpointError(
+                f"checkpoint {path} was written by another model: {other}; "
+                "resume it with that model, or start over with "
+                "checkpoint.resume=false checkpoint.overwrite=true (or another "
+                "job.dump_folder)"
+            )
         try:
             dcp.load(state, checkpoint_id=path)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -308,8 +337,14 @@ class Checkpointer:
         return trainer
 
 
-def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_main: bool, *,
-                logs: Sequence[str] = ()) -> int | None:
+def resume_step(
+    ckpt: Checkpointer,
+    cfg: CheckpointConfig,
+    total_steps: int,
+    is_main: bool,
+    *,
+    logs: Sequence[str] = (),
+) -> int | None:
     """The step to resume from (load it with ``ckpt.load``), or None to start at step 0.
 
     Collective (every rank calls it; every rank gets the same answer):
@@ -334,14 +369,20 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
             reason = ckpt.verify(step)
             if reason is None:
                 if damaged and is_main:
-                    print(f"warning: passed over {len(damaged)} damaged checkpoint(s): "
-                          f"{'; '.join(damaged)}; resuming from {ckpt.path(step)}, the newest "
-                          "that verifies", file=sys.stderr, flush=True)
+                    print(
+                        f"warning: passed over {len(damaged)} damaged checkpoint(s): "
+                        f"{'; '.join(damaged)}; resuming from {ckpt.path(step)}, the newest "
+                        "that verifies",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if step > total_steps:
-                    raise ConfigError(f"training.steps: {total_steps} is below the step of the "
-                                      f"checkpoint to resume ({ckpt.path(step)}); raise "
-                                      "training.steps, or start over with checkpoint.resume=false "
-                                      "checkpoint.overwrite=true")
+                    raise ConfigError(
+                        f"training.steps: {total_steps} is below the step of the "
+                        f"checkpoint to resume ({ckpt.path(step)}); raise "
+                        "training.steps, or start over with checkpoint.resume=false "
+                        "checkpoint.overwrite=true"
+                    )
                 if is_main:
                     for log in logs:
                         truncate_jsonl(log, step)
@@ -351,12 +392,13 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
         return None
     names = ", ".join(f"step-{s}" for s in existing)
     if not cfg.overwrite:
-        why = (f"none verifies ({'; '.join(damaged)})" if cfg.resume
-               else "checkpoint.resume = false")
-        raise CheckpointError(f"{ckpt.folder} holds checkpoints of an earlier run ({names}) and "
-                              f"{why}; refusing to start at step 0 over them: set "
-                              "checkpoint.overwrite=true to delete them and start over, or choose "
-                              "another job.dump_folder")
+        why = f"none verifies ({'; '.join(damaged)})" if cfg.resume else "checkpoint.resume = false"
+        raise CheckpointError(
+            f"{ckpt.folder} holds checkpoints of an earlier run ({names}) and "
+            f"{why}; refusing to start at step 0 over them: set "
+            "checkpoint.overwrite=true to delete them and start over, or choose "
+            "another job.dump_folder"
+        )
     if is_main:
         for s in existing:  # a step-N that is a symbolic link goes, never what it points to
             path = ckpt.path(s)
@@ -366,8 +408,12 @@ def resume_step(ckpt: Checkpointer, cfg: CheckpointConfig, total_steps: int, is_
                 shutil.rmtree(path)
         for log in logs:
             truncate_jsonl(log, 0)
-        print(f"checkpoint.overwrite: deleted the earlier run's checkpoints ({names}) under "
-              f"{ckpt.folder}; starting at step 0", file=sys.stderr, flush=True)
+        print(
+            f"checkpoint.overwrite: deleted the earlier run's checkpoints ({names}) under "
+            f"{ckpt.folder}; starting at step 0",
+            file=sys.stderr,
+            flush=True,
+        )
     _barrier()
     return None
 
@@ -393,8 +439,12 @@ class _Pending:
     future: Future | None = None
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extras: Extras | None,
-           model_only: bool = False) -> dict[str, Any]:
+def _state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extras: Extras | None,
+    model_only: bool = False,
+) -> dict[str, Any]:
     # a rank that holds none of the model (a split run's generator) saves and loads nothing
     holds = any(True for _ in model.parameters()) or any(True for _ in model.buffers())
     state: dict[str, Any] = {"model": get_model_state_dict(model) if holds else {}}
@@ -434,17 +484,23 @@ def _model_difference(path: str, state: dict[str, Any]) -> str | None:
         every: list[dict[str, Any] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(every, here)
         here = {k: v for d in every for k, v in (d or {}).items()}
-    saved = {k: list(v.size) if isinstance(v, TensorStorageMetadata) else None
-             for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
-             if k.startswith(tuple(prefixes))}
+    saved = {
+        k: list(v.size) if isinstance(v, TensorStorageMetadata) else None
+        for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        if k.startswith(tuple(prefixes))
+    }
     shape = sorted(k for k in here.keys() & saved.keys() if here[k] != saved[k])
     missing, unused = sorted(here.keys() - saved.keys()), sorted(saved.keys() - here.keys())
     count = len(shape) + len(missing) + len(unused)
     if not count:
         return None
-    first = (f"{shape[0]} is {saved[shape[0]]} there and {here[shape[0]]} here" if shape
-             else f"{missing[0]} of this model is not in the checkpoint" if missing
-             else f"the checkpoint's {unused[0]} is not in this model")
+    first = (
+        f"{shape[0]} is {saved[shape[0]]} there and {here[shape[0]]} here"
+        if shape
+        else f"{missing[0]} of this model is not in the checkpoint"
+        if missing
+        else f"the checkpoint's {unused[0]} is not in this model"
+    )
     return first + (f" ({count - 1} more parameters differ)" if count > 1 else "")
 
 
@@ -470,25 +526,31 @@ def _check_finite_weights(step: int, models: list[nn.Module], rank: int) -> None
     values can overflow a norm), one host sync per part and one all-reduce."""
     bad_name = None
     for model in models:
-        named = [(n, t.to_local() if isinstance(t, DTensor) else t)
-                 for n, t in model.state_dict().items()]
+        named = [
+            (n, t.to_local() if isinstance(t, DTensor) else t)
+            for n, t in model.state_dict().items()
+        ]
         named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
         if not named:
             continue
-        norms = torch.stack([x.float().to(named[0][1].device)
-                             for x in torch._foreach_norm([t for _, t in named])])
+        norms = torch.stack(
+            [x.float().to(named[0][1].device) for x in torch._foreach_norm([t for _, t in named])]
+        )
         flagged = (~torch.isfinite(norms)).nonzero().flatten().tolist()  # one host sync
         bad_name = next(
-            (named[i][0] for i in flagged if not bool(torch.isfinite(named[i][1]).all())), None)
+            (named[i][0] for i in flagged if not bool(torch.isfinite(named[i][1]).all())), None
+        )
         if bad_name is not None:
             break
     first_bad_rank = _all_min(rank if bad_name is not None else 1 << 62)
     if first_bad_rank == 1 << 62:
         return
     where = f"{bad_name} on rank {rank}" if bad_name is not None else f"rank {first_bad_rank}"
-    raise NonFiniteError(f"checkpoint step-{step}: refusing to save non-finite weights ({where}); "
-                         "nothing was written and the committed checkpoints are kept",
-                         {"step": step, "rank": rank, "tensor": bad_name, "phase": "checkpoint"})
+    raise NonFiniteError(
+        f"checkpoint step-{step}: refusing to save non-finite weights ({where}); "
+        "nothing was written and the committed checkpoints are kept",
+        {"step": step, "rank": rank, "tensor": bad_name, "phase": "checkpoint"},
+    )
 
 
 def _sha256(path: str) -> str:
@@ -517,8 +579,11 @@ class _HashingWriter(dcp.FileSystemWriter):
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201  (DCP's signature)
         fut = super().write_data(plan, planner)
         names = {r.storage_data.relative_path for r in fut.wait()}  # written: the future is done
-        _record_sums(str(self.path), sorted(names),
-                     f"shards-{dist.get_rank() if dist.is_initialized() else 0}")
+        _record_sums(
+            str(self.path),
+            sorted(names),
+            f"shards-{dist.get_rank() if dist.is_initialized() else 0}",
+        )
         return fut
 
     def finish(self, metadata, results) -> None:  # noqa: ANN001  (coordinator only, after every write)
@@ -548,9 +613,12 @@ def _read_marker(path: str, step: int) -> dict[str, str]:
     try:
         with open(os.path.join(path, MARKER), encoding="utf-8") as f:
             fields = dict(kv.split("=", 1) for kv in f.read().split())
-        ok = (fields["step"] == str(step) and fields["world"].isdigit()
-              and fields["model_only"] in ("0", "1")
-              and re.fullmatch(r"[0-9a-f]{64}", fields["sha256sums"]) is not None)
+        ok = (
+            fields["step"] == str(step)
+            and fields["world"].isdigit()
+            and fields["model_only"] in ("0", "1")
+            and re.fullmatch(r"[0-9a-f]{64}", fields["sha256sums"]) is not None
+        )
     except (OSError, UnicodeDecodeError, ValueError, KeyError):
         ok = False
     if not ok:

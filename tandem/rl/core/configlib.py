@@ -143,8 +143,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     union = _union(tp)
     if union is not None:
         members, nullable = union
-        if nullable and (value is None
-                         or (isinstance(value, str) and value.lower() in _NONE_WORDS)):
+        if nullable and (
+            value is None or (isinstance(value, str) and value.lower() in _NONE_WORDS)
+        ):
             return None
         for member in members:
             try:
@@ -255,8 +256,9 @@ def parse_text(text: str, tp: Any, key: str) -> Any:
         except ConfigError:
             return text
     if origin is dict or tp is dict:
-        raise ConfigError(f"{key}: is a table; set it in the TOML config file, not on the "
-                          "command line")
+        raise ConfigError(
+            f"{key}: is a table; set it in the TOML config file, not on the command line"
+        )
     raise ConfigError(f"{key}: unsupported config field type {tp!r}")
 
 
@@ -304,8 +306,9 @@ def apply_table(root: Any, table: Mapping[str, Any], obj: Any = None, prefix: st
         tp = types_[name]
         if is_section(tp):
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{key}: expected a table [{key}], got {type(value).__name__} "
-                                  f"{_show(value)}")
+                raise ConfigError(
+                    f"{key}: expected a table [{key}], got {type(value).__name__} {_show(value)}"
+                )
             apply_table(root, value, getattr(obj, name), key + ".")
         else:
             setattr(obj, name, coerce(value, tp, key))
@@ -324,13 +327,15 @@ def apply_override(root: Any, key: str, text: str | None) -> None:
         if is_section(tp):
             if last:
                 first = next(iter(field_types(tp)), "KEY")
-                raise ConfigError(f"--{here} is a section; set one of its keys, e.g. "
-                                  f"--{here}.{first}=VALUE")
+                raise ConfigError(
+                    f"--{here} is a section; set one of its keys, e.g. --{here}.{first}=VALUE"
+                )
             obj = getattr(obj, name)
             continue
         if not last:
-            raise ConfigError(f"unknown key '{key}': '{here}' is a key ({type_name(tp)}), "
-                              "not a section")
+            raise ConfigError(
+                f"unknown key '{key}': '{here}' is a key ({type_name(tp)}), not a section"
+            )
         if text is None:
             union = _union(tp)
             if tp is bool or (union is not None and union[0] == [bool]):
@@ -350,8 +355,10 @@ def validate_fields(obj: Any, prefix: str = "") -> None:
     for name, tp in field_types(type(obj)).items():
         key, value = prefix + name, getattr(obj, name)
         if is_section(tp):
-            require(isinstance(value, tp),
-                    f"{key}: expected a {tp.__name__} section, got {type(value).__name__}")
+            require(
+                isinstance(value, tp),
+                f"{key}: expected a {tp.__name__} section, got {type(value).__name__}",
+            )
             validate_fields(value, key + ".")
             check = getattr(value, "validate", None)
             if callable(check):
@@ -384,8 +391,9 @@ def read_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:  # message ends "(at line L, column C)"
         raise ConfigError(f"invalid TOML in {path}: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"invalid TOML in {path}: not UTF-8 ({e.reason} at "
-                          f"byte {e.start})") from None
+        raise ConfigError(
+            f"invalid TOML in {path}: not UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
 
@@ -412,11 +420,13 @@ def _toml_value(value: Any, key: str, top: bool = True) -> str:
     if isinstance(value, str):  # JSON string escapes are TOML's, bar DEL
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
-        return ("[" + ", ".join(_toml_value(v, f"{key}[{i}]", False) for i, v in enumerate(value))
-                + "]")
+        return (
+            "[" + ", ".join(_toml_value(v, f"{key}[{i}]", False) for i, v in enumerate(value)) + "]"
+        )
     if isinstance(value, Mapping):
-        items = [f"{_toml_key(k)} = {_toml_value(v, f'{key}.{k}', False)}"
-                 for k, v in value.items()]
+        items = [
+            f"{_toml_key(k)} = {_toml_value(v, f'{key}.{k}', False)}" for k, v in value.items()
+        ]
         return "{ " + ", ".join(items) + " }" if items else "{}"
     raise ConfigError(f"{key}: cannot write {type(value).__name__} {_show(value)} as TOML")
 
@@ -478,8 +488,11 @@ def parse_cli(argv: Sequence[str]) -> CliArgs:
             require(not eq, "--print-config takes no value")
             out.print_config = True
         elif name == "--plan":
-            require(not eq, "--plan takes no value; the target is --plan.nodes=N "
-                            "--plan.devices_per_node=G --plan.device_memory_gb=M")
+            require(
+                not eq,
+                "--plan takes no value; the target is --plan.nodes=N "
+                "--plan.devices_per_node=G --plan.device_memory_gb=M",
+            )
             out.plan = True
         elif name == "--config":
             require(out.config is None, "--config given twice; pass one config file")
@@ -487,17 +500,20 @@ def parse_cli(argv: Sequence[str]) -> CliArgs:
             out.config = value if eq else nxt
             i += 0 if eq else 1
         elif tok.startswith("--") and "." in name:
-            out.overrides.append(f"{name[2:]}={value}" if eq else f"{name[2:]}={nxt}" if takes_next
-                                 else name[2:])
+            out.overrides.append(
+                f"{name[2:]}={value}" if eq else f"{name[2:]}={nxt}" if takes_next else name[2:]
+            )
             i += 1 if takes_next else 0
         elif tok.startswith("-"):
             near = difflib.get_close_matches(name, _OPTIONS, n=1)
-            hint = (f"did you mean '{near[0]}'?" if near
-                    else "overrides look like --section.key=value")
+            hint = (
+                f"did you mean '{near[0]}'?" if near else "overrides look like --section.key=value"
+            )
             raise ConfigError(f"unknown option '{name}'; {hint}")
         else:
-            raise ConfigError(f"unexpected argument {tok!r}; overrides look like "
-                              "--section.key=value")
+            raise ConfigError(
+                f"unexpected argument {tok!r}; overrides look like --section.key=value"
+            )
         i += 1
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 def get_field(row: dict[str, Any], path: str) -> Any:
     """The value a ``*_field`` setting names: a top-level key, or a dotted path into nested
     columns (``reward_model.ground_truth``, ``extra_info.index``; a number indexes a list).

@@ -83,13 +83,19 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, dump_folder: str, run_name: str, config: dict[str, Any],
-                 ids: _RunIds) -> None:
+    def __init__(
+        self, dump_folder: str, run_name: str, config: dict[str, Any], ids: _RunIds
+    ) -> None:
         import wandb
 
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tandem"), name=run_name,
-                              dir=dump_folder, config=config, id=ids.ids.get("wandb"),
-                              resume="allow")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "tandem"),
+            name=run_name,
+            dir=dump_folder,
+            config=config,
+            id=ids.ids.get("wandb"),
+            resume="allow",
+        )
         ids.set("wandb", self.run.id)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
@@ -106,13 +112,16 @@ class MLflowSink:
     PARAMS_PER_CALL = 100  # MLflow's batch limit
     MAX_PARAM_CHARS = 500
 
-    def __init__(self, dump_folder: str, run_name: str, config: dict[str, Any],
-                 ids: _RunIds) -> None:
+    def __init__(
+        self, dump_folder: str, run_name: str, config: dict[str, Any], ids: _RunIds
+    ) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = (os.environ.get("MLFLOW_TRACKING_URI")
-               or f"sqlite:///{os.path.abspath(dump_folder)}/mlflow.db")
+        uri = (
+            os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{os.path.abspath(dump_folder)}/mlflow.db"
+        )
         self.client = MlflowClient(tracking_uri=uri)
         self.run_id = ids.ids.get("mlflow")
         if self.run_id is None:
@@ -121,10 +130,11 @@ class MLflowSink:
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
             self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
             ids.set("mlflow", self.run_id)
-            params = [Param(k, str(v)[: self.MAX_PARAM_CHARS])
-                      for k, v in sorted(flatten(config).items())]
+            params = [
+                Param(k, str(v)[: self.MAX_PARAM_CHARS]) for k, v in sorted(flatten(config).items())
+            ]
             for i in range(0, len(params), self.PARAMS_PER_CALL):
-                self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_CALL])
+                self.client.log_batch(self.run_id, params=params[i : i + self.PARAMS_PER_CALL])
         else:
             self.client.update_run(self.run_id, status="RUNNING")
 
@@ -134,7 +144,7 @@ class MLflowSink:
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit for metrics
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def text(self, tag: str, text: str, step: int) -> None:
         pass
@@ -143,8 +153,9 @@ class MLflowSink:
         self.client.set_terminated(self.run_id)
 
 
-def open_sinks(names: list[str], dump_folder: str, run_name: str,
-               config: dict[str, Any]) -> list[Sink]:
+def open_sinks(
+    names: list[str], dump_folder: str, run_name: str, config: dict[str, Any]
+) -> list[Sink]:
     ids = _RunIds(dump_folder)
     sinks: list[Sink] = []
     for name in names:
@@ -158,5 +169,8 @@ def open_sinks(names: list[str], dump_folder: str, run_name: str,
 
 
 def finite_scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }

@@ -51,7 +51,8 @@ class LoraConfig:
     # reward_model; the rl recipe needs 0)
     targets: list[str] = field(  # adapted in every block: q, k, v, o (attention), gate, up, down
         # (MLP and shared expert), experts (each routed expert)
-        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"]
+    )
     adapter_path: str | None = None  # a PEFT LoRA folder (adapter_config.json +
     # adapter_model.safetensors) to continue training from; its r, lora_alpha and target_modules
     # must equal rank, alpha and targets
@@ -62,8 +63,10 @@ class LoraConfig:
         require(0.0 <= self.dropout < 1.0, f"lora.dropout: must be in [0, 1), got {self.dropout}")
         unknown = sorted(set(self.targets) - set(TARGETS))
         require(not unknown, f"lora.targets: unknown {unknown} (choose from {', '.join(TARGETS)})")
-        require(bool(self.targets) and len(set(self.targets)) == len(self.targets),
-                f"lora.targets: must list each target once, got {self.targets}")
+        require(
+            bool(self.targets) and len(set(self.targets)) == len(self.targets),
+            f"lora.targets: must list each target once, got {self.targets}",
+        )
         if self.adapter_path is None:
             return
         require(self.rank > 0, "lora.adapter_path: set lora.rank (> 0) to train the adapter")
@@ -78,30 +81,47 @@ class LoraConfig:
         """ConfigError where ``[parallel]`` cannot split the adapters yet
         (tandem/parallel/lora.py)."""
         if self.enabled and "experts" in self.targets and (parallel.tp > 1 or parallel.ep > 1):
-            raise ConfigError("lora.targets: adapters on routed experts run with parallel.tp = ep "
-                              f"= 1 so far (tp={parallel.tp}, ep={parallel.ep}); adapt q, k, v, o "
-                              "(and shared experts) instead")
+            raise ConfigError(
+                "lora.targets: adapters on routed experts run with parallel.tp = ep "
+                f"= 1 so far (tp={parallel.tp}, ep={parallel.ep}); adapt q, k, v, o "
+                "(and shared experts) instead"
+            )
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
 
     def spec(self, *, trainable: tuple[str, ...] = (), base_model: str | None = None) -> LoraSpec:
-        return LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-                        targets=tuple(self.targets), trainable=trainable, base_model=base_model)
+        return LoraSpec(
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            targets=tuple(self.targets),
+            trainable=trainable,
+            base_model=base_model,
+        )
 
-    def setup(self, seed: int, *, base_model: str | None = None, trainable: tuple[str, ...] = (),
-              sampled: bool = False) -> LoraSetup | None:
+    def setup(
+        self,
+        seed: int,
+        *,
+        base_model: str | None = None,
+        trainable: tuple[str, ...] = (),
+        sampled: bool = False,
+    ) -> LoraSetup | None:
         """What the model builder needs (None when LoRA is off). ``sampled``: a generator samples
         from the trained model (the rl recipe), which runs without dropout."""
         if not self.enabled:
             return None
         if sampled and self.dropout > 0:
-            raise ConfigError(f"lora.dropout: the rl recipe needs 0 (got {self.dropout}): the "
-                              "generator samples without dropout, so the update's log-probs would "
-                              "not be the rollout's")
-        return LoraSetup(self.spec(trainable=trainable, base_model=base_model), seed,
-                         self.adapter_path)
+            raise ConfigError(
+                f"lora.dropout: the rl recipe needs 0 (got {self.dropout}): the "
+                "generator samples without dropout, so the update's log-probs would "
+                "not be the rollout's"
+            )
+        return LoraSetup(
+            self.spec(trainable=trainable, base_model=base_model), seed, self.adapter_path
+        )
 
 
 @dataclass(frozen=True)
@@ -115,9 +135,9 @@ class LoraSetup:
     def keeping(self, *modules: str) -> LoraSetup:
         """The same adapters, with ``modules`` (e.g. a new score head) trained in full
         beside them."""
-        return dataclasses.replace(self,
-                                   spec=dataclasses.replace(self.spec, trainable=self.spec.trainable
-                                                            + modules))
+        return dataclasses.replace(
+            self, spec=dataclasses.replace(self.spec, trainable=self.spec.trainable + modules)
+        )
 
     def initial(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """The adapters' first values (CPU, fp32, full): read from ``adapter_path`` or fresh."""
@@ -151,8 +171,13 @@ def merged_state(state: dict[str, torch.Tensor], spec: LoraSpec | None) -> dict[
     return state if spec is None else merge_state(state, spec.scale)
 
 
-def save_exports(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, tokenizer: Any,
-                 spec: LoraSpec | None) -> None:
+def save_exports(
+    state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    out_dir: str,
+    tokenizer: Any,
+    spec: LoraSpec | None,
+) -> None:
     """Rank 0, a full CPU state dict: ``out_dir`` as an HF folder, the adapters merged in when there
     are any (and then ``hf-adapter/`` beside it, PEFT's format, unless routed experts were adapted:
     PEFT has no counterpart for Tandem's per-expert adapters)."""
@@ -162,6 +187,9 @@ def save_exports(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, 
     save_hf(merge_state(state, spec.scale), args, out_dir, tokenizer=tokenizer)
     if "experts" not in spec.targets:
         adapters = {k: v for k, v in state.items() if is_adapter(k)}
-        save_adapter(adapters, spec,
-                     os.path.join(os.path.dirname(os.path.abspath(out_dir)), ADAPTER_DIR),
-                     base_model=spec.base_model)
+        save_adapter(
+            adapters,
+            spec,
+            os.path.join(os.path.dirname(os.path.abspath(out_dir)), ADAPTER_DIR),
+            base_model=spec.base_model,
+        )

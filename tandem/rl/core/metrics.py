@@ -118,16 +118,21 @@ class Tally:
         t = torch.tensor(flat, dtype=torch.float64, device=device)
         if len(flat):
             dist.all_reduce(t, group=group)
-        m = torch.tensor([self._max.get(k, -math.inf) for k in maxes], dtype=torch.float64,
-                         device=device)
+        m = torch.tensor(
+            [self._max.get(k, -math.inf) for k in maxes], dtype=torch.float64, device=device
+        )
         if len(maxes):
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         vals = t.tolist()
         out = dict(self._local)
-        out.update(zip(sums, vals[:len(sums)]))
-        rest = vals[len(sums):]
-        out.update({k: rest[2 * i] / rest[2 * i + 1] if rest[2 * i + 1] else 0.0
-                    for i, k in enumerate(means)})
+        out.update(zip(sums, vals[: len(sums)]))
+        rest = vals[len(sums) :]
+        out.update(
+            {
+                k: rest[2 * i] / rest[2 * i + 1] if rest[2 * i + 1] else 0.0
+                for i, k in enumerate(means)
+            }
+        )
         out.update(zip(maxes, m.tolist()))
         return out
 
@@ -146,9 +151,17 @@ class MetricsLogger:
     """One JSON object per step in ``metrics.jsonl``; the same numbers to each of ``loggers``
     (tensorboard scalars in ``tb/``, a W&B run, an MLflow run: tandem/rl/core/loggers.py)."""
 
-    def __init__(self, dump_folder: str, *, enabled: bool, jsonl: bool = True,
-                 loggers: Sequence[str] = ("tensorboard",), run_name: str = "tandem",
-                 config: dict[str, Any] | None = None, console_keys: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        dump_folder: str,
+        *,
+        enabled: bool,
+        jsonl: bool = True,
+        loggers: Sequence[str] = ("tensorboard",),
+        run_name: str = "tandem",
+        config: dict[str, Any] | None = None,
+        console_keys: tuple[str, ...] = (),
+    ) -> None:
         self.enabled = enabled
         self.console_keys = console_keys
         self._jsonl = None
@@ -176,15 +189,22 @@ class MetricsLogger:
             for sink in self._sinks:
                 sink.log(step, scalars)
         keys = self.console_keys or tuple(clean)
-        parts = [f"{k}={_fmt(clean[k])}" for k in keys if k in clean
-                 and not isinstance(clean[k], str)]
+        parts = [
+            f"{k}={_fmt(clean[k])}" for k in keys if k in clean and not isinstance(clean[k], str)
+        ]
         eta = ""
         if total_steps:
             elapsed = time.monotonic() - self._t0
             done = max(step, 1)
             eta = f" eta={max(total_steps - step, 0) * elapsed / done:.0f}s"
-        print(f"step {step}" + (f"/{total_steps}" if total_steps else "") + " " + " ".join(parts)
-              + eta, flush=True)
+        print(
+            f"step {step}"
+            + (f"/{total_steps}" if total_steps else "")
+            + " "
+            + " ".join(parts)
+            + eta,
+            flush=True,
+        )
 
     def text(self, tag: str, text: str, step: int) -> None:
         for sink in self._sinks:
@@ -213,8 +233,9 @@ def step_gaps(path: str, steps: int, first: int = 1) -> str | None:
     repeated = sorted(s for s, c in counts.items() if c > 1)
     if not missing and not repeated:
         return None
-    parts = ([f"steps {_spans(missing)} missing"] if missing else []) + \
-            ([f"steps {_spans(repeated)} repeated"] if repeated else [])
+    parts = ([f"steps {_spans(missing)} missing"] if missing else []) + (
+        [f"steps {_spans(repeated)} repeated"] if repeated else []
+    )
     return f"{path}: {'; '.join(parts)} (of {first}..{steps})"
 
 

@@ -42,15 +42,19 @@ def build_tokenizer(tokenizer: str | None, model_path: str | None, cache_dir: st
     """``builtin:char`` builds the self-contained character tokenizer into cache_dir."""
     src = tokenizer or model_path
     if src is None:
-        raise ModelSetupError("model.tokenizer: required when model.path is not set (a folder or "
-                              "'builtin:char')")
+        raise ModelSetupError(
+            "model.tokenizer: required when model.path is not set (a folder or 'builtin:char')"
+        )
     if src in ("builtin:char", "builtin:vl-char"):
         # One folder per rank: ranks build it at the same time and must not read a half-written
         # file.
         rank_dir = os.path.join(cache_dir, f"rank-{os.environ.get('RANK', '0')}")
         os.makedirs(rank_dir, exist_ok=True)
-        return (build_char_tokenizer(rank_dir) if src == "builtin:char"
-                else build_vl_char_tokenizer(rank_dir))
+        return (
+            build_char_tokenizer(rank_dir)
+            if src == "builtin:char"
+            else build_vl_char_tokenizer(rank_dir)
+        )
     key = "model.tokenizer" if tokenizer else "model.path"
     try:
         return Tokenizer.from_dir(src)
@@ -67,12 +71,15 @@ def model_args(flavor: str | None, path: str | None, tokenizer: Tokenizer) -> Mo
     try:
         args = load_args(path) if path else get_flavor(flavor)  # type: ignore[arg-type]
     except (OSError, ValueError, KeyError) as e:
-        raise ModelSetupError(f"{'model.path' if path else 'model.flavor'}: "
-                              f"{_one_line(e)}") from None
+        raise ModelSetupError(
+            f"{'model.path' if path else 'model.flavor'}: {_one_line(e)}"
+        ) from None
     if tokenizer.vocab_size > args.vocab_size:
         key = "model.path" if path else "model.flavor"
-        raise ModelSetupError(f"{key}: vocab_size {args.vocab_size} is smaller than the "
-                              f"tokenizer's {tokenizer.vocab_size}")
+        raise ModelSetupError(
+            f"{key}: vocab_size {args.vocab_size} is smaller than the "
+            f"tokenizer's {tokenizer.vocab_size}"
+        )
     return args
 
 
@@ -99,8 +106,7 @@ def load_full_state(model: nn.Module, full: dict[str, torch.Tensor] | None) -> N
         _copy_own_shards(model, full or {})
         return
     broadcast = dist.is_initialized() and dist.get_world_size() > 1
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast,
-                            strict=True)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=True)
     set_model_state_dict(model, full or {}, options=opts)
 
 
@@ -118,8 +124,9 @@ def _copy_own_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     for name, t in state.items():
         src = full[name]
         if isinstance(t, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
-                                                                  t.placements)
+            shape, offset = compute_local_shape_and_global_offset(
+                t.shape, t.device_mesh, t.placements
+            )
             region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
             t.to_local().copy_(src[region])
         else:
@@ -132,8 +139,9 @@ def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=opts)
 
 
-def export_hf(model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, out_dir: str,
-              rank: int) -> None:
+def export_hf(
+    model: nn.Module, args: ModelArgs, tokenizer: Tokenizer | None, out_dir: str, rank: int
+) -> None:
     """Collective: write the model as an HF folder (rank 0 writes); with LoRA adapters, merged,
     and the adapters alone in PEFT's format beside it (tandem/rl/core/lora.py)."""
     state = gather_full_state(model)
@@ -156,14 +164,19 @@ class BuildSpec:
     # trains)
 
     @classmethod
-    def from_config(cls, training: Any, parallel: Any, model: Any = None,
-                    lora: LoraSetup | None = None) -> BuildSpec:
-        return cls(param_dtype=training.mixed_precision_param,
-                   reduce_dtype=training.mixed_precision_reduce,
-                   cpu_offload=parallel.cpu_offload,
-                   activation_checkpoint=parallel.activation_checkpoint,
-                   compile=parallel.compile, ep=parallel.ep, lora=lora,
-                   train_vision=bool(getattr(model, "train_vision", False)))
+    def from_config(
+        cls, training: Any, parallel: Any, model: Any = None, lora: LoraSetup | None = None
+    ) -> BuildSpec:
+        return cls(
+            param_dtype=training.mixed_precision_param,
+            reduce_dtype=training.mixed_precision_reduce,
+            cpu_offload=parallel.cpu_offload,
+            activation_checkpoint=parallel.activation_checkpoint,
+            compile=parallel.compile,
+            ep=parallel.ep,
+            lora=lora,
+            train_vision=bool(getattr(model, "train_vision", False)),
+        )
 
 
 def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
@@ -174,36 +187,60 @@ def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
     from tandem.rl.core.configlib import ConfigError
 
     if getattr(args, "num_experts", 0) and sizes["pp"] > 1:
-        raise ConfigError("parallel: a mixture-of-experts model runs with pp = 1 so far "
-                          f"(pp={sizes['pp']}); use parallel.tp or parallel.ep")
+        raise ConfigError(
+            "parallel: a mixture-of-experts model runs with pp = 1 so far "
+            f"(pp={sizes['pp']}); use parallel.tp or parallel.ep"
+        )
     try:
         validate_ep(args, ep, **{a: sizes[a] for a in ("dp_shard", "tp", "pp", "dp_replicate")})
     except ValueError as e:
         raise ConfigError(f"parallel.ep: {e}") from None
 
 
-def parallelize_model(model: nn.Module, mesh: Any, device: torch.device, spec: BuildSpec, *,
-                      trainable: bool = True, tp: bool = True) -> nn.Module:
+def parallelize_model(
+    model: nn.Module,
+    mesh: Any,
+    device: torch.device,
+    spec: BuildSpec,
+    *,
+    trainable: bool = True,
+    tp: bool = True,
+) -> nn.Module:
     """Every model Tandem trains or scores goes through here, on the meta device: TP (when
     ``tp`` and the mesh has a TP axis > 1), activation checkpointing (trainable models),
     compile, and FSDP2 by the one rule of `tandem.parallel.parallelize`. CPU computes in float32."""
     from tandem.parallel.parallelize import parallelize
 
-    check_moe_layout(getattr(model, "args", None), spec.ep, {a: mesh[a].size() for a in
-                                                             ("dp_shard", "tp", "pp",
-                                                              "dp_replicate")})
+    check_moe_layout(
+        getattr(model, "args", None),
+        spec.ep,
+        {a: mesh[a].size() for a in ("dp_shard", "tp", "pp", "dp_replicate")},
+    )
     on_gpu = device.type != "cpu"
-    return parallelize(model, mesh, tp_enabled=tp,
-                       ac=spec.activation_checkpoint if trainable else "none",
-                       compile=spec.compile, param_dtype=spec.param_dtype if on_gpu else "float32",
-                       reduce_dtype=spec.reduce_dtype if on_gpu else "float32",
-                       cpu_offload=spec.cpu_offload, ep=spec.ep)
+    return parallelize(
+        model,
+        mesh,
+        tp_enabled=tp,
+        ac=spec.activation_checkpoint if trainable else "none",
+        compile=spec.compile,
+        param_dtype=spec.param_dtype if on_gpu else "float32",
+        reduce_dtype=spec.reduce_dtype if on_gpu else "float32",
+        cpu_offload=spec.cpu_offload,
+        ep=spec.ep,
+    )
 
 
-def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[str, torch.Tensor]],
-                mesh: Any,
-                device: torch.device, spec: BuildSpec, *, is_main: bool, trainable: bool = True,
-                tp: bool = True) -> nn.Module:
+def build_model(
+    make: Callable[[], nn.Module],
+    initial_state: Callable[[], dict[str, torch.Tensor]],
+    mesh: Any,
+    device: torch.device,
+    spec: BuildSpec,
+    *,
+    is_main: bool,
+    trainable: bool = True,
+    tp: bool = True,
+) -> nn.Module:
     """The one model builder (policy, reference, critic, reward model, teachers): ``make()``
     on the meta device, `parallelize_model`, then rank 0's ``initial_state()`` (the full
     weights, CPU) broadcast into the shards, so every layout starts from the same weights.
@@ -214,8 +251,10 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     lora = spec.lora if trainable else None
     shapes = {}
     if lora is not None and hasattr(model, "visual"):
-        raise ConfigError("lora: a vision-language model trains without LoRA adapters so far "
-                          "(set lora.rank = 0; model.train_vision picks what trains)")
+        raise ConfigError(
+            "lora: a vision-language model trains without LoRA adapters so far "
+            "(set lora.rank = 0; model.train_vision picks what trains)"
+        )
     if lora is not None:  # a frozen base with adapters (tandem/models/lora.py), before any sharding
         apply_lora(model, lora.spec)
         shapes = adapter_shapes(model)
@@ -231,8 +270,9 @@ def build_model(make: Callable[[], nn.Module], initial_state: Callable[[], dict[
     return model
 
 
-def with_adapters(full: dict[str, torch.Tensor], lora: LoraSetup | None,
-                  shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def with_adapters(
+    full: dict[str, torch.Tensor], lora: LoraSetup | None, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
     """``full`` plus the adapters' first values (fresh, or ``lora.adapter_path``'s)."""
     if lora is None:
         return full
@@ -250,16 +290,40 @@ def lora_shapes(args: ModelArgs, lora: LoraSetup) -> dict[str, tuple[int, ...]]:
     return adapter_shapes(model)
 
 
-def build_transformer(args: ModelArgs, path: str | None, seed: int, mesh: Any, device: torch.device,
-                      spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
+def build_transformer(
+    args: ModelArgs,
+    path: str | None,
+    seed: int,
+    mesh: Any,
+    device: torch.device,
+    spec: BuildSpec,
+    *,
+    is_main: bool,
+    trainable: bool = True,
+) -> nn.Module:
     """A causal LM (policy, reference, teacher) from an HF folder or a seeded from-scratch init."""
-    return build_model(lambda: make_model(args), lambda: full_initial_state(args, path, seed), mesh,
-                       device, spec, is_main=is_main, trainable=trainable)
+    return build_model(
+        lambda: make_model(args),
+        lambda: full_initial_state(args, path, seed),
+        mesh,
+        device,
+        spec,
+        is_main=is_main,
+        trainable=trainable,
+    )
 
 
-def build_scalar_model(args: ModelArgs, path: str | None, seed: int, mesh: Any,
-                       device: torch.device,
-                       spec: BuildSpec, *, is_main: bool, trainable: bool = True) -> nn.Module:
+def build_scalar_model(
+    args: ModelArgs,
+    path: str | None,
+    seed: int,
+    mesh: Any,
+    device: torch.device,
+    spec: BuildSpec,
+    *,
+    is_main: bool,
+    trainable: bool = True,
+) -> nn.Module:
     """A transformer trunk with a scalar head (reward model, critic); no TP (its recipes check)."""
     from tandem.models.value_head import ScalarHeadModel, initial_scalar_state
 
@@ -271,5 +335,13 @@ def build_scalar_model(args: ModelArgs, path: str | None, seed: int, mesh: Any,
 
     if spec.lora is not None:  # the score head is new: it trains in full beside the adapters
         spec = dataclasses.replace(spec, lora=spec.lora.keeping("score"))
-    return build_model(lambda: ScalarHeadModel(args), initial, mesh, device, spec, is_main=is_main,
-                       trainable=trainable, tp=False)
+    return build_model(
+        lambda: ScalarHeadModel(args),
+        initial,
+        mesh,
+        device,
+        spec,
+        is_main=is_main,
+        trainable=trainable,
+        tp=False,
+    )

@@ -25,15 +25,18 @@ class Learner:
     scheduler: Any | None = None
 
 
-def build_optimizer(model: nn.Module, *, lr: float, betas: list[float], eps: float,
-                    weight_decay: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, *, lr: float, betas: list[float], eps: float, weight_decay: float
+) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms and biases (1-D parameters)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     # LoRA trains no 1-D parameter (DCP cannot load an empty group)
     groups = [g for g in groups if g["params"]]
     # fused (one kernel over all tensors) runs on DTensor shards on CPU and CUDA in
@@ -42,8 +45,9 @@ def build_optimizer(model: nn.Module, *, lr: float, betas: list[float], eps: flo
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
 
 
-def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay: str,
-              min_lr_ratio: float) -> float:
+def lr_factor(
+    step: int, *, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float
+) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (0-based)."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps

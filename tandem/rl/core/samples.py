@@ -47,17 +47,24 @@ def clean_record(record: Mapping[str, Any]) -> dict[str, Any]:
     naming it."""
     missing = [k for k in REQUIRED if k not in record]
     if missing:
-        raise ValueError(f"sample record: missing {', '.join(missing)} (has "
-                         f"{', '.join(sorted(record))})")
+        raise ValueError(
+            f"sample record: missing {', '.join(missing)} (has {', '.join(sorted(record))})"
+        )
     rewards = record["rewards"]
     if not isinstance(rewards, Mapping):
-        raise ValueError("sample record: 'rewards' must map reward names to floats, got "
-                         f"{type(rewards).__name__}")
+        raise ValueError(
+            "sample record: 'rewards' must map reward names to floats, got "
+            f"{type(rewards).__name__}"
+        )
     out = dict(record)
-    out.update(prompt=str(record["prompt"]), completion=str(record["completion"]),
-               reward=_number(record["reward"]), advantage=_number(record["advantage"]),
-               rewards={str(k): _number(v) for k, v in rewards.items()},
-               finish_reason=str(record["finish_reason"]))
+    out.update(
+        prompt=str(record["prompt"]),
+        completion=str(record["completion"]),
+        reward=_number(record["reward"]),
+        advantage=_number(record["advantage"]),
+        rewards={str(k): _number(v) for k, v in rewards.items()},
+        finish_reason=str(record["finish_reason"]),
+    )
     return out
 
 
@@ -65,15 +72,20 @@ def _markdown(records: list[dict[str, Any]]) -> str:
     """Records as tensorboard markdown: a header line each, prompt and completion as code blocks."""
     parts = []
     for i, r in enumerate(records):
-        per_fn = ", ".join(f"{k} {v:.3g}" if v is not None else f"{k} n/a"
-                           for k, v in r["rewards"].items())
+        per_fn = ", ".join(
+            f"{k} {v:.3g}" if v is not None else f"{k} n/a" for k, v in r["rewards"].items()
+        )
         reward = f"{r['reward']:.3g}" if r["reward"] is not None else "n/a"
         adv = f"{r['advantage']:.3g}" if r["advantage"] is not None else "n/a"
-        head = (f"**{i}** reward {reward}" + (f" ({per_fn})" if per_fn else "")
-                + f", advantage {adv}, {r['finish_reason']}")
-        block = "\n".join("    " + line
-                          for line in (r["prompt"] + "\n--- completion ---\n"
-                                       + r["completion"]).splitlines())
+        head = (
+            f"**{i}** reward {reward}"
+            + (f" ({per_fn})" if per_fn else "")
+            + f", advantage {adv}, {r['finish_reason']}"
+        )
+        block = "\n".join(
+            "    " + line
+            for line in (r["prompt"] + "\n--- completion ---\n" + r["completion"]).splitlines()
+        )
         parts.append(head + "\n\n" + block)
     return "\n\n".join(parts)
 
@@ -87,8 +99,13 @@ class SampleLog:
     step's records as one markdown text summary under the tag ``"samples"``.
     """
 
-    def __init__(self, dump_folder: str, per_step: int, enabled: bool,
-                 text_sink: Callable[[str, str, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        dump_folder: str,
+        per_step: int,
+        enabled: bool,
+        text_sink: Callable[[str, str, int], None] | None = None,
+    ) -> None:
         if per_step < 0:
             raise ValueError(f"SampleLog: per_step must be >= 0, got {per_step}")
         self.path = os.path.join(dump_folder, FILE)
@@ -147,6 +164,15 @@ def dump_rollouts(dump_folder: str, step: int, rank: int, samples: Sequence[Any]
     os.makedirs(os.path.join(dump_folder, "rollouts"), exist_ok=True)
     with open(os.path.join(dump_folder, "rollouts", f"rank-{rank}.jsonl"), "a") as f:
         for s in samples:
-            f.write(json.dumps({"step": step + 1, "prompt": s.group,
-                                "completion_ids": s.completion_ids,
-                                "gen_logprobs": s.gen_logprobs, "versions": s.versions}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "prompt": s.group,
+                        "completion_ids": s.completion_ids,
+                        "gen_logprobs": s.gen_logprobs,
+                        "versions": s.versions,
+                    }
+                )
+                + "\n"
+            )

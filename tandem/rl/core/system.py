@@ -51,6 +51,7 @@ def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 25
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+            libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+        )
     except (OSError, AttributeError):
         return False

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.rl.core.registry import Registry
 from tandem.rl.data.loading import DataError, iter_jsonl_objects
 from tandem.rl.data.tasks import Split, split_of
-from tandem.rl.core.registry import Registry
 
 __all__ = [
     "AGENTIC_TASKS",

@@ -40,8 +40,11 @@ class VisionData:
             return None
         base = None
         if data_path and not data_path.startswith("synthetic:"):
-            base = (data_path if os.path.isdir(data_path)
-                    else os.path.dirname(os.path.abspath(data_path)))
+            base = (
+                data_path
+                if os.path.isdir(data_path)
+                else os.path.dirname(os.path.abspath(data_path))
+            )
         return cls(args.vision.processor, args.vision.image_token_id, base)
 
 
@@ -51,24 +54,32 @@ def clean_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
         if isinstance(m.get("content"), list):
-            m = {**m,
-                 "content": [{k: v for k, v in p.items() if v is not None} for p in m["content"]]}
+            m = {
+                **m,
+                "content": [{k: v for k, v in p.items() if v is not None} for p in m["content"]],
+            }
         out.append(m)
     return out
 
 
-def prepare_messages(messages: list[dict[str, Any]],
-                     vision: VisionData | None) -> list[dict[str, Any]]:
+def prepare_messages(
+    messages: list[dict[str, Any]], vision: VisionData | None
+) -> list[dict[str, Any]]:
     """The conversation to render: parts cleaned (`clean_messages`); for a text model, text
     parts joined into a string, and image parts a ValueError."""
     messages = clean_messages(messages)
     if vision is not None:
         return messages
     if image_sources(messages):
-        raise ValueError("image parts need a vision-language model (model.path of a "
-                         "Qwen2.5-VL folder)")
-    return [{**m, "content": "".join(p["text"] for p in m["content"])}
-            if isinstance(m.get("content"), list) else m for m in messages]
+        raise ValueError(
+            "image parts need a vision-language model (model.path of a Qwen2.5-VL folder)"
+        )
+    return [
+        {**m, "content": "".join(p["text"] for p in m["content"])}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in messages
+    ]
 
 
 def image_sources(messages: list[dict[str, Any]]) -> list[Any]:
@@ -83,8 +94,9 @@ def image_sources(messages: list[dict[str, Any]]) -> list[Any]:
     return out
 
 
-def with_images(messages: list[dict[str, Any]], ids: list[int], vision: VisionData | None,
-                *aligned: list[Any]) -> tuple[list[int], PromptImages | None, list[list[Any]]]:
+def with_images(
+    messages: list[dict[str, Any]], ids: list[int], vision: VisionData | None, *aligned: list[Any]
+) -> tuple[list[int], PromptImages | None, list[list[Any]]]:
     """Expand each image token of ``ids`` into its image's rows and lay out the M-RoPE
     positions; ``aligned`` lists (e.g. a loss mask) repeat their value at an image token.
     Returns (ids, images or None for a text row, aligned lists); ValueError for a bad row."""
@@ -101,8 +113,10 @@ def with_images(messages: list[dict[str, Any]], ids: list[int], vision: VisionDa
     counts = [t * h * w // vision.processor.merge_size**2 for t, h, w in sizes]
     n_pad = sum(1 for t in ids if t == vision.image_token_id)
     if n_pad != len(sources):
-        raise ValueError(f"the chat template wrote {n_pad} image placeholder(s) for "
-                         f"{len(sources)} image(s) (a template without image parts?)")
+        raise ValueError(
+            f"the chat template wrote {n_pad} image placeholder(s) for "
+            f"{len(sources)} image(s) (a template without image parts?)"
+        )
     out: list[int] = []
     lists: list[list[Any]] = [[] for _ in aligned]
     left = iter(counts)
@@ -111,10 +125,14 @@ def with_images(messages: list[dict[str, Any]], ids: list[int], vision: VisionDa
         out += [t] * k
         for dst, src in zip(lists, aligned):
             dst += [src[j]] * k
-    positions, delta = mrope_positions(out, sizes, vision.image_token_id,
-                                       vision.processor.merge_size)
-    return (out, PromptImages(sources, sizes, positions, delta, vision.processor, vision.base_dir),
-            lists)
+    positions, delta = mrope_positions(
+        out, sizes, vision.image_token_id, vision.processor.merge_size
+    )
+    return (
+        out,
+        PromptImages(sources, sizes, positions, delta, vision.processor, vision.base_dir),
+        lists,
+    )
 
 
 def release_images(items: list[Any]) -> None:

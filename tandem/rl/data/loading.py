@@ -67,10 +67,13 @@ def _parts_problem(content: list[Any]) -> str | None:
     for p in content:
         if not isinstance(p, dict):
             return f"a content part must be an object, got {type(p).__name__}"
-        if not is_image_part(p) and (p.get("type", "text") != "text"
-                                     or not isinstance(p.get("text"), str)):
-            return (f"a content part must be {{'type': 'text', 'text': ...}} or an image, got keys "
-                    f"{sorted(p)}")
+        if not is_image_part(p) and (
+            p.get("type", "text") != "text" or not isinstance(p.get("text"), str)
+        ):
+            return (
+                f"a content part must be {{'type': 'text', 'text': ...}} or an image, got keys "
+                f"{sorted(p)}"
+            )
     return None
 
 
@@ -101,8 +104,9 @@ def _infer_format(path: str, fmt: str) -> str:
         return "jsonl"
     if path.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    raise DataError(f"{path}: cannot tell the format from the extension; set data.format to "
-                    "jsonl or parquet")
+    raise DataError(
+        f"{path}: cannot tell the format from the extension; set data.format to jsonl or parquet"
+    )
 
 
 def _open_binary(path: str) -> Any:
@@ -116,8 +120,10 @@ def _decode(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
-                        "of the line); data files must be UTF-8") from None
+        raise DataError(
+            f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
+            "of the line); data files must be UTF-8"
+        ) from None
 
 
 def _parse_object(text: str, where: str) -> dict[str, Any]:
@@ -205,18 +211,26 @@ def _load_file(path: str, fmt: str) -> Rows:
 def data_files(folder: str, fmt: str = "auto") -> list[str]:
     """The data files directly in ``folder`` (not its subfolders), sorted by name: those
     with a jsonl / parquet extension (``fmt="auto"``), or those of ``fmt``."""
-    suffixes = ({"auto": JSONL_SUFFIXES + PARQUET_SUFFIXES, "jsonl": JSONL_SUFFIXES,
-                 "parquet": PARQUET_SUFFIXES}[fmt])
+    suffixes = {
+        "auto": JSONL_SUFFIXES + PARQUET_SUFFIXES,
+        "jsonl": JSONL_SUFFIXES,
+        "parquet": PARQUET_SUFFIXES,
+    }[fmt]
     try:
         names = sorted(os.listdir(folder))
     except OSError as e:
         raise DataError(f"{folder}: {e.strerror}") from None
-    files = [os.path.join(folder, n) for n in names
-             if n.endswith(suffixes) and not n.startswith(".")
-             and os.path.isfile(os.path.join(folder, n))]
+    files = [
+        os.path.join(folder, n)
+        for n in names
+        if n.endswith(suffixes)
+        and not n.startswith(".")
+        and os.path.isfile(os.path.join(folder, n))
+    ]
     if not files:
-        raise DataError(f"{folder}: a folder with no data files "
-                        f"({', '.join('*' + s for s in suffixes)})")
+        raise DataError(
+            f"{folder}: a folder with no data files ({', '.join('*' + s for s in suffixes)})"
+        )
     return files
 
 

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from tandem.rl.core.fields import get_field
+from tandem.rl.core.registry import Registry
 from tandem.rl.data.images import VisionData
 from tandem.rl.data.loading import DataError, Rows, load_rows, message_problem, row_where
 from tandem.rl.data.sft import BadRow, Example, tokenize_turns
 from tandem.rl.data.tasks import make_task_rows
-from tandem.rl.core.registry import Registry
 
 __all__ = [
     "SYNTHETIC_PAIRS",
@@ -55,8 +55,9 @@ def _check_messages(messages: Any, what: str) -> Messages:
     if isinstance(messages, list) and not messages:
         raise BadRow(f"empty {what}")
     if not isinstance(messages, list):
-        raise BadRow(f"{what} must be a string or a list of messages, got "
-                     f"{type(messages).__name__}")
+        raise BadRow(
+            f"{what} must be a string or a list of messages, got {type(messages).__name__}"
+        )
     if (problem := message_problem(messages)) is not None:
         raise BadRow(f"{what}: {problem}")
     return messages
@@ -78,7 +79,7 @@ def _as_reply(reply: Any, context: Messages, what: str, allow_empty: bool = Fals
         return [{"role": "assistant", "content": reply}]
     turns = _check_messages(reply, what)
     if turns[: len(context)] == context:
-        turns = turns[len(context):]  # the whole conversation was stored
+        turns = turns[len(context) :]  # the whole conversation was stored
     if not any(m["role"] == "assistant" and m["content"] for m in turns):
         raise BadRow(f"{what}: no non-empty assistant message")
     return turns
@@ -113,8 +114,10 @@ def _row_sides(rec: dict[str, Any], fields: dict[str, str]) -> tuple[Messages, M
         while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
             n += 1
         if n == 0:
-            raise BadRow(f"missing field: neither {fields['messages']!r} nor {fields['prompt']!r}, "
-                         "and chosen/rejected share no leading turns")
+            raise BadRow(
+                f"missing field: neither {fields['messages']!r} nor {fields['prompt']!r}, "
+                "and chosen/rejected share no leading turns"
+            )
         ctx = _check_messages(chosen[:n], "context")
     else:
         raise BadRow(f"missing field: neither {fields['messages']!r} nor {fields['prompt']!r}")
@@ -160,28 +163,38 @@ def build_preference_data(
     `tandem.rl.data.loading.Rows`, else ``row_numbers[i]`` (a held-out split still names
     rows of the original file), else i.
     """
-    fields = {"messages": messages_field, "prompt": prompt_field, "chosen": chosen_field,
-              "rejected": rejected_field}
+    fields = {
+        "messages": messages_field,
+        "prompt": prompt_field,
+        "chosen": chosen_field,
+        "rejected": rejected_field,
+    }
     skipped = Counter() if skipped is None else skipped
     pairs: list[PreferencePair] = []
     for i, rec in enumerate(records):
         try:
             ctx, c, r = _row_sides(rec, fields)
             n = len(ctx)
-            sides = [tokenize_turns(ctx + reply, tokenizer, first=n, vision=vision)
-                     for reply in (c, r)]
+            sides = [
+                tokenize_turns(ctx + reply, tokenizer, first=n, vision=vision) for reply in (c, r)
+            ]
             for ex in sides:
                 if len(ex.input_ids) > max_length:
-                    raise BadRow(f"longer than max_length ({len(ex.input_ids)} > "
-                                 f"{max_length} tokens)")
+                    raise BadRow(
+                        f"longer than max_length ({len(ex.input_ids)} > {max_length} tokens)"
+                    )
                 if sum(ex.loss_mask[1:]) == 0:
                     raise BadRow("no response token")
         except BadRow as e:
             if on_bad_row == "error":
-                where = (row_where(records, i, source) if row_numbers is None
-                         or isinstance(records, Rows) else f"{source}: row {row_numbers[i]}")
-                raise DataError(f"{where}: {e} (set data.on_bad_row=skip to "
-                                "skip such rows)") from None
+                where = (
+                    row_where(records, i, source)
+                    if row_numbers is None or isinstance(records, Rows)
+                    else f"{source}: row {row_numbers[i]}"
+                )
+                raise DataError(
+                    f"{where}: {e} (set data.on_bad_row=skip to skip such rows)"
+                ) from None
             skipped[str(e).split(" (")[0]] += 1
             continue
         pairs.append(PreferencePair(sides[0], sides[1], len(pairs)))
@@ -197,7 +210,7 @@ SYNTHETIC_EVAL_ROWS = 64
 
 @SYNTHETIC_PAIRS.register("addition_small")
 def addition_pairs(n: int, seed: int, split: str) -> list[dict[str, Any]]:
-    """"3+5=" with chosen "8" and rejected a uniformly drawn wrong sum in [0, 18].
+    """ "3+5=" with chosen "8" and rejected a uniformly drawn wrong sum in [0, 18].
 
     Problems come from tandem/rl/data/tasks.py's addition_small, so the test split's
     problems never appear in training: held-out accuracy measures generalisation.
@@ -214,7 +227,7 @@ def addition_pairs(n: int, seed: int, split: str) -> list[dict[str, Any]]:
 
 @SYNTHETIC_PAIRS.register("sorting")
 def sorting_pairs(n: int, seed: int, split: str) -> list[dict[str, Any]]:
-    """"Sort in ascending order: 3 1 2" with chosen "1 2 3" and rejected an unsorted order
+    """ "Sort in ascending order: 3 1 2" with chosen "1 2 3" and rejected an unsorted order
     of the same digits.
 
     Whether a reply is sorted is a local property (each neighbour pair is in
@@ -232,8 +245,9 @@ def sorting_pairs(n: int, seed: int, split: str) -> list[dict[str, Any]]:
             wrong = items[:]
             while wrong == items:
                 rng.shuffle(wrong)
-            out.append({"prompt": row["prompt"], "chosen": row["answer"],
-                        "rejected": " ".join(wrong)})
+            out.append(
+                {"prompt": row["prompt"], "chosen": row["answer"], "rejected": " ".join(wrong)}
+            )
         draw += 1
     return out
 
@@ -270,18 +284,24 @@ def load_preference_data(
     Held-out pairs: all rows of ``eval_source`` when given, else the synthetic
     source's test split, else a seeded ``eval_fraction`` of the file's rows.
     """
-    fields = dict(messages_field=messages_field, prompt_field=prompt_field,
-                  chosen_field=chosen_field, rejected_field=rejected_field)
+    fields = dict(
+        messages_field=messages_field,
+        prompt_field=prompt_field,
+        chosen_field=chosen_field,
+        rejected_field=rejected_field,
+    )
     train_nums: list[int] | None = None
     eval_nums: list[int] | None = None
     eval_name = source
     if source.startswith(SYNTHETIC_PREFIX):
-        name = source[len(SYNTHETIC_PREFIX):]
+        name = source[len(SYNTHETIC_PREFIX) :]
         if name not in SYNTHETIC_PAIRS:
             raise DataError(f"{source}: {SYNTHETIC_PAIRS.unknown_message(name)}")
         gen = SYNTHETIC_PAIRS.get(name)
-        train_rows, eval_rows = (gen(synthetic_rows, seed, "train"),
-                                 gen(SYNTHETIC_EVAL_ROWS, seed, "test"))
+        train_rows, eval_rows = (
+            gen(synthetic_rows, seed, "train"),
+            gen(SYNTHETIC_EVAL_ROWS, seed, "test"),
+        )
         # generated rows use the default names
         fields = {k: k.removesuffix("_field") for k in fields}
     else:
@@ -289,16 +309,23 @@ def load_preference_data(
         held = set() if eval_source is not None else _held_out(len(rows), eval_fraction, seed)
         train_nums = [i for i in range(len(rows)) if i not in held]
         eval_nums = sorted(held)
-        train_rows, eval_rows = ([Rows([rows[i] for i in nums],
-                                       [row_where(rows, i, source) for i in nums])
-                                  for nums in (train_nums, eval_nums)])
+        train_rows, eval_rows = [
+            Rows([rows[i] for i in nums], [row_where(rows, i, source) for i in nums])
+            for nums in (train_nums, eval_nums)
+        ]
     if eval_source is not None:
         eval_rows, eval_nums, eval_name = load_rows(eval_source, fmt), None, eval_source
-    kw = dict(tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, vision=vision,
-              **fields)
+    kw = dict(
+        tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, vision=vision, **fields
+    )
     train, skipped = build_preference_data(train_rows, source=source, row_numbers=train_nums, **kw)  # type: ignore[arg-type]
-    evals, skipped = build_preference_data(eval_rows, source=eval_name, row_numbers=eval_nums,  # type: ignore[arg-type]
-                                           skipped=skipped, **kw)
+    evals, skipped = build_preference_data(
+        eval_rows,
+        source=eval_name,
+        row_numbers=eval_nums,  # type: ignore[arg-type]
+        skipped=skipped,
+        **kw,
+    )
     if not train:
         raise DataError(f"{source}: no usable preference pairs ({dict(skipped)} skipped)")
     return PreferenceData(train, evals, skipped)

@@ -21,7 +21,6 @@ import struct
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-
 from tandem.rl.core.fields import get_field
 from tandem.rl.data.images import VisionData, prepare_messages, with_images
 from tandem.rl.data.loading import DataError, EpochOrder, load_rows, message_problem, row_where
@@ -30,12 +29,13 @@ SYNTHETIC = "synthetic:"
 T = TypeVar("T")
 
 
-def load_prompt_rows(path: str, fmt: str, *, split: str, seed: int,
-                     n_synthetic: int) -> list[dict[str, Any]]:
+def load_prompt_rows(
+    path: str, fmt: str, *, split: str, seed: int, n_synthetic: int
+) -> list[dict[str, Any]]:
     if path.startswith(SYNTHETIC):
         from tandem.rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
-        name, knobs = parse_synthetic(path[len(SYNTHETIC):])
+        name, knobs = parse_synthetic(path[len(SYNTHETIC) :])
         from tandem.rl.data.agentic_tasks import AGENTIC_TASKS, make_agentic_rows
 
         if name in AGENTIC_TASKS:
@@ -63,8 +63,9 @@ class Prompt:
     # policies)
 
 
-def prompt_messages(row: dict[str, Any], prompt_field: str,
-                    messages_field: str) -> list[dict[str, Any]]:
+def prompt_messages(
+    row: dict[str, Any], prompt_field: str, messages_field: str
+) -> list[dict[str, Any]]:
     """The conversation a row's prompt is rendered from: its messages field, or its prompt
     field, which holds either text (one user turn) or a list of {role, content} messages (as in
     verl's and TRL's conversational prompt datasets). ValueError (one line) if neither."""
@@ -72,25 +73,38 @@ def prompt_messages(row: dict[str, Any], prompt_field: str,
     if msgs is None:
         q, field = get_field(row, prompt_field), prompt_field
         if q is None or q == "":
-            raise ValueError(f"missing field: neither {messages_field!r} nor {prompt_field!r} "
-                             "(data.messages_field / data.prompt_field name them)")
+            raise ValueError(
+                f"missing field: neither {messages_field!r} nor {prompt_field!r} "
+                "(data.messages_field / data.prompt_field name them)"
+            )
         if isinstance(q, str):
             return [{"role": "user", "content": q}]
         if not isinstance(q, list):
-            raise ValueError(f"field {prompt_field!r} must be text or a list of {{role, "
-                             f"content}} messages, got {type(q).__name__} (data.prompt_field / "
-                             "data.messages_field name the fields)")
+            raise ValueError(
+                f"field {prompt_field!r} must be text or a list of {{role, "
+                f"content}} messages, got {type(q).__name__} (data.prompt_field / "
+                "data.messages_field name the fields)"
+            )
         msgs = q
     if (problem := message_problem(msgs)) is not None:
-        raise ValueError(f"field {field!r}: {problem} (data.messages_field names the "
-                         "messages field)")
+        raise ValueError(
+            f"field {field!r}: {problem} (data.messages_field names the messages field)"
+        )
     return msgs
 
 
-def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, prompt_field: str,
-                   messages_field: str, answer_field: str, max_prompt_tokens: int,
-                   on_bad_row: str = "skip",
-                   vision: VisionData | None = None) -> tuple[list[Prompt], dict[str, int]]:
+def encode_prompts(
+    rows: list[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    source: str,
+    prompt_field: str,
+    messages_field: str,
+    answer_field: str,
+    max_prompt_tokens: int,
+    on_bad_row: str = "skip",
+    vision: VisionData | None = None,
+) -> tuple[list[Prompt], dict[str, int]]:
     """Chat-template and tokenize; bad rows (a missing field, or one of the wrong type, or an
     unreadable image) are counted (or raise DataError naming the file and line). ``vision``:
     a vision-language policy's image settings (tandem/rl/data/images.py); image tokens are
@@ -104,20 +118,26 @@ def encode_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, source: str, p
             if answer is None:
                 raise ValueError(f"missing field {answer_field!r} (data.answer_field names it)")
             if not isinstance(answer, str):
-                raise ValueError(f"field {answer_field!r} must be a string, got "
-                                 f"{type(answer).__name__}")
+                raise ValueError(
+                    f"field {answer_field!r} must be a string, got {type(answer).__name__}"
+                )
             msgs = prepare_messages(prompt_messages(row, prompt_field, messages_field), vision)
             if not has_template and not isinstance(msgs[-1]["content"], str):
                 raise ValueError("a prompt with images needs a tokenizer with a chat template")
-            text = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True) if has_template
-                    else msgs[-1]["content"])
+            text = (
+                tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+                if has_template
+                else msgs[-1]["content"]
+            )
             ids, images, _ = with_images(msgs, tokenizer.encode(text), vision)
             if len(ids) > max_prompt_tokens:
                 raise ValueError(f"prompt longer than {max_prompt_tokens} tokens")
         except ValueError as e:
             if on_bad_row == "error":
-                raise DataError(f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to "
-                                "skip such rows)") from None
+                raise DataError(
+                    f"{row_where(rows, i, source)}: {e} (set data.on_bad_row=skip to "
+                    "skip such rows)"
+                ) from None
             reason = str(e).split(" (")[0]  # counted without the hint
             skipped[reason] = skipped.get(reason, 0) + 1
             continue

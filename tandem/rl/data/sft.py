@@ -38,8 +38,9 @@ class BadRow(ValueError):
     """A row that cannot become a training example; str() says why."""
 
 
-def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None,
-                  vision: VisionData | None = None) -> Example:
+def tokenize_chat(
+    messages: Any, tokenizer: Any, tools: Any = None, vision: VisionData | None = None
+) -> Example:
     """Token ids and loss mask of a chat: assistant turns trained, the rest context.
 
     ``tools`` (a list of JSON tool schemas, the row's ``tools`` field) is rendered
@@ -49,16 +50,23 @@ def tokenize_chat(messages: Any, tokenizer: Any, tools: Any = None,
     policy's image settings; image parts become their images' tokens (never trained)."""
     if (problem := message_problem(messages)) is not None:
         raise BadRow(problem)
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
         raise BadRow("tools must be a list of JSON objects (tool schemas)")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant message to train on")
     return tokenize_turns(messages, tokenizer, tools=tools, vision=vision)
 
 
-def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int = 0,
-                   tools: Any = None, vision: VisionData | None = None) -> Example:
+def tokenize_turns(
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    first: int = 0,
+    tools: Any = None,
+    vision: VisionData | None = None,
+) -> Example:
     """Tokens of ``messages`` through the chat template; the assistant turns at index >= ``first``
     are trained (mask 1). The template is rendered turn by turn so the mask follows the rendered
     text, whatever the template adds around each turn; it must be prefix-stable. ``vision``: a
@@ -73,12 +81,13 @@ def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int
     for i in range(first, len(messages)):
         if messages[i]["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tools=tools,
-                                               add_generation_prompt=True)
+        before = tokenizer.apply_chat_template(
+            messages[:i], tools=tools, add_generation_prompt=True
+        )
         after = tokenizer.apply_chat_template(messages[: i + 1], tools=tools)
         if not before.startswith(done) or not after.startswith(before):
             raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
-        for text, trained in ((before[len(done):], 0), (after[len(before):], 1)):
+        for text, trained in ((before[len(done) :], 0), (after[len(before) :], 1)):
             piece = tokenizer.encode(text)
             ids += piece
             mask += [trained] * len(piece)
@@ -86,7 +95,7 @@ def tokenize_turns(messages: list[dict[str, Any]], tokenizer: Any, *, first: int
     full = tokenizer.apply_chat_template(messages, tools=tools)
     if not full.startswith(done):
         raise BadRow("chat template is not prefix-stable; cannot locate assistant turns")
-    tail = tokenizer.encode(full[len(done):])
+    tail = tokenizer.encode(full[len(done) :])
     try:
         ids, images, (mask,) = with_images(messages, ids + tail, vision, mask + [0] * len(tail))
     except ValueError as e:
@@ -180,17 +189,22 @@ def build_sft_data(
             elif prompt is not None or completion is not None:
                 ex = tokenize_prompt_completion(prompt, completion, tokenizer)
             else:
-                raise BadRow(f"missing field: neither {messages_field!r} nor {prompt_field!r}"
-                             f"/{completion_field!r}")
+                raise BadRow(
+                    f"missing field: neither {messages_field!r} nor {prompt_field!r}"
+                    f"/{completion_field!r}"
+                )
             if len(ex.input_ids) - 1 > max_length:
-                raise BadRow(f"longer than max_length ({len(ex.input_ids) - 1} > "
-                             f"{max_length} tokens)")
+                raise BadRow(
+                    f"longer than max_length ({len(ex.input_ids) - 1} > {max_length} tokens)"
+                )
             if sum(ex.loss_mask[1:]) == 0:
                 raise BadRow("no trained token")
         except BadRow as e:
             if on_bad_row == "error":
-                raise DataError(f"{row_where(records, i, source)}: {e} (set data.on_bad_row=skip "
-                                "to skip such rows)") from None
+                raise DataError(
+                    f"{row_where(records, i, source)}: {e} (set data.on_bad_row=skip "
+                    "to skip such rows)"
+                ) from None
             out.skipped[str(e).split(" (")[0]] += 1
             continue
         singles.append(example_to_row(ex))
@@ -247,7 +261,7 @@ def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> lis
         return load_rows(path, fmt)
     from tandem.rl.data.tasks import TASKS, make_task_rows, parse_synthetic
 
-    name, knobs = parse_synthetic(path[len("synthetic:"):])
+    name, knobs = parse_synthetic(path[len("synthetic:") :])
     from tandem.rl.data.agentic_tasks import AGENTIC_TASKS, make_agentic_sft_rows
 
     if name in AGENTIC_TASKS:  # worked multi-turn episodes (tool calls and their results)
@@ -261,6 +275,10 @@ def load_sft_records(path: str, fmt: str, *, seed: int, n_synthetic: int) -> lis
         rows = make_task_rows(name, n_synthetic, seed, "train", **knobs)
     except ValueError as e:
         raise DataError(f"data.path: {path}: {e}") from None
-    return [{"messages": r["messages"] + [{"role": "assistant",
-                                           "content": r.get("sft_reply", r["answer"])}]}
-            for r in rows]
+    return [
+        {
+            "messages": r["messages"]
+            + [{"role": "assistant", "content": r.get("sft_reply", r["answer"])}]
+        }
+        for r in rows
+    ]

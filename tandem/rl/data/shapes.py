@@ -13,8 +13,14 @@ import io
 from PIL import Image, ImageDraw
 
 SHAPES = ("circle", "square", "triangle")
-COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (40, 60, 220),
-           "yellow": (230, 200, 20), "purple": (140, 40, 170), "black": (20, 20, 20)}
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 40),
+    "blue": (40, 60, 220),
+    "yellow": (230, 200, 20),
+    "purple": (140, 40, 170),
+    "black": (20, 20, 20),
+}
 
 
 def draw(shape: str, colour: str, cx: int, cy: int, size: int, canvas: int = 56) -> bytes:

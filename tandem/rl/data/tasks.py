@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.rl.rewards.basic import eval_arithmetic
 from tandem.rl.core.registry import Registry
+from tandem.rl.rewards.basic import eval_arithmetic
 
 __all__ = [
     "TASKS",
@@ -185,13 +185,20 @@ def addition_small(rng: random.Random, *, max_value: int = 9, stray: float = 0.0
         raise ValueError(f"addition_small: need 0 <= stray <= 1, got {stray}")
     a, b = rng.randint(0, max_value), rng.randint(0, max_value)
     reply = f"{a + b}!" if stray and rng.random() < stray else str(a + b)
-    return Problem(key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b),
-                   extra={"sft_reply": reply})
+    return Problem(
+        key=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b), extra={"sft_reply": reply}
+    )
 
 
 @_task("needle", reward="exact_match")
-def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_length: int = 0,
-           stray: float = 0.0) -> Problem:
+def needle(
+    rng: random.Random,
+    *,
+    length: int = 2000,
+    depth: int = 200,
+    min_length: int = 0,
+    stray: float = 0.0,
+) -> Problem:
     """Long-context retrieval for a character model: the digit in a haystack ("qz 7ab...?" -> "7").
 
     The haystack is ``length`` random lowercase letters and spaces ending in "?" (with
@@ -202,8 +209,10 @@ def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_leng
     """
     lo = min_length or length
     if not 0 < depth < lo <= length or not 0.0 <= stray <= 1.0:
-        raise ValueError(f"needle: need 0 < depth < min_length <= length and 0 <= stray <= 1, got "
-                         f"depth={depth}, min_length={min_length}, length={length}, stray={stray}")
+        raise ValueError(
+            f"needle: need 0 < depth < min_length <= length and 0 <= stray <= 1, got "
+            f"depth={depth}, min_length={min_length}, length={length}, stray={stray}"
+        )
     chars = [rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(rng.randint(lo, length))]
     digit = str(rng.randrange(10))
     chars[rng.randrange(depth)] = digit
@@ -213,8 +222,9 @@ def needle(rng: random.Random, *, length: int = 2000, depth: int = 200, min_leng
 
 
 @_task("shapes", reward="exact_match")
-def shapes(rng: random.Random, *, stray: float = 0.0, canvas: int = 56,
-           ask: str = "both") -> Problem:
+def shapes(
+    rng: random.Random, *, stray: float = 0.0, canvas: int = 56, ask: str = "both"
+) -> Problem:
     """A picture of one coloured shape (Pillow); the question asks its colour or its shape.
 
     For vision-language policies: the row's ``messages`` hold the picture (a PNG ``data:``
@@ -226,8 +236,10 @@ def shapes(rng: random.Random, *, stray: float = 0.0, canvas: int = 56,
     from tandem.rl.data.shapes import COLOURS, SHAPES, data_uri, draw
 
     if ask not in ("both", "colour", "shape") or not 0.0 <= stray <= 1.0 or canvas < 28:
-        raise ValueError("shapes: need ask in both/colour/shape, 0 <= stray <= 1, canvas >= 28; "
-                         f"got {ask!r}, {stray}, {canvas}")
+        raise ValueError(
+            "shapes: need ask in both/colour/shape, 0 <= stray <= 1, canvas >= 28; "
+            f"got {ask!r}, {stray}, {canvas}"
+        )
     shape, colour = rng.choice(SHAPES), rng.choice(sorted(COLOURS))
     size = rng.randint(canvas * 2 // 5, canvas * 3 // 4)
     cx, cy = (rng.randint(size // 2 + 1, canvas - size // 2 - 1) for _ in range(2))
@@ -237,8 +249,12 @@ def shapes(rng: random.Random, *, stray: float = 0.0, canvas: int = 56,
     reply = f"{answer}!" if stray and rng.random() < stray else answer
     picture = {"type": "image", "image": data_uri(draw(shape, colour, cx, cy, size, canvas))}
     messages = [{"role": "user", "content": [picture, {"type": "text", "text": question}]}]
-    return Problem(key=f"{which}|{shape}|{colour}|{size}|{cx},{cy}", prompt=question, answer=answer,
-                   extra={"messages": messages, "sft_reply": reply})
+    return Problem(
+        key=f"{which}|{shape}|{colour}|{size}|{cx},{cy}",
+        prompt=question,
+        answer=answer,
+        extra={"messages": messages, "sft_reply": reply},
+    )
 
 
 # ---------------------------------------------------------------------------

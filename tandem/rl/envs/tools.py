@@ -57,8 +57,13 @@ __all__ = [
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "object": (dict,), "array": (list,), "null": (type(None),),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+    "null": (type(None),),
 }
 DEFAULT_MAX_CHARS = 8000
 
@@ -92,9 +97,14 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function-calling entry for chat templates' ``tools=``."""
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description,
-            "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
 
     def __call__(self, **arguments: Any) -> str:
         problem = _check_arguments(self.parameters, arguments)
@@ -129,8 +139,10 @@ def _check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) ->
     if schema.get("additionalProperties") is False:
         extra = sorted(k for k in arguments if k not in props)
         if extra:
-            return (f"unexpected argument(s): {', '.join(extra)} "
-                    f"(expected: {', '.join(props) or 'none'})")
+            return (
+                f"unexpected argument(s): {', '.join(extra)} "
+                f"(expected: {', '.join(props) or 'none'})"
+            )
     for key, value in arguments.items():
         want = props.get(key, {}).get("type")
         if want is None:
@@ -170,21 +182,24 @@ def _parse_block(body: str, raw: str, known: Callable[[str], bool]) -> ToolCall 
     except ValueError as exc:
         return ToolCallError(f"tool call is not valid JSON: {_json_problem(exc)}", raw)
     if not isinstance(obj, dict):
-        return ToolCallError("tool call must be a JSON object with \"name\" and "
-                             "\"arguments\"", raw)
+        return ToolCallError('tool call must be a JSON object with "name" and "arguments"', raw)
     name = obj.get("name")
     if not isinstance(name, str) or not name:
-        return ToolCallError("tool call has no \"name\" string", raw)
+        return ToolCallError('tool call has no "name" string', raw)
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = _loads(args) if args.strip() else {}
         except ValueError as exc:
-            return ToolCallError(f"arguments of {name!r} are a string that is not valid "
-                                 f"JSON: {_json_problem(exc)}", raw, name)
+            return ToolCallError(
+                f"arguments of {name!r} are a string that is not valid JSON: {_json_problem(exc)}",
+                raw,
+                name,
+            )
     if not isinstance(args, dict):
-        return ToolCallError(f"arguments of {name!r} must be a JSON object, got "
-                             f"{type(args).__name__}", raw, name)
+        return ToolCallError(
+            f"arguments of {name!r} must be a JSON object, got {type(args).__name__}", raw, name
+        )
     if not known(name):
         return ToolCallError(f"unknown tool {name!r}", raw, name)
     return ToolCall(name, args, raw)
@@ -200,17 +215,17 @@ def parse_tool_calls(
     (a truncated generation) is an error too.
     """
     known: Callable[[str], bool] = (
-        (lambda n: n in TOOLS) if tools is None else (lambda n: n in tools))
+        (lambda n: n in TOOLS) if tools is None else (lambda n: n in tools)
+    )
     out: list[ToolCall | ToolCallError] = []
     start = text.find(_OPEN)
     while start != -1:  # str.find, not a lazy regex: linear in len(text) however many tags
         close = text.find(_CLOSE, start + len(_OPEN))
         if close == -1:
-            out.append(ToolCallError(f"unterminated {_OPEN} block (no {_CLOSE})",
-                                     text[start:]))
+            out.append(ToolCallError(f"unterminated {_OPEN} block (no {_CLOSE})", text[start:]))
             break
         end = close + len(_CLOSE)
-        out.append(_parse_block(text[start + len(_OPEN):close], text[start:end], known))
+        out.append(_parse_block(text[start + len(_OPEN) : close], text[start:end], known))
         start = text.find(_OPEN, end)
     return out
 
@@ -257,9 +272,12 @@ def run_tool_calls(text: str, tools: Mapping[str, Tool] | None = None) -> list[s
 # ---- python --------------------------------------------------------------------------
 
 _LIMIT_NOTES = {
-    "cpu": "CPU time limit reached", "wall": "wall-clock time limit reached",
-    "memory": "memory limit reached", "nproc": "process limit reached",
-    "fsize": "file size limit reached", "output": "output limit reached, output cut",
+    "cpu": "CPU time limit reached",
+    "wall": "wall-clock time limit reached",
+    "memory": "memory limit reached",
+    "nproc": "process limit reached",
+    "fsize": "file size limit reached",
+    "output": "output limit reached, output cut",
 }
 
 
@@ -283,12 +301,19 @@ def make_python_tool(
 
     return Tool(
         name=name,
-        description=("Run a Python 3 program in a fresh sandbox (no network, no state "
-                     "kept between calls) and return its stdout and stderr. Print what "
-                     "you want to see."),
-        parameters={"type": "object", "properties": {"code": {
-            "type": "string", "description": "The complete Python program to run."}},
-            "required": ["code"], "additionalProperties": False},
+        description=(
+            "Run a Python 3 program in a fresh sandbox (no network, no state "
+            "kept between calls) and return its stdout and stderr. Print what "
+            "you want to see."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "The complete Python program to run."}
+            },
+            "required": ["code"],
+            "additionalProperties": False,
+        },
         fn=run,
     )
 
@@ -299,15 +324,28 @@ _CALC_MAX_CHARS = 1000
 _CALC_MAX_NODES = 400
 _CALC_MAX_BITS = 4096
 _BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
 _UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
-    ast.USub: operator.neg, ast.UAdd: operator.pos}
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 _OP_NAMES: dict[type[ast.AST], str] = {
-    ast.BitXor: "^ (use ** for powers)", ast.BitAnd: "&", ast.BitOr: "|",
-    ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@", ast.Invert: "~", ast.Not: "not"}
+    ast.BitXor: "^ (use ** for powers)",
+    ast.BitAnd: "&",
+    ast.BitOr: "|",
+    ast.LShift: "<<",
+    ast.RShift: ">>",
+    ast.MatMult: "@",
+    ast.Invert: "~",
+    ast.Not: "not",
+}
 
 
 class CalculatorError(ValueError):
@@ -393,12 +431,24 @@ def _calculator(expression: str) -> str:
 
 
 register_tool(make_python_tool())
-register_tool(Tool(
-    name="calculator",
-    description=("Evaluate an arithmetic expression exactly (integers) or in floating "
-                 "point: numbers, + - * / // % **, unary minus and parentheses."),
-    parameters={"type": "object", "properties": {"expression": {
-        "type": "string", "description": "For example: (3 + 4) * 2 ** 10 / 7"}},
-        "required": ["expression"], "additionalProperties": False},
-    fn=_calculator,
-))
+register_tool(
+    Tool(
+        name="calculator",
+        description=(
+            "Evaluate an arithmetic expression exactly (integers) or in floating "
+            "point: numbers, + - * / // % **, unary minus and parentheses."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "expression": {
+                    "type": "string",
+                    "description": "For example: (3 + 4) * 2 ** 10 / 7",
+                }
+            },
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+        fn=_calculator,
+    )
+)

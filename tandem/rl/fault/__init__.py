@@ -11,10 +11,10 @@ DUMP`` summarises it. docs/fault-tolerance.md has the whole story. Nothing
 here acts at import time: signal handlers and threads start only when asked.
 """
 
+from tandem.rl.core.errors import EXIT_HANG, EXIT_NONFINITE
 from tandem.rl.fault.nan import NonFiniteError, check_finite
 from tandem.rl.fault.signals import PreemptionHandler
 from tandem.rl.fault.watchdog import Watchdog, enable_flight_recorder
-from tandem.rl.core.errors import EXIT_HANG, EXIT_NONFINITE
 
 __all__ = [
     "EXIT_HANG",

@@ -76,8 +76,11 @@ def _finite_flags(tensors: list[torch.Tensor], exact: bool) -> torch.Tensor:
 
 def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: bool) -> bool:
     """Whether any rank of ``group`` has a False flag (one all-reduce, one host sync)."""
-    any_bad = (~flags).any().to(torch.int32).reshape(1) if flags.numel() else torch.zeros(
-        1, dtype=torch.int32)
+    any_bad = (
+        (~flags).any().to(torch.int32).reshape(1)
+        if flags.numel()
+        else torch.zeros(1, dtype=torch.int32)
+    )
     if distributed:
         if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
             any_bad = any_bad.to(torch.device("cuda", torch.cuda.current_device()))
@@ -87,8 +90,9 @@ def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: 
     return bool(any_bad.item())  # deliberate host sync: every rank branches on it
 
 
-def _local_finding(loss: torch.Tensor | None, grads: list[tuple[str, torch.Tensor]],
-                   flags: torch.Tensor, rank: int) -> dict[str, Any] | None:
+def _local_finding(
+    loss: torch.Tensor | None, grads: list[tuple[str, torch.Tensor]], flags: torch.Tensor, rank: int
+) -> dict[str, Any] | None:
     """The first non-finite tensor on this rank (loss first, then gradients in parameter order)."""
     bad = (~flags).cpu().tolist()  # failure path only: one transfer
     if not any(bad):
@@ -100,13 +104,25 @@ def _local_finding(loss: torch.Tensor | None, grads: list[tuple[str, torch.Tenso
         i = bad.index(True) - (1 if loss is not None else 0)
         name, g = grads[i]
         where, kind = "grad", _kind(g)
-    return {"rank": rank, "where": where, "tensor": name, "kind": kind,
-            "nonfinite_grads": n_grads_bad}
+    return {
+        "rank": rank,
+        "where": where,
+        "tensor": name,
+        "kind": kind,
+        "nonfinite_grads": n_grads_bad,
+    }
 
 
-def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Module], step: int,
-                 rank: int, policy: Policy = "stop", *, dump_folder: str | None = None,
-                 group: dist.ProcessGroup | None = None) -> bool:
+def check_finite(
+    loss: torch.Tensor | None,
+    model: nn.Module | Sequence[nn.Module],
+    step: int,
+    rank: int,
+    policy: Policy = "stop",
+    *,
+    dump_folder: str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> bool:
     """True if the loss and all gradients are finite on every rank of ``group``.
 
     Collective when ``group`` has more than one rank: call it on every rank at
@@ -118,8 +134,9 @@ def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Modul
     if policy not in ("skip", "stop"):
         raise ValueError(f"check_finite: policy must be 'skip' or 'stop', got {policy!r}")
     grads = _named_grads(model)
-    tensors = (([_local(loss).detach().reshape(1)] if loss is not None else [])
-               + [g for _, g in grads])
+    tensors = ([_local(loss).detach().reshape(1)] if loss is not None else []) + [
+        g for _, g in grads
+    ]
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if not _any_bad(_finite_flags(tensors, exact=False), group, distributed):
         return True
@@ -133,18 +150,32 @@ def check_finite(loss: torch.Tensor | None, model: nn.Module | Sequence[nn.Modul
         findings = [None] * dist.get_world_size(group)
         dist.all_gather_object(findings, mine, group=group)
     first = next((f for f in findings if f is not None), None)
-    where = (f"{first['kind']} in the "
-             f"{'loss' if first['where'] == 'loss' else 'gradient of ' + first['tensor']} on rank "
-             f"{first['rank']}") if first else "non-finite value in an unknown tensor"
+    where = (
+        (
+            f"{first['kind']} in the "
+            f"{'loss' if first['where'] == 'loss' else 'gradient of ' + first['tensor']} on rank "
+            f"{first['rank']}"
+        )
+        if first
+        else "non-finite value in an unknown tensor"
+    )
     if policy == "skip":
         if first is not None and first["rank"] == rank:
             print(f"[rank {rank}] step {step}: {where}: step skipped", flush=True)
         return False
 
-    report = {"step": step, "rank": rank, "time": time.time(), "policy": policy, "local": mine,
-              "first": first, "tensor": first["tensor"] if first else None,
-              "kind": first["kind"] if first else None, "where": first["where"] if first else None,
-              "offending_ranks": [f["rank"] for f in findings if f is not None]}
+    report = {
+        "step": step,
+        "rank": rank,
+        "time": time.time(),
+        "policy": policy,
+        "local": mine,
+        "first": first,
+        "tensor": first["tensor"] if first else None,
+        "kind": first["kind"] if first else None,
+        "where": first["where"] if first else None,
+        "offending_ranks": [f["rank"] for f in findings if f is not None],
+    }
     if dump_folder is not None:
         folder = os.path.join(dump_folder, "nan")
         os.makedirs(folder, exist_ok=True)

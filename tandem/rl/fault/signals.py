@@ -53,8 +53,13 @@ def _say(line: str) -> None:
 class PreemptionHandler:
     """Record stop signals; agree on stopping across ranks. See the module docstring."""
 
-    def __init__(self, dump_folder: str | None = None, rank: int = 0, *,
-                 signals: Iterable[signal.Signals] = DEFAULT_SIGNALS) -> None:
+    def __init__(
+        self,
+        dump_folder: str | None = None,
+        rank: int = 0,
+        *,
+        signals: Iterable[signal.Signals] = DEFAULT_SIGNALS,
+    ) -> None:
         self.dump_folder = dump_folder
         self.rank = rank
         self.signals = tuple(signals)
@@ -74,8 +79,10 @@ class PreemptionHandler:
         received now, and its ``received_at`` is cleared.
         """
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("PreemptionHandler.install: signal handlers can only be installed "
-                               "from the main thread")
+            raise RuntimeError(
+                "PreemptionHandler.install: signal handlers can only be installed "
+                "from the main thread"
+            )
         for sig in self.signals:
             if sig not in self._previous:
                 prev = self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -108,8 +115,10 @@ class PreemptionHandler:
             self.received_at = time.time()
             _say(f"[rank {self.rank}] {name}: will checkpoint and stop at the end of this step")
         else:
-            _say(f"[rank {self.rank}] {name} again: already stopping; ignored so the "
-                 "checkpoint can finish")
+            _say(
+                f"[rank {self.rank}] {name} again: already stopping; ignored so the "
+                "checkpoint can finish"
+            )
 
     # ---- queries ------------------------------------------------------------------
     def request(self, reason: str = "request") -> None:
@@ -123,8 +132,13 @@ class PreemptionHandler:
         """This rank's flag only: not safe to branch a collective on it; use `should_stop_all`."""
         return self._requested
 
-    def should_stop_all(self, group: dist.ProcessGroup | None = None, *, step: int | None = None,
-                        device: torch.device | None = None) -> bool:
+    def should_stop_all(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        step: int | None = None,
+        device: torch.device | None = None,
+    ) -> bool:
         """Collective: True on every rank of ``group`` iff any rank has the flag.
 
         Call at the same point of every step on every rank (it is one
@@ -136,9 +150,11 @@ class PreemptionHandler:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             if device is None:
                 backend = str(dist.get_backend(group))
-                device = (torch.device("cuda", torch.cuda.current_device())
-                          if "nccl" in backend and torch.cuda.is_available()
-                          else torch.device("cpu"))
+                device = (
+                    torch.device("cuda", torch.cuda.current_device())
+                    if "nccl" in backend and torch.cuda.is_available()
+                    else torch.device("cpu")
+                )
             flag = torch.tensor([1 if self._requested else 0], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             agreed = bool(flag.item())  # deliberate host sync: we branch on it
@@ -154,9 +170,15 @@ class PreemptionHandler:
         os.makedirs(folder, exist_ok=True)
         now = time.time()
         # None: a peer got it
-        record = {"rank": self.rank, "step": step, "signal": self.signal_name,
-                  "received_at": self.received_at, "agreed_at": now, "pid": os.getpid(),
-                  "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        record = {
+            "rank": self.rank,
+            "step": step,
+            "signal": self.signal_name,
+            "received_at": self.received_at,
+            "agreed_at": now,
+            "pid": os.getpid(),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        }
         tmp = os.path.join(folder, f".rank-{self.rank}.json.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(record, f)

@@ -59,13 +59,16 @@ def enable_flight_recorder(dump_folder: str, buffer_size: int = 2000) -> dict[st
 
 def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc).isoformat(
-        timespec="seconds")
+        timespec="seconds"
+    )
 
 
 def _frames(frame: FrameType | None) -> list[dict[str, Any]]:
     """Outermost-first frames of one thread as dicts (file, line, function, code)."""
-    return [{"file": fs.filename, "line": fs.lineno, "function": fs.name, "code": fs.line or ""}
-            for fs in traceback.extract_stack(frame)]
+    return [
+        {"file": fs.filename, "line": fs.lineno, "function": fs.name, "code": fs.line or ""}
+        for fs in traceback.extract_stack(frame)
+    ]
 
 
 class Watchdog:
@@ -79,9 +82,17 @@ class Watchdog:
     process run on (for debugging a slow job without killing it).
     """
 
-    def __init__(self, dump_folder: str, timeout_s: float, rank: int, *,
-                 phase_timeouts: dict[str, float] | None = None, exit_status: int = EXIT_HANG,
-                 exit_on_hang: bool = True, poll_s: float | None = None) -> None:
+    def __init__(
+        self,
+        dump_folder: str,
+        timeout_s: float,
+        rank: int,
+        *,
+        phase_timeouts: dict[str, float] | None = None,
+        exit_status: int = EXIT_HANG,
+        exit_on_hang: bool = True,
+        poll_s: float | None = None,
+    ) -> None:
         self.dump_folder = dump_folder
         self.timeout_s = float(timeout_s)
         self.rank = rank
@@ -141,8 +152,9 @@ class Watchdog:
         self.beat()
         self._started_wall = time.time()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=f"tandem-watchdog-rank{self.rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"tandem-watchdog-rank{self.rank}", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -174,8 +186,9 @@ class Watchdog:
         self.fired_count += 1
         try:
             path = self.dump(idle, reason=reason)
-            msg = (f"[rank {self.rank}] hang: {reason} (last step {self.last_step}); "
-                   f"stacks in {path}")
+            msg = (
+                f"[rank {self.rank}] hang: {reason} (last step {self.last_step}); stacks in {path}"
+            )
         except Exception as e:  # a full disk must not keep a hung job alive
             msg = f"[rank {self.rank}] hang: {reason}; writing the dump failed: {e!r}"
         print(msg, file=sys.stderr, flush=True)
@@ -207,7 +220,8 @@ class Watchdog:
             except (OSError, ValueError):
                 continue
             if rec.get("time", 0) >= self._started_wall - _CLOCK_SLACK_S and rec.get(
-                "reason", "").startswith("no progress"):
+                "reason", ""
+            ).startswith("no progress"):
                 self._peers_seen.add(name)
                 return int(m.group(1))
         return None
@@ -221,26 +235,40 @@ class Watchdog:
         names = {t.ident: t.name for t in threading.enumerate()}
         frames = sys._current_frames()
         record: dict[str, Any] = {
-            "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "reason": reason, "phase": self.current_phase, "last_step": self.last_step,
-            "idle_s": round(idle_s, 3), "timeout_s": self.current_timeout(),
-            "time": now, "time_iso": _iso(now), "last_beat_iso": _iso(self._last_beat_wall),
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "reason": reason,
+            "phase": self.current_phase,
+            "last_step": self.last_step,
+            "idle_s": round(idle_s, 3),
+            "timeout_s": self.current_timeout(),
+            "time": now,
+            "time_iso": _iso(now),
+            "last_beat_iso": _iso(self._last_beat_wall),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "exit_status": self.exit_status if self.exit_on_hang else None,
             "trainer_thread": names.get(self._trainer_thread, str(self._trainer_thread)),
             "threads": [
-                {"name": names.get(ident, str(ident)), "ident": ident,
-                 "trainer": ident == self._trainer_thread, "frames": _frames(frame)}
-                for ident, frame in frames.items() if ident != threading.get_ident()
+                {
+                    "name": names.get(ident, str(ident)),
+                    "ident": ident,
+                    "trainer": ident == self._trainer_thread,
+                    "frames": _frames(frame),
+                }
+                for ident, frame in frames.items()
+                if ident != threading.get_ident()
             ],
         }
         txt = os.path.join(folder, f"rank-{self.rank}.txt")
         with open(txt, "w", encoding="utf-8") as f:
-            f.write(f"rank {self.rank} pid {record['pid']} host {record['host']} restart "
-                    f"{record['restart']}\nreason: {reason}\nphase: {self.current_phase}\nlast "
-                    f"step: {self.last_step}\nno progress for {idle_s:.1f}s (timeout "
-                    f"{self.current_timeout():g}s)\ntime: {record['time_iso']} (last beat "
-                    f"{record['last_beat_iso']})\n\n== faulthandler (all threads) ==\n")
+            f.write(
+                f"rank {self.rank} pid {record['pid']} host {record['host']} restart "
+                f"{record['restart']}\nreason: {reason}\nphase: {self.current_phase}\nlast "
+                f"step: {self.last_step}\nno progress for {idle_s:.1f}s (timeout "
+                f"{self.current_timeout():g}s)\ntime: {record['time_iso']} (last beat "
+                f"{record['last_beat_iso']})\n\n== faulthandler (all threads) ==\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.write("\n== Python stacks (sys._current_frames) ==\n")
@@ -260,8 +288,15 @@ class Watchdog:
 
     def _dump_flight_recorder(self, folder: str) -> str | None:
         """Best effort: write torch's flight-recorder ring, when one is being kept."""
-        if int(os.environ.get("TORCH_FR_BUFFER_SIZE",
-                              os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
+        if (
+            int(
+                os.environ.get(
+                    "TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+                )
+                or 0
+            )
+            <= 0
+        ):
             return None
         out: list[bytes] = []
 

@@ -43,10 +43,17 @@ class _Bucket:
 class DecodeGraphs:
     """Padded, optionally graph-captured decode forwards: tokens -> logits [n, V]."""
 
-    def __init__(self,
-                 forward: Callable[[torch.Tensor, torch.Tensor, PagedAttention], torch.Tensor],
-                 cache: KVCache, scale: float, max_model_len: int, *, impl: str | None = None,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture: bool = True) -> None:
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, PagedAttention], torch.Tensor],
+        cache: KVCache,
+        scale: float,
+        max_model_len: int,
+        *,
+        impl: str | None = None,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        capture: bool = True,
+    ) -> None:
         self.forward, self.cache, self.scale, self.impl = forward, cache, scale, impl
         self.buckets = tuple(sorted(buckets))
         self.max_blocks = -(-max_model_len // cache.block_size)
@@ -60,8 +67,14 @@ class DecodeGraphs:
         """The smallest bucket holding n rows, or None when n exceeds the largest."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, tokens: list[int], positions: list[int], slots: list[int],
-            tables: list[list[int]], ctx: list[int]) -> torch.Tensor | None:
+    def run(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        ctx: list[int],
+    ) -> torch.Tensor | None:
         """Logits [n, V] of one decode step, or None when the batch does not fit a bucket."""
         n = len(tokens)
         size = self.bucket_for(n)
@@ -77,8 +90,9 @@ class DecodeGraphs:
         fill(b.positions, positions, 0)
         fill(b.slots, slots, -1)
         fill(b.ctx, ctx, 0)
-        rows = ([t + [0] * (self.max_blocks - len(t)) for t in tables]
-                + [[0] * self.max_blocks] * pad)
+        rows = [t + [0] * (self.max_blocks - len(t)) for t in tables] + [
+            [0] * self.max_blocks
+        ] * pad
         b.tables.copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
         if b.graph is not None:
             b.graph.replay()
@@ -88,10 +102,16 @@ class DecodeGraphs:
         return b.logits[:n]
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
-        meta = PagedMeta(slot_mapping=b.slots, block_tables=b.tables, cu_seqlens_q=b.cu,
-                         context_lens=b.ctx, max_q_len=1)
-        return self.forward(b.tokens, b.positions,
-                            PagedAttention(self.cache, meta, self.scale, impl=self.impl))
+        meta = PagedMeta(
+            slot_mapping=b.slots,
+            block_tables=b.tables,
+            cu_seqlens_q=b.cu,
+            context_lens=b.ctx,
+            max_q_len=1,
+        )
+        return self.forward(
+            b.tokens, b.positions, PagedAttention(self.cache, meta, self.scale, impl=self.impl)
+        )
 
     def _make(self, size: int) -> _Bucket:
         b = _Bucket(size, self.max_blocks, self.device)

@@ -71,8 +71,9 @@ class DecodeMirror:
             self.seq_ids, self.lengths = [], []
             self.too_big += 1
             return None
-        where = {s: r for r, (s, length) in enumerate(zip(self.seq_ids, self.lengths)) if length
-                 >= 0}
+        where = {
+            s: r for r, (s, length) in enumerate(zip(self.seq_ids, self.lengths)) if length >= 0
+        }
         src, dst, refill = [], [], []
         for i, c in enumerate(chunks):
             r = where.get(c.seq.seq_id)
@@ -94,16 +95,23 @@ class DecodeMirror:
         self.steps += 1
 
         dev = self.rows.device
-        tokens = torch.tensor([c.seq.token_ids[c.start] for c in chunks], dtype=torch.long,
-                              device=dev)
+        tokens = torch.tensor(
+            [c.seq.token_ids[c.start] for c in chunks], dtype=torch.long, device=dev
+        )
         positions = torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev)
-        slots = torch.tensor([c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
-                             dtype=torch.int64, device=dev)
+        slots = torch.tensor(
+            [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
+            dtype=torch.int64,
+            device=dev,
+        )
         lens = torch.tensor(ctx, device=dev)
         bias = torch.zeros(n, width, dtype=self.rows.dtype, device=dev)
         bias.masked_fill_(torch.arange(width, device=dev)[None, :] >= lens[:, None], float("-inf"))
-        bias = bias[:, None, None, :].expand(n, self.kv_heads, 1, width).reshape(
-            n * self.kv_heads, 1, width)
+        bias = (
+            bias[:, None, None, :]
+            .expand(n, self.kv_heads, 1, width)
+            .reshape(n * self.kv_heads, 1, width)
+        )
         return MirrorStep(tokens, positions, slots, bias, width)
 
     def _reserve(self, n: int, width: int) -> bool:
@@ -118,8 +126,9 @@ class DecodeMirror:
         new_cap = min(max(width, cap), fits)
         if width > cap:  # double the width, as far as the pool's size and the model length allow
             new_cap = max(width, min(2 * cap, self.max_len, fits))
-        grown = self.rows.new_zeros(*self.rows.shape[:2], new_rows, self.kv_heads, new_cap,
-                                    self.head_dim)
+        grown = self.rows.new_zeros(
+            *self.rows.shape[:2], new_rows, self.kv_heads, new_cap, self.head_dim
+        )
         keep = min(cap, new_cap)
         grown[:, :, :rows, :, :keep] = self.rows[:, :, :, :, :keep]
         self.lengths = [length if length <= keep else -1 for length in self.lengths]
@@ -150,8 +159,9 @@ class MirrorAttention:
         self.mirror, self.step, self.scale = mirror, step, scale
         self.index = torch.arange(step.tokens.shape[0], device=step.tokens.device)  # [N]
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         # q [1, N, Hq, D], k/v [1, N, Hkv, D]
         s, pool, rows = self.step, self.mirror.cache.data, self.mirror.rows
         _, n, hq, d = q.shape
@@ -162,8 +172,9 @@ class MirrorAttention:
             rows[layer_id, i][self.index, :, s.positions] = new
         keys = rows[layer_id, 0, :n, :, : s.width].flatten(0, 1)  # [N * Hkv, W, D], a view
         values = rows[layer_id, 1, :n, :, : s.width].flatten(0, 1)
-        scores = torch.baddbmm(s.bias, q[0].reshape(n * hkv, hq // hkv, d), keys.transpose(1, 2),
-                               alpha=self.scale)
+        scores = torch.baddbmm(
+            s.bias, q[0].reshape(n * hkv, hq // hkv, d), keys.transpose(1, 2), alpha=self.scale
+        )
         # [N * Hkv, G, D]; query head h reads KV head h // G
         out = torch.bmm(scores.softmax(dim=-1), values)
         return out.view(1, n, hq, d)

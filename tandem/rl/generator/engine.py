@@ -75,18 +75,30 @@ class GenerationStats:
 
 
 def _to_completion(seq: Sequence, prompt_index: int, sample_index: int) -> Completion:
-    return Completion(prompt_index, sample_index, seq.token_ids[: seq.num_prompt_tokens],
-                      seq.completion_token_ids,
-                      seq.completion_sampled_mask, list(seq.logprobs), list(seq.raw_logprobs),
-                      seq.finish_reason or "abort")
+    return Completion(
+        prompt_index,
+        sample_index,
+        seq.token_ids[: seq.num_prompt_tokens],
+        seq.completion_token_ids,
+        seq.completion_sampled_mask,
+        list(seq.logprobs),
+        list(seq.raw_logprobs),
+        seq.finish_reason or "abort",
+    )
 
 
 class Generator:
-    def __init__(self, model: Transformer, settings: GenerationSettings, *,
-                 eos_token_ids: Seq[int] = (),
-                 device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None,
-                 kv_scales: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        settings: GenerationSettings,
+        *,
+        eos_token_ids: Seq[int] = (),
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        agree: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         """``agree(tokens, logprobs, raw_logprobs)``: run on every step's samples before the
         scheduler sees them (a tensor-parallel generation group takes its leader's, in place).
         ``kv_scales [L, 2, Hkv]``: the FP8 pool's calibrated scales (``settings.kv_dtype``)."""
@@ -97,25 +109,43 @@ class Generator:
         max_len = settings.max_model_len or model.args.max_position_embeddings
         quant = make_quant(settings.kv_dtype, settings.kv_scales, kv_scales)
         if settings.num_blocks > 0:
-            cache = KVCache(model.args, settings.num_blocks, settings.block_size, dtype, device,
-                            quant)
+            cache = KVCache(
+                model.args, settings.num_blocks, settings.block_size, dtype, device, quant
+            )
         else:
             # The budget is an upper bound: never more blocks than max_num_seqs
             # sequences of max_len tokens could hold at once (a small rollout
             # then zeroes megabytes, not the whole budget).
             most = settings.max_num_seqs * -(-max_len // settings.block_size)
-            cache = KVCache.from_budget(model.args, int(settings.kv_cache_gb * 1e9),
-                                        settings.block_size, dtype,
-                                        device, max_blocks=most, quant=quant)
+            cache = KVCache.from_budget(
+                model.args,
+                int(settings.kv_cache_gb * 1e9),
+                settings.block_size,
+                dtype,
+                device,
+                max_blocks=most,
+                quant=quant,
+            )
         self.cache = cache
-        self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size),
-                                   settings.max_num_seqs,
-                                   settings.max_num_batched_tokens, settings.prefix_sharing,
-                                   max_model_len=max_len, eos_token_ids=eos_token_ids)
-        self.runner = ModelRunner(model, cache, default_seed=settings.seed, impl=settings.kernels,
-                                  cuda_graphs=settings.cuda_graphs, max_model_len=max_len,
-                                  graphs_capture=settings.graphs_capture,
-                                  decode_mirror=settings.decode_mirror, agree=agree)
+        self.scheduler = Scheduler(
+            BlockManager(cache.num_blocks, cache.block_size),
+            settings.max_num_seqs,
+            settings.max_num_batched_tokens,
+            settings.prefix_sharing,
+            max_model_len=max_len,
+            eos_token_ids=eos_token_ids,
+        )
+        self.runner = ModelRunner(
+            model,
+            cache,
+            default_seed=settings.seed,
+            impl=settings.kernels,
+            cuda_graphs=settings.cuda_graphs,
+            max_model_len=max_len,
+            graphs_capture=settings.graphs_capture,
+            decode_mirror=settings.decode_mirror,
+            agree=agree,
+        )
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
         self._kv_home = cache.data.device  # where the pool lives when not offloaded
         self._kv_shape = (tuple(cache.data.shape), cache.data.dtype)
@@ -124,9 +154,14 @@ class Generator:
 
     # ---- step-level API (multi-turn) -----------------------------------------------------
 
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-            stop_check: Callable[[Sequence], bool] | None = None,
-            images: object = None) -> list[Sequence]:
+    def add(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        stop_check: Callable[[Sequence], bool] | None = None,
+        images: object = None,
+    ) -> list[Sequence]:
         """Queue n samples of one prompt (a group sharing the prompt's KV blocks); ``images``:
         the prompt's `tandem.models.vlm.PromptImages` (a vision-language model's image prompt)."""
         seqs = []
@@ -176,8 +211,9 @@ class Generator:
     def has_work(self) -> bool:
         return self.scheduler.has_schedulable()
 
-    def add_resumed(self, seq: Sequence,
-                    stop_check: Callable[[Sequence], bool] | None = None) -> None:
+    def add_resumed(
+        self, seq: Sequence, stop_check: Callable[[Sequence], bool] | None = None
+    ) -> None:
         """Queue a sequence that already holds sampled tokens (a fresh `Sequence` with its
         tokens, masks and log-probs restored); it recomputes its K/V and samples on."""
         seq.seq_id = self._next_id
@@ -219,9 +255,14 @@ class Generator:
 
     # ---- batch API ---------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 n: int = 1, stop_check: Callable[[Sequence], bool] | None = None,
-                 images: list[object] | None = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        n: int = 1,
+        stop_check: Callable[[Sequence], bool] | None = None,
+        images: list[object] | None = None,
+    ) -> list[list[Completion]]:
         """Generate n completions per prompt; result[i][j] is sample j of prompt i; ``images``:
         per prompt, its PromptImages or None."""
         t0 = time.monotonic()
@@ -230,8 +271,9 @@ class Generator:
         groups = [self.add(p, sp, n, stop_check, im) for p, sp, im in zip(prompts, plist, ilist)]
         while self.scheduler.has_unfinished():
             if not self.scheduler.has_schedulable():
-                raise RuntimeError("generate: paused sequences remain; use the step API "
-                                   "for multi-turn")
+                raise RuntimeError(
+                    "generate: paused sequences remain; use the step API for multi-turn"
+                )
             self.step()
         self.stats.seconds += time.monotonic() - t0
         if self.runner.vision is not None:
@@ -245,8 +287,9 @@ class Generator:
     def routing(self, seq: Sequence) -> torch.Tensor | None:
         """MoE models: the experts of the inputs that produced ``seq``'s completion tokens
         (tandem/rl/generator/routing.py); None for a dense model. Read once per sequence."""
-        return self.runner.routing.completion(seq.seq_id, seq.num_prompt_tokens,
-                                              len(seq.completion_token_ids))
+        return self.runner.routing.completion(
+            seq.seq_id, seq.num_prompt_tokens, len(seq.completion_token_ids)
+        )
 
     def pool_is_free(self) -> bool:
         """No block leaked: every block is back in the free list."""
@@ -264,8 +307,9 @@ class Generator:
             self.runner.vision.release()
 
 
-def stop_strings_check(decode: Callable[[list[int]], str],
-                       stops: Seq[str]) -> Callable[[Sequence], bool]:
+def stop_strings_check(
+    decode: Callable[[list[int]], str], stops: Seq[str]
+) -> Callable[[Sequence], bool]:
     """A stop check that fires when a completion's text contains one of ``stops``."""
     if not stops:
         return lambda seq: False

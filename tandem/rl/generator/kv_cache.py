@@ -51,14 +51,23 @@ def make_quant(kv_dtype: str, kv_scales: str, scales: torch.Tensor | None) -> KV
     if kv_scales != "calibrated":
         raise ValueError(f"kv_scales: expected 'calibrated' or 'per_token', got {kv_scales!r}")
     if scales is None:
-        raise ValueError(f"kv_dtype {kv_dtype!r} with calibrated scales: no scales were given "
-                         "(the pool refuses to run on default scales)")
+        raise ValueError(
+            f"kv_dtype {kv_dtype!r} with calibrated scales: no scales were given "
+            "(the pool refuses to run on default scales)"
+        )
     return KVQuant(dtype, scales=scales)
 
 
 class KVCache:
-    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, quant: KVQuant | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: KVQuant | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"KV pool needs at least one block (got {num_blocks})")
         self.num_blocks, self.block_size, self.quant = num_blocks, block_size, quant
@@ -77,13 +86,15 @@ class KVCache:
                 want = (args.num_layers, 2, args.num_kv_heads)
                 if quant.scales is None or tuple(quant.scales.shape) != want:
                     got = None if quant.scales is None else list(quant.scales.shape)
-                    raise ValueError(f"KV scales must be {list(want)} (layers, K/V, KV heads); "
-                                     f"got {got}")
+                    raise ValueError(
+                        f"KV scales must be {list(want)} (layers, K/V, KV heads); got {got}"
+                    )
                 self.scales = quant.scales.to(device=device, dtype=torch.float32).contiguous()
 
     @staticmethod
-    def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype,
-                        quant: KVQuant | None = None) -> int:
+    def bytes_per_block(
+        args: ModelArgs, block_size: int, dtype: torch.dtype, quant: KVQuant | None = None
+    ) -> int:
         """Bytes of one block in every layer: entries in ``dtype`` (the quant's, when given),
         plus the per-token scales."""
         elem = torch.empty((), dtype=quant.dtype if quant else dtype).element_size()
@@ -92,9 +103,16 @@ class KVCache:
         return args.num_layers * 2 * block_size * per_slot
 
     @classmethod
-    def from_budget(cls, args: ModelArgs, budget_bytes: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device, max_blocks: int | None = None,
-                    quant: KVQuant | None = None) -> KVCache:
+    def from_budget(
+        cls,
+        args: ModelArgs,
+        budget_bytes: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_blocks: int | None = None,
+        quant: KVQuant | None = None,
+    ) -> KVCache:
         """As many blocks as ``budget_bytes`` holds, and at most ``max_blocks``."""
         n = budget_bytes // cls.bytes_per_block(args, block_size, dtype, quant)
         blocks = n if max_blocks is None else min(n, max_blocks)
@@ -113,8 +131,9 @@ class KVCache:
             return None, None
         return self.scales[layer_id, 0], self.scales[layer_id, 1]
 
-    def count_saturated(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
-                        slots: torch.Tensor) -> None:
+    def count_saturated(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         """Calibrated scales: add the entries of the stored tokens (``slots >= 0``) that
         saturate to the count (no host sync)."""
         if self.quant is None or self.quant.per_token:
@@ -155,15 +174,17 @@ class PagedMeta:
 class PagedAttention:
     """Attention backend for the model's seam: store new K/V, attend over the pages."""
 
-    def __init__(self, cache: KVCache, meta: PagedMeta, scale: float,
-                 impl: str | None = None) -> None:
+    def __init__(
+        self, cache: KVCache, meta: PagedMeta, scale: float, impl: str | None = None
+    ) -> None:
         self.cache, self.meta, self.scale, self.impl = cache, meta, scale, impl
         self._plan: TorchPlan | None = None  # the PyTorch path's step metadata, built at layer 0
         # likewise, for the K/V stores
         self._slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         # q [1, T, Hq, D], k/v [1, T, Hkv, D]: the step's tokens of all sequences, flattened.
         kc, vc = self.cache.data[layer_id, 0], self.cache.data[layer_id, 1]
         ks, vs = self.cache.layer_scales(layer_id)
@@ -176,9 +197,26 @@ class PagedAttention:
                 self._slots = valid_slots(m.slot_mapping)
             store_kv_slots(k[0], v[0], kc, vc, *self._slots, k_scale=ks, v_scale=vs)
             if self._plan is None and m.context_lens.numel():
-                self._plan = plan_torch(m.block_tables, m.cu_seqlens_q, m.context_lens, kc.shape[1],
-                                        q.shape[1], m.max_q_len)
-        out = paged_attention(q[0], kc, vc, m.block_tables, m.cu_seqlens_q, m.context_lens,
-                              self.scale, impl=self.impl, max_q_len=m.max_q_len, plan=self._plan,
-                              k_scale=ks, v_scale=vs)
+                self._plan = plan_torch(
+                    m.block_tables,
+                    m.cu_seqlens_q,
+                    m.context_lens,
+                    kc.shape[1],
+                    q.shape[1],
+                    m.max_q_len,
+                )
+        out = paged_attention(
+            q[0],
+            kc,
+            vc,
+            m.block_tables,
+            m.cu_seqlens_q,
+            m.context_lens,
+            self.scale,
+            impl=self.impl,
+            max_q_len=m.max_q_len,
+            plan=self._plan,
+            k_scale=ks,
+            v_scale=vs,
+        )
         return out.unsqueeze(0)  # [1, T, Hq, D]

@@ -42,8 +42,9 @@ class RoutingRecorder:
         for row, (seq, pos) in enumerate(seq_positions):
             self.by_seq.setdefault(seq, {})[pos] = ids[row]
 
-    def completion(self, seq_id: int, num_prompt_tokens: int,
-                   num_completion_tokens: int) -> torch.Tensor | None:
+    def completion(
+        self, seq_id: int, num_prompt_tokens: int, num_completion_tokens: int
+    ) -> torch.Tensor | None:
         """``[C, L, k]`` int16 experts of the inputs at positions ``P-1 .. P+C-2``, -1 in the rows
         never computed for this sequence (a prompt token its group computed once, for another
         member); None for a dense model."""

@@ -36,20 +36,29 @@ from tandem.rl.generator.vision import VisionSteps
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: KVCache, *, default_seed: int = 0,
-                 impl: str | None = None,
-                 cuda_graphs: bool = False, max_model_len: int | None = None,
-                 graphs_capture: bool | None = None, decode_mirror: bool = True,
-                 agree: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        *,
+        default_seed: int = 0,
+        impl: str | None = None,
+        cuda_graphs: bool = False,
+        max_model_len: int | None = None,
+        graphs_capture: bool | None = None,
+        decode_mirror: bool = True,
+        agree: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+    ) -> None:
         self.model, self.cache, self.impl, self.agree = model, cache, impl, agree
         # MoE models: each token's experts, for the update's parity check
         self.routing = RoutingRecorder(model)
-        self.vision = (VisionSteps(model) if getattr(model.args, "vision", None) is not None
-                       else None)
+        self.vision = (
+            VisionSteps(model) if getattr(model.args, "vision", None) is not None else None
+        )
         self.default_seed = default_seed
         self.sampler = Sampler()
         self.device = cache.data.device
-        self.scale = model.args.head_dim ** -0.5
+        self.scale = model.args.head_dim**-0.5
         capture = self.device.type == "cuda" if graphs_capture is None else graphs_capture
         if capture and not use_triton(cache.data, impl):
             # The PyTorch attention path reads lengths on the host (`.tolist()`), which a
@@ -57,19 +66,31 @@ class ModelRunner:
             capture = False
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and (capture or graphs_capture is False):
-            self.graphs = DecodeGraphs(self._logits, cache, self.scale,
-                                       max_model_len or model.args.max_position_embeddings,
-                                       impl=impl, capture=capture)
+            self.graphs = DecodeGraphs(
+                self._logits,
+                cache,
+                self.scale,
+                max_model_len or model.args.max_position_embeddings,
+                impl=impl,
+                capture=capture,
+            )
         self.mirror: DecodeMirror | None = None
-        if (decode_mirror and self.graphs is None and cache.data.dtype == torch.float32
-            and not batch_invariant.enabled() and not use_triton(cache.data, impl)):
+        if (
+            decode_mirror
+            and self.graphs is None
+            and cache.data.dtype == torch.float32
+            and not batch_invariant.enabled()
+            and not use_triton(cache.data, impl)
+        ):
             self.mirror = DecodeMirror(cache, max_model_len or model.args.max_position_embeddings)
 
-    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def _logits(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """Logits [T, V] (fp32) of a flat step whose every token is sampled (decode)."""
-        hidden = (self.model(tokens[None], positions=positions[None], attn=attn,
-                             return_hidden=True)[0])
+        hidden = self.model(tokens[None], positions=positions[None], attn=attn, return_hidden=True)[
+            0
+        ]
         return self.model.output(hidden).float()
 
     def _decode_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
@@ -79,11 +100,18 @@ class ModelRunner:
         chunks = out.chunks
         if self.vision is not None and self.vision.has_images(chunks):
             return None
-        rope = (self.vision.rope_1d(chunks) if self.vision is not None
-                else [c.positions[0] for c in chunks])
-        return self.graphs.run([c.token_ids[0] for c in chunks], rope,
-                               [c.slot_mapping(bs)[0] for c in chunks],
-                               [c.seq.block_table for c in chunks], [c.end for c in chunks])
+        rope = (
+            self.vision.rope_1d(chunks)
+            if self.vision is not None
+            else [c.positions[0] for c in chunks]
+        )
+        return self.graphs.run(
+            [c.token_ids[0] for c in chunks],
+            rope,
+            [c.slot_mapping(bs)[0] for c in chunks],
+            [c.seq.block_table for c in chunks],
+            [c.end for c in chunks],
+        )
 
     def build_meta(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, PagedMeta]:
         """Flatten the step: tokens [T], positions [T] and the paged metadata."""
@@ -105,9 +133,13 @@ class ModelRunner:
         def t(x: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, device=self.device)
 
-        meta = PagedMeta(slot_mapping=t(slots, torch.int64), block_tables=t(tables),
-                         cu_seqlens_q=t(cu),
-                         context_lens=t(ctx), max_q_len=max(c.num_tokens for c in out.chunks))
+        meta = PagedMeta(
+            slot_mapping=t(slots, torch.int64),
+            block_tables=t(tables),
+            cu_seqlens_q=t(cu),
+            context_lens=t(ctx),
+            max_q_len=max(c.num_tokens for c in out.chunks),
+        )
         return t(tokens, torch.long), t(positions, torch.long), meta
 
     def _mirror_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
@@ -117,8 +149,9 @@ class ModelRunner:
             return None
         if out.preempted:
             self.mirror.forget(s.seq_id for s in out.preempted)
-        decode = out.is_pure_decode and not (self.vision is not None
-                                             and self.vision.has_images(out.chunks))
+        decode = out.is_pure_decode and not (
+            self.vision is not None and self.vision.has_images(out.chunks)
+        )
         step = self.mirror.plan(out.chunks) if decode else None
         if step is None:
             # they get tokens through the pages
@@ -127,8 +160,9 @@ class ModelRunner:
         # the KV rows' index; a vision-language model's M-RoPE shifts its RoPE
         rope = step.positions
         if self.vision is not None:
-            rope = torch.tensor(self.vision.rope_1d(out.chunks), dtype=torch.long,
-                                device=rope.device)
+            rope = torch.tensor(
+                self.vision.rope_1d(out.chunks), dtype=torch.long, device=rope.device
+            )
         return self._logits(step.tokens, rope, MirrorAttention(self.mirror, step, self.scale))
 
     def _inputs(self, out: SchedulerOutput, positions: torch.Tensor) -> dict:
@@ -137,8 +171,9 @@ class ModelRunner:
         if self.vision is None:
             return {"positions": positions[None]}
         if not self.vision.has_images(out.chunks):
-            rope = torch.tensor(self.vision.rope_1d(out.chunks), dtype=torch.long,
-                                device=self.device)
+            rope = torch.tensor(
+                self.vision.rope_1d(out.chunks), dtype=torch.long, device=self.device
+            )
             return {"positions": rope[None]}
         rope3, images = self.vision.inputs(out.chunks, self.device)
         return {"positions": rope3[:, None], "images": images}
@@ -161,8 +196,9 @@ class ModelRunner:
             tokens, positions, meta = self.build_meta(out)
             attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
             # [T, D]
-            hidden = (self.model(tokens[None], attn=attn, return_hidden=True,
-                                 **self._inputs(out, positions))[0])
+            hidden = self.model(
+                tokens[None], attn=attn, return_hidden=True, **self._inputs(out, positions)
+            )[0]
             self._record_routing(out)
             if not chunks:
                 return {}

@@ -101,7 +101,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def exponential_noise(
-    step_keys: list[tuple[int, int]], vocab_size: int, device: torch.device | str = "cpu",
+    step_keys: list[tuple[int, int]],
+    vocab_size: int,
+    device: torch.device | str = "cpu",
     impl: str | None = None,
 ) -> torch.Tensor:
     """E ~ Exp(1) i.i.d. per (row, token), a pure function of (seed, index, token). [N, V] fp32.
@@ -143,21 +145,28 @@ class Sampler:
         self._row_of: dict[tuple[int, int], int] = {}  # key -> its row in the current block
         self._block: torch.Tensor | None = None  # [rows, V] noise of the current block
 
-    def _noise(self, step_keys: list[tuple[int, int]], v: int,
-               device: torch.device) -> torch.Tensor:
+    def _noise(
+        self, step_keys: list[tuple[int, int]], v: int, device: torch.device
+    ) -> torch.Tensor:
         """Exp(1) noise [N, V] for these keys (see `exponential_noise`), a new tensor."""
         ahead = min(self.ahead, self.budget // max(len(step_keys) * v, 1))
         if ahead < 2:
             return exponential_noise(step_keys, v, device)
         block = self._block
-        if (block is None or block.shape[1] != v or block.device != device
-                or any(k not in self._row_of for k in step_keys)):
-            keys = [(seed, index + j) for seed, index in dict.fromkeys(step_keys)
-                    for j in range(ahead)]
+        if (
+            block is None
+            or block.shape[1] != v
+            or block.device != device
+            or any(k not in self._row_of for k in step_keys)
+        ):
+            keys = [
+                (seed, index + j) for seed, index in dict.fromkeys(step_keys) for j in range(ahead)
+            ]
             self._block = block = exponential_noise(keys, v, device)
             self._row_of = {k: i for i, k in enumerate(keys)}
-        return block.index_select(0,
-                                  torch.tensor([self._row_of[k] for k in step_keys], device=device))
+        return block.index_select(
+            0, torch.tensor([self._row_of[k] for k in step_keys], device=device)
+        )
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], step_keys: list[tuple[int, int]]
@@ -191,11 +200,18 @@ class Sampler:
             if plain:
                 dist_logprobs = raw_logprobs
             else:
-                temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                     dtype=torch.float32, device=device)
+                temps = torch.tensor(
+                    [p.temperature if p.temperature > 0 else 1.0 for p in params],
+                    dtype=torch.float32,
+                    device=device,
+                )
                 scaled = logits / temps[:, None]  # [N, V]
-                keep = truncation_mask(scaled, [p.top_k for p in params], [p.top_p for p in params],
-                                       [p.min_p for p in params])
+                keep = truncation_mask(
+                    scaled,
+                    [p.top_k for p in params],
+                    [p.top_p for p in params],
+                    [p.min_p for p in params],
+                )
                 masked = scaled.masked_fill(~keep, float("-inf"))
                 dist_logprobs = masked - lse(masked)[:, None]  # [N, V]
             race = dist_logprobs - self._noise(step_keys, v, device).log_()  # [N, V]

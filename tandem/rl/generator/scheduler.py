@@ -193,10 +193,14 @@ class Scheduler:
         seq.params.validate()
         left = seq.params.max_tokens - seq.num_generated
         if seq.num_tokens >= self.max_model_len or left < 1:
-            raise ValueError(f"add_resumed: sequence {seq.seq_id} has no token left to sample "
-                             f"({seq!r})")
-        self._check_fits(seq, min(self.max_model_len, seq.num_tokens + left) - 1,
-                         f"{seq.num_tokens} tokens + {left} left to sample")
+            raise ValueError(
+                f"add_resumed: sequence {seq.seq_id} has no token left to sample ({seq!r})"
+            )
+        self._check_fits(
+            seq,
+            min(self.max_model_len, seq.num_tokens + left) - 1,
+            f"{seq.num_tokens} tokens + {left} left to sample",
+        )
         seq.group_id = self._num_groups if seq.group_id is None else seq.group_id
         self._num_groups += 1
         seq.arrival = self._num_arrived

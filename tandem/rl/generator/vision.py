@@ -54,8 +54,9 @@ class VisionSteps:
             out += (c.seq.images.positions_at(idx)[0] if c.seq.images is not None else idx).tolist()
         return out
 
-    def inputs(self, chunks: list[ScheduledChunk],
-               device: torch.device) -> tuple[torch.Tensor, ImageInputs | None]:
+    def inputs(
+        self, chunks: list[ScheduledChunk], device: torch.device
+    ) -> tuple[torch.Tensor, ImageInputs | None]:
         """M-RoPE positions ``[3, T]`` of the step's tokens and the image rows they take."""
         pos, index, rows = [], [], []
         at = 0
@@ -65,8 +66,8 @@ class VisionSteps:
             cols = self._image_cols(c) if images is not None else []
             if cols:
                 # rows the earlier chunks took
-                first = c.seq.token_ids[:c.start].count(self.image_id)
-                rows.append(self.rows(images, device)[first:first + len(cols)])
+                first = c.seq.token_ids[: c.start].count(self.image_id)
+                rows.append(self.rows(images, device)[first : first + len(cols)])
                 index += [at + j for j in cols]
             at += c.num_tokens
         positions = torch.cat(pos, dim=1).to(device)

@@ -25,10 +25,12 @@ def in_flight_kv(planner: Any, layout: Any, generators: int, cfg_rollout: Any) -
     tandem/rl/plan/planner.py's `Planner` and `Layout`)."""
     s = planner.s
     sized = copy.copy(planner)
-    sized.s = dataclasses.replace(s, prompts_per_step=s.prompts_per_step
-                                  * (cfg_rollout.max_staleness + 1))
-    alone = dataclasses.replace(layout, pp=1, dp_replicate=1, dp_shard=generators, cp=1, tp=1,
-                                ep=1, rollout_tp=1)
+    sized.s = dataclasses.replace(
+        s, prompts_per_step=s.prompts_per_step * (cfg_rollout.max_staleness + 1)
+    )
+    alone = dataclasses.replace(
+        layout, pp=1, dp_replicate=1, dp_shard=generators, cp=1, tp=1, ep=1, rollout_tp=1
+    )
     return sized.kv_pool(alone)
 
 
@@ -43,19 +45,38 @@ def async_plans(cfg: Any, planner: Any, layout: Any, plans: list[Any]) -> list[A
             update = dict(p.update)
             if ro.suspended_kv == "keep":
                 update["suspended KV (keep)"] = kv
-            out.append(dataclasses.replace(p, update=update, rollout={**p.rollout, "KV pool": kv},
-                                           kv_sequences=seqs))
+            out.append(
+                dataclasses.replace(
+                    p, update=update, rollout={**p.rollout, "KV pool": kv}, kv_sequences=seqs
+                )
+            )
         return out
     if ro.mode != "split":
         return plans
     whole = planner.generation_shard(1)
     bucket = min(planner.s.bucket_bytes, whole)
     kv, seqs = in_flight_kv(planner, layout, ro.gen_ranks, ro)
-    generator = dataclasses.replace(plans[0], kind="generator", update={}, kv_sequences=seqs,
-                                    rollout={"generation copy (whole)": whole, "KV pool": kv,
-                                             "bridge receive buffers (at most)": bucket})
-    trainers = [dataclasses.replace(
-        p, kind=f"trainer ({p.kind})" if len(plans) > 1 else "trainer", kv_sequences=0,
-        rollout={"resident training state": p.rollout["resident training state"],
-                 "bridge send buffers (at most)": bucket}) for p in plans]
+    generator = dataclasses.replace(
+        plans[0],
+        kind="generator",
+        update={},
+        kv_sequences=seqs,
+        rollout={
+            "generation copy (whole)": whole,
+            "KV pool": kv,
+            "bridge receive buffers (at most)": bucket,
+        },
+    )
+    trainers = [
+        dataclasses.replace(
+            p,
+            kind=f"trainer ({p.kind})" if len(plans) > 1 else "trainer",
+            kv_sequences=0,
+            rollout={
+                "resident training state": p.rollout["resident training state"],
+                "bridge send buffers (at most)": bucket,
+            },
+        )
+        for p in plans
+    ]
     return [generator, *trainers]

@@ -44,14 +44,19 @@ def plan_args(cfg: Any) -> tuple[ModelArgs, str]:
         try:
             return load_args(m.path), f"{m.path}/config.json"
         except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"model.path: {m.path}/config.json: "
-                              f"{str(e).strip().splitlines()[0]}") from None
+            raise ConfigError(
+                f"model.path: {m.path}/config.json: {str(e).strip().splitlines()[0]}"
+            ) from None
     if cfg.plan.flavor is None:
-        raise ConfigError(f"plan.flavor: model.path {m.path} has no config.json on this "
-                          "machine; name its architecture with --plan.flavor (a flavor of "
-                          "tandem/models/flavors.py)")
-    return (get_flavor(cfg.plan.flavor),
-            f"plan.flavor {cfg.plan.flavor!r} (model.path {m.path} is not here)")
+        raise ConfigError(
+            f"plan.flavor: model.path {m.path} has no config.json on this "
+            "machine; name its architecture with --plan.flavor (a flavor of "
+            "tandem/models/flavors.py)"
+        )
+    return (
+        get_flavor(cfg.plan.flavor),
+        f"plan.flavor {cfg.plan.flavor!r} (model.path {m.path} is not here)",
+    )
 
 
 def target(cfg: Any) -> tuple[int, int, float]:
@@ -85,8 +90,9 @@ def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: fl
     check_layout(planner.args, Degrees(**d), par.pp_schedule, par.cp_style, par.ep)
     check_moe_layout(planner.args, cfg.parallel.ep, d)
     lay = Layout(ep=par.ep, **d)
-    g = cfg.rollout.tp or (planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl"
-                           else 1)
+    g = cfg.rollout.tp or (
+        planner.auto_rollout_tp(lay, mem, per_node) if planner.s.recipe == "rl" else 1
+    )
     if world % g:
         raise ConfigError(f"rollout.tp: {g} does not divide the {world} ranks")
     reason = check_divisible(planner.args, g)
@@ -106,16 +112,23 @@ def format_plan(plans: list[RankPlan], mem: float) -> str:
             continue
         lines.append(phase)
         for k in keys:
-            lines.append(f"  {k:<{width - 2}}"
-                         + "".join(f"{getattr(p, phase).get(k, 0) / GB:>16.2f}" for p in plans))
-        lines.append(f"  {'total':<{width - 2}}"
-                     + "".join(f"{sum(getattr(p, phase).values()) / GB:>16.2f}" for p in plans))
+            lines.append(
+                f"  {k:<{width - 2}}"
+                + "".join(f"{getattr(p, phase).get(k, 0) / GB:>16.2f}" for p in plans)
+            )
+        lines.append(
+            f"  {'total':<{width - 2}}"
+            + "".join(f"{sum(getattr(p, phase).values()) / GB:>16.2f}" for p in plans)
+        )
         if phase == "rollout":
-            lines.append(f"  {'full-length sequences in the pool':<{width - 2}}"
-                         + "".join(f"{p.kv_sequences:>16d}" for p in plans))
+            lines.append(
+                f"  {'full-length sequences in the pool':<{width - 2}}"
+                + "".join(f"{p.kv_sequences:>16d}" for p in plans)
+            )
     lines.append(f"{'peak':<{width}}" + "".join(f"{p.peak / GB:>16.2f}" for p in plans))
-    lines.append(f"{'share of the device':<{width}}"
-                 + "".join(f"{p.peak / mem:>15.0%} " for p in plans))
+    lines.append(
+        f"{'share of the device':<{width}}" + "".join(f"{p.peak / mem:>15.0%} " for p in plans)
+    )
     return "\n".join(lines)
 
 
@@ -134,16 +147,22 @@ def run_plan(cfg: Any) -> int:
     print(f"model: {args.model_type}, {args.num_params() / 1e9:.2f} B parameters ({source})")
     if s.lora is not None:
         n = sum(math.prod(shape) for name, shape in planner.shapes if is_adapter(name))
-        print(f"LoRA: rank {s.lora.rank} on {', '.join(s.lora.targets)}: {n / 1e6:.1f} M trained "
-              f"parameters ({n / args.num_params():.2%}); the reference is the base with the "
-              "adapters off")
-    print(f"target: {nodes} node(s) x {per_node} devices, {mem / GB:.1f} GB each; a layout fits "
-          f"when its peak is at most {USABLE:.0%} ({USABLE * mem / GB:.1f} GB)")
-    print(f"layout: {lay.describe()}"
-          f"{' (auto)' if not cfg.rollout.tp and s.recipe == 'rl' else ''}; compute "
-          f"{str(s.compute_dtype).removeprefix('torch.')}, generation "
-          f"{str(s.gen_dtype).removeprefix('torch.')}, {planner.micro_batch(lay)[0]} tokens per "
-          f"micro-batch, activation_checkpoint={s.ac}")
+        print(
+            f"LoRA: rank {s.lora.rank} on {', '.join(s.lora.targets)}: {n / 1e6:.1f} M trained "
+            f"parameters ({n / args.num_params():.2%}); the reference is the base with the "
+            "adapters off"
+        )
+    print(
+        f"target: {nodes} node(s) x {per_node} devices, {mem / GB:.1f} GB each; a layout fits "
+        f"when its peak is at most {USABLE:.0%} ({USABLE * mem / GB:.1f} GB)"
+    )
+    print(
+        f"layout: {lay.describe()}"
+        f"{' (auto)' if not cfg.rollout.tp and s.recipe == 'rl' else ''}; compute "
+        f"{str(s.compute_dtype).removeprefix('torch.')}, generation "
+        f"{str(s.gen_dtype).removeprefix('torch.')}, {planner.micro_batch(lay)[0]} tokens per "
+        f"micro-batch, activation_checkpoint={s.ac}"
+    )
     print(format_plan(plans, mem))
     if s.recipe == "rl" and not cfg.rollout.gen_ranks:  # split mode: the generators' pool is set
         kinds = rank_kinds(planner.args, lay, s.pp_schedule)
@@ -151,19 +170,32 @@ def run_plan(cfg: Any) -> int:
         print(lc.format_kv_room(room, cfg.rollout.max_tokens, s.max_len - 1))
     worst = max(plans, key=lambda p: p.peak)
     fits = worst.peak <= USABLE * mem
-    smallest, best = ((planner.smallest(nodes, per_node, mem), planner.best(world, per_node, mem))
-                      if not cfg.rollout.gen_ranks else (None, None))  # colocated layouts only
+    smallest, best = (
+        (planner.smallest(nodes, per_node, mem), planner.best(world, per_node, mem))
+        if not cfg.rollout.gen_ranks
+        else (None, None)
+    )  # colocated layouts only
     if smallest:
-        print(f"smallest layout that fits: {smallest[0].describe()} (peak "
-              f"{smallest[1] / GB:.1f} GB)")
+        print(
+            f"smallest layout that fits: {smallest[0].describe()} (peak {smallest[1] / GB:.1f} GB)"
+        )
     if best:
-        print(f"least model parallelism that fits on {world} ranks: {best[0].describe()} (peak "
-              f"{best[1] / GB:.1f} GB)\n  {best[0].overrides(moe=args.is_moe)}")
+        print(
+            f"least model parallelism that fits on {world} ranks: {best[0].describe()} (peak "
+            f"{best[1] / GB:.1f} GB)\n  {best[0].overrides(moe=args.is_moe)}"
+        )
     if fits:
         print(f"fits: peak {worst.peak / GB:.1f} GB ({worst.kind}, {worst.peak_phase()} phase)")
         return errors.EXIT_OK
-    hint = (f"; smallest layout that fits: {smallest[0].describe()}" if smallest
-            else "; no layout of this cluster fits")
-    print(f"error: plan: {worst.peak / GB:.1f} GB per rank ({worst.kind}, {worst.peak_phase()} "
-          f"phase) is over {USABLE:.0%} of {mem / GB:.0f} GB{hint}", file=sys.stderr, flush=True)
+    hint = (
+        f"; smallest layout that fits: {smallest[0].describe()}"
+        if smallest
+        else "; no layout of this cluster fits"
+    )
+    print(
+        f"error: plan: {worst.peak / GB:.1f} GB per rank ({worst.kind}, {worst.peak_phase()} "
+        f"phase) is over {USABLE:.0%} of {mem / GB:.0f} GB{hint}",
+        file=sys.stderr,
+        flush=True,
+    )
     return errors.EXIT_PLAN

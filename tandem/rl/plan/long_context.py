@@ -135,8 +135,9 @@ def kv_room(planner: Any, layout: Any, usable: float, kinds: list) -> list[KVCho
         params = planner.param_bytes(layout, stages)
         critic = planner.param_bytes(layout, stages, skip="output") if s.critic else 0
         reference = params if s.reference else 0
-        rows = kv_choices(usable, params, critic, reference, fixed, seq, s.offload_optimizer,
-                          s.cpu_offload)
+        rows = kv_choices(
+            usable, params, critic, reference, fixed, seq, s.offload_optimizer, s.cpu_offload
+        )
         if worst is None or rows[0].room < worst[0].room:
             worst = rows
     return worst

@@ -25,8 +25,12 @@ def moe_layer_count(args: ModelArgs, layers: list[int] | range) -> int:
 def ffn_saved_per_token(args: ModelArgs, c: int, ac: str, tp: int = 1, ep: int = 1) -> float:
     """Bytes one MoE layer's feed-forward saves for backward per token (see the module
     docstring)."""
-    e, k, d, i = (args.num_experts, args.num_experts_per_tok, args.hidden_size,
-                  args.moe_intermediate_size)
+    e, k, d, i = (
+        args.num_experts,
+        args.num_experts_per_tok,
+        args.hidden_size,
+        args.moe_intermediate_size,
+    )
     if ac == "full":
         return 8 * k  # routing ids the block keeps (the block input is the dense formula's)
     if ac == "selective":

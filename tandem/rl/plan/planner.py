@@ -36,7 +36,6 @@ from tandem.parallel.mesh import Degrees
 from tandem.parallel.pp import SCHEDULES, pipeline_split, stage_ids_for_rank
 from tandem.rl.generator.kv_cache import KVCache
 from tandem.rl.plan import long_context as lc
-from tandem.rl.rollout.sampling import resident_bytes
 from tandem.rl.plan.moe import (
     dispatch_transient,
     ep_cast_bytes,
@@ -44,6 +43,7 @@ from tandem.rl.plan.moe import (
     is_expert,
     moe_layer_count,
 )
+from tandem.rl.rollout.sampling import resident_bytes
 
 GB = 1e9
 USABLE = HEADROOM  # share of a device a plan may fill
@@ -64,8 +64,11 @@ class Layout(Degrees):
         return self.world_size
 
     def describe(self) -> str:
-        dp = (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}" if self.dp_replicate > 1
-              else f"dp_shard={self.dp_shard}")
+        dp = (
+            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}"
+            if self.dp_replicate > 1
+            else f"dp_shard={self.dp_shard}"
+        )
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         rollout = f"rollout.tp={self.rollout_tp}"
@@ -76,9 +79,11 @@ class Layout(Degrees):
         ``--parallel.cp`` where it is split)."""
         ep = f" --parallel.ep={self.ep}" if moe or self.ep > 1 else ""
         cp = f" --parallel.cp={self.cp}" if self.cp > 1 else ""
-        return (f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} "
-                f"--parallel.dp_shard={self.dp_shard} --parallel.tp={self.tp}{ep}{cp} "
-                f"--rollout.tp={self.rollout_tp}")
+        return (
+            f"--parallel.pp={self.pp} --parallel.dp_replicate={self.dp_replicate} "
+            f"--parallel.dp_shard={self.dp_shard} --parallel.tp={self.tp}{ep}{cp} "
+            f"--rollout.tp={self.rollout_tp}"
+        )
 
 
 @dataclass(frozen=True)
@@ -119,38 +124,56 @@ class Settings:
             tokens = r.micro_batch_tokens
         else:
             # packed rows of data.max_length; dpo / reward_model score chosen and rejected together
-            tokens = t.micro_batch_size * cfg.data.max_length * (
-                2 if t.recipe in ("dpo", "reward_model") else 1)
+            tokens = (
+                t.micro_batch_size
+                * cfg.data.max_length
+                * (2 if t.recipe in ("dpo", "reward_model") else 1)
+            )
         gen = t.mixed_precision_param if ro.dtype == "auto" else ro.dtype
         from tandem.rl.algorithms import ADVANTAGES
 
         lora = cfg.lora.spec() if cfg.lora.enabled else None
 
         return cls(
-            recipe=t.recipe, compute_dtype=getattr(torch, t.mixed_precision_param),
-            reduce_dtype=getattr(torch, t.mixed_precision_reduce), gen_dtype=getattr(torch, gen),
-            tokens=tokens, ac=p.activation_checkpoint, pp_schedule=p.pp_schedule,
+            recipe=t.recipe,
+            compute_dtype=getattr(torch, t.mixed_precision_param),
+            reduce_dtype=getattr(torch, t.mixed_precision_reduce),
+            gen_dtype=getattr(torch, gen),
+            tokens=tokens,
+            ac=p.activation_checkpoint,
+            pp_schedule=p.pp_schedule,
             pp_microbatches=a.pp_microbatches,
-            seq_len=cfg.data.max_length, offload_optimizer=rl and r.offload_optimizer,
+            seq_len=cfg.data.max_length,
+            offload_optimizer=rl and r.offload_optimizer,
             cpu_offload=p.cpu_offload,
             reference=lora is None
-            and ((rl and r.kl_coef > 0)
-                 or (t.recipe == "dpo" and cfg.preference.reference == "online")),
+            and (
+                (rl and r.kl_coef > 0)
+                or (t.recipe == "dpo" and cfg.preference.reference == "online")
+            ),
             critic=rl and ADVANTAGES.cap(r.advantage, "needs_values", False),
-            kv_cache_gb=ro.kv_cache_gb, kv_quant=ro.kv_quant_format(), block_size=ro.block_size,
-            max_num_seqs=ro.max_num_seqs, max_len=cfg.data.max_length + 1,
+            kv_cache_gb=ro.kv_cache_gb,
+            kv_quant=ro.kv_quant_format(),
+            block_size=ro.block_size,
+            max_num_seqs=ro.max_num_seqs,
+            max_len=cfg.data.max_length + 1,
             prompts_per_step=r.prompts_per_step,
-            num_samples=r.num_samples, vocab_parallel=ro.vocab_parallel,
+            num_samples=r.num_samples,
+            vocab_parallel=ro.vocab_parallel,
             bucket_bytes=a.reshard_bucket_mb << 20,
-            chunk_tokens=a.logprob_chunk_tokens, cp_style=p.cp_style, lora=lora)
+            chunk_tokens=a.logprob_chunk_tokens,
+            cp_style=p.cp_style,
+            lora=lora,
+        )
 
 
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def param_shapes(args: ModelArgs,
-                 lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...]]]:
+def param_shapes(
+    args: ModelArgs, lora: LoraSpec | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter of the whole model, a tied head listed once
     (adapters too)."""
     from tandem.models.vlm import make_model
@@ -166,9 +189,11 @@ def _layer(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
-def _held_names(shapes: list[tuple[str, tuple[int, ...]]], args: ModelArgs,
-                stages: list[list[int]] | None,
-                ) -> list[tuple[str, tuple[int, ...]]]:
+def _held_names(
+    shapes: list[tuple[str, tuple[int, ...]]],
+    args: ModelArgs,
+    stages: list[list[int]] | None,
+) -> list[tuple[str, tuple[int, ...]]]:
     """The parameters one rank holds: all of them, or those of its pipeline ``stages`` (layer
     lists; the first stage owns the embedding, the last the final norm and the head, a tied
     head then being a separate copy of the embedding)."""
@@ -177,8 +202,15 @@ def _held_names(shapes: list[tuple[str, tuple[int, ...]]], args: ModelArgs,
     n_layers = args.num_layers
     mine = {i for s in stages for i in s}
     first, last = 0 in mine, n_layers - 1 in mine
-    out = [(n, s) for n, s in shapes if (_layer(n) in mine if _layer(n) is not None else
-                                         (first if n.startswith("tok_embeddings") else last))]
+    out = [
+        (n, s)
+        for n, s in shapes
+        if (
+            _layer(n) in mine
+            if _layer(n) is not None
+            else (first if n.startswith("tok_embeddings") else last)
+        )
+    ]
     if last and args.tie_word_embeddings:
         out.append(("output.weight", dict(shapes)["tok_embeddings.weight"]))
     return out
@@ -187,8 +219,11 @@ def _held_names(shapes: list[tuple[str, tuple[int, ...]]], args: ModelArgs,
 def _local_numel(name: str, shape: tuple[int, ...], tp: int, fsdp: int) -> int:
     """Elements of rank 0's share of a parameter: TP as tandem/parallel/tp.py splits it (column /
     row / vocabulary), then FSDP2's dim-0 chunk (the first rank's chunk is the largest)."""
-    _, local = (needed_box(name, shape, GenerationLayout(tp=tp, vocab_parallel=True)) if tp > 1
-                else (None, shape))
+    _, local = (
+        needed_box(name, shape, GenerationLayout(tp=tp, vocab_parallel=True))
+        if tp > 1
+        else (None, shape)
+    )
     rows = -(-local[0] // fsdp)
     n = rows
     for s in local[1:]:
@@ -213,23 +248,37 @@ class RankPlan:
         return "update" if sum(self.update.values()) >= sum(self.rollout.values()) else "rollout"
 
 
-def rank_kinds(args: ModelArgs, layout: Layout,
-               schedule: str) -> list[tuple[str, list[list[int]] | None]]:
+def rank_kinds(
+    args: ModelArgs, layout: Layout, schedule: str
+) -> list[tuple[str, list[list[int]] | None]]:
     """The distinct kinds of rank: one without pipelining; else the first stage, a middle
     one, the last."""
     if layout.pp == 1:
         return [("every rank", None)]
     per = SCHEDULES[schedule][1]
     split = pipeline_split(args, layout.pp, stages_per_rank=per)
-    kinds = [("first stage", 0)] + ([("middle stage", layout.pp // 2)] if layout.pp > 2 else []) + [
-        ("last stage", layout.pp - 1)]
+    kinds = (
+        [("first stage", 0)]
+        + ([("middle stage", layout.pp // 2)] if layout.pp > 2 else [])
+        + [("last stage", layout.pp - 1)]
+    )
     return [(name, [split[s] for s in stage_ids_for_rank(r, layout.pp, per)]) for name, r in kinds]
 
 
-def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dtype, ac: str,
-                     tp: int = 1, *,
-                     first: bool = True, last: bool = True, vocab_parallel_head: bool | None = None,
-                     moe_layers: int | None = None, ep: int = 1) -> float:
+def activation_bytes(
+    args: ModelArgs,
+    tokens: int,
+    layers: int,
+    dtype: torch.dtype,
+    ac: str,
+    tp: int = 1,
+    *,
+    first: bool = True,
+    last: bool = True,
+    vocab_parallel_head: bool | None = None,
+    moe_layers: int | None = None,
+    ep: int = 1,
+) -> float:
     """Bytes saved for backward by one micro-batch of ``tokens`` through ``layers`` blocks.
 
     Per block and token, what autograd keeps (counted from the ops in tandem/models/transformer.py;
@@ -258,8 +307,10 @@ def activation_bytes(args: ModelArgs, tokens: int, layers: int, dtype: torch.dty
         if tp > 1:
             per_layer += 2 * c * d / tp  # the reduce-scatter outputs, kept too
     else:
-        per_layer, ffn = (2 * (norm(d) / sp + c * d) + c * (q + 2 * k) + 2 * c * q + 4 * hq,
-                          4 * c * i)
+        per_layer, ffn = (
+            2 * (norm(d) / sp + c * d) + c * (q + 2 * k) + 2 * c * q + 4 * hq,
+            4 * c * i,
+        )
         if args.qk_norm:
             per_layer += norm(q, hq) + norm(k, hk)
     n_moe = moe_layer_count(args, range(layers)) if moe_layers is None else moe_layers
@@ -294,17 +345,25 @@ class Planner:
         dp = layout.dp_replicate * layout.dp_shard * layout.cp
         return dp > 1 or self.s.compute_dtype != torch.float32 or self.s.cpu_offload
 
-    def param_bytes(self, layout: Layout, stages: list[list[int]] | None, *, skip: str = "",
-                    trained: bool = False) -> int:
+    def param_bytes(
+        self,
+        layout: Layout,
+        stages: list[list[int]] | None,
+        *,
+        skip: str = "",
+        trained: bool = False,
+    ) -> int:
         """fp32 bytes of this rank's parameter shards (the master copy FSDP2 keeps); under EP the
         experts are this rank's ``E / ep`` of them (a DTensor Shard(0), outside FSDP2).
         ``trained``: those with gradients and AdamW moments (with LoRA, the adapters)."""
         fsdp = layout.dp_shard * layout.cp if self.fsdp_applied(layout) else 1
         held = _held_names(self.shapes, self.args, stages)
-        return 4 * sum(_local_numel(n, s, layout.tp,
-                                    layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
-                       for n, s in held if not (skip and n.startswith(skip))
-                       and not (trained and self.s.lora is not None and not is_adapter(n)))
+        return 4 * sum(
+            _local_numel(n, s, layout.tp, layout.ep if layout.ep > 1 and is_expert(n) else fsdp)
+            for n, s in held
+            if not (skip and n.startswith(skip))
+            and not (trained and self.s.lora is not None and not is_adapter(n))
+        )
 
     def unsharded_transient(self, layout: Layout, stages: list[list[int]] | None) -> int:
         """FSDP2's gathered copies while computing: the root's (embedding, head) for the whole
@@ -315,8 +374,11 @@ class Planner:
         if not self.fsdp_applied(layout):
             return 0
         c, red = _elem(self.s.compute_dtype), _elem(self.s.reduce_dtype)
-        held = [(n, s) for n, s in _held_names(self.shapes, self.args, stages)
-                if not (layout.ep > 1 and is_expert(n))]
+        held = [
+            (n, s)
+            for n, s in _held_names(self.shapes, self.args, stages)
+            if not (layout.ep > 1 and is_expert(n))
+        ]
         root = sum(_local_numel(n, s, layout.tp, 1) for n, s in held if _layer(n) is None)
         blocks: dict[int, int] = {}
         grads: dict[int, int] = {}  # the unsharded gradients of a block: its trained parameters'
@@ -331,10 +393,12 @@ class Planner:
     def generation_shard(self, g: int) -> int:
         key = (g, self.s.vocab_parallel)
         if key not in self._shards:
-            self._shards[key] = shard_bytes(self.args,
-                                            GenerationLayout(tp=g,
-                                                             vocab_parallel=self.s.vocab_parallel),
-                                            self.s.gen_dtype, self.s.lora)
+            self._shards[key] = shard_bytes(
+                self.args,
+                GenerationLayout(tp=g, vocab_parallel=self.s.vocab_parallel),
+                self.s.gen_dtype,
+                self.s.lora,
+            )
         return self._shards[key]
 
     def kv_pool(self, layout: Layout) -> tuple[int, int]:
@@ -342,8 +406,9 @@ class Planner:
         generator's rule: as many blocks as rollout.kv_cache_gb holds, at most what the
         rollout's sequences of max_model_len tokens need at once."""
         s = self.s
-        local = local_args(self.args,
-                           GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel))
+        local = local_args(
+            self.args, GenerationLayout(tp=layout.rollout_tp, vocab_parallel=s.vocab_parallel)
+        )
         per_block = KVCache.bytes_per_block(local, s.block_size, s.gen_dtype, s.kv_quant)
         blocks_per_seq = -(-s.max_len // s.block_size)
         # a generation group pools its ranks' prompts
@@ -356,8 +421,14 @@ class Planner:
         """(tokens per micro-batch and rank, micro-batches in flight on the first stage)."""
         if layout.pp == 1:  # rl: the longest sequence gets a micro-batch of its own, split over cp
             s = self.s
-            return ((lc.tokens_per_rank(s.tokens, s.seq_len,
-                                        layout.cp) if s.recipe == "rl" else s.tokens), 1)
+            return (
+                (
+                    lc.tokens_per_rank(s.tokens, s.seq_len, layout.cp)
+                    if s.recipe == "rl"
+                    else s.tokens
+                ),
+                1,
+            )
         seq = -(-self.s.seq_len // layout.tp) * layout.tp
         rows = max(1, self.s.tokens // seq)
         n_mb = self.s.pp_microbatches or layout.pp
@@ -376,20 +447,44 @@ class Planner:
         n_moe = moe_layer_count(args, mine)
         first, last = 0 in mine, args.num_layers - 1 in mine
         tokens, in_flight = self.micro_batch(layout)
-        act = activation_bytes(args, tokens, len(mine), s.compute_dtype, s.ac, layout.tp,
-                               first=first, last=last,
-                               vocab_parallel_head=layout.tp > 1 or layout.pp > 1, moe_layers=n_moe,
-                               ep=layout.ep)
-        update = {"parameters": on_device, "gradients": trained, "optimizer state": 2 * trained,
-                  "FSDP2 unsharded (transient)": self.unsharded_transient(layout, stages),
-                  "activations": act * in_flight}
+        act = activation_bytes(
+            args,
+            tokens,
+            len(mine),
+            s.compute_dtype,
+            s.ac,
+            layout.tp,
+            first=first,
+            last=last,
+            vocab_parallel_head=layout.tp > 1 or layout.pp > 1,
+            moe_layers=n_moe,
+            ep=layout.ep,
+        )
+        update = {
+            "parameters": on_device,
+            "gradients": trained,
+            "optimizer state": 2 * trained,
+            "FSDP2 unsharded (transient)": self.unsharded_transient(layout, stages),
+            "activations": act * in_flight,
+        }
         if s.ac != "none":  # backward recomputes one block with nothing checkpointed
-            one = activation_bytes(args, tokens, 1, s.compute_dtype, "none", layout.tp, first=False,
-                                   last=False, moe_layers=min(1, n_moe), ep=layout.ep)
+            one = activation_bytes(
+                args,
+                tokens,
+                1,
+                s.compute_dtype,
+                "none",
+                layout.tp,
+                first=False,
+                last=False,
+                moe_layers=min(1, n_moe),
+                ep=layout.ep,
+            )
             update["recomputed block (transient)"] = one
         if n_moe:
             update["MoE dispatch (transient)"] = dispatch_transient(
-                args, tokens, _elem(s.compute_dtype), layout.ep)
+                args, tokens, _elem(s.compute_dtype), layout.ep
+            )
         if layout.cp > 1:
             ring = lc.cp_transient(args, tokens, _elem(s.compute_dtype), layout.cp, s.cp_style)
             update["cp attention (transient)"] = ring
@@ -408,18 +503,23 @@ class Planner:
         kv_seqs = 0
         if s.recipe == "rl":
             kv, kv_seqs = self.kv_pool(layout)
-            rollout = {"resident training state": resident,
-                       "generation shard": self.generation_shard(layout.rollout_tp),
-                       "reshard buffers (at most)": min(s.bucket_bytes,
-                                                        self.generation_shard(layout.rollout_tp)),
-                       "KV pool": kv}
+            rollout = {
+                "resident training state": resident,
+                "generation shard": self.generation_shard(layout.rollout_tp),
+                "reshard buffers (at most)": min(
+                    s.bucket_bytes, self.generation_shard(layout.rollout_tp)
+                ),
+                "KV pool": kv,
+            }
             if s.lora is not None:  # the generation copy's base stays for the next rollout
                 update["generation copy (kept, LoRA)"] = self.generation_shard(layout.rollout_tp)
         return RankPlan(kind, update, rollout, kv_seqs)
 
     def plan(self, layout: Layout) -> list[RankPlan]:
-        return [self.rank(layout, kind, stages)
-                for kind, stages in rank_kinds(self.args, layout, self.s.pp_schedule)]
+        return [
+            self.rank(layout, kind, stages)
+            for kind, stages in rank_kinds(self.args, layout, self.s.pp_schedule)
+        ]
 
     # ---- layouts ---------------------------------------------------------------------
 
@@ -430,9 +530,14 @@ class Planner:
             return 0
         params = self.param_bytes(layout, stages)
         head = params - self.param_bytes(layout, stages, skip="output")
-        return resident_bytes(params, head, offload_optimizer=self.s.offload_optimizer,
-                              reference=self.s.reference, critic=self.s.critic,
-                              trained_bytes=self.param_bytes(layout, stages, trained=True))
+        return resident_bytes(
+            params,
+            head,
+            offload_optimizer=self.s.offload_optimizer,
+            reference=self.s.reference,
+            critic=self.s.critic,
+            trained_bytes=self.param_bytes(layout, stages, trained=True),
+        )
 
     def resident_bytes(self, layout: Layout) -> float:
         """`resident` of the busiest rank: what the auto rollout.tp rule counts."""
@@ -441,9 +546,15 @@ class Planner:
 
     def auto_rollout_tp(self, layout: Layout, device_bytes: float, devices_per_node: int) -> int:
         """The run's rule (`tandem.parallel.generation_layout.auto_tp`) on the target device."""
-        return auto_tp(self.args, self.generation_shard, world=layout.world,
-                       devices_per_node=devices_per_node, device_bytes=device_bytes,
-                       resident_bytes=self.resident_bytes(layout), kv_bytes=self.s.kv_cache_gb * GB)
+        return auto_tp(
+            self.args,
+            self.generation_shard,
+            world=layout.world,
+            devices_per_node=devices_per_node,
+            device_bytes=device_bytes,
+            resident_bytes=self.resident_bytes(layout),
+            kv_bytes=self.s.kv_cache_gb * GB,
+        )
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl
@@ -451,16 +562,25 @@ class Planner:
         An MoE model's (pp = 1 so far), by TP degree: without EP, then with ep = a node (EP groups
         within nodes), then ep = dp_shard, where ep divides the ranks and the experts; under TP
         only ep = dp_shard (tandem/parallel/expert_parallel.py's rules)."""
-        tps = [tp for tp in range(1, min(world, devices_per_node) + 1)
-               if world % tp == 0 and check_divisible(self.args, tp) is None
-               and (tp == 1 or self.s.recipe == "rl")]
+        tps = [
+            tp
+            for tp in range(1, min(world, devices_per_node) + 1)
+            if world % tp == 0
+            and check_divisible(self.args, tp) is None
+            and (tp == 1 or self.s.recipe == "rl")
+        ]
         if self.args.is_moe:
             out = []
             for tp in tps:
                 dp = world // tp
                 sizes = (devices_per_node, dp) if tp == 1 else (dp,)
-                eps = sorted({e for e in sizes if 1 < e <= dp and dp % e == 0
-                              and self.args.num_experts % e == 0})
+                eps = sorted(
+                    {
+                        e
+                        for e in sizes
+                        if 1 < e <= dp and dp % e == 0 and self.args.num_experts % e == 0
+                    }
+                )
                 out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
             return out
         per = SCHEDULES[self.s.pp_schedule][1]
@@ -473,28 +593,36 @@ class Planner:
                     continue  # pipelining is the rl recipe's only (ParallelConfig)
                 out.append(Layout(pp=pp, dp_shard=world // (tp * pp), tp=tp))
         if self.s.recipe == "rl":  # FSDP2 x cp (long_context.py)
-            out += [Layout(dp_shard=world // cp, cp=cp) for cp in lc.cp_degrees(
-                world, devices_per_node, self.args.num_heads, self.s.cp_style)]
+            out += [
+                Layout(dp_shard=world // cp, cp=cp)
+                for cp in lc.cp_degrees(
+                    world, devices_per_node, self.args.num_heads, self.s.cp_style
+                )
+            ]
         # at equal degree, cp first when the longest sequence outgrows a micro-batch
         long = self.s.seq_len > self.s.tokens
         return sorted(out, key=lambda x: (x.tp * x.pp * x.cp, (x.cp == 1) == long, x.pp))
 
-    def best(self, world: int, devices_per_node: int,
-             device_bytes: float) -> tuple[Layout, float] | None:
+    def best(
+        self, world: int, devices_per_node: int, device_bytes: float
+    ) -> tuple[Layout, float] | None:
         """The first layout of `candidates` that fits, with its rollout.tp chosen by the auto rule;
         None when none does."""
         for lay in self.candidates(world, devices_per_node):
-            lay = dataclasses.replace(lay,
-                                      rollout_tp=self.auto_rollout_tp(
-                                          lay, device_bytes, devices_per_node)
-                                      if self.s.recipe == "rl" else 1)
+            lay = dataclasses.replace(
+                lay,
+                rollout_tp=self.auto_rollout_tp(lay, device_bytes, devices_per_node)
+                if self.s.recipe == "rl"
+                else 1,
+            )
             peak = max(r.peak for r in self.plan(lay))
             if peak <= USABLE * device_bytes:
                 return lay, peak
         return None
 
-    def smallest(self, nodes: int, devices_per_node: int,
-                 device_bytes: float) -> tuple[Layout, float] | None:
+    def smallest(
+        self, nodes: int, devices_per_node: int, device_bytes: float
+    ) -> tuple[Layout, float] | None:
         """The fewest ranks (1, 2, 4, ... up to a node, then whole nodes: each count up to
         LINEAR_NODES, then doubling, then the whole cluster) on which some layout fits. The
         doubling keeps a cluster of many nodes to a few dozen searches."""

@@ -22,8 +22,21 @@ from typing import Any
 
 from tandem.rl.core.registry import Registry
 
-SHARED_SECTIONS = ("job", "model", "data", "optimizer", "lr_schedule", "training", "parallel",
-                   "checkpoint", "metrics", "fault", "plan", "lora", "advanced")
+SHARED_SECTIONS = (
+    "job",
+    "model",
+    "data",
+    "optimizer",
+    "lr_schedule",
+    "training",
+    "parallel",
+    "checkpoint",
+    "metrics",
+    "fault",
+    "plan",
+    "lora",
+    "advanced",
+)
 
 
 @dataclass(frozen=True)
@@ -40,14 +53,20 @@ class RecipeEntry:
 
 RECIPES: Registry[RecipeEntry] = Registry("training recipe")
 _ACCURACY = ("eval/accuracy", "maximize")
-RECIPES.register("sft")(RecipeEntry("tandem.rl.recipes.sft:make_sft", (),
-                                    ("eval/loss", "minimize")))
+RECIPES.register("sft")(
+    RecipeEntry("tandem.rl.recipes.sft:make_sft", (), ("eval/loss", "minimize"))
+)
 RECIPES.register("dpo")(RecipeEntry("tandem.rl.recipes.dpo:make_dpo", ("preference",), _ACCURACY))
-RECIPES.register("reward_model")(RecipeEntry("tandem.rl.recipes.reward_model:make_reward_model",
-                                             ("preference",), _ACCURACY))
-RECIPES.register("rl")(RecipeEntry("tandem.rl.recipes.rl:make_rl",
-                                   ("rl", "rollout", "reward", "critic", "distill", "env"),
-                                   _ACCURACY))
+RECIPES.register("reward_model")(
+    RecipeEntry("tandem.rl.recipes.reward_model:make_reward_model", ("preference",), _ACCURACY)
+)
+RECIPES.register("rl")(
+    RecipeEntry(
+        "tandem.rl.recipes.rl:make_rl",
+        ("rl", "rollout", "reward", "critic", "distill", "env"),
+        _ACCURACY,
+    )
+)
 
 
 def unused_settings(cfg: Any) -> list[str]:

@@ -102,8 +102,15 @@ class Setup:
         return self.tokenizer.pad_token_id or 0
 
 
-def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int],
-          fsdp_only: bool = True, ranks: tuple[int, int] | None = None) -> Setup:
+def setup(
+    cfg: Any,
+    rt: Runtime,
+    recipe: str,
+    *,
+    batch: tuple[str, int],
+    fsdp_only: bool = True,
+    ranks: tuple[int, int] | None = None,
+) -> Setup:
     """The set-up every recipe shares, its config checks first (one ConfigError line each):
     the layout (``fsdp_only``: this recipe shards with FSDP2 alone), ``data.path`` and the
     global ``batch`` (key, value) dividing over the data-parallel ranks.
@@ -114,11 +121,15 @@ def setup(cfg: Any, rt: Runtime, recipe: str, *, batch: tuple[str, int],
     first, count = ranks or (0, rt.info.world_size)
     degrees = Degrees(**cfg.parallel.resolve(count))
     if fsdp_only and (degrees.tp > 1 or degrees.pp > 1):
-        raise ConfigError(f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only "
-                          "so far; set tp = pp = 1")
+        raise ConfigError(
+            f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only "
+            "so far; set tp = pp = 1"
+        )
     if cfg.data.path is None:
-        raise ConfigError(f"data.path: required by the {recipe} recipe (a jsonl/parquet file or "
-                          "folder, or synthetic:<task>)")
+        raise ConfigError(
+            f"data.path: required by the {recipe} recipe (a jsonl/parquet file or "
+            "folder, or synthetic:<task>)"
+        )
     key, size = batch
     if size % degrees.dp:
         raise ConfigError(f"{key}: {size} is not divisible by the {degrees.dp} data-parallel ranks")
@@ -163,8 +174,9 @@ class Updater:
     every gradient is zeroed. The first learner's schedule is the run's ``last_lr``.
     """
 
-    def __init__(self, learners: Sequence[Learner], *, fault: FaultConfig, dump_folder: str,
-                 rank: int) -> None:
+    def __init__(
+        self, learners: Sequence[Learner], *, fault: FaultConfig, dump_folder: str, rank: int
+    ) -> None:
         self.learners = list(learners)
         self.fault, self.dump_folder, self.rank = fault, dump_folder, rank
         self.skipped = 0
@@ -176,16 +188,24 @@ class Updater:
             return sched.get_last_lr()[0]
         return self.learners[0].optimizer.param_groups[0]["lr"]
 
-    def apply(self, loss: torch.Tensor, step: int,
-              learners: Sequence[Learner] | None = None) -> dict[str, float]:
+    def apply(
+        self, loss: torch.Tensor, step: int, learners: Sequence[Learner] | None = None
+    ) -> dict[str, float]:
         """One guarded update of ``learners`` (default: all); returns each stepped learner's
         gradient norm by name ({} when the update was skipped)."""
         stepping = self.learners if learners is None else list(learners)
         if nan_at(step + 1):  # fault drill (TANDEM_INJECT_NAN)
             loss = loss * float("nan")
         modules = [m for learner in self.learners for m in learner.modules]
-        finite = check_finite(loss, modules, step + 1, self.rank, self.fault.on_nonfinite,
-                              dump_folder=self.dump_folder, group=side_group())
+        finite = check_finite(
+            loss,
+            modules,
+            step + 1,
+            self.rank,
+            self.fault.on_nonfinite,
+            dump_folder=self.dump_folder,
+            group=side_group(),
+        )
         if self.learners[0] in stepping:
             self.last_lr = self._lr()
         norms: dict[str, float] = {}
@@ -214,14 +234,24 @@ class SingleModelTraining:
 
         o, s = cfg.optimizer, cfg.lr_schedule
         self.model = model
-        self.optimizer = build_optimizer(model, lr=o.lr, betas=o.betas, eps=o.eps,
-                                         weight_decay=o.weight_decay)
-        self.scheduler = build_scheduler(self.optimizer, total_steps=cfg.training.steps,
-                                         warmup_steps=s.warmup_steps,
-                                         decay=s.decay, min_lr_ratio=s.min_lr_ratio)
-        learner = Learner("model", [model], self.optimizer,
-                          lambda max_norm: clip_grad_norm(model.parameters(), max_norm),
-                          o.max_grad_norm, self.scheduler)
+        self.optimizer = build_optimizer(
+            model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            total_steps=cfg.training.steps,
+            warmup_steps=s.warmup_steps,
+            decay=s.decay,
+            min_lr_ratio=s.min_lr_ratio,
+        )
+        learner = Learner(
+            "model",
+            [model],
+            self.optimizer,
+            lambda max_norm: clip_grad_norm(model.parameters(), max_norm),
+            o.max_grad_norm,
+            self.scheduler,
+        )
         self.updater = Updater([learner], fault=cfg.fault, dump_folder=dump_folder, rank=rank)
 
     def checkpoint_parts(self) -> CheckpointParts:

@@ -33,6 +33,8 @@ from torch import Tensor
 from tandem.models.lora import adapters_disabled, has_lora
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.algorithms.preference import PREFERENCE_LOSSES, PreferenceInput
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.modeling import BuildSpec, build_transformer, export_hf
 from tandem.rl.data.preference import PreferencePair, collate_pairs
 from tandem.rl.recipes.base import Runtime
 from tandem.rl.recipes.pairwise import (
@@ -44,8 +46,6 @@ from tandem.rl.recipes.pairwise import (
     reshard_all,
     sequence_logps,
 )
-from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, build_transformer, export_hf
 
 
 class DPOHead:
@@ -58,12 +58,17 @@ class DPOHead:
         reference = pcfg.reference
         if PREFERENCE_LOSSES.cap(pcfg.loss, "needs_reference", True):
             if reference == "none":
-                raise ConfigError(f"preference.reference: loss {pcfg.loss!r} needs reference "
-                                  "log-probs; set 'precompute' or 'online'")
+                raise ConfigError(
+                    f"preference.reference: loss {pcfg.loss!r} needs reference "
+                    "log-probs; set 'precompute' or 'online'"
+                )
         elif reference != "none":
             if info.is_main:
-                print(f"note: loss {pcfg.loss!r} does not use a reference; preference.reference="
-                      f"{reference!r} ignored", flush=True)
+                print(
+                    f"note: loss {pcfg.loss!r} does not use a reference; preference.reference="
+                    f"{reference!r} ignored",
+                    flush=True,
+                )
             reference = "none"
         build = dict(mesh=setup.mesh, device=info.device, spec=spec, is_main=info.is_main)
         self.model = build_transformer(setup.args, cfg.model.path, cfg.job.seed, **build)
@@ -72,20 +77,30 @@ class DPOHead:
         self.base_reference = reference == "online" and has_lora(self.model)
         self.table: dict[str, Tensor] = {}
         if reference == "online" and not self.base_reference:
-            self.ref_model = build_transformer(setup.args, cfg.model.path, cfg.job.seed,
-                                               trainable=False, **build)
+            self.ref_model = build_transformer(
+                setup.args, cfg.model.path, cfg.job.seed, trainable=False, **build
+            )
         elif reference == "precompute":
             # before any checkpoint is loaded: the policy is the reference now
             t0 = time.monotonic()
-            kw = dict(micro=cfg.training.micro_batch_size, pad_id=setup.pad_id, device=info.device,
-                      rank=setup.rank_dp, dp=setup.dp)
+            kw = dict(
+                micro=cfg.training.micro_batch_size,
+                pad_id=setup.pad_id,
+                device=info.device,
+                rank=setup.rank_dp,
+                dp=setup.dp,
+            )
             with adapters_disabled(self.model):  # LoRA: the base (a no-op without adapters)
-                self.table = {"train": precompute_reference(self.model, setup.data.train, **kw),
-                              "eval": precompute_reference(self.model, setup.data.eval, **kw)}
+                self.table = {
+                    "train": precompute_reference(self.model, setup.data.train, **kw),
+                    "eval": precompute_reference(self.model, setup.data.eval, **kw),
+                }
             if info.is_main:
                 n = len(setup.data.train) + len(setup.data.eval)
-                print(f"reference log-probs of {n} pairs precomputed in "
-                      f"{time.monotonic() - t0:.1f}s", flush=True)
+                print(
+                    f"reference log-probs of {n} pairs precomputed in {time.monotonic() - t0:.1f}s",
+                    flush=True,
+                )
 
     def micro(self, pairs: list[PreferencePair], split: str) -> tuple[Tensor, dict[str, Tensor]]:
         dev = self.info.device
@@ -104,14 +119,20 @@ class DPOHead:
         elif self.table:
             rows = self.table[split][torch.tensor([p.index for p in pairs], device=dev)]  # [B, 2]
             ref_c, ref_r = rows[:, 0], rows[:, 1]
-        out = self.loss_fn(PreferenceInput(logps[:b], logps[b:], ref_c, ref_r, lengths[:b],
-                                           lengths[b:]),
-                           self.loss_cfg)
+        out = self.loss_fn(
+            PreferenceInput(logps[:b], logps[b:], ref_c, ref_r, lengths[:b], lengths[b:]),
+            self.loss_cfg,
+        )
         c, r = out.chosen_rewards, out.rejected_rewards
-        return out.loss, {"loss": out.loss.detach(), "accuracy": pair_accuracy(c, r),
-                          "margin": c - r,
-                          "chosen_reward": c, "rejected_reward": r,
-                          "chosen_logp": logps[:b].detach(), "rejected_logp": logps[b:].detach()}
+        return out.loss, {
+            "loss": out.loss.detach(),
+            "accuracy": pair_accuracy(c, r),
+            "margin": c - r,
+            "chosen_reward": c,
+            "rejected_reward": r,
+            "chosen_logp": logps[:b].detach(),
+            "rejected_logp": logps[b:].detach(),
+        }
 
     def export(self, dump_folder: str) -> str:
         out = os.path.join(dump_folder, "hf")

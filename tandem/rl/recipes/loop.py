@@ -24,7 +24,6 @@ For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import sys
@@ -35,14 +34,14 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.parallel.distributed import DistInfo
+from tandem.rl.config.schema import Config, format_config
+from tandem.rl.core import errors
+from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
+from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
+from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.fault import PreemptionHandler, Watchdog
 from tandem.rl.fault.inject import maybe_kill
 from tandem.rl.recipes.base import Recipe, Runtime
-from tandem.rl.core import errors
-from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
-from tandem.rl.config.schema import Config, format_config
-from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
-from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 
 RecipeFactory = Callable[[Config, Runtime], Recipe]
 # per-step files a resume cuts back to its checkpoint's step
@@ -54,15 +53,24 @@ class Shell:
         self.cfg, self.info = cfg, info
         self.dump = cfg.job.dump_folder
         f = cfg.fault
-        self.watchdog = Watchdog(self.dump, f.hang_timeout_s, info.rank,
-                                 phase_timeouts={"checkpoint": max(f.hang_timeout_s, 1800.0),
-                                                 "build": max(f.hang_timeout_s, 1800.0)})
+        self.watchdog = Watchdog(
+            self.dump,
+            f.hang_timeout_s,
+            info.rank,
+            phase_timeouts={
+                "checkpoint": max(f.hang_timeout_s, 1800.0),
+                "build": max(f.hang_timeout_s, 1800.0),
+            },
+        )
         self.preempt = PreemptionHandler(self.dump, info.rank)
         c = cfg.checkpoint
-        self.ckpt = Checkpointer(os.path.join(self.dump, c.folder), keep_last=c.keep_last,
-                                 async_save=c.async_save, model_only=c.model_only,
-                                 before_commit=lambda step: maybe_kill(
-                                     step, info.rank, self.dump, in_save=True))
+        self.ckpt = Checkpointer(
+            os.path.join(self.dump, c.folder),
+            keep_last=c.keep_last,
+            async_save=c.async_save,
+            model_only=c.model_only,
+            before_commit=lambda step: maybe_kill(step, info.rank, self.dump, in_save=True),
+        )
         self.logger: MetricsLogger | None = None
         self.recipe: Recipe | None = None
         self.step = 0
@@ -76,14 +84,19 @@ class Shell:
         try:
             self._announce()
             m = self.cfg.metrics
-            self.logger = MetricsLogger(self.dump, enabled=self.info.is_main, jsonl=m.jsonl,
-                                        loggers=m.loggers,
-                                        run_name=self.cfg.job.name,
-                                        config=dataclasses.asdict(self.cfg))
+            self.logger = MetricsLogger(
+                self.dump,
+                enabled=self.info.is_main,
+                jsonl=m.jsonl,
+                loggers=m.loggers,
+                run_name=self.cfg.job.name,
+                config=dataclasses.asdict(self.cfg),
+            )
             self.watchdog.start()
             with self.watchdog.phase("build"):
-                self.recipe = make(self.cfg,
-                                   Runtime(self.info, self.dump, self.watchdog, self.logger))
+                self.recipe = make(
+                    self.cfg, Runtime(self.info, self.dump, self.watchdog, self.logger)
+                )
             self.logger.console_keys = self.recipe.console_keys
             return self._run()
         finally:
@@ -100,8 +113,11 @@ class Shell:
         if not self.info.is_main:
             return
         cfg = self.cfg
-        print(f"{cfg.job.name}: recipe {cfg.training.recipe!r} on {self.info.world_size} rank(s) "
-              f"({self.info.device.type}), dump folder {self.dump}", flush=True)
+        print(
+            f"{cfg.job.name}: recipe {cfg.training.recipe!r} on {self.info.world_size} rank(s) "
+            f"({self.info.device.type}), dump folder {self.dump}",
+            flush=True,
+        )
         os.makedirs(self.dump, exist_ok=True)
         path = os.path.join(self.dump, "config.toml")
         if not os.path.exists(path):
@@ -165,15 +181,20 @@ class Shell:
     # ---- metrics ---------------------------------------------------------------------
 
     def _shell_metrics(self, metrics: dict[str, float], t0: float) -> dict[str, float]:
-        phase_peaks = [v for k, v in metrics.items() if k.startswith("memory/")
-                       and k.endswith("peak_gb")]
+        phase_peaks = [
+            v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("peak_gb")
+        ]
         updater = self.recipe.updater
-        return {"time/step_s": time.monotonic() - t0,
-                "memory/peak_gb": max([peak_memory_gb(self.info.device), *phase_peaks]),
-                "lr": updater.last_lr, "fault/skipped_updates": float(updater.skipped)}
+        return {
+            "time/step_s": time.monotonic() - t0,
+            "memory/peak_gb": max([peak_memory_gb(self.info.device), *phase_peaks]),
+            "lr": updater.last_lr,
+            "fault/skipped_updates": float(updater.skipped),
+        }
 
-    def _say_eval(self, values: dict[str, float], form: str,
-                  start: dict[str, float] | None = None) -> None:
+    def _say_eval(
+        self, values: dict[str, float], form: str, start: dict[str, float] | None = None
+    ) -> None:
         if not self.info.is_main:
             return
         for key, value in values.items():
@@ -192,8 +213,9 @@ class Shell:
         per-step logs back to its step; a start at step 0 cuts them to nothing (what an
         attempt logged before its first checkpoint is redone)."""
         recipe, logs = self.recipe, [os.path.join(self.dump, name) for name in STEP_LOGS]
-        last = resume_step(self.ckpt, self.cfg.checkpoint, self.cfg.training.steps,
-                           self.info.is_main, logs=logs)
+        last = resume_step(
+            self.ckpt, self.cfg.checkpoint, self.cfg.training.steps, self.info.is_main, logs=logs
+        )
         if last is None:
             if self.info.is_main:
                 for log in logs:
@@ -211,10 +233,14 @@ class Shell:
             # a checkpoint brought from elsewhere: its history is not here
             self.ledger_from = self.step + 1
         if self.info.is_main:
-            note = resume_note({"_saved_world": saved_world, "_model_only": model_only},
-                               self.info.world_size)
-            print(f"resumed from {self.ckpt.path(last)} at step {self.step}{note}; "
-                  f"loaded in {self.ckpt_metrics['checkpoint/load_s']:.2f}s", flush=True)
+            note = resume_note(
+                {"_saved_world": saved_world, "_model_only": model_only}, self.info.world_size
+            )
+            print(
+                f"resumed from {self.ckpt.path(last)} at step {self.step}{note}; "
+                f"loaded in {self.ckpt_metrics['checkpoint/load_s']:.2f}s",
+                flush=True,
+            )
 
     def _trainer_state(self) -> dict[str, Any]:
         return {"step": self.step, **self.recipe.state_dict()}
@@ -231,8 +257,10 @@ class Shell:
         if self.ckpt.pending_step is None:
             self._committed(self.step, secs)
         elif self.info.is_main:
-            print(f"checkpoint step-{self.step}: staged in {secs:.2f}s, writing in the background",
-                  flush=True)
+            print(
+                f"checkpoint step-{self.step}: staged in {secs:.2f}s, writing in the background",
+                flush=True,
+            )
         if finish:
             self._poll_checkpoint(wait=True)
 
@@ -252,9 +280,11 @@ class Shell:
 
     def _preempted(self) -> int:
         if self.info.is_main:
-            print(f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED}"
-                  " to requeue",
-                  flush=True)
+            print(
+                f"preempted: checkpointed step {self.step}; exiting with {errors.EXIT_PREEMPTED}"
+                " to requeue",
+                flush=True,
+            )
         return errors.EXIT_PREEMPTED
 
     # ---- ledger ----------------------------------------------------------------------
@@ -265,8 +295,10 @@ class Shell:
         every: list[Any] = [None] * self.info.world_size
         dist.all_gather_object(every, (sorted(set(ids)), sorted(set(positions))))
         if self.info.is_main:
-            row: dict[str, Any] = {"step": self.step + 1,
-                                   "ids": sorted(i for part, _ in every for i in part)}
+            row: dict[str, Any] = {
+                "step": self.step + 1,
+                "ids": sorted(i for part, _ in every for i in part),
+            }
             where = sorted(p for _, part in every for p in part)
             if where:
                 row["positions"] = where
@@ -283,8 +315,13 @@ class Shell:
         if self.info.is_main:
             gaps = step_gaps(path, self.cfg.training.steps, first=self.ledger_from)
             twice = position_repeats(path)
-            box = [f"the run ended with fewer steps than asked: {gaps}" if gaps else
-                   f"a prompt was trained twice: {twice}" if twice else None]
+            box = [
+                f"the run ended with fewer steps than asked: {gaps}"
+                if gaps
+                else f"a prompt was trained twice: {twice}"
+                if twice
+                else None
+            ]
         dist.broadcast_object_list(box)
         if box[0] is None:
             return 0

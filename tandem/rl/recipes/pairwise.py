@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from tandem.parallel.distributed import DistInfo
 from tandem.models.vlm import vision_batch
+from tandem.parallel.distributed import DistInfo
+from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.data.images import VisionData
 from tandem.rl.data.preference import (
     PreferenceData,
@@ -45,7 +46,6 @@ from tandem.rl.recipes.base import (
     StepOutput,
     setup,
 )
-from tandem.rl.core.modeling import BuildSpec
 
 __all__ = [
     "PairHead",
@@ -62,8 +62,11 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- tensor pieces
-def sequence_logps(model: nn.Module, batch: dict[str, Tensor], images: list[Any] | None = None,
-                   ) -> tuple[Tensor, Tensor]:
+def sequence_logps(
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    images: list[Any] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Summed log-probs of each row's response tokens and their count: ``[N]``, ``[N]``.
 
     ``batch`` is `collate_pairs` output; token t's logits predict token t+1, so
@@ -86,8 +89,9 @@ def _image_inputs(model: nn.Module, tokens: Tensor, images: list[Any] | None) ->
     n, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).expand(n, s)
     docs = {(row, 0): im for row, im in enumerate(images or []) if im is not None}
-    positions, inputs = vision_batch(tokens, positions, torch.zeros_like(tokens), docs,
-                                     vision.image_token_id)
+    positions, inputs = vision_batch(
+        tokens, positions, torch.zeros_like(tokens), docs, vision.image_token_id
+    )
     for im in docs.values():
         im.release()
     return {"positions": positions, "images": None if inputs is None else inputs.to(tokens.device)}
@@ -127,8 +131,16 @@ def rank_indices(n: int, rank: int, dp: int) -> tuple[list[int], list[bool]]:
 
 
 @torch.no_grad()
-def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro: int, pad_id: int,
-                         device: torch.device, rank: int, dp: int) -> Tensor:
+def precompute_reference(
+    model: nn.Module,
+    pairs: list[PreferencePair],
+    *,
+    micro: int,
+    pad_id: int,
+    device: torch.device,
+    rank: int,
+    dp: int,
+) -> Tensor:
     """Reference log-probs of every pair with ``model`` as it is now: ``[N, 2]`` (chosen, rejected),
     the same table on every rank (each rank scores its share, then an all-gather)."""
     if not pairs:
@@ -138,10 +150,12 @@ def precompute_reference(model: nn.Module, pairs: list[PreferencePair], *, micro
     idx, _ = rank_indices(len(pairs), rank, dp)
     parts = []
     for m0 in range(0, len(idx), micro):
-        sub = [pairs[i] for i in idx[m0:m0 + micro]]
-        logps, _ = sequence_logps(model,
-                                  {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
-                                  pair_images(sub))
+        sub = [pairs[i] for i in idx[m0 : m0 + micro]]
+        logps, _ = sequence_logps(
+            model,
+            {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
+            pair_images(sub),
+        )
         parts.append(torch.stack(logps.float().chunk(2), dim=1))  # [b, 2]
     local = torch.cat(parts)  # [per_rank, 2]
     gathered = [torch.empty_like(local) for _ in range(dp)]
@@ -166,15 +180,27 @@ def setup_pairs(cfg: Any, rt: Runtime, recipe: str) -> PairSetup:
     torch.manual_seed(cfg.job.seed + rt.info.rank)
     d, p = cfg.data, cfg.preference
     data = load_preference_data(
-        d.path, base.tokenizer, fmt=d.format, max_length=d.max_length, on_bad_row=d.on_bad_row,
-        eval_fraction=d.eval_fraction, eval_source=d.eval_path, seed=cfg.job.seed,
-        synthetic_rows=d.synthetic_rows, messages_field=d.messages_field,
-        prompt_field=d.prompt_field, chosen_field=p.chosen_field, rejected_field=p.rejected_field,
+        d.path,
+        base.tokenizer,
+        fmt=d.format,
+        max_length=d.max_length,
+        on_bad_row=d.on_bad_row,
+        eval_fraction=d.eval_fraction,
+        eval_source=d.eval_path,
+        seed=cfg.job.seed,
+        synthetic_rows=d.synthetic_rows,
+        messages_field=d.messages_field,
+        prompt_field=d.prompt_field,
+        chosen_field=p.chosen_field,
+        rejected_field=p.rejected_field,
         vision=VisionData.for_model(base.args, d.path),
     )
     if rt.info.is_main:
-        print(f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "
-              f"{sum(data.skipped.values())} {dict(data.skipped)}", flush=True)
+        print(
+            f"data: {len(data.train)} train pairs, {len(data.eval)} held-out; skipped "
+            f"{sum(data.skipped.values())} {dict(data.skipped)}",
+            flush=True,
+        )
     return PairSetup(**{f.name: getattr(base, f.name) for f in fields(Setup)}, data=data)
 
 
@@ -185,8 +211,9 @@ class PairHead(Protocol):
 
     model: nn.Module
 
-    def micro(self, pairs: list[PreferencePair],
-              split: str) -> tuple[Tensor, dict[str, Tensor]]: ...
+    def micro(
+        self, pairs: list[PreferencePair], split: str
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
     def export(self, dump_folder: str) -> str: ...
 
@@ -206,8 +233,9 @@ class PairwiseRecipe(SingleModelRecipe):
         self.model = self.head.model
         self.training = SingleModelTraining(self.model, cfg, rt.dump_folder, rt.info.rank)
         self.updater = self.training.updater
-        self.sampler = StepSampler(len(self.setup.data.train), cfg.training.batch_size,
-                                   cfg.job.seed, cfg.data.shuffle)
+        self.sampler = StepSampler(
+            len(self.setup.data.train), cfg.training.batch_size, cfg.job.seed, cfg.data.shuffle
+        )
         self.model.train()
 
     def step(self, step: int) -> StepOutput:
@@ -219,7 +247,7 @@ class PairwiseRecipe(SingleModelRecipe):
         sums: dict[str, Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for m0 in range(0, len(pairs), micro):
-            loss, metrics = self.head.micro(pairs[m0:m0 + micro], "train")
+            loss, metrics = self.head.micro(pairs[m0 : m0 + micro], "train")
             # FSDP averages gradients over dp ranks: this makes the result the mean over the global
             # batch.
             (loss.sum() * (s.dp / batch)).backward()
@@ -229,22 +257,33 @@ class PairwiseRecipe(SingleModelRecipe):
         grad_norm = self.updater.apply(loss_sum, step).get("model")
         names = list(sums)
         tokens = sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in pairs)
-        total = torch.stack([sums[k] for k in names]
-                            + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)])
+        total = torch.stack(
+            [sums[k] for k in names]
+            + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)]
+        )
         dist.all_reduce(total)  # one host sync per step, for the metrics row
         values = total.tolist()
         dt = time.monotonic() - t0
         row = {k: v / batch for k, v in zip(names, values)}
-        row.update({"grad_norm": grad_norm if grad_norm is not None else float("nan"),
-                    "throughput/pairs_per_s": batch / dt,
-                    "throughput/tokens_per_s": values[-1] / dt,
-                    "epoch": self.sampler.epoch_of(step),
-                    "data/skipped_rows": sum(s.data.skipped.values())})
+        row.update(
+            {
+                "grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                "throughput/pairs_per_s": batch / dt,
+                "throughput/tokens_per_s": values[-1] / dt,
+                "epoch": self.sampler.epoch_of(step),
+                "data/skipped_rows": sum(s.data.skipped.values()),
+            }
+        )
         return StepOutput(row, [f"pair-{i}" for i in local])
 
     def evaluate(self) -> dict[str, float]:
-        return _evaluate(self.model, self.head.micro, self.setup,
-                         self.cfg.training.micro_batch_size, self.info.device)
+        return _evaluate(
+            self.model,
+            self.head.micro,
+            self.setup,
+            self.cfg.training.micro_batch_size,
+            self.info.device,
+        )
 
     def export(self, dump_folder: str) -> str:
         return self.head.export(dump_folder)
@@ -253,10 +292,13 @@ class PairwiseRecipe(SingleModelRecipe):
         pass
 
 
-def _evaluate(model: nn.Module,
-              micro_fn: Callable[[list[PreferencePair], str], tuple[Tensor, dict[str, Tensor]]],
-              setup: PairSetup, micro: int,
-                  device: torch.device) -> dict[str, float]:
+def _evaluate(
+    model: nn.Module,
+    micro_fn: Callable[[list[PreferencePair], str], tuple[Tensor, dict[str, Tensor]]],
+    setup: PairSetup,
+    micro: int,
+    device: torch.device,
+) -> dict[str, float]:
     """Mean of every per-pair metric over the held-out pairs ("eval/" + name)."""
     pairs = setup.data.eval
     if not pairs:
@@ -266,8 +308,8 @@ def _evaluate(model: nn.Module,
     model.eval()
     with torch.no_grad():
         for m0 in range(0, len(idx), micro):
-            w = torch.tensor(valid[m0:m0 + micro], dtype=torch.float64, device=device)  # [b]
-            _, metrics = micro_fn([pairs[i] for i in idx[m0:m0 + micro]], "eval")
+            w = torch.tensor(valid[m0 : m0 + micro], dtype=torch.float64, device=device)  # [b]
+            _, metrics = micro_fn([pairs[i] for i in idx[m0 : m0 + micro]], "eval")
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + (v.double() * w).sum()
     reshard_all(model)
@@ -276,5 +318,3 @@ def _evaluate(model: nn.Module,
     total = torch.stack([sums[k] for k in names])
     dist.all_reduce(total)
     return {f"eval/{k}": v / len(pairs) for k, v in zip(names, total.tolist())}
-
-

@@ -25,12 +25,12 @@ from tandem.models.lora import lora_spec_of
 from tandem.models.value_head import ScalarHeadModel, last_token_scores, save_scalar_model
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.algorithms.preference import bradley_terry_loss
-from tandem.rl.data.preference import PreferencePair, collate_pairs
-from tandem.rl.recipes.base import Runtime
-from tandem.rl.recipes.pairwise import PairSetup, PairwiseRecipe, pair_accuracy
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.lora import merged_state
 from tandem.rl.core.modeling import BuildSpec, build_scalar_model, gather_full_state
+from tandem.rl.data.preference import PreferencePair, collate_pairs
+from tandem.rl.recipes.base import Runtime
+from tandem.rl.recipes.pairwise import PairSetup, PairwiseRecipe, pair_accuracy
 
 __all__ = ["EXPORT_DIR", "RewardModelHead", "make_reward_model", "pair_scores"]
 
@@ -48,20 +48,35 @@ class RewardModelHead:
     def __init__(self, cfg: Any, info: DistInfo, setup: PairSetup, spec: BuildSpec) -> None:
         self.info, self.setup = info, setup
         if setup.args.vision is not None:
-            raise ConfigError("model: the reward_model recipe trains text models only so far (this "
-                              "folder is a vision-language model)")
-        self.model = build_scalar_model(setup.args, cfg.model.path, cfg.job.seed, setup.mesh,
-                                        info.device, spec, is_main=info.is_main)
+            raise ConfigError(
+                "model: the reward_model recipe trains text models only so far (this "
+                "folder is a vision-language model)"
+            )
+        self.model = build_scalar_model(
+            setup.args,
+            cfg.model.path,
+            cfg.job.seed,
+            setup.mesh,
+            info.device,
+            spec,
+            is_main=info.is_main,
+        )
 
     def micro(self, pairs: list[PreferencePair], split: str) -> tuple[Tensor, dict[str, Tensor]]:
-        batch = {k: v.to(self.info.device)
-                 for k, v in collate_pairs(pairs, self.setup.pad_id).items()}
+        batch = {
+            k: v.to(self.info.device) for k, v in collate_pairs(pairs, self.setup.pad_id).items()
+        }
         scores = pair_scores(self.model, batch)
-        c, r = scores[: len(pairs)], scores[len(pairs):]
+        c, r = scores[: len(pairs)], scores[len(pairs) :]
         loss = bradley_terry_loss(c, r)  # [B]
         c, r = c.detach(), r.detach()
-        return loss, {"loss": loss.detach(), "accuracy": pair_accuracy(c, r), "margin": c - r,
-                      "chosen_score": c, "rejected_score": r}
+        return loss, {
+            "loss": loss.detach(),
+            "accuracy": pair_accuracy(c, r),
+            "margin": c - r,
+            "chosen_score": c,
+            "rejected_score": r,
+        }
 
     def export(self, dump_folder: str) -> str:
         out = os.path.join(dump_folder, EXPORT_DIR)

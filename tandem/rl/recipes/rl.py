@@ -43,8 +43,18 @@ from tandem.rl.update.vision import check_vision_policy
 
 
 class RLRecipe:
-    console_keys = ("reward/total", "accuracy", "response/length_mean", "kl", "entropy",
-                    "clip_frac", "grad_norm", "gap/abs_mean", "time/rollout_s", "time/update_s")
+    console_keys = (
+        "reward/total",
+        "accuracy",
+        "response/length_mean",
+        "kl",
+        "entropy",
+        "clip_frac",
+        "grad_norm",
+        "gap/abs_mean",
+        "time/rollout_s",
+        "time/update_s",
+    )
 
     def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info, self.rt = cfg, rt.info, rt
@@ -53,8 +63,7 @@ class RLRecipe:
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
         check_rl_settings(cfg, info, needs_values)
-        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step),
-                  fsdp_only=False)
+        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step), fsdp_only=False)
         degrees = s.degrees
         self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
@@ -65,8 +74,9 @@ class RLRecipe:
         mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
         dump = rt.dump_folder
         check_vision_policy(cfg, self.args, self.mp)
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style,
-                     cfg.parallel.ep)
+        check_layout(
+            self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep
+        )
         self.max_prompt = prompt_room(cfg)
         train_prompts, eval_prompts = self._load_data()
         self.train_prompts = train_prompts
@@ -74,53 +84,111 @@ class RLRecipe:
         if cfg.env.name or http:
             seq_len = self.max_prompt + cfg.env.max_total_tokens
         spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
-        kw = dict(path=cfg.model.path, seed=cfg.job.seed, spec=spec, is_main=info.is_main,
-                  pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=advanced.pp_microbatches,
-                  seq_len=seq_len, micro_batch_tokens=r.micro_batch_tokens,
-                  chunk_tokens=advanced.logprob_chunk_tokens,
-                  share_prompts=degrees.pp == 1 if advanced.share_prompts is None
-                  else advanced.share_prompts, cp_style=cfg.parallel.cp_style)
+        kw = dict(
+            path=cfg.model.path,
+            seed=cfg.job.seed,
+            spec=spec,
+            is_main=info.is_main,
+            pp_schedule=cfg.parallel.pp_schedule,
+            pp_microbatches=advanced.pp_microbatches,
+            seq_len=seq_len,
+            micro_batch_tokens=r.micro_batch_tokens,
+            chunk_tokens=advanced.logprob_chunk_tokens,
+            share_prompts=degrees.pp == 1
+            if advanced.share_prompts is None
+            else advanced.share_prompts,
+            cp_style=cfg.parallel.cp_style,
+        )
         self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
-        gen_dtype = generation_dtype(cfg.rollout.dtype, info.device,
-                                     cfg.training.mixed_precision_param)
+        gen_dtype = generation_dtype(
+            cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param
+        )
         gen_copy = generation_copy(
-            self.policy, self.args, cfg.rollout, info, gen_dtype,
-            offload_optimizer=r.offload_optimizer, reference=r.kl_coef > 0 and not cfg.lora.enabled,
-            critic=needs_values, bucket_bytes=advanced.reshard_bucket_mb << 20)
+            self.policy,
+            self.args,
+            cfg.rollout,
+            info,
+            gen_dtype,
+            offload_optimizer=r.offload_optimizer,
+            reference=r.kl_coef > 0 and not cfg.lora.enabled,
+            critic=needs_values,
+            bucket_bytes=advanced.reshard_bucket_mb << 20,
+        )
         ref = None
         if r.kl_coef > 0:  # LoRA: the policy with its adapters off
-            ref = frozen_reference(self.policy, lambda: build_policy(
-                self.args, self.mesh, info.device, trainable=False, **kw))
+            ref = frozen_reference(
+                self.policy,
+                lambda: build_policy(self.args, self.mesh, info.device, trainable=False, **kw),
+            )
         self.kv = KVScales.create(cfg.rollout, self.args, self.policy, ref)  # FP8 KV or None
         self.step_index = 0  # the step being taken (the shell's count)
         o = cfg.optimizer
-        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps,
-                                   weight_decay=o.weight_decay)
-        self.critic = Critic(cfg.critic, o, self.args, self.mesh, info.device, spec,
-                             policy_path=cfg.model.path, seed=cfg.job.seed, is_main=info.is_main,
-                             cp=self.policy.split) if needs_values else None
+        self.opt = build_optimizer(
+            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.critic = (
+            Critic(
+                cfg.critic,
+                o,
+                self.args,
+                self.mesh,
+                info.device,
+                spec,
+                policy_path=cfg.model.path,
+                seed=cfg.job.seed,
+                is_main=info.is_main,
+                cp=self.policy.split,
+            )
+            if needs_values
+            else None
+        )
         warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         teachers = None
         if cfg.distill.teachers:
             teachers = self._teachers(spec, train_prompts + eval_prompts)
         trainers = self._trainers(warmup)
-        self.updater = Updater([t.learner for t in trainers], fault=cfg.fault, dump_folder=dump,
-                               rank=info.rank)
-        self.rollout = self._rollout_phase(gen_copy, train_prompts, eval_prompts, http,
-                                           dp=(self.dp, s.rank_dp, dp_group),
-                                           mp=(self.mp, mp_rank, mp_group))
+        self.updater = Updater(
+            [t.learner for t in trainers], fault=cfg.fault, dump_folder=dump, rank=info.rank
+        )
+        self.rollout = self._rollout_phase(
+            gen_copy,
+            train_prompts,
+            eval_prompts,
+            http,
+            dp=(self.dp, s.rank_dp, dp_group),
+            mp=(self.mp, mp_rank, mp_group),
+        )
         n_log = cfg.metrics.samples_per_step if info.is_main else 0
-        self.update = UpdatePhase(rl=r, max_tokens=cfg.rollout.max_tokens, distill=cfg.distill,
-                                  policy=self.policy, ref=ref, trainers=trainers,
-                                  updater=self.updater, teachers=teachers, dp=(self.dp, dp_group),
-                                  device=info.device, samples_to_log=n_log, kv=self.kv,
-                                  chunk_tokens=advanced.logprob_chunk_tokens)
-        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.is_main,
-                                    text_sink=rt.logger.text)
+        self.update = UpdatePhase(
+            rl=r,
+            max_tokens=cfg.rollout.max_tokens,
+            distill=cfg.distill,
+            policy=self.policy,
+            ref=ref,
+            trainers=trainers,
+            updater=self.updater,
+            teachers=teachers,
+            dp=(self.dp, dp_group),
+            device=info.device,
+            samples_to_log=n_log,
+            kv=self.kv,
+            chunk_tokens=advanced.logprob_chunk_tokens,
+        )
+        self.sample_log = SampleLog(
+            dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text
+        )
 
-    def _rollout_phase(self, gen_copy: Any, train: list[Any], evals: list[Any], http: bool, *,
-                       dp: tuple[int, int, Any], mp: tuple[int, int, Any]) -> Any:
+    def _rollout_phase(
+        self,
+        gen_copy: Any,
+        train: list[Any],
+        evals: list[Any],
+        http: bool,
+        *,
+        dp: tuple[int, int, Any],
+        mp: tuple[int, int, Any],
+    ) -> Any:
         """The rollout phase in ``rollout.mode``; with ``env.kind = "http"`` the endpoint starts
         (rank 0) and plays the episodes."""
         cfg, info = self.cfg, self.info
@@ -129,25 +197,53 @@ class RLRecipe:
         self.gen_layout = gen_copy.layout
         mode = cfg.rollout.mode
         if ROLLOUT_MODES.cap(mode, "streams") and gen_copy.layout.tp > 1:
-            raise ConfigError(f"rollout.mode: {mode!r} runs with rollout.tp = 1 only so far, "
-                              f"got {gen_copy.layout.tp}")
-        return ROLLOUT_MODES.get(mode)(RolloutPhase(
-            rl=cfg.rl, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
-            seed=cfg.job.seed, info=info, tok=self.tok, train=train, evals=evals,
-            gen_copy=gen_copy, dp=dp, mp=mp, max_prompt=self.max_prompt,
-            rollout_dumps=self.rt.dump_folder if cfg.advanced.dump_rollouts else None,
-            optimizer=self.opt if cfg.rl.offload_optimizer else None, kv=self.kv,
-            kv_ready=self._kv_ready, episodes=self._serve if http else None))
+            raise ConfigError(
+                f"rollout.mode: {mode!r} runs with rollout.tp = 1 only so far, "
+                f"got {gen_copy.layout.tp}"
+            )
+        return ROLLOUT_MODES.get(mode)(
+            RolloutPhase(
+                rl=cfg.rl,
+                rollout=cfg.rollout,
+                reward=cfg.reward,
+                env=cfg.env,
+                data=cfg.data,
+                seed=cfg.job.seed,
+                info=info,
+                tok=self.tok,
+                train=train,
+                evals=evals,
+                gen_copy=gen_copy,
+                dp=dp,
+                mp=mp,
+                max_prompt=self.max_prompt,
+                rollout_dumps=self.rt.dump_folder if cfg.advanced.dump_rollouts else None,
+                optimizer=self.opt if cfg.rl.offload_optimizer else None,
+                kv=self.kv,
+                kv_ready=self._kv_ready,
+                episodes=self._serve if http else None,
+            )
+        )
 
     def _teachers(self, spec: BuildSpec, prompts: list[Any]) -> Teachers:
         cfg, info = self.cfg, self.info
-        teachers = Teachers(cfg.distill, self.tok, self.mesh, info.device, spec, seed=cfg.job.seed,
-                            is_main=info.is_main, conversation=self._conversation)
+        teachers = Teachers(
+            cfg.distill,
+            self.tok,
+            self.mesh,
+            info.device,
+            spec,
+            seed=cfg.job.seed,
+            is_main=info.is_main,
+            conversation=self._conversation,
+        )
         if teachers.cross_tokenizer and cfg.env.name:
-            raise ConfigError("distill.teachers: a teacher with another tokenizer scores "
-                              "single-turn "
-                              "completions only so far; env.name (multi-turn episodes) needs "
-                              "teachers with the student's tokenizer")
+            raise ConfigError(
+                "distill.teachers: a teacher with another tokenizer scores "
+                "single-turn "
+                "completions only so far; env.name (multi-turn episodes) needs "
+                "teachers with the student's tokenizer"
+            )
         teachers.check_rows([p.row for p in prompts])  # fail now, not mid-run
         return teachers
 
@@ -158,35 +254,66 @@ class RLRecipe:
         per_batch = r.epochs * r.minibatches
         ls = cfg.lr_schedule
         total = max(cfg.training.steps - warmup, 1) * per_batch
-        self.sched = build_scheduler(self.opt, total_steps=total,
-                                     warmup_steps=ls.warmup_steps * per_batch, decay=ls.decay,
-                                     min_lr_ratio=ls.min_lr_ratio)
-        trainers: list[Any] = [PolicyTrainer(self.policy, self.opt, self.sched,
-                                             max_grad_norm=o.max_grad_norm, warmup_steps=warmup)]
+        self.sched = build_scheduler(
+            self.opt,
+            total_steps=total,
+            warmup_steps=ls.warmup_steps * per_batch,
+            decay=ls.decay,
+            min_lr_ratio=ls.min_lr_ratio,
+        )
+        trainers: list[Any] = [
+            PolicyTrainer(
+                self.policy,
+                self.opt,
+                self.sched,
+                max_grad_norm=o.max_grad_norm,
+                warmup_steps=warmup,
+            )
+        ]
         if self.critic is not None:
-            trainers.append(CriticTrainer(self.critic, self.policy, max_grad_norm=o.max_grad_norm,
-                                          dp=self.dp))
+            trainers.append(
+                CriticTrainer(self.critic, self.policy, max_grad_norm=o.max_grad_norm, dp=self.dp)
+            )
         return trainers
 
     def _load_data(self):
         d = self.cfg.data
-        kw = dict(prompt_field=d.prompt_field, messages_field=d.messages_field,
-                  answer_field=d.answer_field,
-                  max_prompt_tokens=self.max_prompt, on_bad_row=d.on_bad_row)
-        rows = load_prompt_rows(d.path, d.format, split="train", seed=self.cfg.job.seed,
-                                n_synthetic=d.synthetic_rows)
-        train, skipped = encode_prompts(rows, self.tok, source=d.path,
-                                        vision=VisionData.for_model(self.args, d.path), **kw)
+        kw = dict(
+            prompt_field=d.prompt_field,
+            messages_field=d.messages_field,
+            answer_field=d.answer_field,
+            max_prompt_tokens=self.max_prompt,
+            on_bad_row=d.on_bad_row,
+        )
+        rows = load_prompt_rows(
+            d.path, d.format, split="train", seed=self.cfg.job.seed, n_synthetic=d.synthetic_rows
+        )
+        train, skipped = encode_prompts(
+            rows, self.tok, source=d.path, vision=VisionData.for_model(self.args, d.path), **kw
+        )
         eval_path = d.eval_path or (d.path if d.path.startswith("synthetic:") else None)
         evals = []
         if eval_path:
-            erows = load_prompt_rows(eval_path, d.format, split="test", seed=self.cfg.job.seed + 1,
-                                     n_synthetic=self.cfg.rl.eval_prompts)
-            evals, _ = encode_prompts(erows[: self.cfg.rl.eval_prompts], self.tok, source=eval_path,
-                                      vision=VisionData.for_model(self.args, eval_path), **kw)
+            erows = load_prompt_rows(
+                eval_path,
+                d.format,
+                split="test",
+                seed=self.cfg.job.seed + 1,
+                n_synthetic=self.cfg.rl.eval_prompts,
+            )
+            evals, _ = encode_prompts(
+                erows[: self.cfg.rl.eval_prompts],
+                self.tok,
+                source=eval_path,
+                vision=VisionData.for_model(self.args, eval_path),
+                **kw,
+            )
         if self.info.is_main:
-            print(f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped "
-                  f"{sum(skipped.values())} {skipped}", flush=True)
+            print(
+                f"data: {len(train)} train prompts, {len(evals)} eval prompts; skipped "
+                f"{sum(skipped.values())} {skipped}",
+                flush=True,
+            )
         return train, evals
 
     def _conversation(self, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -221,8 +348,13 @@ class RLRecipe:
         prompt groups and their partial samples)."""
         stream = self.rollout.stream
         kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}
-        return {"scheduler": self.sched.state_dict(), "cursor": stream.cursor,
-                "requeued": stream.requeued, "rollout": self.rollout.state_dict(), **kv}
+        return {
+            "scheduler": self.sched.state_dict(),
+            "cursor": stream.cursor,
+            "requeued": stream.requeued,
+            "rollout": self.rollout.state_dict(),
+            **kv,
+        }
 
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
@@ -242,14 +374,24 @@ class RLRecipe:
         """The first ``metrics.samples_per_step`` samples of this rank as samples.jsonl records
         (the writing rank writes its own: the first prompts' groups, whose advantages are
         relative to each other)."""
-        n = (min(self.cfg.metrics.samples_per_step, len(batch.samples))
-             if self.sample_log.enabled else 0)
-        return [{"prompt": self.tok.decode(s.prompt_ids), "completion": s.text,
-                 "reward": float(batch.scores[i]), "rewards": s.info.get("rewards", {}),
-                 "advantage": advantages[i] if advantages else None,
-                 "finish_reason": s.finish_reason, "completion_tokens": len(s.completion_ids),
-                 "id": str(s.row.get("id", s.row.get("problem_id", "")))}
-                for i, s in enumerate(batch.samples[:n])]
+        n = (
+            min(self.cfg.metrics.samples_per_step, len(batch.samples))
+            if self.sample_log.enabled
+            else 0
+        )
+        return [
+            {
+                "prompt": self.tok.decode(s.prompt_ids),
+                "completion": s.text,
+                "reward": float(batch.scores[i]),
+                "rewards": s.info.get("rewards", {}),
+                "advantage": advantages[i] if advantages else None,
+                "finish_reason": s.finish_reason,
+                "completion_tokens": len(s.completion_ids),
+                "id": str(s.row.get("id", s.row.get("problem_id", ""))),
+            }
+            for i, s in enumerate(batch.samples[:n])
+        ]
 
     def export(self, dump_folder: str) -> str:
         out = os.path.join(dump_folder, "hf")
@@ -262,15 +404,26 @@ class RLRecipe:
         if self.server is not None:
             self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
 
-    def _serve(self, gen_model: Any, prompts: list[Any], n: int, seeds: list[int],
-               greedy: bool = False) -> tuple[list[Any], dict[str, float]]:
+    def _serve(
+        self, gen_model: Any, prompts: list[Any], n: int, seeds: list[int], greedy: bool = False
+    ) -> tuple[list[Any], dict[str, float]]:
         """``env.kind = "http"``: the step's episodes, played by a harness over the endpoint."""
         from tandem.rl.serve.episodes import serve_episodes
 
-        return serve_episodes(self.server, gen_model, self.tok, prompts, n, self.cfg.rollout,
-                              self.cfg.env, seeds=seeds, greedy=greedy,
-                              layout=self.gen_layout, version=self.step_index,
-                              beat=self.rt.watchdog.beat)
+        return serve_episodes(
+            self.server,
+            gen_model,
+            self.tok,
+            prompts,
+            n,
+            self.cfg.rollout,
+            self.cfg.env,
+            seeds=seeds,
+            greedy=greedy,
+            layout=self.gen_layout,
+            version=self.step_index,
+            beat=self.rt.watchdog.beat,
+        )
 
     def _kv_ready(self) -> dict[str, float]:
         """Collective: FP8 KV scales exist before anything samples (the first calibration)."""

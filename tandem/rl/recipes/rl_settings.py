@@ -16,8 +16,10 @@ def prompt_room(cfg: Any) -> int:
     ConfigError line when nothing is left)."""
     room = cfg.data.max_length - cfg.rollout.max_tokens
     if room < 1:
-        raise ConfigError(f"data.max_length: {cfg.data.max_length} leaves no room for prompts "
-                          f"after rollout.max_tokens {cfg.rollout.max_tokens}")
+        raise ConfigError(
+            f"data.max_length: {cfg.data.max_length} leaves no room for prompts "
+            f"after rollout.max_tokens {cfg.rollout.max_tokens}"
+        )
     return room
 
 
@@ -33,27 +35,40 @@ def check_rl_settings(cfg: Any, info: DistInfo, needs_values: bool) -> None:
     tp_pp = cfg.parallel.tp * cfg.parallel.pp
     if tp_pp > 1 and (needs_values or cfg.distill.teachers):
         what = f"rl.advantage = {r.advantage!r} (a critic)" if needs_values else "distill.teachers"
-        raise ConfigError(f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; "
-                          "set tp = pp = 1")
+        raise ConfigError(
+            f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; "
+            "set tp = pp = 1"
+        )
     if r.exact and (device.type != "cpu" or tp_pp > 1):
-        raise ConfigError("rl.exact: batch-invariant kernels are validated for the CPU with "
-                          "parallel.tp = pp = 1 only so far (the CUDA path, "
-                          "tandem/kernels/triton_batch_invariant.py, passes its tests under the "
-                          "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part "
-                          f"'exact') (device {device.type}, tp x pp = {tp_pp}); set "
-                          "rl.exact = false")
+        raise ConfigError(
+            "rl.exact: batch-invariant kernels are validated for the CPU with "
+            "parallel.tp = pp = 1 only so far (the CUDA path, "
+            "tandem/kernels/triton_batch_invariant.py, passes its tests under the "
+            "Triton interpreter but has not run on a GPU: scripts/gpu_check.sh part "
+            f"'exact') (device {device.type}, tp x pp = {tp_pp}); set "
+            "rl.exact = false"
+        )
     if ROLLOUT_MODES.cap(cfg.rollout.mode, "streams"):
-        what = [k for k, bad in (("env.name", cfg.env.name),
-                                 ("rl.dynamic_sampling", r.dynamic_sampling),
-                                 ("parallel.tp / parallel.pp", tp_pp > 1)) if bad]
+        what = [
+            k
+            for k, bad in (
+                ("env.name", cfg.env.name),
+                ("rl.dynamic_sampling", r.dynamic_sampling),
+                ("parallel.tp / parallel.pp", tp_pp > 1),
+            )
+            if bad
+        ]
         if what:
-            raise ConfigError(f"rollout.mode: {cfg.rollout.mode!r} runs single-turn rollouts "
-                              "without dynamic sampling on parallel.tp = pp = 1 so far; unset "
-                              + ", ".join(what))
+            raise ConfigError(
+                f"rollout.mode: {cfg.rollout.mode!r} runs single-turn rollouts "
+                "without dynamic sampling on parallel.tp = pp = 1 so far; unset " + ", ".join(what)
+            )
     if r.exact and cfg.rollout.tp > 1:
-        raise ConfigError("rl.exact: bitwise equality needs the generation layout to compute like "
-                          "the update's (rollout.tp = the training tp = 1), got rollout.tp = "
-                          f"{cfg.rollout.tp}")
+        raise ConfigError(
+            "rl.exact: bitwise equality needs the generation layout to compute like "
+            "the update's (rollout.tp = the training tp = 1), got rollout.tp = "
+            f"{cfg.rollout.tp}"
+        )
 
 
 def episode_server(cfg: Any, info: DistInfo, tok: Any) -> Any:

@@ -53,21 +53,33 @@ def check_split_settings(cfg: Any, world: int) -> None:
     g, r, p = cfg.rollout.gen_ranks, cfg.rl, cfg.parallel
     if g >= world:
         raise ConfigError(f"rollout.gen_ranks: {g} leaves no trainer rank of the {world}")
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
-                       ("parallel.ep", p.ep), ("parallel.dp_replicate", p.dp_replicate),
-                       ("rollout.tp", cfg.rollout.tp)):
+    for key, value in (
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("parallel.cp", p.cp),
+        ("parallel.ep", p.ep),
+        ("parallel.dp_replicate", p.dp_replicate),
+        ("rollout.tp", cfg.rollout.tp),
+    ):
         if value > 1:
-            raise ConfigError(f"{key}: {value} with rollout.mode = 'split' has not run yet (the "
-                              "trainers shard with FSDP2 alone, each generator holds the whole "
-                              "model); set it to 1")
-    for key, on in (("rl.advantage (a critic)", ADVANTAGES.cap(r.advantage, "needs_values", False)),
-                    ("rl.kl_coef (a reference model)", r.kl_coef > 0),
-                    ("distill.teachers", bool(cfg.distill.teachers)),
-                    ("rl.dynamic_sampling", r.dynamic_sampling), ("env.name", bool(cfg.env.name)),
-                    ("rl.offload_optimizer", r.offload_optimizer)):
+            raise ConfigError(
+                f"{key}: {value} with rollout.mode = 'split' has not run yet (the "
+                "trainers shard with FSDP2 alone, each generator holds the whole "
+                "model); set it to 1"
+            )
+    for key, on in (
+        ("rl.advantage (a critic)", ADVANTAGES.cap(r.advantage, "needs_values", False)),
+        ("rl.kl_coef (a reference model)", r.kl_coef > 0),
+        ("distill.teachers", bool(cfg.distill.teachers)),
+        ("rl.dynamic_sampling", r.dynamic_sampling),
+        ("env.name", bool(cfg.env.name)),
+        ("rl.offload_optimizer", r.offload_optimizer),
+    ):
         if on:
-            raise ConfigError(f"{key}: rollout.mode = 'split' has not run with it yet; unset it "
-                              "or use rollout.mode = 'colocated_async'")
+            raise ConfigError(
+                f"{key}: rollout.mode = 'split' has not run with it yet; unset it "
+                "or use rollout.mode = 'colocated_async'"
+            )
 
 
 class _Relay:
@@ -91,18 +103,26 @@ class SplitRLRecipe(RLRecipe):
         if r.exact:
             batch_invariant.enable()
         # collective over the world (new groups): every rank makes the trainers' mesh and groups
-        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step),
-                  ranks=(world.first, world.second))
+        s = setup(
+            cfg,
+            rt,
+            "rl",
+            batch=("rl.prompts_per_step", r.prompts_per_step),
+            ranks=(world.first, world.second),
+        )
         self.mesh, self.dp, self.mp = s.mesh, s.dp, 1
         self.tok, self.args, self.dp_rank = s.tokenizer, s.args, s.rank_dp
         dump = rt.dump_folder
         self.max_prompt = prompt_room(cfg)
         self.train_prompts, self.eval_prompts = self._load_data()
-        dtype = generation_dtype(cfg.rollout.dtype, info.device,
-                                 cfg.training.mixed_precision_param) or torch.float32
+        dtype = (
+            generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
+            or torch.float32
+        )
         bucket = cfg.advanced.reshard_bucket_mb << 20
-        self.sample_log = SampleLog(dump, cfg.metrics.samples_per_step, info.rank == world.first,
-                                    text_sink=rt.logger.text)
+        self.sample_log = SampleLog(
+            dump, cfg.metrics.samples_per_step, info.rank == world.first, text_sink=rt.logger.text
+        )
         self.step_index = 0
         if world.in_first:
             self._build_generator(dtype, bucket)
@@ -116,41 +136,80 @@ class SplitRLRecipe(RLRecipe):
     def _build_generator(self, dtype: torch.dtype, bucket: int) -> None:
         cfg, info, w = self.cfg, self.info, self.world
         self.model, self.opt, self.updater = nn.Module(), None, _Relay()
-        bridge = BridgeCopy(nn.Module(), self.args, info.device, dtype, world=w,
-                            bucket_bytes=bucket)
+        bridge = BridgeCopy(
+            nn.Module(), self.args, info.device, dtype, world=w, bucket_bytes=bucket
+        )
         base = RolloutPhase(
-            rl=cfg.rl, rollout=cfg.rollout, reward=cfg.reward, env=cfg.env, data=cfg.data,
-            seed=cfg.job.seed, info=info, tok=self.tok, train=self.train_prompts,
-            evals=self.eval_prompts, gen_copy=bridge, dp=(w.first, w.side_rank, w.first_group),
-            mp=(1, 0, None), max_prompt=self.max_prompt, rollout_dumps=None)
+            rl=cfg.rl,
+            rollout=cfg.rollout,
+            reward=cfg.reward,
+            env=cfg.env,
+            data=cfg.data,
+            seed=cfg.job.seed,
+            info=info,
+            tok=self.tok,
+            train=self.train_prompts,
+            evals=self.eval_prompts,
+            gen_copy=bridge,
+            dp=(w.first, w.side_rank, w.first_group),
+            mp=(1, 0, None),
+            max_prompt=self.max_prompt,
+            rollout_dumps=None,
+        )
         self.rollout = SplitGenerator(base, w, bridge)
 
     def _build_trainer(self, dp_group: Any, dtype: torch.dtype, bucket: int) -> None:
         cfg, info, r = self.cfg, self.info, self.cfg.rl
         spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
         self.policy = build_policy(
-            self.args, self.mesh, info.device, lora=cfg.lora, path=cfg.model.path,
-            seed=cfg.job.seed, spec=spec, is_main=True,  # every trainer reads the weights
-            pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.advanced.pp_microbatches,
-            seq_len=cfg.data.max_length, micro_batch_tokens=r.micro_batch_tokens,
-            chunk_tokens=cfg.advanced.logprob_chunk_tokens, share_prompts=True,
-            cp_style=cfg.parallel.cp_style)
+            self.args,
+            self.mesh,
+            info.device,
+            lora=cfg.lora,
+            path=cfg.model.path,
+            seed=cfg.job.seed,
+            spec=spec,
+            is_main=True,  # every trainer reads the weights
+            pp_schedule=cfg.parallel.pp_schedule,
+            pp_microbatches=cfg.advanced.pp_microbatches,
+            seq_len=cfg.data.max_length,
+            micro_batch_tokens=r.micro_batch_tokens,
+            chunk_tokens=cfg.advanced.logprob_chunk_tokens,
+            share_prompts=True,
+            cp_style=cfg.parallel.cp_style,
+        )
         self.model = self.policy.state_module
         o = cfg.optimizer
-        self.opt = build_optimizer(self.model, lr=o.lr, betas=o.betas, eps=o.eps,
-                                   weight_decay=o.weight_decay)
+        self.opt = build_optimizer(
+            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
         trainers = self._trainers(0)
-        self.updater = Updater([t.learner for t in trainers], fault=cfg.fault,
-                               dump_folder=self.rt.dump_folder, rank=info.rank)
-        self.bridge = BridgeCopy(self.model, self.args, info.device, dtype, world=self.world,
-                                 bucket_bytes=bucket)
+        self.updater = Updater(
+            [t.learner for t in trainers],
+            fault=cfg.fault,
+            dump_folder=self.rt.dump_folder,
+            rank=info.rank,
+        )
+        self.bridge = BridgeCopy(
+            self.model, self.args, info.device, dtype, world=self.world, bucket_bytes=bucket
+        )
         self.rollout = None
         n_log = cfg.metrics.samples_per_step if info.rank == self.world.first else 0
-        self.update = UpdatePhase(rl=r, max_tokens=cfg.rollout.max_tokens, distill=cfg.distill,
-                                  policy=self.policy, ref=None, trainers=trainers,
-                                  updater=self.updater, teachers=None, dp=(self.dp, dp_group),
-                                  device=info.device, samples_to_log=n_log, kv=None,
-                                  chunk_tokens=cfg.advanced.logprob_chunk_tokens)
+        self.update = UpdatePhase(
+            rl=r,
+            max_tokens=cfg.rollout.max_tokens,
+            distill=cfg.distill,
+            policy=self.policy,
+            ref=None,
+            trainers=trainers,
+            updater=self.updater,
+            teachers=None,
+            dp=(self.dp, dp_group),
+            device=info.device,
+            samples_to_log=n_log,
+            kv=None,
+            chunk_tokens=cfg.advanced.logprob_chunk_tokens,
+        )
 
     def _first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generators' copy of the trainers' current weights."""
@@ -183,9 +242,13 @@ class SplitRLRecipe(RLRecipe):
             request_sync(w, step + 1)
             with wd.phase("sync"):
                 sync = self.bridge.send()
-            mine = {**result.metrics, **sync, "split/train_wait_s": waited,
-                    "lr": self.updater.last_lr,
-                    "fault/skipped_updates": float(self.updater.skipped)}
+            mine = {
+                **result.metrics,
+                **sync,
+                "split/train_wait_s": waited,
+                "lr": self.updater.last_lr,
+                "fault/skipped_updates": float(self.updater.skipped),
+            }
             self.sample_log.log(step + 1, self._sample_records(batch, result.advantages))
             out = StepOutput({}, batch.ids, batch.positions)
         out.metrics = self._gather_metrics(mine)
@@ -217,8 +280,11 @@ class SplitRLRecipe(RLRecipe):
         stream and what is in flight."""
         if self.world.in_first:
             stream = self.rollout.stream
-            mine = {"cursor": stream.cursor, "requeued": stream.requeued,
-                    "rollout": self.rollout.state_dict()}
+            mine = {
+                "cursor": stream.cursor,
+                "requeued": stream.requeued,
+                "rollout": self.rollout.state_dict(),
+            }
         else:
             mine = {"scheduler": self.sched.state_dict()}
         parts: list[Any] = [None] * self.world.world

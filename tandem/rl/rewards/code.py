@@ -57,8 +57,10 @@ _MAX_REPORT = 4096
 @functools.cache
 def _harness_source() -> str:
     """code_harness.py's text: copied into both runs as ``HARNESS_FILE``."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py"),
-              encoding="utf-8") as f:
+    with open(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py"),
+        encoding="utf-8",
+    ) as f:
         return f.read()
 
 
@@ -120,24 +122,33 @@ def code_unit_tests(
     tests = normalize_tests(sample["tests"], entry_point)
     if not tests:
         raise ValueError("sample['tests'] is empty")
-    limits = SandboxLimits(cpu_time_s=cpu_time_s, wall_time_s=wall_time_s,
-                           memory_mb=memory_mb)
+    limits = SandboxLimits(cpu_time_s=cpu_time_s, wall_time_s=wall_time_s, memory_mb=memory_mb)
     per_test = float(per_test_timeout_s)
-    server_main = (f"import tandem_harness\n"
-                   f"tandem_harness.serve(3, {SOLUTION_FILE!r}, {per_test!r})\n")
-    runner_main = (f"import json, tandem_harness\n"
-                   f"tandem_harness.run_tests(3, 4, json.loads({json.dumps(tests)!r}), "
-                   f"{entry_point!r}, {per_test!r})\n")
+    server_main = (
+        f"import tandem_harness\ntandem_harness.serve(3, {SOLUTION_FILE!r}, {per_test!r})\n"
+    )
+    runner_main = (
+        f"import json, tandem_harness\n"
+        f"tandem_harness.run_tests(3, 4, json.loads({json.dumps(tests)!r}), "
+        f"{entry_point!r}, {per_test!r})\n"
+    )
     to_runner, to_server = socket.socketpair()
     report_r, report_w = os.pipe()
     server = runner = None
     try:
-        server = start_python(server_main, limits=limits, capture_output=False,
-                              files={HARNESS_FILE: _harness_source(),
-                                     SOLUTION_FILE: extract_code(completion)},
-                              fds={3: to_server.fileno()})
-        runner = start_python(runner_main, limits=limits, files={HARNESS_FILE: _harness_source()},
-                              fds={3: report_w, 4: to_runner.fileno()})
+        server = start_python(
+            server_main,
+            limits=limits,
+            capture_output=False,
+            files={HARNESS_FILE: _harness_source(), SOLUTION_FILE: extract_code(completion)},
+            fds={3: to_server.fileno()},
+        )
+        runner = start_python(
+            runner_main,
+            limits=limits,
+            files={HARNESS_FILE: _harness_source()},
+            fds={3: report_w, 4: to_runner.fileno()},
+        )
     finally:  # the runs hold their own copies now; keeping ours would hide their EOFs
         to_runner.close()
         to_server.close()

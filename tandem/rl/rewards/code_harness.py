@@ -95,8 +95,13 @@ def encode(value, handle_of, depth: int = 0):
         if isinstance(value, kind):
             return [tag, [encode(v, handle_of, depth + 1) for v in value]]
     if isinstance(value, dict):
-        return ["d", [[encode(k, handle_of, depth + 1), encode(v, handle_of, depth + 1)]
-                      for k, v in value.items()]]
+        return [
+            "d",
+            [
+                [encode(k, handle_of, depth + 1), encode(v, handle_of, depth + 1)]
+                for k, v in value.items()
+            ],
+        ]
     return ["h", handle_of(value), type(value).__name__]
 
 
@@ -383,8 +388,9 @@ class Remote:
         return s if isinstance(s, str) else f"<remote {object.__getattribute__(self, '_t')}>"
 
     def __eq__(self, other) -> bool:  # identity only: the solution never decides equality
-        return isinstance(other, Remote) and \
-            object.__getattribute__(other, "_h") == object.__getattribute__(self, "_h")
+        return isinstance(other, Remote) and object.__getattribute__(
+            other, "_h"
+        ) == object.__getattribute__(self, "_h")
 
     def __hash__(self) -> int:
         return hash(("remote", object.__getattribute__(self, "_h")))
@@ -418,8 +424,12 @@ def _solution_names(ready) -> dict:
 def _runners_name(name: str) -> bool:
     """Whether the runner resolves ``name`` itself: a dunder, a builtin (``site``'s too,
     present or not) or a top-level stdlib module."""
-    return (name.startswith("__") or hasattr(builtins, name) or name in _SITE_NAMES
-            or name in getattr(sys, "stdlib_module_names", ()))
+    return (
+        name.startswith("__")
+        or hasattr(builtins, name)
+        or name in _SITE_NAMES
+        or name in getattr(sys, "stdlib_module_names", ())
+    )
 
 
 def _scanned_names(sources: list) -> tuple[set, set]:
@@ -440,7 +450,8 @@ def _scanned_names(sources: list) -> tuple[set, set]:
             for sym in table.get_symbols():
                 mentioned.add(sym.get_name())
                 if (sym.is_assigned() or sym.is_imported()) and (
-                        table is top or sym.is_declared_global()):
+                    table is top or sym.is_declared_global()
+                ):
                     bound.add(sym.get_name())
     return mentioned, bound
 

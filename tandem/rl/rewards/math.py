@@ -493,8 +493,10 @@ def _math_verify() -> Any:
 def _math_verify_equal(gold: str, pred: str) -> bool:
     mv = _math_verify()
     latex_only = [mv.LatexExtractionConfig()]
-    parsed = [mv.parse(f"${text}$", extraction_config=latex_only, parsing_timeout=None)
-              for text in (gold, pred)]
+    parsed = [
+        mv.parse(f"${text}$", extraction_config=latex_only, parsing_timeout=None)
+        for text in (gold, pred)
+    ]
     return bool(mv.verify(parsed[0], parsed[1], timeout_seconds=None))
 
 

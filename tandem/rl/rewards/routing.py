@@ -37,12 +37,19 @@ def route(source: Any, routes: Mapping[str, str] | None = None) -> str | None:
 
 
 @register_reward("by_source")
-def by_source(completion: str, sample: Mapping[str, Any], *, field: str = "data_source",
-              routes: Mapping[str, str] | None = None) -> float:
+def by_source(
+    completion: str,
+    sample: Mapping[str, Any],
+    *,
+    field: str = "data_source",
+    routes: Mapping[str, str] | None = None,
+) -> float:
     source = get_field(dict(sample), field)
     name = route(source, routes)
     if name is None or name == "by_source":
-        raise ValueError(f"{field}={source!r} names no reward function: add it to "
-                         f"[reward.kwargs.by_source] routes (e.g. routes = {{{source!r} = "
-                         f"\"math\"}})")
+        raise ValueError(
+            f"{field}={source!r} names no reward function: add it to "
+            f"[reward.kwargs.by_source] routes (e.g. routes = {{{source!r} = "
+            f'"math"}})'
+        )
     return float(REWARDS.get(name)(completion, sample))

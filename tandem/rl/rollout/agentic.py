@@ -145,8 +145,11 @@ class _Steps:
         """Finished steps of this rollout, in arrival order (others' tickets on a shared pool
         are dropped)."""
         assert self.pool is not None
-        return [(self.tickets.pop(o.ticket), o) for o in self.pool.poll(timeout)
-                if o.ticket in self.tickets]
+        return [
+            (self.tickets.pop(o.ticket), o)
+            for o in self.pool.poll(timeout)
+            if o.ticket in self.tickets
+        ]
 
 
 class _GroupSteps(_Steps):
@@ -413,15 +416,21 @@ def _nth(params: SamplingParams, i: int) -> SamplingParams:
 
 
 def _start_episodes(
-    r: _Rollout, env: Environment, rows: Seq[Mapping[str, Any]], n_samples: int,
-    sampling_params: SamplingParams, seeds: Seq[int] | None,
+    r: _Rollout,
+    env: Environment,
+    rows: Seq[Mapping[str, Any]],
+    n_samples: int,
+    sampling_params: SamplingParams,
+    seeds: Seq[int] | None,
 ) -> None:
     """Reset ``n_samples`` episodes per row (on the group's leader) and add their prompts."""
     gen, renderer, tokenizer = r.gen, r.renderer, r.renderer.tok
     fresh = None
     if r.steps.runs_env:
-        fresh = [[(ep, ep.reset(row)) for ep in [env.new_episode() for _ in range(n_samples)]]
-                 for row in rows]
+        fresh = [
+            [(ep, ep.reset(row)) for ep in [env.new_episode() for _ in range(n_samples)]]
+            for row in rows
+        ]
     started = r.steps.shared(fresh)  # [row][sample] -> (episode, initial messages)
     for g, (row, pairs) in enumerate(zip(rows, started)):
         initial = [m for _, m in pairs]
@@ -431,10 +440,14 @@ def _start_episodes(
             for i, (episode, _) in enumerate(pairs)
         ]
         r.eps += eps
-        base = (sampling_params if seeds is None
-                else dataclasses.replace(sampling_params, seed=seeds[g]))
-        params = _turn_params(base, gen, tokenizer, renderer.eot_id,
-                              0 if seeds is not None else g * n_samples)
+        base = (
+            sampling_params
+            if seeds is None
+            else dataclasses.replace(sampling_params, seed=seeds[g])
+        )
+        params = _turn_params(
+            base, gen, tokenizer, renderer.eot_id, 0 if seeds is not None else g * n_samples
+        )
         if len(ids) + 1 > r.token_limit:
             for ep in eps:  # a counted skip: no tokens to train on, never silently truncated
                 ep.prompt_ids = ids

@@ -72,9 +72,11 @@ class Admission:
     def choose(self, complete: set[int], version: int) -> list[Flight] | None:
         """The step's ``P`` groups, or None while the complete ones cannot make a step that
         keeps every other group's deadline reachable."""
-        done = sorted((f for f in self.flights if f.position in complete),
-                      key=lambda f: (self.deadline(f), f.position))
-        chosen = done[:self.per_step]
+        done = sorted(
+            (f for f in self.flights if f.position in complete),
+            key=lambda f: (self.deadline(f), f.position),
+        )
+        chosen = done[: self.per_step]
         if len(chosen) < self.per_step:
             return None
         for d in range(version, version + self.max_staleness + 1):

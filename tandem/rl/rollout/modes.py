@@ -20,5 +20,6 @@ ROLLOUT_MODES: Registry[Callable[[RolloutPhase], Any]] = Registry("rollout mode"
 ROLLOUT_MODES.register("sync", streams=False)(lambda base: base)
 ROLLOUT_MODES.register("colocated_async", streams=True)(ColocatedAsyncRollout)
 # dedicated generator ranks: the recipe of its own that ``recipe`` names builds it
-ROLLOUT_MODES.register("split", streams=True,
-                       recipe="tandem.rl.recipes.rl_split:SplitRLRecipe")(SplitGenerator)
+ROLLOUT_MODES.register("split", streams=True, recipe="tandem.rl.recipes.rl_split:SplitRLRecipe")(
+    SplitGenerator
+)

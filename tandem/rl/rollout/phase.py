@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.parallel.generation_layout import GenerationCopy
 from tandem.parallel.offload import move_optimizer_state
 from tandem.rl.algorithms import dense_group_index, filter_groups
 from tandem.rl.core.fields import get_field
@@ -30,7 +31,6 @@ from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.data.images import release_images
 from tandem.rl.data.prompts import Prompt, PromptStream, deal, rollout_seed
-from tandem.parallel.generation_layout import GenerationCopy
 from tandem.rl.rollout.sampling import sample_completions, sample_episodes
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
 
@@ -42,13 +42,29 @@ class RolloutPhase:
     before anything samples; ``episodes``: plays the episodes in place of `generate`
     (``env.kind = "http"``: a harness over the endpoint, tandem/rl/serve)."""
 
-    def __init__(self, *, rl: Any, rollout: Any, reward: Any, env: Any, data: Any, seed: int,
-                 info: Any, tok: Any, train: list[Prompt], evals: list[Prompt],
-                 gen_copy: GenerationCopy, dp: tuple[int, int, Any], mp: tuple[int, int, Any],
-                 max_prompt: int, rollout_dumps: str | None,
-                 optimizer: torch.optim.Optimizer | None = None, kv: Any = None,
-                 kv_ready: Callable[[], dict[str, float]] | None = None,
-                 episodes: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rl: Any,
+        rollout: Any,
+        reward: Any,
+        env: Any,
+        data: Any,
+        seed: int,
+        info: Any,
+        tok: Any,
+        train: list[Prompt],
+        evals: list[Prompt],
+        gen_copy: GenerationCopy,
+        dp: tuple[int, int, Any],
+        mp: tuple[int, int, Any],
+        max_prompt: int,
+        rollout_dumps: str | None,
+        optimizer: torch.optim.Optimizer | None = None,
+        kv: Any = None,
+        kv_ready: Callable[[], dict[str, float]] | None = None,
+        episodes: Callable[..., Any] | None = None,
+    ) -> None:
         self.rl, self.rcfg, self.reward_cfg = rl, rollout, reward
         self.env_cfg, self.data_cfg = env, data
         self.seed, self.info, self.tok = seed, info, tok
@@ -65,9 +81,12 @@ class RolloutPhase:
         from tandem.rl.workers.reward_pool import RewardPool
 
         self.rewards = RewardPool(  # reward.modules were imported by config validation
-            reward.num_workers if reward.functions else 0, reward.timeout_s,
-            rewards=reward.functions, reward_kwargs=reward.kwargs,
-            memory_mb=reward.memory_mb or None)
+            reward.num_workers if reward.functions else 0,
+            reward.timeout_s,
+            rewards=reward.functions,
+            reward_kwargs=reward.kwargs,
+            memory_mb=reward.memory_mb or None,
+        )
         self.rm = self._reward_model() if reward.reward_model else None
         self.env_pool = None
         if env.name and gen_copy.layout.rank == 0:  # a generation group's leader steps the envs
@@ -101,18 +120,21 @@ class RolloutPhase:
         tally = Tally()
         parts: dict[str, list[float]] = {}
         if self.reward_fns:
-            res = self.rewards.score(self.reward_fns, [s.text for s in samples],
-                                     [s.row for s in samples])
+            res = self.rewards.score(
+                self.reward_fns, [s.text for s in samples], [s.row for s in samples]
+            )
             scores += torch.tensor(res.total, dtype=torch.float32)
-            parts.update({name: [float(v) for v in res.scores[name]]
-                          for name, _ in self.reward_fns})
+            parts.update(
+                {name: [float(v) for v in res.scores[name]] for name, _ in self.reward_fns}
+            )
             for s, acc in zip(samples, parts[self.reward_fns[0][0]]):
                 s.info["accuracy"] = acc
             tally = res.tally(total=False)  # the total here also counts the reward model and env
         n = len(samples)
         if self.rm is not None:  # scored here, on the rollout rank's device
-            rm = torch.tensor(self.rm.score([self._context(s.row) for s in samples],
-                                            [s.text for s in samples]))
+            rm = torch.tensor(
+                self.rm.score([self._context(s.row) for s in samples], [s.text for s in samples])
+            )
             scores += self.reward_cfg.reward_model_weight * rm
             tally.mean("reward/reward_model/mean", rm.mean().item(), n)
             parts["reward_model"] = rm.tolist()
@@ -132,8 +154,9 @@ class RolloutPhase:
 
     # ---- generation ------------------------------------------------------------------
 
-    def generate(self, gen_model: Any, prompts: list[Prompt], n: int, seeds: list[int],
-                 greedy: bool = False) -> tuple[list[RolloutSample], dict[str, float]]:
+    def generate(
+        self, gen_model: Any, prompts: list[Prompt], n: int, seeds: list[int], greedy: bool = False
+    ) -> tuple[list[RolloutSample], dict[str, float]]:
         """n completions per prompt: single-turn, multi-turn episodes when ``env.name`` is set, or
         a harness's (``episodes``); ``seeds`` one per prompt (its samples use seed + index)."""
         if self.episodes is not None:
@@ -141,15 +164,41 @@ class RolloutPhase:
         layout = self.gen_copy.layout
         kv = self.kv.for_heads(layout.tp, layout.rank) if self.kv is not None else None
         if self.env_cfg.name:
-            return sample_episodes(gen_model, self.tok, prompts, n, self.rcfg, self.env_cfg,
-                                   self.env_pool, seed=0, greedy=greedy, seeds=seeds,
-                                   layout=layout, kv_scales=kv)
-        return sample_completions(gen_model, self.tok, prompts, n, self.rcfg, seed=0,
-                                  max_prompt_tokens=self.max_prompt, greedy=greedy, seeds=seeds,
-                                  layout=layout, kv_scales=kv)
+            return sample_episodes(
+                gen_model,
+                self.tok,
+                prompts,
+                n,
+                self.rcfg,
+                self.env_cfg,
+                self.env_pool,
+                seed=0,
+                greedy=greedy,
+                seeds=seeds,
+                layout=layout,
+                kv_scales=kv,
+            )
+        return sample_completions(
+            gen_model,
+            self.tok,
+            prompts,
+            n,
+            self.rcfg,
+            seed=0,
+            max_prompt_tokens=self.max_prompt,
+            greedy=greedy,
+            seeds=seeds,
+            layout=layout,
+            kv_scales=kv,
+        )
 
-    def _generate_shared(self, gen_model: Any, prompts: list[Prompt], n: int, seeds: list[int],
-                         ) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float], Tally]:
+    def _generate_shared(
+        self,
+        gen_model: Any,
+        prompts: list[Prompt],
+        n: int,
+        seeds: list[int],
+    ) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float], Tally]:
         """Generate and score, the prompts split over the model-parallel group (its TP and PP
         ranks share one data-parallel replica's batch), then gathered so that every rank of
         the group holds the same samples and scores. The reward tally is this rank's share."""
@@ -200,8 +249,11 @@ class RolloutPhase:
                 s.group = mine[s.group][0]
                 s.versions = [step] * len(s.completion_ids)
             groups = torch.tensor([s.group for s in new], dtype=torch.long)
-            keep = (filter_groups(sc, dense_group_index(groups)) if r.dynamic_sampling
-                    else torch.ones(len(new), dtype=torch.bool))
+            keep = (
+                filter_groups(sc, dense_group_index(groups))
+                if r.dynamic_sampling
+                else torch.ones(len(new), dtype=torch.bool)
+            )
             rounds += 1
             last_round = rounds > r.max_refill_rounds
             if last_round:  # keep what we have rather than stall
@@ -226,14 +278,20 @@ class RolloutPhase:
             metrics["memory/rollout_leftover_gb"] = allocated_gb(self.info.device) - before
         if self.kv is not None:
             metrics.update(self.kv.rollout_metrics(step))
-        metrics.update({"dynamic/dropped_groups": float(dropped), "dynamic/rounds": float(rounds),
-                        "time/rollout_s": time.monotonic() - t0,
-                        "memory/rollout_peak_gb": peak_memory_gb(self.info.device)})
+        metrics.update(
+            {
+                "dynamic/dropped_groups": float(dropped),
+                "dynamic/rounds": float(rounds),
+                "time/rollout_s": time.monotonic() - t0,
+                "memory/rollout_peak_gb": peak_memory_gb(self.info.device),
+            }
+        )
         if self.rollout_dumps:  # advanced.dump_rollouts
             dump_rollouts(self.rollout_dumps, step, self.info.rank, samples)
         scores_t = torch.stack(scores) if scores else torch.zeros(0)
-        return RolloutBatch(samples, scores_t, step, metrics, self.ids(samples),
-                            self.positions(samples))
+        return RolloutBatch(
+            samples, scores_t, step, metrics, self.ids(samples), self.positions(samples)
+        )
 
     def ids(self, samples: list[RolloutSample]) -> list[str]:
         """The prompt ids of ``samples`` for the ledger (one rank per model-parallel group)."""
@@ -258,17 +316,31 @@ class RolloutPhase:
     def sample_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         """Response lengths, truncations and accuracy over every rank's samples (a model-parallel
         group's ranks hold the same samples and count once each: the means are unchanged)."""
-        t = torch.tensor([[len(s.completion_ids), s.finish_reason == "length",
-                           s.info.get("accuracy", 0.0)] for s in samples],
-                         dtype=torch.float64).reshape(-1, 3)
-        stats = torch.stack([t[:, 0].sum(), t[:, 1].sum(), t[:, 2].sum(),
-                             torch.tensor(float(len(samples)), dtype=torch.float64)])
+        t = torch.tensor(
+            [
+                [len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)]
+                for s in samples
+            ],
+            dtype=torch.float64,
+        ).reshape(-1, 3)
+        stats = torch.stack(
+            [
+                t[:, 0].sum(),
+                t[:, 1].sum(),
+                t[:, 2].sum(),
+                torch.tensor(float(len(samples)), dtype=torch.float64),
+            ]
+        )
         mx = (t[:, 0].max() if len(samples) else torch.zeros((), dtype=torch.float64)).reshape(1)
         dist.all_reduce(stats)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
         n = max(stats[3].item(), 1.0)
-        return {"response/length_mean": stats[0].item() / n, "response/length_max": mx.item(),
-                "response/clipped_frac": stats[1].item() / n, "accuracy": stats[2].item() / n}
+        return {
+            "response/length_mean": stats[0].item() / n,
+            "response/length_max": mx.item(),
+            "response/clipped_frac": stats[1].item() / n,
+            "accuracy": stats[2].item() / n,
+        }
 
     # ---- evaluation ------------------------------------------------------------------
 
@@ -289,8 +361,9 @@ class RolloutPhase:
         del gen_model
         self.score(samples)
         release_images(samples)
-        acc = torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)],
-                           dtype=torch.float64)
+        acc = torch.tensor(
+            [sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64
+        )
         dist.all_reduce(acc)
         return {"eval/accuracy": acc[0].item() / max(acc[1].item(), 1.0)}
 
@@ -307,4 +380,3 @@ class RolloutPhase:
         self.rewards.close()
         if self.env_pool is not None:
             self.env_pool.close()
-

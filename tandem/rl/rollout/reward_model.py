@@ -27,8 +27,14 @@ class RewardModelScorer:
     trainer's data used, so a pair scored here gets the trainer's numbers.
     """
 
-    def __init__(self, folder: str, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype = torch.float32, batch_size: int = 16) -> None:
+    def __init__(
+        self,
+        folder: str,
+        device: torch.device | str = "cpu",
+        *,
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 16,
+    ) -> None:
         self.tokenizer = Tokenizer.from_dir(folder)
         self.model = load_scalar_model(folder, device, dtype).eval()
         self.device = torch.device(device)
@@ -41,12 +47,13 @@ class RewardModelScorer:
         little padding is computed; right padding never changes a score (causal attention)."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-        seqs = [tokenize_response(p, c, self.tokenizer).input_ids
-                for p, c in zip(prompts, completions)]
+        seqs = [
+            tokenize_response(p, c, self.tokenizer).input_ids for p, c in zip(prompts, completions)
+        ]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         out = [0.0] * len(seqs)
         for b0 in range(0, len(order), self.batch_size):
-            idx = order[b0:b0 + self.batch_size]
+            idx = order[b0 : b0 + self.batch_size]
             s = max(len(seqs[i]) for i in idx)
             tokens = torch.full((len(idx), s), self.pad_id, dtype=torch.long)
             for row, i in enumerate(idx):

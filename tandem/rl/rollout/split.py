@@ -47,8 +47,9 @@ def request_sync(world: SplitWorld, version: int) -> None:
     if world.side_rank != 0 or world.in_first:
         return
     for g in range(world.first):
-        dist.send(torch.tensor([version], dtype=torch.long), dst=g, group=world.control,
-                  tag=_SYNC_TAG)
+        dist.send(
+            torch.tensor([version], dtype=torch.long), dst=g, group=world.control, tag=_SYNC_TAG
+        )
 
 
 def receive_groups(world: SplitWorld) -> list[tuple[int, list[RolloutSample], list[float]]]:
@@ -84,8 +85,9 @@ class SplitGenerator(ColocatedAsyncRollout):
         expired = self.admission.expire(version, self.stream)
         for f in expired:
             self.gen.drop(f.position)
-        tally = Tally().sum("async/dropped", sum(1 for f in expired
-                                                 if self.owner(f.position) == b.dp_rank))
+        tally = Tally().sum(
+            "async/dropped", sum(1 for f in expired if self.owner(f.position) == b.dp_rank)
+        )
         self.gen.resume(self.model)  # the first step: the generator, and groups restored
         self._add(self.admission.admit(self.stream, version))
         before = self.gen.gen.stats.steps, self.gen.gen.stats.generated_tokens
@@ -108,10 +110,15 @@ class SplitGenerator(ColocatedAsyncRollout):
         tally.mean("time/rollout_s", t_chosen - t0)
         for k, v in sync.items():
             tally.mean(k, v)
-        metrics = (tally.reduce(group=b.dp_group, device=b.info.device) if b.dp > 1
-                   else tally.values())  # (no group: the world's, which the trainers are in)
-        metrics.update({"async/inflight": float(len(self.admission.flights)),
-                        "async/weight_sync_s": metrics["split/sync_s"]})
+        metrics = (
+            tally.reduce(group=b.dp_group, device=b.info.device) if b.dp > 1 else tally.values()
+        )  # (no group: the world's, which the trainers are in)
+        metrics.update(
+            {
+                "async/inflight": float(len(self.admission.flights)),
+                "async/weight_sync_s": metrics["split/sync_s"],
+            }
+        )
         return metrics
 
     def _add(self, flights: list[Flight]) -> None:
@@ -177,12 +184,14 @@ def evaluate_split(base: RolloutPhase | None, world: SplitWorld, model: Any) -> 
         order = deal(list(range(len(base.eval_prompts))), world.side_rank, world.first)
         n = base.rl.eval_samples
         seeds = [rollout_seed(12345, -1, i) for i in order]
-        samples, _ = base.generate(model, [base.eval_prompts[i] for i in order], max(n, 1),
-                                   seeds, greedy=n == 0)
+        samples, _ = base.generate(
+            model, [base.eval_prompts[i] for i in order], max(n, 1), seeds, greedy=n == 0
+        )
         base.score(samples)
         release_images(samples)
-        acc += torch.tensor([sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)],
-                            dtype=torch.float64)
+        acc += torch.tensor(
+            [sum(s.info.get("accuracy", 0.0) for s in samples), len(samples)], dtype=torch.float64
+        )
     dist.all_reduce(acc, group=world.control)
     if acc[1] == 0:
         return {}

@@ -42,8 +42,9 @@ from tandem.rl.rollout.types import RolloutBatch, RolloutSample
 class _Group:
     """One group this rank generates: its sequences and each one's per-token versions."""
 
-    def __init__(self, flight: Flight, prompt: Prompt, seqs: list[Sequence],
-                 restored: bool = False) -> None:
+    def __init__(
+        self, flight: Flight, prompt: Prompt, seqs: list[Sequence], restored: bool = False
+    ) -> None:
         self.flight, self.prompt, self.seqs = flight, prompt, seqs
         self.versions: list[list[int]] = [[] for _ in seqs]
         self.restored = restored  # from a checkpoint: the generator saw only part of it
@@ -144,11 +145,18 @@ class StreamingGenerator:
         gen_lp = [next(lp) if m else 0.0 for m in mask]
         # MoE routing, for the update's parity check: only of samples one version made, whole
         routing = self.gen.routing(seq) if not g.restored and len(set(g.versions[j])) == 1 else None
-        return RolloutSample(group=g.flight.position, prompt_ids=p.token_ids, completion_ids=comp,
-                             loss_mask=mask, gen_logprobs=gen_lp,
-                             finish_reason=seq.finish_reason or "abort",
-                             text=self.tok.decode(comp, skip_special_tokens=True), row=p.row,
-                             routing=routing, versions=list(g.versions[j]))
+        return RolloutSample(
+            group=g.flight.position,
+            prompt_ids=p.token_ids,
+            completion_ids=comp,
+            loss_mask=mask,
+            gen_logprobs=gen_lp,
+            finish_reason=seq.finish_reason or "abort",
+            text=self.tok.decode(comp, skip_special_tokens=True),
+            row=p.row,
+            routing=routing,
+            versions=list(g.versions[j]),
+        )
 
     # ---- checkpoints -----------------------------------------------------------------
 
@@ -157,14 +165,27 @@ class StreamingGenerator:
         no KV: a restored sequence recomputes it)."""
         out = []
         for g in [*self.groups.values(), *self.restored]:
-            out.append({"position": g.flight.position, "samples": [
-                {"tokens": s.completion_token_ids, "sampled": s.completion_sampled_mask,
-                 "logprobs": list(s.logprobs), "raw_logprobs": list(s.raw_logprobs), "versions": v,
-                 "finish_reason": s.finish_reason} for s, v in zip(g.seqs, g.versions)]})
+            out.append(
+                {
+                    "position": g.flight.position,
+                    "samples": [
+                        {
+                            "tokens": s.completion_token_ids,
+                            "sampled": s.completion_sampled_mask,
+                            "logprobs": list(s.logprobs),
+                            "raw_logprobs": list(s.raw_logprobs),
+                            "versions": v,
+                            "finish_reason": s.finish_reason,
+                        }
+                        for s, v in zip(g.seqs, g.versions)
+                    ],
+                }
+            )
         return out
 
-    def restore(self, records: list[dict[str, Any]], flights: dict[int, Flight],
-                prompts: list[Prompt]) -> None:
+    def restore(
+        self, records: list[dict[str, Any]], flights: dict[int, Flight], prompts: list[Prompt]
+    ) -> None:
         """Groups from `state` (any rank's), added to the generator at the next `resume`."""
         for rec in records:
             f = flights[rec["position"]]
@@ -258,9 +279,13 @@ class ColocatedAsyncRollout:
             tally.local(k, v)
         tally.merge(rewards)
         metrics = tally.reduce(device=b.info.device)
-        metrics.update({"async/inflight": float(len(self.admission.flights)),
-                        "time/rollout_s": time.monotonic() - t0,
-                        "memory/rollout_peak_gb": peak_memory_gb(b.info.device)})
+        metrics.update(
+            {
+                "async/inflight": float(len(self.admission.flights)),
+                "time/rollout_s": time.monotonic() - t0,
+                "memory/rollout_peak_gb": peak_memory_gb(b.info.device),
+            }
+        )
         if b.rollout_dumps:  # advanced.dump_rollouts
             dump_rollouts(b.rollout_dumps, step, b.info.rank, samples)
         return RolloutBatch(samples, scores, version, metrics, b.ids(samples), b.positions(samples))
@@ -271,9 +296,11 @@ class ColocatedAsyncRollout:
         while True:
             mine = self.gen.complete()
             flights = self.admission.flights
-            flags = torch.tensor([float(f.position in mine) for f in flights]
-                                 + [float(self.gen.busy())], dtype=torch.float64,
-                                 device=b.info.device)
+            flags = torch.tensor(
+                [float(f.position in mine) for f in flights] + [float(self.gen.busy())],
+                dtype=torch.float64,
+                device=b.info.device,
+            )
             if b.dp_group is not None:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=b.dp_group)
             values = flags.tolist()
@@ -288,9 +315,11 @@ class ColocatedAsyncRollout:
             if new:
                 continue
             if not values[-1]:
-                raise RuntimeError(f"colocated_async: no rank has work left at version {version}, "
-                                   f"yet the {len(flights)} groups in flight make no step of "
-                                   f"{self.admission.per_step}")
+                raise RuntimeError(
+                    f"colocated_async: no rank has work left at version {version}, "
+                    f"yet the {len(flights)} groups in flight make no step of "
+                    f"{self.admission.per_step}"
+                )
             if self.gen.busy():
                 self.gen.step()
 
@@ -319,8 +348,11 @@ class ColocatedAsyncRollout:
         scores = [v for pos in sorted(keep) for v in keep[pos][1]]
         return samples, torch.tensor(scores, dtype=torch.float32), rewards
 
-    def _scored(self, order: list[int], tally: Tally,
-                ) -> Iterator[tuple[int, list[RolloutSample], list[float]]]:
+    def _scored(
+        self,
+        order: list[int],
+        tally: Tally,
+    ) -> Iterator[tuple[int, list[RolloutSample], list[float]]]:
         """This rank's groups among the complete ``order``, taken from the generator and scored
         (their reward metrics into ``tally``)."""
         for pos in order:
@@ -341,8 +373,10 @@ class ColocatedAsyncRollout:
         if b.dp > 1:
             parts = [None] * b.dp
             dist.all_gather_object(parts, self.gen.state(), group=b.dp_group)
-        return {"admission": self.admission.state_dict(),
-                "groups": [g for part in parts for g in part]}
+        return {
+            "admission": self.admission.state_dict(),
+            "groups": [g for part in parts for g in part],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Every rank takes the groups it owns on this layout (any number of ranks), sampled
@@ -351,8 +385,11 @@ class ColocatedAsyncRollout:
             return
         self.admission.load_state_dict(state["admission"])
         flights = {f.position: f for f in self.admission.flights}
-        mine = [g for g in state["groups"]
-                if g["position"] in flights and self.owner(g["position"]) == self.base.dp_rank]
+        mine = [
+            g
+            for g in state["groups"]
+            if g["position"] in flights and self.owner(g["position"]) == self.base.dp_rank
+        ]
         self.gen.restore(mine, flights, self.base.train_prompts)
 
     def sample_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:

@@ -60,9 +60,13 @@ def sandbox_capabilities() -> SandboxCapabilities:
         return _caps
 
 
-_FEATURE_OF_STEP = {"network namespace": "net", "ipc namespace": "ipc",
-                    "mount namespace": "mount", "user namespace": "user",
-                    "memory cgroup": "cgroup"}
+_FEATURE_OF_STEP = {
+    "network namespace": "net",
+    "ipc namespace": "ipc",
+    "mount namespace": "mount",
+    "user namespace": "user",
+    "memory cgroup": "cgroup",
+}
 
 
 def _probe() -> tuple[SandboxCapabilities, _Plan]:
@@ -71,8 +75,10 @@ def _probe() -> tuple[SandboxCapabilities, _Plan]:
     notes: list[str] = []
     interpreter = _pick_interpreter(need_world=root)
     if interpreter != sys.executable:
-        notes.append(f"sandbox interpreter {interpreter} (trainer's {sys.executable} "
-                     "is not executable by the sandbox uid)")
+        notes.append(
+            f"sandbox interpreter {interpreter} (trainer's {sys.executable} "
+            "is not executable by the sandbox uid)"
+        )
     features = {"net", "ipc", "mount"} | (set() if root else {"user"})
     cgroup = None
     if root:
@@ -81,8 +87,10 @@ def _probe() -> tuple[SandboxCapabilities, _Plan]:
             notes.append(f"no memory cgroup: {where}")
         else:
             cgroup = (version, where)
-    check = ("import os, socket; print(os.getuid(), len(socket.if_nameindex()), os.getcwd(),"
-             " os.path.exists(" + repr(_SUPERVISOR) + "))")
+    check = (
+        "import os, socket; print(os.getuid(), len(socket.if_nameindex()), os.getcwd(),"
+        " os.path.exists(" + repr(_SUPERVISOR) + "))"
+    )
     limits = SandboxLimits(wall_time_s=20.0)
     while True:
         plan = _Plan(root, tuple(sorted(features)), cgroup, interpreter, _binds_for(interpreter))
@@ -92,8 +100,9 @@ def _probe() -> tuple[SandboxCapabilities, _Plan]:
             step = str(exc).removeprefix("sandbox setup failed at ").split(":")[0]
             feature = _FEATURE_OF_STEP.get(step)
             if feature is None or (feature != "cgroup" and feature not in features):
-                raise SandboxError(f"sandbox unusable on this machine: {exc}; "
-                                   + "; ".join(notes)) from None
+                raise SandboxError(
+                    f"sandbox unusable on this machine: {exc}; " + "; ".join(notes)
+                ) from None
             notes.append(f"{step} refused: {exc}")
             if feature == "cgroup":
                 cgroup = None
@@ -104,8 +113,9 @@ def _probe() -> tuple[SandboxCapabilities, _Plan]:
             continue
         fields = res.stdout.split()
         if res.exit_code != 0 or len(fields) != 4:
-            raise SandboxError(f"sandbox probe run failed (exit {res.exit_code}): "
-                               f"{res.stderr.strip()[-300:]}")
+            raise SandboxError(
+                f"sandbox probe run failed (exit {res.exit_code}): {res.stderr.strip()[-300:]}"
+            )
         if "net" in features and fields[1] != "1":
             notes.append(f"new network namespace shows {fields[1]} interfaces; not trusted")
             features.discard("net")
@@ -118,10 +128,16 @@ def _probe() -> tuple[SandboxCapabilities, _Plan]:
     if "net" not in features:
         notes.append("network is NOT isolated: no network namespace could be created")
     caps = SandboxCapabilities(
-        running_as_root=root, privilege_drop=root, user_namespace="user" in features,
-        network_namespace="net" in features, network_isolated="net" in features,
-        no_new_privs=True, interpreter=interpreter, ipc_namespace="ipc" in features,
-        mount_namespace="mount" in features, memory_cgroup=cgroup is not None,
+        running_as_root=root,
+        privilege_drop=root,
+        user_namespace="user" in features,
+        network_namespace="net" in features,
+        network_isolated="net" in features,
+        no_new_privs=True,
+        interpreter=interpreter,
+        ipc_namespace="ipc" in features,
+        mount_namespace="mount" in features,
+        memory_cgroup=cgroup is not None,
         notes=tuple(notes),
     )
     return caps, plan
@@ -145,8 +161,9 @@ def run_python(
     Raises :class:`SandboxError` only when the sandbox itself could not be set up;
     anything the code does is in the result.
     """
-    return start_python(code, stdin=stdin, limits=limits, files=files, temp_dir=temp_dir,
-                        fds=fds).wait()
+    return start_python(
+        code, stdin=stdin, limits=limits, files=files, temp_dir=temp_dir, fds=fds
+    ).wait()
 
 
 def start_python(
@@ -185,5 +202,8 @@ def _plan_without(*features: str) -> _Plan:
     sandbox_capabilities()
     plan = _machine_plan
     assert plan is not None
-    return replace(plan, namespaces=tuple(n for n in plan.namespaces if n not in features),
-                   cgroup=None if "cgroup" in features else plan.cgroup)
+    return replace(
+        plan,
+        namespaces=tuple(n for n in plan.namespaces if n not in features),
+        cgroup=None if "cgroup" in features else plan.cgroup,
+    )

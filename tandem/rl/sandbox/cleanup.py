@@ -270,8 +270,11 @@ def find_memory_cgroup() -> tuple[int, str] | tuple[None, str]:
     for _, controllers, path in memberships:  # v1 first: on a hybrid host v2 has no memory
         if "memory" in controllers.split(","):
             found = _mounted_at(mounts, "cgroup", path, "memory")
-            if found and os.access(found, os.W_OK) and \
-                    os.path.exists(os.path.join(found, "memory.limit_in_bytes")):
+            if (
+                found
+                and os.access(found, os.W_OK)
+                and os.path.exists(os.path.join(found, "memory.limit_in_bytes"))
+            ):
                 return 1, found
             reasons.append(f"cgroup v1 memory {found or path}: not writable")
     for _, controllers, path in memberships:
@@ -295,7 +298,7 @@ def _mounted_at(mounts: list[list[str]], fstype: str, path: str, option: str | N
             continue
         root, point = fields[3], fields[4]
         if root == "/" or path == root or path.startswith(root.rstrip("/") + "/"):
-            rel = path if root == "/" else path[len(root):]
+            rel = path if root == "/" else path[len(root) :]
             return os.path.normpath(point + "/" + rel.lstrip("/"))
     return None
 

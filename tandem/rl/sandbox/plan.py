@@ -33,8 +33,14 @@ class SandboxLimits:
     max_output_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("cpu_time_s", "wall_time_s", "memory_mb", "max_processes",
-                     "max_file_mb", "max_output_bytes"):
+        for name in (
+            "cpu_time_s",
+            "wall_time_s",
+            "memory_mb",
+            "max_processes",
+            "max_file_mb",
+            "max_output_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
 

@@ -46,8 +46,7 @@ _NO_REPORT = "no clean-up report from the supervisor"
 def _safe_relpath(name: str) -> str:
     norm = os.path.normpath(name)
     if os.path.isabs(norm) or norm.startswith("..") or norm == ".":
-        raise ValueError(f"sandbox file name {name!r} must be a relative path inside "
-                         "the work dir")
+        raise ValueError(f"sandbox file name {name!r} must be a relative path inside the work dir")
     return norm
 
 
@@ -83,20 +82,35 @@ def _rlimits(limits: SandboxLimits) -> list[tuple[str, tuple[int, int]]]:
 class SandboxRun:
     """One started run: its supervisor, output pipes and control/status pipes."""
 
-    def __init__(self, plan: _Plan, code: str, stdin: str, limits: SandboxLimits,
-                 files: dict[str, str], temp_dir: str | None, fds: dict[int, int],
-                 capture_output: bool) -> None:
+    def __init__(
+        self,
+        plan: _Plan,
+        code: str,
+        stdin: str,
+        limits: SandboxLimits,
+        files: dict[str, str],
+        temp_dir: str | None,
+        fds: dict[int, int],
+        capture_output: bool,
+    ) -> None:
         self.limits = limits
         self._uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if plan.root else None
         gid = self._uid if self._uid is not None else os.getgid()
         mount_ns = "mount" in plan.namespaces
         root_dir = temp_dir if temp_dir is not None else tempfile.gettempdir()
         if self._uid is not None and not mount_ns and not _world_searchable(root_dir):
-            raise SandboxError(f"temp dir {root_dir} is not searchable by the sandbox uid "
-                               "(needs o+x on it and every parent)")
+            raise SandboxError(
+                f"temp dir {root_dir} is not searchable by the sandbox uid "
+                "(needs o+x on it and every parent)"
+            )
         self._workdir = tempfile.mkdtemp(prefix="tandem-sbx-", dir=root_dir)
-        self._cgroup = None if plan.cgroup is None else _cleanup.Cgroup(
-            plan.cgroup[0], plan.cgroup[1], f"tandem-sbx-{os.getpid()}-{secrets.token_hex(8)}")
+        self._cgroup = (
+            None
+            if plan.cgroup is None
+            else _cleanup.Cgroup(
+                plan.cgroup[0], plan.cgroup[1], f"tandem-sbx-{os.getpid()}-{secrets.token_hex(8)}"
+            )
+        )
         self._child_pid: int | None = None  # the program's, once the supervisor reports it
         self._status_eof = False  # the status pipe closed with no status: the supervisor died
         self._status: dict | None = None
@@ -115,22 +129,43 @@ class SandboxRun:
             _cleanup.rmtree(self._workdir)
             raise
 
-    def _start(self, plan: _Plan, gid: int, cwd: str, stdin: str, fds: dict[int, int],
-               capture_output: bool, temp_dir: str | None) -> None:
+    def _start(
+        self,
+        plan: _Plan,
+        gid: int,
+        cwd: str,
+        stdin: str,
+        fds: dict[int, int],
+        capture_output: bool,
+        temp_dir: str | None,
+    ) -> None:
         env = {"PATH": _CHILD_PATH, "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8"}
         ctl_r, self._ctl_w = os.pipe()
         self._status_r, status_w = os.pipe()
         cfg = {
-            "namespaces": list(plan.namespaces), "bound_ipc": plan.root,
-            "cgroup": None if self._cgroup is None else
-            {"version": plan.cgroup[0], "parent": plan.cgroup[1],
-             "name": os.path.basename(self._cgroup.path)},
-            "binds": list(plan.binds), "rlimits": _rlimits(self.limits), "uid": self._uid,
-            "gid": gid if self._uid is not None else None, "env": env, "cwd": cwd,
+            "namespaces": list(plan.namespaces),
+            "bound_ipc": plan.root,
+            "cgroup": None
+            if self._cgroup is None
+            else {
+                "version": plan.cgroup[0],
+                "parent": plan.cgroup[1],
+                "name": os.path.basename(self._cgroup.path),
+            },
+            "binds": list(plan.binds),
+            "rlimits": _rlimits(self.limits),
+            "uid": self._uid,
+            "gid": gid if self._uid is not None else None,
+            "env": env,
+            "cwd": cwd,
             "argv": [plan.interpreter, *_CHILD_FLAGS, os.path.join(cwd, _MAIN)],
-            "workdir": self._workdir, "memory_bytes": self.limits.memory_mb * 1024 * 1024,
-            "wall_time_s": self.limits.wall_time_s, "sweep_dirs": _SWEEP_DIRS,
-            "ctl_fd": ctl_r, "status_fd": status_w, "fds": {str(t): s for t, s in fds.items()},
+            "workdir": self._workdir,
+            "memory_bytes": self.limits.memory_mb * 1024 * 1024,
+            "wall_time_s": self.limits.wall_time_s,
+            "sweep_dirs": _SWEEP_DIRS,
+            "ctl_fd": ctl_r,
+            "status_fd": status_w,
+            "fds": {str(t): s for t, s in fds.items()},
         }
         # stdin comes from an unlinked temp file: no pipe to feed, no name to find later.
         stdin_file = tempfile.TemporaryFile(dir=temp_dir) if stdin else None
@@ -143,8 +178,12 @@ class SandboxRun:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", _SUPERVISOR, json.dumps(cfg)],
                 stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
-                stdout=out, stderr=out, cwd="/", env=env,
-                pass_fds=(ctl_r, status_w, *fds.values()), start_new_session=True,
+                stdout=out,
+                stderr=out,
+                cwd="/",
+                env=env,
+                pass_fds=(ctl_r, status_w, *fds.values()),
+                start_new_session=True,
             )
         except BaseException:
             os.close(self._ctl_w)
@@ -176,11 +215,16 @@ class SandboxRun:
                 except subprocess.TimeoutExpired:
                     code = None
                 self._clean_up_after_supervisor()
-                why = ("did not report the run's end by its deadline" if code is None
-                       else f"died ({'signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
-                       " before reporting the run's end")
-                raise SandboxError(f"sandbox supervisor {why}; the caller killed the run and "
-                                   "removed its work dir and cgroup")
+                why = (
+                    "did not report the run's end by its deadline"
+                    if code is None
+                    else f"died ({'signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
+                    " before reporting the run's end"
+                )
+                raise SandboxError(
+                    f"sandbox supervisor {why}; the caller killed the run and "
+                    "removed its work dir and cgroup"
+                )
             os.close(self._ctl_w)
             self._ctl_w = -1
             problems = self._read_cleanup_report()
@@ -204,8 +248,7 @@ class SandboxRun:
         if "setup_error" in self._status:
             raise SandboxError(f"sandbox setup failed at {self._status['setup_error']}")
         if problems:
-            warnings.warn(f"sandbox clean-up incomplete: {problems}", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(f"sandbox clean-up incomplete: {problems}", RuntimeWarning, stacklevel=2)
         self._finished = self._result(out, err, output_cut)
         return self._finished
 
@@ -321,8 +364,11 @@ class SandboxRun:
         else:
             limit_hit = _classify(status, stderr)
         return SandboxResult(
-            stdout=out.decode("utf-8", errors="replace"), stderr=stderr, exit_code=status,
-            timed_out=limit_hit == "wall", limit_hit=limit_hit,
+            stdout=out.decode("utf-8", errors="replace"),
+            stderr=stderr,
+            exit_code=status,
+            timed_out=limit_hit == "wall",
+            limit_hit=limit_hit,
             duration_s=float(st.get("duration_s", time.monotonic() - self._start_time)),
         )
 

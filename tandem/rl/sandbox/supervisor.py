@@ -69,13 +69,16 @@ def _check(ret: int, what: str) -> None:
         raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
-def _mount(libc, src: str | None, dst: str, fstype: str | None, flags: int,
-           data: str | None = None) -> None:
+def _mount(
+    libc, src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     def enc(text: str | None) -> bytes | None:
         return None if text is None else text.encode()
 
-    _check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {src or fstype} on {dst}")
+    _check(
+        libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount {src or fstype} on {dst}",
+    )
 
 
 def _write_proc(path: str, text: str) -> None:
@@ -86,9 +89,13 @@ def _write_proc(path: str, text: str) -> None:
 def _bound_ipc(memory_bytes: int) -> None:
     """Per-namespace SysV limits: shared memory totals at most the run's memory."""
     page = os.sysconf("SC_PAGE_SIZE")
-    for name, value in (("kernel/shmmax", memory_bytes), ("kernel/shmall", memory_bytes // page),
-                        ("kernel/shmmni", 64), ("kernel/msgmni", 16),
-                        ("fs/mqueue/queues_max", 16)):
+    for name, value in (
+        ("kernel/shmmax", memory_bytes),
+        ("kernel/shmall", memory_bytes // page),
+        ("kernel/shmmni", 64),
+        ("kernel/msgmni", 16),
+        ("fs/mqueue/queues_max", 16),
+    ):
         _write_proc("/proc/sys/" + name, str(value))
 
 
@@ -98,8 +105,9 @@ def _build_root(libc, cfg: dict) -> str:
     root = os.path.join(cfg["workdir"], ".root")
     os.mkdir(root, 0o700)
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
-    _mount(libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV,
-           f"size={cfg['memory_bytes']},mode=755")
+    _mount(
+        libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={cfg['memory_bytes']},mode=755"
+    )
     for path in cfg["binds"]:
         inside = root + path
         os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
@@ -110,8 +118,9 @@ def _build_root(libc, cfg: dict) -> str:
             continue
         os.makedirs(inside, 0o755, exist_ok=True)
         _mount(libc, path, inside, None, _MS_BIND | _MS_REC)
-        _mount(libc, None, inside, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID
-               | _MS_NODEV)
+        _mount(
+            libc, None, inside, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+        )
     os.makedirs(root + "/dev", 0o755, exist_ok=True)
     for dev in _DEVICES:
         open(f"{root}/dev/{dev}", "w").close()
@@ -124,10 +133,11 @@ def _build_root(libc, cfg: dict) -> str:
     os.makedirs(root + "/etc", 0o755, exist_ok=True)
     uid = cfg["uid"] if cfg["uid"] is not None else os.getuid()
     gid = cfg["gid"] if cfg["gid"] is not None else os.getgid()
-    for name, text in (("passwd", f"root:x:0:0::/:/bin/false\nsandbox:x:{uid}:{gid}::/work:"
-                                  "/bin/false\n"),
-                       ("group", f"root:x:0:\nsandbox:x:{gid}:\n"),
-                       ("hosts", "127.0.0.1 localhost\n")):
+    for name, text in (
+        ("passwd", f"root:x:0:0::/:/bin/false\nsandbox:x:{uid}:{gid}::/work:/bin/false\n"),
+        ("group", f"root:x:0:\nsandbox:x:{gid}:\n"),
+        ("hosts", "127.0.0.1 localhost\n"),
+    ):
         with open(f"{root}/etc/{name}", "w") as f:
             f.write(text)
     work = root + "/work"
@@ -142,8 +152,10 @@ def _copy_tree(src: str, dst: str, uid: int, gid: int) -> None:
         os.makedirs(target, 0o700, exist_ok=True)
         os.chown(target, uid, gid)
         for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as fin, \
-                    open(os.path.join(target, name), "wb") as fout:
+            with (
+                open(os.path.join(dirpath, name), "rb") as fin,
+                open(os.path.join(target, name), "wb") as fout,
+            ):
                 fout.write(fin.read())
             os.chown(os.path.join(target, name), uid, gid)
 
@@ -183,8 +195,11 @@ def _child(cfg: dict, err_fd: int, cgroup: Cgroup | None) -> None:
             step = "user namespace"
             uid, gid = os.getuid(), os.getgid()
             _check(libc.unshare(_CLONE["user"]), "unshare")
-            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                               ("gid_map", f"{gid} {gid} 1")):
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
                 _write_proc("/proc/self/" + name, text)
         for kind in ("net", "ipc", "mount"):
             if kind in ns:
@@ -263,8 +278,9 @@ def _wait(pid: int, ctl_fd: int, deadline: float) -> tuple[int | None, str | Non
             if left <= 0:
                 return None, "wall"
             watch = [ctl_fd] + ([pidfd] if pidfd is not None else [])
-            ready, _, _ = select.select(watch, [], [], left if pidfd is not None else
-                                        min(left, 0.02))
+            ready, _, _ = select.select(
+                watch, [], [], left if pidfd is not None else min(left, 0.02)
+            )
             if ctl_fd in ready:
                 msg = os.read(ctl_fd, 64)
                 return None, "killed" if msg else "caller gone"
@@ -335,8 +351,10 @@ def supervise(cfg: dict) -> int:
             _, status = os.waitpid(pid, 0)
         duration = time.monotonic() - start
         oom = cgroup.oom_kills() if cgroup is not None else 0
-        _send(status_fd, {"exit_code": _exit_code(status), "cut": cut, "oom_kills": oom,
-                          "duration_s": duration})
+        _send(
+            status_fd,
+            {"exit_code": _exit_code(status), "cut": cut, "oom_kills": oom, "duration_s": duration},
+        )
     except Exception as exc:  # report it; the clean-up below still runs
         problems.append(f"supervisor: {exc!r}")
     finally:

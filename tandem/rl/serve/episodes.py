@@ -68,16 +68,21 @@ def _outcome(s: Session) -> dict[str, Any]:
     }
 
 
-def _metrics(outcomes: list[dict[str, Any]], stats: dict[str, int], counts: dict[str, int],
-             elapsed: float) -> dict[str, float]:
+def _metrics(
+    outcomes: list[dict[str, Any]], stats: dict[str, int], counts: dict[str, int], elapsed: float
+) -> dict[str, float]:
     trained = [o for o in outcomes if o["closed"] == "reward"]
     rewards = [o["reward"] for o in trained if o["reward"] is not None]
-    return {"env/episodes": float(len(trained)), "env/requests": float(stats["requests"]),
-            "env/bad_requests": float(stats["bad_requests"]),
-            "env/turns_mean": sum(o["turns"] for o in trained) / max(len(trained), 1),
-            "env/new_samples": float(sum(o["forks"] for o in trained)),
-            "env/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            **{f"env/dropped_{k}": float(v) for k, v in counts.items()}, "env/elapsed_s": elapsed}
+    return {
+        "env/episodes": float(len(trained)),
+        "env/requests": float(stats["requests"]),
+        "env/bad_requests": float(stats["bad_requests"]),
+        "env/turns_mean": sum(o["turns"] for o in trained) / max(len(trained), 1),
+        "env/new_samples": float(sum(o["forks"] for o in trained)),
+        "env/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        **{f"env/dropped_{k}": float(v) for k, v in counts.items()},
+        "env/elapsed_s": elapsed,
+    }
 
 
 def serve_episodes(
@@ -109,11 +114,24 @@ def serve_episodes(
     tag = uuid.uuid4().hex[:8]
 
     def run(gen: Any) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        engine = ServingEngine(gen, tokenizer, EngineSettings(
-            eot_id=end_of_turn_id(tokenizer), max_model_len=gen.scheduler.max_model_len,
-            max_tokens=rcfg.max_tokens, temperature=rcfg.temperature, top_p=rcfg.top_p,
-            top_k=rcfg.top_k, min_p=rcfg.min_p, policy_version=version, open_sessions=False,
-            episode_timeout_s=ecfg.episode_timeout_s, claim_timeout_s=ecfg.claim_timeout_s), layout)
+        engine = ServingEngine(
+            gen,
+            tokenizer,
+            EngineSettings(
+                eot_id=end_of_turn_id(tokenizer),
+                max_model_len=gen.scheduler.max_model_len,
+                max_tokens=rcfg.max_tokens,
+                temperature=rcfg.temperature,
+                top_p=rcfg.top_p,
+                top_k=rcfg.top_k,
+                min_p=rcfg.min_p,
+                policy_version=version,
+                open_sessions=False,
+                episode_timeout_s=ecfg.episode_timeout_s,
+                claim_timeout_s=ecfg.claim_timeout_s,
+            ),
+            layout,
+        )
         sessions: list[Session] = []
         if server is not None:
             tasks = [

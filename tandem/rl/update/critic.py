@@ -26,24 +26,36 @@ from tandem.models.args import ModelArgs
 from tandem.parallel.grad import clip_grad_norm
 from tandem.rl.algorithms import AGGREGATIONS
 from tandem.rl.algorithms.value import value_loss
+from tandem.rl.config.rl_schema import CriticConfig
 from tandem.rl.config.schema import OptimizerConfig
 from tandem.rl.core.modeling import BuildSpec, build_scalar_model
 from tandem.rl.core.optim import build_optimizer
-from tandem.rl.config.rl_schema import CriticConfig
 from tandem.rl.update.cp_batch import cp_values
 from tandem.rl.update.loss import MicroBatch, scatter_completions
 
 
 class Critic:
-    def __init__(self, c: CriticConfig, o: OptimizerConfig, args: ModelArgs, mesh: Any,
-                 device: torch.device,
-                 spec: BuildSpec, *, policy_path: str | None, seed: int, is_main: bool,
-                 cp: Any = None) -> None:
+    def __init__(
+        self,
+        c: CriticConfig,
+        o: OptimizerConfig,
+        args: ModelArgs,
+        mesh: Any,
+        device: torch.device,
+        spec: BuildSpec,
+        *,
+        policy_path: str | None,
+        seed: int,
+        is_main: bool,
+        cp: Any = None,
+    ) -> None:
         self.cfg, self.cp = c, cp  # cp: the policy's split (a ContextParallel) or None
-        self.model = build_scalar_model(args, c.path or policy_path, seed + 17, mesh, device, spec,
-                                        is_main=is_main)
-        self.opt = build_optimizer(self.model, lr=c.lr, betas=o.betas, eps=o.eps,
-                                   weight_decay=o.weight_decay)
+        self.model = build_scalar_model(
+            args, c.path or policy_path, seed + 17, mesh, device, spec, is_main=is_main
+        )
+        self.opt = build_optimizer(
+            self.model, lr=c.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
         self.aggregation = AGGREGATIONS.get("token_mean")
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
@@ -55,8 +67,9 @@ class Critic:
         return v.index_select(0, mb.comp_index)
 
     @torch.no_grad()
-    def values(self, mbs: list[MicroBatch], n: int, width: int,
-               device: torch.device) -> torch.Tensor:
+    def values(
+        self, mbs: list[MicroBatch], n: int, width: int, device: torch.device
+    ) -> torch.Tensor:
         """V(s_t) of every completion token [N, width], before this phase's updates."""
         self.model.eval()
         out = torch.zeros(n, width, device=device)
@@ -67,9 +80,15 @@ class Critic:
         self.model.train()
         return out
 
-    def micro_batch_loss(self, mb: MicroBatch, old_values: torch.Tensor, returns: torch.Tensor,
-                         mask: torch.Tensor,
-                         norm: Any, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_batch_loss(
+        self,
+        mb: MicroBatch,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        mask: torch.Tensor,
+        norm: Any,
+        width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(aggregated clipped value loss of one micro-batch, its sum of squared errors)."""
         v_l = self._values(mb)
         if not mb.rows:

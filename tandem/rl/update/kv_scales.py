@@ -126,8 +126,9 @@ class KVScales:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         return amax.cpu()
 
-    def calibrate(self, policy: Any, samples: list[RolloutSample],
-                  next_step: int) -> dict[str, float]:
+    def calibrate(
+        self, policy: Any, samples: list[RolloutSample], next_step: int
+    ) -> dict[str, float]:
         """Collective: new scales from the policy's forward over ``samples`` (its weights now),
         for the rollouts from ``next_step`` on; the ``kv/`` metrics of the calibration."""
         if self.per_token:
@@ -139,8 +140,12 @@ class KVScales:
         self.step = next_step
         after = self.scales()
         changed = float((after != before).float().mean()) if before is not None else 1.0
-        return {"kv/calibration_s": time.monotonic() - t0, "kv/amax_mean": float(self.amax.mean()),
-                "kv/scales_changed": changed, "kv/scale_log2_mean": float(after.log2().mean())}
+        return {
+            "kv/calibration_s": time.monotonic() - t0,
+            "kv/amax_mean": float(self.amax.mean()),
+            "kv/scales_changed": changed,
+            "kv/scale_log2_mean": float(after.log2().mean()),
+        }
 
     def ensure(self, policy: Any, prompts: list[Any], step: int) -> dict[str, float]:
         """Collective: the first calibration, from training prompts alone (data-parallel rank r
@@ -148,9 +153,19 @@ class KVScales:
         when the run has no scales yet (not after a resume that restored them)."""
         if self.calibrated:
             return {}
-        mine = [RolloutSample(group=i, prompt_ids=p.token_ids, completion_ids=[], loss_mask=[],
-                              gen_logprobs=[], finish_reason="stop", text="", row={})
-                for i, p in enumerate(prompts[policy.dp_rank::policy.dp])]
+        mine = [
+            RolloutSample(
+                group=i,
+                prompt_ids=p.token_ids,
+                completion_ids=[],
+                loss_mask=[],
+                gen_logprobs=[],
+                finish_reason="stop",
+                text="",
+                row={},
+            )
+            for i, p in enumerate(prompts[policy.dp_rank :: policy.dp])
+        ]
         return self.calibrate(policy, mine, step)
 
     def rollout_metrics(self, step: int) -> dict[str, float]:

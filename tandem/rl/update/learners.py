@@ -27,18 +27,34 @@ class PolicyTrainer:
     # one optimizer step per batch: the training forward's own log-probs are the old ones
     needs_old_logp = False
 
-    def __init__(self, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any, *,
-                 max_grad_norm: float, warmup_steps: int = 0) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        *,
+        max_grad_norm: float,
+        warmup_steps: int = 0,
+    ) -> None:
         self.policy, self.warmup_steps = policy, warmup_steps
-        self.learner = Learner("policy", policy.modules, optimizer, policy.clip, max_grad_norm,
-                               scheduler)
+        self.learner = Learner(
+            "policy", policy.modules, optimizer, policy.clip, max_grad_norm, scheduler
+        )
 
     def active(self, step: int) -> bool:
         """The policy trains once the critic's warm-up steps are over."""
         return step >= self.warmup_steps
 
-    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs,
-                   spec: LossSpec, norm: Any, width: int, sums: UpdateSums) -> None:
+    def accumulate(
+        self,
+        samples: list[RolloutSample],
+        rows: list[int],
+        inp: LossInputs,
+        spec: LossSpec,
+        norm: Any,
+        width: int,
+        sums: UpdateSums,
+    ) -> None:
         sums += self.policy.accumulate(samples, rows, inp, spec, norm, width)
 
 
@@ -51,17 +67,31 @@ class CriticTrainer:
 
     def __init__(self, critic: Critic, policy: Any, *, max_grad_norm: float, dp: int) -> None:
         self.critic, self.policy, self.dp = critic, policy, dp
-        self.learner = Learner("critic", [critic.model], critic.opt,
-                               lambda max_norm: critic.clip(max_norm), max_grad_norm)
+        self.learner = Learner(
+            "critic",
+            [critic.model],
+            critic.opt,
+            lambda max_norm: critic.clip(max_norm),
+            max_grad_norm,
+        )
 
     def active(self, step: int) -> bool:
         return True
 
-    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs,
-                   spec: LossSpec, norm: Any, width: int, sums: UpdateSums) -> None:
+    def accumulate(
+        self,
+        samples: list[RolloutSample],
+        rows: list[int],
+        inp: LossInputs,
+        spec: LossSpec,
+        norm: Any,
+        width: int,
+        sums: UpdateSums,
+    ) -> None:
         assert inp.values is not None and inp.returns is not None
         for mb in self.policy.micro_batches(samples, rows):  # tp = pp = 1 (checked at start)
-            vloss, sq = self.critic.micro_batch_loss(mb, inp.values, inp.returns, inp.mask, norm,
-                                                     width)
+            vloss, sq = self.critic.micro_batch_loss(
+                mb, inp.values, inp.returns, inp.mask, norm, width
+            )
             (vloss * self.dp * self.policy.cp.size).backward()  # FSDP2: the dp x cp mean
             sums.add_value(sq, inp.mask[mb.rows].sum() if mb.rows else 0.0)

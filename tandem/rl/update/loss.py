@@ -108,8 +108,9 @@ class MicroBatch:
         return self.targets.reshape(-1)[self.comp_index]
 
 
-def _units(samples: list[RolloutSample], indices: list[int], share: bool,
-           budget: int) -> list[list[int]]:
+def _units(
+    samples: list[RolloutSample], indices: list[int], share: bool, budget: int
+) -> list[list[int]]:
     """Samples grouped into packing units: one sample each, or (``share``) the samples
     of one prompt (equal ``prompt_ids`` and the same images), split where a unit would pass
     ``budget``."""
@@ -128,13 +129,19 @@ def _units(samples: list[RolloutSample], indices: list[int], share: bool,
 
 def _unit_len(samples: list[RolloutSample], unit: list[int]) -> int:
     """Input tokens of a unit: the prompt once, then each completion but its last token."""
-    return len(samples[unit[0]].prompt_ids) + sum(max(len(samples[i].completion_ids) - 1, 0)
-                                                  for i in unit)
+    return len(samples[unit[0]].prompt_ids) + sum(
+        max(len(samples[i].completion_ids) - 1, 0) for i in unit
+    )
 
 
-def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget: int,
-                       device: torch.device, multiple: int = 1,
-                       share_prompts: bool = False) -> list[MicroBatch]:
+def pack_micro_batches(
+    samples: list[RolloutSample],
+    indices: list[int],
+    budget: int,
+    device: torch.device,
+    multiple: int = 1,
+    share_prompts: bool = False,
+) -> list[MicroBatch]:
     """Greedy grouping in order by a token budget; a sequence longer than the budget gets a
     micro-batch of its own.
 
@@ -157,8 +164,13 @@ def pack_micro_batches(samples: list[RolloutSample], indices: list[int], budget:
     return [_build(samples, g, device, multiple, share_prompts) for g in groups]
 
 
-def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.device,
-           multiple: int = 1, shared: bool = False) -> MicroBatch:
+def _build(
+    samples: list[RolloutSample],
+    units: list[list[int]],
+    device: torch.device,
+    multiple: int = 1,
+    shared: bool = False,
+) -> MicroBatch:
     """Lay the units out as ``[B, S]`` tokens, with the attention that layout needs.
 
     Unshared units no two of which fit in a row as long as the longest one (each
@@ -175,7 +187,7 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
         place = [(r, 0) for r in range(len(units))]  # per unit: (packed row, start)
     else:
         width = -(-sum(lengths) // multiple) * multiple
-        place = [(0, at) for at in itertools.accumulate(lengths, initial=0)][:len(units)]
+        place = [(0, at) for at in itertools.accumulate(lengths, initial=0)][: len(units)]
     b = max(len(units), 1) if one_per_row else 1
     toks = [[0] * width for _ in range(b)]
     tgts = [[0] * width for _ in range(b)]
@@ -187,19 +199,22 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
     # of its completion, w long at most; scatter: per packed position, the flat
     # segment position whose output it takes (a prompt's from its first segment).
     segments: list[list[int]] = []
-    w = max(len(samples[u[0]].prompt_ids)
-            + max(max(len(samples[i].completion_ids) - 1, 0) for i in u) for u in units)
+    w = max(
+        len(samples[u[0]].prompt_ids) + max(max(len(samples[i].completion_ids) - 1, 0) for i in u)
+        for u in units
+    )
     scatter = [0] * (b * width)  # padding takes any output: nothing reads it
     for d, (unit, (r, at)) in enumerate(zip(units, place)):
         prompt = samples[unit[0]].prompt_ids
         p = len(prompt)
         flat_prompt = list(range(r * width + at, r * width + at + p))
-        scatter[flat_prompt[0]:flat_prompt[-1] + 1] = range(len(segments) * w,
-                                                            len(segments) * w + p)
-        toks[r][at:at + p] = prompt
-        tgts[r][at:at + p - 1] = prompt[1:]
-        pos[r][at:at + p] = range(p)
-        docs[r][at:at + p] = [d] * p
+        scatter[flat_prompt[0] : flat_prompt[-1] + 1] = range(
+            len(segments) * w, len(segments) * w + p
+        )
+        toks[r][at : at + p] = prompt
+        tgts[r][at : at + p - 1] = prompt[1:]
+        pos[r][at : at + p] = range(p)
+        docs[r][at : at + p] = [d] * p
         last_col = at + p - 1  # the last prompt token predicts each completion's first token
         last_prompt = r * width + last_col
         at += p
@@ -211,15 +226,16 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
                 segments.append(flat_prompt)
                 continue
             c = len(comp) - 1  # input tokens of this branch
-            scatter[r * width + at:r * width + at + c] = range(len(segments) * w + p,
-                                                               len(segments) * w + p + c)
+            scatter[r * width + at : r * width + at + c] = range(
+                len(segments) * w + p, len(segments) * w + p + c
+            )
             segments.append(flat_prompt + list(range(r * width + at, r * width + at + c)))
             tgts[r][last_col] = comp[0]  # exact when unshared; comp_targets otherwise
-            toks[r][at:at + c] = comp[:-1]
-            tgts[r][at:at + c] = comp[1:]
-            pos[r][at:at + c] = range(p, p + c)
-            docs[r][at:at + c] = [d] * c
-            branch[r][at:at + c] = [k + 1] * c
+            toks[r][at : at + c] = comp[:-1]
+            tgts[r][at : at + c] = comp[1:]
+            pos[r][at : at + c] = range(p, p + c)
+            docs[r][at : at + c] = [d] * c
+            branch[r][at : at + c] = [k + 1] * c
             index += [last_prompt] + list(range(r * width + at, r * width + at + c))
             comp_targets += comp
             at += c
@@ -229,9 +245,19 @@ def _build(samples: list[RolloutSample], units: list[list[int]], device: torch.d
 
     row = [k for k, (_, n) in enumerate(offsets) for _ in range(n)]
     col = [j for _, n in offsets for j in range(n)]
-    mb = MicroBatch(rows, t(toks), t(pos), t(docs), t(tgts), offsets, t(index), t(row), t(col),
-                    branch_ids=t(branch) if shared else None,
-                    comp_targets=t(comp_targets) if shared else None)
+    mb = MicroBatch(
+        rows,
+        t(toks),
+        t(pos),
+        t(docs),
+        t(tgts),
+        offsets,
+        t(index),
+        t(row),
+        t(col),
+        branch_ids=t(branch) if shared else None,
+        comp_targets=t(comp_targets) if shared else None,
+    )
     if one_per_row:
         mb.one_per_row = True  # right-padded rows of one sample each: plain causal attention
     elif segments:
@@ -247,16 +273,23 @@ def empty_micro_batch(device: torch.device, width: int = 1) -> MicroBatch:
     return MicroBatch([], z, z, z, z, [], z[0], z[0][:0], z[0][:0])
 
 
-def sync_micro_batch_count(mbs: list[MicroBatch], device: torch.device,
-                           width: int = 1) -> list[MicroBatch]:
+def sync_micro_batch_count(
+    mbs: list[MicroBatch], device: torch.device, width: int = 1
+) -> list[MicroBatch]:
     n = torch.tensor([len(mbs)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=side_group())
     return mbs + [empty_micro_batch(device, width) for _ in range(int(n.item()) - len(mbs))]
 
 
-def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
-                   chunk_tokens: int = 1024, vocab_parallel: bool = False,
-                   cp: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model: nn.Module,
+    mb: MicroBatch,
+    *,
+    with_entropy: bool,
+    chunk_tokens: int = 1024,
+    vocab_parallel: bool = False,
+    cp: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log p(target) [K] and entropy [K] (fp32) of the micro-batch's K completion tokens.
 
     The vocab projection runs inside the model's forward through its ``head``
@@ -274,8 +307,9 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
     its share of the row and the values are summed over cp (tandem/rl/update/cp_batch.py).
     """
     if cp is not None:
-        return cp_token_logprobs(model, mb, cp, with_entropy=with_entropy,
-                                 chunk_tokens=chunk_tokens)
+        return cp_token_logprobs(
+            model, mb, cp, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        )
     index, targets = mb.comp_index, mb.completion_targets()
     if vocab_parallel:
         logits = model(mb.tokens, attn=mb.attention(), **mb.model_inputs())
@@ -283,8 +317,9 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, *, with_entropy: bool,
 
     def head(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         flat = h.reshape(-1, h.shape[-1]).index_select(0, index)  # [K, D]
-        return token_logprobs_entropy(flat, weight, targets, with_entropy=with_entropy,
-                                      chunk_tokens=chunk_tokens)
+        return token_logprobs_entropy(
+            flat, weight, targets, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        )
 
     return model(mb.tokens, attn=mb.attention(), head=head, **mb.model_inputs())
 
@@ -297,17 +332,29 @@ def scatter_completions(values: torch.Tensor, mb: MicroBatch, width: int) -> tor
 
 
 @torch.no_grad()
-def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list[MicroBatch],
-                       width: int,
-                       device: torch.device, chunk_tokens: int = 1024, vocab_parallel: bool = False,
-                       after: Callable[[MicroBatch], None] | None = None,
-                       cp: Any = None) -> torch.Tensor:
+def recompute_logprobs(
+    model: nn.Module,
+    samples: list[RolloutSample],
+    mbs: list[MicroBatch],
+    width: int,
+    device: torch.device,
+    chunk_tokens: int = 1024,
+    vocab_parallel: bool = False,
+    after: Callable[[MicroBatch], None] | None = None,
+    cp: Any = None,
+) -> torch.Tensor:
     """Log-probs of every completion token under ``model`` [N, width] (old / reference);
     ``after(mb)`` runs after each micro-batch's forward; ``cp`` as in `token_logprobs`."""
     out = torch.zeros(len(samples), width, device=device)
     for mb in mbs:
-        logp, _ = token_logprobs(model, mb, with_entropy=False, chunk_tokens=chunk_tokens,
-                                 vocab_parallel=vocab_parallel, cp=cp)
+        logp, _ = token_logprobs(
+            model,
+            mb,
+            with_entropy=False,
+            chunk_tokens=chunk_tokens,
+            vocab_parallel=vocab_parallel,
+            cp=cp,
+        )
         if after is not None:
             after(mb)
         if mb.rows:
@@ -315,17 +362,19 @@ def recompute_logprobs(model: nn.Module, samples: list[RolloutSample], mbs: list
     return out
 
 
-def completion_versions(samples: list[RolloutSample], width: int,
-                        device: torch.device) -> torch.Tensor:
+def completion_versions(
+    samples: list[RolloutSample], width: int, device: torch.device
+) -> torch.Tensor:
     """[N, width] long: the policy version that sampled each completion token (0 past the end)."""
     out = torch.zeros(len(samples), width, dtype=torch.long)
     for i, s in enumerate(samples):
-        out[i, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+        out[i, : len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
     return out.to(device)
 
 
-def completion_tensors(samples: list[RolloutSample],
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def completion_tensors(
+    samples: list[RolloutSample], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(loss mask [N, T] float, generator log-probs [N, T], T) right-padded."""
     width = max([len(s.completion_ids) for s in samples] + [1])
     mask = torch.zeros(len(samples), width, device=device)
@@ -359,10 +408,33 @@ class LossInputs:
     keep: torch.Tensor | None = None  # [N, T] bool: tokens a batch-wide correction keeps (m2po)
 
 
-_SUMS = ("loss", "clipped", "entropy", "kl", "tokens", "steps", "value_sq_err", "value_tokens",
-         "is_weight", "is_weight_sq", "dropped", "kl_behav", "kl_prox")
-_LOSS_SUMS = ("loss", "clipped", "entropy", "kl", "tokens", "is_weight", "is_weight_sq", "dropped",
-              "kl_behav", "kl_prox")
+_SUMS = (
+    "loss",
+    "clipped",
+    "entropy",
+    "kl",
+    "tokens",
+    "steps",
+    "value_sq_err",
+    "value_tokens",
+    "is_weight",
+    "is_weight_sq",
+    "dropped",
+    "kl_behav",
+    "kl_prox",
+)
+_LOSS_SUMS = (
+    "loss",
+    "clipped",
+    "entropy",
+    "kl",
+    "tokens",
+    "is_weight",
+    "is_weight_sq",
+    "dropped",
+    "kl_behav",
+    "kl_prox",
+)
 
 
 @dataclass
@@ -447,17 +519,30 @@ class LossSpec:
     cp: Any = None  # a tandem.parallel.cp.ContextParallel: rows split over cp (token_logprobs)
 
 
-def micro_batch_loss(model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: LossSpec, norm: Any,
-                     width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def micro_batch_loss(
+    model: nn.Module, mb: MicroBatch, inp: LossInputs, spec: LossSpec, norm: Any, width: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregated loss of one micro-batch (its share of the step's global loss) and token sums."""
-    logp_l, ent_l = token_logprobs(model, mb, with_entropy=True, chunk_tokens=spec.chunk_tokens,
-                                   vocab_parallel=spec.vocab_parallel, cp=spec.cp)
+    logp_l, ent_l = token_logprobs(
+        model,
+        mb,
+        with_entropy=True,
+        chunk_tokens=spec.chunk_tokens,
+        vocab_parallel=spec.vocab_parallel,
+        cp=spec.cp,
+    )
     return completion_loss(logp_l, ent_l, mb, inp, spec, norm, width)
 
 
-def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, inp: LossInputs,
-                    spec: LossSpec,
-                    norm: Any, width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def completion_loss(
+    logp_l: torch.Tensor,
+    ent_l: torch.Tensor,
+    mb: MicroBatch,
+    inp: LossInputs,
+    spec: LossSpec,
+    norm: Any,
+    width: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of a micro-batch from its ``[K]`` completion log-probs / entropies
     (``mb.comp_*`` order)."""
     if not mb.rows:  # padding micro-batch: keeps collectives in step, no gradient signal
@@ -473,12 +558,21 @@ def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, i
     else:
         old = inp.old_logp[rows]
     behav = inp.gen_logp[rows]
-    corr = spec.correction(CorrectionInput(
-        logp=logp.detach(), prox_logp=old, behav_logp=behav, mask=m, version=inp.version,
-        versions=inp.versions[rows] if inp.versions is not None else None,
-        keep=inp.keep[rows] if inp.keep is not None else None), spec.correction_cfg)
-    pl_inp = PolicyLossInput(logp=logp, old_logp=corr.old_logp, advantages=inp.advantages[rows],
-                             mask=m)
+    corr = spec.correction(
+        CorrectionInput(
+            logp=logp.detach(),
+            prox_logp=old,
+            behav_logp=behav,
+            mask=m,
+            version=inp.version,
+            versions=inp.versions[rows] if inp.versions is not None else None,
+            keep=inp.keep[rows] if inp.keep is not None else None,
+        ),
+        spec.correction_cfg,
+    )
+    pl_inp = PolicyLossInput(
+        logp=logp, old_logp=corr.old_logp, advantages=inp.advantages[rows], mask=m
+    )
     out = spec.policy_loss(pl_inp, spec.policy_cfg)
     tok_loss = out.loss * corr.weight
     kl = None
@@ -492,25 +586,35 @@ def completion_loss(logp_l: torch.Tensor, ent_l: torch.Tensor, mb: MicroBatch, i
     with torch.no_grad():
         w = corr.weight * m
         lr = torch.where(m.bool(), corr.old_logp - behav, 0.0).clamp(-20.0, 20.0)  # log prox/behav
-        sums = {"clipped": (out.metrics["clipped"].float() * m).sum(), "entropy": (ent * m).sum(),
-                "kl": (kl * m).sum() if kl is not None else m.new_zeros(()), "tokens": m.sum(),
-                "is_weight": w.sum(), "is_weight_sq": (w * w).sum(),
-                "dropped": ((corr.weight == 0) * m).sum(),
-                "kl_behav": ((torch.expm1(lr) - lr) * m).sum(),
-                "kl_prox": (out.metrics["approx_kl"] * m).sum()}
+        sums = {
+            "clipped": (out.metrics["clipped"].float() * m).sum(),
+            "entropy": (ent * m).sum(),
+            "kl": (kl * m).sum() if kl is not None else m.new_zeros(()),
+            "tokens": m.sum(),
+            "is_weight": w.sum(),
+            "is_weight_sq": (w * w).sum(),
+            "dropped": ((corr.weight == 0) * m).sum(),
+            "kl_behav": ((torch.expm1(lr) - lr) * m).sum(),
+            "kl_prox": (out.metrics["approx_kl"] * m).sum(),
+        }
     return loss, sums
 
 
-def gap_metrics(update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor,
-                weight: float = 1.0) -> dict[str, float]:
+def gap_metrics(
+    update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor, weight: float = 1.0
+) -> dict[str, float]:
     """How far the rollout's sampled-token log-probs are from the update's recomputation
     with the same weights, over all ranks; ``weight``: 1 on the one rank per data-parallel
     replica that counts (the policy's ``counts_stats``), else 0."""
     gap = (update_logp - gen_logp).abs() * mask * weight
-    stats = torch.stack([gap.sum(), mask.sum(), (gap > 0).sum(),
-                         gap.max() if gap.numel() else gap.new_zeros(())]).double()
+    stats = torch.stack(
+        [gap.sum(), mask.sum(), (gap > 0).sum(), gap.max() if gap.numel() else gap.new_zeros(())]
+    ).double()
     gmax = stats[3:].clone()
     dist.all_reduce(stats[:3], group=side_group())
     dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=side_group())
-    return {"gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0), "gap/abs_max": gmax.item(),
-            "gap/tokens_differ": stats[2].item()}
+    return {
+        "gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0),
+        "gap/abs_max": gmax.item(),
+        "gap/tokens_differ": stats[2].item(),
+    }

@@ -63,10 +63,23 @@ class UpdatePhase:
     scales (`tandem.rl.update.kv_scales.KVScales`, None without), calibrated after each update
     from the weights the next rollout runs."""
 
-    def __init__(self, *, rl: Any, max_tokens: int, distill: Any, policy: Any, ref: Any,
-                 trainers: list[Any], updater: Any, teachers: Any, dp: tuple[int, Any],
-                 device: torch.device, samples_to_log: int, chunk_tokens: int,
-                 kv: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        rl: Any,
+        max_tokens: int,
+        distill: Any,
+        policy: Any,
+        ref: Any,
+        trainers: list[Any],
+        updater: Any,
+        teachers: Any,
+        dp: tuple[int, Any],
+        device: torch.device,
+        samples_to_log: int,
+        chunk_tokens: int,
+        kv: Any = None,
+    ) -> None:
         self.rl, self.max_tokens, self.distill = rl, max_tokens, distill
         self.policy, self.ref, self.trainers = policy, ref, trainers
         self.updater, self.teachers, self.kv = updater, teachers, kv
@@ -75,10 +88,12 @@ class UpdatePhase:
         self.chunk_tokens = chunk_tokens  # advanced.logprob_chunk_tokens
         self.kl_in_loss = ref is not None and KL_MODES.cap(rl.kl_mode, "in_loss")
         corr = rl.offpolicy_correction
-        early = (any(t.needs_old_logp for t in trainers)
-                 or (teachers is not None and teachers.needs_old_logp)
-                 or (ref is not None and KL_MODES.cap(rl.kl_mode, "needs_old_logp"))
-                 or OFFPOLICY_CORRECTIONS.cap(corr, "needs_old_logp", False))
+        early = (
+            any(t.needs_old_logp for t in trainers)
+            or (teachers is not None and teachers.needs_old_logp)
+            or (ref is not None and KL_MODES.cap(rl.kl_mode, "needs_old_logp"))
+            or OFFPOLICY_CORRECTIONS.cap(corr, "needs_old_logp", False)
+        )
         # the old log-probs need a forward of their own when the batch feeds several optimizer
         # steps (the policy moves in between; a log-linear proximal policy does without) or
         # something reads them before the loss
@@ -113,17 +128,29 @@ class UpdatePhase:
         m_log = mask[:n_log]  # the sample log's advantage: the mean over the sampled tokens
         logged = ((adv[:n_log] * m_log).sum(-1) / m_log.sum(-1).clamp(min=1)).tolist()
         spec = LossSpec(
-            policy_loss=POLICY_LOSSES.get(r.policy_loss), policy_cfg=r,
+            policy_loss=POLICY_LOSSES.get(r.policy_loss),
+            policy_cfg=r,
             aggregation=AGGREGATIONS.get(r.aggregation),
             kl_estimator=KL_ESTIMATORS.get(r.kl_estimator) if self.kl_in_loss else None,
-            kl_coef=r.kl_coef, entropy_coef=r.entropy_coef, chunk_tokens=self.chunk_tokens,
+            kl_coef=r.kl_coef,
+            entropy_coef=r.entropy_coef,
+            chunk_tokens=self.chunk_tokens,
             vocab_parallel=self.policy.vocab_parallel,
             correction=OFFPOLICY_CORRECTIONS.get(r.offpolicy_correction),
-            correction_cfg=r.correction_config())
-        inp = LossInputs(mask=mask, old_logp=old_logp, advantages=adv, gen_logp=gen_logp,
-                         ref_logp=ref_logp, values=values, returns=returns,
-                         seen_logp=torch.zeros_like(mask) if old_logp is None else None,
-                         versions=versions, version=batch.version)
+            correction_cfg=r.correction_config(),
+        )
+        inp = LossInputs(
+            mask=mask,
+            old_logp=old_logp,
+            advantages=adv,
+            gen_logp=gen_logp,
+            ref_logp=ref_logp,
+            values=values,
+            returns=returns,
+            seen_logp=torch.zeros_like(mask) if old_logp is None else None,
+            versions=versions,
+            version=batch.version,
+        )
         if OFFPOLICY_CORRECTIONS.cap(r.offpolicy_correction, "batch_keep", False):
             inp.keep = self._m2po_keep(inp, spec)
         sums, norms = self._train(samples, inp, spec, width, step)
@@ -139,21 +166,36 @@ class UpdatePhase:
         if self.critic is not None:
             critic = norms.get("critic", [])
             mse = sums.value_sq_err.item() / max(sums.value_tokens.item(), 1.0)
-            extra.update({"critic/value_mse": mse,
-                          "critic/grad_norm": sum(critic) / max(len(critic), 1),
-                          "critic/training_policy": float(self.trainers[0].active(step))})
+            extra.update(
+                {
+                    "critic/value_mse": mse,
+                    "critic/grad_norm": sum(critic) / max(len(critic), 1),
+                    "critic/training_policy": float(self.trainers[0].active(step)),
+                }
+            )
         policy = norms.get("policy", [])
         extra.update(_offpolicy_metrics(sums, tokens))
         dt = time.monotonic() - t0
-        return UpdateResult({
-            **extra, "loss": sums.loss.item() / max(sums.steps.item() / self.dp, 1.0),
-            "clip_frac": sums.clipped.item() / tokens, "entropy": sums.entropy.item() / tokens,
-            "kl": sums.kl.item() / tokens, "grad_norm": sum(policy) / max(len(policy), 1),
-            "update/tokens": tokens, "update/tokens_per_s": tokens / dt, "time/update_s": dt,
-            "time/logprobs_s": t_logprobs, "memory/update_peak_gb": peak_memory_gb(dev)}, logged)
+        return UpdateResult(
+            {
+                **extra,
+                "loss": sums.loss.item() / max(sums.steps.item() / self.dp, 1.0),
+                "clip_frac": sums.clipped.item() / tokens,
+                "entropy": sums.entropy.item() / tokens,
+                "kl": sums.kl.item() / tokens,
+                "grad_norm": sum(policy) / max(len(policy), 1),
+                "update/tokens": tokens,
+                "update/tokens_per_s": tokens / dt,
+                "time/update_s": dt,
+                "time/logprobs_s": t_logprobs,
+                "memory/update_peak_gb": peak_memory_gb(dev),
+            },
+            logged,
+        )
 
-    def _train(self, samples: list[RolloutSample], inp: LossInputs, spec: LossSpec, width: int,
-               step: int) -> tuple[UpdateSums, dict[str, list[float]]]:
+    def _train(
+        self, samples: list[RolloutSample], inp: LossInputs, spec: LossSpec, width: int, step: int
+    ) -> tuple[UpdateSums, dict[str, list[float]]]:
         """The optimizer steps: every active trainer adds a minibatch, then one guarded update."""
         r = self.rl
         const = r.loss_constant or float(self.max_tokens)
@@ -174,24 +216,37 @@ class UpdatePhase:
                     sums.steps = sums.steps + 1
         return sums, norms
 
-    def _advantages(self, samples: list[RolloutSample], scores: torch.Tensor, mask: torch.Tensor,
-                    old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
-                    values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _advantages(
+        self,
+        samples: list[RolloutSample],
+        scores: torch.Tensor,
+        mask: torch.Tensor,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        values: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         r, dev = self.rl, self.device
         scores = scores.to(dev)
         if r.overlong_buffer > 0:
-            lengths = torch.tensor([len(s.completion_ids) for s in samples], device=dev,
-                                   dtype=torch.float32)
-            scores = scores + overlong_penalty(lengths, self.max_tokens, r.overlong_buffer,
-                                               r.overlong_penalty)
+            lengths = torch.tensor(
+                [len(s.completion_ids) for s in samples], device=dev, dtype=torch.float32
+            )
+            scores = scores + overlong_penalty(
+                lengths, self.max_tokens, r.overlong_buffer, r.overlong_penalty
+            )
         token_rewards = None
         if ref_logp is not None and not self.kl_in_loss:  # the KL as a reward penalty
             kl_mode = KL_MODES.get(r.kl_mode)
             token_rewards = kl_mode(old_logp, ref_logp, mask, r.kl_coef, r.kl_estimator)
         groups = dense_group_index(torch.tensor([s.group for s in samples], device=dev))
-        inp = AdvantageInput(scores=scores, mask=mask, group_index=groups,
-                             token_rewards=token_rewards, values=values,
-                             reduce_sum=self._dp_sum if self.dp_group is not None else None)
+        inp = AdvantageInput(
+            scores=scores,
+            mask=mask,
+            group_index=groups,
+            token_rewards=token_rewards,
+            values=values,
+            reduce_sum=self._dp_sum if self.dp_group is not None else None,
+        )
         acfg = AdvantageConfig(norm_by_std=r.norm_by_std, gamma=r.gamma, lam=r.lam)
         out = ADVANTAGES.get(r.advantage)(inp, acfg)
         return out.advantages, out.returns
@@ -199,11 +254,21 @@ class UpdatePhase:
     def _m2po_keep(self, inp: LossInputs, spec: LossSpec) -> torch.Tensor:
         """M2PO's tokens, over the step's tokens on every rank (before any optimizer step: the
         proximal policy is the old one, the current one too)."""
-        c = CorrectionInput(logp=inp.old_logp, prox_logp=inp.old_logp, behav_logp=inp.gen_logp,
-                            mask=inp.mask, versions=inp.versions, version=inp.version)
+        c = CorrectionInput(
+            logp=inp.old_logp,
+            prox_logp=inp.old_logp,
+            behav_logp=inp.gen_logp,
+            mask=inp.mask,
+            versions=inp.versions,
+            version=inp.version,
+        )
         m2 = (proximal_logp(c, spec.correction_cfg.proximal) - inp.gen_logp) ** 2
-        return m2po_keep(m2, inp.mask, spec.correction_cfg.m2_threshold,
-                         gather=self._dp_gather if self.dp_group is not None else None)
+        return m2po_keep(
+            m2,
+            inp.mask,
+            spec.correction_cfg.m2_threshold,
+            gather=self._dp_gather if self.dp_group is not None else None,
+        )
 
     def _dp_gather(self, t: torch.Tensor) -> torch.Tensor:
         """A 1-D tensor of every data-parallel rank (any lengths), concatenated in rank order."""
@@ -217,14 +282,21 @@ class UpdatePhase:
         dist.all_reduce(out, group=self.dp_group)
         return out
 
-    def _distill(self, samples: list[RolloutSample], mask: torch.Tensor, old_logp: torch.Tensor,
-                 adv: torch.Tensor, width: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _distill(
+        self,
+        samples: list[RolloutSample],
+        mask: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        width: int,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """OPD: advantages from the sampled reverse KL to each sample's teacher, chunk by chunk
         (a chunk is one token with the student's tokenizer), plus the reward's."""
         d = self.distill
         route = self.teachers.route(samples)
-        t_chunk_logp, chunk_ids = self.teachers.score(samples, route, width,
-                                                      self.rl.micro_batch_tokens, self.device)
+        t_chunk_logp, chunk_ids = self.teachers.score(
+            samples, route, width, self.rl.micro_batch_tokens, self.device
+        )
         out = d.coef * chunk_opd_advantages(old_logp, t_chunk_logp, chunk_ids, mask)
         if d.reward_weight:
             out = out + d.reward_weight * adv
@@ -252,7 +324,10 @@ def _offpolicy_metrics(sums: UpdateSums, tokens: float) -> dict[str, float]:
     the correction's mean weight, its effective sample size ``(sum w)^2 / (n sum w^2)`` (1: no
     correction at all) and the share of tokens it dropped."""
     w, w2 = sums.is_weight.item(), sums.is_weight_sq.item()
-    return {"offpolicy/kl_behav_prox": sums.kl_behav.item() / tokens,
-            "offpolicy/kl_prox_current": sums.kl_prox.item() / tokens,
-            "offpolicy/weight_mean": w / tokens, "offpolicy/ess": w * w / max(tokens * w2, 1e-30),
-            "offpolicy/dropped_frac": sums.dropped.item() / tokens}
+    return {
+        "offpolicy/kl_behav_prox": sums.kl_behav.item() / tokens,
+        "offpolicy/kl_prox_current": sums.kl_prox.item() / tokens,
+        "offpolicy/weight_mean": w / tokens,
+        "offpolicy/ess": w * w / max(tokens * w2, 1e-30),
+        "offpolicy/dropped_frac": sums.dropped.item() / tokens,
+    }

@@ -48,8 +48,8 @@ from tandem.parallel.mesh import Degrees, dp_rank
 from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
 from tandem.parallel.split import side_group
 from tandem.parallel.tp import validate_tp
-from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.lora import LoraConfig, save_exports
 from tandem.rl.core.modeling import (
     BuildSpec,
     build_transformer,
@@ -59,7 +59,7 @@ from tandem.rl.core.modeling import (
     parallelize_model,
     with_adapters,
 )
-from tandem.rl.core.lora import LoraConfig, save_exports
+from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
@@ -79,10 +79,22 @@ from tandem.rl.update.vision import attach_images
 class FlatPolicy:
     """One model: FSDP2 over the data-parallel ranks, TP over ``mesh["tp"]``."""
 
-    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None,
-                 seed: int,
-                 spec: BuildSpec, is_main: bool, trainable: bool = True, micro_batch_tokens: int,
-                 chunk_tokens: int, share_prompts: bool = False, cp_style: str = "ulysses") -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        mesh: Any,
+        device: torch.device,
+        *,
+        path: str | None,
+        seed: int,
+        spec: BuildSpec,
+        is_main: bool,
+        trainable: bool = True,
+        micro_batch_tokens: int,
+        chunk_tokens: int,
+        share_prompts: bool = False,
+        cp_style: str = "ulysses",
+    ) -> None:
         self.cp = context_parallel(mesh, cp_style)
         self.device, self.chunk = device, chunk_tokens
         self.budget = micro_batch_tokens * self.cp.size  # each cp rank: micro_batch_tokens
@@ -90,8 +102,9 @@ class FlatPolicy:
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
         self.dp_rank = dp_rank(mesh)  # TP ranks of one replica share it (and their samples)
-        self.model = build_transformer(args, path, seed, mesh, device, spec, is_main=is_main,
-                                       trainable=trainable)
+        self.model = build_transformer(
+            args, path, seed, mesh, device, spec, is_main=is_main, trainable=trainable
+        )
         self.modules = [self.model]
         self.state_module = self.model
         self.tp_rank = mesh["tp"].get_local_rank()
@@ -119,8 +132,14 @@ class FlatPolicy:
         """Packed micro-batches of ``rows``, as many on every rank (FSDP2's collectives
         must match)."""
         multiple = self.tp * self.cp.granularity  # TP's sequence-parallel pieces; cp's chunks
-        mbs = pack_micro_batches(samples, rows, self.budget, self.device, multiple=multiple,
-                                 share_prompts=self.share_prompts)
+        mbs = pack_micro_batches(
+            samples,
+            rows,
+            self.budget,
+            self.device,
+            multiple=multiple,
+            share_prompts=self.share_prompts,
+        )
         if self.image_token_id is not None:
             # a vision-language policy: M-RoPE positions, image rows
             mbs = [attach_images(mb, samples, self.image_token_id) for mb in mbs]
@@ -138,14 +157,29 @@ class FlatPolicy:
 
     def logprobs(self, samples: list[RolloutSample], width: int) -> torch.Tensor:
         mbs = self._wrapped(self.micro_batches(samples, list(range(len(samples)))))
-        out = recompute_logprobs(self.model, samples, mbs, width, self.device, self.chunk,
-                                 vocab_parallel=self.vocab_parallel, cp=self.split,
-                                 after=lambda mb: self.routing.observe(self.model, mb))
+        out = recompute_logprobs(
+            self.model,
+            samples,
+            mbs,
+            width,
+            self.device,
+            self.chunk,
+            vocab_parallel=self.vocab_parallel,
+            cp=self.split,
+            after=lambda mb: self.routing.observe(self.model, mb),
+        )
         self.routing.disarm()  # compared once, with the rollout's weights
         return out
 
-    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs,
-                   spec: LossSpec, norm: Any, width: int) -> UpdateSums:
+    def accumulate(
+        self,
+        samples: list[RolloutSample],
+        rows: list[int],
+        inp: LossInputs,
+        spec: LossSpec,
+        norm: Any,
+        width: int,
+    ) -> UpdateSums:
         """Forward + backward over ``rows``; returns their loss and token sums."""
         sums = UpdateSums.zeros(self.device)
         mbs = self._wrapped(self.micro_batches(samples, rows))
@@ -215,11 +249,23 @@ class _StageUnion(nn.Module):
 class PipelinePolicy:
     """This rank's pipeline stages (tandem/parallel/pp.py), each also TP- and FSDP2-parallel."""
 
-    def __init__(self, args: ModelArgs, mesh: Any, device: torch.device, *, path: str | None,
-                 seed: int,
-                 spec: BuildSpec, trainable: bool = True, schedule: str, microbatches: int,
-                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int = 1024,
-                 is_main: bool = False) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        mesh: Any,
+        device: torch.device,
+        *,
+        path: str | None,
+        seed: int,
+        spec: BuildSpec,
+        trainable: bool = True,
+        schedule: str,
+        microbatches: int,
+        seq_len: int,
+        micro_batch_tokens: int,
+        chunk_tokens: int = 1024,
+        is_main: bool = False,
+    ) -> None:
         # the last stage holds whole logits rows; every rank reads its own weights
         del chunk_tokens, is_main
         self.device, self.args = device, args
@@ -242,14 +288,16 @@ class PipelinePolicy:
             stage.to_empty(device=device)
             stage.reset_rope()
             own = {k: full[k] for k in get_model_state_dict(stage)}
-            set_model_state_dict(stage, own,
-                                 options=StateDictOptions(full_state_dict=True, strict=True))
+            set_model_state_dict(
+                stage, own, options=StateDictOptions(full_state_dict=True, strict=True)
+            )
             return stage
 
         with torch.device("meta"):
             meta = Transformer(args)
-        self.pipe = build_pipeline(meta, mesh["pp"], schedule, self.n_mb, self._loss, device=device,
-                                   parallelize_fn=prepare)
+        self.pipe = build_pipeline(
+            meta, mesh["pp"], schedule, self.n_mb, self._loss, device=device, parallelize_fn=prepare
+        )
         full.clear()
         self.modules = self.pipe.modules
         if not trainable:
@@ -287,8 +335,9 @@ class PipelinePolicy:
 
     # ---- batches: one sample per row, [batch_rows, seq_len] ----------------------------
 
-    def _batches(self, samples: list[RolloutSample],
-                 rows: list[int]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    def _batches(
+        self, samples: list[RolloutSample], rows: list[int]
+    ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """(tokens, targets) per pipeline step; targets hold per position the next token, the
         sample index (``row``, -1 on padding) and the completion column (``col``, -1 elsewhere)."""
         per = self.batch_rows
@@ -298,7 +347,7 @@ class PipelinePolicy:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=side_group())
         out = []
         for b in range(int(count.item())):
-            chunk = rows[b * per:(b + 1) * per]
+            chunk = rows[b * per : (b + 1) * per]
             tok = torch.zeros(per, self.seq_len, dtype=torch.long)
             tgt = torch.zeros(per, self.seq_len, dtype=torch.long)
             row = torch.full((per, self.seq_len), -1, dtype=torch.long)
@@ -308,15 +357,18 @@ class PipelinePolicy:
                 seq = s.prompt_ids + s.completion_ids
                 n_in, p = len(seq) - 1, len(s.prompt_ids)
                 if n_in > self.seq_len:
-                    raise ValueError(f"a sequence of {n_in + 1} tokens exceeds the pipeline row "
-                                     f"length {self.seq_len}")
+                    raise ValueError(
+                        f"a sequence of {n_in + 1} tokens exceeds the pipeline row "
+                        f"length {self.seq_len}"
+                    )
                 tok[r, :n_in] = torch.tensor(seq[:-1])
                 tgt[r, :n_in] = torch.tensor(seq[1:])
-                row[r, p - 1:n_in] = i
-                col[r, p - 1:n_in] = torch.arange(len(s.completion_ids))
+                row[r, p - 1 : n_in] = i
+                col[r, p - 1 : n_in] = torch.arange(len(s.completion_ids))
             dev = self.device
-            out.append((tok.to(dev),
-                        {"targets": tgt.to(dev), "row": row.to(dev), "col": col.to(dev)}))
+            out.append(
+                (tok.to(dev), {"targets": tgt.to(dev), "row": row.to(dev), "col": col.to(dev)})
+            )
         return out
 
     @staticmethod
@@ -334,8 +386,9 @@ class PipelinePolicy:
     def _loss(self, logits: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
         c = self._ctx
         mb = self._completions(t)
-        logp, ent = token_logprobs_at(logits, mb.comp_index,
-                                      t["targets"].reshape(-1)[mb.comp_index], with_entropy=True)
+        logp, ent = token_logprobs_at(
+            logits, mb.comp_index, t["targets"].reshape(-1)[mb.comp_index], with_entropy=True
+        )
         if not c:  # the warm-up step
             return logp.sum() * 0.0
         loss, st = completion_loss(logp, ent, mb, c["inp"], c["spec"], c["norm"], c["width"])
@@ -343,8 +396,15 @@ class PipelinePolicy:
             c["sums"].add_loss(loss, st)
         return loss * self.dp  # FSDP2 averages over dp ranks
 
-    def accumulate(self, samples: list[RolloutSample], rows: list[int], inp: LossInputs,
-                   spec: LossSpec, norm: Any, width: int) -> UpdateSums:
+    def accumulate(
+        self,
+        samples: list[RolloutSample],
+        rows: list[int],
+        inp: LossInputs,
+        spec: LossSpec,
+        norm: Any,
+        width: int,
+    ) -> UpdateSums:
         sums = UpdateSums.zeros(self.device)
         self._ctx = {"inp": inp, "spec": spec, "norm": norm, "width": width, "sums": sums}
         for tokens, targets in self._batches(samples, rows):
@@ -357,15 +417,22 @@ class PipelinePolicy:
         """Forward only through the stages; computed on the last stage, broadcast to the others."""
         out = torch.zeros(len(samples), width, device=self.device)
         for tokens, targets in self._batches(samples, list(range(len(samples)))):
-            mbs = [{k: v[i * self.rows_per_mb:(i + 1) * self.rows_per_mb]
-                    for k, v in targets.items()}
-                   for i in range(self.n_mb)]
+            mbs = [
+                {
+                    k: v[i * self.rows_per_mb : (i + 1) * self.rows_per_mb]
+                    for k, v in targets.items()
+                }
+                for i in range(self.n_mb)
+            ]
 
             def record(i: int, logits: torch.Tensor, mbs=mbs) -> None:
                 mb = self._completions(mbs[i])
-                logp, _ = token_logprobs_at(logits, mb.comp_index,
-                                            mbs[i]["targets"].reshape(-1)[mb.comp_index],
-                                            with_entropy=False)
+                logp, _ = token_logprobs_at(
+                    logits,
+                    mb.comp_index,
+                    mbs[i]["targets"].reshape(-1)[mb.comp_index],
+                    with_entropy=False,
+                )
                 if mb.rows:
                     out[mb.rows] = scatter_completions(logp, mb, width)
 
@@ -375,8 +442,12 @@ class PipelinePolicy:
         return out
 
     def clip(self, max_norm: float) -> float:
-        return clip_grad_norm(self.parameters(), max_norm, group=self.pipe.group,
-                              duplicates=self.pipe.duplicate_params())
+        return clip_grad_norm(
+            self.parameters(),
+            max_norm,
+            group=self.pipe.group,
+            duplicates=self.pipe.duplicate_params(),
+        )
 
     def cp_metrics(self) -> dict[str, float]:
         return {}
@@ -385,8 +456,13 @@ class PipelinePolicy:
         """Collective: the policy as an HF folder (rank 0 writes)."""
         full = self.full_state()
         if rank == 0:
-            save_exports({k: v.cpu() for k, v in full.items()}, args, out_dir, tokenizer,
-                         lora_spec_of(self.modules[0]))
+            save_exports(
+                {k: v.cpu() for k, v in full.items()},
+                args,
+                out_dir,
+                tokenizer,
+                lora_spec_of(self.modules[0]),
+            )
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model on every rank (stages gathered over FSDP / TP, then
@@ -396,21 +472,26 @@ class PipelinePolicy:
             local.update(get_model_state_dict(m, options=StateDictOptions(full_state_dict=True)))
         group = self.pipe.group
         metas: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()],
-                               group=group)
+        dist.all_gather_object(
+            metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()], group=group
+        )
         me = dist.get_rank(group)
         full: dict[str, torch.Tensor] = {}
         for src, keys in enumerate(metas):
             for k, shape, dtype in keys:
-                t = (local[k].contiguous() if src == me
-                     else torch.empty(shape, dtype=dtype, device=self.device))
+                t = (
+                    local[k].contiguous()
+                    if src == me
+                    else torch.empty(shape, dtype=dtype, device=self.device)
+                )
                 dist.broadcast(t, group_src=src, group=group)
                 full[k] = t
         return full
 
 
-def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: str = "ulysses",
-                 ep: int = 1) -> None:
+def check_layout(
+    args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: str = "ulysses", ep: int = 1
+) -> None:
     """One clear line (ConfigError) when the model cannot be split as ``[parallel]`` asks."""
     try:
         validate_tp(args, degrees.tp)
@@ -419,20 +500,27 @@ def check_layout(args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: 
     if degrees.cp > 1:
         for key, value in (("tp", degrees.tp), ("pp", degrees.pp), ("ep", ep)):  # not with cp yet
             if value > 1:
-                raise ConfigError(f"parallel.cp: composes with FSDP2 / HSDP (dp_shard, "
-                                  f"dp_replicate) only so far, not with parallel.{key} = {value}; "
-                                  "set one of them to 1")
+                raise ConfigError(
+                    f"parallel.cp: composes with FSDP2 / HSDP (dp_shard, "
+                    f"dp_replicate) only so far, not with parallel.{key} = {value}; "
+                    "set one of them to 1"
+                )
         if args.is_moe:
-            raise ConfigError("parallel.cp: a mixture-of-experts model runs with cp = 1 so far "
-                              "(its router losses are statistics of a whole micro-batch); set "
-                              "parallel.cp = 1")
+            raise ConfigError(
+                "parallel.cp: a mixture-of-experts model runs with cp = 1 so far "
+                "(its router losses are statistics of a whole micro-batch); set "
+                "parallel.cp = 1"
+            )
         if cp_style == "ulysses" and args.num_heads % degrees.cp:
-            raise ConfigError(f"parallel.cp: ulysses splits the {args.num_heads} attention heads "
-                              f"over cp = {degrees.cp} ranks, which must divide them; set "
-                              "parallel.cp_style = 'ring'")
+            raise ConfigError(
+                f"parallel.cp: ulysses splits the {args.num_heads} attention heads "
+                f"over cp = {degrees.cp} ranks, which must divide them; set "
+                "parallel.cp_style = 'ring'"
+            )
     try:
-        pipeline_split(args, degrees.pp,
-                       stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1)
+        pipeline_split(
+            args, degrees.pp, stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1
+        )
     except ValueError as e:
         raise ConfigError(f"parallel.pp: {e}") from None
 
@@ -452,12 +540,21 @@ def cp_metrics(cp: ContextParallel | None, device: torch.device) -> dict[str, fl
     return {"update/cp_effective": t.item()}
 
 
-def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedule: str,
-                 pp_microbatches: int,
-                 seq_len: int, micro_batch_tokens: int, chunk_tokens: int,
-                 share_prompts: bool = False,
-                 lora: LoraConfig | None = None, cp_style: str = "ulysses",
-                 **build: Any) -> FlatPolicy | PipelinePolicy:
+def build_policy(
+    args: ModelArgs,
+    mesh: Any,
+    device: torch.device,
+    *,
+    pp_schedule: str,
+    pp_microbatches: int,
+    seq_len: int,
+    micro_batch_tokens: int,
+    chunk_tokens: int,
+    share_prompts: bool = False,
+    lora: LoraConfig | None = None,
+    cp_style: str = "ulysses",
+    **build: Any,
+) -> FlatPolicy | PipelinePolicy:
     """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`; with ``lora``
     (the ``[lora]`` section, rank > 0) a frozen base with adapters (tandem/rl/core/lora.py)."""
     if lora is not None and lora.enabled:
@@ -466,12 +563,28 @@ def build_policy(args: ModelArgs, mesh: Any, device: torch.device, *, pp_schedul
         build["spec"] = dataclasses.replace(build["spec"], lora=setup)
     if mesh["pp"].size() > 1:
         if share_prompts:
-            raise ConfigError("advanced.share_prompts: not supported with parallel.pp > 1 "
-                              "(pipeline micro-batches are fixed-length rows of one sequence)")
-        return PipelinePolicy(args, mesh, device, schedule=pp_schedule,
-                              microbatches=pp_microbatches,
-                              seq_len=seq_len, micro_batch_tokens=micro_batch_tokens,
-                              chunk_tokens=chunk_tokens, **build)
-    return FlatPolicy(args, mesh, device, micro_batch_tokens=micro_batch_tokens,
-                      chunk_tokens=chunk_tokens,
-                      share_prompts=share_prompts, cp_style=cp_style, **build)
+            raise ConfigError(
+                "advanced.share_prompts: not supported with parallel.pp > 1 "
+                "(pipeline micro-batches are fixed-length rows of one sequence)"
+            )
+        return PipelinePolicy(
+            args,
+            mesh,
+            device,
+            schedule=pp_schedule,
+            microbatches=pp_microbatches,
+            seq_len=seq_len,
+            micro_batch_tokens=micro_batch_tokens,
+            chunk_tokens=chunk_tokens,
+            **build,
+        )
+    return FlatPolicy(
+        args,
+        mesh,
+        device,
+        micro_batch_tokens=micro_batch_tokens,
+        chunk_tokens=chunk_tokens,
+        share_prompts=share_prompts,
+        cp_style=cp_style,
+        **build,
+    )

@@ -34,8 +34,9 @@ class RouterStats:
                 continue
             c = moe.tokens_per_expert.detach().double().cpu()
             self.counts[key] = self.counts[key] + c if key in self.counts else c
-            self.losses += torch.tensor([float(moe.aux_loss), float(moe.z_loss), 1.0],
-                                        dtype=torch.float64)
+            self.losses += torch.tensor(
+                [float(moe.aux_loss), float(moe.z_loss), 1.0], dtype=torch.float64
+            )
 
     def metrics(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
         """Collective over ``group`` (every rank of it calls, each with the same layers)."""
@@ -43,15 +44,18 @@ class RouterStats:
             return {}
         keys = sorted(self.counts, key=int)
         flat = torch.cat([torch.stack([self.counts[k] for k in keys]).reshape(-1), self.losses]).to(
-            device)
+            device
+        )
         if dist.is_initialized():
             dist.all_reduce(flat, group=group)
         n = len(keys) * self.counts[keys[0]].numel()
         counts = flat[:n].view(len(keys), -1)
         counts = counts.cpu()
         aux, z, seen = flat[n:].tolist()
-        out = {f"moe/expert_load_max_over_mean/{k}": float(c.max() / c.mean().clamp(min=1e-9))
-               for k, c in zip(keys, counts)}
+        out = {
+            f"moe/expert_load_max_over_mean/{k}": float(c.max() / c.mean().clamp(min=1e-9))
+            for k, c in zip(keys, counts)
+        }
         out.update({"moe/aux_loss": aux / max(seen, 1.0), "moe/z_loss": z / max(seen, 1.0)})
         self.counts, self.losses = {}, torch.zeros(3, dtype=torch.float64)
         return out
@@ -85,8 +89,11 @@ class RoutingCheck:
         if not layers:
             return
         # [K, L, k]
-        upd = (torch.stack([m.last_routing for m in layers],
-                           dim=1)[mb.comp_index].sort(dim=-1).values.cpu())
+        upd = (
+            torch.stack([m.last_routing for m in layers], dim=1)[mb.comp_index]
+            .sort(dim=-1)
+            .values.cpu()
+        )
         gen = torch.full_like(upd, -1)
         rows, cols = mb.comp_row.cpu(), mb.comp_col.cpu()
         for r, j in enumerate(mb.rows):
@@ -106,5 +113,8 @@ class RoutingCheck:
             dist.all_reduce(t, group=group)
         self.stats = torch.zeros(2, dtype=torch.float64)
         differ, compared = t.tolist()
-        return ({"moe/routing_mismatch": differ / compared, "moe/routing_compared": compared}
-                if compared else {})
+        return (
+            {"moe/routing_mismatch": differ / compared, "moe/routing_compared": compared}
+            if compared
+            else {}
+        )

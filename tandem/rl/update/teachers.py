@@ -28,22 +28,23 @@ import torch.distributed as dist
 
 from tandem.models.hf import load_args
 from tandem.models.tokenizer import Tokenizer
-from tandem.rl.core.fields import get_field
 from tandem.rl.algorithms import chunk_sums
-from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_transformer
 from tandem.rl.config.rl_schema import DistillConfig
-from tandem.rl.update.xtok_alignment import CrossTokenizer
+from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.fields import get_field
+from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_transformer
+from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.loss import pack_micro_batches, recompute_logprobs, sync_micro_batch_count
+from tandem.rl.update.xtok_alignment import CrossTokenizer
 
 Conversation = Callable[[dict[str, Any]], list[dict[str, Any]]]
 
 
 def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     """Same vocabulary (token -> id, added tokens included) and the same EOS ids."""
-    return a.raw.get_vocab(with_added_tokens=True) == b.raw.get_vocab(with_added_tokens=True) \
-        and sorted(a.eos_token_ids) == sorted(b.eos_token_ids)
+    return a.raw.get_vocab(with_added_tokens=True) == b.raw.get_vocab(
+        with_added_tokens=True
+    ) and sorted(a.eos_token_ids) == sorted(b.eos_token_ids)
 
 
 class Teachers:
@@ -52,8 +53,18 @@ class Teachers:
 
     needs_old_logp = True  # the distillation advantage is the reverse KL from the old log-probs
 
-    def __init__(self, d: DistillConfig, student_tok: Tokenizer, mesh: Any, device: torch.device,
-                 spec: BuildSpec, *, seed: int, is_main: bool, conversation: Conversation) -> None:
+    def __init__(
+        self,
+        d: DistillConfig,
+        student_tok: Tokenizer,
+        mesh: Any,
+        device: torch.device,
+        spec: BuildSpec,
+        *,
+        seed: int,
+        is_main: bool,
+        conversation: Conversation,
+    ) -> None:
         self.names = d.teacher_names()
         self.route_field = d.route_field
         self.conversation = conversation
@@ -64,12 +75,16 @@ class Teachers:
             try:
                 tok = Tokenizer.from_dir(path)
                 args = load_args(path)
-                self.cross.append(None if same_tokenizer(tok, student_tok)
-                                  else CrossTokenizer(student_tok, tok))
+                self.cross.append(
+                    None if same_tokenizer(tok, student_tok) else CrossTokenizer(student_tok, tok)
+                )
             except (OSError, ValueError, KeyError) as e:
                 raise ModelSetupError(f"{key}: {str(e).strip().splitlines()[0]}") from None
-            self.models.append(build_transformer(args, path, seed, mesh, device, spec,
-                                                 is_main=is_main, trainable=False))
+            self.models.append(
+                build_transformer(
+                    args, path, seed, mesh, device, spec, is_main=is_main, trainable=False
+                )
+            )
 
     @property
     def cross_tokenizer(self) -> bool:
@@ -104,9 +119,11 @@ class Teachers:
             value = get_field(row, self.route_field)
             if str(value) not in index:
                 rid = row.get("id", row.get("problem_id", n))
-                raise ConfigError(f"distill.route_field: row {rid} has {self.route_field}"
-                                  f"={value!r}, which names no teacher (distill.names: "
-                                  f"{self.names})")
+                raise ConfigError(
+                    f"distill.route_field: row {rid} has {self.route_field}"
+                    f"={value!r}, which names no teacher (distill.names: "
+                    f"{self.names})"
+                )
             out.append(index[str(value)])
         return out
 
@@ -114,8 +131,14 @@ class Teachers:
         return self.route_rows([s.row for s in samples])
 
     @torch.no_grad()
-    def score(self, samples: list[RolloutSample], route: list[int], width: int, budget: int,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(
+        self,
+        samples: list[RolloutSample],
+        route: list[int],
+        width: int,
+        budget: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(teacher log-prob of every chunk [N, width], chunk of every student token [N, width]
         (-1: none)).
 
@@ -125,35 +148,44 @@ class Teachers:
         chunk_logp = torch.zeros(n, width, device=device)
         cols = torch.arange(width)
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long).reshape(
-            n, 1)
+            n, 1
+        )
         chunk_ids = torch.where(cols < lengths, cols, -1)  # [N, width]: one token per chunk
         for k, model in enumerate(self.models):
             rows = [i for i, r in enumerate(route) if r == k]
             cross = self.cross[k]
             if cross is None:  # the student's ids, as generated
-                mbs = sync_micro_batch_count(pack_micro_batches(samples, rows, budget, device),
-                                             device)
+                mbs = sync_micro_batch_count(
+                    pack_micro_batches(samples, rows, budget, device), device
+                )
                 # zero outside ``rows``
                 chunk_logp += recompute_logprobs(model, samples, mbs, width, device)
                 continue
-            views = {i: cross.view(self.conversation(samples[i].row), samples[i].completion_ids)
-                     for i in rows}
+            views = {
+                i: cross.view(self.conversation(samples[i].row), samples[i].completion_ids)
+                for i in rows
+            }
             t_samples = [_teacher_sample(samples[i], views.get(i)) for i in range(n)]
             t_width = max([len(s.completion_ids) for s in t_samples] + [1])
-            mbs = sync_micro_batch_count(pack_micro_batches(t_samples, rows, budget, device),
-                                         device)
+            mbs = sync_micro_batch_count(
+                pack_micro_batches(t_samples, rows, budget, device), device
+            )
             t_logp = recompute_logprobs(model, t_samples, mbs, t_width, device)  # [N, t_width]
             t_chunks = torch.full((n, t_width), -1, dtype=torch.long)
             for i, v in views.items():
                 a = v.alignment
-                t_chunks[i, :len(a.teacher_chunk)] = torch.tensor(a.teacher_chunk, dtype=torch.long)
-                chunk_ids[i, :len(a.student_chunk)] = torch.tensor(
-                    a.student_chunk, dtype=torch.long)
+                t_chunks[i, : len(a.teacher_chunk)] = torch.tensor(
+                    a.teacher_chunk, dtype=torch.long
+                )
+                chunk_ids[i, : len(a.student_chunk)] = torch.tensor(
+                    a.student_chunk, dtype=torch.long
+                )
             chunk_logp += chunk_sums(t_logp, t_chunks.to(device), width)
         return chunk_logp, chunk_ids.to(device)
 
-    def metrics(self, chunk_rkl: torch.Tensor, chunk_ids: torch.Tensor, mask: torch.Tensor,
-                route: list[int]) -> dict[str, float]:
+    def metrics(
+        self, chunk_rkl: torch.Tensor, chunk_ids: torch.Tensor, mask: torch.Tensor, route: list[int]
+    ) -> dict[str, float]:
         """Per teacher (all ranks): the sampled reverse KL summed over chunks per aligned token, and
         the share of sampled tokens that are aligned (1 with the student's tokenizer)."""
         r = torch.tensor(route, device=mask.device)
@@ -163,8 +195,9 @@ class Teachers:
         sums = torch.zeros(len(self.models), 3, dtype=torch.float64, device=mask.device)
         for k in range(len(self.models)):
             sel = (r == k)[:, None]
-            sums[k] = (torch.stack([(chunk_rkl * (has & sel)).sum(), (aligned * sel).sum(),
-                                    (mask * sel).sum()]).double())
+            sums[k] = torch.stack(
+                [(chunk_rkl * (has & sel)).sum(), (aligned * sel).sum(), (mask * sel).sum()]
+            ).double()
         dist.all_reduce(sums)
         out = {}
         for k, n in enumerate(self.names):
@@ -181,5 +214,13 @@ def _teacher_sample(s: RolloutSample, view: Any) -> RolloutSample:
     if view is None:  # another teacher's row: never packed here
         return RolloutSample(s.group, [], [], [], [], s.finish_reason, "", s.row)
     n = len(view.completion_ids)
-    return RolloutSample(s.group, view.prompt_ids, view.completion_ids, [True] * n, [0.0] * n,
-                         s.finish_reason, "", s.row)
+    return RolloutSample(
+        s.group,
+        view.prompt_ids,
+        view.completion_ids,
+        [True] * n,
+        [0.0] * n,
+        s.finish_reason,
+        "",
+        s.row,
+    )

@@ -39,16 +39,23 @@ def check_vision_policy(cfg: Any, args: Any, mp: int) -> None:
     (``args.vision`` set) yet."""
     if args.vision is None:
         return
-    unsupported = [(mp > 1, "parallel.tp / pp / cp > 1"), (cfg.rollout.tp > 1, "rollout.tp > 1"),
-                   (cfg.rollout.kv_dtype != "auto", f"rollout.kv_dtype = {cfg.rollout.kv_dtype!r}"),
-                   (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'),
-                   (cfg.lora.enabled, "lora"),
-                   (ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
-                    f"rl.advantage = {cfg.rl.advantage!r} (a critic)"),
-                   (bool(cfg.distill.teachers), "distill.teachers"),
-                   (bool(cfg.env.name), "env.name"),
-                   (bool(cfg.reward.reward_model), "reward.reward_model")]
+    unsupported = [
+        (mp > 1, "parallel.tp / pp / cp > 1"),
+        (cfg.rollout.tp > 1, "rollout.tp > 1"),
+        (cfg.rollout.kv_dtype != "auto", f"rollout.kv_dtype = {cfg.rollout.kv_dtype!r}"),
+        (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'),
+        (cfg.lora.enabled, "lora"),
+        (
+            ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
+            f"rl.advantage = {cfg.rl.advantage!r} (a critic)",
+        ),
+        (bool(cfg.distill.teachers), "distill.teachers"),
+        (bool(cfg.env.name), "env.name"),
+        (bool(cfg.reward.reward_model), "reward.reward_model"),
+    ]
     what = [w for bad, w in unsupported if bad]
     if what:
-        raise ConfigError("model: a vision-language policy trains with FSDP2, rollout.tp = 1 and "
-                          f"rule-based rewards so far; not with {', '.join(what)}")
+        raise ConfigError(
+            "model: a vision-language policy trains with FSDP2, rollout.tp = 1 and "
+            f"rule-based rewards so far; not with {', '.join(what)}"
+        )

@@ -71,12 +71,13 @@ def _equal_runs(a: str, b: str) -> list[tuple[int, int, int]]:
     if q and not a.endswith(_END_CHAR) and q < MIN_RUN:
         q = 0
     runs = [(0, 0, p)] if p else []
-    mid_a, mid_b = a[p:len(a) - q], b[p:len(b) - q]
+    mid_a, mid_b = a[p : len(a) - q], b[p : len(b) - q]
     if mid_a and mid_b and len(mid_a) * len(mid_b) <= MAX_DIFF_CELLS:
         ops = difflib.SequenceMatcher(None, mid_a, mid_b, autojunk=False).get_opcodes()
         for k, (tag, i1, i2, j1, _) in enumerate(ops):
-            beside_replace = any(0 <= m < len(ops) and ops[m][0] == "replace"
-                                 for m in (k - 1, k + 1))
+            beside_replace = any(
+                0 <= m < len(ops) and ops[m][0] == "replace" for m in (k - 1, k + 1)
+            )
             if tag == "equal" and (i2 - i1 >= MIN_RUN or not beside_replace):
                 runs.append((p + i1, p + j1, i2 - i1))
     if q:
@@ -159,15 +160,16 @@ class CrossTokenizer:
         (cut after the first end-of-turn token)."""
         gen = self.t_tok.apply_chat_template(messages, add_generation_prompt=True)
         full = self.t_tok.apply_chat_template([*messages, {"role": "assistant", "content": reply}])
-        tail = full[len(os.path.commonprefix([gen, full])):]
+        tail = full[len(os.path.commonprefix([gen, full])) :]
         cut = [tail.find(e) + len(e) for e in self.t_eos_text if e in tail]
-        return gen, tail[:min(cut)] if cut else tail
+        return gen, tail[: min(cut)] if cut else tail
 
     def check(self, messages: list[dict[str, Any]]) -> None:
         """ValueError (one line) when the template cannot render this conversation and a reply."""
         if self.t_tok.chat_template is None:
-            raise ValueError("it has no chat template, so it cannot render the student's "
-                             "conversations")
+            raise ValueError(
+                "it has no chat template, so it cannot render the student's conversations"
+            )
         probe = "Tandem probe 12345"
         roles = [m.get("role") for m in messages]
         try:
@@ -179,9 +181,11 @@ class CrossTokenizer:
             ) from None
         if probe not in tail:
             raise ValueError(f"its chat template drops the assistant reply after roles {roles}")
-        if not any(e in tail[tail.index(probe):] for e in self.t_eos_text):
-            raise ValueError("its chat template ends an assistant turn with none of its EOS "
-                             f"tokens {self.t_eos_text}")
+        if not any(e in tail[tail.index(probe) :] for e in self.t_eos_text):
+            raise ValueError(
+                "its chat template ends an assistant turn with none of its EOS "
+                f"tokens {self.t_eos_text}"
+            )
 
     def view(self, messages: list[dict[str, Any]], completion_ids: Sequence[int]) -> TeacherView:
         s_pieces = self.student_pieces(completion_ids)

@@ -303,11 +303,15 @@ class EnvPool:
                 task, w.task = w.task, None
                 self.counts["timeouts"] += 1
                 loading = w.running_since is None
-                why = (f"the worker did not load the task in {STARTUP_TIMEOUT_S:g} s" if loading
-                       else f"step took longer than {self.step_timeout_s:g} s")
+                why = (
+                    f"the worker did not load the task in {STARTUP_TIMEOUT_S:g} s"
+                    if loading
+                    else f"step took longer than {self.step_timeout_s:g} s"
+                )
                 since = w.task_started if loading else w.running_since
-                self._done.append(EnvOutcome(task.ticket, "timeout", None, why, now - since,
-                                             task.attempts))
+                self._done.append(
+                    EnvOutcome(task.ticket, "timeout", None, why, now - since, task.attempts)
+                )
                 self._replace(w)
             elif not w.ready and now - w.started_at > STARTUP_TIMEOUT_S:
                 self._on_startup_failure(w)
