@@ -1,11 +1,12 @@
 """Print (or refresh in docs/config.md) the config reference, generated from the config dataclasses.
 
     python scripts/config_reference.py            # print the markdown
-    python scripts/config_reference.py --write    # replace the block in docs/config.md
+    python scripts/config_reference.py --write    # replace the blocks in docs/config.md
 
-The block in docs/config.md is checked against this output by tests/test_readme.py,
-so the documented keys, types and defaults always match the code, and every key must carry
-a description comment (`undescribed` lists those that do not; ``--write`` refuses them).
+The blocks in docs/config.md (the keys, and the table of what composes) are checked against
+this output by tests/test_readme.py, so the documented keys, types and defaults always match
+the code, and every key must carry a description comment (`undescribed` lists those that do
+not; ``--write`` refuses them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+# the table of what composes (tandem/rl/config/composes.py), rendered between these
+COMPOSES_START, COMPOSES_END = "<!-- composes:start -->", "<!-- composes:end -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -92,8 +95,21 @@ def reference() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def reference_block(text: str) -> str:
-    return text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+def composes() -> str:
+    """The matrix of the headline features and the numbered rows of the table."""
+    from tandem.rl.config.composes import FEATURES, matrix, table
+
+    legend = ", ".join(f"**{k}** {f.label}" for k, f in FEATURES.items() if f.short)
+    return f"{legend}.\n\n{matrix()}\n{table()}"
+
+
+def reference_block(text: str, start: str = START, end: str = END) -> str:
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
+
+
+def _replace(text: str, start: str, end: str, body: str) -> str:
+    head, rest = text.split(start, 1)
+    return f"{head}{start}\n{body}{end}{rest.split(end, 1)[1]}"
 
 
 def main() -> None:
@@ -106,10 +122,10 @@ def main() -> None:
         return
     path = os.path.join(ROOT, "docs", "config.md")
     text = open(path, encoding="utf-8").read()
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
+    text = _replace(text, START, END, ref)
+    text = _replace(text, COMPOSES_START, COMPOSES_END, composes())
     with open(path, "w", encoding="utf-8") as f:
-        f.write(f"{head}{START}\n{ref}{END}{tail}")
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_config_reference_matches_code():
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from config_reference import reference, reference_block
+    from config_reference import COMPOSES_END, COMPOSES_START, composes, reference, reference_block
 
     text = open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8").read()
     assert reference_block(text) == reference(), "run: python scripts/config_reference.py --write"
+    # the matrix and rows of what composes equal tandem/rl/config/composes.py's table
+    block = reference_block(text, COMPOSES_START, COMPOSES_END)
+    assert block == composes(), "run: python scripts/config_reference.py --write"
 
 
 def test_every_config_key_is_described():

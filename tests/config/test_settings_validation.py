@@ -47,11 +47,6 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.toml")
             "rollout.kv_cache_gb: 1e-06 GB holds no KV block of this model (one block of 16 "
             "tokens takes 8.19e-06 GB in float32); raise it",
         ),
-        (
-            "rollout.kv_dtype=fp8_e4m3 env.kind=http",
-            "rollout.kv_dtype: 'fp8_e4m3' with env.kind = \"http\" is not supported yet "
-            '(the endpoint\'s engine does not take the FP8 scales); use "auto"',
-        ),
     ],
 )
 def test_bad_setting_is_one_line_naming_the_key(override, message):

@@ -249,6 +249,7 @@ def run_layout(name: str) -> dict:
     for per_node in (1, 2):
         for mem in DEVICE_BYTES:
             rec[f"auto_tp_{per_node}_{mem:.0f}"] = choose_rollout_tp(
+                0,
                 RolloutConfig(kv_cache_gb=AUTO_KV_GB),
                 args,
                 torch.float32,

@@ -177,6 +177,7 @@ def test_planner_and_run_choose_the_same_rollout_tp_on_a_table_of_clusters():
                 for mem in (40e9, 80e9, 141e9):
                     g = planner.auto_rollout_tp(lay, mem, per_node)
                     run = choose_rollout_tp(
+                        0,
                         RolloutConfig(kv_cache_gb=4.0),
                         args,
                         torch.bfloat16,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tandem.rl.algorithms.preference import PreferenceConfig
+from tandem.rl.config.composes import Facts, check_composes
 from tandem.rl.core.configlib import (
     EXIT_CONFIG_ERROR,
     CliArgs,
@@ -420,12 +421,6 @@ class Config:
         must shorten any recipe (the lr then never reaches its peak).
         """
         validate_fields(self)
-        require(
-            self.parallel.cp == 1 or self.training.recipe == "rl",
-            f"parallel.cp: context parallelism runs in the rl recipe only so far, not "
-            f"training.recipe = {self.training.recipe!r}; set parallel.cp = 1",
-        )
-        self.lora.check_layout(self.parallel)
         r = self.reward
         scored = r.functions or r.reward_model is not None or self.env.name is not None
         require(
@@ -433,44 +428,10 @@ class Config:
             "reward.functions: list at least one reward function (or set reward.reward_model, "
             'env.name or env.kind = "http")',
         )
-        require(
-            self.env.kind != "http" or self.rollout.kv_dtype == "auto",
-            f'rollout.kv_dtype: {self.rollout.kv_dtype!r} with env.kind = "http" is '
-            "not supported yet (the endpoint's engine does not take the FP8 scales); "
-            'use "auto"',
-        )
-        self._check_async_settings()
-        if self.training.recipe == "rl":
-            args = _model_args_if_known(self.model)
-            if args is not None:
-                self.rollout.check_kv_budget(args, self._generation_dtype())
-
-    def _check_async_settings(self) -> None:
-        """One line for what an asynchronous rollout.mode has not run with yet (docs/async.md)."""
-        if self.rollout.mode == "sync":
-            return
-        untried = [
-            k
-            for k, on in (
-                ("lora.rank", self.lora.enabled),
-                ("rollout.kv_dtype", self.rollout.kv_dtype != "auto"),
-                ("parallel.cp", self.parallel.cp > 1),
-                ('env.kind = "http"', self.env.kind == "http"),
-                ("a vision-language model", self._vision_language()),
-            )
-            if on
-        ]
-        require(
-            not untried,
-            f"rollout.mode: {self.rollout.mode!r} has not run with {', '.join(untried)} yet; "
-            'set rollout.mode = "sync" or leave them at their defaults',
-        )
-
-    def _vision_language(self) -> bool:
-        """Whether model.flavor / model.path names a vision-language model (a folder that does
-        not read: unknown here, refused when the model is built)."""
         args = _model_args_if_known(self.model)
-        return args is not None and getattr(args, "vision", None) is not None
+        check_composes(Facts(self, args=args))
+        if self.training.recipe == "rl" and args is not None:
+            self.rollout.check_kv_budget(args, self._generation_dtype())
 
     def _generation_dtype(self) -> str:
         """rollout.dtype as tandem/rl/rollout/sampling.py resolves it (auto: the compute dtype on

@@ -77,16 +77,6 @@ class LoraConfig:
         why = spec_matches(cfg, self.spec())
         require(why is None, f"lora.adapter_path: lora has {why} ({self.adapter_path})")
 
-    def check_layout(self, parallel: Any) -> None:
-        """ConfigError where ``[parallel]`` cannot split the adapters yet
-        (tandem/parallel/lora.py)."""
-        if self.enabled and "experts" in self.targets and (parallel.tp > 1 or parallel.ep > 1):
-            raise ConfigError(
-                "lora.targets: adapters on routed experts run with parallel.tp = ep "
-                f"= 1 so far (tp={parallel.tp}, ep={parallel.ep}); adapt q, k, v, o "
-                "(and shared experts) instead"
-            )
-
     @property
     def enabled(self) -> bool:
         return self.rank > 0
@@ -107,18 +97,11 @@ class LoraConfig:
         *,
         base_model: str | None = None,
         trainable: tuple[str, ...] = (),
-        sampled: bool = False,
     ) -> LoraSetup | None:
-        """What the model builder needs (None when LoRA is off). ``sampled``: a generator samples
-        from the trained model (the rl recipe), which runs without dropout."""
+        """What the model builder needs (None when LoRA is off); the rl recipe runs without
+        dropout (a row of tandem/rl/config/composes.py)."""
         if not self.enabled:
             return None
-        if sampled and self.dropout > 0:
-            raise ConfigError(
-                f"lora.dropout: the rl recipe needs 0 (got {self.dropout}): the "
-                "generator samples without dropout, so the update's log-probs would "
-                "not be the rollout's"
-            )
         return LoraSetup(
             self.spec(trainable=trainable, base_model=base_model), seed, self.adapter_path
         )

@@ -181,16 +181,9 @@ class BuildSpec:
 
 def check_moe_layout(args: Any, ep: int, sizes: dict[str, int]) -> None:
     """One line (ConfigError) unless the degrees ``sizes`` (dp_shard, tp, pp, dp_replicate) and
-    ``parallel.ep`` suit the model: an MoE model runs with pp = 1 so far; EP as
-    tandem/parallel/expert_parallel.py's `validate_ep` says (tp = 1 with EP)."""
+    ``parallel.ep`` suit the model, as tandem/parallel/expert_parallel.py's `validate_ep` says."""
     from tandem.parallel.expert_parallel import validate_ep
-    from tandem.rl.core.configlib import ConfigError
 
-    if getattr(args, "num_experts", 0) and sizes["pp"] > 1:
-        raise ConfigError(
-            "parallel: a mixture-of-experts model runs with pp = 1 so far "
-            f"(pp={sizes['pp']}); use parallel.tp or parallel.ep"
-        )
     try:
         validate_ep(args, ep, **{a: sizes[a] for a in ("dp_shard", "tp", "pp", "dp_replicate")})
     except ValueError as e:
@@ -250,11 +243,6 @@ def build_model(
         model = make()
     lora = spec.lora if trainable else None
     shapes = {}
-    if lora is not None and hasattr(model, "visual"):
-        raise ConfigError(
-            "lora: a vision-language model trains without LoRA adapters so far "
-            "(set lora.rank = 0; model.train_vision picks what trains)"
-        )
     if lora is not None:  # a frozen base with adapters (tandem/models/lora.py), before any sharding
         apply_lora(model, lora.spec)
         shapes = adapter_shapes(model)

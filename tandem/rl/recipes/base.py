@@ -38,6 +38,7 @@ from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
 from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
 from tandem.parallel.split import side_group, side_mesh
+from tandem.rl.config.composes import Facts, check_composes
 from tandem.rl.config.schema import ConfigError, FaultConfig
 from tandem.rl.core.lora import checkpoint_module
 from tandem.rl.core.metrics import MetricsLogger
@@ -96,6 +97,7 @@ class Setup:
     rank_dp: int  # this rank's index among them
     tokenizer: Tokenizer
     args: ModelArgs
+    facts: Facts  # what the table of what composes was checked with (a recipe adds to it)
 
     @property
     def pad_id(self) -> int:
@@ -108,23 +110,18 @@ def setup(
     recipe: str,
     *,
     batch: tuple[str, int],
-    fsdp_only: bool = True,
     ranks: tuple[int, int] | None = None,
 ) -> Setup:
     """The set-up every recipe shares, its config checks first (one ConfigError line each):
-    the layout (``fsdp_only``: this recipe shards with FSDP2 alone), ``data.path`` and the
-    global ``batch`` (key, value) dividing over the data-parallel ranks.
+    ``data.path``, the global ``batch`` (key, value) dividing over the data-parallel ranks,
+    and the table of what composes (tandem/rl/config/composes.py) with the model, the world
+    and the device known.
 
     ``ranks`` (first, count): the training mesh covers global ranks ``first .. first + count - 1``
     only (split mode's trainers; collective over the world all the same); by default the whole
     world. A rank outside the mesh gets ``rank_dp`` 0."""
     first, count = ranks or (0, rt.info.world_size)
     degrees = Degrees(**cfg.parallel.resolve(count))
-    if fsdp_only and (degrees.tp > 1 or degrees.pp > 1):
-        raise ConfigError(
-            f"parallel.tp / parallel.pp: the {recipe} recipe shards with FSDP2 only "
-            "so far; set tp = pp = 1"
-        )
     if cfg.data.path is None:
         raise ConfigError(
             f"data.path: required by the {recipe} recipe (a jsonl/parquet file or "
@@ -141,7 +138,9 @@ def setup(
     m = cfg.model
     tokenizer = build_tokenizer(m.tokenizer, m.path, os.path.join(rt.dump_folder, "tokenizer"))
     args = model_args(m.flavor, m.path, tokenizer)
-    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh) if inside else 0, tokenizer, args)
+    facts = Facts(cfg, args=args, world=rt.info.world_size, device=rt.info.device.type)
+    check_composes(facts)
+    return Setup(degrees, mesh, degrees.dp, dp_rank(mesh) if inside else 0, tokenizer, args, facts)
 
 
 class Recipe(Protocol):

@@ -25,7 +25,6 @@ from tandem.models.lora import lora_spec_of
 from tandem.models.value_head import ScalarHeadModel, last_token_scores, save_scalar_model
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.algorithms.preference import bradley_terry_loss
-from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.lora import merged_state
 from tandem.rl.core.modeling import BuildSpec, build_scalar_model, gather_full_state
 from tandem.rl.data.preference import PreferencePair, collate_pairs
@@ -47,11 +46,6 @@ class RewardModelHead:
 
     def __init__(self, cfg: Any, info: DistInfo, setup: PairSetup, spec: BuildSpec) -> None:
         self.info, self.setup = info, setup
-        if setup.args.vision is not None:
-            raise ConfigError(
-                "model: the reward_model recipe trains text models only so far (this "
-                "folder is a vision-language model)"
-            )
         self.model = build_scalar_model(
             setup.args,
             cfg.model.path,

@@ -20,14 +20,14 @@ import torch.distributed as dist
 from tandem.kernels import batch_invariant
 from tandem.parallel.mesh import subgroup
 from tandem.rl.algorithms import ADVANTAGES
-from tandem.rl.config.schema import ConfigError
+from tandem.rl.config.composes import check_composes
 from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
-from tandem.rl.recipes.rl_settings import check_rl_settings, episode_server, prompt_room
+from tandem.rl.recipes.rl_settings import derived_tp, episode_server, prompt_room
 from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.sampling import generation_copy, generation_dtype
@@ -39,7 +39,6 @@ from tandem.rl.update.lora_reference import frozen_reference
 from tandem.rl.update.phase import UpdatePhase
 from tandem.rl.update.policy import build_policy, check_layout
 from tandem.rl.update.teachers import Teachers
-from tandem.rl.update.vision import check_vision_policy
 
 
 class RLRecipe:
@@ -62,8 +61,7 @@ class RLRecipe:
         r, advanced = cfg.rl, cfg.advanced
         needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
-        check_rl_settings(cfg, info, needs_values)
-        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step), fsdp_only=False)
+        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step))
         degrees = s.degrees
         self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
@@ -73,10 +71,8 @@ class RLRecipe:
         mp_group = subgroup(self.mesh, ("pp", "cp", "tp"))
         mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
         dump = rt.dump_folder
-        check_vision_policy(cfg, self.args, self.mp)
-        check_layout(
-            self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style, cfg.parallel.ep
-        )
+        self.facts = s.facts
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style)
         self.max_prompt = prompt_room(cfg)
         train_prompts, eval_prompts = self._load_data()
         self.train_prompts = train_prompts
@@ -110,6 +106,7 @@ class RLRecipe:
             cfg.rollout,
             info,
             gen_dtype,
+            tp=derived_tp(cfg, info),
             offload_optimizer=r.offload_optimizer,
             reference=r.kl_coef > 0 and not cfg.lora.enabled,
             critic=needs_values,
@@ -195,13 +192,8 @@ class RLRecipe:
         # env.kind = "http": the endpoint, or None
         self.server = episode_server(cfg, info, self.tok)
         self.gen_layout = gen_copy.layout
-        mode = cfg.rollout.mode
-        if ROLLOUT_MODES.cap(mode, "streams") and gen_copy.layout.tp > 1:
-            raise ConfigError(
-                f"rollout.mode: {mode!r} runs with rollout.tp = 1 only so far, "
-                f"got {gen_copy.layout.tp}"
-            )
-        return ROLLOUT_MODES.get(mode)(
+        check_composes(self.facts.but(rollout_tp=gen_copy.layout.tp))
+        return ROLLOUT_MODES.get(cfg.rollout.mode)(
             RolloutPhase(
                 rl=cfg.rl,
                 rollout=cfg.rollout,
@@ -237,13 +229,7 @@ class RLRecipe:
             is_main=info.is_main,
             conversation=self._conversation,
         )
-        if teachers.cross_tokenizer and cfg.env.name:
-            raise ConfigError(
-                "distill.teachers: a teacher with another tokenizer scores "
-                "single-turn "
-                "completions only so far; env.name (multi-turn episodes) needs "
-                "teachers with the student's tokenizer"
-            )
+        check_composes(self.facts.but(cross_tokenizer=teachers.cross_tokenizer))
         teachers.check_rows([p.row for p in prompts])  # fail now, not mid-run
         return teachers
 

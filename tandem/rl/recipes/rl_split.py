@@ -10,9 +10,8 @@ sides then meet for the step's metrics, the ledger and checkpoints (the shell's 
 over the whole world). Rank 0, a generator, writes the logs: the trainers' metrics come to
 it at the end of every step.
 
-What has run is what is allowed: single-turn rollouts, ``parallel.dp_shard`` only (no tp, pp,
-cp, ep or HSDP), ``rollout.tp = 1``, no critic, reference model, teachers or dynamic
-sampling (`check_split_settings`: one ConfigError line each).
+What composes with split mode is the rows of tandem/rl/config/composes.py (checked by the
+shared `setup`).
 """
 
 from __future__ import annotations
@@ -27,14 +26,13 @@ from torch import nn
 
 from tandem.kernels import batch_invariant
 from tandem.parallel.split import BridgeCopy, set_side_group, split_world
-from tandem.rl.algorithms import ADVANTAGES
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.core.optim import build_optimizer
 from tandem.rl.core.samples import SampleLog, dump_rollouts
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
 from tandem.rl.recipes.rl import RLRecipe
-from tandem.rl.recipes.rl_settings import check_rl_settings, prompt_room
+from tandem.rl.recipes.rl_settings import prompt_room
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.sampling import generation_dtype
 from tandem.rl.rollout.split import (
@@ -49,37 +47,11 @@ from tandem.rl.update.policy import build_policy
 
 
 def check_split_settings(cfg: Any, world: int) -> None:
-    """One ConfigError line for a split-mode setting that has not run."""
-    g, r, p = cfg.rollout.gen_ranks, cfg.rl, cfg.parallel
+    """One ConfigError line unless the split leaves a trainer (what composes with split mode is
+    tandem/rl/config/composes.py's)."""
+    g = cfg.rollout.gen_ranks
     if g >= world:
         raise ConfigError(f"rollout.gen_ranks: {g} leaves no trainer rank of the {world}")
-    for key, value in (
-        ("parallel.tp", p.tp),
-        ("parallel.pp", p.pp),
-        ("parallel.cp", p.cp),
-        ("parallel.ep", p.ep),
-        ("parallel.dp_replicate", p.dp_replicate),
-        ("rollout.tp", cfg.rollout.tp),
-    ):
-        if value > 1:
-            raise ConfigError(
-                f"{key}: {value} with rollout.mode = 'split' has not run yet (the "
-                "trainers shard with FSDP2 alone, each generator holds the whole "
-                "model); set it to 1"
-            )
-    for key, on in (
-        ("rl.advantage (a critic)", ADVANTAGES.cap(r.advantage, "needs_values", False)),
-        ("rl.kl_coef (a reference model)", r.kl_coef > 0),
-        ("distill.teachers", bool(cfg.distill.teachers)),
-        ("rl.dynamic_sampling", r.dynamic_sampling),
-        ("env.name", bool(cfg.env.name)),
-        ("rl.offload_optimizer", r.offload_optimizer),
-    ):
-        if on:
-            raise ConfigError(
-                f"{key}: rollout.mode = 'split' has not run with it yet; unset it "
-                "or use rollout.mode = 'colocated_async'"
-            )
 
 
 class _Relay:
@@ -97,7 +69,6 @@ class SplitRLRecipe(RLRecipe):
         self.cfg, self.info, self.rt = cfg, rt.info, rt
         info, r = rt.info, cfg.rl
         check_split_settings(cfg, info.world_size)
-        check_rl_settings(cfg, info, False)
         self.world = world = split_world(cfg.rollout.gen_ranks)
         self.server, self.kv, self.critic = None, None, None
         if r.exact:

@@ -58,6 +58,7 @@ def resident_bytes(
 
 
 def choose_rollout_tp(
+    tp: int,
     rcfg: Any,
     args: ModelArgs,
     dtype: torch.dtype,
@@ -67,10 +68,11 @@ def choose_rollout_tp(
     device_bytes: float | None,
     resident: float,
 ) -> int:
-    """``rollout.tp``, 0 (auto) resolved by `auto_tp` on a device of ``device_bytes`` (None: not
-    CUDA, where auto is 1) beside ``resident`` bytes (`resident_bytes`, the busiest rank's)."""
-    if rcfg.tp or device_bytes is None:
-        return rcfg.tp or 1
+    """``tp`` (``rollout.tp``), 0 (auto) resolved by `auto_tp` on a device of ``device_bytes``
+    (None: not CUDA, where auto is 1) beside ``resident`` bytes (`resident_bytes`, the busiest
+    rank's)."""
+    if tp or device_bytes is None:
+        return tp or 1
     layout = partial(GenerationLayout, vocab_parallel=rcfg.vocab_parallel)
     return auto_tp(
         args,
@@ -113,11 +115,12 @@ def generation_copy(
     reference: bool,
     critic: bool,
     bucket_bytes: int,
+    tp: int,
 ) -> GenerationCopy:
-    """Collective: the generation layout (``rollout.tp`` ranks per generator; 0 resolved by
-    `choose_rollout_tp`) and the policy's copy into it, moved in buckets of ``bucket_bytes``;
-    one ConfigError line when the model cannot be split that way. ``reference`` / ``critic``:
-    the run keeps those models too."""
+    """Collective: the generation layout (``tp`` ranks per generator, ``rollout.tp`` or what the
+    run's features fix; 0 resolved by `choose_rollout_tp`) and the policy's copy into it, moved
+    in buckets of ``bucket_bytes``; one ConfigError line when the model cannot be split that
+    way. ``reference`` / ``critic``: the run keeps those models too."""
     from tandem.rl.config.schema import ConfigError
 
     dev, world = info.device, info.world_size
@@ -128,6 +131,7 @@ def generation_copy(
     device_bytes = torch.cuda.get_device_properties(dev).total_memory if cuda else None
     dtype = dtype or next(iter(policy.state_module.parameters())).dtype
     tp = choose_rollout_tp(
+        tp,
         rcfg,
         args,
         dtype,

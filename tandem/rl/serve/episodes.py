@@ -175,17 +175,6 @@ def serve_episodes(
     return samples, metrics
 
 
-def one_generation_group(rollout: Any, world: int) -> None:
-    """One generation group serves every episode (its leader runs the endpoint): ``rollout.tp``
-    becomes the world size (0, auto, resolves to it; another value is a ConfigError)."""
-    if rollout.tp not in (0, world):
-        raise ConfigError(
-            f'rollout.tp: env.kind = "http" serves every episode from one generation group; '
-            f"set rollout.tp = 0 (auto) or {world} (the world size), got {rollout.tp}"
-        )
-    rollout.tp = world
-
-
 def start_server(env: Any, name: str, vocab_size: int) -> AgentServer:
     """Rank 0: the endpoint of ``[env]``, bound now (a taken port: ConfigError), for the run."""
     server = AgentServer(

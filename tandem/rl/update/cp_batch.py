@@ -26,37 +26,9 @@ import torch.nn as nn
 from tandem.kernels.logprobs import token_logprobs_entropy
 from tandem.models.attention import AttentionBackend
 from tandem.parallel.cp import ContextParallel, ContextSplitError
-from tandem.rl.core.configlib import ConfigError
 
 if TYPE_CHECKING:
     from tandem.rl.update.loss import MicroBatch
-
-
-def check_cp_settings(cfg: Any) -> None:
-    """One ConfigError line for rl settings that do not run with ``parallel.cp > 1`` yet."""
-    if cfg.parallel.cp == 1:
-        return
-    if cfg.distill.teachers:
-        raise ConfigError(
-            "parallel.cp: distill.teachers score with cp = 1 only so far; set parallel.cp = 1"
-        )
-    if cfg.lora.enabled or cfg.env.kind == "http":
-        raise ConfigError(
-            f"parallel.cp: {'lora' if cfg.lora.enabled else 'env.kind = http'} runs "
-            "with cp = 1 only so far (untested with cp); set parallel.cp = 1"
-        )
-    if cfg.rollout.kv_dtype != "auto":
-        raise ConfigError(
-            f"parallel.cp: rollout.kv_dtype = {cfg.rollout.kv_dtype!r} runs "
-            "with cp = 1 only so far (the update's FP8 K/V rounding is not split); "
-            "set parallel.cp = 1"
-        )
-    if cfg.rl.exact and cfg.parallel.cp_style == "ring":
-        raise ConfigError(
-            "rl.exact: the ring's online softmax sums key blocks in another "
-            "order than the generator's attention; set parallel.cp_style = "
-            "'ulysses' (bitwise equal to cp = 1)"
-        )
 
 
 @dataclass

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from tandem.kernels import kv_quant as kvq
 from tandem.models.args import ModelArgs
-from tandem.rl.core.configlib import ConfigError
 from tandem.rl.rollout.types import RolloutSample
 
 
@@ -52,15 +51,9 @@ class KVScales:
     @classmethod
     def create(cls, rcfg: Any, args: ModelArgs, policy: Any, ref: Any = None) -> KVScales | None:
         """The run's scales for ``rollout.kv_dtype`` (None for ``auto``), set as the policy's and
-        the reference's ``kv_wrap`` (`policy_wrap`); one ConfigError line for a layout the
-        calibration does not run on."""
+        the reference's ``kv_wrap`` (`policy_wrap`)."""
         if rcfg.kv_dtype == "auto":
             return None
-        if not hasattr(policy, "micro_batches"):
-            raise ConfigError(
-                f"rollout.kv_dtype: {rcfg.kv_dtype!r} runs with parallel.pp = 1 only so far "
-                "(the calibration and the update's matching rounding use packed micro-batches)"
-            )
         kv = cls(rcfg, args, policy.tp, policy.tp_rank)
         for p in (policy, ref):
             if p is not None:

@@ -490,33 +490,19 @@ class PipelinePolicy:
 
 
 def check_layout(
-    args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: str = "ulysses", ep: int = 1
+    args: ModelArgs, degrees: Degrees, pp_schedule: str, cp_style: str = "ulysses"
 ) -> None:
     """One clear line (ConfigError) when the model cannot be split as ``[parallel]`` asks."""
     try:
         validate_tp(args, degrees.tp)
     except ValueError as e:
         raise ConfigError(f"parallel.tp: {e}") from None
-    if degrees.cp > 1:
-        for key, value in (("tp", degrees.tp), ("pp", degrees.pp), ("ep", ep)):  # not with cp yet
-            if value > 1:
-                raise ConfigError(
-                    f"parallel.cp: composes with FSDP2 / HSDP (dp_shard, "
-                    f"dp_replicate) only so far, not with parallel.{key} = {value}; "
-                    "set one of them to 1"
-                )
-        if args.is_moe:
-            raise ConfigError(
-                "parallel.cp: a mixture-of-experts model runs with cp = 1 so far "
-                "(its router losses are statistics of a whole micro-batch); set "
-                "parallel.cp = 1"
-            )
-        if cp_style == "ulysses" and args.num_heads % degrees.cp:
-            raise ConfigError(
-                f"parallel.cp: ulysses splits the {args.num_heads} attention heads "
-                f"over cp = {degrees.cp} ranks, which must divide them; set "
-                "parallel.cp_style = 'ring'"
-            )
+    if degrees.cp > 1 and cp_style == "ulysses" and args.num_heads % degrees.cp:
+        raise ConfigError(
+            f"parallel.cp: ulysses splits the {args.num_heads} attention heads "
+            f"over cp = {degrees.cp} ranks, which must divide them; set "
+            "parallel.cp_style = 'ring'"
+        )
     try:
         pipeline_split(
             args, degrees.pp, stages_per_rank=SCHEDULES[pp_schedule][1] if degrees.pp > 1 else 1
@@ -558,15 +544,9 @@ def build_policy(
     """`PipelinePolicy` when ``mesh["pp"]`` has more than one rank, else `FlatPolicy`; with ``lora``
     (the ``[lora]`` section, rank > 0) a frozen base with adapters (tandem/rl/core/lora.py)."""
     if lora is not None and lora.enabled:
-        # the generator samples this model: no dropout (`LoraConfig.setup`)
-        setup = lora.setup(build["seed"], base_model=build.get("path"), sampled=True)
+        setup = lora.setup(build["seed"], base_model=build.get("path"))
         build["spec"] = dataclasses.replace(build["spec"], lora=setup)
     if mesh["pp"].size() > 1:
-        if share_prompts:
-            raise ConfigError(
-                "advanced.share_prompts: not supported with parallel.pp > 1 "
-                "(pipeline micro-batches are fixed-length rows of one sequence)"
-            )
         return PipelinePolicy(
             args,
             mesh,

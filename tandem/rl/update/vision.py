@@ -11,11 +11,7 @@ positions on all three axes.
 
 from __future__ import annotations
 
-from typing import Any
-
 from tandem.models.vlm import vision_batch
-from tandem.rl.algorithms import ADVANTAGES
-from tandem.rl.config.schema import ConfigError
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.loss import MicroBatch
 
@@ -32,30 +28,3 @@ def attach_images(mb: MicroBatch, samples: list[RolloutSample], image_token_id: 
     positions, images = vision_batch(mb.tokens, mb.positions, mb.doc_ids, docs, image_token_id)
     mb.positions, mb.images = positions, None if images is None else images.to(mb.tokens.device)
     return mb
-
-
-def check_vision_policy(cfg: Any, args: Any, mp: int) -> None:
-    """One ConfigError line for what the RL recipe cannot run with a vision-language policy
-    (``args.vision`` set) yet."""
-    if args.vision is None:
-        return
-    unsupported = [
-        (mp > 1, "parallel.tp / pp / cp > 1"),
-        (cfg.rollout.tp > 1, "rollout.tp > 1"),
-        (cfg.rollout.kv_dtype != "auto", f"rollout.kv_dtype = {cfg.rollout.kv_dtype!r}"),
-        (cfg.env.kind == "http", 'env.kind = "http" (the endpoint)'),
-        (cfg.lora.enabled, "lora"),
-        (
-            ADVANTAGES.cap(cfg.rl.advantage, "needs_values", False),
-            f"rl.advantage = {cfg.rl.advantage!r} (a critic)",
-        ),
-        (bool(cfg.distill.teachers), "distill.teachers"),
-        (bool(cfg.env.name), "env.name"),
-        (bool(cfg.reward.reward_model), "reward.reward_model"),
-    ]
-    what = [w for bad, w in unsupported if bad]
-    if what:
-        raise ConfigError(
-            "model: a vision-language policy trains with FSDP2, rollout.tp = 1 and "
-            f"rule-based rewards so far; not with {', '.join(what)}"
-        )

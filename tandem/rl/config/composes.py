@@ -1,0 +1,416 @@
+"""What composes: the one table of feature pairs that cannot run together yet, with the reason.
+
+Every "not with X" rule of the program is a row of `REFUSALS`; nothing else raises one. A row
+is debt, not design: it names the pair, why it does not run yet, and what to set instead.
+`check_composes` is the one check, called at config load (`Config.validate`) with what the
+config alone tells, and again by the RL recipe once the world, the device, the model and the
+resolved generation layout are known (`Facts`): a feature that cannot be told yet is unknown
+(None) and its rows wait for the later call. scripts/config_reference.py renders the table into
+docs/config.md as a matrix, and tests/config/test_composes.py checks every row both ways (it
+refuses with its line; the same config without either feature passes).
+
+A value the program derives is resolved as a default with its reason (`derived_rollout_tp`),
+never by a check that edits the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tandem.rl.core.configlib import ConfigError
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a feature's test reads: the config, and what is known beyond it (None: not yet)."""
+
+    cfg: Any
+    args: Any = None  # the policy's ModelArgs (None: the model folder does not read yet)
+    world: int | None = None  # ranks of the program
+    device: str | None = None  # the device type of this rank ("cpu", "cuda", ...)
+    rollout_tp: int | None = None  # the resolved generation tp (rollout.tp = 0: auto)
+    cross_tokenizer: bool | None = None  # a distillation teacher has another tokenizer
+
+    def but(self, **known: Any) -> Facts:
+        return replace(self, **known)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A switch of the config (``key`` names it in an error line); ``on`` says whether this run
+    uses it: True, False, or None while the facts cannot tell."""
+
+    key: str
+    label: str
+    on: Callable[[Facts], bool | None]
+    short: str = ""  # the matrix's column heading (headline features only)
+
+
+def _rl(f: Facts) -> bool:
+    return f.cfg.training.recipe == "rl"
+
+
+def _needs_values(f: Facts) -> bool:
+    from tandem.rl.algorithms import ADVANTAGES
+
+    return _rl(f) and bool(ADVANTAGES.cap(f.cfg.rl.advantage, "needs_values", False))
+
+
+def _model(test: Callable[[Any], bool]) -> Callable[[Facts], bool | None]:
+    return lambda f: None if f.args is None else bool(test(f.args))
+
+
+def _generation_tp(f: Facts) -> int | None:
+    """The generation tp: the resolved one, else the config's (0, auto: not known yet)."""
+    return f.rollout_tp if f.rollout_tp is not None else (f.cfg.rollout.tp or None)
+
+
+def _partial_generation_group(f: Facts) -> bool | None:
+    tp = f.cfg.rollout.tp
+    if tp == 0:
+        return False  # auto resolves to the world (`derived_rollout_tp`)
+    return None if f.world is None else tp != f.world
+
+
+_FEATURES: dict[str, Feature] = {
+    "colocated_async": Feature(
+        "rollout.mode",
+        "rollout.mode = 'colocated_async'",
+        lambda f: _rl(f) and f.cfg.rollout.mode == "colocated_async",
+        "A",
+    ),
+    "split": Feature(
+        "rollout.mode",
+        "rollout.mode = 'split'",
+        lambda f: _rl(f) and f.cfg.rollout.mode == "split",
+        "S",
+    ),
+    "lora": Feature("lora.rank", "LoRA (lora.rank > 0)", lambda f: f.cfg.lora.enabled, "L"),
+    "fp8_kv": Feature(
+        "rollout.kv_dtype",
+        "an FP8 KV cache (rollout.kv_dtype)",
+        lambda f: _rl(f) and f.cfg.rollout.kv_dtype != "auto",
+        "F",
+    ),
+    "cp": Feature("parallel.cp", "parallel.cp > 1", lambda f: f.cfg.parallel.cp > 1, "C"),
+    "vlm": Feature("model", "a vision-language model", _model(lambda a: a.vision is not None), "V"),
+    "http": Feature(
+        "env.kind", 'env.kind = "http"', lambda f: _rl(f) and f.cfg.env.kind == "http", "H"
+    ),
+    "moe": Feature(
+        "model",
+        "a mixture-of-experts model",
+        _model(lambda a: getattr(a, "num_experts", 0) > 0),
+        "M",
+    ),
+    "tp": Feature("parallel.tp", "parallel.tp > 1", lambda f: f.cfg.parallel.tp > 1, "T"),
+    "pp": Feature("parallel.pp", "parallel.pp > 1", lambda f: f.cfg.parallel.pp > 1, "P"),
+    "multi_turn": Feature(
+        "env.name",
+        "multi-turn environments (env.name)",
+        lambda f: _rl(f) and bool(f.cfg.env.name),
+        "E",
+    ),
+    "dynamic_sampling": Feature(
+        "rl.dynamic_sampling",
+        "rl.dynamic_sampling",
+        lambda f: _rl(f) and f.cfg.rl.dynamic_sampling,
+        "D",
+    ),
+    "critic": Feature("rl.advantage", "a critic (rl.advantage = 'gae')", _needs_values, "K"),
+    "reference": Feature(
+        "rl.kl_coef",
+        "a KL reference (rl.kl_coef > 0)",
+        lambda f: _rl(f) and f.cfg.rl.kl_coef > 0,
+        "R",
+    ),
+    "teachers": Feature(
+        "distill.teachers",
+        "distillation teachers",
+        lambda f: _rl(f) and bool(f.cfg.distill.teachers),
+        "O",
+    ),
+    "exact": Feature("rl.exact", "rl.exact", lambda f: _rl(f) and f.cfg.rl.exact, "X"),
+    "ep": Feature("parallel.ep", "parallel.ep > 1", lambda f: f.cfg.parallel.ep > 1),
+    "dp_replicate": Feature(
+        "parallel.dp_replicate",
+        "parallel.dp_replicate > 1",
+        lambda f: f.cfg.parallel.dp_replicate > 1,
+    ),
+    "rollout_tp": Feature(
+        "rollout.tp",
+        "rollout.tp > 1",
+        lambda f: _rl(f) and (_generation_tp(f) or 1) > 1,
+    ),
+    "partial_group": Feature(
+        "rollout.tp",
+        "rollout.tp below the world size",
+        lambda f: _rl(f) and _partial_generation_group(f),
+    ),
+    "ring_cp": Feature(
+        "parallel.cp_style",
+        "parallel.cp_style = 'ring'",
+        lambda f: f.cfg.parallel.cp > 1 and f.cfg.parallel.cp_style == "ring",
+    ),
+    "accelerator": Feature(
+        "device",
+        "a device other than the CPU",
+        lambda f: None if f.device is None else f.device != "cpu",
+    ),
+    "expert_lora": Feature(
+        "lora.targets",
+        "LoRA on routed experts (lora.targets has 'experts')",
+        lambda f: f.cfg.lora.enabled and "experts" in f.cfg.lora.targets,
+    ),
+    "lora_dropout": Feature(
+        "lora.dropout",
+        "lora.dropout > 0",
+        lambda f: f.cfg.lora.enabled and f.cfg.lora.dropout > 0,
+    ),
+    "xtok_teachers": Feature(
+        "distill.teachers",
+        "a teacher with another tokenizer",
+        lambda f: f.cross_tokenizer if _rl(f) else False,
+    ),
+    "reward_model": Feature(
+        "reward.reward_model",
+        "a reward model (reward.reward_model)",
+        lambda f: _rl(f) and f.cfg.reward.reward_model is not None,
+    ),
+    "offload_optimizer": Feature(
+        "rl.offload_optimizer",
+        "rl.offload_optimizer",
+        lambda f: _rl(f) and f.cfg.rl.offload_optimizer,
+    ),
+    "share_prompts": Feature(
+        "advanced.share_prompts",
+        "advanced.share_prompts = true",
+        lambda f: f.cfg.advanced.share_prompts is True,
+    ),
+    "rl": Feature("training.recipe", "the rl recipe", _rl),
+    "not_rl": Feature(
+        "training.recipe",
+        "the sft, dpo or reward_model recipe",
+        lambda f: not _rl(f),
+    ),
+    "rm_recipe": Feature(
+        "training.recipe",
+        "the reward_model recipe",
+        lambda f: f.cfg.training.recipe == "reward_model",
+    ),
+}
+# headline features by their matrix letter, the others by name
+FEATURES: dict[str, Feature] = {f.short or name: f for name, f in _FEATURES.items()}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Features ``a`` and ``b`` (names in `FEATURES`) do not run together yet, because ``why``;
+    ``fix`` says what to set instead."""
+
+    a: str
+    b: str
+    why: str
+    fix: str
+
+    def line(self) -> str:
+        fa, fb = FEATURES[self.a], FEATURES[self.b]
+        return f"{fa.key}: {fa.label} does not run with {fb.label} yet ({self.why}); {self.fix}"
+
+
+_STREAMING = {  # what the streaming rollout modes do not carry yet
+    "L": "the refill and the weight sync move full weights, not adapter-only copies",
+    "F": "the FP8 scales do not travel with the weights at a sync, and a suspended "
+    "sequence's pages keep no record of the scales they were written with",
+    "C": "the in-flight sequences' update rows are not split over the cp ranks",
+    "V": "an in-flight sequence does not keep its images across a refill",
+    "H": "the endpoint's sessions are not versioned across weight updates",
+    "E": "the streaming rollout keeps single-turn groups in flight (no turn spans an update)",
+    "D": "the streaming rollout admits each group once (no refill of a filtered group)",
+    "T": "the streaming update is built for parallel.tp = 1",
+    "P": "the streaming update is built for parallel.pp = 1",
+    "rollout_tp": "sequences in flight live in one rank's KV pool with the whole model",
+}
+_STREAMING_FIX = 'set rollout.mode = "sync" or leave the other at its default'
+_TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for each b
+    *((mode, other, why, _STREAMING_FIX) for mode in "AS" for other, why in _STREAMING.items()),
+    (
+        "S",
+        "ep dp_replicate",
+        "the trainers shard with FSDP2 alone and each generator holds the whole model",
+        "set it to 1",
+    ),
+    (
+        "S",
+        "K R O",
+        "the trainers build the policy alone (no critic, reference or teacher beside it)",
+        'unset it or use rollout.mode = "colocated_async"',
+    ),
+    (
+        "S",
+        "offload_optimizer",
+        "the trainers keep their optimizer state resident (its offload is not wired there)",
+        'unset it or use rollout.mode = "colocated_async"',
+    ),
+    (
+        "X",
+        "accelerator",
+        "the CUDA batch-invariant kernels (tandem/kernels/triton_batch_invariant.py) pass under "
+        "the Triton interpreter but have not run on a GPU (scripts/gpu_check.sh part 'exact')",
+        "set rl.exact = false",
+    ),
+    (
+        "X",
+        "T P rollout_tp",
+        "a sharded matmul reduces in another order than the unsharded update",
+        "set rl.exact = false or the tp / pp degree to 1",
+    ),
+    (
+        "X",
+        "ring_cp",
+        "the ring's online softmax sums key blocks in another order than the generator",
+        "set parallel.cp_style = 'ulysses' (bitwise equal to cp = 1)",
+    ),
+    (
+        "T",
+        "K O",
+        "the critic and the teachers are built with FSDP2 (+HSDP) only",
+        "set parallel.tp = 1",
+    ),
+    (
+        "P",
+        "K O",
+        "the critic and the teachers are built with FSDP2 (+HSDP) only",
+        "set parallel.pp = 1",
+    ),
+    ("not_rl", "T P", "they shard with FSDP2 only", "set parallel.tp = pp = 1"),
+    (
+        "not_rl",
+        "C",
+        "context parallelism splits the RL update's packed rows only",
+        "set parallel.cp = 1",
+    ),
+    (
+        "expert_lora",
+        "T ep",
+        "tandem/parallel/lora.py does not split adapters of routed experts",
+        "adapt q, k, v, o (and shared experts) instead",
+    ),
+    (
+        "lora_dropout",
+        "rl",
+        "the generator samples without dropout, so the update's log-probs would not be the "
+        "rollout's",
+        "set lora.dropout = 0",
+    ),
+    (
+        "H",
+        "F",
+        "the endpoint's engine does not take the FP8 scales",
+        'set rollout.kv_dtype = "auto"',
+    ),
+    (
+        "H",
+        "partial_group",
+        "one generation group serves every episode (its leader runs the endpoint)",
+        "set rollout.tp = 0 (auto: the world size)",
+    ),
+    (
+        "C",
+        "T P ep M",
+        "the cp axis is built beside FSDP2 / HSDP only (and an MoE router's losses are "
+        "statistics of a whole micro-batch)",
+        "set parallel.cp = 1",
+    ),
+    (
+        "C",
+        "O L H F",
+        "the update's cp split does not carry teachers, adapters, endpoint episodes or the FP8 "
+        "K/V rounding",
+        "set parallel.cp = 1",
+    ),
+    (
+        "F",
+        "P",
+        "the calibration and the update's matching rounding use packed micro-batches",
+        'set rollout.kv_dtype = "auto" or parallel.pp = 1',
+    ),
+    (
+        "V",
+        "T P C rollout_tp F H L K O E reward_model rm_recipe",
+        "the vision tower runs with FSDP2 in the update and on one rank's generation copy, "
+        "scored by rule-based rewards",
+        "use a text model or unset the other",
+    ),
+    (
+        "M",
+        "P",
+        "pipeline stages do not split the experts",
+        "set parallel.pp = 1; use parallel.tp or parallel.ep",
+    ),
+    (
+        "share_prompts",
+        "P",
+        "pipeline micro-batches are fixed-length rows of one sequence",
+        "leave advanced.share_prompts unset",
+    ),
+    (
+        "xtok_teachers",
+        "E",
+        "a teacher with another tokenizer re-tokenises single-turn completions only",
+        "use teachers with the student's tokenizer",
+    ),
+]
+REFUSALS: list[Refusal] = [
+    Refusal(a, b, why, fix) for a, bs, why, fix in _TABLE for b in bs.split()
+]
+
+
+def check_composes(facts: Facts) -> None:
+    """The first refused pair this run uses, as one ConfigError line; nothing otherwise. A row
+    with a feature the facts cannot tell yet is left for a later call."""
+    memo: dict[str, bool | None] = {}
+
+    def on(name: str) -> bool | None:
+        if name not in memo:
+            memo[name] = FEATURES[name].on(facts)
+        return memo[name]
+
+    for row in REFUSALS:
+        if on(row.a) and on(row.b):
+            raise ConfigError(row.line())
+
+
+def derived_rollout_tp(cfg: Any, world: int) -> tuple[int, str] | None:
+    """A generation tp the run's features fix, with the reason (None: no feature fixes it).
+    ``env.kind = "http"``: one generation group serves every episode, so auto is the world."""
+    if cfg.training.recipe == "rl" and cfg.env.kind == "http" and cfg.rollout.tp == 0:
+        return world, 'env.kind = "http" serves every episode from one generation group'
+    return None
+
+
+def matrix(names: str = "A S L F C V H M T P E D K R O X") -> str:
+    """The refusals among the headline features as a markdown matrix (R<n>: row n of `table`;
+    ``-``: two values of one key)."""
+    index = {(r.a, r.b): i for i, r in enumerate(REFUSALS, 1)}
+    index.update({(r.b, r.a): i for i, r in enumerate(REFUSALS, 1)})
+    cols = names.split()
+    out = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for a in cols:
+        cells = []
+        for b in cols:
+            n = index.get((a, b))
+            same = FEATURES[a].key == FEATURES[b].key  # one key: a choice, not a pair
+            cells.append("" if a == b else "-" if same else f"R{n}" if n else "ok")
+        out.append(f"| **{a}** {FEATURES[a].label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def table() -> str:
+    """Every refusal as a numbered markdown list."""
+    return "".join(
+        f"{i}. {FEATURES[r.a].label} x {FEATURES[r.b].label}: {r.why}; {r.fix}.\n"
+        for i, r in enumerate(REFUSALS, 1)
+    )
