@@ -3,8 +3,8 @@
 `split_world` makes, once and on every rank (``new_group`` is collective over the world):
 
 - ``first``: the group of ranks ``0 .. G-1`` (None when G = 1);
-- ``second``: the group of ranks ``G .. W-1`` (a group even of one rank); the second side's
-  collectives that would go to the whole world go here (`set_side_group`);
+- ``second``: the group of ranks ``G .. W-1`` (a group even of one rank), which the second
+  side's collectives take as their group;
 - ``bridge``: every rank, for the weight move from the second side to the first: a
   `tandem.parallel.reshard.Resharder` over it, planned once, moves each region from the rank
   that holds it (every holder sends its own shard, no single sender) in buckets;
@@ -32,20 +32,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout, needed_box
 from tandem.parallel.mesh import AXES, Degrees
 from tandem.parallel.reshard import Resharder
-
-_SIDE_GROUP: dist.ProcessGroup | None = None
-
-
-def set_side_group(group: dist.ProcessGroup | None) -> None:
-    """The group that stands for "every rank" in collectives that take no group (a loss's
-    token count, the NaN check): one side of a split world. None: the whole world."""
-    global _SIDE_GROUP
-    _SIDE_GROUP = group
-
-
-def side_group() -> dist.ProcessGroup | None:
-    """The group `set_side_group` set (None: the whole world, the default group)."""
-    return _SIDE_GROUP
 
 
 class BridgeMismatch(RuntimeError):

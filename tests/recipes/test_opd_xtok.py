@@ -89,6 +89,7 @@ def test_teacher_chunk_logprobs_match_transformers(tmp_path):
             seed=0,
             is_main=True,
             conversation=lambda row: [{"role": "user", "content": row["prompt"]}],
+            group=None,  # the whole world, of one rank
         )
         route = teachers.route(samples)
         assert route == [0, 1, 0, 1]

@@ -29,7 +29,6 @@ from tandem.models.lora import adapter_shapes, apply_lora, lora_spec_of
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
 from tandem.models.vl_template import build_vl_char_tokenizer
 from tandem.models.vlm import make_model
-from tandem.parallel.split import side_group
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.lora import LoraSetup, save_exports
 
@@ -98,11 +97,14 @@ def full_initial_state(args: ModelArgs, path: str | None, seed: int) -> dict[str
     return {k: v for k, v in model.state_dict().items()}
 
 
-def load_full_state(model: nn.Module, full: dict[str, torch.Tensor] | None) -> None:
-    """Load rank 0's full state dict into a (possibly sharded) model; on one side of a split
-    world (tandem/parallel/split.py) every rank passes the full state and copies its own
-    shards out of it (torch's loaders scatter from global rank 0, which is not on this side)."""
-    if side_group() is not None:
+def load_full_state(
+    model: nn.Module, full: dict[str, torch.Tensor] | None, mesh: Any = None
+) -> None:
+    """Load rank 0's full state dict into a (possibly sharded) model; a ``mesh`` over part of the
+    world (one side of a split world, tandem/parallel/split.py) has every rank pass the full
+    state and copy its own shards out of it (torch's loaders scatter from global rank 0, which
+    is not among the mesh's ranks)."""
+    if mesh is not None and dist.is_initialized() and mesh.size() < dist.get_world_size():
         _copy_own_shards(model, full or {})
         return
     broadcast = dist.is_initialized() and dist.get_world_size() > 1
@@ -249,7 +251,7 @@ def build_model(
     parallelize_model(model, mesh, device, spec, trainable=trainable, tp=tp)
     model.to_empty(device=device)
     model.reset_rope()
-    load_full_state(model, with_adapters(initial_state(), lora, shapes) if is_main else None)
+    load_full_state(model, with_adapters(initial_state(), lora, shapes) if is_main else None, mesh)
     if not trainable:
         model.requires_grad_(False).eval()
     elif hasattr(model, "visual") and not spec.train_vision:

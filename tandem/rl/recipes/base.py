@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -37,7 +38,7 @@ from tandem.models.args import ModelArgs
 from tandem.models.tokenizer import Tokenizer
 from tandem.parallel.distributed import DistInfo
 from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
-from tandem.parallel.split import side_group, side_mesh
+from tandem.parallel.split import side_mesh
 from tandem.rl.config.composes import Facts, check_composes
 from tandem.rl.config.schema import ConfigError, FaultConfig
 from tandem.rl.core.lora import checkpoint_module
@@ -174,8 +175,15 @@ class Updater:
     """
 
     def __init__(
-        self, learners: Sequence[Learner], *, fault: FaultConfig, dump_folder: str, rank: int
+        self,
+        learners: Sequence[Learner],
+        *,
+        fault: FaultConfig,
+        dump_folder: str,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.group = group  # the ranks that update together (None: the whole world)
         self.learners = list(learners)
         self.fault, self.dump_folder, self.rank = fault, dump_folder, rank
         self.skipped = 0
@@ -203,7 +211,7 @@ class Updater:
             self.rank,
             self.fault.on_nonfinite,
             dump_folder=self.dump_folder,
-            group=side_group(),
+            group=self.group,
         )
         if self.learners[0] in stepping:
             self.last_lr = self._lr()

@@ -228,6 +228,7 @@ class RLRecipe:
             seed=cfg.job.seed,
             is_main=info.is_main,
             conversation=self._conversation,
+            group=self.policy.group,
         )
         check_composes(self.facts.but(cross_tokenizer=teachers.cross_tokenizer))
         teachers.check_rows([p.row for p in prompts])  # fail now, not mid-run

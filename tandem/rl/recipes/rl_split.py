@@ -2,8 +2,8 @@
 
 ``rollout.mode = "split"``, ``rollout.gen_ranks = G``: ranks ``0 .. G-1`` generate
 (`tandem.rl.rollout.split.SplitGenerator`), ranks ``G .. W-1`` train with FSDP2 over
-themselves alone (their mesh: `tandem.parallel.split.side_mesh`; the update's collectives that
-take no group go to the trainers' group: `tandem.parallel.split.set_side_group`). Each step:
+themselves alone (their mesh: `tandem.parallel.split.side_mesh`; the policy, the update and
+the `Updater` take the trainers' group as the group their collectives mean). Each step:
 the generators send the step's groups to the trainers; the trainers update, then ask for the
 sync and send their shards over the bridge group while the generators keep decoding; both
 sides then meet for the step's metrics, the ledger and checkpoints (the shell's collectives
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.kernels import batch_invariant
-from tandem.parallel.split import BridgeCopy, set_side_group, split_world
+from tandem.parallel.split import BridgeCopy, split_world
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.core.optim import build_optimizer
@@ -98,7 +98,6 @@ class SplitRLRecipe(RLRecipe):
         if world.in_first:
             self._build_generator(dtype, bucket)
         else:
-            set_side_group(world.second_group)
             # dp_shard alone: the data-parallel group is the trainers' (a group even of one
             # trainer, so no collective of the update reaches the generators)
             self._build_trainer(world.second_group, dtype, bucket)
@@ -148,6 +147,7 @@ class SplitRLRecipe(RLRecipe):
             chunk_tokens=cfg.advanced.logprob_chunk_tokens,
             share_prompts=True,
             cp_style=cfg.parallel.cp_style,
+            group=dp_group,  # the trainers: no collective of the update reaches the generators
         )
         self.model = self.policy.state_module
         o = cfg.optimizer
@@ -160,6 +160,7 @@ class SplitRLRecipe(RLRecipe):
             fault=cfg.fault,
             dump_folder=self.rt.dump_folder,
             rank=info.rank,
+            group=dp_group,
         )
         self.bridge = BridgeCopy(
             self.model, self.args, info.device, dtype, world=self.world, bucket_bytes=bucket
@@ -293,4 +294,3 @@ class SplitRLRecipe(RLRecipe):
         batch_invariant.disable()
         if self.rollout is not None:
             self.rollout.close()
-        set_side_group(None)

@@ -31,7 +31,6 @@ from tandem.models.attention import (
     SegmentAttention,
 )
 from tandem.parallel.loss import token_logprobs_at
-from tandem.parallel.split import side_group
 from tandem.rl.algorithms import (
     KL_ESTIMATORS,
     OFFPOLICY_CORRECTIONS,
@@ -274,10 +273,15 @@ def empty_micro_batch(device: torch.device, width: int = 1) -> MicroBatch:
 
 
 def sync_micro_batch_count(
-    mbs: list[MicroBatch], device: torch.device, width: int = 1
+    mbs: list[MicroBatch],
+    device: torch.device,
+    width: int = 1,
+    *,
+    group: dist.ProcessGroup | None,
 ) -> list[MicroBatch]:
+    """``mbs`` padded with empty micro-batches to the most any rank of ``group`` has."""
     n = torch.tensor([len(mbs)], device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=side_group())
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     return mbs + [empty_micro_batch(device, width) for _ in range(int(n.item()) - len(mbs))]
 
 
@@ -494,11 +498,11 @@ class UpdateSums:
         for k, v in zip(names, values.unbind(0)):
             setattr(self, k, getattr(self, k) + v)
 
-    def all_reduce(self, counts: bool) -> UpdateSums:
-        """Collective: the sums over all ranks; a rank with ``counts`` False (not the one rank
-        per data-parallel replica that reports) adds zeros."""
+    def all_reduce(self, counts: bool, group: dist.ProcessGroup | None) -> UpdateSums:
+        """Collective over ``group``: the sums over its ranks; a rank with ``counts`` False (not
+        the one rank per data-parallel replica that reports) adds zeros."""
         flat = self.flat() if counts else torch.zeros_like(self.flat())
-        dist.all_reduce(flat, group=side_group())
+        dist.all_reduce(flat, group=group)
         return UpdateSums.of(flat)
 
 
@@ -601,18 +605,23 @@ def completion_loss(
 
 
 def gap_metrics(
-    update_logp: torch.Tensor, gen_logp: torch.Tensor, mask: torch.Tensor, weight: float = 1.0
+    update_logp: torch.Tensor,
+    gen_logp: torch.Tensor,
+    mask: torch.Tensor,
+    weight: float = 1.0,
+    *,
+    group: dist.ProcessGroup | None,
 ) -> dict[str, float]:
     """How far the rollout's sampled-token log-probs are from the update's recomputation
-    with the same weights, over all ranks; ``weight``: 1 on the one rank per data-parallel
-    replica that counts (the policy's ``counts_stats``), else 0."""
+    with the same weights, over the ranks of ``group``; ``weight``: 1 on the one rank per
+    data-parallel replica that counts (the policy's ``counts_stats``), else 0."""
     gap = (update_logp - gen_logp).abs() * mask * weight
     stats = torch.stack(
         [gap.sum(), mask.sum(), (gap > 0).sum(), gap.max() if gap.numel() else gap.new_zeros(())]
     ).double()
     gmax = stats[3:].clone()
-    dist.all_reduce(stats[:3], group=side_group())
-    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=side_group())
+    dist.all_reduce(stats[:3], group=group)
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
     return {
         "gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0),
         "gap/abs_max": gmax.item(),

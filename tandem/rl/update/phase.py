@@ -154,10 +154,16 @@ class UpdatePhase:
         if OFFPOLICY_CORRECTIONS.cap(r.offpolicy_correction, "batch_keep", False):
             inp.keep = self._m2po_keep(inp, spec)
         sums, norms = self._train(samples, inp, spec, width, step)
-        sums = sums.all_reduce(counts=self.policy.counts_stats)  # one rank per replica reports
+        sums = sums.all_reduce(
+            self.policy.counts_stats, self.policy.group
+        )  # one rank per replica reports
         tokens = max(sums.tokens.item(), 1.0)
         seen = old_logp if old_logp is not None else inp.seen_logp
-        extra.update(gap_metrics(seen, gen_logp, mask, float(self.policy.counts_stats)))
+        extra.update(
+            gap_metrics(
+                seen, gen_logp, mask, float(self.policy.counts_stats), group=self.policy.group
+            )
+        )
         if self.kv is not None:  # the next rollout's scales, from the weights it will run
             extra.update(self.kv.calibrate(self.policy, samples, step + 1))
         extra.update(self.policy.moe.metrics(self.dp_group, dev))

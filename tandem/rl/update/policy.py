@@ -46,7 +46,6 @@ from tandem.parallel.grad import clip_grad_norm
 from tandem.parallel.loss import token_logprobs_at
 from tandem.parallel.mesh import Degrees, dp_rank
 from tandem.parallel.pp import SCHEDULES, build_pipeline, pipeline_split
-from tandem.parallel.split import side_group
 from tandem.parallel.tp import validate_tp
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.lora import LoraConfig, save_exports
@@ -94,7 +93,9 @@ class FlatPolicy:
         chunk_tokens: int,
         share_prompts: bool = False,
         cp_style: str = "ulysses",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.group = group  # the ranks this policy trains on (None: the whole world)
         self.cp = context_parallel(mesh, cp_style)
         self.device, self.chunk = device, chunk_tokens
         self.budget = micro_batch_tokens * self.cp.size  # each cp rank: micro_batch_tokens
@@ -143,7 +144,7 @@ class FlatPolicy:
         if self.image_token_id is not None:
             # a vision-language policy: M-RoPE positions, image rows
             mbs = [attach_images(mb, samples, self.image_token_id) for mb in mbs]
-        return sync_micro_batch_count(mbs, self.device, width=multiple)
+        return sync_micro_batch_count(mbs, self.device, width=multiple, group=self.group)
 
     @property
     def split(self) -> ContextParallel | None:
@@ -265,9 +266,11 @@ class PipelinePolicy:
         micro_batch_tokens: int,
         chunk_tokens: int = 1024,
         is_main: bool = False,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         # the last stage holds whole logits rows; every rank reads its own weights
         del chunk_tokens, is_main
+        self.group = group  # the ranks this policy trains on (None: the whole world)
         self.device, self.args = device, args
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
@@ -344,7 +347,7 @@ class PipelinePolicy:
         n = -(-len(rows) // per) if rows else 0
         count = torch.tensor([n], device=self.device)
         # the same number of steps on every rank
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=side_group())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         out = []
         for b in range(int(count.item())):
             chunk = rows[b * per : (b + 1) * per]

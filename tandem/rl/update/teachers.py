@@ -64,7 +64,9 @@ class Teachers:
         seed: int,
         is_main: bool,
         conversation: Conversation,
+        group: dist.ProcessGroup | None,
     ) -> None:
+        self.group = group  # the ranks that score together (the policy's)
         self.names = d.teacher_names()
         self.route_field = d.route_field
         self.conversation = conversation
@@ -156,7 +158,7 @@ class Teachers:
             cross = self.cross[k]
             if cross is None:  # the student's ids, as generated
                 mbs = sync_micro_batch_count(
-                    pack_micro_batches(samples, rows, budget, device), device
+                    pack_micro_batches(samples, rows, budget, device), device, group=self.group
                 )
                 # zero outside ``rows``
                 chunk_logp += recompute_logprobs(model, samples, mbs, width, device)
@@ -168,7 +170,7 @@ class Teachers:
             t_samples = [_teacher_sample(samples[i], views.get(i)) for i in range(n)]
             t_width = max([len(s.completion_ids) for s in t_samples] + [1])
             mbs = sync_micro_batch_count(
-                pack_micro_batches(t_samples, rows, budget, device), device
+                pack_micro_batches(t_samples, rows, budget, device), device, group=self.group
             )
             t_logp = recompute_logprobs(model, t_samples, mbs, t_width, device)  # [N, t_width]
             t_chunks = torch.full((n, t_width), -1, dtype=torch.long)
