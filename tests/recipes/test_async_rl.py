@@ -212,3 +212,22 @@ def test_quickstart_async_learns(tmp_path):
     assert end >= 0.95, end
     assert max(row["async/staleness_max"] for row in rows) == 1
     assert sum(row["async/staleness_1"] for row in rows) > 0
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_at_staleness_zero_reproduces_the_synchronous_run(tmp_path):
+    """DAPO's filter in colocated_async: a group whose rewards are all equal leaves the flight
+    and a new prompt takes its room, admitted like any other. At S = 0 with rl.exact (refills
+    join the decode batch mid-way, so the kernels must not depend on it) the samples, their
+    deal over the ranks and the losses equal the synchronous schedule's refill rounds."""
+    flags = ("--rl.dynamic_sampling=true", "--rl.exact=true", "--rl.num_samples=4")
+    sync = _run(tmp_path / "sync", *flags, steps=2)
+    s0 = _run(tmp_path / "s0", *flags, "--rollout.mode=colocated_async", steps=2)
+    assert all(r["dynamic/dropped_groups"] > 0 for r in sync)  # the filter refilled every step
+    keys = ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean")
+    assert_same_as_synchronous(
+        (tmp_path / "sync", sync),
+        (tmp_path / "s0", s0),
+        2 * 16 * 4,
+        (*keys, "dynamic/dropped_groups"),
+    )

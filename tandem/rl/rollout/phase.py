@@ -271,6 +271,10 @@ class RolloutPhase:
             if last_round or not r.dynamic_sampling:
                 break
         del gen_model
+        if rounds > 1:  # refill rounds were each dealt from rank 0: deal as the streaming modes do
+            samples, scores_t = self._redeal(samples, scores)
+        else:
+            scores_t = torch.stack(scores) if scores else torch.zeros(0)
         metrics = {**gen.values(), **rewards.reduce(device=self.info.device)}
         if self.optimizer is not None:
             move_optimizer_state(self.optimizer, self.info.device)
@@ -288,10 +292,27 @@ class RolloutPhase:
         )
         if self.rollout_dumps:  # advanced.dump_rollouts
             dump_rollouts(self.rollout_dumps, step, self.info.rank, samples)
-        scores_t = torch.stack(scores) if scores else torch.zeros(0)
         return RolloutBatch(
             samples, scores_t, step, metrics, self.ids(samples), self.positions(samples)
         )
+
+    def _redeal(
+        self, samples: list[RolloutSample], scores: list[torch.Tensor]
+    ) -> tuple[list[RolloutSample], torch.Tensor]:
+        """This rank's kept groups of a step with refill rounds, dealt over the data-parallel
+        ranks in stream order (`deal_in_stream_order`), as the streaming modes deal theirs."""
+        groups: dict[int, tuple[list[RolloutSample], list[float]]] = {}
+        for s, v in zip(samples, scores):
+            g = groups.setdefault(s.group, ([], []))
+            g[0].append(s)
+            g[1].append(float(v))
+        order: list[int] = sorted(groups)
+        if self.dp > 1:  # every rank's positions
+            parts: list[Any] = [None] * self.dp
+            dist.all_gather_object(parts, order, group=self.dp_group)
+            order = sorted(p for part in parts for p in part)
+        mine = [(pos, g, sc) for pos, (g, sc) in groups.items()]
+        return deal_in_stream_order(mine, order, self.dp, self.dp_rank, self.dp_group)
 
     def ids(self, samples: list[RolloutSample]) -> list[str]:
         """The prompt ids of ``samples`` for the ledger (one rank per model-parallel group)."""
@@ -380,3 +401,27 @@ class RolloutPhase:
         self.rewards.close()
         if self.env_pool is not None:
             self.env_pool.close()
+
+
+def deal_in_stream_order(
+    mine: list[tuple[int, list[RolloutSample], list[float]]],
+    order: list[int],
+    dp: int,
+    dp_rank: int,
+    dp_group: Any,
+) -> tuple[list[RolloutSample], torch.Tensor]:
+    """Collective over ``dp_group``: the step's groups (``order``, stream positions) dealt over
+    the data-parallel ranks in stream order (the i-th to rank i mod dp), from the (position,
+    samples, scores) each rank holds in ``mine``: this rank's samples and scores."""
+    target = {pos: i % dp for i, pos in enumerate(sorted(order))}
+    keep = {pos: (g, sc) for pos, g, sc in mine if target[pos] == dp_rank}
+    if dp > 1:
+        send = [(pos, g, sc) for pos, g, sc in mine if target[pos] != dp_rank]
+        parts: list[Any] = [None] * dp
+        dist.all_gather_object(parts, send, group=dp_group)
+        keep.update(
+            {pos: (g, sc) for part in parts for pos, g, sc in part if target[pos] == dp_rank}
+        )
+    samples = [s for pos in sorted(keep) for s in keep[pos][0]]
+    scores = [v for pos in sorted(keep) for v in keep[pos][1]]
+    return samples, torch.tensor(scores, dtype=torch.float32)

@@ -34,9 +34,11 @@ from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import Generator, stop_strings_check
 from tandem.rl.generator.sequence import Sequence, SequenceStatus
 from tandem.rl.rollout.inflight import Admission, Flight
-from tandem.rl.rollout.phase import RolloutPhase
+from tandem.rl.rollout.phase import RolloutPhase, deal_in_stream_order
 from tandem.rl.rollout.sampling import generator_settings, group_params, sampling_params
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample
+
+_KEPT, _FILTERED = 1.0, 2.0  # a complete group's flag in the ranks' completion vector
 
 
 class _Group:
@@ -130,6 +132,13 @@ class StreamingGenerator:
         g = self.groups.pop(position)
         return [self._sample(g, j) for j in range(len(g.seqs))]
 
+    def peek(self, position: int, version: int) -> list[RolloutSample]:
+        """A complete group's samples, left in this generator (its new tokens stamped with
+        ``version``, the one that sampled them)."""
+        g = self.groups[position]
+        g.stamp(version)
+        return [self._sample(g, j) for j in range(len(g.seqs))]
+
     def drop(self, position: int) -> None:
         """Abandon a group (expired): its sequences are aborted, their blocks freed."""
         g = self.groups.pop(position, None)
@@ -212,8 +221,7 @@ class ColocatedAsyncRollout:
     """``rollout.mode = "colocated_async"``: the rollout phase of one step, on the training ranks.
 
     Uses a `RolloutPhase` for prompts, scoring, metrics and evaluation; generation is
-    this class's. Supports single-turn rollouts with ``parallel.tp = pp = 1`` and
-    ``rollout.tp = 1`` so far (the recipe checks)."""
+    this class's. What it runs with is the table's (tandem/rl/config/composes.py)."""
 
     def __init__(self, base: RolloutPhase) -> None:
         self.base = base
@@ -223,6 +231,11 @@ class ColocatedAsyncRollout:
         self.gen = StreamingGenerator(base.tok, rc, base.max_prompt, per_rank * r.num_samples)
         self.model: Any = None  # the generation copy, refilled in place every phase
         self.stream = base.stream
+        # rl.dynamic_sampling: this rank's complete groups scored before the step chooses (a
+        # cache; a restored group is scored again), and this step's filtered groups
+        self.scored: dict[int, tuple[torch.Tensor, Tally]] = {}
+        self.filtered, self.dropped_groups = Tally(), 0
+        self.drop_budget = r.max_refill_rounds * r.prompts_per_step
 
     def owner(self, position: int) -> int:
         """The data-parallel rank that generates a group."""
@@ -252,6 +265,7 @@ class ColocatedAsyncRollout:
                 self.gen.add(f, b.train_prompts[f.row], b.rl.num_samples)
         before = dataclasses.replace(self.gen.gen.stats)
         t_gen = time.monotonic()
+        self.filtered, self.dropped_groups = Tally(), 0
         chosen = self._generate(version)
         t_gen = time.monotonic() - t_gen
         suspended = self.gen.suspend(version)
@@ -277,8 +291,10 @@ class ColocatedAsyncRollout:
         tally.local("async/weight_sync_s", reshard["reshard/seconds"])
         for k, v in reshard.items():
             tally.local(k, v)
-        tally.merge(rewards)
+        tally.merge(rewards).merge(self.filtered)
         metrics = tally.reduce(device=b.info.device)
+        if b.rl.dynamic_sampling:  # the same count on every rank
+            metrics["dynamic/dropped_groups"] = float(self.dropped_groups)
         metrics.update(
             {
                 "async/inflight": float(len(self.admission.flights)),
@@ -294,16 +310,20 @@ class ColocatedAsyncRollout:
         """Decode until the step's groups are complete on all ranks together; the chosen flights."""
         b = self.base
         while True:
-            mine = self.gen.complete()
+            mine = self._judged(self.gen.complete(), version)
             flights = self.admission.flights
             flags = torch.tensor(
-                [float(f.position in mine) for f in flights] + [float(self.gen.busy())],
+                [mine.get(f.position, 0.0) for f in flights] + [float(self.gen.busy())],
                 dtype=torch.float64,
                 device=b.info.device,
             )
             if b.dp_group is not None:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=b.dp_group)
             values = flags.tolist()
+            filtered = {f.position for f, x in zip(flights, values) if x == _FILTERED}
+            if filtered:  # dynamic sampling: their room takes new groups, admitted as any other
+                self._drop_filtered(filtered)
+                continue
             complete = {f.position for f, x in zip(flights, values) if x > 0}
             chosen = self.admission.choose(complete, version)
             if chosen is not None:
@@ -323,30 +343,42 @@ class ColocatedAsyncRollout:
             if self.gen.busy():
                 self.gen.step()
 
+    def _judged(self, complete: set[int], version: int) -> dict[int, float]:
+        """This rank's complete groups: `_KEPT`, or `_FILTERED` when ``rl.dynamic_sampling``
+        drops it (all its rewards equal: DAPO's filter) and this step may still drop one (at
+        most ``rl.max_refill_rounds`` x ``rl.prompts_per_step`` groups; past that they train,
+        like the synchronous schedule's last round)."""
+        if not self.base.rl.dynamic_sampling:
+            return dict.fromkeys(complete, _KEPT)
+        out = {}
+        for pos in complete:
+            if pos not in self.scored:
+                self.scored[pos] = self.base.score(self.gen.peek(pos, version))
+            sc = self.scored[pos][0]
+            drop = sc.numel() < 2 or bool(sc.max() == sc.min())  # `filter_groups`, one group
+            room = self.dropped_groups < self.drop_budget
+            out[pos] = _FILTERED if drop and room else _KEPT
+        return out
+
+    def _drop_filtered(self, positions: set[int]) -> None:
+        """Every rank: the filtered groups leave the flight (their prompts are spent, as in the
+        synchronous schedule); their reward metrics count in the step's."""
+        self.admission.remove(positions)
+        self.dropped_groups += len(positions)
+        for pos in positions:
+            if self.owner(pos) == self.base.dp_rank:
+                self.gen.take(pos)
+                self.filtered.merge(self.scored.pop(pos)[1])
+
     def _collect(self, chosen: list[Flight]) -> tuple[list[RolloutSample], torch.Tensor, Tally]:
         """Score this rank's chosen groups, then deal the step's groups over the data-parallel
         ranks in stream order (the i-th to rank i mod dp): this rank's batch."""
         b = self.base
         order = sorted(f.position for f in chosen)
-        target = {pos: i % b.dp for i, pos in enumerate(order)}
-        keep: dict[int, tuple[list[RolloutSample], list[float]]] = {}
-        send: list[tuple[int, list[RolloutSample], list[float]]] = []
         rewards = Tally()
-        for pos, group, sc in self._scored(order, rewards):
-            if target[pos] == b.dp_rank:
-                keep[pos] = (group, sc)
-            else:
-                send.append((pos, group, sc))
-        if b.dp > 1:
-            parts: list[Any] = [None] * b.dp
-            dist.all_gather_object(parts, send, group=b.dp_group)
-            for part in parts:
-                for pos, group, sc in part:
-                    if target[pos] == b.dp_rank:
-                        keep[pos] = (group, sc)
-        samples = [s for pos in sorted(keep) for s in keep[pos][0]]
-        scores = [v for pos in sorted(keep) for v in keep[pos][1]]
-        return samples, torch.tensor(scores, dtype=torch.float32), rewards
+        mine = list(self._scored(order, rewards))
+        samples, scores = deal_in_stream_order(mine, order, b.dp, b.dp_rank, b.dp_group)
+        return samples, scores, rewards
 
     def _scored(
         self,
@@ -359,7 +391,8 @@ class ColocatedAsyncRollout:
             if self.owner(pos) != self.base.dp_rank:
                 continue
             group = self.gen.take(pos)
-            sc, t = self.base.score(group)
+            cached = self.scored.pop(pos, None)  # dynamic sampling scored it already
+            sc, t = cached if cached is not None else self.base.score(group)
             tally.merge(t)
             yield pos, group, sc.tolist()
 
