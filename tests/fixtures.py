@@ -315,8 +315,14 @@ def held_out_end(out: str, start: str) -> float:
     return float(out.split(line)[1].split()[0])
 
 
-def quickstart_cmd(dump: str | Path, steps: int, nproc: int = 2, restarts: int = 4) -> list[str]:
-    """configs/quickstart.toml shrunk for the asynchronous-mode tests (16 prompts a step, 8 eval
+def quickstart_cmd(
+    dump: str | Path,
+    steps: int,
+    nproc: int = 2,
+    restarts: int = 4,
+    config: str = "quickstart.toml",
+) -> list[str]:
+    """configs/``config`` shrunk for the asynchronous-mode tests (16 prompts a step, 8 eval
     prompts, rollouts dumped), under torchrun with ``restarts`` (``nproc`` 0: one process)."""
     root = Path(__file__).resolve().parents[1]
     launch = [sys.executable]
@@ -332,7 +338,7 @@ def quickstart_cmd(dump: str | Path, steps: int, nproc: int = 2, restarts: int =
         *launch,
         str(root / "train.py"),
         "--config",
-        str(root / "configs" / "quickstart.toml"),
+        str(root / "configs" / config),
         f"--job.dump_folder={dump}",
         f"--training.steps={steps}",
         "--rl.prompts_per_step=16",

@@ -92,6 +92,35 @@ def test_staleness_zero_split_reproduces_the_synchronous_run(runs):
     )
 
 
+@pytest.mark.slow
+def test_a_critic_a_reference_and_a_teacher_train_on_the_trainers(tmp_path):
+    """Split mode builds what trains beside the policy on the trainers, as the one RL recipe
+    does colocated: PPO's critic (GAE, no warm-up), a KL reference and an on-policy
+    distillation teacher in one run. At S = 0 with rl.exact it equals the synchronous run,
+    samples and every logged number of the update, bit for bit."""
+    flags = (
+        "--rl.exact=true",
+        "--rl.num_samples=4",
+        "--rl.kl_coef=0.05",
+        "--critic.warmup_steps=0",
+        '--distill.teachers=["assets/quickstart-teacher"]',
+    )
+
+    def run(dump, nproc, *extra):
+        cmd = [*quickstart_cmd(dump, 2, nproc, config="quickstart_ppo.toml"), *flags, *extra]
+        r = subprocess.run(cmd, cwd=ROOT, env=_env(None), capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
+
+    sync = run(tmp_path / "sync", 2)
+    split = run(tmp_path / "split", 3, *SPLIT)
+    keys = ("loss", "grad_norm", "kl", "critic/value_mse", "critic/grad_norm", "distill/reverse_kl")
+    assert all(r["kl"] > 0 or r["step"] == 1 for r in sync) and all(
+        r["grad_norm"] > 0 for r in sync
+    )
+    assert_same_as_synchronous((tmp_path / "sync", sync), (tmp_path / "split", split), 128, keys)
+
+
 def _bound_held(dump, s, steps):
     samples = rollout_dumps(dump)
     stale = [r["step"] - 1 - min(r["versions"]) for r in samples]  # the version trained: step - 1
@@ -224,7 +253,10 @@ def _config(*overrides):
     "override, line",
     [
         ("parallel.tp=2", "rollout.mode: rollout.mode = 'split' does not run with parallel.tp > 1"),
-        ("rl.kl_coef=0.1", "rollout.mode: rollout.mode = 'split' does not run with a KL reference"),
+        (
+            "rl.dynamic_sampling=true",
+            "rollout.mode: rollout.mode = 'split' does not run with rl.dynamic_sampling",
+        ),
     ],
 )
 def test_split_mode_refuses_what_it_has_not_run_in_one_line(override, line):

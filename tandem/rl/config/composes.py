@@ -249,12 +249,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     (
         "S",
-        "K R O",
-        "the trainers build the policy alone (no critic, reference or teacher beside it)",
-        'unset it or use rollout.mode = "colocated_async"',
-    ),
-    (
-        "S",
         "offload_optimizer",
         "the trainers keep their optimizer state resident (its offload is not wired there)",
         'unset it or use rollout.mode = "colocated_async"',

@@ -28,6 +28,7 @@ from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
 from tandem.rl.recipes.rl_settings import derived_tp, episode_server, prompt_room
+from tandem.rl.recipes.rl_split import SplitPlacement, split_world_of
 from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.sampling import generation_copy, generation_dtype
@@ -57,106 +58,136 @@ class RLRecipe:
 
     def __init__(self, cfg: Any, rt: Runtime) -> None:
         self.cfg, self.info, self.rt = cfg, rt.info, rt
-        info = rt.info
-        r, advanced = cfg.rl, cfg.advanced
-        needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
-        http = cfg.env.kind == "http"  # a harness plays the episodes (tandem/rl/serve)
-        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step))
+        info, r = rt.info, cfg.rl
+        # the placement: every rank generates and trains (None), or split mode's two sides
+        self.world = split_world_of(cfg, info.world_size)
+        w = self.world
+        self.needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
+        ranks = None if w is None else (w.first, w.second)
+        s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step), ranks=ranks)
         degrees = s.degrees
         self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()
         self.mesh, self.dp, self.tok, self.args = s.mesh, s.dp, s.tokenizer, s.args
+        self.dp_rank, self.facts = s.rank_dp, s.facts
+        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style)
+        self.max_prompt = prompt_room(cfg)
+        self.train_prompts, self.eval_prompts = self._load_data()
+        writer = info.is_main if w is None else info.rank == w.first  # a trainer in split mode
+        self.sample_log = SampleLog(
+            rt.dump_folder, cfg.metrics.samples_per_step, writer, text_sink=rt.logger.text
+        )
+        self.step_index = 0  # the step being taken (the shell's count)
+        self.server = self.kv = self.critic = self.rollout = self.placement = None
+        if w is None:
+            self._colocated()
+        else:
+            self.placement = SplitPlacement(self, w)
+
+    def _colocated(self) -> None:
+        """Every rank trains the policy and generates from its generation copy."""
+        cfg, info = self.cfg, self.info
         dp_group = subgroup(self.mesh, ("dp_replicate", "dp_shard"))
         mp_group = subgroup(self.mesh, ("pp", "cp", "tp"))
         mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
-        dump = rt.dump_folder
-        self.facts = s.facts
-        check_layout(self.args, degrees, cfg.parallel.pp_schedule, cfg.parallel.cp_style)
-        self.max_prompt = prompt_room(cfg)
-        train_prompts, eval_prompts = self._load_data()
-        self.train_prompts = train_prompts
-        seq_len = cfg.data.max_length
-        if cfg.env.name or http:
-            seq_len = self.max_prompt + cfg.env.max_total_tokens
-        spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
-        kw = dict(
-            path=cfg.model.path,
-            seed=cfg.job.seed,
-            spec=spec,
-            is_main=info.is_main,
-            pp_schedule=cfg.parallel.pp_schedule,
-            pp_microbatches=advanced.pp_microbatches,
-            seq_len=seq_len,
-            micro_batch_tokens=r.micro_batch_tokens,
-            chunk_tokens=advanced.logprob_chunk_tokens,
-            share_prompts=degrees.pp == 1
-            if advanced.share_prompts is None
-            else advanced.share_prompts,
-            cp_style=cfg.parallel.cp_style,
-        )
-        self.policy = build_policy(self.args, self.mesh, info.device, lora=cfg.lora, **kw)
-        self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
-        gen_dtype = generation_dtype(
-            cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param
-        )
+        self.build_policy(group=None)
         gen_copy = generation_copy(
             self.policy,
             self.args,
             cfg.rollout,
             info,
-            gen_dtype,
+            generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param),
+            offload_optimizer=cfg.rl.offload_optimizer,
+            reference=cfg.rl.kl_coef > 0 and not cfg.lora.enabled,
+            critic=self.needs_values,
+            bucket_bytes=cfg.advanced.reshard_bucket_mb << 20,
             tp=derived_tp(cfg, info),
-            offload_optimizer=r.offload_optimizer,
-            reference=r.kl_coef > 0 and not cfg.lora.enabled,
-            critic=needs_values,
-            bucket_bytes=advanced.reshard_bucket_mb << 20,
         )
+        self.build_update(dp_group)
+        self.rollout = self._rollout_phase(
+            gen_copy,
+            self.train_prompts,
+            self.eval_prompts,
+            cfg.env.kind == "http",  # a harness plays the episodes (tandem/rl/serve)
+            dp=(self.dp, self.dp_rank, dp_group),
+            mp=(self.mp, mp_rank, mp_group),
+        )
+
+    # ---- the update side, the same in every placement ---------------------------------
+
+    def build_policy(self, group: Any) -> None:
+        """The policy, trained over ``group`` (None: the whole world)."""
+        cfg, info, r, advanced = self.cfg, self.info, self.cfg.rl, self.cfg.advanced
+        seq_len = cfg.data.max_length
+        if cfg.env.name or cfg.env.kind == "http":
+            seq_len = self.max_prompt + cfg.env.max_total_tokens
+        self.spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
+        self.policy_kw = dict(
+            path=cfg.model.path,
+            seed=cfg.job.seed,
+            spec=self.spec,
+            # a mesh over part of the world (split): every rank reads the weights
+            is_main=info.is_main if self.world is None else True,
+            pp_schedule=cfg.parallel.pp_schedule,
+            pp_microbatches=advanced.pp_microbatches,
+            seq_len=seq_len,
+            micro_batch_tokens=r.micro_batch_tokens,
+            chunk_tokens=advanced.logprob_chunk_tokens,
+            share_prompts=cfg.parallel.pp == 1
+            if advanced.share_prompts is None
+            else advanced.share_prompts,
+            cp_style=cfg.parallel.cp_style,
+            group=group,
+        )
+        self.policy = build_policy(
+            self.args, self.mesh, info.device, lora=cfg.lora, **self.policy_kw
+        )
+        self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
+
+    def build_update(self, dp_group: Any) -> None:
+        """What trains beside the policy (`build_policy` first): the reference, the FP8 KV
+        scales, the optimizer, the critic, the teachers, the learners and the update phase,
+        each over the policy's ranks."""
+        cfg, info, r, o = self.cfg, self.info, self.cfg.rl, self.cfg.optimizer
+        is_main, group = self.policy_kw["is_main"], self.policy.group
         ref = None
         if r.kl_coef > 0:  # LoRA: the policy with its adapters off
             ref = frozen_reference(
                 self.policy,
-                lambda: build_policy(self.args, self.mesh, info.device, trainable=False, **kw),
+                lambda: build_policy(
+                    self.args, self.mesh, info.device, trainable=False, **self.policy_kw
+                ),
             )
         self.kv = KVScales.create(cfg.rollout, self.args, self.policy, ref)  # FP8 KV or None
-        self.step_index = 0  # the step being taken (the shell's count)
-        o = cfg.optimizer
         self.opt = build_optimizer(
             self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
-        self.critic = (
-            Critic(
+        if self.needs_values:
+            self.critic = Critic(
                 cfg.critic,
                 o,
                 self.args,
                 self.mesh,
                 info.device,
-                spec,
+                self.spec,
                 policy_path=cfg.model.path,
                 seed=cfg.job.seed,
-                is_main=info.is_main,
+                is_main=is_main,
                 cp=self.policy.split,
             )
-            if needs_values
-            else None
-        )
         warmup = cfg.critic.warmup_steps if self.critic is not None else 0
         teachers = None
         if cfg.distill.teachers:
-            teachers = self._teachers(spec, train_prompts + eval_prompts)
+            teachers = self._teachers(self.train_prompts + self.eval_prompts, is_main)
         trainers = self._trainers(warmup)
         self.updater = Updater(
-            [t.learner for t in trainers], fault=cfg.fault, dump_folder=dump, rank=info.rank
+            [t.learner for t in trainers],
+            fault=cfg.fault,
+            dump_folder=self.rt.dump_folder,
+            rank=info.rank,
+            group=group,
         )
-        self.rollout = self._rollout_phase(
-            gen_copy,
-            train_prompts,
-            eval_prompts,
-            http,
-            dp=(self.dp, s.rank_dp, dp_group),
-            mp=(self.mp, mp_rank, mp_group),
-        )
-        n_log = cfg.metrics.samples_per_step if info.is_main else 0
         self.update = UpdatePhase(
             rl=r,
             max_tokens=cfg.rollout.max_tokens,
@@ -168,12 +199,9 @@ class RLRecipe:
             teachers=teachers,
             dp=(self.dp, dp_group),
             device=info.device,
-            samples_to_log=n_log,
+            samples_to_log=cfg.metrics.samples_per_step if self.sample_log.enabled else 0,
             kv=self.kv,
-            chunk_tokens=advanced.logprob_chunk_tokens,
-        )
-        self.sample_log = SampleLog(
-            dump, cfg.metrics.samples_per_step, info.is_main, text_sink=rt.logger.text
+            chunk_tokens=cfg.advanced.logprob_chunk_tokens,
         )
 
     def _rollout_phase(
@@ -217,16 +245,16 @@ class RLRecipe:
             )
         )
 
-    def _teachers(self, spec: BuildSpec, prompts: list[Any]) -> Teachers:
+    def _teachers(self, prompts: list[Any], is_main: bool) -> Teachers:
         cfg, info = self.cfg, self.info
         teachers = Teachers(
             cfg.distill,
             self.tok,
             self.mesh,
             info.device,
-            spec,
+            self.spec,
             seed=cfg.job.seed,
-            is_main=info.is_main,
+            is_main=is_main,
             conversation=self._conversation,
             group=self.policy.group,
         )
@@ -313,16 +341,20 @@ class RLRecipe:
     def step(self, step: int) -> StepOutput:
         wd = self.rt.watchdog
         self.step_index = step
+        if self.placement is not None:
+            return self.placement.step(step)
         with wd.phase("rollout"):
             batch = self.rollout.batch(step)
         with wd.phase("update"):
             result = self.update.run(batch, step)
         release_images(batch.samples)  # the step's pixels (decoded once for the rollout and update)
         metrics = {**batch.metrics, **result.metrics, **self.rollout.sample_metrics(batch.samples)}
-        self.sample_log.log(step + 1, self._sample_records(batch, result.advantages))
+        self.sample_log.log(step + 1, self.sample_records(batch, result.advantages))
         return StepOutput(metrics, batch.ids, batch.positions)
 
     def evaluate(self) -> dict[str, float]:
+        if self.placement is not None:
+            return self.placement.evaluate()
         return self.rollout.evaluate()
 
     def checkpoint_parts(self) -> CheckpointParts:
@@ -333,6 +365,8 @@ class RLRecipe:
         """Collective, the same on every rank: the schedule, the prompt stream's position and
         given-back prompts, and what is in flight between the phases (asynchronous modes:
         prompt groups and their partial samples)."""
+        if self.placement is not None:
+            return self.placement.state_dict()
         stream = self.rollout.stream
         kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}
         return {
@@ -346,6 +380,8 @@ class RLRecipe:
     def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
         """The prompt stream's position is global, so any world size continues where the saved
         run stopped (and samples what it would have: seeds are keyed by position, not rank)."""
+        if self.placement is not None:
+            return self.placement.load_state_dict(state)
         self.sched.load_state_dict(state["scheduler"])
         if self.kv is not None and "kv_scales" in state:
             self.kv.load_state_dict(state["kv_scales"])
@@ -357,7 +393,7 @@ class RLRecipe:
         self.rollout.stream.requeued = list(state.get("requeued", []))
         self.rollout.load_state_dict(state.get("rollout") or {})
 
-    def _sample_records(self, batch: RolloutBatch, advantages: list[float]) -> list[dict[str, Any]]:
+    def sample_records(self, batch: RolloutBatch, advantages: list[float]) -> list[dict[str, Any]]:
         """The first ``metrics.samples_per_step`` samples of this rank as samples.jsonl records
         (the writing rank writes its own: the first prompts' groups, whose advantages are
         relative to each other)."""
@@ -381,13 +417,16 @@ class RLRecipe:
         ]
 
     def export(self, dump_folder: str) -> str:
+        if self.placement is not None:
+            return self.placement.export(dump_folder)
         out = os.path.join(dump_folder, "hf")
         self.policy.export_hf(self.args, self.tok, out, self.info.rank)
         return out
 
     def close(self) -> None:
         batch_invariant.disable()
-        self.rollout.close()
+        if self.rollout is not None:  # a trainer in split mode has none
+            self.rollout.close()
         if self.server is not None:
             self.server.stop(grace_s=2.0)  # polling harnesses hear that the run is done
 
@@ -418,11 +457,5 @@ class RLRecipe:
 
 
 def make_rl(cfg: Any, rt: Runtime) -> RLRecipe:
-    """The RL recipe, or the one a rollout mode names (``recipe``: split mode's ranks)."""
-    where = ROLLOUT_MODES.cap(cfg.rollout.mode, "recipe")
-    if where:
-        import importlib
-
-        module, name = where.split(":")
-        return getattr(importlib.import_module(module), name)(cfg, rt)
+    """The RL recipe, in any rollout mode and placement."""
     return RLRecipe(cfg, rt)

@@ -1,14 +1,16 @@
-"""The RL recipe in split mode: generator ranks and trainer ranks, concurrently, in one program.
+"""Split placement of the one RL recipe: generator ranks and trainer ranks, concurrently.
 
 ``rollout.mode = "split"``, ``rollout.gen_ranks = G``: ranks ``0 .. G-1`` generate
-(`tandem.rl.rollout.split.SplitGenerator`), ranks ``G .. W-1`` train with FSDP2 over
-themselves alone (their mesh: `tandem.parallel.split.side_mesh`; the policy, the update and
-the `Updater` take the trainers' group as the group their collectives mean). Each step:
-the generators send the step's groups to the trainers; the trainers update, then ask for the
-sync and send their shards over the bridge group while the generators keep decoding; both
-sides then meet for the step's metrics, the ledger and checkpoints (the shell's collectives
-over the whole world). Rank 0, a generator, writes the logs: the trainers' metrics come to
-it at the end of every step.
+(`tandem.rl.rollout.split.SplitGenerator`), ranks ``G .. W-1`` train over themselves alone
+(their mesh: `tandem.parallel.split.side_mesh`). The RL recipe (tandem/rl/recipes/rl.py) builds
+what both placements share, the trainers' policy, reference, critic, teachers and update
+included, over the trainers' group; `SplitPlacement` holds what differs: each side's role in a
+step, the bridge, and the metrics, checkpoints and exports that meet over the control group.
+Each step: the generators send the step's groups to the trainers; the trainers update, then
+ask for the sync and send their shards over the bridge group while the generators keep
+decoding; both sides then meet for the step's metrics, the ledger and checkpoints (the shell's
+collectives over the whole world). Rank 0, a generator, writes the logs: the trainers' metrics
+come to it at the end of every step.
 
 What composes with split mode is the rows of tandem/rl/config/composes.py (checked by the
 shared `setup`).
@@ -24,15 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.kernels import batch_invariant
-from tandem.parallel.split import BridgeCopy, split_world
+from tandem.parallel.split import BridgeCopy, SplitWorld, split_world
 from tandem.rl.config.schema import ConfigError
-from tandem.rl.core.modeling import BuildSpec
-from tandem.rl.core.optim import build_optimizer
-from tandem.rl.core.samples import SampleLog, dump_rollouts
-from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
-from tandem.rl.recipes.rl import RLRecipe
-from tandem.rl.recipes.rl_settings import prompt_room
+from tandem.rl.core.samples import dump_rollouts
+from tandem.rl.recipes.base import StepOutput
+from tandem.rl.rollout.modes import ROLLOUT_MODES
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.sampling import generation_dtype
 from tandem.rl.rollout.split import (
@@ -42,8 +40,6 @@ from tandem.rl.rollout.split import (
     request_sync,
 )
 from tandem.rl.rollout.types import RolloutBatch
-from tandem.rl.update.phase import UpdatePhase
-from tandem.rl.update.policy import build_policy
 
 
 def check_split_settings(cfg: Any, world: int) -> None:
@@ -62,53 +58,43 @@ class _Relay:
         self.last_lr, self.skipped = 0.0, 0
 
 
-class SplitRLRecipe(RLRecipe):
-    """``rollout.mode = "split"`` (the recipe protocol of tandem/rl/recipes/base.py)."""
+def split_world_of(cfg: Any, world: int) -> SplitWorld | None:
+    """Collective (new groups) in split mode: the two sides of the world; None otherwise."""
+    if ROLLOUT_MODES.cap(cfg.rollout.mode, "placement") != "split":
+        return None
+    check_split_settings(cfg, world)
+    return split_world(cfg.rollout.gen_ranks)
 
-    def __init__(self, cfg: Any, rt: Runtime) -> None:
-        self.cfg, self.info, self.rt = cfg, rt.info, rt
-        info, r = rt.info, cfg.rl
-        check_split_settings(cfg, info.world_size)
-        self.world = world = split_world(cfg.rollout.gen_ranks)
-        self.server, self.kv, self.critic = None, None, None
-        if r.exact:
-            batch_invariant.enable()
-        # collective over the world (new groups): every rank makes the trainers' mesh and groups
-        s = setup(
-            cfg,
-            rt,
-            "rl",
-            batch=("rl.prompts_per_step", r.prompts_per_step),
-            ranks=(world.first, world.second),
-        )
-        self.mesh, self.dp, self.mp = s.mesh, s.dp, 1
-        self.tok, self.args, self.dp_rank = s.tokenizer, s.args, s.rank_dp
-        dump = rt.dump_folder
-        self.max_prompt = prompt_room(cfg)
-        self.train_prompts, self.eval_prompts = self._load_data()
+
+class SplitPlacement:
+    """``rollout.mode = "split"``: the recipe's step, evaluation, checkpoints and export, by side.
+    ``r``: the RL recipe, whose shared parts (data, policy, update) this placement uses."""
+
+    def __init__(self, r: Any, world: SplitWorld) -> None:
+        self.r, self.world = r, world
+        cfg, info = r.cfg, r.info
         dtype = (
             generation_dtype(cfg.rollout.dtype, info.device, cfg.training.mixed_precision_param)
             or torch.float32
         )
         bucket = cfg.advanced.reshard_bucket_mb << 20
-        self.sample_log = SampleLog(
-            dump, cfg.metrics.samples_per_step, info.rank == world.first, text_sink=rt.logger.text
-        )
-        self.step_index = 0
         if world.in_first:
             self._build_generator(dtype, bucket)
         else:
             # dp_shard alone: the data-parallel group is the trainers' (a group even of one
             # trainer, so no collective of the update reaches the generators)
-            self._build_trainer(world.second_group, dtype, bucket)
+            r.build_policy(group=world.second_group)
+            r.build_update(world.second_group)
+            self.bridge = BridgeCopy(
+                r.model, r.args, info.device, dtype, world=world, bucket_bytes=bucket
+            )
         self._first_sync()
 
     def _build_generator(self, dtype: torch.dtype, bucket: int) -> None:
-        cfg, info, w = self.cfg, self.info, self.world
-        self.model, self.opt, self.updater = nn.Module(), None, _Relay()
-        bridge = BridgeCopy(
-            nn.Module(), self.args, info.device, dtype, world=w, bucket_bytes=bucket
-        )
+        r, w = self.r, self.world
+        cfg, info = r.cfg, r.info
+        r.model, r.opt, r.updater = nn.Module(), None, _Relay()
+        bridge = BridgeCopy(nn.Module(), r.args, info.device, dtype, world=w, bucket_bytes=bucket)
         base = RolloutPhase(
             rl=cfg.rl,
             rollout=cfg.rollout,
@@ -117,87 +103,32 @@ class SplitRLRecipe(RLRecipe):
             data=cfg.data,
             seed=cfg.job.seed,
             info=info,
-            tok=self.tok,
-            train=self.train_prompts,
-            evals=self.eval_prompts,
+            tok=r.tok,
+            train=r.train_prompts,
+            evals=r.eval_prompts,
             gen_copy=bridge,
             dp=(w.first, w.side_rank, w.first_group),
             mp=(1, 0, None),
-            max_prompt=self.max_prompt,
+            max_prompt=r.max_prompt,
             rollout_dumps=None,
         )
-        self.rollout = SplitGenerator(base, w, bridge)
-
-    def _build_trainer(self, dp_group: Any, dtype: torch.dtype, bucket: int) -> None:
-        cfg, info, r = self.cfg, self.info, self.cfg.rl
-        spec = BuildSpec.from_config(cfg.training, cfg.parallel, cfg.model)
-        self.policy = build_policy(
-            self.args,
-            self.mesh,
-            info.device,
-            lora=cfg.lora,
-            path=cfg.model.path,
-            seed=cfg.job.seed,
-            spec=spec,
-            is_main=True,  # every trainer reads the weights
-            pp_schedule=cfg.parallel.pp_schedule,
-            pp_microbatches=cfg.advanced.pp_microbatches,
-            seq_len=cfg.data.max_length,
-            micro_batch_tokens=r.micro_batch_tokens,
-            chunk_tokens=cfg.advanced.logprob_chunk_tokens,
-            share_prompts=True,
-            cp_style=cfg.parallel.cp_style,
-            group=dp_group,  # the trainers: no collective of the update reaches the generators
-        )
-        self.model = self.policy.state_module
-        o = cfg.optimizer
-        self.opt = build_optimizer(
-            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-        )
-        trainers = self._trainers(0)
-        self.updater = Updater(
-            [t.learner for t in trainers],
-            fault=cfg.fault,
-            dump_folder=self.rt.dump_folder,
-            rank=info.rank,
-            group=dp_group,
-        )
-        self.bridge = BridgeCopy(
-            self.model, self.args, info.device, dtype, world=self.world, bucket_bytes=bucket
-        )
-        self.rollout = None
-        n_log = cfg.metrics.samples_per_step if info.rank == self.world.first else 0
-        self.update = UpdatePhase(
-            rl=r,
-            max_tokens=cfg.rollout.max_tokens,
-            distill=cfg.distill,
-            policy=self.policy,
-            ref=None,
-            trainers=trainers,
-            updater=self.updater,
-            teachers=None,
-            dp=(self.dp, dp_group),
-            device=info.device,
-            samples_to_log=n_log,
-            kv=None,
-            chunk_tokens=cfg.advanced.logprob_chunk_tokens,
-        )
+        r.rollout = SplitGenerator(base, w, bridge)
 
     def _first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generators' copy of the trainers' current weights."""
         if self.world.in_first:
-            return self.rollout.first_sync()
+            return self.r.rollout.first_sync()
         return self.bridge.send()
 
-    # ---- the recipe protocol ---------------------------------------------------------
+    # ---- the recipe protocol, by side ---------------------------------------------------
 
     def step(self, step: int) -> StepOutput:
-        self.step_index = step
-        wd, w = self.rt.watchdog, self.world
+        r, w = self.r, self.world
+        wd = r.rt.watchdog
         out = StepOutput({})
         if w.in_first:
             with wd.phase("rollout"):
-                mine = self.rollout.step(step)
+                mine = r.rollout.step(step)
         else:
             t0 = time.monotonic()
             with wd.phase("rollout"):
@@ -205,12 +136,12 @@ class SplitRLRecipe(RLRecipe):
             waited = time.monotonic() - t0
             samples = [s for _, group, _ in groups for s in group]
             scores = torch.tensor([v for _, _, sc in groups for v in sc], dtype=torch.float32)
-            if self.cfg.advanced.dump_rollouts:  # the trainers' samples, by trainer index
-                dump_rollouts(self.rt.dump_folder, step, w.side_rank, samples)
+            if r.cfg.advanced.dump_rollouts:  # the trainers' samples, by trainer index
+                dump_rollouts(r.rt.dump_folder, step, w.side_rank, samples)
             ids = sorted({str(s.row.get("id", s.row.get("problem_id", ""))) for s in samples})
             batch = RolloutBatch(samples, scores, step, {}, ids, sorted({s.group for s in samples}))
             with wd.phase("update"):
-                result = self.update.run(batch, step)
+                result = r.update.run(batch, step)
             request_sync(w, step + 1)
             with wd.phase("sync"):
                 sync = self.bridge.send()
@@ -218,10 +149,10 @@ class SplitRLRecipe(RLRecipe):
                 **result.metrics,
                 **sync,
                 "split/train_wait_s": waited,
-                "lr": self.updater.last_lr,
-                "fault/skipped_updates": float(self.updater.skipped),
+                "lr": r.updater.last_lr,
+                "fault/skipped_updates": float(r.updater.skipped),
             }
-            self.sample_log.log(step + 1, self._sample_records(batch, result.advantages))
+            r.sample_log.log(step + 1, r.sample_records(batch, result.advantages))
             out = StepOutput({}, batch.ids, batch.positions)
         out.metrics = self._gather_metrics(mine)
         return out
@@ -233,48 +164,48 @@ class SplitRLRecipe(RLRecipe):
         dist.all_gather_object(parts, mine, group=self.world.control)
         metrics = {**parts[0], **parts[self.world.first]}
         if self.world.in_first:
-            self.updater.last_lr = metrics.pop("lr")
-            self.updater.skipped = int(metrics.pop("fault/skipped_updates"))
+            self.r.updater.last_lr = metrics.pop("lr")
+            self.r.updater.skipped = int(metrics.pop("fault/skipped_updates"))
         metrics.pop("lr", None)
         metrics.pop("fault/skipped_updates", None)
         return metrics
 
     def evaluate(self) -> dict[str, float]:
         if self.world.in_first:
-            return self.rollout.evaluate()
+            return self.r.rollout.evaluate()
         return evaluate_split(None, self.world, None)
-
-    def checkpoint_parts(self) -> CheckpointParts:
-        return CheckpointParts(self.model, self.opt, {})
 
     def state_dict(self) -> dict[str, Any]:
         """Collective, the same on every rank: the trainers' schedule, the generators' prompt
         stream and what is in flight."""
+        r = self.r
         if self.world.in_first:
-            stream = self.rollout.stream
+            stream = r.rollout.stream
             mine = {
                 "cursor": stream.cursor,
                 "requeued": stream.requeued,
-                "rollout": self.rollout.state_dict(),
+                "rollout": r.rollout.state_dict(),
             }
         else:
-            mine = {"scheduler": self.sched.state_dict()}
+            mine = {"scheduler": r.sched.state_dict()}
         parts: list[Any] = [None] * self.world.world
         dist.all_gather_object(parts, mine, group=self.world.control)
         return {**parts[self.world.first], **parts[0]}
 
-    def load_state_dict(self, state: dict[str, Any], *, saved_world: int) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Each side takes its part; then the generators take the resumed weights (a sync)."""
+        r = self.r
         if self.world.in_first:
-            stream = self.rollout.stream
+            stream = r.rollout.stream
             stream.cursor, stream.requeued = state["cursor"], list(state.get("requeued", []))
-            self.rollout.load_state_dict(state.get("rollout") or {})
+            r.rollout.load_state_dict(state.get("rollout") or {})
         else:
-            self.sched.load_state_dict(state["scheduler"])
+            r.sched.load_state_dict(state["scheduler"])
         self._first_sync()
 
     def export(self, dump_folder: str) -> str:
         """The trainers gather the full weights; the first trainer writes the HF folder."""
+        r = self.r
         out = os.path.join(dump_folder, "hf")
         if not self.world.in_first:
             from torch.distributed.checkpoint.state_dict import (
@@ -284,13 +215,8 @@ class SplitRLRecipe(RLRecipe):
 
             from tandem.rl.core.lora import save_exports
 
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            state = get_model_state_dict(r.model, options=StateDictOptions(full_state_dict=True))
             if self.world.side_rank == 0:
-                save_exports({k: v.cpu() for k, v in state.items()}, self.args, out, self.tok, None)
+                save_exports({k: v.cpu() for k, v in state.items()}, r.args, out, r.tok, None)
         dist.barrier(group=self.world.control)
         return out
-
-    def close(self) -> None:
-        batch_invariant.disable()
-        if self.rollout is not None:
-            self.rollout.close()

@@ -19,7 +19,5 @@ from tandem.rl.rollout.streaming import ColocatedAsyncRollout
 ROLLOUT_MODES: Registry[Callable[[RolloutPhase], Any]] = Registry("rollout mode")
 ROLLOUT_MODES.register("sync", streams=False)(lambda base: base)
 ROLLOUT_MODES.register("colocated_async", streams=True)(ColocatedAsyncRollout)
-# dedicated generator ranks: the recipe of its own that ``recipe`` names builds it
-ROLLOUT_MODES.register("split", streams=True, recipe="tandem.rl.recipes.rl_split:SplitRLRecipe")(
-    SplitGenerator
-)
+# dedicated generator ranks: a placement of the one RL recipe (tandem/rl/recipes/rl_split.py)
+ROLLOUT_MODES.register("split", streams=True, placement="split")(SplitGenerator)

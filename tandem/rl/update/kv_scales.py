@@ -116,7 +116,7 @@ class KVScales:
         if was_training:
             policy.train()
         if dist.is_initialized():
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=policy.group)
         return amax.cpu()
 
     def calibrate(

@@ -208,7 +208,7 @@ class FlatPolicy:
 
     def cp_metrics(self) -> dict[str, float]:
         """Collective where cp > 1: the split the attention guards measured, smallest over ranks."""
-        return cp_metrics(self.split, self.device)
+        return cp_metrics(self.split, self.device, self.group)
 
     def export_hf(self, args: ModelArgs, tokenizer: Any, out_dir: str, rank: int) -> None:
         """Collective: the policy as an HF folder (rank 0 writes)."""
@@ -519,13 +519,15 @@ def context_parallel(mesh: Any, style: str) -> ContextParallel:
     return ContextParallel(mesh["cp"].get_group() if mesh["cp"].size() > 1 else None, style)
 
 
-def cp_metrics(cp: ContextParallel | None, device: torch.device) -> dict[str, float]:
+def cp_metrics(
+    cp: ContextParallel | None, device: torch.device, group: dist.ProcessGroup | None
+) -> dict[str, float]:
     """``update/cp_effective``: the split the attention guards measured since the last call, the
-    smallest over all ranks (a collective; nothing at cp = 1)."""
+    smallest over the ranks of ``group`` (a collective; nothing at cp = 1)."""
     if cp is None:
         return {}
     t = torch.tensor([cp.take_effective()], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return {"update/cp_effective": t.item()}
 
 

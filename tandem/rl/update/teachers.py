@@ -200,7 +200,7 @@ class Teachers:
             sums[k] = torch.stack(
                 [(chunk_rkl * (has & sel)).sum(), (aligned * sel).sum(), (mask * sel).sum()]
             ).double()
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=self.group)
         out = {}
         for k, n in enumerate(self.names):
             out[f"distill/{n}/reverse_kl"] = (sums[k, 0] / sums[k, 1].clamp(min=1)).item()
