@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem import device as seam
+
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -149,12 +151,7 @@ class PreemptionHandler:
         agreed = self._requested
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             if device is None:
-                backend = str(dist.get_backend(group))
-                device = (
-                    torch.device("cuda", torch.cuda.current_device())
-                    if "nccl" in backend and torch.cuda.is_available()
-                    else torch.device("cpu")
-                )
+                device = seam.collective_device(group)
             flag = torch.tensor([1 if self._requested else 0], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             agreed = bool(flag.item())  # deliberate host sync: we branch on it

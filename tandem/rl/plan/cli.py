@@ -10,8 +10,7 @@ import os
 import sys
 from typing import Any
 
-import torch
-
+from tandem import device as seam
 from tandem.models.args import ModelArgs
 from tandem.models.lora import is_adapter
 from tandem.parallel.generation_layout import check_divisible
@@ -64,7 +63,7 @@ def target(cfg: Any) -> tuple[int, int, float]:
     (dp_shard = -1 filling this machine's GPUs, or nothing) and this machine's GPU or 80 GB."""
     p, par = cfg.plan, cfg.parallel
     fixed = par.pp * par.dp_replicate * par.tp * par.cp
-    local_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_gpus = seam.device_count()
     nodes = p.nodes or 1
     if p.devices_per_node:
         per_node = p.devices_per_node
@@ -75,7 +74,7 @@ def target(cfg: Any) -> tuple[int, int, float]:
     if p.device_memory_gb:
         mem = p.device_memory_gb * GB
     elif local_gpus:
-        mem = float(torch.cuda.get_device_properties(0).total_memory)
+        mem = float(seam.total_memory(seam.current_device()) or DEFAULT_DEVICE_GB * GB)
     else:
         mem = DEFAULT_DEVICE_GB * GB
     return nodes, per_node, mem
