@@ -260,9 +260,12 @@ def _multiprocessors(kind: str, index: int) -> int:
 
 
 def compute_capability(device: torch.device | str) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device (Hopper is 9.0); None for other types."""
+    """(major, minor) of an NVIDIA device (Hopper is 9.0); None for other types and under ROCm,
+    whose "cuda" devices answer with their gfx version (an MI300 says 9.4)."""
     device = torch.device(device)
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 def dispatch_keys() -> tuple[str, ...]:
