@@ -109,3 +109,15 @@ def test_an_fp8_pool_on_a_device_without_fp8_is_one_config_error(monkeypatch):
 def test_graph_capture_is_refused_where_the_row_has_none():
     with pytest.raises(RuntimeError, match="device cpu: no graph capture"):
         seam.capture("cpu", lambda: None)
+
+
+def test_the_test_accelerator_is_reached_through_the_seam():
+    """PyTorch's PrivateUse1 test accelerator (``torch_openreg``, docs/devices.md), only where it
+    is installed: torch autoloads it, the seam reports and picks it, gives it the generic row,
+    and a tensor computed there comes back equal to the CPU's."""
+    pytest.importorskip("torch_openreg", reason="PyTorch's test accelerator is not installed")
+    assert seam.accelerator_type() == "openreg"
+    dev = seam.pick_device(0)
+    assert dev == torch.device("openreg", 0) and seam.capabilities(dev) is seam.GENERIC
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal((x.to(dev) * 2).cpu(), x * 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem import device as seam
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.rollout.modes import ROLLOUT_MODES
@@ -39,7 +40,7 @@ def check_rl_settings(cfg: Any, info: DistInfo, needs_values: bool) -> None:
             f"parallel.tp / parallel.pp: {what} runs with FSDP2 (+HSDP) only so far; "
             "set tp = pp = 1"
         )
-    if r.exact and (device.type != "cpu" or tp_pp > 1):
+    if r.exact and (not seam.capabilities(device).exact or tp_pp > 1):
         raise ConfigError(
             "rl.exact: batch-invariant kernels are validated for the CPU with "
             "parallel.tp = pp = 1 only so far (the CUDA path, "
