@@ -121,3 +121,25 @@ def test_the_test_accelerator_is_reached_through_the_seam():
     assert dev == torch.device("openreg", 0) and seam.capabilities(dev) is seam.GENERIC
     x = torch.arange(6.0).reshape(2, 3)
     assert torch.equal((x.to(dev) * 2).cpu(), x * 2)
+
+
+def test_rl_exact_is_refused_on_a_device_whose_row_does_not_declare_it(monkeypatch):
+    """The exact path declares what it needs (``exact``): the CPU row has it; a device type
+    without it gets rl.exact's one-line ConfigError, and the same type with it does not."""
+    from pathlib import Path
+
+    from tandem.parallel.distributed import DistInfo
+    from tandem.rl.config.schema import load_config
+    from tandem.rl.recipes.rl_settings import check_rl_settings
+
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
+    cfg = load_config(str(quickstart), ["rl.exact=true"])
+    info = DistInfo(0, 0, 1, torch.device("meta"), "gloo")
+    check_rl_settings(cfg, DistInfo(0, 0, 1, torch.device("cpu"), "gloo"), False)
+    with pytest.raises(ConfigError, match=r"^rl.exact: .*\(device meta, tp x pp = 1\)") as e:
+        check_rl_settings(cfg, info, False)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(
+        seam, "DEVICES", {**seam.DEVICES, "meta": seam.Capabilities("gloo", exact=True)}
+    )
+    check_rl_settings(cfg, info, False)
