@@ -144,8 +144,9 @@ class PreemptionHandler:
         """Collective: True on every rank of ``group`` iff any rank has the flag.
 
         Call at the same point of every step on every rank (it is one
-        all-reduce of one int). ``device`` defaults to the current CUDA
-        device for NCCL groups and CPU otherwise. ``step`` goes into the
+        all-reduce of one int). ``device`` defaults to the current accelerator
+        for groups of its collective library (NCCL, HCCL, ...) and CPU otherwise
+        (`tandem.device.collective_device`). ``step`` goes into the
         preempt marker.
         """
         agreed = self._requested
