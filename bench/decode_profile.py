@@ -35,6 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.header import print_header
+from tandem import device as seam
 from tandem.models.args import ModelArgs
 from tandem.models.transformer import Transformer
 from tandem.parallel.generation_layout import inference_layout
@@ -126,8 +127,7 @@ def build(args: argparse.Namespace) -> Transformer:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    seam.synchronize(device)
 
 
 def floor_bytes(
@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    ap.add_argument("--device", default=seam.accelerator_type())
+    ap.add_argument(
+        "--dtype", default="bfloat16" if seam.accelerator_type() != "cpu" else "float32"
+    )
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument(
         "--kv-cache-gb", type=float, default=None, help="default: enough for every sequence"

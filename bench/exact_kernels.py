@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from bench.header import print_header
 from bench.paged_attention import time_ms
+from tandem import device as seam
 from tandem.kernels import batch_invariant as bi
 
 # (name, N, K) of Qwen3-1.7B's linears: hidden 2048, 16 q / 8 kv heads of 128, MLP 6144, vocab
@@ -128,7 +129,7 @@ def bench_reductions(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=seam.accelerator_type())
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="one repeat (the test suite's run)")
@@ -137,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         a.repeats = 1
     print_header("bench.exact_kernels", argv, a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    big = a.device == "cuda"
+    big = a.device != "cpu"
     print(
-        f"device {a.device} dtype {a.dtype}" + (f" ({torch.cuda.get_device_name()})" if big else "")
+        f"device {a.device} dtype {a.dtype}" + (f" ({seam.device_name(a.device)})" if big else "")
     )
     ms = [16] if a.smoke else [64, 4096] if big else [16, 256]
     bench_mm(

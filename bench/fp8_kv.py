@@ -43,6 +43,7 @@ import time
 
 import torch
 
+from tandem import device as seam
 from tandem.kernels import kv_quant as kvq
 from tandem.models.args import ModelArgs
 from tandem.models.attention import CausalAttention
@@ -127,12 +128,10 @@ def run(
     )
     gen = Generator(model, settings, kv_scales=scales if kv_scales == "calibrated" else None)
     params = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=0)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
+    seam.synchronize(args.device)
     t0 = time.perf_counter()
     out = gen.generate(prompts, params)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
+    seam.synchronize(args.device)
     dt = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for group in out for c in group)
     assert tokens == length * len(prompts), tokens
@@ -202,7 +201,7 @@ def accuracy(path: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=seam.accelerator_type())
     ap.add_argument("--dtype", default="float32", help="the model's and the default pool's dtype")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)

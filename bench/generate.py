@@ -35,6 +35,7 @@ import time
 import torch
 
 from bench.header import print_header
+from tandem import device as seam
 from tandem.models.hf import load_model
 from tandem.parallel.generation_layout import inference_layout
 from tandem.rl.generator.engine import GenerationSettings, Generator
@@ -160,13 +161,12 @@ def run_hf(
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    seam.synchronize(device)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=seam.accelerator_type())
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=256)

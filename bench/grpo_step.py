@@ -534,9 +534,9 @@ def print_ratios(rounds: list[dict[str, dict]], engines: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device is None:
-        import torch
+        from tandem import device as seam
 
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        args.device = seam.accelerator_type()
     if args.worker:
         print(json.dumps(trl_worker(*args.worker, args)))
         return

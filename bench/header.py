@@ -48,8 +48,8 @@ def commit() -> str:
 
 
 def machine(device: str = "cpu") -> str:
-    """CPU model, cores this process may use, memory; the GPU where ``device`` is CUDA."""
-    import torch
+    """CPU model, cores this process may use, memory; the accelerator where ``device`` is one."""
+    from tandem import device as seam
 
     model = platform.processor() or platform.machine()
     try:
@@ -66,8 +66,8 @@ def machine(device: str = "cpu") -> str:
         mem = float("nan")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out = f"{model}, {cores} cores, {mem:.0f} GiB, load average {load:.1f}"
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        out += f"; GPU {torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
+    if not str(device).startswith("cpu") and seam.device_count():
+        out += f"; GPU {seam.device_name(device)} x{seam.device_count()}"
     return out
 
 

@@ -10,7 +10,7 @@ Each variant does one forward + backward of ``sum(a * logp + b * entropy)`` with
 random ``a, b``, in a fresh subprocess, so that one variant's allocator caches
 and high-water mark cannot leak into another's. Peak is measured as:
 
-* CUDA: ``torch.cuda.max_memory_allocated()`` minus the allocation before the
+* an accelerator: ``torch.accelerator.max_memory_allocated()`` minus the allocation before the
   step (after ``reset_peak_memory_stats``): live tensor bytes, exact.
 * CPU: the process RSS high-water mark ``VmHWM`` from ``/proc/self/status``,
   reset just before the step by writing ``5`` to ``/proc/self/clear_refs``,
@@ -42,6 +42,8 @@ import time
 
 import torch
 
+from tandem import device as seam
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -54,8 +56,7 @@ def _rss_kb(field: str) -> int:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    seam.synchronize(device)
 
 
 def _step(variant: str, h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, chunk: int) -> float:
@@ -109,18 +110,18 @@ def _worker(args: argparse.Namespace) -> dict[str, float]:
     _step(args.variant, h[:small].detach().requires_grad_(), w, tgt[:small], args.chunk)
     w.grad = None
 
-    cuda = dev.type == "cuda"
+    cuda = seam.memory_allocated(dev) is not None  # the device keeps allocator statistics
     if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        seam.synchronize(dev)
+        seam.reset_peak_memory_stats(dev)
+        base = seam.memory_allocated(dev)
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
         base = _rss_kb("VmRSS") * 1024
     _step(args.variant, h, w, tgt, args.chunk)
     _sync(dev)
-    peak = torch.cuda.max_memory_allocated() if cuda else _rss_kb("VmHWM") * 1024
+    peak = seam.max_memory_allocated(dev) if cuda else _rss_kb("VmHWM") * 1024
     forward, total = [], []
     for _ in range(args.repeats):
         h.grad = w.grad = None
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=1024, help="chunk_tokens of the torch path")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=seam.accelerator_type())
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps after the measured one")
     parser.add_argument(

@@ -31,6 +31,7 @@ import torch
 
 from bench.header import print_header
 from bench.paged_attention import time_ms
+from tandem import device as seam
 from tandem.kernels.grouped_gemm import grouped_mm, grouped_mm_ref, permute_tokens
 from tandem.models.args import ModelArgs
 from tandem.models.moe import MoE
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="T,D,I,E,k each")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=seam.accelerator_type())
     ap.add_argument(
         "--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)"
     )

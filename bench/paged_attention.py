@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem import device as seam
 from tandem.kernels import paged_attention as pa
 from tandem.kernels.dispatch import triton_available, triton_interpreting
 
@@ -99,12 +100,10 @@ def time_ms(fn: Callable[[], object], device: str, reps: int) -> float:
         fn()
     times = []
     for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        seam.synchronize(device)
         start = time.perf_counter()
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        seam.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # as train.py does: otherwise CPU timings depend on glibc's mmap threshold
     tune_host_allocator()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = seam.accelerator_type()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), default="full" if device == "cuda" else "small"

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from tandem import device as seam
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -150,8 +152,7 @@ def worker(opts: argparse.Namespace) -> None:
 
 
 def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    seam.synchronize(dev)
 
 
 def main() -> None:

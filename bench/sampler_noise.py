@@ -22,6 +22,7 @@ import time
 import torch
 
 from bench.header import print_header
+from tandem import device as seam
 from tandem.rl.generator.sampler import exponential_noise
 
 
@@ -29,12 +30,10 @@ def _time(fn, device: torch.device, repeats: int) -> float:  # noqa: ANN001
     fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        seam.synchronize(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        seam.synchronize(device)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 64, 256])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=seam.accelerator_type())
     ap.add_argument(
         "--smoke", action="store_true", help="4 rows of a 1024 vocabulary (the test suite's run)"
     )

@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from tandem import device as seam
 from tandem.rl.config.schema import ConfigError, check_writable_folder
 from tandem.rl.core import errors
 from tandem.rl.core.modeling import ModelSetupError
@@ -218,7 +219,7 @@ def load(args: argparse.Namespace, device: torch.device):
     from tandem.models.tokenizer import Tokenizer
 
     dtype = {
-        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "auto": torch.bfloat16 if seam.capabilities(device).mixed_precision else torch.float32,
         "float32": torch.float32,
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,

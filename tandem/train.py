@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_host_allocator()  # before torch allocates: MB-sized CPU temporaries stay on the heap
     import torch
 
+    from tandem import device as seam
     from tandem.parallel.distributed import destroy_distributed, init_distributed
     from tandem.parallel.split import BridgeMismatch
     from tandem.rl.core.checkpoint import CheckpointError
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.rl.fault import NonFiniteError, enable_flight_recorder
     from tandem.rl.recipes import run, unused_settings
 
-    if cfg.fault.flight_recorder and torch.cuda.is_available():
+    if cfg.fault.flight_recorder and seam.capabilities(seam.accelerator_type()).flight_recorder:
         # NCCL only: on gloo the recorder's entries can outlive the interpreter
         # and abort the process at exit (seen once in CI on a 2-rank CPU run).
         enable_flight_recorder(cfg.job.dump_folder)

@@ -1,5 +1,7 @@
 """Suite-wide setup: Triton kernels run under the CPU interpreter when there is no GPU,
-and the tests marked ``slurm`` (they start a local Slurm) run only with ``--slurm``.
+the tests marked ``slurm`` (they start a local Slurm) run only with ``--slurm``, and
+``--device TYPE`` names the device the conformance suite (``pytest -m conformance``, the checks
+that judge a port: docs/devices.md) runs on, the CPU by default.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here,
 before any test module loads.
@@ -21,6 +23,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run the tests marked slurm: they start a one-node Slurm on this machine (minutes)",
     )
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device type of the tests that take the `device` fixture (the conformance suite, "
+        "pytest -m conformance): cpu (the reference, default) or the accelerator torch reports "
+        "here (cuda, npu, xpu, openreg, ...)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,6 +39,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device ``--device`` names: in-process tests put their models and tensors on it; tests
+    that launch train.py or torchrun take it as a check only, since the ranks they start take the
+    accelerator torch reports (tandem/device.py pick_device), which must then be ``--device``."""
+    kind = request.config.getoption("--device")
+    if kind == "cpu":
+        return torch.device("cpu")
+    from tandem import device as seam
+
+    here = seam.accelerator_type()
+    if kind != here:
+        raise pytest.UsageError(f"--device {kind}: torch reports {here!r} as the accelerator here")
+    return torch.device(kind, 0)
 
 
 @pytest.fixture

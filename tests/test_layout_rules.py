@@ -10,7 +10,9 @@
 - the recipes never compare an algorithm's name: what a loop must build for an
   algorithm is a capability declared at registration (tandem/rl/core/registry.py);
 - no line of Python over 100 characters (ruff's E501, line-length in pyproject.toml);
-- one formatter and one import order: `ruff format` and ruff's isort rules (I).
+- one formatter and one import order: `ruff format` and ruff's isort rules (I);
+- every device is reached through one seam, tandem/device.py: no ``torch.cuda``, ``.is_cuda``
+  or ``"nccl"`` anywhere else (docs/devices.md).
 
 Imports are read from the code, every one of them (inside functions too), except those
 under ``if TYPE_CHECKING:``, which never run.
@@ -51,6 +53,10 @@ LONG_FUNCTIONS: dict[str, str] = {  # "path:function" -> why it may exceed 80 li
     "bench/grpo_step.py:parse_args": _FORMAT,
     "bench/serve.py:main": _FORMAT,
 }
+# The device seam, and what it alone may name (a vendor's module, test or backend).
+DEVICE_SEAM = "tandem/device.py"
+VENDOR_NAMES = re.compile(r"torch\.cuda\b|\.is_cuda\b|[\"']nccl[\"']")
+VENDOR_EXCEPTIONS: dict[str, str] = {}  # path -> why it may name a vendor outside the seam
 
 
 def _module(path: Path) -> str:
@@ -293,3 +299,19 @@ def test_one_import_order():
     """Imports sorted as ruff's isort rules (I001) sort them (``ruff check --select I --fix .``)."""
     r = _ruff("check", "--select", "I", "--output-format", "concise")
     assert r.returncode == 0, "run `ruff check --select I --fix .`:\n" + r.stdout + r.stderr
+
+
+def test_devices_are_reached_through_the_seam():
+    """``torch.cuda``, ``.is_cuda`` and ``"nccl"`` only in tandem/device.py: everything else asks
+    it (device type, backend, memory, graphs, Triton), so a port changes one file."""
+    assert (ROOT / DEVICE_SEAM).is_file(), f"{DEVICE_SEAM}: the device seam is missing"
+    assert VENDOR_NAMES.search((ROOT / DEVICE_SEAM).read_text())  # the pattern still matches
+    bad = []
+    for path in SOURCES:
+        rel = str(path.relative_to(ROOT))
+        if rel == DEVICE_SEAM or rel in VENDOR_EXCEPTIONS:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if VENDOR_NAMES.search(line):
+                bad.append(f"{rel}:{n}: {line.strip()}")
+    assert not bad, "ask tandem/device.py instead:\n" + "\n".join(bad)

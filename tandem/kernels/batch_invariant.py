@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from tandem import device as seam
 from tandem.kernels.dispatch import use_triton
 
 TILE_ROWS = 16  # rows per matmul call (see the module docstring)
@@ -43,7 +44,7 @@ def enable() -> None:
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "overriding a previously registered kernel": the point
         warnings.simplefilter("ignore", UserWarning)
-        for key in ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",):
+        for key in seam.dispatch_keys():
             lib.impl("mm", _mm, key)
             lib.impl("addmm", _addmm, key)
     _state["lib"] = lib

@@ -20,11 +20,12 @@ Triton's launcher.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import sys
 
 import torch
+
+from tandem import device as seam
 
 IMPLS = ("triton", "torch")
 _chosen: str | None = None  # set_kernels: the process's choice; None = by device
@@ -48,7 +49,7 @@ def chosen_kernels() -> str | None:
 @functools.cache
 def triton_available() -> bool:
     """Whether the ``triton`` package can be imported (checked once, without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    return seam.triton_installed()
 
 
 def triton_interpreting() -> bool:
@@ -83,10 +84,13 @@ def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
     if forced == "torch":
         return False
     if forced is None:
-        return t.is_cuda and triton_available()
+        if seam.triton_supported(t.device):
+            return True
+        seam.fallback(t.device, "kernels", "Triton backend (the PyTorch references run)")
+        return False
     if not triton_available():
         raise RuntimeError("Triton kernels were requested but triton is not installed")
-    if not t.is_cuda and not triton_interpreting():
+    if t.device.type == "cpu" and not triton_interpreting():
         raise RuntimeError(
             "Triton kernels were requested for a CPU tensor; set TRITON_INTERPRET=1 "
             "before triton is first imported to run them under the interpreter"

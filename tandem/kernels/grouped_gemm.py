@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem import device as seam
 from tandem.kernels import batch_invariant
 from tandem.kernels.dispatch import use_triton
 
@@ -89,9 +90,8 @@ def torch_grouped_mm_applies(x: torch.Tensor) -> bool:
         return False
     if x.device.type == "cpu":
         return True
-    if x.is_cuda:
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return False
+    capability = seam.compute_capability(x.device)  # bf16 grouped GEMM: Hopper and later
+    return capability is not None and x.dtype == torch.bfloat16 and capability >= (9, 0)
 
 
 def _aligned(*ts: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tandem import device as seam
 from tandem.kernels import batch_invariant
 from tandem.kernels.dispatch import triton_interpreting, use_triton
 
@@ -286,7 +287,7 @@ if triton is not None:
 
 def _tiles(hidden: Tensor) -> dict[str, object]:
     """Tile sizes, warps and dot precision: tiny tiles under the interpreter, GPU-sized on CUDA."""
-    if not hidden.is_cuda and triton_interpreting():
+    if hidden.device.type == "cpu" and triton_interpreting():
         tiles = {"BLOCK_T": 16, "BLOCK_V": 16, "BLOCK_D": 16}
     elif hidden.dtype == torch.float32:  # untimed: fp32 logits are rare on GPUs
         tiles = {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}
@@ -300,9 +301,9 @@ def _tiles(hidden: Tensor) -> dict[str, object]:
 
 def _num_splits(hidden: Tensor, T: int, V: int, block_t: int, block_v: int) -> int:
     """Vocab splits for the forward: enough programs for about four per multiprocessor."""
-    if not hidden.is_cuda:
+    if hidden.device.type == "cpu":
         return min(2, triton.cdiv(V, block_v))  # the interpreter: exercise the merge cheaply
-    sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+    sms = seam.multiprocessor_count(hidden.device)
     want = triton.cdiv(4 * sms, max(1, triton.cdiv(T, block_t)))
     return max(1, min(want, triton.cdiv(V, block_v)))
 

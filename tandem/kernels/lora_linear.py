@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem import device as seam
 from tandem.kernels.dispatch import requested_impl, use_triton
 
 try:
@@ -101,7 +102,7 @@ def _forward(
     xa = torch.empty(m, r, dtype=x.dtype, device=x.device)
     if m == 0:
         return y, xa
-    bm, bn, bk = (64, 64, 32) if x.is_cuda else (16, 16, 16)
+    bm, bn, bk = (64, 64, 32) if seam.triton_supported(x.device) else (16, 16, 16)
     br = max(16, triton.next_power_of_2(r))  # tl.dot needs every dimension >= 16
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _lora_kernel[grid](

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem import device as seam
 from tandem.kernels.dispatch import requested_impl, use_triton
 
 try:
@@ -47,7 +48,7 @@ def noise_in_one_pass(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     out = torch.empty(n, vocab_size, dtype=torch.float32, device=words.device)
     if n == 0 or vocab_size == 0:
         return out
-    block = 1024 if words.is_cuda else 64
+    block = 1024 if seam.triton_supported(words.device) else 64
     _noise_kernel[(n, triton.cdiv(vocab_size, block))](
         words.contiguous(), out, vocab_size, BLOCK=block
     )

@@ -10,12 +10,11 @@ without host syncs): docs/internals.md.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from tandem import device as seam
 from tandem.kernels import kv_quant as kvq
 
 _LOG2E = 1.4426950408889634
@@ -352,11 +351,6 @@ def _fp8_constants(dtype: torch.dtype) -> dict[str, object]:
     }
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def store_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
@@ -444,10 +438,10 @@ def choose_num_splits(
     Split only when ``num_seqs * num_kv_heads`` programs would leave most SMs idle,
     and keep every split at least 4 KV tiles long so the merge stays cheap.
     """
-    if device.type != "cuda":
+    if not seam.triton_supported(device):
         return 1
     programs = num_seqs * num_kv_heads
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * seam.multiprocessor_count(device)
     if programs >= target:
         return 1
     by_occupancy = triton.cdiv(target, max(programs, 1))

@@ -14,17 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Process-group backend per accelerator type (torch.accelerator names). Accelerator
-# worlds also get gloo for CPU tensors: metrics, ledgers and counters are reduced
-# on the host (an NCCL-only group refuses them: "No backend type associated with
-# device type cpu", seen on an H200).
-BACKENDS = {
-    "cuda": "cpu:gloo,cuda:nccl",
-    "xpu": "cpu:gloo,xpu:xccl",
-    "npu": "cpu:gloo,npu:hccl",
-    "hpu": "cpu:gloo,hpu:hccl",
-    "cpu": "gloo",
-}
+from tandem.device import backend_for, pick_device
 
 
 @dataclass(frozen=True)
@@ -39,21 +29,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def pick_device(local_rank: int = 0, force_cpu: bool = False) -> torch.device:
-    """The accelerator torch.accelerator reports (one per local rank), else CPU."""
-    if not force_cpu and torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        assert acc is not None
-        index = local_rank % max(torch.accelerator.device_count(), 1)
-        torch.accelerator.set_device_index(index)
-        return torch.device(acc.type, index)
-    return torch.device("cpu")
-
-
-def backend_for(device: torch.device) -> str:
-    return BACKENDS.get(device.type, "gloo")
 
 
 def init_distributed(timeout_s: float = 600.0, force_cpu: bool = False) -> DistInfo:

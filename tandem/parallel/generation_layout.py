@@ -546,7 +546,7 @@ def inference_layout(model: Transformer, cpu_onednn: bool = False) -> bool:
     weight = next(model.parameters(), None)
     if weight is None or batch_invariant.enabled():
         return False
-    if weight.is_cuda:
+    if weight.device.type != "cpu":  # an accelerator
         model.fuse_projections()
         return True
     if (

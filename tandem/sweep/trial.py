@@ -59,9 +59,9 @@ class Slot:
 
 def visible_gpus() -> list[str]:
     """CUDA device ids this process may hand out ([] without CUDA)."""
-    import torch
+    from tandem import device as seam
 
-    count = torch.cuda.device_count()
+    count = seam.device_count()
     if count == 0:
         return []
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -30,9 +30,9 @@ POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
 
 
 @pytest.fixture(scope="module")
-def models():
-    m = load_model(POLICY).eval()
-    return {torch.float32: m, torch.bfloat16: load_model(POLICY).to(torch.bfloat16).eval()}
+def models(device):
+    m = load_model(POLICY).to(device).eval()
+    return {torch.float32: m, torch.bfloat16: load_model(POLICY).to(device, torch.bfloat16).eval()}
 
 
 @pytest.fixture
@@ -88,15 +88,15 @@ def _generate(
 
 
 def _gap(model, samples, budget, share):
-    mask, gen_logp, width = completion_tensors(samples, torch.device("cpu"))
-    mbs = pack_micro_batches(
-        samples, list(range(len(samples))), budget, torch.device("cpu"), share_prompts=share
-    )
-    logp = recompute_logprobs(model, samples, mbs, width, torch.device("cpu"), chunk_tokens=7)
+    dev = next(model.parameters()).device  # the conformance suite's --device
+    mask, gen_logp, width = completion_tensors(samples, dev)
+    mbs = pack_micro_batches(samples, list(range(len(samples))), budget, dev, share_prompts=share)
+    logp = recompute_logprobs(model, samples, mbs, width, dev, chunk_tokens=7)
     diff = (logp - gen_logp).abs() * mask
     return float(diff.max()), int((diff > 0).sum()), int(mask.sum()), len(mbs)
 
 
+@pytest.mark.conformance
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["packed", "shared_prompts", "preemption"])
 def test_exact_gap_is_zero(models, dtype, case):
@@ -112,6 +112,7 @@ def test_exact_gap_is_zero(models, dtype, case):
     assert gap == 0.0 and differ == 0, (gap, differ, tokens)
 
 
+@pytest.mark.conformance
 def test_without_exact_the_same_comparison_differs(models):
     """The control: the default kernels give a gap in the last bits on the same workload."""
     samples, _ = _generate(models[torch.float32], _prompts(6, seed=1), 4)

@@ -19,19 +19,19 @@ from tandem.rl.generator.sequence import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(device):
     args = get_flavor("debug-qwen3")
     m = Transformer(args)
     m.init_weights(seed=0)
     # Sharpen the distribution a little so greedy paths are not all-ties.
-    return m.eval()
+    return m.to(device).eval()  # the conformance suite's --device (the CPU by default)
 
 
 def naive_greedy(model, prompt, max_tokens, eos=()):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(max_tokens):
-            logits = model(torch.tensor([ids]))[0, -1]
+            logits = model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1]
             tok = int(logits.argmax())
             ids.append(tok)
             if tok in eos:
@@ -41,9 +41,9 @@ def naive_greedy(model, prompt, max_tokens, eos=()):
 
 def train_logprobs(model, prompt, completion):
     """log p(token) for each completion token from one full training forward."""
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=next(model.parameters()).device)
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids)[0].float(), dim=-1)  # [S, V]
+        logp = torch.log_softmax(model(ids)[0].float(), dim=-1).cpu()  # [S, V]
     pos = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
     return logp[pos, torch.tensor(completion)]
 
@@ -73,6 +73,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.conformance
 @pytest.mark.parametrize("sharing", [True, False])
 @pytest.mark.parametrize(
     "block_size,num_blocks,budget", [(4, 512, 64), (16, 64, 2048), (4, 14, 16)]
@@ -98,6 +99,7 @@ def test_greedy_equals_naive_loop(model, sharing, block_size, num_blocks, budget
         assert gen.stats.preemptions > 0
 
 
+@pytest.mark.conformance
 def test_logprobs_match_training_forward(model):
     gen = Generator(
         model, GenerationSettings(block_size=8, num_blocks=128, max_num_batched_tokens=32)

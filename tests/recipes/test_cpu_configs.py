@@ -72,6 +72,8 @@ def test_reward_model_then_rlhf_configs(tmp_path):
     assert len(rows) == 2 and all("reward/reward_model/mean" in r for r in rows), rows[0].keys()
 
 
+@pytest.mark.conformance
+@pytest.mark.usefixtures("device")
 def test_share_prompts_gives_the_same_run(tmp_path):
     """advanced.share_prompts (on by default without pipeline stages) packs each prompt once per
     micro-batch: the same run as without it (the token saving and exact gradients are

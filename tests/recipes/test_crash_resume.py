@@ -138,6 +138,8 @@ def _single(dump, *extra, **popen):
 
 
 @pytest.mark.slow
+@pytest.mark.conformance
+@pytest.mark.usefixtures("device")
 def test_two_rank_checkpoint_resumes_on_one_rank_without_repeating_prompts(tmp_path, clean):
     import shutil
 

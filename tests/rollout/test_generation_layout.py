@@ -66,6 +66,8 @@ CASES = [
 ]
 
 
+@pytest.mark.conformance
+@pytest.mark.usefixtures("device")
 @pytest.mark.parametrize("layout,g,vocab_parallel", CASES)
 def test_generation_layout_greedy_tokens_and_logprobs(results, layout, g, vocab_parallel):
     """Greedy tokens from every generation degree equal the plain generator's on the same weights,

@@ -67,6 +67,12 @@ def _generation_tp(f: Facts) -> int | None:
     return f.rollout_tp if f.rollout_tp is not None else (f.cfg.rollout.tp or None)
 
 
+def _exact_device(device: str) -> bool:
+    from tandem.device import capabilities
+
+    return capabilities(device).exact
+
+
 def _partial_generation_group(f: Facts) -> bool | None:
     tp = f.cfg.rollout.tp
     if tp == 0:
@@ -156,8 +162,8 @@ _FEATURES: dict[str, Feature] = {
     ),
     "accelerator": Feature(
         "device",
-        "a device other than the CPU",
-        lambda f: None if f.device is None else f.device != "cpu",
+        "a device whose row in tandem/device.py lacks the exact capability",
+        lambda f: None if f.device is None else not _exact_device(f.device),
     ),
     "expert_lora": Feature(
         "lora.targets",
@@ -256,8 +262,9 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     (
         "X",
         "accelerator",
-        "the CUDA batch-invariant kernels (tandem/kernels/triton_batch_invariant.py) pass under "
-        "the Triton interpreter but have not run on a GPU (scripts/gpu_check.sh part 'exact')",
+        "the batch-invariant kernels are validated on the CPU only (the CUDA ones, "
+        "tandem/kernels/triton_batch_invariant.py, pass under the Triton interpreter but have "
+        "not run on a GPU: scripts/gpu_check.sh part 'exact')",
         "set rl.exact = false",
     ),
     (

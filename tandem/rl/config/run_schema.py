@@ -114,7 +114,11 @@ class PlanConfig:
     nodes: int = 0  # 0: one node
     devices_per_node: int = 0  # 0: the config's own layout (parallel.dp_shard = -1: this machine's
     # GPUs)
-    device_memory_gb: float = 0.0  # 0: this machine's GPU, else 80
+    device_memory_gb: float = 0.0  # 0: plan.device's, else this machine's GPU, else 80
+    device: str | None = None  # a row of the device table (tandem/rl/plan/devices.py: h100, h200,
+    # a100-80gb, mi300x; or plan.devices_file's): its memory, and its bandwidth for a decode floor
+    devices_file: str | None = None  # TOML rows [NAME] memory_gb = .., bandwidth_gbs = .. added
+    # to the device table (docs/devices.md)
     flavor: str | None = None  # the architecture of model.path for planning before it is downloaded
     # (a tandem/models/flavors.py name); read only when model.path has no config.json here
 

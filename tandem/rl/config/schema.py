@@ -438,10 +438,11 @@ class Config:
         CUDA)."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
-        import torch
+        from tandem import device as seam
 
         # CPU: fp32 weights
-        return self.training.mixed_precision_param if torch.cuda.is_available() else "float32"
+        mixed = seam.capabilities(seam.accelerator_type()).mixed_precision
+        return self.training.mixed_precision_param if mixed else "float32"
 
 
 def _model_args_if_known(model: ModelConfig) -> Any:

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from tandem import device as seam
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.errors import EXIT_CHECKPOINT, NonFiniteError
 from tandem.rl.core.metrics import truncate_jsonl
@@ -69,16 +70,17 @@ Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]  # name -> 
 
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    accelerator = seam.rng_state()  # keyed by device type ("cuda" as before)
+    if accelerator is not None:
+        state[accelerator[0]] = accelerator[1]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if seam.accelerator_type() in state:
+        seam.set_rng_state(seam.accelerator_type(), state[seam.accelerator_type()])
 
 
 def committed_steps(folder: str) -> list[int]:

@@ -8,24 +8,25 @@ import resource
 
 import torch
 
+from tandem import device as seam
+
 
 def peak_memory_gb(device: torch.device) -> float:
     """Peak device memory allocated (GB); on CPU the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+    peak = seam.max_memory_allocated(device)
+    if peak is not None:
+        return peak / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
 def allocated_gb(device: torch.device) -> float | None:
-    """Device memory held by live tensors now (GB); None off CUDA (no allocator statistics)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 1e9
-    return None
+    """Device memory held by live tensors now (GB); None without allocator statistics (CPU)."""
+    held = seam.memory_allocated(device)
+    return None if held is None else held / 1e9
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    seam.reset_peak_memory_stats(device)
 
 
 # glibc mallopt parameters (malloc.h)

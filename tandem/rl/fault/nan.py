@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from tandem import device as seam
 from tandem.rl.core.errors import NonFiniteError
 
 Policy = Literal["skip", "stop"]
@@ -82,10 +83,7 @@ def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: 
         else torch.zeros(1, dtype=torch.int32)
     )
     if distributed:
-        if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-            any_bad = any_bad.to(torch.device("cuda", torch.cuda.current_device()))
-        else:
-            any_bad = any_bad.cpu()
+        any_bad = any_bad.to(seam.collective_device(group))
         dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
     return bool(any_bad.item())  # deliberate host sync: every rank branches on it
 

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem import device as seam
+
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -142,19 +144,15 @@ class PreemptionHandler:
         """Collective: True on every rank of ``group`` iff any rank has the flag.
 
         Call at the same point of every step on every rank (it is one
-        all-reduce of one int). ``device`` defaults to the current CUDA
-        device for NCCL groups and CPU otherwise. ``step`` goes into the
+        all-reduce of one int). ``device`` defaults to the current accelerator
+        for groups of its collective library (NCCL, HCCL, ...) and CPU otherwise
+        (`tandem.device.collective_device`). ``step`` goes into the
         preempt marker.
         """
         agreed = self._requested
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             if device is None:
-                backend = str(dist.get_backend(group))
-                device = (
-                    torch.device("cuda", torch.cuda.current_device())
-                    if "nccl" in backend and torch.cuda.is_available()
-                    else torch.device("cpu")
-                )
+                device = seam.collective_device(group)
             flag = torch.tensor([1 if self._requested else 0], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             agreed = bool(flag.item())  # deliberate host sync: we branch on it

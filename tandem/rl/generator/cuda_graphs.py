@@ -17,9 +17,11 @@ the graphs are captured lazily, the first time a bucket is needed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from tandem import device as seam
 from tandem.rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -37,7 +39,7 @@ class _Bucket:
         self.ctx = torch.zeros(size, dtype=torch.int32, device=device)
         self.cu = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: Any = None  # the device's graph (tandem.device.capture)
 
 
 class DecodeGraphs:
@@ -117,15 +119,9 @@ class DecodeGraphs:
         b = _Bucket(size, self.max_blocks, self.device)
         if self.capture:
             # Warm up on a side stream (Triton compiles, allocator settles), then capture.
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self._forward(b)
-            torch.cuda.current_stream().wait_stream(s)
-            b.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(b.graph, pool=self._pool):
-                b.logits = self._forward(b)
-            self._pool = b.graph.pool()
+            b.graph, b.logits, self._pool = seam.capture(
+                self.device, lambda: self._forward(b), self._pool
+            )
         self._buckets[size] = b
         return b
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem import device as seam
 from tandem.models.transformer import Transformer
 from tandem.rl.generator.block_manager import BlockManager
 from tandem.rl.generator.kv_cache import KVCache, make_quant
@@ -227,9 +228,8 @@ class Generator:
     def offload_kv(self) -> None:
         """Move the KV pool (and the decode rows beside it) to host memory; `restore_kv` brings
         the same values back, so the sequences continue as if nothing happened."""
-        pin = self._kv_home.type == "cuda"
         host = self.cache.data.to("cpu", copy=True)
-        self.cache.data = host.pin_memory() if pin else host
+        self.cache.data = seam.pin(host, self._kv_home)
         if self.runner.mirror is not None:
             self.runner.mirror.rows = self.runner.mirror.rows.to("cpu", copy=True)
 

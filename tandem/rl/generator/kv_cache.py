@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem import device as seam
 from tandem.kernels import kv_quant as kvq
 from tandem.kernels.dispatch import use_triton
 from tandem.kernels.paged_attention import (
@@ -29,6 +30,7 @@ from tandem.kernels.paged_attention import (
     valid_slots,
 )
 from tandem.models.args import ModelArgs
+from tandem.rl.core.configlib import ConfigError
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,11 @@ class KVCache:
         self.budget_blocks = num_blocks  # what the byte budget held before any cap (`from_budget`)
         shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
         store = quant.dtype if quant else dtype
+        if quant is not None and not seam.supports_dtype(device, store):
+            raise ConfigError(
+                f"rollout.kv_dtype: device {device.type} cannot hold {store} tensors "
+                "(torch.accelerator.get_device_capability); set rollout.kv_dtype = 'auto'"
+            )
         self.data = torch.zeros(shape, dtype=store, device=device)  # [L, 2, NB, BS, Hkv, D]
         self.scales: torch.Tensor | None = None  # [L, 2, Hkv] or, per token, [L, 2, NB, BS, Hkv]
         # calibrated scales: entries clamped to +-max, and token rows stored (summed over layers)

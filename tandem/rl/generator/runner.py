@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from tandem import device as seam
 from tandem.kernels import batch_invariant
 from tandem.kernels.dispatch import use_triton
 from tandem.models.attention import AttentionBackend
@@ -59,7 +60,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.device = cache.data.device
         self.scale = model.args.head_dim**-0.5
-        capture = self.device.type == "cuda" if graphs_capture is None else graphs_capture
+        graphs = seam.capabilities(self.device).graphs
+        if cuda_graphs and not graphs:
+            seam.fallback(self.device, "rollout.cuda_graphs", "graph capture (decode runs eagerly)")
+        capture = graphs if graphs_capture is None else graphs_capture
         if capture and not use_triton(cache.data, impl):
             # The PyTorch attention path reads lengths on the host (`.tolist()`), which a
             # captured graph cannot hold: with the torch kernels on CUDA, decode runs eagerly.

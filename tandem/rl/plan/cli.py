@@ -10,8 +10,7 @@ import os
 import sys
 from typing import Any
 
-import torch
-
+from tandem import device as seam
 from tandem.models.args import ModelArgs
 from tandem.models.lora import is_adapter
 from tandem.parallel.generation_layout import check_divisible
@@ -19,6 +18,7 @@ from tandem.parallel.mesh import Degrees
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.plan import long_context as lc
 from tandem.rl.plan.async_modes import async_plans
+from tandem.rl.plan.devices import DeviceSpec, device_spec
 from tandem.rl.plan.planner import (
     DEFAULT_DEVICE_GB,
     GB,
@@ -64,7 +64,7 @@ def target(cfg: Any) -> tuple[int, int, float]:
     (dp_shard = -1 filling this machine's GPUs, or nothing) and this machine's GPU or 80 GB."""
     p, par = cfg.plan, cfg.parallel
     fixed = par.pp * par.dp_replicate * par.tp * par.cp
-    local_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_gpus = seam.device_count()
     nodes = p.nodes or 1
     if p.devices_per_node:
         per_node = p.devices_per_node
@@ -74,8 +74,10 @@ def target(cfg: Any) -> tuple[int, int, float]:
         per_node = max(local_gpus, fixed)
     if p.device_memory_gb:
         mem = p.device_memory_gb * GB
+    elif p.device:
+        mem = device_spec(p.device, p.devices_file).memory_gb * GB
     elif local_gpus:
-        mem = float(torch.cuda.get_device_properties(0).total_memory)
+        mem = float(seam.total_memory(seam.current_device()) or DEFAULT_DEVICE_GB * GB)
     else:
         mem = DEFAULT_DEVICE_GB * GB
     return nodes, per_node, mem
@@ -132,6 +134,17 @@ def format_plan(plans: list[RankPlan], mem: float) -> str:
     return "\n".join(lines)
 
 
+def decode_floor(name: str, spec: DeviceSpec, plans: list[RankPlan]) -> str:
+    """The least time of one decode step on ``spec``: every rank reads its generation shard once
+    per step, at the device's memory bandwidth (the KV reads come on top)."""
+    shard = max(p.rollout.get("generation shard", 0) for p in plans)
+    return (
+        f"decode floor on {name} ({spec.memory_gb:g} GB, {spec.bandwidth_gbs:g} GB/s): "
+        f"{shard / GB:.2f} GB of generation shard read per step, at least "
+        f"{shard / (spec.bandwidth_gbs * GB) * 1e3:.2f} ms a step"
+    )
+
+
 def run_plan(cfg: Any) -> int:
     """``train.py --plan``: print the plan; the exit status says whether the config's
     layout fits."""
@@ -164,6 +177,12 @@ def run_plan(cfg: Any) -> int:
         f"micro-batch, activation_checkpoint={s.ac}"
     )
     print(format_plan(plans, mem))
+    if cfg.plan.device:
+        print(
+            decode_floor(
+                cfg.plan.device, device_spec(cfg.plan.device, cfg.plan.devices_file), plans
+            )
+        )
     if s.recipe == "rl" and not cfg.rollout.gen_ranks:  # split mode: the generators' pool is set
         kinds = rank_kinds(planner.args, lay, s.pp_schedule)
         room = lc.kv_room(planner, lay, USABLE * mem, kinds)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem import device as seam
 from tandem.models.args import ModelArgs
 from tandem.models.lora import lora_spec_of
 from tandem.models.transformer import Transformer
@@ -127,8 +128,7 @@ def generation_copy(
     resident = rank_resident_bytes(
         policy, dev, offload_optimizer=offload_optimizer, reference=reference, critic=critic
     )
-    cuda = dev.type == "cuda"
-    device_bytes = torch.cuda.get_device_properties(dev).total_memory if cuda else None
+    device_bytes = seam.total_memory(dev)
     dtype = dtype or next(iter(policy.state_module.parameters())).dtype
     tp = choose_rollout_tp(
         tp,
@@ -178,7 +178,8 @@ def generation_dtype(
     precision applies on CUDA only), so rollout and update see the same rounding.
     """
     if setting == "auto":
-        return getattr(torch, mixed_precision_param) if device.type == "cuda" else None
+        mixed = seam.capabilities(device).mixed_precision
+        return getattr(torch, mixed_precision_param) if mixed else None
     return getattr(torch, setting)
 
 
