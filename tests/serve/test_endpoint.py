@@ -26,6 +26,7 @@ from openai import OpenAI  # noqa: E402
 
 from tandem.models.hf import load_model  # noqa: E402
 from tandem.models.tokenizer import Tokenizer  # noqa: E402
+from tandem.rl.core.reward_range import REWARD_LIMIT  # noqa: E402
 from tandem.rl.generator.engine import GenerationSettings, Generator  # noqa: E402
 from tandem.rl.generator.sequence import SamplingParams  # noqa: E402
 from tandem.rl.rollout.agentic import end_of_turn_id  # noqa: E402
@@ -324,5 +325,51 @@ def test_bearer_key_and_loopback_default():
             {"Authorization": "Bearer sesame"},
         )
         assert got[0] == 503
+    finally:
+        server.stop()
+
+
+def test_hostile_rewards_and_bodies_get_4xx_and_leave_it_healthy(served):
+    """1e39 (finite in float64, inf in float32), a 400-digit integer, per-turn rewards whose
+    sum leaves the range, JSON nested 20,000 deep (under the fixture's 50 KB cap), a 400-digit max_tokens: each a 400 with a
+    message, none a 500; the session stays open and takes a reward in range afterwards."""
+    url, engine, _, _ = served
+    _client(url, "hostile").chat.completions.create(
+        model="quickstart", messages=QUESTION, max_tokens=4
+    )
+    for reward in (1e39, -1e39, 10**400, REWARD_LIMIT * 2):
+        got, err = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": reward})
+        assert got == 400 and err["error"]["message"].startswith("reward: must lie in"), err
+    half = REWARD_LIMIT * 0.75
+    assert (
+        _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": half, "turn": 0})[0] == 200
+    )
+    got, err = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": half, "turn": 1})
+    assert got == 400 and "rewards would sum to 1.5e+06" in err["error"]["message"], err
+    got, err = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": half})
+    assert got == 400 and "would sum" in err["error"]["message"], err
+    for body in (b"[" * 20_000 + b"]" * 20_000, b'{"messages": ' + b"[" * 40_000):
+        got, err = _post(url, "/v1/chat/completions", body)
+        assert got == 400, (got, err)
+    got, err = _post(url, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 10**400})
+    assert got == 400 and err["error"]["param"] == "max_tokens", err
+    assert (
+        _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": 1.0, "turn": 1})[0] == 200
+    )
+    status, body = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": 2.0})
+    assert status == 200 and engine.sessions["hostile"].total_reward() == half + 3.0
+    assert _settled(engine)
+
+
+def test_a_non_utf8_authorization_header_is_a_401():
+    server = AgentServer(ServerSettings(port=0, api_key="sesame"), 512).start()
+    try:
+        conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=10)
+        conn.putrequest("GET", "/v1/models")
+        conn.putheader("Authorization", b"Bearer \xff\xfe\xc3")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 401, resp.read()
+        assert json.loads(resp.read())["error"]["type"] == "authentication_error"
     finally:
         server.stop()

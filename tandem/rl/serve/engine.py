@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.parallel.generation_layout import GenerationLayout, from_leader
+from tandem.rl.core.reward_range import reward_problem
 from tandem.rl.generator.engine import Generator
 from tandem.rl.generator.sequence import SamplingParams, Sequence
 from tandem.rl.serve.protocol import BadRequest, TurnRequest, TurnResult
@@ -222,6 +223,14 @@ class ServingEngine:
 
     def _reward(self, sid: str, value: float, turn: int | None) -> dict:
         s = self._session(sid)
+        turns = {**s.turn_rewards, turn: value} if turn is not None else s.turn_rewards
+        final = (s.reward or 0.0) if turn is not None else value
+        total = final + sum(turns.values())
+        why = reward_problem(total)
+        if why is not None:  # each reward is in range; their sum must be too (reward_range.py)
+            raise BadRequest(
+                f"reward: the episode's rewards would sum to {total:.3g}; their sum {why}", 400, "reward"
+            )
         if turn is not None:
             s.turn_rewards[turn] = value
             return {"session_id": sid, "closed": None}

@@ -35,6 +35,7 @@ from typing import Any
 from aiohttp import web
 
 from tandem.rl.core.configlib import is_loopback
+from tandem.rl.core.reward_range import reward_problem
 from tandem.rl.serve.protocol import (
     BadRequest,
     chunk,
@@ -158,8 +159,9 @@ class AgentServer:
         key = self.settings.api_key
         try:
             if key and request.path != "/health":
-                got = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+                # bytes that are not UTF-8 arrive as surrogates: compared, never a 500
+                got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(got, f"Bearer {key}".encode()):
                     raise BadRequest(
                         "a valid bearer key is required (Authorization: Bearer <key>)",
                         401,
@@ -188,6 +190,8 @@ class AgentServer:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}"[:300]) from None
+        except RecursionError:  # e.g. [[[[...]]]] 100,000 deep
+            raise BadRequest("the body is JSON nested too deeply") from None
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -307,15 +311,9 @@ class AgentServer:
         msg: tuple = (kind, body["session_id"])
         if kind == "reward":
             r, turn = body.get("reward"), body.get("turn")
-            if (
-                isinstance(r, bool)
-                or not isinstance(r, (int, float))
-                or r != r
-                or abs(r) == float("inf")
-            ):
-                raise BadRequest(
-                    f"reward: must be a finite number, got {r!r}"[:200], param="reward"
-                )
+            why = reward_problem(r)
+            if why is not None:
+                raise BadRequest(f"reward: {why}"[:200], param="reward")
             if turn is not None and (
                 isinstance(turn, bool) or not isinstance(turn, int) or turn < 0
             ):
