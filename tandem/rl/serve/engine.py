@@ -229,7 +229,9 @@ class ServingEngine:
         why = reward_problem(total)
         if why is not None:  # each reward is in range; their sum must be too (reward_range.py)
             raise BadRequest(
-                f"reward: the episode's rewards would sum to {total:.3g}; their sum {why}", 400, "reward"
+                f"reward: the episode's rewards would sum to {total:.3g}; their sum {why}",
+                400,
+                "reward",
             )
         if turn is not None:
             s.turn_rewards[turn] = value
