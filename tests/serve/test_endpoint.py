@@ -331,8 +331,9 @@ def test_bearer_key_and_loopback_default():
 
 def test_hostile_rewards_and_bodies_get_4xx_and_leave_it_healthy(served):
     """1e39 (finite in float64, inf in float32), a 400-digit integer, per-turn rewards whose
-    sum leaves the range, JSON nested 20,000 deep (under the fixture's 50 KB cap), a 400-digit max_tokens: each a 400 with a
-    message, none a 500; the session stays open and takes a reward in range afterwards."""
+    sum leaves the range, JSON nested 20,000 deep (under the fixture's 50 KB cap), a
+    400-digit max_tokens: each a 400 with a message, none a 500; the session stays open and
+    takes a reward in range afterwards."""
     url, engine, _, _ = served
     _client(url, "hostile").chat.completions.create(
         model="quickstart", messages=QUESTION, max_tokens=4
