@@ -374,3 +374,25 @@ def test_a_non_utf8_authorization_header_is_a_401():
         assert json.loads(resp.read())["error"]["type"] == "authentication_error"
     finally:
         server.stop()
+
+
+def test_training_caps_a_requests_max_tokens_at_the_rollouts(served):
+    """An http environment's turn samples at most rollout.max_tokens (the engine's 32 here),
+    whatever the request asks; tandem-serve (no cap) samples what it asks."""
+    url, engine, _, _ = served
+
+    def sampled(session: str) -> int:
+        r = _client(url, session).chat.completions.create(
+            model="quickstart", messages=QUESTION, max_tokens=60, extra_body={"ignore_eos": True}
+        )
+        return r.usage.completion_tokens
+
+    assert sampled("uncapped") == 60
+    engine.s.cap_max_tokens = True
+    try:
+        assert sampled("capped") == engine.s.max_tokens == 32
+    finally:
+        engine.s.cap_max_tokens = False
+    for session in ("uncapped", "capped"):
+        assert _post(url, "/rl/abort", {"session_id": session})[0] == 200
+    assert _settled(engine)

@@ -50,6 +50,8 @@ class EngineSettings:
     eot_id: int  # the end-of-turn token (tandem.rl.rollout.agentic.end_of_turn_id)
     max_model_len: int  # prompt + completion per sequence
     max_tokens: int = 256  # per turn, when the request sets none (capped by the context)
+    # training (rollout.max_tokens): a request's own max_tokens is capped at max_tokens too
+    cap_max_tokens: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -317,7 +319,11 @@ class ServingEngine:
             seq,
             list(seq.token_ids),
             seq.num_tokens,
-            min(req.max_tokens or self.s.max_tokens, room),
+            min(
+                req.max_tokens or self.s.max_tokens,
+                room,
+                self.s.max_tokens if self.s.cap_max_tokens else room,
+            ),
         )
 
     def _params(self, s: Session, req: TurnRequest, action: str) -> SamplingParams:

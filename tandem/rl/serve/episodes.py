@@ -121,6 +121,7 @@ def serve_episodes(
                 eot_id=end_of_turn_id(tokenizer),
                 max_model_len=gen.scheduler.max_model_len,
                 max_tokens=rcfg.max_tokens,
+                cap_max_tokens=True,  # rollout.max_tokens caps every turn (docs/serving.md)
                 temperature=rcfg.temperature,
                 top_p=rcfg.top_p,
                 top_k=rcfg.top_k,
