@@ -370,7 +370,9 @@ def test_a_temperature_below_the_floor_is_greedy():
     keys = [(7, i) for i in range(4)]
     tokens, logprobs, raw = Sampler().sample(logits, tiny, keys)
     assert torch.equal(tokens, want) and torch.equal(logprobs, torch.zeros(4))
-    assert torch.allclose(raw, torch.log_softmax(logits, -1).gather(1, want[:, None])[:, 0], atol=1e-5)
+    assert torch.allclose(
+        raw, torch.log_softmax(logits, -1).gather(1, want[:, None])[:, 0], atol=1e-5
+    )
     mixed = [tiny[0], SamplingParams(temperature=0.7), tiny[2], SamplingParams(top_k=5)]
     tokens, logprobs, _ = Sampler().sample(logits, mixed, keys)
     assert tokens[0] == want[0] and tokens[2] == want[2] and logprobs[0] == logprobs[2] == 0
