@@ -396,3 +396,62 @@ def test_training_caps_a_requests_max_tokens_at_the_rollouts(served):
     for session in ("uncapped", "capped"):
         assert _post(url, "/rl/abort", {"session_id": session})[0] == 200
     assert _settled(engine)
+
+
+def test_idle_connections_are_capped_and_closed_and_errors_do_not_flood(capsys):
+    """Past max_connections a connection gets one 503 and is closed; a connection with no
+    request is closed after idle_timeout_s; then the server answers as before."""
+    import socket
+
+    server = AgentServer(ServerSettings(port=0, max_connections=4, idle_timeout_s=1.0), 512).start()
+    host, port = "127.0.0.1", server.port
+    try:
+        idle = [socket.create_connection((host, port), timeout=10) for _ in range(4)]
+        time.sleep(0.2)  # accepted and counted
+        extra = socket.create_connection((host, port), timeout=10)
+        reply = extra.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply
+        assert extra.recv(4096) == b""  # closed by the server
+        assert server.cap.refused == 1
+        t0 = time.monotonic()
+        assert all(s.recv(1) == b"" for s in idle)  # each closed by the idle timeout
+        assert 0.5 < time.monotonic() - t0 < 8
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            assert json.loads(r.read())["status"] == "ok"
+    finally:
+        server.stop()
+    # the loop's errors and the server's own 500s: one line per 10 s, the rest counted
+    for _ in range(100):
+        server.quiet.loop_errors(
+            None,
+            {
+                "message": "socket.accept() out of system resource",
+                "exception": OSError(24, "Too many open files"),
+            },
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err
+        == [
+            "[tandem-http] socket.accept() out of system resource: OSError: [Errno 24] Too many "
+            "open files"
+        ]
+        and server.quiet.dropped == 99
+    )
+
+
+def test_idle_sessions_expire_and_are_forgotten(served):
+    url, engine, _, _ = served
+    _client(url, "lingering").chat.completions.create(
+        model="quickstart", messages=QUESTION, max_tokens=4
+    )
+    assert engine.sessions["lingering"].seq is not None and not _settled(engine, timeout=0.5)
+    engine.s.session_idle_s = 1.0
+    try:
+        end = time.monotonic() + 20
+        while "lingering" in engine.sessions and time.monotonic() < end:
+            time.sleep(0.1)
+        assert "lingering" not in engine.sessions and engine.stats["expired"] >= 1
+    finally:
+        engine.s.session_idle_s = 0.0
+    assert _settled(engine)  # its KV freed

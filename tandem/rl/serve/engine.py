@@ -65,6 +65,9 @@ class EngineSettings:
     claim_timeout_s: float = (
         0.0  # an unclaimed task is dropped this long after the engine starts; 0 = never
     )
+    # tandem-serve: a session with no turn for this long is closed ("expired", its KV freed),
+    # and a closed one forgotten (its id then starts afresh); 0 = never
+    session_idle_s: float = 0.0
 
 
 @dataclass
@@ -105,6 +108,7 @@ class ServingEngine:
             "aborts": 0,
             "timeouts": 0,
             "unclaimed": 0,
+            "expired": 0,
             "new_samples": 0,
             "turns": 0,
         }
@@ -255,6 +259,7 @@ class ServingEngine:
                     f"session {sid!r}: unknown (sessions come from POST /rl/episodes)", 404
                 )
             s = self.sessions[sid] = Session(sid, ephemeral=ephemeral)
+        s.touched = time.monotonic()
         if s.closed:
             raise BadRequest(f"session {sid!r}: already closed ({s.closed})", 409)
         if s.busy:
@@ -418,7 +423,7 @@ class ServingEngine:
     def _end_turn(self, t: _Turn, finish: str, result: TurnResult) -> None:
         del self.turns[t.key]
         s = t.session
-        s.busy = False
+        s.busy, s.touched = False, time.monotonic()
         s.turns += 1
         self.stats["turns"] += 1
         s.history_text += self.tok.decode(t.seq.token_ids[t.token_start :])
@@ -443,13 +448,16 @@ class ServingEngine:
                     "error", BadRequest(f"session {s.id!r} closed ({reason}) during the turn", 409)
                 )
         self._abort_segments(s)
-        s.busy, s.closed = False, reason
+        s.busy, s.closed, s.touched = False, reason, time.monotonic()
         if s.ephemeral:
             self.sessions.pop(s.id, None)
 
     def _expire(self) -> None:
-        """Drop the sessions of tasks past their deadline (training)."""
+        """Drop the sessions of tasks past their deadline (training), and idle ones
+        (``session_idle_s``, tandem-serve)."""
         d = self.s
+        if d.session_idle_s:
+            self._expire_idle(time.monotonic())
         if not (d.episode_timeout_s or d.claim_timeout_s):
             return
         now = time.monotonic()
@@ -469,6 +477,19 @@ class ServingEngine:
             ):
                 self.stats["unclaimed"] += 1
                 self._close(s, "unclaimed")
+
+    def _expire_idle(self, now: float) -> None:
+        """Close the sessions without a turn for ``session_idle_s`` (their KV is freed) and
+        forget the closed ones as long after (their ids answer 409 until then)."""
+        for s in list(self.sessions.values()):
+            if s.task is not None or s.busy or now - s.touched <= self.s.session_idle_s:
+                continue
+            if s.closed:
+                del self.sessions[s.id]
+            else:
+                self.stats["expired"] += 1
+                self._close(s, "expired")
+                s.touched = now
 
     def _close_all(self) -> None:
         """Stopping: refuse new messages, answer the queued ones and the turns in flight with

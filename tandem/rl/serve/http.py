@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import sys
 import threading
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +34,7 @@ from aiohttp import web
 
 from tandem.rl.core.configlib import is_loopback
 from tandem.rl.core.reward_range import reward_problem
+from tandem.rl.serve.limits import ConnectionCap, QuietLog
 from tandem.rl.serve.protocol import (
     BadRequest,
     chunk,
@@ -55,6 +54,8 @@ class ServerSettings:
     api_key: str | None = None  # bearer key; required when host is not a loopback address
     max_request_mb: float = 4.0  # larger request bodies get 413
     model_name: str = "tandem"  # the id /v1/models lists (requests may name any model)
+    max_connections: int = 128  # open at once; one more gets 503 and is closed (limits.py)
+    idle_timeout_s: float = 30.0  # a connection with no request in flight this long is closed
 
     def check(self) -> str | None:
         """Why these settings are unsafe or invalid (None: fine)."""
@@ -62,6 +63,10 @@ class ServerSettings:
             return f"port: must be in [0, 65536), got {self.port}"
         if self.max_request_mb <= 0:
             return f"max_request_mb: must be > 0, got {self.max_request_mb}"
+        if self.max_connections < 1:
+            return f"max_connections: must be >= 1, got {self.max_connections}"
+        if not self.idle_timeout_s > 0:
+            return f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}"
         if not self.api_key and not is_loopback(self.host):
             return (
                 f"host: {self.host!r} is not a loopback address; serving there needs a bearer key "
@@ -87,6 +92,8 @@ class AgentServer:
         self.port = settings.port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.quiet = QuietLog()
+        self.cap: ConnectionCap | None = None
 
     @property
     def url(self) -> str:
@@ -101,14 +108,23 @@ class AgentServer:
         def serve() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
+            loop.set_exception_handler(self.quiet.loop_errors)
             runner = web.AppRunner(
-                self._app(), handle_signals=False, handler_cancellation=True, access_log=None
+                self._app(),
+                handle_signals=False,
+                handler_cancellation=True,
+                access_log=None,
+                keepalive_timeout=self.settings.idle_timeout_s,
             )
             try:
                 loop.run_until_complete(runner.setup())
-                site = web.TCPSite(runner, self.settings.host, self.settings.port)
-                loop.run_until_complete(site.start())
-                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.cap = ConnectionCap(runner.server, self.settings.max_connections)
+                server = loop.run_until_complete(
+                    loop.create_server(
+                        self.cap, self.settings.host, self.settings.port, reuse_address=True
+                    )
+                )
+                self.port = server.sockets[0].getsockname()[1]
             except OSError as e:
                 failed.append(e)
                 ready.set()
@@ -116,6 +132,7 @@ class AgentServer:
             self._loop = loop
             ready.set()
             loop.run_forever()
+            server.close()
             loop.run_until_complete(runner.cleanup())
             loop.close()
 
@@ -177,7 +194,7 @@ class AgentServer:
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # noqa: BLE001  (the server's own fault: 500, the run goes on)
-            traceback.print_exc(file=sys.stderr)
+            self.quiet.traceback()  # at most one per 10 s: a fault that repeats cannot flood
             return web.json_response(
                 error_body(
                     f"internal error: {type(e).__name__}: {e}"[:300], 500, kind="server_error"
