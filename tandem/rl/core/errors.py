@@ -31,6 +31,13 @@ EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130
 
 
+class StepInterrupted(Exception):
+    """A stop signal (SIGTERM/SIGUSR1) ended a wait that only the outside world could end (an
+    http rollout waiting for its harness) before the step could finish. Raised on every rank
+    at the same point; the shell exits 75 with the last committed checkpoint kept, and the
+    step is redone after the resume."""
+
+
 class NonFiniteError(RuntimeError):
     """NaN/Inf in the loss or a gradient under ``fault.on_nonfinite = "stop"``, or in weights about
     to be checkpointed (EXIT_NONFINITE). ``report`` is the JSON written under ``<dump>/nan/``."""

@@ -95,10 +95,16 @@ class Shell:
             self.watchdog.start()
             with self.watchdog.phase("build"):
                 self.recipe = make(
-                    self.cfg, Runtime(self.info, self.dump, self.watchdog, self.logger)
+                    self.cfg,
+                    Runtime(
+                        self.info, self.dump, self.watchdog, self.logger, self.preempt.should_stop
+                    ),
                 )
             self.logger.console_keys = self.recipe.console_keys
-            return self._run()
+            try:
+                return self._run()
+            except errors.StepInterrupted as e:  # every rank, at the same point
+                return self._interrupted(str(e))
         finally:
             self.watchdog.stop()
             self.preempt.uninstall()
@@ -277,6 +283,20 @@ class Shell:
         self.ckpt_metrics["checkpoint/save_total_s"] = total_s
         if self.info.is_main:
             print(f"checkpoint step-{step} saved in {total_s:.2f}s", flush=True)
+
+    def _interrupted(self, why: str) -> int:
+        """A stop signal ended a wait inside step ``self.step + 1``: nothing of it is kept (the
+        newest committed checkpoint stands; a resume redoes the step); exit 75."""
+        self.preempt.should_stop_all(step=self.step)  # agreed (all ranks raised); the marker
+        self._poll_checkpoint(wait=True)  # an asynchronous save in flight commits
+        if self.info.is_main:
+            print(
+                f"preempted during step {self.step + 1} ({why}); the newest committed "
+                f"checkpoint is kept and the step is redone on resume; exiting with "
+                f"{errors.EXIT_PREEMPTED} to requeue",
+                flush=True,
+            )
+        return errors.EXIT_PREEMPTED
 
     def _preempted(self) -> int:
         if self.info.is_main:
