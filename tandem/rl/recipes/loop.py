@@ -23,7 +23,6 @@ For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -37,6 +36,8 @@ from tandem.parallel.distributed import DistInfo
 from tandem.rl.config.schema import Config, format_config
 from tandem.rl.core import errors
 from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
+from tandem.rl.core.configlib import to_dict
+from tandem.rl.core.loggers import redact_argv
 from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.fault import PreemptionHandler, Watchdog
@@ -84,13 +85,14 @@ class Shell:
         try:
             self._announce()
             m = self.cfg.metrics
+            sys.argv[:] = redact_argv(sys.argv, self.cfg)  # W&B records the command line
             self.logger = MetricsLogger(
                 self.dump,
                 enabled=self.info.is_main,
                 jsonl=m.jsonl,
                 loggers=m.loggers,
                 run_name=self.cfg.job.name,
-                config=dataclasses.asdict(self.cfg),
+                config=to_dict(self.cfg, redact=True),  # secrets never reach a logger
             )
             self.watchdog.start()
             with self.watchdog.phase("build"):
