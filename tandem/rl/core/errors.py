@@ -19,7 +19,8 @@ EXIT_HANG = 6  # the watchdog saw no progress: stacks dumped under dump_folder/h
 # checkpointed
 EXIT_NONFINITE = 7
 # checkpoints: none verifies, an earlier run's are in the way of a fresh start, the one to
-# resume was written by another model, or DCP failed to write or read one
+# resume was written by another model, a file of it is not plain data, or DCP failed to write or
+# read one; also a per-step log (metrics/ledger/samples.jsonl) with a bad line not the last
 EXIT_CHECKPOINT = 8
 # train.py --plan: the configured layout does not fit in device memory (one line says where; the
 # plan is printed)
