@@ -144,11 +144,9 @@ def expected_sample(turns: list) -> tuple[list[int], list[float]]:
     return ids, lps
 
 
-@pytest.fixture(scope="module")
-def http_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("http_rl")
-    port = free_port()
-    cmd = [
+def _http_train(dump, port: int) -> list[str]:
+    """train.py on the quickstart, one step, its episodes played over http on ``port``."""
+    return [
         sys.executable,
         os.path.join(ROOT, "train.py"),
         "--config",
@@ -157,6 +155,15 @@ def http_run(tmp_path_factory):
         "--training.steps=1",
         "--env.kind=http",
         f"--env.port={port}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def http_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("http_rl")
+    port = free_port()
+    cmd = [
+        *_http_train(dump, port),
         "--env.max_total_tokens=128",
         "--env.episode_timeout_s=120",
         "--reward.functions=",
@@ -213,18 +220,7 @@ def test_sigterm_while_waiting_for_the_harness_exits_75_at_once(tmp_path):
     import signal
 
     port = free_port()
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "train.py"),
-        "--config",
-        os.path.join(ROOT, "configs", "quickstart.toml"),
-        f"--job.dump_folder={tmp_path / 'run'}",
-        "--training.steps=1",
-        "--env.kind=http",
-        f"--env.port={port}",
-        "--reward.functions=",
-        "--metrics.loggers=[]",
-    ]
+    cmd = [*_http_train(tmp_path / "run", port), "--reward.functions=", "--metrics.loggers=[]"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
