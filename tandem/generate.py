@@ -49,6 +49,7 @@ import torch.distributed as dist
 from tandem import device as seam
 from tandem.rl.config.schema import ConfigError, check_writable_folder
 from tandem.rl.core import errors
+from tandem.rl.core.fields import get_field
 from tandem.rl.core.modeling import ModelSetupError
 from tandem.rl.data.images import VisionData, prepare_messages, with_images
 from tandem.rl.data.loading import DataError, iter_jsonl_objects, message_problem
@@ -144,8 +145,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "with --max-tokens (default: such a prompt is an error naming its "
         "line, exit 3)",
     )
-    ap.add_argument("--text-field", default="prompt")
-    ap.add_argument("--messages-field", default="messages")
+    ap.add_argument(
+        "--text-field", default="prompt", help="a key, or a dotted path (extra_info.question)"
+    )
+    ap.add_argument("--messages-field", default="messages", help="a key, or a dotted path")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -173,8 +176,9 @@ def read_prompts(path: str, text_field: str, messages_field: str) -> list[dict[s
     """Validated rows: {"id", "text"} or {"id", "messages"}; DataError names the line."""
     rows = []
     for where, row in iter_jsonl_objects(path):
-        if messages_field in row:
-            msgs = row[messages_field]
+        # a top-level key or a dotted path into nested columns, as training's *_field settings
+        msgs, text = get_field(row, messages_field), get_field(row, text_field)
+        if msgs is not None:
             if message_problem(msgs) is not None:
                 raise DataError(
                     f"{where}: {messages_field!r} must be a non-empty list of "
@@ -183,10 +187,10 @@ def read_prompts(path: str, text_field: str, messages_field: str) -> list[dict[s
                     f"({message_problem(msgs)})"
                 )
             rows.append({"id": row.get("id"), "messages": msgs, "where": where})
-        elif text_field in row:
-            if not isinstance(row[text_field], str) or not row[text_field]:
+        elif text is not None:
+            if not isinstance(text, str) or not text:
                 raise DataError(f"{where}: {text_field!r} must be a non-empty string")
-            rows.append({"id": row.get("id"), "text": row[text_field], "where": where})
+            rows.append({"id": row.get("id"), "text": text, "where": where})
         else:
             raise DataError(f"{where}: has neither {text_field!r} nor {messages_field!r}")
     if not rows:

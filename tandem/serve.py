@@ -63,6 +63,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--seed", type=int, default=0, help="sampling noise of requests that set no seed"
     )
+    ap.add_argument(
+        "--max-connections", type=int, default=128, help="open at once; one more gets 503"
+    )
+    ap.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=30.0,
+        help="a connection with no request in flight this long is closed",
+    )
+    ap.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=600.0,
+        help="a session with no turn this long is closed and its KV freed (0: never)",
+    )
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -86,6 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--block-size", args.block_size >= 1),
         ("--max-num-seqs", args.max_num_seqs >= 1),
         ("--max-num-batched-tokens", args.max_num_batched_tokens >= 1),
+        ("--session-idle-s", args.session_idle_s >= 0),
     ):
         if not ok:
             ap.error(f"{flag}: out of range, got {getattr(args, flag[2:].replace('-', '_'))}")
@@ -93,7 +109,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     problem = _settings(args, ServerSettings).check()
     if problem:
-        ap.error(f"--{problem}")
+        key, _, why = problem.partition(":")
+        ap.error(f"--{key.replace('_', '-')}:{why}")
     return args
 
 
@@ -105,6 +122,8 @@ def _settings(args: argparse.Namespace, cls: type) -> object:
         api_key=args.api_key or None,
         max_request_mb=args.max_request_mb,
         model_name=name,
+        max_connections=args.max_connections,
+        idle_timeout_s=args.idle_timeout_s,
     )
 
 
@@ -160,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         eot_id=end_of_turn_id(tok),
         max_model_len=max_len,
         max_tokens=min(args.max_tokens, max_len - 1),
+        session_idle_s=args.session_idle_s,
     )
     engine = ServingEngine(gen, tok, limits)
     server = AgentServer(_settings(args, ServerSettings), tok.vocab_size)  # type: ignore[arg-type]

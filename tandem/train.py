@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.parallel.distributed import destroy_distributed, init_distributed
     from tandem.parallel.split import BridgeMismatch
     from tandem.rl.core.checkpoint import CheckpointError
+    from tandem.rl.core.metrics import StepLogError
     from tandem.rl.core.modeling import ModelSetupError
     from tandem.rl.data.loading import DataError
     from tandem.rl.fault import NonFiniteError, enable_flight_recorder
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(errors.EXIT_MODEL, str(e))
     except NonFiniteError as e:
         return _fail(errors.EXIT_NONFINITE, str(e))
-    except CheckpointError as e:
+    except (CheckpointError, StepLogError) as e:
         return _fail(e.exit_status, str(e))
     except BridgeMismatch as e:
         return _fail(errors.EXIT_WEIGHT_SYNC, str(e))

@@ -16,13 +16,13 @@ refuses them (the merged ``hf/`` export carries them).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.models.args import ModelArgs
 from tandem.models.hf import hf_name_to_tandem, read_json_object, tandem_name_to_hf
 from tandem.models.lora import LoraSpec, base_name
 
@@ -128,6 +128,11 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     ):
         if cfg.get(key):  # absent, null, false or empty: plain LoRA
             raise ValueError(f"{file}: {key} = {cfg[key]!r} is not supported (plain LoRA only)")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if type(r) is not int or r < 1:
+        raise ValueError(f"{file}: r must be an integer >= 1 (the LoRA rank), got {r!r}")
+    if type(alpha) not in (int, float) or not 0 < alpha < math.inf:
+        raise ValueError(f"{file}: lora_alpha must be a number > 0, got {alpha!r}")
     targets = cfg.get("target_modules")
     if not isinstance(targets, list) or not targets:
         raise ValueError(f"{file}: target_modules must be a list of module names, got {targets!r}")
@@ -149,8 +154,13 @@ def load_adapter(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> dict[s
     file = path / WEIGHTS
     if not file.is_file():
         raise FileNotFoundError(f"no {WEIGHTS} in {path}")
+    try:
+        tensors = load_file(str(file))
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"{file}: not a readable safetensors file ({why})") from None
     out = {}
-    for key, t in load_file(str(file)).items():
+    for key, t in tensors.items():
         name = _tandem_key(key)
         if name is None or name not in shapes:
             raise KeyError(f"{file}: {key} is not an adapter of this model")

@@ -20,6 +20,8 @@ import io
 import json
 import math
 import os
+import stat
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,10 +166,21 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+# Limits of `open_image` (docs/vision.md): what one image may cost before it is a bad row.
+MAX_IMAGE_BYTES = 32 << 20  # a file, data: URI or bytes field: 32 MiB
+MAX_IMAGE_PIXELS = 1 << 25  # width x height, read from the header before decoding: 33.5 M
+
+
 def open_image(source: Any, base_dir: str | None = None) -> Image.Image:
-    """Decode an image from a path (relative ones against ``base_dir``), a ``data:`` URI, raw
-    bytes or a ``{"bytes": ..., "path": ...}`` record (a datasets ``Image`` column); fully
-    loaded, so a truncated file fails here. ValueError says why in one line."""
+    """Decode an image from a path, a ``data:`` URI, raw bytes or a ``{"bytes": ..., "path":
+    ...}`` record (a datasets ``Image`` column); fully loaded, so a truncated file fails here.
+    ValueError says why in one line.
+
+    Bounded, whatever the row says: with a ``base_dir`` (the data file's folder) a path must
+    be relative and stay inside it (no absolute path, no ``..``); only a regular file is read
+    (not ``/dev/zero``, a FIFO or a folder); at most ``MAX_IMAGE_BYTES`` are read and at most
+    ``MAX_IMAGE_PIXELS`` decoded (the size comes from the header: a decompression bomb is
+    refused before it is inflated)."""
     if isinstance(source, dict):
         source = source.get("bytes") or source.get("path")
     if isinstance(source, (bytes, bytearray)):
@@ -176,32 +189,78 @@ def open_image(source: Any, base_dir: str | None = None) -> Image.Image:
         head, _, payload = source.partition(",")
         if ";base64" not in head:
             raise ValueError("a data: URI image must be base64 (data:image/png;base64,...)")
+        if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise ValueError(f"a data: URI image over {MAX_IMAGE_BYTES} bytes")
         try:
             data = base64.b64decode(payload, validate=True)
         except binascii.Error:
             raise ValueError("a data: URI image whose base64 does not decode") from None
         what = "a data: URI"
     elif isinstance(source, str) and source:
-        path = (
-            source if os.path.isabs(source) or base_dir is None else os.path.join(base_dir, source)
-        )
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise ValueError(f"image {path}: {e.strerror}") from None
-        what = f"image {path}"
+        path = _image_path(source, base_dir)
+        data, what = _read_file(path), f"image {path}"
     else:
         raise ValueError(
             f"an image must be a path, a data: URI or bytes, got {type(source).__name__}"
         )
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ValueError(
-            f"{what}: not a decodable image ("
-            f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-            ")"
-        ) from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{what}: over {MAX_IMAGE_BYTES} bytes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data))  # reads the header only
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise ValueError(f"{what}: over the limit of {MAX_IMAGE_PIXELS} pixels ({e})") from None
+        except _DECODE_ERRORS as e:
+            raise _undecodable(what, e) from None
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"{what}: over the limit of {MAX_IMAGE_PIXELS} pixels "
+                f"({image.width} x {image.height})"
+            )
+        try:
+            image.load()
+        except _DECODE_ERRORS as e:
+            raise _undecodable(what, e) from None
     return image
+
+
+_DECODE_ERRORS = (
+    UnidentifiedImageError,
+    OSError,
+    SyntaxError,
+    ValueError,
+)
+
+
+def _undecodable(what: str, e: BaseException) -> ValueError:
+    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ValueError(f"{what}: not a decodable image ({why})")
+
+
+def _image_path(source: str, base_dir: str | None) -> str:
+    """``source`` under ``base_dir``; ValueError for an absolute path or one that leaves it."""
+    if base_dir is None:
+        return source
+    if os.path.isabs(source) or os.path.normpath(source).split(os.sep)[0] == "..":
+        raise ValueError(
+            f"image {source}: a data file's image paths must be relative to its folder "
+            f"({base_dir}) and stay inside it"
+        )
+    return os.path.join(base_dir, source)
+
+
+def _read_file(path: str) -> bytes:
+    """At most ``MAX_IMAGE_BYTES + 1`` bytes of a regular file (opened without blocking, so a
+    FIFO is refused rather than waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"image {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"image {path}: not a regular file")
+        try:
+            return f.read(MAX_IMAGE_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"image {path}: {e.strerror}") from None

@@ -246,14 +246,20 @@ def test_train_resumes_past_a_corrupt_newest_checkpoint_and_keeps_the_good_one(t
     assert _train(dump).returncode == 0
     ckpts = dump / "checkpoints"
     _overwrite_middle(_shard(str(ckpts / "step-4")))
+    for name in ("ledger.jsonl", "metrics.jsonl"):  # a crash in the middle of the last append
+        text = (dump / name).read_text()
+        (dump / name).write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
     r = _train(dump, "--training.steps=5", "--checkpoint.interval=1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resumed from {ckpts / 'step-2'} at step 2" in r.stdout
     assert "__0_0.distcp differs from its sha256" in r.stderr
+    for name in ("ledger.jsonl", "metrics.jsonl"):
+        assert r.stderr.count(f"{dump / name}:4: the last line is cut short") == 1, r.stderr
     # step-4 saved again, over the damaged one
     assert sorted(os.listdir(ckpts)) == ["step-4", "step-5"]
-    steps = [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5]
+    for name in ("ledger.jsonl", "metrics.jsonl"):  # every step once (the ledger check: rc 0)
+        steps = [json.loads(line)["step"] for line in (dump / name).read_text().splitlines()]
+        assert steps == [1, 2, 3, 4, 5], name
 
 
 def test_train_refuses_to_start_over_existing_checkpoints(tmp_path):

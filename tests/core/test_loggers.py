@@ -21,9 +21,12 @@ from tandem.rl.core.metrics import read_rows
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.toml")
 STEPS = 2
+SECRET = "sk-tandem-0123456789abcdef"  # env.api_key: must appear in no file of the run
 
 
-def _train(dump: Path, loggers: str, **env: str) -> subprocess.CompletedProcess:
+def _train(
+    dump: Path, loggers: str, extra: list[str] = (), **env: str
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "train.py",
@@ -37,6 +40,7 @@ def _train(dump: Path, loggers: str, **env: str) -> subprocess.CompletedProcess:
         "--reward.num_workers=0",
         "--checkpoint.enable=false",
         f"--metrics.loggers={loggers}",
+        *extra,
     ]
     full_env = {
         **os.environ,
@@ -77,8 +81,9 @@ def wandb_records(path: str) -> list:
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("loggers") / "dump"
-    r = _train(dump, "tensorboard,wandb,mlflow")
+    r = _train(dump, "tensorboard,wandb,mlflow", extra=[f"--env.api_key={SECRET}"])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert SECRET not in r.stdout + r.stderr
     return dump
 
 
@@ -160,3 +165,73 @@ def test_a_logger_whose_package_is_missing_is_one_config_line(monkeypatch):
         ConfigError, match=r"metrics.tensorboard: moved: list the loggers in metrics.loggers"
     ):
         load_config(QUICKSTART, ["metrics.tensorboard=false"])
+
+
+@pytest.mark.slow
+def test_the_secret_api_key_is_in_no_file_of_the_run(logged):
+    """config.toml, metrics, the offline W&B run, MLflow's SQLite store: grep finds nothing."""
+    files = [p for p in logged.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files) and (logged / "mlflow.db") in files
+    assert [str(p) for p in files if SECRET.encode() in p.read_bytes()] == []
+    toml = (logged / "config.toml").read_text()
+    assert "# api_key: a secret, not written" in toml
+    assert load_config(str(logged / "config.toml")).env.api_key is None  # reads back unset
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{logged}/mlflow.db")
+    run_id = json.loads((logged / "loggers.json").read_text())["mlflow"]
+    assert client.get_run(run_id).data.params["env.api_key"] == "<redacted>"
+
+
+class _FakeWandb:
+    """What WandbSink calls of the wandb package, recording init's arguments."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail, self.kwargs = fail, None
+
+    def init(self, **kwargs):
+        if self.fail is not None:
+            raise self.fail
+        self.kwargs = kwargs
+        return type("Run", (), {"id": "r1", "finish": lambda self: None})()
+
+
+def test_wandb_honours_the_users_wandb_dir(tmp_path, monkeypatch):
+    from tandem.rl.core.loggers import open_sinks
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    open_sinks(["wandb"], str(tmp_path), "run", {})
+    assert fake.kwargs["dir"] == str(tmp_path)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "mine"))
+    open_sinks(["wandb"], str(tmp_path), "run", {})
+    assert fake.kwargs["dir"] == str(tmp_path / "mine")
+
+
+def test_wandb_without_a_login_is_one_config_line(tmp_path, monkeypatch):
+    from tandem.rl.core.loggers import open_sinks
+
+    error = RuntimeError(
+        "api_key not configured (no-tty). call wandb.login(key=[your_api_key])\n..."
+    )
+    monkeypatch.setitem(sys.modules, "wandb", _FakeWandb(fail=error))
+    with pytest.raises(ConfigError) as e:
+        open_sinks(["tensorboard", "wandb"], str(tmp_path), "run", {})
+    assert str(e.value).startswith(
+        "metrics.loggers: 'wandb' could not start: RuntimeError: api_key not configured (no-tty)"
+    ) and "\n" not in str(e.value)
+
+
+def test_secret_values_are_redacted_from_the_command_line_loggers_record():
+    from tandem.rl.core.loggers import redact_argv
+
+    cfg = load_config(QUICKSTART, [f"env.api_key={SECRET}"])
+    argv = ["train.py", f"--env.api_key={SECRET}", "--env.api_key", SECRET, "--env.port=1"]
+    assert redact_argv(argv, cfg) == [
+        "train.py",
+        "--env.api_key=<redacted>",
+        "--env.api_key",
+        "<redacted>",
+        "--env.port=1",
+    ]

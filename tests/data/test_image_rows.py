@@ -9,8 +9,11 @@ import base64
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
+import time
+import zlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +22,7 @@ import torch
 from PIL import Image
 
 from tandem.models.hf import load_args
+from tandem.models.image_processor import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, open_image
 from tandem.models.tokenizer import Tokenizer, build_char_tokenizer
 from tandem.rl.data.images import VisionData
 from tandem.rl.data.loading import DataError, load_rows
@@ -160,10 +164,49 @@ def test_parquet_rows_with_image_bytes(folder, data_dir, tmp_path):
     assert torch.equal(prompts[0].images.pixels()[0], enc["pixel_values"])
 
 
+def _png_header(width, height):
+    """A PNG of ``width`` x ``height`` 1-bit pixels holding a few bytes of data: its header
+    alone says how much a decoder would inflate (a decompression bomb, made here in ~100 B)."""
+
+    def chunk(kind, body):
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+@pytest.fixture(scope="module")
+def hostile(data_dir):
+    """Files a hostile data set can name: a FIFO, a 30000 x 30000 PNG (over Pillow's own limit)
+    and a 9000 x 9000 one (under Pillow's, over ours)."""
+    os.mkfifo(data_dir / "img" / "fifo.png")
+    (data_dir / "img" / "bomb.png").write_bytes(_png_header(30000, 30000))
+    (data_dir / "img" / "big.png").write_bytes(_png_header(9000, 9000))
+    return data_dir
+
+
 @pytest.mark.parametrize(
     "bad, reason",
     [
         ("img/missing.png", "image 1 of 1: image {d}/img/missing.png: No such file or directory"),
+        ("/dev/zero", "image 1 of 1: image /dev/zero: a data file's image paths must be relative"),
+        ("img/../../x.png", "image 1 of 1: image img/../../x.png: a data file's image paths"),
+        ("img/fifo.png", "image 1 of 1: image {d}/img/fifo.png: not a regular file"),
+        (
+            "img/bomb.png",
+            f"image 1 of 1: image {{d}}/img/bomb.png: over the limit of {MAX_IMAGE_PIXELS} pixels",
+        ),
+        (
+            "img/big.png",
+            f"image 1 of 1: image {{d}}/img/big.png: over the limit of {MAX_IMAGE_PIXELS} pixels",
+        ),
         ("data:image/png;base64,AAAA", "image 1 of 1: a data: URI: not a decodable image"),
         (
             "data:image/png;base64,@@",
@@ -171,11 +214,14 @@ def test_parquet_rows_with_image_bytes(folder, data_dir, tmp_path):
         ),
     ],
 )
-def test_a_bad_image_is_one_bad_row_named_by_file_and_line(folder, data_dir, tmp_path, bad, reason):
+def test_a_bad_image_is_one_bad_row_named_by_file_and_line(folder, hostile, tmp_path, bad, reason):
+    data_dir = hostile
     reason = reason.format(d=data_dir)
     path = data_dir / f"bad-{abs(hash(bad))}.jsonl"
     path.write_text(json.dumps(_row("img/a.png")) + "\n" + json.dumps(_row(bad)) + "\n")
+    t0 = time.monotonic()
     prompts, skipped = _encode(load_rows(str(path)), folder, str(path))
+    assert time.monotonic() - t0 < 5  # refused before any large read or decode
     assert len(prompts) == 1 and len(skipped) == 1 and next(iter(skipped)).startswith(reason)
     with pytest.raises(DataError) as e:
         _encode(load_rows(str(path)), folder, str(path), on_bad_row="error")
@@ -183,10 +229,10 @@ def test_a_bad_image_is_one_bad_row_named_by_file_and_line(folder, data_dir, tmp
 
 
 def test_a_truncated_png_and_a_text_model_are_bad_rows(folder, data_dir, tmp_path):
-    cut = tmp_path / "cut.png"
+    cut = data_dir / "img" / "cut.png"
     cut.write_bytes((data_dir / "img" / "a.png").read_bytes()[:200])
     prompts, skipped = _encode(
-        [_row(str(cut)), _row("img/a.png")], folder, str(data_dir / "x.jsonl")
+        [_row("img/cut.png"), _row("img/a.png")], folder, str(data_dir / "x.jsonl")
     )
     assert len(prompts) == 1 and next(iter(skipped)).startswith(
         f"image 1 of 1: image {cut}: not a decodable image"
@@ -268,3 +314,19 @@ def test_train_exits_3_naming_a_missing_image(folder, data_dir, tmp_path):
         "/img/nothere.png: No such file or directory (set "
         "data.on_bad_row=skip to skip such rows)\n",
     )
+
+
+def test_the_opener_bounds_what_it_reads_without_a_data_folder(tmp_path):
+    """No base folder (tandem-generate's in-memory rows, synthetic data): paths are taken as
+    given, but only regular files, at most MAX_IMAGE_BYTES of them."""
+    with pytest.raises(ValueError, match="^image /dev/zero: not a regular file$"):
+        open_image("/dev/zero")
+    big = tmp_path / "big.png"
+    with open(big, "wb") as f:
+        f.truncate(MAX_IMAGE_BYTES + 1)  # sparse: nothing written
+    with pytest.raises(ValueError, match=f"^image {big}: over {MAX_IMAGE_BYTES} bytes$"):
+        open_image(str(big))
+    ok = tmp_path / "ok.png"
+    noise_image(20, 10, 3).save(ok)
+    assert open_image(str(ok)).size == (20, 10)
+    assert open_image("ok.png", str(tmp_path)).size == (20, 10)

@@ -266,3 +266,14 @@ def test_reward_kwargs_are_checked_against_the_function(tmp_path):
         ConfigError, match=r"reward.kwargs.by_source: reward function 'by_source': bad config"
     ):
         load_config(config("[reward.kwargs.by_source]\nrootes = 1\n"), base)
+    # each setting's type and the routes' targets are checked at start (rc 0 with every
+    # reward an error before)
+    for table, why in (
+        ('routes = "math"', r"routes must be Mapping\[str, str\] \| None, got 'math'"),
+        ("field = 5", "field must be str, got 5"),
+        ('routes = {"a/b" = 1}', r"routes must be Mapping\[str, str\]"),
+        ('routes = {"a/b" = "maths"}', r"routes: 'a/b' = 'maths' names no reward function"),
+        ('routes = {"a/b" = "by_source"}', "names no reward function"),
+    ):
+        with pytest.raises(ConfigError, match=r"reward.kwargs.by_source: .*bad config.*" + why):
+            load_config(config(f"[reward.kwargs.by_source]\n{table}\n"), base)

@@ -192,3 +192,22 @@ def test_bad_flag_exits_2(folder, prompts, tmp_path):
     with pytest.raises(SystemExit) as e:
         _run(folder, prompts, tmp_path / "o.jsonl", "--n", "0")
     assert e.value.code == 2
+
+
+def test_dotted_field_paths_read_nested_columns(tmp_path):
+    """--text-field / --messages-field take the dotted paths training's *_field settings take."""
+    from tandem.generate import read_prompts
+
+    path = tmp_path / "in.jsonl"
+    rows = [
+        {"id": "a", "extra": {"q": "What is 2+2?"}},
+        {"id": "b", "chat": {"turns": [{"role": "user", "content": "Hi"}]}},
+        {"id": "c", "extra.q": "a key with a dot wins"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_prompts(str(path), "extra.q", "chat.turns")
+    assert [(r["id"], r.get("text"), r.get("messages")) for r in got] == [
+        ("a", "What is 2+2?", None),
+        ("b", None, [{"role": "user", "content": "Hi"}]),
+        ("c", "a key with a dot wins", None),
+    ]

@@ -355,3 +355,25 @@ def test_one_pass_noise_only_when_forced(kernels) -> None:
     got = Sampler(ahead=1).sample(logits, params, keys)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-6)
+
+
+def test_a_temperature_below_the_floor_is_greedy():
+    """1e-300 divides logits into inf (every row NaN, token 0 sampled); below MIN_TEMPERATURE
+    a row is greedy: the argmax, log-prob 0, alone or beside sampled rows."""
+    from tandem.rl.generator.sequence import MIN_TEMPERATURE
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 30
+    want = logits.argmax(dim=-1)
+    tiny = [SamplingParams(temperature=t) for t in (1e-300, 1e-38, MIN_TEMPERATURE / 2, 0.0)]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    keys = [(7, i) for i in range(4)]
+    tokens, logprobs, raw = Sampler().sample(logits, tiny, keys)
+    assert torch.equal(tokens, want) and torch.equal(logprobs, torch.zeros(4))
+    assert torch.allclose(
+        raw, torch.log_softmax(logits, -1).gather(1, want[:, None])[:, 0], atol=1e-5
+    )
+    mixed = [tiny[0], SamplingParams(temperature=0.7), tiny[2], SamplingParams(top_k=5)]
+    tokens, logprobs, _ = Sampler().sample(logits, mixed, keys)
+    assert tokens[0] == want[0] and tokens[2] == want[2] and logprobs[0] == logprobs[2] == 0
+    assert torch.isfinite(logprobs).all()

@@ -9,6 +9,8 @@ recomputed samples included.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def setup(tmp_path_factory):
                 {
                     "role": "user",
                     "content": [
-                        {"type": "image", "image": str(d / p)}
+                        {"type": "image", "image": p}
                         if p.endswith(".png")
                         else {"type": "text", "text": p}
                         for p in parts
@@ -169,7 +171,7 @@ def test_tandem_generate_with_image_rows(setup, tmp_path, capsys):
 
     folder, prompts = setup
     for path in {s for p in prompts if p.images is not None for s in p.images.sources}:
-        shutil.copy(path, tmp_path)
+        shutil.copy(os.path.join(prompts[0].images.base_dir, path), tmp_path)
     rows = [
         {
             "id": "one",

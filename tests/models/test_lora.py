@@ -187,3 +187,41 @@ def test_checksum_is_tiling_free_and_sees_one_flipped_bit():
     assert box_checksum("w", swapped, (0, 0), (6, 10)) != whole
     assert box_checksum("w", t.to(torch.bfloat16), (0, 0), (6, 10)) != whole
     assert Box((0, 0), (6, 10)).numel == 60
+
+
+BAD_CONFIGS = [
+    ({}, "r must be an integer >= 1 (the LoRA rank), got None"),
+    ({"r": "8"}, "r must be an integer >= 1 (the LoRA rank), got '8'"),
+    ({"r": 0}, "r must be an integer >= 1"),
+    ({"r": 4.5}, "r must be an integer >= 1"),
+    ({"r": 4, "lora_alpha": float("nan")}, "lora_alpha must be a number > 0, got nan"),
+]
+
+
+@pytest.mark.parametrize("fields, why", BAD_CONFIGS)
+def test_a_bad_or_missing_r_is_one_config_line(tmp_path, fields, why):
+    """read_adapter_config -> ValueError -> lora.adapter_path: one ConfigError line (exit 2)."""
+    from tandem.rl.core.configlib import ConfigError
+    from tandem.rl.core.lora import LoraConfig
+
+    cfg = {"peft_type": "LORA", "lora_alpha": 8, "target_modules": ["q_proj"], **fields}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        read_adapter_config(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        LoraConfig(rank=4, adapter_path=str(tmp_path)).validate()
+    assert str(e.value).startswith("lora.adapter_path: ") and why in str(e.value)
+
+
+def test_garbage_adapter_weights_are_one_model_line(tmp_path):
+    """Not a safetensors file: ValueError naming it, a ModelSetupError line (exit 4) in a run."""
+    from tandem.models.lora import LoraSpec as Spec
+    from tandem.rl.core.lora import LoraSetup
+    from tandem.rl.core.modeling import ModelSetupError, with_adapters
+
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    with pytest.raises(ValueError, match="adapter_model.safetensors: not a readable safetensors"):
+        load_adapter(tmp_path, {"x": (1, 1)})
+    setup = LoraSetup(Spec(rank=4, alpha=8), 0, str(tmp_path))
+    with pytest.raises(ModelSetupError, match="^lora.adapter_path: .*not a readable safetensors"):
+        with_adapters({}, setup, {"x": (1, 1)})

@@ -235,3 +235,13 @@ def test_a_forged_ready_message_gives_no_more_than_a_definition() -> None:
         "os.write(3, struct.pack('>I', len(_msg)) + _msg)\n"
     )
     assert code_unit_tests(fenced(code), HUMANEVAL_ABS) == 0.0
+
+
+def test_a_module_alias_the_tests_read_is_never_the_solutions() -> None:
+    """Tests that read ``np`` without importing it mean numpy: a solution's own ``np`` (a class
+    with a lenient ``isclose``) is not taken (it was, and scored 1.0)."""
+    wrong = (
+        "class np:\n    isclose = staticmethod(lambda *a, **k: True)\ndef area(r):\n    return 0"
+    )
+    row = {"tests": ["assert np.isclose(area(2), 12.566, rtol=0.001)"]}
+    assert code_unit_tests(fenced(wrong), row) == 0.0

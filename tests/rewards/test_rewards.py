@@ -478,3 +478,21 @@ def test_pool_close_leaves_no_processes() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         p.score([("test_len", 1.0)], ["a"], [{}])
     assert os.getpid() > 0
+
+
+def test_a_reward_outside_the_range_is_a_counted_error_in_the_dtype_it_is_summed_in() -> None:
+    """1e39 is finite in float64 and inf in float32 (where rewards are summed): an error."""
+    from tandem.rl.core.reward_range import REWARD_LIMIT
+    from tandem.rl.envs.base import StepResult
+
+    for scale, ok in ((1e39, False), (REWARD_LIMIT, True), (REWARD_LIMIT * 1.5, False)):
+        pool = RewardPool(0, timeout_s=5.0, reward_kwargs={"test_len": {"scale": scale}})
+        res = pool.score([("test_len", 1.0)], ["a"], [{}])
+        assert res.errors["test_len"] == (0 if ok else 1), scale
+        assert res.scores["test_len"] == [scale if ok else 0.0]
+        if not ok:
+            assert res.error_examples["test_len"].startswith("the reward must lie in [-1e+06")
+    with pytest.raises(ValueError, match=r"reward must lie in \[-1e\+06, 1e\+06\], got 1e\+39"):
+        StepResult([], done=True, reward=1e39)
+    with pytest.raises(ValueError, match="an integer of 400 digits"):
+        StepResult([], done=True, reward=10**399)

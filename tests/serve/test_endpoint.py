@@ -26,6 +26,7 @@ from openai import OpenAI  # noqa: E402
 
 from tandem.models.hf import load_model  # noqa: E402
 from tandem.models.tokenizer import Tokenizer  # noqa: E402
+from tandem.rl.core.reward_range import REWARD_LIMIT  # noqa: E402
 from tandem.rl.generator.engine import GenerationSettings, Generator  # noqa: E402
 from tandem.rl.generator.sequence import SamplingParams  # noqa: E402
 from tandem.rl.rollout.agentic import end_of_turn_id  # noqa: E402
@@ -326,3 +327,131 @@ def test_bearer_key_and_loopback_default():
         assert got[0] == 503
     finally:
         server.stop()
+
+
+def test_hostile_rewards_and_bodies_get_4xx_and_leave_it_healthy(served):
+    """1e39 (finite in float64, inf in float32), a 400-digit integer, per-turn rewards whose
+    sum leaves the range, JSON nested 20,000 deep (under the fixture's 50 KB cap), a
+    400-digit max_tokens: each a 400 with a message, none a 500; the session stays open and
+    takes a reward in range afterwards."""
+    url, engine, _, _ = served
+    _client(url, "hostile").chat.completions.create(
+        model="quickstart", messages=QUESTION, max_tokens=4
+    )
+    for reward in (1e39, -1e39, 10**400, REWARD_LIMIT * 2):
+        got, err = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": reward})
+        assert got == 400 and err["error"]["message"].startswith("reward: must lie in"), err
+    half = REWARD_LIMIT * 0.75
+    assert (
+        _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": half, "turn": 0})[0] == 200
+    )
+    got, err = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": half, "turn": 1})
+    assert got == 400 and "rewards would sum to 1.5e+06" in err["error"]["message"], err
+    got, err = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": half})
+    assert got == 400 and "would sum" in err["error"]["message"], err
+    for body in (b"[" * 20_000 + b"]" * 20_000, b'{"messages": ' + b"[" * 40_000):
+        got, err = _post(url, "/v1/chat/completions", body)
+        assert got == 400, (got, err)
+    got, err = _post(url, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 10**400})
+    assert got == 400 and err["error"]["param"] == "max_tokens", err
+    assert (
+        _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": 1.0, "turn": 1})[0] == 200
+    )
+    status, body = _post(url, "/rl/set_reward", {"session_id": "hostile", "reward": 2.0})
+    assert status == 200 and engine.sessions["hostile"].total_reward() == half + 3.0
+    assert _settled(engine)
+
+
+def test_a_non_utf8_authorization_header_is_a_401():
+    server = AgentServer(ServerSettings(port=0, api_key="sesame"), 512).start()
+    try:
+        conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=10)
+        conn.putrequest("GET", "/v1/models")
+        conn.putheader("Authorization", b"Bearer \xff\xfe\xc3")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 401, resp.read()
+        assert json.loads(resp.read())["error"]["type"] == "authentication_error"
+    finally:
+        server.stop()
+
+
+def test_training_caps_a_requests_max_tokens_at_the_rollouts(served):
+    """An http environment's turn samples at most rollout.max_tokens (the engine's 32 here),
+    whatever the request asks; tandem-serve (no cap) samples what it asks."""
+    url, engine, _, _ = served
+
+    def sampled(session: str) -> int:
+        r = _client(url, session).chat.completions.create(
+            model="quickstart", messages=QUESTION, max_tokens=60, extra_body={"ignore_eos": True}
+        )
+        return r.usage.completion_tokens
+
+    assert sampled("uncapped") == 60
+    engine.s.cap_max_tokens = True
+    try:
+        assert sampled("capped") == engine.s.max_tokens == 32
+    finally:
+        engine.s.cap_max_tokens = False
+    for session in ("uncapped", "capped"):
+        assert _post(url, "/rl/abort", {"session_id": session})[0] == 200
+    assert _settled(engine)
+
+
+def test_idle_connections_are_capped_and_closed_and_errors_do_not_flood(capsys):
+    """Past max_connections a connection gets one 503 and is closed; a connection with no
+    request is closed after idle_timeout_s; then the server answers as before."""
+    import socket
+
+    server = AgentServer(ServerSettings(port=0, max_connections=4, idle_timeout_s=1.0), 512).start()
+    host, port = "127.0.0.1", server.port
+    try:
+        idle = [socket.create_connection((host, port), timeout=10) for _ in range(4)]
+        time.sleep(0.2)  # accepted and counted
+        extra = socket.create_connection((host, port), timeout=10)
+        reply = extra.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply
+        assert extra.recv(4096) == b""  # closed by the server
+        assert server.cap.refused == 1
+        t0 = time.monotonic()
+        assert all(s.recv(1) == b"" for s in idle)  # each closed by the idle timeout
+        assert 0.5 < time.monotonic() - t0 < 8
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            assert json.loads(r.read())["status"] == "ok"
+    finally:
+        server.stop()
+    # the loop's errors and the server's own 500s: one line per 10 s, the rest counted
+    for _ in range(100):
+        server.quiet.loop_errors(
+            None,
+            {
+                "message": "socket.accept() out of system resource",
+                "exception": OSError(24, "Too many open files"),
+            },
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err
+        == [
+            "[tandem-http] socket.accept() out of system resource: OSError: [Errno 24] Too many "
+            "open files"
+        ]
+        and server.quiet.dropped == 99
+    )
+
+
+def test_idle_sessions_expire_and_are_forgotten(served):
+    url, engine, _, _ = served
+    _client(url, "lingering").chat.completions.create(
+        model="quickstart", messages=QUESTION, max_tokens=4
+    )
+    assert engine.sessions["lingering"].seq is not None and not _settled(engine, timeout=0.5)
+    engine.s.session_idle_s = 1.0
+    try:
+        end = time.monotonic() + 20
+        while "lingering" in engine.sessions and time.monotonic() < end:
+            time.sleep(0.1)
+        assert "lingering" not in engine.sessions and engine.stats["expired"] >= 1
+    finally:
+        engine.s.session_idle_s = 0.0
+    assert _settled(engine)  # its KV freed

@@ -144,11 +144,9 @@ def expected_sample(turns: list) -> tuple[list[int], list[float]]:
     return ids, lps
 
 
-@pytest.fixture(scope="module")
-def http_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("http_rl")
-    port = free_port()
-    cmd = [
+def _http_train(dump, port: int) -> list[str]:
+    """train.py on the quickstart, one step, its episodes played over http on ``port``."""
+    return [
         sys.executable,
         os.path.join(ROOT, "train.py"),
         "--config",
@@ -157,6 +155,15 @@ def http_run(tmp_path_factory):
         "--training.steps=1",
         "--env.kind=http",
         f"--env.port={port}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def http_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("http_rl")
+    port = free_port()
+    cmd = [
+        *_http_train(dump, port),
         "--env.max_total_tokens=128",
         "--env.episode_timeout_s=120",
         "--reward.functions=",
@@ -205,3 +212,40 @@ def test_logprobs_equal_the_updates_recomputation_and_the_run_stays_healthy(http
     assert row["env/turns_mean"] == 2.0 and row["env/new_samples"] == 0
     assert row["env/requests"] == 30 * 2 + 2 + 1  # the aborted one's two turns, the abandoned one's
     assert "agent endpoint: http://127.0.0.1:" in said and "eval accuracy: start" in said
+
+
+def test_sigterm_while_waiting_for_the_harness_exits_75_at_once(tmp_path):
+    """No harness ever comes: the run waits in its first evaluation; SIGTERM ends the wait
+    (the engine polls the flag every heartbeat) and the run exits 75 with one line."""
+    import signal
+
+    port = free_port()
+    cmd = [*_http_train(tmp_path / "run", port), "--reward.functions=", "--metrics.loggers=[]"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        end = time.monotonic() + 300
+        while time.monotonic() < end:  # the endpoint is up: the episodes wait for a harness
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if json.loads(r.read())["serving"]:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("the endpoint never served")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, out[-2000:] + err[-2000:]
+    assert took < 20, took  # a few heartbeats and the shutdown, well within a grace period
+    assert "preempted during step 1 (a stop signal while the rollout waited for its harness)" in out
+    assert "Traceback" not in err

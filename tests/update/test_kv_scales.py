@@ -22,6 +22,7 @@ from tandem.models.hf import load_args
 from tandem.models.transformer import Transformer
 from tandem.parallel.mesh import Degrees, build_mesh
 from tandem.rl.config.rl_schema import RolloutConfig
+from tandem.rl.core.checkpoint import CheckpointError
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.rollout.types import RolloutSample
@@ -213,6 +214,36 @@ def test_checkpointed_scales_come_back_bit_for_bit(policy):
         and torch.equal(again.scales(), kv.scales())
         and again.step == 7
     )
+
+
+def _bad_amax(state, value):
+    state["amax"][1][0][0] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda s: _bad_amax(s, float("nan")), r"amax\[1, 0, 0\] = nan is not a number in"),
+        (lambda s: _bad_amax(s, float("inf")), r"amax\[1, 0, 0\] = inf is not a number in"),
+        (lambda s: _bad_amax(s, 1e38), r"amax\[1, 0, 0\] = 1e\+38 is not a number in"),
+        (lambda s: _bad_amax(s, -1.0), r"amax\[1, 0, 0\] = -1 is not a number in \[0, 100000\]"),
+        (lambda s: {**s, "amax": s["amax"][:1]}, r"amax has shape \[1, 2, \d+\], this model"),
+        (lambda s: {**s, "amax": "big"}, r"not an amax table \(\w+Error\)"),
+        (lambda s: {"step": 1}, r"not an amax table \(KeyError\)"),
+        (lambda s: {**s, "step": "7"}, r"step is '7', not an integer"),
+    ],
+)
+def test_checkpointed_scales_are_checked_like_weights(policy, edit, why):
+    """NaN, inf, 1e38 or a wrong shape in an edited (and re-hashed) trainer.json: exit 8 in one
+    line, never scales that quantize every key and value to zero."""
+    kv = KVScales(_kv(), policy.model.args)
+    kv.calibrate(policy, _samples(), next_step=7)
+    state = edit(json.loads(json.dumps(kv.state_dict())))
+    again = KVScales(_kv(), policy.model.args)
+    with pytest.raises(CheckpointError, match="^checkpoint trainer.json: kv_scales: " + why) as e:
+        again.load_state_dict(state)
+    assert e.value.exit_status == 8 and again.step != 7
 
 
 def test_pipeline_layouts_and_auto_are_refused_or_skipped(policy):

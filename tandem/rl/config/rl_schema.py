@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tandem.rl.algorithms.policy_loss import PolicyLossConfig
-from tandem.rl.core.configlib import ConfigError, is_loopback, require
+from tandem.rl.core.configlib import SECRET, ConfigError, is_loopback, require
 
 
 def _check_name(key: str, registry_path: str, name: str) -> None:
@@ -430,7 +430,8 @@ class EnvConfig:
     kind: Literal["local", "http"] = "local"  # http: a harness plays episodes (docs/serving.md)
     host: str = "127.0.0.1"  # http: address to bind (not loopback: needs a key)
     port: int = 8000  # http: the endpoint's port
-    api_key: str | None = None  # http: bearer key; none: $TANDEM_API_KEY, else no key
+    api_key: str | None = field(default=None, metadata=SECRET)  # http: bearer key; none:
+    # $TANDEM_API_KEY, else no key (a secret: never written to config.toml or a logger)
     episode_timeout_s: float = 300.0  # http: open this long after its claim: dropped
     claim_timeout_s: float = 0.0  # http: unclaimed this long: dropped; 0 = wait
     max_request_mb: float = 4.0  # http: larger request bodies get 413

@@ -42,6 +42,7 @@ from tandem import device as seam
 from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.errors import EXIT_CHECKPOINT, NonFiniteError
 from tandem.rl.core.metrics import truncate_jsonl
+from tandem.rl.core.safe_load import SafePlanner, SafeReader, UnsafeCheckpointFile, load_rng
 
 if TYPE_CHECKING:
     from tandem.rl.config.schema import CheckpointConfig
@@ -320,7 +321,7 @@ class Checkpointer:
                 "job.dump_folder)"
             )
         try:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise _dcp_error(e, f"checkpoint {path}: cannot be loaded into this model") from None
         for key, (m, o) in {"": (model, optimizer), **(extras or {})}.items():
@@ -329,14 +330,24 @@ class Checkpointer:
                 set_model_state_dict(m, part["model"])
             if o is not None and not model_only:
                 set_optimizer_state_dict(m, o, part["optim"], options=_OPTIM)
-        rng_file = os.path.join(path, "rng", f"rank-{self.rank}.pt")
-        if os.path.exists(rng_file):
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        self._load_rng(path, step)
         with open(os.path.join(path, "trainer.json")) as f:
             trainer = json.load(f)
         trainer["_saved_world"] = int(marker["world"])
         trainer["_model_only"] = model_only
         return trainer
+
+    def _load_rng(self, path: str, step: int) -> None:
+        """This rank's RNG state, when the manifest lists one for it (a resume on more ranks
+        than saved finds none: the new ranks keep their seeded streams), read as plain data."""
+        name = f"rng/rank-{self.rank}.pt"
+        _, files = _read_manifest(path, step)
+        if name not in {n for n, _ in files}:
+            return
+        try:
+            set_rng_state(load_rng(os.path.join(path, name)))
+        except UnsafeCheckpointFile as e:
+            raise CheckpointError(f"checkpoint {path}: {name} {e}; not loaded") from None
 
 
 def resume_step(
@@ -488,7 +499,7 @@ def _model_difference(path: str, state: dict[str, Any]) -> str | None:
         here = {k: v for d in every for k, v in (d or {}).items()}
     saved = {
         k: list(v.size) if isinstance(v, TensorStorageMetadata) else None
-        for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        for k, v in _read_metadata(path).state_dict_metadata.items()
         if k.startswith(tuple(prefixes))
     }
     shape = sorted(k for k in here.keys() & saved.keys() if here[k] != saved[k])
@@ -504,6 +515,13 @@ def _model_difference(path: str, state: dict[str, Any]) -> str | None:
         else f"the checkpoint's {unused[0]} is not in this model"
     )
     return first + (f" ({count - 1} more parameters differ)" if count > 1 else "")
+
+
+def _read_metadata(path: str) -> Any:
+    try:
+        return SafeReader(path).read_metadata()
+    except (OSError, UnsafeCheckpointFile) as e:
+        raise CheckpointError(f"checkpoint {path}: {e}; not loaded") from None
 
 
 def _barrier() -> None:

@@ -367,12 +367,26 @@ def validate_fields(obj: Any, prefix: str = "") -> None:
             setattr(obj, name, coerce(value, tp, key))
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A config tree as nested plain dicts (values deep-copied)."""
+# Field metadata of a key whose value is a secret (a bearer key): `to_dict(redact=True)` shows
+# it as REDACTED and `format_toml` leaves it out, so no config file or logger holds it.
+SECRET = {"secret": True}
+REDACTED = "<redacted>"
+
+
+def _secret_set(f: dataclasses.Field, value: Any) -> bool:
+    return bool(f.metadata.get("secret")) and value is not None
+
+
+def to_dict(obj: Any, redact: bool = False) -> dict[str, Any]:
+    """A config tree as nested plain dicts (values deep-copied); ``redact``: secret values
+    (fields with ``metadata=SECRET``) replaced by REDACTED (what loggers are given)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value, redact)
+        else:
+            out[f.name] = REDACTED if redact and _secret_set(f, value) else copy.deepcopy(value)
     return out
 
 
@@ -437,6 +451,8 @@ def _emit(obj: Any, path: list[str], lines: list[str]) -> None:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             sections.append((f.name, value))
+        elif _secret_set(f, value):  # read back, the key is unset: its environment variable
+            scalars.append(f"# {f.name}: a secret, not written (give it again to reuse this file)")
         else:
             scalars.append(f"{f.name} = {_toml_value(value, '.'.join([*path, f.name]))}")
     if path and (scalars or not sections):
@@ -447,7 +463,8 @@ def _emit(obj: Any, path: list[str], lines: list[str]) -> None:
 
 
 def format_toml(obj: Any, header: str = "") -> str:
-    """The config tree as TOML text that `apply_table` reads back to an equal tree."""
+    """The config tree as TOML text that `apply_table` reads back to an equal tree, except
+    for secrets (``metadata=SECRET``), which are left out (a comment says so)."""
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     _emit(obj, [], lines)
     return "\n".join(lines).lstrip("\n") + "\n"

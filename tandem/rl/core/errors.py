@@ -19,7 +19,8 @@ EXIT_HANG = 6  # the watchdog saw no progress: stacks dumped under dump_folder/h
 # checkpointed
 EXIT_NONFINITE = 7
 # checkpoints: none verifies, an earlier run's are in the way of a fresh start, the one to
-# resume was written by another model, or DCP failed to write or read one
+# resume was written by another model, a file of it is not plain data, or DCP failed to write or
+# read one; also a per-step log (metrics/ledger/samples.jsonl) with a bad line not the last
 EXIT_CHECKPOINT = 8
 # train.py --plan: the configured layout does not fit in device memory (one line says where; the
 # plan is printed)
@@ -29,6 +30,13 @@ EXIT_WEIGHT_SYNC = 10
 EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
 # SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)
 EXIT_INTERRUPTED = 130
+
+
+class StepInterrupted(Exception):
+    """A stop signal (SIGTERM/SIGUSR1) ended a wait that only the outside world could end (an
+    http rollout waiting for its harness) before the step could finish. Raised on every rank
+    at the same point; the shell exits 75 with the last committed checkpoint kept, and the
+    step is redone after the resume."""
 
 
 class NonFiniteError(RuntimeError):

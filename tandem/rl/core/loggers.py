@@ -16,7 +16,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+from tandem.rl.core.configlib import REDACTED, ConfigError, to_dict
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -91,7 +94,7 @@ class WandbSink:
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "tandem"),
             name=run_name,
-            dir=dump_folder,
+            dir=os.environ.get("WANDB_DIR") or dump_folder,  # the user's WANDB_DIR wins
             config=config,
             id=ids.ids.get("wandb"),
             resume="allow",
@@ -153,18 +156,45 @@ class MLflowSink:
         self.client.set_terminated(self.run_id)
 
 
+def redact_argv(argv: Sequence[str], cfg: Any) -> list[str]:
+    """``argv`` with the values given to config ``cfg``'s secret keys (configlib.SECRET)
+    replaced by REDACTED (``--env.api_key=V``, ``--env.api_key V``): W&B records the command
+    line with the run."""
+    flags = {f"--{k}" for k, v in flatten(to_dict(cfg, redact=True)).items() if v == REDACTED}
+    out = list(argv)
+    for i, arg in enumerate(out):
+        name, eq, _ = arg.partition("=")
+        if name in flags and eq:
+            out[i] = f"{name}={REDACTED}"
+        elif arg in flags and i + 1 < len(out):
+            out[i + 1] = REDACTED
+    return out
+
+
 def open_sinks(
     names: list[str], dump_folder: str, run_name: str, config: dict[str, Any]
 ) -> list[Sink]:
+    """The loggers of ``names``; one that cannot start (W&B without a login, an MLflow store
+    that cannot be opened) is a ConfigError naming it, in one line (exit 2)."""
     ids = _RunIds(dump_folder)
     sinks: list[Sink] = []
     for name in names:
-        if name == "tensorboard":
-            sinks.append(TensorBoardSink(dump_folder))
-        elif name == "wandb":
-            sinks.append(WandbSink(dump_folder, run_name, config, ids))
-        elif name == "mlflow":
-            sinks.append(MLflowSink(dump_folder, run_name, config, ids))
+        try:
+            if name == "tensorboard":
+                sinks.append(TensorBoardSink(dump_folder))
+            elif name == "wandb":
+                sinks.append(WandbSink(dump_folder, run_name, config, ids))
+            elif name == "mlflow":
+                sinks.append(MLflowSink(dump_folder, run_name, config, ids))
+        except Exception as e:  # noqa: BLE001  (each package raises its own kinds)
+            for sink in sinks:
+                sink.close()
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(
+                f"metrics.loggers: {name!r} could not start: {type(e).__name__}: {first} "
+                "(wandb: run `wandb login` or set WANDB_MODE=offline; or leave it out of "
+                "metrics.loggers)"
+            ) from None
     return sinks
 
 

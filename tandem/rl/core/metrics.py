@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tandem.rl.core.errors import EXIT_CHECKPOINT
 from tandem.rl.core.loggers import Sink, finite_scalars, open_sinks
 
 
@@ -221,10 +224,7 @@ class MetricsLogger:
 def step_gaps(path: str, steps: int, first: int = 1) -> str | None:
     """What is wrong with a per-step jsonl file that should hold steps ``first``..``steps``
     once each (missing or repeated steps), or None when it does."""
-    seen: list[int] = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            seen = [int(json.loads(line)["step"]) for line in f if line.strip()]
+    seen = [row["step"] for row in read_step_log(path)]
     counts = {s: 0 for s in range(first, steps + 1)}
     for s in seen:
         if s in counts:  # steps past ``steps`` (a rerun asking for fewer) are not a gap
@@ -244,17 +244,12 @@ def position_repeats(path: str) -> str | None:
     asynchronous run trains a prompt at a later step than it took it, once), or None."""
     first: dict[int, int] = {}
     twice: list[tuple[int, int, int]] = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                for p in row.get("positions", []):
-                    if p in first:
-                        twice.append((p, first[p], row["step"]))
-                    else:
-                        first[p] = row["step"]
+    for row in read_step_log(path):
+        for p in row.get("positions", []):
+            if p in first:
+                twice.append((p, first[p], row["step"]))
+            else:
+                first[p] = row["step"]
     if not twice:
         return None
     shown = ", ".join(f"{p} (steps {a} and {b})" for p, a, b in twice[:5])
@@ -274,12 +269,81 @@ def _spans(values: list[int]) -> str:
 
 
 def truncate_jsonl(path: str, last_step: int) -> None:
-    """Keep the rows of a per-step jsonl file with ``step <= last_step`` (resume after a crash)."""
+    """Keep the rows of a per-step jsonl file with ``step <= last_step`` (resume after a crash);
+    a torn last line is dropped with one warning (`read_step_log`)."""
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    kept = [line for row, line in _read_lines(path, warn=True) if row["step"] <= last_step]
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(rows)
+    with open(tmp, "wb") as f:
+        f.writelines(line + b"\n" for line in kept)
     os.replace(tmp, path)
+
+
+class StepLogError(Exception):
+    """A per-step log of the dump folder (metrics.jsonl, ledger.jsonl, samples.jsonl) that a
+    crash cannot have left: a bad line that is not the last, a row of the wrong type, a
+    folder or other non-file in its place. One line; exit 8 (the run's saved state)."""
+
+    exit_status = EXIT_CHECKPOINT
+
+
+# optional fields of a per-step row and the type of their items (ledger.jsonl's)
+_LIST_FIELDS = {"ids": str, "positions": int}
+
+
+def read_step_log(path: str, *, warn: bool = False) -> list[dict[str, Any]]:
+    """The rows of a per-step jsonl file the run wrote ([] when there is none): JSON objects
+    with an integer ``step`` >= 0 (``ids``/``positions``, when present, lists of str/int).
+
+    A last line that is not JSON is what a crash or a full disk during an append leaves: it
+    is left out (``warn``: with one line on stderr; `truncate_jsonl` rewrites the file
+    without it). Anything else raises `StepLogError` naming the file and line."""
+    return [row for row, _ in _read_lines(path, warn=warn)] if os.path.exists(path) else []
+
+
+def _read_lines(path: str, warn: bool) -> list[tuple[dict[str, Any], bytes]]:
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, a folder cannot be read
+        what = "a folder" if os.path.isdir(path) else "not a regular file"
+        raise StepLogError(
+            f"{path} is {what}; the run writes this per-step log itself: move it away, or "
+            "choose another job.dump_folder"
+        )
+    with open(path, "rb") as f:
+        numbered = [(i + 1, ln) for i, ln in enumerate(f.read().split(b"\n")) if ln.strip()]
+    out = []
+    for n, line in numbered:
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if n != numbered[-1][0]:
+                raise StepLogError(
+                    f"{path}:{n}: not a JSON line ({e}); only the last line of a per-step log "
+                    "can be cut short by a crash"
+                ) from None
+            if warn:
+                print(
+                    f"warning: {path}:{n}: the last line is cut short (a crash or a full disk "
+                    "during an append); dropped it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            break
+        why = _row_problem(row)
+        if why:
+            raise StepLogError(f"{path}:{n}: {why}")
+        out.append((row, line))
+    return out
+
+
+def _row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not a JSON object"
+    step = row.get("step")
+    if type(step) is not int or step < 0:
+        return f"step is {step!r}, not an integer >= 0"
+    for key, kind in _LIST_FIELDS.items():
+        v = row.get(key, [])
+        if not isinstance(v, list) or not all(type(x) is kind for x in v):
+            return f"{key} is not a list of {kind.__name__}"
+    return None

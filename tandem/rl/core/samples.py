@@ -28,6 +28,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tandem.rl.core.metrics import read_step_log, truncate_jsonl
+
 FILE = "samples.jsonl"
 REQUIRED = ("prompt", "completion", "reward", "rewards", "advantage", "finish_reason")
 
@@ -129,32 +131,16 @@ class SampleLog:
     def truncate(self, step: int) -> None:
         """Keep the steps ``<= step`` (a resumed run drops what a crashed one logged past its
         checkpoint)."""
-        if not self.enabled or not os.path.exists(self.path):
-            return
-        with open(self.path, encoding="utf-8") as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        if self.enabled:
+            truncate_jsonl(self.path, step)
 
 
 def read_samples(dump_folder: str) -> list[dict[str, Any]]:
     """The steps of ``<dump_folder>/samples.jsonl`` in file order ([] when there is none).
 
-    A line cut short by a crash (the last one, unterminated) is skipped.
+    A line cut short by a crash (the last one) is skipped (`read_step_log`).
     """
-    path = os.path.join(dump_folder, FILE)
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            if line.strip():
-                out.append(json.loads(line))
-    return out
+    return read_step_log(os.path.join(dump_folder, FILE))
 
 
 def dump_rollouts(dump_folder: str, step: int, rank: int, samples: Sequence[Any]) -> None:

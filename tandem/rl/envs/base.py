@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import abc
 import copy
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.rl.core.registry import Registry
+from tandem.rl.core.reward_range import reward_problem
 
 __all__ = [
     "ENVIRONMENTS",
@@ -76,9 +76,10 @@ class StepResult:
                     f"StepResult: every observation message needs 'role' and 'content', got {m!r}"
                 )
         if self.reward is not None:
+            why = reward_problem(self.reward)
+            if why is not None:
+                raise ValueError(f"StepResult: reward {why}")
             self.reward = float(self.reward)
-            if not math.isfinite(self.reward):
-                raise ValueError(f"StepResult: reward must be finite, got {self.reward}")
 
 
 class LazyState:

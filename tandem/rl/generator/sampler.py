@@ -189,19 +189,19 @@ class Sampler:
         # rl.exact: per-row fixed order
         lse = batch_invariant.logsumexp if batch_invariant.enabled() else _logsumexp
         raw_logprobs = logits - lse(logits)[:, None]  # [N, V]
-        greedy_rows = [p.temperature == 0 for p in params]
+        greedy_rows = [p.greedy for p in params]  # temperature 0 or below MIN_TEMPERATURE
         if all(greedy_rows):
             tokens = logits.argmax(dim=-1)  # [N]
             logprobs = torch.zeros(n, dtype=torch.float32, device=device)
         else:
             # Rows at temperature 1 with no truncation sample from the raw distribution
             # itself, so a batch of only those skips the rescale and the mask (same values).
-            plain = all(p.temperature in (0, 1) and not _truncates(p, v) for p in params)
+            plain = all((p.greedy or p.temperature == 1) and not _truncates(p, v) for p in params)
             if plain:
                 dist_logprobs = raw_logprobs
             else:
                 temps = torch.tensor(
-                    [p.temperature if p.temperature > 0 else 1.0 for p in params],
+                    [1.0 if p.greedy else p.temperature for p in params],
                     dtype=torch.float32,
                     device=device,
                 )

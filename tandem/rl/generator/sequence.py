@@ -27,6 +27,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # stopped, hit a length limit, or aborted; holds no blocks
 
 
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (docs/serving.md); logits / 1e-5 fit float32
+
+
 @dataclass
 class SamplingParams:
     """How one sequence samples. Validated on construction and again at admission.
@@ -36,7 +39,7 @@ class SamplingParams:
     give identical samples, so give the members of a group distinct seeds.
     """
 
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -50,7 +53,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or a positive one below ``MIN_TEMPERATURE``: logits divided by it
+        overflow float32 (1e-300 made every logit inf and sampled token 0), and the
+        distribution it means is the argmax's already."""
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""

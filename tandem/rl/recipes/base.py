@@ -25,7 +25,7 @@ schedule of the rest of the run.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,6 +85,9 @@ class Runtime:
     dump_folder: str
     watchdog: Watchdog  # recipes mark their own phases (rollout, update) inside the shell's "step"
     logger: MetricsLogger  # for text summaries; step rows are the shell's
+    # whether this rank received a stop signal (its own flag, not agreed): a wait on the outside
+    # world polls it and raises errors.StepInterrupted (the http rollout's wait for a harness)
+    stop_requested: Callable[[], bool] = lambda: False
 
 
 @dataclass

@@ -23,7 +23,6 @@ For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -37,6 +36,8 @@ from tandem.parallel.distributed import DistInfo
 from tandem.rl.config.schema import Config, format_config
 from tandem.rl.core import errors
 from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
+from tandem.rl.core.configlib import to_dict
+from tandem.rl.core.loggers import redact_argv
 from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.fault import PreemptionHandler, Watchdog
@@ -84,21 +85,28 @@ class Shell:
         try:
             self._announce()
             m = self.cfg.metrics
+            sys.argv[:] = redact_argv(sys.argv, self.cfg)  # W&B records the command line
             self.logger = MetricsLogger(
                 self.dump,
                 enabled=self.info.is_main,
                 jsonl=m.jsonl,
                 loggers=m.loggers,
                 run_name=self.cfg.job.name,
-                config=dataclasses.asdict(self.cfg),
+                config=to_dict(self.cfg, redact=True),  # secrets never reach a logger
             )
             self.watchdog.start()
             with self.watchdog.phase("build"):
                 self.recipe = make(
-                    self.cfg, Runtime(self.info, self.dump, self.watchdog, self.logger)
+                    self.cfg,
+                    Runtime(
+                        self.info, self.dump, self.watchdog, self.logger, self.preempt.should_stop
+                    ),
                 )
             self.logger.console_keys = self.recipe.console_keys
-            return self._run()
+            try:
+                return self._run()
+            except errors.StepInterrupted as e:  # every rank, at the same point
+                return self._interrupted(str(e))
         finally:
             self.watchdog.stop()
             self.preempt.uninstall()
@@ -277,6 +285,20 @@ class Shell:
         self.ckpt_metrics["checkpoint/save_total_s"] = total_s
         if self.info.is_main:
             print(f"checkpoint step-{step} saved in {total_s:.2f}s", flush=True)
+
+    def _interrupted(self, why: str) -> int:
+        """A stop signal ended a wait inside step ``self.step + 1``: nothing of it is kept (the
+        newest committed checkpoint stands; a resume redoes the step); exit 75."""
+        self.preempt.should_stop_all(step=self.step)  # agreed (all ranks raised); the marker
+        self._poll_checkpoint(wait=True)  # an asynchronous save in flight commits
+        if self.info.is_main:
+            print(
+                f"preempted during step {self.step + 1} ({why}); the newest committed "
+                f"checkpoint is kept and the step is redone on resume; exiting with "
+                f"{errors.EXIT_PREEMPTED} to requeue",
+                flush=True,
+            )
+        return errors.EXIT_PREEMPTED
 
     def _preempted(self) -> int:
         if self.info.is_main:

@@ -449,6 +449,7 @@ class RLRecipe:
             layout=self.gen_layout,
             version=self.step_index,
             beat=self.rt.watchdog.beat,
+            stop=self.rt.stop_requested,
         )
 
     def _kv_ready(self) -> dict[str, float]:

@@ -46,6 +46,10 @@ MAX_DEPTH = 100  # nesting of a value; deeper parts travel as handles
 READY_GRACE_S = 10.0  # on top of per_test_s, for the server's interpreter to start
 _NO_IMPORT = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"}
 _SITE_NAMES = {"exit", "quit", "help", "copyright", "credits", "license"}  # builtins site adds
+# The usual names of modules outside the stdlib: tests that read them without an import mean the
+# module, so the runner resolves them (the module where it can import it, else nothing: a
+# NameError, as in a plain run), never the solution (a class called np with a lenient isclose).
+_MODULE_ALIASES = {"np": "numpy", "pd": "pandas", "plt": "matplotlib.pyplot", "scipy": "scipy"}
 
 
 class RemoteError(Exception):
@@ -429,6 +433,7 @@ def _runners_name(name: str) -> bool:
         or hasattr(builtins, name)
         or name in _SITE_NAMES
         or name in getattr(sys, "stdlib_module_names", ())
+        or name in _MODULE_ALIASES
     )
 
 
@@ -473,6 +478,11 @@ def _test_globals(sources: list, names: dict, entry_point) -> dict:
                 module = _stdlib_module(name)
                 if module is not None:
                     ns[name] = module
+            elif name in _MODULE_ALIASES:
+                try:
+                    ns[name] = __import__(_MODULE_ALIASES[name], fromlist=["_"])
+                except Exception:  # not installed where the tests run
+                    pass
         elif name in names:
             ns[name] = names[name]
     return ns

@@ -25,9 +25,12 @@ dotted path with ``load_reward_modules``.
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import importlib
 import inspect
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -54,9 +57,49 @@ def get_reward(name: str, **kwargs: Any) -> RewardFn:
         return fn
     try:
         inspect.signature(fn).bind_partial("", {}, **kwargs)
-    except TypeError as e:
+        hints = typing.get_type_hints(fn)
+        for key, value in kwargs.items():
+            if key in hints and not _is_a(value, hints[key]):
+                raise TypeError(f"{key} must be {_type_name(hints[key])}, got {value!r}"[:300])
+        check = getattr(fn, "check_kwargs", None)  # the function's own check of its settings
+        if check is not None:
+            check(**kwargs)
+    except (TypeError, ValueError) as e:
         raise TypeError(f"reward function {name!r}: bad config {sorted(kwargs)}: {e}") from None
     return functools.partial(fn, **kwargs)
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (from TOML) fits a reward's keyword annotation: str, int, float, bool,
+    None, Literal, unions, and lists / mappings of those; anything else is not checked."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint in (str, bool):
+        return type(value) is hint
+    if hint in (int, float):  # a bool is not a number here; an int is a float
+        return type(value) is int or (hint is float and type(value) is float)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (list, tuple, collections.abc.Sequence):
+        return isinstance(value, (list, tuple)) and (
+            not args or all(_is_a(v, args[0]) for v in value)
+        )
+    if origin in (dict, collections.abc.Mapping):
+        return isinstance(value, collections.abc.Mapping) and (
+            len(args) != 2 or all(_is_a(k, args[0]) and _is_a(v, args[1]) for k, v in value.items())
+        )
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "").replace("collections.abc.", "")
 
 
 def reward_module(fn: RewardFn) -> str:

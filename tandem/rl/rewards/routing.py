@@ -53,3 +53,16 @@ def by_source(
             f'"math"}})'
         )
     return float(REWARDS.get(name)(completion, sample))
+
+
+def _check_routes(field: str = "data_source", routes: Mapping[str, str] | None = None) -> None:
+    """At start (`get_reward`): every route names a reward function other than by_source."""
+    for source, name in (routes or {}).items():
+        if name == "by_source" or name not in REWARDS.names():
+            raise ValueError(
+                f"routes: {source!r} = {name!r} names no reward function "
+                f"(known: {', '.join(n for n in REWARDS.names() if n != 'by_source')})"
+            )
+
+
+by_source.check_kwargs = _check_routes

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.parallel.generation_layout import GenerationLayout, from_leader
+from tandem.rl.core.reward_range import reward_problem
 from tandem.rl.generator.engine import Generator
 from tandem.rl.generator.sequence import SamplingParams, Sequence
 from tandem.rl.serve.protocol import BadRequest, TurnRequest, TurnResult
@@ -49,6 +50,8 @@ class EngineSettings:
     eot_id: int  # the end-of-turn token (tandem.rl.rollout.agentic.end_of_turn_id)
     max_model_len: int  # prompt + completion per sequence
     max_tokens: int = 256  # per turn, when the request sets none (capped by the context)
+    # training (rollout.max_tokens): a request's own max_tokens is capped at max_tokens too
+    cap_max_tokens: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -62,6 +65,9 @@ class EngineSettings:
     claim_timeout_s: float = (
         0.0  # an unclaimed task is dropped this long after the engine starts; 0 = never
     )
+    # tandem-serve: a session with no turn for this long is closed ("expired", its KV freed),
+    # and a closed one forgotten (its id then starts afresh); 0 = never
+    session_idle_s: float = 0.0
 
 
 @dataclass
@@ -102,6 +108,7 @@ class ServingEngine:
             "aborts": 0,
             "timeouts": 0,
             "unclaimed": 0,
+            "expired": 0,
             "new_samples": 0,
             "turns": 0,
         }
@@ -222,6 +229,16 @@ class ServingEngine:
 
     def _reward(self, sid: str, value: float, turn: int | None) -> dict:
         s = self._session(sid)
+        turns = {**s.turn_rewards, turn: value} if turn is not None else s.turn_rewards
+        final = (s.reward or 0.0) if turn is not None else value
+        total = final + sum(turns.values())
+        why = reward_problem(total)
+        if why is not None:  # each reward is in range; their sum must be too (reward_range.py)
+            raise BadRequest(
+                f"reward: the episode's rewards would sum to {total:.3g}; their sum {why}",
+                400,
+                "reward",
+            )
         if turn is not None:
             s.turn_rewards[turn] = value
             return {"session_id": sid, "closed": None}
@@ -242,6 +259,7 @@ class ServingEngine:
                     f"session {sid!r}: unknown (sessions come from POST /rl/episodes)", 404
                 )
             s = self.sessions[sid] = Session(sid, ephemeral=ephemeral)
+        s.touched = time.monotonic()
         if s.closed:
             raise BadRequest(f"session {sid!r}: already closed ({s.closed})", 409)
         if s.busy:
@@ -306,7 +324,11 @@ class ServingEngine:
             seq,
             list(seq.token_ids),
             seq.num_tokens,
-            min(req.max_tokens or self.s.max_tokens, room),
+            min(
+                req.max_tokens or self.s.max_tokens,
+                room,
+                self.s.max_tokens if self.s.cap_max_tokens else room,
+            ),
         )
 
     def _params(self, s: Session, req: TurnRequest, action: str) -> SamplingParams:
@@ -401,7 +423,7 @@ class ServingEngine:
     def _end_turn(self, t: _Turn, finish: str, result: TurnResult) -> None:
         del self.turns[t.key]
         s = t.session
-        s.busy = False
+        s.busy, s.touched = False, time.monotonic()
         s.turns += 1
         self.stats["turns"] += 1
         s.history_text += self.tok.decode(t.seq.token_ids[t.token_start :])
@@ -426,13 +448,16 @@ class ServingEngine:
                     "error", BadRequest(f"session {s.id!r} closed ({reason}) during the turn", 409)
                 )
         self._abort_segments(s)
-        s.busy, s.closed = False, reason
+        s.busy, s.closed, s.touched = False, reason, time.monotonic()
         if s.ephemeral:
             self.sessions.pop(s.id, None)
 
     def _expire(self) -> None:
-        """Drop the sessions of tasks past their deadline (training)."""
+        """Drop the sessions of tasks past their deadline (training), and idle ones
+        (``session_idle_s``, tandem-serve)."""
         d = self.s
+        if d.session_idle_s:
+            self._expire_idle(time.monotonic())
         if not (d.episode_timeout_s or d.claim_timeout_s):
             return
         now = time.monotonic()
@@ -452,6 +477,19 @@ class ServingEngine:
             ):
                 self.stats["unclaimed"] += 1
                 self._close(s, "unclaimed")
+
+    def _expire_idle(self, now: float) -> None:
+        """Close the sessions without a turn for ``session_idle_s`` (their KV is freed) and
+        forget the closed ones as long after (their ids answer 409 until then)."""
+        for s in list(self.sessions.values()):
+            if s.task is not None or s.busy or now - s.touched <= self.s.session_idle_s:
+                continue
+            if s.closed:
+                del self.sessions[s.id]
+            else:
+                self.stats["expired"] += 1
+                self._close(s, "expired")
+                s.touched = now
 
     def _close_all(self) -> None:
         """Stopping: refuse new messages, answer the queued ones and the turns in flight with

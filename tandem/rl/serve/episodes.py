@@ -27,6 +27,7 @@ from typing import Any
 
 from tandem.parallel.generation_layout import GenerationLayout, from_leader
 from tandem.rl.config.schema import ConfigError
+from tandem.rl.core.errors import StepInterrupted
 from tandem.rl.data.prompts import Prompt
 from tandem.rl.rollout.agentic import end_of_turn_id
 from tandem.rl.rollout.sampling import _with_generator, generator_settings, pool_prompts
@@ -99,6 +100,7 @@ def serve_episodes(
     layout: GenerationLayout,
     version: int,
     beat: Callable[[], None] | None = None,
+    stop: Callable[[], bool] = lambda: False,
 ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n episodes per prompt, played by the harness; every rank of the group calls (the
     leader with ``server``). Returns this rank's prompts' samples and the ``env/*`` metrics."""
@@ -121,6 +123,7 @@ def serve_episodes(
                 eot_id=end_of_turn_id(tokenizer),
                 max_model_len=gen.scheduler.max_model_len,
                 max_tokens=rcfg.max_tokens,
+                cap_max_tokens=True,  # rollout.max_tokens caps every turn (docs/serving.md)
                 temperature=rcfg.temperature,
                 top_p=rcfg.top_p,
                 top_k=rcfg.top_k,
@@ -142,16 +145,19 @@ def serve_episodes(
             sessions = [Session(t.id, task=t) for t in tasks]
             engine.add_tasks(sessions)
             server.board, server.engine = EpisodeBoard(tasks), engine
-        try:
-            engine.run(until=lambda: all(s.closed for s in sessions), beat=beat)
+        try:  # a stop signal ends the wait for the harness (polled every heartbeat_s)
+            engine.run(until=lambda: stop() or all(s.closed for s in sessions), beat=beat)
         finally:
             if server is not None:
                 server.board = server.engine = None
-        return from_leader(([_outcome(s) for s in sessions], engine.stats), layout)
+        cut = not all(s.closed for s in sessions)  # the leader's answer is every rank's
+        return from_leader(([_outcome(s) for s in sessions], engine.stats, cut), layout)
 
-    (outcomes, stats), metrics = _with_generator(
+    (outcomes, stats, cut), metrics = _with_generator(
         gen_model, tokenizer, settings, len(pooled) * n, run, layout
     )
+    if cut:
+        raise StepInterrupted("a stop signal while the rollout waited for its harness")
     samples, counts = [], {k: 0 for k in _DROPS}
     for k, out in enumerate(outcomes):
         g = k // n

@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import sys
 import threading
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +33,8 @@ from typing import Any
 from aiohttp import web
 
 from tandem.rl.core.configlib import is_loopback
+from tandem.rl.core.reward_range import reward_problem
+from tandem.rl.serve.limits import ConnectionCap, QuietLog
 from tandem.rl.serve.protocol import (
     BadRequest,
     chunk,
@@ -54,6 +54,8 @@ class ServerSettings:
     api_key: str | None = None  # bearer key; required when host is not a loopback address
     max_request_mb: float = 4.0  # larger request bodies get 413
     model_name: str = "tandem"  # the id /v1/models lists (requests may name any model)
+    max_connections: int = 128  # open at once; one more gets 503 and is closed (limits.py)
+    idle_timeout_s: float = 30.0  # a connection with no request in flight this long is closed
 
     def check(self) -> str | None:
         """Why these settings are unsafe or invalid (None: fine)."""
@@ -61,6 +63,10 @@ class ServerSettings:
             return f"port: must be in [0, 65536), got {self.port}"
         if self.max_request_mb <= 0:
             return f"max_request_mb: must be > 0, got {self.max_request_mb}"
+        if self.max_connections < 1:
+            return f"max_connections: must be >= 1, got {self.max_connections}"
+        if not self.idle_timeout_s > 0:
+            return f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}"
         if not self.api_key and not is_loopback(self.host):
             return (
                 f"host: {self.host!r} is not a loopback address; serving there needs a bearer key "
@@ -86,6 +92,8 @@ class AgentServer:
         self.port = settings.port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.quiet = QuietLog()
+        self.cap: ConnectionCap | None = None
 
     @property
     def url(self) -> str:
@@ -100,14 +108,23 @@ class AgentServer:
         def serve() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
+            loop.set_exception_handler(self.quiet.loop_errors)
             runner = web.AppRunner(
-                self._app(), handle_signals=False, handler_cancellation=True, access_log=None
+                self._app(),
+                handle_signals=False,
+                handler_cancellation=True,
+                access_log=None,
+                keepalive_timeout=self.settings.idle_timeout_s,
             )
             try:
                 loop.run_until_complete(runner.setup())
-                site = web.TCPSite(runner, self.settings.host, self.settings.port)
-                loop.run_until_complete(site.start())
-                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.cap = ConnectionCap(runner.server, self.settings.max_connections)
+                server = loop.run_until_complete(
+                    loop.create_server(
+                        self.cap, self.settings.host, self.settings.port, reuse_address=True
+                    )
+                )
+                self.port = server.sockets[0].getsockname()[1]
             except OSError as e:
                 failed.append(e)
                 ready.set()
@@ -115,6 +132,7 @@ class AgentServer:
             self._loop = loop
             ready.set()
             loop.run_forever()
+            server.close()
             loop.run_until_complete(runner.cleanup())
             loop.close()
 
@@ -158,8 +176,9 @@ class AgentServer:
         key = self.settings.api_key
         try:
             if key and request.path != "/health":
-                got = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+                # bytes that are not UTF-8 arrive as surrogates: compared, never a 500
+                got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(got, f"Bearer {key}".encode()):
                     raise BadRequest(
                         "a valid bearer key is required (Authorization: Bearer <key>)",
                         401,
@@ -175,7 +194,7 @@ class AgentServer:
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # noqa: BLE001  (the server's own fault: 500, the run goes on)
-            traceback.print_exc(file=sys.stderr)
+            self.quiet.traceback()  # at most one per 10 s: a fault that repeats cannot flood
             return web.json_response(
                 error_body(
                     f"internal error: {type(e).__name__}: {e}"[:300], 500, kind="server_error"
@@ -188,6 +207,8 @@ class AgentServer:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}"[:300]) from None
+        except RecursionError:  # e.g. [[[[...]]]] 100,000 deep
+            raise BadRequest("the body is JSON nested too deeply") from None
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -307,15 +328,9 @@ class AgentServer:
         msg: tuple = (kind, body["session_id"])
         if kind == "reward":
             r, turn = body.get("reward"), body.get("turn")
-            if (
-                isinstance(r, bool)
-                or not isinstance(r, (int, float))
-                or r != r
-                or abs(r) == float("inf")
-            ):
-                raise BadRequest(
-                    f"reward: must be a finite number, got {r!r}"[:200], param="reward"
-                )
+            why = reward_problem(r)
+            if why is not None:
+                raise BadRequest(f"reward: {why}"[:200], param="reward")
             if turn is not None and (
                 isinstance(turn, bool) or not isinstance(turn, int) or turn < 0
             ):

@@ -101,7 +101,13 @@ def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False) -
     if v is None:
         return None
     kinds = (int,) if integer else (int, float)
-    if isinstance(v, bool) or not isinstance(v, kinds) or not math.isfinite(v) or not lo <= v <= hi:
+    # an int is compared as it is: math.isfinite of a 400-digit one raises OverflowError
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, kinds)
+        or (isinstance(v, float) and not math.isfinite(v))
+        or not lo <= v <= hi
+    ):
         raise _bad(key, f"must be {'an integer' if integer else 'a number'} in [{lo:g}, {hi:g}]", v)
     return v
 

@@ -51,6 +51,7 @@ class Session:
     reward: float | None = None
     turn_rewards: dict[int, float] = field(default_factory=dict)
     forks: int = 0  # segments started because a request was not append-only
+    touched: float = 0.0  # time.monotonic() of its last turn's start or end (session expiry)
 
     @property
     def seq(self) -> Sequence | None:

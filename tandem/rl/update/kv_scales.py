@@ -34,7 +34,12 @@ import torch.distributed as dist
 
 from tandem.kernels import kv_quant as kvq
 from tandem.models.args import ModelArgs
+from tandem.rl.core.checkpoint import CheckpointError
 from tandem.rl.rollout.types import RolloutSample
+
+# the largest |K| or |V| a checkpoint may say a head saw: far above any working model's (fp16's
+# largest value is 65504); an amax past it would scale every key and value to zero
+AMAX_LIMIT = 1e5
 
 
 class KVScales:
@@ -172,10 +177,25 @@ class KVScales:
         return {"amax": self.amax.tolist(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        amax = torch.tensor(state["amax"], dtype=torch.float32)
-        if amax.shape != self.amax.shape:
-            raise ValueError(
-                f"checkpointed KV amax has shape {list(amax.shape)}, "
-                f"this model {list(self.amax.shape)}"
-            )
-        self.amax, self.step = amax, int(state["step"])
+        """The checkpoint's scales, checked like its weights: CheckpointError (exit 8) unless
+        ``amax`` is a ``[L, 2, Hkv]`` list of this model's shape, every value finite, >= 0 and
+        at most ``AMAX_LIMIT``, and ``step`` an integer (an edited, re-hashed trainer.json
+        with NaN or 1e38 would otherwise quantize every key and value to zero, silently)."""
+        why = None
+        try:
+            amax = torch.tensor(state["amax"], dtype=torch.float32)
+            step = state["step"]
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            amax, step, why = None, None, f"not an amax table ({type(e).__name__})"
+        if why is None and amax.shape != self.amax.shape:
+            why = f"amax has shape {list(amax.shape)}, this model {list(self.amax.shape)}"
+        elif why is None and not bool(((amax >= 0) & (amax <= AMAX_LIMIT)).all()):  # NaN: False
+            bad = (~((amax >= 0) & (amax <= AMAX_LIMIT))).nonzero()[0].tolist()
+            value = amax[tuple(bad)].item()
+            where = ", ".join(map(str, bad))
+            why = f"amax[{where}] = {value:.6g} is not a number in [0, {AMAX_LIMIT:g}]"
+        elif why is None and (type(step) is not int or step < 0):
+            why = f"step is {step!r}, not an integer >= 0"
+        if why is not None:
+            raise CheckpointError(f"checkpoint trainer.json: kv_scales: {why}; not loaded")
+        self.amax, self.step = amax, step

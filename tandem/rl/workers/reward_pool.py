@@ -11,7 +11,6 @@ caps, how functions are sent and the inline mode: docs/rewards.md.
 from __future__ import annotations
 
 import importlib
-import math
 import multiprocessing as mp
 import os
 import pickle
@@ -27,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from tandem.rl.core.metrics import Tally
+from tandem.rl.core.reward_range import reward_problem
 from tandem.rl.rewards.registry import RewardFn, get_reward, registered_modules
 from tandem.rl.workers.stop_signals import ignore_stop_signals, stop_signals_blocked, stop_workers
 
@@ -91,8 +91,9 @@ def _call(
             if armed:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         value = float(value)
-        if not math.isfinite(value):
-            return "error", 0.0, f"non-finite reward {value}"
+        why = reward_problem(value)
+        if why is not None:
+            return "error", 0.0, f"the reward {why}"
         return "ok", value, ""
     except _RewardTimeout:
         return "timeout", 0.0, ""
