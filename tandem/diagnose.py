@@ -9,7 +9,11 @@ failed, where (rank, phase, step, innermost frames) and when:
     checkpoints/step-N/      committed (COMMITTED marker) and *.partial saves
     **/error.json            torchrun error files (TORCHELASTIC_ERROR_FILE)
     metrics.jsonl            the last steps logged
+    health.jsonl             every rank's phase times per step, and straggler lines
     flight_recorder/         NCCL flight-recorder dumps, if any
+
+Its first line is one verdict: for a hang, which rank did not reach which collective of which
+step and phase, on which host, and where it is (tandem/diagnose_doctor.py).
 
 Exit status 0 when nothing failed (a preemption that left a checkpoint is not
 a failure), 1 when something did, 2 when the folder does not exist. A failure is reported as
@@ -29,6 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.diagnose_doctor import hang_verdict, stragglers
+
 _RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
 _STEP_DIR = re.compile(r"^step-(\d+)(\.partial)?$")
 MARKER = "COMMITTED"  # tandem/rl/core/checkpoint.py
@@ -44,6 +50,7 @@ class Finding:
     step: int | None = None
     details: list[str] = field(default_factory=list)
     earlier: bool = False  # the run progressed past it
+    verdict: str | None = None  # the doctor's one line (tandem/diagnose_doctor.py)
 
 
 def _when(t: float | None) -> str:
@@ -119,8 +126,16 @@ def read_hangs(dump: str) -> list[Finding]:
         f"hang on {len(recs)} rank(s) in phase {'/'.join(phases)} at step "
         f"{max(steps) if steps else '?'}: {first.get('reason', 'no progress')}"
     )
+    verdict = hang_verdict(dump, recs)
+    step = max(steps) if steps else None
+    return [Finding("hang", True, summary, first.get("time"), step, details, verdict=verdict)]
+
+
+def read_stragglers(dump: str) -> list[Finding]:
+    """The straggler lines of health.jsonl (notes: a slow rank is not a failure)."""
     return [
-        Finding("hang", True, summary, first.get("time"), max(steps) if steps else None, details)
+        Finding("straggler", False, line.removeprefix("straggler: "), step=step, verdict=line)
+        for step, line in stragglers(dump)
     ]
 
 
@@ -296,6 +311,7 @@ def diagnose(
         + read_nans(dump)
         + read_preempts(dump, latest)
         + read_errors(dump, extra, checkpoint_folder)
+        + read_stragglers(dump)
     )
     progress = max([s for s in (last_step, latest) if s is not None], default=None)
     for f in findings:
@@ -310,7 +326,7 @@ def diagnose(
         ):
             f.earlier = True
     failed = [f for f in findings if f.failed and not f.earlier]
-    lines = [f"dump folder: {dump}"]
+    lines = [_verdict(findings, failed), f"dump folder: {dump}"]
     for f in sorted(findings, key=lambda f: f.when or 0):
         tag = "FAILED" if f.failed and not f.earlier else ("earlier" if f.earlier else "note")
         lines.append(f"[{tag}] {f.kind}: {f.summary} ({_when(f.when)})")
@@ -329,15 +345,17 @@ def diagnose(
             f"flight recorder: {len(os.listdir(fr))} dump(s) in {fr}; read them with "
             f"python -m torch.distributed.flight_recorder.fr_trace {fr} --prefix rank-"
         )
-    lines.append(
-        "verdict: "
-        + (
-            "FAILED: " + ", ".join(sorted({f.kind for f in failed}))
-            if failed
-            else "no failure found"
-        )
-    )
     return lines, bool(failed)
+
+
+def _verdict(findings: list[Finding], failed: list[Finding]) -> str:
+    """The first line: what failed, in the doctor's words where it has them."""
+    if failed:
+        first = min(failed, key=lambda f: f.when or 0)
+        kinds = ", ".join(sorted({f.kind for f in failed}))
+        return f"verdict: FAILED: {kinds}: {first.verdict or first.summary}"
+    slow = [f for f in findings if f.kind == "straggler"]
+    return "verdict: no failure found" + (f"; {slow[-1].verdict}" if slow else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,11 +66,22 @@ class FaultConfig:
     # or stop (exit 7)
     flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA
     # only)
+    straggler_ratio: float = 1.5  # a rank whose own time (phase time minus collective wait) is
+    # this many times the median rank's is slow; named in one line with its host; 0 = off
+    straggler_steps: int = 3  # ... when the same rank is slow this many steps in a row
 
     def validate(self) -> None:
         require(
             self.hang_timeout_s >= 0,
             f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}",
+        )
+        require(
+            self.straggler_ratio == 0 or self.straggler_ratio > 1,
+            f"fault.straggler_ratio: must be > 1 (or 0 = off), got {self.straggler_ratio}",
+        )
+        require(
+            self.straggler_steps >= 1,
+            f"fault.straggler_steps: must be >= 1, got {self.straggler_steps}",
         )
 
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tandem.rl.core.health import waiting
 from tandem.rl.core.loggers import Sink, finite_scalars, open_sinks
 
 
@@ -108,7 +109,8 @@ class Tally:
             return self.values()
         kinds: list[Any] = [None] * dist.get_world_size(group)
         mine = (sorted(self._sum), sorted(self._mean), sorted(self._max))
-        dist.all_gather_object(kinds, mine, group=group)
+        with waiting("all_gather:metric_keys"):  # the first of the reduction's collectives
+            dist.all_gather_object(kinds, mine, group=group)
         sums = sorted({k for part in kinds for k in part[0]})
         means = sorted({k for part in kinds for k in part[1]})
         maxes = sorted({k for part in kinds for k in part[2]})

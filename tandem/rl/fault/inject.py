@@ -10,6 +10,10 @@ poison a step's loss with NaN.
                                             Pareto(alpha) above lo, capped at hi, ignoring EOS:
                                             the long-tail workload (bench/async_modes.py)
     TANDEM_INJECT_GEN_DELAY=<rank>:<s>      a slow generator: rank sleeps s seconds per step
+    TANDEM_INJECT_SLOW=<rank>:<s>           a straggler: rank sleeps s seconds in every update,
+                                            after its backward, before the gradient check
+    TANDEM_INJECT_STOP=<step>:<rank>        a frozen rank: rank sends itself SIGSTOP at the same
+                                            place in step N's update (a hang the others wait in)
 
 The kill comes after the step's update and before any checkpoint of that step,
 so a restarted job must redo the step from the previous checkpoint. A marker
@@ -28,6 +32,8 @@ ENV_SAVE = "TANDEM_INJECT_KILL_SAVE"
 ENV_NAN = "TANDEM_INJECT_NAN"
 ENV_LENGTHS = "TANDEM_INJECT_LENGTHS"
 ENV_GEN_DELAY = "TANDEM_INJECT_GEN_DELAY"
+ENV_SLOW = "TANDEM_INJECT_SLOW"
+ENV_STOP = "TANDEM_INJECT_STOP"
 
 
 def forced_length(seed: int) -> int | None:
@@ -59,6 +65,30 @@ def generator_delay(rank: int) -> float:
         return float(secs) if int(at) == rank else 0.0
     except ValueError:
         raise ValueError(f"{ENV_GEN_DELAY}={spec!r}: expected <rank>:<seconds>") from None
+
+
+def _pair(name: str, form: str) -> tuple[float, float] | None:
+    spec = os.environ.get(name)
+    if not spec:
+        return None
+    try:
+        a, b = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"{name}={spec!r}: expected {form}") from None
+    return a, b
+
+
+def in_update(step: int, rank: int) -> None:
+    """The update drills, called once per optimizer update before the gradient check:
+    TANDEM_INJECT_SLOW sleeps, TANDEM_INJECT_STOP stops this process (SIGSTOP) at its step."""
+    slow = _pair(ENV_SLOW, "<rank>:<seconds>")
+    if slow and int(slow[0]) == rank:
+        import time
+
+        time.sleep(slow[1])
+    stop = _pair(ENV_STOP, "<step>:<rank>")
+    if stop and (int(stop[0]), int(stop[1])) == (step, rank):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def nan_at(step: int) -> bool:

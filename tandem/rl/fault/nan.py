@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tandem.rl.core.errors import NonFiniteError
+from tandem.rl.core.health import waiting
 
 Policy = Literal["skip", "stop"]
 
@@ -86,8 +87,10 @@ def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: 
             any_bad = any_bad.to(torch.device("cuda", torch.cuda.current_device()))
         else:
             any_bad = any_bad.cpu()
-        dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
-    return bool(any_bad.item())  # deliberate host sync: every rank branches on it
+        with waiting("all_reduce:nonfinite_flag"):  # the first collective after the backward
+            dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
+            return bool(any_bad.item())  # deliberate host sync: every rank branches on it
+    return bool(any_bad.item())
 
 
 def _local_finding(

@@ -44,7 +44,7 @@ from tandem.rl.core.metrics import MetricsLogger
 from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.core.optim import Learner
 from tandem.rl.fault import Watchdog, check_finite
-from tandem.rl.fault.inject import nan_at
+from tandem.rl.fault.inject import in_update, nan_at
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -194,6 +194,7 @@ class Updater:
         """One guarded update of ``learners`` (default: all); returns each stepped learner's
         gradient norm by name ({} when the update was skipped)."""
         stepping = self.learners if learners is None else list(learners)
+        in_update(step + 1, self.rank)  # fault drills (TANDEM_INJECT_SLOW / _STOP)
         if nan_at(step + 1):  # fault drill (TANDEM_INJECT_NAN)
             loss = loss * float("nan")
         modules = [m for learner in self.learners for m in learner.modules]

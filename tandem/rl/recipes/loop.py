@@ -18,6 +18,9 @@ For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
 - the ledger: the ids (and data-stream positions) each step trained on (all ranks),
   checked at the end (exit 5 when a step is missing or repeated across crashes and
   resumes, or a position trained twice);
+- per-rank health (tandem/rl/core/health.py): every rank's phase times and collective wait ride
+  on the ledger's gather; ``health/*`` metrics, ``health.jsonl``, and one line naming a
+  straggler (``fault.straggler_ratio`` for ``fault.straggler_steps`` steps) with its host;
 - fault drills (TANDEM_INJECT_KILL) and the HF export at the end.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +39,7 @@ import torch.distributed as dist
 
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.config.schema import Config, format_config
-from tandem.rl.core import errors
+from tandem.rl.core import errors, health
 from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
 from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
@@ -45,7 +49,7 @@ from tandem.rl.recipes.base import Recipe, Runtime
 
 RecipeFactory = Callable[[Config, Runtime], Recipe]
 # per-step files a resume cuts back to its checkpoint's step
-STEP_LOGS = ("metrics.jsonl", "ledger.jsonl", "samples.jsonl")
+STEP_LOGS = ("metrics.jsonl", "ledger.jsonl", "samples.jsonl", "health.jsonl")
 
 
 class Shell:
@@ -63,6 +67,9 @@ class Shell:
             },
         )
         self.preempt = PreemptionHandler(self.dump, info.rank)
+        health.install(self.watchdog.clock)  # collective waits are charged to its phases
+        self.stragglers = health.StragglerWatch(f.straggler_ratio, f.straggler_steps)
+        self.host = socket.gethostname()
         c = cfg.checkpoint
         self.ckpt = Checkpointer(
             os.path.join(self.dump, c.folder),
@@ -138,17 +145,19 @@ class Shell:
                 start_eval = recipe.evaluate()
             self._say_eval(start_eval, "at start: {}")
         last_eval = start_eval
+        wd.clock.take()  # health rows count from the first step on, not the start-up
         while self.step < steps:
             t0 = time.monotonic()
             reset_peak_memory(self.info.device)
             with wd.phase("step"):
                 out = recipe.step(self.step)
-                self._write_ledger(out.ids, out.positions)
+                rows = self._write_ledger(out.ids, out.positions)
             self.step += 1
             # fault drills only (TANDEM_INJECT_KILL)
             maybe_kill(self.step, self.info.rank, self.dump)
             wd.beat(self.step)
             metrics = {**out.metrics, **self._shell_metrics(out.metrics, t0)}
+            metrics.update(self._health(rows))
             self._poll_checkpoint()  # commits an asynchronous save whose write has finished
             last = self.step == steps
             every = cfg.training.eval_interval
@@ -289,21 +298,44 @@ class Shell:
 
     # ---- ledger ----------------------------------------------------------------------
 
-    def _write_ledger(self, ids: list[str], positions: list[int]) -> None:
+    def _write_ledger(self, ids: list[str], positions: list[int]) -> list[dict[str, Any]]:
         """Append the ids this step trains on (all ranks) to dump_folder/ledger.jsonl, with their
-        data-stream positions when the recipe gives them."""
+        data-stream positions when the recipe gives them. The same gather carries every rank's
+        health row (where its time went since the last one); returns them, index = rank."""
         every: list[Any] = [None] * self.info.world_size
-        dist.all_gather_object(every, (sorted(set(ids)), sorted(set(positions))))
+        mine = {"rank": self.info.rank, "host": self.host, **self.watchdog.clock.take()}
+        with health.waiting("all_gather:ledger_and_health"):
+            dist.all_gather_object(every, (sorted(set(ids)), sorted(set(positions)), mine))
         if self.info.is_main:
             row: dict[str, Any] = {
                 "step": self.step + 1,
-                "ids": sorted(i for part, _ in every for i in part),
+                "ids": sorted(i for part, _, _ in every for i in part),
             }
-            where = sorted(p for _, part in every for p in part)
+            where = sorted(p for _, part, _ in every for p in part)
             if where:
                 row["positions"] = where
             with open(os.path.join(self.dump, "ledger.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
+        return [h for _, _, h in every]
+
+    def _health(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """The step's ``health/*`` metrics; rank 0 appends the rows to health.jsonl and says
+        the straggler's name once it has been slow for ``fault.straggler_steps`` steps."""
+        summary = health.summarize(rows)
+        line = self.stragglers.observe(self.step, summary, [r["host"] for r in rows])
+        if self.info.is_main:
+            record = {"step": self.step, **summary, "ranks": rows}
+            if line:
+                record["straggler"] = line
+                print(line, flush=True)
+            with open(os.path.join(self.dump, "health.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return {
+            "health/slowest_rank": float(summary["slowest_rank"]),
+            "health/straggler_ratio": summary["straggler_ratio"],
+            "health/own_median_s": summary["median_own_s"],
+            "health/wait_max_s": summary["wait_max_s"],
+        }
 
     def _check_ledger(self) -> int:
         """Every step 1..steps (from the resumed step on, when the checkpoint came without

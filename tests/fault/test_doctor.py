@@ -1,0 +1,240 @@
+"""The rank doctor: per-rank health and the straggler line, the hang verdict, the drills.
+
+The drills run train.py on the quickstart under torchrun on 3 CPU ranks (gloo): the fewest
+where "the median rank" is a rank that was not slowed, so naming rank 1 and no other means
+something. TANDEM_INJECT_SLOW / TANDEM_INJECT_STOP are tandem/rl/fault/inject.py's drills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem import diagnose
+from tandem.diagnose_doctor import hang_verdict
+from tandem.rl.core import health
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- health rows, the summary and the straggler watch ------------------------------------
+
+
+def test_phase_clock_splits_phases_and_waits(monkeypatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(health.time, "monotonic", lambda: now[0])
+    clock = health.PhaseClock()
+    health.install(clock)
+    try:
+        clock.switch("rollout")
+        now[0] += 2.0  # 2 s of rollout
+        clock.switch("update")
+        now[0] += 1.0
+        with health.waiting("all_reduce:a"):
+            assert clock.collective == "all_reduce:a"
+            with health.waiting("inner"):  # counted once, in the outer wait
+                now[0] += 3.0
+            assert clock.collective == "all_reduce:a"
+        assert clock.collective is None
+        now[0] += 0.5
+        row = clock.take()
+    finally:
+        health.install(None)
+    assert row["phases"] == {"rollout": 2.0, "startup": 0.0, "update": 4.5}
+    assert row["waits"] == {"update": 3.0}
+    assert row["own_s"] == 3.5 and row["wait_s"] == 3.0
+    assert clock.take()["own_s"] == 0.0  # take() resets
+
+
+def _row(rank: int, update: float, wait: float) -> dict:
+    return {
+        "rank": rank,
+        "host": f"h{rank}",
+        "phases": {"rollout": 1.0, "update": update},
+        "waits": {"update": wait},
+        "own_s": 1.0 + update - wait,
+        "wait_s": wait,
+    }
+
+
+def test_summary_names_the_rank_with_most_own_time() -> None:
+    # rank 2 computes 3 s more in its update; ranks 0, 1, 3 wait for it
+    rows = [_row(0, 5.0, 3.0), _row(1, 5.0, 3.1), _row(2, 5.0, 0.1), _row(3, 5.0, 2.9)]
+    s = health.summarize(rows)
+    own = [3.0, 2.9, 5.9, 3.1]
+    median = (3.0 + 3.1) / 2
+    assert s["slowest_rank"] == 2 and s["slowest_phase"] == "update"
+    assert s["median_own_s"] == pytest.approx(median)
+    assert s["straggler_ratio"] == pytest.approx(max(own) / median)
+    assert s["wait_max_s"] == 3.1
+
+
+def test_straggler_watch_needs_the_same_rank_for_n_steps() -> None:
+    w = health.StragglerWatch(1.5, 3)
+    hosts = ["a", "b", "c"]
+    fast = {"straggler_ratio": 1.1, "slowest_rank": 0, "slowest_phase": "update"}
+    slow = {"straggler_ratio": 2.0, "slowest_rank": 2, "slowest_phase": "update"}
+    other = dict(slow, slowest_rank=1)
+    seen = [w.observe(s, x, hosts) for s, x in enumerate([slow, slow, other, slow, fast], 1)]
+    assert seen == [None] * 5  # never 3 in a row for one rank
+    seen = [w.observe(s, x, hosts) for s, x in enumerate([slow] * 5, 6)]
+    assert seen[:2] == [None, None] and seen[3:] == [None, None]  # said once per streak
+    assert seen[2].startswith("straggler: rank 2 on c has been 2.00x") and "steps 6-8" in seen[2]
+    assert health.StragglerWatch(0, 1).observe(1, slow, hosts) is None  # 0 = off
+
+
+# ---- the hang verdict from dumps ---------------------------------------------------------
+
+
+def _dump(rank: int, phase: str, last: int, frames: list[tuple[str, str]], **extra) -> dict:
+    fr = [
+        {"file": f, "line": 10 + i, "function": fn, "code": ""} for i, (f, fn) in enumerate(frames)
+    ]
+    rec = {"rank": rank, "host": f"n{rank}", "phase": phase, "last_step": last, "time": 1.0}
+    rec["threads"] = [{"name": "MainThread", "trainer": True, "frames": fr}]
+    return {**rec, **extra}
+
+
+def test_hang_verdict_names_the_rank_that_did_not_arrive(tmp_path: Path) -> None:
+    dist_frames = [("train.py", "main"), ("torch/distributed/distributed_c10d.py", "all_gather")]
+    live = [("train.py", "main"), ("tandem/rl/rewards/code.py", "score")]
+    recs = {
+        0: _dump(0, "update", 6, dist_frames, world_size=4),
+        1: _dump(1, "update", 6, dist_frames, collective="all_reduce:nonfinite_flag"),
+        2: _dump(2, "update", 6, dist_frames, collective="all_reduce:nonfinite_flag"),
+        3: _dump(3, "rollout", 6, live),
+    }
+    line = hang_verdict(str(tmp_path), recs)
+    assert line.startswith(
+        "rank 3 (host n3) did not reach all_reduce:nonfinite_flag of step 7 (phase 'update') "
+        "that ranks 0, 1, 2 wait in; rank 3 is at tandem/rl/rewards/code.py:11 in score"
+    ), line
+    # rank 2 left no dump; its host comes from health.jsonl
+    (tmp_path / "health.jsonl").write_text(
+        json.dumps({"step": 6, "ranks": [{"rank": r, "host": f"m{r}"} for r in range(4)]}) + "\n"
+    )
+    del recs[2], recs[3]
+    recs[0].pop("world_size")
+    recs[0]["collective"] = "all_reduce:nonfinite_flag"
+    line = hang_verdict(str(tmp_path), recs)
+    assert line.startswith(
+        "ranks 2, 3 (host m2, m3) did not reach all_reduce:nonfinite_flag of step 7"
+    ), line
+    assert "rank 2 left no dump" in line and "rank 3 left no dump" in line
+    # nobody inside a collective: a deadlock in Python
+    line = hang_verdict(str(tmp_path), {0: _dump(0, "eval", 6, live), 1: _dump(1, "eval", 6, live)})
+    assert line.startswith("hang on ranks 0, 1, none inside a collective")
+
+
+# ---- the drills --------------------------------------------------------------------------
+
+
+def _cmd(dump: Path, nproc: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(ROOT / "train.py"),
+        "--config",
+        str(ROOT / "configs" / "quickstart.toml"),
+        f"--job.dump_folder={dump}",
+        "--rl.prompts_per_step=6",
+        "--rl.num_samples=4",
+        "--rl.eval_prompts=3",
+        "--training.eval_interval=0",
+        "--metrics.loggers=[]",
+        "--reward.num_workers=0",
+        "--checkpoint.enable=false",
+        "--checkpoint.export_hf_at_end=false",
+        *extra,
+    ]
+
+
+def _env(**drills: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **drills}
+
+
+@pytest.mark.slow
+def test_a_slow_rank_is_named_with_its_host_and_no_other(tmp_path: Path, capsys) -> None:
+    """Rank 1 sleeps 1 s in every update (a step here is ~0.3 s): from the second step on the
+    doctor names rank 1, once, and never rank 0 or 2."""
+    cmd = _cmd(tmp_path, 3, "--training.steps=4", "--fault.straggler_steps=2")
+    r = subprocess.run(
+        cmd, cwd=ROOT, env=_env(TANDEM_INJECT_SLOW="1:1.0"), capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    named = [ln for ln in r.stdout.splitlines() if ln.startswith("straggler:")]
+    host = os.uname().nodename
+    assert len(named) == 1 and named[0].startswith(f"straggler: rank 1 on {host} has been"), named
+    assert "steps 1-2" in named[0] and "phase 'update'" in named[0]
+    rows = [json.loads(line) for line in open(tmp_path / "health.jsonl")]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        own = [rank["own_s"] for rank in row["ranks"]]
+        assert row["slowest_rank"] == 1 and own[1] > 1.0 + max(own[0], own[2]) * 0.5, own
+        # the others waited for it, in the update's first collective after the backward
+        assert min(row["ranks"][0]["waits"]["update"], row["ranks"][2]["waits"]["update"]) > 0.8
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert {m["health/slowest_rank"] for m in metrics} == {1.0}
+    assert min(m["health/straggler_ratio"] for m in metrics) > 1.5
+    assert diagnose.main([str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"verdict: no failure found; {named[0]}"
+
+
+def _stopped_children(parent: int) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if pid.isdigit() and fields[0] == "T" and int(fields[1]) == parent:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_the_hang_verdict(tmp_path: Path, capsys) -> None:
+    """Rank 1 stops itself (SIGSTOP) in step 3's update; ranks 0 and 2 wait in the NaN check's
+    all-reduce until their watchdogs fire (exit 6). The verdict, tandem-diagnose's first line,
+    names rank 1, its host, step 3, the phase and the collective."""
+    cmd = _cmd(tmp_path, 3, "--training.steps=5", "--fault.hang_timeout_s=5")
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(TANDEM_INJECT_STOP="3:1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    hang = tmp_path / "hang"
+    while not all((hang / f"rank-{r}.json").exists() for r in (0, 2)):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-3000:]
+        time.sleep(0.5)
+    time.sleep(3)  # the dumps' grace: the ranks exit 6, torchrun waits for the stopped one
+    for pid in _stopped_children(p.pid):  # instead of torchrun's 30 s before it SIGKILLs it
+        os.kill(pid, signal.SIGKILL)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode != 0
+    assert "exitcode  : 6" in out, out[-3000:]
+    assert not (hang / "rank-1.json").exists()
+    assert diagnose.main([str(tmp_path)]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    host = os.uname().nodename
+    assert first == (
+        f"verdict: FAILED: hang: rank 1 (host {host}) did not reach all_reduce:nonfinite_flag of "
+        "step 3 (phase 'update') that ranks 0, 2 wait in; rank 1 left no dump (stopped, killed, "
+        "or stuck outside Python: SIGSTOP, a kernel or driver hang)"
+    ), first
