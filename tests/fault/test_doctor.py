@@ -76,6 +76,21 @@ def test_summary_names_the_rank_with_most_own_time() -> None:
     assert s["wait_max_s"] == 3.1
 
 
+def test_summary_compares_split_groups_among_themselves() -> None:
+    # split mode: generators (ranks 0, 1) decode for 5 s while trainers (2-4) update; only
+    # trainer 4 is slow among its peers
+    own = [5.0, 5.2, 1.0, 1.1, 3.0]
+    rows = [
+        {"group": "generators" if r < 2 else "trainers", "phases": {"step": o}, "waits": {}}
+        | {"own_s": o, "wait_s": 0.0}
+        for r, o in enumerate(own)
+    ]
+    s = health.summarize(rows)
+    assert s["slowest_rank"] == 4 and s["straggler_ratio"] == pytest.approx(3.0 / 1.1)
+    assert s["groups"]["generators"]["slowest_rank"] == 1
+    assert s["groups"]["generators"]["straggler_ratio"] == pytest.approx(5.2 / 5.1)
+
+
 def test_straggler_watch_needs_the_same_rank_for_n_steps() -> None:
     w = health.StragglerWatch(1.5, 3)
     hosts = ["a", "b", "c"]

@@ -98,24 +98,43 @@ def waiting(name: str) -> contextlib.AbstractContextManager[None]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every rank's row (index = rank) -> the slowest rank by own time, its ratio to the median,
-    the phase where it lost most against the median, and the largest wait."""
-    own = [float(r["own_s"]) for r in rows]
-    median = statistics.median(own)
-    slowest = max(range(len(own)), key=lambda r: own[r])
+    """Every rank's row (index = rank) -> the slowest rank by own time, its ratio to the median
+    of its group (rows' ``group``: split mode's generators and trainers are compared among
+    themselves), the phase where it lost most against that median, and the largest wait. With
+    several groups, ``groups`` holds each one's slowest rank and ratio; the top level is the
+    group with the largest ratio."""
+    names = sorted({str(r.get("group", "")) for r in rows})
+    per = {
+        g: _summarize([i for i, r in enumerate(rows) if r.get("group", "") == g], rows)
+        for g in names
+    }
+    top = max(per.values(), key=lambda s: s["straggler_ratio"])
+    out = {**top, "wait_max_s": max(float(r["wait_s"]) for r in rows)}
+    if len(per) > 1:
+        out["groups"] = {
+            g: {"slowest_rank": s["slowest_rank"], "straggler_ratio": s["straggler_ratio"]}
+            for g, s in per.items()
+        }
+    return out
+
+
+def _summarize(ranks: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    own = {r: float(rows[r]["own_s"]) for r in ranks}
+    median = statistics.median(own.values())
+    slowest = max(ranks, key=lambda r: own[r])
     phases = rows[slowest]["phases"]
 
+    def own_in(row: dict[str, Any], p: str) -> float:
+        return row["phases"].get(p, 0.0) - row["waits"].get(p, 0.0)
+
     def lost(p: str) -> float:
-        mine = phases.get(p, 0.0) - rows[slowest]["waits"].get(p, 0.0)
-        others = [r["phases"].get(p, 0.0) - r["waits"].get(p, 0.0) for r in rows]
-        return mine - statistics.median(others)
+        return own_in(rows[slowest], p) - statistics.median(own_in(rows[r], p) for r in ranks)
 
     return {
         "slowest_rank": slowest,
         "straggler_ratio": own[slowest] / median if median > 0 else 1.0,
         "median_own_s": median,
         "slowest_phase": max(phases, key=lost) if phases else None,
-        "wait_max_s": max(float(r["wait_s"]) for r in rows),
     }
 
 

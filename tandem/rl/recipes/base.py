@@ -73,6 +73,9 @@ class StepOutput:
     metrics: dict[str, float]
     ids: list[str] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    # ranks compared with each other for stragglers (split mode: "generators" / "trainers");
+    # "" for all ranks alike
+    health_group: str = ""
 
 
 @dataclass

@@ -151,7 +151,7 @@ class Shell:
             reset_peak_memory(self.info.device)
             with wd.phase("step"):
                 out = recipe.step(self.step)
-                rows = self._write_ledger(out.ids, out.positions)
+                rows = self._write_ledger(out.ids, out.positions, out.health_group)
             self.step += 1
             # fault drills only (TANDEM_INJECT_KILL)
             maybe_kill(self.step, self.info.rank, self.dump)
@@ -298,12 +298,16 @@ class Shell:
 
     # ---- ledger ----------------------------------------------------------------------
 
-    def _write_ledger(self, ids: list[str], positions: list[int]) -> list[dict[str, Any]]:
+    def _write_ledger(
+        self, ids: list[str], positions: list[int], group: str = ""
+    ) -> list[dict[str, Any]]:
         """Append the ids this step trains on (all ranks) to dump_folder/ledger.jsonl, with their
         data-stream positions when the recipe gives them. The same gather carries every rank's
         health row (where its time went since the last one); returns them, index = rank."""
         every: list[Any] = [None] * self.info.world_size
         mine = {"rank": self.info.rank, "host": self.host, **self.watchdog.clock.take()}
+        if group:
+            mine["group"] = group
         with health.waiting("all_gather:ledger_and_health"):
             dist.all_gather_object(every, (sorted(set(ids)), sorted(set(positions)), mine))
         if self.info.is_main:
@@ -330,12 +334,16 @@ class Shell:
                 print(line, flush=True)
             with open(os.path.join(self.dump, "health.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
-        return {
+        out = {
             "health/slowest_rank": float(summary["slowest_rank"]),
             "health/straggler_ratio": summary["straggler_ratio"],
             "health/own_median_s": summary["median_own_s"],
             "health/wait_max_s": summary["wait_max_s"],
         }
+        for g, s in summary.get("groups", {}).items():
+            out[f"health/{g}/slowest_rank"] = float(s["slowest_rank"])
+            out[f"health/{g}/straggler_ratio"] = s["straggler_ratio"]
+        return out
 
     def _check_ledger(self) -> int:
         """Every step 1..steps (from the resumed step on, when the checkpoint came without

@@ -252,6 +252,7 @@ class SplitRLRecipe(RLRecipe):
             self.sample_log.log(step + 1, self._sample_records(batch, result.advantages))
             out = StepOutput({}, batch.ids, batch.positions)
         out.metrics = self._gather_metrics(mine)
+        out.health_group = "generators" if w.in_first else "trainers"  # compared among themselves
         return out
 
     def _gather_metrics(self, mine: dict[str, float]) -> dict[str, float]:
