@@ -5,6 +5,7 @@ failed, where (rank, phase, step, innermost frames) and when:
 
     hang/rank-<r>.json       watchdog dumps (tandem/rl/fault/watchdog.py)
     nan/rank-<r>.json        NaN/Inf reports (tandem/rl/fault/nan.py)
+    replica/rank-<r>.json    replica-check mismatches (tandem/rl/fault/replica.py)
     preempt/rank-<r>.json    agreed preemption stops (tandem/rl/fault/signals.py)
     checkpoints/step-N/      committed (COMMITTED marker) and *.partial saves
     **/error.json            torchrun error files (TORCHELASTIC_ERROR_FILE)
@@ -129,6 +130,16 @@ def read_hangs(dump: str) -> list[Finding]:
     verdict = hang_verdict(dump, recs)
     step = max(steps) if steps else None
     return [Finding("hang", True, summary, first.get("time"), step, details, verdict=verdict)]
+
+
+def read_replicas(dump: str) -> list[Finding]:
+    """A replica check's mismatch (replica/rank-<r>.json, tandem/rl/fault/replica.py)."""
+    recs = [v for v in _rank_records(os.path.join(dump, "replica")).values() if v.get("message")]
+    if not recs:
+        return []
+    rec = recs[0]
+    msg = f"replicas diverged at {rec['message']}"
+    return [Finding("replica", True, msg, rec.get("time"), rec.get("step"), verdict=msg)]
 
 
 def read_stragglers(dump: str) -> list[Finding]:
@@ -311,6 +322,7 @@ def diagnose(
         + read_nans(dump)
         + read_preempts(dump, latest)
         + read_errors(dump, extra, checkpoint_folder)
+        + read_replicas(dump)
         + read_stragglers(dump)
     )
     progress = max([s for s in (last_step, latest) if s is not None], default=None)

@@ -253,3 +253,67 @@ def test_a_stopped_rank_is_named_by_the_hang_verdict(tmp_path: Path, capsys) -> 
         "step 3 (phase 'update') that ranks 0, 2 wait in; rank 1 left no dump (stopped, killed, "
         "or stuck outside Python: SIGSTOP, a kernel or driver hang)"
     ), first
+
+
+# ---- the replica check -------------------------------------------------------------------
+
+
+def test_compare_names_the_odd_replica_or_both_of_two() -> None:
+    from tandem.rl.fault.replica import compare
+
+    names = ["a", "b", "c"]
+    same = {0: [1, 2, 3], 2: [1, 2, 3], 4: [1, 2, 3]}
+    assert compare(names, same) is None
+    odd = {**same, 2: [1, 5, 7]}  # rank 2 differs in b (and c): the first tensor is named
+    assert compare(names, odd) == {
+        "tensor": "b",
+        "ranks": [2],
+        "replicas": [0, 2, 4],
+        "checksums": {0: 2, 2: 5, 4: 2},
+    }
+    two = compare(names, {0: [1, 2, 3], 1: [1, 2, 4]})
+    assert two["tensor"] == "c" and two["ranks"] == [0, 1]
+
+
+def test_the_flip_drill_changes_exactly_one_bit_and_the_checksum(monkeypatch) -> None:
+    import torch
+
+    from tandem.rl.fault.inject import flip_bit
+    from tandem.rl.fault.replica import local_sums
+
+    t = torch.randn(4, 3)
+    before = t.clone()
+    params = [("empty", torch.zeros(0)), ("w", t)]
+    monkeypatch.setenv("TANDEM_INJECT_FLIP", "3:1")
+    assert flip_bit(2, 1, params) is None and flip_bit(3, 0, params) is None
+    assert local_sums(params) == local_sums([("empty", torch.zeros(0)), ("w", before)])
+    assert flip_bit(3, 1, params) == "w"
+    diff = (t.view(torch.int32) ^ before.view(torch.int32)).flatten().tolist()
+    assert diff == [1] + [0] * 11
+    assert local_sums(params) != local_sums([("empty", torch.zeros(0)), ("w", before)])
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_one_replica_is_named(tmp_path: Path, capsys) -> None:
+    """HSDP with 3 replicas (dp_replicate = 3, one shard each, 3 CPU ranks): rank 1 flips one
+    bit of its copy at step 2's check; every rank stops with exit 11 naming rank 1, the tensor
+    the drill flipped and step 2, and tandem-diagnose says the same first."""
+    cmd = _cmd(tmp_path, 3, "--training.steps=4", "--parallel.dp_replicate=3")
+    cmd.append("--fault.replica_check_steps=1")
+    r = subprocess.run(
+        cmd, cwd=ROOT, env=_env(TANDEM_INJECT_FLIP="2:1"), capture_output=True, text=True
+    )
+    out = r.stdout + r.stderr
+    flipped = [ln for ln in out.splitlines() if ln.startswith("fault drill: flipped")]
+    assert len(flipped) == 1, out[-3000:]
+    tensor = flipped[0].split(" of ")[1].split("[0]")[0]
+    host = os.uname().nodename
+    line = f"step 2: rank 1 (host {host}) differs from its replicas [0, 2] in {tensor} (checksums"
+    for rank in range(3):
+        assert f"[rank {rank}] error: {line}" in out, out[-3000:]
+    assert "exitcode  : 11" in out
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == [1, 2]  # step 1's check passed
+    assert diagnose.main([str(tmp_path)]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"verdict: FAILED: replica: replicas diverged at {line}"), first

@@ -69,6 +69,9 @@ class FaultConfig:
     straggler_ratio: float = 1.5  # a rank whose own time (phase time minus collective wait) is
     # this many times the median rank's is slow; named in one line with its host; 0 = off
     straggler_steps: int = 3  # ... when the same rank is slow this many steps in a row
+    replica_check_steps: int = 100  # every this many steps, compare an exact checksum of the
+    # weights across HSDP replicas (parallel.dp_replicate > 1; nothing to compare otherwise);
+    # a mismatch names the step, tensor and rank and exits 11; 0 = off
 
     def validate(self) -> None:
         require(
@@ -78,6 +81,10 @@ class FaultConfig:
         require(
             self.straggler_ratio == 0 or self.straggler_ratio > 1,
             f"fault.straggler_ratio: must be > 1 (or 0 = off), got {self.straggler_ratio}",
+        )
+        require(
+            self.replica_check_steps >= 0,
+            f"fault.replica_check_steps: must be >= 0 (0 = off), got {self.replica_check_steps}",
         )
         require(
             self.straggler_steps >= 1,

@@ -12,6 +12,9 @@ poison a step's loss with NaN.
     TANDEM_INJECT_GEN_DELAY=<rank>:<s>      a slow generator: rank sleeps s seconds per step
     TANDEM_INJECT_SLOW=<rank>:<s>           a straggler: rank sleeps s seconds in every update,
                                             after its backward, before the gradient check
+    TANDEM_INJECT_FLIP=<step>:<rank>        silent corruption: at step N's replica check, rank
+                                            first flips the lowest bit of the first element of
+                                            its first replicated parameter shard
     TANDEM_INJECT_STOP=<step>:<rank>        a frozen rank: rank sends itself SIGSTOP at the same
                                             place in step N's update (a hang the others wait in)
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 ENV = "TANDEM_INJECT_KILL"
 ENV_SAVE = "TANDEM_INJECT_KILL_SAVE"
@@ -34,6 +38,7 @@ ENV_LENGTHS = "TANDEM_INJECT_LENGTHS"
 ENV_GEN_DELAY = "TANDEM_INJECT_GEN_DELAY"
 ENV_SLOW = "TANDEM_INJECT_SLOW"
 ENV_STOP = "TANDEM_INJECT_STOP"
+ENV_FLIP = "TANDEM_INJECT_FLIP"
 
 
 def forced_length(seed: int) -> int | None:
@@ -89,6 +94,22 @@ def in_update(step: int, rank: int) -> None:
     stop = _pair(ENV_STOP, "<step>:<rank>")
     if stop and (int(stop[0]), int(stop[1])) == (step, rank):
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def flip_bit(step: int, rank: int, params: list[tuple[str, Any]]) -> str | None:
+    """The TANDEM_INJECT_FLIP drill on (name, local tensor) ``params``: the name of the tensor
+    whose bit it flipped on this rank, or None."""
+    at = _pair(ENV_FLIP, "<step>:<rank>")
+    if not at or (int(at[0]), int(at[1])) != (step, rank):
+        return None
+    import torch
+
+    name, t = next((n, t) for n, t in params if t.numel())
+    flat = t.view(-1)
+    view = {4: torch.int32, 2: torch.int16}[flat.element_size()]
+    flat[:1].view(view).bitwise_xor_(1)
+    print(f"fault drill: flipped the lowest bit of {name}[0] on rank {rank}", flush=True)
+    return name
 
 
 def nan_at(step: int) -> bool:

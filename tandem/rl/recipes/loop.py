@@ -45,6 +45,7 @@ from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, t
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.fault import PreemptionHandler, Watchdog
 from tandem.rl.fault.inject import maybe_kill
+from tandem.rl.fault.replica import check_replicas
 from tandem.rl.recipes.base import Recipe, Runtime
 
 RecipeFactory = Callable[[Config, Runtime], Recipe]
@@ -169,6 +170,7 @@ class Shell:
                 metrics.update(self.ckpt_metrics)
                 self.ckpt_metrics = {}
                 self.logger.log(self.step, metrics, total_steps=steps)
+            self._check_replicas()  # before a save: a diverged state is never checkpointed
             saved = cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or last)
             if saved:
                 self._save(finish=last)
@@ -200,6 +202,17 @@ class Shell:
             "lr": updater.last_lr,
             "fault/skipped_updates": float(updater.skipped),
         }
+
+    def _check_replicas(self) -> None:
+        """Every ``fault.replica_check_steps`` steps: the HSDP replicas hold the same bits
+        (tandem/rl/fault/replica.py; ReplicaMismatch, exit 11, otherwise)."""
+        every = self.cfg.fault.replica_check_steps
+        if not every or self.step % every:
+            return
+        with self.watchdog.phase("replica_check"):
+            parts = self.recipe.checkpoint_parts()
+            modules = [parts.model, *(m for m, _ in parts.extras.values())]
+            check_replicas(modules, self.step, self.info.rank, self.dump)
 
     def _say_eval(
         self, values: dict[str, float], form: str, start: dict[str, float] | None = None
