@@ -145,8 +145,8 @@ def read_replicas(dump: str) -> list[Finding]:
 def read_stragglers(dump: str) -> list[Finding]:
     """The straggler lines of health.jsonl (notes: a slow rank is not a failure)."""
     return [
-        Finding("straggler", False, line.removeprefix("straggler: "), step=step, verdict=line)
-        for step, line in stragglers(dump)
+        Finding("straggler", False, line.removeprefix("straggler: "), when, step, verdict=line)
+        for step, line, when in stragglers(dump)
     ]
 
 

@@ -4,7 +4,6 @@
                           rank -> host map) into one line: which rank did not reach which
                           collective of which step and phase, on which host, and where it is
     stragglers(dump)      the straggler lines the shell wrote to health.jsonl
-    replica_verdict(dump) the replica check's mismatch record (replica/mismatch.json)
 
 A rank *waits* when its trainer thread is inside a collective: one Tandem issues itself (the
 dump's ``collective``, tandem/rl/core/health.py `waiting`) or any torch.distributed call (its
@@ -130,10 +129,10 @@ def hang_verdict(dump: str, recs: dict[int, dict[str, Any]]) -> str | None:
     )
 
 
-def stragglers(dump: str) -> list[tuple[int, str]]:
-    """(step, line) for each straggler line the shell recorded in health.jsonl."""
+def stragglers(dump: str) -> list[tuple[int, str, float | None]]:
+    """(step, line, time) for each straggler line the shell recorded in health.jsonl."""
     path = os.path.join(dump, "health.jsonl")
-    out: list[tuple[int, str]] = []
+    out: list[tuple[int, str, float | None]] = []
     if not os.path.exists(path):
         return out
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -143,5 +142,5 @@ def stragglers(dump: str) -> list[tuple[int, str]]:
             except ValueError:
                 continue
             if isinstance(row, dict) and row.get("straggler"):
-                out.append((int(row.get("step", 0)), str(row["straggler"])))
+                out.append((int(row.get("step", 0)), str(row["straggler"]), row.get("time")))
     return out

@@ -62,8 +62,11 @@ class FaultConfig:
 
     hang_timeout_s: float = 900.0  # no step progress for this long: dump every rank's stacks, exit
     # 6; 0 = off
-    on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/Inf loss or grad: skip the step (counted)
-    # or stop (exit 7)
+    on_nonfinite: Literal["skip", "stop", "rollback"] = "stop"  # NaN/Inf loss or grad: skip the
+    # step (counted), stop (exit 7), or rollback: reload the last checkpoint, skip the step's
+    # prompts (ledger.jsonl, rollback.jsonl) and go on
+    max_rollbacks: int = 3  # on_nonfinite = "rollback": more rollbacks than this in one run
+    # stop it (exit 7)
     flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA
     # only)
     straggler_ratio: float = 1.5  # a rank whose own time (phase time minus collective wait) is
@@ -81,6 +84,10 @@ class FaultConfig:
         require(
             self.straggler_ratio == 0 or self.straggler_ratio > 1,
             f"fault.straggler_ratio: must be > 1 (or 0 = off), got {self.straggler_ratio}",
+        )
+        require(
+            self.max_rollbacks >= 0,
+            f"fault.max_rollbacks: must be >= 0, got {self.max_rollbacks}",
         )
         require(
             self.replica_check_steps >= 0,

@@ -208,6 +208,12 @@ class MetricsLogger:
             flush=True,
         )
 
+    def reopen(self) -> None:
+        """Open metrics.jsonl afresh at the next row (it was cut back: a rollback)."""
+        if self._jsonl:
+            self._jsonl.close()
+            self._jsonl = None
+
     def text(self, tag: str, text: str, step: int) -> None:
         for sink in self._sinks:
             sink.text(tag, text, step)

@@ -116,6 +116,16 @@ def _local_finding(
     }
 
 
+class Rollback(Exception):
+    """``fault.on_nonfinite = "rollback"``: step ``step`` (from 1) had a non-finite loss or
+    gradient on some rank (every rank raises it at the same point); the training shell
+    reloads the newest checkpoint and skips that step's prompts (tandem/rl/recipes/loop.py)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step}: non-finite loss or gradient")
+        self.step = step
+
+
 def check_finite(
     loss: torch.Tensor | None,
     model: nn.Module | Sequence[nn.Module],

@@ -43,7 +43,7 @@ from tandem.rl.core.lora import checkpoint_module
 from tandem.rl.core.metrics import MetricsLogger
 from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.core.optim import Learner
-from tandem.rl.fault import Watchdog, check_finite
+from tandem.rl.fault import Rollback, Watchdog, check_finite
 from tandem.rl.fault.inject import in_update, nan_at
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
@@ -173,8 +173,10 @@ class Updater:
     modules on all ranks (tandem/rl/fault/nan.py). Finite: each of ``learners`` (default:
     all; a critic warming up steps alone) clips and steps. Not finite under "skip": every
     gradient is dropped and the update counted. Under "stop" the check raises
-    NonFiniteError (exit 7). Either way the stepped learners' schedules advance by one and
-    every gradient is zeroed. The first learner's schedule is the run's ``last_lr``.
+    NonFiniteError (exit 7); under "rollback" `Rollback` (the shell reloads the last
+    checkpoint and adds the step to ``skip_steps``, whose updates are then skipped like
+    "skip"'s). Otherwise the stepped learners' schedules advance by one and every gradient
+    is zeroed. The first learner's schedule is the run's ``last_lr``.
     """
 
     def __init__(
@@ -184,6 +186,7 @@ class Updater:
         self.fault, self.dump_folder, self.rank = fault, dump_folder, rank
         self.skipped = 0
         self.last_lr = self._lr()  # the learning rate of the latest update
+        self.skip_steps: set[int] = set()  # steps (from 1) a rollback skips (the shell's)
 
     def _lr(self) -> float:
         sched = self.learners[0].scheduler
@@ -201,15 +204,22 @@ class Updater:
         if nan_at(step + 1):  # fault drill (TANDEM_INJECT_NAN)
             loss = loss * float("nan")
         modules = [m for learner in self.learners for m in learner.modules]
+        policy = self.fault.on_nonfinite
         finite = check_finite(
             loss,
             modules,
             step + 1,
             self.rank,
-            self.fault.on_nonfinite,
+            "skip" if policy == "rollback" else policy,
             dump_folder=self.dump_folder,
             group=side_group(),
         )
+        if step + 1 in self.skip_steps:  # a rollback's step: its prompts are not trained on
+            finite = False
+        elif not finite and policy == "rollback":
+            for learner in self.learners:
+                learner.optimizer.zero_grad(set_to_none=True)
+            raise Rollback(step + 1)
         if self.learners[0] in stepping:
             self.last_lr = self._lr()
         norms: dict[str, float] = {}

@@ -43,7 +43,7 @@ from tandem.rl.core import errors, health
 from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
 from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
-from tandem.rl.fault import PreemptionHandler, Watchdog
+from tandem.rl.fault import NonFiniteError, PreemptionHandler, Rollback, Watchdog
 from tandem.rl.fault.inject import maybe_kill
 from tandem.rl.fault.replica import check_replicas
 from tandem.rl.recipes.base import Recipe, Runtime
@@ -84,6 +84,7 @@ class Shell:
         self.step = 0
         self.ledger_from = 1  # first step ledger.jsonl must hold at the end
         self.ckpt_metrics: dict[str, float] = {}  # save/load seconds, logged with the next row
+        self.rollbacks = 0
 
     # ---- entry -----------------------------------------------------------------------
 
@@ -150,9 +151,14 @@ class Shell:
         while self.step < steps:
             t0 = time.monotonic()
             reset_peak_memory(self.info.device)
-            with wd.phase("step"):
-                out = recipe.step(self.step)
-                rows = self._write_ledger(out.ids, out.positions, out.health_group)
+            try:
+                with wd.phase("step"):
+                    out = recipe.step(self.step)
+                    rows = self._write_ledger(out.ids, out.positions, out.health_group)
+            except Rollback as e:  # fault.on_nonfinite = "rollback"
+                with wd.phase("checkpoint"):
+                    self._rollback(e)
+                continue
             self.step += 1
             # fault drills only (TANDEM_INJECT_KILL)
             maybe_kill(self.step, self.info.rank, self.dump)
@@ -234,7 +240,7 @@ class Shell:
         refuses a start at step 0 over an earlier run's checkpoints, exit 8) and cut the
         per-step logs back to its step; a start at step 0 cuts them to nothing (what an
         attempt logged before its first checkpoint is redone)."""
-        recipe, logs = self.recipe, [os.path.join(self.dump, name) for name in STEP_LOGS]
+        logs = [os.path.join(self.dump, name) for name in STEP_LOGS]
         last = resume_step(
             self.ckpt, self.cfg.checkpoint, self.cfg.training.steps, self.info.is_main, logs=logs
         )
@@ -243,14 +249,7 @@ class Shell:
                 for log in logs:
                     truncate_jsonl(log, 0)
             return
-        t0 = time.monotonic()
-        parts = recipe.checkpoint_parts()
-        state = self.ckpt.load(last, parts.model, parts.optimizer, parts.extras)
-        self.ckpt_metrics["checkpoint/load_s"] = time.monotonic() - t0
-        self.step = state.pop("step")
-        saved_world = state.pop("_saved_world")
-        model_only = state.pop("_model_only")
-        recipe.load_state_dict(state, saved_world=saved_world)
+        saved_world, model_only = self._load(last)
         if not os.path.exists(os.path.join(self.dump, "ledger.jsonl")):
             # a checkpoint brought from elsewhere: its history is not here
             self.ledger_from = self.step + 1
@@ -264,8 +263,55 @@ class Shell:
                 flush=True,
             )
 
+    def _load(self, last: int) -> tuple[int, bool]:
+        """Load checkpoint ``last`` (verified first) into the recipe and the shell; returns the
+        world size it was saved on and whether it was model-only."""
+        t0 = time.monotonic()
+        parts = self.recipe.checkpoint_parts()
+        state = self.ckpt.load(last, parts.model, parts.optimizer, parts.extras)
+        self.ckpt_metrics["checkpoint/load_s"] = time.monotonic() - t0
+        self.step = state.pop("step")
+        saved_world = state.pop("_saved_world")
+        model_only = state.pop("_model_only")
+        # steps whose prompts a rollback skipped (absent from checkpoints written before them)
+        self.recipe.updater.skip_steps = set(state.pop("rolled_back_steps", []))
+        self.recipe.load_state_dict(state, saved_world=saved_world)
+        return saved_world, model_only
+
     def _trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, **self.recipe.state_dict()}
+        state = {"step": self.step, **self.recipe.state_dict()}
+        if self.recipe.updater.skip_steps:
+            state["rolled_back_steps"] = sorted(self.recipe.updater.skip_steps)
+        return state
+
+    def _rollback(self, e: Rollback) -> None:
+        """``fault.on_nonfinite = "rollback"``: the non-finite step ``e.step`` is undone by
+        loading the newest committed checkpoint; the steps after it are trained again and step
+        ``e.step``'s prompts are taken but not trained on (ledger.jsonl marks the step
+        ``skipped``, rollback.jsonl says why). More than ``fault.max_rollbacks`` rollbacks in
+        one run, or no checkpoint to go back to: NonFiniteError (exit 7)."""
+        self.rollbacks += 1
+        self._poll_checkpoint(wait=True)
+        last = self.ckpt.latest_step() if self.cfg.checkpoint.enable else None
+        limit = self.cfg.fault.max_rollbacks
+        if last is None or self.rollbacks > limit:
+            why = "no checkpoint to go back to" if last is None else f"rollback {self.rollbacks}"
+            raise NonFiniteError(f"{e} ({why}; fault.max_rollbacks = {limit})", {"step": e.step})
+        skipped = {*self.recipe.updater.skip_steps, e.step}
+        self._load(last)
+        self.recipe.updater.skip_steps = skipped  # the checkpoint predates this rollback
+        if self.info.is_main:
+            for name in STEP_LOGS:
+                truncate_jsonl(os.path.join(self.dump, name), last)
+            self.logger.reopen()  # metrics.jsonl was rewritten under its open handle
+            with open(os.path.join(self.dump, "rollback.jsonl"), "a") as f:
+                row = {"step": e.step, "to": last, "reason": str(e), "time": time.time()}
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"rollback {self.rollbacks}/{limit}: {e}; reloaded {self.ckpt.path(last)}, "
+                f"step {e.step}'s prompts will be skipped",
+                flush=True,
+            )
 
     def _save(self, *, finish: bool = False) -> None:
         """Checkpoint this step; ``finish`` waits for an asynchronous write to commit."""
@@ -331,6 +377,8 @@ class Shell:
             where = sorted(p for _, part, _ in every for p in part)
             if where:
                 row["positions"] = where
+            if self.step + 1 in self.recipe.updater.skip_steps:
+                row["skipped"] = "rollback"  # taken, not trained on (rollback.jsonl)
             with open(os.path.join(self.dump, "ledger.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
         return [h for _, _, h in every]
@@ -341,7 +389,7 @@ class Shell:
         summary = health.summarize(rows)
         line = self.stragglers.observe(self.step, summary, [r["host"] for r in rows])
         if self.info.is_main:
-            record = {"step": self.step, **summary, "ranks": rows}
+            record = {"step": self.step, "time": time.time(), **summary, "ranks": rows}
             if line:
                 record["straggler"] = line
                 print(line, flush=True)
