@@ -11,6 +11,7 @@ failed, where (rank, phase, step, innermost frames) and when:
     **/error.json            torchrun error files (TORCHELASTIC_ERROR_FILE)
     metrics.jsonl            the last steps logged
     health.jsonl             every rank's phase times per step, and straggler lines
+    rollback.jsonl           rollbacks of fault.on_nonfinite = "rollback"
     flight_recorder/         NCCL flight-recorder dumps, if any
 
 Its first line is one verdict: for a hang, which rank did not reach which collective of which
@@ -140,6 +141,27 @@ def read_replicas(dump: str) -> list[Finding]:
     rec = recs[0]
     msg = f"replicas diverged at {rec['message']}"
     return [Finding("replica", True, msg, rec.get("time"), rec.get("step"), verdict=msg)]
+
+
+def read_rollbacks(dump: str) -> list[Finding]:
+    """Rollbacks (rollback.jsonl, fault.on_nonfinite = "rollback"): recovered, so notes."""
+    path = os.path.join(dump, "rollback.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                step, to = int(row["step"]), int(row["to"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            msg = (
+                f"{row.get('reason', 'non-finite')}: rolled back to step-{to}; step {step}'s "
+                f"prompts skipped (ledger.jsonl marks the step)"
+            )
+            out.append(Finding("rollback", False, msg, row.get("time"), step))
+    return out
 
 
 def read_stragglers(dump: str) -> list[Finding]:
@@ -323,6 +345,7 @@ def diagnose(
         + read_preempts(dump, latest)
         + read_errors(dump, extra, checkpoint_folder)
         + read_replicas(dump)
+        + read_rollbacks(dump)
         + read_stragglers(dump)
     )
     progress = max([s for s in (last_step, latest) if s is not None], default=None)
@@ -366,8 +389,13 @@ def _verdict(findings: list[Finding], failed: list[Finding]) -> str:
         first = min(failed, key=lambda f: f.when or 0)
         kinds = ", ".join(sorted({f.kind for f in failed}))
         return f"verdict: FAILED: {kinds}: {first.verdict or first.summary}"
-    slow = [f for f in findings if f.kind == "straggler"]
-    return "verdict: no failure found" + (f"; {slow[-1].verdict}" if slow else "")
+    notes = [f.verdict for f in findings if f.kind == "straggler"][-1:]
+    back = [str(f.step) for f in findings if f.kind == "rollback"]
+    if back:
+        notes.append(
+            f"rolled back {len(back)} time(s), skipping the prompts of step(s) {', '.join(back)}"
+        )
+    return "verdict: no failure found" + "".join(f"; {n}" for n in notes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -325,7 +325,7 @@ def test_a_flipped_bit_in_one_replica_is_named(slow_and_flipped, capsys) -> None
 
 @pytest.mark.slow
 def test_rollback_skips_the_bad_steps_prompts_and_ends_like_a_run_that_skipped_them(
-    tmp_path: Path,
+    tmp_path: Path, capsys
 ) -> None:
     """A NaN in step 5's loss (TANDEM_INJECT_NAN) under "rollback": the run reloads step-3,
     trains step 4 again, takes step 5's prompts without training on them and ends with exit 0;
@@ -345,7 +345,8 @@ def test_rollback_skips_the_bad_steps_prompts_and_ends_like_a_run_that_skipped_t
 
     out = run(tmp_path / "rollback", "rollback")
     run(tmp_path / "skip", "skip")
-    assert "rollback 1/3: step 5: non-finite loss or gradient; reloaded" in out, out[-2000:]
+    assert "[rank 0] step 5: nan in the loss on rank 0: rolling back" in out, out[-2000:]
+    assert "rollback 1/3: step 5: non-finite loss or gradient; reloaded" in out
     assert "step-3, step 5's prompts will be skipped" in out
     a, b = hf_weights(tmp_path / "rollback"), hf_weights(tmp_path / "skip")
     assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
@@ -355,6 +356,12 @@ def test_rollback_skips_the_bad_steps_prompts_and_ends_like_a_run_that_skipped_t
     assert ledger[5]["ids"] == ref[5]["ids"] and "skipped" not in ledger[4]
     (back,) = map(json.loads, open(tmp_path / "rollback" / "rollback.jsonl"))
     assert (back["step"], back["to"]) == (5, 3)
+    assert diagnose.main([str(tmp_path / "rollback")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (
+        first
+        == "verdict: no failure found; rolled back 1 time(s), skipping the prompts of step(s) 5"
+    )
 
 
 def torch_equal(x, y) -> bool:

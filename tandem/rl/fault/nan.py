@@ -144,8 +144,10 @@ def check_finite(
     policy "stop" writes the report (when ``dump_folder`` is given) and
     raises `NonFiniteError` on every rank.
     """
-    if policy not in ("skip", "stop"):
-        raise ValueError(f"check_finite: policy must be 'skip' or 'stop', got {policy!r}")
+    if policy not in ("skip", "stop", "rollback"):
+        raise ValueError(
+            f"check_finite: policy must be 'skip', 'stop' or 'rollback', got {policy!r}"
+        )
     grads = _named_grads(model)
     tensors = ([_local(loss).detach().reshape(1)] if loss is not None else []) + [
         g for _, g in grads
@@ -172,9 +174,10 @@ def check_finite(
         if first
         else "non-finite value in an unknown tensor"
     )
-    if policy == "skip":
+    if policy in ("skip", "rollback"):
         if first is not None and first["rank"] == rank:
-            print(f"[rank {rank}] step {step}: {where}: step skipped", flush=True)
+            then = "step skipped" if policy == "skip" else "rolling back"
+            print(f"[rank {rank}] step {step}: {where}: {then}", flush=True)
         return False
 
     report = {

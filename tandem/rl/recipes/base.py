@@ -205,12 +205,14 @@ class Updater:
             loss = loss * float("nan")
         modules = [m for learner in self.learners for m in learner.modules]
         policy = self.fault.on_nonfinite
+        if step + 1 in self.skip_steps:
+            policy = "skip"  # a rollback's step: skipped whatever it holds
         finite = check_finite(
             loss,
             modules,
             step + 1,
             self.rank,
-            "skip" if policy == "rollback" else policy,
+            policy,
             dump_folder=self.dump_folder,
             group=side_group(),
         )
