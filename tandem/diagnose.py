@@ -400,13 +400,31 @@ def _verdict(findings: list[Finding], failed: list[Finding]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem-diagnose", description=__doc__.split("\n")[0])
-    p.add_argument("dump_folder")
+    p.add_argument("dump_folder", nargs="?")
     p.add_argument("--checkpoint-folder", default="checkpoints", help="relative to the dump folder")
     p.add_argument("--tail", type=int, default=3, help="metrics.jsonl lines to show")
     p.add_argument(
         "--error-file", action="append", default=[], help="extra torchrun error.json files"
     )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="under torchrun: time a matmul and an all-reduce on every rank and flag slow ranks "
+        "(exit 1 when one is); DUMP_FOLDER, if given, gets preflight.json",
+    )
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=1.5,
+        help="--preflight: flag a matmul this many times the median rank's",
+    )
     a = p.parse_args(argv)
+    if a.preflight:
+        from tandem.rl.fault.preflight import run  # torch: only here
+
+        return run(a.dump_folder, a.ratio)
+    if a.dump_folder is None:
+        p.error("the dump folder is required (unless --preflight)")
     if not os.path.isdir(a.dump_folder):
         print(f"error: {a.dump_folder}: not a folder", file=sys.stderr)
         return 2

@@ -368,3 +368,26 @@ def torch_equal(x, y) -> bool:
     import torch
 
     return bool(torch.equal(x, y))
+
+
+# ---- pre-flight --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_preflight_flags_the_rank_whose_matmul_is_slowed(tmp_path: Path) -> None:
+    """3 CPU ranks; rank 1's matmuls take 0.2 s longer (TANDEM_INJECT_SLOW): it alone is
+    flagged, with its host, and every rank exits 1."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
+    cmd += ["-m", "tandem.diagnose", "--preflight", str(tmp_path)]
+    r = subprocess.run(
+        cmd, cwd=ROOT, env=_env(TANDEM_INJECT_SLOW="1:0.2"), capture_output=True, text=True
+    )
+    host = os.uname().nodename
+    assert r.returncode != 0 and "exitcode  : 1" in r.stderr, r.stdout + r.stderr[-2000:]
+    flagged = [ln for ln in r.stdout.splitlines() if ln.startswith("preflight: rank")]
+    assert len(flagged) == 1 and flagged[0].startswith(f"preflight: rank 1 on {host}: matmul")
+    assert f"exclude: {host}" in r.stdout
+    report = json.load(open(tmp_path / "preflight.json"))
+    assert report["flagged"] == [1]
+    mm = [row["matmul_s"] for row in report["ranks"]]
+    assert mm[1] > 0.2 and max(mm[0], mm[2]) < 0.2, mm

@@ -4,6 +4,7 @@
                  and `enable_flight_recorder` (NCCL flight-recorder variables)
     signals.py   `PreemptionHandler` (SIGTERM/SIGUSR1 -> a stop agreed by all ranks)
     nan.py       `check_finite` / `NonFiniteError` (EXIT_NONFINITE) / `Rollback`
+    preflight.py `tandem-diagnose --preflight`: matmul and all-reduce timed per rank
     replica.py   `check_replicas`: HSDP replicas hold the same bits (EXIT_REPLICA)
     inject.py    the fault drills (TANDEM_INJECT_*)
 

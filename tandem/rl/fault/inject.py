@@ -11,7 +11,8 @@ poison a step's loss with NaN.
                                             the long-tail workload (bench/async_modes.py)
     TANDEM_INJECT_GEN_DELAY=<rank>:<s>      a slow generator: rank sleeps s seconds per step
     TANDEM_INJECT_SLOW=<rank>:<s>           a straggler: rank sleeps s seconds in every update,
-                                            after its backward, before the gradient check
+                                            after its backward, before the gradient check (and
+                                            in each pre-flight matmul)
     TANDEM_INJECT_FLIP=<step>:<rank>        silent corruption: at step N's replica check, rank
                                             first flips the lowest bit of the first element of
                                             its first replicated parameter shard
@@ -83,14 +84,19 @@ def _pair(name: str, form: str) -> tuple[float, float] | None:
     return a, b
 
 
+def slow_seconds(rank: int) -> float:
+    """The straggler drill's delay for ``rank`` (TANDEM_INJECT_SLOW; 0: none)."""
+    slow = _pair(ENV_SLOW, "<rank>:<seconds>")
+    return slow[1] if slow and int(slow[0]) == rank else 0.0
+
+
 def in_update(step: int, rank: int) -> None:
     """The update drills, called once per optimizer update before the gradient check:
     TANDEM_INJECT_SLOW sleeps, TANDEM_INJECT_STOP stops this process (SIGSTOP) at its step."""
-    slow = _pair(ENV_SLOW, "<rank>:<seconds>")
-    if slow and int(slow[0]) == rank:
+    if delay := slow_seconds(rank):
         import time
 
-        time.sleep(slow[1])
+        time.sleep(delay)
     stop = _pair(ENV_STOP, "<step>:<rank>")
     if stop and (int(stop[0]), int(stop[1])) == (step, rank):
         os.kill(os.getpid(), signal.SIGSTOP)
