@@ -64,20 +64,27 @@ def _step(rec: dict[str, Any]) -> int | None:
     return int(last) + 1 if rec.get("phase") in _IN_STEP else int(last)
 
 
-def _hosts(dump: str) -> dict[int, str]:
-    """rank -> host from health.jsonl's last complete row (every rank's, each step)."""
+def _health_rows(dump: str) -> list[dict[str, Any]]:
+    """health.jsonl's rows (lines that do not parse as a JSON object skipped)."""
     path = os.path.join(dump, "health.jsonl")
     if not os.path.exists(path):
-        return {}
-    last: dict[str, Any] | None = None
+        return []
+    rows = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                last = json.loads(line)
+                row = json.loads(line)
             except ValueError:
                 continue
-    if not isinstance(last, dict):
-        return {}
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def _hosts(dump: str) -> dict[int, str]:
+    """rank -> host from health.jsonl's last row (every rank's, each step)."""
+    rows = _health_rows(dump)
+    last = rows[-1] if rows else {}
     return {int(r["rank"]): str(r.get("host", "?")) for r in last.get("ranks", []) if "rank" in r}
 
 
@@ -131,16 +138,8 @@ def hang_verdict(dump: str, recs: dict[int, dict[str, Any]]) -> str | None:
 
 def stragglers(dump: str) -> list[tuple[int, str, float | None]]:
     """(step, line, time) for each straggler line the shell recorded in health.jsonl."""
-    path = os.path.join(dump, "health.jsonl")
-    out: list[tuple[int, str, float | None]] = []
-    if not os.path.exists(path):
-        return out
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and row.get("straggler"):
-                out.append((int(row.get("step", 0)), str(row["straggler"]), row.get("time")))
-    return out
+    return [
+        (int(row.get("step", 0)), str(row["straggler"]), row.get("time"))
+        for row in _health_rows(dump)
+        if row.get("straggler")
+    ]
