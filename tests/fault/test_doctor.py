@@ -391,3 +391,37 @@ def test_preflight_flags_the_rank_whose_matmul_is_slowed(tmp_path: Path) -> None
     assert report["flagged"] == [1]
     mm = [row["matmul_s"] for row in report["ranks"]]
     assert mm[1] > 0.2 and max(mm[0], mm[2]) < 0.2, mm
+
+
+# ---- the report's Ranks section ----------------------------------------------------------
+
+
+def test_report_shows_per_rank_times_and_marks_stragglers_and_rollbacks(tmp_path: Path) -> None:
+    import re
+
+    from tandem.report.build import build_report
+
+    dump = tmp_path / "run"
+    dump.mkdir()
+    own = {1: [0.1, 0.1, 0.3], 2: [0.1, 0.11, 0.3], 3: [0.1, 0.1, 0.32]}
+    line = "straggler: rank 2 on h2 has been 3.20x the median"
+    with open(dump / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in own)
+    with open(dump / "health.jsonl", "w") as f:
+        for s, times in own.items():
+            ranks = [{"rank": k, "host": f"h{k}", "own_s": t} for k, t in enumerate(times)]
+            row = {"step": s, "ranks": ranks, **({"straggler": line} if s == 3 else {})}
+            f.write(json.dumps(row) + "\n")
+    (dump / "rollback.jsonl").write_text(json.dumps({"step": 2, "to": 1, "reason": "nan"}) + "\n")
+    out = build_report([str(dump)], str(tmp_path / "r.html"))
+    html = open(out).read()
+    figs = json.loads(re.search(r'id="figures-data">(.*?)</script>', html, re.S).group(1))
+    fig = figs["fig-ranks-0"]
+    assert fig["data"][0]["z"] == [[own[s][k] for s in (1, 2, 3)] for k in range(3)]
+    assert [(sh["x0"], sh["line"]["dash"]) for sh in fig["layout"]["shapes"]] == [
+        (3, "dot"),
+        (2, "dash"),
+    ]
+    assert "<h2>Ranks</h2>" in html and f"<td>{line}</td>" in html
+    assert "<td>rollback to step-1: nan</td>" in html
+    assert "<td>verdict: no failure found; straggler: rank 2 on h2" in html
