@@ -333,8 +333,8 @@ def test_rollback_skips_the_bad_steps_prompts_and_ends_like_a_run_that_skipped_t
     ("skip"), its ledger lists step 5's prompts as skipped and rollback.jsonl says why."""
     from tests.fixtures import hf_weights
 
-    def run(dump: Path, policy: str) -> str:
-        cmd = _cmd(dump, 2, "--training.steps=6", f"--fault.on_nonfinite={policy}")
+    def run(dump: Path, policy: str, *extra: str) -> str:
+        cmd = _cmd(dump, 2, "--training.steps=6", f"--fault.on_nonfinite={policy}", *extra)
         cmd = [c for c in cmd if not c.startswith("--checkpoint.")]
         cmd += ["--checkpoint.interval=3", "--checkpoint.export_hf_at_end=true"]
         r = subprocess.run(
@@ -343,8 +343,11 @@ def test_rollback_skips_the_bad_steps_prompts_and_ends_like_a_run_that_skipped_t
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         return r.stdout
 
-    out = run(tmp_path / "rollback", "rollback")
+    out = run(tmp_path / "rollback", "rollback", "--fault.preflight=true")
     run(tmp_path / "skip", "skip")
+    # fault.preflight: the table at start-up, nothing flagged, the rows kept
+    assert "preflight: 2 ranks, 1024x1024 matmul" in out and "preflight: no rank flagged" in out
+    assert json.load(open(tmp_path / "rollback" / "preflight.json"))["flagged"] == []
     assert "[rank 0] step 5: nan in the loss on rank 0: rolling back" in out, out[-2000:]
     assert "rollback 1/3: step 5: non-finite loss or gradient; reloaded" in out
     assert "step-3, step 5's prompts will be skipped" in out

@@ -72,6 +72,9 @@ class FaultConfig:
     straggler_ratio: float = 1.5  # a rank whose own time (phase time minus collective wait) is
     # this many times the median rank's is slow; named in one line with its host; 0 = off
     straggler_steps: int = 3  # ... when the same rank is slow this many steps in a row
+    preflight: bool = False  # at start-up, time a matmul and an all-reduce on every rank and
+    # name the ranks over 1.5x the median matmul with their hosts (tandem-diagnose --preflight;
+    # dump_folder/preflight.json); the run goes on
     replica_check_steps: int = 100  # every this many steps, compare an exact checksum of the
     # weights across HSDP replicas (parallel.dp_replicate > 1; nothing to compare otherwise);
     # a mismatch names the step, tensor and rank and exits 11; 0 = off

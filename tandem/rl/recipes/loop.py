@@ -45,6 +45,7 @@ from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, t
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
 from tandem.rl.fault import NonFiniteError, PreemptionHandler, Rollback, Watchdog
 from tandem.rl.fault.inject import maybe_kill
+from tandem.rl.fault.preflight import preflight
 from tandem.rl.fault.replica import check_replicas
 from tandem.rl.recipes.base import Recipe, Runtime
 
@@ -102,6 +103,9 @@ class Shell:
                 config=dataclasses.asdict(self.cfg),
             )
             self.watchdog.start()
+            if self.cfg.fault.preflight:
+                with self.watchdog.phase("preflight"):
+                    preflight(self.dump)  # prints and records; a slow rank does not stop the run
             with self.watchdog.phase("build"):
                 self.recipe = make(
                     self.cfg, Runtime(self.info, self.dump, self.watchdog, self.logger)
