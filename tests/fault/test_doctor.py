@@ -328,43 +328,46 @@ def test_rollback_skips_the_bad_steps_prompts_and_ends_like_a_run_that_skipped_t
     tmp_path: Path, capsys
 ) -> None:
     """A NaN in step 5's loss (TANDEM_INJECT_NAN) under "rollback": the run reloads step-3,
-    trains step 4 again, takes step 5's prompts without training on them and ends with exit 0;
-    its weights equal, bit for bit, those of an uninterrupted run that skipped step 5's update
-    ("skip"), its ledger lists step 5's prompts as skipped and rollback.jsonl says why."""
+    trains step 4 again and takes step 5's prompts without training on them; a 1000x loss at
+    step 7 (TANDEM_INJECT_SPIKE) trips fault.spike_zscore and rolls back to step-6 the same
+    way. The run ends with exit 0; its weights equal, bit for bit, those of an uninterrupted
+    run that skipped the updates of steps 5 and 7 ("skip" with NaNs there); its ledger lists
+    those steps' prompts as skipped and rollback.jsonl says why."""
     from tests.fixtures import hf_weights
 
-    def run(dump: Path, policy: str, *extra: str) -> str:
-        cmd = _cmd(dump, 2, "--training.steps=6", f"--fault.on_nonfinite={policy}", *extra)
+    def run(dump: Path, policy: str, drills: dict[str, str], *extra: str) -> str:
+        cmd = _cmd(dump, 2, "--training.steps=8", f"--fault.on_nonfinite={policy}", *extra)
         cmd = [c for c in cmd if not c.startswith("--checkpoint.")]
         cmd += ["--checkpoint.interval=3", "--checkpoint.export_hf_at_end=true"]
-        r = subprocess.run(
-            cmd, cwd=ROOT, env=_env(TANDEM_INJECT_NAN="5"), capture_output=True, text=True
-        )
+        r = subprocess.run(cmd, cwd=ROOT, env=_env(**drills), capture_output=True, text=True)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         return r.stdout
 
-    out = run(tmp_path / "rollback", "rollback", "--fault.preflight=true")
-    run(tmp_path / "skip", "skip")
-    # fault.preflight: the table at start-up, nothing flagged, the rows kept
-    assert "preflight: 2 ranks, 1024x1024 matmul" in out and "preflight: no rank flagged" in out
-    assert json.load(open(tmp_path / "rollback" / "preflight.json"))["flagged"] == []
+    drills = {"TANDEM_INJECT_NAN": "5", "TANDEM_INJECT_SPIKE": "7"}
+    out = run(tmp_path / "rollback", "rollback", drills, "--fault.spike_zscore=6")
+    run(tmp_path / "skip", "skip", {"TANDEM_INJECT_NAN": "5,7"}, "--fault.preflight=true")
     assert "[rank 0] step 5: nan in the loss on rank 0: rolling back" in out, out[-2000:]
     assert "rollback 1/3: step 5: non-finite loss or gradient; reloaded" in out
     assert "step-3, step 5's prompts will be skipped" in out
+    assert "rollback 2/3: step 7: gradient-norm spike (" in out
+    assert "step-6, step 7's prompts will be skipped" in out
     a, b = hf_weights(tmp_path / "rollback"), hf_weights(tmp_path / "skip")
     assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
     ledger = {r["step"]: r for r in map(json.loads, open(tmp_path / "rollback" / "ledger.jsonl"))}
     ref = {r["step"]: r for r in map(json.loads, open(tmp_path / "skip" / "ledger.jsonl"))}
-    assert sorted(ledger) == list(range(1, 7)) and ledger[5]["skipped"] == "rollback"
-    assert ledger[5]["ids"] == ref[5]["ids"] and "skipped" not in ledger[4]
-    (back,) = map(json.loads, open(tmp_path / "rollback" / "rollback.jsonl"))
-    assert (back["step"], back["to"]) == (5, 3)
+    assert sorted(ledger) == list(range(1, 9))
+    assert [s for s in ledger if ledger[s].get("skipped") == "rollback"] == [5, 7]
+    assert all(ledger[s]["ids"] == ref[s]["ids"] for s in ledger)
+    backs = [json.loads(x) for x in open(tmp_path / "rollback" / "rollback.jsonl")]
+    assert [(b["step"], b["to"]) for b in backs] == [(5, 3), (7, 6)]
     assert diagnose.main([str(tmp_path / "rollback")]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert (
-        first
-        == "verdict: no failure found; rolled back 1 time(s), skipping the prompts of step(s) 5"
+    assert first == (
+        "verdict: no failure found; rolled back 2 time(s), skipping the prompts of step(s) 5, 7"
     )
+    # fault.preflight (the reference run): the table at start-up, nothing flagged, the rows kept
+    skip_out = (tmp_path / "skip" / "preflight.json").read_text()
+    assert json.loads(skip_out)["flagged"] == []
 
 
 def torch_equal(x, y) -> bool:

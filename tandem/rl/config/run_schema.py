@@ -65,6 +65,8 @@ class FaultConfig:
     on_nonfinite: Literal["skip", "stop", "rollback"] = "stop"  # NaN/Inf loss or grad: skip the
     # step (counted), stop (exit 7), or rollback: reload the last checkpoint, skip the step's
     # prompts (ledger.jsonl, rollback.jsonl) and go on
+    spike_zscore: float = 0.0  # a gradient norm this many standard deviations above the mean of
+    # the last 50 steps' (at least 5) rolls back as on_nonfinite = "rollback" does; 0 = off
     max_rollbacks: int = 3  # on_nonfinite = "rollback": more rollbacks than this in one run
     # stop it (exit 7)
     flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA
@@ -87,6 +89,10 @@ class FaultConfig:
         require(
             self.straggler_ratio == 0 or self.straggler_ratio > 1,
             f"fault.straggler_ratio: must be > 1 (or 0 = off), got {self.straggler_ratio}",
+        )
+        require(
+            self.spike_zscore >= 0,
+            f"fault.spike_zscore: must be >= 0 (0 = off), got {self.spike_zscore}",
         )
         require(
             self.max_rollbacks >= 0,

@@ -4,8 +4,10 @@ poison a step's loss with NaN.
     TANDEM_INJECT_KILL=<step>:<rank>        (e.g. "3:1": rank 1 dies right after step 3's update)
     TANDEM_INJECT_KILL_SAVE=<step>:<rank>   rank dies inside step N's checkpoint save, after
                                             its shards are written and before the commit
-    TANDEM_INJECT_NAN=<step>                the loss of step N's optimizer updates is NaN on
+    TANDEM_INJECT_NAN=<step>[,<step>...]    the loss of step N's optimizer updates is NaN on
                                             every rank (the NaN/Inf policy then skips or stops)
+    TANDEM_INJECT_SPIKE=<step>[,<step>...]  step N's gradients are multiplied by 1000 before the
+                                            check (a gradient-norm spike for fault.spike_zscore)
     TANDEM_INJECT_LENGTHS=<alpha>:<lo>:<hi> every prompt group samples a length drawn from a
                                             Pareto(alpha) above lo, capped at hi, ignoring EOS:
                                             the long-tail workload (bench/async_modes.py)
@@ -40,6 +42,7 @@ ENV_GEN_DELAY = "TANDEM_INJECT_GEN_DELAY"
 ENV_SLOW = "TANDEM_INJECT_SLOW"
 ENV_STOP = "TANDEM_INJECT_STOP"
 ENV_FLIP = "TANDEM_INJECT_FLIP"
+ENV_SPIKE = "TANDEM_INJECT_SPIKE"
 
 
 def forced_length(seed: int) -> int | None:
@@ -118,15 +121,24 @@ def flip_bit(step: int, rank: int, params: list[tuple[str, Any]]) -> str | None:
     return name
 
 
+def _steps(name: str) -> set[int]:
+    spec = os.environ.get(name)
+    if not spec:
+        return set()
+    try:
+        return {int(x) for x in spec.split(",")}
+    except ValueError:
+        raise ValueError(f"{name}={spec!r}: expected step numbers, e.g. 5 or 5,7") from None
+
+
 def nan_at(step: int) -> bool:
     """Whether the drill asks for a NaN loss at ``step`` (counted from 1)."""
-    spec = os.environ.get(ENV_NAN)
-    if not spec:
-        return False
-    try:
-        return int(spec) == step
-    except ValueError:
-        raise ValueError(f"{ENV_NAN}={spec!r}: expected a step number") from None
+    return step in _steps(ENV_NAN)
+
+
+def spike_at(step: int) -> bool:
+    """Whether the drill asks for 1000x gradients (a gradient-norm spike) at ``step``."""
+    return step in _steps(ENV_SPIKE)
 
 
 def maybe_kill(step: int, rank: int, dump_folder: str, *, in_save: bool = False) -> None:

@@ -118,11 +118,12 @@ def _local_finding(
 
 class Rollback(Exception):
     """``fault.on_nonfinite = "rollback"``: step ``step`` (from 1) had a non-finite loss or
-    gradient on some rank (every rank raises it at the same point); the training shell
-    reloads the newest checkpoint and skips that step's prompts (tandem/rl/recipes/loop.py)."""
+    gradient on some rank, or (``fault.spike_zscore``) a gradient-norm spike; every rank
+    raises it at the same point, and the training shell reloads the newest checkpoint and
+    skips that step's prompts (tandem/rl/recipes/loop.py)."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__(f"step {step}: non-finite loss or gradient")
+    def __init__(self, step: int, why: str = "non-finite loss or gradient") -> None:
+        super().__init__(f"step {step}: {why}")
         self.step = step
 
 

@@ -304,6 +304,7 @@ class Shell:
         skipped = {*self.recipe.updater.skip_steps, e.step}
         self._load(last)
         self.recipe.updater.skip_steps = skipped  # the checkpoint predates this rollback
+        self.recipe.updater.forget_after(last)
         if self.info.is_main:
             for name in STEP_LOGS:
                 truncate_jsonl(os.path.join(self.dump, name), last)
