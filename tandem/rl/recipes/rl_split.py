@@ -88,6 +88,10 @@ class _Relay:
 
     def __init__(self) -> None:
         self.last_lr, self.skipped = 0.0, 0
+        self.skip_steps: set[int] = set()  # the shell's rollback bookkeeping (none in split mode)
+
+    def forget_after(self, step: int) -> None:
+        """Nothing to forget: the spike rule runs on the trainers."""
 
 
 class SplitRLRecipe(RLRecipe):
