@@ -232,7 +232,7 @@ def test_a_stopped_rank_is_named_by_the_hang_verdict(tmp_path: Path, capsys) -> 
     """Rank 1 stops itself (SIGSTOP) in step 3's update; ranks 0 and 2 wait in the NaN check's
     all-reduce until their watchdogs fire (exit 6). The verdict, tandem-diagnose's first line,
     names rank 1, its host, step 3, the phase and the collective."""
-    cmd = _cmd(tmp_path, 3, "--training.steps=5", "--fault.hang_timeout_s=5")
+    cmd = _cmd(tmp_path, 3, "--training.steps=5", "--fault.hang_timeout_s=8")
     p = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -381,12 +381,12 @@ def torch_equal(x, y) -> bool:
 
 @pytest.mark.slow
 def test_preflight_flags_the_rank_whose_matmul_is_slowed(tmp_path: Path) -> None:
-    """3 CPU ranks; rank 1's matmuls take 0.2 s longer (TANDEM_INJECT_SLOW): it alone is
-    flagged, with its host, and every rank exits 1."""
+    """3 CPU ranks; rank 1's matmuls take 0.5 s longer (TANDEM_INJECT_SLOW): it alone is flagged
+    (at 3x the median: a loaded machine's noise stays under it), with its host; exit 1."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
-    cmd += ["-m", "tandem.diagnose", "--preflight", str(tmp_path)]
+    cmd += ["-m", "tandem.diagnose", "--preflight", "--ratio=3", str(tmp_path)]
     r = subprocess.run(
-        cmd, cwd=ROOT, env=_env(TANDEM_INJECT_SLOW="1:0.2"), capture_output=True, text=True
+        cmd, cwd=ROOT, env=_env(TANDEM_INJECT_SLOW="1:0.5"), capture_output=True, text=True
     )
     host = os.uname().nodename
     assert r.returncode != 0 and "exitcode  : 1" in r.stderr, r.stdout + r.stderr[-2000:]
@@ -396,7 +396,7 @@ def test_preflight_flags_the_rank_whose_matmul_is_slowed(tmp_path: Path) -> None
     report = json.load(open(tmp_path / "preflight.json"))
     assert report["flagged"] == [1]
     mm = [row["matmul_s"] for row in report["ranks"]]
-    assert mm[1] > 0.2 and max(mm[0], mm[2]) < 0.2, mm
+    assert mm[1] > 0.5 and max(mm[0], mm[2]) < 0.5, mm
 
 
 # ---- the report's Ranks section ----------------------------------------------------------
