@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.diagnose_doctor import hang_verdict, stragglers
+from tandem.diagnose_doctor import hang_verdict, jsonl_rows, stragglers
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
 _STEP_DIR = re.compile(r"^step-(\d+)(\.partial)?$")
@@ -145,22 +145,13 @@ def read_replicas(dump: str) -> list[Finding]:
 
 def read_rollbacks(dump: str) -> list[Finding]:
     """Rollbacks (rollback.jsonl, fault.on_nonfinite = "rollback"): recovered, so notes."""
-    path = os.path.join(dump, "rollback.jsonl")
-    if not os.path.exists(path):
-        return []
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-                step, to = int(row["step"]), int(row["to"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            msg = (
-                f"{row.get('reason', 'non-finite')}: rolled back to step-{to}; step {step}'s "
-                f"prompts skipped (ledger.jsonl marks the step)"
-            )
-            out.append(Finding("rollback", False, msg, row.get("time"), step))
+    for row in jsonl_rows(os.path.join(dump, "rollback.jsonl")):
+        msg = (
+            f"{row.get('reason', 'non-finite')}: rolled back to step-{row.get('to')}; step "
+            f"{row['step']}'s prompts skipped (ledger.jsonl marks the step)"
+        )
+        out.append(Finding("rollback", False, msg, row.get("time"), row["step"]))
     return out
 
 

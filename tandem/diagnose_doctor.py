@@ -64,9 +64,9 @@ def _step(rec: dict[str, Any]) -> int | None:
     return int(last) + 1 if rec.get("phase") in _IN_STEP else int(last)
 
 
-def _health_rows(dump: str) -> list[dict[str, Any]]:
-    """health.jsonl's rows (lines that do not parse as a JSON object skipped)."""
-    path = os.path.join(dump, "health.jsonl")
+def jsonl_rows(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a jsonl file that hold an integer ``step`` ([] without the file;
+    other lines, a crash's half-written last one among them, skipped)."""
     if not os.path.exists(path):
         return []
     rows = []
@@ -76,9 +76,13 @@ def _health_rows(dump: str) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(row, dict):
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
                 rows.append(row)
     return rows
+
+
+def _health_rows(dump: str) -> list[dict[str, Any]]:
+    return jsonl_rows(os.path.join(dump, "health.jsonl"))
 
 
 def _hosts(dump: str) -> dict[int, str]:
@@ -139,7 +143,7 @@ def hang_verdict(dump: str, recs: dict[int, dict[str, Any]]) -> str | None:
 def stragglers(dump: str) -> list[tuple[int, str, float | None]]:
     """(step, line, time) for each straggler line the shell recorded in health.jsonl."""
     return [
-        (int(row.get("step", 0)), str(row["straggler"]), row.get("time"))
+        (row["step"], str(row["straggler"]), row.get("time"))
         for row in _health_rows(dump)
         if row.get("straggler")
     ]

@@ -9,27 +9,12 @@ first line), the straggler lines and the rollbacks. Reads the files as text; no 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from tandem.diagnose_doctor import jsonl_rows
 from tandem.report.page import table
 from tandem.report.runs import Run
-
-
-def _jsonl(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                out.append(row)
-    return out
 
 
 def heat_map(label: str, rows: list[dict[str, Any]], rollbacks: list[int]) -> dict[str, Any]:
@@ -74,8 +59,8 @@ def ranks_section(runs: list[Run], figures: dict[str, Any]) -> list[str]:
 
     divs, notes = [], []
     for i, run in enumerate(runs):
-        rows = _jsonl(os.path.join(run.folder, "health.jsonl"))
-        backs = _jsonl(os.path.join(run.folder, "rollback.jsonl"))
+        rows = jsonl_rows(os.path.join(run.folder, "health.jsonl"))
+        backs = jsonl_rows(os.path.join(run.folder, "rollback.jsonl"))
         if not rows and not backs:
             continue
         if rows:
