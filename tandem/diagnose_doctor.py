@@ -47,14 +47,22 @@ def waits_in(rec: dict[str, Any]) -> str | None:
     return f"{inner[0]['function']} (torch.distributed)"
 
 
-def _where(rec: dict[str, Any]) -> str:
+def _where(rec: dict[str, Any], *, outside_torch: bool = False) -> str:
+    """The innermost frame of a rank's trainer thread (``outside_torch``: the innermost one not
+    in torch, the caller of the collective it waits in)."""
     frames = [f for f in _trainer_frames(rec) if "tandem/rl/fault/watchdog" not in f["file"]]
+    if outside_torch:
+        frames = [f for f in frames if not _in_torch(f["file"])]
     if not frames:
         return "no Python frames in its dump"
     f = frames[-1]
     return f"{_short(f['file'])}:{f['line']} in {f['function']}" + (
-        f" ({f['code'].strip()})" if f.get("code") else ""
+        f" ({f['code'].strip()})" if f.get("code") and not outside_torch else ""
     )
+
+
+def _in_torch(path: str) -> bool:
+    return "/torch/" in path or path.startswith("torch/")
 
 
 def _step(rec: dict[str, Any]) -> int | None:
@@ -136,7 +144,8 @@ def hang_verdict(dump: str, recs: dict[int, dict[str, Any]]) -> str | None:
             )
     return (
         f"{_ranks_text(culprits)} (host {on}) did not reach {collective} of step {step} "
-        f"(phase '{phase}') that {_ranks_text(sorted(waiting))} wait in; " + "; ".join(parts)
+        f"(phase '{phase}', called at {_where(ref, outside_torch=True)}) that "
+        f"{_ranks_text(sorted(waiting))} wait in; " + "; ".join(parts)
     )
 
 

@@ -128,8 +128,9 @@ def test_hang_verdict_names_the_rank_that_did_not_arrive(tmp_path: Path) -> None
     }
     line = hang_verdict(str(tmp_path), recs)
     assert line.startswith(
-        "rank 3 (host n3) did not reach all_reduce:nonfinite_flag of step 7 (phase 'update') "
-        "that ranks 0, 1, 2 wait in; rank 3 is at tandem/rl/rewards/code.py:11 in score"
+        "rank 3 (host n3) did not reach all_reduce:nonfinite_flag of step 7 (phase 'update', "
+        "called at train.py:10 in main) that ranks 0, 1, 2 wait in; rank 3 is at "
+        "tandem/rl/rewards/code.py:11 in score"
     ), line
     # rank 2 left no dump; its host comes from health.jsonl
     (tmp_path / "health.jsonl").write_text(
@@ -256,10 +257,13 @@ def test_a_stopped_rank_is_named_by_the_hang_verdict(tmp_path: Path, capsys) -> 
     assert diagnose.main([str(tmp_path)]) == 1
     first = capsys.readouterr().out.splitlines()[0]
     host = os.uname().nodename
+    src = (ROOT / "tandem" / "rl" / "fault" / "nan.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(src, 1) if "dist.all_reduce(any_bad" in text)
     assert first == (
         f"verdict: FAILED: hang: rank 1 (host {host}) did not reach all_reduce:nonfinite_flag of "
-        "step 3 (phase 'update') that ranks 0, 2 wait in; rank 1 left no dump (stopped, killed, "
-        "or stuck outside Python: SIGSTOP, a kernel or driver hang)"
+        f"step 3 (phase 'update', called at tandem/rl/fault/nan.py:{line} in _any_bad) that "
+        "ranks 0, 2 wait in; rank 1 left no dump (stopped, killed, or stuck outside Python: "
+        "SIGSTOP, a kernel or driver hang)"
     ), first
 
 
