@@ -5,11 +5,17 @@ failed, where (rank, phase, step, innermost frames) and when:
 
     hang/rank-<r>.json       watchdog dumps (tandem/rl/fault/watchdog.py)
     nan/rank-<r>.json        NaN/Inf reports (tandem/rl/fault/nan.py)
+    replica/rank-<r>.json    replica-check mismatches (tandem/rl/fault/replica.py)
     preempt/rank-<r>.json    agreed preemption stops (tandem/rl/fault/signals.py)
     checkpoints/step-N/      committed (COMMITTED marker) and *.partial saves
     **/error.json            torchrun error files (TORCHELASTIC_ERROR_FILE)
     metrics.jsonl            the last steps logged
+    health.jsonl             every rank's phase times per step, and straggler lines
+    rollback.jsonl           rollbacks of fault.on_nonfinite = "rollback"
     flight_recorder/         NCCL flight-recorder dumps, if any
+
+Its first line is one verdict: for a hang, which rank did not reach which collective of which
+step and phase, on which host, and where it is (tandem/diagnose_doctor.py).
 
 Exit status 0 when nothing failed (a preemption that left a checkpoint is not
 a failure), 1 when something did, 2 when the folder does not exist. A failure is reported as
@@ -29,6 +35,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.diagnose_doctor import hang_verdict, jsonl_rows, stragglers
+
 _RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
 _STEP_DIR = re.compile(r"^step-(\d+)(\.partial)?$")
 MARKER = "COMMITTED"  # tandem/rl/core/checkpoint.py
@@ -44,6 +52,7 @@ class Finding:
     step: int | None = None
     details: list[str] = field(default_factory=list)
     earlier: bool = False  # the run progressed past it
+    verdict: str | None = None  # the doctor's one line (tandem/diagnose_doctor.py)
 
 
 def _when(t: float | None) -> str:
@@ -119,8 +128,38 @@ def read_hangs(dump: str) -> list[Finding]:
         f"hang on {len(recs)} rank(s) in phase {'/'.join(phases)} at step "
         f"{max(steps) if steps else '?'}: {first.get('reason', 'no progress')}"
     )
+    verdict = hang_verdict(dump, recs)
+    step = max(steps) if steps else None
+    return [Finding("hang", True, summary, first.get("time"), step, details, verdict=verdict)]
+
+
+def read_replicas(dump: str) -> list[Finding]:
+    """A replica check's mismatch (replica/rank-<r>.json, tandem/rl/fault/replica.py)."""
+    recs = [v for v in _rank_records(os.path.join(dump, "replica")).values() if v.get("message")]
+    if not recs:
+        return []
+    rec = recs[0]
+    msg = f"replicas diverged at {rec['message']}"
+    return [Finding("replica", True, msg, rec.get("time"), rec.get("step"), verdict=msg)]
+
+
+def read_rollbacks(dump: str) -> list[Finding]:
+    """Rollbacks (rollback.jsonl, fault.on_nonfinite = "rollback"): recovered, so notes."""
+    out = []
+    for row in jsonl_rows(os.path.join(dump, "rollback.jsonl")):
+        msg = (
+            f"{row.get('reason', 'non-finite')}: rolled back to step-{row.get('to')}; step "
+            f"{row['step']}'s prompts skipped (ledger.jsonl marks the step)"
+        )
+        out.append(Finding("rollback", False, msg, row.get("time"), row["step"]))
+    return out
+
+
+def read_stragglers(dump: str) -> list[Finding]:
+    """The straggler lines of health.jsonl (notes: a slow rank is not a failure)."""
     return [
-        Finding("hang", True, summary, first.get("time"), max(steps) if steps else None, details)
+        Finding("straggler", False, line.removeprefix("straggler: "), when, step, verdict=line)
+        for step, line, when in stragglers(dump)
     ]
 
 
@@ -296,6 +335,9 @@ def diagnose(
         + read_nans(dump)
         + read_preempts(dump, latest)
         + read_errors(dump, extra, checkpoint_folder)
+        + read_replicas(dump)
+        + read_rollbacks(dump)
+        + read_stragglers(dump)
     )
     progress = max([s for s in (last_step, latest) if s is not None], default=None)
     for f in findings:
@@ -310,7 +352,7 @@ def diagnose(
         ):
             f.earlier = True
     failed = [f for f in findings if f.failed and not f.earlier]
-    lines = [f"dump folder: {dump}"]
+    lines = [_verdict(findings, failed), f"dump folder: {dump}"]
     for f in sorted(findings, key=lambda f: f.when or 0):
         tag = "FAILED" if f.failed and not f.earlier else ("earlier" if f.earlier else "note")
         lines.append(f"[{tag}] {f.kind}: {f.summary} ({_when(f.when)})")
@@ -329,26 +371,51 @@ def diagnose(
             f"flight recorder: {len(os.listdir(fr))} dump(s) in {fr}; read them with "
             f"python -m torch.distributed.flight_recorder.fr_trace {fr} --prefix rank-"
         )
-    lines.append(
-        "verdict: "
-        + (
-            "FAILED: " + ", ".join(sorted({f.kind for f in failed}))
-            if failed
-            else "no failure found"
-        )
-    )
     return lines, bool(failed)
+
+
+def _verdict(findings: list[Finding], failed: list[Finding]) -> str:
+    """The first line: what failed, in the doctor's words where it has them."""
+    if failed:
+        first = min(failed, key=lambda f: f.when or 0)
+        kinds = ", ".join(sorted({f.kind for f in failed}))
+        return f"verdict: FAILED: {kinds}: {first.verdict or first.summary}"
+    notes = [f.verdict for f in findings if f.kind == "straggler"][-1:]
+    back = [str(f.step) for f in findings if f.kind == "rollback"]
+    if back:
+        notes.append(
+            f"rolled back {len(back)} time(s), skipping the prompts of step(s) {', '.join(back)}"
+        )
+    return "verdict: no failure found" + "".join(f"; {n}" for n in notes)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem-diagnose", description=__doc__.split("\n")[0])
-    p.add_argument("dump_folder")
+    p.add_argument("dump_folder", nargs="?")
     p.add_argument("--checkpoint-folder", default="checkpoints", help="relative to the dump folder")
     p.add_argument("--tail", type=int, default=3, help="metrics.jsonl lines to show")
     p.add_argument(
         "--error-file", action="append", default=[], help="extra torchrun error.json files"
     )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="under torchrun: time a matmul and an all-reduce on every rank and flag slow ranks "
+        "(exit 1 when one is); DUMP_FOLDER, if given, gets preflight.json",
+    )
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=1.5,
+        help="--preflight: flag a matmul this many times the median rank's",
+    )
     a = p.parse_args(argv)
+    if a.preflight:
+        from tandem.rl.fault.preflight import run  # torch: only here
+
+        return run(a.dump_folder, a.ratio)
+    if a.dump_folder is None:
+        p.error("the dump folder is required (unless --preflight)")
     if not os.path.isdir(a.dump_folder):
         print(f"error: {a.dump_folder}: not a folder", file=sys.stderr)
         return 2

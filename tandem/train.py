@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e.exit_status, str(e))
     except BridgeMismatch as e:
         return _fail(errors.EXIT_WEIGHT_SYNC, str(e))
+    except errors.ReplicaMismatch as e:
+        return _fail(errors.EXIT_REPLICA, str(e))
     except KeyboardInterrupt:
         return _fail(
             errors.EXIT_INTERRUPTED,

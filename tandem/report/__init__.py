@@ -4,6 +4,8 @@
                or a tandem-sweep study folder (study.db and its trials' dump folders)
     build.py   the page: overlaid plots (Plotly) of the runs' metrics, the sample
                browser, and for a study its trial table and Optuna's plots
+    health.py  the "Ranks" section: per-rank own time per step (health.jsonl) as a heat
+               map, stragglers and rollbacks marked, and tandem-diagnose's verdict
     page.py    the HTML, CSS and the small script around them
     __main__.py the command line
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.report import EXIT_METRIC, EXIT_USAGE, ReportError
+from tandem.report.health import ranks_section
 from tandem.report.page import SAMPLE_BROWSER, esc, menu_figure_div, page, table
 from tandem.report.runs import Run, StudyInfo, load
 
@@ -355,6 +356,7 @@ def build_report(
             divs.append(menu_figure_div(fid) if "menu" in fig else plain_div)
     if divs:
         sections += ["<h2>Metrics</h2>", '<div class="grid">' + "".join(divs) + "</div>"]
+    sections += ranks_section(runs, figures)  # health.jsonl / rollback.jsonl, when there are
     sample_runs = [
         {"label": r.label, "steps": r.samples[-max_sample_steps:]} for r in runs if r.samples
     ]

@@ -54,6 +54,8 @@ ON: dict[str, tuple[list[str], dict]] = {
     "reward_model": (['reward.reward_model="assets/quickstart-policy"'], {}),
     "offload_optimizer": (["rl.offload_optimizer=true"], {}),
     "share_prompts": (["advanced.share_prompts=true"], {}),
+    "rollback": (["fault.on_nonfinite=rollback"], {}),
+    "no_checkpoints": (["checkpoint.enable=false"], {}),
     "rl": ([], {}),
     "not_rl": (["training.recipe=sft"], {}),
     "rm_recipe": (["training.recipe=reward_model"], {}),

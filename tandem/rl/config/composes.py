@@ -195,6 +195,14 @@ _FEATURES: dict[str, Feature] = {
         "advanced.share_prompts = true",
         lambda f: f.cfg.advanced.share_prompts is True,
     ),
+    "rollback": Feature(
+        "fault.on_nonfinite",
+        'a rollback (fault.on_nonfinite = "rollback" or fault.spike_zscore > 0)',
+        lambda f: f.cfg.fault.on_nonfinite == "rollback" or f.cfg.fault.spike_zscore > 0,
+    ),
+    "no_checkpoints": Feature(
+        "checkpoint.enable", "checkpoint.enable = false", lambda f: not f.cfg.checkpoint.enable
+    ),
     "rl": Feature("training.recipe", "the rl recipe", _rl),
     "not_rl": Feature(
         "training.recipe",
@@ -361,6 +369,19 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "P",
         "pipeline micro-batches are fixed-length rows of one sequence",
         "leave advanced.share_prompts unset",
+    ),
+    (
+        "rollback",
+        "S",
+        "only the trainers check the loss and the gradients, so the generators would wait for "
+        "a reload they never hear of",
+        'set fault.on_nonfinite = "stop" or "skip" and fault.spike_zscore = 0',
+    ),
+    (
+        "rollback",
+        "no_checkpoints",
+        "a rollback reloads the last checkpoint",
+        "set checkpoint.enable = true",
     ),
     (
         "xtok_teachers",

@@ -62,15 +62,49 @@ class FaultConfig:
 
     hang_timeout_s: float = 900.0  # no step progress for this long: dump every rank's stacks, exit
     # 6; 0 = off
-    on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/Inf loss or grad: skip the step (counted)
-    # or stop (exit 7)
+    on_nonfinite: Literal["skip", "stop", "rollback"] = "stop"  # NaN/Inf loss or grad: skip the
+    # step (counted), stop (exit 7), or rollback: reload the last checkpoint, skip the step's
+    # prompts (ledger.jsonl, rollback.jsonl) and go on
+    spike_zscore: float = 0.0  # a gradient norm this many standard deviations above the mean of
+    # the last 50 steps' (at least 5) rolls back as on_nonfinite = "rollback" does; 0 = off
+    max_rollbacks: int = 3  # on_nonfinite = "rollback": more rollbacks than this in one run
+    # stop it (exit 7)
     flight_recorder: bool = True  # NCCL flight recorder into dump_folder/flight_recorder (CUDA
     # only)
+    straggler_ratio: float = 1.5  # a rank whose own time (phase time minus collective wait) is
+    # this many times the median rank's is slow; named in one line with its host; 0 = off
+    straggler_steps: int = 3  # ... when the same rank is slow this many steps in a row
+    preflight: bool = False  # at start-up, time a matmul and an all-reduce on every rank and
+    # name the ranks over 1.5x the median matmul with their hosts (tandem-diagnose --preflight;
+    # dump_folder/preflight.json); the run goes on
+    replica_check_steps: int = 100  # every this many steps, compare an exact checksum of the
+    # weights across HSDP replicas (parallel.dp_replicate > 1; nothing to compare otherwise);
+    # a mismatch names the step, tensor and rank and exits 11; 0 = off
 
     def validate(self) -> None:
         require(
             self.hang_timeout_s >= 0,
             f"fault.hang_timeout_s: must be >= 0, got {self.hang_timeout_s}",
+        )
+        require(
+            self.straggler_ratio == 0 or self.straggler_ratio > 1,
+            f"fault.straggler_ratio: must be > 1 (or 0 = off), got {self.straggler_ratio}",
+        )
+        require(
+            self.spike_zscore >= 0,
+            f"fault.spike_zscore: must be >= 0 (0 = off), got {self.spike_zscore}",
+        )
+        require(
+            self.max_rollbacks >= 0,
+            f"fault.max_rollbacks: must be >= 0, got {self.max_rollbacks}",
+        )
+        require(
+            self.replica_check_steps >= 0,
+            f"fault.replica_check_steps: must be >= 0 (0 = off), got {self.replica_check_steps}",
+        )
+        require(
+            self.straggler_steps >= 1,
+            f"fault.straggler_steps: must be >= 1, got {self.straggler_steps}",
         )
 
 

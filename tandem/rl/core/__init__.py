@@ -6,6 +6,7 @@ configlib.py   typed config sections: TOML, overrides, checks, ConfigError
 system.py      host set-up (allocator, threads)
 fields.py      the field a *_field setting names in a data row (dotted paths)
 metrics.py     metrics.jsonl / tensorboard rows
+health.py      per-rank phase times and collective waits; the straggler summary
 samples.py     the per-step sample log (samples.jsonl)
 optim.py       AdamW and the learning-rate schedule
 modeling.py    the one model builder (meta device -> parallelize -> broadcast)

@@ -27,6 +27,9 @@ EXIT_CHECKPOINT = 8
 EXIT_PLAN = 9
 # split mode: the generators' weights differ from the trainers' after a sync (checksum)
 EXIT_WEIGHT_SYNC = 10
+# fault.replica_check_steps: data-parallel replicas (HSDP) hold different bits of one parameter
+# shard (tandem/rl/fault/replica.py)
+EXIT_REPLICA = 11
 EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
 # SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)
 EXIT_INTERRUPTED = 130
@@ -46,3 +49,8 @@ class NonFiniteError(RuntimeError):
     def __init__(self, msg: str, report: dict[str, Any]) -> None:
         super().__init__(msg)
         self.report = report
+
+
+class ReplicaMismatch(RuntimeError):
+    """Replicas that must hold equal weights do not (EXIT_REPLICA); the message names the step,
+    the tensor and the rank(s)."""

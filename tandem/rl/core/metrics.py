@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tandem.rl.core.errors import EXIT_CHECKPOINT
+from tandem.rl.core.health import waiting
 from tandem.rl.core.loggers import Sink, finite_scalars, open_sinks
 
 
@@ -111,7 +112,8 @@ class Tally:
             return self.values()
         kinds: list[Any] = [None] * dist.get_world_size(group)
         mine = (sorted(self._sum), sorted(self._mean), sorted(self._max))
-        dist.all_gather_object(kinds, mine, group=group)
+        with waiting("all_gather:metric_keys"):  # the first of the reduction's collectives
+            dist.all_gather_object(kinds, mine, group=group)
         sums = sorted({k for part in kinds for k in part[0]})
         means = sorted({k for part in kinds for k in part[1]})
         maxes = sorted({k for part in kinds for k in part[2]})
@@ -208,6 +210,12 @@ class MetricsLogger:
             + eta,
             flush=True,
         )
+
+    def reopen(self) -> None:
+        """Open metrics.jsonl afresh at the next row (it was cut back: a rollback)."""
+        if self._jsonl:
+            self._jsonl.close()
+            self._jsonl = None
 
     def text(self, tag: str, text: str, step: int) -> None:
         for sink in self._sinks:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from tandem import device as seam
 from tandem.rl.core.errors import NonFiniteError
+from tandem.rl.core.health import waiting
 
 Policy = Literal["skip", "stop"]
 
@@ -84,8 +85,10 @@ def _any_bad(flags: torch.Tensor, group: dist.ProcessGroup | None, distributed: 
     )
     if distributed:
         any_bad = any_bad.to(seam.collective_device(group))
-        dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
-    return bool(any_bad.item())  # deliberate host sync: every rank branches on it
+        with waiting("all_reduce:nonfinite_flag"):  # the first collective after the backward
+            dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
+            return bool(any_bad.item())  # deliberate host sync: every rank branches on it
+    return bool(any_bad.item())
 
 
 def _local_finding(
@@ -111,6 +114,17 @@ def _local_finding(
     }
 
 
+class Rollback(Exception):
+    """``fault.on_nonfinite = "rollback"``: step ``step`` (from 1) had a non-finite loss or
+    gradient on some rank, or (``fault.spike_zscore``) a gradient-norm spike; every rank
+    raises it at the same point, and the training shell reloads the newest checkpoint and
+    skips that step's prompts (tandem/rl/recipes/loop.py)."""
+
+    def __init__(self, step: int, why: str = "non-finite loss or gradient") -> None:
+        super().__init__(f"step {step}: {why}")
+        self.step = step
+
+
 def check_finite(
     loss: torch.Tensor | None,
     model: nn.Module | Sequence[nn.Module],
@@ -129,8 +143,10 @@ def check_finite(
     policy "stop" writes the report (when ``dump_folder`` is given) and
     raises `NonFiniteError` on every rank.
     """
-    if policy not in ("skip", "stop"):
-        raise ValueError(f"check_finite: policy must be 'skip' or 'stop', got {policy!r}")
+    if policy not in ("skip", "stop", "rollback"):
+        raise ValueError(
+            f"check_finite: policy must be 'skip', 'stop' or 'rollback', got {policy!r}"
+        )
     grads = _named_grads(model)
     tensors = ([_local(loss).detach().reshape(1)] if loss is not None else []) + [
         g for _, g in grads
@@ -157,9 +173,10 @@ def check_finite(
         if first
         else "non-finite value in an unknown tensor"
     )
-    if policy == "skip":
+    if policy in ("skip", "rollback"):
         if first is not None and first["rank"] == rank:
-            print(f"[rank {rank}] step {step}: {where}: step skipped", flush=True)
+            then = "step skipped" if policy == "skip" else "rolling back"
+            print(f"[rank {rank}] step {step}: {where}: {then}", flush=True)
         return False
 
     report = {

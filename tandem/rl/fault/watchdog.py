@@ -28,6 +28,7 @@ from typing import Any
 
 # Exit status of a rank whose watchdog fired (the lead mirrors it in tandem/rl/core/errors.py).
 from tandem.rl.core.errors import EXIT_HANG  # noqa: E402
+from tandem.rl.core.health import PhaseClock
 
 FR_SUBDIR = "flight_recorder"
 _RANK_JSON = re.compile(r"^rank-(\d+)\.json$")
@@ -101,6 +102,9 @@ class Watchdog:
         self.exit_on_hang = exit_on_hang
         self.poll_s = poll_s if poll_s is not None else min(max(self.timeout_s / 10, 0.05), 5.0)
         self.current_phase = "startup"
+        self.clock = (
+            PhaseClock()
+        )  # seconds per phase and collective wait (tandem/rl/core/health.py)
         self.last_step: int | None = None
         self._last_beat = time.monotonic()
         self._last_beat_wall = time.time()
@@ -131,6 +135,7 @@ class Watchdog:
         """
         previous = self.current_phase
         self.current_phase = name
+        self.clock.switch(name)
         self.beat()
         return self._restore(previous)
 
@@ -140,6 +145,7 @@ class Watchdog:
             yield
         finally:
             self.current_phase = previous
+            self.clock.switch(previous)
             self.beat()
 
     def current_timeout(self) -> float:
@@ -236,11 +242,17 @@ class Watchdog:
         frames = sys._current_frames()
         record: dict[str, Any] = {
             "rank": self.rank,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "reason": reason,
             "phase": self.current_phase,
             "last_step": self.last_step,
+            # the collective Tandem issued that this rank waits in (None: not in one of those)
+            "collective": self.clock.collective,
+            "collective_since_iso": _iso(self.clock.collective_since)
+            if self.clock.collective
+            else None,
             "idle_s": round(idle_s, 3),
             "timeout_s": self.current_timeout(),
             "time": now,
@@ -265,7 +277,8 @@ class Watchdog:
             f.write(
                 f"rank {self.rank} pid {record['pid']} host {record['host']} restart "
                 f"{record['restart']}\nreason: {reason}\nphase: {self.current_phase}\nlast "
-                f"step: {self.last_step}\nno progress for {idle_s:.1f}s (timeout "
+                f"step: {self.last_step}\ncollective: {record['collective']}\n"
+                f"no progress for {idle_s:.1f}s (timeout "
                 f"{self.current_timeout():g}s)\ntime: {record['time_iso']} (last beat "
                 f"{record['last_beat_iso']})\n\n== faulthandler (all threads) ==\n"
             )

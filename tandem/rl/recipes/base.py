@@ -45,8 +45,8 @@ from tandem.rl.core.lora import checkpoint_module
 from tandem.rl.core.metrics import MetricsLogger
 from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.core.optim import Learner
-from tandem.rl.fault import Watchdog, check_finite
-from tandem.rl.fault.inject import nan_at
+from tandem.rl.fault import Rollback, Watchdog, check_finite
+from tandem.rl.fault.inject import in_update, nan_at, spike_at
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -75,6 +75,9 @@ class StepOutput:
     metrics: dict[str, float]
     ids: list[str] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    # ranks compared with each other for stragglers (split mode: "generators" / "trainers");
+    # "" for all ranks alike
+    health_group: str = ""
 
 
 @dataclass
@@ -173,8 +176,10 @@ class Updater:
     modules on all ranks (tandem/rl/fault/nan.py). Finite: each of ``learners`` (default:
     all; a critic warming up steps alone) clips and steps. Not finite under "skip": every
     gradient is dropped and the update counted. Under "stop" the check raises
-    NonFiniteError (exit 7). Either way the stepped learners' schedules advance by one and
-    every gradient is zeroed. The first learner's schedule is the run's ``last_lr``.
+    NonFiniteError (exit 7); under "rollback" `Rollback` (the shell reloads the last
+    checkpoint and adds the step to ``skip_steps``, whose updates are then skipped like
+    "skip"'s). Otherwise the stepped learners' schedules advance by one and every gradient
+    is zeroed. The first learner's schedule is the run's ``last_lr``.
     """
 
     def __init__(
@@ -191,6 +196,8 @@ class Updater:
         self.fault, self.dump_folder, self.rank = fault, dump_folder, rank
         self.skipped = 0
         self.last_lr = self._lr()  # the learning rate of the latest update
+        self.skip_steps: set[int] = set()  # steps (from 1) a rollback skips (the shell's)
+        self.norm_history: list[tuple[int, float]] = []  # (step, gradient norm): the spike rule
 
     def _lr(self) -> float:
         sched = self.learners[0].scheduler
@@ -204,24 +211,42 @@ class Updater:
         """One guarded update of ``learners`` (default: all); returns each stepped learner's
         gradient norm by name ({} when the update was skipped)."""
         stepping = self.learners if learners is None else list(learners)
+        in_update(step + 1, self.rank)  # fault drills (TANDEM_INJECT_SLOW / _STOP)
         if nan_at(step + 1):  # fault drill (TANDEM_INJECT_NAN)
             loss = loss * float("nan")
         modules = [m for learner in self.learners for m in learner.modules]
+        if spike_at(step + 1):  # fault drill (TANDEM_INJECT_SPIKE): 1000x gradients
+            for p in (p for m in modules for p in m.parameters() if p.grad is not None):
+                p.grad.mul_(1000.0)
+        policy = self.fault.on_nonfinite
+        if step + 1 in self.skip_steps:
+            policy = "skip"  # a rollback's step: skipped whatever it holds
         finite = check_finite(
             loss,
             modules,
             step + 1,
             self.rank,
-            self.fault.on_nonfinite,
+            policy,
             dump_folder=self.dump_folder,
             group=self.group,
         )
+        if step + 1 in self.skip_steps:  # a rollback's step: its prompts are not trained on
+            finite = False
+        elif not finite and policy == "rollback":
+            self._drop_gradients()
+            raise Rollback(step + 1)
         if self.learners[0] in stepping:
             self.last_lr = self._lr()
         norms: dict[str, float] = {}
         if finite:
             for learner in stepping:
                 norms[learner.name] = learner.clip(learner.max_grad_norm)
+            if self._spiked(step + 1, norms):
+                self._drop_gradients()
+                raise Rollback(
+                    step + 1, f"gradient-norm spike ({norms[self.learners[0].name]:.4g})"
+                )
+            for learner in stepping:
                 learner.optimizer.step()
         else:
             self.skipped += 1
@@ -231,6 +256,29 @@ class Updater:
         for learner in self.learners:
             learner.optimizer.zero_grad(set_to_none=True)
         return norms
+
+    def _drop_gradients(self) -> None:
+        for learner in self.learners:
+            learner.optimizer.zero_grad(set_to_none=True)
+
+    def _spiked(self, step: int, norms: dict[str, float]) -> bool:
+        """``fault.spike_zscore``: whether the first learner's gradient norm is more than that
+        many standard deviations above the mean of its last 50 values from earlier steps (at
+        least 5 of them). Every rank has the same norm (clipping all-reduces it)."""
+        norm = norms.get(self.learners[0].name)
+        if self.fault.spike_zscore <= 0 or norm is None:
+            return False
+        before = [n for s, n in self.norm_history if s < step][-50:]
+        self.norm_history.append((step, norm))
+        if len(before) < 5:
+            return False
+        mean = sum(before) / len(before)
+        std = (sum((n - mean) ** 2 for n in before) / len(before)) ** 0.5
+        return std > 0 and (norm - mean) / std > self.fault.spike_zscore
+
+    def forget_after(self, step: int) -> None:
+        """A rollback to ``step``: the spike rule's history of the steps after it goes."""
+        self.norm_history = [(s, n) for s, n in self.norm_history if s <= step]
 
 
 class SingleModelTraining:

@@ -18,6 +18,9 @@ For every recipe (tandem/rl/recipes/base.py) the shell owns, in one place:
 - the ledger: the ids (and data-stream positions) each step trained on (all ranks),
   checked at the end (exit 5 when a step is missing or repeated across crashes and
   resumes, or a position trained twice);
+- per-rank health (tandem/rl/core/health.py): every rank's phase times and collective wait ride
+  on the ledger's gather; ``health/*`` metrics, ``health.jsonl``, and one line naming a
+  straggler (``fault.straggler_ratio`` for ``fault.straggler_steps`` steps) with its host;
 - fault drills (TANDEM_INJECT_KILL) and the HF export at the end.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -34,19 +38,21 @@ import torch.distributed as dist
 
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.config.schema import Config, format_config
-from tandem.rl.core import errors
+from tandem.rl.core import errors, health
 from tandem.rl.core.checkpoint import Checkpointer, resume_note, resume_step
 from tandem.rl.core.configlib import to_dict
 from tandem.rl.core.loggers import redact_argv
 from tandem.rl.core.metrics import MetricsLogger, position_repeats, step_gaps, truncate_jsonl
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
-from tandem.rl.fault import PreemptionHandler, Watchdog
+from tandem.rl.fault import NonFiniteError, PreemptionHandler, Rollback, Watchdog
 from tandem.rl.fault.inject import maybe_kill
+from tandem.rl.fault.preflight import preflight
+from tandem.rl.fault.replica import check_replicas
 from tandem.rl.recipes.base import Recipe, Runtime
 
 RecipeFactory = Callable[[Config, Runtime], Recipe]
 # per-step files a resume cuts back to its checkpoint's step
-STEP_LOGS = ("metrics.jsonl", "ledger.jsonl", "samples.jsonl")
+STEP_LOGS = ("metrics.jsonl", "ledger.jsonl", "samples.jsonl", "health.jsonl")
 
 
 class Shell:
@@ -64,6 +70,9 @@ class Shell:
             },
         )
         self.preempt = PreemptionHandler(self.dump, info.rank)
+        health.install(self.watchdog.clock)  # collective waits are charged to its phases
+        self.stragglers = health.StragglerWatch(f.straggler_ratio, f.straggler_steps)
+        self.host = socket.gethostname()
         c = cfg.checkpoint
         self.ckpt = Checkpointer(
             os.path.join(self.dump, c.folder),
@@ -77,6 +86,7 @@ class Shell:
         self.step = 0
         self.ledger_from = 1  # first step ledger.jsonl must hold at the end
         self.ckpt_metrics: dict[str, float] = {}  # save/load seconds, logged with the next row
+        self.rollbacks = 0
 
     # ---- entry -----------------------------------------------------------------------
 
@@ -95,6 +105,9 @@ class Shell:
                 config=to_dict(self.cfg, redact=True),  # secrets never reach a logger
             )
             self.watchdog.start()
+            if self.cfg.fault.preflight:
+                with self.watchdog.phase("preflight"):
+                    preflight(self.dump)  # prints and records; a slow rank does not stop the run
             with self.watchdog.phase("build"):
                 self.recipe = make(
                     self.cfg,
@@ -146,17 +159,24 @@ class Shell:
                 start_eval = recipe.evaluate()
             self._say_eval(start_eval, "at start: {}")
         last_eval = start_eval
+        wd.clock.take()  # health rows count from the first step on, not the start-up
         while self.step < steps:
             t0 = time.monotonic()
             reset_peak_memory(self.info.device)
-            with wd.phase("step"):
-                out = recipe.step(self.step)
-                self._write_ledger(out.ids, out.positions)
+            try:
+                with wd.phase("step"):
+                    out = recipe.step(self.step)
+                    rows = self._write_ledger(out.ids, out.positions, out.health_group)
+            except Rollback as e:  # fault.on_nonfinite = "rollback"
+                with wd.phase("checkpoint"):
+                    self._rollback(e)
+                continue
             self.step += 1
             # fault drills only (TANDEM_INJECT_KILL)
             maybe_kill(self.step, self.info.rank, self.dump)
             wd.beat(self.step)
             metrics = {**out.metrics, **self._shell_metrics(out.metrics, t0)}
+            metrics.update(self._health(rows))
             self._poll_checkpoint()  # commits an asynchronous save whose write has finished
             last = self.step == steps
             every = cfg.training.eval_interval
@@ -168,6 +188,7 @@ class Shell:
                 metrics.update(self.ckpt_metrics)
                 self.ckpt_metrics = {}
                 self.logger.log(self.step, metrics, total_steps=steps)
+            self._check_replicas()  # before a save: a diverged state is never checkpointed
             saved = cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0 or last)
             if saved:
                 self._save(finish=last)
@@ -200,6 +221,17 @@ class Shell:
             "fault/skipped_updates": float(updater.skipped),
         }
 
+    def _check_replicas(self) -> None:
+        """Every ``fault.replica_check_steps`` steps: the HSDP replicas hold the same bits
+        (tandem/rl/fault/replica.py; ReplicaMismatch, exit 11, otherwise)."""
+        every = self.cfg.fault.replica_check_steps
+        if not every or self.step % every:
+            return
+        with self.watchdog.phase("replica_check"):
+            parts = self.recipe.checkpoint_parts()
+            modules = [parts.model, *(m for m, _ in parts.extras.values())]
+            check_replicas(modules, self.step, self.info.rank, self.dump)
+
     def _say_eval(
         self, values: dict[str, float], form: str, start: dict[str, float] | None = None
     ) -> None:
@@ -220,7 +252,7 @@ class Shell:
         refuses a start at step 0 over an earlier run's checkpoints, exit 8) and cut the
         per-step logs back to its step; a start at step 0 cuts them to nothing (what an
         attempt logged before its first checkpoint is redone)."""
-        recipe, logs = self.recipe, [os.path.join(self.dump, name) for name in STEP_LOGS]
+        logs = [os.path.join(self.dump, name) for name in STEP_LOGS]
         last = resume_step(
             self.ckpt, self.cfg.checkpoint, self.cfg.training.steps, self.info.is_main, logs=logs
         )
@@ -229,14 +261,7 @@ class Shell:
                 for log in logs:
                     truncate_jsonl(log, 0)
             return
-        t0 = time.monotonic()
-        parts = recipe.checkpoint_parts()
-        state = self.ckpt.load(last, parts.model, parts.optimizer, parts.extras)
-        self.ckpt_metrics["checkpoint/load_s"] = time.monotonic() - t0
-        self.step = state.pop("step")
-        saved_world = state.pop("_saved_world")
-        model_only = state.pop("_model_only")
-        recipe.load_state_dict(state, saved_world=saved_world)
+        saved_world, model_only = self._load(last)
         if not os.path.exists(os.path.join(self.dump, "ledger.jsonl")):
             # a checkpoint brought from elsewhere: its history is not here
             self.ledger_from = self.step + 1
@@ -250,8 +275,56 @@ class Shell:
                 flush=True,
             )
 
+    def _load(self, last: int) -> tuple[int, bool]:
+        """Load checkpoint ``last`` (verified first) into the recipe and the shell; returns the
+        world size it was saved on and whether it was model-only."""
+        t0 = time.monotonic()
+        parts = self.recipe.checkpoint_parts()
+        state = self.ckpt.load(last, parts.model, parts.optimizer, parts.extras)
+        self.ckpt_metrics["checkpoint/load_s"] = time.monotonic() - t0
+        self.step = state.pop("step")
+        saved_world = state.pop("_saved_world")
+        model_only = state.pop("_model_only")
+        # steps whose prompts a rollback skipped (absent from checkpoints written before them)
+        self.recipe.updater.skip_steps = set(state.pop("rolled_back_steps", []))
+        self.recipe.load_state_dict(state, saved_world=saved_world)
+        return saved_world, model_only
+
     def _trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, **self.recipe.state_dict()}
+        state = {"step": self.step, **self.recipe.state_dict()}
+        if self.recipe.updater.skip_steps:
+            state["rolled_back_steps"] = sorted(self.recipe.updater.skip_steps)
+        return state
+
+    def _rollback(self, e: Rollback) -> None:
+        """``fault.on_nonfinite = "rollback"``: the non-finite step ``e.step`` is undone by
+        loading the newest committed checkpoint; the steps after it are trained again and step
+        ``e.step``'s prompts are taken but not trained on (ledger.jsonl marks the step
+        ``skipped``, rollback.jsonl says why). More than ``fault.max_rollbacks`` rollbacks in
+        one run, or no checkpoint to go back to: NonFiniteError (exit 7)."""
+        self.rollbacks += 1
+        self._poll_checkpoint(wait=True)
+        last = self.ckpt.latest_step() if self.cfg.checkpoint.enable else None
+        limit = self.cfg.fault.max_rollbacks
+        if last is None or self.rollbacks > limit:
+            why = "no checkpoint to go back to" if last is None else f"rollback {self.rollbacks}"
+            raise NonFiniteError(f"{e} ({why}; fault.max_rollbacks = {limit})", {"step": e.step})
+        skipped = {*self.recipe.updater.skip_steps, e.step}
+        self._load(last)
+        self.recipe.updater.skip_steps = skipped  # the checkpoint predates this rollback
+        self.recipe.updater.forget_after(last)
+        if self.info.is_main:
+            for name in STEP_LOGS:
+                truncate_jsonl(os.path.join(self.dump, name), last)
+            self.logger.reopen()  # metrics.jsonl was rewritten under its open handle
+            with open(os.path.join(self.dump, "rollback.jsonl"), "a") as f:
+                row = {"step": e.step, "to": last, "reason": str(e), "time": time.time()}
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"rollback {self.rollbacks}/{limit}: {e}; reloaded {self.ckpt.path(last)}, "
+                f"step {e.step}'s prompts will be skipped",
+                flush=True,
+            )
 
     def _save(self, *, finish: bool = False) -> None:
         """Checkpoint this step; ``finish`` waits for an asynchronous write to commit."""
@@ -311,21 +384,54 @@ class Shell:
 
     # ---- ledger ----------------------------------------------------------------------
 
-    def _write_ledger(self, ids: list[str], positions: list[int]) -> None:
+    def _write_ledger(
+        self, ids: list[str], positions: list[int], group: str = ""
+    ) -> list[dict[str, Any]]:
         """Append the ids this step trains on (all ranks) to dump_folder/ledger.jsonl, with their
-        data-stream positions when the recipe gives them."""
+        data-stream positions when the recipe gives them. The same gather carries every rank's
+        health row (where its time went since the last one); returns them, index = rank."""
         every: list[Any] = [None] * self.info.world_size
-        dist.all_gather_object(every, (sorted(set(ids)), sorted(set(positions))))
+        mine = {"rank": self.info.rank, "host": self.host, **self.watchdog.clock.take()}
+        if group:
+            mine["group"] = group
+        with health.waiting("all_gather:ledger_and_health"):
+            dist.all_gather_object(every, (sorted(set(ids)), sorted(set(positions)), mine))
         if self.info.is_main:
             row: dict[str, Any] = {
                 "step": self.step + 1,
-                "ids": sorted(i for part, _ in every for i in part),
+                "ids": sorted(i for part, _, _ in every for i in part),
             }
-            where = sorted(p for _, part in every for p in part)
+            where = sorted(p for _, part, _ in every for p in part)
             if where:
                 row["positions"] = where
+            if self.step + 1 in self.recipe.updater.skip_steps:
+                row["skipped"] = "rollback"  # taken, not trained on (rollback.jsonl)
             with open(os.path.join(self.dump, "ledger.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
+        return [h for _, _, h in every]
+
+    def _health(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """The step's ``health/*`` metrics; rank 0 appends the rows to health.jsonl and says
+        the straggler's name once it has been slow for ``fault.straggler_steps`` steps."""
+        summary = health.summarize(rows)
+        line = self.stragglers.observe(self.step, summary, [r["host"] for r in rows])
+        if self.info.is_main:
+            record = {"step": self.step, "time": time.time(), **summary, "ranks": rows}
+            if line:
+                record["straggler"] = line
+                print(line, flush=True)
+            with open(os.path.join(self.dump, "health.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        out = {
+            "health/slowest_rank": float(summary["slowest_rank"]),
+            "health/straggler_ratio": summary["straggler_ratio"],
+            "health/own_median_s": summary["median_own_s"],
+            "health/wait_max_s": summary["wait_max_s"],
+        }
+        for g, s in summary.get("groups", {}).items():
+            out[f"health/{g}/slowest_rank"] = float(s["slowest_rank"])
+            out[f"health/{g}/straggler_ratio"] = s["straggler_ratio"]
+        return out
 
     def _check_ledger(self) -> int:
         """Every step 1..steps (from the resumed step on, when the checkpoint came without

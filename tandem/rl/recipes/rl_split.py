@@ -56,6 +56,10 @@ class _Relay:
 
     def __init__(self) -> None:
         self.last_lr, self.skipped = 0.0, 0
+        self.skip_steps: set[int] = set()  # the shell's rollback bookkeeping (none in split mode)
+
+    def forget_after(self, step: int) -> None:
+        """Nothing to forget: the spike rule runs on the trainers."""
 
 
 def split_world_of(cfg: Any, world: int) -> SplitWorld | None:
@@ -155,6 +159,7 @@ class SplitPlacement:
             r.sample_log.log(step + 1, r.sample_records(batch, result.advantages))
             out = StepOutput({}, batch.ids, batch.positions)
         out.metrics = self._gather_metrics(mine)
+        out.health_group = "generators" if w.in_first else "trainers"  # compared among themselves
         return out
 
     def _gather_metrics(self, mine: dict[str, float]) -> dict[str, float]:

@@ -38,6 +38,7 @@ from tandem.rl.algorithms import (
     CorrectionInput,
     PolicyLossInput,
 )
+from tandem.rl.core.health import waiting
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.cp_batch import cp_token_logprobs
 
@@ -502,7 +503,8 @@ class UpdateSums:
         """Collective over ``group``: the sums over its ranks; a rank with ``counts`` False (not
         the one rank per data-parallel replica that reports) adds zeros."""
         flat = self.flat() if counts else torch.zeros_like(self.flat())
-        dist.all_reduce(flat, group=group)
+        with waiting("all_reduce:update_sums"):
+            dist.all_reduce(flat, group=group)
         return UpdateSums.of(flat)
 
 
