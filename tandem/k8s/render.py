@@ -208,7 +208,6 @@ def envd_pod(p: Plan) -> Obj:
                 "workingDir": WORKSPACE,
                 "command": ["python", "-m", "tandem.rl.workers.envd"],
                 "args": [
-                    f"--config={p.config_path}",
                     "--host=0.0.0.0",
                     f"--port={k.envd_port}",
                     f"--workers={k.envd_cpus}",

@@ -21,6 +21,12 @@ def check_addresses(key: str, addresses: list[str]) -> None:
             bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
             f"{key}: {a!r} is not host:port",
         )
+    import os
+
+    require(
+        not addresses or bool(os.environ.get("TANDEM_ENVD_TOKEN")),
+        f"{key}: set TANDEM_ENVD_TOKEN to the token the tandem-envd services were started with",
+    )
 
 
 def _check_name(key: str, registry_path: str, name: str) -> None:
