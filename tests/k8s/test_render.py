@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ yaml = pytest.importorskip("yaml")
 from kubeflow_trainer_api import models as kf  # noqa: E402
 from kubernetes.client import ApiClient  # noqa: E402
 
-from tandem.k8s.cli import render_documents, to_yaml  # noqa: E402
+from tandem.k8s.cli import main, render_documents, to_yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 API = ApiClient()
@@ -172,20 +170,15 @@ def test_a_wrong_field_name_or_type_fails() -> None:
         check(bad)
 
 
-def test_cli_yaml_reads_back_and_bad_input_is_one_line(tmp_path: Path) -> None:
+def test_cli_yaml_reads_back_and_bad_input_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "job.yaml"
     config = tmp_path / "moe.toml"
     text = (ROOT / "configs" / "grpo_moe.toml").read_text()
     config.write_text(text + '\n[k8s]\nnode_selector = {pool = "h100"}\n')
-    cmd = [sys.executable, "-m", "tandem.k8s", "render", "--config", str(config)]
-    r = subprocess.run(
-        [*cmd, "--nodes", "2", "--out", str(out), "--k8s.cpus_per_node=64"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
+    cmd = ["render", "--config", str(config)]
+    assert main([*cmd, "--nodes", "2", "--out", str(out), "--k8s.cpus_per_node=64"]) == 0
     text = out.read_text()
     assert text.startswith(f"# Rendered by: tandem-k8s render --config {config}")
     docs = list(yaml.safe_load_all(text))
@@ -193,18 +186,19 @@ def test_cli_yaml_reads_back_and_bad_input_is_one_line(tmp_path: Path) -> None:
     want_pod = node_pod(want)
     assert node_pod(docs)["nodeSelector"] == {"pool": "h100"} and "nodeSelector" not in want_pod
     assert node_pod(docs)["containers"][0]["resources"]["requests"]["cpu"] == "64"
-    assert (
-        docs[0] == want[0] and docs[1]["spec"]["failurePolicy"] == want[1]["spec"]["failurePolicy"]
-    )
+    assert docs[0] == want[0]
+    assert docs[1]["spec"]["failurePolicy"] == want[1]["spec"]["failurePolicy"]
     check(docs)
+    capsys.readouterr()
     for bad, message in (
         (["--nodes", "0"], "error: --nodes: must be >= 1, got 0"),
         (["--nodes", "1", "--k8s.tolerations=a:Never"], "error: k8s.tolerations: 'a:Never'"),
         (["--nodes", "1", "--k8s.nme=x"], "error: unknown key 'k8s.nme'; did you mean 'k8s.name'?"),
     ):
-        r = subprocess.run([*cmd, *bad], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and r.stdout == "", (bad, r.stdout, r.stderr)
-        assert r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert main([*cmd, *bad]) == 2, bad
+        r = capsys.readouterr()
+        assert r.out == "" and r.err.startswith(message), (bad, r.err)
+        assert len(r.err.strip().splitlines()) == 1, r.err
 
 
 def test_yaml_emitter_quotes_every_string() -> None:

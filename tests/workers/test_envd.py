@@ -188,3 +188,23 @@ def test_worker_addresses_and_token_are_checked_at_load(monkeypatch: pytest.Monk
     monkeypatch.setenv("TANDEM_ENVD_TOKEN", TOKEN)
     cfg = load_config(str(ROOT / "configs/quickstart_agentic.toml"), ["--env.workers=h:7000,g:1"])
     assert cfg.env.workers == ["h:7000", "g:1"]
+
+
+@pytest.mark.slow
+def test_agentic_quickstart_on_two_envds_equals_local_workers(
+    two: list[Envd], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.fixtures import train_run
+
+    monkeypatch.setenv("TANDEM_ENVD_TOKEN", TOKEN)
+    config = ROOT / "configs" / "quickstart_agentic.toml"
+    quiet = ("--training.steps=1", "--metrics.loggers=[]", "--checkpoint.enable=false")
+    local, _ = train_run(config, tmp_path / "local", 1, *quiet, "--env.step_timeout_s=61")
+    workers = ",".join(s.address for s in two)
+    remote, _ = train_run(
+        config, tmp_path / "envd", 1, *quiet, "--env.step_timeout_s=61", f"--env.workers={workers}"
+    )
+    assert "step timeout 61 s" in two[0].err.read_text() + two[1].err.read_text()  # envd ran them
+    keys = ("reward/total", "response/length_mean", "env/turns_mean", "env/tool_calls_per_episode")
+    assert [{k: r[k] for k in keys} for r in remote] == [{k: r[k] for k in keys} for r in local]
+    assert local[0]["env/tool_calls_per_episode"] > 0 and local[0]["env/env_errors"] == 0

@@ -146,6 +146,7 @@ class EnvdServer:
         pool = self._env_pools.get(limit)
         if pool is None:
             pool = self._env_pools[limit] = EnvPool(self.workers, step_timeout_s=limit)
+            _say(f"environment pool of {self.workers} workers, step timeout {limit:g} s")
         self.runs["env"] += 1
         tickets[(limit, pool.submit(fn, *args))] = rid
 
