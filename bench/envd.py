@@ -50,7 +50,9 @@ def train(dump: str, steps: int, extra: list[str]) -> list[dict[str, float]]:
 def start_envd() -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONPATH": ROOT, "TANDEM_ENVD_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "tandem.rl.workers.envd", "--port", "0", "--workers", "2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if not line.startswith("tandem-envd listening on "):
         sys.exit(f"tandem-envd did not start: {line!r}")
