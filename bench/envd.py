@@ -2,13 +2,13 @@
 workers against the same run with its environments on two tandem-envd processes (loopback).
 
     python -m bench.envd                  # 4 steps, 1 CPU rank
-    python -m bench.envd --steps 2        # the smoke size
+    python -m bench.envd --smoke          # 1 step (the test suite's run)
 
 Both runs train the same prompts with the same seed; the table gives the mean step time (steps
 2 on: the first builds the generation copy and warms the workers), the environment time the
 devices waited for (``env/device_wait_s``), and the envd run's step time over the local one's.
 The last line says whether both runs sampled the same episodes (every step's reward, length,
-turns and tool calls equal): the hop must change nothing but the time.
+turns and tool calls equal): the hop must change nothing but the time; it exits 1 if not.
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def start_envd() -> tuple[subprocess.Popen[str], str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="1 step (the test suite's run)")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps = 1
+    from bench.header import print_header
+
+    print_header("bench.envd", None)
     runs: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         runs["local workers"] = train(os.path.join(tmp, "local"), args.steps, [])
@@ -93,6 +99,8 @@ def main() -> None:
         for k in SAME
     )
     print(f"same episodes and rewards every step: {'yes' if same else 'NO'}")
+    if not same:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
