@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tandem.k8s.cli import render_documents
+from tests.fixtures import assert_same_tree, flat_checkpoint
 from tests.k8s.pod_harness import JobSetRunner
 
 RUN = (
@@ -32,24 +32,6 @@ RUN = (
 def _jobset() -> dict:
     docs, _ = render_documents("configs/quickstart.toml", 2, "jobset", None, list(RUN))
     return docs[1]
-
-
-def _flat(path: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(path), str(path) + ".pt")
-    return torch.load(str(path) + ".pt", weights_only=False)
-
-
-def _same(a: object, b: object, key: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), key
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), key
-        for k in a:
-            _same(a[k], b[k], f"{key}.{k}")
-    else:
-        assert a == b, (key, a, b)
 
 
 def _steps(dump: Path) -> int:
@@ -85,7 +67,10 @@ def test_a_deleted_pod_restarts_and_the_run_matches_an_uninterrupted_one(tmp_pat
         runner.stop()
     assert runner.pods[1].starts >= 2 and runner.failures >= 1, runner.tail()
     assert (dump / "preempt").is_dir()  # the SIGTERM path: every rank checkpointed and stopped
-    _same(_flat(clean / "checkpoints" / "step-6"), _flat(dump / "checkpoints" / "step-6"))
+    assert_same_tree(
+        flat_checkpoint(clean / "checkpoints" / "step-6"),
+        flat_checkpoint(dump / "checkpoints" / "step-6"),
+    )
     ledger = [json.loads(line) for line in open(clean / "ledger.jsonl")]
     assert ledger == [json.loads(line) for line in open(dump / "ledger.jsonl")]
     ids = [i for row in ledger for i in row["ids"]]
