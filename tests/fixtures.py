@@ -420,3 +420,27 @@ def sigint_default() -> None:
     a non-interactive shell (which starts its jobs with SIGINT ignored, and Python then keeps
     ignoring it)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def flat_checkpoint(path: str | Path) -> dict:
+    """A DCP checkpoint folder as one nested dict (written beside it as ``<path>.pt``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), f"{path}.pt")
+    return torch.load(f"{path}.pt", weights_only=False)
+
+
+def assert_same_tree(a: Any, b: Any, key: str = "") -> None:
+    """Nested dicts, lists and tensors equal, tensors bit for bit (``key``: where, on failure)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), key
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), key
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{key}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), key
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(x, y, f"{key}[{i}]")
+    else:
+        assert a == b, (key, a, b)

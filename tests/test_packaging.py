@@ -77,6 +77,8 @@ def test_the_wheel_installs_only_tandem(wheel: Path):
         "tandem-report": "tandem.report.__main__:main",
         "tandem-diagnose": "tandem.diagnose:main",
         "tandem-serve": "tandem.serve:main",
+        "tandem-k8s": "tandem.k8s.cli:main",
+        "tandem-envd": "tandem.rl.workers.envd:main",
     }
 
 
@@ -142,7 +144,15 @@ def test_the_installed_package_imports_beside_transformers(where: str, tmp_path:
 
 def test_console_scripts_run(tmp_path: Path):
     bindir = Path(sys.executable).parent
-    tools = ("tandem-generate", "tandem-sweep", "tandem-report", "tandem-diagnose", "tandem-serve")
+    tools = (
+        "tandem-generate",
+        "tandem-sweep",
+        "tandem-report",
+        "tandem-diagnose",
+        "tandem-serve",
+        "tandem-k8s",
+        "tandem-envd",
+    )
     for tool in tools:
         exe = bindir / tool
         assert exe.exists(), f"{exe}: not installed (pip install -e . makes it)"

@@ -56,6 +56,7 @@ ON: dict[str, tuple[list[str], dict]] = {
     "share_prompts": (["advanced.share_prompts=true"], {}),
     "rollback": (["fault.on_nonfinite=rollback"], {}),
     "no_checkpoints": (["checkpoint.enable=false"], {}),
+    "env_workers": (['env.workers=["127.0.0.1:9000"]'], {}),
     "rl": ([], {}),
     "not_rl": (["training.recipe=sft"], {}),
     "rm_recipe": (["training.recipe=reward_model"], {}),

@@ -764,18 +764,3 @@ def test_sbatch_bad_setup_is_one_line_and_exit_2(
     assert r.returncode == 2
     assert r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "dump").exists()
-
-
-def test_pytorchjob_manifest_fields() -> None:
-    text = (ROOT / "scripts" / "k8s" / "pytorchjob.yaml").read_text()
-    for needle in (
-        "kind: PyTorchJob",
-        "elasticPolicy:",
-        "rdzvBackend: c10d",
-        "restartPolicy: OnFailure",
-        "maxRestarts: 3",
-        "terminationGracePeriodSeconds",
-        "--job.dump_folder=",
-    ):
-        assert needle in text, needle
-    assert "\t" not in text  # YAML forbids tabs for indentation

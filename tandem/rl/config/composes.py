@@ -203,6 +203,11 @@ _FEATURES: dict[str, Feature] = {
     "no_checkpoints": Feature(
         "checkpoint.enable", "checkpoint.enable = false", lambda f: not f.cfg.checkpoint.enable
     ),
+    "env_workers": Feature(
+        "env.workers",
+        "tandem-envd environment services (env.workers)",
+        lambda f: _rl(f) and bool(f.cfg.env.workers),
+    ),
     "rl": Feature("training.recipe", "the rl recipe", _rl),
     "not_rl": Feature(
         "training.recipe",
@@ -382,6 +387,12 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "no_checkpoints",
         "a rollback reloads the last checkpoint",
         "set checkpoint.enable = true",
+    ),
+    (
+        "env_workers",
+        "H",
+        "with the endpoint a harness plays the episodes, so no environment would step there",
+        "leave env.workers empty",
     ),
     (
         "xtok_teachers",

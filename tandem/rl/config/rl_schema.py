@@ -13,6 +13,22 @@ from tandem.rl.algorithms.policy_loss import PolicyLossConfig
 from tandem.rl.core.configlib import SECRET, ConfigError, is_loopback, require
 
 
+def check_addresses(key: str, addresses: list[str]) -> None:
+    """ConfigError naming ``key`` unless every entry is ``host:port`` (a port in [1, 65535])."""
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        require(
+            bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+            f"{key}: {a!r} is not host:port",
+        )
+    import os
+
+    require(
+        not addresses or bool(os.environ.get("TANDEM_ENVD_TOKEN")),
+        f"{key}: set TANDEM_ENVD_TOKEN to the token the tandem-envd services were started with",
+    )
+
+
 def _check_name(key: str, registry_path: str, name: str) -> None:
     import importlib
 
@@ -300,6 +316,8 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # per function, its keyword settings (a
     # TOML table each), e.g. [reward.kwargs.by_source] routes = {"my/source" = "math"}
     num_workers: int = 2  # 0 = score in the trainer process
+    workers: list[str] = field(default_factory=list)  # tandem-envd services ("host:port") that
+    # score instead of local processes (token: $TANDEM_ENVD_TOKEN); [] = local
     timeout_s: float = 10.0  # per call; a timeout scores 0 and is counted
     memory_mb: int = 2048  # per reward worker (soft RLIMIT_DATA); a call past it scores 0 as an
     # error; 0 = no cap
@@ -313,6 +331,7 @@ class RewardConfig:
             f"reward.weights: {len(self.weights)} weights for {len(self.functions)} functions",
         )
         require(self.num_workers >= 0, f"reward.num_workers: must be >= 0, got {self.num_workers}")
+        check_addresses("reward.workers", self.workers)
         require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
         require(
             self.memory_mb >= 0,
@@ -444,6 +463,8 @@ class EnvConfig:
     num_workers: int = 2  # CPU worker processes stepping environments while the generator decodes
     # (on each generation group's first rank only)
     step_timeout_s: float = 60.0  # one environment step; past it the step is an error observation
+    workers: list[str] = field(default_factory=list)  # tandem-envd services ("host:port") that
+    # step the environments instead of local processes (token: $TANDEM_ENVD_TOKEN); [] = local
 
     def validate(self) -> None:
         if self.kind == "http":
@@ -464,6 +485,7 @@ class EnvConfig:
             "env.max_turn_tokens: must be >= 1",
         )
         require(self.num_workers >= 0, f"env.num_workers: must be >= 0, got {self.num_workers}")
+        check_addresses("env.workers", self.workers)
         require(
             self.step_timeout_s > 0, f"env.step_timeout_s: must be > 0, got {self.step_timeout_s}"
         )

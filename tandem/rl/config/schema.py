@@ -64,6 +64,7 @@ __all__ = [
     "parse_args",
 ]
 
+from tandem.rl.config.k8s_schema import K8sConfig  # noqa: E402  (tandem-k8s render only)
 from tandem.rl.config.rl_schema import (  # noqa: E402  (sections of rl recipes)
     CriticConfig,
     DistillConfig,
@@ -388,6 +389,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)
 
     # Keys that moved or went away: setting one is an error that says what to do instead.
     MOVED = {

@@ -78,21 +78,13 @@ class RolloutPhase:
         self.stream = PromptStream(len(train), seed, data.shuffle)
         weights = reward.weights or [1.0] * len(reward.functions)
         self.reward_fns = list(zip(reward.functions, weights))
-        from tandem.rl.workers.reward_pool import RewardPool
+        from tandem.rl.workers.envd_client import env_pool, reward_pool
 
-        self.rewards = RewardPool(  # reward.modules were imported by config validation
-            reward.num_workers if reward.functions else 0,
-            reward.timeout_s,
-            rewards=reward.functions,
-            reward_kwargs=reward.kwargs,
-            memory_mb=reward.memory_mb or None,
-        )
+        self.rewards = reward_pool(reward)  # reward.modules were imported by config validation
         self.rm = self._reward_model() if reward.reward_model else None
         self.env_pool = None
         if env.name and gen_copy.layout.rank == 0:  # a generation group's leader steps the envs
-            from tandem.rl.workers.env_pool import EnvPool
-
-            self.env_pool = EnvPool(env.num_workers, step_timeout_s=env.step_timeout_s)
+            self.env_pool = env_pool(env)
 
     def _reward_model(self) -> Any:
         from tandem.rl.rollout.reward_model import RewardModelScorer

@@ -1,0 +1,1 @@
+"""Kubernetes manifests for a config: ``tandem-k8s render`` (cli.py, render.py)."""
