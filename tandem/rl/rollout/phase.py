@@ -32,7 +32,7 @@ from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memor
 from tandem.rl.data.images import release_images
 from tandem.rl.data.prompts import Prompt, PromptStream, deal, rollout_seed
 from tandem.rl.rollout.sampling import sample_completions, sample_episodes
-from tandem.rl.rollout.types import RolloutBatch, RolloutSample
+from tandem.rl.rollout.types import RolloutBatch, RolloutSample, response_tally
 
 
 class RolloutPhase:
@@ -327,33 +327,10 @@ class RolloutPhase:
         return int(t.item())
 
     def sample_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
-        """Response lengths, truncations and accuracy over every rank's samples (a model-parallel
-        group's ranks hold the same samples and count once each: the means are unchanged)."""
-        t = torch.tensor(
-            [
-                [len(s.completion_ids), s.finish_reason == "length", s.info.get("accuracy", 0.0)]
-                for s in samples
-            ],
-            dtype=torch.float64,
-        ).reshape(-1, 3)
-        stats = torch.stack(
-            [
-                t[:, 0].sum(),
-                t[:, 1].sum(),
-                t[:, 2].sum(),
-                torch.tensor(float(len(samples)), dtype=torch.float64),
-            ]
-        )
-        mx = (t[:, 0].max() if len(samples) else torch.zeros((), dtype=torch.float64)).reshape(1)
-        dist.all_reduce(stats)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        n = max(stats[3].item(), 1.0)
-        return {
-            "response/length_mean": stats[0].item() / n,
-            "response/length_max": mx.item(),
-            "response/clipped_frac": stats[1].item() / n,
-            "accuracy": stats[2].item() / n,
-        }
+        """Response lengths, truncations and accuracy (`response_tally`) over the data-parallel
+        ranks, which hold the step's samples (a model-parallel group's ranks hold the same ones:
+        each such group reduces over its own data-parallel group to the same values)."""
+        return response_tally(samples).reduce(group=self.dp_group, device=self.info.device)
 
     # ---- evaluation ------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from tandem.rl.core.metrics import Tally
 from tandem.rl.rollout.inflight import Flight
 from tandem.rl.rollout.phase import RolloutPhase
 from tandem.rl.rollout.streaming import ColocatedAsyncRollout
-from tandem.rl.rollout.types import RolloutSample
+from tandem.rl.rollout.types import RolloutSample, response_tally, staleness_tally
 
 _SYNC_TAG, _SAMPLES_TAG = 36, 37
 
@@ -137,15 +137,8 @@ class SplitGenerator(ColocatedAsyncRollout):
         target = {pos: i % trainers for i, pos in enumerate(order)}
         parts: list[list[Any]] = [[] for _ in range(trainers)]
         for pos, group, sc in self._scored(order, tally):
-            for s in group:
-                stale = version - s.first_version
-                tally.max("async/staleness_max", stale).mean("async/staleness_mean", stale)
-                for k in range(b.rcfg.max_staleness + 1):
-                    tally.sum(f"async/staleness_{k}", float(stale == k))
-                tally.mean("response/length_mean", len(s.completion_ids))
-                tally.max("response/length_max", len(s.completion_ids))
-                tally.mean("response/clipped_frac", float(s.finish_reason == "length"))
-                tally.mean("accuracy", s.info.get("accuracy", 0.0))
+            staleness_tally(group, version, b.rcfg.max_staleness, tally)
+            response_tally(group, tally)  # over the generators, which hold every sample
             parts[target[pos]].append((pos, group, sc))
         for j, part in enumerate(parts):
             dist.send_object_list([part], dst=self.world.first + j, group=self.world.control)

@@ -36,7 +36,7 @@ from tandem.rl.generator.sequence import Sequence, SequenceStatus
 from tandem.rl.rollout.inflight import Admission, Flight
 from tandem.rl.rollout.phase import RolloutPhase, deal_in_stream_order
 from tandem.rl.rollout.sampling import generator_settings, group_params, sampling_params
-from tandem.rl.rollout.types import RolloutBatch, RolloutSample
+from tandem.rl.rollout.types import RolloutBatch, RolloutSample, staleness_tally
 
 _KEPT, _FILTERED = 1.0, 2.0  # a complete group's flag in the ranks' completion vector
 
@@ -283,11 +283,7 @@ class ColocatedAsyncRollout:
         tally.local("rollout/seconds", t_gen).local("rollout/generated_tokens", made)
         tally.local("rollout/preemptions", stats.preemptions - before.preemptions)
         tally.local("rollout/kv_cache_gb", stats.kv_cache_bytes / 1e9)
-        for s in samples:
-            tally.max("async/staleness_max", version - s.first_version)
-            tally.mean("async/staleness_mean", version - s.first_version)
-            for k in range(b.rcfg.max_staleness + 1):
-                tally.sum(f"async/staleness_{k}", float(version - s.first_version == k))
+        staleness_tally(samples, version, b.rcfg.max_staleness, tally)
         tally.local("async/weight_sync_s", reshard["reshard/seconds"])
         for k, v in reshard.items():
             tally.local(k, v)

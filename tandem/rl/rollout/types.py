@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tandem.rl.core.metrics import Tally
+
 
 @dataclass
 class RolloutSample:
@@ -64,3 +66,30 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)  # the prompt ids it trains on (the ledger)
     positions: list[int] = field(default_factory=list)  # and their prompt-stream positions
+
+
+def response_tally(samples: list[RolloutSample], tally: Tally | None = None) -> Tally:
+    """The sample metrics of every rollout mode, this rank's share (`Tally.reduce` over the
+    ranks that hold the step's samples combines them): response lengths, truncations and
+    accuracy."""
+    tally = Tally() if tally is None else tally
+    for s in samples:
+        tally.mean("response/length_mean", len(s.completion_ids))
+        tally.max("response/length_max", len(s.completion_ids))
+        tally.mean("response/clipped_frac", float(s.finish_reason == "length"))
+        tally.mean("accuracy", s.info.get("accuracy", 0.0))
+    return tally
+
+
+def staleness_tally(
+    samples: list[RolloutSample], version: int, max_staleness: int, tally: Tally | None = None
+) -> Tally:
+    """How many versions older than ``version`` (the one the update trains) each sample's
+    first token is: the maximum, the mean and a count per staleness 0 .. ``max_staleness``."""
+    tally = Tally() if tally is None else tally
+    for s in samples:
+        stale = version - s.first_version
+        tally.max("async/staleness_max", stale).mean("async/staleness_mean", stale)
+        for k in range(max_staleness + 1):
+            tally.sum(f"async/staleness_{k}", float(stale == k))
+    return tally
