@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.models.tokenizer import Tokenizer
     from tandem.rl.generator.engine import GenerationSettings, Generator
     from tandem.rl.generator.sequence import SamplingParams
+    from tandem.rl.generator.serve.engine import EngineSettings, ServingEngine
+    from tandem.rl.generator.serve.http import AgentServer, ServerSettings
     from tandem.rl.rollout.agentic import end_of_turn_id, run_agentic_rollout
-    from tandem.rl.serve.engine import EngineSettings, ServingEngine
-    from tandem.rl.serve.http import AgentServer, ServerSettings
     from tandem.rl.workers.env_pool import EnvPool
 
     tok = Tokenizer.from_dir(POLICY)

@@ -78,6 +78,8 @@ def play(ep: dict[str, Any], args: argparse.Namespace, tools: threading.Semaphor
     """One episode: chat turns until the environment says done; returns the reward it reported."""
     episode = make_env("tool", TASK).new_episode()
     messages = episode.reset(ep["row"])
+    # one client per episode, closed with it: its keep-alive connection is not left open for
+    # the endpoint's idle timeout (the endpoint holds at most 128 connections at once)
     client = OpenAI(
         base_url=ep["base_url"], api_key=args.api_key or "none", max_retries=0, timeout=600
     )
@@ -97,6 +99,8 @@ def play(ep: dict[str, Any], args: argparse.Namespace, tools: threading.Semaphor
         if getattr(e, "status_code", None) not in (400,):
             post(args.url, "/rl/abort", {"session_id": ep["session_id"]}, args.api_key)
             return 0.0
+    finally:
+        client.close()
     post(
         args.url, "/rl/set_reward", {"session_id": ep["session_id"], "reward": reward}, args.api_key
     )

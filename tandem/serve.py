@@ -2,9 +2,10 @@
 
     tandem-serve --model DIR [--host 127.0.0.1] [--port 8000]
 
-The same endpoint the RL rollout serves to an agent harness (tandem/rl/serve/, docs/serving.md),
-for evaluation with no training: ``/v1/chat/completions`` and ``/v1/completions`` (streaming
-or not; ``return_token_ids``, ``prompt_token_ids``, ``logprobs``), ``/v1/models``, ``/health``,
+The same endpoint the RL rollout serves to an agent harness (tandem/rl/generator/serve/,
+docs/serving.md), for evaluation with no training: ``/v1/chat/completions`` and
+``/v1/completions`` (streaming or not; ``return_token_ids``, ``prompt_token_ids``,
+``logprobs``), ``/v1/models``, ``/health``,
 and sessions (``/v1/sessions/<id>/...``) that keep a conversation's sampled ids and KV blocks
 between turns (close one with ``POST /rl/abort``). One process: the whole model on one device.
 
@@ -105,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ):
         if not ok:
             ap.error(f"{flag}: out of range, got {getattr(args, flag[2:].replace('-', '_'))}")
-    from tandem.rl.serve.http import ServerSettings
+    from tandem.rl.generator.serve.http import ServerSettings
 
     problem = _settings(args, ServerSettings).check()
     if problem:
@@ -143,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.rl.config.schema import ConfigError
     from tandem.rl.core.modeling import ModelSetupError
     from tandem.rl.generator.engine import GenerationSettings, Generator
+    from tandem.rl.generator.serve.engine import EngineSettings, ServingEngine
+    from tandem.rl.generator.serve.http import AgentServer, ServerSettings
     from tandem.rl.rollout.agentic import end_of_turn_id
-    from tandem.rl.serve.engine import EngineSettings, ServingEngine
-    from tandem.rl.serve.http import AgentServer, ServerSettings
 
     device = pick_device(0, force_cpu=args.device == "cpu")
     try:

@@ -46,7 +46,7 @@ LONG_FUNCTIONS: dict[str, str] = {  # "path:function" -> why it may exceed 80 li
     "bench/decode_profile.py:main": "one linear bench script: flags, run, table",
     "tandem/kernels/paged_attention.py:paged_attention_torch": _FORMAT,
     "tandem/rl/recipes/rl.py:__init__": _FORMAT,
-    "tandem/rl/serve/episodes.py:serve_episodes": _FORMAT,
+    "tandem/rl/rollout/episodes.py:serve_episodes": _FORMAT,
     "tandem/rl/update/phase.py:run": _FORMAT,
     "bench/vlm.py:bench_step": _FORMAT,
     "bench/grpo_step.py:trl_worker": _FORMAT,

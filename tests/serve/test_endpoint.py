@@ -29,10 +29,10 @@ from tandem.models.tokenizer import Tokenizer  # noqa: E402
 from tandem.rl.core.reward_range import REWARD_LIMIT  # noqa: E402
 from tandem.rl.generator.engine import GenerationSettings, Generator  # noqa: E402
 from tandem.rl.generator.sequence import SamplingParams  # noqa: E402
+from tandem.rl.generator.serve.engine import EngineSettings, ServingEngine  # noqa: E402
+from tandem.rl.generator.serve.http import AgentServer, ServerSettings  # noqa: E402
+from tandem.rl.generator.serve.sessions import samples_of  # noqa: E402
 from tandem.rl.rollout.agentic import end_of_turn_id  # noqa: E402
-from tandem.rl.serve.engine import EngineSettings, ServingEngine  # noqa: E402
-from tandem.rl.serve.http import AgentServer, ServerSettings  # noqa: E402
-from tandem.rl.serve.sessions import samples_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")

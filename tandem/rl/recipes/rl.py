@@ -109,7 +109,7 @@ class RLRecipe:
             gen_copy,
             self.train_prompts,
             self.eval_prompts,
-            cfg.env.kind == "http",  # a harness plays the episodes (tandem/rl/serve)
+            cfg.env.kind == "http",  # a harness plays the episodes (tandem/rl/generator/serve)
             dp=(self.dp, self.dp_rank, dp_group),
             mp=(self.mp, mp_rank, mp_group),
         )
@@ -434,7 +434,7 @@ class RLRecipe:
         self, gen_model: Any, prompts: list[Any], n: int, seeds: list[int], greedy: bool = False
     ) -> tuple[list[Any], dict[str, float]]:
         """``env.kind = "http"``: the step's episodes, played by a harness over the endpoint."""
-        from tandem.rl.serve.episodes import serve_episodes
+        from tandem.rl.rollout.episodes import serve_episodes
 
         return serve_episodes(
             self.server,

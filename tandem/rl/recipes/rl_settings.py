@@ -36,9 +36,9 @@ def derived_tp(cfg: Any, info: DistInfo) -> int:
 
 def episode_server(cfg: Any, info: DistInfo, tok: Any) -> Any:
     """``env.kind = "http"``: the endpoint harnesses play episodes through, for the whole run,
-    on rank 0 (tandem/rl/serve); None elsewhere and otherwise."""
+    on rank 0 (tandem/rl/generator/serve); None elsewhere and otherwise."""
     if cfg.env.kind != "http" or info.rank != 0:
         return None
-    from tandem.rl.serve import episodes as http_episodes
+    from tandem.rl.rollout import episodes as http_episodes
 
     return http_episodes.start_server(cfg.env, cfg.job.name, tok.vocab_size)

@@ -40,7 +40,7 @@ class RolloutPhase:
     reward, env and data sections (`tandem.rl.config.rl_schema`). ``kv``: the FP8 KV pool's
     scales (`tandem.rl.update.kv_scales.KVScales`, None without), made ready by ``kv_ready()``
     before anything samples; ``episodes``: plays the episodes in place of `generate`
-    (``env.kind = "http"``: a harness over the endpoint, tandem/rl/serve)."""
+    (``env.kind = "http"``: a harness over the endpoint, tandem/rl/generator/serve)."""
 
     def __init__(
         self,

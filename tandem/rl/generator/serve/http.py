@@ -34,8 +34,8 @@ from aiohttp import web
 
 from tandem.rl.core.configlib import is_loopback
 from tandem.rl.core.reward_range import reward_problem
-from tandem.rl.serve.limits import ConnectionCap, QuietLog
-from tandem.rl.serve.protocol import (
+from tandem.rl.generator.serve.limits import ConnectionCap, QuietLog
+from tandem.rl.generator.serve.protocol import (
     BadRequest,
     chunk,
     error_body,

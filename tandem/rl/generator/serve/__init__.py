@@ -8,8 +8,7 @@
 - ``engine.py``: `ServingEngine`, the generator loop that serves requests step by step on
   every rank of a generation group (the leader decides, the group applies the same commands).
 - ``http.py``: the aiohttp server in a thread of the leader (routes, bearer key, errors).
-- ``episodes.py``: the RL recipe's ``env.kind = "http"`` rollout: the step's prompts handed
-  to an external harness as episodes, the finished ones returned as `RolloutSample`.
-
-``tandem/serve.py`` (``tandem-serve``) serves an HF folder with the same engine. docs/serving.md.
+``tandem/serve.py`` (``tandem-serve``) serves an HF folder with the same engine; the RL
+recipe's ``env.kind = "http"`` rollout (tandem/rl/rollout/episodes.py) serves a harness with it.
+Nothing here knows RL: it drives the generator beside it. docs/serving.md.
 """

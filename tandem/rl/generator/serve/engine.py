@@ -35,8 +35,8 @@ from tandem.parallel.generation_layout import GenerationLayout, from_leader
 from tandem.rl.core.reward_range import reward_problem
 from tandem.rl.generator.engine import Generator
 from tandem.rl.generator.sequence import SamplingParams, Sequence
-from tandem.rl.serve.protocol import BadRequest, TurnRequest, TurnResult
-from tandem.rl.serve.sessions import Session, plan_turn
+from tandem.rl.generator.serve.protocol import BadRequest, TurnRequest, TurnResult
+from tandem.rl.generator.serve.sessions import Session, plan_turn
 
 Emit = Callable[
     [str, Any], None

@@ -29,12 +29,12 @@ from tandem.parallel.generation_layout import GenerationLayout, from_leader
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.errors import StepInterrupted
 from tandem.rl.data.prompts import Prompt
+from tandem.rl.generator.serve.engine import EngineSettings, ServingEngine
+from tandem.rl.generator.serve.http import AgentServer, ServerSettings
+from tandem.rl.generator.serve.sessions import Session, Task, samples_of
 from tandem.rl.rollout.agentic import end_of_turn_id
 from tandem.rl.rollout.sampling import _with_generator, generator_settings, pool_prompts
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.serve.engine import EngineSettings, ServingEngine
-from tandem.rl.serve.http import AgentServer, ServerSettings
-from tandem.rl.serve.sessions import Session, Task, samples_of
 
 _DROPS = ("abort", "timeout", "disconnect", "unclaimed", "empty")
 
