@@ -2,6 +2,7 @@
 
     python -m bench.health                 # 2 CPU ranks (gloo), 300 rounds, a 4-step quickstart
     python -m bench.health --rounds 1000 --steps 0   # no quickstart run (no ratio)
+    python -m bench.health --smoke          # 20 rounds, a 2-step quickstart (the test suite's run)
 
 The health gathering's cost is measured as the difference between two loops on ``--nproc``
 ranks (torchrun, gloo), each round one step's worth of the shell's work around the ledger:
@@ -133,8 +134,11 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--steps", type=int, default=4, help="quickstart steps for the ratio; 0: none")
+    p.add_argument("--smoke", action="store_true", help="20 rounds, 2 quickstart steps (tests)")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.smoke:
+        a.rounds, a.steps = 20, 2
     if a.worker:
         _worker(a.rounds, a.worker)
         return

@@ -23,7 +23,6 @@ from tandem.models.transformer import Transformer
 from tandem.parallel.mesh import Degrees, build_mesh
 from tandem.rl.config.rl_schema import RolloutConfig
 from tandem.rl.core.checkpoint import CheckpointError
-from tandem.rl.core.configlib import ConfigError
 from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.kv_scales import KVScales
@@ -246,12 +245,10 @@ def test_checkpointed_scales_are_checked_like_weights(policy, edit, why):
     assert e.value.exit_status == 8 and again.step != 7
 
 
-def test_pipeline_layouts_and_auto_are_refused_or_skipped(policy):
+def test_auto_is_skipped_and_per_token_needs_no_calibration(policy):
+    """(FP8 KV with pipeline stages is a row of the table of what composes:
+    tests/config/test_composes.py.)"""
     assert KVScales.create(RolloutConfig(), policy.model.args, policy) is None
-    with pytest.raises(ConfigError, match="rollout.kv_dtype: 'fp8_e4m3' runs with parallel.pp = 1"):
-        KVScales.create(
-            _kv(), policy.model.args, object()
-        )  # a PipelinePolicy has no packed micro-batches
     per_token = KVScales(dataclasses.replace(_kv(), kv_scales="per_token"), policy.model.args)
     assert (
         per_token.calibrated

@@ -89,7 +89,7 @@ def config_layout(cfg: Any, planner: Planner, world: int, per_node: int, mem: fl
 
     d = cfg.parallel.resolve(world)
     par = cfg.parallel
-    check_layout(planner.args, Degrees(**d), par.pp_schedule, par.cp_style, par.ep)
+    check_layout(planner.args, Degrees(**d), par.pp_schedule, par.cp_style)
     check_moe_layout(planner.args, cfg.parallel.ep, d)
     lay = Layout(ep=par.ep, **d)
     g = cfg.rollout.tp or (
