@@ -185,6 +185,24 @@ def test_multi_turn_pause_append_resume(model):
     assert gen.pool_is_free()
 
 
+def test_abort_frees_a_sequence_and_the_others_continue_as_alone(model):
+    """`Generator.abort` (what the endpoint's Abort command and an expired async group use):
+    the aborted sequence's blocks, routing record and stop check go; the other sequence
+    samples exactly what it samples alone."""
+    gen = Generator(model, GenerationSettings(block_size=4, num_blocks=128))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    a = gen.add(PROMPTS[0], greedy, stop_check=lambda s: False)[0]
+    b = gen.add(PROMPTS[1], greedy)[0]
+    for _ in range(3):
+        gen.step()
+    gen.abort(a)
+    assert a.seq_id not in gen._stop_check and a.seq_id not in gen.runner.routing.by_seq
+    while gen.scheduler.has_unfinished():
+        gen.step()
+    assert b.completion_token_ids == naive_greedy(model, PROMPTS[1], 8)
+    assert gen.pool_is_free()
+
+
 def _graph_settings(**kw):
     return GenerationSettings(
         block_size=4,

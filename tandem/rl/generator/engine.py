@@ -200,6 +200,12 @@ class Generator:
                 done.append(seq)
         return done
 
+    def abort(self, seq: Sequence) -> None:
+        """Stop ``seq`` for good and free its blocks (its routing record and stop check go)."""
+        self.scheduler.abort(seq)
+        self.runner.routing.by_seq.pop(seq.seq_id, None)
+        self._stop_check.pop(seq.seq_id, None)
+
     def pause(self, seq: Sequence) -> None:
         self.scheduler.pause(seq)
 

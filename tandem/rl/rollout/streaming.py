@@ -144,7 +144,7 @@ class StreamingGenerator:
         g = self.groups.pop(position, None)
         if g is not None and self.gen is not None:
             for seq in g.seqs:
-                self.gen.scheduler.abort(seq)
+                self.gen.abort(seq)
 
     def _sample(self, g: _Group, j: int) -> RolloutSample:
         seq, p = g.seqs[j], g.prompt

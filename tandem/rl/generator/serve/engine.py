@@ -70,6 +70,40 @@ class EngineSettings:
     session_idle_s: float = 0.0
 
 
+# ---- the commands the leader applies and broadcasts to its generation group -----------------
+
+
+@dataclass(frozen=True)
+class Add:
+    """A new sequence ``key``: prompt ``ids`` sampled with ``params``."""
+
+    key: int
+    ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Append:
+    """A paused sequence continues: ``ids`` appended (the turn's new tokens), then ``params``."""
+
+    key: int
+    ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Pause:
+    key: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    key: int
+
+
+Command = Add | Append | Pause | Abort
+
+
 @dataclass
 class _Turn:
     session: Session
@@ -112,7 +146,7 @@ class ServingEngine:
             "new_samples": 0,
             "turns": 0,
         }
-        self._out: list[tuple] = []
+        self._out: list[Command] = []
         self._keys = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -161,29 +195,27 @@ class ServingEngine:
                     self._publish()
 
     # ---- commands: applied on the leader at once, on the others at the next tick ---------
-    def _do(self, cmd: tuple) -> None:
+    def _do(self, cmd: Command) -> None:
         self._apply(
             cmd
         )  # a ValueError here (the pool or context cannot take it) broadcasts nothing
         self._out.append(cmd)
 
-    def _apply(self, cmd: tuple) -> None:
-        op, key = cmd[0], cmd[1]
-        if op == "add":
-            self.seqs[key] = self.gen.add(cmd[2], cmd[3])[0]
-        elif op == "append":
-            seq = self.seqs[key]
-            self.gen.append(seq, cmd[2])
-            seq.params = cmd[3]
+    def _apply(self, cmd: Command) -> None:
+        """One command through the generator's public interface, the same on every rank."""
+        if isinstance(cmd, Add):
+            self.seqs[cmd.key] = self.gen.add(cmd.ids, cmd.params)[0]
+        elif isinstance(cmd, Append):
+            seq = self.seqs[cmd.key]
+            self.gen.append(seq, cmd.ids)
+            seq.params = cmd.params
             self.gen.resume(seq)
-        elif op == "pause":
-            self.gen.pause(self.seqs[key])
-        elif op == "abort":
-            seq = self.seqs.pop(key)
-            self.gen.scheduler.abort(seq)
-            self.gen.runner.routing.by_seq.pop(seq.seq_id, None)
+        elif isinstance(cmd, Pause):
+            self.gen.pause(self.seqs[cmd.key])
+        elif isinstance(cmd, Abort):
+            self.gen.abort(self.seqs.pop(cmd.key))
         else:
-            raise ValueError(f"unknown serving command {op!r}")
+            raise TypeError(f"unknown serving command {cmd!r}")
 
     # ---- messages (leader) ----------------------------------------------------------------
     def _drain(self, block: bool) -> None:
@@ -303,12 +335,12 @@ class ServingEngine:
                     self.stats["new_samples"] += 1
                     self._abort_segments(s)
                 key = next(self._keys)
-                self._do(("add", key, ids, params))
+                self._do(Add(key, ids, params))
                 s.segments.append((key, self.seqs[key]))
                 s.history_text, s.tools = text, req.tools
             else:
                 key = s.segments[-1][0]
-                self._do(("append", key, ids, params))
+                self._do(Append(key, ids, params))
                 s.history_text += text
         except ValueError as e:  # the KV pool or the context cannot take it
             raise BadRequest(f"cannot schedule the request: {e}"[:300]) from None
@@ -430,14 +462,14 @@ class ServingEngine:
         if s.ephemeral:
             self._close(s, "done")
         elif not t.seq.is_finished:
-            self._do(("pause", t.key))
+            self._do(Pause(t.key))
         t.emit("done", result)
 
     # ---- closing ----------------------------------------------------------------------
     def _abort_segments(self, s: Session) -> None:
         for key, _ in s.segments:
             if key in self.seqs:
-                self._do(("abort", key))
+                self._do(Abort(key))
 
     def _close(self, s: Session, reason: str) -> None:
         """End session ``s`` (its turn in flight gets an error; its sequences are freed)."""
@@ -508,7 +540,7 @@ class ServingEngine:
             t.emit("error", gone)
         self.turns.clear()
         for key in list(self.seqs):
-            self._do(("abort", key))
+            self._do(Abort(key))
 
     def add_tasks(self, sessions: list[Session]) -> None:
         """Training: the step's episodes, as sessions waiting for the harness's first request."""
