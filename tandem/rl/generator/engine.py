@@ -297,6 +297,17 @@ class Generator:
             seq.seq_id, seq.num_prompt_tokens, len(seq.completion_token_ids)
         )
 
+    def routed_positions(
+        self, seq: Sequence, start: int, end: int
+    ) -> list[list[int] | None] | None:
+        """MoE models: the experts recorded for the inputs at positions ``start .. end - 1`` of
+        ``seq`` (None where none was recorded); None for a dense model."""
+        routing = self.runner.routing
+        if not routing.blocks:
+            return None
+        rows = routing.by_seq.get(seq.seq_id, {})
+        return [rows[p].tolist() if p in rows else None for p in range(start, end)]
+
     def pool_is_free(self) -> bool:
         """No block leaked: every block is back in the free list."""
         return self.scheduler.block_manager.all_free()

@@ -442,12 +442,8 @@ class ServingEngine:
         lps = seq.raw_logprobs[first + a : first + b]
         texts = [self.tok.decode([i]) for i in ids] if t.req.logprobs else []
         routed = None
-        if t.req.return_token_ids and self.gen.runner.routing.blocks:
-            rows = self.gen.runner.routing.by_seq.get(seq.seq_id, {})
-            routed = [
-                rows[p].tolist() if p in rows else None
-                for p in range(t.token_start + a - 1, t.token_start + b - 1)
-            ]
+        if t.req.return_token_ids:  # MoE: the experts of the inputs that made these tokens
+            routed = self.gen.routed_positions(seq, t.token_start + a - 1, t.token_start + b - 1)
         return TurnResult(
             ids, lps, text, finish, t.prompt_ids, texts, self.s.policy_version, routed
         )
