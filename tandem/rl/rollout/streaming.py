@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.rl.algorithms import filter_groups
 from tandem.rl.core.metrics import Tally
 from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
@@ -341,9 +342,9 @@ class ColocatedAsyncRollout:
 
     def _judged(self, complete: set[int], version: int) -> dict[int, float]:
         """This rank's complete groups: `_KEPT`, or `_FILTERED` when ``rl.dynamic_sampling``
-        drops it (all its rewards equal: DAPO's filter) and this step may still drop one (at
-        most ``rl.max_refill_rounds`` x ``rl.prompts_per_step`` groups; past that they train,
-        like the synchronous schedule's last round)."""
+        drops it (all its rewards equal: DAPO's `filter_groups`) and this step has dropped
+        fewer than ``rl.max_refill_rounds`` x ``rl.prompts_per_step`` groups so far (once it
+        has, they train, like the synchronous schedule's last round)."""
         if not self.base.rl.dynamic_sampling:
             return dict.fromkeys(complete, _KEPT)
         out = {}
@@ -351,7 +352,7 @@ class ColocatedAsyncRollout:
             if pos not in self.scored:
                 self.scored[pos] = self.base.score(self.gen.peek(pos, version))
             sc = self.scored[pos][0]
-            drop = sc.numel() < 2 or bool(sc.max() == sc.min())  # `filter_groups`, one group
+            drop = not bool(filter_groups(sc, torch.zeros(sc.numel(), dtype=torch.long)).any())
             room = self.dropped_groups < self.drop_budget
             out[pos] = _FILTERED if drop and room else _KEPT
         return out
