@@ -23,7 +23,7 @@ from tandem.rl.data.prompts import Prompt
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.inflight import Flight
-from tandem.rl.rollout.streaming import StreamingGenerator
+from tandem.rl.rollout.streaming_groups import StreamingGenerator
 
 TOK = SimpleNamespace(eos_token_ids=[], decode=lambda ids, skip_special_tokens=False: "")
 

@@ -246,7 +246,6 @@ _STREAMING = {  # what the streaming rollout modes do not carry yet
     "C": "the in-flight sequences' update rows are not split over the cp ranks",
     "V": "an in-flight sequence does not keep its images across a refill",
     "H": "the endpoint's sessions are not versioned across weight updates",
-    "E": "the streaming rollout keeps single-turn groups in flight (no turn spans an update)",
     "T": "the streaming update is built for parallel.tp = 1",
     "P": "the streaming update is built for parallel.pp = 1",
     "rollout_tp": "sequences in flight live in one rank's KV pool with the whole model",
@@ -254,12 +253,6 @@ _STREAMING = {  # what the streaming rollout modes do not carry yet
 _STREAMING_FIX = 'set rollout.mode = "sync" or leave the other at its default'
 _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for each b
     *((mode, other, why, _STREAMING_FIX) for mode in "AS" for other, why in _STREAMING.items()),
-    (
-        "S",
-        "D",
-        "the generators send each complete group once, unscored (the filter scores first)",
-        'set rollout.mode = "colocated_async" or "sync"',
-    ),
     (
         "S",
         "ep dp_replicate",

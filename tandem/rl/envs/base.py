@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import abc
 import copy
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.rl.core.registry import Registry
 from tandem.rl.core.reward_range import reward_problem
+from tandem.rl.fault.inject import tool_delay
 
 __all__ = [
     "ENVIRONMENTS",
@@ -162,7 +164,10 @@ def row_messages(row: Mapping[str, Any], system_prompt: str | None = None) -> li
 
 
 def step_episode(episode: Episode, assistant_text: str) -> tuple[Episode, StepResult]:
-    """One step, as run in a pool worker: the advanced episode travels back with its result."""
+    """One step, as run in a pool worker: the advanced episode travels back with its result
+    (held first by the slow-tools drill, TANDEM_INJECT_TOOL_DELAY, when it is set)."""
+    if delay := tool_delay(assistant_text):
+        time.sleep(delay)
     result = episode.step(assistant_text)
     if not isinstance(result, StepResult):
         raise TypeError(

@@ -12,6 +12,10 @@ poison a step's loss with NaN.
                                             Pareto(alpha) above lo, capped at hi, ignoring EOS:
                                             the long-tail workload (bench/async_modes.py)
     TANDEM_INJECT_GEN_DELAY=<rank>:<s>      a slow generator: rank sleeps s seconds per step
+    TANDEM_INJECT_TOOL_DELAY=<alpha>:<lo>:<hi>
+                                            slow tools: every environment step sleeps a time
+                                            (seconds) drawn from Pareto(alpha) above lo, capped
+                                            at hi, keyed by the assistant turn's text
     TANDEM_INJECT_SLOW=<rank>:<s>           a straggler: rank sleeps s seconds in every update,
                                             after its backward, before the gradient check (and
                                             in each pre-flight matmul)
@@ -39,6 +43,7 @@ ENV_SAVE = "TANDEM_INJECT_KILL_SAVE"
 ENV_NAN = "TANDEM_INJECT_NAN"
 ENV_LENGTHS = "TANDEM_INJECT_LENGTHS"
 ENV_GEN_DELAY = "TANDEM_INJECT_GEN_DELAY"
+ENV_TOOL_DELAY = "TANDEM_INJECT_TOOL_DELAY"
 ENV_SLOW = "TANDEM_INJECT_SLOW"
 ENV_STOP = "TANDEM_INJECT_STOP"
 ENV_FLIP = "TANDEM_INJECT_FLIP"
@@ -49,19 +54,31 @@ def forced_length(seed: int) -> int | None:
     """The drill's completion length for the group sampled with ``seed`` (None: no drill):
     ``lo * u ** (-1 / alpha)`` capped at ``hi``, ``u`` uniform in (0, 1] from a hash of the
     seed, so a group has the same length in every mode and on every layout."""
-    spec = os.environ.get(ENV_LENGTHS)
+    x = _pareto(ENV_LENGTHS, seed.to_bytes(8, "little", signed=False))
+    return None if x is None else int(x)
+
+
+def tool_delay(assistant_text: str) -> float:
+    """Seconds the slow-tools drill holds an environment step whose turn is ``assistant_text``
+    (0: no drill): a Pareto draw keyed by the text, so a turn waits the same in every mode."""
+    return _pareto(ENV_TOOL_DELAY, assistant_text.encode()) or 0.0
+
+
+def _pareto(name: str, key: bytes) -> float | None:
+    """``lo * u ** (-1 / alpha)`` capped at ``hi`` (the variable ``name`` = alpha:lo:hi), ``u``
+    uniform in (0, 1] from a hash of ``key``; None when ``name`` is unset."""
+    spec = os.environ.get(name)
     if not spec:
         return None
     try:
         alpha, lo, hi = (float(x) for x in spec.split(":"))
     except ValueError:
-        raise ValueError(f"{ENV_LENGTHS}={spec!r}: expected <alpha>:<lo>:<hi>") from None
+        raise ValueError(f"{name}={spec!r}: expected <alpha>:<lo>:<hi>") from None
     import hashlib
 
-    digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=False), digest_size=8).digest()
-    h = int.from_bytes(digest, "little")
+    h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     u = ((h >> 11) + 1) / 2.0**53  # (0, 1]
-    return int(min(hi, lo * u ** (-1.0 / alpha)))
+    return min(hi, lo * u ** (-1.0 / alpha))
 
 
 def generator_delay(rank: int) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -26,7 +27,17 @@ from tandem.rl.generator.sequence import SamplingParams, Sequence
 from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.workers.env_pool import EnvOutcome, EnvPool
 
-__all__ = ["ChatRenderer", "end_of_turn_id", "run_agentic_rollout"]
+__all__ = [
+    "ChatRenderer",
+    "EnvSteps",
+    "EpisodeLoop",
+    "EpisodeState",
+    "end_of_turn_id",
+    "episode_metrics",
+    "episode_sample",
+    "run_agentic_rollout",
+    "start_episodes",
+]
 
 _EOT_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 _ANCHOR = "\x00anchor\x00"  # placeholder assistant content for anchored suffix rendering
@@ -98,7 +109,7 @@ class ChatRenderer:
 
 
 @dataclass
-class _Ep:
+class EpisodeState:
     """Driver-side state of one episode (one sequence)."""
 
     index: int
@@ -119,14 +130,17 @@ class _Ep:
     reward: float | None = None
     finish_reason: str | None = None
     info: dict[str, float] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)  # per completion token (streaming modes)
 
     def add_info(self, key: str, value: float = 1.0) -> None:
         self.info[key] = self.info.get(key, 0.0) + value
 
 
-class _Steps:
+class EnvSteps:
     """The environment steps of one rollout, on this rank's pool; outcomes keyed by
-    episode index."""
+    episode index. Several rollouts may share a pool (the streaming modes' episodes and an
+    evaluation between two steps): an outcome of another's ticket waits for it in the pool's
+    stash (`_unclaimed`)."""
 
     def __init__(self, pool: EnvPool | None) -> None:
         self.pool = pool
@@ -142,17 +156,41 @@ class _Steps:
         self.tickets[self.pool.submit(step_episode, episode, content)] = index
 
     def poll(self, timeout: float | None) -> list[tuple[int, EnvOutcome]]:
-        """Finished steps of this rollout, in arrival order (others' tickets on a shared pool
-        are dropped)."""
+        """Finished steps of this rollout, in arrival order (at once when the stash holds one)."""
         assert self.pool is not None
-        return [
-            (self.tickets.pop(o.ticket), o)
-            for o in self.pool.poll(timeout)
-            if o.ticket in self.tickets
-        ]
+        stash, dropped = _unclaimed(self.pool)
+        mine = [(self.tickets.pop(t), stash.pop(t)) for t in list(stash) if t in self.tickets]
+        for o in self.pool.poll(0.0 if mine else timeout):
+            if o.ticket in self.tickets:
+                mine.append((self.tickets.pop(o.ticket), o))
+            elif o.ticket in dropped:
+                dropped.discard(o.ticket)
+            else:
+                stash[o.ticket] = o
+        return mine
+
+    def drop(self, indices: set[int]) -> None:
+        """Forget the steps of episodes ``indices``: their outcomes are thrown away on arrival."""
+        assert self.pool is not None
+        stash, dropped = _unclaimed(self.pool)
+        for t in [t for t, i in self.tickets.items() if i in indices]:
+            del self.tickets[t]
+            if stash.pop(t, None) is None:
+                dropped.add(t)
 
 
-class _GroupSteps(_Steps):
+_STASHES: weakref.WeakKeyDictionary[Any, tuple[dict[int, EnvOutcome], set[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _unclaimed(pool: Any) -> tuple[dict[int, EnvOutcome], set[int]]:
+    """A pool's outcomes polled by a rollout that did not submit them (ticket -> outcome), and
+    the tickets whose outcomes nobody will claim."""
+    return _STASHES.setdefault(pool, ({}, set()))
+
+
+class _GroupSteps(EnvSteps):
     """A generation group's steps: only the leader resets episodes, submits steps and polls its
     pool; every rank takes what the leader saw, in its order, so the group's schedulers take
     the same decisions. Each `poll` is a collective (a blocking one blocks the whole group)."""
@@ -174,14 +212,14 @@ class _GroupSteps(_Steps):
         return from_leader(super().poll(timeout) if self.runs_env else None, self.layout)
 
 
-class _Rollout:
+class EpisodeLoop:
     """The bookkeeping of one `run_agentic_rollout` call."""
 
     def __init__(
         self,
         generator: Generator,
         renderer: ChatRenderer,
-        steps: _Steps,
+        steps: EnvSteps,
         *,
         max_turns: int,
         token_limit: int,
@@ -193,10 +231,13 @@ class _Rollout:
             token_limit,
             max_turn_tokens,
         )
-        self.eps: list[_Ep] = []
-        self.generating: dict[int, _Ep] = {}  # seq_id -> episode being sampled
-        self.waiting: dict[int, _Ep] = {}  # episode index -> episode whose env step is in flight
+        self.eps: list[EpisodeState] = []
+        self.generating: dict[int, EpisodeState] = {}  # seq_id -> episode being sampled
+        self.waiting: dict[
+            int, EpisodeState
+        ] = {}  # episode index -> episode whose env step is in flight
         self.unfinished = 0
+        self.count = 0  # episodes started (the next one's index)
         self.env_time = self.device_wait = 0.0
         self.env_steps = self.gen_steps = self.fallbacks = 0
 
@@ -214,7 +255,7 @@ class _Rollout:
                 self.gen.pause(seq)
                 self.end_turn(ep, can_continue=True, eot=True)
             elif seq.num_tokens >= self.token_limit:
-                self.gen.scheduler.abort(seq)
+                self.gen.abort(seq)
                 ep.stop_reason = "length"
                 ep.add_info("token_limit")
                 self.end_turn(ep, can_continue=False, eot=False)
@@ -225,7 +266,7 @@ class _Rollout:
                 self.gen.pause(seq)
                 self.end_turn(ep, can_continue=True, eot=False)
 
-    def end_turn(self, ep: _Ep, *, can_continue: bool, eot: bool) -> None:
+    def end_turn(self, ep: EpisodeState, *, can_continue: bool, eot: bool) -> None:
         seq = ep.seq
         assert seq is not None
         del self.generating[seq.seq_id]
@@ -269,7 +310,7 @@ class _Rollout:
         else:
             self.continue_episode(ep, result.observation_messages)
 
-    def continue_episode(self, ep: _Ep, observations: list[Message]) -> None:
+    def continue_episode(self, ep: EpisodeState, observations: list[Message]) -> None:
         seq = ep.seq
         assert seq is not None
         ep.messages.extend(observations)
@@ -297,9 +338,9 @@ class _Rollout:
         ep.turn_gen_start, ep.turn_token_start = seq.num_generated, seq.num_tokens
         self.generating[seq.seq_id] = ep
 
-    def finish(self, ep: _Ep, reason: str | None, truncated: bool = False) -> None:
+    def finish(self, ep: EpisodeState, reason: str | None, truncated: bool = False) -> None:
         if ep.seq is not None and not ep.seq.is_finished:
-            self.gen.scheduler.abort(ep.seq)  # frees its KV blocks
+            self.gen.abort(ep.seq)  # frees its KV blocks
         ep.finish_reason = reason or "stop"
         if truncated:
             ep.add_info("truncated")
@@ -309,23 +350,45 @@ class _Rollout:
     def run(self) -> None:
         """Decode while anything is schedulable; block on environments only when nothing is."""
         while self.unfinished > 0:
-            for index, out in self.steps.poll(0.0):
-                self.on_outcome(index, out)
-            if self.gen.has_work():
-                self.gen.step()
-                self.gen_steps += 1
-                self.after_step()
-            elif self.waiting:
-                t0 = time.perf_counter()
-                outs = self.steps.poll(None)
-                self.device_wait += time.perf_counter() - t0
-                for index, out in outs:
-                    self.on_outcome(index, out)
-            elif self.unfinished > 0:
+            if not self.advance(None) and self.unfinished > 0:
                 raise RuntimeError(
                     f"agentic rollout stalled: {self.unfinished} episodes neither "
                     "generating nor waiting for an environment"
                 )
+
+    def advance(self, wait: float | None) -> bool:
+        """One turn of the loop: take the environment steps that finished, then one decode step,
+        or (nothing to decode) wait up to ``wait`` seconds (None: until one finishes) for an
+        environment. False when there was nothing to do."""
+        for index, out in self.steps.poll(0.0):
+            self.on_outcome(index, out)
+        if self.gen.has_work():
+            self.gen.step()
+            self.gen_steps += 1
+            self.after_step()
+        elif self.waiting:
+            t0 = time.perf_counter()
+            outs = self.steps.poll(wait)
+            self.device_wait += time.perf_counter() - t0
+            for index, out in outs:
+                self.on_outcome(index, out)
+        else:
+            return False
+        return True
+
+    def forget(self, eps: list[EpisodeState]) -> None:
+        """Abandon ``eps`` (an expired group): their sequences are aborted, the environment
+        steps still running for them are ignored when they finish."""
+        self.steps.drop({ep.index for ep in eps})
+        for ep in eps:
+            self.waiting.pop(ep.index, None)
+            if ep.seq is not None:
+                self.generating.pop(ep.seq.seq_id, None)
+            if ep.finish_reason is None:
+                if ep.seq is not None and not ep.seq.is_finished:
+                    self.gen.abort(ep.seq)
+                ep.finish_reason = "abort"
+                self.unfinished -= 1
 
 
 def _turn_params(
@@ -340,7 +403,7 @@ def _turn_params(
     return dataclasses.replace(params, ignore_eos=True, stop_token_ids=sorted(stops), seed=seed)
 
 
-def _sample(ep: _Ep, tokenizer: Tokenizer) -> RolloutSample:
+def episode_sample(ep: EpisodeState, tokenizer: Tokenizer) -> RolloutSample:
     seq = ep.seq
     if seq is None:  # the prompt did not fit: an empty completion, counted as prompt_too_long
         seq = Sequence(0, ep.prompt_ids)
@@ -362,10 +425,15 @@ def _sample(ep: _Ep, tokenizer: Tokenizer) -> RolloutSample:
     )
 
 
-def _metrics(r: _Rollout, elapsed: float) -> dict[str, float]:
-    n = max(1, len(r.eps))
+def episode_metrics(
+    r: EpisodeLoop, elapsed: float, eps: list[EpisodeState] | None = None
+) -> dict[str, float]:
+    """The ``env/*`` metrics of ``eps`` (default: every episode of ``r``), with ``r``'s
+    counters."""
+    eps = r.eps if eps is None else eps
+    n = max(1, len(eps))
     total = {
-        k: sum(ep.info.get(k, 0.0) for ep in r.eps)
+        k: sum(ep.info.get(k, 0.0) for ep in eps)
         for k in (
             *_SUMMED_INFO,
             "env_errors",
@@ -379,10 +447,10 @@ def _metrics(r: _Rollout, elapsed: float) -> dict[str, float]:
             "prompt_too_long",
         )
     }
-    turns = [ep.turns for ep in r.eps]
-    rewards = [ep.reward for ep in r.eps if ep.reward is not None]
+    turns = [ep.turns for ep in eps]
+    rewards = [ep.reward for ep in eps if ep.reward is not None]
     return {
-        "env/episodes": float(len(r.eps)),
+        "env/episodes": float(len(eps)),
         "env/turns_mean": sum(turns) / n,
         "env/turns_max": float(max(turns, default=0)),
         "env/tool_calls_per_episode": total["tool_calls"] / n,
@@ -415,8 +483,8 @@ def _nth(params: SamplingParams, i: int) -> SamplingParams:
     return params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
 
 
-def _start_episodes(
-    r: _Rollout,
+def start_episodes(
+    r: EpisodeLoop,
     env: Environment,
     rows: Seq[Mapping[str, Any]],
     n_samples: int,
@@ -436,9 +504,10 @@ def _start_episodes(
         initial = [m for _, m in pairs]
         prompt_text, ids = renderer.prompt(initial[0])
         eps = [
-            _Ep(len(r.eps) + i, g, row, episode, initial[i], list(initial[i]), prompt_text)
+            EpisodeState(r.count + i, g, row, episode, initial[i], list(initial[i]), prompt_text)
             for i, (episode, _) in enumerate(pairs)
         ]
+        r.count += len(eps)
         r.eps += eps
         base = (
             sampling_params
@@ -509,8 +578,8 @@ def run_agentic_rollout(
     t0 = time.perf_counter()
     env = make_env(env_name, env_kwargs)
     eot = end_of_turn_id(tokenizer, end_of_turn_token)
-    steps = _GroupSteps(pool, layout) if layout is not None and layout.tp > 1 else _Steps(pool)
-    r = _Rollout(
+    steps = _GroupSteps(pool, layout) if layout is not None and layout.tp > 1 else EnvSteps(pool)
+    r = EpisodeLoop(
         generator,
         ChatRenderer(tokenizer, env.tool_schemas(), eot),
         steps,
@@ -518,7 +587,7 @@ def run_agentic_rollout(
         token_limit=min(max_total_tokens, generator.scheduler.max_model_len),
         max_turn_tokens=max_turn_tokens,
     )
-    _start_episodes(r, env, rows, n_samples, sampling_params, seeds)
+    start_episodes(r, env, rows, n_samples, sampling_params, seeds)
     r.run()
-    samples = [_sample(ep, tokenizer) for ep in r.eps]
-    return samples, _metrics(r, time.perf_counter() - t0)
+    samples = [episode_sample(ep, tokenizer) for ep in r.eps]
+    return samples, episode_metrics(r, time.perf_counter() - t0)

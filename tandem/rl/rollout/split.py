@@ -91,10 +91,12 @@ class SplitGenerator(ColocatedAsyncRollout):
         self.gen.resume(self.model)  # the first step: the generator, and groups restored
         self._add(self.admission.admit(self.stream, version))
         before = self.gen.gen.stats.steps, self.gen.gen.stats.generated_tokens
+        self.filtered, self.dropped_groups = Tally(), 0
         chosen = self._generate(version)
-        self._stamp(version)
+        self.gen.stamp(version)
         t_chosen = time.monotonic()
         self._send(chosen, version, tally)
+        tally.merge(self.filtered)  # rl.dynamic_sampling: the dropped groups' rewards count too
         self.admission.remove({f.position for f in chosen})
         if b.rcfg.max_staleness > 0:  # the next step's groups, sampled through the update
             self._add(self.admission.admit(self.stream, version))
@@ -110,9 +112,13 @@ class SplitGenerator(ColocatedAsyncRollout):
         tally.mean("time/rollout_s", t_chosen - t0)
         for k, v in sync.items():
             tally.mean(k, v)
+        for k, v in self.gen.phase_metrics().items():
+            tally.local(k, v)
         metrics = (
             tally.reduce(group=b.dp_group, device=b.info.device) if b.dp > 1 else tally.values()
         )  # (no group: the world's, which the trainers are in)
+        if b.rl.dynamic_sampling:  # the same count on every generator
+            metrics["dynamic/dropped_groups"] = float(self.dropped_groups)
         metrics.update(
             {
                 "async/inflight": float(len(self.admission.flights)),
@@ -125,10 +131,6 @@ class SplitGenerator(ColocatedAsyncRollout):
         for f in flights:
             if self.owner(f.position) == self.base.dp_rank:
                 self.gen.add(f, self.base.train_prompts[f.row], self.base.rl.num_samples)
-
-    def _stamp(self, version: int) -> None:
-        for g in self.gen.groups.values():
-            g.stamp(version)
 
     def _send(self, chosen: list[Flight], version: int, tally: Tally) -> None:
         """Score this rank's chosen groups and send every trainer its share (possibly none)."""
