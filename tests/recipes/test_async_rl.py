@@ -39,9 +39,9 @@ def _env(env):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
 
 
-def _run(dump, *extra, env=None, steps=4):
+def _run(dump, *extra, env=None, steps=4, nproc=2):
     r = subprocess.run(
-        [*_cmd(dump, steps), *extra],
+        [*_cmd(dump, steps, nproc), *extra],
         cwd=ROOT,
         env=_env(env),
         capture_output=True,
@@ -216,18 +216,21 @@ def test_quickstart_async_learns(tmp_path):
 
 @pytest.mark.slow
 def test_dynamic_sampling_at_staleness_zero_reproduces_the_synchronous_run(tmp_path):
-    """DAPO's filter in colocated_async: a group whose rewards are all equal leaves the flight
-    and a new prompt takes its room, admitted like any other. At S = 0 with rl.exact (refills
-    join the decode batch mid-way, so the kernels must not depend on it) the samples, their
-    deal over the ranks and the losses equal the synchronous schedule's refill rounds."""
+    """DAPO's filter in both asynchronous modes: a group whose rewards are all equal leaves the
+    flight and a new prompt takes its room, admitted like any other. At S = 0 with rl.exact
+    (refills join the decode batch mid-way, so the kernels must not depend on it) the samples,
+    their deal over the ranks (split: over the trainers), the losses and the reward metrics
+    (the dropped groups' included) equal the synchronous schedule's refill rounds."""
     flags = ("--rl.dynamic_sampling=true", "--rl.exact=true", "--rl.num_samples=4")
     sync = _run(tmp_path / "sync", *flags, steps=2)
-    s0 = _run(tmp_path / "s0", *flags, "--rollout.mode=colocated_async", steps=2)
     assert all(r["dynamic/dropped_groups"] > 0 for r in sync)  # the filter refilled every step
     keys = ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean")
-    assert_same_as_synchronous(
-        (tmp_path / "sync", sync),
-        (tmp_path / "s0", s0),
-        2 * 16 * 4,
-        (*keys, "dynamic/dropped_groups"),
-    )
+    split = ("--rollout.mode=split", "--rollout.gen_ranks=1")
+    for mode, extra, nproc in (("s0", ("--rollout.mode=colocated_async",), 2), ("split", split, 3)):
+        other = _run(tmp_path / mode, *flags, *extra, steps=2, nproc=nproc)
+        assert_same_as_synchronous(
+            (tmp_path / "sync", sync),
+            (tmp_path / mode, other),
+            2 * 16 * 4,
+            (*keys, "dynamic/dropped_groups"),
+        )

@@ -254,8 +254,8 @@ def _config(*overrides):
     [
         ("parallel.tp=2", "rollout.mode: rollout.mode = 'split' does not run with parallel.tp > 1"),
         (
-            "rl.dynamic_sampling=true",
-            "rollout.mode: rollout.mode = 'split' does not run with rl.dynamic_sampling",
+            "rl.offload_optimizer=true",
+            "rollout.mode: rollout.mode = 'split' does not run with rl.offload_optimizer",
         ),
     ],
 )
