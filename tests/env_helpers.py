@@ -25,6 +25,16 @@ from tandem.rl.envs.base import (
 )
 from tandem.rl.envs.tool_env import ToolEnv, ToolEpisode
 
+# The quickstart with the "again" environment (AgainEnv): two turns, scored by the environment
+AGAIN_FLAGS = (
+    "--env.name=again",
+    "--env.max_turns=2",
+    "--env.max_total_tokens=128",
+    "--rollout.max_tokens=12",
+    "--reward.functions=",
+    "--reward.modules=tests.env_helpers",
+)
+
 
 class SleepyEnv(Environment):
     """Sleeps ``sleep_s`` per step and answers ``turns`` times before ending the episode.

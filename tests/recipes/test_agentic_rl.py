@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+from tests.env_helpers import AGAIN_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -42,12 +44,7 @@ def test_multi_turn_rl_learns_with_env_tokens_masked(tmp_path):
         os.path.join(ROOT, "configs", "quickstart.toml"),
         f"--job.dump_folder={dump}",
         "--training.steps=8",
-        "--env.name=again",
-        "--env.max_turns=2",
-        "--env.max_total_tokens=128",
-        "--rollout.max_tokens=12",
-        "--reward.functions=",
-        "--reward.modules=tests.env_helpers",
+        *AGAIN_FLAGS,
         "--rl.prompts_per_step=16",
         "--rl.eval_prompts=8",
         "--optimizer.lr=1e-3",

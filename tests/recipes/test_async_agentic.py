@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.env_helpers import AGAIN_FLAGS
 from tests.fixtures import assert_same_as_synchronous, quickstart_cmd, rollout_dumps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,15 +31,7 @@ STALE_1 = (
     "--checkpoint.keep_last=3",
 )
 # the 'again' environment (tests/env_helpers.py): two turns, no sandbox, seconds a step
-AGAIN = (
-    "--env.name=again",
-    "--env.max_turns=2",
-    "--env.max_total_tokens=128",
-    "--rollout.max_tokens=12",
-    "--reward.functions=",
-    "--reward.modules=tests.env_helpers",
-    "--env.num_workers=4",
-)
+AGAIN = (*AGAIN_FLAGS, "--env.num_workers=4")
 
 
 def _run(dump, *extra, steps=2, nproc=2, env=None, config="quickstart_agentic.toml"):

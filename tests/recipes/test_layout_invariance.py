@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from tandem.rl.data.prompts import PromptStream, deal, rollout_seed
+from tests.env_helpers import AGAIN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")
@@ -87,12 +88,7 @@ def runs(tmp_path_factory):
         (
             "--rl.exact=true",
             "--rl.epochs=2",
-            "--env.name=again",
-            "--env.max_turns=2",
-            "--env.max_total_tokens=128",
-            "--rollout.max_tokens=12",
-            "--reward.functions=",
-            "--reward.modules=tests.env_helpers",
+            *AGAIN_FLAGS,
             "--checkpoint.enable=false",
             "--training.steps=2",
         ),
