@@ -3,6 +3,7 @@
     python -m bench.async_modes                      # 2 CPU ranks, 8 steps, S = 1 and 2
     python -m bench.async_modes --steps 12 --staleness 1 2 4
     python -m bench.async_modes --smoke              # 3 steps, S = 1, 12 tokens (the test's size)
+    python -m bench.async_modes --workload agentic   # the agentic quickstart with slow tools
 
 The quickstart (16 prompts x 8 samples a step) with every prompt group's completion length
 drawn from a Pareto(1.2) above 2 tokens, capped at ``--max-tokens`` (TANDEM_INJECT_LENGTHS,
@@ -16,6 +17,12 @@ colocated: the update; split: waiting for the weights) and the trainers wait (sy
 colocated: the rollout; split: waiting for samples), the generator's idle batch slots
 (``async/gen_idle_frac``), the mean and max staleness of the trained samples, and each mode's
 step time over the synchronous one's (< 1: faster).
+
+``--workload agentic``: configs/quickstart_agentic.toml (8 prompts x 8 episodes a step, the
+python tool in the code sandbox, up to 3 turns) with every environment step held by a time
+drawn from a Pareto(1.2) above ``--tool-delay`` seconds, capped at 25 times it
+(TANDEM_INJECT_TOOL_DELAY): the agentic long tail, where a few tool calls take far longer than
+the rest; no length drill and no slowed generator.
 """
 
 from __future__ import annotations
@@ -32,9 +39,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(
-    dump: str, steps: int, nproc: int, max_tokens: int, delay: float, extra: list[str]
+    dump: str,
+    steps: int,
+    nproc: int,
+    max_tokens: int,
+    delay: float,
+    extra: list[str],
+    tool_delay: float = 0.0,
 ) -> list[dict[str, float]]:
+    """One mode's run: the long-tail workload, or with ``tool_delay`` the agentic one."""
     slow = 0 if "--rollout.mode=split" in extra else nproc - 1  # a generator's rank
+    if tool_delay:
+        config, size = "quickstart_agentic.toml", []
+        drills = {"TANDEM_INJECT_TOOL_DELAY": f"1.2:{tool_delay}:{25 * tool_delay}"}
+    else:
+        config, size = "quickstart.toml", ["--rl.prompts_per_step=16"]
+        size.append(f"--rollout.max_tokens={max_tokens}")
+        drills = {
+            "TANDEM_INJECT_LENGTHS": f"1.2:2:{max_tokens}",
+            "TANDEM_INJECT_GEN_DELAY": f"{slow}:{delay}",
+        }
     cmd = [
         sys.executable,
         "-m",
@@ -43,26 +67,19 @@ def launch(
         f"--nproc-per-node={nproc}",
         os.path.join(ROOT, "train.py"),
         "--config",
-        os.path.join(ROOT, "configs", "quickstart.toml"),
+        os.path.join(ROOT, "configs", config),
         f"--job.dump_folder={dump}",
         f"--training.steps={steps}",
-        "--rl.prompts_per_step=16",
+        *size,
         "--rl.eval_prompts=8",
         "--training.eval_interval=0",
         "--metrics.loggers=[]",
         "--reward.num_workers=0",
         "--checkpoint.interval=1000",
         "--checkpoint.export_hf_at_end=false",
-        f"--rollout.max_tokens={max_tokens}",
         *extra,
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": ROOT,
-        "TANDEM_INJECT_LENGTHS": f"1.2:2:{max_tokens}",
-        "TANDEM_INJECT_GEN_DELAY": f"{slow}:{delay}",
-    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **drills}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -93,7 +110,12 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.003)
     ap.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--smoke", action="store_true", help="3 steps, S = 1, 12 tokens, no delay")
+    ap.add_argument("--workload", choices=["long_tail", "agentic"], default="long_tail")
+    ap.add_argument(
+        "--tool-delay", type=float, default=0.05, help="agentic: the Pareto's floor (s)"
+    )
     args = ap.parse_args()
+    tool_delay = args.tool_delay if args.workload == "agentic" else 0.0
     if args.smoke:
         args.steps, args.staleness, args.max_tokens, args.delay = 3, [1], 12, 0.0
     from bench.header import print_header
@@ -105,7 +127,8 @@ def main() -> None:
             f"colocated_async S={s}",
             ["--rollout.mode=colocated_async", f"--rollout.max_staleness={s}"],
         )
-        for s in args.staleness
+        for s in [0, *args.staleness]
+        if s or tool_delay
     ]
     modes += [
         (
@@ -125,13 +148,20 @@ def main() -> None:
                     args.max_tokens,
                     args.delay,
                     extra,
+                    tool_delay,
                 )
             )
     ref = out["sync"]["step_s"]
-    print(
-        f"{args.nproc} ranks, {args.steps} steps, 16 prompts x 8 samples, lengths Pareto(1.2) "
-        f"in [2, {args.max_tokens}], one generator +{args.delay}s per decode step"
-    )
+    if tool_delay:
+        print(
+            f"{args.nproc} ranks, {args.steps} steps, configs/quickstart_agentic.toml (8 prompts x "
+            f"8 episodes), every tool call held Pareto(1.2) in [{tool_delay}, {25 * tool_delay}] s"
+        )
+    else:
+        print(
+            f"{args.nproc} ranks, {args.steps} steps, 16 prompts x 8 samples, lengths "
+            f"Pareto(1.2) in [2, {args.max_tokens}], one generator +{args.delay}s per decode step"
+        )
     print(
         f"{'mode':<22} {'step s':>7} {'steps/min':>9} {'gen wait':>8} {'train wait':>10} "
         f"{'idle slots':>10} {'stale mean':>10} {'stale max':>9} {'vs sync':>7}"

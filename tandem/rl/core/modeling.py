@@ -206,6 +206,10 @@ def parallelize_model(
     compile, and FSDP2 by the one rule of `tandem.parallel.parallelize`. CPU computes in float32."""
     from tandem.parallel.parallelize import parallelize
 
+    dense = not getattr(getattr(model, "args", None), "num_experts", 0)
+    if not trainable and spec.ep > 1 and dense:
+        # a dense teacher beside an MoE policy: no experts to split, FSDP2 shards it as usual
+        spec = dataclasses.replace(spec, ep=1)
     check_moe_layout(
         getattr(model, "args", None),
         spec.ep,
