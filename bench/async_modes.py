@@ -21,8 +21,9 @@ step time over the synchronous one's (< 1: faster).
 ``--workload agentic``: configs/quickstart_agentic.toml (8 prompts x 8 episodes a step, the
 python tool in the code sandbox, up to 3 turns) with every environment step held by a time
 drawn from a Pareto(1.2) above ``--tool-delay`` seconds, capped at 25 times it
-(TANDEM_INJECT_TOOL_DELAY): the agentic long tail, where a few tool calls take far longer than
-the rest; no length drill and no slowed generator.
+(TANDEM_INJECT_TOOL_DELAY), and ``--tool-workers`` environment workers a rank (enough that the
+tools' capacity is not the limit): the agentic long tail, where a few tool calls take far longer
+than the rest; no length drill and no slowed generator.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ def launch(
     delay: float,
     extra: list[str],
     tool_delay: float = 0.0,
+    tool_workers: int = 16,
 ) -> list[dict[str, float]]:
     """One mode's run: the long-tail workload, or with ``tool_delay`` the agentic one."""
     slow = 0 if "--rollout.mode=split" in extra else nproc - 1  # a generator's rank
     if tool_delay:
-        config, size = "quickstart_agentic.toml", []
+        config, size = "quickstart_agentic.toml", [f"--env.num_workers={tool_workers}"]
         drills = {"TANDEM_INJECT_TOOL_DELAY": f"1.2:{tool_delay}:{25 * tool_delay}"}
     else:
         config, size = "quickstart.toml", ["--rl.prompts_per_step=16"]
@@ -114,6 +116,9 @@ def main() -> None:
     ap.add_argument(
         "--tool-delay", type=float, default=0.05, help="agentic: the Pareto's floor (s)"
     )
+    ap.add_argument(
+        "--tool-workers", type=int, default=16, help="agentic: environment workers per rank"
+    )
     args = ap.parse_args()
     tool_delay = args.tool_delay if args.workload == "agentic" else 0.0
     if args.smoke:
@@ -149,13 +154,15 @@ def main() -> None:
                     args.delay,
                     extra,
                     tool_delay,
+                    args.tool_workers,
                 )
             )
     ref = out["sync"]["step_s"]
     if tool_delay:
         print(
             f"{args.nproc} ranks, {args.steps} steps, configs/quickstart_agentic.toml (8 prompts x "
-            f"8 episodes), every tool call held Pareto(1.2) in [{tool_delay}, {25 * tool_delay}] s"
+            f"8 episodes), every tool call held Pareto(1.2) in [{tool_delay}, {25 * tool_delay}] s, "
+            f"{args.tool_workers} environment workers a rank"
         )
     else:
         print(
