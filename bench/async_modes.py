@@ -160,9 +160,9 @@ def main() -> None:
     ref = out["sync"]["step_s"]
     if tool_delay:
         print(
-            f"{args.nproc} ranks, {args.steps} steps, configs/quickstart_agentic.toml (8 prompts x "
-            f"8 episodes), every tool call held Pareto(1.2) in [{tool_delay}, {25 * tool_delay}] s, "
-            f"{args.tool_workers} environment workers a rank"
+            f"{args.nproc} ranks, {args.steps} steps, configs/quickstart_agentic.toml (8 prompts "
+            f"x 8 episodes), every tool call held Pareto(1.2) in [{tool_delay}, "
+            f"{25 * tool_delay}] s, {args.tool_workers} environment workers a rank"
         )
     else:
         print(
