@@ -25,6 +25,7 @@ import pytest
 
 from tandem.rl.config.composes import REFUSALS
 from tests.env_helpers import AGAIN_FLAGS
+from tests.fixtures import assert_same_as_synchronous
 from tests.serve.test_http_rollout import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,7 +34,7 @@ EXCLUSIVE = [frozenset("AS"), frozenset("VM"), frozenset("EH")]
 
 # feature -> the flags that turn it on in a run (the model and the data: `_config`)
 FLAGS: dict[str, tuple[str, ...]] = {
-    "A": ("--rollout.mode=colocated_async", "--rollout.max_staleness=1"),
+    "A": ("--rollout.mode=colocated_async",),
     "S": ("--rollout.mode=split", "--rollout.gen_ranks=1"),
     "L": ("--lora.rank=4",),
     "F": ("--rollout.kv_dtype=fp8_e4m3",),
@@ -113,8 +114,9 @@ def _nproc(run: set[str] | str) -> int:
     return max(1 if "H" in run else 2, model) + ("S" in run)
 
 
-def train_two_steps(run: str, dump: str) -> list[dict]:
-    config, extra = _config(run)
+def train_two_steps(run: str, dump: str, like: str | None = None) -> list[dict]:
+    """Two steps of ``run``'s features, on the model and data of ``like`` (default: ``run``)."""
+    config, extra = _config(like or run)
     nproc = _nproc(run)
     cmd = [
         sys.executable,
@@ -134,6 +136,7 @@ def train_two_steps(run: str, dump: str) -> list[dict]:
         "--metrics.loggers=[]",
         "--checkpoint.enable=false",
         "--checkpoint.export_hf_at_end=false",
+        "--advanced.dump_rollouts=true",
         *extra,
         *(flag for f in run for flag in FLAGS[f]),
     ]
@@ -173,10 +176,40 @@ def test_the_runs_cover_every_allowed_pair_and_no_refused_one():
     assert all(len(run) >= 2 for run in runs)
 
 
+@pytest.fixture(scope="module")
+def synchronous(tmp_path_factory):
+    """The synchronous twin of a run, trained once for the module."""
+    done: dict[tuple, tuple] = {}
+
+    def get(run: str, like: str) -> tuple:
+        config, extra = _config(like)
+        key = (run, config, *extra)
+        if key not in done:
+            dump = tmp_path_factory.mktemp(f"sync-{run}")
+            done[key] = (dump, train_two_steps(run, str(dump), like))
+        return done[key]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("run", cover())
-def test_every_allowed_pair_trains(run, tmp_path):
+def test_every_allowed_pair_trains(run, tmp_path, synchronous):
+    """Two steps with finite losses; a run in an asynchronous mode (at its default S = 0) also
+    equals its synchronous twin (the same features, ``rollout.mode = "sync"``): the same
+    samples and losses, bit for bit where the run has rl.exact, else to float rounding."""
     rows = train_two_steps(run, str(tmp_path / run))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
+    twin = run.replace("A", "").replace("S", "")
+    if twin == run:
+        return
+    dump, sync = synchronous(twin, run)
+    if "X" in run:
+        assert_same_as_synchronous(
+            (dump, sync), (tmp_path / run, rows), 2 * 4 * 4, ("loss", "grad_norm")
+        )
+    else:
+        for a, b in zip(sync, rows, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)

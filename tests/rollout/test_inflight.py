@@ -150,3 +150,26 @@ def test_colocated_async_refuses_what_it_has_not_run_with(override, label):
         f"rollout.mode: rollout.mode = 'colocated_async' does not run with {label} yet ("
     )
     load_config(path, [override, "rollout.mode=sync", "rollout.max_staleness=0"])  # sync: fine
+
+
+def test_the_drop_budget_drops_the_first_failing_groups_in_stream_order():
+    """B = 2: of the failing groups 1, 3, 4, 5, 6 (stream order) the first two are dropped and
+    the later ones train, whatever order they complete in; a failing group waits only while the
+    incomplete groups before it could still take the budget."""
+    from tandem.rl.rollout.inflight import DropBudget
+
+    b = DropBudget(2)
+    # 3 fails while 0, 1, 2 run: 3 failing ones could come before it, so it waits
+    assert b.decide({0: None, 1: None, 2: None, 3: False}) == (set(), set())
+    # 0 passes, 1 fails (first failing: dropped); 3 still waits on 2
+    assert b.decide({0: True, 1: False, 2: None, 3: False}) == ({1}, set())
+    # 2 passes: 3 is the second failing group (dropped), 4 the third (kept), and 6 is kept
+    # though 5 runs: the budget is spent whatever 5 does
+    assert b.decide({0: True, 2: True, 3: False, 4: False, 5: None, 6: False}) == ({3}, {4, 6})
+    assert b.decide({5: False}) == (set(), {5})
+    b.reset()  # the next step's budget
+    assert b.decide({7: False, 8: False, 9: False}) == ({7, 8}, {9})
+    # the same decisions in one synchronous round each: groups 0..6 complete together
+    b = DropBudget(2)
+    both = {0: True, 1: False, 2: True, 3: False, 4: False, 5: True, 6: False}
+    assert b.decide(both) == ({1, 3}, {4, 6})

@@ -80,9 +80,9 @@ class RLConfig(PolicyLossConfig):
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
-    max_refill_rounds: int = 3  # dynamic_sampling: at most this many more rollouts per step; the
-    # last round's groups are all kept (colocated_async: once a step has dropped this many times
-    # rl.prompts_per_step groups, it trains the rest)
+    max_refill_rounds: int = 3  # dynamic_sampling: a step drops at most this many times
+    # rl.prompts_per_step groups (the first to fail, in prompt-stream order) and trains the later
+    # ones; the synchronous schedule refills in rounds until the step's groups are kept
     overlong_filter: bool = False  # mask out truncated completions
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
     overlong_penalty: float = 1.0  # the overlong_buffer penalty's size: 0 at max_tokens -

@@ -113,3 +113,42 @@ class Admission:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.flights = [Flight(**f) for f in state["flights"]]
+
+
+class DropBudget:
+    """``rl.dynamic_sampling``'s rule, the same in every schedule: a step drops the first ``B``
+    groups (in prompt-stream order) whose rewards are all equal, ``B = rl.max_refill_rounds x
+    rl.prompts_per_step``, and trains the later ones. A streaming schedule decides a failing
+    group as soon as the groups before it allow (`decide`), so the same groups are dropped as in
+    the synchronous refill rounds. Pure Python, identical on every rank."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.failed: set[int] = set()  # this step's failing groups, decided (dropped or kept)
+
+    def reset(self) -> None:
+        """A new step: its budget is whole again."""
+        self.failed = set()
+
+    def decide(self, groups: dict[int, bool | None]) -> tuple[set[int], set[int]]:
+        """``groups``: position -> passed the filter (None: not complete yet). The failing
+        groups decided now: (dropped, kept over the budget); a failing group whose place among
+        the failing ones the incomplete groups before it still decide waits (in neither)."""
+        drop: set[int] = set()
+        keep: set[int] = set()
+        for pos in sorted(groups):
+            if groups[pos] is not False or pos in self.failed:
+                continue
+            fails = sum(1 for p in self.failed if p < pos)
+            fails += sum(
+                1 for p, v in groups.items() if p < pos and v is False and p not in self.failed
+            )
+            unknown = sum(1 for p, v in groups.items() if p < pos and v is None)
+            if fails + unknown < self.budget:
+                drop.add(pos)
+            elif fails >= self.budget:
+                keep.add(pos)
+            else:
+                continue
+            self.failed.add(pos)
+        return drop, keep

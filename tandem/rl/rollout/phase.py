@@ -31,6 +31,7 @@ from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import allocated_gb, peak_memory_gb, reset_peak_memory
 from tandem.rl.data.images import release_images
 from tandem.rl.data.prompts import Prompt, PromptStream, deal, rollout_seed
+from tandem.rl.rollout.inflight import DropBudget
 from tandem.rl.rollout.sampling import sample_completions, sample_episodes
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample, response_tally
 
@@ -231,6 +232,7 @@ class RolloutPhase:
         samples: list[RolloutSample] = []
         scores: list[torch.Tensor] = []
         kept, dropped, rounds = 0, 0, 0  # groups, over all ranks
+        budget = DropBudget(r.max_refill_rounds * r.prompts_per_step)
         while kept < r.prompts_per_step:
             taken = self.stream.take(r.prompts_per_step - kept)
             mine = deal(taken, self.dp_rank, self.dp)
@@ -240,27 +242,18 @@ class RolloutPhase:
             for s in new:
                 s.group = mine[s.group][0]
                 s.versions = [step] * len(s.completion_ids)
-            groups = torch.tensor([s.group for s in new], dtype=torch.long)
-            keep = (
-                filter_groups(sc, dense_group_index(groups))
-                if r.dynamic_sampling
-                else torch.ones(len(new), dtype=torch.bool)
-            )
+            drop = self._dropped(taken, new, sc, budget) if r.dynamic_sampling else set()
             rounds += 1
-            last_round = rounds > r.max_refill_rounds
-            if last_round:  # keep what we have rather than stall
-                keep[:] = True
-            for s, k, v in zip(new, keep.tolist(), sc):
-                if k:
+            for s, v in zip(new, sc):
+                if s.group not in drop:
                     samples.append(s)
                     scores.append(v)
-            n_keep = self._dp_count(len({s.group for s, k in zip(new, keep.tolist()) if k}))
-            dropped += len(taken) - n_keep
-            kept += n_keep
+            dropped += len(drop)
+            kept += len(taken) - len(drop)
             rewards.merge(rm)
             for k, v in gm.items():  # this rank's generator: seconds and counts add up over rounds
                 gen.local(k, v, add=k.endswith(("seconds", "tokens", "preemptions", "runs")))
-            if last_round or not r.dynamic_sampling:
+            if not r.dynamic_sampling:
                 break
         del gen_model
         if rounds > 1:  # refill rounds were each dealt from rank 0: deal as the streaming modes do
@@ -306,6 +299,26 @@ class RolloutPhase:
         mine = [(pos, g, sc) for pos, (g, sc) in groups.items()]
         return deal_in_stream_order(mine, order, self.dp, self.dp_rank, self.dp_group)
 
+    def _dropped(
+        self,
+        taken: list[tuple[int, int]],
+        new: list[RolloutSample],
+        scores: torch.Tensor,
+        budget: DropBudget,
+    ) -> set[int]:
+        """A refill round's groups ``taken`` (position, row) that `budget` drops: the ones whose
+        rewards are all equal (DAPO's `filter_groups`), over every data-parallel rank."""
+        groups = torch.tensor([s.group for s in new], dtype=torch.long)
+        keep = filter_groups(scores, dense_group_index(groups)).tolist()
+        index = {pos: i for i, (pos, _) in enumerate(taken)}
+        flags = torch.zeros(len(taken), dtype=torch.float64, device=self.info.device)
+        for s, k in zip(new, keep):  # 1: passes, 2: all rewards equal (this rank's groups)
+            flags[index[s.group]] = 1.0 if k else 2.0
+        if self.dp_group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+        drop, _ = budget.decide({pos: x != 2.0 for (pos, _), x in zip(taken, flags.tolist())})
+        return drop
+
     def ids(self, samples: list[RolloutSample]) -> list[str]:
         """The prompt ids of ``samples`` for the ledger (one rank per model-parallel group)."""
         if self.mp_rank != 0:
@@ -316,15 +329,6 @@ class RolloutPhase:
         """Their prompt-stream positions (a sample's ``group``), for the ledger's exactly-once
         check (one rank per model-parallel group)."""
         return sorted({s.group for s in samples}) if self.mp_rank == 0 else []
-
-    def _dp_count(self, n: int) -> int:
-        """``n`` summed over the data-parallel ranks (a model-parallel group holds the same
-        samples)."""
-        if self.dp_group is None:
-            return n
-        t = torch.tensor([n], dtype=torch.int64, device=self.info.device)
-        dist.all_reduce(t, group=self.dp_group)
-        return int(t.item())
 
     def sample_metrics(self, samples: list[RolloutSample]) -> dict[str, float]:
         """Response lengths, truncations and accuracy (`response_tally`) over the data-parallel

@@ -92,6 +92,7 @@ class SplitGenerator(ColocatedAsyncRollout):
         self._add(self.admission.admit(self.stream, version))
         before = self.gen.gen.stats.steps, self.gen.gen.stats.generated_tokens
         self.filtered, self.dropped_groups = Tally(), 0
+        self.budget.reset()
         chosen = self._generate(version)
         self.gen.stamp(version)
         t_chosen = time.monotonic()

@@ -31,7 +31,7 @@ from tandem.rl.algorithms import filter_groups
 from tandem.rl.core.metrics import Tally
 from tandem.rl.core.samples import dump_rollouts
 from tandem.rl.core.system import peak_memory_gb, reset_peak_memory
-from tandem.rl.rollout.inflight import Admission, Flight
+from tandem.rl.rollout.inflight import Admission, DropBudget, Flight
 from tandem.rl.rollout.phase import RolloutPhase, deal_in_stream_order
 from tandem.rl.rollout.streaming_episodes import streaming_generator
 from tandem.rl.rollout.types import RolloutBatch, RolloutSample, staleness_tally
@@ -57,7 +57,8 @@ class ColocatedAsyncRollout:
         # cache; a restored group is scored again), and this step's filtered groups
         self.scored: dict[int, tuple[torch.Tensor, Tally]] = {}
         self.filtered, self.dropped_groups = Tally(), 0
-        self.drop_budget = r.max_refill_rounds * r.prompts_per_step
+        self.budget = DropBudget(r.max_refill_rounds * r.prompts_per_step)
+        self.over_budget: set[int] = set()  # failing groups the budget keeps: they train
 
     def owner(self, position: int) -> int:
         """The data-parallel rank that generates a group."""
@@ -88,6 +89,7 @@ class ColocatedAsyncRollout:
         before = dataclasses.replace(self.gen.gen.stats)
         t_gen = time.monotonic()
         self.filtered, self.dropped_groups = Tally(), 0
+        self.budget.reset()
         chosen = self._generate(version)
         t_gen = time.monotonic() - t_gen
         suspended = self.gen.suspend(version)
@@ -127,6 +129,7 @@ class ColocatedAsyncRollout:
     def _generate(self, version: int) -> list[Flight]:
         """Decode until the step's groups are complete on all ranks together; the chosen flights."""
         b = self.base
+        self.over_budget &= {f.position for f in self.admission.flights}  # trained ones leave
         while True:
             mine = self._judged(self.gen.complete(), version)
             flights = self.admission.flights
@@ -138,11 +141,17 @@ class ColocatedAsyncRollout:
             if b.dp_group is not None:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=b.dp_group)
             values = flags.tolist()
-            filtered = {f.position for f, x in zip(flights, values) if x == _FILTERED}
-            if filtered:  # dynamic sampling: their room takes new groups, admitted as any other
-                self._drop_filtered(filtered)
-                continue
-            complete = {f.position for f, x in zip(flights, values) if x > 0}
+            states = {f.position: None if x == 0 else x == _KEPT for f, x in zip(flights, values)}
+            if b.rl.dynamic_sampling:  # the budget's decision, in stream order
+                drop, keep = self.budget.decide(
+                    {p: v for p, v in states.items() if p not in self.over_budget}
+                )
+                self.over_budget |= keep
+                if drop:  # their room takes new groups, admitted as any other
+                    self._drop_filtered(drop)
+                    continue
+                states.update(dict.fromkeys(self.over_budget & states.keys(), True))
+            complete = {p for p, v in states.items() if v}
             chosen = self.admission.choose(complete, version)
             if chosen is not None:
                 return chosen
@@ -163,9 +172,8 @@ class ColocatedAsyncRollout:
 
     def _judged(self, complete: set[int], version: int) -> dict[int, float]:
         """This rank's complete groups: `_KEPT`, or `_FILTERED` when ``rl.dynamic_sampling``
-        drops it (all its rewards equal: DAPO's `filter_groups`) and this step has dropped
-        fewer than ``rl.max_refill_rounds`` x ``rl.prompts_per_step`` groups so far (once it
-        has, they train, like the synchronous schedule's last round)."""
+        is on and all its rewards are equal (DAPO's `filter_groups`); whether a filtered group
+        is dropped is the step's `DropBudget`'s decision."""
         if not self.base.rl.dynamic_sampling:
             return dict.fromkeys(complete, _KEPT)
         out = {}
@@ -174,8 +182,7 @@ class ColocatedAsyncRollout:
                 self.scored[pos] = self.base.score(self.gen.peek(pos, version))
             sc = self.scored[pos][0]
             drop = not bool(filter_groups(sc, torch.zeros(sc.numel(), dtype=torch.long)).any())
-            room = self.dropped_groups < self.drop_budget
-            out[pos] = _FILTERED if drop and room else _KEPT
+            out[pos] = _FILTERED if drop else _KEPT
         return out
 
     def _drop_filtered(self, positions: set[int]) -> None:
