@@ -250,19 +250,27 @@ class QuantLinear(nn.Module):
     ``rl.exact``'s batch-invariant kernels it is the update's product). Holds no full-precision
     weight; `load` requantizes a new one in place (the generation copy's refill)."""
 
-    def __init__(self, fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, q: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.fmt = fmt
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        q = quantize(weight, fmt)
-        self.shape = q.shape
+        self.fmt, self.shape = q.fmt, q.shape
+        self.out_features, self.in_features = q.shape
         self.register_buffer("qvalues", q.values)
         self.register_buffer("qscales", q.scales)
         self.register_buffer("qtensor_scale", q.tensor_scale)
         self.bias = bias
 
+    @classmethod
+    def of(
+        cls, fmt: WeightFormat | str, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> QuantLinear:
+        return cls(quantize(weight, fmt), bias)
+
     def quantized(self) -> QuantizedWeight:
         return QuantizedWeight(self.fmt, self.shape, self.qvalues, self.qscales, self.qtensor_scale)
+
+    def nbytes(self) -> int:
+        """Resident bytes of the quantized weight (the bias not counted)."""
+        return self.quantized().nbytes()
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor) -> None:
@@ -278,3 +286,21 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, fmt={self.fmt.name}"
+
+
+class FakeQuantLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward multiplies by `fake_quant` of its weight (straight-through
+    gradient): the update's side of ``rl.quantize_update``. Same parameters, same state dict
+    (`fake_quant_linear` turns a linear into one in place)."""
+
+    fmt: WeightFormat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, fake_quant(self.weight, self.fmt), self.bias)
+
+
+def fake_quant_linear(linear: nn.Linear, fmt: WeightFormat | str) -> None:
+    """Turn a plain ``nn.Linear`` into a `FakeQuantLinear` of ``fmt``, in place."""
+    assert type(linear) is nn.Linear, type(linear)
+    linear.__class__ = FakeQuantLinear
+    linear.fmt = weight_format(fmt) if isinstance(fmt, str) else fmt

@@ -128,19 +128,23 @@ def test_fake_quant_is_quant_linear_bit_for_bit(name: str) -> None:
     b = torch.randn(48, generator=g)
     x = torch.randn(5, 40, generator=g)
     y_update = F.linear(x, wq.fake_quant(w, name), b)
-    lin = wq.QuantLinear(wq.FORMATS[name], w.detach(), b)
+    lin = wq.QuantLinear.of(name, w.detach(), b)
     assert torch.equal(lin(x), y_update)
     y_update.sum().backward()  # straight through: the gradient an unquantized w would get
     w_ref = w.detach().clone().requires_grad_()
     F.linear(x, w_ref, b).sum().backward()
     assert torch.equal(w.grad, w_ref.grad)
     assert torch.allclose(w.grad, x.sum(0).expand(48, 40), atol=1e-5)
+    mod = torch.nn.Linear(40, 48)  # the update's module: same parameters, same state dict
+    mod.load_state_dict({"weight": w.detach(), "bias": b})
+    wq.fake_quant_linear(mod, name)
+    assert list(mod.state_dict()) == ["weight", "bias"] and torch.equal(mod(x), lin(x))
     w2 = torch.randn(48, 40, generator=g)
     lin.load(w2)
-    assert torch.equal(lin(x), wq.QuantLinear(wq.FORMATS[name], w2, b)(x))
+    assert torch.equal(lin(x), wq.QuantLinear.of(name, w2, b)(x))
     wb, bb, xb = w2.bfloat16(), b.bfloat16(), x.bfloat16()  # a bf16 copy: dequantized to bf16
     assert torch.equal(
-        wq.QuantLinear(wq.FORMATS[name], wb, bb)(xb), F.linear(xb, wq.fake_quant(wb, name), bb)
+        wq.QuantLinear.of(name, wb, bb)(xb), F.linear(xb, wq.fake_quant(wb, name), bb)
     )
 
 

@@ -140,6 +140,21 @@ _FEATURES: dict[str, Feature] = {
     ),
     "exact": Feature("rl.exact", "rl.exact", lambda f: _rl(f) and f.cfg.rl.exact, "X"),
     "ep": Feature("parallel.ep", "parallel.ep > 1", lambda f: f.cfg.parallel.ep > 1),
+    "weight_quant": Feature(
+        "rollout.weight_dtype",
+        "low-bit generation weights (rollout.weight_dtype)",
+        lambda f: _rl(f) and f.cfg.rollout.weight_dtype != "bf16",
+    ),
+    "mismatch_contract": Feature(
+        "rl.max_mismatch_kl",
+        "rl.max_mismatch_kl",
+        lambda f: _rl(f) and f.cfg.rl.max_mismatch_kl is not None,
+    ),
+    "quantize_update": Feature(
+        "rl.quantize_update",
+        "rl.quantize_update",
+        lambda f: _rl(f) and f.cfg.rl.quantize_update,
+    ),
     "dp_replicate": Feature(
         "parallel.dp_replicate",
         "parallel.dp_replicate > 1",
@@ -393,6 +408,31 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "H",
         "with the endpoint a harness plays the episodes, so no environment would step there",
         "leave env.workers empty",
+    ),
+    (
+        "weight_quant",
+        "rollout_tp",
+        "a shard is quantized alone, and its blocks (w4a16's tensor scale, fp8_block's 128 rows) "
+        "are not the whole weight's that the update rounds",
+        "set rollout.tp = 1",
+    ),
+    (
+        "weight_quant",
+        "S L",
+        "the bridge's checksum and the adapter-only refill read full-precision projections",
+        'set rollout.weight_dtype = "bf16"',
+    ),
+    (
+        "mismatch_contract",
+        "S",
+        "split mode's steps report no train/generation gap to hold to it",
+        'unset rl.max_mismatch_kl or use rollout.mode = "colocated_async"',
+    ),
+    (
+        "quantize_update",
+        "T",
+        "the update rounds whole weights, not tensor-parallel DTensor shards",
+        "set parallel.tp = 1 or rl.quantize_update = false",
     ),
     (
         "xtok_teachers",

@@ -1,0 +1,48 @@
+"""A low-bit generation copy's side of the reshard (rollout.weight_dtype, docs/low-precision.md).
+
+The weights move in the copy's dtype; `on_arrival` is the reshard's ``done`` callback that
+quantizes each target weight on the receiving rank as soon as its last region has landed,
+so no more than a bucket of them is held in full precision at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.kernels.weight_quant import WeightFormat, quantize
+from tandem.models.quant_linear import is_target_weight
+
+
+def on_arrival(
+    fmt: WeightFormat, sink: dict[str, Any], rest: dict[str, torch.Tensor]
+) -> Callable[[str, torch.Tensor], None]:
+    """``done(name, tensor)``: a target weight is quantized into ``sink[name]`` (loaded into the
+    `QuantLinear` already there, or stored as a new `QuantizedWeight`); any other tensor goes to
+    ``rest``."""
+
+    def done(name: str, t: torch.Tensor) -> None:
+        if not is_target_weight(name):
+            rest[name] = t
+        elif isinstance(sink.get(name), nn.Module):
+            sink[name].load(t)
+        else:
+            sink[name] = quantize(t, fmt)
+
+    return done
+
+
+def quant_metrics(linears: dict[str, Any], dtype: torch.dtype) -> dict[str, float]:
+    """The low-bit projections' resident bytes (``reshard/quantized_gb``) and what the same
+    weights take in ``dtype`` (``reshard/quantized_full_gb``); empty without any."""
+    if not linears:
+        return {}
+    elem = torch.empty((), dtype=dtype).element_size()
+    full = sum(m.in_features * m.out_features * elem for m in linears.values())
+    return {
+        "reshard/quantized_gb": sum(m.nbytes() for m in linears.values()) / 1e9,
+        "reshard/quantized_full_gb": full / 1e9,
+    }

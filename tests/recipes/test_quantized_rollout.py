@@ -1,0 +1,88 @@
+"""Low-bit rollouts on the quickstart, one CPU process each (docs/low-precision.md):
+
+- with rl.exact and rl.quantize_update, the train/generation gap is 0 bit for bit every step
+  (gap/abs_max, gap/tokens_differ and gap/k3 all 0) for fp8_block and w4a16: the update
+  multiplies by the very weights the generator dequantizes;
+- without rl.quantize_update the same run reports the quantization (gap/abs_mean and gap/k3 > 0
+  every step), while the default bf16 copy's gap is 0 under rl.exact;
+- the mismatch contract's drill: rl.max_mismatch_kl below that gap stops the run with exit
+  status 12 (EXIT_MISMATCH) once the first window of rl.mismatch_window = 2 steps is full,
+  with one line naming the steps, the mean and the limit.
+
+Marked slow: six short runs (3 steps of 8 prompts), about 60 s on a busy 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.rl.core.errors import EXIT_MISMATCH
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = (
+    "--training.steps=3",
+    "--training.eval_interval=0",
+    "--rl.prompts_per_step=8",
+    "--metrics.loggers=[]",
+    "--checkpoint.enable=false",
+)
+
+
+def _run(dump: Path, *extra: str) -> tuple[int, list[dict], str]:
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--config",
+        str(ROOT / "configs/quickstart.toml"),
+    ]
+    cmd += [f"--job.dump_folder={dump}", *SHORT, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    path = dump / "metrics.jsonl"
+    rows = [json.loads(line) for line in open(path)] if path.exists() else []
+    return r.returncode, rows, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, smaller", [("fp8_block", 3.9), ("w4a16", 7.0)])
+def test_exact_gap_is_zero_with_the_same_rounding(tmp_path: Path, fmt: str, smaller: float) -> None:
+    rc, rows, out = _run(
+        tmp_path, "--rl.exact=true", f"--rollout.weight_dtype={fmt}", "--rl.quantize_update=true"
+    )
+    assert rc == 0, out[-3000:]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["gap/abs_max"] == 0.0 and r["gap/tokens_differ"] == 0.0 and r["gap/k3"] == 0.0
+        # the projections' resident bytes against the fp32 copy's
+        assert r["reshard/quantized_full_gb"] / r["reshard/quantized_gb"] > smaller
+
+
+@pytest.mark.slow
+def test_without_the_same_rounding_the_gap_shows_the_quantization(tmp_path: Path) -> None:
+    rc, rows, out = _run(tmp_path / "w4", "--rl.exact=true", "--rollout.weight_dtype=w4a16")
+    assert rc == 0, out[-3000:]
+    assert all(r["gap/abs_mean"] > 1e-3 and r["gap/k3"] > 0 for r in rows)
+    rc, rows, out = _run(tmp_path / "bf16", "--rl.exact=true")  # the default copy: no rounding
+    assert rc == 0, out[-3000:]
+    assert all(r["gap/abs_max"] == 0.0 and r["gap/k3"] == 0.0 for r in rows)
+
+
+@pytest.mark.slow
+def test_mismatch_drill_stops_with_its_status(tmp_path: Path) -> None:
+    extra = ("--rollout.weight_dtype=w4a16", "--rl.mismatch_window=2")
+    rc, rows, out = _run(tmp_path / "stop", *extra, "--rl.max_mismatch_kl=1e-4")
+    assert rc == EXIT_MISMATCH == 12, out[-3000:]
+    assert "rl.max_mismatch_kl: the generator/update mismatch (gap/k3) averaged" in out
+    assert "over steps 1..2, above the limit 0.0001" in out and "Traceback" not in out
+    assert [r["step"] for r in rows] == [1]  # step 2 completed the window and stopped the run
+    rc, rows, out = _run(tmp_path / "go", *extra, "--rl.max_mismatch_kl=10")  # a loose limit
+    assert rc == 0 and [r["step"] for r in rows] == [1, 2, 3], out[-3000:]
+    means = [r["gap/k3_window_mean"] for r in rows]
+    k3 = [r["gap/k3"] for r in rows]
+    assert means == [k3[0], (k3[0] + k3[1]) / 2, (k3[1] + k3[2]) / 2]
