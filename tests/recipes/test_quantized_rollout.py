@@ -9,7 +9,9 @@
   status 12 (EXIT_MISMATCH) once the first window of rl.mismatch_window = 2 steps is full,
   with one line naming the steps, the mean and the limit.
 
-Marked slow: six short runs (3 steps of 8 prompts), about 60 s on a busy 2-core machine.
+The same holds for LoRA on a w4a16 base (bf16/fp32 adapters on the low-bit projections).
+
+Marked slow: seven short runs (3 steps of 8 prompts), about 60 s on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -34,13 +36,8 @@ SHORT = (
 )
 
 
-def _run(dump: Path, *extra: str) -> tuple[int, list[dict], str]:
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "--config",
-        str(ROOT / "configs/quickstart.toml"),
-    ]
+def _run(dump: Path, *extra: str, config: str = "quickstart.toml") -> tuple[int, list[dict], str]:
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / config)]
     cmd += [f"--job.dump_folder={dump}", *SHORT, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -61,6 +58,15 @@ def test_exact_gap_is_zero_with_the_same_rounding(tmp_path: Path, fmt: str, smal
         assert r["gap/abs_max"] == 0.0 and r["gap/tokens_differ"] == 0.0 and r["gap/k3"] == 0.0
         # the projections' resident bytes against the fp32 copy's
         assert r["reshard/quantized_full_gb"] / r["reshard/quantized_gb"] > smaller
+
+
+@pytest.mark.slow
+def test_lora_on_a_w4a16_base_keeps_the_gap_at_zero(tmp_path: Path) -> None:
+    extra = ("--rl.exact=true", "--rollout.weight_dtype=w4a16", "--rl.quantize_update=true")
+    rc, rows, out = _run(tmp_path, *extra, config="quickstart_lora.toml")
+    assert rc == 0, out[-3000:]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["gap/abs_max"] == 0.0 and r["gap/tokens_differ"] == 0.0 for r in rows)
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ import torch
 
 from tandem.kernels.weight_quant import FORMATS, QuantLinear
 from tandem.models.args import ModelArgs
-from tandem.models.quant_linear import fake_quant_linears, quantized_linears
+from tandem.models.lora import LoraSpec, apply_lora, is_adapter
+from tandem.models.quant_linear import QuantLoraLinear, fake_quant_linears, quantized_linears
 from tandem.models.transformer import Transformer
 from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 
@@ -94,3 +95,36 @@ def test_resident_bytes_against_bf16(name: str, ratio: float) -> None:
     assert measured >= ratio
     assert round(metrics["reshard/quantized_gb"] * 1e9) == resident(low)
     assert round(metrics["reshard/quantized_full_gb"] * 1e9) == resident(bf16)
+
+
+def test_lora_on_a_low_bit_base() -> None:
+    """LoRA: the base is quantized once, at the first build; later builds move the adapters alone
+    (bf16/fp32, checked), and the copy stays the fake-quantized LoRA policy bit for bit."""
+    spec = LoraSpec(rank=4, alpha=8)
+    policy = _policy()
+    apply_lora(policy, spec)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if is_adapter(name):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    copy = GenerationCopy(
+        policy,
+        ARGS,
+        GenerationLayout(),
+        torch.device("cpu"),
+        lora=spec,
+        weight_format=FORMATS["w4a16"],
+    )
+    gen, _ = copy.build()
+    assert all(isinstance(m, QuantLoraLinear) for m in gen.quant_linears.values())
+    x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(gen(x), _fake_quant_twin(policy, "w4a16")(x))
+        for name, p in policy.named_parameters():  # an optimizer step on the adapters
+            if is_adapter(name):
+                p.add_(0.01)
+    again, second = copy.build()
+    adapter_bytes = sum(p.numel() * 4 for n, p in policy.named_parameters() if is_adapter(n))
+    assert again is gen and round(second["reshard/gb"] * 1e9) == adapter_bytes
+    with torch.no_grad():
+        assert torch.equal(again(x), _fake_quant_twin(policy, "w4a16")(x))

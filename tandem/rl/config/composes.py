@@ -418,8 +418,8 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     (
         "weight_quant",
-        "S L",
-        "the bridge's checksum and the adapter-only refill read full-precision projections",
+        "S",
+        "the bridge's checksum reads the generators' projections in full precision",
         'set rollout.weight_dtype = "bf16"',
     ),
     (
