@@ -95,6 +95,16 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
+def quantized_nbytes(shape: tuple[int, int], fmt: WeightFormat) -> int:
+    """Bytes a ``shape`` weight takes in ``fmt`` (values, block scales and a w4a16 tensor scale),
+    computed without quantizing: what `QuantizedWeight.nbytes` measures (the planner's figure)."""
+    n, k = shape
+    br, bk = fmt.block
+    values = n * k if fmt.bits == 8 else n * ((k + 1) // 2)
+    scales = math.ceil(n / br) * math.ceil(k / bk) * fmt.scale_bytes()
+    return values + scales + (4 if fmt.bits == 4 else 0)
+
+
 def _blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``w [N, K]`` zero-padded to block multiples as ``[N/br, br, K/bk, bk]`` (fp32)."""
     n, k = w.shape

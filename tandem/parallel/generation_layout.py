@@ -37,15 +37,15 @@ from torch import nn
 
 from tandem.kernels import batch_invariant
 from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
-from tandem.kernels.weight_quant import QuantizedWeight, WeightFormat
+from tandem.kernels.weight_quant import QuantizedWeight, WeightFormat, quantized_nbytes
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter
-from tandem.models.quant_linear import install_quantized
+from tandem.models.quant_linear import install_quantized, is_target_weight
 from tandem.models.transformer import Transformer
 from tandem.models.vlm import make_model
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
-from tandem.parallel.quant_copy import on_arrival, quant_metrics
+from tandem.parallel.quant_copy import on_arrival, quant_buffers, quant_metrics
 from tandem.parallel.reshard import Box, Resharder, held
 
 HEADROOM = 0.9  # share of a device a phase may fill; the rest: allocator, CUDA context, NCCL
@@ -206,10 +206,14 @@ def needed_box(
 
 
 def shard_bytes(
-    args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None
+    args: ModelArgs,
+    layout: GenerationLayout,
+    dtype: torch.dtype,
+    lora: LoraSpec | None = None,
+    weight_format: WeightFormat | None = None,
 ) -> int:
     """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``,
-    adapters too)."""
+    adapters too; with ``weight_format``, the projections in it)."""
     with torch.device("meta"):
         model = make_model(args)
         if lora is not None:
@@ -218,10 +222,10 @@ def shard_bytes(
     total = 0
     for name, p in state_tensors(model).items():
         _, local = needed_box(name, tuple(p.shape), layout)
-        n = 1
-        for s in local:
-            n *= s
-        total += n * elem
+        if weight_format is not None and is_target_weight(name):
+            total += quantized_nbytes((local[0], local[1]), weight_format)
+        else:
+            total += math.prod(local) * elem
     return total
 
 
@@ -343,8 +347,7 @@ class GenerationCopy:
     are kept for the next rollouts (``reshard/kept_gb``; the only rollout memory the update
     phase still holds), so later builds move only what training changed.
 
-    ``weight_format`` (``rollout.weight_dtype``): the dense projections are held low-bit,
-    quantized on the receiving rank as each lands (tandem/parallel/quant_copy.py); unfused.
+    ``weight_format`` (rollout.weight_dtype): low-bit projections, tandem/parallel/quant_copy.py.
     """
 
     def __init__(
@@ -430,9 +433,7 @@ class GenerationCopy:
             if self.lora is not None:
                 apply_lora(gen, self.lora)
         gen.quant_linears = install_quantized(gen, qweights)
-        for name, lin in gen.quant_linears.items():  # already real: loaded as they are
-            pre = name[: -len("weight")]
-            state.update({pre + k: b for k, b in lin.named_buffers() if b is not None})
+        state.update(quant_buffers(gen.quant_linears))  # already real: loaded as they are
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
@@ -471,9 +472,8 @@ class GenerationCopy:
         kept = sum(t.numel() * t.element_size() for t in self._kept_state.values())
         moved = sum(t.numel() * t.element_size() for t in state.values())
         if gen.quant_linears:  # every tensor went through ``done``: the size `build` measured
-            return _reshard_metrics(stats, self._copy_bytes, kept) | quant_metrics(
-                gen.quant_linears, self.dtype
-            )
+            quant = quant_metrics(gen.quant_linears, self.dtype)
+            return _reshard_metrics(stats, self._copy_bytes, kept) | quant
         return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
 
     def _quantizing(self, sink: dict[str, Any]) -> Callable[[str, torch.Tensor], None] | None:

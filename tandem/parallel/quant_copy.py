@@ -35,6 +35,17 @@ def on_arrival(
     return done
 
 
+def quant_buffers(linears: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The low-bit buffers of each `QuantLinear` (keyed by its weight's name) under their
+    state-dict names: a copy's ``load_state_dict`` is given them as they are."""
+    return {
+        name[: -len("weight")] + k: b
+        for name, lin in linears.items()
+        for k, b in lin.named_buffers()
+        if b is not None
+    }
+
+
 def quant_metrics(linears: dict[str, Any], dtype: torch.dtype) -> dict[str, float]:
     """The low-bit projections' resident bytes (``reshard/quantized_gb``) and what the same
     weights take in ``dtype`` (``reshard/quantized_full_gb``); empty without any."""

@@ -153,3 +153,7 @@ def test_resident_bytes_against_bf16() -> None:
     bf16 = w.numel() * 2
     ratio = {n: bf16 / wq.quantize(w, n).nbytes() for n in wq.FORMATS}
     assert ratio["fp8_block"] > 1.99 and ratio["mxfp8"] > 1.9 and ratio["w4a16"] > 3.5
+    for shape in [(1, 1), (3, 17), (130, 129), (256, 96)]:  # the planner's formula, measured
+        for name, fmt in wq.FORMATS.items():
+            q = wq.quantize(torch.randn(shape), name)
+            assert wq.quantized_nbytes(shape, fmt) == q.nbytes(), (shape, name)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tandem.kernels.weight_quant import FORMATS as WEIGHT_FORMATS
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter
 from tandem.parallel.generation_layout import (
@@ -115,6 +116,7 @@ class Settings:
     chunk_tokens: int = 1024
     cp_style: str = "ulysses"  # parallel.cp_style (rl recipe; tandem/rl/plan/long_context.py)
     lora: LoraSpec | None = None  # adapters on a frozen base (tandem/models/lora.py)
+    weight_format: Any = None  # rollout.weight_dtype's format (tandem/kernels/weight_quant.py)
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
@@ -164,6 +166,7 @@ class Settings:
             chunk_tokens=a.logprob_chunk_tokens,
             cp_style=p.cp_style,
             lora=lora,
+            weight_format=WEIGHT_FORMATS.get(ro.weight_dtype),
         )
 
 
@@ -398,6 +401,7 @@ class Planner:
                 GenerationLayout(tp=g, vocab_parallel=self.s.vocab_parallel),
                 self.s.gen_dtype,
                 self.s.lora,
+                self.s.weight_format,
             )
         return self._shards[key]
 
