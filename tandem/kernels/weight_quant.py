@@ -29,6 +29,7 @@ quantizes whole tensors (``rollout.tp = 1``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import batch_invariant
+from tandem.kernels.dispatch import requested_impl
+from tandem.kernels.kv_quant import _StraightThrough as StraightThrough  # the KV path's
 from tandem.kernels.kv_quant import exp2_int, scale_exponent
 
 E4M3 = torch.float8_e4m3fn
@@ -210,30 +214,43 @@ def block_scales(q: QuantizedWeight) -> torch.Tensor:
     return q.scales.float() * q.tensor_scale
 
 
+@functools.cache
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` fp32: the two e2m1 values of each byte (low nibble first)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    return e2m1_values(_unpack(codes[:, None], 2))
+
+
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight ``q`` stands for, ``[N, K]`` in ``dtype`` (computed in fp32)."""
+    """The weight ``q`` stands for, ``[N, K]`` in ``dtype`` (computed in fp32: each value times
+    its block's fp32 scale, one rounding-free product)."""
+    n, k = q.shape
     if q.fmt.bits == 8:
         v = q.values.float()
-    else:
-        v = e2m1_values(_unpack(q.values, q.shape[1]))
-    return _unblock(_blocks(v, q.fmt.block) * _expand(block_scales(q)), q.shape).to(dtype)
+    else:  # one table lookup per byte
+        v = _e2m1_pairs(q.values.device)[q.values.long()].view(n, -1)[:, :k]
+    br, bk = q.fmt.block
+    s = block_scales(q)  # [nb, kb]
+    if n % br == 0 and k % bk == 0:  # whole blocks: no padding
+        return (v.view(n // br, br, k // bk, bk) * _expand(s)).view(n, k).to(dtype)
+    return _unblock(_blocks(v, q.fmt.block) * _expand(s), q.shape).to(dtype)
+
+
+def kernel_operands(
+    q: QuantizedWeight,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], tuple[int, int], bool]:
+    """What tandem/kernels/triton_weight_quant.py reads of ``q``: the values as bytes, the fp32
+    block scales, the shape, the block and whether the values are 4-bit."""
+    values = q.values.view(torch.uint8) if q.fmt.bits == 8 else q.values
+    scales = block_scales(q).float().contiguous()
+    return values.contiguous(), scales, q.shape, q.fmt.block, q.fmt.bits == 4
 
 
 def fake_quant(w: torch.Tensor, fmt: WeightFormat | str) -> torch.Tensor:
     """``dequantize(quantize(w))`` in w's dtype; the gradient passes straight through (the
     rounding's derivative taken as 1). Bit for bit what a `QuantLinear` of ``w`` multiplies by."""
     y = dequantize(quantize(w.detach(), fmt), w.dtype)
-    return _StraightThrough.apply(w, y) if w.requires_grad else y
-
-
-class _StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, y):  # noqa: ANN001, ANN205
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        return grad, None
+    return StraightThrough.apply(w, y) if w.requires_grad else y
 
 
 def error_bound(w: torch.Tensor, fmt: WeightFormat | str) -> torch.Tensor:
@@ -292,6 +309,11 @@ class QuantLinear(nn.Module):
             self.qtensor_scale.copy_(q.tensor_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if requested_impl(None) == "triton" and not batch_invariant.enabled():
+            from tandem.kernels import triton_weight_quant as tq  # forced only: untimed on GPUs
+
+            if tq.use_quant_linear_kernel(x):
+                return tq.quant_linear_triton(x, kernel_operands(self.quantized()), self.bias)
         return F.linear(x, dequantize(self.quantized(), x.dtype), self.bias)
 
     def extra_repr(self) -> str:

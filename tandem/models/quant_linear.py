@@ -15,14 +15,12 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.weight_quant import (
     QuantizedWeight,
     QuantLinear,
     WeightFormat,
-    dequantize,
     fake_quant,
     fake_quant_linear,
     quantize,
@@ -43,7 +41,7 @@ class QuantLoraLinear(QuantLinear):
         self.lora_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, dequantize(self.quantized(), x.dtype), self.bias)  # [..., out]
+        y = super().forward(x)  # [..., out]
         if not self.lora_enabled:
             return y
         return y + self.lora_B(self.lora_A(x) * self.scale)
