@@ -8,6 +8,7 @@ projections, measured from the copy's buffers, are against a bf16 copy's at leas
 from __future__ import annotations
 
 import copy as copylib
+import weakref
 
 import pytest
 import torch
@@ -15,7 +16,12 @@ import torch
 from tandem.kernels.weight_quant import FORMATS, QuantLinear
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter
-from tandem.models.quant_linear import QuantLoraLinear, fake_quant_linears, quantized_linears
+from tandem.models.quant_linear import (
+    QuantLoraLinear,
+    fake_quant_linears,
+    is_target_weight,
+    quantized_linears,
+)
 from tandem.models.transformer import Transformer
 from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 
@@ -128,3 +134,38 @@ def test_lora_on_a_low_bit_base() -> None:
     assert again is gen and round(second["reshard/gb"] * 1e9) == adapter_bytes
     with torch.no_grad():
         assert torch.equal(again(x), _fake_quant_twin(policy, "w4a16")(x))
+
+
+def test_each_weight_is_quantized_as_it_lands(monkeypatch) -> None:
+    """Where the copy quantizes: on the receiving rank, each projection as its last region lands;
+    no full-precision projection outlives its own quantization (weak references, at the first
+    build and at a refill), so at most a bucket of them is ever held beside the low-bit copy."""
+    policy = _policy()
+    copy = GenerationCopy(
+        policy,
+        ARGS,
+        GenerationLayout(),
+        torch.device("cpu"),
+        weight_format=FORMATS["w4a16"],
+        bucket_bytes=20_000,
+    )
+    landed: list[weakref.ref] = []
+    alive_before: list[int] = []
+    make = GenerationCopy._quantizing
+
+    def spying(self, sink):  # noqa: ANN001, ANN202
+        done = make(self, sink)
+
+        def spy(name: str, t: torch.Tensor) -> None:
+            done(name, t)
+            if is_target_weight(name):
+                alive_before.append(sum(r() is not None for r in landed))
+                landed.append(weakref.ref(t))
+
+        return spy
+
+    monkeypatch.setattr(GenerationCopy, "_quantizing", spying)
+    gen, _ = copy.build()
+    copy.refill(gen)
+    assert len(landed) == 2 * 2 * 7  # every projection, at the build and at the refill
+    assert alive_before == [0] * len(landed)  # each earlier one already freed
