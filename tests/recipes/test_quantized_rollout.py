@@ -1,8 +1,8 @@
 """Low-bit rollouts on the quickstart, one CPU process each (docs/low-precision.md):
 
 - with rl.exact and rl.quantize_update, the train/generation gap is 0 bit for bit every step
-  (gap/abs_max, gap/tokens_differ and gap/k3 all 0) for fp8_block and w4a16: the update
-  multiplies by the very weights the generator dequantizes;
+  (gap/abs_max, gap/tokens_differ and gap/k3 all 0) for fp8_block and w4a16, and for fp8_block
+  beside an FP8 KV cache: the update multiplies by the very weights the generator dequantizes;
 - without rl.quantize_update the same run reports the quantization (gap/abs_mean and gap/k3 > 0
   every step), while the default bf16 copy's gap is 0 under rl.exact;
 - the mismatch contract's drill: rl.max_mismatch_kl below that gap stops the run with exit
@@ -11,7 +11,7 @@
 
 The same holds for LoRA on a w4a16 base (bf16/fp32 adapters on the low-bit projections).
 
-Marked slow: seven short runs (3 steps of 8 prompts), about 60 s on a busy 2-core machine.
+Marked slow: eight short runs (3 steps of 8 prompts), about 60 s on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -47,10 +47,19 @@ def _run(dump: Path, *extra: str, config: str = "quickstart.toml") -> tuple[int,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, smaller", [("fp8_block", 3.9), ("w4a16", 7.0)])
-def test_exact_gap_is_zero_with_the_same_rounding(tmp_path: Path, fmt: str, smaller: float) -> None:
+@pytest.mark.parametrize(
+    "fmt, smaller, kv",
+    [("fp8_block", 3.9, "auto"), ("w4a16", 7.0, "auto"), ("fp8_block", 3.9, "fp8_e4m3")],
+)
+def test_exact_gap_is_zero_with_the_same_rounding(
+    tmp_path: Path, fmt: str, smaller: float, kv: str
+) -> None:
     rc, rows, out = _run(
-        tmp_path, "--rl.exact=true", f"--rollout.weight_dtype={fmt}", "--rl.quantize_update=true"
+        tmp_path,
+        "--rl.exact=true",
+        f"--rollout.weight_dtype={fmt}",
+        "--rl.quantize_update=true",
+        f"--rollout.kv_dtype={kv}",  # with an FP8 KV cache too: both roundings matched
     )
     assert rc == 0, out[-3000:]
     assert [r["step"] for r in rows] == [1, 2, 3]
