@@ -12,6 +12,7 @@ import torch
 from tandem.kernels.weight_quant import FORMATS
 from tandem.models.flavors import get_flavor
 from tandem.rl.config.schema import load_config
+from tandem.rl.plan.cli import format_plan
 from tandem.rl.plan.planner import Layout, Planner, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +55,12 @@ def test_generation_shard_prices_the_projections(name, per_weight) -> None:
     rollout_low = {p.kind: p.rollout for p in low.plan(Layout())}
     for kind, parts in rollout.items():
         assert parts["generation shard"] - rollout_low[kind]["generation shard"] == saved
+    # the freed room in full-length sequences: 36 layers x K and V x 8 KV heads x 128 x 2 bytes
+    # per token, 2048 tokens -> 128 blocks of 16 (the default max_len and block size)
+    per_seq = 36 * 2 * 8 * 128 * 2 * 16 * 128
+    assert [p.freed for p in low.plan(Layout())] == [(saved, saved // per_seq)]
+    assert [p.freed for p in full.plan(Layout())] == [(0.0, 0)]
+    assert "freed by weight_dtype (GB, seqs)" in format_plan(low.plan(Layout()), 80e9)
 
 
 def test_config_key_reaches_the_planner() -> None:
