@@ -7,11 +7,12 @@
   every step), while the default bf16 copy's gap is 0 under rl.exact;
 - the mismatch contract's drill: rl.max_mismatch_kl below that gap stops the run with exit
   status 12 (EXIT_MISMATCH) once the first window of rl.mismatch_window = 2 steps is full,
-  with one line naming the steps, the mean and the limit.
+  with one line naming the steps, the mean and the limit, and a run resumed after step 1 stops
+  at the same step (the window is in the checkpoint).
 
 The same holds for LoRA on a w4a16 base (bf16/fp32 adapters on the low-bit projections).
 
-Marked slow: eight short runs (3 steps of 8 prompts), about 60 s on a busy 2-core machine.
+Marked slow: ten short runs (3 steps of 8 prompts), about 60 s on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ def test_mismatch_drill_stops_with_its_status(tmp_path: Path) -> None:
     assert "rl.max_mismatch_kl: the generator/update mismatch (gap/k3) averaged" in out
     assert "over steps 1..2, above the limit 0.0001" in out and "Traceback" not in out
     assert [r["step"] for r in rows] == [1]  # step 2 completed the window and stopped the run
+    # a run that stops after step 1 (its checkpoint holds the window), resumed: it stops at step
+    # 2 as the uninterrupted run did, which it could not with a fresh window
+    tight = (*extra, "--rl.max_mismatch_kl=1e-4", "--checkpoint.enable=true")
+    rc, _, out = _run(tmp_path / "resume", *tight, "--checkpoint.interval=1", "--training.steps=1")
+    assert rc == 0, out[-3000:]
+    rc, _, out = _run(tmp_path / "resume", *tight)
+    assert "resumed from" in out and "at step 1" in out, out[-3000:]
+    assert rc == EXIT_MISMATCH and "over steps 1..2" in out, out[-3000:]
     rc, rows, out = _run(tmp_path / "go", *extra, "--rl.max_mismatch_kl=10")  # a loose limit
     assert rc == 0 and [r["step"] for r in rows] == [1, 2, 3], out[-3000:]
     means = [r["gap/k3_window_mean"] for r in rows]
