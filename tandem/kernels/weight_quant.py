@@ -22,9 +22,10 @@ forward (``rl.quantize_update``) and the generation copy's projections (`QuantLi
 same `quantize` and `dequantize`, so both multiply by the same numbers bit for bit.
 
 Blocks are anchored at element (0, 0) of the tensor given; edge blocks are partial (a
-``[100, 40]`` weight has one 128 x 128 block). A shard quantized alone is therefore only the
-same as the whole tensor's blocks when its offset is a block multiple; the generation copy
-quantizes whole tensors (``rollout.tp = 1``).
+``[100, 40]`` weight has one 128 x 128 block). A shard quantized alone is therefore the same as
+the whole tensor's blocks only when its offset is a block multiple (and, for w4a16, it is given
+the whole tensor's largest entry: ``quantize(..., tensor_amax=)``); tandem/parallel/quant_layout.py
+says which generation layouts keep blocks whole.
 """
 
 from __future__ import annotations
@@ -161,9 +162,10 @@ def _fp8_scale_exponents(w: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     return scale_exponent(block_amax(w, fmt.block), E4M3)  # [nb, kb] int32
 
 
-def _tensor_scale(w: torch.Tensor) -> torch.Tensor:
-    """The w4a16 tensor scale: ``amax / (6 * 448)`` (1 for an all-zero tensor), fp32."""
-    amax = w.detach().float().abs().amax()
+def _tensor_scale(w: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The w4a16 tensor scale: ``amax / (6 * 448)`` (1 for an all-zero tensor), fp32; ``amax``:
+    the whole tensor's, when ``w`` is a shard of it (default: ``w``'s own)."""
+    amax = w.detach().float().abs().amax() if amax is None else amax.float()
     return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
 
 
@@ -185,8 +187,13 @@ def entry_scales(q: QuantizedWeight) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize(w: torch.Tensor, fmt: WeightFormat | str) -> QuantizedWeight:
-    """``w [N, K]`` in ``fmt`` (any float dtype in; the rounding is done in fp32)."""
+def quantize(
+    w: torch.Tensor, fmt: WeightFormat | str, tensor_amax: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """``w [N, K]`` in ``fmt`` (any float dtype in; the rounding is done in fp32).
+    ``tensor_amax``: w4a16, the largest ``|entry|`` of the whole tensor ``w`` is a shard of; a
+    shard whose offset is a block multiple then gets exactly the whole tensor's quantization of
+    its entries."""
     fmt = weight_format(fmt) if isinstance(fmt, str) else fmt
     shape = (w.shape[0], w.shape[1])
     if fmt.bits == 8:
@@ -196,7 +203,7 @@ def quantize(w: torch.Tensor, fmt: WeightFormat | str) -> QuantizedWeight:
         values = _unblock(y, shape).to(E4M3)
         scales = s if fmt.name == "fp8_block" else (k + 127).to(torch.uint8)
         return QuantizedWeight(fmt, shape, values, scales)
-    ts = _tensor_scale(w)
+    ts = _tensor_scale(w, tensor_amax)
     sb = _fp4_block_scales(w, fmt, ts)
     full = sb.float() * ts  # [nb, kb]
     inv = torch.where(full > 0, full.reciprocal(), torch.zeros_like(full))
@@ -300,9 +307,10 @@ class QuantLinear(nn.Module):
         return self.quantized().nbytes()
 
     @torch.no_grad()
-    def load(self, weight: torch.Tensor) -> None:
-        """Requantize ``weight`` (this layer's shape) into the held buffers, in place."""
-        q = quantize(weight, self.fmt)
+    def load(self, weight: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> None:
+        """Requantize ``weight`` (this layer's shape; a shard of a tensor whose largest entry is
+        ``tensor_amax``) into the held buffers, in place."""
+        q = quantize(weight, self.fmt, tensor_amax)
         self.qvalues.copy_(q.values)
         self.qscales.copy_(q.scales)
         if q.tensor_scale is not None:

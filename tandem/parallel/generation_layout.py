@@ -45,7 +45,7 @@ from tandem.models.transformer import Transformer
 from tandem.models.vlm import make_model
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
-from tandem.parallel.quant_copy import on_arrival, quant_buffers, quant_metrics
+from tandem.parallel.quant_copy import on_arrival, quant_buffers, quant_metrics, tensor_amax
 from tandem.parallel.reshard import Box, Resharder, held
 
 HEADROOM = 0.9  # share of a device a phase may fill; the rest: allocator, CUDA context, NCCL
@@ -365,8 +365,7 @@ class GenerationCopy:
         weight_format: WeightFormat | None = None,
     ) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
-        self.weight_format = weight_format
-        self._arrived: dict[str, torch.Tensor] = {}  # what `_quantizing` passes through
+        self.weight_format, self._arrived = weight_format, {}  # what `_quantizing` passes on
         self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
         self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
@@ -418,7 +417,7 @@ class GenerationCopy:
         srcs = {n: src for n, src in self._held().items() if n in moving}
         adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
         qweights: dict[str, QuantizedWeight] = {}
-        state, stats = self._move(moving, srcs, None, probe, self._quantizing(qweights))
+        state, stats = self._move(moving, srcs, None, probe, self._quantizing(qweights, srcs))
         del srcs
         if self.keep and not later:
             self._kept_state = {n: t for n, t in state.items() if n.startswith(self.keep)}
@@ -464,8 +463,8 @@ class GenerationCopy:
             return self._refill(probe)[1]
         moving = self._moving()
         srcs = {n: src for n, src in self._held().items() if n in moving}
-        into = gen.refill_views
-        state, stats = self._move(moving, srcs, into, probe, self._quantizing(gen.quant_linears))
+        quantizing = self._quantizing(gen.quant_linears, srcs)
+        state, stats = self._move(moving, srcs, gen.refill_views, probe, quantizing)
         for m in gen.modules():  # oneDNN's blocked copies are of the old weights
             if isinstance(m, OneDNNLinear) and m.packed is not None:
                 m.pack()
@@ -476,11 +475,12 @@ class GenerationCopy:
             return _reshard_metrics(stats, self._copy_bytes, kept) | quant
         return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
 
-    def _quantizing(self, sink: dict[str, Any]) -> Callable[[str, torch.Tensor], None] | None:
-        """With a weight format, the reshard's ``done`` (`on_arrival`); else None."""
-        if self.weight_format is None:
+    def _quantizing(self, sink: dict[str, Any], srcs: dict) -> Callable[..., None] | None:
+        """Collective with a weight format: the reshard's ``done`` (`on_arrival`); else None."""
+        if (fmt := self.weight_format) is None:
             return None
-        return on_arrival(self.weight_format, sink, self._arrived)
+        amax = tensor_amax(fmt, list(self.shapes), srcs, self.dtype)
+        return on_arrival(fmt, sink, self._arrived, amax)
 
     def _move(
         self,

@@ -11,28 +11,56 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from tandem.device import collective_device
 from tandem.kernels.weight_quant import WeightFormat, quantize
 from tandem.models.quant_linear import is_target_weight
 
 
 def on_arrival(
-    fmt: WeightFormat, sink: dict[str, Any], rest: dict[str, torch.Tensor]
+    fmt: WeightFormat,
+    sink: dict[str, Any],
+    rest: dict[str, torch.Tensor],
+    amax: dict[str, torch.Tensor],
 ) -> Callable[[str, torch.Tensor], None]:
-    """``done(name, tensor)``: a target weight is quantized into ``sink[name]`` (loaded into the
-    `QuantLinear` already there, or stored as a new `QuantizedWeight`); any other tensor goes to
-    ``rest``."""
+    """``done(name, tensor)``: a target weight (a shard of it, under rollout.tp > 1, whose whole
+    tensor's largest entry is ``amax[name]``) is quantized into ``sink[name]`` (loaded into the
+    `QuantLinear` already there, or stored as a new `QuantizedWeight`); any other tensor goes
+    to ``rest``."""
 
     def done(name: str, t: torch.Tensor) -> None:
         if not is_target_weight(name):
             rest[name] = t
         elif isinstance(sink.get(name), nn.Module):
-            sink[name].load(t)
+            sink[name].load(t, amax.get(name))
         else:
-            sink[name] = quantize(t, fmt)
+            sink[name] = quantize(t, fmt, amax.get(name))
 
     return done
+
+
+def tensor_amax(
+    fmt: WeightFormat, names: list[str], srcs: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Collective over the world (every rank, the same ``names`` in the same order), for w4a16
+    only: each target weight's largest ``|entry|`` over the whole tensor, from the shards the
+    trainer's ranks hold (``srcs[name] = (tensor, box)``), in the copy's ``dtype`` (rounding is
+    monotonic, so this is the largest entry of the moved tensor): a generation shard then gets
+    the whole tensor's scale. FP8 formats have no tensor scale: empty."""
+    if fmt.bits != 4:
+        return {}
+    names = [n for n in names if is_target_weight(n)]
+    out = torch.zeros(len(names), dtype=torch.float32)
+    for i, n in enumerate(names):
+        if n in srcs and srcs[n][0].numel():
+            out[i] = srcs[n][0].detach().abs().amax().to(dtype).float().cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        on = out.to(collective_device())
+        dist.all_reduce(on, op=dist.ReduceOp.MAX)
+        out = on.cpu()
+    return {n: out[i] for i, n in enumerate(names)}
 
 
 def quant_buffers(linears: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -32,3 +32,11 @@ def test_good_values_load() -> None:
         ["rollout.weight_dtype=w4a16", "rl.quantize_update=true", "rl.max_mismatch_kl=0.015"],
     )
     assert cfg.rollout.weight_dtype == "w4a16" and cfg.rl.mismatch_window == 20
+
+
+def test_a_layout_that_cuts_the_blocks_is_refused() -> None:
+    """The quickstart policy's q projection (64 rows) over rollout.tp = 2: 32 rows per rank cut
+    fp8_block's 128-row blocks (one row of the table of what composes); w4a16's do not."""
+    with pytest.raises(ConfigError, match=r"^rollout.weight_dtype: a weight format whose blocks"):
+        load_config(QUICKSTART, ["rollout.weight_dtype=fp8_block", "rollout.tp=2"])
+    load_config(QUICKSTART, ["rollout.weight_dtype=w4a16", "rollout.tp=2"])

@@ -157,3 +157,19 @@ def test_resident_bytes_against_bf16() -> None:
         for name, fmt in wq.FORMATS.items():
             q = wq.quantize(torch.randn(shape), name)
             assert wq.quantized_nbytes(shape, fmt) == q.nbytes(), (shape, name)
+
+
+@pytest.mark.parametrize("name", list(wq.FORMATS))
+def test_aligned_shards_quantize_as_the_whole(name: str) -> None:
+    """A shard at a block-multiple offset, given the whole tensor's largest entry, gets exactly
+    the whole weight's quantization of its entries (what rollout.tp > 1 relies on)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(256, 256, generator=g) * torch.logspace(-3, 0, 256)
+    whole = wq.dequantize(wq.quantize(w, name))
+    amax = w.abs().amax()
+    for dim in (0, 1):
+        for part, piece in zip(w.chunk(2, dim), whole.chunk(2, dim)):  # 128 each: block-aligned
+            assert torch.equal(wq.dequantize(wq.quantize(part, name, amax)), piece), (name, dim)
+    if name == "w4a16":  # without the whole tensor's amax a shard has its own tensor scale
+        part = w[:, :128]  # the smaller columns: its own amax is below the whole's
+        assert not torch.equal(wq.dequantize(wq.quantize(part, name)), whole[:, :128])

@@ -43,6 +43,15 @@ def _policy(seed: int = 0) -> Transformer:
     return model
 
 
+def _small_buckets(policy: Transformer, name: str) -> GenerationCopy:
+    """A low-bit copy moved in several collectives: each weight is quantized as it lands."""
+    dev = torch.device("cpu")
+    fmt = FORMATS[name]
+    return GenerationCopy(
+        policy, ARGS, GenerationLayout(), dev, weight_format=fmt, bucket_bytes=20_000
+    )
+
+
 def _fake_quant_twin(policy: Transformer, name: str) -> Transformer:
     twin = copylib.deepcopy(policy)
     assert fake_quant_linears(twin, FORMATS[name]) == 2 * 7
@@ -52,14 +61,7 @@ def _fake_quant_twin(policy: Transformer, name: str) -> Transformer:
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_copy_is_the_fake_quantized_policy_and_refills_in_place(name: str) -> None:
     policy = _policy()
-    copy = GenerationCopy(
-        policy,
-        ARGS,
-        GenerationLayout(),
-        torch.device("cpu"),
-        weight_format=FORMATS[name],
-        bucket_bytes=20_000,  # several collectives: each weight quantized as it lands
-    )
+    copy = _small_buckets(policy, name)
     gen, first = copy.build()
     assert sorted(gen.quant_linears) == sorted(f"{n}.weight" for n in quantized_linears(policy))
     assert all(isinstance(gen.get_submodule(n[:-7]), QuantLinear) for n in gen.quant_linears)
@@ -141,20 +143,13 @@ def test_each_weight_is_quantized_as_it_lands(monkeypatch) -> None:
     no full-precision projection outlives its own quantization (weak references, at the first
     build and at a refill), so at most a bucket of them is ever held beside the low-bit copy."""
     policy = _policy()
-    copy = GenerationCopy(
-        policy,
-        ARGS,
-        GenerationLayout(),
-        torch.device("cpu"),
-        weight_format=FORMATS["w4a16"],
-        bucket_bytes=20_000,
-    )
+    copy = _small_buckets(policy, "w4a16")
     landed: list[weakref.ref] = []
     alive_before: list[int] = []
     make = GenerationCopy._quantizing
 
-    def spying(self, sink):  # noqa: ANN001, ANN202
-        done = make(self, sink)
+    def spying(self, sink, srcs):  # noqa: ANN001, ANN202
+        done = make(self, sink, srcs)
 
         def spy(name: str, t: torch.Tensor) -> None:
             done(name, t)

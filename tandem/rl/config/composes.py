@@ -73,6 +73,19 @@ def _exact_device(device: str) -> bool:
     return capabilities(device).exact
 
 
+def _cut_blocks(f: Facts) -> bool | None:
+    """rollout.weight_dtype's blocks cut by rollout.tp's shards (None: model or tp not known)."""
+    if not _rl(f) or f.cfg.rollout.weight_dtype == "bf16":
+        return False
+    tp = _generation_tp(f)
+    if f.args is None or tp is None or not hasattr(f.args, "num_layers"):
+        return None
+    from tandem.kernels.weight_quant import FORMATS
+    from tandem.parallel.quant_layout import cut_block
+
+    return cut_block(f.args, tp, FORMATS[f.cfg.rollout.weight_dtype]) is not None
+
+
 def _partial_generation_group(f: Facts) -> bool | None:
     tp = f.cfg.rollout.tp
     if tp == 0:
@@ -144,6 +157,11 @@ _FEATURES: dict[str, Feature] = {
         "rollout.weight_dtype",
         "low-bit generation weights (rollout.weight_dtype)",
         lambda f: _rl(f) and f.cfg.rollout.weight_dtype != "bf16",
+    ),
+    "cut_blocks": Feature(
+        "rollout.weight_dtype",
+        "a weight format whose blocks the generation shards cut",
+        _cut_blocks,
     ),
     "mismatch_contract": Feature(
         "rl.max_mismatch_kl",
@@ -410,11 +428,11 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "leave env.workers empty",
     ),
     (
-        "weight_quant",
+        "cut_blocks",
         "rollout_tp",
-        "a shard is quantized alone, and its blocks (w4a16's tensor scale, fp8_block's 128 rows) "
-        "are not the whole weight's that the update rounds",
-        "set rollout.tp = 1",
+        "a shard is quantized alone, so its blocks would not be the whole weight's that the "
+        "update rounds (fp8_block's 128 x 128 need 128 rows or inputs per rank)",
+        'set rollout.tp = 1, or a format with smaller blocks ("mxfp8": 32 inputs, "w4a16": 16)',
     ),
     (
         "weight_quant",
