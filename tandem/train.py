@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(errors.EXIT_WEIGHT_SYNC, str(e))
     except errors.ReplicaMismatch as e:
         return _fail(errors.EXIT_REPLICA, str(e))
+    except errors.MismatchError as e:
+        return _fail(errors.EXIT_MISMATCH, str(e))
     except KeyboardInterrupt:
         return _fail(
             errors.EXIT_INTERRUPTED,

@@ -46,6 +46,7 @@ TABLES = {
     "restart": r"quickstart\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
     "sampler_noise": r"^\s+4\s+[\d.]+\s+(-|[\d.]+)",
     "vlm": r"^quickstart \(\d+, max 3136 px\)\s+[\d.]+\s+[\d.]+\s+[\d.]+$",
+    "weight_quant": r"^\s+w4a16\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x$",
     "serve": r"the same 4 episodes: HTTP / in-process seconds [\d.]+x; in-process / HTTP sampled "
     r"tokens per second [\d.]+x",
 }

@@ -103,14 +103,18 @@ class LoraLinear(nn.Linear):
         self.scale = scale
         self.lora_enabled = True
 
+    def base_weight(self) -> torch.Tensor:
+        """The base weight the forward multiplies by (a subclass may round it:
+        tandem/models/quant_linear.py)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.base_weight()
         if not self.lora_enabled:
-            return F.linear(x, self.weight, self.bias)  # [..., out]
+            return F.linear(x, w, self.bias)  # [..., out]
         if isinstance(self.lora_dropout, nn.Identity) and use_fused_lora(x):  # forced only, so far
-            return lora_linear(
-                x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scale
-            )
-        y = F.linear(x, self.weight, self.bias)  # [..., out]
+            return lora_linear(x, w, self.bias, self.lora_A.weight, self.lora_B.weight, self.scale)
+        y = F.linear(x, w, self.bias)  # [..., out]
         # [..., r] -> [..., out]
         return y + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scale)
 

@@ -37,12 +37,15 @@ from torch import nn
 
 from tandem.kernels import batch_invariant
 from tandem.kernels.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linears
+from tandem.kernels.weight_quant import QuantizedWeight, WeightFormat, quantized_nbytes
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter
+from tandem.models.quant_linear import install_quantized, is_target_weight
 from tandem.models.transformer import Transformer
 from tandem.models.vlm import make_model
 from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
+from tandem.parallel.quant_copy import on_arrival, quant_buffers, quant_metrics, tensor_amax
 from tandem.parallel.reshard import Box, Resharder, held
 
 HEADROOM = 0.9  # share of a device a phase may fill; the rest: allocator, CUDA context, NCCL
@@ -203,10 +206,14 @@ def needed_box(
 
 
 def shard_bytes(
-    args: ModelArgs, layout: GenerationLayout, dtype: torch.dtype, lora: LoraSpec | None = None
+    args: ModelArgs,
+    layout: GenerationLayout,
+    dtype: torch.dtype,
+    lora: LoraSpec | None = None,
+    weight_format: WeightFormat | None = None,
 ) -> int:
     """Bytes of one rank's generation shard (tied embeddings counted once; with ``lora``,
-    adapters too)."""
+    adapters too; with ``weight_format``, the projections in it)."""
     with torch.device("meta"):
         model = make_model(args)
         if lora is not None:
@@ -215,10 +222,10 @@ def shard_bytes(
     total = 0
     for name, p in state_tensors(model).items():
         _, local = needed_box(name, tuple(p.shape), layout)
-        n = 1
-        for s in local:
-            n *= s
-        total += n * elem
+        if weight_format is not None and is_target_weight(name):
+            total += quantized_nbytes((local[0], local[1]), weight_format)
+        else:
+            total += math.prod(local) * elem
     return total
 
 
@@ -339,6 +346,8 @@ class GenerationCopy:
     explicit map is all the reshard needs; they move at the first build only and their copies
     are kept for the next rollouts (``reshard/kept_gb``; the only rollout memory the update
     phase still holds), so later builds move only what training changed.
+
+    ``weight_format`` (rollout.weight_dtype): low-bit projections, tandem/parallel/quant_copy.py.
     """
 
     def __init__(
@@ -353,8 +362,10 @@ class GenerationCopy:
         keep: tuple[str, ...] = (),
         cpu_onednn: bool = False,
         lora: LoraSpec | None = None,
+        weight_format: WeightFormat | None = None,
     ) -> None:
         self.module, self.args, self.layout, self.device = module, args, layout, device
+        self.weight_format, self._arrived = weight_format, {}  # what `_quantizing` passes on
         self.cpu_onednn = cpu_onednn  # rollout.cpu_onednn: see `inference_layout`
         self.local = local_args(args, layout)
         self.lora = lora  # adapters: the copy is kept, and refilled with them alone (`_refill`)
@@ -405,12 +416,14 @@ class GenerationCopy:
         later = bool(self._kept_state)
         srcs = {n: src for n, src in self._held().items() if n in moving}
         adapter_srcs = {n: t for n, (t, _) in srcs.items() if is_adapter(n)}
-        state, stats = self._move(moving, srcs, None, probe)
+        qweights: dict[str, QuantizedWeight] = {}
+        state, stats = self._move(moving, srcs, None, probe, self._quantizing(qweights, srcs))
         del srcs
         if self.keep and not later:
             self._kept_state = {n: t for n, t in state.items() if n.startswith(self.keep)}
         state.update(self._kept_state)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        nbytes += sum(q.nbytes() for q in qweights.values())
         kept_bytes = sum(t.numel() * t.element_size() for t in self._kept_state.values())
         if self.args.tie_word_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
@@ -418,15 +431,20 @@ class GenerationCopy:
             gen = make_model(self.local)
             if self.lora is not None:
                 apply_lora(gen, self.lora)
+        gen.quant_linears = install_quantized(gen, qweights)
+        state.update(quant_buffers(gen.quant_linears))  # already real: loaded as they are
         gen.load_state_dict(state, assign=True, strict=True)
         gen.tie_weights()
         gen.rope.to_empty(device=self.device)  # materialise and recompute the RoPE table
         if hasattr(gen, "visual"):
             gen.visual.reset_rope(self.device)
         gen.requires_grad_(False).eval()
-        if inference and self.lora is None:  # fused projections would fold the adapters' inputs
+        # fused projections would fold the adapters' inputs, or the low-bit blocks
+        if inference and self.lora is None and not gen.quant_linears:
             inference_layout(gen, self.cpu_onednn)
+        self._copy_bytes = nbytes
         metrics = _reshard_metrics(stats, nbytes, kept_bytes)
+        metrics.update(quant_metrics(gen.quant_linears, self.dtype))
         if self.lora is not None:  # before shard_modules renames
             adapters = {n: p for n, p in gen.named_parameters() if is_adapter(n)}
             self._kept = (gen, adapters)
@@ -445,13 +463,24 @@ class GenerationCopy:
             return self._refill(probe)[1]
         moving = self._moving()
         srcs = {n: src for n, src in self._held().items() if n in moving}
-        state, stats = self._move(moving, srcs, gen.refill_views, probe)
+        quantizing = self._quantizing(gen.quant_linears, srcs)
+        state, stats = self._move(moving, srcs, gen.refill_views, probe, quantizing)
         for m in gen.modules():  # oneDNN's blocked copies are of the old weights
             if isinstance(m, OneDNNLinear) and m.packed is not None:
                 m.pack()
         kept = sum(t.numel() * t.element_size() for t in self._kept_state.values())
         moved = sum(t.numel() * t.element_size() for t in state.values())
+        if gen.quant_linears:  # every tensor went through ``done``: the size `build` measured
+            quant = quant_metrics(gen.quant_linears, self.dtype)
+            return _reshard_metrics(stats, self._copy_bytes, kept) | quant
         return _reshard_metrics(stats, moved + kept, kept)  # the copy's size, as `build` reports
+
+    def _quantizing(self, sink: dict[str, Any], srcs: dict) -> Callable[..., None] | None:
+        """Collective with a weight format: the reshard's ``done`` (`on_arrival`); else None."""
+        if (fmt := self.weight_format) is None:
+            return None
+        amax = tensor_amax(fmt, list(self.shapes), srcs, self.dtype)
+        return on_arrival(fmt, sink, self._arrived, amax)
 
     def _move(
         self,
@@ -459,15 +488,25 @@ class GenerationCopy:
         srcs: dict[str, tuple[torch.Tensor, Box]],
         into: dict[str, torch.Tensor] | None,
         probe: Callable[[], None] | None,
+        done: Callable[[str, torch.Tensor], None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], Any]:
         """Collective: the move of ``moving`` (planned at its first call: one plan for the first
-        build, one for the later ones without the kept names), into new tensors or ``into``'s."""
+        build, one for the later ones without the kept names), into new tensors or ``into``'s
+        (``done``: `_quantizing`'s; what it keeps is returned with the rest)."""
         later = bool(self._kept_state)
         if later not in self._plans:
             self._plans[later] = self._make_plans(moving, srcs)
-        return self._plans[later].run(
-            {n: t for n, (t, _) in srcs.items()}, self.dtype, self.device, probe=probe, into=into
+        state, stats = self._plans[later].run(
+            {n: t for n, (t, _) in srcs.items()},
+            self.dtype,
+            self.device,
+            probe=probe,
+            into=into,
+            done=done,
         )
+        state.update(self._arrived)
+        self._arrived.clear()
+        return state, stats
 
     def _make_plans(
         self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]]

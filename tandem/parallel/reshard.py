@@ -178,6 +178,7 @@ class Resharder:
         *,
         probe: Callable[[], None] | None = None,
         into: dict[str, torch.Tensor] | None = None,
+        done: Callable[[str, torch.Tensor], None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
         """Collective: this rank's needed tensors (``dtype``, on ``device``), and what it cost.
         ``dtype`` must have the ``elem_bytes`` the plan was bucketed with.
@@ -185,17 +186,27 @@ class Resharder:
         ``sources[name]``: this rank's held data of ``name`` (`held`'s first value), for every
         name it holds. ``probe()`` runs inside every collective while its buffers are live
         (memory tests measure there). ``into``: tensors (of the needed local shapes) to write
-        into instead of allocating new ones: the layout is refilled in place."""
+        into instead of allocating new ones: the layout is refilled in place; a name it lacks
+        gets a new tensor. ``done(name, tensor)``: called once the last region of ``name`` has
+        arrived, after the collective that brought it, and the tensor is then dropped from the
+        result (a low-bit copy quantizes each weight as its bucket lands, so no more than a
+        bucket's tensors are held in the moving dtype beyond ``into``'s)."""
         import time
 
         t0 = time.monotonic()
         stats = ReshardStats()
         out: dict[str, torch.Tensor] = {}
+        pending: dict[str, int] = {}  # regions still to arrive, per name (with ``done``)
+        for moves in self.collectives:
+            for m in moves:
+                if m.dst == self.rank:
+                    pending[m.name] = pending.get(m.name, 0) + 1
+        finished: set[str] = set()
         for moves in self.collectives:
             for m in moves:  # allocate a target the first time one of its regions arrives
                 if m.dst == self.rank and m.name not in out:
                     box, local_shape = self.needs[m.name]
-                    if into is not None:
+                    if into is not None and m.name in into:
                         out[m.name] = into[m.name]
                         have = tuple(out[m.name].shape)
                         if have != tuple(local_shape):
@@ -205,7 +216,14 @@ class Resharder:
                     else:
                         out[m.name] = torch.zeros(local_shape, dtype=dtype, device=device)
             self._collective(moves, sources, out, dtype, device, stats, probe)
-        missing = set(self.needs) - set(out)
+            if done is not None:
+                for m in moves:
+                    if m.dst == self.rank:
+                        pending[m.name] -= 1
+                        if pending[m.name] == 0:
+                            done(m.name, out.pop(m.name))
+                            finished.add(m.name)
+        missing = set(self.needs) - set(out) - finished
         if missing:
             raise RuntimeError(f"reshard: nothing arrived for {sorted(missing)}")
         stats.seconds = time.monotonic() - t0

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tandem.models.hf import load_args
 from tandem.rl.config.composes import FEATURES, REFUSALS, Facts, check_composes
 from tandem.rl.config.schema import ConfigError, load_config
 from tandem.rl.core.configlib import apply_override, split_override
@@ -23,6 +24,7 @@ from tandem.rl.core.configlib import apply_override, split_override
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.toml")
 TEXT = SimpleNamespace(vision=None, num_experts=0)  # a dense text model's ModelArgs, as facts
+QUICK_ARGS = load_args(str(ROOT / "assets" / "quickstart-policy"))
 
 # feature -> (config overrides, facts beyond the config) that turn it on
 ON: dict[str, tuple[list[str], dict]] = {
@@ -45,6 +47,11 @@ ON: dict[str, tuple[list[str], dict]] = {
     "ep": (["parallel.ep=2"], {}),
     "dp_replicate": (["parallel.dp_replicate=2"], {}),
     "rollout_tp": (["rollout.tp=2"], {}),
+    "weight_quant": (["rollout.weight_dtype=w4a16"], {}),
+    # the quickstart policy's q projection: 64 rows, 32 per rank, cut by 128-row blocks
+    "cut_blocks": (["rollout.weight_dtype=fp8_block", "rollout.tp=2"], {"args": QUICK_ARGS}),
+    "quantize_update": (["rollout.weight_dtype=fp8_block", "rl.quantize_update=true"], {}),
+    "mismatch_contract": (["rl.max_mismatch_kl=0.015"], {}),
     "partial_group": (["rollout.tp=2"], {"world": 4}),
     "ring_cp": (["parallel.cp=2", "parallel.cp_style=ring"], {}),
     "accelerator": ([], {"device": "cuda"}),

@@ -73,6 +73,19 @@ def _exact_device(device: str) -> bool:
     return capabilities(device).exact
 
 
+def _cut_blocks(f: Facts) -> bool | None:
+    """rollout.weight_dtype's blocks cut by rollout.tp's shards (None: model or tp not known)."""
+    if not _rl(f) or f.cfg.rollout.weight_dtype == "bf16":
+        return False
+    tp = _generation_tp(f)
+    if f.args is None or tp is None or not hasattr(f.args, "num_layers"):
+        return None
+    from tandem.kernels.weight_quant import FORMATS
+    from tandem.parallel.quant_layout import cut_block
+
+    return cut_block(f.args, tp, FORMATS[f.cfg.rollout.weight_dtype]) is not None
+
+
 def _partial_generation_group(f: Facts) -> bool | None:
     tp = f.cfg.rollout.tp
     if tp == 0:
@@ -140,6 +153,26 @@ _FEATURES: dict[str, Feature] = {
     ),
     "exact": Feature("rl.exact", "rl.exact", lambda f: _rl(f) and f.cfg.rl.exact, "X"),
     "ep": Feature("parallel.ep", "parallel.ep > 1", lambda f: f.cfg.parallel.ep > 1),
+    "weight_quant": Feature(
+        "rollout.weight_dtype",
+        "low-bit generation weights (rollout.weight_dtype)",
+        lambda f: _rl(f) and f.cfg.rollout.weight_dtype != "bf16",
+    ),
+    "cut_blocks": Feature(
+        "rollout.weight_dtype",
+        "a weight format whose blocks the generation shards cut",
+        _cut_blocks,
+    ),
+    "mismatch_contract": Feature(
+        "rl.max_mismatch_kl",
+        "rl.max_mismatch_kl",
+        lambda f: _rl(f) and f.cfg.rl.max_mismatch_kl is not None,
+    ),
+    "quantize_update": Feature(
+        "rl.quantize_update",
+        "rl.quantize_update",
+        lambda f: _rl(f) and f.cfg.rl.quantize_update,
+    ),
     "dp_replicate": Feature(
         "parallel.dp_replicate",
         "parallel.dp_replicate > 1",
@@ -386,6 +419,31 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "H",
         "with the endpoint a harness plays the episodes, so no environment would step there",
         "leave env.workers empty",
+    ),
+    (
+        "cut_blocks",
+        "rollout_tp",
+        "a shard is quantized alone, so its blocks would not be the whole weight's that the "
+        "update rounds (fp8_block's 128 x 128 need 128 rows or inputs per rank)",
+        'set rollout.tp = 1, or a format with smaller blocks ("mxfp8": 32 inputs, "w4a16": 16)',
+    ),
+    (
+        "weight_quant",
+        "S",
+        "the bridge's checksum reads the generators' projections in full precision",
+        'set rollout.weight_dtype = "bf16"',
+    ),
+    (
+        "mismatch_contract",
+        "S",
+        "split mode's steps report no train/generation gap to hold to it",
+        'unset rl.max_mismatch_kl or use rollout.mode = "colocated_async"',
+    ),
+    (
+        "quantize_update",
+        "T",
+        "the update rounds whole weights, not tensor-parallel DTensor shards",
+        "set parallel.tp = 1 or rl.quantize_update = false",
     ),
     (
         "xtok_teachers",

@@ -76,6 +76,13 @@ class RLConfig(PolicyLossConfig):
     exact: bool = False  # batch-invariant kernels in rollout and update
     # (tandem/kernels/batch_invariant.py): sampled tokens' log-probs equal the update's
     # recomputation bit for bit; CPU, parallel.tp = pp = 1 so far
+    quantize_update: bool = False  # with rollout.weight_dtype: the update's forward multiplies
+    # by the same low-bit weights the generator holds (fake-quant, straight-through gradient), so
+    # rl.exact keeps the train/generation gap at 0 (docs/low-precision.md)
+    max_mismatch_kl: float | None = None  # stop the run (exit 12) when the mean of gap/k3 (the
+    # k3 KL between the generator's and the update's log-probs of the sampled tokens) over the
+    # last rl.mismatch_window steps exceeds this; none: never
+    mismatch_window: int = 20  # rl.max_mismatch_kl: steps per window mean
     epochs: int = 1  # passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 4096  # tokens per packed micro-batch (per rank)
@@ -96,6 +103,7 @@ class RLConfig(PolicyLossConfig):
         for key in (
             "num_samples",
             "prompts_per_step",
+            "mismatch_window",
             "epochs",
             "minibatches",
             "micro_batch_tokens",
@@ -107,6 +115,10 @@ class RLConfig(PolicyLossConfig):
             f"rl.eval_samples: must be >= 0 (0 = one greedy completion), got {self.eval_samples}",
         )
         require(self.kl_coef >= 0, f"rl.kl_coef: must be >= 0, got {self.kl_coef}")
+        require(
+            self.max_mismatch_kl is None or self.max_mismatch_kl >= 0,
+            f"rl.max_mismatch_kl: must be >= 0, got {self.max_mismatch_kl}",
+        )
         require(
             self.tis_cap is None or self.tis_cap > 0, f"rl.tis_cap: must be > 0, got {self.tis_cap}"
         )
@@ -206,6 +218,10 @@ class RolloutConfig:
     vocab_parallel: bool = True  # with tp > 1: the embedding and LM head are split by vocabulary
     # rows over the group (false: whole on every rank)
     cpu_onednn: bool = False  # fp32 CPU rollout copy fused, on oneDNN (faster on some CPUs only)
+    weight_dtype: Literal["bf16", "fp8_block", "mxfp8", "w4a16"] = "bf16"  # the generation
+    # copy's dense projections: bf16, kept in rollout.dtype (no quantization); fp8_block (e4m3,
+    # 128 x 128 blocks), mxfp8 (e4m3, 32-input blocks), w4a16 (e2m1, 16-input blocks, 4 bits),
+    # requantized at every refill (docs/low-precision.md)
 
     mode: Literal["sync", "colocated_async", "split"] = "sync"  # sync: each step samples its
     # prompts to the end, then trains; colocated_async: generation stops once a step's groups are

@@ -430,6 +430,11 @@ class Config:
             "reward.functions: list at least one reward function (or set reward.reward_model, "
             'env.name or env.kind = "http")',
         )
+        require(
+            not (self.rl.quantize_update and self.rollout.weight_dtype == "bf16"),
+            "rl.quantize_update: needs a low-bit generation copy (rollout.weight_dtype = "
+            "'fp8_block', 'mxfp8' or 'w4a16'): there is nothing to round like",
+        )
         args = _model_args_if_known(self.model)
         check_composes(Facts(self, args=args))
         if self.training.recipe == "rl" and args is not None:

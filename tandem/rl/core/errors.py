@@ -30,6 +30,9 @@ EXIT_WEIGHT_SYNC = 10
 # fault.replica_check_steps: data-parallel replicas (HSDP) hold different bits of one parameter
 # shard (tandem/rl/fault/replica.py)
 EXIT_REPLICA = 11
+# rl.max_mismatch_kl: the mean k3 mismatch between the generator's and the update's log-probs
+# over the last rl.mismatch_window steps exceeded the limit (tandem/rl/fault/mismatch.py)
+EXIT_MISMATCH = 12
 EXIT_PREEMPTED = 75  # checkpointed on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
 # SIGINT (Ctrl-C): one line, no traceback; committed checkpoints are kept (128 + SIGINT)
 EXIT_INTERRUPTED = 130
@@ -54,3 +57,8 @@ class NonFiniteError(RuntimeError):
 class ReplicaMismatch(RuntimeError):
     """Replicas that must hold equal weights do not (EXIT_REPLICA); the message names the step,
     the tensor and the rank(s)."""
+
+
+class MismatchError(RuntimeError):
+    """The generator and the update disagree more than ``rl.max_mismatch_kl`` allows, on average
+    over a window of steps (EXIT_MISMATCH); the message names the step, the mean and the limit."""

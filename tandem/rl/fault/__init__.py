@@ -6,6 +6,7 @@
     nan.py       `check_finite` / `NonFiniteError` (EXIT_NONFINITE) / `Rollback`
     preflight.py `tandem-diagnose --preflight`: matmul and all-reduce timed per rank
     replica.py   `check_replicas`: HSDP replicas hold the same bits (EXIT_REPLICA)
+    mismatch.py  `MismatchGuard`: rl.max_mismatch_kl over a window of steps (EXIT_MISMATCH)
     inject.py    the fault drills (TANDEM_INJECT_*)
 
 Everything a failure leaves is under the job's dump folder (``hang/``,

@@ -127,6 +127,11 @@ def format_plan(plans: list[RankPlan], mem: float) -> str:
                 f"  {'full-length sequences in the pool':<{width - 2}}"
                 + "".join(f"{p.kv_sequences:>16d}" for p in plans)
             )
+            if any(p.freed[0] for p in plans):  # rollout.weight_dtype: room for more KV
+                lines.append(
+                    f"  {'freed by weight_dtype (GB, seqs)':<{width - 2}}"
+                    + "".join(f"{f'{p.freed[0] / GB:.2f}, {p.freed[1]}':>16}" for p in plans)
+                )
     lines.append(f"{'peak':<{width}}" + "".join(f"{p.peak / GB:>16.2f}" for p in plans))
     lines.append(
         f"{'share of the device':<{width}}" + "".join(f"{p.peak / mem:>15.0%} " for p in plans)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tandem.kernels.weight_quant import FORMATS as WEIGHT_FORMATS
 from tandem.models.args import ModelArgs
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter
 from tandem.parallel.generation_layout import (
@@ -115,6 +116,7 @@ class Settings:
     chunk_tokens: int = 1024
     cp_style: str = "ulysses"  # parallel.cp_style (rl recipe; tandem/rl/plan/long_context.py)
     lora: LoraSpec | None = None  # adapters on a frozen base (tandem/models/lora.py)
+    weight_format: Any = None  # rollout.weight_dtype's format (tandem/kernels/weight_quant.py)
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
@@ -164,6 +166,7 @@ class Settings:
             chunk_tokens=a.logprob_chunk_tokens,
             cp_style=p.cp_style,
             lora=lora,
+            weight_format=WEIGHT_FORMATS.get(ro.weight_dtype),
         )
 
 
@@ -239,6 +242,7 @@ class RankPlan:
     update: dict[str, float]
     rollout: dict[str, float]
     kv_sequences: int = 0
+    freed: tuple[float, int] = (0.0, 0)  # rollout.weight_dtype: bytes it frees, sequences they hold
 
     @property
     def peak(self) -> float:
@@ -390,14 +394,17 @@ class Planner:
         block = max(blocks.values(), default=0)
         return c * (root + 2 * block) + red * max(grads.values(), default=0)
 
-    def generation_shard(self, g: int) -> int:
-        key = (g, self.s.vocab_parallel)
+    def generation_shard(self, g: int, quantized: bool = True) -> int:
+        """One rank's generation shard; ``quantized=False``: as if rollout.weight_dtype = bf16."""
+        fmt = self.s.weight_format if quantized else None
+        key = (g, self.s.vocab_parallel, fmt)
         if key not in self._shards:
             self._shards[key] = shard_bytes(
                 self.args,
                 GenerationLayout(tp=g, vocab_parallel=self.s.vocab_parallel),
                 self.s.gen_dtype,
                 self.s.lora,
+                fmt,
             )
         return self._shards[key]
 
@@ -416,6 +423,19 @@ class Planner:
         seqs = min(s.max_num_seqs, max(1, prompts * s.num_samples))
         blocks = min(int(s.kv_cache_gb * GB) // per_block, seqs * blocks_per_seq)
         return blocks * per_block, blocks // blocks_per_seq
+
+    def freed_by_weight_dtype(self, layout: Layout) -> tuple[float, int]:
+        """What rollout.weight_dtype frees on a rank's generation shard, in bytes and in
+        full-length sequences of KV that room would hold (rollout.kv_cache_gb may take it)."""
+        if self.s.recipe != "rl" or self.s.weight_format is None:
+            return 0.0, 0
+        g = layout.rollout_tp
+        freed = self.generation_shard(g, False) - self.generation_shard(g)
+        local = local_args(self.args, GenerationLayout(tp=g, vocab_parallel=self.s.vocab_parallel))
+        per_seq = KVCache.bytes_per_block(
+            local, self.s.block_size, self.s.gen_dtype, self.s.kv_quant
+        ) * -(-self.s.max_len // self.s.block_size)
+        return float(freed), int(freed // per_seq)
 
     def micro_batch(self, layout: Layout) -> tuple[int, int]:
         """(tokens per micro-batch and rank, micro-batches in flight on the first stage)."""
@@ -513,7 +533,7 @@ class Planner:
             }
             if s.lora is not None:  # the generation copy's base stays for the next rollout
                 update["generation copy (kept, LoRA)"] = self.generation_shard(layout.rollout_tp)
-        return RankPlan(kind, update, rollout, kv_seqs)
+        return RankPlan(kind, update, rollout, kv_seqs, self.freed_by_weight_dtype(layout))
 
     def plan(self, layout: Layout) -> list[RankPlan]:
         return [

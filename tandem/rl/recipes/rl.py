@@ -18,6 +18,8 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.kernels import batch_invariant
+from tandem.kernels.weight_quant import FORMATS as WEIGHT_FORMATS
+from tandem.models.quant_linear import fake_quant_linears
 from tandem.parallel.mesh import subgroup
 from tandem.rl.algorithms import ADVANTAGES
 from tandem.rl.config.composes import check_composes
@@ -26,6 +28,7 @@ from tandem.rl.core.optim import build_optimizer, build_scheduler
 from tandem.rl.core.samples import SampleLog
 from tandem.rl.data.images import VisionData, release_images
 from tandem.rl.data.prompts import encode_prompts, load_prompt_rows, prompt_messages
+from tandem.rl.fault.mismatch import MismatchGuard
 from tandem.rl.recipes.base import CheckpointParts, Runtime, StepOutput, Updater, setup
 from tandem.rl.recipes.rl_settings import derived_tp, episode_server, prompt_room
 from tandem.rl.recipes.rl_split import SplitPlacement, split_world_of
@@ -144,6 +147,9 @@ class RLRecipe:
             self.args, self.mesh, info.device, lora=cfg.lora, **self.policy_kw
         )
         self.model = self.policy.state_module  # the full model's parameter names (checkpoints)
+        if r.quantize_update:  # the generator's low-bit weights, rounded the same way here
+            for m in self.policy.modules:
+                fake_quant_linears(m, WEIGHT_FORMATS[cfg.rollout.weight_dtype])
 
     def build_update(self, dp_group: Any) -> None:
         """What trains beside the policy (`build_policy` first): the reference, the FP8 KV
@@ -160,6 +166,11 @@ class RLRecipe:
                 ),
             )
         self.kv = KVScales.create(cfg.rollout, self.args, self.policy, ref)  # FP8 KV or None
+        self.mismatch = (  # rl.max_mismatch_kl's window, or None
+            None
+            if r.max_mismatch_kl is None
+            else MismatchGuard(r.max_mismatch_kl, r.mismatch_window)
+        )
         self.opt = build_optimizer(
             self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
@@ -350,6 +361,8 @@ class RLRecipe:
         release_images(batch.samples)  # the step's pixels (decoded once for the rollout and update)
         metrics = {**batch.metrics, **result.metrics, **self.rollout.sample_metrics(batch.samples)}
         self.sample_log.log(step + 1, self.sample_records(batch, result.advantages))
+        if self.mismatch is not None:  # MismatchError (exit 12) on every rank at once
+            self.mismatch.observe(step, metrics)
         return StepOutput(metrics, batch.ids, batch.positions)
 
     def evaluate(self) -> dict[str, float]:
@@ -369,6 +382,8 @@ class RLRecipe:
             return self.placement.state_dict()
         stream = self.rollout.stream
         kv = {"kv_scales": self.kv.state_dict()} if self.kv else {}
+        if self.mismatch is not None:
+            kv["mismatch"] = self.mismatch.state_dict()
         return {
             "scheduler": self.sched.state_dict(),
             "cursor": stream.cursor,
@@ -385,6 +400,8 @@ class RLRecipe:
         self.sched.load_state_dict(state["scheduler"])
         if self.kv is not None and "kv_scales" in state:
             self.kv.load_state_dict(state["kv_scales"])
+        if self.mismatch is not None and "mismatch" in state:
+            self.mismatch.load_state_dict(state["mismatch"])
         if "cursor" in state:
             self.rollout.stream.cursor = state["cursor"]
         else:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tandem import device as seam
+from tandem.kernels.weight_quant import FORMATS as WEIGHT_FORMATS
 from tandem.models.args import ModelArgs
 from tandem.models.lora import lora_spec_of
 from tandem.models.transformer import Transformer
@@ -166,6 +167,7 @@ def generation_copy(
         keep=("visual.",) if frozen_tower else (),
         cpu_onednn=rcfg.cpu_onednn,
         lora=lora_spec_of(policy.modules[0]),
+        weight_format=WEIGHT_FORMATS.get(rcfg.weight_dtype),  # None: bf16, no quantization
     )
 
 

@@ -618,14 +618,24 @@ def gap_metrics(
     with the same weights, over the ranks of ``group``; ``weight``: 1 on the one rank per
     data-parallel replica that counts (the policy's ``counts_stats``), else 0."""
     gap = (update_logp - gen_logp).abs() * mask * weight
+    # k3 of KL(generator || update) on the generator's samples: r - 1 - log r, r = p_upd / p_gen
+    k3 = KL_ESTIMATORS.get("k3")(gen_logp, update_logp) * mask * weight
     stats = torch.stack(
-        [gap.sum(), mask.sum(), (gap > 0).sum(), gap.max() if gap.numel() else gap.new_zeros(())]
+        [
+            gap.sum(),
+            mask.sum(),
+            (gap > 0).sum(),
+            k3.sum(),
+            gap.max() if gap.numel() else gap.new_zeros(()),
+        ]
     ).double()
-    gmax = stats[3:].clone()
-    dist.all_reduce(stats[:3], group=group)
+    gmax = stats[4:].clone()
+    dist.all_reduce(stats[:4], group=group)
     dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+    tokens = max(stats[1].item(), 1.0)
     return {
-        "gap/abs_mean": stats[0].item() / max(stats[1].item(), 1.0),
+        "gap/abs_mean": stats[0].item() / tokens,
         "gap/abs_max": gmax.item(),
         "gap/tokens_differ": stats[2].item(),
+        "gap/k3": stats[3].item() / tokens,
     }
