@@ -126,12 +126,8 @@ class _Update:
         from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, make_norm
         from tandem.rl.config.rl_schema import RLConfig
         from tandem.rl.core.optim import build_optimizer
-        from tandem.rl.update.loss import (
-            LossInputs,
-            LossSpec,
-            completion_tensors,
-            pack_micro_batches,
-        )
+        from tandem.rl.update.loss import LossInputs, LossSpec, completion_tensors
+        from tandem.rl.update.packing import pack_micro_batches
 
         self.model, _ = _model(args, rank)
         self.opt = build_optimizer(

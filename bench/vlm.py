@@ -65,7 +65,8 @@ def bench_step(path: str, prompts: int, samples: int, repeats: int) -> None:
     from tandem.rl.generator.engine import GenerationSettings, Generator
     from tandem.rl.generator.sequence import SamplingParams
     from tandem.rl.rollout.types import RolloutSample
-    from tandem.rl.update.loss import pack_micro_batches, token_logprobs
+    from tandem.rl.update.loss import token_logprobs
+    from tandem.rl.update.packing import pack_micro_batches
     from tandem.rl.update.vision import attach_images
 
     tok, args = Tokenizer.from_dir(path), load_args(path)

@@ -30,7 +30,8 @@ from tandem.models.hf import load_model
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.update.loss import completion_tensors, pack_micro_batches, recompute_logprobs
+from tandem.rl.update.loss import completion_tensors, recompute_logprobs
+from tandem.rl.update.packing import pack_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")

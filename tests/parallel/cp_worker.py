@@ -47,15 +47,15 @@ from tandem.rl.algorithms import (
 from tandem.rl.core.modeling import BuildSpec  # noqa: E402
 from tandem.rl.rollout.types import RolloutSample  # noqa: E402
 from tandem.rl.update.cp_batch import local_row  # noqa: E402
-from tandem.rl.update.loss import (  # noqa: E402
+from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
     completion_tensors,
     micro_batch_loss,
-    pack_micro_batches,
     recompute_logprobs,
     token_logprobs,
 )
+from tandem.rl.update.packing import pack_micro_batches
 from tandem.rl.update.policy import FlatPolicy  # noqa: E402
 
 ARGS = ModelArgs(

@@ -29,7 +29,8 @@ from tandem.rl.config.rl_schema import RolloutConfig
 from tandem.rl.core import errors
 from tandem.rl.plan.planner import Layout, Planner, Settings, activation_bytes
 from tandem.rl.rollout.sampling import choose_rollout_tp
-from tandem.rl.update.loss import pack_micro_batches, token_logprobs
+from tandem.rl.update.loss import token_logprobs
+from tandem.rl.update.packing import pack_micro_batches
 from tests.fixtures import launch_worker
 from tests.plan import plan_worker as W
 

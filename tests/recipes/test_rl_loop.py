@@ -24,10 +24,10 @@ from tandem.rl.update.loss import (
     LossSpec,
     completion_tensors,
     micro_batch_loss,
-    pack_micro_batches,
     scatter_completions,
     token_logprobs,
 )
+from tandem.rl.update.packing import pack_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICY = os.path.join(ROOT, "assets", "quickstart-policy")

@@ -21,7 +21,8 @@ from tandem.rl.data.prompts import encode_prompts
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.update.loss import completion_tensors, pack_micro_batches, recompute_logprobs
+from tandem.rl.update.loss import completion_tensors, recompute_logprobs
+from tandem.rl.update.packing import pack_micro_batches
 from tandem.rl.update.vision import attach_images
 from tests.fixtures import write_hf_vlm
 from tests.models.test_vlm import noise_image

@@ -25,13 +25,8 @@ from tandem.parallel.mesh import Degrees, build_mesh
 from tandem.rl.algorithms import AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, make_norm
 from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.update.loss import (
-    LossInputs,
-    LossSpec,
-    completion_tensors,
-    micro_batch_loss,
-    pack_micro_batches,
-)
+from tandem.rl.update.loss import LossInputs, LossSpec, completion_tensors, micro_batch_loss
+from tandem.rl.update.packing import pack_micro_batches
 from tandem.rl.update.policy import FlatPolicy
 
 CPU = torch.device("cpu")

@@ -26,7 +26,8 @@ from tandem.models import Transformer, get_flavor
 from tandem.rl.generator.engine import GenerationSettings, Generator
 from tandem.rl.generator.sequence import SamplingParams
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.update.loss import completion_tensors, pack_micro_batches, recompute_logprobs
+from tandem.rl.update.loss import completion_tensors, recompute_logprobs
+from tandem.rl.update.packing import pack_micro_batches
 from tandem.rl.update.router_stats import RouterStats, RoutingCheck
 
 CPU = torch.device("cpu")

@@ -28,7 +28,7 @@ from tandem.models.attention import AttentionBackend
 from tandem.parallel.cp import ContextParallel, ContextSplitError
 
 if TYPE_CHECKING:
-    from tandem.rl.update.loss import MicroBatch
+    from tandem.rl.update.packing import MicroBatch
 
 
 @dataclass

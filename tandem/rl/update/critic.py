@@ -31,7 +31,8 @@ from tandem.rl.config.schema import OptimizerConfig
 from tandem.rl.core.modeling import BuildSpec, build_scalar_model
 from tandem.rl.core.optim import build_optimizer
 from tandem.rl.update.cp_batch import cp_values
-from tandem.rl.update.loss import MicroBatch, scatter_completions
+from tandem.rl.update.loss import scatter_completions
+from tandem.rl.update.packing import MicroBatch
 
 
 class Critic:

@@ -62,15 +62,13 @@ from tandem.rl.rollout.types import RolloutSample
 from tandem.rl.update.loss import (
     LossInputs,
     LossSpec,
-    MicroBatch,
     UpdateSums,
     completion_loss,
     micro_batch_loss,
-    pack_micro_batches,
     recompute_logprobs,
     scatter_completions,
-    sync_micro_batch_count,
 )
+from tandem.rl.update.packing import MicroBatch, pack_micro_batches, sync_micro_batch_count
 from tandem.rl.update.router_stats import RouterStats, RoutingCheck
 from tandem.rl.update.vision import attach_images
 

@@ -82,7 +82,7 @@ class RoutingCheck:
         self.samples = None
 
     @torch.no_grad()
-    def observe(self, model: nn.Module, mb) -> None:  # noqa: ANN001 - tandem.rl.update.loss.MicroBatch
+    def observe(self, model: nn.Module, mb) -> None:  # noqa: ANN001 - tandem.rl.update.packing.MicroBatch
         if self.samples is None or not mb.rows:
             return
         layers = list(moe_layers(model).values())

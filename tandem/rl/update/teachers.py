@@ -34,7 +34,8 @@ from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.fields import get_field
 from tandem.rl.core.modeling import BuildSpec, ModelSetupError, build_transformer
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.update.loss import pack_micro_batches, recompute_logprobs, sync_micro_batch_count
+from tandem.rl.update.loss import recompute_logprobs
+from tandem.rl.update.packing import pack_micro_batches, sync_micro_batch_count
 from tandem.rl.update.xtok_alignment import CrossTokenizer
 
 Conversation = Callable[[dict[str, Any]], list[dict[str, Any]]]

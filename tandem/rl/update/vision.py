@@ -1,6 +1,6 @@
 """A vision-language policy's micro-batches: the rollout's M-RoPE positions and image inputs.
 
-`attach_images` turns a packed `MicroBatch` (tandem/rl/update/loss.py) into the model's
+`attach_images` turns a packed `MicroBatch` (tandem/rl/update/packing.py) into the model's
 input for a policy with a vision tower: each packed document (a sample, or with shared
 prompts a prompt and its branches) takes the `PromptImages` its samples carry, the very
 object the generator read its positions from, so rollout and update use the same
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tandem.models.vlm import vision_batch
 from tandem.rl.rollout.types import RolloutSample
-from tandem.rl.update.loss import MicroBatch
+from tandem.rl.update.packing import MicroBatch
 
 
 def attach_images(mb: MicroBatch, samples: list[RolloutSample], image_token_id: int) -> MicroBatch:
