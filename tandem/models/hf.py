@@ -11,7 +11,8 @@ parameter here (``layers.{i}.moe.experts.w1``, expert ``e`` at index ``e``):
 stacked on load, split (copied) on export. A vision-language model's tower keeps HF's
 names (``visual.blocks.{i}.attn.qkv.weight``, ...); its LM is named like Qwen2's
 (transformers 5 writes both so; its in-memory ``model.language_model.`` / ``model.visual.``
-prefixes are read too).
+prefixes are read too). GPT-OSS's router and fused, interleaved experts are translated by
+tandem/models/gpt_oss.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from tandem.models import gpt_oss
 from tandem.models.args import ModelArgs
 from tandem.models.image_processor import CONFIG_FILE as IMAGE_CONFIG
 from tandem.models.image_processor import ImageProcessor
@@ -54,6 +56,8 @@ _NAME_PAIRS = [
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "layers.{i}.attention.wo.bias"),  # GPT-OSS
+    ("model.layers.{i}.self_attn.sinks", "layers.{i}.attention.sinks"),  # GPT-OSS
     ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.gate.weight"),
     (
         "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
@@ -151,7 +155,10 @@ def hf_to_tandem(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torc
     the embedding tensor (whether or not the HF dict carried ``lm_head.weight``).
     Per-expert tensors are stacked into 3-D parameters."""
     sd = dict(sd)
-    out: dict[str, torch.Tensor] = _stack_experts(sd, args)
+    if args.model_type == "gpt_oss":
+        out: dict[str, torch.Tensor] = gpt_oss.hf_to_tandem(sd)
+    else:
+        out = _stack_experts(sd, args)
     for name, tensor in sd.items():
         if _IGNORED_HF.match(name):
             continue
@@ -173,6 +180,9 @@ def tandem_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torc
     Stacked expert parameters become one tensor per expert (copies: safetensors
     refuses tensors that share storage)."""
     out: dict[str, torch.Tensor] = {}
+    if args.model_type == "gpt_oss":
+        sd = dict(sd)
+        out.update(gpt_oss.tandem_to_hf(sd))
     for name, tensor in sd.items():
         m = _TANDEM_EXPERTS.match(name)
         if m:
@@ -249,10 +259,7 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
     path = Path(path)
     with torch.device("meta"):
         model = make_model(args)
-    sd = model.state_dict()
-    expected = {tandem_name_to_hf(n): list(t.shape) for n, t in sd.items()}
-    experts = {n: t for n, t in sd.items() if _TANDEM_EXPERTS.match(n)}
-    expected.update({n: list(t.shape) for n, t in tandem_to_hf(experts, args).items()})
+    expected = {n: list(t.shape) for n, t in tandem_to_hf(model.state_dict(), args).items()}
     for fname in sorted(set(tensor_files(path).values())):
         with _open_safetensors(path / fname) as f:
             for name in f.keys():

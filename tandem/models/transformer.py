@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.args import ModelArgs
-from tandem.models.attention import AttentionBackend, CausalAttention
+from tandem.models.attention import AttentionBackend, CausalAttention, attend
 from tandem.models.mlp import FeedForward, linear_of
 from tandem.models.moe import MoE
 from tandem.models.rope import RotaryEmbedding, apply_rotary
@@ -53,7 +53,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Projections, q/k-norm and RoPE around an attention backend.
 
-    ``layer_id`` is passed to the backend so a KV-cache backend knows its layer.
+    ``layer_id`` is passed to the backend so a KV-cache backend knows its layer; a GPT-OSS
+    layer also passes its ``sinks [Hq]`` and sliding ``window`` (`tandem.models.attention.attend`).
     """
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
@@ -68,7 +69,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d, args.num_heads * hd, bias=args.qkv_bias)
         self.wk = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
         self.wv = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.num_heads * hd, d, bias=False)
+        self.wo = nn.Linear(args.num_heads * hd, d, bias=args.has_biases)
+        self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
+        self.window = args.window(layer_id)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.wqkv: nn.Linear | None = None  # q, k and v in one (`fuse`)
@@ -88,7 +91,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn(self.layer_id, q, k, v)  # [B, S, Hq, Dh]
+        out = attend(attn, self.layer_id, q, k, v, self.sinks, self.window)  # [B, S, Hq, Dh]
         return self.wo(out.reshape(b, s, self.num_heads * self.head_dim))  # [B, S, D]
 
     @torch.no_grad()
@@ -221,6 +224,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, MoE):
                 module.init_weights(INIT_STD, gen)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)
         self.reset_rope()
 
     def forward(

@@ -64,6 +64,12 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    # GPT-OSS's sinks (per query head), o / router / expert biases. Its generation tp > 1 is
+    # refused (tandem/rl/config/composes.py: a row-parallel bias would be summed tp times);
+    # these rules size it for the planner
+    (re.compile(r"layers\.\d+\.attention\.sinks$"), 0),
+    (re.compile(r"layers\.\d+\.moe\.experts\.b[13]$"), 1),
+    (re.compile(r"layers\.\d+\.(attention\.wo\.bias|moe\.gate\.bias|moe\.experts\.b2)$"), None),
     # a vision-language model's tower: whole on every rank of a group
     (re.compile(r"^visual\."), None),
     # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by

@@ -34,6 +34,7 @@ ON: dict[str, tuple[list[str], dict]] = {
     "V": ([], {"args": SimpleNamespace(vision=object(), num_experts=0)}),
     "H": (["env.kind=http", "reward.functions=[]"], {}),
     "M": ([], {"args": SimpleNamespace(vision=None, num_experts=8)}),
+    "sinks": ([], {"args": SimpleNamespace(vision=None, num_experts=0, sinks_or_windows=True)}),
     "T": (["parallel.tp=2"], {}),
     "P": (["parallel.pp=2"], {}),
     "E": (["env.name=tool"], {}),

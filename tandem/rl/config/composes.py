@@ -111,6 +111,11 @@ _FEATURES: dict[str, Feature] = {
         _model(lambda a: getattr(a, "num_experts", 0) > 0),
         "M",
     ),
+    "sinks": Feature(
+        "model",
+        "a model with attention sinks or sliding windows (GPT-OSS)",
+        _model(lambda a: getattr(a, "sinks_or_windows", False)),
+    ),
     "tp": Feature("parallel.tp", "parallel.tp > 1", lambda f: f.cfg.parallel.tp > 1, "T"),
     "pp": Feature("parallel.pp", "parallel.pp > 1", lambda f: f.cfg.parallel.pp > 1, "P"),
     "multi_turn": Feature(
@@ -368,6 +373,14 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "P",
         "pipeline stages do not split the experts",
         "set parallel.pp = 1; use parallel.tp or parallel.ep",
+    ),
+    (
+        "sinks",
+        "X F C T rollout_tp ep",
+        "sinks and sliding windows run in the eager PyTorch attention of the training backends "
+        "and the paged generator only (not the batch-invariant, FP8-rounding or cp ones), and "
+        "the tp and ep plans do not split the sinks or the experts' biases",
+        "unset the other",
     ),
     (
         "share_prompts",

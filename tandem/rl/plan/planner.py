@@ -568,6 +568,7 @@ class Planner:
             if world % tp == 0
             and check_divisible(self.args, tp) is None
             and (tp == 1 or self.s.recipe == "rl")
+            and (tp == 1 or not self.args.sinks_or_windows)  # GPT-OSS: tp refused (composes)
         ]
         if self.args.is_moe:
             out = []
@@ -578,7 +579,10 @@ class Planner:
                     {
                         e
                         for e in sizes
-                        if 1 < e <= dp and dp % e == 0 and self.args.num_experts % e == 0
+                        if 1 < e <= dp
+                        and dp % e == 0
+                        and self.args.num_experts % e == 0
+                        and not self.args.sinks_or_windows  # GPT-OSS: ep refused (composes)
                     }
                 )
                 out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
@@ -612,7 +616,7 @@ class Planner:
             lay = dataclasses.replace(
                 lay,
                 rollout_tp=self.auto_rollout_tp(lay, device_bytes, devices_per_node)
-                if self.s.recipe == "rl"
+                if self.s.recipe == "rl" and not self.args.sinks_or_windows  # (GPT-OSS: 1)
                 else 1,
             )
             peak = max(r.peak for r in self.plan(lay))
