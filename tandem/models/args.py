@@ -19,11 +19,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.models import gpt_oss
+from tandem.models import deepseek, gpt_oss
+from tandem.models.hf_fields import MOE_MODEL_TYPES, hf_moe_fields, reject_unsupported_hf_features
 from tandem.models.vision import VisionArgs
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl", "gpt_oss")
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "gpt_oss")
+MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl", "gpt_oss", "deepseek_v3"
+)  # fmt: skip
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -32,6 +34,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 VLM_MODEL_TYPES = ("qwen2_5_vl",)
 _FAMILY = {"qwen2_5_vl": "qwen2"}  # the dense family whose attention a model type uses
@@ -74,6 +77,13 @@ class ModelArgs:
     carry biases, the router a bias, each expert biases, and the experts' activation is
     ``(clamp(up, +-l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``
     (``swiglu_limit`` l > 0, ``swiglu_alpha``); the router is ``moe_score_func="softmax_topk"``.
+
+    DeepSeek-V3 (``deepseek_v3``, tandem/models/deepseek.py, tandem/models/mla.py): multi-head
+    latent attention with ``q_lora_rank`` (0: a full q projection), ``kv_lora_rank``, a rotary
+    part of ``qk_rope_head_dim`` of each ``head_dim``-wide query / key (interleaved pairs when
+    ``rope_interleave``) and values of ``v_head_dim``; ``num_kv_heads == num_heads`` (the keys
+    and values are decompressed per head). The sigmoid router picks within the best
+    ``moe_topk_group`` of ``moe_n_group`` expert groups.
     """
 
     model_type: str = "qwen3"
@@ -111,6 +121,13 @@ class ModelArgs:
     attention_sinks: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -151,6 +168,13 @@ class ModelArgs:
             )
         rope_type(self.rope_scaling)  # raises on unsupported scaling
         self._validate_attention_kinds()
+        if self.is_mla:
+            deepseek.validate(self)
+        elif self.kv_lora_rank or self.moe_n_group != 1:
+            raise ValueError(
+                f"model_type {self.model_type!r} has no latent attention or expert groups "
+                "(DeepSeek-V3's, model_type 'deepseek_v3')"
+            )
         self._validate_moe()
         self._validate_vision()
 
@@ -204,6 +228,16 @@ class ModelArgs:
     def sinks_or_windows(self) -> bool:
         """Attention that a backend must be told about (sinks, sliding windows)."""
         return self.attention_sinks or "sliding_attention" in self.layer_types
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3, tandem/models/mla.py)."""
+        return self.model_type == "deepseek_v3"
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: each head's whole ``head_dim``, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def has_biases(self) -> bool:
@@ -284,7 +318,7 @@ class ModelArgs:
         if model_type in VLM_MODEL_TYPES:  # text keys flat (older folders) or in text_config
             vision = VisionArgs.from_hf(config["vision_config"], config)
             config = {**config, **(config.get("text_config") or {})}
-        _reject_unsupported_hf_features(config, model_type)
+        reject_unsupported_hf_features(config, model_type)
         mrope = _hf_mrope(config) if model_type in VLM_MODEL_TYPES else []
         theta, scaling = _hf_rope(config)
         if scaling is not None and scaling.get("rope_type") == "mrope":
@@ -293,7 +327,7 @@ class ModelArgs:
                 k: v for k, v in scaling.items() if k not in ("rope_type", "mrope_section")
             } or None
         eos = config.get("eos_token_id")
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -311,10 +345,10 @@ class ModelArgs:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=[] if eos is None else eos,
-            **_hf_moe_fields(config, model_type),
             mrope_section=mrope,
             vision=vision,
         )
+        return cls(**{**fields, **hf_moe_fields(config, model_type)})
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` dict that ``AutoModelForCausalLM`` loads (4.x and 5.x)."""
@@ -352,6 +386,8 @@ class ModelArgs:
             cfg["sliding_window"] = None
         if self.model_type == "gpt_oss":
             return gpt_oss.config_to_hf(self, cfg)
+        if self.model_type == "deepseek_v3":
+            return deepseek.config_to_hf(self, cfg)
         if self.is_moe:
             cfg.update(self._moe_to_hf())
         if self.is_vlm:
@@ -422,6 +458,8 @@ class ModelArgs:
             per_layer += 2 * h
         if self.has_biases:  # GPT-OSS: o bias and sinks
             per_layer += d + self.num_heads
+        if self.is_mla:  # the q and kv latents' norms
+            per_layer += deepseek.mla_num_params(self) - deepseek.mla_num_params(self, False)
         ffn = sum(self._ffn_matmul_params(i, active=False) for i in range(self.num_layers))
         total = self.num_layers * per_layer + ffn + d  # + final norm
         if self.vision is not None:
@@ -451,6 +489,8 @@ class ModelArgs:
         return 6 * matmul + attn
 
     def _attention_matmul_params(self) -> int:
+        if self.is_mla:
+            return deepseek.mla_num_params(self, norms=False)
         d, h = self.hidden_size, self.head_dim
         q, kv = self.num_heads * h, self.num_kv_heads * h
         return d * q + 2 * d * kv + q * d
@@ -521,45 +561,3 @@ def _hf_mrope(config: dict[str, Any]) -> list[int]:
         if section:
             return [int(x) for x in section]
     return []
-
-
-def _hf_moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """ModelArgs' MoE fields from an HF Qwen2-MoE / Qwen3-MoE config (none for dense types)."""
-    if model_type not in MOE_MODEL_TYPES:
-        return {}
-    if model_type == "gpt_oss":
-        return gpt_oss.fields_from_hf(config)
-    fields = {
-        # transformers 5 writes Qwen3-MoE's count as num_local_experts; checkpoints have
-        # num_experts.
-        "num_experts": config.get("num_experts") or config.get("num_local_experts") or 0,
-        "num_experts_per_tok": config["num_experts_per_tok"],
-        "moe_intermediate_size": config["moe_intermediate_size"],
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-        "mlp_only_layers": list(config.get("mlp_only_layers") or []),
-        "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001),
-        "router_z_loss_coef": config.get("router_z_loss_coef", 0.0),
-    }
-    if model_type == "qwen2_moe":  # Qwen3-MoE configs may carry the key, unused
-        fields["shared_expert_intermediate_size"] = config["shared_expert_intermediate_size"]
-    return fields
-
-
-def _reject_unsupported_hf_features(config: dict[str, Any], model_type: str) -> None:
-    """Refuse HF options our modules do not implement instead of loading them wrongly."""
-    family = model_type.removesuffix("_moe")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.get('hidden_act')!r}; only 'silu'")
-    if family in ("llama", "qwen3") and config.get("attention_bias"):
-        raise ValueError(f"{model_type} with attention_bias=True is not supported")
-    if model_type == "qwen2_moe" and not config.get("qkv_bias", True):
-        raise ValueError("qwen2_moe with qkv_bias=False is not supported")
-    if config.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
-        raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    if model_type == "gpt_oss":
-        gpt_oss.reject_unsupported(config)

@@ -81,6 +81,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = e, args.num_experts_per_tok
         self.norm_topk_prob, self.score_func = args.norm_topk_prob, args.moe_score_func
         self.route_scale = args.moe_route_scale
+        self.n_group, self.topk_group = args.moe_n_group, args.moe_topk_group
         self.gate = nn.Linear(d, e, bias=args.has_biases)  # router [E, D]
         self.experts = GroupedExperts(
             e,
@@ -120,6 +121,12 @@ class MoE(nn.Module):
         else:
             scores = torch.sigmoid(logits.float())
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:  # DeepSeek-V3: only experts of the best topk_group groups
+            t, per = choice.shape[0], self.num_experts // self.n_group
+            best = choice.view(t, self.n_group, per).topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = torch.zeros_like(best, dtype=torch.bool)
+            keep.scatter_(1, best.topk(self.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
         ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, ids)  # [T, k], unbiased
         if self.norm_topk_prob:

@@ -27,7 +27,7 @@ from tandem.models.args import ModelArgs, rope_type
 
 def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (fp32), llama3-scaled when configured."""
-    dim = args.head_dim
+    dim = args.rope_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim  # [D/2]
     kind = rope_type(args.rope_scaling)
     if kind == "yarn":
@@ -47,7 +47,12 @@ def rope_attention_factor(args: ModelArgs) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
-    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale()  # DeepSeek's: a ratio
 
 
 def _yarn_inv_freq(

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, and their MoE kin) in plain PyTorch.
+"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, their MoE kin, GPT-OSS, DeepSeek-V3).
 
 The module tree mirrors torchtitan's Llama so parallel/ can address it by name:
 ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed "0".."L-1" so a
@@ -23,6 +23,7 @@ from torch import nn
 
 from tandem.models.args import ModelArgs
 from tandem.models.attention import AttentionBackend, CausalAttention, attend
+from tandem.models.mla import MLAttention
 from tandem.models.mlp import FeedForward, linear_of
 from tandem.models.moe import MoE
 from tandem.models.rope import RotaryEmbedding, apply_rotary
@@ -112,7 +113,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = Attention(args, layer_id)
+        self.attention = (
+            MLAttention(args, layer_id, RMSNorm) if args.is_mla else Attention(args, layer_id)
+        )
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.is_moe_layer(layer_id):
             self.moe = MoE(args)

@@ -27,8 +27,12 @@ from tandem.models import (
     tandem_to_hf,
 )
 from tandem.models.args import ModelArgs
-from tandem.models.tokenizer import build_char_tokenizer
-from tests.fixtures import TINY_VOCAB, hf_reference, randomize_
+from tests.fixtures import TINY_VOCAB, hf_reference
+from tests.models.family_checks import (
+    assert_greedy_equals_generate,
+    quickstart_two_steps,
+    write_random_folder,
+)
 
 TOL = 1e-4
 WINDOW = 4
@@ -66,15 +70,7 @@ def tiny_config(**overrides):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("gpt_oss")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32)
-    randomize_(model, 3)
-    model.save_pretrained(path, safe_serialization=True)
-    build_char_tokenizer(path)
-    return path
+    return write_random_folder(tmp_path_factory.mktemp("gpt_oss"), tiny_config(), seed=3)
 
 
 def _tokens(b: int, s: int, seed: int = 0) -> torch.Tensor:
@@ -170,59 +166,19 @@ def test_export_bit_exact_and_transformers_reads_it(folder, tmp_path):
 
 # ------------------------------------------------------------------ generator
 def test_generator_greedy_equals_transformers_generate(folder):
-    """Prompts shorter and longer than the window, chunked prefill (a 16-token budget), two
-    samples sharing each prompt's blocks: every completion is transformers' greedy one."""
-    from tandem.rl.generator.engine import GenerationSettings, Generator
-    from tandem.rl.generator.sequence import SamplingParams
-
-    ref, ours = hf_reference(folder), load_model(folder).eval()
-    prompts = [[5, 9, 2], [7], list(range(10, 29)), [3] * 9]
-    settings = GenerationSettings(
-        block_size=4, num_blocks=128, max_num_batched_tokens=16, max_model_len=96
-    )
-    out = Generator(ours, settings).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), n=2
-    )
-    for p, group in zip(prompts, out, strict=True):
-        want = ref.generate(
-            torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False
-        )[0, len(p) :].tolist()
-        assert [c.token_ids for c in group] == [want, want]
+    """Prompts shorter and longer than the window, chunked prefill, two samples a prompt."""
+    assert_greedy_equals_generate(folder, [[5, 9, 2], [7], list(range(10, 29)), [3] * 9])
 
 
 # ------------------------------------------------------------------ the RL loop
 def test_quickstart_rl_steps_train_every_gpt_oss_tensor(folder, tmp_path):
-    """Two GRPO steps of configs/quickstart.toml on the folder (1 rank, CPU), rewarded by
-    completion length so that advantages are not all zero: the rollout's log-probs equal the
-    update's recomputation to 1e-5, routing agrees, and every exported tensor moved (sinks,
-    biases and the last layer's experts included)."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    text = (root / "configs" / "quickstart.toml").read_text()
-    assert 'functions = ["exact_match"]' in text
-    config = tmp_path / "gpt_oss.toml"
-    config.write_text(
-        text.replace('functions = ["exact_match"]', 'functions = ["length_penalty"]')
-        + "\n[reward.kwargs.length_penalty]\nsoft_chars = 2\nhard_chars = 12\n"
-    )
-    dump = tmp_path / "run"
-    cmd = [
-        sys.executable, "train.py", "--config", str(config), f"--model.path={folder}",
-        "--training.steps=2", "--rl.prompts_per_step=4", "--rl.num_samples=4",
-        "--rl.eval_prompts=4", "--training.eval_interval=0", f"--job.dump_folder={dump}",
-        "--metrics.loggers=[]", "--checkpoint.enable=false",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    """Two GRPO steps on the folder: the rollout's log-probs equal the update's recomputation to
+    1e-5, routing agrees, and every exported tensor moved (sinks, biases and the last layer's
+    experts included)."""
+    rows, before, after = quickstart_two_steps(folder, tmp_path)
     assert len(rows) == 2
     for row in rows:
         assert row["gap/abs_max"] < 1e-5 and row["moe/routing_mismatch"] == 0.0
-    before, after = read_hf_state_dict(folder), read_hf_state_dict(dump / "hf")
     assert sorted(before) == sorted(after)
     assert [n for n, t in before.items() if torch.equal(t, after[n].to(t.dtype))] == []
 
