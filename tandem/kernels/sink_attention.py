@@ -9,13 +9,16 @@ backends (tandem/models/attention.py) and the generator's paged path
 eager (the scores are materialised), the reference a fused kernel would be checked against;
 no Triton kernel exists yet. The order of operations is the released model's eager one
 (scores, mask, the sink column appended, the row max subtracted, softmax, the sink column
-dropped), so fp32 logits agree with transformers to rounding.
+dropped), so fp32 logits agree with transformers to rounding. Under ``rl.exact``
+`paged_sink_attention_exact` runs `tandem.kernels.batch_invariant.attention` over the keys
+in the window instead, the function the update's `ExactAttention` runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tandem.kernels import batch_invariant
 from tandem.kernels.paged_attention import gather_kv
 
 
@@ -90,4 +93,36 @@ def paged_sink_attention(
             scale,
         )  # [1, Hq, L, D]
         out[lo:hi] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_sink_attention_exact(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [N, MB]
+    cu_seqlens_q: torch.Tensor,  # [N + 1]
+    context_lens: torch.Tensor,  # [N]
+    scale: float,
+    sinks: torch.Tensor | None,  # [Hq]
+    window: int | None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """`paged_sink_attention` through the batch-invariant attention (``rl.exact``): each query's
+    key list is its sequence's slots from the window's start to its position, in order, which
+    is the list `tandem.models.attention.ExactAttention` builds from the training mask (rows
+    past the step's queries are zero; one host sync for the query count)."""
+    out = torch.zeros_like(q)
+    t = int(cu_seqlens_q[-1])
+    if t == 0:
+        return out
+    bs = k_cache.shape[1]
+    index, length = batch_invariant.paged_key_index(block_tables, cu_seqlens_q, context_lens, bs)
+    if window is not None:  # drop the keys before the window: shift each row's list left
+        start = (length - window).clamp(min=0)  # [T]
+        j = torch.arange(index.shape[1], device=index.device)
+        index = index.gather(1, (j[None] + start[:, None]).clamp(max=index.shape[1] - 1))
+        length = length - start
+    out[:t] = batch_invariant.attention(
+        q[:t], k_cache.flatten(0, 1), v_cache.flatten(0, 1), index, length, scale, sinks
+    )
     return out

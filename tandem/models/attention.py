@@ -237,24 +237,40 @@ class ExactAttention:
     """Batch-invariant attention (``rl.exact``): what `DocumentAttention` computes, each query
     over the keys its mask allows in row order, through `tandem.kernels.batch_invariant.attention`,
     the function the generator's paged attention uses too, so a token's output is the same
-    bits in the training forward as in prefill or decode, whatever shares its batch."""
+    bits in the training forward as in prefill or decode, whatever shares its batch. A
+    sliding-window layer lists only the keys in its window; sinks join each denominator."""
+
+    sinks_and_windows = True
 
     def __init__(self, doc_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> None:
-        self.index, self.length = batch_invariant.mask_key_index(
-            DocumentAttention(doc_ids, branch_ids).mask[:, 0]
-        )
+        self._mask = DocumentAttention(doc_ids, branch_ids).mask
+        self.index, self.length = batch_invariant.mask_key_index(self._mask[:, 0])
+        self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         b, s, hq, d = q.shape
+        index, length = self.index, self.length
+        if window is not None:
+            if window not in self._windowed:
+                mask = _window(self._mask, window)[:, 0]
+                self._windowed[window] = batch_invariant.mask_key_index(mask)
+            index, length = self._windowed[window]
         out = batch_invariant.attention(
             q.reshape(b * s, hq, d),
             k.reshape(b * s, k.shape[2], d),
             v.reshape(b * s, v.shape[2], d),
-            self.index,
-            self.length,
+            index,
+            length,
             d**-0.5,
+            sinks,
         )
         return out.view(b, s, hq, d)
 

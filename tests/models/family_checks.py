@@ -1,6 +1,6 @@
 """Checks every newly added model family runs against its tiny random HF folder (helpers, not
-tests): the folder itself, the generator's greedy tokens against transformers' ``generate``,
-and two steps of the RL quickstart on the folder."""
+tests): the folder itself, export bit for bit, the generator's greedy tokens against
+transformers' ``generate``, and two steps of the RL quickstart on the folder."""
 
 from __future__ import annotations
 
@@ -12,11 +12,34 @@ from pathlib import Path
 
 import torch
 
-from tandem.models import load_model, read_hf_state_dict
+from tandem.models import load_model, read_hf_state_dict, save_hf
 from tandem.models.tokenizer import build_char_tokenizer
 from tests.fixtures import hf_reference, randomize_
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def tokens(b: int, s: int, seed: int = 0) -> torch.Tensor:
+    """``[b, s]`` random ids among the character tokenizer's."""
+    return torch.randint(0, 360, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_export_bit_exact(folder: Path, out: Path, tol: float) -> dict:
+    """The folder loaded and saved to ``out``: the same tensor names, dtypes and bits; the
+    export's logits by transformers within ``tol`` of ours; its config reads back to the same
+    `ModelArgs` (eos ids aside). Returns the export's config.json."""
+    model = load_model(folder)
+    save_hf(model.state_dict(), model.args, out)
+    original, exported = read_hf_state_dict(folder), read_hf_state_dict(out)
+    assert sorted(original) == sorted(exported)
+    for name, t in original.items():
+        assert t.dtype == exported[name].dtype and torch.equal(t, exported[name]), name
+    x = tokens(1, 16, seed=8)
+    with torch.no_grad():
+        assert (hf_reference(out)(x).logits - model(x)).abs().max() <= tol
+    again = load_model(out).args
+    assert again == model.args.replace(eos_token_id=again.eos_token_id)
+    return json.loads((out / "config.json").read_text())
 
 
 def write_random_folder(path: Path, config, seed: int) -> Path:

@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.models import get_flavor, load_model, read_hf_state_dict, save_hf, tandem_to_hf
+from tandem.models import get_flavor, load_model, tandem_to_hf
 from tandem.models.args import ModelArgs
 from tandem.models.mla import MLAttention
 from tests.fixtures import TINY_VOCAB, hf_reference
 from tests.models.family_checks import (
+    assert_export_bit_exact,
     assert_greedy_equals_generate,
     quickstart_two_steps,
+    tokens,
     write_random_folder,
 )
 
@@ -78,10 +80,6 @@ def folder(tmp_path_factory) -> Path:
     return write_random_folder(tmp_path_factory.mktemp("deepseek_v3"), tiny_config(), seed=5)
 
 
-def _tokens(b: int, s: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 360, (b, s), generator=torch.Generator().manual_seed(seed))
-
-
 @torch.no_grad()
 def test_logits_and_routing_match_transformers(folder):
     ref, ours = hf_reference(folder), load_model(folder)
@@ -97,7 +95,7 @@ def test_logits_and_routing_match_transformers(folder):
         )
         for i in (1, 2)
     ]
-    x = _tokens(2, 24)
+    x = tokens(2, 24)
     want = ref(x).logits
     for h in hooks:
         h.remove()
@@ -118,7 +116,7 @@ def test_logits_and_routing_match_transformers(folder):
 
 def test_gradients_match_transformers(folder):
     ref, ours = hf_reference(folder), load_model(folder)
-    x, y = _tokens(2, 12, seed=6), _tokens(2, 12, seed=7)
+    x, y = tokens(2, 12, seed=6), tokens(2, 12, seed=7)
 
     def loss(logits):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, TINY_VOCAB), y.reshape(-1))
@@ -140,17 +138,8 @@ def test_gradients_match_transformers(folder):
 
 
 def test_export_bit_exact_and_transformers_reads_it(folder, tmp_path):
-    model = load_model(folder)
-    out = save_hf(model.state_dict(), model.args, tmp_path / "export")
-    original, exported = read_hf_state_dict(folder), read_hf_state_dict(out)
-    assert sorted(original) == sorted(exported)
-    for name, t in original.items():
-        assert t.dtype == exported[name].dtype and torch.equal(t, exported[name]), name
-    x = _tokens(1, 16, seed=8)
-    with torch.no_grad():
-        assert (hf_reference(out)(x).logits - model(x)).abs().max() <= TOL
-    again = load_model(out).args
-    assert again == model.args.replace(eos_token_id=again.eos_token_id)
+    cfg = assert_export_bit_exact(folder, tmp_path / "export", TOL)
+    assert cfg["first_k_dense_replace"] == 1 and cfg["n_group"] == 4
 
 
 def test_multi_token_prediction_layers_are_skipped(folder, tmp_path):
@@ -164,7 +153,7 @@ def test_multi_token_prediction_layers_are_skipped(folder, tmp_path):
     sd = load_file(str(copy / "model.safetensors"))
     sd["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(sd, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    x = _tokens(1, 10, seed=9)
+    x = tokens(1, 10, seed=9)
     with torch.no_grad():
         assert torch.equal(load_model(copy)(x), load_model(folder)(x))
 
@@ -174,6 +163,7 @@ def test_generator_greedy_equals_transformers_generate(folder):
     assert_greedy_equals_generate(folder, [[5, 9, 2], [7], list(range(10, 29)), [3] * 9])
 
 
+@pytest.mark.slow  # a train.py subprocess under rl.exact
 def test_quickstart_rl_steps_train_deepseek_tensors_with_gap_zero(folder, tmp_path):
     """Two GRPO steps with rl.exact: every sampled token's rollout log-prob equals the update's
     recomputation bitwise (gap 0), routing agrees, and every attention, norm, router and

@@ -381,10 +381,10 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     (
         "gpt_oss",
-        "X F C T rollout_tp ep expert_lora",
-        "sinks and sliding windows run in the eager PyTorch attention of the training backends "
-        "and the paged generator only (not the batch-invariant, FP8-rounding or cp ones), and "
-        "the tp, ep and expert-adapter code does not carry the sinks or the experts' biases",
+        "F C T rollout_tp ep expert_lora",
+        "sinks and sliding windows run in the training, batch-invariant and paged backends "
+        "only (not the FP8-rounding or cp ones), and the tp, ep and expert-adapter code does "
+        "not carry the sinks or the experts' biases",
         "unset the other",
     ),
     (

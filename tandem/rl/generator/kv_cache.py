@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem import device as seam
+from tandem.kernels import batch_invariant
 from tandem.kernels import kv_quant as kvq
 from tandem.kernels.dispatch import use_triton
 from tandem.kernels.paged_attention import (
@@ -29,7 +30,7 @@ from tandem.kernels.paged_attention import (
     store_kv_slots,
     valid_slots,
 )
-from tandem.kernels.sink_attention import paged_sink_attention
+from tandem.kernels.sink_attention import paged_sink_attention, paged_sink_attention_exact
 from tandem.models.args import ModelArgs
 from tandem.rl.core.configlib import ConfigError
 
@@ -225,7 +226,8 @@ class PagedAttention:
                     m.max_q_len,
                 )
         if sinks is not None or window is not None:
-            out = paged_sink_attention(
+            exact = batch_invariant.enabled()
+            out = (paged_sink_attention_exact if exact else paged_sink_attention)(
                 q[0], kc, vc, m.block_tables, m.cu_seqlens_q, m.context_lens, self.scale,
                 sinks, window,
             )  # fmt: skip

@@ -621,7 +621,7 @@ class Planner:
             lay = dataclasses.replace(
                 lay,
                 rollout_tp=self.auto_rollout_tp(lay, device_bytes, devices_per_node)
-                if self.s.recipe == "rl" and not self._no_tp
+                if self.s.recipe == "rl"
                 else 1,
             )
             peak = max(r.peak for r in self.plan(lay))
