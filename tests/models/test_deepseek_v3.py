@@ -114,6 +114,24 @@ def test_logits_and_routing_match_transformers(folder):
         assert (other(x) - want).abs().max().item() > 1e-4, switch
 
 
+@torch.no_grad()
+def test_full_q_projection_and_plain_rope_variant(tmp_path):
+    """q_lora_rank null (one q projection), RoPE halves instead of pairs, no expert groups,
+    default RoPE: logits within 1e-4 of transformers too."""
+    cfg = tiny_config(
+        q_lora_rank=None,
+        rope_interleave=False,
+        n_group=1,
+        topk_group=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    path = write_random_folder(tmp_path, cfg, seed=2)
+    ref, ours = hf_reference(path), load_model(path)
+    assert ours.layers["0"].attention.wq is not None and not ours.args.rope_interleave
+    x = tokens(2, 20)
+    assert (ref(x).logits - ours(x)).abs().max().item() <= TOL
+
+
 def test_gradients_match_transformers(folder):
     ref, ours = hf_reference(folder), load_model(folder)
     x, y = tokens(2, 12, seed=6), tokens(2, 12, seed=7)
