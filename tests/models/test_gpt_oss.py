@@ -244,6 +244,19 @@ def test_flavors_build_and_count_transformers_parameters():
     assert ModelArgs.from_hf(args.to_hf()) == args
 
 
+def test_a_backend_without_sinks_is_refused_by_name():
+    """A backend that does not declare ``sinks_and_windows`` (here the FP8 rounding wrapper,
+    refused with GPT-OSS in the composes table) fails with one line naming it."""
+    from tandem.kernels.kv_quant import KVQuantAttention
+    from tandem.models import CausalAttention, Transformer
+
+    m = Transformer(get_flavor("debug-gpt-oss"))
+    m.init_weights(seed=0)
+    backend = KVQuantAttention(CausalAttention(), torch.float8_e4m3fn, None)
+    with pytest.raises(ValueError, match="KVQuantAttention cannot run attention sinks"):
+        m(tokens(1, 8), attn=backend)
+
+
 def test_refuses_mxfp4_and_foreign_switches(folder):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
