@@ -32,6 +32,7 @@ TABLES = {
     "context_parallel": r"^\s+1024\s+2\s+ring\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+[\d.]+x",
     "decode_profile": r"step / floor = [\d.]+x",
     "exact_kernels": r"mm qkv 16,256,128\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+0\s*$",
+    "families": r"^debug-deepseek-v3\s+[\d.]+\s+[\d,]+\s+[\d,]+\s+[\d.]+x\s+[\d.]+x$",
     "fp8_kv": r"^\s+32\s+tight\s+fp8\s+[\d.]+\s+[\d.]+\s+\d+\s+\d+\s+[\d.]+x$",
     "generate": r"fixed\s+4\s+32\s+32 .*x\s+-\n(.|\n)*greedy\s+2\s+16 .*x\s+\d/2",
     "grpo_step": r"trl / tandem seconds per step: median [\d.]+x",

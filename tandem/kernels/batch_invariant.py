@@ -148,6 +148,7 @@ def attention(
     key_index: torch.Tensor,
     key_len: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each query over its own keys, in a fixed order that does not depend on the batch.
 
@@ -156,8 +157,12 @@ def attention(
     position order in its first ``key_len[t]`` entries (the rest are ignored). Returns
     ``[T, Hq, D]`` in q's dtype; everything is computed in fp32. The Triton kernel
     (`tandem.kernels.triton_batch_invariant.attention`, the same trees fused) where
-    `tandem.kernels.dispatch.use_triton` says so, else `attention_torch`.
+    `tandem.kernels.dispatch.use_triton` says so, else `attention_torch`. ``sinks [Hq]``
+    (GPT-OSS): one more logit per head in each denominator, attending to nothing
+    (`attention_torch` only).
     """
+    if sinks is not None:
+        return attention_torch(q, k, v, key_index, key_len, scale, sinks)
     if q.dtype in TRITON_DTYPES and use_triton(q):
         return _TritonAttention.apply(q, k, v, key_index, key_len, scale)
     return attention_torch(q, k, v, key_index, key_len, scale)
@@ -197,10 +202,12 @@ def attention_torch(
     key_index: torch.Tensor,
     key_len: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention` in PyTorch: tree sums of gathered key chunks (any device)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
+    sink = None if sinks is None else sinks.float().view(hkv, hq // hkv)  # [Hkv, G]
     out = q.new_empty(t, hq, d)
     for s in range(0, t, QUERY_BLOCK):
         e = min(s + QUERY_BLOCK, t)
@@ -212,6 +219,7 @@ def attention_torch(
                 key_index[s:e],
                 key_len[s:e],
                 scale,
+                sink,
             )
             .reshape(e - s, hq, d)
             .to(q.dtype)
@@ -226,8 +234,9 @@ def _attend(
     index: torch.Tensor,
     length: torch.Tensor,
     scale: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One block of queries: q [T, Hkv, G, D] fp32 -> [T, Hkv, G, D]."""
+    """One block of queries: q [T, Hkv, G, D] fp32 -> [T, Hkv, G, D]; ``sink [Hkv, G]``."""
     t = q.shape[0]
     width = int(length.max()) if t else 0
     chunks = [(c, min(c + KEY_CHUNK, width)) for c in range(0, width, KEY_CHUNK)]
@@ -238,7 +247,10 @@ def _attend(
     s = torch.cat(scores, dim=-1) * scale  # [T, Hkv, G, L]
     valid = torch.arange(width, device=q.device)[None, :] < length[:, None]  # [T, L]
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = (s - s.amax(-1, keepdim=True)).exp_()  # [T, Hkv, G, L]; invalid keys exactly 0
+    top = s.amax(-1, keepdim=True)  # [T, Hkv, G, 1]
+    if sink is not None:
+        top = torch.maximum(top, sink[None, :, :, None])
+    p = (s - top).exp_()  # [T, Hkv, G, L]; invalid keys exactly 0
     # sum_j p_j v_j: one tree over all key positions, taken chunk by chunk (a tree over a
     # power-of-two chunk, then over the chunks' sums, is the same adjacent-pair tree)
     parts = []
@@ -249,7 +261,10 @@ def _attend(
         vc = torch.nn.functional.pad(vc, (0, 0, 0, KEY_CHUNK - (e - c)))
         parts.append(tree_sum(pc[..., None] * vc[:, :, None], dim=-2))  # [T, Hkv, G, D]
     num = tree_sum(torch.stack(parts, dim=-1), dim=-1)  # [T, Hkv, G, D]
-    return num / tree_sum(p)[..., None]
+    den = tree_sum(p)  # [T, Hkv, G]
+    if sink is not None:
+        den = den + (sink[None] - top[..., 0]).exp()
+    return num / den[..., None]
 
 
 def paged_key_index(

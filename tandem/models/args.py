@@ -8,6 +8,9 @@ the ``num_experts`` ... ``router_*`` fields (tandem/models/moe.py). `from_hf` / 
 map to and from a Hugging Face ``config.json`` dict so checkpoints travel both ways.
 Qwen2.5-VL (``qwen2_5_vl``) is a Qwen2 LM with M-RoPE (``mrope_section``) and a vision
 tower (``vision``, tandem/models/vision.py; the model is tandem/models/vlm.py).
+GPT-OSS (``gpt_oss``) adds attention sinks, sliding-window layers, biased projections and
+MoE with router and expert biases and a clamped SwiGLU (tandem/models/gpt_oss.py maps its
+``config.json``).
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.models import deepseek, gpt_oss
+from tandem.models.hf_fields import MOE_MODEL_TYPES, hf_moe_fields, reject_unsupported_hf_features
 from tandem.models.vision import VisionArgs
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl")
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl", "gpt_oss", "deepseek_v3"
+)  # fmt: skip
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -27,12 +33,16 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 VLM_MODEL_TYPES = ("qwen2_5_vl",)
 _FAMILY = {"qwen2_5_vl": "qwen2"}  # the dense family whose attention a model type uses
-SCORE_FUNCS = ("softmax", "sigmoid")
+# "softmax_topk": GPT-OSS's router, a softmax over the k largest logits only
+SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
 # RoPE variants we implement; anything else is rejected rather than silently run unscaled.
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
@@ -60,6 +70,20 @@ class ModelArgs:
 
     Vision-language (``qwen2_5_vl``): ``vision`` is the tower's config and token ids, and
     ``mrope_section`` the (time, row, column) split of the ``head_dim // 2`` RoPE frequencies.
+
+    GPT-OSS (``gpt_oss``): ``layer_types[i]`` is "sliding_attention" (a query attends to the
+    ``sliding_window`` latest keys, itself included) or "full_attention" (empty: all full);
+    ``attention_sinks`` adds a learned per-head logit to each softmax's denominator; q/k/v/o
+    carry biases, the router a bias, each expert biases, and the experts' activation is
+    ``(clamp(up, +-l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``
+    (``swiglu_limit`` l > 0, ``swiglu_alpha``); the router is ``moe_score_func="softmax_topk"``.
+
+    DeepSeek-V3 (``deepseek_v3``, tandem/models/deepseek.py, tandem/models/mla.py): multi-head
+    latent attention with ``q_lora_rank`` (0: a full q projection), ``kv_lora_rank``, a rotary
+    part of ``qk_rope_head_dim`` of each ``head_dim``-wide query / key (interleaved pairs when
+    ``rope_interleave``) and values of ``v_head_dim``; ``num_kv_heads == num_heads`` (the keys
+    and values are decompressed per head). The sigmoid router picks within the best
+    ``moe_topk_group`` of ``moe_n_group`` expert groups.
     """
 
     model_type: str = "qwen3"
@@ -92,6 +116,18 @@ class ModelArgs:
     router_z_loss_coef: float = 0.0
     mrope_section: list[int] = field(default_factory=list)
     vision: VisionArgs | None = None
+    sliding_window: int = 0
+    layer_types: list[str] = field(default_factory=list)
+    attention_sinks: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -106,10 +142,11 @@ class ModelArgs:
                 )
             self.head_dim = self.hidden_size // self.num_heads
         if self.qkv_bias is None:
-            self.qkv_bias = self.family == "qwen2"
+            self.qkv_bias = self.family in ("qwen2", "gpt_oss")
         if self.qk_norm is None:
             self.qk_norm = self.family == "qwen3"
         self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
+        self.layer_types = [str(t) for t in self.layer_types]
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
         self.eos_token_id = [int(i) for i in self.eos_token_id]
@@ -123,13 +160,21 @@ class ModelArgs:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         # Each HF family hard-wires these; another combination could not be exported.
-        want_bias, want_norm = self.family == "qwen2", self.family == "qwen3"
+        want_bias, want_norm = self.family in ("qwen2", "gpt_oss"), self.family == "qwen3"
         if self.qkv_bias != want_bias or self.qk_norm != want_norm:
             raise ValueError(
                 f"model_type {self.model_type!r} requires qkv_bias={want_bias} and "
                 f"qk_norm={want_norm}, got qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}"
             )
         rope_type(self.rope_scaling)  # raises on unsupported scaling
+        self._validate_attention_kinds()
+        if self.is_mla:
+            deepseek.validate(self)
+        elif self.kv_lora_rank or self.moe_n_group != 1:
+            raise ValueError(
+                f"model_type {self.model_type!r} has no latent attention or expert groups "
+                "(DeepSeek-V3's, model_type 'deepseek_v3')"
+            )
         self._validate_moe()
         self._validate_vision()
 
@@ -149,6 +194,55 @@ class ModelArgs:
                 f"vision out_hidden_size {self.vision.out_hidden_size} must equal the "
                 f"LM's hidden_size {self.hidden_size}"
             )
+
+    def _validate_attention_kinds(self) -> None:
+        """GPT-OSS's sliding windows and sinks (the model type's, never another family's)."""
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad or (self.layer_types and len(self.layer_types) != self.num_layers):
+            raise ValueError(
+                f"layer_types must list one of {LAYER_TYPES} for each of the {self.num_layers} "
+                f"layers; got {self.layer_types}"
+            )
+        sliding = "sliding_attention" in self.layer_types
+        if sliding and self.sliding_window < 1:
+            raise ValueError(f"sliding layers need sliding_window >= 1, got {self.sliding_window}")
+        oss = self.model_type == "gpt_oss"
+        if not oss and (sliding or self.attention_sinks or self.swiglu_limit):
+            raise ValueError(
+                f"model_type {self.model_type!r} has no sliding layers, sinks or clamped SwiGLU "
+                "(GPT-OSS's, model_type 'gpt_oss')"
+            )
+        if oss and (not self.attention_sinks or self.moe_score_func != "softmax_topk"):
+            raise ValueError(
+                "gpt_oss has attention sinks and moe_score_func 'softmax_topk'; got "
+                f"{self.attention_sinks}, {self.moe_score_func!r}"
+            )
+
+    def window(self, layer_id: int) -> int | None:
+        """Layer ``layer_id``'s sliding window in tokens, or None (full attention)."""
+        if self.layer_types and self.layer_types[layer_id] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def sinks_or_windows(self) -> bool:
+        """Attention that a backend must be told about (sinks, sliding windows)."""
+        return self.attention_sinks or "sliding_attention" in self.layer_types
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3, tandem/models/mla.py)."""
+        return self.model_type == "deepseek_v3"
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: each head's whole ``head_dim``, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def has_biases(self) -> bool:
+        """GPT-OSS: biased o projection, router and experts."""
+        return self.model_type == "gpt_oss"
 
     def _validate_moe(self) -> None:
         if not self.is_moe:
@@ -224,7 +318,7 @@ class ModelArgs:
         if model_type in VLM_MODEL_TYPES:  # text keys flat (older folders) or in text_config
             vision = VisionArgs.from_hf(config["vision_config"], config)
             config = {**config, **(config.get("text_config") or {})}
-        _reject_unsupported_hf_features(config, model_type)
+        reject_unsupported_hf_features(config, model_type)
         mrope = _hf_mrope(config) if model_type in VLM_MODEL_TYPES else []
         theta, scaling = _hf_rope(config)
         if scaling is not None and scaling.get("rope_type") == "mrope":
@@ -233,7 +327,7 @@ class ModelArgs:
                 k: v for k, v in scaling.items() if k not in ("rope_type", "mrope_section")
             } or None
         eos = config.get("eos_token_id")
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -251,10 +345,10 @@ class ModelArgs:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=[] if eos is None else eos,
-            **_hf_moe_fields(config, model_type),
             mrope_section=mrope,
             vision=vision,
         )
+        return cls(**{**fields, **hf_moe_fields(config, model_type)})
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` dict that ``AutoModelForCausalLM`` loads (4.x and 5.x)."""
@@ -290,6 +384,10 @@ class ModelArgs:
         if self.family in ("qwen2", "qwen3"):
             cfg["use_sliding_window"] = False
             cfg["sliding_window"] = None
+        if self.model_type == "gpt_oss":
+            return gpt_oss.config_to_hf(self, cfg)
+        if self.model_type == "deepseek_v3":
+            return deepseek.config_to_hf(self, cfg)
         if self.is_moe:
             cfg.update(self._moe_to_hf())
         if self.is_vlm:
@@ -358,6 +456,10 @@ class ModelArgs:
             per_layer += q + 2 * kv
         if self.qk_norm:
             per_layer += 2 * h
+        if self.has_biases:  # GPT-OSS: o bias and sinks
+            per_layer += d + self.num_heads
+        if self.is_mla:  # the q and kv latents' norms
+            per_layer += deepseek.mla_num_params(self) - deepseek.mla_num_params(self, False)
         ffn = sum(self._ffn_matmul_params(i, active=False) for i in range(self.num_layers))
         total = self.num_layers * per_layer + ffn + d  # + final norm
         if self.vision is not None:
@@ -387,6 +489,8 @@ class ModelArgs:
         return 6 * matmul + attn
 
     def _attention_matmul_params(self) -> int:
+        if self.is_mla:
+            return deepseek.mla_num_params(self, norms=False)
         d, h = self.hidden_size, self.head_dim
         q, kv = self.num_heads * h, self.num_kv_heads * h
         return d * q + 2 * d * kv + q * d
@@ -399,7 +503,12 @@ class ModelArgs:
         shared = 3 * d * self.shared_expert_intermediate_size + (
             d if self.shared_expert_gated else 0
         )
-        return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + shared
+        biases = (
+            0
+            if active or not self.has_biases
+            else self.num_experts * (1 + 2 * self.moe_intermediate_size + d)
+        )  # GPT-OSS: router and expert biases (no matmul: in the total only)
+        return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + shared + biases
 
 
 def rope_type(rope_scaling: dict[str, Any] | None) -> str:
@@ -412,6 +521,12 @@ def rope_type(rope_scaling: dict[str, Any] | None) -> str:
             f"unsupported rope scaling type {kind!r} (rope_scaling={rope_scaling}); "
             f"supported: {SUPPORTED_ROPE_TYPES}"
         )
+    if kind == "yarn":
+        missing = [
+            k for k in ("factor", "original_max_position_embeddings") if k not in rope_scaling
+        ]
+        if missing:
+            raise ValueError(f"yarn rope_scaling is missing {missing}: {rope_scaling}")
     if kind == "llama3":
         missing = [k for k in _LLAMA3_ROPE_KEYS if k not in rope_scaling]
         if missing:
@@ -446,41 +561,3 @@ def _hf_mrope(config: dict[str, Any]) -> list[int]:
         if section:
             return [int(x) for x in section]
     return []
-
-
-def _hf_moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """ModelArgs' MoE fields from an HF Qwen2-MoE / Qwen3-MoE config (none for dense types)."""
-    if model_type not in MOE_MODEL_TYPES:
-        return {}
-    fields = {
-        # transformers 5 writes Qwen3-MoE's count as num_local_experts; checkpoints have
-        # num_experts.
-        "num_experts": config.get("num_experts") or config.get("num_local_experts") or 0,
-        "num_experts_per_tok": config["num_experts_per_tok"],
-        "moe_intermediate_size": config["moe_intermediate_size"],
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-        "mlp_only_layers": list(config.get("mlp_only_layers") or []),
-        "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001),
-        "router_z_loss_coef": config.get("router_z_loss_coef", 0.0),
-    }
-    if model_type == "qwen2_moe":  # Qwen3-MoE configs may carry the key, unused
-        fields["shared_expert_intermediate_size"] = config["shared_expert_intermediate_size"]
-    return fields
-
-
-def _reject_unsupported_hf_features(config: dict[str, Any], model_type: str) -> None:
-    """Refuse HF options our modules do not implement instead of loading them wrongly."""
-    family = model_type.removesuffix("_moe")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.get('hidden_act')!r}; only 'silu'")
-    if family in ("llama", "qwen3") and config.get("attention_bias"):
-        raise ValueError(f"{model_type} with attention_bias=True is not supported")
-    if model_type == "qwen2_moe" and not config.get("qkv_bias", True):
-        raise ValueError("qwen2_moe with qkv_bias=False is not supported")
-    if config.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
-        raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")

@@ -7,6 +7,11 @@ Training uses `CausalAttention` (one sequence per row), `DocumentAttention`
 packing, attended segment by segment without a mask); the generator plugs in a paged-KV
 backend (tandem/rl/generator) that uses ``layer_id`` to find its cache. Scale is
 ``1/sqrt(head_dim)`` everywhere.
+
+GPT-OSS layers also have attention sinks and sliding windows: `attend` then calls the backend
+with ``sinks=`` and ``window=`` keywords, which only a backend whose ``sinks_and_windows``
+attribute is True takes (the three training backends here and the generator's paged one);
+any other backend is refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import batch_invariant
+from tandem.kernels.sink_attention import sink_attention, window_mask
 
 
 class AttentionBackend(Protocol):
@@ -50,13 +56,69 @@ def _sdpa(
     return out.transpose(1, 2)  # [B, S, Hq, D]
 
 
+def attend(
+    backend: AttentionBackend,
+    layer_id: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``backend(layer_id, q, k, v)``, with ``sinks`` / ``window`` passed on when the layer
+    has them; ValueError when the backend cannot take them."""
+    if sinks is None and window is None:
+        return backend(layer_id, q, k, v)
+    if not getattr(backend, "sinks_and_windows", False):
+        raise ValueError(
+            f"{type(backend).__name__} cannot run attention sinks or sliding windows "
+            "(GPT-OSS layers); see the 'What composes' table in docs/config.md"
+        )
+    return backend(layer_id, q, k, v, sinks=sinks, window=window)
+
+
+def _masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`sink_attention` on ``[B, S, H, D]`` layouts; ``allowed`` broadcasts to ``[B, H, S, S]``."""
+    out = sink_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, sinks, q.shape[-1] ** -0.5
+    )  # [B, Hq, S, D]
+    return out.transpose(1, 2)  # [B, S, Hq, D]
+
+
+def _window(allowed: torch.Tensor, window: int | None) -> torch.Tensor:
+    """A causal mask ``[..., S, S]`` narrowed to a sliding window, measured in the positions
+    the mask itself implies (a token's position is the number of keys it may see, minus one:
+    a branch after a shared prompt counts from the prompt's end, not from its row index)."""
+    if window is None:
+        return allowed
+    pos = allowed.sum(-1) - 1  # [..., S]
+    return allowed & window_mask(pos, pos, window)
+
+
 class CausalAttention:
     """Plain causal self-attention: every row of the batch is one sequence."""
 
+    sinks_and_windows = True
+
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return _sdpa(q, k, v, mask=None, causal=True)
+        if sinks is None and window is None:
+            return _sdpa(q, k, v, mask=None, causal=True)
+        pos = torch.arange(q.shape[1], device=q.device)
+        return _masked(q, k, v, window_mask(pos, pos, window), sinks)
 
 
 class DocumentAttention:
@@ -66,7 +128,8 @@ class DocumentAttention:
     token j iff ``j <= i`` and both carry the same id. Documents must be
     contiguous within a row. Padding may use id -1: a pad attends to earlier pads
     (never to real tokens), and every row keeps its diagonal, so nothing is NaN.
-    The mask is built once per instance and shared by all layers.
+    The mask is built once per instance and shared by all layers (a sliding-window layer's
+    narrower one too).
 
     Shared prefixes: with ``branch_ids [B, S]``, a document is a prefix (branch
     0) followed by branches 1, 2, ...; a branch token attends to the prefix and
@@ -83,6 +146,9 @@ class DocumentAttention:
             )
         self.doc_ids, self.branch_ids = doc_ids, branch_ids
         self._mask: torch.Tensor | None = None
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    sinks_and_windows = True
 
     @property
     def mask(self) -> torch.Tensor:
@@ -99,9 +165,22 @@ class DocumentAttention:
         return self._mask
 
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return _sdpa(q, k, v, mask=self.mask, causal=False)
+        mask = self.mask
+        if window is not None:
+            if window not in self._windowed:
+                self._windowed[window] = _window(mask, window)
+            mask = self._windowed[window]
+        if sinks is None:
+            return _sdpa(q, k, v, mask=mask, causal=False)
+        return _masked(q, k, v, mask, sinks)
 
 
 class SegmentAttention:
@@ -131,8 +210,16 @@ class SegmentAttention:
             )
         self.gather, self.scatter = gather, scatter
 
+    sinks_and_windows = True
+
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         b, s, hq, d = q.shape
         n, w = self.gather.shape
@@ -141,7 +228,8 @@ class SegmentAttention:
         def segments(x: torch.Tensor) -> torch.Tensor:  # [B, S, H, D] -> [V, W, H, D]
             return x.reshape(b * s, x.shape[2], d).index_select(0, idx).view(n, w, x.shape[2], d)
 
-        out = _sdpa(segments(q), segments(k), segments(v), mask=None, causal=True)  # [V, W, Hq, D]
+        # each segment is one sequence in order: plain (windowed, sinked) causal attention
+        out = CausalAttention()(layer_id, segments(q), segments(k), segments(v), sinks, window)
         return out.reshape(n * w, hq, d).index_select(0, self.scatter).view(b, s, hq, d)
 
 
@@ -149,24 +237,40 @@ class ExactAttention:
     """Batch-invariant attention (``rl.exact``): what `DocumentAttention` computes, each query
     over the keys its mask allows in row order, through `tandem.kernels.batch_invariant.attention`,
     the function the generator's paged attention uses too, so a token's output is the same
-    bits in the training forward as in prefill or decode, whatever shares its batch."""
+    bits in the training forward as in prefill or decode, whatever shares its batch. A
+    sliding-window layer lists only the keys in its window; sinks join each denominator."""
+
+    sinks_and_windows = True
 
     def __init__(self, doc_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> None:
-        self.index, self.length = batch_invariant.mask_key_index(
-            DocumentAttention(doc_ids, branch_ids).mask[:, 0]
-        )
+        self._mask = DocumentAttention(doc_ids, branch_ids).mask
+        self.index, self.length = batch_invariant.mask_key_index(self._mask[:, 0])
+        self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         b, s, hq, d = q.shape
+        index, length = self.index, self.length
+        if window is not None:
+            if window not in self._windowed:
+                mask = _window(self._mask, window)[:, 0]
+                self._windowed[window] = batch_invariant.mask_key_index(mask)
+            index, length = self._windowed[window]
         out = batch_invariant.attention(
             q.reshape(b * s, hq, d),
             k.reshape(b * s, k.shape[2], d),
             v.reshape(b * s, v.shape[2], d),
-            self.index,
-            self.length,
+            index,
+            length,
             d**-0.5,
+            sinks,
         )
         return out.view(b, s, hq, d)
 

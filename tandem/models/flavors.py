@@ -73,6 +73,107 @@ _DEBUG_VL = ModelArgs(
     ),
 )
 
+# GPT-OSS at debug-qwen3-moe's size: every other layer a 16-token sliding window, sinks,
+# biases, the clamped SwiGLU, YaRN RoPE (tandem/models/gpt_oss.py).
+_DEBUG_GPT_OSS = ModelArgs(
+    model_type="gpt_oss",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=150000.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 512,
+    },
+    max_position_embeddings=2048,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_score_func="softmax_topk",
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
+    attention_sinks=True,
+    swiglu_limit=7.0,
+)
+# gpt-oss-20b / -120b: their config.json (GptOssForCausalLM: hidden 2880, 64 q / 8 kv heads of
+# 64, experts of 2880, 4 per token, a 128-token window in every even layer, vocab 201088,
+# untied, rope_theta 150000 with YaRN factor 32 over 4096 positions, 131072 positions,
+# rms_norm_eps 1e-5); 20b: 24 layers of 32 experts, 120b: 36 layers of 128.
+_GPT_OSS_20B = _DEBUG_GPT_OSS.replace(
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_layers=24,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    max_position_embeddings=131072,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=2880,
+    sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 12,
+    eos_token_id=[200002, 199999, 200012],
+)
+
+# DeepSeek-V3 at debug size: MLA (q rank 24, kv rank 16, 8 rotary of 24 key dims, values of
+# 16), one dense layer then MoE (8 experts in 4 groups, 2 groups and 2 experts per token, a
+# shared expert), YaRN with DeepSeek's mscale.
+_DEBUG_DSV3 = ModelArgs(
+    model_type="deepseek_v3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=24,
+    rope_theta=10000.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 512,
+    },
+    max_position_embeddings=2048,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rope_interleave=True,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    shared_expert_intermediate_size=32,
+    mlp_only_layers=[0],
+    moe_score_func="sigmoid",
+    moe_route_scale=2.5,
+    moe_n_group=4,
+    moe_topk_group=2,
+    router_aux_loss_coef=0.0,
+)
+
 FLAVORS: dict[str, ModelArgs] = {
     "debug-qwen3": _DEBUG_QWEN3,
     # debug-qwen3's size in the Llama-3 layout (another family's tiny teacher)
@@ -161,6 +262,8 @@ FLAVORS: dict[str, ModelArgs] = {
             **_VL_CHAR_IDS,
         ),
     ),
+    "debug-gpt-oss": _DEBUG_GPT_OSS,
+    "debug-deepseek-v3": _DEBUG_DSV3,
     # Published sizes, for planning (train.py --plan) before a download; from-scratch training at
     # these sizes is possible but not what they are for. Qwen3-8B: the Qwen3-8B model card (36
     # layers, 32 q / 8 kv heads) and a Qwen3ForCausalLM config.json of that size (hidden 4096,
@@ -258,6 +361,49 @@ FLAVORS: dict[str, ModelArgs] = {
             video_token_id=151656,
         ),
     ),
+    "gpt-oss-20b": _GPT_OSS_20B,
+    "gpt-oss-120b": _GPT_OSS_20B.replace(
+        num_layers=36,
+        num_experts=128,
+        layer_types=["sliding_attention", "full_attention"] * 18,
+    ),
+    # DeepSeek-V3 (671B): its config.json (61 layers of hidden 7168, 128 heads, q rank 1536, kv
+    # rank 512, 128 + 64 key dims, values of 128, the first 3 layers dense of 18432, then 256
+    # experts of 2048 in 8 groups, 4 groups and 8 experts per token, one shared expert, routed
+    # scale 2.5, vocab 129280, untied, rope_theta 10000 with YaRN factor 40 over 4096 positions,
+    # mscale 1 / 1, 163840 positions); its multi-token-prediction layer is not counted.
+    "deepseek-v3": _DEBUG_DSV3.replace(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_layers=61,
+        num_heads=128,
+        num_kv_heads=128,
+        head_dim=192,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=163840,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        shared_expert_intermediate_size=2048,
+        mlp_only_layers=[0, 1, 2],
+        moe_n_group=8,
+        moe_topk_group=4,
+        bos_token_id=0,
+        eos_token_id=[1],
+    ),
 }
 
 
@@ -270,5 +416,6 @@ def get_flavor(name: str) -> ModelArgs:
         rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
         mlp_only_layers=list(args.mlp_only_layers),
         mrope_section=list(args.mrope_section),
+        layer_types=list(args.layer_types),
         vision=copy.deepcopy(args.vision),
     )

@@ -11,7 +11,8 @@ parameter here (``layers.{i}.moe.experts.w1``, expert ``e`` at index ``e``):
 stacked on load, split (copied) on export. A vision-language model's tower keeps HF's
 names (``visual.blocks.{i}.attn.qkv.weight``, ...); its LM is named like Qwen2's
 (transformers 5 writes both so; its in-memory ``model.language_model.`` / ``model.visual.``
-prefixes are read too).
+prefixes are read too). GPT-OSS's router and fused, interleaved experts are translated by
+tandem/models/gpt_oss.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from tandem.models import gpt_oss
 from tandem.models.args import ModelArgs
 from tandem.models.image_processor import CONFIG_FILE as IMAGE_CONFIG
 from tandem.models.image_processor import ImageProcessor
@@ -40,6 +42,17 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Present in some old checkpoints; derived from the config, so safe to drop.
 _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _ignored(name: str, args: ModelArgs) -> bool:
+    """Tensors a folder may hold that the model does not use: old RoPE buffers, and
+    DeepSeek-V3's multi-token-prediction layers (indices past ``num_hidden_layers``)."""
+    if _IGNORED_HF.match(name):
+        return True
+    m = _LAYER.match(name)
+    return args.is_mla and m is not None and int(m.group(1)) >= args.num_layers
+
 
 # (HF pattern, Tandem pattern); {i} is the layer index.
 _NAME_PAIRS = [
@@ -54,6 +67,8 @@ _NAME_PAIRS = [
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "layers.{i}.attention.wo.bias"),  # GPT-OSS
+    ("model.layers.{i}.self_attn.sinks", "layers.{i}.attention.sinks"),  # GPT-OSS
     ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.gate.weight"),
     (
         "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
@@ -68,6 +83,25 @@ _NAME_PAIRS = [
         "layers.{i}.moe.shared_experts.w3.weight",
     ),
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.moe.shared_expert_gate.weight"),
+    # DeepSeek-V3: multi-head latent attention, the router's correction bias, shared experts
+    # (plural on disk; `tandem_to_hf` renames Qwen2-MoE's singular for it)
+    ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.attention.wq_a.weight"),
+    ("model.layers.{i}.self_attn.q_a_layernorm.weight", "layers.{i}.attention.q_a_norm.weight"),
+    ("model.layers.{i}.self_attn.q_b_proj.weight", "layers.{i}.attention.wq_b.weight"),
+    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "layers.{i}.attention.wkv_a.weight"),
+    (
+        "model.layers.{i}.self_attn.kv_a_layernorm.weight",
+        "layers.{i}.attention.kv_a_norm.weight",
+    ),
+    ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.attention.wkv_b.weight"),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+    *(
+        (
+            f"model.layers.{{i}}.mlp.shared_experts.{p}_proj.weight",
+            f"layers.{{i}}.moe.shared_experts.{w}.weight",
+        )
+        for p, w in (("gate", "w1"), ("down", "w2"), ("up", "w3"))
+    ),
 ] + [
     (f"model.layers.{{i}}.self_attn.{p}_proj.{kind}", f"layers.{{i}}.attention.w{p}.{kind}")
     for p in "qkv"
@@ -151,9 +185,12 @@ def hf_to_tandem(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torc
     the embedding tensor (whether or not the HF dict carried ``lm_head.weight``).
     Per-expert tensors are stacked into 3-D parameters."""
     sd = dict(sd)
-    out: dict[str, torch.Tensor] = _stack_experts(sd, args)
+    if args.model_type == "gpt_oss":
+        out: dict[str, torch.Tensor] = gpt_oss.hf_to_tandem(sd)
+    else:
+        out = _stack_experts(sd, args)
     for name, tensor in sd.items():
-        if _IGNORED_HF.match(name):
+        if _ignored(name, args):
             continue
         new = hf_name_to_tandem(name)
         if new is None:
@@ -173,6 +210,9 @@ def tandem_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torc
     Stacked expert parameters become one tensor per expert (copies: safetensors
     refuses tensors that share storage)."""
     out: dict[str, torch.Tensor] = {}
+    if args.model_type == "gpt_oss":
+        sd = dict(sd)
+        out.update(gpt_oss.tandem_to_hf(sd))
     for name, tensor in sd.items():
         m = _TANDEM_EXPERTS.match(name)
         if m:
@@ -183,6 +223,8 @@ def tandem_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torc
         new = tandem_name_to_hf(name)
         if new is None:
             raise KeyError(f"tensor {name!r} has no Hugging Face counterpart")
+        if args.is_mla:
+            new = new.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
         out[new] = tensor
     if args.tie_word_embeddings and "lm_head.weight" in out:
         lm_head = out.pop("lm_head.weight")
@@ -249,10 +291,7 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
     path = Path(path)
     with torch.device("meta"):
         model = make_model(args)
-    sd = model.state_dict()
-    expected = {tandem_name_to_hf(n): list(t.shape) for n, t in sd.items()}
-    experts = {n: t for n, t in sd.items() if _TANDEM_EXPERTS.match(n)}
-    expected.update({n: list(t.shape) for n, t in tandem_to_hf(experts, args).items()})
+    expected = {n: list(t.shape) for n, t in tandem_to_hf(model.state_dict(), args).items()}
     for fname in sorted(set(tensor_files(path).values())):
         with _open_safetensors(path / fname) as f:
             for name in f.keys():
@@ -289,7 +328,7 @@ def read_hf_state_dict(
 def _check_tensor_names(model: Transformer, files: dict[str, str], path: Path) -> None:
     """Clear errors for tensors in the folder the model lacks, and the reverse."""
     expected = set(tandem_to_hf(model.state_dict(), model.args))  # meta model: no copies
-    found = {canonical_hf_name(n) for n in files if not _IGNORED_HF.match(n)}
+    found = {canonical_hf_name(n) for n in files if not _ignored(n, model.args)}
     if model.args.tie_word_embeddings:
         found.discard("lm_head.weight")
     unknown = sorted(found - expected)
@@ -315,7 +354,7 @@ def load_model(
     _check_tensor_names(model, files, path)
     check_weight_shapes(path, args)
     model.to_empty(device=device).to(dtype)
-    hf_sd = read_hf_state_dict(path, [n for n in files if not _IGNORED_HF.match(n)])
+    hf_sd = read_hf_state_dict(path, [n for n in files if not _ignored(n, args)])
     model.load_state_dict(hf_to_tandem(hf_sd, args), strict=True)
     model.reset_rope()
     return model

@@ -6,7 +6,10 @@ DeepSeek-V3 selection bias), the experts are SwiGLUs stacked as 3-D parameters (
 shards under expert parallelism) run dropless through
 `tandem.kernels.grouped_gemm.grouped_mm`, plus an optional shared expert. Each forward
 records its routing, tokens per expert and the auxiliary and z losses as attributes of the
-block; ``token_mask`` keeps padding out of them. The formulas: docs/models.md.
+block; ``token_mask`` keeps padding out of them. GPT-OSS's variant (``moe_score_func =
+"softmax_topk"``): the router has a bias and softmaxes the ``k`` largest logits only, and
+each expert has biases and the clamped SwiGLU of tandem/models/gpt_oss.py. The formulas:
+docs/models.md.
 """
 
 from __future__ import annotations
@@ -17,29 +20,56 @@ from torch import nn
 
 from tandem.kernels.grouped_gemm import grouped_mm, permute_tokens, unpermute_tokens
 from tandem.models.args import ModelArgs
+from tandem.models.gpt_oss import clamped_swiglu
 from tandem.models.mlp import FeedForward
 
 
 class GroupedExperts(nn.Module):
-    """``E`` SwiGLU experts with stacked weights; `forward` runs pre-sorted tokens."""
+    """``E`` SwiGLU experts with stacked weights; `forward` runs pre-sorted tokens.
 
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+    ``bias``: each projection adds its expert's bias (``b1``/``b3`` ``[E, I]``, ``b2`` ``[E,
+    D]``); ``limit > 0``: GPT-OSS's clamped activation (`clamped_swiglu`) instead of SiLU."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        bias: bool = False,
+        limit: float = 0.0,
+        alpha: float = 1.702,
+    ) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # gate [E, I, D]
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down [E, D, I]
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up   [E, I, D]
+        self.limit, self.alpha = limit, alpha
+        self.b1 = self.b2 = self.b3 = None
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden))  # [E, I]
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))  # [E, D]
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden))  # [E, I]
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x_sorted ``[R, D]`` grouped by expert (``offsets`` ``[E]`` int32 cumulative) ->
         ``[R, D]``."""
         gate = grouped_mm(x_sorted, self.w1.transpose(1, 2), offsets)  # [R, I]
         up = grouped_mm(x_sorted, self.w3.transpose(1, 2), offsets)  # [R, I]
-        return grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offsets)  # [R, D]
+        if self.b1 is None:
+            return grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offsets)  # [R, D]
+        rows = torch.arange(x_sorted.shape[0], device=offsets.device)
+        expert = torch.searchsorted(offsets, rows.to(offsets.dtype), right=True)  # [R]
+        gate, up = gate + self.b1[expert], up + self.b3[expert]
+        h = clamped_swiglu(gate, up, self.limit, self.alpha) if self.limit else F.silu(gate) * up
+        return grouped_mm(h, self.w2.transpose(1, 2), offsets) + self.b2[expert]  # [R, D]
 
     @torch.no_grad()
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, mean=0.0, std=std, generator=generator)
+        for b in (self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)
 
 
 class MoE(nn.Module):
@@ -51,8 +81,16 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = e, args.num_experts_per_tok
         self.norm_topk_prob, self.score_func = args.norm_topk_prob, args.moe_score_func
         self.route_scale = args.moe_route_scale
-        self.gate = nn.Linear(d, e, bias=False)  # router [E, D]
-        self.experts = GroupedExperts(e, d, args.moe_intermediate_size)
+        self.n_group, self.topk_group = args.moe_n_group, args.moe_topk_group
+        self.gate = nn.Linear(d, e, bias=args.has_biases)  # router [E, D]
+        self.experts = GroupedExperts(
+            e,
+            d,
+            args.moe_intermediate_size,
+            bias=args.has_biases,
+            limit=args.swiglu_limit,
+            alpha=args.swiglu_alpha,
+        )
         self.shared_experts: FeedForward | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if args.shared_expert_intermediate_size:
@@ -74,11 +112,21 @@ class MoE(nn.Module):
         """x ``[T, D]`` -> (logits ``[T, E]``, scores ``[T, E]`` fp32, ids ``[T, k]``, weights ``[T,
         k]`` fp32)."""
         logits = self.gate(x)  # [T, E]
+        if self.score_func == "softmax_topk":  # GPT-OSS: softmax over the chosen logits only
+            top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype).float()
+            return logits, torch.softmax(logits.float(), dim=-1), ids, weights * self.route_scale
         if self.score_func == "softmax":
             scores = torch.softmax(logits.float(), dim=-1)
         else:
             scores = torch.sigmoid(logits.float())
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:  # DeepSeek-V3: only experts of the best topk_group groups
+            t, per = choice.shape[0], self.num_experts // self.n_group
+            best = choice.view(t, self.n_group, per).topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = torch.zeros_like(best, dtype=torch.bool)
+            keep.scatter_(1, best.topk(self.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
         ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, ids)  # [T, k], unbiased
         if self.norm_topk_prob:
@@ -122,7 +170,7 @@ def load_balancing_loss(
     """``E * sum_e (counts_e / T) * mean_t p[t, e]``; scores ``[T, E]``, counts ``[E]``
     top-k hits."""
     t, e = scores.shape
-    probs = scores if score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    probs = scores if score_func != "sigmoid" else scores / scores.sum(dim=-1, keepdim=True)
     f = counts.to(torch.float32) / max(t, 1)  # [E]
     return e * (f * probs.float().mean(dim=0)).sum()
 

@@ -27,12 +27,60 @@ from tandem.models.args import ModelArgs, rope_type
 
 def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (fp32), llama3-scaled when configured."""
-    dim = args.head_dim
+    dim = args.rope_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim  # [D/2]
+    kind = rope_type(args.rope_scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(args.rope_theta, dim, args.rope_scaling, device)
     inv_freq = 1.0 / (args.rope_theta**exponents)
-    if rope_type(args.rope_scaling) == "llama3":
+    if kind == "llama3":
         inv_freq = _llama3_scale(inv_freq, args.rope_scaling, args.max_position_embeddings)
     return inv_freq
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What cos and sin are multiplied by: YaRN's ``0.1 * ln(factor) + 1`` (or the config's
+    ``attention_factor``), 1 for the other variants."""
+    scaling = args.rope_scaling or {}
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale()  # DeepSeek's: a ratio
+
+
+def _yarn_inv_freq(
+    theta: float, dim: int, scaling: dict, device: torch.device | str | None
+) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than ``beta_slow`` times over the
+    original context are divided by ``factor`` (interpolated), those turning more than
+    ``beta_fast`` times are kept (extrapolated), and a linear ramp over the dimension index
+    blends the two in between; ``truncate`` rounds the ramp's ends to whole dimensions."""
+    factor = float(scaling["factor"])
+    context = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    base = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)  # [D/2]
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(
+        0, 1
+    )
+    keep = 1 - ramp  # share of the extrapolated (unscaled) frequency
+    return 1.0 / (factor * base) * (1 - keep) + 1.0 / base * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> torch.Tensor:
@@ -63,6 +111,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.args = args
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.attention_factor = rope_attention_factor(args)
 
     def reset(self) -> None:
         self.inv_freq = rope_inv_freq(self.args, device=self.inv_freq.device)
@@ -85,7 +134,10 @@ class RotaryEmbedding(nn.Module):
             parts = freqs.split(self.args.mrope_section, dim=-1)
             freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [B, S, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:  # YaRN
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

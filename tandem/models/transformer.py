@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, and their MoE kin) in plain PyTorch.
+"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, their MoE kin, GPT-OSS, DeepSeek-V3).
 
 The module tree mirrors torchtitan's Llama so parallel/ can address it by name:
 ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed "0".."L-1" so a
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.args import ModelArgs
-from tandem.models.attention import AttentionBackend, CausalAttention
+from tandem.models.attention import AttentionBackend, CausalAttention, attend
+from tandem.models.mla import MLAttention
 from tandem.models.mlp import FeedForward, linear_of
 from tandem.models.moe import MoE
 from tandem.models.rope import RotaryEmbedding, apply_rotary
@@ -53,7 +54,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Projections, q/k-norm and RoPE around an attention backend.
 
-    ``layer_id`` is passed to the backend so a KV-cache backend knows its layer.
+    ``layer_id`` is passed to the backend so a KV-cache backend knows its layer; a GPT-OSS
+    layer also passes its ``sinks [Hq]`` and sliding ``window`` (`tandem.models.attention.attend`).
     """
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
@@ -68,7 +70,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d, args.num_heads * hd, bias=args.qkv_bias)
         self.wk = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
         self.wv = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.num_heads * hd, d, bias=False)
+        self.wo = nn.Linear(args.num_heads * hd, d, bias=args.has_biases)
+        self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
+        self.window = args.window(layer_id)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.wqkv: nn.Linear | None = None  # q, k and v in one (`fuse`)
@@ -88,7 +92,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn(self.layer_id, q, k, v)  # [B, S, Hq, Dh]
+        out = attend(attn, self.layer_id, q, k, v, self.sinks, self.window)  # [B, S, Hq, Dh]
         return self.wo(out.reshape(b, s, self.num_heads * self.head_dim))  # [B, S, D]
 
     @torch.no_grad()
@@ -109,7 +113,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = Attention(args, layer_id)
+        self.attention = (
+            MLAttention(args, layer_id, RMSNorm) if args.is_mla else Attention(args, layer_id)
+        )
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.is_moe_layer(layer_id):
             self.moe = MoE(args)
@@ -221,6 +227,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, MoE):
                 module.init_weights(INIT_STD, gen)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)
         self.reset_rope()
 
     def forward(

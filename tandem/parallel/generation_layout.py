@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import batch_invariant
@@ -47,6 +46,7 @@ from tandem.parallel.ac import clean_fqn
 from tandem.parallel.mesh import new_groups
 from tandem.parallel.quant_copy import on_arrival, quant_buffers, quant_metrics, tensor_amax
 from tandem.parallel.reshard import Box, Resharder, held
+from tandem.parallel.tp_modules import RowParallel, VocabParallelEmbedding, VocabParallelHead
 
 HEADROOM = 0.9  # share of a device a phase may fill; the rest: allocator, CUDA context, NCCL
 
@@ -67,6 +67,12 @@ _RULES: list[tuple[re.Pattern[str], int | None]] = [
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w[13]\.weight$"), 0),
     (re.compile(r"layers\.\d+\.moe\.shared_experts\.w2\.weight$"), 1),
     (re.compile(r"layers\.\d+\.moe\.(gate\.weight|shared_expert_gate\.weight|expert_bias)$"), None),
+    # GPT-OSS's sinks (per query head), o / router / expert biases. Its generation tp > 1 is
+    # refused (tandem/rl/config/composes.py: a row-parallel bias would be summed tp times);
+    # these rules size it for the planner
+    (re.compile(r"layers\.\d+\.attention\.sinks$"), 0),
+    (re.compile(r"layers\.\d+\.moe\.experts\.b[13]$"), 1),
+    (re.compile(r"layers\.\d+\.(attention\.wo\.bias|moe\.gate\.bias|moe\.experts\.b2)$"), None),
     # a vision-language model's tower: whole on every rank of a group
     (re.compile(r"^visual\."), None),
     # LoRA adapters (tandem/models/lora.py): a column-parallel projection's A whole and B split by
@@ -237,49 +243,6 @@ def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-class RowParallel(nn.Module):
-    """A linear layer over a slice of its input features; outputs summed over the group."""
-
-    def __init__(self, inner: nn.Module, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.inner, self.group = inner, group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)
-        dist.all_reduce(y, group=self.group)
-        return y
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding rows ``[start, start + rows)`` of the vocabulary; lookups summed over the group."""
-
-    def __init__(self, weight: nn.Parameter, start: int, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.weight, self.start, self.group = weight, start, group
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside[..., None], 0.0)
-        dist.all_reduce(out, group=self.group)
-        return out
-
-
-class VocabParallelHead(nn.Module):
-    """LM head over one vocabulary shard; the logits of all shards gathered (``[..., vocab]``)."""
-
-    def __init__(self, weight: nn.Parameter, vocab: int, group: dist.ProcessGroup, tp: int) -> None:
-        super().__init__()
-        self.weight, self.vocab, self.group, self.tp = weight, vocab, group, tp
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        local = F.linear(h, self.weight).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.tp)]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)[..., : self.vocab]
-
-
 def shard_modules(model: nn.Module, args: ModelArgs, layout: GenerationLayout) -> None:
     """Wrap a shard-sized `Transformer`'s row-parallel and vocabulary modules, in place
     (after its weights are loaded and its inference layout is applied: parameter names
@@ -320,7 +283,10 @@ def auto_tp(
     keeps on the device) and the ``kv_bytes`` pool, fits in `HEADROOM` of ``device_bytes``; the
     largest such ``g`` when none fits. A group is ``g`` consecutive ranks, so ``g`` dividing
     ``devices_per_node`` keeps it inside a node: its two all-reduces per layer never cross the
-    network. The run and the planner (``train.py --plan``) both call this."""
+    network. The run and the planner (``train.py --plan``) both call this. GPT-OSS and
+    DeepSeek-V3 get 1: their generation tp is refused yet (tandem/rl/config/composes.py)."""
+    if args.model_type in ("gpt_oss", "deepseek_v3"):
+        return 1
     bound = math.gcd(world, devices_per_node)
     degrees = [
         g for g in range(1, bound + 1) if bound % g == 0 and check_divisible(args, g) is None

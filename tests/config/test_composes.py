@@ -36,6 +36,8 @@ ON: dict[str, tuple[list[str], dict]] = {
     "V": ([], {"args": SimpleNamespace(vision=object(), num_experts=0)}),
     "H": (["env.kind=http", "reward.functions=[]"], {}),
     "M": ([], {"args": SimpleNamespace(vision=None, num_experts=8)}),
+    "gpt_oss": ([], {"args": SimpleNamespace(vision=None, num_experts=0, model_type="gpt_oss")}),
+    "mla": ([], {"args": SimpleNamespace(vision=None, num_experts=0, model_type="deepseek_v3")}),
     "T": (["parallel.tp=2"], {}),
     "P": (["parallel.pp=2"], {}),
     "E": (["env.name=tool"], {}),

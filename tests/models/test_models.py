@@ -322,13 +322,21 @@ def test_args_from_hf_legacy_keys_and_derived_head_dim():
 
 
 @pytest.mark.parametrize(
-    "scaling", [{"rope_type": "yarn", "factor": 4.0}, {"type": "linear", "factor": 2.0}]
+    "scaling", [{"rope_type": "longrope", "factor": 4.0}, {"type": "linear", "factor": 2.0}]
 )
 def test_unsupported_rope_scaling_is_a_clear_error(scaling):
     cfg = tiny_hf_config("qwen2").to_dict()
     cfg.pop("rope_parameters", None)
     cfg["rope_scaling"] = scaling
     with pytest.raises(ValueError, match="unsupported rope scaling"):
+        ModelArgs.from_hf(cfg)
+
+
+def test_yarn_without_its_context_is_a_clear_error():
+    cfg = tiny_hf_config("qwen2").to_dict()
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="yarn rope_scaling is missing"):
         ModelArgs.from_hf(cfg)
 
 

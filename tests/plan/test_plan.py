@@ -343,3 +343,17 @@ def test_smallest_layout_is_the_hand_count():
     }
     sft = Planner(get_flavor("qwen3-8b"), dataclasses.replace(s, recipe="sft"))
     assert [(x.tp, x.pp, x.dp_shard) for x in sft.candidates(8, 8)] == [(1, 1, 8)]
+
+
+@pytest.mark.parametrize("flavor", ["gpt-oss-20b", "deepseek-v3"])
+def test_new_families_plan_only_layouts_that_compose(flavor):
+    """GPT-OSS and DeepSeek-V3 refuse tp and rollout.tp (and GPT-OSS ep) in the composes
+    table: the planner's candidates and its auto rollout.tp, like the run's, keep to 1."""
+    args = get_flavor(flavor)
+    planner = Planner(args, Settings(tokens=8192, ac="full", kv_cache_gb=4.0))
+    lays = planner.candidates(16, 8)
+    assert lays and all(lay.tp == 1 for lay in lays)
+    assert {lay.ep for lay in lays} == ({1} if flavor == "gpt-oss-20b" else {1, 8, 16})
+    assert planner.auto_rollout_tp(Layout(dp_shard=16), 80e9, 8) == 1
+    dense = Planner(get_flavor("qwen3-32b"), Settings(tokens=8192, ac="full", kv_cache_gb=4.0))
+    assert dense.auto_rollout_tp(Layout(dp_shard=16), 40e9, 8) > 1  # the rule, where it applies

@@ -124,6 +124,16 @@ _FEATURES: dict[str, Feature] = {
         _model(lambda a: getattr(a, "num_experts", 0) > 0),
         "M",
     ),
+    "gpt_oss": Feature(
+        "model",
+        "a GPT-OSS model (attention sinks, sliding windows, biased experts)",
+        _model(lambda a: getattr(a, "model_type", "") == "gpt_oss"),
+    ),
+    "mla": Feature(
+        "model",
+        "a DeepSeek-V3 model (multi-head latent attention)",
+        _model(lambda a: getattr(a, "model_type", "") == "deepseek_v3"),
+    ),
     "tp": Feature("parallel.tp", "parallel.tp > 1", lambda f: f.cfg.parallel.tp > 1, "T"),
     "pp": Feature("parallel.pp", "parallel.pp > 1", lambda f: f.cfg.parallel.pp > 1, "P"),
     "multi_turn": Feature(
@@ -394,6 +404,21 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "P",
         "pipeline stages do not split the experts",
         "set parallel.pp = 1; use parallel.tp or parallel.ep",
+    ),
+    (
+        "gpt_oss",
+        "F C T rollout_tp ep expert_lora",
+        "sinks and sliding windows run in the training, batch-invariant and paged backends "
+        "only (not the FP8-rounding or cp ones), and the tp, ep and expert-adapter code does "
+        "not carry the sinks or the experts' biases",
+        "unset the other",
+    ),
+    (
+        "mla",
+        "T rollout_tp L",
+        "the tp plans and LoRA's q/k/v targets name the wq/wk/wv projections, which latent "
+        "attention replaces by low-rank ones",
+        "unset the other",
     ),
     (
         "share_prompts",

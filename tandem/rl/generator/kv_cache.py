@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem import device as seam
+from tandem.kernels import batch_invariant
 from tandem.kernels import kv_quant as kvq
 from tandem.kernels.dispatch import use_triton
 from tandem.kernels.paged_attention import (
@@ -29,6 +30,7 @@ from tandem.kernels.paged_attention import (
     store_kv_slots,
     valid_slots,
 )
+from tandem.kernels.sink_attention import paged_sink_attention, paged_sink_attention_exact
 from tandem.models.args import ModelArgs
 from tandem.rl.core.configlib import ConfigError
 
@@ -179,7 +181,12 @@ class PagedMeta:
 
 
 class PagedAttention:
-    """Attention backend for the model's seam: store new K/V, attend over the pages."""
+    """Attention backend for the model's seam: store new K/V, attend over the pages.
+
+    A GPT-OSS layer (``sinks`` / ``window`` given) attends through the PyTorch reference
+    `paged_sink_attention` on every device (no Triton kernel for sinks yet)."""
+
+    sinks_and_windows = True
 
     def __init__(
         self, cache: KVCache, meta: PagedMeta, scale: float, impl: str | None = None
@@ -190,7 +197,13 @@ class PagedAttention:
         self._slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         # q [1, T, Hq, D], k/v [1, T, Hkv, D]: the step's tokens of all sequences, flattened.
         kc, vc = self.cache.data[layer_id, 0], self.cache.data[layer_id, 1]
@@ -212,6 +225,13 @@ class PagedAttention:
                     q.shape[1],
                     m.max_q_len,
                 )
+        if sinks is not None or window is not None:
+            exact = batch_invariant.enabled()
+            out = (paged_sink_attention_exact if exact else paged_sink_attention)(
+                q[0], kc, vc, m.block_tables, m.cu_seqlens_q, m.context_lens, self.scale,
+                sinks, window,
+            )  # fmt: skip
+            return out.unsqueeze(0)
         out = paged_attention(
             q[0],
             kc,

@@ -69,7 +69,8 @@ class ModelRunner:
             # captured graph cannot hold: with the torch kernels on CUDA, decode runs eagerly.
             capture = False
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and (capture or graphs_capture is False):
+        plain = not model.args.sinks_or_windows  # GPT-OSS decodes through PagedAttention only
+        if cuda_graphs and (capture or graphs_capture is False) and plain:
             self.graphs = DecodeGraphs(
                 self._logits,
                 cache,
@@ -81,6 +82,7 @@ class ModelRunner:
         self.mirror: DecodeMirror | None = None
         if (
             decode_mirror
+            and plain
             and self.graphs is None
             and cache.data.dtype == torch.float32
             and not batch_invariant.enabled()

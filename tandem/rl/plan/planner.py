@@ -576,6 +576,11 @@ class Planner:
             kv_bytes=self.s.kv_cache_gb * GB,
         )
 
+    @property
+    def _no_tp(self) -> bool:
+        """GPT-OSS and DeepSeek-V3 run tp = rollout.tp = 1 so far (tandem/rl/config/composes.py)."""
+        return self.args.model_type in ("gpt_oss", "deepseek_v3")
+
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl
         recipe only, as the other recipes shard with FSDP2 alone), least model parallelism first.
@@ -588,6 +593,7 @@ class Planner:
             if world % tp == 0
             and check_divisible(self.args, tp) is None
             and (tp == 1 or self.s.recipe == "rl")
+            and (tp == 1 or not self._no_tp)
         ]
         if self.args.is_moe:
             out = []
@@ -598,7 +604,10 @@ class Planner:
                     {
                         e
                         for e in sizes
-                        if 1 < e <= dp and dp % e == 0 and self.args.num_experts % e == 0
+                        if 1 < e <= dp
+                        and dp % e == 0
+                        and self.args.num_experts % e == 0
+                        and self.args.model_type != "gpt_oss"  # ep refused (composes.py)
                     }
                 )
                 out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
