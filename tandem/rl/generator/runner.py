@@ -156,7 +156,7 @@ class ModelRunner:
         decode = out.is_pure_decode and not (
             self.vision is not None and self.vision.has_images(out.chunks)
         )
-        step = self.mirror.plan(out.chunks) if decode else None
+        step = self.mirror.plan(out.chunks, not out.block_copies) if decode else None
         if step is None:
             # they get tokens through the pages
             self.mirror.forget(c.seq.seq_id for c in out.chunks)
