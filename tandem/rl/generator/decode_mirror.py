@@ -77,7 +77,7 @@ class DecodeMirror:
         n, bs = len(chunks), self.cache.block_size
         ctx = [c.end for c in chunks]
         width = max(ctx)
-        if not self._reserve(n, width):
+        if not self.reserve(n, width):
             self.seq_ids, self.lengths = [], []
             self.too_big += 1
             return None
@@ -141,7 +141,7 @@ class DecodeMirror:
         b = self._bias
         return b is not None and b.device == self.rows.device and b.shape[2] == self.rows.shape[4]
 
-    def _reserve(self, n: int, width: int) -> bool:
+    def reserve(self, n: int, width: int) -> bool:
         """Room for n rows of ``width`` positions (grown geometrically, within the pool's size)."""
         rows, cap = self.rows.shape[2], self.rows.shape[4]
         if n <= rows and width <= cap:
@@ -176,6 +176,16 @@ class DecodeMirror:
         layers = pages.shape[0]
         pages = pages.view(layers, 2, len(rows), nb * bs, self.kv_heads, self.head_dim)[:, :, :, :w]
         self.rows[:, :, rows, :, :w] = pages.permute(0, 1, 2, 4, 3, 5)  # -> [L, 2, n, Hkv, w, D]
+
+    def store(self, step: MirrorStep, new: torch.Tensor) -> None:
+        """Write a step's new K/V ``[L, 2, N, Hkv, D]`` (every layer) into rows 0..N-1 at each
+        row's position and into the pool at its slot: what `MirrorAttention` does per layer."""
+        n = new.shape[2]
+        index = torch.arange(n, device=new.device)
+        # rows[:, :, i, :, p]: the two indexed dims go first, [N, L, 2, Hkv, D]
+        self.rows[:, :, index, :, step.positions] = new.permute(2, 0, 1, 3, 4)
+        pool = self.cache.data
+        pool.view(*pool.shape[:2], -1, *pool.shape[4:]).index_copy_(2, step.slots, new)
 
 
 class MirrorAttention:
