@@ -15,6 +15,7 @@ from tandem.models.flavors import get_flavor
 from tandem.models.transformer import Transformer
 from tandem.rl.generator import compiled_decode as cd
 from tandem.rl.generator.engine import GenerationSettings, Generator
+from tandem.rl.generator.sampler import hash_uniforms
 from tandem.rl.generator.sequence import SamplingParams
 
 # prompt lengths 1-60: contexts cross the width step (64) while the batch shrinks
@@ -41,7 +42,8 @@ def _run(model, compile_decode, params, n=2):
 @pytest.mark.slow
 def test_compiled_decode_samples_what_eager_samples(model, tmp_path, monkeypatch):
     """Greedy and seeded sampling: the same tokens, log-probs within 1e-5, over batches of
-    10 down to 1 row (padded to 2) and widths of 64 and 128; and auto's measurement."""
+    10 down to 1 row (padded to 2) and widths of 64 and 128; the compiled noise's bits; and
+    auto's measurement."""
     greedy = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i) for i in range(len(PROMPTS))]
     sampled = [
         SamplingParams(temperature=1.0, top_k=20, max_tokens=12 + 3 * i, seed=11 + i)
@@ -59,7 +61,12 @@ def test_compiled_decode_samples_what_eager_samples(model, tmp_path, monkeypatch
                 torch.tensor(b.raw_logprobs), torch.tensor(a.raw_logprobs), atol=1e-5, rtol=0
             )
 
-    # Not bit for bit, which is why rl.exact keeps the eager step.
+    # The sampler's compiled noise uniforms: the very bits, so tokens never change by them.
+    for rows, vocab in ((3, 512), (17, 1000), (40, 4099)):
+        keys = torch.randint(0, 2**32, (rows, 2), dtype=torch.int64)
+        assert torch.equal(cd.compiled_uniforms()(keys, vocab), hash_uniforms(keys, vocab))
+
+    # The step is not bit for bit, which is why rl.exact keeps the eager step.
     args = model.args
     rows = torch.randn(args.num_layers, 2, 4, args.num_kv_heads, 64, args.head_dim)
     ids, lengths = torch.tensor([1, 2, 3, 4]), torch.tensor([5, 17, 40, 63])

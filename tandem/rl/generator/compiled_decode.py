@@ -43,6 +43,7 @@ import torch
 from tandem import device as seam
 from tandem.models.transformer import Transformer
 from tandem.rl.generator.decode_mirror import DecodeMirror, MirrorStep
+from tandem.rl.generator.sampler import hash_uniforms
 
 WIDTH_STEP = 64  # the attended width is rounded up to a multiple of this
 
@@ -131,6 +132,7 @@ class CompiledDecode:
 
 
 _COMPILED = None
+_UNIFORMS = None
 
 
 def compiled_step():  # noqa: ANN201 - torch.compile's wrapper
@@ -140,6 +142,16 @@ def compiled_step():  # noqa: ANN201 - torch.compile's wrapper
     if _COMPILED is None:
         _COMPILED = torch.compile(_step, dynamic=True, fullgraph=True)
     return _COMPILED
+
+
+def compiled_uniforms():  # noqa: ANN201 - torch.compile's wrapper
+    """The sampler's `hash_uniforms` under torch.compile (one fused loop instead of a dozen
+    int64 passes over [rows, V]): integer arithmetic and exact conversions, so the same bits,
+    and the sampled tokens do not change (the log after it stays eager)."""
+    global _UNIFORMS
+    if _UNIFORMS is None:
+        _UNIFORMS = torch.compile(hash_uniforms, dynamic=True, fullgraph=True)
+    return _UNIFORMS
 
 
 # ---- whether to compile: the process's setting and the once-per-machine measurement --------

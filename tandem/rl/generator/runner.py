@@ -30,7 +30,13 @@ from tandem.kernels import batch_invariant
 from tandem.kernels.dispatch import use_triton
 from tandem.models.attention import AttentionBackend
 from tandem.models.transformer import Transformer
-from tandem.rl.generator.compiled_decode import CompiledDecode, choose, process_choice, supported
+from tandem.rl.generator.compiled_decode import (
+    CompiledDecode,
+    choose,
+    compiled_uniforms,
+    process_choice,
+    supported,
+)
 from tandem.rl.generator.cuda_graphs import DecodeGraphs
 from tandem.rl.generator.decode_mirror import DecodeMirror, MirrorAttention
 from tandem.rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
@@ -95,6 +101,8 @@ class ModelRunner:
         ):
             self.mirror = DecodeMirror(cache, max_model_len or model.args.max_position_embeddings)
         self.compiled = self._compiled(compile_decode)
+        if self.compiled is not None:  # its noise too: the same bits, a fused loop
+            self.sampler = Sampler(uniforms=compiled_uniforms())
 
     def _compiled(self, setting: bool | str | None) -> CompiledDecode | None:
         """The compiled decode step (compiled_decode.py) if the setting, or else the process's
