@@ -116,6 +116,25 @@ def test_exact_and_moe_keep_the_eager_step(model):
     assert Generator(model, _settings()).runner.compiled is None
 
 
+def test_a_step_that_does_not_compile_runs_eagerly(model, monkeypatch):
+    """A model the compiler cannot take (here: a compile that raises) falls back to the eager
+    step at its first decode step, with the eager step's tokens; the noise to the eager
+    hash."""
+
+    def fails(*args):
+        raise RuntimeError("cannot trace")
+
+    monkeypatch.setattr(cd, "compiled_step", lambda: fails)
+    params = [SamplingParams(temperature=0.0, max_tokens=6)] * 5  # greedy: no noise
+    ref, _ = _run(model, False, params)
+    out, compiled = _run(model, True, params)
+    assert compiled.failed and compiled.steps == 0
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    monkeypatch.setattr(cd, "_UNIFORMS", fails)  # the noise likewise: the eager hash's bits
+    keys = torch.randint(0, 2**32, (3, 2), dtype=torch.int64)
+    assert torch.equal(cd.compiled_uniforms()(keys, 64), hash_uniforms(keys, 64))
+
+
 def test_setting_is_checked():
     with pytest.raises(ValueError, match="compile_decode: expected true, false or 'auto'"):
         cd.set_compile_decode("yes")

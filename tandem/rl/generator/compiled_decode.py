@@ -32,6 +32,7 @@ repay even the cheapest compile is not measured at all.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -46,6 +47,7 @@ from tandem.rl.generator.decode_mirror import DecodeMirror, MirrorStep
 from tandem.rl.generator.sampler import hash_uniforms
 
 WIDTH_STEP = 64  # the attended width is rounded up to a multiple of this
+log = logging.getLogger(__name__)
 
 
 class _RowsAttention:
@@ -108,11 +110,15 @@ class CompiledDecode:
         self.model, self.mirror, self.scale = model, mirror, scale
         self.fn = compiled_step()
         self.steps = 0  # steps served
+        self.failed = False  # the first compile failed: eager from then on
         self.shapes: set[tuple[int, int]] = set()  # (rows, width) run so far
 
     def logits(self, step: MirrorStep, rope: torch.Tensor) -> torch.Tensor | None:
         """Logits [N, V] of a planned mirror step (its new K/V then stored in the rows and the
-        pool), or None when the padded step would outgrow the pool's size."""
+        pool), or None when the padded step would outgrow the pool's size or the step does not
+        compile."""
+        if self.failed:
+            return None
         n = step.tokens.shape[0]
         size = max(n, 2)
         width = -(-max(step.width - 1, 2) // WIDTH_STEP) * WIDTH_STEP
@@ -124,7 +130,14 @@ class CompiledDecode:
             zeros = tokens.new_zeros(size - n)
             tokens, rope, lengths = (torch.cat((t, zeros)) for t in (tokens, rope, lengths))
         rows = m.rows[:, :, :size, :, :width]  # [L, 2, B, Hkv, W, D], a view
-        logits, new = self.fn(self.model, tokens, rope, lengths, rows, self.scale)
+        try:
+            logits, new = self.fn(self.model, tokens, rope, lengths, rows, self.scale)
+        except Exception as e:  # noqa: BLE001 - a model the compiler cannot take runs eagerly
+            if self.steps:
+                raise  # it compiled and ran before: a real error
+            log.warning("compile_decode: the step did not compile (%s); it runs eagerly", e)
+            self.failed = True
+            return None
         self.shapes.add((size, width))
         self.steps += 1
         m.store(step, new[:, :, :n])
@@ -144,14 +157,30 @@ def compiled_step():  # noqa: ANN201 - torch.compile's wrapper
     return _COMPILED
 
 
-def compiled_uniforms():  # noqa: ANN201 - torch.compile's wrapper
+def compiled_uniforms() -> Callable[[torch.Tensor, int], torch.Tensor]:
     """The sampler's `hash_uniforms` under torch.compile (one fused loop instead of a dozen
     int64 passes over [rows, V]): integer arithmetic and exact conversions, so the same bits,
-    and the sampled tokens do not change (the log after it stays eager)."""
+    and the sampled tokens do not change (the log after it stays eager). If its first call
+    does not compile, it is `hash_uniforms` from then on."""
     global _UNIFORMS
     if _UNIFORMS is None:
         _UNIFORMS = torch.compile(hash_uniforms, dynamic=True, fullgraph=True)
-    return _UNIFORMS
+    fn, ran = _UNIFORMS, False
+
+    def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        nonlocal fn, ran
+        try:
+            out = fn(keys, vocab_size)
+        except Exception as e:  # noqa: BLE001 - no compiler here: the eager hash, same bits
+            if ran:
+                raise
+            log.warning("compile_decode: the noise did not compile (%s); it runs eagerly", e)
+            fn = hash_uniforms
+            out = fn(keys, vocab_size)
+        ran = True
+        return out
+
+    return uniforms
 
 
 # ---- whether to compile: the process's setting and the once-per-machine measurement --------
@@ -231,7 +260,12 @@ def choose(
             _decided[key, decode_steps, path] = False
             return False
         t0 = time.perf_counter()
-        _time_step(compiled_step(), model, scale, rows, width, repeat=1)  # compiles
+        try:
+            _time_step(compiled_step(), model, scale, rows, width, repeat=1)  # compiles
+        except Exception as e:  # noqa: BLE001 - a model the compiler cannot take runs eagerly
+            log.warning("compile_decode: the step did not compile (%s); it runs eagerly", e)
+            _decided[key, decode_steps, path] = False
+            return False
         compile_s = time.perf_counter() - t0  # (and two steps)
         compiled_ms = _time_step(compiled_step(), model, scale, rows, width)
         eager_ms = min(eager_ms, _time_step(_step, model, scale, rows, width))
