@@ -110,7 +110,11 @@ class ModelRunner:
         ``rl.exact``, where compiled and eager logits differ in their last bits)."""
         mode, decode_steps = process_choice()
         mode = mode if setting is None else setting
-        if mode is False or self.mirror is None:
+        if mode is False:
+            return None
+        if self.mirror is None:
+            if mode is True:  # rl.exact, the Triton kernels, CUDA graphs or a non-fp32 pool
+                log.warning("compile_decode: decode steps do not run on the mirror; eager")
             return None
         why = supported(self.model)
         if why is not None:
