@@ -19,9 +19,12 @@ weights never say EOS, so EOS is ignored and the variants fix the lengths:
 (``--warmup``): Tandem on the whole first variant (Triton compiles per shape class),
 transformers on 2 prompts x 16 tokens. ``--layout-row`` times Tandem's other rollout-copy
 layout against its default, before and after (on the CPU the fused oneDNN layout of
-``rollout.cpu_onednn``; on CUDA the unfused training layout).
+``rollout.cpu_onednn``; on CUDA the unfused training layout). ``--compile-row`` times its
+compiled decode step (``advanced.compile_decode``; compiled in the warm-up) against the eager
+one, run before and after it, and against transformers.
 
     python -m bench.generate --threads 2
+    python -m bench.generate --threads 1 --variants fixed,greedy --compile-row
     python -m bench.generate --device cuda --dtype bfloat16 --hidden 1024 --layers 16
 """
 
@@ -85,6 +88,7 @@ def run_tandem(
     variant: str,
     lengths: list[int],
     other_layout: bool = False,
+    compile_decode: bool = False,
 ) -> tuple[float, list[list[int]]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = load_model(path, device=device, dtype=dtype).eval().requires_grad_(False)
@@ -100,6 +104,7 @@ def run_tandem(
         max_num_batched_tokens=args.batched_tokens,
         seed=0,
         cuda_graphs=args.cuda_graphs,
+        compile_decode=compile_decode,
     )
     greedy = variant == "greedy"
     n = 1 if greedy else args.n
@@ -199,6 +204,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also time Tandem's other rollout-copy layout (CPU: oneDNN; CUDA: unfused)",
     )
     ap.add_argument(
+        "--compile-row",
+        action="store_true",
+        help="also time Tandem with its compiled decode step (advanced.compile_decode = true), "
+        "eager before and after it, against transformers",
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="a tiny model and workload (the test suite's run)"
     )
     args = ap.parse_args(argv)
@@ -219,13 +230,16 @@ def main(argv: list[str] | None = None) -> None:
         rng.randint(max(1, args.max_tokens // 4), args.max_tokens)
         for _ in range(len(prompts) * args.n)
     ]
-    rows, layout_rows = [], []
+    rows, layout_rows, compile_rows = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         write_model(tmp, args)
         small = argparse.Namespace(**{**vars(args), "max_tokens": 16, "n": 2})
         for _ in range(args.warmup):
             run_tandem(tmp, prompts, args, args.variants.split(",")[0], lengths)
             run_hf(tmp, prompts[:2], small, "fixed", lengths)
+            if args.compile_row:  # compiles (the step's dynamic graph and the noise's)
+                first = args.variants.split(",")[0]
+                run_tandem(tmp, prompts, args, first, lengths, compile_decode=True)
         for variant in args.variants.split(","):
             t_tandem, out_t = run_tandem(tmp, prompts, args, variant, lengths)
             if args.layout_row:
@@ -234,6 +248,12 @@ def main(argv: list[str] | None = None) -> None:
                 same = sum(a == b for a, b in zip(out_t, out_o))
                 layout_rows.append((variant, t_tandem, t_again, t_other, same, len(out_t)))
             t_hf, out_h = run_hf(tmp, prompts, args, variant, lengths)
+            if args.compile_row:  # eager, compiled, eager again, all after transformers
+                t_e1, out_e = run_tandem(tmp, prompts, args, variant, lengths)
+                t_c, out_c = run_tandem(tmp, prompts, args, variant, lengths, compile_decode=True)
+                t_e2, _ = run_tandem(tmp, prompts, args, variant, lengths)
+                same = sum(a == b for a, b in zip(out_e, out_c))
+                compile_rows.append((variant, t_e1, t_e2, t_c, t_hf, same, len(out_c)))
             n_tok = sum(map(len, out_t))
             assert n_tok == sum(map(len, out_h)), (
                 "both engines must generate the same number of tokens"
@@ -276,6 +296,23 @@ def main(argv: list[str] | None = None) -> None:
                 f"{name:<8} {t1:>7.2f}, {t2:>6.2f} {to:>9.2f} {to / ((t1 + t2) / 2):>15.2f}x "
                 f"{f'{same}/{total}':>12}"
             )
+    if compile_rows:
+        print_compile_rows(compile_rows)
+
+
+def print_compile_rows(rows: list[tuple]) -> None:
+    """Eager (before and after) vs compiled decode steps (`advanced.compile_decode`) vs
+    transformers, like for like; ratios against transformers and against eager."""
+    print(
+        f"{'variant':<8} {'eager s':>13} {'compiled s':>11} {'hf s':>7} {'hf/eager':>9} "
+        f"{'hf/compiled':>12} {'eager/compiled':>15} {'same tokens':>12}"
+    )
+    for name, e1, e2, tc, th, same, total in rows:
+        eager = (e1 + e2) / 2
+        print(
+            f"{name:<8} {e1:>6.2f},{e2:>6.2f} {tc:>11.2f} {th:>7.2f} {th / eager:>8.2f}x "
+            f"{th / tc:>11.2f}x {eager / tc:>14.2f}x {f'{same}/{total}':>12}"
+        )
 
 
 if __name__ == "__main__":

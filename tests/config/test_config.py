@@ -145,6 +145,7 @@ def every_field_changed() -> Config:
             share_prompts=False,
             pp_microbatches=8,
             dump_rollouts=True,
+            compile_decode=False,
         ),
     )
 

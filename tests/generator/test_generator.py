@@ -390,6 +390,7 @@ def test_decode_mirror_equals_page_gather(model, num_blocks):
     out = gen.generate(PROMPTS, params, n=3)
     mirror = gen.runner.mirror
     assert mirror is not None and mirror.steps >= 8 and mirror.moved > 0 and mirror.refilled > 0
+    assert mirror.advanced > 0  # steps that advanced the last one's tensors in place
     if num_blocks == 24:
         assert gen.stats.preemptions > 0 and mirror.too_big > 0
     assert_same_samples(flat(ref), flat(out))
@@ -401,7 +402,7 @@ def test_decode_mirror_random_workloads(model):
     split steps, prefix sharing on and off, greedy / sampled / top-k rows, and one multi-turn
     episode per workload): the mirror gives the page gather's tokens and log-probs."""
     rng = random.Random(0)
-    used = 0
+    used = advanced = 0
     for _ in range(24):
         bs = rng.choice([1, 2, 4, 8, 16])
         prompts = [
@@ -449,6 +450,7 @@ def test_decode_mirror_random_workloads(model):
             assert gen.pool_is_free()
             runs.append((out, seq, other, gen.runner.mirror))
         (ref, ref_seq, ref_other, _), (got, seq, other, mirror) = runs
-        used += mirror.steps
+        used, advanced = used + mirror.steps, advanced + mirror.advanced
         assert_same_samples(flat(ref) + [ref_seq, ref_other], flat(got) + [seq, other])
     assert used > 400  # the mirror served most decode steps (565 with this seed)
+    assert advanced > 300  # most advanced the last step's tensors in place (409 with this seed)

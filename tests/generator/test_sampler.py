@@ -183,7 +183,7 @@ def test_noise_computed_ahead_gives_the_same_tokens(monkeypatch) -> None:
     monkeypatch.setattr(
         sampler_module,
         "exponential_noise",
-        lambda keys, *a: calls.append(len(keys)) or real(keys, *a),
+        lambda keys, *a, **kw: calls.append(len(keys)) or real(keys, *a, **kw),
     )
     torch.manual_seed(3)
     steps = [[(s, i) for s in (5, 6, 7)] for i in range(10, 20)]

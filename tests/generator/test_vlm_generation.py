@@ -131,6 +131,27 @@ def test_greedy_equals_transformers(setup, layout, block_size, num_blocks, budge
     assert all(p.images is None or p.images.rows is None for p in prompts)
 
 
+@pytest.mark.slow
+def test_compiled_decode_greedy_equals_transformers(setup):
+    """The compiled decode step (advanced.compile_decode) on a vision-language model: its
+    text-only decode steps (M-RoPE positions past the images) give transformers' tokens."""
+    folder, prompts = setup
+    model = load_model(folder).eval()
+    settings = GenerationSettings(
+        block_size=4, num_blocks=512, max_model_len=400, compile_decode=True
+    )
+    gen = Generator(model, settings, eos_token_ids=load_args(folder).eos_token_id)
+    out = gen.generate(
+        [p.token_ids for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        n=3,
+        images=[p.images for p in prompts],
+    )
+    assert gen.runner.compiled is not None and gen.runner.compiled.steps > 0
+    for group, ref in zip(out, _hf_greedy(folder, prompts)):
+        assert all(c.token_ids == ref for c in group)
+
+
 @torch.no_grad()
 def test_sampled_logprobs_equal_a_full_forward(setup):
     """Sampling at temperature 1: every sampled token's raw log-prob equals the training

@@ -189,6 +189,10 @@ class AdvancedConfig:
     # completions as branches (same gradients, fewer tokens); none = on unless parallel.pp > 1 (true
     # there is an error)
     pp_microbatches: int = 0  # micro-batches per pipeline schedule; 0 = the pp degree
+    compile_decode: Literal["auto"] | bool = "auto"  # the generator's pure decode steps on the
+    # CPU (PyTorch attention, fp32 pool) through one torch.compile'd step; auto = where its
+    # measured saving (once per machine and model shape, cached on disk) repays the compile
+    # over training.steps x rollout.max_tokens decode steps; never under rl.exact or for MoE
     dump_rollouts: bool = False  # rl: every rank appends each step's samples (prompt, completion
     # ids, generator log-probs) to job.dump_folder/rollouts/rank-N.jsonl
 

@@ -15,7 +15,9 @@ A step whose batch differs from the last one (a sequence finished, joined or
 came back) first moves the rows that are still current to their new places
 and refills the others from the pool. A sequence that got tokens any other way
 (a prefill, an extend, a recompute after preemption) is forgotten, so a row
-only ever holds what the pool holds. The mirror grows with the batch and never
+only ever holds what the pool holds. While the batch stays the same (most steps), the
+step's tensors (positions, slots, the mask's bias) are last step's, advanced in place,
+not rebuilt from lists. The mirror grows with the batch and never
 takes more bytes than the pool; a step that would need more runs on the page
 gather instead.
 """
@@ -53,21 +55,29 @@ class DecodeMirror:
         self.seq_ids: list[int] = []  # the sequence of row i
         # positions of row i that hold the pool's values; -1: forgotten
         self.lengths: list[int] = []
-        # steps served, rows moved / refilled, steps refused
-        self.steps = self.moved = self.refilled = self.too_big = 0
+        # steps served, rows moved / refilled, steps refused, steps that advanced the last one
+        self.steps = self.moved = self.refilled = self.too_big = self.advanced = 0
+        # the last step's tensors, advanced in place while the batch stays the same
+        self._positions = self._slots = self._index = torch.empty(0, dtype=torch.long)
+        self._bias: torch.Tensor | None = None  # [N, Hkv, cap]: 0 in context, -inf past it
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         """These sequences got tokens another way: their rows no longer match the pool."""
         drop = set(seq_ids)
         self.lengths = [-1 if s in drop else n for s, n in zip(self.seq_ids, self.lengths)]
 
-    def plan(self, chunks: list[ScheduledChunk]) -> MirrorStep | None:
+    def plan(self, chunks: list[ScheduledChunk], same_blocks: bool = True) -> MirrorStep | None:
         """Lay out the rows for a pure decode step (one sampled token per chunk), or None
-        (every row forgotten) when the step's rows would outgrow the pool's size."""
+        (every row forgotten) when the step's rows would outgrow the pool's size.
+
+        When the step's sequences are the last step's, in the same rows, each one token
+        further, the last step's tensors are advanced in place (positions and slots + 1, the
+        new position unmasked) instead of rebuilt; ``same_blocks=False`` (the step copied
+        blocks on write, which may move a sequence's last block) rebuilds them."""
         n, bs = len(chunks), self.cache.block_size
         ctx = [c.end for c in chunks]
         width = max(ctx)
-        if not self._reserve(n, width):
+        if not self.reserve(n, width):
             self.seq_ids, self.lengths = [], []
             self.too_big += 1
             return None
@@ -90,31 +100,48 @@ class DecodeMirror:
         if refill:
             self._refill(refill, chunks)
         self.moved, self.refilled = self.moved + len(src), self.refilled + len(refill)
+        advance = same_blocks and not (src or refill) and n == len(self.seq_ids) and self._valid()
         # once the step has written its tokens
         self.seq_ids, self.lengths = [c.seq.seq_id for c in chunks], ctx
         self.steps += 1
-
         dev = self.rows.device
         tokens = torch.tensor(
             [c.seq.token_ids[c.start] for c in chunks], dtype=torch.long, device=dev
         )
-        positions = torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev)
-        slots = torch.tensor(
-            [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
-            dtype=torch.int64,
-            device=dev,
-        )
-        lens = torch.tensor(ctx, device=dev)
-        bias = torch.zeros(n, width, dtype=self.rows.dtype, device=dev)
-        bias.masked_fill_(torch.arange(width, device=dev)[None, :] >= lens[:, None], float("-inf"))
-        bias = (
-            bias[:, None, None, :]
-            .expand(n, self.kv_heads, 1, width)
-            .reshape(n * self.kv_heads, 1, width)
-        )
-        return MirrorStep(tokens, positions, slots, bias, width)
+        if advance:  # the same sequences, one token further: advance last step's tensors
+            self.advanced += 1
+            positions, slots, bias = self._positions, self._slots, self._bias
+            positions.add_(1)
+            slots.add_(1)
+            crossed = [i for i, c in enumerate(chunks) if c.start % bs == 0]  # a new block
+            if crossed:
+                first = [chunks[i].seq.block_table[chunks[i].start // bs] * bs for i in crossed]
+                slots[crossed] = torch.tensor(first, dtype=torch.int64, device=dev)
+            bias[self._index, :, positions] = 0.0  # the new token joins each row's context
+        else:
+            positions = torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev)
+            slots = torch.tensor(
+                [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
+                dtype=torch.int64,
+                device=dev,
+            )
+            cap = self.rows.shape[4]
+            bias = torch.zeros(n, cap, dtype=self.rows.dtype, device=dev)
+            lens = torch.tensor(ctx, device=dev)
+            bias.masked_fill_(torch.arange(cap, device=dev)[None, :] >= lens[:, None], -torch.inf)
+            bias = bias[:, None, :].expand(n, self.kv_heads, cap).contiguous()  # [N, Hkv, cap]
+            self._positions, self._slots, self._bias = positions, slots, bias
+            self._index = torch.arange(n, device=dev)
+        # [N * Hkv, 1, width], a view of the [N, Hkv, cap] buffer
+        step_bias = bias[:, :, :width].reshape(n * self.kv_heads, 1, width)
+        return MirrorStep(tokens, positions, slots, step_bias, width)
 
-    def _reserve(self, n: int, width: int) -> bool:
+    def _valid(self) -> bool:
+        """Whether last step's tensors still describe rows 0..N-1 (same buffer, same device)."""
+        b = self._bias
+        return b is not None and b.device == self.rows.device and b.shape[2] == self.rows.shape[4]
+
+    def reserve(self, n: int, width: int) -> bool:
         """Room for n rows of ``width`` positions (grown geometrically, within the pool's size)."""
         rows, cap = self.rows.shape[2], self.rows.shape[4]
         if n <= rows and width <= cap:
@@ -149,6 +176,16 @@ class DecodeMirror:
         layers = pages.shape[0]
         pages = pages.view(layers, 2, len(rows), nb * bs, self.kv_heads, self.head_dim)[:, :, :, :w]
         self.rows[:, :, rows, :, :w] = pages.permute(0, 1, 2, 4, 3, 5)  # -> [L, 2, n, Hkv, w, D]
+
+    def store(self, step: MirrorStep, new: torch.Tensor) -> None:
+        """Write a step's new K/V ``[L, 2, N, Hkv, D]`` (every layer) into rows 0..N-1 at each
+        row's position and into the pool at its slot: what `MirrorAttention` does per layer."""
+        n = new.shape[2]
+        index = torch.arange(n, device=new.device)
+        # rows[:, :, i, :, p]: the two indexed dims go first, [N, L, 2, Hkv, D]
+        self.rows[:, :, index, :, step.positions] = new.permute(2, 0, 1, 3, 4)
+        pool = self.cache.data
+        pool.view(*pool.shape[:2], -1, *pool.shape[4:]).index_copy_(2, step.slots, new)
 
 
 class MirrorAttention:

@@ -44,6 +44,8 @@ class GenerationSettings:
     # (tests)
     decode_mirror: bool = True  # PyTorch attention path: decode steps read contiguous rows, not
     # gathered pages
+    compile_decode: bool | str | None = None  # decode steps on the mirror through a compiled
+    # step (compiled_decode.py): True | False | "auto"; None: the process's choice (off unless set)
     step_delay_s: float = 0.0  # sleep after every step (a slow generator, for drills)
     kv_dtype: str = "auto"  # "auto": pages in the model's dtype; "fp8_e4m3" | "fp8_e5m2": FP8 pages
     kv_scales: str = "calibrated"  # FP8: "calibrated" (the Generator's kv_scales) | "per_token"
@@ -145,6 +147,7 @@ class Generator:
             max_model_len=max_len,
             graphs_capture=settings.graphs_capture,
             decode_mirror=settings.decode_mirror,
+            compile_decode=settings.compile_decode,
             agree=agree,
         )
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
@@ -319,7 +322,7 @@ class Generator:
             self.runner.graphs = None
         self.cache = None  # type: ignore[assignment]
         self.runner.cache = None  # type: ignore[assignment]
-        self.runner.mirror = None
+        self.runner.mirror = self.runner.compiled = None
         if self.runner.vision is not None:
             self.runner.vision.release()
 

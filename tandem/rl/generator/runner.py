@@ -12,12 +12,15 @@ forces the padded path for testing, and every step on the PyTorch attention
 path (``advanced.kernels = "torch"``), runs eagerly. On the PyTorch attention path (off CUDA, fp32
 caches) pure decode steps read contiguous per-sequence rows kept by a
 `DecodeMirror` instead of gathering the pages at every layer
-(``decode_mirror=False``: always gather). A vision-language model's steps get their
-M-RoPE positions and image rows from `VisionSteps` (tandem/rl/generator/vision.py).
+(``decode_mirror=False``: always gather); with ``compile_decode`` those steps go through one
+torch.compile'd step (`CompiledDecode`, tandem/rl/generator/compiled_decode.py). A
+vision-language model's steps get their M-RoPE positions and image rows from `VisionSteps`
+(tandem/rl/generator/vision.py).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -27,6 +30,13 @@ from tandem.kernels import batch_invariant
 from tandem.kernels.dispatch import use_triton
 from tandem.models.attention import AttentionBackend
 from tandem.models.transformer import Transformer
+from tandem.rl.generator.compiled_decode import (
+    CompiledDecode,
+    choose,
+    compiled_uniforms,
+    process_choice,
+    supported,
+)
 from tandem.rl.generator.cuda_graphs import DecodeGraphs
 from tandem.rl.generator.decode_mirror import DecodeMirror, MirrorAttention
 from tandem.rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
@@ -34,6 +44,8 @@ from tandem.rl.generator.routing import RoutingRecorder
 from tandem.rl.generator.sampler import Sampler
 from tandem.rl.generator.scheduler import SchedulerOutput
 from tandem.rl.generator.vision import VisionSteps
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -48,6 +60,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         graphs_capture: bool | None = None,
         decode_mirror: bool = True,
+        compile_decode: bool | str | None = None,
         agree: Callable[..., tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         self.model, self.cache, self.impl, self.agree = model, cache, impl, agree
@@ -89,6 +102,30 @@ class ModelRunner:
             and not use_triton(cache.data, impl)
         ):
             self.mirror = DecodeMirror(cache, max_model_len or model.args.max_position_embeddings)
+        self.compiled = self._compiled(compile_decode)
+        if self.compiled is not None:  # its noise too: the same bits, a fused loop
+            self.sampler = Sampler(uniforms=compiled_uniforms())
+
+    def _compiled(self, setting: bool | str | None) -> CompiledDecode | None:
+        """The compiled decode step (compiled_decode.py) if the setting, or else the process's
+        choice, asks for it and this generator's decode steps run on a mirror (so never under
+        ``rl.exact``, where compiled and eager logits differ in their last bits)."""
+        mode, decode_steps = process_choice()
+        mode = mode if setting is None else setting
+        if mode is False:
+            return None
+        if self.mirror is None:
+            if mode is True:  # rl.exact, the Triton kernels, CUDA graphs or a non-fp32 pool
+                log.warning("compile_decode: decode steps do not run on the mirror; eager")
+            return None
+        why = supported(self.model)
+        if why is not None:
+            if mode is True:
+                log.warning("compile_decode: %s; decode steps run eagerly", why)
+            return None
+        if mode == "auto" and not choose(self.model, self.scale, decode_steps):
+            return None
+        return CompiledDecode(self.model, self.mirror, self.scale)
 
     def _logits(
         self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -158,7 +195,7 @@ class ModelRunner:
         decode = out.is_pure_decode and not (
             self.vision is not None and self.vision.has_images(out.chunks)
         )
-        step = self.mirror.plan(out.chunks) if decode else None
+        step = self.mirror.plan(out.chunks, not out.block_copies) if decode else None
         if step is None:
             # they get tokens through the pages
             self.mirror.forget(c.seq.seq_id for c in out.chunks)
@@ -169,6 +206,10 @@ class ModelRunner:
             rope = torch.tensor(
                 self.vision.rope_1d(out.chunks), dtype=torch.long, device=rope.device
             )
+        if self.compiled is not None:
+            logits = self.compiled.logits(step, rope)
+            if logits is not None:
+                return logits
         return self._logits(step.tokens, rope, MirrorAttention(self.mirror, step, self.scale))
 
     def _inputs(self, out: SchedulerOutput, positions: torch.Tensor) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -100,31 +101,39 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return _mix32_(x.clone())
 
 
+def hash_uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1) [n, V] fp32 of row keys [n, 2] (two 32-bit words in int64) and every
+    vocabulary id: integer arithmetic and exact conversions only, so a compiled form of it
+    (`tandem.rl.generator.compiled_decode.compiled_uniforms`) gives the same bits."""
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]  # [1, V]
+    k0, k1 = keys[:, 0:1], keys[:, 1:2]  # [n, 1] each
+    h = (vocab + k0).bitwise_and_(_M32)  # [n, V]
+    _mix32_(_mix32_(h).bitwise_xor_(k1))  # [n, V] in [0, 2**32)
+    return (h >> 9).to(torch.float32).add_(0.5).mul_(2.0**-23)  # exact in fp32, inside (0, 1)
+
+
 def exponential_noise(
     step_keys: list[tuple[int, int]],
     vocab_size: int,
     device: torch.device | str = "cpu",
     impl: str | None = None,
+    uniforms: Callable[[torch.Tensor, int], torch.Tensor] = hash_uniforms,
 ) -> torch.Tensor:
     """E ~ Exp(1) i.i.d. per (row, token), a pure function of (seed, index, token). [N, V] fp32.
 
     ``impl="triton"`` (or ``advanced.kernels = "triton"``) computes it with
     `tandem.kernels.sampling_noise.noise_in_one_pass` instead (not yet timed on a GPU).
+    ``uniforms``: `hash_uniforms` or a function giving its very bits (a compiled form).
     """
     keys = torch.tensor(_row_keys(step_keys), dtype=torch.int64, device=device).reshape(
         -1, 2
     )  # [N, 2]
     if use_one_pass_noise(keys, impl):
         return noise_in_one_pass(keys, vocab_size)
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]  # [1, V]
     out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32, device=device)
     rows = max(1, _NOISE_CHUNK_ELEMS // max(vocab_size, 1))
     for r in range(0, keys.shape[0], rows):
-        k0, k1 = keys[r : r + rows, 0:1], keys[r : r + rows, 1:2]  # [n, 1] each
-        h = (vocab + k0).bitwise_and_(_M32)  # [n, V]
-        _mix32_(_mix32_(h).bitwise_xor_(k1))  # [n, V] in [0, 2**32)
-        u = (h >> 9).to(torch.float32).add_(0.5).mul_(2.0**-23)  # exact in fp32, inside (0, 1)
-        out[r : r + rows] = u.log_().neg_()
+        out[r : r + rows] = uniforms(keys[r : r + rows], vocab_size).log_().neg_()
     return out
 
 
@@ -140,8 +149,13 @@ class Sampler:
     each step computes its own noise.
     """
 
-    def __init__(self, ahead: int = 8, budget: int = 1 << 21) -> None:
-        self.ahead, self.budget = ahead, budget
+    def __init__(
+        self,
+        ahead: int = 8,
+        budget: int = 1 << 21,
+        uniforms: Callable[[torch.Tensor, int], torch.Tensor] = hash_uniforms,
+    ) -> None:
+        self.ahead, self.budget, self.uniforms = ahead, budget, uniforms
         self._row_of: dict[tuple[int, int], int] = {}  # key -> its row in the current block
         self._block: torch.Tensor | None = None  # [rows, V] noise of the current block
 
@@ -151,7 +165,7 @@ class Sampler:
         """Exp(1) noise [N, V] for these keys (see `exponential_noise`), a new tensor."""
         ahead = min(self.ahead, self.budget // max(len(step_keys) * v, 1))
         if ahead < 2:
-            return exponential_noise(step_keys, v, device)
+            return exponential_noise(step_keys, v, device, uniforms=self.uniforms)
         block = self._block
         if (
             block is None
@@ -162,7 +176,7 @@ class Sampler:
             keys = [
                 (seed, index + j) for seed, index in dict.fromkeys(step_keys) for j in range(ahead)
             ]
-            self._block = block = exponential_noise(keys, v, device)
+            self._block = block = exponential_noise(keys, v, device, uniforms=self.uniforms)
             self._row_of = {k: i for i, k in enumerate(keys)}
         return block.index_select(
             0, torch.tensor([self._row_of[k] for k in step_keys], device=device)

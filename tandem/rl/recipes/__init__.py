@@ -90,11 +90,14 @@ def run(cfg: Any, info: Any) -> int:
     """Run the configured recipe in the shell, every kernel as ``advanced.kernels`` picks;
     returns the exit status."""
     from tandem.kernels.dispatch import chosen_kernels, set_kernels
+    from tandem.rl.generator.compiled_decode import process_choice, set_compile_decode
     from tandem.rl.recipes.loop import run_recipe
 
-    before = chosen_kernels()
+    before, compiling = chosen_kernels(), process_choice()
     set_kernels(cfg.advanced.kernels)
+    set_compile_decode(cfg.advanced.compile_decode, cfg.training.steps * cfg.rollout.max_tokens)
     try:
         return run_recipe(RECIPES.get(cfg.training.recipe).make(), cfg, info)
     finally:
         set_kernels(before)
+        set_compile_decode(*compiling)
