@@ -234,7 +234,7 @@ class RolloutConfig:
     suspended_kv: Literal["keep", "offload", "recompute"] = "keep"  # colocated_async: a
     # suspended sequence's KV stays in device memory through the update (keep), goes to host
     # memory and back (offload), or is freed and recomputed with the new weights (recompute)
-    # FP8 KV pool (docs/fp8-kv.md)
+    # FP8 KV pool (docs/low-precision.md)
     kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # KV pool entries: auto, the
     # generation dtype; fp8_*: one byte each, so kv_cache_gb holds about twice the sequences
     # of bf16 (four times fp32's)

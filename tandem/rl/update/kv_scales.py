@@ -1,4 +1,4 @@
-"""FP8 KV scales that follow the policy (``rollout.kv_dtype``; docs/fp8-kv.md).
+"""FP8 KV scales that follow the policy (``rollout.kv_dtype``; docs/low-precision.md).
 
 With calibrated scales (``rollout.kv_scales = "calibrated"``) the rollout's FP8 pool divides
 every key and value by one power-of-two scale per (layer, K or V, KV head). They come from
