@@ -122,11 +122,13 @@ class Shell:
                 return self._interrupted(str(e))
         finally:
             self.watchdog.stop()
-            self.preempt.uninstall()
-            if self.recipe is not None:
-                self.recipe.close()
-            if self.logger is not None:
-                self.logger.close()
+            try:  # a stop signal while the run closes is absorbed: the run ends as it would have
+                if self.recipe is not None:
+                    self.recipe.close()
+                if self.logger is not None:
+                    self.logger.close()
+            finally:
+                self.preempt.uninstall()
 
     def _announce(self) -> None:
         """The start-up line, and the resolved config as config.toml in the dump folder (kept
