@@ -173,3 +173,23 @@ def test_the_drop_budget_drops_the_first_failing_groups_in_stream_order():
     b = DropBudget(2)
     both = {0: True, 1: False, 2: True, 3: False, 4: False, 5: True, 6: False}
     assert b.decide(both) == ({1, 3}, {4, 6})
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_drop_budget_in_any_completion_order_drops_the_first_failing_groups(seed):
+    """Groups complete one by one in a random order: the groups dropped are exactly the first B
+    failing ones in stream order (the synchronous rule), and each is decided once."""
+    from tandem.rl.rollout.inflight import DropBudget
+
+    rng = random.Random(seed)
+    n, budget = rng.randint(1, 30), rng.randint(0, 8)
+    passes = {p: rng.random() < 0.4 for p in range(n)}
+    b, groups, dropped, kept = DropBudget(budget), dict.fromkeys(range(n)), set(), set()
+    for pos in rng.sample(range(n), n):
+        groups[pos] = passes[pos]
+        d, k = b.decide({p: v for p, v in groups.items() if p not in dropped | kept})
+        assert not (d | k) & (dropped | kept)
+        dropped |= d
+        kept |= k
+    failing = [p for p in range(n) if not passes[p]]
+    assert dropped == set(failing[:budget]) and kept == set(failing[budget:])

@@ -136,19 +136,18 @@ class DropBudget:
         the failing ones the incomplete groups before it still decide waits (in neither)."""
         drop: set[int] = set()
         keep: set[int] = set()
-        for pos in sorted(groups):
-            if groups[pos] is not False or pos in self.failed:
-                continue
-            fails = sum(1 for p in self.failed if p < pos)
-            fails += sum(
-                1 for p, v in groups.items() if p < pos and v is False and p not in self.failed
-            )
-            unknown = sum(1 for p, v in groups.items() if p < pos and v is None)
-            if fails + unknown < self.budget:
-                drop.add(pos)
-            elif fails >= self.budget:
-                keep.add(pos)
-            else:
-                continue
-            self.failed.add(pos)
+        fails = unknown = 0  # failing (decided or not) and incomplete groups before ``pos``
+        for pos in sorted(groups.keys() | self.failed):  # one pass: this runs every decode step
+            state, failed = groups.get(pos), pos in self.failed
+            if state is False and not failed:
+                if fails + unknown < self.budget:
+                    drop.add(pos)
+                    self.failed.add(pos)
+                elif fails >= self.budget:
+                    keep.add(pos)
+                    self.failed.add(pos)
+            if failed or state is False:
+                fails += 1
+            elif state is None:
+                unknown += 1
         return drop, keep
