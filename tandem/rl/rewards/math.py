@@ -16,9 +16,10 @@ import logging
 import re
 from collections.abc import Mapping
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sympy
+if TYPE_CHECKING:
+    import sympy
 
 from tandem.rl.rewards.registry import register_reward
 
@@ -217,10 +218,26 @@ class _ParseError(Exception):
     pass
 
 
+@functools.cache
+def _sympy() -> Any:
+    """sympy, imported on first use: every process that loads the reward registry (each rank
+    and each reward worker) would otherwise pay its import (about 1 s on a busy 2-core machine)
+    before any symbolic answer is seen."""
+    import sympy
+
+    return sympy
+
+
+def prepare_worker() -> None:
+    """Called once by each reward worker before it takes work (tandem/rl/workers)."""
+    _sympy()
+
+
 _TOKEN_RE = re.compile(r"\s*(\\[a-zA-Z]+|\d+(?:\.\d+)?|\.\d+|[a-zA-Z]+|\*\*|[-+*/^(){}\[\]])")
-_FUNCS = {"sin": sympy.sin, "cos": sympy.cos, "tan": sympy.tan, "ln": sympy.log,
-          "log": sympy.log, "exp": sympy.exp, "sqrt": sympy.sqrt}  # fmt: skip
-_CONSTS = {"pi": sympy.pi, "infty": sympy.oo}
+# names -> sympy attributes (sympy is imported on first use: `_sympy`)
+_FUNCS = {"sin": "sin", "cos": "cos", "tan": "tan", "ln": "log", "log": "log", "exp": "exp",
+          "sqrt": "sqrt"}  # fmt: skip
+_CONSTS = {"pi": "pi", "infty": "oo"}
 _GREEK = {"alpha", "beta", "gamma", "delta", "theta", "lambda", "mu", "sigma", "phi", "omega"}
 _MUL_OPS = {"*", "\\cdot", "\\times"}
 _DIV_OPS = {"/", "\\div"}
@@ -334,7 +351,7 @@ class _Parser:
     def atom(self) -> sympy.Expr:
         tok = self.take()
         if tok[0].isdigit() or tok[0] == ".":
-            return sympy.Rational(tok)
+            return _sympy().Rational(tok)
         if tok in ("(", "{"):
             e = self.expr()
             self.take(")" if tok == "(" else "}")
@@ -352,15 +369,16 @@ class _Parser:
                 n = self.expr()
                 self.take("]")
                 return _safe_pow(self.group(), 1 / n)
-            return sympy.sqrt(self.group())
+            return _sympy().sqrt(self.group())
         if name in _CONSTS:
-            return _CONSTS[name]
+            return getattr(_sympy(), _CONSTS[name])
         if name in _FUNCS:
             if self.peek() == "(":
-                return _FUNCS[name](self.atom())
-            return _FUNCS[name](self.group() if self.peek() == "{" else self.power())
+                return getattr(_sympy(), _FUNCS[name])(self.atom())
+            arg = self.group() if self.peek() == "{" else self.power()
+            return getattr(_sympy(), _FUNCS[name])(arg)
         if (len(tok) == 1 and tok.isalpha()) or (tok.startswith("\\") and name in _GREEK):
-            return sympy.Symbol(name)
+            return _sympy().Symbol(name)
         raise _ParseError(f"unsupported token {tok!r}")
 
 
@@ -435,7 +453,7 @@ def _symbolic_equal(a: str, b: str) -> bool:
     try:
         if ea == eb:
             return True
-        return bool(sympy.simplify(ea - eb) == 0)
+        return bool(_sympy().simplify(ea - eb) == 0)
     except Exception:  # sympy raises a zoo of types on odd input
         return False
 

@@ -123,7 +123,9 @@ def _worker_main(
     _cap_memory(memory_mb)
     for mod in modules:
         try:
-            importlib.import_module(mod)
+            # a module's `prepare_worker` pays its lazy imports here, before "ready", so that
+            # they never count against a reward's timeout
+            getattr(importlib.import_module(mod), "prepare_worker", lambda: None)()
         except Exception:  # pragma: no cover - surfaces as errors of that module's rewards
             pass
     conn.send(("ready", -1, 0.0, str(os.getpid())))

@@ -25,6 +25,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import resource_tracker
+from typing import Any
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -54,8 +55,9 @@ def ignore_stop_signals() -> None:
 
 def stop_workers(workers: list) -> None:
     """Stop pool workers (each with ``.conn`` and ``.proc``): ask them to exit (a ``None``
-    message), kill stragglers after 2 s, and always join them (no zombies). Shared by the
-    reward and environment pools."""
+    message), kill stragglers after 2 s, and always join them (no zombies). A worker that has
+    not said it is ready holds no work: it is killed at once rather than waited for (it would
+    read the message only after its imports). Shared by the reward and environment pools."""
     import pickle
     import time
 
@@ -66,9 +68,18 @@ def stop_workers(workers: list) -> None:
             pass
     deadline = time.monotonic() + 2.0
     for w in workers:
+        if not w.ready and not _said_anything(w.conn):  # still starting
+            w.proc.kill()
         w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if w.proc.is_alive():
             w.proc.kill()
             w.proc.join(timeout=5.0)
         w.conn.close()
     workers.clear()
+
+
+def _said_anything(conn: Any) -> bool:
+    try:
+        return conn.poll()
+    except (OSError, ValueError):  # a broken pipe: the worker is gone
+        return False
