@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from tandem.parallel.distributed import init_distributed
-from tandem.rl.core.checkpoint import MARKER, Checkpointer, committed_steps
+from tandem.rl.core.checkpoint import Checkpointer, committed_steps
+from tandem.rl.core.checkpoint_sums import MARKER
 
 
 def _model_and_opt(seed):

@@ -18,8 +18,9 @@ import torch
 import torch.nn as nn
 
 from tandem.parallel.distributed import init_distributed
-from tandem.rl.core import checkpoint as ckpt_mod
-from tandem.rl.core.checkpoint import SUMS, Checkpointer, CheckpointError, committed_steps
+from tandem.rl.core import checkpoint_sums as sums_mod
+from tandem.rl.core.checkpoint import Checkpointer, CheckpointError, committed_steps
+from tandem.rl.core.checkpoint_sums import SUMS
 from tests.fixtures import sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +84,7 @@ def test_dcp_exceptions_are_one_line_and_sigint_in_a_save_is_keyboard_interrupt(
         r"state_dict: optim",
     ):
         Checkpointer(str(tmp_path)).load(2, m, sgd)
-    real = ckpt_mod._HashingWriter.write_data
+    real = sums_mod.HashingWriter.write_data
 
     def write_then(error):
         def write_data(self, plan, planner):
@@ -94,14 +95,14 @@ def test_dcp_exceptions_are_one_line_and_sigint_in_a_save_is_keyboard_interrupt(
 
         return write_data
 
-    monkeypatch.setattr(ckpt_mod._HashingWriter, "write_data", write_then(OSError))
+    monkeypatch.setattr(sums_mod.HashingWriter, "write_data", write_then(OSError))
     with pytest.raises(
         CheckpointError,
         match=r"^checkpoint step-4: writing failed; .*step-4.partial is left "
         r"uncommitted: OSError: disk on fire$",
     ):
         ck.save(4, m, opt, {"step": 4})
-    monkeypatch.setattr(ckpt_mod._HashingWriter, "write_data", write_then(KeyboardInterrupt))
+    monkeypatch.setattr(sums_mod.HashingWriter, "write_data", write_then(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         ck.save(4, m, opt, {"step": 4})
     assert committed_steps(str(tmp_path)) == [2] and ck.verify(2) is None
@@ -164,14 +165,14 @@ def test_train_refuses_to_resume_another_models_checkpoint_and_prunes_nothing(
 
 DRIVER = textwrap.dedent("""
     import os, signal, sys
-    from tandem.rl.core import checkpoint
-    real = checkpoint._HashingWriter.write_data
+    from tandem.rl.core import checkpoint_sums
+    real = checkpoint_sums.HashingWriter.write_data
     def write_data(self, plan, planner):  # SIGINT in the middle of step-4's write
         fut = real(self, plan, planner)
         if str(self.path).endswith("step-4.partial"):
             os.kill(os.getpid(), signal.SIGINT)
         return fut
-    checkpoint._HashingWriter.write_data = write_data
+    checkpoint_sums.HashingWriter.write_data = write_data
     from tandem.train import cli
     sys.argv[0] = "train.py"
     cli()

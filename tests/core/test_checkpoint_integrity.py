@@ -19,13 +19,12 @@ import torch.nn as nn
 from tandem.parallel.distributed import init_distributed
 from tandem.rl.config.schema import CheckpointConfig, ConfigError
 from tandem.rl.core.checkpoint import (
-    MARKER,
-    SUMS,
     Checkpointer,
     CheckpointError,
     committed_steps,
     resume_step,
 )
+from tandem.rl.core.checkpoint_sums import MARKER, SUMS
 from tandem.rl.core.errors import EXIT_CHECKPOINT
 from tandem.rl.fault import NonFiniteError
 

@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tandem.parallel.distributed import init_distributed
-from tandem.rl.core.checkpoint import MARKER, SUMS, Checkpointer, CheckpointError
+from tandem.rl.core.checkpoint import Checkpointer, CheckpointError
+from tandem.rl.core.checkpoint_sums import MARKER, SUMS
 from tandem.rl.core.safe_load import SafePlanner, SafeReader, UnsafeCheckpointFile
 
 

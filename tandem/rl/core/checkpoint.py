@@ -10,7 +10,6 @@ the folder layout: docs/fault-tolerance.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -39,31 +38,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from tandem import device as seam
+from tandem.rl.core.checkpoint_sums import (
+    MARKER,
+    CheckpointError,
+    HashingWriter,
+    read_manifest,
+    read_marker,
+    sha256,
+    write_sums,
+)
 from tandem.rl.core.configlib import ConfigError
-from tandem.rl.core.errors import EXIT_CHECKPOINT, NonFiniteError
+from tandem.rl.core.errors import NonFiniteError
 from tandem.rl.core.metrics import truncate_jsonl
 from tandem.rl.core.safe_load import SafePlanner, SafeReader, UnsafeCheckpointFile, load_rng
 
 if TYPE_CHECKING:
     from tandem.rl.config.schema import CheckpointConfig
 
-MARKER = "COMMITTED"
-SUMS = "SHA256SUMS"
-_SUMS_DIR = "_sums"  # per-rank sums while a save is staged; merged into SUMS at commit
 # Optimizer state keyed by parameter name ("state.layers.0.x.exp_avg",
 # "param_groups.layers.0.x.lr"): every rank's own entries, so pipeline stages (different parameters
 # per rank) save and load their hyperparameters too, and a checkpoint moves between layouts.
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_HASH_CHUNK = 16 << 20
-
-
-class CheckpointError(Exception):
-    """A checkpoint folder that cannot be used as asked (damaged, or an earlier run's
-    checkpoints in the way of a fresh start). ``str()`` is one line; train.py exits
-    with ``exit_status`` (EXIT_CHECKPOINT)."""
-
-    exit_status = EXIT_CHECKPOINT
 
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]  # name -> (model, optimizer)
@@ -172,7 +168,7 @@ class Checkpointer:
         os.makedirs(os.path.join(staging, "rng"), exist_ok=True)
         torch.save(rng_state(), os.path.join(staging, "rng", f"rank-{self.rank}.pt"))
         pending = _Pending(step, json.dumps(trainer_state), t0)
-        writer = _HashingWriter(staging)
+        writer = HashingWriter(staging)
         try:
             if self.async_save:
                 pending.future = dcp.async_save(
@@ -235,7 +231,7 @@ class Checkpointer:
         if self.rank == 0:
             with open(os.path.join(staging, "trainer.json"), "w") as f:
                 f.write(pending.trainer_json)
-            sums_hash = _write_sums(staging)
+            sums_hash = write_sums(staging)
             with open(os.path.join(staging, MARKER), "w") as f:
                 f.write(
                     f"step={step} world={self.world} model_only={int(self.model_only)} "
@@ -270,11 +266,11 @@ class Checkpointer:
         every file matches SHA256SUMS. Collective: the ranks split the files to hash,
         and every rank returns the same answer. Remembers the result for pruning and `load`."""
         path = self.path(step)
-        reason, files = _read_manifest(path, step)
+        reason, files = read_manifest(path, step)
         first_bad = len(files)
         for i in range(self.rank, len(files), self.world):  # rank r hashes files r, r + world, ...
             full = os.path.join(path, files[i][0])
-            if not os.path.isfile(full) or _sha256(full) != files[i][1]:
+            if not os.path.isfile(full) or sha256(full) != files[i][1]:
                 first_bad = i
                 break
         first_bad = _all_min(first_bad if reason is None else -1)
@@ -309,7 +305,7 @@ class Checkpointer:
             reason = self.verify(step)
             if reason is not None:
                 raise CheckpointError(f"checkpoint {reason}; not loaded")
-        marker = _read_marker(path, step)
+        marker = read_marker(path, step)
         model_only = marker["model_only"] == "1"
         state = _state(model, None if model_only else optimizer, extras, model_only)
         other = _model_difference(path, state)
@@ -341,7 +337,7 @@ class Checkpointer:
         """This rank's RNG state, when the manifest lists one for it (a resume on more ranks
         than saved finds none: the new ranks keep their seeded streams), read as plain data."""
         name = f"rng/rank-{self.rank}.pt"
-        _, files = _read_manifest(path, step)
+        _, files = read_manifest(path, step)
         if name not in {n for n, _ in files}:
             return
         try:
@@ -571,98 +567,3 @@ def _check_finite_weights(step: int, models: list[nn.Module], rank: int) -> None
         "nothing was written and the committed checkpoints are kept",
         {"step": step, "rank": rank, "tensor": bad_name, "phase": "checkpoint"},
     )
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _record_sums(folder: str, names: Sequence[str], tag: str) -> None:
-    """Write ``<folder>/_sums/<tag>`` with the sha256 of each of ``names`` (relative paths)."""
-    lines = "".join(f"{_sha256(os.path.join(folder, n))}  {n}\n" for n in sorted(names))
-    out = os.path.join(folder, _SUMS_DIR)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, tag + ".tmp"), "w") as f:
-        f.write(lines)
-    os.replace(os.path.join(out, tag + ".tmp"), os.path.join(out, tag))
-
-
-class _HashingWriter(dcp.FileSystemWriter):
-    """DCP's file writer, also recording the sha256 of every file it writes right after
-    writing it (in the writing thread: the background one for asynchronous saves),
-    while the bytes are likely still in the page cache."""
-
-    def write_data(self, plan, planner):  # noqa: ANN001, ANN201  (DCP's signature)
-        fut = super().write_data(plan, planner)
-        names = {r.storage_data.relative_path for r in fut.wait()}  # written: the future is done
-        _record_sums(
-            str(self.path),
-            sorted(names),
-            f"shards-{dist.get_rank() if dist.is_initialized() else 0}",
-        )
-        return fut
-
-    def finish(self, metadata, results) -> None:  # noqa: ANN001  (coordinator only, after every write)
-        super().finish(metadata, results)
-        _record_sums(str(self.path), [".metadata"], "metadata")
-
-
-def _write_sums(staging: str) -> str:
-    """Merge the ranks' sums, add rng/ and trainer.json, write SUMS; returns SUMS's sha256."""
-    sums_dir = os.path.join(staging, _SUMS_DIR)
-    lines = []
-    for tag in sorted(os.listdir(sums_dir)):
-        with open(os.path.join(sums_dir, tag)) as f:
-            lines += f.read().splitlines()
-    rng = [os.path.join("rng", n) for n in sorted(os.listdir(os.path.join(staging, "rng")))]
-    lines += [f"{_sha256(os.path.join(staging, n))}  {n}" for n in [*rng, "trainer.json"]]
-    with open(os.path.join(staging, SUMS), "w") as f:
-        f.write("".join(sorted(line + "\n" for line in lines)))
-        f.flush()
-        os.fsync(f.fileno())
-    shutil.rmtree(sums_dir)
-    return _sha256(os.path.join(staging, SUMS))
-
-
-def _read_marker(path: str, step: int) -> dict[str, str]:
-    """The marker's fields; CheckpointError unless it is one this module wrote for ``step``."""
-    try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            fields = dict(kv.split("=", 1) for kv in f.read().split())
-        ok = (
-            fields["step"] == str(step)
-            and fields["world"].isdigit()
-            and fields["model_only"] in ("0", "1")
-            and re.fullmatch(r"[0-9a-f]{64}", fields["sha256sums"]) is not None
-        )
-    except (OSError, UnicodeDecodeError, ValueError, KeyError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"{MARKER} is missing or not one written for step {step}")
-    return fields
-
-
-def _read_manifest(path: str, step: int) -> tuple[str | None, list[tuple[str, str]]]:
-    """(why the marker or SUMS cannot be trusted, or None; [(relative path, sha256)])."""
-    try:
-        marker = _read_marker(path, step)
-    except CheckpointError as e:
-        return str(e), []
-    sums = os.path.join(path, SUMS)
-    if not os.path.isfile(sums):
-        return f"{SUMS} is missing (a checkpoint written before checksums, or damaged)", []
-    if _sha256(sums) != marker["sha256sums"]:
-        return f"{SUMS} differs from its sha256 in {MARKER}", []
-    files = []
-    with open(sums, encoding="utf-8") as f:
-        for line in f.read().splitlines():
-            digest, _, name = line.partition("  ")
-            files.append((name, digest))
-    names = {n for n, _ in files}
-    if ".metadata" not in names or "trainer.json" not in names:
-        return f"{SUMS} lists no .metadata or trainer.json", []
-    return None, files
