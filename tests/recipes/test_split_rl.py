@@ -93,6 +93,36 @@ def test_staleness_zero_split_reproduces_the_synchronous_run(runs):
 
 
 @pytest.mark.slow
+def test_hsdp_trainers_sample_and_learn_as_the_synchronous_run(runs, tmp_path):
+    """Four trainers in HSDP (2 replicas of 2 FSDP2 shards) beside the generator: at S = 0 with
+    rl.exact the same tokens as the synchronous 2-rank run (the generator's sampling keys on the
+    prompt, not on the rank that trains it), the same log-probs (bit for bit at step 1) and the
+    same update up to the reduction order of four ranks instead of two."""
+    dump = tmp_path / "hsdp"
+    rows = _run(dump, "--rl.exact=true", *SPLIT, "--parallel.dp_replicate=2", nproc=5)
+    sync_dump, sync = runs["sync"]
+    key = lambda r: (r["step"], r["prompt"], r["completion_ids"])  # noqa: E731
+    a = sorted(rollout_dumps(sync_dump), key=key)
+    b = sorted(rollout_dumps(dump, (0, 1, 2, 3)), key=key)
+    assert len(a) == len(b) == 4 * 16 * 8
+    for x, y in zip(a, b):
+        assert (x["step"], x["prompt"], x["completion_ids"]) == (
+            y["step"],
+            y["prompt"],
+            y["completion_ids"],
+        )
+        if x["step"] == 1:  # the starting weights: bit for bit
+            assert x["gen_logprobs"] == y["gen_logprobs"]
+        else:  # weights updated through another reduction order
+            assert y["gen_logprobs"] == pytest.approx(x["gen_logprobs"], rel=1e-4, abs=1e-5)
+        assert y["versions"] == [y["step"] - 1] * len(y["versions"])
+    for r, s in zip(rows, sync, strict=True):
+        assert r["reward/total"] == s["reward/total"] and r["async/staleness_max"] == 0
+        for k in ("loss", "grad_norm", "entropy", "gap/abs_mean"):
+            assert r[k] == pytest.approx(s[k], rel=1e-5, abs=1e-7), (r["step"], k)
+
+
+@pytest.mark.slow
 def test_a_critic_a_reference_and_a_teacher_train_on_the_trainers(tmp_path):
     """Split mode builds what trains beside the policy on the trainers, as the one RL recipe
     does colocated: PPO's critic (GAE, no warm-up), a KL reference and an on-policy

@@ -298,12 +298,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     *((mode, other, why, _STREAMING_FIX) for mode in "AS" for other, why in _STREAMING.items()),
     (
         "S",
-        "ep dp_replicate",
-        "the trainers shard with FSDP2 alone and each generator holds the whole model",
-        "set it to 1",
-    ),
-    (
-        "S",
         "offload_optimizer",
         "the trainers keep their optimizer state resident (its offload is not wired there)",
         'unset it or use rollout.mode = "colocated_async"',
