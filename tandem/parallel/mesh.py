@@ -77,6 +77,21 @@ def dp_rank(mesh: DeviceMesh) -> int:
     )
 
 
+def mesh_coords(degrees: Degrees, index: int) -> dict[str, int]:
+    """The coordinate on every axis of the ``index``-th rank of a mesh of ``degrees`` (row-major
+    over `AXES`, as `build_mesh` lays it out), without the mesh: what ranks outside it use."""
+    coord = {}
+    for axis in reversed(AXES):
+        coord[axis], index = index % getattr(degrees, axis), index // getattr(degrees, axis)
+    return coord
+
+
+def dp_ranks(degrees: Degrees) -> list[int]:
+    """`dp_rank` of each rank of a mesh of ``degrees``, by its index in the mesh."""
+    coords = [mesh_coords(degrees, i) for i in range(degrees.world_size)]
+    return [c["dp_replicate"] * degrees.dp_shard + c["dp_shard"] for c in coords]
+
+
 def mesh_lines(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[list[int]]:
     """Global ranks of every group of ``mesh`` spanned by ``axes`` (one list per coordinate of
     the other axes; within a list, ranks in ``axes`` order). ``mesh`` is a root mesh."""
@@ -88,13 +103,14 @@ def mesh_lines(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[list[int]]:
     return mesh.mesh.permute(*order).reshape(-1, n).tolist()
 
 
-def new_groups(lines: list[list[int]]) -> dist.ProcessGroup | None:
+def new_groups(lines: list[list[int]], alone: bool = False) -> dist.ProcessGroup | None:
     """Collective: ``new_group`` for every list, in order (every rank calls); this rank's group,
-    or None when this rank is in none of them or its group is itself alone."""
+    or None when this rank is in none of them or its group is itself alone (``alone``: a group
+    of one all the same, for a caller to whom None would mean the whole world)."""
     me, mine = dist.get_rank(), None
     for ranks in lines:
         group = dist.new_group(ranks)
-        if me in ranks and len(ranks) > 1:
+        if me in ranks and (len(ranks) > 1 or alone):
             mine = group
     return mine
 

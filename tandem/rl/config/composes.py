@@ -289,8 +289,6 @@ _STREAMING = {  # what the streaming rollout modes do not carry yet
     "C": "the in-flight sequences' update rows are not split over the cp ranks",
     "V": "an in-flight sequence does not keep its images across a refill",
     "H": "the endpoint's sessions are not versioned across weight updates",
-    "T": "the streaming update is built for parallel.tp = 1",
-    "P": "the streaming update is built for parallel.pp = 1",
     "rollout_tp": "sequences in flight live in one rank's KV pool with the whole model",
 }
 _STREAMING_FIX = 'set rollout.mode = "sync" or leave the other at its default'

@@ -68,7 +68,7 @@ class RLRecipe:
         self.needs_values = ADVANTAGES.cap(r.advantage, "needs_values", False)
         ranks = None if w is None else (w.first, w.second)
         s = setup(cfg, rt, "rl", batch=("rl.prompts_per_step", r.prompts_per_step), ranks=ranks)
-        degrees = s.degrees
+        self.degrees = degrees = s.degrees
         self.mp = degrees.tp * degrees.pp * degrees.cp  # ranks sharing one replica's samples
         if r.exact:  # process-wide, like torch.use_deterministic_algorithms: both phases run in it
             batch_invariant.enable()

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.parallel.mesh import dp_ranks, mesh_coords, mesh_lines, new_groups
 from tandem.parallel.split import BridgeCopy, SplitWorld, split_world
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.samples import dump_rollouts
@@ -82,13 +83,19 @@ class SplitPlacement:
             or torch.float32
         )
         bucket = cfg.advanced.reshard_bucket_mb << 20
+        # collective over the world: the trainers' data-parallel groups (a group even of one
+        # trainer, so no collective of the update reaches the generators), and whether this
+        # trainer reports the step's prompts (one rank per model-parallel group, as colocated)
+        dp_group = new_groups(mesh_lines(r.mesh, ("dp_replicate", "dp_shard")), alone=True)
+        coord = mesh_coords(r.degrees, world.side_rank)
+        self.reports = not world.in_first and coord["tp"] == coord["pp"] == coord["cp"] == 0
         if world.in_first:
             self._build_generator(dtype, bucket)
         else:
-            # dp_shard alone: the data-parallel group is the trainers' (a group even of one
-            # trainer, so no collective of the update reaches the generators)
+            # the policy's group is every trainer (a group even of one trainer, so no
+            # collective of the update reaches the generators)
             r.build_policy(group=world.second_group)
-            r.build_update(world.second_group)
+            r.build_update(dp_group)
             self.bridge = BridgeCopy(
                 r.model, r.args, info.device, dtype, world=world, bucket_bytes=bucket
             )
@@ -116,7 +123,7 @@ class SplitPlacement:
             max_prompt=r.max_prompt,
             rollout_dumps=None,
         )
-        r.rollout = SplitGenerator(base, w, bridge)
+        r.rollout = SplitGenerator(base, w, bridge, dp_ranks(r.degrees))
 
     def _first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generators' copy of the trainers' current weights."""
@@ -157,7 +164,7 @@ class SplitPlacement:
                 "fault/skipped_updates": float(r.updater.skipped),
             }
             r.sample_log.log(step + 1, r.sample_records(batch, result.advantages))
-            out = StepOutput({}, batch.ids, batch.positions)
+            out = StepOutput({}, batch.ids, batch.positions) if self.reports else StepOutput({})
         out.metrics = self._gather_metrics(mine)
         out.health_group = "generators" if w.in_first else "trainers"  # compared among themselves
         return out

@@ -9,8 +9,9 @@ in one torchrun program (the groups: tandem/parallel/split.py). A generator's st
    data-parallel ranks. The flight is the reordering window over the prompt stream: at most
    ``P (S + 1)`` groups, and a step trains the complete ones by earliest deadline, so a
    straggler holds back only its own group, for at most S versions;
-2. scores its share of them and sends each group to the trainer that trains it (the i-th in
-   stream order to trainer ``i mod T``, as the synchronous deal) by point-to-point sends;
+2. scores its share of them and sends each group to the trainers that train it (the i-th in
+   stream order to the trainers of data-parallel rank ``i mod D``, as the synchronous deal) by
+   point-to-point sends;
 3. while the trainers update, keeps decoding (with ``S >= 1`` it first admits the next step's
    groups, version ``t``), and between two decode steps takes the trainers' weights of
    version ``t + 1`` when their request arrives: every trainer sends its own shard over the
@@ -67,9 +68,14 @@ class SplitGenerator(ColocatedAsyncRollout):
     """A generator rank's rollout across steps (``base``: its `RolloutPhase`, whose
     data-parallel group is the generators' group)."""
 
-    def __init__(self, base: RolloutPhase, world: SplitWorld, bridge: BridgeCopy) -> None:
+    def __init__(
+        self, base: RolloutPhase, world: SplitWorld, bridge: BridgeCopy, trainer_dp: list[int]
+    ) -> None:
+        """``trainer_dp``: each trainer's data-parallel rank, by its index among the trainers
+        (the trainers of one data-parallel rank, its tp / pp / cp ranks, train the same
+        groups)."""
         super().__init__(base)
-        self.world, self.bridge = world, bridge
+        self.world, self.bridge, self.trainer_dp = world, bridge, trainer_dp
 
     def first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generation copy, built from the trainers' weights."""
@@ -134,17 +140,18 @@ class SplitGenerator(ColocatedAsyncRollout):
                 self.gen.add(f, self.base.train_prompts[f.row], self.base.rl.num_samples)
 
     def _send(self, chosen: list[Flight], version: int, tally: Tally) -> None:
-        """Score this rank's chosen groups and send every trainer its share (possibly none)."""
-        b, trainers = self.base, self.world.second
+        """Score this rank's chosen groups and send every trainer its data-parallel rank's share
+        (possibly none)."""
+        b, dp = self.base, max(self.trainer_dp) + 1
         order = sorted(f.position for f in chosen)
-        target = {pos: i % trainers for i, pos in enumerate(order)}
-        parts: list[list[Any]] = [[] for _ in range(trainers)]
+        target = {pos: i % dp for i, pos in enumerate(order)}
+        parts: list[list[Any]] = [[] for _ in range(dp)]
         for pos, group, sc in self._scored(order, tally):
             staleness_tally(group, version, b.rcfg.max_staleness, tally)
             response_tally(group, tally)  # over the generators, which hold every sample
             parts[target[pos]].append((pos, group, sc))
-        for j, part in enumerate(parts):
-            dist.send_object_list([part], dst=self.world.first + j, group=self.world.control)
+        for j, d in enumerate(self.trainer_dp):
+            dist.send_object_list([parts[d]], dst=self.world.first + j, group=self.world.control)
 
     def _decode_until_request(self) -> float:
         """Decode this rank's sequences until the trainers ask for the sync; the seconds spent
