@@ -82,6 +82,8 @@ class SplitPlacement:
             or torch.float32
         )
         bucket = cfg.advanced.reshard_bucket_mb << 20
+        # LoRA: the adapters alone move after the first sync (the same spec on both sides)
+        self.lora = cfg.lora.spec() if cfg.lora.enabled else None
         if world.in_first:
             self._build_generator(dtype, bucket)
         else:
@@ -90,7 +92,13 @@ class SplitPlacement:
             r.build_policy(group=world.second_group)
             r.build_update(world.second_group)
             self.bridge = BridgeCopy(
-                r.model, r.args, info.device, dtype, world=world, bucket_bytes=bucket
+                r.model,
+                r.args,
+                info.device,
+                dtype,
+                world=world,
+                bucket_bytes=bucket,
+                lora=self.lora,
             )
         self._first_sync()
 
@@ -98,7 +106,9 @@ class SplitPlacement:
         r, w = self.r, self.world
         cfg, info = r.cfg, r.info
         r.model, r.opt, r.updater = nn.Module(), None, _Relay()
-        bridge = BridgeCopy(nn.Module(), r.args, info.device, dtype, world=w, bucket_bytes=bucket)
+        bridge = BridgeCopy(
+            nn.Module(), r.args, info.device, dtype, world=w, bucket_bytes=bucket, lora=self.lora
+        )
         base = RolloutPhase(
             rl=cfg.rl,
             rollout=cfg.rollout,

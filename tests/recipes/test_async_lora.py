@@ -1,0 +1,72 @@
+"""LoRA in both streaming rollout modes, end to end (torchrun, CPU, the quickstart policy with
+rank-4 adapters on every projection, 2 steps).
+
+At ``max_staleness = 0`` with ``rl.exact``, colocated async (2 ranks: the generation copy's
+refill moves the adapters alone) and split mode (3 ranks, 1 generator: each bridge sync after
+the first moves the adapters alone, with their checksum) equal the 2-rank synchronous LoRA
+run: the same samples token for token with the same log-probs, and the same losses, bit for
+bit. Split mode's later syncs move the adapters' bytes, counted here from the policy's
+config.json (tests/parallel/test_split_bridge.py: a corrupted adapter fails the checksum).
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.fixtures import assert_same_as_synchronous, quickstart_cmd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FLAGS = ("--rl.exact=true", "--lora.rank=4", "--rl.num_samples=4")
+KEYS = ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean")
+
+
+def _run(dump, nproc, *extra):
+    r = subprocess.run(
+        [*quickstart_cmd(dump, 2, nproc), *FLAGS, *extra],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("async-lora")
+    modes = {
+        "sync": (2, ()),
+        "colocated": (2, ("--rollout.mode=colocated_async",)),
+        "split": (3, ("--rollout.mode=split", "--rollout.gen_ranks=1")),
+    }
+    return {k: (base / k, _run(base / k, n, *extra)) for k, (n, extra) in modes.items()}
+
+
+def _adapter_bytes() -> int:
+    """Rank-4 adapters on q, k, v, o, gate, up and down of every layer: r (in + out) fp32 each."""
+    with open(os.path.join(ROOT, "assets", "quickstart-policy", "config.json")) as f:
+        c = json.load(f)
+    d, ff, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = (d + q) + 2 * (d + kv) + (q + d) + 3 * (d + ff)
+    return 4 * per_layer * c["num_hidden_layers"] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["colocated", "split"])
+def test_lora_at_staleness_zero_equals_the_synchronous_lora_run(runs, mode):
+    assert_same_as_synchronous(runs["sync"], runs[mode], 2 * 16 * 4, KEYS)
+
+
+@pytest.mark.slow
+def test_split_syncs_after_the_first_move_the_adapters_alone(runs):
+    rows = runs["split"][1]
+    assert [r["split/sync_gb"] * 1e9 for r in rows] == [_adapter_bytes()] * 2
+    # the adapters changed, and so did the checksum of what the generator holds
+    assert rows[0]["split/sync_checksum"] != rows[1]["split/sync_checksum"]
+    colocated = runs["colocated"][1]
+    assert [r["reshard/gb"] * 1e9 for r in colocated] == [_adapter_bytes()] * 2
