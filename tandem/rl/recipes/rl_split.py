@@ -38,6 +38,7 @@ from tandem.rl.rollout.split import (
     evaluate_split,
     receive_groups,
     request_sync,
+    share_kv_scales,
 )
 from tandem.rl.rollout.types import RolloutBatch
 
@@ -106,6 +107,10 @@ class SplitPlacement:
         r, w = self.r, self.world
         cfg, info = r.cfg, r.info
         r.model, r.opt, r.updater = nn.Module(), None, _Relay()
+        if cfg.rollout.kv_dtype != "auto":  # FP8 KV: the trainers' scales, at every sync
+            from tandem.rl.update.kv_scales import KVScales
+
+            r.kv = KVScales(cfg.rollout, r.args)
         bridge = BridgeCopy(
             nn.Module(), r.args, info.device, dtype, world=w, bucket_bytes=bucket, lora=self.lora
         )
@@ -125,14 +130,20 @@ class SplitPlacement:
             mp=(1, 0, None),
             max_prompt=r.max_prompt,
             rollout_dumps=None,
+            kv=r.kv,
         )
         r.rollout = SplitGenerator(base, w, bridge)
 
     def _first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generators' copy of the trainers' current weights."""
+        r = self.r
         if self.world.in_first:
-            return self.r.rollout.first_sync()
-        return self.bridge.send()
+            return r.rollout.first_sync()
+        if r.kv is not None:  # the first scales, from training prompts (none after a resume)
+            r.kv.ensure(r.policy, r.train_prompts, r.step_index)
+        out = self.bridge.send()
+        share_kv_scales(self.world, r.kv)
+        return out
 
     # ---- the recipe protocol, by side ---------------------------------------------------
 
@@ -159,6 +170,7 @@ class SplitPlacement:
             request_sync(w, step + 1)
             with wd.phase("sync"):
                 sync = self.bridge.send()
+                share_kv_scales(w, r.kv)
             mine = {
                 **result.metrics,
                 **sync,
@@ -203,6 +215,8 @@ class SplitPlacement:
             }
         else:
             mine = {"scheduler": r.sched.state_dict()}
+            if r.kv is not None:
+                mine["kv_scales"] = r.kv.state_dict()
         parts: list[Any] = [None] * self.world.world
         dist.all_gather_object(parts, mine, group=self.world.control)
         return {**parts[self.world.first], **parts[0]}
@@ -216,6 +230,8 @@ class SplitPlacement:
             r.rollout.load_state_dict(state.get("rollout") or {})
         else:
             r.sched.load_state_dict(state["scheduler"])
+            if r.kv is not None and "kv_scales" in state:
+                r.kv.load_state_dict(state["kv_scales"])
         self._first_sync()
 
     def export(self, dump_folder: str) -> str:

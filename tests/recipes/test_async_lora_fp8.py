@@ -1,12 +1,15 @@
-"""LoRA in both streaming rollout modes, end to end (torchrun, CPU, the quickstart policy with
-rank-4 adapters on every projection, 2 steps).
+"""LoRA and an FP8 KV cache in both streaming rollout modes, end to end (torchrun, CPU, the
+quickstart policy with rank-4 adapters on every projection and an e4m3 KV pool with calibrated
+scales, 2 steps; one run of each mode carries both pairs).
 
 At ``max_staleness = 0`` with ``rl.exact``, colocated async (2 ranks: the generation copy's
-refill moves the adapters alone) and split mode (3 ranks, 1 generator: each bridge sync after
-the first moves the adapters alone, with their checksum) equal the 2-rank synchronous LoRA
-run: the same samples token for token with the same log-probs, and the same losses, bit for
-bit. Split mode's later syncs move the adapters' bytes, counted here from the policy's
-config.json (tests/parallel/test_split_bridge.py: a corrupted adapter fails the checksum).
+refill moves the adapters alone, the pool takes each version's scales) and split mode (3 ranks,
+1 generator: each bridge sync after the first moves the adapters alone, with their checksum,
+and the trainers' FP8 scales travel with it) equal the 2-rank synchronous run: the same samples
+token for token with the same log-probs, the same losses and the same scales, bit for bit, with
+the train/generation gap 0. Split mode's later syncs move the adapters' bytes, counted here from
+the policy's config.json (tests/parallel/test_split_bridge.py: a corrupted adapter fails the
+checksum; tests/generator/test_fp8_kv_rescale.py: kept KV re-quantised to new scales).
 """
 
 import json
@@ -18,8 +21,8 @@ import pytest
 from tests.fixtures import assert_same_as_synchronous, quickstart_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = ("--rl.exact=true", "--lora.rank=4", "--rl.num_samples=4")
-KEYS = ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean")
+FLAGS = ("--rl.exact=true", "--lora.rank=4", "--rollout.kv_dtype=fp8_e4m3", "--rl.num_samples=4")
+KEYS = ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean", "kv/amax_mean")
 
 
 def _run(dump, nproc, *extra):
@@ -37,7 +40,7 @@ def _run(dump, nproc, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("async-lora")
+    base = tmp_path_factory.mktemp("async-lora-fp8")
     modes = {
         "sync": (2, ()),
         "colocated": (2, ("--rollout.mode=colocated_async",)),
@@ -58,8 +61,11 @@ def _adapter_bytes() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "split"])
-def test_lora_at_staleness_zero_equals_the_synchronous_lora_run(runs, mode):
+def test_lora_and_fp8_kv_at_staleness_zero_equal_the_synchronous_run(runs, mode):
     assert_same_as_synchronous(runs["sync"], runs[mode], 2 * 16 * 4, KEYS)
+    rows = runs[mode][1]
+    assert all(r["gap/abs_max"] == 0.0 and r["kv/scale_age"] == 0.0 for r in rows)
+    assert all(r["kv/requantized_heads"] == 0.0 for r in rows)  # nothing kept through a sync
 
 
 @pytest.mark.slow
