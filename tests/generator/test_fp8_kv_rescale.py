@@ -10,19 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from tandem.models.args import ModelArgs
 from tandem.rl.generator.kv_cache import KVCache, KVQuant
+from tests.rollout.test_lora_refill import ARGS  # a 2-layer model with 2 KV heads
 
-ARGS = ModelArgs(
-    model_type="qwen3",
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
 F8 = torch.float8_e4m3fn
 
 

@@ -10,35 +10,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from tandem.models.args import ModelArgs
-from tandem.models.lora import LoraSpec, apply_lora, is_adapter
+from tandem.models.lora import is_adapter
 from tandem.models.transformer import Transformer
 from tandem.parallel.checksum import MOD, box_checksum
 from tandem.parallel.mesh import Degrees
 from tandem.parallel.split import BridgeCopy, BridgeMismatch, side_mesh, split_world
-
-ARGS = ModelArgs(
-    model_type="qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
-SPEC = LoraSpec(rank=4, alpha=8)
+from tests.rollout.test_lora_refill import ARGS, SPEC, _policy
 
 
 def policy(step: float) -> Transformer:
-    """The trainers' model, whole: seeded base, adapters of known values (+ ``step``)."""
-    model = Transformer(ARGS)
-    model.init_weights(0)
-    apply_lora(model, SPEC)
+    """The trainers' model, whole: test_lora_refill's seeded base and adapters, adapters +
+    ``step``."""
+    model = _policy()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if is_adapter(name):
-                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name))).add_(step)
+                p.add_(step)
     return model
 
 

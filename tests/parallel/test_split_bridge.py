@@ -5,6 +5,8 @@ a single flipped bit on the receiver fails the check on every rank."""
 
 import os
 
+import pytest
+
 from tests.fixtures import launch_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,6 +27,7 @@ def test_the_bridge_moves_every_shard_bit_for_bit_and_the_checksum_catches_one_b
         )
 
 
+@pytest.mark.slow
 def test_a_lora_sync_moves_the_adapters_alone_and_the_checksum_catches_a_corrupted_one(tmp_path):
     """`BridgeCopy` with adapters (FSDP2 trainers): the first sync moves the whole model, the
     next ones only the adapters (bytes = their size; the generator's base tensors stay the same

@@ -14,28 +14,15 @@ checksum; tests/generator/test_fp8_kv_rescale.py: kept KV re-quantised to new sc
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from tests.fixtures import assert_same_as_synchronous, quickstart_cmd
+from tests.fixtures import assert_same_as_synchronous
+from tests.recipes.test_split_rl import _run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ("--rl.exact=true", "--lora.rank=4", "--rollout.kv_dtype=fp8_e4m3", "--rl.num_samples=4")
 KEYS = ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean", "kv/amax_mean")
-
-
-def _run(dump, nproc, *extra):
-    r = subprocess.run(
-        [*quickstart_cmd(dump, 2, nproc), *FLAGS, *extra],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +33,10 @@ def runs(tmp_path_factory):
         "colocated": (2, ("--rollout.mode=colocated_async",)),
         "split": (3, ("--rollout.mode=split", "--rollout.gen_ranks=1")),
     }
-    return {k: (base / k, _run(base / k, n, *extra)) for k, (n, extra) in modes.items()}
+    return {
+        k: (base / k, _run(base / k, *FLAGS, *extra, steps=2, nproc=n))
+        for k, (n, extra) in modes.items()
+    }
 
 
 def _adapter_bytes() -> int:
