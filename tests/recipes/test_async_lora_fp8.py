@@ -5,11 +5,12 @@ scales, 2 steps; one run of each mode carries both pairs).
 At ``max_staleness = 0`` with ``rl.exact``, colocated async (2 ranks: the generation copy's
 refill moves the adapters alone, the pool takes each version's scales) and split mode (3 ranks,
 1 generator: each bridge sync after the first moves the adapters alone, with their checksum,
-and the trainers' FP8 scales travel with it) equal the 2-rank synchronous run: the same samples
-token for token with the same log-probs, the same losses and the same scales, bit for bit, with
-the train/generation gap 0. Split mode's later syncs move the adapters' bytes, counted here from
-the policy's config.json (tests/parallel/test_split_bridge.py: a corrupted adapter fails the
-checksum; tests/generator/test_fp8_kv_rescale.py: kept KV re-quantised to new scales).
+and the trainers' FP8 scales travel with it; stopped after step 1 and resumed from its
+checkpoint) equal the 2-rank synchronous run: the same samples token for token with the same
+log-probs, the same losses and the same scales, bit for bit, with the train/generation gap 0.
+Split mode's later syncs move the adapters' bytes, counted here from the policy's config.json
+(tests/parallel/test_split_bridge.py: a corrupted adapter fails the checksum;
+tests/generator/test_fp8_kv_rescale.py: kept KV re-quantised to new scales).
 """
 
 import json
@@ -27,16 +28,21 @@ KEYS = ("loss", "grad_norm", "entropy", "reward/total", "gap/abs_mean", "kv/amax
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The synchronous run, colocated async, and split mode stopped by its step limit after step 1
+    and resumed from that checkpoint (adapters and FP8 scales from it) for step 2."""
     base = tmp_path_factory.mktemp("async-lora-fp8")
-    modes = {
-        "sync": (2, ()),
-        "colocated": (2, ("--rollout.mode=colocated_async",)),
-        "split": (3, ("--rollout.mode=split", "--rollout.gen_ranks=1")),
+    out = {
+        "sync": (base / "sync", _run(base / "sync", *FLAGS, steps=2, nproc=2)),
+        "colocated": (
+            base / "colocated",
+            _run(base / "colocated", *FLAGS, "--rollout.mode=colocated_async", steps=2, nproc=2),
+        ),
     }
-    return {
-        k: (base / k, _run(base / k, *FLAGS, *extra, steps=2, nproc=n))
-        for k, (n, extra) in modes.items()
-    }
+    split = (*FLAGS, "--rollout.mode=split", "--rollout.gen_ranks=1", "--checkpoint.interval=1")
+    _run(base / "split", *split, steps=1, nproc=3)
+    assert (base / "split" / "checkpoints" / "step-1").is_dir()
+    out["split"] = (base / "split", _run(base / "split", *split, steps=2, nproc=3))
+    return out
 
 
 def _adapter_bytes() -> int:
