@@ -478,24 +478,25 @@ class GenerationCopy:
         self, moving: dict[str, tuple[int, ...]], srcs: dict[str, tuple[torch.Tensor, Box]]
     ) -> Resharder:
         """The reshard plan of ``moving``; with adapters, also the plan of the adapters alone."""
-        needs = {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        needs = self._needs(moving)
+        boxes = {n: b for n, (_, b) in srcs.items()}
         if self.lora is not None:  # the adapters alone, for every later build
             names = [n for n in moving if is_adapter(n)]
-            self._adapter_plan = Resharder(
+            self._adapter_plan = self._resharder(
                 {n: self.shapes[n] for n in names},
-                {n: srcs[n][1] for n in names if n in srcs},
-                {n: needs[n] for n in names},
-                elem,
-                bucket_bytes=self.bucket_bytes,
+                {n: boxes[n] for n in names if n in boxes},
+                {n: needs[n] for n in names if n in needs},
             )
-        return Resharder(
-            moving,
-            {n: b for n, (_, b) in srcs.items()},
-            needs,
-            elem,
-            bucket_bytes=self.bucket_bytes,
-        )
+        return self._resharder(moving, boxes, needs)
+
+    def _needs(self, moving: dict[str, tuple[int, ...]]) -> dict[str, tuple[Box, tuple[int, ...]]]:
+        """What this rank's shard needs of each moving tensor."""
+        return {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
+
+    def _resharder(self, shapes: dict, boxes: dict, needs: dict) -> Resharder:
+        """A move plan over this copy's group (the world's)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return Resharder(shapes, boxes, needs, elem, bucket_bytes=self.bucket_bytes)
 
     def _refill(self, probe: Callable[[], None] | None) -> tuple[Transformer, dict[str, float]]:
         """Collective: the kept copy with the trainer's current adapters moved in (nothing else)."""

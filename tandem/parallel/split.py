@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout, needed_box
+from tandem.models.lora import LoraSpec, is_adapter
+from tandem.parallel.generation_layout import GenerationCopy, GenerationLayout
 from tandem.parallel.mesh import AXES, Degrees
 from tandem.parallel.reshard import Resharder
 
@@ -109,7 +110,12 @@ def check_bridge(
 class BridgeCopy(GenerationCopy):
     """A generation copy across a split world's bridge group: the second side's shards
     (``module``) are the sources; the first side (an empty ``module``) builds a whole copy once
-    and refills it in place afterwards."""
+    and refills it in place afterwards.
+
+    With LoRA adapters (``lora``, the same spec on both sides) the first sync moves the whole
+    model and the generators build it, base and adapters unmerged, once; every later sync moves
+    the adapters alone (`GenerationCopy`'s adapter plan, over the bridge) and checks them by the
+    exact checksum (`BridgeMismatch` on any difference)."""
 
     def __init__(
         self,
@@ -120,52 +126,78 @@ class BridgeCopy(GenerationCopy):
         *,
         world: SplitWorld,
         bucket_bytes: int,
+        lora: LoraSpec | None = None,
     ) -> None:
-        super().__init__(module, args, GenerationLayout(), device, dtype, bucket_bytes=bucket_bytes)
+        super().__init__(
+            module, args, GenerationLayout(), device, dtype, bucket_bytes=bucket_bytes, lora=lora
+        )
         self.world = world
 
-    def _make_plans(self, moving: dict[str, tuple[int, ...]], srcs: dict[str, Any]) -> Resharder:
-        needs = (
-            {n: needed_box(n, shape, self.layout) for n, shape in moving.items()}
-            if self.world.in_first
-            else {}
-        )
+    def _needs(self, moving: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        return super()._needs(moving) if self.world.in_first else {}
+
+    def _resharder(self, shapes: dict, boxes: dict, needs: dict) -> Resharder:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return Resharder(
-            moving,
-            {n: b for n, (_, b) in srcs.items()},
-            needs,
-            elem,
-            bucket_bytes=self.bucket_bytes,
-            group=self.world.bridge,
+            shapes, boxes, needs, elem, bucket_bytes=self.bucket_bytes, group=self.world.bridge
         )
 
-    def send(self) -> dict[str, float]:
-        """Collective over the bridge (a sender): this rank's shards out, then the checksum."""
-        moving = self._moving()
-        srcs = {n: s for n, s in self._held().items() if n in moving}
-        _, stats = self._move(moving, srcs, None, None)
+    def _check(
+        self, srcs: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
+        """Collective over the bridge: the adapters' checksum (`BridgeMismatch` on a
+        difference)."""
+        assert self._adapter_plan is not None
         t0 = time.monotonic()
-        total = check_bridge(
-            self._plans[False], {n: t for n, (t, _) in srcs.items()}, {}, self.dtype
-        )
-        return {
-            "split/sync_s": stats.seconds,
-            "split/check_s": time.monotonic() - t0,
-            "split/sync_checksum": float(total),
-        }
+        total = check_bridge(self._adapter_plan, srcs, adapters, self.dtype)
+        return {"lora/adapter_checksum": float(total), "lora/check_seconds": time.monotonic() - t0}
+
+    def send(self) -> dict[str, float]:
+        """Collective over the bridge (a sender): this rank's shards out, then the checksum
+        (with adapters, after the first sync: the adapters alone)."""
+        held = self._held()
+        if self._adapter_plan is not None:  # LoRA, after the first sync
+            srcs = {n: t for n, (t, _) in held.items() if is_adapter(n)}
+            _, stats = self._adapter_plan.run(srcs, self.dtype, self.device)
+            return _sync_metrics(stats.seconds, *_adapter_check(self._check(srcs, {})))
+        moving = self._moving()
+        srcs = {n: s for n, s in held.items() if n in moving}
+        _, stats = self._move(moving, srcs, None, None)
+        sources = {n: t for n, (t, _) in srcs.items()}
+        if self.lora is not None:  # as the receivers' `build` does
+            self._check({n: t for n, t in sources.items() if is_adapter(n)}, {})
+        return _sync_metrics(stats.seconds, *self._check_all(sources, {}))
 
     def receive(self, gen: Any) -> tuple[Any, dict[str, float]]:
         """Collective over the bridge (a receiver): the senders' weights into ``gen`` (None:
-        build it), then the checksum against the senders'."""
+        build it), then the checksum against the senders' (with adapters, after the first sync:
+        the adapters alone, and their checksum). ``split/sync_gb``: the bytes moved into this
+        generator's copy."""
         if gen is None:
             gen, metrics = self.build()
+            check = self._check_all({}, gen.refill_views)
+        elif self.lora is not None:
+            metrics = self.refill(gen)  # the adapters and their checksum (`_check`)
+            check = _adapter_check(metrics)
         else:
             metrics = self.refill(gen)
+            check = self._check_all({}, gen.refill_views)
+        out = _sync_metrics(metrics["reshard/seconds"], *check)
+        return gen, {**out, "split/sync_gb": metrics["reshard/gb"]}
+
+    def _check_all(
+        self, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
+    ) -> tuple[float, float]:
+        """Collective over the bridge: the checksum of everything the first sync moved, and its
+        seconds."""
         t0 = time.monotonic()
-        total = check_bridge(self._plans[False], {}, gen.refill_views, self.dtype)
-        return gen, {
-            "split/sync_s": metrics["reshard/seconds"],
-            "split/check_s": time.monotonic() - t0,
-            "split/sync_checksum": float(total),
-        }
+        total = check_bridge(self._plans[False], sources, targets, self.dtype)
+        return float(total), time.monotonic() - t0
+
+
+def _adapter_check(metrics: dict[str, float]) -> tuple[float, float]:
+    return metrics["lora/adapter_checksum"], metrics["lora/check_seconds"]
+
+
+def _sync_metrics(seconds: float, total: float, check_s: float) -> dict[str, float]:
+    return {"split/sync_s": seconds, "split/check_s": check_s, "split/sync_checksum": total}

@@ -283,9 +283,6 @@ class Refusal:
 
 
 _STREAMING = {  # what the streaming rollout modes do not carry yet
-    "L": "the refill and the weight sync move full weights, not adapter-only copies",
-    "F": "the FP8 scales do not travel with the weights at a sync, and a suspended "
-    "sequence's pages keep no record of the scales they were written with",
     "C": "the in-flight sequences' update rows are not split over the cp ranks",
     "V": "an in-flight sequence does not keep its images across a refill",
     "H": "the endpoint's sessions are not versioned across weight updates",

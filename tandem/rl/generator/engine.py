@@ -247,6 +247,17 @@ class Generator:
         if self.runner.mirror is not None:
             self.runner.mirror.rows = self.runner.mirror.rows.to(self._kv_home)
 
+    def set_kv_scales(self, scales: torch.Tensor | None) -> int:
+        """New calibrated FP8 scales (a streaming rollout's next version): the pool's stored
+        entries are re-quantised to them (`KVCache.rescale`); returns the heads re-quantised.
+        Nothing to do without FP8 or with per-token scales (each entry keeps its own)."""
+        quant = self.cache.quant
+        if quant is None or quant.per_token:
+            return 0
+        if scales is None:
+            raise ValueError("an FP8 pool with calibrated scales was given no scales")
+        return self.cache.rescale(scales)
+
     def release_kv(self) -> None:
         """Free the KV pool: every unfinished sequence recomputes its K/V (with whatever weights
         the model then has) when `reacquire_kv` has carved the pool again."""

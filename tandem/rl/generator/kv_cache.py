@@ -158,6 +158,28 @@ class KVCache:
         entries = self.stored.item() * 2 * self.data.shape[-2] * self.data.shape[-1]
         return self.saturated.item() / entries if entries else 0.0
 
+    def rescale(self, scales: torch.Tensor) -> int:
+        """Calibrated scales: take ``scales [L, 2, Hkv]`` for the entries written from now on and
+        re-quantise the stored entries of every head whose scale changed from the old scale to
+        the new one, in place (one rounding more: a smaller scale may saturate an entry, a larger
+        one drops its low bits; both powers of two, so an entry that fits either way is exact).
+        The scales tensor keeps its address (captured graphs read it). Returns the heads
+        re-quantised."""
+        assert self.quant is not None and not self.quant.per_token and self.scales is not None
+        new = scales.to(device=self.scales.device, dtype=torch.float32)
+        if tuple(new.shape) != tuple(self.scales.shape):
+            raise ValueError(f"KV scales must be {list(self.scales.shape)}, got {list(new.shape)}")
+        changed = new != self.scales  # [L, 2, Hkv]
+        heads = int(changed.sum())
+        if heads and self.data.numel():
+            for layer, kv in changed.any(dim=2).nonzero().tolist():
+                part = self.data[layer, kv]  # [NB, BS, Hkv, D]
+                old, to = self.scales[layer, kv][:, None], new[layer, kv][:, None]
+                requant = kvq.quantize(kvq.dequantize(part, old), to, self.data.dtype)
+                part.copy_(torch.where(changed[layer, kv][:, None], requant, part))
+        self.scales.copy_(new)
+        return heads
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into dst in every layer (and its per-token scales)."""
         if not pairs:

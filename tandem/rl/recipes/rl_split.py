@@ -39,6 +39,7 @@ from tandem.rl.rollout.split import (
     evaluate_split,
     receive_groups,
     request_sync,
+    share_kv_scales,
 )
 from tandem.rl.rollout.types import RolloutBatch
 
@@ -89,6 +90,8 @@ class SplitPlacement:
         dp_group = new_groups(mesh_lines(r.mesh, ("dp_replicate", "dp_shard")), alone=True)
         coord = mesh_coords(r.degrees, world.side_rank)
         self.reports = not world.in_first and coord["tp"] == coord["pp"] == coord["cp"] == 0
+        # LoRA: the adapters alone move after the first sync (the same spec on both sides)
+        self.lora = cfg.lora.spec() if cfg.lora.enabled else None
         if world.in_first:
             self._build_generator(dtype, bucket)
         else:
@@ -97,7 +100,13 @@ class SplitPlacement:
             r.build_policy(group=world.second_group)
             r.build_update(dp_group)
             self.bridge = BridgeCopy(
-                r.model, r.args, info.device, dtype, world=world, bucket_bytes=bucket
+                r.model,
+                r.args,
+                info.device,
+                dtype,
+                world=world,
+                bucket_bytes=bucket,
+                lora=self.lora,
             )
         self._first_sync()
 
@@ -105,7 +114,13 @@ class SplitPlacement:
         r, w = self.r, self.world
         cfg, info = r.cfg, r.info
         r.model, r.opt, r.updater = nn.Module(), None, _Relay()
-        bridge = BridgeCopy(nn.Module(), r.args, info.device, dtype, world=w, bucket_bytes=bucket)
+        if cfg.rollout.kv_dtype != "auto":  # FP8 KV: the trainers' scales, at every sync
+            from tandem.rl.update.kv_scales import KVScales
+
+            r.kv = KVScales(cfg.rollout, r.args)
+        bridge = BridgeCopy(
+            nn.Module(), r.args, info.device, dtype, world=w, bucket_bytes=bucket, lora=self.lora
+        )
         base = RolloutPhase(
             rl=cfg.rl,
             rollout=cfg.rollout,
@@ -122,14 +137,20 @@ class SplitPlacement:
             mp=(1, 0, None),
             max_prompt=r.max_prompt,
             rollout_dumps=None,
+            kv=r.kv,
         )
         r.rollout = SplitGenerator(base, w, bridge, dp_ranks(r.degrees))
 
     def _first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generators' copy of the trainers' current weights."""
+        r = self.r
         if self.world.in_first:
-            return self.r.rollout.first_sync()
-        return self.bridge.send()
+            return r.rollout.first_sync()
+        if r.kv is not None:  # the first scales, from training prompts (none after a resume)
+            r.kv.ensure(r.policy, r.train_prompts, r.step_index)
+        out = self.bridge.send()
+        share_kv_scales(self.world, r.kv)
+        return out
 
     # ---- the recipe protocol, by side ---------------------------------------------------
 
@@ -156,6 +177,7 @@ class SplitPlacement:
             request_sync(w, step + 1)
             with wd.phase("sync"):
                 sync = self.bridge.send()
+                share_kv_scales(w, r.kv)
             mine = {
                 **result.metrics,
                 **sync,
@@ -200,6 +222,8 @@ class SplitPlacement:
             }
         else:
             mine = {"scheduler": r.sched.state_dict()}
+            if r.kv is not None:
+                mine["kv_scales"] = r.kv.state_dict()
         parts: list[Any] = [None] * self.world.world
         dist.all_gather_object(parts, mine, group=self.world.control)
         return {**parts[self.world.first], **parts[0]}
@@ -213,6 +237,8 @@ class SplitPlacement:
             r.rollout.load_state_dict(state.get("rollout") or {})
         else:
             r.sched.load_state_dict(state["scheduler"])
+            if r.kv is not None and "kv_scales" in state:
+                r.kv.load_state_dict(state["kv_scales"])
         self._first_sync()
 
     def export(self, dump_folder: str) -> str:

@@ -53,6 +53,19 @@ def request_sync(world: SplitWorld, version: int) -> None:
         )
 
 
+def share_kv_scales(world: SplitWorld, kv: Any) -> None:
+    """Collective over the control group (every rank, after each weight sync): the first
+    trainer's FP8 KV scales (`tandem.rl.update.kv_scales.KVScales`, calibrated after its update)
+    to every generator, so they travel with the weights; nothing without FP8 or with per-token
+    scales (each pool entry keeps its own)."""
+    if kv is None or kv.per_token:
+        return
+    box = [kv.state_dict()]
+    dist.broadcast_object_list(box, src=world.first, group=world.control)
+    if world.in_first:
+        kv.load_state_dict(box[0])
+
+
 def receive_groups(world: SplitWorld) -> list[tuple[int, list[RolloutSample], list[float]]]:
     """A trainer: this step's groups from every generator (position, samples, scores), in
     stream order."""
@@ -80,6 +93,7 @@ class SplitGenerator(ColocatedAsyncRollout):
     def first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generation copy, built from the trainers' weights."""
         self.model, metrics = self.bridge.receive(self.model)
+        share_kv_scales(self.world, self.base.kv)
         return metrics
 
     def step(self, step: int) -> dict[str, float]:
@@ -94,7 +108,7 @@ class SplitGenerator(ColocatedAsyncRollout):
         tally = Tally().sum(
             "async/dropped", sum(1 for f in expired if self.owner(f.position) == b.dp_rank)
         )
-        self.gen.resume(self.model)  # the first step: the generator, and groups restored
+        self.gen.resume(self.model, self.kv_scales())  # the first step: the generator, groups
         self._add(self.admission.admit(self.stream, version))
         before = self.gen.gen.stats.steps, self.gen.gen.stats.generated_tokens
         self.filtered, self.dropped_groups = Tally(), 0
@@ -109,8 +123,11 @@ class SplitGenerator(ColocatedAsyncRollout):
             self._add(self.admission.admit(self.stream, version))
         idle = self._decode_until_request()
         tally.sum("async/suspended", self.gen.suspend(version))
+        scale_age = b.kv.rollout_metrics(step) if b.kv is not None else {}  # this phase's
         self.model, sync = self.bridge.receive(self.model)
-        self.gen.resume(self.model)  # recompute: the suspended KV again, with the new weights
+        share_kv_scales(self.world, b.kv)
+        # recompute: the suspended KV again, with the new weights; FP8: kept KV re-quantised
+        requantized = self.gen.resume(self.model, self.kv_scales())
         stats = self.gen.gen.stats
         steps, made = stats.steps - before[0], stats.generated_tokens - before[1]
         slots = steps * self.gen.gen.scheduler.max_num_seqs
@@ -119,6 +136,8 @@ class SplitGenerator(ColocatedAsyncRollout):
         tally.mean("time/rollout_s", t_chosen - t0)
         for k, v in sync.items():
             tally.mean(k, v)
+        if b.kv is not None:
+            tally.sum("kv/requantized_heads", requantized)
         for k, v in self.gen.phase_metrics().items():
             tally.local(k, v)
         metrics = (
@@ -126,6 +145,7 @@ class SplitGenerator(ColocatedAsyncRollout):
         )  # (no group: the world's, which the trainers are in)
         if b.rl.dynamic_sampling:  # the same count on every generator
             metrics["dynamic/dropped_groups"] = float(self.dropped_groups)
+        metrics.update(scale_age)
         metrics.update(
             {
                 "async/inflight": float(len(self.admission.flights)),

@@ -78,11 +78,12 @@ class ColocatedAsyncRollout:
         mine = [f for f in expired if self.owner(f.position) == b.dp_rank]
         tally = Tally().sum("async/dropped", len(mine))
         new = self.admission.admit(self.stream, version)
+        kv_metrics = b.kv_ready()  # collective: FP8 KV scales exist before anything samples
         if self.model is None:
             self.model, reshard = b.gen_copy.build()
         else:
             reshard = b.gen_copy.refill(self.model)
-        self.gen.resume(self.model)
+        requantized = self.gen.resume(self.model, self.kv_scales())
         for f in new:
             if self.owner(f.position) == b.dp_rank:
                 self.gen.add(f, b.train_prompts[f.row], b.rl.num_samples)
@@ -109,12 +110,16 @@ class ColocatedAsyncRollout:
         tally.local("rollout/kv_cache_gb", stats.kv_cache_bytes / 1e9)
         staleness_tally(samples, version, b.rcfg.max_staleness, tally)
         tally.local("async/weight_sync_s", reshard["reshard/seconds"])
-        for k, v in {**reshard, **self.gen.phase_metrics()}.items():
+        for k, v in {**reshard, **kv_metrics, **self.gen.phase_metrics()}.items():
             tally.local(k, v)
+        if b.kv is not None:
+            tally.sum("kv/requantized_heads", requantized)
         tally.merge(rewards).merge(self.filtered)
         metrics = tally.reduce(device=b.info.device)
         if b.rl.dynamic_sampling:  # the same count on every rank
             metrics["dynamic/dropped_groups"] = float(self.dropped_groups)
+        if b.kv is not None:
+            metrics.update(b.kv.rollout_metrics(step))
         metrics.update(
             {
                 "async/inflight": float(len(self.admission.flights)),
@@ -125,6 +130,12 @@ class ColocatedAsyncRollout:
         if b.rollout_dumps:  # advanced.dump_rollouts
             dump_rollouts(b.rollout_dumps, step, b.info.rank, samples)
         return RolloutBatch(samples, scores, version, metrics, b.ids(samples), b.positions(samples))
+
+    def kv_scales(self) -> Any:
+        """The FP8 pool's calibrated scales of this rank's KV heads for this phase (None
+        without FP8 or with per-token scales)."""
+        kv, layout = self.base.kv, self.base.gen_copy.layout
+        return None if kv is None else kv.for_heads(layout.tp, layout.rank)
 
     def _generate(self, version: int) -> list[Flight]:
         """Decode until the step's groups are complete on all ranks together; the chosen flights."""

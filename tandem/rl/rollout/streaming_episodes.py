@@ -62,9 +62,9 @@ class StreamingEpisodes(StreamingGenerator):
         self.done: list[EpisodeState] = []  # taken since the last `phase_metrics`
         self.t0 = time.perf_counter()
 
-    def resume(self, model: Any) -> None:
+    def resume(self, model: Any, kv_scales: Any = None) -> int:
         first = self.gen is None
-        super().resume(model)
+        requantized = super().resume(model, kv_scales)
         if first:
             assert self.gen is not None
             self.loop = EpisodeLoop(
@@ -75,6 +75,7 @@ class StreamingEpisodes(StreamingGenerator):
                 token_limit=min(self.ecfg.max_total_tokens, self.gen.scheduler.max_model_len),
                 max_turn_tokens=self.ecfg.max_turn_tokens,
             )
+        return requantized
 
     def add(self, flight: Flight, prompt: Prompt, n: int) -> None:
         loop = self.loop

@@ -50,9 +50,12 @@ class StreamingGenerator:
         self.check = stop_strings_check(tok.decode, rcfg.stop) if rcfg.stop else None
         self.suspended = False
 
-    def resume(self, model: Any) -> None:
+    def resume(self, model: Any, kv_scales: Any = None) -> int:
         """Start of a phase: the generator (made at the first phase), its KV back, restored
-        groups in."""
+        groups in. ``kv_scales``: an FP8 pool's calibrated scales of this phase's version; the
+        entries the pool kept are re-quantised to them (`Generator.set_kv_scales`; a recomputed
+        KV is written with them). Returns the KV heads re-quantised."""
+        requantized = 0
         if self.gen is None:
             settings = generator_settings(self.rcfg, self.max_prompt, 0)
             settings.max_num_seqs = min(settings.max_num_seqs, max(1, self.max_seqs))
@@ -60,12 +63,15 @@ class StreamingGenerator:
             settings.cuda_graphs = settings.cuda_graphs and self.rcfg.suspended_kv == "keep"
             if getattr(model.args, "num_experts", 0):
                 settings.cuda_graphs = False
-            self.gen = Generator(model, settings, eos_token_ids=self.tok.eos_token_ids)
-        elif self.suspended:
-            if self.rcfg.suspended_kv == "offload":
+            self.gen = Generator(
+                model, settings, eos_token_ids=self.tok.eos_token_ids, kv_scales=kv_scales
+            )
+        else:
+            if self.suspended and self.rcfg.suspended_kv == "offload":
                 self.gen.restore_kv()
-            elif self.rcfg.suspended_kv == "recompute":
+            elif self.suspended and self.rcfg.suspended_kv == "recompute":
                 self.gen.reacquire_kv()
+            requantized = self.gen.set_kv_scales(kv_scales)
         self.suspended = False
         for g in self.restored:
             for seq in g.seqs:
@@ -74,6 +80,7 @@ class StreamingGenerator:
                 self.gen.add_resumed(seq, self.check)
             self.groups[g.flight.position] = g
         self.restored = []
+        return requantized
 
     def add(self, flight: Flight, prompt: Prompt, n: int) -> None:
         params = group_params(sampling_params(self.rcfg), flight.seed)
