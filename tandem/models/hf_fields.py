@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.models import deepseek, gpt_oss
+from tandem.models import deepseek, gpt_oss, qwen3_5
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
@@ -54,3 +54,5 @@ def reject_unsupported_hf_features(config: dict[str, Any], model_type: str) -> N
         gpt_oss.reject_unsupported(config)
     if model_type == "deepseek_v3":
         deepseek.reject_unsupported(config)
+    if model_type == qwen3_5.MODEL_TYPE:
+        qwen3_5.reject_unsupported(config)
