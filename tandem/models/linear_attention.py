@@ -13,7 +13,8 @@ generator's, tandem/rl/generator/recurrent_state.py) also gives each segment's s
 continue from (the last ``conv_kernel - 1`` inputs and the delta-rule matrix) and takes the
 state after its last real token; padding after it runs with ``g = 0`` and ``beta = 0``, which
 leave the state as it is. The convolution is its ``conv_kernel`` taps summed in order, so a
-token's value does not depend on what else shares the batch.
+token's value does not depend on what else shares the batch, and under ``rl.exact`` every
+exp / softplus / sigmoid / silu runs lane-aligned (`tandem.kernels.batch_invariant.lane_aligned`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.batch_invariant import lane_aligned
 from tandem.kernels.gated_delta import gated_delta_rule
 
 
@@ -102,7 +104,7 @@ class GatedRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        return (h * lane_aligned(F.silu, gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -148,7 +150,7 @@ class GatedDeltaNet(nn.Module):
         out = padded[:, :w] * weight[:, 0]
         for j in range(1, k):
             out = out + padded[:, j : j + w] * weight[:, j]
-        return F.silu(out), padded
+        return lane_aligned(F.silu, out), padded
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any
@@ -165,9 +167,10 @@ class GatedDeltaNet(nn.Module):
         state = getattr(attn, "linear_state", None)
         conv0, rec0 = state.load(self.layer_id) if state is not None else (None, None)
         mixed, padded = self._conv(batch(self.in_proj_qkv(x)), conv0)  # [N, W, C]
-        beta = batch(self.in_proj_b(x)).sigmoid()  # [N, W, Hv]
+        beta = lane_aligned(torch.sigmoid, batch(self.in_proj_b(x)))  # [N, W, Hv]
         a = batch(self.in_proj_a(x)).float()
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias)  # [N, W, Hv]
+        softplus = lane_aligned(F.softplus, a + self.dt_bias)
+        g = -self.A_log.float().exp() * softplus  # [N, W, Hv]
         if seg.lengths is not None:  # padding leaves the state as it is
             real = (torch.arange(w, device=x.device)[None] < seg.lengths[:, None])[..., None]
             g, beta = g * real, beta * real

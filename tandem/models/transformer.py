@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import batch_invariant
 from tandem.models.args import ModelArgs
 from tandem.models.attention import AttentionBackend, CausalAttention, attend
 from tandem.models.linear_attention import GatedDeltaNet
@@ -122,7 +123,7 @@ class Attention(nn.Module):
         out = attend(attn, self.layer_id, q, k, v, self.sinks, self.window)  # [B, S, Hq, Dh]
         out = out.reshape(b, s, self.num_heads * self.head_dim)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(b, s, -1))
+            out = out * batch_invariant.lane_aligned(torch.sigmoid, gate.reshape(b, s, -1))
         return self.wo(out)  # [B, S, D]
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from tandem.models.linear_attention import GatedDeltaNet
 from tests.fixtures import TINY_VOCAB, hf_reference
 from tests.models.family_checks import (
     assert_export_bit_exact,
+    assert_greedy_equals_generate,
+    quickstart_two_steps,
     tokens,
     write_random_folder,
 )
@@ -138,6 +140,61 @@ def test_export_bit_exact_and_transformers_reads_it(folder, tmp_path):
     cfg = assert_export_bit_exact(folder, tmp_path / "export", TOL)
     assert cfg["model_type"] == "qwen3_5_text" and cfg["linear_num_value_heads"] == 4
     assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.25
+
+
+# ------------------------------------------------------------------ generator
+def test_generator_greedy_equals_transformers_generate(folder):
+    """Chunked prefill (a 19-token prompt in 16-token steps) and two samples a prompt, the
+    second continuing a copy of the first's recurrent state after the shared prompt. (The
+    prompts' greedy continuations avoid the tokenizer's pad id 353, an eos id that ``generate``
+    with ``min_new_tokens`` may not choose: [7] and [3] * 9 meet it, and are checked below.)"""
+    assert_greedy_equals_generate(folder, [[5, 9, 2], list(range(10, 29)), [6] * 9])
+
+
+@pytest.mark.parametrize("num_blocks", [128, 7])  # 7 blocks of 4: sequences get preempted
+@torch.no_grad()
+def test_generator_equals_the_full_forward_rerun_each_step(folder, num_blocks):
+    """Greedy tokens and temperature-1 log-probs of every sampled token equal the model's full
+    forward re-run on the whole sequence at each step (within 1e-4; a one-token prompt too, and
+    with a pool so small that sequences are preempted and recompute their state); every block
+    and state slot is free at the end."""
+    from tandem.rl.generator.engine import GenerationSettings, Generator
+    from tandem.rl.generator.sequence import SamplingParams
+
+    model = load_model(folder).eval()
+    prompts = [[7], [5, 9, 2, 8], list(range(30, 41))]
+    settings = GenerationSettings(
+        block_size=4, num_blocks=num_blocks, max_num_batched_tokens=8, max_model_len=24
+    )
+    gen = Generator(model, settings)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = gen.generate(prompts, params, n=2)
+    assert gen.pool_is_free()
+    if num_blocks == 7:
+        assert gen.stats.preemptions > 0
+    for p, group in zip(prompts, out, strict=True):
+        seq, lps = list(p), []
+        for _ in range(8):
+            logits = model(torch.tensor([seq]))[0, -1].log_softmax(-1)
+            seq.append(int(logits.argmax()))
+            lps.append(float(logits[seq[-1]]))
+        for c in group:
+            assert c.token_ids == seq[len(p) :], p
+            assert max(abs(a - b) for a, b in zip(c.raw_logprobs, lps)) <= TOL, p
+
+
+# ------------------------------------------------------------------ the RL loop
+@pytest.mark.slow  # a train.py subprocess under rl.exact
+def test_quickstart_rl_steps_train_every_tensor_with_gap_zero(folder, tmp_path):
+    """Two GRPO steps on the folder with rl.exact: every sampled token's rollout log-prob
+    equals the update's recomputation bitwise (the generator's chunks and recurrent state
+    against the update's packed documents), and every exported tensor moved."""
+    rows, before, after = quickstart_two_steps(folder, tmp_path, "--rl.exact=true")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["gap/abs_max"] == 0.0
+    assert sorted(before) == sorted(after)
+    assert [n for n, t in before.items() if torch.equal(t, after[n].to(t.dtype))] == []
 
 
 def test_flavors_count_transformers_parameters():
