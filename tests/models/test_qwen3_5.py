@@ -18,18 +18,17 @@ import pytest
 import torch
 
 from tandem.models import (
-    DocumentAttention,
-    SegmentAttention,
     get_flavor,
     load_model,
-    tandem_to_hf,
 )
 from tandem.models.args import ModelArgs
 from tandem.models.linear_attention import GatedDeltaNet
 from tests.fixtures import TINY_VOCAB, hf_reference
 from tests.models.family_checks import (
     assert_export_bit_exact,
+    assert_gradients_match,
     assert_greedy_equals_generate,
+    assert_packed_rows_equal_alone,
     quickstart_two_steps,
     tokens,
     write_random_folder,
@@ -87,52 +86,17 @@ def test_logits_match_transformers(folder):
     assert (other(x) - want).abs().max().item() > 1e-3
 
 
-@torch.no_grad()
 def test_packed_rows_equal_separate_sequences(folder):
     """Two documents in one row (the recurrence restarts at the second), and a prompt shared
     by two branches (each branch continues the prompt's state), equal to transformers on each
     sequence alone."""
-    ref, ours = hf_reference(folder), load_model(folder)
-    a, b = tokens(1, 9, seed=1)[0], tokens(1, 13, seed=2)[0]
-    row = torch.cat([a, b])[None]
-    pos = torch.cat([torch.arange(9), torch.arange(13)])[None]
-    doc = torch.tensor([[0] * 9 + [1] * 13])
-    got = ours(row, positions=pos, attn=DocumentAttention(doc))[0]
-    assert (got[:9] - ref(a[None]).logits[0]).abs().max() <= TOL
-    assert (got[9:] - ref(b[None]).logits[0]).abs().max() <= TOL
-    p, c1, c2 = tokens(1, 6, seed=3)[0], tokens(1, 5, seed=4)[0], tokens(1, 7, seed=5)[0]
-    row = torch.cat([p, c1, c2])[None]
-    pos = torch.cat([torch.arange(6), 6 + torch.arange(5), 6 + torch.arange(7)])[None]
-    branch = torch.tensor([[0] * 6 + [1] * 5 + [2] * 7])
-    want1 = ref(torch.cat([p, c1])[None]).logits[0]
-    want2 = ref(torch.cat([p, c2])[None]).logits[0]
-    gather = torch.tensor([list(range(11)) + [10, 10], list(range(6)) + list(range(11, 18))])
-    scatter = torch.tensor(list(range(11)) + [13 + 6 + i for i in range(7)])
-    for attn in (
-        DocumentAttention(torch.zeros_like(branch), branch),
-        SegmentAttention(gather, scatter),
-    ):
-        got = ours(row, positions=pos, attn=attn)[0]
-        assert (got[:11] - want1).abs().max() <= TOL, type(attn).__name__
-        assert (got[11:] - want2[6:]).abs().max() <= TOL, type(attn).__name__
+    assert_packed_rows_equal_alone(folder, TOL)
 
 
 def test_gradients_match_transformers(folder):
     """The same loss through both models: every parameter's gradient (the convolution,
     ``A_log``, ``dt_bias``, the gated norms, the gated query) equals transformers'."""
-    ref, ours = hf_reference(folder), load_model(folder)
-    x, y = tokens(2, 12, seed=6), tokens(2, 12, seed=7)
-
-    def loss(logits):
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, TINY_VOCAB), y.reshape(-1))
-
-    loss(ref(x).logits).backward()
-    loss(ours(x)).backward()
-    grads = tandem_to_hf({n: p.grad for n, p in ours.named_parameters()}, ours.args)
-    hf = dict(ref.named_parameters())
-    assert sorted(grads) == sorted(hf)
-    for name, g in grads.items():
-        assert (g - hf[name].grad).abs().max() <= TOL, name
+    grads = assert_gradients_match(folder, TOL)
     assert grads["model.layers.0.linear_attn.A_log"].abs().sum() > 0
 
 
