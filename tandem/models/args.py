@@ -25,7 +25,7 @@ from tandem.models.vision import VisionArgs
 
 MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl", "gpt_oss", "deepseek_v3",
-    "qwen3_5_text",
+    "qwen3_5_text", "qwen3_5_moe_text",
 )  # fmt: skip
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -37,11 +37,13 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 VLM_MODEL_TYPES = ("qwen2_5_vl",)
 _FAMILY = {
     "qwen2_5_vl": "qwen2",
     "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
 }  # the dense family whose attention a model type uses
 # "softmax_topk": GPT-OSS's router, a softmax over the k largest logits only
 SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
@@ -187,10 +189,7 @@ class ModelArgs:
                 f"model_type {self.model_type!r} has no latent attention or expert groups "
                 "(DeepSeek-V3's, model_type 'deepseek_v3')"
             )
-        if (self.model_type == qwen3_5.MODEL_TYPE) != (self.linear is not None):
-            raise ValueError(f"linear-attention sizes are Qwen3.5's, not {self.model_type!r}'s")
-        if self.linear is not None:
-            qwen3_5.validate(self)
+        qwen3_5.validate(self)
         self._validate_moe()
         self._validate_vision()
 
@@ -326,7 +325,7 @@ class ModelArgs:
     @property
     def shared_expert_gated(self) -> bool:
         """Qwen2-MoE scales its shared expert by ``sigmoid(x @ g)``; DeepSeek-V3 does not."""
-        return self.model_type == "qwen2_moe"
+        return self.model_type in ("qwen2_moe", qwen3_5.MOE_MODEL_TYPE)
 
     # ------------------------------------------------------------------ HF config
     @classmethod
@@ -343,6 +342,8 @@ class ModelArgs:
             vision = VisionArgs.from_hf(config["vision_config"], config)
             config = {**config, **(config.get("text_config") or {})}
         reject_unsupported_hf_features(config, model_type)
+        if model_type == qwen3_5.MOE_MODEL_TYPE:  # no dense layer: the experts' width stands in
+            config = {"intermediate_size": config["moe_intermediate_size"], **config}
         mrope = _hf_mrope(config) if model_type in VLM_MODEL_TYPES else []
         theta, scaling = _hf_rope(config)
         if scaling is not None and scaling.get("rope_type") == "mrope":
@@ -372,7 +373,7 @@ class ModelArgs:
             mrope_section=mrope,
             vision=vision,
         )
-        if model_type == qwen3_5.MODEL_TYPE:
+        if model_type in qwen3_5.MODEL_TYPES:
             fields.update(qwen3_5.fields_from_hf(config))
         return cls(**{**fields, **hf_moe_fields(config, model_type)})
 

@@ -154,6 +154,18 @@ _DEBUG_QWEN35 = ModelArgs(
     ),
 )
 
+# Qwen3.5-MoE at debug-qwen3.5's size: 8 experts of width 32 (2 per token) and a gated shared
+# expert of 64 in every layer.
+_DEBUG_QWEN35_MOE = _DEBUG_QWEN35.replace(
+    model_type="qwen3_5_moe_text",
+    intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    shared_expert_intermediate_size=64,
+)
+
 # DeepSeek-V3 at debug size: MLA (q rank 24, kv rank 16, 8 rotary of 24 key dims, values of
 # 16), one dense layer then MoE (8 experts in 4 groups, 2 groups and 2 experts per token, a
 # shared expert), YaRN with DeepSeek's mscale.
@@ -286,6 +298,7 @@ FLAVORS: dict[str, ModelArgs] = {
     "debug-gpt-oss": _DEBUG_GPT_OSS,
     "debug-deepseek-v3": _DEBUG_DSV3,
     "debug-qwen3.5": _DEBUG_QWEN35,
+    "debug-qwen3.5-moe": _DEBUG_QWEN35_MOE,
     # Published sizes, for planning (train.py --plan) before a download; from-scratch training at
     # these sizes is possible but not what they are for. Qwen3-8B: the Qwen3-8B model card (36
     # layers, 32 q / 8 kv heads) and a Qwen3ForCausalLM config.json of that size (hidden 4096,
@@ -441,6 +454,26 @@ FLAVORS: dict[str, ModelArgs] = {
         max_position_embeddings=262144,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
         linear=LinearArgs(),
+    ),
+    # Qwen3.5-35B-A3B's text model as transformers' Qwen3_5MoeTextConfig defaults describe it
+    # ("the Qwen3.5-35B-A3B style configuration"): 40 layers of hidden 2048 (every fourth full
+    # attention, 16 q / 2 kv heads of 256), DeltaNet 16 key / 32 value heads of 128, 256 experts
+    # of 512 (8 per token) and a gated shared expert of 512 in every layer, vocab 248320.
+    "qwen3.5-35b-a3b": _DEBUG_QWEN35_MOE.replace(
+        vocab_size=248320,
+        hidden_size=2048,
+        intermediate_size=512,
+        num_layers=40,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        max_position_embeddings=262144,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+        linear=LinearArgs(),
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
     ),
 }
 

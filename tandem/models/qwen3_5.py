@@ -8,8 +8,11 @@ causal convolution, the gated delta rule of tandem/kernels/gated_delta.py, a gat
 query and gate side by side; the attention output is multiplied by ``sigmoid(gate)``). Every
 RMSNorm outside the DeltaNet is zero-centred (``x_hat * (1 + w)``). Tensors keep HF's names
 (``linear_attn.*`` -> ``attention.*``) through tandem/models/hf.py's table, so a folder exports
-bit for bit. Only the text model is read: ``qwen3_5`` folders (the vision tower beside the LM,
-``model.language_model.*``) and Qwen3.5-MoE are follow-up work (docs/models.md).
+bit for bit. Qwen3.5-MoE (``qwen3_5_moe_text``) has the MoE block (tandem/models/moe.py) in
+every layer: softmax routing renormalised over the chosen experts and a shared expert gated by
+a sigmoid, as Qwen2-MoE's (one tensor per expert on disk, as transformers writes them). Only
+the text models are read: ``qwen3_5`` / ``qwen3_5_moe`` folders (the vision tower beside the LM,
+``model.language_model.*``) are follow-up work (docs/models.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
     from tandem.models.args import ModelArgs
 
 MODEL_TYPE = "qwen3_5_text"
+MOE_MODEL_TYPE = "qwen3_5_moe_text"  # every layer's MLP the MoE block, with a gated shared expert
+MODEL_TYPES = (MODEL_TYPE, MOE_MODEL_TYPE)
 LINEAR = "linear_attention"
 
 
@@ -68,7 +73,19 @@ def fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     ]
     params = config.get("rope_parameters") or {}
     factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    moe = {}
+    if config["model_type"] == MOE_MODEL_TYPE:
+        moe = {
+            "num_experts": config["num_experts"],
+            "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["moe_intermediate_size"],
+            "norm_topk_prob": True,
+            "shared_expert_intermediate_size": config["shared_expert_intermediate_size"],
+            "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001),
+            "router_z_loss_coef": config.get("router_z_loss_coef", 0.0),
+        }
     return {
+        **moe,
         "layer_types": list(types),
         "partial_rotary_factor": float(factor),
         "linear": LinearArgs(
@@ -87,6 +104,22 @@ def config_to_hf(args: ModelArgs, cfg: dict[str, Any]) -> dict[str, Any]:
     scaling = dict(args.rope_scaling or {"rope_type": "default"})
     for key in ("rope_theta", "rope_scaling", "use_sliding_window", "sliding_window"):
         cfg.pop(key, None)
+    if args.is_moe:
+        if args.intermediate_size != args.moe_intermediate_size or not args.norm_topk_prob:
+            raise ValueError(
+                "qwen3_5_moe_text has no dense layers (intermediate_size = moe_intermediate_size) "
+                "and renormalises the chosen experts' weights (norm_topk_prob)"
+            )
+        cfg.pop("intermediate_size")
+        cfg.update(
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_intermediate_size,
+            shared_expert_intermediate_size=args.shared_expert_intermediate_size,
+            router_aux_loss_coef=args.router_aux_loss_coef,
+            router_z_loss_coef=args.router_z_loss_coef,  # Tandem's; transformers keeps it unread
+            output_router_logits=False,
+        )
     cfg.update(
         attention_bias=False,
         layer_types=list(args.layer_types),
@@ -105,8 +138,12 @@ def config_to_hf(args: ModelArgs, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate(args: ModelArgs) -> None:
-    """Layer kinds and sizes of a ``qwen3_5_text`` `ModelArgs`."""
+    """Layer kinds and sizes of a `ModelArgs` (Qwen3.5's only: none for the other types)."""
     lin = args.linear
+    if (args.model_type in MODEL_TYPES) != (lin is not None):
+        raise ValueError(f"linear-attention sizes are Qwen3.5's, not {args.model_type!r}'s")
+    if lin is None:
+        return
     if lin is None or len(args.layer_types) != args.num_layers:
         raise ValueError(
             "qwen3_5_text needs linear-attention sizes and a layer_types entry a layer"

@@ -285,7 +285,7 @@ def auto_tp(
     ``devices_per_node`` keeps it inside a node: its two all-reduces per layer never cross the
     network. The run and the planner (``train.py --plan``) both call this. GPT-OSS, DeepSeek-V3
     and Qwen3.5 get 1: their generation tp is refused yet (tandem/rl/config/composes.py)."""
-    if args.model_type in ("gpt_oss", "deepseek_v3", "qwen3_5_text"):
+    if args.model_type in ("gpt_oss", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text"):
         return 1
     bound = math.gcd(world, devices_per_node)
     degrees = [

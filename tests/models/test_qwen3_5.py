@@ -37,27 +37,28 @@ from tests.models.family_checks import (
 TOL = 1e-4
 
 
+SIZES = dict(  # both tiny folders' attention, DeltaNet and vocabulary
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    max_position_embeddings=256,
+    eos_token_id=[355],
+    pad_token_id=0,
+)
+
+
 def tiny_config(**overrides):
     from transformers import Qwen3_5TextConfig
 
-    kw = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=256,
-        eos_token_id=[355],
-        pad_token_id=0,
-    )
-    return Qwen3_5TextConfig(**{**kw, **overrides})
+    return Qwen3_5TextConfig(**{**SIZES, "intermediate_size": 96, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -190,26 +191,73 @@ def test_suspended_sequences_continue_the_same_samples(folder, how):
             )
 
 
+# ------------------------------------------------------------------ Qwen3.5-MoE
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory) -> Path:
+    """The same layers with the MoE block in each: 4 experts of 32 (2 a token), a gated
+    shared expert of 48 (transformers' ``Qwen3_5MoeForCausalLM``)."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    cfg = Qwen3_5MoeTextConfig(
+        **SIZES,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return write_random_folder(tmp_path_factory.mktemp("qwen3_5_moe"), cfg, seed=4)
+
+
+def test_moe_logits_routing_and_export_match_transformers(moe_folder, tmp_path):
+    """Logits within 1e-4 of transformers with the same experts for every token in every
+    layer; the folder exports bit for bit (one tensor per expert, as transformers writes)."""
+    ref, ours = hf_reference(moe_folder), load_model(moe_folder)
+    assert ours.args.is_moe and ours.args.shared_expert_gated and ours.args.norm_topk_prob
+    chosen = {}
+    hooks = [
+        ref.model.layers[i].mlp.gate.register_forward_hook(
+            lambda m, i_, out, i=i: chosen.__setitem__(i, out[2])
+        )
+        for i in range(4)
+    ]
+    x = tokens(2, 20)
+    with torch.no_grad():
+        assert (ours(x) - ref(x).logits).abs().max().item() <= TOL
+    for h in hooks:
+        h.remove()
+    for i in range(4):
+        got = ours.layers[str(i)].moe.last_routing.sort(-1).values
+        assert torch.equal(got, chosen[i].sort(-1).values), i
+    cfg = assert_export_bit_exact(moe_folder, tmp_path / "export", TOL)
+    assert cfg["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in cfg
+
+
+def test_moe_generator_greedy_equals_transformers_generate(moe_folder):
+    assert_greedy_equals_generate(moe_folder, [list(range(10, 29))])
+
+
 # ------------------------------------------------------------------ the RL loop
 @pytest.mark.slow  # a train.py subprocess under rl.exact
-def test_quickstart_rl_steps_train_every_tensor_with_gap_zero(folder, tmp_path):
-    """Two GRPO steps on the folder with rl.exact: every sampled token's rollout log-prob
-    equals the update's recomputation bitwise (the generator's chunks and recurrent state
-    against the update's packed documents), and every exported tensor moved."""
-    rows, before, after = quickstart_two_steps(folder, tmp_path, "--rl.exact=true")
+def test_quickstart_rl_steps_train_every_tensor_with_gap_zero(moe_folder, tmp_path):
+    """Two GRPO steps on the MoE folder (DeltaNet, gated attention and the MoE block) with
+    rl.exact: every sampled token's rollout log-prob equals the update's recomputation bitwise
+    (the generator's chunks, forks and recurrent state against the update's packed documents),
+    the experts chosen agree, and every exported tensor moved (every expert's included)."""
+    rows, before, after = quickstart_two_steps(moe_folder, tmp_path, "--rl.exact=true")
     assert len(rows) == 2
     for row in rows:
-        assert row["gap/abs_max"] == 0.0
+        assert row["gap/abs_max"] == 0.0 and row["moe/routing_mismatch"] == 0.0
     assert sorted(before) == sorted(after)
     assert [n for n, t in before.items() if torch.equal(t, after[n].to(t.dtype))] == []
 
 
 def test_flavors_count_transformers_parameters():
-    """debug-qwen3.5 and qwen3.5-9b (8.95 B) count what transformers' model of the same
-    config.json holds; the config round-trips; a from-scratch model runs."""
+    """debug-qwen3.5(-moe), qwen3.5-9b (8.95 B) and qwen3.5-35b-a3b (34.66 B) count what
+    transformers' model of the same config.json holds; the config round-trips; a from-scratch
+    model runs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for name in ("debug-qwen3.5", "qwen3.5-9b"):
+    for name in ("debug-qwen3.5", "qwen3.5-9b", "debug-qwen3.5-moe", "qwen3.5-35b-a3b"):
         args = get_flavor(name)
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**args.to_hf()))

@@ -427,11 +427,11 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     (
         "qwen3_5",
-        "F C T rollout_tp P",
+        "F C T rollout_tp P ep expert_lora",
         "the linear-attention layers find each sequence through the training, batch-invariant and "
         "paged backends only (not the FP8-rounding or calibrating wrappers), a cp shard would cut "
-        "the recurrence, the tp plans do not shard the DeltaNet projections, and pipeline stages "
-        "are not checked with them",
+        "the recurrence, the tp plans do not shard the DeltaNet projections, and pipeline stages, "
+        "expert parallelism and adapters on the routed experts are not checked with them",
         "unset the other",
     ),
     (

@@ -580,7 +580,12 @@ class Planner:
     def _no_tp(self) -> bool:
         """GPT-OSS, DeepSeek-V3 and Qwen3.5 run tp = rollout.tp = 1 so far (Qwen3.5: pp = 1 and
         cp = 1 too; tandem/rl/config/composes.py)."""
-        return self.args.model_type in ("gpt_oss", "deepseek_v3", "qwen3_5_text")
+        return self.args.model_type in (
+            "gpt_oss",
+            "deepseek_v3",
+            "qwen3_5_text",
+            "qwen3_5_moe_text",
+        )
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl
@@ -608,7 +613,8 @@ class Planner:
                         if 1 < e <= dp
                         and dp % e == 0
                         and self.args.num_experts % e == 0
-                        and self.args.model_type != "gpt_oss"  # ep refused (composes.py)
+                        # ep refused (composes.py)
+                        and self.args.model_type not in ("gpt_oss", "qwen3_5_moe_text")
                     }
                 )
                 out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
