@@ -116,20 +116,26 @@ def test_generator_greedy_equals_transformers_generate(folder):
     assert_greedy_equals_generate(folder, [[5, 9, 2], list(range(10, 29)), [6] * 9])
 
 
-@pytest.mark.parametrize("num_blocks", [128, 7])  # 7 blocks of 4: sequences get preempted
+# 7 blocks of 4: sequences get preempted; one sequence at a time: one state slot, so the second
+# sample of a prompt finds none free at the fork and prefills the prompt alone
+@pytest.mark.parametrize("num_blocks, max_num_seqs", [(128, 256), (7, 256), (128, 1)])
 @torch.no_grad()
-def test_generator_equals_the_full_forward_rerun_each_step(folder, num_blocks):
+def test_generator_equals_the_full_forward_rerun_each_step(folder, num_blocks, max_num_seqs):
     """Greedy tokens and temperature-1 log-probs of every sampled token equal the model's full
-    forward re-run on the whole sequence at each step (within 1e-4; a one-token prompt too, and
-    with a pool so small that sequences are preempted and recompute their state); every block
-    and state slot is free at the end."""
+    forward re-run on the whole sequence at each step (within 1e-4; a one-token prompt too, with
+    a pool so small that sequences are preempted and recompute their state, and with no slot
+    to fork into); every block and state slot is free at the end."""
     from tandem.rl.generator.engine import GenerationSettings, Generator
     from tandem.rl.generator.sequence import SamplingParams
 
     model = load_model(folder).eval()
     prompts = [[7], [5, 9, 2, 8], list(range(30, 41))]
     settings = GenerationSettings(
-        block_size=4, num_blocks=num_blocks, max_num_batched_tokens=8, max_model_len=24
+        block_size=4,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=8,
+        max_model_len=24,
+        max_num_seqs=max_num_seqs,
     )
     gen = Generator(model, settings)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -137,6 +143,8 @@ def test_generator_equals_the_full_forward_rerun_each_step(folder, num_blocks):
     assert gen.pool_is_free()
     if num_blocks == 7:
         assert gen.stats.preemptions > 0
+    else:  # the prompts' tokens before the last: prefilled once a group, or once a sample
+        assert gen.stats.prefill_tokens == 13 * (2 if max_num_seqs == 1 else 1)
     for p, group in zip(prompts, out, strict=True):
         seq, lps = list(p), []
         for _ in range(8):
