@@ -160,3 +160,15 @@ def assert_gradients_match(folder: Path, tol: float) -> dict[str, torch.Tensor]:
         assert hf[name].grad is not None, name
         assert (g - hf[name].grad).abs().max() <= tol, name
     return grads
+
+
+def exact_quickstart_unchanged(folder: Path, tmp_path: Path) -> list[str]:
+    """`quickstart_two_steps` with ``rl.exact``: two rows, each with ``gap/abs_max`` 0 and
+    ``moe/routing_mismatch`` 0, the export holding the folder's tensor names. Returns the names
+    of the tensors that the two steps left unchanged."""
+    rows, before, after = quickstart_two_steps(folder, tmp_path, "--rl.exact=true")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["gap/abs_max"] == 0.0 and row["moe/routing_mismatch"] == 0.0
+    assert sorted(before) == sorted(after)
+    return [n for n, t in before.items() if torch.equal(t, after[n].to(t.dtype))]
