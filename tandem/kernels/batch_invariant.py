@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -25,6 +25,7 @@ TILE_ROWS = 16  # rows per matmul call (see the module docstring)
 # key positions gathered at a time in `attention` (memory only; values do not depend on it)
 KEY_CHUNK = 64
 QUERY_BLOCK = 256  # queries at a time in `attention` (memory only)
+LANES = 64  # `lane_aligned`: a multiple of two vectors of any CPU's widest (64 bf16, AVX-512)
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton matmul takes
 
@@ -303,3 +304,23 @@ def mask_key_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         order.clamp(max=s - 1) + (torch.arange(b, device=mask.device) * s)[:, None, None]
     ).reshape(b * s, s)
     return index, mask.sum(-1).reshape(b * s)
+
+
+# ---- elementwise functions ------------------------------------------------------------
+
+
+def lane_aligned(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn`` (exp, silu, softplus, sigmoid). With `exact` on, the
+    last dim of every row is padded to a multiple of ``LANES`` first: on the CPU such an op
+    runs whole vectors and then a scalar tail, whose results differ in the last bit for the
+    transcendental ones (measured: silu and softplus), so where a token's values fall depends
+    on how many rows share the tensor; padded, each row starts on a vector boundary and no
+    tail is left (one thread's chunk: the op's ``grain_size`` of 32768 elements)."""
+    if not enabled():
+        return fn(x)
+    width = x.shape[-1]
+    flat = x.reshape(-1, width)
+    pad = -width % LANES
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return fn(flat)[:, :width].reshape(x.shape)

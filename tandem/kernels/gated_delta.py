@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.kernels.batch_invariant import lane_aligned
+
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (the released models' epsilon)."""
@@ -50,7 +52,8 @@ def gated_delta_rule(
     q = q * dk**-0.5
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
-    v, g, beta = v.float(), g.float(), beta.float()
+    v, beta = v.float(), beta.float()
+    forget = lane_aligned(torch.exp, g.float())  # [B, S, Hv]
     state = (
         q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float()
     )  # [B, Hv, Dk, Dv]
@@ -58,7 +61,7 @@ def gated_delta_rule(
     for t in range(s):
         if reset is not None:
             state = state * (~reset[:, t]).to(state.dtype)[:, None, None, None]
-        state = state * g[:, t].exp()[..., None, None]
+        state = state * forget[:, t][..., None, None]
         k_t = k[:, t]  # [B, Hv, Dk]
         read = (state * k_t[..., None]).sum(dim=-2)  # S^T k: [B, Hv, Dv]
         delta = (v[:, t] - read) * beta[:, t][..., None]  # [B, Hv, Dv]

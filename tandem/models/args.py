@@ -19,12 +19,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.models import deepseek, gpt_oss
+from tandem.models import deepseek, gpt_oss, qwen3_5
 from tandem.models.hf_fields import MOE_MODEL_TYPES, hf_moe_fields, reject_unsupported_hf_features
 from tandem.models.vision import VisionArgs
 
 MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl", "gpt_oss", "deepseek_v3"
+    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl", "gpt_oss", "deepseek_v3",
+    "qwen3_5_text", "qwen3_5_moe_text",
 )  # fmt: skip
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -35,14 +36,20 @@ ARCHITECTURES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 VLM_MODEL_TYPES = ("qwen2_5_vl",)
-_FAMILY = {"qwen2_5_vl": "qwen2"}  # the dense family whose attention a model type uses
+_FAMILY = {
+    "qwen2_5_vl": "qwen2",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+}  # the dense family whose attention a model type uses
 # "softmax_topk": GPT-OSS's router, a softmax over the k largest logits only
 SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
 # RoPE variants we implement; anything else is rejected rather than silently run unscaled.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
@@ -84,6 +91,10 @@ class ModelArgs:
     ``rope_interleave``) and values of ``v_head_dim``; ``num_kv_heads == num_heads`` (the keys
     and values are decompressed per head). The sigmoid router picks within the best
     ``moe_topk_group`` of ``moe_n_group`` expert groups.
+
+    Qwen3.5 (``qwen3_5_text``, tandem/models/qwen3_5.py): ``layer_types[i]`` is
+    "linear_attention" (gated DeltaNet of ``linear`` sizes) or "full_attention" (gated, RoPE on
+    ``partial_rotary_factor`` of each head).
     """
 
     model_type: str = "qwen3"
@@ -128,6 +139,8 @@ class ModelArgs:
     rope_interleave: bool = False
     moe_n_group: int = 1
     moe_topk_group: int = 1
+    partial_rotary_factor: float = 1.0
+    linear: qwen3_5.LinearArgs | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -144,7 +157,7 @@ class ModelArgs:
         if self.qkv_bias is None:
             self.qkv_bias = self.family in ("qwen2", "gpt_oss")
         if self.qk_norm is None:
-            self.qk_norm = self.family == "qwen3"
+            self.qk_norm = self.family in ("qwen3", "qwen3_5")
         self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
         self.layer_types = [str(t) for t in self.layer_types]
         if isinstance(self.eos_token_id, int):
@@ -160,7 +173,8 @@ class ModelArgs:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         # Each HF family hard-wires these; another combination could not be exported.
-        want_bias, want_norm = self.family in ("qwen2", "gpt_oss"), self.family == "qwen3"
+        want_bias = self.family in ("qwen2", "gpt_oss")
+        want_norm = self.family in ("qwen3", "qwen3_5")
         if self.qkv_bias != want_bias or self.qk_norm != want_norm:
             raise ValueError(
                 f"model_type {self.model_type!r} requires qkv_bias={want_bias} and "
@@ -175,6 +189,7 @@ class ModelArgs:
                 f"model_type {self.model_type!r} has no latent attention or expert groups "
                 "(DeepSeek-V3's, model_type 'deepseek_v3')"
             )
+        qwen3_5.validate(self)
         self._validate_moe()
         self._validate_vision()
 
@@ -206,6 +221,8 @@ class ModelArgs:
         sliding = "sliding_attention" in self.layer_types
         if sliding and self.sliding_window < 1:
             raise ValueError(f"sliding layers need sliding_window >= 1, got {self.sliding_window}")
+        if "linear_attention" in self.layer_types and self.linear is None:
+            raise ValueError(f"model_type {self.model_type!r} has no linear-attention layers")
         oss = self.model_type == "gpt_oss"
         if not oss and (sliding or self.attention_sinks or self.swiglu_limit):
             raise ValueError(
@@ -229,6 +246,10 @@ class ModelArgs:
         """Attention that a backend must be told about (sinks, sliding windows)."""
         return self.attention_sinks or "sliding_attention" in self.layer_types
 
+    def is_linear_layer(self, layer_id: int) -> bool:
+        """Qwen3.5: layer ``layer_id`` is gated DeltaNet (tandem/models/linear_attention.py)."""
+        return bool(self.layer_types) and self.layer_types[layer_id] == qwen3_5.LINEAR
+
     @property
     def is_mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V3, tandem/models/mla.py)."""
@@ -237,7 +258,9 @@ class ModelArgs:
     @property
     def rope_dim(self) -> int:
         """The width RoPE rotates: each head's whole ``head_dim``, or MLA's rotary part."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def has_biases(self) -> bool:
@@ -302,7 +325,7 @@ class ModelArgs:
     @property
     def shared_expert_gated(self) -> bool:
         """Qwen2-MoE scales its shared expert by ``sigmoid(x @ g)``; DeepSeek-V3 does not."""
-        return self.model_type == "qwen2_moe"
+        return self.model_type in ("qwen2_moe", qwen3_5.MOE_MODEL_TYPE)
 
     # ------------------------------------------------------------------ HF config
     @classmethod
@@ -319,6 +342,8 @@ class ModelArgs:
             vision = VisionArgs.from_hf(config["vision_config"], config)
             config = {**config, **(config.get("text_config") or {})}
         reject_unsupported_hf_features(config, model_type)
+        if model_type == qwen3_5.MOE_MODEL_TYPE:  # no dense layer: the experts' width stands in
+            config = {"intermediate_size": config["moe_intermediate_size"], **config}
         mrope = _hf_mrope(config) if model_type in VLM_MODEL_TYPES else []
         theta, scaling = _hf_rope(config)
         if scaling is not None and scaling.get("rope_type") == "mrope":
@@ -348,6 +373,8 @@ class ModelArgs:
             mrope_section=mrope,
             vision=vision,
         )
+        if model_type in qwen3_5.MODEL_TYPES:
+            fields.update(qwen3_5.fields_from_hf(config))
         return cls(**{**fields, **hf_moe_fields(config, model_type)})
 
     def to_hf(self) -> dict[str, Any]:
@@ -388,6 +415,8 @@ class ModelArgs:
             return gpt_oss.config_to_hf(self, cfg)
         if self.model_type == "deepseek_v3":
             return deepseek.config_to_hf(self, cfg)
+        if self.linear is not None:
+            return qwen3_5.config_to_hf(self, cfg)
         if self.is_moe:
             cfg.update(self._moe_to_hf())
         if self.is_vlm:
@@ -462,6 +491,13 @@ class ModelArgs:
             per_layer += deepseek.mla_num_params(self) - deepseek.mla_num_params(self, False)
         ffn = sum(self._ffn_matmul_params(i, active=False) for i in range(self.num_layers))
         total = self.num_layers * per_layer + ffn + d  # + final norm
+        if self.linear is not None:  # DeltaNet layers in place of (gated) attention ones
+            total += sum(
+                qwen3_5.linear_num_params(self) - per_layer + 2 * d
+                if self.is_linear_layer(i)
+                else qwen3_5.attention_matmul_params(self, i) - self._attention_matmul_params()
+                for i in range(self.num_layers)
+            )
         if self.vision is not None:
             total += self.vision.num_params()
         if not self.tie_word_embeddings:
@@ -480,11 +516,10 @@ class ModelArgs:
         convention and ignores the causal mask.
         """
         ffn = sum(self._ffn_matmul_params(i, active=True) for i in range(self.num_layers))
-        matmul = (
-            self.num_layers * self._attention_matmul_params()
-            + ffn
-            + self.vocab_size * self.hidden_size
-        )
+        mixers = self.num_layers * self._attention_matmul_params()
+        if self.linear is not None:
+            mixers = sum(qwen3_5.attention_matmul_params(self, i) for i in range(self.num_layers))
+        matmul = mixers + ffn + self.vocab_size * self.hidden_size
         attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return 6 * matmul + attn
 

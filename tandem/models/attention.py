@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from tandem.kernels import batch_invariant
 from tandem.kernels.sink_attention import sink_attention, window_mask
+from tandem.models.linear_attention import Segments, doc_segments, row_segments
 
 
 class AttentionBackend(Protocol):
@@ -106,6 +107,10 @@ class CausalAttention:
 
     sinks_and_windows = True
 
+    def linear_segments(self, b: int, s: int, device: torch.device) -> Segments:
+        """Linear-attention layers (tandem/models/linear_attention.py): one sequence a row."""
+        return row_segments(b, s, device)
+
     def __call__(
         self,
         layer_id: int,
@@ -147,8 +152,15 @@ class DocumentAttention:
         self.doc_ids, self.branch_ids = doc_ids, branch_ids
         self._mask: torch.Tensor | None = None
         self._windowed: dict[int, torch.Tensor] = {}
+        self._segments: Segments | None = None
 
     sinks_and_windows = True
+
+    def linear_segments(self, b: int, s: int, device: torch.device) -> Segments:
+        """Linear-attention layers: each document, each branch after its prefix (built once)."""
+        if self._segments is None:
+            self._segments = doc_segments(self.doc_ids, self.branch_ids)
+        return self._segments
 
     @property
     def mask(self) -> torch.Tensor:
@@ -212,6 +224,10 @@ class SegmentAttention:
 
     sinks_and_windows = True
 
+    def linear_segments(self, b: int, s: int, device: torch.device) -> Segments:
+        """Linear-attention layers run the same segments (a shared prompt once per branch)."""
+        return Segments(self.gather, self.scatter)
+
     def __call__(
         self,
         layer_id: int,
@@ -243,9 +259,14 @@ class ExactAttention:
     sinks_and_windows = True
 
     def __init__(self, doc_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> None:
-        self._mask = DocumentAttention(doc_ids, branch_ids).mask
+        self._docs = DocumentAttention(doc_ids, branch_ids)
+        self._mask = self._docs.mask
         self.index, self.length = batch_invariant.mask_key_index(self._mask[:, 0])
         self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def linear_segments(self, b: int, s: int, device: torch.device) -> Segments:
+        """Linear-attention layers: `DocumentAttention`'s segments."""
+        return self._docs.linear_segments(b, s, device)
 
     def __call__(
         self,

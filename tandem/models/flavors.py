@@ -10,6 +10,7 @@ import copy
 
 from tandem.models.args import ModelArgs
 from tandem.models.image_processor import ImageProcessor
+from tandem.models.qwen3_5 import LinearArgs
 from tandem.models.vision import VisionArgs
 
 _LLAMA3_ROPE = {
@@ -131,6 +132,38 @@ _GPT_OSS_20B = _DEBUG_GPT_OSS.replace(
     sliding_window=128,
     layer_types=["sliding_attention", "full_attention"] * 12,
     eos_token_id=[200002, 199999, 200012],
+)
+
+# Qwen3.5 at debug-qwen3's size: three gated DeltaNet layers (2 key / 4 value heads of 16, a
+# 4-tap convolution) then one gated full-attention layer (RoPE on a quarter of each head).
+_DEBUG_QWEN35 = ModelArgs(
+    model_type="qwen3_5_text",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=1e7,
+    max_position_embeddings=2048,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    partial_rotary_factor=0.25,
+    linear=LinearArgs(
+        conv_kernel=4, key_head_dim=16, value_head_dim=16, num_key_heads=2, num_value_heads=4
+    ),
+)
+
+# Qwen3.5-MoE at debug-qwen3.5's size: 8 experts of width 32 (2 per token) and a gated shared
+# expert of 64 in every layer.
+_DEBUG_QWEN35_MOE = _DEBUG_QWEN35.replace(
+    model_type="qwen3_5_moe_text",
+    intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    shared_expert_intermediate_size=64,
 )
 
 # DeepSeek-V3 at debug size: MLA (q rank 24, kv rank 16, 8 rotary of 24 key dims, values of
@@ -264,6 +297,8 @@ FLAVORS: dict[str, ModelArgs] = {
     ),
     "debug-gpt-oss": _DEBUG_GPT_OSS,
     "debug-deepseek-v3": _DEBUG_DSV3,
+    "debug-qwen3.5": _DEBUG_QWEN35,
+    "debug-qwen3.5-moe": _DEBUG_QWEN35_MOE,
     # Published sizes, for planning (train.py --plan) before a download; from-scratch training at
     # these sizes is possible but not what they are for. Qwen3-8B: the Qwen3-8B model card (36
     # layers, 32 q / 8 kv heads) and a Qwen3ForCausalLM config.json of that size (hidden 4096,
@@ -403,6 +438,42 @@ FLAVORS: dict[str, ModelArgs] = {
         moe_topk_group=4,
         bos_token_id=0,
         eos_token_id=[1],
+    ),
+    # Qwen3.5-9B's text model as transformers' Qwen3_5TextConfig defaults describe it ("the
+    # Qwen3.5-9B style configuration"): 32 layers of hidden 4096 (every fourth full attention,
+    # 16 q / 4 kv heads of 256, RoPE on a quarter), DeltaNet 16 key / 32 value heads of 128,
+    # intermediate 12288, vocab 248320, untied (rope_theta, which no plan reads, as debug's).
+    "qwen3.5-9b": _DEBUG_QWEN35.replace(
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=32,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=256,
+        max_position_embeddings=262144,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+        linear=LinearArgs(),
+    ),
+    # Qwen3.5-35B-A3B's text model as transformers' Qwen3_5MoeTextConfig defaults describe it
+    # ("the Qwen3.5-35B-A3B style configuration"): 40 layers of hidden 2048 (every fourth full
+    # attention, 16 q / 2 kv heads of 256), DeltaNet 16 key / 32 value heads of 128, 256 experts
+    # of 512 (8 per token) and a gated shared expert of 512 in every layer, vocab 248320.
+    "qwen3.5-35b-a3b": _DEBUG_QWEN35_MOE.replace(
+        vocab_size=248320,
+        hidden_size=2048,
+        intermediate_size=512,
+        num_layers=40,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        max_position_embeddings=262144,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+        linear=LinearArgs(),
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
     ),
 }
 

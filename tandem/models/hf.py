@@ -102,6 +102,21 @@ _NAME_PAIRS = [
         )
         for p, w in (("gate", "w1"), ("down", "w2"), ("up", "w3"))
     ),
+    # Qwen3.5's gated DeltaNet layers (tandem/models/linear_attention.py keeps HF's names)
+    *(
+        (f"model.layers.{{i}}.linear_attn.{p}", f"layers.{{i}}.attention.{p}")
+        for p in (
+            "in_proj_qkv.weight",
+            "in_proj_z.weight",
+            "in_proj_b.weight",
+            "in_proj_a.weight",
+            "conv1d.weight",
+            "dt_bias",
+            "A_log",
+            "norm.weight",
+            "out_proj.weight",
+        )  # fmt: skip
+    ),
 ] + [
     (f"model.layers.{{i}}.self_attn.{p}_proj.{kind}", f"layers.{{i}}.attention.w{p}.{kind}")
     for p in "qkv"

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.models import deepseek, gpt_oss
+from tandem.models import deepseek, gpt_oss, qwen3_5
 
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", qwen3_5.MOE_MODEL_TYPE)
 
 
 def hf_moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     """ModelArgs' MoE fields from an HF Qwen2-MoE / Qwen3-MoE config (none for dense types)."""
-    if model_type not in MOE_MODEL_TYPES:
-        return {}
+    if model_type not in MOE_MODEL_TYPES or model_type == qwen3_5.MOE_MODEL_TYPE:
+        return {}  # (Qwen3.5-MoE's come with its other fields: qwen3_5.fields_from_hf)
     if model_type == "gpt_oss":
         return gpt_oss.fields_from_hf(config)
     if model_type == "deepseek_v3":
@@ -54,3 +54,5 @@ def reject_unsupported_hf_features(config: dict[str, Any], model_type: str) -> N
         gpt_oss.reject_unsupported(config)
     if model_type == "deepseek_v3":
         deepseek.reject_unsupported(config)
+    if model_type in qwen3_5.MODEL_TYPES:
+        qwen3_5.reject_unsupported(config)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.batch_invariant import lane_aligned
+
 
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` (w1 = gate, w3 = up, w2 = down)."""
@@ -20,8 +22,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
             gate, up = self.w13(x).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(lane_aligned(F.silu, gate) * up)
+        return self.w2(lane_aligned(F.silu, self.w1(x)) * self.w3(x))
 
     @torch.no_grad()
     def fuse(self) -> None:

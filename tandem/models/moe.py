@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.batch_invariant import lane_aligned
 from tandem.kernels.grouped_gemm import grouped_mm, permute_tokens, unpermute_tokens
 from tandem.models.args import ModelArgs
 from tandem.models.gpt_oss import clamped_swiglu
@@ -56,7 +57,8 @@ class GroupedExperts(nn.Module):
         gate = grouped_mm(x_sorted, self.w1.transpose(1, 2), offsets)  # [R, I]
         up = grouped_mm(x_sorted, self.w3.transpose(1, 2), offsets)  # [R, I]
         if self.b1 is None:
-            return grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offsets)  # [R, D]
+            h = lane_aligned(F.silu, gate) * up
+            return grouped_mm(h, self.w2.transpose(1, 2), offsets)  # [R, D]
         rows = torch.arange(x_sorted.shape[0], device=offsets.device)
         expert = torch.searchsorted(offsets, rows.to(offsets.dtype), right=True)  # [R]
         gate, up = gate + self.b1[expert], up + self.b3[expert]
@@ -143,7 +145,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(flat)  # [T, D]
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+                shared = lane_aligned(torch.sigmoid, self.shared_expert_gate(flat)) * shared
             out = out + shared
         if self.token_mask is None:
             counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]

@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, their MoE kin, GPT-OSS, DeepSeek-V3).
+"""Decoder-only transformer (Llama-3 / Qwen2 / Qwen3, their MoE kin, GPT-OSS, DeepSeek-V3,
+Qwen3.5's hybrid of gated DeltaNet and gated attention layers).
 
 The module tree mirrors torchtitan's Llama so parallel/ can address it by name:
 ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed "0".."L-1" so a
@@ -21,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import batch_invariant
 from tandem.models.args import ModelArgs
 from tandem.models.attention import AttentionBackend, CausalAttention, attend
+from tandem.models.linear_attention import GatedDeltaNet
 from tandem.models.mla import MLAttention
 from tandem.models.mlp import FeedForward, linear_of
 from tandem.models.moe import MoE
@@ -51,11 +54,30 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class ZeroCenteredRMSNorm(RMSNorm):
+    """Qwen3.5's RMSNorm: ``(x_hat * (1 + w))`` in fp32, rounded to x's dtype; w starts at 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+def norm_class(args: ModelArgs) -> type[RMSNorm]:
+    """The family's RMSNorm (zero-centred for Qwen3.5)."""
+    return ZeroCenteredRMSNorm if args.linear is not None else RMSNorm
+
+
 class Attention(nn.Module):
     """Projections, q/k-norm and RoPE around an attention backend.
 
     ``layer_id`` is passed to the backend so a KV-cache backend knows its layer; a GPT-OSS
     layer also passes its ``sinks [Hq]`` and sliding ``window`` (`tandem.models.attention.attend`).
+    Qwen3.5's (``gated``): ``wq`` gives each head's query and an output gate side by side, the
+    output is multiplied by ``sigmoid(gate)``, and RoPE turns the first ``rope_dim`` features.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
@@ -67,14 +89,17 @@ class Attention(nn.Module):
             args.head_dim,
         )
         d, hd = args.hidden_size, args.head_dim
-        self.wq = nn.Linear(d, args.num_heads * hd, bias=args.qkv_bias)
+        self.gated, self.rope_dim = args.linear is not None, args.rope_dim
+        q_width = args.num_heads * hd * (2 if self.gated else 1)
+        self.wq = nn.Linear(d, q_width, bias=args.qkv_bias)
         self.wk = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
         self.wv = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
         self.wo = nn.Linear(args.num_heads * hd, d, bias=args.has_biases)
         self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
         self.window = args.window(layer_id)
-        self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        norm = norm_class(args)
+        self.q_norm = norm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = norm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.wqkv: nn.Linear | None = None  # q, k and v in one (`fuse`)
 
     def forward(
@@ -86,19 +111,32 @@ class Attention(nn.Module):
             q, k, v = self.wqkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(b, s, self.num_heads, self.head_dim)  # [B, S, Hq, Dh]
+        gate = None
+        if self.gated:  # [B, S, Hq, 2 * Dh]: query, gate
+            q, gate = q.view(b, s, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)  # [B, S, Hq, Dh]
         k = k.view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
         v = v.view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         out = attend(attn, self.layer_id, q, k, v, self.sinks, self.window)  # [B, S, Hq, Dh]
-        return self.wo(out.reshape(b, s, self.num_heads * self.head_dim))  # [B, S, D]
+        out = out.reshape(b, s, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * batch_invariant.lane_aligned(torch.sigmoid, gate.reshape(b, s, -1))
+        return self.wo(out)  # [B, S, D]
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rope_dim == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        turned, kept = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rotary(turned, cos, sin), kept], dim=-1)
 
     @torch.no_grad()
     def fuse(self) -> None:
-        """Inference layout: wq, wk and wv become one projection ``wqkv`` (q, k, v rows)."""
-        if self.wqkv is not None:
+        """Inference layout: wq, wk and wv become one projection ``wqkv`` (q, k, v rows); a
+        gated layer keeps its projections."""
+        if self.wqkv is not None or self.gated:
             return
         parts = (self.wq, self.wk, self.wv)
         w = torch.cat([p.weight for p in parts])
@@ -112,11 +150,16 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = (
-            MLAttention(args, layer_id, RMSNorm) if args.is_mla else Attention(args, layer_id)
-        )
-        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        norm = norm_class(args)
+        self.attention_norm = norm(args.hidden_size, args.rms_norm_eps)
+        self.attention: nn.Module
+        if args.is_mla:
+            self.attention = MLAttention(args, layer_id, RMSNorm)
+        elif args.is_linear_layer(layer_id):
+            self.attention = GatedDeltaNet(args, layer_id)
+        else:
+            self.attention = Attention(args, layer_id)
+        self.ffn_norm = norm(args.hidden_size, args.rms_norm_eps)
         if args.is_moe_layer(layer_id):
             self.moe = MoE(args)
         else:
@@ -141,7 +184,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(args, i) for i in range(args.num_layers)}
         )
-        self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm: RMSNorm | None = norm_class(args)(args.hidden_size, args.rms_norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
@@ -229,6 +272,8 @@ class Transformer(nn.Module):
                 module.init_weights(INIT_STD, gen)
             elif isinstance(module, Attention) and module.sinks is not None:
                 nn.init.zeros_(module.sinks)
+            elif isinstance(module, GatedDeltaNet):
+                module.init_weights(INIT_STD, gen)
         self.reset_rope()
 
     def forward(

@@ -283,9 +283,9 @@ def auto_tp(
     keeps on the device) and the ``kv_bytes`` pool, fits in `HEADROOM` of ``device_bytes``; the
     largest such ``g`` when none fits. A group is ``g`` consecutive ranks, so ``g`` dividing
     ``devices_per_node`` keeps it inside a node: its two all-reduces per layer never cross the
-    network. The run and the planner (``train.py --plan``) both call this. GPT-OSS and
-    DeepSeek-V3 get 1: their generation tp is refused yet (tandem/rl/config/composes.py)."""
-    if args.model_type in ("gpt_oss", "deepseek_v3"):
+    network. The run and the planner (``train.py --plan``) both call this. GPT-OSS, DeepSeek-V3
+    and Qwen3.5 get 1: their generation tp is refused yet (tandem/rl/config/composes.py)."""
+    if args.model_type in ("gpt_oss", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text"):
         return 1
     bound = math.gcd(world, devices_per_node)
     degrees = [

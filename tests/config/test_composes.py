@@ -38,6 +38,7 @@ ON: dict[str, tuple[list[str], dict]] = {
     "M": ([], {"args": SimpleNamespace(vision=None, num_experts=8)}),
     "gpt_oss": ([], {"args": SimpleNamespace(vision=None, num_experts=0, model_type="gpt_oss")}),
     "mla": ([], {"args": SimpleNamespace(vision=None, num_experts=0, model_type="deepseek_v3")}),
+    "qwen3_5": ([], {"args": SimpleNamespace(vision=None, num_experts=0, linear=object())}),
     "T": (["parallel.tp=2"], {}),
     "P": (["parallel.pp=2"], {}),
     "E": (["env.name=tool"], {}),

@@ -103,3 +103,72 @@ def quickstart_two_steps(folder: Path, tmp_path: Path, *extra: str):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return rows, read_hf_state_dict(folder), read_hf_state_dict(dump / "hf")
+
+
+@torch.no_grad()
+def assert_packed_rows_equal_alone(folder: Path, tol: float) -> None:
+    """Two documents in one row (`DocumentAttention`), and a prompt shared by two branches
+    (`DocumentAttention` with branch ids, and `SegmentAttention`), each within ``tol`` of
+    transformers on the sequence alone."""
+    from tandem.models import DocumentAttention, SegmentAttention
+
+    ref, ours = hf_reference(folder), load_model(folder)
+    a, b = tokens(1, 9, seed=1)[0], tokens(1, 13, seed=2)[0]
+    row = torch.cat([a, b])[None]
+    pos = torch.cat([torch.arange(9), torch.arange(13)])[None]
+    got = ours(row, positions=pos, attn=DocumentAttention(torch.tensor([[0] * 9 + [1] * 13])))[0]
+    assert (got[:9] - ref(a[None]).logits[0]).abs().max() <= tol
+    assert (got[9:] - ref(b[None]).logits[0]).abs().max() <= tol
+    # prompt p (6 tokens) + branch c1 (5) + branch c2 (7), laid out p c1 c2
+    p, c1, c2 = tokens(1, 6, seed=3)[0], tokens(1, 5, seed=4)[0], tokens(1, 7, seed=5)[0]
+    row = torch.cat([p, c1, c2])[None]
+    pos = torch.cat([torch.arange(6), 6 + torch.arange(5), 6 + torch.arange(7)])[None]
+    branch = torch.tensor([[0] * 6 + [1] * 5 + [2] * 7])
+    want1 = ref(torch.cat([p, c1])[None]).logits[0]
+    want2 = ref(torch.cat([p, c2])[None]).logits[0]
+    # segments [p c1 pad pad] and [p c2] of width 13; c2's outputs come from segment 1
+    gather = torch.tensor([list(range(11)) + [10, 10], list(range(6)) + list(range(11, 18))])
+    scatter = torch.tensor(list(range(11)) + [13 + 6 + i for i in range(7)])
+    for attn in (
+        DocumentAttention(torch.zeros_like(branch), branch),
+        SegmentAttention(gather, scatter),
+    ):
+        got = ours(row, positions=pos, attn=attn)[0]
+        assert (got[:11] - want1).abs().max() <= tol, type(attn).__name__
+        assert (got[11:] - want2[6:]).abs().max() <= tol, type(attn).__name__
+
+
+def assert_gradients_match(folder: Path, tol: float) -> dict[str, torch.Tensor]:
+    """The same loss through transformers' model and ours: every parameter has a gradient
+    within ``tol`` of transformers' under the HF names (which must be the same set). Returns
+    our gradients by HF name."""
+    from tandem.models import tandem_to_hf
+    from tests.fixtures import TINY_VOCAB
+
+    ref, ours = hf_reference(folder), load_model(folder)
+    x, y = tokens(2, 12, seed=6), tokens(2, 12, seed=7)
+
+    def loss(logits):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, TINY_VOCAB), y.reshape(-1))
+
+    loss(ref(x).logits).backward()
+    loss(ours(x)).backward()
+    grads = tandem_to_hf({n: p.grad for n, p in ours.named_parameters()}, ours.args)
+    hf = dict(ref.named_parameters())
+    assert sorted(grads) == sorted(hf)
+    for name, g in grads.items():
+        assert hf[name].grad is not None, name
+        assert (g - hf[name].grad).abs().max() <= tol, name
+    return grads
+
+
+def exact_quickstart_unchanged(folder: Path, tmp_path: Path) -> list[str]:
+    """`quickstart_two_steps` with ``rl.exact``: two rows, each with ``gap/abs_max`` 0 and
+    ``moe/routing_mismatch`` 0, the export holding the folder's tensor names. Returns the names
+    of the tensors that the two steps left unchanged."""
+    rows, before, after = quickstart_two_steps(folder, tmp_path, "--rl.exact=true")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["gap/abs_max"] == 0.0 and row["moe/routing_mismatch"] == 0.0
+    assert sorted(before) == sorted(after)
+    return [n for n, t in before.items() if torch.equal(t, after[n].to(t.dtype))]

@@ -23,18 +23,17 @@ from tandem.kernels.sink_attention import (
     sink_attention,
 )
 from tandem.models import (
-    DocumentAttention,
-    SegmentAttention,
     get_flavor,
     load_model,
-    tandem_to_hf,
 )
 from tandem.models.args import ModelArgs
 from tests.fixtures import TINY_VOCAB, hf_reference
 from tests.models.family_checks import (
     assert_export_bit_exact,
+    assert_gradients_match,
     assert_greedy_equals_generate,
-    quickstart_two_steps,
+    assert_packed_rows_equal_alone,
+    exact_quickstart_unchanged,
     tokens,
     write_random_folder,
 )
@@ -96,55 +95,17 @@ def test_logits_match_transformers(folder):
     assert (full(x) - want).abs().max().item() > 1e-3
 
 
-@torch.no_grad()
 def test_packed_rows_equal_separate_sequences(folder):
     """Two documents in one row (DocumentAttention), and a prompt shared by two branches
     (SegmentAttention and DocumentAttention with branch ids), each equal to transformers on
     the sequence alone: the window counts positions, not row indices."""
-    ref, ours = hf_reference(folder), load_model(folder)
-    a, b = tokens(1, 9, seed=1)[0], tokens(1, 13, seed=2)[0]
-    row = torch.cat([a, b])[None]
-    pos = torch.cat([torch.arange(9), torch.arange(13)])[None]
-    doc = torch.tensor([[0] * 9 + [1] * 13])
-    got = ours(row, positions=pos, attn=DocumentAttention(doc))[0]
-    assert (got[:9] - ref(a[None]).logits[0]).abs().max() <= TOL
-    assert (got[9:] - ref(b[None]).logits[0]).abs().max() <= TOL
-    # prompt p (6 tokens) + branch c1 (5) + branch c2 (7), laid out p c1 c2
-    p, c1, c2 = tokens(1, 6, seed=3)[0], tokens(1, 5, seed=4)[0], tokens(1, 7, seed=5)[0]
-    row = torch.cat([p, c1, c2])[None]
-    pos = torch.cat([torch.arange(6), 6 + torch.arange(5), 6 + torch.arange(7)])[None]
-    branch = torch.tensor([[0] * 6 + [1] * 5 + [2] * 7])
-    want1 = ref(torch.cat([p, c1])[None]).logits[0]
-    want2 = ref(torch.cat([p, c2])[None]).logits[0]
-    # segments [p c1 pad pad] and [p c2] of width 13; c2's outputs come from segment 1
-    gather = torch.tensor([list(range(11)) + [0, 0], list(range(6)) + list(range(11, 18))])
-    scatter = torch.tensor(list(range(11)) + [13 + 6 + i for i in range(7)])
-    for attn in (
-        DocumentAttention(torch.zeros_like(branch), branch),
-        SegmentAttention(gather, scatter),
-    ):
-        got = ours(row, positions=pos, attn=attn)[0]
-        assert (got[:11] - want1).abs().max() <= TOL, type(attn).__name__
-        assert (got[11:] - want2[6:]).abs().max() <= TOL, type(attn).__name__
+    assert_packed_rows_equal_alone(folder, TOL)
 
 
 def test_gradients_match_transformers(folder):
     """The same loss through both models: every parameter's gradient (sinks, biases, the
     de-interleaved experts) equals transformers' under the HF names."""
-    ref, ours = hf_reference(folder), load_model(folder)
-    x, y = tokens(2, 12, seed=6), tokens(2, 12, seed=7)
-
-    def loss(logits):
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, TINY_VOCAB), y.reshape(-1))
-
-    loss(ref(x).logits).backward()
-    loss(ours(x)).backward()
-    grads = tandem_to_hf({n: p.grad for n, p in ours.named_parameters()}, ours.args)
-    hf = dict(ref.named_parameters())
-    assert sorted(grads) == sorted(hf)
-    for name, g in grads.items():
-        assert hf[name].grad is not None, name
-        assert (g - hf[name].grad).abs().max() <= TOL, name
+    grads = assert_gradients_match(folder, TOL)
     assert grads["model.layers.0.self_attn.sinks"].abs().sum() > 0
 
 
@@ -166,12 +127,7 @@ def test_quickstart_rl_steps_train_every_gpt_oss_tensor_with_gap_zero(folder, tm
     equals the update's recomputation bitwise (windows and sinks in both phases' batch-invariant
     attention), routing agrees, and every exported tensor moved (sinks, biases and the last
     layer's experts included)."""
-    rows, before, after = quickstart_two_steps(folder, tmp_path, "--rl.exact=true")
-    assert len(rows) == 2
-    for row in rows:
-        assert row["gap/abs_max"] == 0.0 and row["moe/routing_mismatch"] == 0.0
-    assert sorted(before) == sorted(after)
-    assert [n for n, t in before.items() if torch.equal(t, after[n].to(t.dtype))] == []
+    assert exact_quickstart_unchanged(folder, tmp_path) == []
 
 
 # ------------------------------------------------------------------ formulas

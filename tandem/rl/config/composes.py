@@ -134,6 +134,11 @@ _FEATURES: dict[str, Feature] = {
         "a DeepSeek-V3 model (multi-head latent attention)",
         _model(lambda a: getattr(a, "model_type", "") == "deepseek_v3"),
     ),
+    "qwen3_5": Feature(
+        "model",
+        "a Qwen3.5 model (gated DeltaNet linear-attention layers)",
+        _model(lambda a: getattr(a, "linear", None) is not None),
+    ),
     "tp": Feature("parallel.tp", "parallel.tp > 1", lambda f: f.cfg.parallel.tp > 1, "T"),
     "pp": Feature("parallel.pp", "parallel.pp > 1", lambda f: f.cfg.parallel.pp > 1, "P"),
     "multi_turn": Feature(
@@ -407,6 +412,15 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "T rollout_tp L",
         "the tp plans and LoRA's q/k/v targets name the wq/wk/wv projections, which latent "
         "attention replaces by low-rank ones",
+        "unset the other",
+    ),
+    (
+        "qwen3_5",
+        "F C T rollout_tp P ep expert_lora",
+        "the linear-attention layers find each sequence through the training, batch-invariant and "
+        "paged backends only (not the FP8-rounding or calibrating wrappers), a cp shard would cut "
+        "the recurrence, the tp plans do not shard the DeltaNet projections, and pipeline stages, "
+        "expert parallelism and adapters on the routed experts are not checked with them",
         "unset the other",
     ),
     (

@@ -202,3 +202,45 @@ class BlockManager:
         other = self._holders.setdefault(seq.seq_id, seq)
         if other is not seq:
             raise RuntimeError(f"two different sequences share seq_id {seq.seq_id}")
+
+
+class StateSlots:
+    """Slots of the per-sequence recurrent state (linear-attention layers: Qwen3.5), beside the
+    blocks: a sequence takes one with its first block (admission, or a fork, which copies the
+    parent's state into it) and gives it back whenever its blocks go (finish, abort,
+    preemption). Pure Python; the tensors are tandem/rl/generator/recurrent_state.py's."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"StateSlots needs num_slots >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self._copies: list[tuple[int, int]] = []  # (src, dst) state copies of this step's forks
+
+    def available(self, seq: Sequence) -> bool:
+        """``seq`` holds a slot or one is free."""
+        return seq.state_slot is not None or bool(self._free)
+
+    def take(self, seq: Sequence) -> None:
+        if seq.state_slot is None:
+            seq.state_slot = self._free.popleft()
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give ``child`` a slot holding a copy of ``parent``'s state; False when none is free."""
+        if not self._free:
+            return False
+        self.take(child)
+        self._copies.append((parent.state_slot, child.state_slot))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self._free.append(seq.state_slot)
+            seq.state_slot = None
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self._copies = self._copies, []
+        return out
+
+    def all_free(self) -> bool:
+        return len(self._free) == self.num_slots

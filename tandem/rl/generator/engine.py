@@ -19,8 +19,9 @@ import torch
 
 from tandem import device as seam
 from tandem.models.transformer import Transformer
-from tandem.rl.generator.block_manager import BlockManager
+from tandem.rl.generator.block_manager import BlockManager, StateSlots
 from tandem.rl.generator.kv_cache import KVCache, make_quant
+from tandem.rl.generator.recurrent_state import RecurrentState
 from tandem.rl.generator.runner import ModelRunner
 from tandem.rl.generator.scheduler import Scheduler
 from tandem.rl.generator.sequence import SamplingParams, Sequence
@@ -130,6 +131,13 @@ class Generator:
                 quant=quant,
             )
         self.cache = cache
+        # linear-attention layers (Qwen3.5): a recurrent state per sequence slot, one slot for
+        # each sequence that may run at once
+        self.recurrent: RecurrentState | None = None
+        slots = None
+        if model.args.linear is not None:
+            self.recurrent = RecurrentState(model.args, settings.max_num_seqs, dtype, device)
+            slots = StateSlots(settings.max_num_seqs)
         self.scheduler = Scheduler(
             BlockManager(cache.num_blocks, cache.block_size),
             settings.max_num_seqs,
@@ -137,6 +145,7 @@ class Generator:
             settings.prefix_sharing,
             max_model_len=max_len,
             eos_token_ids=eos_token_ids,
+            state_slots=slots,
         )
         self.runner = ModelRunner(
             model,
@@ -149,8 +158,10 @@ class Generator:
             decode_mirror=settings.decode_mirror,
             compile_decode=settings.compile_decode,
             agree=agree,
+            recurrent=self.recurrent,
         )
-        self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
+        state_bytes = self.recurrent.nbytes if self.recurrent is not None else 0
+        self.stats = GenerationStats(kv_cache_bytes=cache.nbytes + state_bytes)
         self._kv_home = cache.data.device  # where the pool lives when not offloaded
         self._kv_shape = (tuple(cache.data.shape), cache.data.dtype)
         self._next_id = 0
@@ -239,11 +250,15 @@ class Generator:
         the same values back, so the sequences continue as if nothing happened."""
         host = self.cache.data.to("cpu", copy=True)
         self.cache.data = seam.pin(host, self._kv_home)
+        if self.recurrent is not None:
+            self.recurrent.to("cpu")
         if self.runner.mirror is not None:
             self.runner.mirror.rows = self.runner.mirror.rows.to("cpu", copy=True)
 
     def restore_kv(self) -> None:
         self.cache.data = self.cache.data.to(self._kv_home)
+        if self.recurrent is not None:
+            self.recurrent.to(self._kv_home)
         if self.runner.mirror is not None:
             self.runner.mirror.rows = self.runner.mirror.rows.to(self._kv_home)
 
@@ -263,6 +278,8 @@ class Generator:
         the model then has) when `reacquire_kv` has carved the pool again."""
         self.scheduler.preempt_all()
         self.cache.data = self.cache.data.new_empty(0)
+        if self.recurrent is not None:
+            self.recurrent.release()
         mirror = self.runner.mirror
         if mirror is not None:
             layers, two, _, heads, _, dim = mirror.rows.shape
@@ -272,6 +289,8 @@ class Generator:
     def reacquire_kv(self) -> None:
         shape, dtype = self._kv_shape
         self.cache.data = torch.zeros(shape, dtype=dtype, device=self._kv_home)
+        if self.recurrent is not None:
+            self.recurrent.reacquire(self._kv_home)
 
     # ---- batch API ---------------------------------------------------------------------
 
@@ -323,8 +342,9 @@ class Generator:
         return [rows[p].tolist() if p in rows else None for p in range(start, end)]
 
     def pool_is_free(self) -> bool:
-        """No block leaked: every block is back in the free list."""
-        return self.scheduler.block_manager.all_free()
+        """No block (and no recurrent-state slot) leaked: every one is back in its free list."""
+        slots = self.scheduler.state_slots
+        return self.scheduler.block_manager.all_free() and (slots is None or slots.all_free())
 
     def close(self) -> None:
         """Release the KV pool (the rollout's memory goes back to training)."""
@@ -333,6 +353,7 @@ class Generator:
             self.runner.graphs = None
         self.cache = None  # type: ignore[assignment]
         self.runner.cache = None  # type: ignore[assignment]
+        self.recurrent = self.runner.recurrent = None
         self.runner.mirror = self.runner.compiled = None
         if self.runner.vision is not None:
             self.runner.vision.release()

@@ -32,6 +32,7 @@ from tandem.kernels.paged_attention import (
 )
 from tandem.kernels.sink_attention import paged_sink_attention, paged_sink_attention_exact
 from tandem.models.args import ModelArgs
+from tandem.models.linear_attention import Segments
 from tandem.rl.core.configlib import ConfigError
 
 
@@ -206,9 +207,18 @@ class PagedAttention:
     """Attention backend for the model's seam: store new K/V, attend over the pages.
 
     A GPT-OSS layer (``sinks`` / ``window`` given) attends through the PyTorch reference
-    `paged_sink_attention` on every device (no Triton kernel for sinks yet)."""
+    `paged_sink_attention` on every device (no Triton kernel for sinks yet). A linear-attention
+    layer (Qwen3.5) reads the step's chunks as ``segments`` and their recurrent state as
+    ``linear_state`` (tandem/rl/generator/recurrent_state.py), both set by the runner."""
 
     sinks_and_windows = True
+    segments: Segments | None = None
+    linear_state: object = None
+
+    def linear_segments(self, b: int, s: int, device: torch.device) -> Segments:
+        if self.segments is None:
+            raise ValueError("this generator has no recurrent-state cache for linear attention")
+        return self.segments
 
     def __init__(
         self, cache: KVCache, meta: PagedMeta, scale: float, impl: str | None = None

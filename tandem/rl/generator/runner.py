@@ -29,6 +29,7 @@ from tandem import device as seam
 from tandem.kernels import batch_invariant
 from tandem.kernels.dispatch import use_triton
 from tandem.models.attention import AttentionBackend
+from tandem.models.linear_attention import Segments
 from tandem.models.transformer import Transformer
 from tandem.rl.generator.compiled_decode import (
     CompiledDecode,
@@ -40,6 +41,7 @@ from tandem.rl.generator.compiled_decode import (
 from tandem.rl.generator.cuda_graphs import DecodeGraphs
 from tandem.rl.generator.decode_mirror import DecodeMirror, MirrorAttention
 from tandem.rl.generator.kv_cache import KVCache, PagedAttention, PagedMeta
+from tandem.rl.generator.recurrent_state import RecurrentState
 from tandem.rl.generator.routing import RoutingRecorder
 from tandem.rl.generator.sampler import Sampler
 from tandem.rl.generator.scheduler import SchedulerOutput
@@ -62,8 +64,10 @@ class ModelRunner:
         decode_mirror: bool = True,
         compile_decode: bool | str | None = None,
         agree: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+        recurrent: RecurrentState | None = None,
     ) -> None:
         self.model, self.cache, self.impl, self.agree = model, cache, impl, agree
+        self.recurrent = recurrent  # linear-attention layers' per-sequence state
         # MoE models: each token's experts, for the update's parity check
         self.routing = RoutingRecorder(model)
         self.vision = (
@@ -82,7 +86,8 @@ class ModelRunner:
             # captured graph cannot hold: with the torch kernels on CUDA, decode runs eagerly.
             capture = False
         self.graphs: DecodeGraphs | None = None
-        plain = not model.args.sinks_or_windows  # GPT-OSS decodes through PagedAttention only
+        # GPT-OSS and Qwen3.5 decode through PagedAttention only
+        plain = not model.args.sinks_or_windows and recurrent is None
         if cuda_graphs and (capture or graphs_capture is False) and plain:
             self.graphs = DecodeGraphs(
                 self._logits,
@@ -225,6 +230,20 @@ class ModelRunner:
         rope3, images = self.vision.inputs(out.chunks, self.device)
         return {"positions": rope3[:, None], "images": images}
 
+    def _segments(self, out: SchedulerOutput) -> Segments:
+        """The step's chunks as linear attention's padded batch (one chunk a row)."""
+        lens = [c.num_tokens for c in out.chunks]
+        w, starts = max(lens), [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        gather = [[st + min(j, n - 1) for j in range(w)] for st, n in zip(starts, lens)]
+        scatter = [k * w + j for k, n in enumerate(lens) for j in range(n)]
+
+        def t(x: list) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+
+        return Segments(t(gather), t(scatter), t(lens))
+
     def _record_routing(self, out: SchedulerOutput) -> None:
         """MoE models: file the experts of the step's tokens (every path runs them in
         chunk order)."""
@@ -235,6 +254,8 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> dict[int, tuple[int, float, float]]:
         """Execute one step; returns seq_id -> (token, logprob, raw_logprob) for sampled chunks."""
         self.cache.copy_blocks(out.block_copies)
+        if self.recurrent is not None:
+            self.recurrent.copy_slots(out.state_copies)
         chunks = out.sample_chunks
         logits = self._decode_logits(out)
         if logits is None:
@@ -242,6 +263,11 @@ class ModelRunner:
         if logits is None:
             tokens, positions, meta = self.build_meta(out)
             attn = PagedAttention(self.cache, meta, self.scale, impl=self.impl)
+            if self.recurrent is not None:
+                attn.segments = self._segments(out)
+                attn.linear_state = self.recurrent.step(
+                    [c.seq.state_slot for c in out.chunks], [c.start == 0 for c in out.chunks]
+                )
             # [T, D]
             hidden = self.model(
                 tokens[None], attn=attn, return_hidden=True, **self._inputs(out, positions)

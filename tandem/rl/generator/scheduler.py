@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tandem.rl.generator.block_manager import BlockManager
+from tandem.rl.generator.block_manager import BlockManager, StateSlots
 from tandem.rl.generator.sequence import FinishReason, Sequence, SequenceStatus
 
 _WAITING, _RUNNING = SequenceStatus.WAITING, SequenceStatus.RUNNING
@@ -74,6 +74,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     block_copies: list[tuple[int, int]]  # (src, dst): copy before this step's K/V writes
     preempted: list[Sequence] = field(default_factory=list)
+    # linear-attention models: (src, dst) recurrent-state slots to copy first (forks)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -122,7 +124,10 @@ class Scheduler:
         enable_prefix_sharing: bool = True,
         max_model_len: int | None = None,
         eos_token_ids: Iterable[int] = (),
+        state_slots: StateSlots | None = None,
     ) -> None:
+        """``state_slots``: a linear-attention model's recurrent-state slots (a sequence holds
+        one while it holds blocks)."""
         if max_num_seqs < 1:
             raise ValueError(f"Scheduler needs max_num_seqs >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -134,6 +139,7 @@ class Scheduler:
         if self.max_model_len < 2:
             raise ValueError(f"Scheduler needs max_model_len >= 2, got {self.max_model_len}")
         self.block_manager = block_manager
+        self.state_slots = state_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_sharing = enable_prefix_sharing
@@ -216,8 +222,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         for seq in self._seqs.values():
-            if self.block_manager.holds_blocks(seq):
-                self.block_manager.free(seq)
+            self._free(seq)
             seq.num_computed_tokens = 0
         self.block_manager.take_copies()
 
@@ -266,8 +271,9 @@ class Scheduler:
             if seq.status is _RUNNING:  # not preempted earlier in this step
                 self._schedule_running(seq, step)
         self._admit(step)
+        copies = self.state_slots.take_copies() if self.state_slots is not None else []
         return SchedulerOutput(
-            list(step.chunks.values()), self.block_manager.take_copies(), step.preempted
+            list(step.chunks.values()), self.block_manager.take_copies(), step.preempted, copies
         )
 
     def _remaining(self, seq: Sequence) -> int:
@@ -285,7 +291,9 @@ class Scheduler:
         return ScheduledChunk(seq, start, n, sample=start + n == seq.num_tokens)
 
     def _fits(self, chunk: ScheduledChunk) -> bool:
-        bm = self.block_manager
+        bm, slots = self.block_manager, self.state_slots
+        if slots is not None and not slots.available(chunk.seq):
+            return False
         return bm.can_allocate(bm.num_blocks_needed(chunk.seq, chunk.start, chunk.end))
 
     def _schedule_running(self, seq: Sequence, step: _Step) -> None:
@@ -317,6 +325,8 @@ class Scheduler:
 
     def _place(self, chunk: ScheduledChunk, step: _Step) -> None:
         self.block_manager.prepare_write(chunk.seq, chunk.start, chunk.end)
+        if self.state_slots is not None:
+            self.state_slots.take(chunk.seq)
         step.add(chunk)
 
     def _pick_victim(self, requester: Sequence, include_running: bool) -> Sequence | None:
@@ -334,7 +344,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         """Free ``seq``'s blocks; it recomputes all its tokens when scheduled again."""
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.num_computed_tokens = 0
         if seq.status is _RUNNING:
             self.running.remove(seq)
@@ -352,9 +362,18 @@ class Scheduler:
                 continue
             members = self._pending.pop(leader_id)
             for member in members:
-                self.block_manager.fork(leader, member)
-                member.num_computed_tokens = leader.num_computed_tokens
+                # no free state slot: the member prefills its prompt alone
+                if self.state_slots is None or self.state_slots.fork(leader, member):
+                    self.block_manager.fork(leader, member)
+                    member.num_computed_tokens = leader.num_computed_tokens
             self.waiting.extendleft(reversed(members))
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back ``seq``'s blocks and its recurrent-state slot (if it holds them)."""
+        if self.block_manager.holds_blocks(seq):
+            self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
 
     def postprocess(
         self, output: SchedulerOutput, sampled: Mapping[int, tuple[int, float, float]]
@@ -403,7 +422,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._detach(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = _FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]

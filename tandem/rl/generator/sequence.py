@@ -126,6 +126,7 @@ class Sequence:
         self.raw_logprobs: list[float] = []  # per sampled token, log_softmax of raw logits
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.state_slot: int | None = None  # linear-attention models: its recurrent state's slot
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.group_id = group_id

@@ -578,8 +578,14 @@ class Planner:
 
     @property
     def _no_tp(self) -> bool:
-        """GPT-OSS and DeepSeek-V3 run tp = rollout.tp = 1 so far (tandem/rl/config/composes.py)."""
-        return self.args.model_type in ("gpt_oss", "deepseek_v3")
+        """GPT-OSS, DeepSeek-V3 and Qwen3.5 run tp = rollout.tp = 1 so far (Qwen3.5: pp = 1 and
+        cp = 1 too; tandem/rl/config/composes.py)."""
+        return self.args.model_type in (
+            "gpt_oss",
+            "deepseek_v3",
+            "qwen3_5_text",
+            "qwen3_5_moe_text",
+        )
 
     def candidates(self, world: int, devices_per_node: int) -> list[Layout]:
         """Every FSDP2 x TP x PP layout of ``world`` ranks (TP within a node; TP and PP for the rl
@@ -607,7 +613,8 @@ class Planner:
                         if 1 < e <= dp
                         and dp % e == 0
                         and self.args.num_experts % e == 0
-                        and self.args.model_type != "gpt_oss"  # ep refused (composes.py)
+                        # ep refused (composes.py)
+                        and self.args.model_type not in ("gpt_oss", "qwen3_5_moe_text")
                     }
                 )
                 out += [Layout(dp_shard=dp, tp=tp, ep=ep) for ep in [1, *eps]]
@@ -618,10 +625,10 @@ class Planner:
             for pp in range(1, min(world // tp, self.args.num_layers) + 1):
                 if (world // tp) % pp or pp * (per if pp > 1 else 1) > self.args.num_layers:
                     continue
-                if pp > 1 and self.s.recipe != "rl":
-                    continue  # pipelining is the rl recipe's only (ParallelConfig)
+                if pp > 1 and (self.s.recipe != "rl" or self.args.linear is not None):
+                    continue  # pipelining is the rl recipe's only (ParallelConfig); not Qwen3.5's
                 out.append(Layout(pp=pp, dp_shard=world // (tp * pp), tp=tp))
-        if self.s.recipe == "rl":  # FSDP2 x cp (long_context.py)
+        if self.s.recipe == "rl" and self.args.linear is None:  # FSDP2 x cp (long_context.py)
             out += [
                 Layout(dp_shard=world // cp, cp=cp)
                 for cp in lc.cp_degrees(
