@@ -123,6 +123,22 @@ def test_hsdp_trainers_sample_and_learn_as_the_synchronous_run(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_onto_two_generators_is_the_synchronous_run(runs, tmp_path):
+    """Steps 1-2 on 1 generator + 2 trainers, then steps 3-4 resumed from its checkpoint on
+    2 generators + 2 trainers (the prompt stream dealt over two generators from the saved
+    cursor on): at S = 0 with rl.exact the four steps are the synchronous run's, sample for
+    sample and bit for bit, and every prompt trains once (the run's own ledger check)."""
+    dump = tmp_path / "moved"
+    flags = ("--rl.exact=true", "--rollout.mode=split", "--checkpoint.interval=2")
+    _run(dump, *flags, "--rollout.gen_ranks=1", steps=2, nproc=3)
+    rows = _run(dump, *flags, "--rollout.gen_ranks=2", steps=4, nproc=4)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert_same_as_synchronous(
+        runs["sync"], (dump, rows), 4 * 16 * 8, ("loss", "grad_norm", "entropy", "reward/total")
+    )
+
+
+@pytest.mark.slow
 def test_a_critic_a_reference_and_a_teacher_train_on_the_trainers(tmp_path):
     """Split mode builds what trains beside the policy on the trainers, as the one RL recipe
     does colocated: PPO's critic (GAE, no warm-up), a KL reference and an on-policy
