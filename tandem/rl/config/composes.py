@@ -356,12 +356,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     (
         "H",
-        "F",
-        "the endpoint's engine does not take the FP8 scales",
-        'set rollout.kv_dtype = "auto"',
-    ),
-    (
-        "H",
         "partial_group",
         "one generation group serves every episode (its leader runs the endpoint)",
         "set rollout.tp = 0 (auto: the world size)",

@@ -453,6 +453,7 @@ class RLRecipe:
         """``env.kind = "http"``: the step's episodes, played by a harness over the endpoint."""
         from tandem.rl.rollout.episodes import serve_episodes
 
+        layout = self.gen_layout
         return serve_episodes(
             self.server,
             gen_model,
@@ -463,10 +464,11 @@ class RLRecipe:
             self.cfg.env,
             seeds=seeds,
             greedy=greedy,
-            layout=self.gen_layout,
+            layout=layout,
             version=self.step_index,
             beat=self.rt.watchdog.beat,
             stop=self.rt.stop_requested,
+            kv_scales=None if self.kv is None else self.kv.for_heads(layout.tp, layout.rank),
         )
 
     def _kv_ready(self) -> dict[str, float]:

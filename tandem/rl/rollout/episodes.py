@@ -101,9 +101,11 @@ def serve_episodes(
     version: int,
     beat: Callable[[], None] | None = None,
     stop: Callable[[], bool] = lambda: False,
+    kv_scales: Any = None,
 ) -> tuple[list[RolloutSample], dict[str, float]]:
     """n episodes per prompt, played by the harness; every rank of the group calls (the
-    leader with ``server``). Returns this rank's prompts' samples and the ``env/*`` metrics."""
+    leader with ``server``). Returns this rank's prompts' samples and the ``env/*`` metrics.
+    ``kv_scales``: the FP8 pool's scales of this rank's KV heads (``rollout.kv_dtype``)."""
     t0 = time.monotonic()
     pooled, start = pool_prompts(
         list(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), layout
@@ -154,7 +156,7 @@ def serve_episodes(
         return from_leader(([_outcome(s) for s in sessions], engine.stats, cut), layout)
 
     (outcomes, stats, cut), metrics = _with_generator(
-        gen_model, tokenizer, settings, len(pooled) * n, run, layout
+        gen_model, tokenizer, settings, len(pooled) * n, run, layout, kv_scales
     )
     if cut:
         raise StepInterrupted("a stop signal while the rollout waited for its harness")
