@@ -299,7 +299,8 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     (
         "S",
         "offload_optimizer",
-        "the trainers keep their optimizer state resident (its offload is not wired there)",
+        "the offload frees the trainers' memory for their own rollout, and split mode's "
+        "trainers run none (the generators' ranks hold no optimizer)",
         'unset it or use rollout.mode = "colocated_async"',
     ),
     (
