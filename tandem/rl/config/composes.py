@@ -381,9 +381,8 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     (
         "C",
-        "O L H F",
-        "the update's cp split does not carry teachers, adapters, endpoint episodes or the FP8 "
-        "K/V rounding",
+        "O H F",
+        "the update's cp split does not carry teachers, endpoint episodes or the FP8 K/V rounding",
         "set parallel.cp = 1",
     ),
     (
