@@ -342,12 +342,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     ("not_rl", "T P", "they shard with FSDP2 only", "set parallel.tp = pp = 1"),
     (
-        "not_rl",
-        "C",
-        "context parallelism splits the RL update's packed rows only",
-        "set parallel.cp = 1",
-    ),
-    (
         "expert_lora",
         "T ep",
         "tandem/parallel/lora.py does not split adapters of routed experts",
