@@ -49,10 +49,11 @@ class LocalRow:
     attn: AttentionBackend
     index: torch.Tensor  # [K_r]
     where: torch.Tensor  # [K_r]
+    guarded: Any  # the split's backend (``attn`` itself, or inside the FP8 K/V rounding)
 
     def check_calls(self, model: nn.Module) -> None:
         """Every layer's attention went through the guarded backend (none was bypassed)."""
-        _check_calls(self.attn, len(model.layers))
+        _check_calls(self.guarded, len(model.layers))
 
 
 def _check_calls(attn: Any, layers: int) -> None:
@@ -63,17 +64,21 @@ def _check_calls(attn: Any, layers: int) -> None:
         )
 
 
-def local_row(cp: ContextParallel, mb: MicroBatch) -> LocalRow:
-    """``mb``'s share for this cp rank."""
+def local_row(cp: ContextParallel, mb: MicroBatch, wrapped: bool = True) -> LocalRow:
+    """``mb``'s share for this cp rank. ``wrapped`` (the policy's forwards, not the critic's):
+    with the micro-batch's ``kv_wrap`` (FP8 K/V rounding) outside the split's backend, so K and
+    V are rounded on this rank's positions, all its heads, before the all-to-all or the ring
+    moves them; the rounding is per token and head, so it is the unsplit row's."""
     s = mb.tokens.shape[1]
     split = cp.split(s)
-    attn = cp.attention(split, mb.attention(), mb.doc_ids, mb.branch_ids)
+    guarded = cp.attention(split, mb.attention(wrapped=False), mb.doc_ids, mb.branch_ids)
+    attn = mb.kv_wrap(guarded) if wrapped and mb.kv_wrap is not None else guarded
     local = split.local_columns(mb.tokens.device)  # [S] local column or -1
     row, col = mb.comp_index // s, mb.comp_index % s
     lc = local[col]
     where = (lc >= 0).nonzero()[:, 0]
     index = row[where] * split.local_len + lc[where]
-    return LocalRow(split.shard(mb.tokens), split.shard(mb.positions), attn, index, where)
+    return LocalRow(split.shard(mb.tokens), split.shard(mb.positions), attn, index, where, guarded)
 
 
 def cp_token_logprobs(
@@ -99,7 +104,7 @@ def cp_token_logprobs(
 
 def cp_values(model: nn.Module, mb: MicroBatch, cp: ContextParallel) -> torch.Tensor:
     """A scalar-head model's (the critic's) ``[K]`` values at the completion tokens under cp."""
-    r = local_row(cp, mb)
+    r = local_row(cp, mb, wrapped=False)  # not the policy's FP8 K/V rounding
     v = model(r.tokens, positions=r.positions, attn=r.attn).reshape(-1).index_select(0, r.index)
     r.check_calls(model)
     return cp.sum_values(v, r.where, mb.comp_index.numel())
