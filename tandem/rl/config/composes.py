@@ -374,12 +374,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "set parallel.cp = 1",
     ),
     (
-        "C",
-        "H",
-        "the update's cp split does not carry endpoint episodes",
-        "set parallel.cp = 1",
-    ),
-    (
         "F",
         "P",
         "the calibration and the update's matching rounding use packed micro-batches",
