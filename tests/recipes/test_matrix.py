@@ -2,7 +2,7 @@
 
 The pairs come from tandem/rl/config/composes.py (so a row that leaves the table adds its pair
 here), folded into as few runs as a greedy cover finds: each run turns on a set of features no
-two of which the table refuses, and together the runs hold every allowed pair (82 pairs in 10
+two of which the table refuses, and together the runs hold every allowed pair (83 pairs in 11
 runs today). Each run trains two steps of a CPU quickstart under torchrun and must end with
 finite losses and metrics. Three pairs are exclusive rather than refused (both asynchronous
 modes; a vision-language model with an MoE one: no such small model ships; a multi-turn

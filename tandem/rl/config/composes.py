@@ -286,7 +286,6 @@ _STREAMING = {  # what the streaming rollout modes do not carry yet
     "L": "the refill and the weight sync move full weights, not adapter-only copies",
     "F": "the FP8 scales do not travel with the weights at a sync, and a suspended "
     "sequence's pages keep no record of the scales they were written with",
-    "C": "the in-flight sequences' update rows are not split over the cp ranks",
     "V": "an in-flight sequence does not keep its images across a refill",
     "H": "the endpoint's sessions are not versioned across weight updates",
     "T": "the streaming update is built for parallel.tp = 1",
@@ -301,6 +300,14 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "ep dp_replicate",
         "the trainers shard with FSDP2 alone and each generator holds the whole model",
         "set it to 1",
+    ),
+    (
+        "S",
+        "C",
+        "the generators deal the step's groups over the trainers as data-parallel ranks, so "
+        "the cp ranks of a trainer replica would pack different rows (and the trainers' "
+        "data-parallel sums would count each sample cp times)",
+        'set parallel.cp = 1 or use rollout.mode = "colocated_async"',
     ),
     (
         "S",
