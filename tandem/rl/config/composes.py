@@ -303,14 +303,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     (
         "S",
-        "C",
-        "the generators deal the step's groups over the trainers as data-parallel ranks, so "
-        "the cp ranks of a trainer replica would pack different rows (and the trainers' "
-        "data-parallel sums would count each sample cp times)",
-        'set parallel.cp = 1 or use rollout.mode = "colocated_async"',
-    ),
-    (
-        "S",
         "offload_optimizer",
         "the trainers keep their optimizer state resident (its offload is not wired there)",
         'unset it or use rollout.mode = "colocated_async"',

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.parallel.mesh import mesh_lines
 from tandem.parallel.split import BridgeCopy, SplitWorld, split_world
 from tandem.rl.config.schema import ConfigError
 from tandem.rl.core.samples import dump_rollouts
@@ -70,6 +71,18 @@ def split_world_of(cfg: Any, world: int) -> SplitWorld | None:
     return split_world(cfg.rollout.gen_ranks)
 
 
+def trainer_dp_group(mesh: Any) -> Any:
+    """Collective (every rank): this trainer's data-parallel group over the trainers' ``mesh``
+    (the trainers at one cp coordinate; a group of one under cp = trainers), None on a
+    generator."""
+    mine = None
+    for ranks in mesh_lines(mesh, ("dp_replicate", "dp_shard")):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
 class SplitPlacement:
     """``rollout.mode = "split"``: the recipe's step, evaluation, checkpoints and export, by side.
     ``r``: the RL recipe, whose shared parts (data, policy, update) this placement uses."""
@@ -82,13 +95,14 @@ class SplitPlacement:
             or torch.float32
         )
         bucket = cfg.advanced.reshard_bucket_mb << 20
+        # the trainers' data-parallel groups (the ranks of a cp group take the same samples): a
+        # group even of one trainer, so no collective of the update reaches the generators
+        dp_group = trainer_dp_group(r.mesh)
         if world.in_first:
             self._build_generator(dtype, bucket)
         else:
-            # dp_shard alone: the data-parallel group is the trainers' (a group even of one
-            # trainer, so no collective of the update reaches the generators)
             r.build_policy(group=world.second_group)
-            r.build_update(world.second_group)
+            r.build_update(dp_group)
             self.bridge = BridgeCopy(
                 r.model, r.args, info.device, dtype, world=world, bucket_bytes=bucket
             )
@@ -116,7 +130,7 @@ class SplitPlacement:
             max_prompt=r.max_prompt,
             rollout_dumps=None,
         )
-        r.rollout = SplitGenerator(base, w, bridge)
+        r.rollout = SplitGenerator(base, w, bridge, replica=cfg.parallel.cp)
 
     def _first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generators' copy of the trainers' current weights."""
@@ -157,7 +171,9 @@ class SplitPlacement:
                 "fault/skipped_updates": float(r.updater.skipped),
             }
             r.sample_log.log(step + 1, r.sample_records(batch, result.advantages))
-            out = StepOutput({}, batch.ids, batch.positions)
+            # a replica's positions once (its cp ranks trained the same groups)
+            first = w.side_rank % r.cfg.parallel.cp == 0
+            out = StepOutput({}, batch.ids, batch.positions if first else [])
         out.metrics = self._gather_metrics(mine)
         out.health_group = "generators" if w.in_first else "trainers"  # compared among themselves
         return out

@@ -9,8 +9,10 @@ in one torchrun program (the groups: tandem/parallel/split.py). A generator's st
    data-parallel ranks. The flight is the reordering window over the prompt stream: at most
    ``P (S + 1)`` groups, and a step trains the complete ones by earliest deadline, so a
    straggler holds back only its own group, for at most S versions;
-2. scores its share of them and sends each group to the trainer that trains it (the i-th in
-   stream order to trainer ``i mod T``, as the synchronous deal) by point-to-point sends;
+2. scores its share of them and sends each group to the trainers that train it (the i-th in
+   stream order to trainer replica ``i mod R``, as the synchronous deal; under ``parallel.cp``
+   a replica is cp consecutive trainers, each of which takes the same groups) by
+   point-to-point sends;
 3. while the trainers update, keeps decoding (with ``S >= 1`` it first admits the next step's
    groups, version ``t``), and between two decode steps takes the trainers' weights of
    version ``t + 1`` when their request arrives: every trainer sends its own shard over the
@@ -67,9 +69,12 @@ class SplitGenerator(ColocatedAsyncRollout):
     """A generator rank's rollout across steps (``base``: its `RolloutPhase`, whose
     data-parallel group is the generators' group)."""
 
-    def __init__(self, base: RolloutPhase, world: SplitWorld, bridge: BridgeCopy) -> None:
+    def __init__(
+        self, base: RolloutPhase, world: SplitWorld, bridge: BridgeCopy, replica: int = 1
+    ) -> None:
         super().__init__(base)
         self.world, self.bridge = world, bridge
+        self.replica = replica  # consecutive trainers that take the same groups (parallel.cp)
 
     def first_sync(self) -> dict[str, float]:
         """Collective over the bridge: the generation copy, built from the trainers' weights."""
@@ -134,16 +139,18 @@ class SplitGenerator(ColocatedAsyncRollout):
                 self.gen.add(f, self.base.train_prompts[f.row], self.base.rl.num_samples)
 
     def _send(self, chosen: list[Flight], version: int, tally: Tally) -> None:
-        """Score this rank's chosen groups and send every trainer its share (possibly none)."""
-        b, trainers = self.base, self.world.second
+        """Score this rank's chosen groups and send every trainer its replica's share (possibly
+        none)."""
+        b, replicas = self.base, self.world.second // self.replica
         order = sorted(f.position for f in chosen)
-        target = {pos: i % trainers for i, pos in enumerate(order)}
-        parts: list[list[Any]] = [[] for _ in range(trainers)]
+        target = {pos: i % replicas for i, pos in enumerate(order)}
+        parts: list[list[Any]] = [[] for _ in range(replicas)]
         for pos, group, sc in self._scored(order, tally):
             staleness_tally(group, version, b.rcfg.max_staleness, tally)
             response_tally(group, tally)  # over the generators, which hold every sample
             parts[target[pos]].append((pos, group, sc))
-        for j, part in enumerate(parts):
+        for j in range(self.world.second):
+            part = parts[j // self.replica]
             dist.send_object_list([part], dst=self.world.first + j, group=self.world.control)
 
     def _decode_until_request(self) -> float:
