@@ -8,7 +8,8 @@ checkpoints:
 * ``one_rank`` / ``fsdp2`` / ``tp2`` / ``pp2`` / ``rollout_tp2``: step 31 on 1 rank, 2
   ranks of FSDP2, 2 ranks of TP (adapters split with their projections, tandem/parallel/lora.py), 2
   pipeline stages and FSDP2 with a generation layout of 2 ranks (adapters split there too);
-* ``exact``: steps 31-32 on 2 ranks with ``rl.exact``.
+* ``exact``: steps 31-32 on 2 ranks with ``rl.exact``; ``exact_cp2`` the same with
+  ``parallel.cp = 2`` (Ulysses: each sequence split over the 2 ranks, adapters and all).
 
 Every adapter move after the first is the adapters alone (``reshard/gb``) and passed the
 generation copy's checksum (the run would have stopped otherwise).
@@ -71,9 +72,10 @@ def runs(tmp_path_factory):
     )
     for name, (nproc, extra) in CONTINUE.items():
         out[name] = _run(_from(base, name, 30), nproc, ("--training.steps=31", *SHORT, *extra))
-    out["exact"] = _run(
-        _from(base, "exact", 30), 2, ("--training.steps=32", "--rl.exact=true", *SHORT)
-    )
+    for name, extra in (("exact", ()), ("exact_cp2", ("--parallel.cp=2",))):
+        out[name] = _run(
+            _from(base, name, 30), 2, ("--training.steps=32", "--rl.exact=true", *SHORT, *extra)
+        )
     return base, out
 
 
@@ -161,6 +163,26 @@ def test_lora_exact_mode_is_bitwise_on_policy(runs):
     assert [r["step"] for r in rows] == [31, 32]
     for r in rows:
         assert r["gap/abs_max"] == 0.0 and r["gap/tokens_differ"] == 0.0, r["step"]
+
+
+@pytest.mark.slow
+def test_lora_with_cp2_is_the_fsdp2_run(runs):
+    """LoRA under context parallelism: two exact steps with every sequence split over the 2 ranks
+    (Ulysses) sample what the FSDP2 run samples, keep the gap at 0 bit for bit, and move the
+    adapters as it does up to the fp32 order of the gradient sums (1.1e-7 relative measured
+    on a 2-core CPU machine; 1e-4 allowed, as for the other layouts above)."""
+    base, out = runs
+    ref, _ = out["exact"]
+    rows, _ = out["exact_cp2"]
+    assert [r["step"] for r in rows] == [31, 32]
+    for a, b in zip(rows, ref, strict=True):
+        assert a["update/cp_effective"] == 2.0 and "update/cp_effective" not in b
+        assert a["reward/total"] == b["reward/total"]  # the same samples
+        assert a["gap/abs_max"] == 0.0 and a["gap/tokens_differ"] == 0.0, a["step"]
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= 1e-5 * abs(b[k]), (a["step"], k, a[k], b[k])
+    assert _worst_rel(_adapter(base / "exact"), _adapter(base / "main")) > 1e-3  # they moved
+    assert _worst_rel(_adapter(base / "exact_cp2"), _adapter(base / "exact")) < 1e-4
 
 
 @pytest.mark.slow

@@ -288,7 +288,6 @@ class Refusal:
 
 
 _STREAMING = {  # what the streaming rollout modes do not carry yet
-    "C": "the in-flight sequences' update rows are not split over the cp ranks",
     "V": "an in-flight sequence does not keep its images across a refill",
     "H": "the endpoint's sessions are not versioned across weight updates",
     "rollout_tp": "sequences in flight live in one rank's KV pool with the whole model",
@@ -337,12 +336,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
     ),
     ("not_rl", "T P", "they shard with FSDP2 only", "set parallel.tp = pp = 1"),
     (
-        "not_rl",
-        "C",
-        "context parallelism splits the RL update's packed rows only",
-        "set parallel.cp = 1",
-    ),
-    (
         "expert_lora",
         "T ep",
         "tandem/parallel/lora.py does not split adapters of routed experts",
@@ -366,13 +359,6 @@ _TABLE: list[tuple[str, str, str, str]] = [  # (a, the b's, why, fix): a row for
         "T P ep M",
         "the cp axis is built beside FSDP2 / HSDP only (and an MoE router's losses are "
         "statistics of a whole micro-batch)",
-        "set parallel.cp = 1",
-    ),
-    (
-        "C",
-        "O L H F",
-        "the update's cp split does not carry teachers, adapters, endpoint episodes or the FP8 "
-        "K/V rounding",
         "set parallel.cp = 1",
     ),
     (

@@ -290,9 +290,9 @@ class ParallelConfig:
     ep: int = 1  # expert parallelism (MoE models): experts sharded over groups of ep consecutive
     # FSDP2 ranks (ep divides dp_shard; ep < dp_shard: the groups are replicas, e.g. one per node),
     # tokens sent to them; 1 = off (FSDP2 gathers experts like any weight)
-    cp: int = 1  # context parallelism (rl recipe): each packed row split over cp ranks, each
-    # holding rl.micro_batch_tokens of it; with FSDP2 / HSDP, not yet tp, pp, ep or MoE
-    # (docs/long-context.md)
+    cp: int = 1  # context parallelism: each packed row split over cp ranks (rl: each holding
+    # rl.micro_batch_tokens of it; sft, dpo, reward_model: each a 1/cp share of every row);
+    # with FSDP2 / HSDP, not yet tp, pp, ep or MoE (docs/long-context.md)
     cp_style: Literal["ulysses", "ring"] = "ulysses"  # ulysses: q/k/v all-to-all over heads (cp
     # divides the query heads); ring: zig-zag chunks, K/V passed around
 

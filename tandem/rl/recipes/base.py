@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.models.args import ModelArgs
 from tandem.models.tokenizer import Tokenizer
+from tandem.parallel.cp import ContextParallel
 from tandem.parallel.distributed import DistInfo
 from tandem.parallel.mesh import Degrees, build_mesh, dp_rank
 from tandem.parallel.split import side_mesh
@@ -47,6 +48,7 @@ from tandem.rl.core.modeling import build_tokenizer, model_args
 from tandem.rl.core.optim import Learner
 from tandem.rl.fault import Rollback, Watchdog, check_finite
 from tandem.rl.fault.inject import in_update, nan_at, spike_at
+from tandem.rl.update.policy import check_layout, context_parallel
 
 Extras = dict[str, tuple[nn.Module, "torch.optim.Optimizer | None"]]
 
@@ -109,6 +111,13 @@ class Setup:
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id or 0
+
+    def row_split(self, parallel: Any) -> ContextParallel | None:
+        """The cp group the sft and pairwise recipes split their rows over (None: cp = 1), the
+        model's heads checked against ``parallel.cp_style`` first (one ConfigError line)."""
+        check_layout(self.args, self.degrees, parallel.pp_schedule, parallel.cp_style)
+        cp = context_parallel(self.mesh, parallel.cp_style)
+        return cp if cp.size > 1 else None
 
 
 def setup(

@@ -89,6 +89,7 @@ class DPOHead:
                 device=info.device,
                 rank=setup.rank_dp,
                 dp=setup.dp,
+                cp=setup.cp,
             )
             with adapters_disabled(self.model):  # LoRA: the base (a no-op without adapters)
                 self.table = {
@@ -108,12 +109,12 @@ class DPOHead:
         b = len(pairs)
         images = pair_images(pairs)
         # [2B] each: chosen then rejected
-        logps, lengths = sequence_logps(self.model, batch, images)
+        logps, lengths = sequence_logps(self.model, batch, images, self.setup.cp)
         ref_c = ref_r = None
         if self.ref_model is not None or self.base_reference:
             ref_model = self.ref_model if self.ref_model is not None else self.model
             with torch.no_grad(), adapters_disabled(ref_model):
-                ref, _ = sequence_logps(ref_model, batch, images)
+                ref, _ = sequence_logps(ref_model, batch, images, self.setup.cp)
             reshard_all(ref_model)  # frees its last block's unsharded copy (no backward will)
             ref_c, ref_r = ref[:b], ref[b:]
         elif self.table:

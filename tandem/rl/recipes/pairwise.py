@@ -7,6 +7,10 @@ and rejected sides of a pair always sit in the same micro-batch (one forward
 of 2B sequences). The loss is the mean over the step's pairs: each rank
 backpropagates ``sum(per-pair loss) * dp / batch_size`` because FSDP2 averages
 gradients over the dp ranks, so the update does not depend on the layout.
+Under ``parallel.cp`` the cp ranks of a data-parallel rank take the same pairs and
+each runs its share of every sequence (tandem/rl/update/cp_batch.py `RowShare`):
+sequence log-probs and scores are summed over cp before the loss, so every cp rank
+computes the same loss and backpropagates its own tokens' part (scaled by dp x cp).
 
 What differs between the two recipes is a `PairHead`: the model it trains,
 the per-pair loss and metrics of a micro-batch, and the export. Accuracy
@@ -27,7 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
+from tandem.models.attention import CausalAttention
 from tandem.models.vlm import vision_batch
+from tandem.parallel.cp import ContextParallel
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.core.modeling import BuildSpec
 from tandem.rl.data.images import VisionData
@@ -46,6 +52,8 @@ from tandem.rl.recipes.base import (
     StepOutput,
     setup,
 )
+from tandem.rl.update.cp_batch import RowShare
+from tandem.rl.update.policy import cp_metrics
 
 __all__ = [
     "PairHead",
@@ -66,19 +74,27 @@ def sequence_logps(
     model: nn.Module,
     batch: dict[str, Tensor],
     images: list[Any] | None = None,
+    cp: ContextParallel | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Summed log-probs of each row's response tokens and their count: ``[N]``, ``[N]``.
 
     ``batch`` is `collate_pairs` output; token t's logits predict token t+1, so
     the response mask is read shifted by one. Log-probs are taken in fp32.
     ``images``: per row, its `PromptImages` or None (a vision-language policy).
+    ``cp``: each rank runs its share of the rows and the sums are the whole rows'.
     """
     tokens, mask = batch["tokens"], batch["loss_mask"][:, 1:].bool()  # [N, S], [N, S-1]
-    logits = model(tokens[:, :-1], **_image_inputs(model, tokens[:, :-1], images))  # [N, S-1, V]
-    targets = tokens[:, 1:]  # [N, S-1]
+    x = tokens[:, :-1]  # [N, S-1]
+    share = RowShare(cp, torch.zeros_like(x), lambda _: CausalAttention())
+    inputs = _image_inputs(model, x, images)  # {} but for a vision-language policy
+    if share.split is not None:  # explicit positions: each rank's share of them
+        inputs["positions"] = share.take(torch.arange(x.shape[1], device=x.device).expand_as(x), 0)
+    logits = model(share.take(x, 0), attn=share.attn, **inputs)  # [N, S'/cp, V]
+    share.check_calls(model)
+    targets = share.take(tokens[:, 1:], 0)  # [N, S'/cp]
     tok_logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
-    tok_logp = torch.where(mask, tok_logp.view_as(targets), 0.0)  # [N, S-1]
-    return tok_logp.sum(-1), mask.sum(-1)
+    tok_logp = torch.where(share.take(mask, 0), tok_logp.view_as(targets), 0.0)  # [N, S'/cp]
+    return share.row_sums(tok_logp.sum(-1)), mask.sum(-1)
 
 
 def _image_inputs(model: nn.Module, tokens: Tensor, images: list[Any] | None) -> dict[str, Any]:
@@ -140,9 +156,11 @@ def precompute_reference(
     device: torch.device,
     rank: int,
     dp: int,
+    cp: ContextParallel | None = None,
 ) -> Tensor:
     """Reference log-probs of every pair with ``model`` as it is now: ``[N, 2]`` (chosen, rejected),
-    the same table on every rank (each rank scores its share, then an all-gather)."""
+    the same table on every rank (each data-parallel rank scores its share, split over its cp
+    ranks, then an all-gather)."""
     if not pairs:
         return torch.zeros((0, 2), device=device)
     was_training = model.training
@@ -155,15 +173,18 @@ def precompute_reference(
             model,
             {k: v.to(device) for k, v in collate_pairs(sub, pad_id).items()},
             pair_images(sub),
+            cp,
         )
         parts.append(torch.stack(logps.float().chunk(2), dim=1))  # [b, 2]
     local = torch.cat(parts)  # [per_rank, 2]
-    gathered = [torch.empty_like(local) for _ in range(dp)]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     reshard_all(model)
     model.train(was_training)
-    # row k of rank r is item k*dp + r
-    return torch.stack(gathered, dim=1).reshape(-1, 2)[: len(pairs)]
+    # world rank dp_rank x cp + cp_rank (tp = pp = 1 outside rl): one copy per data-parallel
+    # rank; row k of data-parallel rank r is item k*dp + r
+    per_dp = gathered[:: cp.size if cp is not None else 1]
+    return torch.stack(per_dp, dim=1).reshape(-1, 2)[: len(pairs)]
 
 
 # ---------------------------------------------------------------------- data
@@ -172,6 +193,7 @@ class PairSetup(Setup):
     """The recipes' shared `Setup` and the preference pairs."""
 
     data: PreferenceData
+    cp: ContextParallel | None  # the cp group rows are split over (None: cp = 1)
 
 
 def setup_pairs(cfg: Any, rt: Runtime, recipe: str) -> PairSetup:
@@ -201,7 +223,11 @@ def setup_pairs(cfg: Any, rt: Runtime, recipe: str) -> PairSetup:
             f"{sum(data.skipped.values())} {dict(data.skipped)}",
             flush=True,
         )
-    return PairSetup(**{f.name: getattr(base, f.name) for f in fields(Setup)}, data=data)
+    return PairSetup(
+        **{f.name: getattr(base, f.name) for f in fields(Setup)},
+        data=data,
+        cp=base.row_split(cfg.parallel),
+    )
 
 
 # ---------------------------------------------------------------------- the recipe
@@ -242,15 +268,16 @@ class PairwiseRecipe(SingleModelRecipe):
         t0 = time.monotonic()
         s, dev = self.setup, self.info.device
         micro, batch = self.cfg.training.micro_batch_size, self.cfg.training.batch_size
+        cp = s.cp.size if s.cp is not None else 1
         local = self.sampler.local_batch(step, s.rank_dp, s.dp)
         pairs = [s.data.train[i] for i in local]
         sums: dict[str, Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for m0 in range(0, len(pairs), micro):
             loss, metrics = self.head.micro(pairs[m0 : m0 + micro], "train")
-            # FSDP averages gradients over dp ranks: this makes the result the mean over the global
-            # batch.
-            (loss.sum() * (s.dp / batch)).backward()
+            # FSDP averages gradients over the dp x cp ranks: this makes the result the mean over
+            # the global batch.
+            (loss.sum() * (s.dp * cp / batch)).backward()
             loss_sum += loss.detach().double().sum()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.double().sum()
@@ -262,11 +289,12 @@ class PairwiseRecipe(SingleModelRecipe):
             + [torch.tensor(float(tokens), dtype=torch.float64, device=dev)]
         )
         dist.all_reduce(total)  # one host sync per step, for the metrics row
-        values = total.tolist()
+        values = (total / cp).tolist()  # the cp ranks of a data-parallel rank: the same pairs
         dt = time.monotonic() - t0
         row = {k: v / batch for k, v in zip(names, values)}
         row.update(
             {
+                **cp_metrics(s.cp, dev, None),
                 "grad_norm": grad_norm if grad_norm is not None else float("nan"),
                 "throughput/pairs_per_s": batch / dt,
                 "throughput/tokens_per_s": values[-1] / dt,
@@ -317,4 +345,5 @@ def _evaluate(
     names = list(sums)
     total = torch.stack([sums[k] for k in names])
     dist.all_reduce(total)
+    total /= setup.cp.size if setup.cp is not None else 1  # each cp rank's copy of its pairs
     return {f"eval/{k}": v / len(pairs) for k, v in zip(names, total.tolist())}

@@ -19,10 +19,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from tandem.models.attention import CausalAttention
 from tandem.models.lora import lora_spec_of
 from tandem.models.value_head import ScalarHeadModel, last_token_scores, save_scalar_model
+from tandem.parallel.cp import ContextParallel
 from tandem.parallel.distributed import DistInfo
 from tandem.rl.algorithms.preference import bradley_terry_loss
 from tandem.rl.core.lora import merged_state
@@ -30,15 +33,27 @@ from tandem.rl.core.modeling import BuildSpec, build_scalar_model, gather_full_s
 from tandem.rl.data.preference import PreferencePair, collate_pairs
 from tandem.rl.recipes.base import Runtime
 from tandem.rl.recipes.pairwise import PairSetup, PairwiseRecipe, pair_accuracy
+from tandem.rl.update.cp_batch import RowShare
 
 __all__ = ["EXPORT_DIR", "RewardModelHead", "make_reward_model", "pair_scores"]
 
 EXPORT_DIR = "reward_model"  # under job.dump_folder
 
 
-def pair_scores(model: ScalarHeadModel, batch: dict[str, Tensor]) -> Tensor:
-    """Score of each row at its last real token: ``[2B]`` (chosen rows, then rejected)."""
-    return last_token_scores(model(batch["tokens"]), batch["lengths"])  # [2B]
+def pair_scores(
+    model: ScalarHeadModel, batch: dict[str, Tensor], cp: ContextParallel | None = None
+) -> Tensor:
+    """Score of each row at its last real token: ``[2B]`` (chosen rows, then rejected). ``cp``:
+    each rank runs its share of the rows; a score comes from the rank holding its token."""
+    if cp is None:
+        return last_token_scores(model(batch["tokens"]), batch["lengths"])  # [2B]
+    tokens = batch["tokens"]  # [2B, S]
+    share = RowShare(cp, torch.zeros_like(tokens), lambda _: CausalAttention())
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    local = model(share.take(tokens, 0), positions=share.take(positions, 0), attn=share.attn)
+    share.check_calls(model)
+    last = (batch["lengths"].to(tokens.device).long() - 1).clamp(min=0)  # [2B]
+    return share.at_columns(local, last)  # [2B]
 
 
 class RewardModelHead:
@@ -60,7 +75,7 @@ class RewardModelHead:
         batch = {
             k: v.to(self.info.device) for k, v in collate_pairs(pairs, self.setup.pad_id).items()
         }
-        scores = pair_scores(self.model, batch)
+        scores = pair_scores(self.model, batch, self.setup.cp)
         c, r = scores[: len(pairs)], scores[len(pairs) :]
         loss = bradley_terry_loss(c, r)  # [B]
         c, r = c.detach(), r.detach()

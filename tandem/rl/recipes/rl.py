@@ -268,6 +268,7 @@ class RLRecipe:
             is_main=is_main,
             conversation=self._conversation,
             group=self.policy.group,
+            cp=self.policy.split,
         )
         check_composes(self.facts.but(cross_tokenizer=teachers.cross_tokenizer))
         teachers.check_rows([p.row for p in prompts])  # fail now, not mid-run

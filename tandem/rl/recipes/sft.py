@@ -3,6 +3,9 @@
 The loss is the token-mean cross-entropy over the assistant tokens of the
 whole optimizer step (all micro-batches, all data-parallel ranks), so the
 update does not depend on how the batch is split across ranks or micro-batches.
+Under ``parallel.cp`` the cp ranks of a data-parallel rank take the same rows and
+each runs its share of every row (tandem/rl/update/cp_batch.py `RowShare`): the
+cross-entropy of its own tokens, summed over all ranks like the data-parallel shares.
 With ``data.eval_fraction > 0`` a seeded share of the examples is held out and
 ``eval/loss`` is their token-mean cross-entropy.
 """
@@ -37,6 +40,8 @@ from tandem.rl.recipes.base import (
     setup,
 )
 from tandem.rl.recipes.pairwise import rank_indices, reshard_all
+from tandem.rl.update.cp_batch import RowShare
+from tandem.rl.update.policy import cp_metrics
 
 
 def split_held_out(records: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
@@ -61,6 +66,8 @@ class SFTRecipe(SingleModelRecipe):
         s = setup(cfg, rt, "sft", batch=("training.batch_size", cfg.training.batch_size))
         self.mesh, self.dp, self.rank_dp = s.mesh, s.dp, s.rank_dp
         self.tokenizer, self.args = s.tokenizer, s.args
+        self.cp = s.row_split(cfg.parallel)  # None: cp = 1
+        self.cp_size = self.cp.size if self.cp is not None else 1
         d = cfg.data
         records = load_sft_records(
             d.path, d.format, seed=cfg.job.seed, n_synthetic=d.synthetic_rows
@@ -110,15 +117,17 @@ class SFTRecipe(SingleModelRecipe):
         """Summed cross-entropy of the trained tokens (with grad): a scalar, or ``[B]`` per row."""
         dev = self.info.device
         batch = {k: v.to(dev) for k, v in collate(rows, self.pad_id).items()}
-        logits = self.model(
-            batch["tokens"], attn=DocumentAttention(batch["doc_ids"]), **self._inputs(rows, batch)
-        )
+        share = RowShare(self.cp, batch["doc_ids"], DocumentAttention)  # cp = 1: the row itself
+        inputs = self._inputs(rows, batch)
+        inputs["positions"] = share.take(inputs["positions"], 0)
+        logits = self.model(share.take(batch["tokens"], self.pad_id), attn=share.attn, **inputs)
+        share.check_calls(self.model)
         tok = F.cross_entropy(
             logits.flatten(0, 1).float(),
-            batch["targets"].flatten(),
+            share.take(batch["targets"], IGNORE).flatten(),
             ignore_index=IGNORE,
             reduction="none" if per_row else "sum",
-        )
+        )  # this rank's tokens: the cp ranks' sums add up to the rows'
         return tok.view(len(rows), -1).sum(-1) if per_row else tok
 
     def _inputs(self, rows: list[PackedRow], batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -151,20 +160,23 @@ class SFTRecipe(SingleModelRecipe):
             dtype=torch.float64,
         )
         dist.all_reduce(counts)  # global trained tokens and tokens this step
+        counts /= self.cp_size  # the cp ranks of a data-parallel rank hold the same rows
         global_targets = max(counts[0].item(), 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
         self.model.train()
         micro = self.cfg.training.micro_batch_size
         for m0 in range(0, len(rows), micro):
             tok_loss = self._token_losses(rows[m0 : m0 + micro])
-            # FSDP averages gradients over dp ranks: scale so the result is the global token mean.
-            (tok_loss * (self.dp / global_targets)).backward()
+            # FSDP averages gradients over the dp x cp ranks: scale so the result is the global
+            # token mean.
+            (tok_loss * (self.dp * self.cp_size / global_targets)).backward()
             loss_sum += tok_loss.detach().double()
         grad_norm = self.updater.apply(loss_sum, step).get("model")
         dist.all_reduce(loss_sum)
         dt = time.monotonic() - t0
         return StepOutput(
             {
+                **cp_metrics(self.cp, self.info.device, None),
                 "loss": loss_sum.item() / global_targets,
                 "grad_norm": grad_norm if grad_norm is not None else float("nan"),
                 "throughput/tokens_per_s": counts[1].item() / dt,
@@ -193,8 +205,8 @@ class SFTRecipe(SingleModelRecipe):
             ).sum()
         reshard_all(self.model)
         self.model.train()
-        dist.all_reduce(sums)
-        return {"eval/loss": sums[0].item() / max(sums[1].item(), 1.0)}
+        dist.all_reduce(sums)  # losses: each cp rank's tokens; counts: each cp rank's copy
+        return {"eval/loss": sums[0].item() / max(sums[1].item() / self.cp_size, 1.0)}
 
     def export(self, dump_folder: str) -> str:
         out = os.path.join(dump_folder, "hf")

@@ -5,7 +5,9 @@ policy's data-parallel mesh, no optimizer); it may be larger than the student
 (its own config.json) and have any tokenizer. With one teacher every prompt
 uses it (OPD); with several, each prompt's ``distill.route_field`` value names
 its teacher (multi-teacher OPD); a value that names no teacher stops the run
-at start (exit 2), naming the value and the row.
+at start (exit 2), naming the value and the row. Under ``parallel.cp`` a teacher scores
+the policy's way: each cp rank runs its share of every packed row
+(tandem/rl/update/cp_batch.py), so a teacher's activations are split like the student's.
 
 A teacher with the student's tokenizer scores the student's own token ids, and
 each token is a chunk of its own. A teacher with another tokenizer sees the
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from tandem.models.hf import load_args
 from tandem.models.tokenizer import Tokenizer
+from tandem.parallel.cp import ContextParallel
 from tandem.rl.algorithms import chunk_sums
 from tandem.rl.config.rl_schema import DistillConfig
 from tandem.rl.config.schema import ConfigError
@@ -66,8 +69,10 @@ class Teachers:
         is_main: bool,
         conversation: Conversation,
         group: dist.ProcessGroup | None,
+        cp: ContextParallel | None = None,
     ) -> None:
         self.group = group  # the ranks that score together (the policy's)
+        self.cp = cp  # the policy's cp split (None: cp = 1)
         self.names = d.teacher_names()
         self.route_field = d.route_field
         self.conversation = conversation
@@ -83,6 +88,11 @@ class Teachers:
                 )
             except (OSError, ValueError, KeyError) as e:
                 raise ModelSetupError(f"{key}: {str(e).strip().splitlines()[0]}") from None
+            if cp is not None:
+                try:
+                    cp.check_heads(args.num_heads, args.num_kv_heads)
+                except ValueError as e:
+                    raise ConfigError(f"{key}: {e}") from None
             self.models.append(
                 build_transformer(
                     args, path, seed, mesh, device, spec, is_main=is_main, trainable=False
@@ -154,15 +164,23 @@ class Teachers:
             n, 1
         )
         chunk_ids = torch.where(cols < lengths, cols, -1)  # [N, width]: one token per chunk
+        cp = self.cp
+        if cp is not None:  # the policy's packing: each cp rank holds budget tokens of a row
+            budget *= cp.size
+
+        def packed(items: list[RolloutSample], rows: list[int]) -> list[Any]:
+            mbs = pack_micro_batches(
+                items, rows, budget, device, multiple=cp.granularity if cp is not None else 1
+            )
+            return sync_micro_batch_count(mbs, device, group=self.group)
+
         for k, model in enumerate(self.models):
             rows = [i for i, r in enumerate(route) if r == k]
             cross = self.cross[k]
             if cross is None:  # the student's ids, as generated
-                mbs = sync_micro_batch_count(
-                    pack_micro_batches(samples, rows, budget, device), device, group=self.group
-                )
+                mbs = packed(samples, rows)
                 # zero outside ``rows``
-                chunk_logp += recompute_logprobs(model, samples, mbs, width, device)
+                chunk_logp += recompute_logprobs(model, samples, mbs, width, device, cp=cp)
                 continue
             views = {
                 i: cross.view(self.conversation(samples[i].row), samples[i].completion_ids)
@@ -170,10 +188,10 @@ class Teachers:
             }
             t_samples = [_teacher_sample(samples[i], views.get(i)) for i in range(n)]
             t_width = max([len(s.completion_ids) for s in t_samples] + [1])
-            mbs = sync_micro_batch_count(
-                pack_micro_batches(t_samples, rows, budget, device), device, group=self.group
-            )
-            t_logp = recompute_logprobs(model, t_samples, mbs, t_width, device)  # [N, t_width]
+            mbs = packed(t_samples, rows)
+            t_logp = recompute_logprobs(
+                model, t_samples, mbs, t_width, device, cp=cp
+            )  # [N, t_width]
             t_chunks = torch.full((n, t_width), -1, dtype=torch.long)
             for i, v in views.items():
                 a = v.alignment
