@@ -298,7 +298,10 @@ def _config(*overrides):
 @pytest.mark.parametrize(
     "override, line",
     [
-        ("parallel.tp=2", "rollout.mode: rollout.mode = 'split' does not run with parallel.tp > 1"),
+        (
+            "env.kind=http",
+            "rollout.mode: rollout.mode = 'split' does not run with env.kind = \"http\"",
+        ),
         (
             "rl.offload_optimizer=true",
             "rollout.mode: rollout.mode = 'split' does not run with rl.offload_optimizer",
