@@ -133,9 +133,6 @@ def test_a_staleness_bound_needs_an_asynchronous_mode():
 @pytest.mark.parametrize(
     "override, label",
     [
-        ("lora.rank=4", "LoRA (lora.rank > 0)"),
-        ("rollout.kv_dtype=fp8_e4m3", "an FP8 KV cache (rollout.kv_dtype)"),
-        ("parallel.cp=2", "parallel.cp > 1"),
         ("env.kind=http", 'env.kind = "http"'),
         ("model.path=assets/quickstart-vlm-policy", "a vision-language model"),
     ],
