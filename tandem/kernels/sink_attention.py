@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels import batch_invariant
-from tandem.kernels.paged_attention import gather_kv
+from tandem.kernels.paged_attention_torch import gather_kv
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

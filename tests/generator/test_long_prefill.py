@@ -5,7 +5,7 @@ the same greedy tokens and log-probs as one wide prefill and as the training for
 
 import torch
 
-from tandem.kernels import paged_attention as pa
+from tandem.kernels import paged_attention_torch as pa
 from tandem.models.flavors import get_flavor
 from tandem.models.transformer import Transformer
 from tandem.rl.generator.engine import GenerationSettings, Generator

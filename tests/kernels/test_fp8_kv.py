@@ -27,7 +27,8 @@ import pytest  # noqa: E402
 
 from tandem.kernels import batch_invariant  # noqa: E402
 from tandem.kernels import kv_quant as kvq  # noqa: E402
-from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels import paged_attention as pa
+from tandem.kernels import paged_attention_torch as pt  # noqa: E402
 from tests.kernels.interpreted import interpreter_guard  # noqa: E402
 
 _needs_usable_triton, test_all_in_clean_subprocess = interpreter_guard(__file__)
@@ -101,7 +102,7 @@ def test_fake_quant_is_what_the_pool_gives_back(dtype, model_dtype):
         kc = torch.zeros(2, 4, 2, 32, dtype=dtype)
         sc = torch.zeros(2, 4, 2) if scale is None else scale
         pa.store_kv(x, x, kc, kc.clone(), slots, impl="torch", k_scale=sc, v_scale=sc.clone())
-        back = pa.dequantize_pages(kc, sc, torch.arange(2)).view(8, 2, 32)[slots]
+        back = pt.dequantize_pages(kc, sc, torch.arange(2)).view(8, 2, 32)[slots]
         assert torch.equal(back.to(model_dtype).float(), back)  # exact in the model's dtype
         assert torch.equal(kvq.fake_quant(x, dtype, scale), back.to(model_dtype))
 
@@ -196,7 +197,7 @@ def _fp8_batch(
         v_scale=vs,
     )
     every = torch.arange(nb, device=DEVICE)
-    kd, vd = pa.dequantize_pages(kc, ks, every), pa.dequantize_pages(vc, vs, every)
+    kd, vd = pt.dequantize_pages(kc, ks, every), pt.dequantize_pages(vc, vs, every)
     # the original K/V in a cache of q's dtype (bf16 attention's input)
     ko, vo = (
         torch.zeros(nb, bs, hkv, d, dtype=q_dtype, device=DEVICE),
@@ -282,12 +283,12 @@ def test_torch_path_equals_attention_on_dequantized_kv(dtype, per_token, q_dtype
     b = _fp8_batch(dtype, per_token, q_dtype)
     assert torch.equal(_attend(b, "torch", "fp8"), _attend(b, "torch", "dequantized"))
     assert torch.equal(_decode(b, "torch", "fp8"), _decode(b, "torch", "dequantized"))
-    ref = pa.paged_attention_ref(
+    ref = pt.paged_attention_ref(
         b["q"], b["kc"], b["vc"], b["tables"], b["cu"], b["ctx"], 32**-0.5, b["ks"], b["vs"]
     )
     assert torch.equal(
         ref,
-        pa.paged_attention_ref(b["q"], b["kd"], b["vd"], b["tables"], b["cu"], b["ctx"], 32**-0.5),
+        pt.paged_attention_ref(b["q"], b["kd"], b["vd"], b["tables"], b["cu"], b["ctx"], 32**-0.5),
     )
 
 
@@ -305,7 +306,7 @@ def test_triton_equals_attention_on_dequantized_kv(dtype, per_token, q_dtype):
             _decode(b, "triton", "fp8", splits), _decode(b, "triton", "dequantized", splits)
         )
     # and the Triton kernel is the reference's math (to its own rounding) on these pages
-    ref = pa.paged_attention_ref(
+    ref = pt.paged_attention_ref(
         b["q"], b["kc"], b["vc"], b["tables"], b["cu"], b["ctx"], 32**-0.5, b["ks"], b["vs"]
     )
     rows = _query_rows(b)

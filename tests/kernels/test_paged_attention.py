@@ -28,7 +28,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels import paged_attention as pa
+from tandem.kernels import paged_attention_torch as pt  # noqa: E402
 from tandem.kernels.dispatch import (  # noqa: E402
     chosen_kernels,
     triton_available,
@@ -214,11 +215,11 @@ def test_loop_reference_and_batched_fallback_match_naive(
     args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.cu_seqlens_q, b.context_lens, b.scale)
     naive = naive_attention(b)
     torch.testing.assert_close(
-        pa.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5
+        pt.paged_attention_ref(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5
     )
-    monkeypatch.setattr(pa, "_BATCHED_SCORE_LIMIT", 0)
+    monkeypatch.setattr(pt, "_BATCHED_SCORE_LIMIT", 0)
     torch.testing.assert_close(
-        pa.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5
+        pt.paged_attention_torch(*args).double().cpu(), naive, atol=1e-5, rtol=1e-5
     )
 
 
@@ -261,10 +262,10 @@ def test_store_kv_slots_matches_reference(slots: list[int]) -> None:
     mapping = torch.tensor(slots, dtype=torch.int32)
     want = [torch.randn(3, 4, 2, 8, generator=g) for _ in range(2)]
     got = [c.clone() for c in want]
-    pa.store_kv_ref(k, v, *want, mapping)
-    resolved = pa.valid_slots(mapping)
+    pt.store_kv_ref(k, v, *want, mapping)
+    resolved = pt.valid_slots(mapping)
     assert (resolved[1] is None) == (min(slots) >= 0)
-    pa.store_kv_slots(k, v, *got, *resolved)
+    pt.store_kv_slots(k, v, *got, *resolved)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -22,14 +22,8 @@ from tandem import device as seam
 from tandem.kernels import batch_invariant
 from tandem.kernels import kv_quant as kvq
 from tandem.kernels.dispatch import use_triton
-from tandem.kernels.paged_attention import (
-    TorchPlan,
-    paged_attention,
-    plan_torch,
-    store_kv,
-    store_kv_slots,
-    valid_slots,
-)
+from tandem.kernels.paged_attention import paged_attention, store_kv
+from tandem.kernels.paged_attention_torch import TorchPlan, plan_torch, store_kv_slots, valid_slots
 from tandem.kernels.sink_attention import paged_sink_attention, paged_sink_attention_exact
 from tandem.models.args import ModelArgs
 from tandem.models.linear_attention import Segments
